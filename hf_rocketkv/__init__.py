@@ -1,0 +1,32 @@
+"""hf_rocketkv: RocketKV KV-cache compression as a drop-in for Hugging Face transformers.
+
+    import hf_rocketkv                                    # registers attn_implementation="rocketkv"
+    from hf_rocketkv import RocketKVCache, RocketKVConfig
+
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="rocketkv")
+    out = model.generate(ids, past_key_values=RocketKVCache(RocketKVConfig(prompt_budget=256, topk=16)))
+
+Data flow: generate -> integration/attention.py (the registered attention function) -> cache/layer.py (paged
+store) -> selection/ (stage 1 and stage 2, PyTorch reference) -> kernels/ (dispatch to Triton twins).
+"""
+
+from .cache.cache import RocketKVCache
+from .cache.layer import RocketKVLayer
+from .config import RocketKVConfig
+from .integration.generate import get_config, set_config
+from .integration.handoff import ATTN_NAME
+from .integration.registration import enable, register
+
+__version__ = "0.1.0"
+__all__ = [
+    "ATTN_NAME",
+    "RocketKVCache",
+    "RocketKVConfig",
+    "RocketKVLayer",
+    "enable",
+    "get_config",
+    "register",
+    "set_config",
+]
+
+register()

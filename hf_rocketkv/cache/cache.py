@@ -1,0 +1,72 @@
+"""RocketKVCache: transformers ``Cache`` container of RocketKVLayer objects, created lazily per layer.
+
+    cache = RocketKVCache(RocketKVConfig(prompt_budget=256, topk=16))
+    model.generate(ids, past_key_values=cache, max_new_tokens=64)
+    cache.kept_tokens(0)      # LongTensor [batch, kv_heads] physically stored in layer 0
+    cache.get_seq_length()    # logical tokens seen (prompt + fed-back generated tokens)
+    cache.memory_bytes()      # K/V + KT + index tensors actually allocated
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from transformers.cache_utils import Cache
+
+from ..config import RocketKVConfig
+from ..integration import handoff
+from .layer import GenerationHints, RocketKVLayer
+
+
+class RocketKVCache(Cache):
+    """KV cache that evicts after prefill (stage 1) and serves sparse page attention during decode (stage 2).
+
+    Needs a model whose attention implementation is ``"rocketkv"`` (``hf_rocketkv.enable(model)`` or
+    ``from_pretrained(..., attn_implementation="rocketkv")``). One cache serves one request: pass a fresh one to
+    each ``generate`` call, or continue the same conversation with it.
+    """
+
+    def __init__(self, config: RocketKVConfig | None = None, **overrides):
+        config = config if config is not None else RocketKVConfig()
+        if not isinstance(config, RocketKVConfig):
+            raise TypeError(f"RocketKVCache(config=...) takes a RocketKVConfig, got {type(config).__name__}")
+        self.config = config.replace(**overrides) if overrides else config
+        self.hints = GenerationHints()
+        self.prompt_ids: torch.Tensor | None = None  # set by the generate integration, guards reuse
+        super().__init__(layer_class_to_replicate=functools.partial(RocketKVLayer, self.config, self.hints))
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        handoff.hand_to_attention(self, layer_idx)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    # ------------------------------------------------------------------------------------------ introspection
+    def kept_tokens(self, layer_idx: int) -> torch.LongTensor:
+        """Tokens physically stored per row and KV head in ``layer_idx``: LongTensor ``[batch, kv_heads]``."""
+        if layer_idx >= len(self.layers):
+            raise IndexError(f"layer {layer_idx} has no state yet ({len(self.layers)} layers initialised)")
+        return self.layers[layer_idx].kept_tokens()
+
+    def memory_bytes(self) -> int:
+        """Bytes of every tensor the cache holds: K/V, KT page summaries, positions and lengths."""
+        return sum(layer.memory_bytes() for layer in self.layers)
+
+    def kept_positions(self, layer_idx: int) -> torch.Tensor:
+        """Input column of every stored token, ``[batch, kv_heads, capacity]`` int32, -1 for empty slots."""
+        layer = self.layers[layer_idx]
+        if not layer.compressed:
+            raise ValueError(f"layer {layer_idx} is not compressed yet (stage 1 runs at the end of prefill)")
+        return layer.positions
+
+    @property
+    def is_compressed(self) -> bool:
+        return len(self.layers) > 0 and all(layer.compressed for layer in self.layers)
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError(
+            "RocketKVCache cannot be cropped: stage 1 evicts tokens for good, so assisted/speculative decoding "
+            "(which rolls the cache back) is not supported. Use plain greedy, sampling or beam search."
+        )
+
+    def __repr__(self) -> str:
+        return f"RocketKVCache(layers={len(self.layers)}, seen={self.get_seq_length()}, config={self.config})"

@@ -1,0 +1,262 @@
+"""RocketKVLayer: one decoder layer's KV store, in two states.
+
+dense       from the first prompt token until stage 1 runs. Slot s holds column s of the input (left padding
+            included), exactly like a DynamicLayer, so prefill attention (chunked or not) is plain causal
+            attention with transformers' own mask.
+compressed  after stage 1. Per row b and KV head h, slots [0, lengths[b]) hold the kept prompt tokens in
+            ascending original position, then every generated token. Padding is never stored. Buffers have a
+            fixed capacity (a multiple of page_size) with the KT page summaries beside them; decode writes one
+            slot per row in place.
+
+Tensors (B batch, Hkv KV heads, C capacity, P page_size, D head_dim):
+    keys, values  [B, Hkv, C, D]     model dtype
+    kt            [B, Hkv, C/P, 2, D] KT dtype (min, max of each page)
+    positions     [B, Hkv, C]         int32 input column of each stored token (-1 = empty slot)
+    lengths       [B]                 int64 tokens stored per row (every KV head holds the same count)
+
+The layer knows nothing of transformers' attention registry; the attention function drives it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from ..config import RocketKVConfig
+from ..kernels.dispatch import RocketOps, get_ops
+from ..selection.stage1_snapkv import snapkv_keep_slots
+
+
+@dataclass
+class GenerationHints:
+    """What generate() tells the cache before prefill (set by hf_rocketkv's generate integration)."""
+
+    max_length: int | None = None  # logical tokens the cache will have seen at most (prompt + new tokens)
+    defer_compression: bool = False  # chunked prefill: run stage 1 at the first decode step, not after each chunk
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class RocketKVLayer(CacheLayerMixin):
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, config: RocketKVConfig, hints: GenerationHints):
+        super().__init__()
+        self.config = config
+        self.hints = hints
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.kt: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
+        self.lengths: torch.Tensor | None = None
+        self.compressed = False
+        self.seen_tokens = 0
+        self.ops: RocketOps | None = None
+        # dense state only: the padding offset of each row and the latest window of queries
+        self.row_start: torch.Tensor | None = None
+        self.pending_queries: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Sizes come from the first K/V seen, so tensor-parallel shards and device maps need nothing special."""
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.ops = get_ops(self.config.backend, self.device)
+        self.keys = key_states.new_empty((key_states.shape[0], key_states.shape[1], 0, key_states.shape[3]))
+        self.values = value_states.new_empty((value_states.shape[0], value_states.shape[1], 0, value_states.shape[3]))
+        self.is_initialized = True
+
+    def reset(self) -> None:
+        self.__init__(self.config, self.hints)
+
+    @property
+    def batch_size(self) -> int:
+        if not self.is_initialized:
+            raise AttributeError("batch_size")  # Cache.batch_size skips layers without it
+        return self.keys.shape[0]
+
+    # ------------------------------------------------------------------------------------------ sizes
+    def get_seq_length(self) -> int:
+        """Logical tokens seen (positions of new tokens continue from here), not tokens stored."""
+        return self.seen_tokens
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Dense: the mask covers the stored columns plus the new ones, exactly like a DynamicLayer.
+        # Compressed: the attention function builds validity from `lengths` and ignores this mask.
+        return self.seen_tokens + query_length, 0
+
+    def kept_tokens(self) -> torch.Tensor:
+        """Tokens physically stored, ``[B, Hkv]`` (padding excluded once compressed)."""
+        if not self.is_initialized:
+            return torch.zeros(0, 0, dtype=torch.long)
+        if not self.compressed:
+            stored = self.keys.shape[2] - self.row_start if self.row_start is not None else self.keys.shape[2]
+            stored = torch.as_tensor(stored, device=self.device).expand(self.keys.shape[0])
+            return stored[:, None].expand(-1, self.keys.shape[1]).clone()
+        return self.lengths[:, None].expand(-1, self.keys.shape[1]).clone()
+
+    def memory_bytes(self) -> int:
+        tensors = (self.keys, self.values, self.kt, self.positions, self.lengths, self.pending_queries, self.row_start)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2] if self.keys is not None else 0
+
+    # ------------------------------------------------------------------------------------------ update
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Store the new tokens; returns the K/V a dense attention would use (the dense buffers while dense)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        query_length = key_states.shape[2]
+        if not self.compressed and self.pending_queries is not None and query_length == 1 and self.seen_tokens > 0:
+            self.compress()  # deferred stage 1 (chunked prefill): the prompt is complete at the first decode step
+        self.seen_tokens += query_length
+        if not self.compressed:
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
+            return self.keys, self.values
+        if query_length == 1:
+            self._append_one(key_states, value_states)
+        else:
+            self._append_many(key_states, value_states)
+        return self.keys, self.values
+
+    def _append_one(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Decode: write slot lengths[b] of every row in place and fold the key into its KT page."""
+        self._ensure_capacity(1)
+        rows = torch.arange(self.keys.shape[0], device=self.device)
+        slot = self.lengths
+        self.keys[rows, :, slot] = key_states[:, :, 0]
+        self.values[rows, :, slot] = value_states[:, :, 0]
+        self.positions[rows, :, slot] = self.seen_tokens - 1
+        self.ops.update_kt(self.kt, key_states[:, :, 0], slot, self.config.page_size)
+        self.lengths += 1
+
+    def _append_many(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """A multi-token forward on a compressed layer (a later turn): append after each row's tokens."""
+        n = key_states.shape[2]
+        self._ensure_capacity(n)
+        offsets = torch.arange(n, device=self.device)
+        slots = (self.lengths[:, None] + offsets[None, :])[:, None, :, None]  # [B, 1, n, 1]
+        self.keys.scatter_(2, slots.expand_as(key_states), key_states)
+        self.values.scatter_(2, slots.expand_as(value_states), value_states)
+        columns = (self.seen_tokens - n + offsets).to(torch.int32).expand(*self.positions.shape[:2], n)
+        self.positions.scatter_(2, slots[..., 0].expand_as(columns), columns)
+        self.lengths += n
+        self.kt = self.ops.build_kt(self.keys, self.lengths, self.config.page_size, self.config.kt_torch_dtype)
+
+    def _ensure_capacity(self, extra: int) -> None:
+        """Grow the compressed store (eager mode) so that every row can take ``extra`` more tokens."""
+        needed = int(self.lengths.max()) + extra
+        if needed <= self.capacity:
+            return
+        new_capacity = _round_up(needed + self._headroom(), self.config.page_size)
+        grow = new_capacity - self.capacity
+        batch, heads, _, dim = self.keys.shape
+        self.keys = torch.cat([self.keys, self.keys.new_zeros(batch, heads, grow, dim)], dim=2)
+        self.values = torch.cat([self.values, self.values.new_zeros(batch, heads, grow, dim)], dim=2)
+        self.positions = torch.cat([self.positions, self.positions.new_full((batch, heads, grow), -1)], dim=2)
+        pages = grow // self.config.page_size
+        self.kt = torch.cat([self.kt, self.kt.new_zeros(batch, heads, pages, 2, dim)], dim=2)
+
+    def _headroom(self) -> int:
+        """Slots for tokens still to come: from generate()'s max_length when known, else the config's headroom."""
+        if self.hints.max_length is not None and self.hints.max_length > self.seen_tokens:
+            return self.hints.max_length - self.seen_tokens
+        return self.config.capacity_headroom
+
+    # ------------------------------------------------------------------------------------------ stage 1
+    def observe_prefill(self, query_states: torch.Tensor, row_start: torch.Tensor | None, scaling: float) -> None:
+        """Remember the last window_size queries (and, on the first forward, each row's padding offset)."""
+        self.scaling = scaling
+        window = self.config.window_size
+        if self.pending_queries is not None and query_states.shape[2] < window:
+            query_states = torch.cat([self.pending_queries, query_states], dim=2)
+        self.pending_queries = query_states[:, :, -window:].detach()
+        if self.row_start is None:
+            batch = query_states.shape[0]
+            self.row_start = row_start if row_start is not None else torch.zeros(batch, dtype=torch.long, device=self.device)
+
+    def compress(self) -> None:
+        """Stage 1: keep each row's best ``prompt_budget`` tokens per KV head, release the rest, build the KT."""
+        q_window = self.pending_queries
+        if self.compressed:
+            start = torch.zeros_like(self.lengths)
+            end = self.lengths
+            columns = self.positions
+        else:
+            start = self.row_start
+            end = torch.full_like(self.row_start, self.keys.shape[2])
+            columns = None
+        kept = snapkv_keep_slots(
+            q_window,
+            self.keys,
+            start,
+            end,
+            window_size=q_window.shape[2],
+            prompt_budget=self.config.prompt_budget,
+            kernel_size=self.config.kernel_size,
+            scaling=self.scaling,
+            scores_fn=self.ops.window_scores,
+        )
+        self._compact(kept, columns)
+        self.pending_queries = None
+        self.row_start = None
+
+    def _compact(self, kept: list[torch.Tensor], columns: torch.Tensor | None) -> None:
+        """Gather the kept slots of every row into fresh buffers; the old ones are released."""
+        batch, heads, _, dim = self.keys.shape
+        counts = [k.shape[1] for k in kept]
+        capacity = _round_up(max(max(counts), 1) + self._headroom(), self.config.page_size)
+        keys = self.keys.new_zeros(batch, heads, capacity, dim)
+        values = self.values.new_zeros(batch, heads, capacity, dim)
+        positions = torch.full((batch, heads, capacity), -1, dtype=torch.int32, device=self.device)
+        for b, slots in enumerate(kept):
+            n = slots.shape[1]
+            idx = slots[:, :, None].expand(heads, n, dim)
+            keys[b, :, :n] = self.keys[b].gather(1, idx)
+            values[b, :, :n] = self.values[b].gather(1, idx)
+            positions[b, :, :n] = (columns[b].gather(1, slots) if columns is not None else slots).to(torch.int32)
+        self.keys, self.values, self.positions = keys, values, positions
+        self.lengths = torch.tensor(counts, dtype=torch.long, device=self.device)
+        self.kt = self.ops.build_kt(self.keys, self.lengths, self.config.page_size, self.config.kt_torch_dtype)
+        self.compressed = True
+
+    # ------------------------------------------------------------------------------------------ generate hooks
+    def _index_batch(self, index: torch.Tensor) -> None:
+        for name in ("keys", "values", "kt", "positions", "lengths", "pending_queries", "row_start"):
+            tensor = getattr(self, name)
+            if tensor is not None:
+                setattr(self, name, tensor.index_select(0, index.to(tensor.device)))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            self._index_batch(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._index_batch(torch.arange(self.keys.shape[0], device=self.device).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._index_batch(indices)
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError(
+            "RocketKVCache cannot be cropped: stage 1 evicts tokens for good, so assisted/speculative decoding "
+            "(which rolls the cache back) is not supported. Use plain greedy, sampling or beam search."
+        )
+
+    def offload(self):
+        raise NotImplementedError("RocketKVCache does not support offloading=True")
+
+    prefetch = offload

@@ -1,0 +1,185 @@
+"""RocketKVConfig: every knob of the algorithm, validated, with TensorRT-LLM's names and defaults.
+
+The YAML shape is the one TensorRT-LLM users already write for ``trtllm-serve``/``trtllm-bench``::
+
+    sparse_attention_config:
+      algorithm: rocket
+      window_size: 32
+      kernel_size: 63
+      prompt_budget: 2048
+      topk: 64
+      topr: 128
+      page_size: 4
+      kt_cache_dtype: float8_e5m2
+      # hf_rocketkv's own keys
+      backend: auto
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+KT_CACHE_DTYPES: dict[str, torch.dtype] = {
+    "float8_e5m2": torch.float8_e5m2,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+BACKENDS = ("auto", "torch", "triton")
+YAML_SECTION = "sparse_attention_config"
+YAML_ALGORITHM = "rocket"
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n >= 1 and (n & (n - 1)) == 0
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass
+class RocketKVConfig:
+    """RocketKV settings (TensorRT-LLM ``RocketSparseAttentionConfig`` fields and defaults, plus our own).
+
+    Stage 1 (after prefill, permanent eviction, per layer and KV head):
+        window_size:   the last ``window_size`` prompt queries score the prefix; the last ``window_size``
+                       prompt tokens are always kept.
+        kernel_size:   odd width of the max-pooling over the group-summed window scores (stride 1).
+        prompt_budget: prompt tokens kept per KV head. Prompts of at most ``prompt_budget`` tokens are kept whole.
+
+    Stage 2 (every decode step, per layer and KV head):
+        topk:          KT pages attended per KV head (all pages when there are fewer). The page that holds the
+                       newest token is always one of them.
+        topr:          query channels used to score pages (top by |q| summed over the GQA group);
+                       ``topr >= head_dim`` means all channels.
+        page_size:     tokens per KT page (power of two).
+        kt_cache_dtype: dtype of the per-page min/max key summaries ("float8_e5m2", "bfloat16", "float16",
+                       "float32"). As in TensorRT-LLM, the query is cast to this dtype for scoring.
+
+    hf_rocketkv's own:
+        backend:       "auto" (Triton on CUDA, PyTorch elsewhere), "torch" (reference path, any device) or
+                       "triton" (CUDA, or CPU under TRITON_INTERPRET=1).
+        capacity_headroom: tokens preallocated per layer for decode beyond the kept prompt when generate() does
+                       not say how many new tokens to expect; the store grows by this much whenever it fills up
+                       (eager mode). Multiple of ``page_size`` after rounding up.
+    """
+
+    window_size: int = 32
+    kernel_size: int = 63
+    prompt_budget: int = 2048
+    topk: int = 64
+    topr: int = 128
+    page_size: int = 4
+    kt_cache_dtype: str = "float8_e5m2"
+    backend: str = "auto"
+    capacity_headroom: int = field(default=256)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the field, the value and what is allowed."""
+        for name in ("window_size", "kernel_size", "prompt_budget", "topk", "topr", "page_size", "capacity_headroom"):
+            value = getattr(self, name)
+            if not _is_int(value):
+                raise ValueError(f"RocketKVConfig.{name} must be an integer, got {value!r} ({type(value).__name__})")
+        if self.window_size < 1:
+            raise ValueError(f"RocketKVConfig.window_size must be >= 1, got {self.window_size}")
+        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise ValueError(
+                f"RocketKVConfig.kernel_size must be an odd integer >= 1 (max-pooling keeps the length), "
+                f"got {self.kernel_size}"
+            )
+        if self.prompt_budget < self.window_size:
+            raise ValueError(
+                f"RocketKVConfig.prompt_budget must be >= window_size ({self.window_size}): the observation window "
+                f"is always kept; got prompt_budget={self.prompt_budget}"
+            )
+        if self.topk < 1:
+            raise ValueError(f"RocketKVConfig.topk (pages per KV head) must be >= 1, got {self.topk}")
+        if self.topr < 1:
+            raise ValueError(f"RocketKVConfig.topr (query channels) must be >= 1, got {self.topr}")
+        if not _is_power_of_two(self.page_size):
+            raise ValueError(f"RocketKVConfig.page_size must be a power of 2 (1, 2, 4, 8, ...), got {self.page_size}")
+        if self.kt_cache_dtype not in KT_CACHE_DTYPES:
+            raise ValueError(
+                f"RocketKVConfig.kt_cache_dtype must be one of {sorted(KT_CACHE_DTYPES)}, got {self.kt_cache_dtype!r}"
+            )
+        if self.backend not in BACKENDS:
+            raise ValueError(f"RocketKVConfig.backend must be one of {list(BACKENDS)}, got {self.backend!r}")
+        if self.capacity_headroom < 1:
+            raise ValueError(f"RocketKVConfig.capacity_headroom must be >= 1, got {self.capacity_headroom}")
+
+    # ------------------------------------------------------------------------------------------------ derived
+    @property
+    def kt_torch_dtype(self) -> torch.dtype:
+        return KT_CACHE_DTYPES[self.kt_cache_dtype]
+
+    def replace(self, **changes: Any) -> "RocketKVConfig":
+        """A validated copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------------------------------------ dict / YAML
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RocketKVConfig":
+        """Build from a flat dict of fields, or from ``{"sparse_attention_config": {...}}``; unknown keys raise."""
+        if not isinstance(data, dict):
+            raise ValueError(f"RocketKV config must be a mapping, got {type(data).__name__}")
+        if YAML_SECTION in data:
+            extra = sorted(set(data) - {YAML_SECTION})
+            if extra:
+                raise ValueError(f"unknown top-level key(s) {extra} beside '{YAML_SECTION}'")
+            data = data[YAML_SECTION]
+            if not isinstance(data, dict):
+                raise ValueError(f"'{YAML_SECTION}' must be a mapping, got {type(data).__name__}")
+        data = dict(data)
+        algorithm = data.pop("algorithm", YAML_ALGORITHM)
+        if algorithm != YAML_ALGORITHM:
+            raise ValueError(f"{YAML_SECTION}.algorithm must be '{YAML_ALGORITHM}', got {algorithm!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown key(s) {unknown} in {YAML_SECTION}; allowed: {sorted(known)}")
+        return cls(**data)
+
+    def to_yaml_dict(self) -> dict[str, Any]:
+        return {YAML_SECTION: {"algorithm": YAML_ALGORITHM, **self.to_dict()}}
+
+    @classmethod
+    def from_yaml(cls, path_or_text: str | Path) -> "RocketKVConfig":
+        """Read a YAML file (or YAML text) in TensorRT-LLM's ``sparse_attention_config`` shape."""
+        import yaml
+
+        text = Path(path_or_text).read_text() if _looks_like_path(path_or_text) else str(path_or_text)
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise ValueError(f"invalid YAML in RocketKV config: {err}") from err
+        return cls.from_dict(data or {})
+
+    def to_yaml(self, path: str | Path | None = None) -> str:
+        import yaml
+
+        text = yaml.safe_dump(self.to_yaml_dict(), sort_keys=False)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+
+def _looks_like_path(value: str | Path) -> bool:
+    """A Path, or a one-line string naming an existing file or ending in .yaml/.yml (then a missing file raises)."""
+    if isinstance(value, Path):
+        return True
+    if "\n" in value:
+        return False
+    return Path(value).is_file() or Path(value).suffix in {".yaml", ".yml"}

@@ -1,0 +1,31 @@
+"""Registration with transformers, done once at ``import hf_rocketkv``, and the one public switch ``enable``."""
+
+from __future__ import annotations
+
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from ..config import RocketKVConfig
+from . import generate
+from .attention import rocketkv_attention
+from .handoff import ATTN_NAME
+
+
+def register() -> None:
+    """Register the ``rocketkv`` attention and mask functions and the generate() glue (idempotent)."""
+    AttentionInterface.register(ATTN_NAME, rocketkv_attention)
+    # Without a mask entry transformers hands the attention function no mask at all (padding would be lost).
+    # Prefill needs exactly sdpa's mask; compressed layers build validity from their own lengths.
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    generate.install()
+
+
+def enable(model, config: RocketKVConfig | None = None):
+    """Switch ``model`` to RocketKV attention and (optionally) set the config used when generate() gets no cache.
+
+    Returns the model, so ``model = hf_rocketkv.enable(AutoModelForCausalLM.from_pretrained(...))`` reads well.
+    """
+    model.set_attn_implementation(ATTN_NAME)
+    if config is not None:
+        generate.set_config(model, config)
+    return model

@@ -1,0 +1,91 @@
+"""Stage 1 of RocketKV: SnapKV-style permanent eviction after prefill (reference PyTorch path).
+
+Pure functions over tensors: they know nothing of caches or transformers.
+
+Shapes (B batch, Hq query heads, Hkv KV heads, G = Hq // Hkv, N stored slots, D head_dim, w window):
+    q_window: [B, Hq, w, D]   post-RoPE queries of the last w prompt tokens
+    keys:     [B, Hkv, N, D]  post-RoPE keys in slot order
+    start, end: [B]           row b's valid slots are [start[b], end[b]) (left padding sits before start[b];
+                              the w window queries are the tokens in slots end[b]-w .. end[b]-1)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def window_scores(
+    q_window: torch.Tensor, keys: torch.Tensor, start: torch.Tensor, end: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """Softmax attention of the window queries over every valid key, summed over the window and the GQA group.
+
+    Returns fp32 ``[B, Hkv, N]``; slots outside ``[start, end)`` and keys after a query (causality inside the
+    window) get probability 0. The softmax runs in fp32 (as SnapKV and TensorRT-LLM do).
+    """
+    batch, num_q_heads, w, head_dim = q_window.shape
+    num_kv_heads, num_slots = keys.shape[1], keys.shape[2]
+    group = num_q_heads // num_kv_heads
+    q = q_window.reshape(batch, num_kv_heads, group, w, head_dim).float()
+    logits = torch.einsum("bhgwd,bhnd->bhgwn", q, keys.float()) * scaling
+    slot = torch.arange(num_slots, device=keys.device)
+    query_slot = end[:, None] - w + torch.arange(w, device=keys.device)[None, :]  # [B, w]
+    visible = (slot[None, None, :] <= query_slot[:, :, None]) & (slot[None, None, :] >= start[:, None, None])
+    logits = logits.masked_fill(~visible[:, None, None, :, :], float("-inf"))
+    probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # a row with no valid key (all padding) -> zeros
+    return probs.sum(dim=(2, 3))
+
+
+def pooled_prefix_scores(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:
+    """Max-pool ``[H, n]`` scores with stride 1 and same length (the implicit padding acts as -inf)."""
+    if scores.shape[-1] == 0:
+        return scores
+    return F.max_pool1d(scores[:, None, :], kernel_size=kernel_size, stride=1, padding=kernel_size // 2)[:, 0, :]
+
+
+def keep_slots_for_row(
+    scores_row: torch.Tensor, start: int, end: int, window_size: int, prompt_budget: int, kernel_size: int
+) -> torch.Tensor:
+    """Slots kept for one batch row, ``[Hkv, n_keep]`` ascending, ``n_keep = min(end - start, prompt_budget)``.
+
+    Rows of at most ``prompt_budget`` valid tokens are kept whole. Otherwise the last ``window_size`` tokens
+    are kept, plus the ``prompt_budget - window_size`` prefix tokens with the highest max-pooled scores.
+    """
+    num_kv_heads = scores_row.shape[0]
+    n_valid = end - start
+    device = scores_row.device
+    if n_valid <= prompt_budget:
+        return torch.arange(start, end, device=device).expand(num_kv_heads, n_valid)
+    w = min(window_size, n_valid)
+    prefix = pooled_prefix_scores(scores_row[:, start : end - w], kernel_size)
+    chosen = prefix.topk(prompt_budget - w, dim=-1).indices.sort(dim=-1).values + start
+    window = torch.arange(end - w, end, device=device).expand(num_kv_heads, w)
+    return torch.cat([chosen, window], dim=-1)
+
+
+def snapkv_keep_slots(
+    q_window: torch.Tensor,
+    keys: torch.Tensor,
+    start: torch.Tensor,
+    end: torch.Tensor,
+    *,
+    window_size: int,
+    prompt_budget: int,
+    kernel_size: int,
+    scaling: float,
+    scores_fn=None,
+) -> list[torch.Tensor]:
+    """Stage-1 selection for every row: a list of B LongTensors ``[Hkv, n_keep_b]`` of slots, ascending.
+
+    Only rows longer than the budget are scored, so short prompts cost nothing here. ``scores_fn`` replaces
+    ``window_scores`` (same signature), e.g. by the Triton kernel.
+    """
+    scores_fn = scores_fn if scores_fn is not None else window_scores
+    starts, ends = start.tolist(), end.tolist()
+    needs_scores = any(e - s > prompt_budget for s, e in zip(starts, ends))
+    scores = scores_fn(q_window, keys, start, end, scaling) if needs_scores else None
+    kept = []
+    for b, (s, e) in enumerate(zip(starts, ends)):
+        row_scores = scores[b] if scores is not None else keys.new_zeros(keys.shape[1], keys.shape[2])
+        kept.append(keep_slots_for_row(row_scores, s, e, window_size, prompt_budget, kernel_size))
+    return kept
