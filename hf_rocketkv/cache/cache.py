@@ -59,6 +59,13 @@ class RocketKVCache(Cache):
         return layer.positions
 
     @property
+    def is_compileable(self) -> bool:
+        """generate() compiles decode steps for compileable caches (on CUDA, or with compile_config's
+        ``_compile_all_devices``). Chunked prefill keeps every layer dense until the first decode step, and
+        generate() would compile those chunks too, so it runs eagerly."""
+        return not self.hints.defer_compression
+
+    @property
     def is_compressed(self) -> bool:
         return len(self.layers) > 0 and all(layer.compressed for layer in self.layers)
 

@@ -42,7 +42,9 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 class RocketKVLayer(CacheLayerMixin):
-    is_compileable = False
+    # Decode is static-shape (fixed capacity, state in tensors, no host sync), so generate() may compile it;
+    # prefill and stage 1 always run eagerly (generate compiles decode steps only).
+    is_compileable = True
     is_sliding = False
     is_croppable = False
 
@@ -56,7 +58,8 @@ class RocketKVLayer(CacheLayerMixin):
         self.positions: torch.Tensor | None = None
         self.lengths: torch.Tensor | None = None
         self.compressed = False
-        self.seen_tokens = 0
+        self.seen: torch.Tensor | None = None  # 0-d int64 on the device: logical tokens seen (compile-safe)
+        self.host_max_length = 0  # eager-only mirror of lengths.max(), so eager decode never syncs with the GPU
         self.ops: RocketOps | None = None
         # dense state only: the padding offset of each row and the latest window of queries
         self.row_start: torch.Tensor | None = None
@@ -69,6 +72,7 @@ class RocketKVLayer(CacheLayerMixin):
         self.ops = get_ops(self.config.backend, self.device)
         self.keys = key_states.new_empty((key_states.shape[0], key_states.shape[1], 0, key_states.shape[3]))
         self.values = value_states.new_empty((value_states.shape[0], value_states.shape[1], 0, value_states.shape[3]))
+        self.seen = torch.zeros((), dtype=torch.long, device=self.device)
         self.is_initialized = True
 
     def reset(self) -> None:
@@ -83,15 +87,20 @@ class RocketKVLayer(CacheLayerMixin):
     # ------------------------------------------------------------------------------------------ sizes
     def get_seq_length(self) -> int:
         """Logical tokens seen (positions of new tokens continue from here), not tokens stored."""
-        return self.seen_tokens
+        return int(self.seen) if self.is_initialized else 0
 
     def get_max_length(self) -> int:
         return -1
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # Dense: the mask covers the stored columns plus the new ones, exactly like a DynamicLayer.
-        # Compressed: the attention function builds validity from `lengths` and ignores this mask.
-        return self.seen_tokens + query_length, 0
+        if not self.compressed:
+            # dense: the mask covers the stored columns plus the new ones, exactly like a DynamicLayer
+            return (self.keys.shape[2] if self.is_initialized else 0) + query_length, 0
+        # Compressed: the attention function builds validity from `lengths` and ignores the mask, so its size only
+        # has to stay constant across decode steps (a changing mask shape would recompile a compiled decode step).
+        if self.hints.max_length is not None:
+            return self.hints.max_length + 1, 0
+        return self.get_seq_length() + query_length, 0
 
     def kept_tokens(self) -> torch.Tensor:
         """Tokens physically stored, ``[B, Hkv]`` (padding excluded once compressed)."""
@@ -117,12 +126,13 @@ class RocketKVLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         query_length = key_states.shape[2]
-        if not self.compressed and self.pending_queries is not None and query_length == 1 and self.seen_tokens > 0:
+        if not self.compressed and self.pending_queries is not None and query_length == 1:
             self.compress()  # deferred stage 1 (chunked prefill): the prompt is complete at the first decode step
-        self.seen_tokens += query_length
+        self.seen.add_(query_length)
         if not self.compressed:
-            self.keys = torch.cat([self.keys, key_states], dim=-2)
-            self.values = torch.cat([self.values, value_states], dim=-2)
+            first = self.keys.shape[2] == 0
+            self.keys = key_states if first else torch.cat([self.keys, key_states], dim=-2)
+            self.values = value_states if first else torch.cat([self.values, value_states], dim=-2)
             return self.keys, self.values
         if query_length == 1:
             self._append_one(key_states, value_states)
@@ -131,15 +141,21 @@ class RocketKVLayer(CacheLayerMixin):
         return self.keys, self.values
 
     def _append_one(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Decode: write slot lengths[b] of every row in place and fold the key into its KT page."""
-        self._ensure_capacity(1)
+        """Decode: write slot lengths[b] of every row in place and fold the key into its KT page.
+
+        No host sync and no shape change, so a compiled decode step replays as one CUDA graph. Capacity comes from
+        generate()'s max_length; in eager mode the store grows when a caller runs past it.
+        """
+        if not torch.compiler.is_compiling():
+            self._ensure_capacity(1)
+            self.host_max_length += 1
         rows = torch.arange(self.keys.shape[0], device=self.device)
         slot = self.lengths
         self.keys[rows, :, slot] = key_states[:, :, 0]
         self.values[rows, :, slot] = value_states[:, :, 0]
-        self.positions[rows, :, slot] = self.seen_tokens - 1
+        self.positions[rows, :, slot] = (self.seen - 1).to(torch.int32)
         self.ops.update_kt(self.kt, key_states[:, :, 0], slot, self.config.page_size)
-        self.lengths += 1
+        self.lengths.add_(1)
 
     def _append_many(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """A multi-token forward on a compressed layer (a later turn): append after each row's tokens."""
@@ -149,14 +165,15 @@ class RocketKVLayer(CacheLayerMixin):
         slots = (self.lengths[:, None] + offsets[None, :])[:, None, :, None]  # [B, 1, n, 1]
         self.keys.scatter_(2, slots.expand_as(key_states), key_states)
         self.values.scatter_(2, slots.expand_as(value_states), value_states)
-        columns = (self.seen_tokens - n + offsets).to(torch.int32).expand(*self.positions.shape[:2], n)
+        columns = (self.seen - n + offsets).to(torch.int32).expand(*self.positions.shape[:2], n)
         self.positions.scatter_(2, slots[..., 0].expand_as(columns), columns)
-        self.lengths += n
+        self.lengths.add_(n)
+        self.host_max_length = int(self.lengths.max())
         self.kt = self.ops.build_kt(self.keys, self.lengths, self.config.page_size, self.config.kt_torch_dtype)
 
     def _ensure_capacity(self, extra: int) -> None:
         """Grow the compressed store (eager mode) so that every row can take ``extra`` more tokens."""
-        needed = int(self.lengths.max()) + extra
+        needed = self.host_max_length + extra
         if needed <= self.capacity:
             return
         new_capacity = _round_up(needed + self._headroom(), self.config.page_size)
@@ -167,11 +184,13 @@ class RocketKVLayer(CacheLayerMixin):
         self.positions = torch.cat([self.positions, self.positions.new_full((batch, heads, grow), -1)], dim=2)
         pages = grow // self.config.page_size
         self.kt = torch.cat([self.kt, self.kt.new_zeros(batch, heads, pages, 2, dim)], dim=2)
+        self._mark_static()
 
     def _headroom(self) -> int:
         """Slots for tokens still to come: from generate()'s max_length when known, else the config's headroom."""
-        if self.hints.max_length is not None and self.hints.max_length > self.seen_tokens:
-            return self.hints.max_length - self.seen_tokens
+        seen = self.get_seq_length()
+        if self.hints.max_length is not None and self.hints.max_length > seen:
+            return self.hints.max_length - seen
         return self.config.capacity_headroom
 
     # ------------------------------------------------------------------------------------------ stage 1
@@ -228,19 +247,33 @@ class RocketKVLayer(CacheLayerMixin):
             positions[b, :, :n] = (columns[b].gather(1, slots) if columns is not None else slots).to(torch.int32)
         self.keys, self.values, self.positions = keys, values, positions
         self.lengths = torch.tensor(counts, dtype=torch.long, device=self.device)
+        self.host_max_length = max(counts)
         self.kt = self.ops.build_kt(self.keys, self.lengths, self.config.page_size, self.config.kt_torch_dtype)
         self.compressed = True
+        self._mark_static()
+
+    def _mark_static(self) -> None:
+        """Fixed addresses for CUDA graphs: decode mutates these tensors in place and never reallocates them."""
+        if torch.compiler.is_compiling():
+            return
+        for tensor in (self.keys, self.values, self.kt, self.positions, self.lengths, self.seen):
+            torch._dynamo.mark_static_address(tensor)
 
     # ------------------------------------------------------------------------------------------ generate hooks
-    def _index_batch(self, index: torch.Tensor) -> None:
+    def _index_batch(self, index: torch.Tensor, in_place: bool = False) -> None:
         for name in ("keys", "values", "kt", "positions", "lengths", "pending_queries", "row_start"):
             tensor = getattr(self, name)
-            if tensor is not None:
-                setattr(self, name, tensor.index_select(0, index.to(tensor.device)))
+            if tensor is None:
+                continue
+            selected = tensor.index_select(0, index.to(tensor.device))
+            if in_place and self.compressed:
+                tensor.copy_(selected)  # beam search reorders every step: keep the buffers' addresses
+            else:
+                setattr(self, name, selected)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
-            self._index_batch(beam_idx)
+            self._index_batch(beam_idx, in_place=True)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
