@@ -1,0 +1,326 @@
+"""Eval harness: task generators (deterministic by seed), scoring, JSONL loaders, methods, streaming baseline,
+prefix sharing (same answers as model.generate), YAML settings errors, reports and heat maps.
+
+Tiny random models on CPU; the only file read is the SmolLM2 GGUF tokenizer (session fixture).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hf_rocketkv import RocketKVCache
+from hf_rocketkv.eval import decode
+from hf_rocketkv.eval.methods import ALL_PAGES, KEEP_ALL, build_method, build_methods
+from hf_rocketkv.eval.report import heatmap, markdown, summarize, write_report
+from hf_rocketkv.eval.scoring import qa_f1, score, string_match_all, string_match_part, substring
+from hf_rocketkv.eval.settings import EvalSettings, run_config_from_dict
+from hf_rocketkv.eval.streaming import StreamingCache, sink_recent_slots
+from hf_rocketkv.eval.tasks import TASKS, get_task
+from hf_rocketkv.eval.tasks.base import encode_prompt, fill_paragraphs, insert_at_depths
+
+from .helpers import compressing_config, greedy, make_models, random_ids
+
+SYNTHETIC = ["passkey", "niah_multikey", "niah_multivalue", "variable_tracking", "common_words"]
+
+
+def small_settings(**overrides) -> EvalSettings:
+    kwargs = dict(lengths=[300], depths=[0.25, 0.75], samples=1, seed=0, fidelity_context=64, fidelity_positions=8)
+    kwargs.update(overrides)
+    return EvalSettings(**kwargs)
+
+
+# ------------------------------------------------------------------------------------------------ generators
+@pytest.mark.parametrize("name", SYNTHETIC + ["fidelity"])
+def test_generators_are_deterministic_by_seed(name, smollm2_tokenizer):
+    task = get_task(name)
+    a = task.build(smollm2_tokenizer, small_settings(seed=3))
+    b = task.build(smollm2_tokenizer, small_settings(seed=3))
+    c = task.build(smollm2_tokenizer, small_settings(seed=4))
+    assert a == b
+    assert a != c
+    expected = 1 if name == "fidelity" else (2 if task.uses_depth else 1)
+    assert len(a) == expected
+
+
+@pytest.mark.parametrize("name", SYNTHETIC)
+def test_prompts_hit_the_target_length_and_hold_the_answers(name, smollm2_tokenizer):
+    settings = small_settings(lengths=[600])
+    for sample in get_task(name).build(smollm2_tokenizer, settings):
+        ids = encode_prompt(smollm2_tokenizer, sample.prompt, True, sample.answer_prefix)
+        assert 0.85 * 600 <= len(ids) <= 1.05 * 600, len(ids)
+        if name != "common_words":  # cwe answers are words of the list, the others are quoted in the context
+            for answer in sample.answers:
+                assert answer in sample.prompt
+        assert sample.max_new_tokens >= 8
+
+
+def test_passkey_needle_sits_at_its_depth(smollm2_tokenizer):
+    shallow, deep = get_task("passkey").build(smollm2_tokenizer, small_settings(lengths=[800]))
+    for sample in (shallow, deep):
+        assert f"The pass key is {sample.answers[0]}. Remember it." in sample.prompt
+        assert sample.prompt.endswith("What is the pass key? Answer with the number only.")
+    position = lambda s: s.prompt.index("The pass key is") / len(s.prompt)  # noqa: E731
+    assert position(shallow) < 0.5 < position(deep)
+
+
+def test_multikey_has_distractors_and_asks_for_one_key(smollm2_tokenizer):
+    sample, _ = get_task("niah_multikey").build(smollm2_tokenizer, small_settings())
+    assert sample.prompt.count("One of the special magic numbers for") == 4
+    assert all(v in sample.prompt for v in sample.meta["distractors"])
+    assert sample.answers[0] not in sample.meta["distractors"]
+
+
+def test_variable_chain_and_common_word_counts(smollm2_tokenizer):
+    (vt,) = get_task("variable_tracking").build(smollm2_tokenizer, small_settings())
+    first, *rest = vt.answers
+    assert f"VAR {first} = " in vt.prompt
+    for previous, name in zip(vt.answers, rest):
+        assert f"VAR {name} = VAR {previous}." in vt.prompt
+    (cwe,) = get_task("common_words").build(smollm2_tokenizer, small_settings(lengths=[800]))
+    words = cwe.prompt.split("\n")[1].split()  # "1. word 2. word ..."
+    assert [words.count(w) for w in cwe.answers] == [cwe.meta["common_freq"]] * len(cwe.answers)
+    rare = [w for w in set(words[1::2]) if w not in cwe.answers]
+    assert rare and all(words.count(w) == cwe.meta["rare_freq"] for w in rare)
+
+
+def test_fill_and_insert_helpers(smollm2_tokenizer):
+    paragraphs = fill_paragraphs(smollm2_tokenizer, 400, seed=1)
+    assert paragraphs == fill_paragraphs(smollm2_tokenizer, 400, seed=1)
+    n = sum(len(smollm2_tokenizer(p, add_special_tokens=False).input_ids) + 1 for p in paragraphs)
+    assert 300 <= n <= 410
+    out = insert_at_depths(["a", "b", "c", "d"], [(0.0, "X"), (1.0, "Y"), (0.5, "Z")])
+    assert out == ["X", "a", "b", "Z", "c", "d", "Y"]
+
+
+def test_fidelity_sample_is_a_text_continuation(smollm2_tokenizer):
+    (sample,) = get_task("fidelity").build(smollm2_tokenizer, small_settings())
+    assert len(sample.context_ids) == 64 and len(sample.continuation_ids) == 8
+
+
+def test_unknown_task_names_are_rejected():
+    with pytest.raises(ValueError, match="unknown task 'needle'"):
+        get_task("needle")
+    with pytest.raises(ValueError, match="needs a file"):
+        get_task("longbench")
+    assert set(SYNTHETIC) | {"fidelity"} == set(TASKS)
+
+
+# ------------------------------------------------------------------------------------------------ scoring
+def test_scoring_functions():
+    assert substring("The pass key is 12345.", ["12345"]) == 1.0
+    assert substring("The pass key is 1234.", ["12345"]) == 0.0
+    assert substring("ANSWER: Paris", ["paris"]) == 1.0
+    assert string_match_part("x 7 y", ["7", "8"]) == 1.0
+    assert string_match_all("AAA and CCC", ["AAA", "BBB", "CCC", "DDD"]) == 0.5
+    assert string_match_all("anything", []) == 0.0
+    assert qa_f1("the big red fox", ["a red fox"]) == pytest.approx(0.8)
+    assert qa_f1("nothing", ["red fox"]) == 0.0
+    assert score("string_match_all", "a b", ["a", "c"]) == 0.5
+    with pytest.raises(ValueError, match="unknown metric"):
+        score("bleu", "a", ["a"])
+
+
+# ------------------------------------------------------------------------------------------------ loaders
+def test_longbench_loader(tmp_path, smollm2_tokenizer):
+    path = tmp_path / "qasper.jsonl"
+    rows = [
+        {
+            "context": "Alice lives in Paris. " * 400,
+            "input": "Where does Alice live?",
+            "answers": ["Paris"],
+            "_id": "a1",
+            "dataset": "qasper",
+        },
+        {"context": "Bob is 7.", "input": "How old is Bob?", "answers": "7", "_id": "b2"},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    task = get_task(f"longbench:{path}")
+    assert task.name == "longbench:qasper"
+    samples = task.build(smollm2_tokenizer, small_settings(lengths=[256], samples=0))
+    assert [s.answers for s in samples] == [["Paris"], ["7"]]
+    assert samples[0].metrics == ("substring", "qa_f1")
+    assert len(encode_prompt(smollm2_tokenizer, samples[0].prompt, True)) <= 270  # middle-truncated
+    assert samples[0].prompt.rstrip().endswith("Question: Where does Alice live?")
+    assert len(task.build(smollm2_tokenizer, small_settings(samples=1))) == 1
+    path.write_text(json.dumps({"context": "x", "answers": ["y"]}) + "\n")
+    with pytest.raises(ValueError, match=r"lacks field\(s\) \['input'\]"):
+        task.build(smollm2_tokenizer, small_settings())
+
+
+def test_ruler_loader(tmp_path, smollm2_tokenizer):
+    path = tmp_path / "qa_1.jsonl"
+    path.write_text(
+        json.dumps({"index": 5, "input": "ctx. Q?", "outputs": ["a", "b"], "length": 4096, "answer_prefix": " Answer:"})
+        + "\n"
+    )
+    (sample,) = get_task(f"ruler:{path}").build(smollm2_tokenizer, small_settings())
+    assert (sample.index, sample.answers, sample.metrics, sample.answer_prefix) == (
+        5,
+        ["a", "b"],
+        ("string_match_part",),
+        "Answer:",
+    )
+    path2 = tmp_path / "niah_multikey_1.jsonl"
+    path2.write_text(json.dumps({"input": "ctx", "outputs": ["123"]}) + "\n")
+    (sample2,) = get_task(f"ruler:{path2}").build(smollm2_tokenizer, small_settings())
+    assert sample2.metrics == ("string_match_all",)
+    (tmp_path / "bad.jsonl").write_text("{not json}\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1: not valid JSON"):
+        get_task(f"ruler:{tmp_path / 'bad.jsonl'}").build(smollm2_tokenizer, small_settings())
+
+
+# ------------------------------------------------------------------------------------------------ methods
+def test_method_budgets():
+    base = compressing_config(prompt_budget=64, topk=4, page_size=4, window_size=8)
+    methods = {
+        m.name: m
+        for m in build_methods(
+            list(("full", "rocketkv", "stage1", "stage2", "streaming", "stage1_read", "streaming_read")), base
+        )
+    }
+    assert methods["full"].config is None and methods["full"].attn_implementation == "sdpa"
+    assert methods["rocketkv"].config == base
+    assert (methods["rocketkv"].kept_budget, methods["rocketkv"].read_budget) == (64, 16)
+    assert methods["stage1"].config.topk == ALL_PAGES and methods["stage1"].config.prompt_budget == 64
+    assert methods["stage2"].config.prompt_budget == KEEP_ALL and methods["stage2"].config.topk == 4
+    assert methods["stage1_read"].config.prompt_budget == 16 and methods["streaming_read"].streaming
+    assert build_method("stage1_read", base.replace(topk=1)).config.prompt_budget == 8  # raised to window_size
+    assert isinstance(methods["streaming"].new_cache(), StreamingCache)
+    with pytest.raises(ValueError, match="unknown method 'h2o'"):
+        build_method("h2o", base)
+    with pytest.raises(ValueError, match="listed twice"):
+        build_methods(["full", "full"], base)
+
+
+def test_sink_recent_slots():
+    assert sink_recent_slots(2, 8, 10, 4, 1, "cpu").tolist() == [[2, 3, 4, 5, 6, 7]]
+    assert sink_recent_slots(2, 30, 10, 4, 2, "cpu").tolist() == [[2, 3, 4, 5, 24, 25, 26, 27, 28, 29]] * 2
+
+
+def test_streaming_cache_keeps_sinks_and_recent_tokens():
+    rocket, _ = make_models("llama")
+    config = compressing_config(prompt_budget=16, topk=ALL_PAGES)
+    cache = StreamingCache(config, sink_tokens=4)
+    ids = random_ids(1, 40)
+    greedy(rocket, ids, max_new_tokens=3, past_key_values=cache)
+    for layer in range(len(cache.layers)):
+        kept = cache.kept_positions(layer)[0, :, :16]
+        assert kept.tolist() == [[0, 1, 2, 3] + list(range(28, 40))] * kept.shape[0]
+        assert cache.kept_tokens(layer).tolist() == [[18] * kept.shape[0]]  # 16 kept + 2 generated fed back
+
+
+# ------------------------------------------------------------------------------------------------ prefix sharing
+@pytest.mark.parametrize("name", ["full", "rocketkv", "stage1", "stage2", "streaming"])
+def test_shared_prefix_decode_equals_generate(name):
+    """Prefilling all but a tail once and running the tail per method gives generate()'s tokens."""
+    rocket, sdpa = make_models("llama")
+    method = build_method(name, compressing_config(prompt_budget=24, topk=3))
+    ids = random_ids(1, 60, seed=7)
+    if method.config is None:
+        reference = greedy(sdpa, ids, max_new_tokens=6)[0, 60:].tolist()
+    else:
+        reference = greedy(rocket, ids, max_new_tokens=6, past_key_values=method.new_cache())[0, 60:].tolist()
+    prefix = decode.shared_prefix(rocket, ids, tail=16)
+    assert prefix.split == 44 and len(prefix.kv) == 2
+    prefilled = decode.prefill(rocket, method, prefix, max_new_tokens=6)
+    if method.config is not None:
+        assert prefilled.cache.is_compressed
+    tokens, _ = decode.greedy(rocket, prefilled, 60, 6, eos_ids=set())
+    assert tokens == reference
+
+
+def test_teacher_forcing_of_full_method_matches_a_plain_forward():
+    _, sdpa = make_models("llama")
+    ids = random_ids(1, 40, seed=3)
+    prefix = decode.shared_prefix(sdpa, ids[:, :32], tail=8)
+    prefilled = decode.prefill(sdpa, build_method("full", compressing_config()), prefix)
+    log_probs = torch.stack(list(decode.teacher_forced_log_probs(sdpa, prefilled, 32, ids[0, 32:].tolist())))
+    with torch.no_grad():
+        sdpa.set_attn_implementation("sdpa")
+        expected = torch.log_softmax(sdpa(ids).logits[0, 31:39].float(), dim=-1)
+    torch.testing.assert_close(log_probs, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_kept_tokens_and_bytes_helpers():
+    rocket, _ = make_models("llama")
+    cache = RocketKVCache(compressing_config())
+    greedy(rocket, random_ids(1, 50), max_new_tokens=2, past_key_values=cache)
+    assert decode.kept_tokens_per_layer(cache) == [25.0, 25.0]
+    assert decode.cache_bytes(cache) == cache.memory_bytes()
+
+
+# ------------------------------------------------------------------------------------------------ settings
+def test_yaml_settings_errors_name_the_key():
+    with pytest.raises(ValueError, match=r"unknown top-level key\(s\) \['evaluation'\]"):
+        run_config_from_dict({"evaluation": {}})
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['lenghts'\] in 'eval'"):
+        run_config_from_dict({"eval": {"lenghts": [1024]}})
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['top_k'\]"):
+        run_config_from_dict({"sparse_attention_config": {"algorithm": "rocket", "top_k": 3}})
+    with pytest.raises(ValueError, match="eval.depths must be"):
+        run_config_from_dict({"eval": {"depths": [1.5]}})
+    with pytest.raises(ValueError, match="eval.samples must be"):
+        run_config_from_dict({"eval": {"samples": "two"}})
+    run = run_config_from_dict(
+        {"sparse_attention_config": {"prompt_budget": 256, "topk": 16}, "eval": {"tasks": "passkey"}}
+    )
+    assert run.rocket.prompt_budget == 256 and run.eval.tasks == ["passkey"]
+    assert run.eval.replace(samples=None, seed=5).seed == 5
+
+
+# ------------------------------------------------------------------------------------------------ report
+def _fake_results():
+    methods = [
+        {"name": n, "kept_budget": k, "read_budget": r, "attn_implementation": "x", "config": None}
+        for n, k, r in (("full", None, None), ("rocketkv", 256, 64))
+    ]
+    records = []
+    for method, base in (("full", 1.0), ("rocketkv", 0.5)):
+        for length in (1024, 2048):
+            for depth in (0.1, 0.9):
+                records.append(
+                    {
+                        "task": "passkey",
+                        "method": method,
+                        "length": length,
+                        "depth": depth,
+                        "score": base if depth == 0.9 else 1.0,
+                        "kept_tokens_mean": 256.0,
+                        "method_prefill_s": 0.1,
+                        "decode_s_per_token": 0.01,
+                    }
+                )
+    fidelity = [
+        {
+            "method": "rocketkv",
+            "top1_agreement": 0.9,
+            "mean_kl": 0.1,
+            "next_token_accuracy": 0.4,
+            "positions": 10,
+            "kept_tokens_mean": 256.0,
+        }
+    ]
+    return {
+        "model": "m",
+        "config": {"prompt_budget": 256},
+        "methods": methods,
+        "records": records,
+        "fidelity": fidelity,
+    }
+
+
+def test_summary_markdown_and_heatmap(tmp_path):
+    results = _fake_results()
+    s = summarize(results)
+    assert s["tasks"]["passkey"]["rocketkv"] == {"score": 0.75, "n": 4}
+    assert s["grid"]["passkey"]["rocketkv"]["2048|0.9"] == 0.5
+    text = markdown(results)
+    assert "| rocketkv | 256 | 64 | 75.0 (n=4) |" in text
+    assert "| rocketkv | 256 | 64 | 90.0 | 0.1000 | 40.0 | 10 |" in text
+    png = heatmap(results, "passkey", tmp_path / "h.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    written = write_report(results, tmp_path)
+    assert {p.name for p in written} == {"results.md", "heatmap_passkey.png"}
