@@ -45,3 +45,194 @@ def sparse_decode_attention_torch(
     logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
     probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)
     return torch.einsum("bhgn,bhnd->bhgd", probs, v).to(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------- Triton twin
+# Flash-decoding over the selected pages. Grid (B*Hkv, S): program (row, KV head, split) walks its share of the
+# K*P selected token slots in blocks of BLOCK_N, gathering K/V rows by page id (each row is D contiguous values),
+# and keeps an online softmax for all G query heads of the group at once: logits = q[G, D] @ K^T[D, BLOCK_N] (G
+# padded to 16 for the tensor cores), so every selected K/V row is read ONCE per group. With S > 1 each split writes
+# its normalised partial output and log-sum-exp (fp32, [B*Hkv, S, G, D] and [B*Hkv, S, G]); a second kernel
+# (grid B*Hkv*G) combines the splits. With S == 1 the output is written directly. S is chosen from the shapes only
+# (enough programs to fill the GPU, at least one block each), so the op never syncs with the host.
+# ``sparse_decode_attention_triton`` is registered as torch.ops.hf_rocketkv.sparse_decode_attention by triton_ops.
+try:
+    import triton
+    import triton.language as tl
+    from torch.library import wrap_triton
+
+    from ._triton_common import cast_to, dtype_code, interpreting, next_pow2, num_sms
+except ImportError:  # triton is optional: the reference above works without it
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _sparse_decode_split_kernel(
+        q_ptr, k_ptr, v_ptr, idx_ptr, valid_ptr, len_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+        s_qb, s_qh, s_qg, s_qd,
+        s_kb, s_kh, s_kc, s_kd,
+        s_vb, s_vh, s_vc, s_vd,
+        s_ib, s_ih, s_ik,
+        s_mb, s_mh, s_mk,
+        s_ob, s_oh, s_og, s_od,
+        num_kv_heads, group, head_dim, num_sel, tokens_per_split, num_splits,
+        scale_log2,
+        P: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        QK_FP32: tl.constexpr, PV_PREC: tl.constexpr, OUT_DT: tl.constexpr, DIRECT: tl.constexpr,
+    ):
+        bh = tl.program_id(0)
+        split = tl.program_id(1)
+        b = (bh // num_kv_heads).to(tl.int64)
+        h = (bh % num_kv_heads).to(tl.int64)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        g_ok = g < group
+        d_ok = d < head_dim
+        length = tl.load(len_ptr + b)
+        q = tl.load(q_ptr + b * s_qb + h * s_qh + g[:, None] * s_qg + d[None, :] * s_qd,
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        if QK_FP32:
+            q = q.to(tl.float32)
+        k_base = k_ptr + b * s_kb + h * s_kh + d[None, :] * s_kd
+        v_base = v_ptr + b * s_vb + h * s_vh + d[None, :] * s_vd
+        idx_base = idx_ptr + b * s_ib + h * s_ih
+        valid_base = valid_ptr + b * s_mb + h * s_mh
+        total = num_sel * P
+        t_start = split * tokens_per_split
+        t_end = tl.minimum(t_start + tokens_per_split, total)
+
+        m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_G,), tl.float32)
+        acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+        for t0 in range(t_start, t_end, BLOCK_N):
+            t = t0 + tl.arange(0, BLOCK_N)
+            t_ok = t < t_end
+            sel = t // P
+            page = tl.load(idx_base + sel * s_ik, mask=t_ok, other=0)
+            page_ok = tl.load(valid_base + sel * s_mk, mask=t_ok, other=0) != 0
+            slot = page * P + (t % P)
+            ok = t_ok & page_ok & (slot < length) & (slot >= 0)
+            slot = tl.where(ok, slot, 0).to(tl.int64)
+            kv_mask = ok[:, None] & d_ok[None, :]
+            k = tl.load(k_base + slot[:, None] * s_kc, mask=kv_mask, other=0.0)
+            v = tl.load(v_base + slot[:, None] * s_vc, mask=kv_mask, other=0.0)
+            if QK_FP32:
+                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(ok[None, :], s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PV_PREC)
+            m_i = m_new
+        inv = tl.where(l_i > 0, 1.0 / tl.maximum(l_i, 1e-30), 0.0)
+        o = acc * inv[:, None]
+        if DIRECT:
+            tl.store(out_ptr + b * s_ob + h * s_oh + g[:, None] * s_og + d[None, :] * s_od, cast_to(o, OUT_DT),
+                     mask=g_ok[:, None] & d_ok[None, :])
+        else:
+            row = (bh * num_splits + split).to(tl.int64) * BLOCK_G + g
+            tl.store(part_o_ptr + row[:, None] * BLOCK_D + d[None, :], o)
+            lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+            tl.store(part_lse_ptr + row, lse)
+
+    @triton.jit
+    def _sparse_decode_reduce_kernel(
+        part_o_ptr, part_lse_ptr, out_ptr,
+        s_ob, s_oh, s_og, s_od,
+        num_kv_heads, group, head_dim, num_splits,
+        BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, OUT_DT: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        bh = pid // group
+        gi = pid % group
+        b = (bh // num_kv_heads).to(tl.int64)
+        h = (bh % num_kv_heads).to(tl.int64)
+        sp = tl.arange(0, BLOCK_S)
+        d = tl.arange(0, BLOCK_D)
+        s_ok = sp < num_splits
+        row = (bh * num_splits + sp).to(tl.int64) * BLOCK_G + gi
+        lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))
+        m = tl.max(lse, axis=0)
+        m_safe = tl.where(m > float("-inf"), m, 0.0)
+        w = tl.exp2(lse - m_safe)
+        w = w / tl.maximum(tl.sum(w, axis=0), 1e-30)
+        o = tl.load(part_o_ptr + row[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
+        o = tl.sum(o * w[:, None], axis=0)
+        tl.store(out_ptr + b * s_ob + h * s_oh + gi * s_og + d * s_od, cast_to(o, OUT_DT), mask=d < head_dim)
+
+    def sparse_decode_attention_launch(
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        page_idx: torch.Tensor,
+        page_valid: torch.Tensor,
+        lengths: torch.Tensor,
+        page_size: int,
+        scaling: float,
+        num_splits: int | None = None,
+    ) -> torch.Tensor:
+        """Launcher; ``num_splits`` (None = heuristic, 1 = one kernel, no reduce) exists for tests and benchmarks."""
+        batch, num_kv_heads, group, head_dim = q.shape
+        num_sel = page_idx.shape[-1]
+        out = torch.empty((batch, num_kv_heads, group, head_dim), dtype=q.dtype, device=q.device)
+        if out.numel() == 0:
+            return out
+        block_g = max(16, next_pow2(group))
+        block_d = next_pow2(head_dim)
+        block_n = 64 if block_d <= 128 else 32
+        total = num_sel * page_size
+        rows = batch * num_kv_heads
+        max_splits = max(1, triton.cdiv(total, block_n))
+        if num_splits is None:
+            num_splits = min(max_splits, max(1, triton.cdiv(4 * num_sms(q.device), rows)))
+        num_splits = max(1, min(num_splits, max_splits))
+        tokens_per_split = triton.cdiv(triton.cdiv(total, num_splits), block_n) * block_n
+        num_splits = max(1, triton.cdiv(total, tokens_per_split))
+        direct = num_splits == 1
+        if direct:
+            part_o = part_lse = out  # unused
+        else:
+            part_o = torch.empty((rows * num_splits * block_g, block_d), dtype=torch.float32, device=q.device)
+            part_lse = torch.empty((rows * num_splits * block_g,), dtype=torch.float32, device=q.device)
+        code = dtype_code(keys.dtype)
+        # logits: half-precision operands on the tensor cores (exact products, fp32 accumulation); fp32 K/V and the
+        # interpreter (whose dot cannot take bf16) use fp32. Probabilities x V: fp32 operands, tf32 on the GPU for
+        # half-precision V (V is exact in tf32), ieee for fp32 V.
+        qk_fp32 = code == 0 or interpreting() or q.dtype != keys.dtype
+        pv_prec = "ieee" if code == 0 else "tf32"
+        wrap_triton(_sparse_decode_split_kernel)[(rows, num_splits)](
+            q, keys, values, page_idx, page_valid.view(torch.uint8), lengths, out, part_o, part_lse,
+            *q.stride(), *keys.stride(), *values.stride(), *page_idx.stride(), *page_valid.stride(), *out.stride(),
+            num_kv_heads, group, head_dim, num_sel, tokens_per_split, num_splits,
+            scaling * 1.4426950408889634,
+            P=page_size, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
+            QK_FP32=qk_fp32, PV_PREC=pv_prec, OUT_DT=dtype_code(q.dtype), DIRECT=direct,
+            num_warps=4, num_stages=3,
+        )
+        if not direct:
+            wrap_triton(_sparse_decode_reduce_kernel)[(rows * group,)](
+                part_o, part_lse, out,
+                *out.stride(),
+                num_kv_heads, group, head_dim, num_splits,
+                BLOCK_G=block_g, BLOCK_S=next_pow2(num_splits), BLOCK_D=block_d, OUT_DT=dtype_code(q.dtype),
+                num_warps=4 if block_d >= 128 else 2,
+            )
+        return out
+
+    def sparse_decode_attention_triton(
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        page_idx: torch.Tensor,
+        page_valid: torch.Tensor,
+        lengths: torch.Tensor,
+        page_size: int,
+        scaling: float,
+    ) -> torch.Tensor:
+        """Same contract as ``sparse_decode_attention_torch`` (registered as a triton_op in ``triton_ops``)."""
+        return sparse_decode_attention_launch(q, keys, values, page_idx, page_valid, lengths, page_size, scaling)

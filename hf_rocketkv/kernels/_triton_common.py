@@ -1,0 +1,97 @@
+"""Helpers shared by the Triton kernels: dtype maps, exact rounding casts, launch-size heuristics.
+
+Rounding: Triton's interpreter (TRITON_INTERPRET=1, used by the CPU tests) truncates instead of rounding to nearest
+even when it narrows fp32 to bfloat16 or float8_e5m2, so a plain ``.to()`` would differ from PyTorch by one ulp on
+CPU. ``round_to`` first rounds the fp32 value to the nearest-even value representable in the target dtype with
+integer arithmetic (the same on every backend), so the final ``.to()`` is exact everywhere. The rules are those of
+``torch.Tensor.to`` for finite values; values that overflow float8_e5m2 (|x| > 57344) become inf as in PyTorch on
+the CPU interpreter, and the hardware conversion decides on the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+TORCH_TO_TL = {
+    torch.float32: tl.float32,
+    torch.float16: tl.float16,
+    torch.bfloat16: tl.bfloat16,
+    torch.float8_e5m2: tl.float8e5,
+}
+
+# integer codes for the dtypes a kernel stores or computes in (passed as tl.constexpr)
+DT_FP32, DT_FP16, DT_BF16, DT_FP8E5 = 0, 1, 2, 3
+DTYPE_CODE = {torch.float32: DT_FP32, torch.float16: DT_FP16, torch.bfloat16: DT_BF16, torch.float8_e5m2: DT_FP8E5}
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    if dtype not in DTYPE_CODE:
+        raise TypeError(f"hf_rocketkv Triton kernels support {sorted(map(str, DTYPE_CODE))}, got {dtype}")
+    return DTYPE_CODE[dtype]
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of ``device``; a small stand-in on CPU (interpreter), so tests exercise split paths."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+@triton.jit
+def _rtne_drop_bits(x, DROP: tl.constexpr):
+    """fp32 ``x`` rounded to nearest even after clearing its DROP low mantissa bits (exact for finite normals)."""
+    bits = x.to(tl.int32, bitcast=True)
+    lsb = (bits >> DROP) & 1
+    bits = (bits + ((1 << (DROP - 1)) - 1) + lsb) & (-(1 << DROP))
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_to(x, DT: tl.constexpr):
+    """fp32 ``x`` rounded to the value of dtype code DT that ``torch`` would produce, still as fp32."""
+    if DT == 2:  # bfloat16: 7 stored mantissa bits, same exponent range as fp32 (subnormals included)
+        y = _rtne_drop_bits(x, 16)
+    elif DT == 3:  # float8_e5m2: 2 mantissa bits, normals from 2**-14, subnormal spacing 2**-16
+        ax = tl.abs(x)
+        normal = _rtne_drop_bits(x, 21)
+        tiny = _rtne_drop_bits(ax + 6.103515625e-05, 21) - 6.103515625e-05
+        tiny = tl.where(x.to(tl.int32, bitcast=True) < 0, -tiny, tiny)  # keeps the sign of -0.0
+        y = tl.where(ax < 6.103515625e-05, tiny, normal)
+    elif DT == 1:
+        y = x.to(tl.float16).to(tl.float32)
+    else:
+        y = x
+    return y
+
+
+@triton.jit
+def cast_to(x, DT: tl.constexpr):
+    """fp32 ``x`` converted to dtype code DT with PyTorch's rounding on every backend."""
+    y = round_to(x, DT)
+    if DT == 2:
+        out = y.to(tl.bfloat16)
+    elif DT == 3:
+        out = y.to(tl.float8e5)
+    elif DT == 1:
+        out = y.to(tl.float16)
+    else:
+        out = y
+    return out

@@ -1,0 +1,215 @@
+"""Triton twin of ``stage2_pages.page_scores``: signed min/max page scoring, softmax over pages, mean over the group.
+
+Shapes (B batch, Hkv KV heads, G query heads per KV head, NP pages, D head_dim):
+    q:       [B, Hkv, G, D]      the decode query (any float dtype, any strides); rounded to the KT dtype first
+    kt:      [B, Hkv, NP, 2, D]  KT summaries (fp32 / fp16 / bf16 / float8_e5m2): [..., 0, :] min, [..., 1, :] max
+    n_pages: [B]                 int, pages in use per row; pages >= n_pages[b] get probability 0
+    topr:    int                 channels used (top ``topr`` of sum_g |q| per KV head); >= D means all
+    returns  probs [B, Hkv, NP] fp32
+
+Per (row, KV head), fused in one kernel: the top-r channel mask (rank of each channel's group-summed |q|, ties to
+the lower channel index; torch.topk leaves tie order unspecified), the per-channel sign of the group-summed q
+(Kmax where > 0, else Kmin: ONE gathered load of the needed half of each page summary), the scores of all G heads
+as one [G, D] x [D, pages] dot (G padded to 16; fp8 KT is widened to fp16 exactly), softmax over the row's pages at
+1/sqrt(D) and the mean over the G heads.
+
+Two schedules, chosen from the shapes only (no host sync, CUDA-graph safe):
+    fused  (one launch)   grid (B*Hkv,): each program loops over all its pages twice; pass 1 writes the logits to
+                          a small fp32 scratch [B, Hkv, G, NP] and keeps the online softmax max/sum, pass 2 reads
+                          them back and writes the group mean. Used when the pages per row are few (the usual
+                          RocketKV case: ~prompt_budget / page_size pages) or the batch alone fills the GPU.
+    split  (two launches) grid (B*Hkv, S): pass 1 per page block also writes its (max, sum) per head; a second
+                          kernel combines the S partial statistics and writes the probabilities.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+from ._triton_common import DT_BF16, DT_FP16, DT_FP32, DT_FP8E5, dtype_code, interpreting, next_pow2, num_sms, round_to
+
+LOG2E = 1.4426950408889634
+FUSED_MAX_PAGES = 2048  # rows of at most this many pages are scored by one program (one launch)
+
+
+@triton.jit
+def _channel_mask(q_ptr, s_qg, s_qd, group, head_dim, a_rows, d_rows,
+                  TOPR: tl.constexpr, KT_DT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                  CHUNK: tl.constexpr):
+    """True for the TOPR channels with the largest sum_g |q| (ties: lower index first). ``a_rows`` = those sums."""
+    g = tl.arange(0, BLOCK_G)
+    rank = tl.zeros((BLOCK_D,), tl.int32)
+    for c0 in range(0, BLOCK_D, CHUNK):
+        dc = c0 + tl.arange(0, CHUNK)
+        qc = tl.load(q_ptr + g[:, None] * s_qg + dc[None, :] * s_qd,
+                     mask=(g < group)[:, None] & (dc < head_dim)[None, :], other=0.0).to(tl.float32)
+        ac = tl.sum(tl.abs(round_to(qc, KT_DT)), axis=0)
+        ac = tl.where(dc < head_dim, ac, -1.0)
+        ahead = (ac[None, :] > a_rows[:, None]) | ((ac[None, :] == a_rows[:, None]) & (dc[None, :] < d_rows[:, None]))
+        rank += tl.sum(ahead.to(tl.int32), axis=1)
+    return (rank < TOPR) & (d_rows < head_dim)
+
+
+@triton.jit
+def _page_logits_kernel(
+    q_ptr, kt_ptr, npages_ptr, logits_ptr, stats_ptr, probs_ptr,
+    s_qb, s_qh, s_qg, s_qd,
+    s_tb, s_th, s_tp, s_tm, s_td,
+    num_kv_heads, group, num_pages, head_dim, pages_per_prog, num_splits,
+    scale_log2,
+    TOPR: tl.constexpr, USE_TOPR: tl.constexpr, KT_DT: tl.constexpr, DOT_DT: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, FUSED: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = (bh // num_kv_heads).to(tl.int64)
+    h = (bh % num_kv_heads).to(tl.int64)
+    n = tl.minimum(tl.load(npages_ptr + b).to(tl.int32), num_pages)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    g_ok = g < group
+    d_ok = d < head_dim
+    q_base = q_ptr + b * s_qb + h * s_qh
+    q = tl.load(q_base + g[:, None] * s_qg + d[None, :] * s_qd, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    q = round_to(q.to(tl.float32), KT_DT)
+    if USE_TOPR:
+        a = tl.sum(tl.abs(q), axis=0)
+        a = tl.where(d_ok, a, -1.0)
+        keep = _channel_mask(q_base, s_qg, s_qd, group, head_dim, a, d, TOPR, KT_DT, BLOCK_G, BLOCK_D, 32)
+        q = tl.where(keep[None, :], q, 0.0)
+    use_max = tl.sum(q, axis=0) > 0.0
+    if DOT_DT == 0:
+        qd = q
+    elif DOT_DT == 1:
+        qd = q.to(tl.float16)
+    else:
+        qd = q.to(tl.bfloat16)
+    # one gathered load per page: channel d reads Kmax (offset s_tm) where use_max[d], else Kmin
+    kt_base = kt_ptr + b * s_tb + h * s_th + (d * s_td + tl.where(use_max, s_tm, 0))[None, :]
+    logit_base = logits_ptr + (bh * BLOCK_G + g).to(tl.int64)[:, None] * num_pages
+
+    p_start = split * pages_per_prog
+    p_end = tl.minimum(p_start + pages_per_prog, n)
+    m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_G,), tl.float32)
+    for p0 in range(p_start, p_end, BLOCK_P):
+        pages = p0 + tl.arange(0, BLOCK_P)
+        p_ok = pages < p_end
+        kp = tl.load(kt_base + pages.to(tl.int64)[:, None] * s_tp, mask=p_ok[:, None] & d_ok[None, :], other=0.0)
+        if DOT_DT == 0:
+            s = tl.dot(qd, tl.trans(kp.to(tl.float32)), input_precision="ieee")
+        elif DOT_DT == 1:
+            s = tl.dot(qd, tl.trans(kp.to(tl.float16)))
+        else:
+            s = tl.dot(qd, tl.trans(kp))
+        s = tl.where(p_ok[None, :], s * scale_log2, float("-inf"))
+        tl.store(logit_base + pages[None, :], s, mask=g_ok[:, None] & p_ok[None, :])
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
+        m_i = m_new
+    if FUSED:
+        tl.debug_barrier()  # the logits written above are read back below by other threads of this program
+        m_safe = tl.where(l_i > 0, m_i, 0.0)
+        inv = tl.where(g_ok & (l_i > 0), 1.0 / (tl.maximum(l_i, 1e-30) * group), 0.0)
+        for p0 in range(0, num_pages, BLOCK_P):
+            pages = p0 + tl.arange(0, BLOCK_P)
+            valid = pages < n
+            s = tl.load(logit_base + pages[None, :], mask=g_ok[:, None] & valid[None, :], other=float("-inf"))
+            p = tl.exp2(s - m_safe[:, None]) * inv[:, None]
+            tl.store(probs_ptr + bh.to(tl.int64) * num_pages + pages, tl.sum(p, axis=0), mask=pages < num_pages)
+    else:
+        st = stats_ptr + ((bh * num_splits + split) * 2 * BLOCK_G + g)
+        tl.store(st, m_i)
+        tl.store(st + BLOCK_G, l_i)
+
+
+@triton.jit
+def _page_probs_kernel(
+    npages_ptr, logits_ptr, stats_ptr, probs_ptr,
+    num_kv_heads, group, num_pages, num_splits,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    b = (bh // num_kv_heads).to(tl.int64)
+    n = tl.minimum(tl.load(npages_ptr + b).to(tl.int32), num_pages)
+    g = tl.arange(0, BLOCK_G)
+    sp = tl.arange(0, BLOCK_S)
+    st = stats_ptr + ((bh * num_splits + sp) * 2 * BLOCK_G)[:, None] + g[None, :]
+    s_ok = (sp < num_splits)[:, None]
+    m_s = tl.load(st, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(st + BLOCK_G, mask=s_ok, other=0.0)
+    m = tl.max(m_s, axis=0)
+    m_safe = tl.where(m > float("-inf"), m, 0.0)
+    l_i = tl.sum(l_s * tl.exp2(m_s - m_safe[None, :]), axis=0)
+    inv = tl.where((g < group) & (l_i > 0), 1.0 / (tl.maximum(l_i, 1e-30) * group), 0.0)
+    pages = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    valid = pages < n
+    s = tl.load(logits_ptr + (bh * BLOCK_G + g).to(tl.int64)[:, None] * num_pages + pages[None, :],
+                mask=(g < group)[:, None] & valid[None, :], other=float("-inf"))
+    p = tl.exp2(s - m_safe[:, None]) * inv[:, None]
+    tl.store(probs_ptr + bh.to(tl.int64) * num_pages + pages, tl.sum(p, axis=0), mask=pages < num_pages)
+
+
+def _dot_code(kt_dtype: torch.dtype) -> int:
+    """Operand dtype of the score dot: 0 fp32 (exact products), 1 fp16 (fp16 and fp8 KT), 2 bf16."""
+    code = dtype_code(kt_dtype)
+    if code == DT_FP32 or (code == DT_BF16 and interpreting()):  # the interpreter's dot cannot take bf16
+        return 0
+        return 0
+    if code in (DT_FP16, DT_FP8E5):
+        return 1
+    return 2
+
+
+def page_scores_launch(
+    q: torch.Tensor, kt: torch.Tensor, n_pages: torch.Tensor, topr: int, num_splits: int | None = None
+) -> torch.Tensor:
+    """Launcher; ``num_splits`` (None = heuristic, 1 = fused) exists for tests and benchmarks."""
+    batch, num_kv_heads, group, head_dim = q.shape
+    num_pages = kt.shape[2]
+    probs = torch.empty((batch, num_kv_heads, num_pages), dtype=torch.float32, device=q.device)
+    if probs.numel() == 0:
+        return probs
+    block_g = max(16, next_pow2(group))
+    block_d = next_pow2(head_dim)
+    block_p = 64 if block_d <= 128 else 32
+    rows = batch * num_kv_heads
+    if num_splits is None:
+        sms = num_sms(q.device)
+        num_splits = 1
+        if num_pages > FUSED_MAX_PAGES and rows < sms:
+            num_splits = min(triton.cdiv(num_pages, 4 * block_p), triton.cdiv(2 * sms, rows))
+    pages_per_prog = triton.cdiv(triton.cdiv(num_pages, num_splits), block_p) * block_p
+    num_splits = triton.cdiv(num_pages, pages_per_prog)
+    fused = num_splits == 1
+    logits = torch.empty((rows * block_g, num_pages), dtype=torch.float32, device=q.device)
+    stats = torch.empty((rows, num_splits, 2, block_g) if not fused else (1,), dtype=torch.float32, device=q.device)
+    kt_code = dtype_code(kt.dtype)
+    wrap_triton(_page_logits_kernel)[(rows, num_splits)](
+        q, kt, n_pages, logits, stats, probs,
+        *q.stride(), *kt.stride(),
+        num_kv_heads, group, num_pages, head_dim, pages_per_prog, num_splits,
+        head_dim**-0.5 * LOG2E,
+        TOPR=min(topr, head_dim), USE_TOPR=topr < head_dim, KT_DT=kt_code, DOT_DT=_dot_code(kt.dtype),
+        BLOCK_G=block_g, BLOCK_P=block_p, BLOCK_D=block_d, FUSED=fused,
+        num_warps=4, num_stages=3,
+    )
+    if not fused:
+        block_p2 = 128
+        wrap_triton(_page_probs_kernel)[(rows, triton.cdiv(num_pages, block_p2))](
+            n_pages, logits, stats, probs,
+            num_kv_heads, group, num_pages, num_splits,
+            BLOCK_G=block_g, BLOCK_S=next_pow2(num_splits), BLOCK_P=block_p2,
+            num_warps=4,
+        )
+    return probs
+
+
+def page_scores_triton(q: torch.Tensor, kt: torch.Tensor, n_pages: torch.Tensor, topr: int) -> torch.Tensor:
+    """Same contract as ``stage2_pages.page_scores``."""
+    return page_scores_launch(q, kt, n_pages, topr)

@@ -1,0 +1,128 @@
+"""Triton twin of ``stage2_pages.select_pages``: top-k pages per KV head, the newest page always included.
+
+Shapes (B batch, Hkv KV heads, NP pages, K = min(topk, NP)):
+    probs:   [B, Hkv, NP] fp32   page probabilities from ``page_scores`` (>= 0; pages >= n_pages[b] are ignored)
+    n_pages: [B] int             pages in use per row
+    returns  page_idx [B, Hkv, K] int64, page_valid [B, Hkv, K] bool
+
+Semantics (as the reference): with n = n_pages[b], the page n-1 (holding the newest token) is always taken, plus the
+min(K, n) - 1 most probable of pages 0..n-2; slots past min(K, n) are invalid and hold the page ids n, n+1, ...
+Ties at the threshold are broken towards the lower page id (torch.topk leaves them unspecified); chosen pages are
+written in ASCENDING page order (the reference's order is unspecified; ascending keeps K/V reads in slot order).
+
+Grid (B*Hkv,): one program per (row, KV head) runs an exact radix select on the fp32 bit patterns (non-negative
+floats order like their int32 bits): 4 rounds of 8 bits, each a 256-bin histogram (``tl.histogram``) of the
+candidates that still match the threshold prefix, then one compaction pass (two cumulative sums: rank among
+threshold ties, output position).
+No sort, no host sync, fixed output shape: CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+from ._triton_common import next_pow2
+
+
+@triton.jit
+def _select_pages_kernel(
+    probs_ptr, npages_ptr, idx_ptr, valid_ptr,
+    num_kv_heads, num_pages, k_out,
+    BLOCK: tl.constexpr, DIGIT_BITS: tl.constexpr, USE_HISTOGRAM: tl.constexpr,
+):
+    NBINS: tl.constexpr = 1 << DIGIT_BITS
+    ROUNDS: tl.constexpr = 32 // DIGIT_BITS
+    bh = tl.program_id(0)
+    b = bh // num_kv_heads
+    probs_row = probs_ptr + bh.to(tl.int64) * num_pages
+    idx_row = idx_ptr + bh.to(tl.int64) * k_out
+    valid_row = valid_ptr + bh.to(tl.int64) * k_out
+    n = tl.minimum(tl.load(npages_ptr + b).to(tl.int32), num_pages)
+    n = tl.maximum(n, 0)
+    kk = tl.minimum(k_out, n)  # pages taken
+    cand = n - 1  # candidates by probability: pages 0 .. n-2 (page n-1 is forced)
+    need = kk - 1  # how many candidates to take
+    bins = tl.arange(0, NBINS)
+    offs = tl.arange(0, BLOCK)
+
+    # radix select, most significant digit first: prefix = bit pattern of the need-th largest candidate key,
+    # remaining = how many candidates equal to it are still to take
+    prefix = 0
+    remaining = need
+    for it in tl.static_range(ROUNDS):
+        shift: tl.constexpr = 32 - DIGIT_BITS * (it + 1)
+        hist = tl.zeros((NBINS,), tl.int32)
+        for p0 in range(0, cand, BLOCK):
+            pages = p0 + offs
+            x = tl.load(probs_row + pages, mask=pages < cand, other=0.0)
+            key = tl.where(x > 0.0, x.to(tl.int32, bitcast=True), 0)  # NaN and -0.0 rank as 0
+            if it == 0:
+                match = pages < cand
+            else:
+                match = (pages < cand) & (((key ^ prefix) >> (shift + DIGIT_BITS)) == 0)
+            digit = (key >> shift) & (NBINS - 1)
+            if USE_HISTOGRAM:
+                hist += tl.histogram(digit, NBINS, mask=match)
+            else:
+                hist += tl.sum(((digit[:, None] == bins[None, :]) & match[:, None]).to(tl.int32), axis=0)
+        at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # candidates with digit >= d
+        d_star = tl.sum((at_or_above >= remaining).to(tl.int32), axis=0) - 1
+        remaining -= tl.sum(tl.where(bins > d_star, hist, 0), axis=0)
+        prefix = prefix | (d_star << shift)
+
+    # compaction: keys above the threshold, the first `remaining` ties, and the newest page, in page order
+    taken = 0
+    ties_seen = 0
+    for p0 in range(0, n, BLOCK):
+        pages = p0 + offs
+        is_cand = pages < cand
+        x = tl.load(probs_row + pages, mask=is_cand, other=0.0)
+        key = tl.where(x > 0.0, x.to(tl.int32, bitcast=True), 0)
+        tie = is_cand & (key == prefix)
+        tie_rank = tl.cumsum(tie.to(tl.int32), axis=0) - 1 + ties_seen
+        take = (is_cand & (key > prefix)) | (tie & (tie_rank < remaining)) | (pages == n - 1)
+        pos = tl.cumsum(take.to(tl.int32), axis=0) - 1 + taken
+        tl.store(idx_row + pos, pages.to(tl.int64), mask=take)
+        tl.store(valid_row + pos, tl.full((BLOCK,), 1, tl.int1), mask=take)
+        ties_seen += tl.sum(tie.to(tl.int32), axis=0)
+        taken += tl.sum(take.to(tl.int32), axis=0)
+    # invalid tail: slots kk .. K-1 get the unused page ids n, n+1, ...
+    for t0 in range(kk, k_out, BLOCK):
+        t = t0 + offs
+        tl.store(idx_row + t, (n + t - kk).to(tl.int64), mask=t < k_out)
+        tl.store(valid_row + t, tl.full((BLOCK,), 0, tl.int1), mask=t < k_out)
+
+
+# tl.histogram takes a mask in recent Triton releases; older ones get the one-hot sum instead
+HAS_MASKED_HISTOGRAM = "mask" in inspect.signature(tl.histogram).parameters
+
+
+def select_pages_launch(
+    probs: torch.Tensor, n_pages: torch.Tensor, topk: int, digit_bits: int = 8, use_histogram: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launcher; ``digit_bits`` (4 or 8) and ``use_histogram`` exist for tests and benchmarks."""
+    batch, num_kv_heads, num_pages = probs.shape
+    k = min(topk, num_pages)
+    page_idx = torch.empty((batch, num_kv_heads, k), dtype=torch.long, device=probs.device)
+    page_valid = torch.empty((batch, num_kv_heads, k), dtype=torch.bool, device=probs.device)
+    if page_idx.numel() == 0:
+        return page_idx, page_valid
+    block = min(next_pow2(num_pages), 512)
+    wrap_triton(_select_pages_kernel)[(batch * num_kv_heads,)](
+        probs.contiguous(), n_pages, page_idx, page_valid,
+        num_kv_heads, num_pages, k,
+        BLOCK=block, DIGIT_BITS=digit_bits,
+        USE_HISTOGRAM=HAS_MASKED_HISTOGRAM if use_histogram is None else use_histogram,
+        num_warps=4 if block <= 256 else 8,
+    )
+    return page_idx, page_valid
+
+
+def select_pages_triton(probs: torch.Tensor, n_pages: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``stage2_pages.select_pages``."""
+    return select_pages_launch(probs, n_pages, topk)

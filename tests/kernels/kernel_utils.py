@@ -1,0 +1,28 @@
+"""Helpers shared by the kernel tests (imported by name: pytest puts this folder on sys.path)."""
+
+import zlib
+
+import torch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+KT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e5m2)
+
+# max |triton - reference| on outputs stored in each dtype (outputs are rounded to it; accumulation is fp32)
+OUT_ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def gen(*key) -> torch.Generator:
+    """A generator seeded from the test's parameters (stable across processes, unlike hash())."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def randn(shape, dtype, g, scale=1.0) -> torch.Tensor:
+    return (torch.randn(shape, generator=g) * scale).to(dtype).to(DEVICE)
+
+
+def ops():
+    """TRITON_OPS (imported lazily, after tests/conftest.py chose the interpreter on CPU)."""
+    from hf_rocketkv.kernels.triton_ops import TRITON_OPS
+
+    return TRITON_OPS

@@ -1,0 +1,64 @@
+"""build_kt and update_kt (KT page min/max summaries): Triton == reference, bit for bit, for every KT dtype."""
+
+import pytest
+import torch
+from kernel_utils import DEVICE, gen, ops, randn
+
+from hf_rocketkv.selection import stage2_pages as ref
+
+# (key dtype, KT dtype, page_size, head_dim): every value of each axis appears at least once
+CASES = [
+    (torch.bfloat16, torch.float8_e5m2, 1, 64),
+    (torch.bfloat16, torch.bfloat16, 2, 128),
+    (torch.float16, torch.float16, 4, 64),
+    (torch.float32, torch.float32, 8, 32),
+    (torch.float32, torch.float8_e5m2, 16, 128),
+    (torch.float16, torch.bfloat16, 4, 256),
+    (torch.bfloat16, torch.float32, 4, 48),  # head_dim that is not a power of two
+]
+
+
+def _lengths(capacity: int, page_size: int) -> torch.Tensor:
+    # a row with no token, a partial last page, a full row
+    return torch.tensor([0, max(1, capacity // 2 - page_size // 2 - 1), capacity], device=DEVICE)
+
+
+@pytest.mark.parametrize("key_dtype,kt_dtype,page_size,head_dim", CASES)
+def test_build_kt_matches_reference(key_dtype, kt_dtype, page_size, head_dim):
+    g = gen("build", key_dtype, kt_dtype, page_size, head_dim)
+    capacity = 6 * page_size
+    keys = randn((3, 2, capacity, head_dim), key_dtype, g, scale=3.0)
+    lengths = _lengths(capacity, page_size)
+    got = ops().build_kt(keys, lengths, page_size, kt_dtype)
+    want = ref.build_kt(keys, lengths, page_size, kt_dtype)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(got.float(), want.float())
+
+
+def test_build_kt_non_contiguous_keys():
+    g = gen("build-strided")
+    keys = randn((2, 8, 3, 64), torch.bfloat16, g).transpose(1, 2)  # [B, Hkv, C, D] view with odd strides
+    lengths = torch.tensor([8, 5], device=DEVICE)
+    got = ops().build_kt(keys, lengths, 2, torch.float8_e5m2)
+    assert torch.equal(got.float(), ref.build_kt(keys, lengths, 2, torch.float8_e5m2).float())
+
+
+@pytest.mark.parametrize("key_dtype,kt_dtype,page_size,head_dim", CASES[:5])
+def test_update_kt_matches_reference_and_rebuild(key_dtype, kt_dtype, page_size, head_dim):
+    g = gen("update", key_dtype, kt_dtype, page_size, head_dim)
+    capacity = 4 * page_size
+    keys = randn((3, 2, capacity, head_dim), key_dtype, g, scale=3.0)
+    lengths = torch.tensor([0, page_size + 1, capacity - 3], device=DEVICE)  # fresh page, mid page, near the end
+    lengths = lengths.clamp(max=capacity - 3)
+    kt_ref = ref.build_kt(keys, lengths, page_size, kt_dtype)
+    kt_tri = kt_ref.clone()
+    for _ in range(3):
+        new = randn((3, 2, 1, head_dim), key_dtype, g, scale=3.0)[:, :, 0]  # a strided view, like key_states[:, :, 0]
+        rows = torch.arange(3, device=DEVICE)
+        keys[rows, :, lengths] = new
+        ref.update_kt(kt_ref, new, lengths, page_size)
+        out = ops().update_kt(kt_tri, new, lengths, page_size)
+        assert out is None
+        lengths = lengths + 1
+        assert torch.equal(kt_tri.float(), kt_ref.float())
+    assert torch.equal(kt_tri.float(), ref.build_kt(keys, lengths, page_size, kt_dtype).float())
