@@ -43,6 +43,23 @@ def resolve_config_path(value: str | None) -> Path | None:
     return path
 
 
+def apply_overrides(config, assignments: list[str]):
+    """``["prompt_budget=512", "kt_cache_dtype=bfloat16"]`` applied to a RocketKVConfig (values parsed as YAML)."""
+    import yaml
+
+    from .config import RocketKVConfig
+
+    changes = {}
+    for item in assignments:
+        name, sep, text = item.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"--set {item!r}: expected FIELD=VALUE, e.g. --set prompt_budget=512")
+        changes[name.strip()] = yaml.safe_load(text)
+    if not changes:
+        return config
+    return RocketKVConfig.from_dict({**config.to_dict(), **changes})
+
+
 # ------------------------------------------------------------------------------------------------ parser
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -60,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--device", default=None, help="torch device (default: where the model loads, CPU)")
     common.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     common.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    common.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a sparse_attention_config field, repeatable: --set prompt_budget=512 --set topk=32",
+    )
 
     gen = sub.add_parser(
         "generate",
@@ -306,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             run = load_run_config(resolve_config_path(args.config))
+            run.rocket = apply_overrides(run.rocket, args.set)
         except ValueError as err:
             raise UsageError(str(err)) from err
         if args.command == "generate":

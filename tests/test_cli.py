@@ -126,6 +126,7 @@ def test_eval_writes_json_markdown_and_heatmap(tiny_model_dir, tiny_yaml, tmp_pa
     results = json.loads((out_dir / "results.json").read_text())
     assert [r["method"] for r in results["records"]] == ["full", "rocketkv", "streaming"]
     assert {r["kept_tokens_mean"] for r in results["records"][1:]} == {48.0}
+    assert "key_retention" in results["records"][1] and "key_retention" not in results["records"][0]
     assert [f["method"] for f in results["fidelity"]] == ["full", "rocketkv", "streaming"]
     assert results["fidelity"][0]["top1_agreement"] == 1.0 and results["fidelity"][0]["mean_kl"] == 0.0
     assert results["eval"]["lengths"] == [160] and results["command"].startswith("hf-rocketkv eval")
@@ -199,3 +200,17 @@ def test_bench_without_the_module_says_so(monkeypatch, capsys):
 def test_compact_list():
     assert compact_list([265, 265, 265, 2185, 7]) == "265 x3, 2185, 7"
     assert compact_list([]) == ""
+
+
+def test_set_overrides_config_fields():
+    from hf_rocketkv import RocketKVConfig
+    from hf_rocketkv.cli import apply_overrides
+
+    config = apply_overrides(RocketKVConfig(), ["prompt_budget=512", "kt_cache_dtype=bfloat16"])
+    assert (config.prompt_budget, config.kt_cache_dtype, config.topk) == (512, "bfloat16", 64)
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['budget'\]"):
+        apply_overrides(RocketKVConfig(), ["budget=3"])
+    with pytest.raises(ValueError, match="expected FIELD=VALUE"):
+        apply_overrides(RocketKVConfig(), ["prompt_budget"])
+    with pytest.raises(ValueError, match="RocketKVConfig.page_size"):
+        apply_overrides(RocketKVConfig(), ["page_size=3"])

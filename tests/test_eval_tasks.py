@@ -19,7 +19,7 @@ from hf_rocketkv.eval.scoring import qa_f1, score, string_match_all, string_matc
 from hf_rocketkv.eval.settings import EvalSettings, run_config_from_dict
 from hf_rocketkv.eval.streaming import StreamingCache, sink_recent_slots
 from hf_rocketkv.eval.tasks import TASKS, get_task
-from hf_rocketkv.eval.tasks.base import encode_prompt, fill_paragraphs, insert_at_depths
+from hf_rocketkv.eval.tasks.base import encode_prompt, fill_paragraphs, insert_at_depths, span_token_positions
 
 from .helpers import compressing_config, greedy, make_models, random_ids
 
@@ -324,3 +324,17 @@ def test_summary_markdown_and_heatmap(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     written = write_report(results, tmp_path)
     assert {p.name for p in written} == {"results.md", "heatmap_passkey.png"}
+
+
+def test_span_positions_and_retention(smollm2_tokenizer):
+    (sample,) = get_task("passkey").build(smollm2_tokenizer, small_settings(depths=[0.5]))
+    ids = encode_prompt(smollm2_tokenizer, sample.prompt, True)
+    positions = span_token_positions(smollm2_tokenizer, sample.prompt, True, "", sample.meta["key"])
+    assert positions and smollm2_tokenizer.decode([ids[p] for p in positions]).strip() == sample.meta["key"]
+    rocket, _ = make_models("llama")
+    cache = RocketKVCache(compressing_config(prompt_budget=16))
+    greedy(rocket, random_ids(1, 40), max_new_tokens=2, past_key_values=cache)
+    assert decode.retention(cache, [36, 37, 38]) == {"kept": 1.0, "whole": 1.0}  # the window is always kept
+    partly = decode.retention(cache, list(range(0, 30)))
+    assert partly["whole"] == 0.0 and 0.0 < partly["kept"] < 1.0
+    assert decode.retention(cache, []) is None

@@ -132,3 +132,20 @@ def cache_bytes(cache) -> int:
     return sum(
         t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values) if t is not None
     )
+
+
+def retention(cache, positions: list[int]) -> dict | None:
+    """How much of a span (prompt token positions) stage 1 kept, over every layer and KV head of row 0.
+
+    ``kept``: mean fraction of the span's tokens kept; ``whole``: fraction of (layer, KV head) pairs that kept all of
+    them. None for caches without ``kept_positions`` (the full DynamicCache keeps everything) or an empty span.
+    """
+    if not positions or not hasattr(cache, "kept_positions"):
+        return None
+    span = torch.tensor(positions)
+    fractions = []
+    for layer_idx in range(len(cache.layers)):
+        kept = cache.kept_positions(layer_idx)[0].cpu()  # [Hkv, C]
+        for head in kept:
+            fractions.append(float(torch.isin(span, head.long()).float().mean()))
+    return {"kept": sum(fractions) / len(fractions), "whole": sum(f == 1.0 for f in fractions) / len(fractions)}

@@ -32,6 +32,18 @@ def summarize(results: dict) -> dict:
         kept[method].append(r["kept_tokens_mean"])
         prefill_s[method].append(r["method_prefill_s"])
         per_token_s[method].append(r["decode_s_per_token"])
+    retention: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    for r in results.get("records", []):
+        for name in ("needle", "key"):
+            if f"{name}_retention" in r:
+                for stat, value in r[f"{name}_retention"].items():
+                    retention[r["task"]][r["method"]][f"{name}_{stat}"].append(value)
+    # the same samples, restricted to those the full cache answers perfectly: what compression loses
+    full_scores = {_sample_key(r): r["score"] for r in results.get("records", []) if r["method"] == "full"}
+    on_full_correct: dict = defaultdict(lambda: defaultdict(list))
+    for r in results.get("records", []):
+        if full_scores.get(_sample_key(r)) == 1.0:
+            on_full_correct[r["task"]][r["method"]].append(r["score"])
     fidelity: dict = defaultdict(lambda: defaultdict(list))
     for r in results.get("fidelity", []):
         for key in ("top1_agreement", "mean_kl", "next_token_accuracy"):
@@ -42,6 +54,12 @@ def summarize(results: dict) -> dict:
         "tasks": {t: {m: {"score": _mean(v), "n": len(v)} for m, v in ms.items()} for t, ms in by_task.items()},
         "by_length": {
             t: {m: {L: _mean(v) for L, v in ls.items()} for m, ls in ms.items()} for t, ms in by_length.items()
+        },
+        "on_full_correct": {
+            t: {m: {"score": _mean(v), "n": len(v)} for m, v in ms.items()} for t, ms in on_full_correct.items()
+        },
+        "retention": {
+            t: {m: {k: _mean(v) for k, v in stats.items()} for m, stats in ms.items()} for t, ms in retention.items()
         },
         "grid": {t: {m: {c: _mean(v) for c, v in cs.items()} for m, cs in ms.items()} for t, ms in grid.items()},
         "kept_tokens_after_prefill": {m: _mean(v) for m, v in kept.items()},
@@ -58,6 +76,10 @@ def summarize(results: dict) -> dict:
             for m, d in fidelity.items()
         },
     }
+
+
+def _sample_key(record: dict) -> tuple:
+    return (record["task"], record.get("index"), record.get("length"), record.get("depth"))
 
 
 def _budget(method: dict) -> tuple[str, str]:
@@ -96,6 +118,16 @@ def markdown(results: dict) -> str:
                 cells.append(f"{100 * entry['score']:.1f} (n={entry['n']})" if entry else "")
             lines.append(f"| {m['name']} | {kept} | {read} | " + " | ".join(cells) + " |")
         lines.append("")
+        if "full" in order and s.get("on_full_correct"):
+            lines += ["## Score on the samples the full cache answers perfectly (%)", ""]
+            lines += ["| method | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks)]
+            for name in order:
+                cells = []
+                for t in tasks:
+                    entry = s["on_full_correct"].get(t, {}).get(name)
+                    cells.append(f"{100 * entry['score']:.1f} (n={entry['n']})" if entry else "-")
+                lines.append(f"| {name} | " + " | ".join(cells) + " |")
+            lines.append("")
         for t in tasks:
             lengths = sorted({L for ms in s["by_length"][t].values() for L in ms}, key=_length_key)
             if len(lengths) < 2:
@@ -108,6 +140,19 @@ def markdown(results: dict) -> str:
                     lines.append(
                         f"| {name} | " + " | ".join(f"{100 * row[L]:.0f}" if L in row else "" for L in lengths) + " |"
                     )
+            lines.append("")
+        for t, ms in s.get("retention", {}).items():
+            lines += [
+                f"### {t}: needle tokens kept by stage 1 (mean over samples, layers and KV heads, %)",
+                "",
+                "| method | needle sentence tokens kept | answer tokens kept | layer-heads keeping the whole answer |",
+                "|---|---|---|---|",
+            ]
+            for name in order:
+                st = ms.get(name)
+                if st:
+                    cell = lambda k: f"{100 * st[k]:.1f}" if k in st else "-"  # noqa: E731
+                    lines.append(f"| {name} | {cell('needle_kept')} | {cell('key_kept')} | {cell('key_whole')} |")
             lines.append("")
         lines += ["## Cache after prefill and CPU timing (mean over samples)", ""]
         lines += [
@@ -194,3 +239,22 @@ def write_report(results: dict, output: str | Path, depth_tasks: set[str] | None
         if depth_tasks is None or task in depth_tasks:
             written.append(heatmap(results, task, output / f"heatmap_{task.replace(':', '_')}.png"))
     return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Re-render results.md and the heat maps of an output folder: ``python -m hf_rocketkv.eval.report DIR``."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m hf_rocketkv.eval.report", description=main.__doc__)
+    parser.add_argument("output", help="folder holding results.json")
+    args = parser.parse_args(argv)
+    results = json.loads((Path(args.output) / "results.json").read_text())
+    results["summary"] = summarize(results)
+    for path in write_report(results, args.output, depth_tasks=None):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -20,7 +20,7 @@ from .report import summarize, write_report
 from .scoring import score
 from .settings import EvalSettings
 from .tasks import get_task
-from .tasks.base import FidelitySample, Sample, encode_prompt
+from .tasks.base import FidelitySample, Sample, encode_prompt, span_token_positions
 
 MIN_TAIL = 64  # tokens every method runs itself at the end of the prompt (>= any window_size we use)
 
@@ -44,6 +44,11 @@ def run_generation_sample(
     model, tokenizer, sample: Sample, methods: list[Method], settings: EvalSettings
 ) -> list[dict]:
     ids = encode_prompt(tokenizer, sample.prompt, settings.chat, sample.answer_prefix)
+    spans = {  # needle tasks: which prompt tokens hold the needle sentence and its answer (stage-1 diagnostics)
+        name: span_token_positions(tokenizer, sample.prompt, settings.chat, sample.answer_prefix, sample.meta[name])
+        for name in ("needle", "key")
+        if sample.meta.get(name)
+    }
     input_ids = torch.tensor([ids], device=next(model.parameters()).device)
     prefix = decode.shared_prefix(model, input_ids, _tail(methods))
     eos = _eos_ids(model, tokenizer)
@@ -52,6 +57,7 @@ def run_generation_sample(
         prefilled = decode.prefill(model, method, prefix, sample.max_new_tokens)
         kept = decode.kept_tokens_per_layer(prefilled.cache)
         nbytes = decode.cache_bytes(prefilled.cache)
+        kept_spans = {name: decode.retention(prefilled.cache, positions) for name, positions in spans.items()}
         tokens, per_token = decode.greedy(model, prefilled, len(ids), sample.max_new_tokens, eos)
         prediction = tokenizer.decode(tokens, skip_special_tokens=True)
         scores = {m: score(m, prediction, sample.answers) for m in sample.metrics}
@@ -75,6 +81,7 @@ def run_generation_sample(
                 "shared_prefill_s": prefix.seconds,
                 "method_prefill_s": prefilled.seconds,
                 "decode_s_per_token": per_token,
+                **{f"{name}_retention": value for name, value in kept_spans.items() if value is not None},
                 **({"meta": sample.meta} if sample.meta else {}),
             }
         )

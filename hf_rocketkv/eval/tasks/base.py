@@ -67,14 +67,31 @@ def rng(seed: int, *parts: Any) -> random.Random:
     return random.Random("|".join(str(p) for p in (seed, *parts)))
 
 
-def encode_prompt(tokenizer, prompt: str, chat: bool, answer_prefix: str = "") -> list[int]:
-    """Token ids of a user message: the chat template with the generation prompt when ``chat``, then the prefix."""
+def prompt_text(tokenizer, prompt: str, chat: bool, answer_prefix: str = "") -> tuple[str, bool]:
+    """``(text, add_special_tokens)`` the model reads: chat template + generation prompt + prefix, or the raw text."""
     if chat and getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
         )
-        return tokenizer(text + answer_prefix, add_special_tokens=False).input_ids
-    return tokenizer(prompt + ("\n" + answer_prefix if answer_prefix else ""), add_special_tokens=True).input_ids
+        return text + answer_prefix, False
+    return prompt + ("\n" + answer_prefix if answer_prefix else ""), True
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool, answer_prefix: str = "") -> list[int]:
+    """Token ids of a user message: the chat template with the generation prompt when ``chat``, then the prefix."""
+    text, special = prompt_text(tokenizer, prompt, chat, answer_prefix)
+    return tokenizer(text, add_special_tokens=special).input_ids
+
+
+def span_token_positions(tokenizer, prompt: str, chat: bool, answer_prefix: str, span: str) -> list[int]:
+    """Positions of the prompt tokens that overlap the first occurrence of ``span`` (empty if absent)."""
+    text, special = prompt_text(tokenizer, prompt, chat, answer_prefix)
+    start = text.find(span)
+    if start < 0 or not getattr(tokenizer, "is_fast", False):
+        return []
+    end = start + len(span)
+    offsets = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True).offset_mapping
+    return [i for i, (a, b) in enumerate(offsets) if a < end and b > start and b > a]
 
 
 def _paragraph_token_counts(tokenizer) -> tuple[int, ...]:

@@ -39,7 +39,7 @@ class NiahMultiKeyTask(Task):
                     max_new_tokens=settings.max_new_tokens or self.max_new_tokens,
                     length=length,
                     depth=depth,
-                    meta={"distractors": values[1:]},
+                    meta={"distractors": values[1:], "needle": inserts[0][1], "key": values[0]},
                 )
             )
         return samples

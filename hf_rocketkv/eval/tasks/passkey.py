@@ -16,16 +16,15 @@ QUESTION = "What is the pass key? Answer with the number only."
 class PasskeyTask(Task):
     name = "passkey"
     uses_depth = True
-    max_new_tokens = 10
+    max_new_tokens = 16  # "The pass key is 12345." is 11 tokens on SmolLM2 (digits are single tokens)
 
     def build(self, tokenizer, settings) -> list[Sample]:
         samples = []
         for length, depth, index in self.cells(settings):
             r = rng(settings.seed, self.name, length, depth, index)
             key = str(r.randint(10000, 99999))
-            prompt = haystack_prompt(
-                tokenizer, length, r.randrange(2**31), [(depth, NEEDLE.format(key=key))], QUESTION, settings.chat
-            )
+            needle = NEEDLE.format(key=key)
+            prompt = haystack_prompt(tokenizer, length, r.randrange(2**31), [(depth, needle)], QUESTION, settings.chat)
             samples.append(
                 Sample(
                     task=self.name,
@@ -36,6 +35,7 @@ class PasskeyTask(Task):
                     max_new_tokens=settings.max_new_tokens or self.max_new_tokens,
                     length=length,
                     depth=depth,
+                    meta={"needle": needle, "key": key},
                 )
             )
         return samples
