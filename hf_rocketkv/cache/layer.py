@@ -195,13 +195,17 @@ class RocketKVLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------------------------------ stage 1
     def observe_prefill(self, query_states: torch.Tensor, row_start: torch.Tensor | None, scaling: float) -> None:
-        """Remember the last window_size queries (and, on the first forward, each row's padding offset)."""
+        """Remember the last window_size queries and each row's padding offset.
+
+        With chunked prefill the offset comes from the latest chunk: its mask covers every column so far, while an
+        earlier chunk may lie entirely inside a row's left padding (and then under-counts it).
+        """
         self.scaling = scaling
         window = self.config.window_size
         if self.pending_queries is not None and query_states.shape[2] < window:
             query_states = torch.cat([self.pending_queries, query_states], dim=2)
         self.pending_queries = query_states[:, :, -window:].detach()
-        if self.row_start is None:
+        if row_start is not None or self.row_start is None:
             batch = query_states.shape[0]
             self.row_start = row_start if row_start is not None else torch.zeros(batch, dtype=torch.long, device=self.device)
 

@@ -1,0 +1,132 @@
+"""Helpers shared by the integration tests: tiny random models (Llama, Mistral, Qwen2, Qwen3), RocketKV configs and
+generate helpers. Imported as ``from .helpers import ...``; the pytest fixtures built on them live in conftest.py.
+
+Everything runs on CPU with the PyTorch reference backend (``backend="torch"``). Models are built from configs with
+random weights (a fixed seed), so nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+import hf_rocketkv
+from hf_rocketkv import RocketKVConfig
+
+PAD, BOS, EOS = 0, 1, 2
+VOCAB = 128
+
+ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),  # per-head q/k RMSNorm
+}
+
+BASE_CONFIG = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+    pad_token_id=PAD,
+    bos_token_id=BOS,
+    eos_token_id=EOS,
+    tie_word_embeddings=False,
+)
+
+
+def tiny_config(arch: str = "llama", **overrides):
+    config_cls, _ = ARCHS[arch]
+    kwargs = {**BASE_CONFIG, **overrides}
+    if arch == "mistral":
+        kwargs.setdefault("sliding_window", None)
+    return config_cls(**kwargs)
+
+
+def make_models(arch: str = "llama", seed: int = 0, **overrides):
+    """``(rocket, sdpa)``: two copies of one random tiny model, one on ``rocketkv`` attention, one on ``sdpa``.
+
+    Each model gets its own config object (``set_attn_implementation`` writes to the config, which would otherwise be
+    shared).
+    """
+    _, model_cls = ARCHS[arch]
+    config = tiny_config(arch, **overrides)
+    torch.manual_seed(seed)
+    sdpa = model_cls(copy.deepcopy(config)).eval()
+    sdpa.set_attn_implementation("sdpa")
+    rocket = model_cls(copy.deepcopy(config)).eval()
+    rocket.load_state_dict(sdpa.state_dict())
+    hf_rocketkv.enable(rocket)
+    assert rocket.config._attn_implementation == hf_rocketkv.ATTN_NAME
+    assert sdpa.config._attn_implementation == "sdpa"
+    return rocket, sdpa
+
+
+def random_ids(batch: int, length: int, seed: int = 1, low: int = 3) -> torch.LongTensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(low, VOCAB, (batch, length), generator=generator)
+
+
+def left_pad(rows: list[torch.LongTensor]) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """Left-pad 1-D id tensors into a batch; returns ``(input_ids, attention_mask)``."""
+    length = max(len(r) for r in rows)
+    ids = torch.full((len(rows), length), PAD, dtype=torch.long)
+    mask = torch.zeros((len(rows), length), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, length - len(r) :] = r
+        mask[i, length - len(r) :] = 1
+    return ids, mask
+
+
+def greedy(model, input_ids, max_new_tokens: int = 12, **kwargs):
+    """Greedy generate with no early stop (eos disabled), so every run produces exactly ``max_new_tokens``."""
+    kwargs.setdefault("do_sample", False)
+    kwargs.setdefault("eos_token_id", None)
+    kwargs.setdefault("pad_token_id", PAD)
+    with torch.no_grad():
+        return model.generate(input_ids, max_new_tokens=max_new_tokens, **kwargs)
+
+
+def keep_all_config(**overrides) -> RocketKVConfig:
+    """Nothing is evicted (budget above any test prompt) and every KT page is attended: RocketKV == dense."""
+    kwargs = dict(
+        prompt_budget=512, window_size=8, kernel_size=5, topk=4096, topr=16, page_size=4,
+        kt_cache_dtype="float32", backend="torch",
+    )
+    kwargs.update(overrides)
+    return RocketKVConfig(**kwargs)
+
+
+def compressing_config(**overrides) -> RocketKVConfig:
+    """Prompts longer than 24 tokens are evicted down to 24; decode attends 3 pages of 4 tokens."""
+    kwargs = dict(
+        prompt_budget=24, window_size=8, kernel_size=5, topk=3, topr=8, page_size=4,
+        kt_cache_dtype="bfloat16", backend="torch",
+    )
+    kwargs.update(overrides)
+    return RocketKVConfig(**kwargs)
+
+
+def dynamic_cache_bytes(cache) -> int:
+    """Bytes of the K/V tensors of a transformers DynamicCache."""
+    total = 0
+    for layer in cache.layers:
+        for t in (layer.keys, layer.values):
+            if t is not None:
+                total += t.numel() * t.element_size()
+    return total

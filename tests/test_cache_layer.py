@@ -1,0 +1,309 @@
+"""RocketKVLayer / RocketKVCache driven directly (no model): dense prefill store, stage-1 compaction, decode
+appends with incremental KT, capacity growth, beam reordering, later turns, and the attention paths over the store.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_rocketkv import RocketKVCache, RocketKVConfig, RocketKVLayer
+from hf_rocketkv.cache.layer import GenerationHints
+from hf_rocketkv.integration.attention import continuation_attention, decode_attention, padding_offsets
+from hf_rocketkv.selection.stage1_snapkv import snapkv_keep_slots
+from hf_rocketkv.selection.stage2_pages import build_kt, num_pages, page_scores, select_pages
+
+from .test_stage2 import ref_build_kt, ref_sparse_attention
+
+HKV, G, D = 2, 3, 16
+
+
+def config(**overrides):
+    kwargs = dict(prompt_budget=12, window_size=4, kernel_size=3, topk=2, topr=16, page_size=4,
+                  kt_cache_dtype="float32", backend="torch")
+    kwargs.update(overrides)
+    return RocketKVConfig(**kwargs)
+
+
+def prefill(layer, length, batch=2, row_start=None, seed=0):
+    """Run the dense prefill of a layer with random K/V/Q; returns (keys, values, queries) of the prompt."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(batch, HKV, length, D, generator=g)
+    values = torch.randn(batch, HKV, length, D, generator=g)
+    queries = torch.randn(batch, HKV * G, length, D, generator=g)
+    k_out, v_out = layer.update(keys, values)
+    assert torch.equal(k_out, keys) and torch.equal(v_out, values)
+    layer.observe_prefill(queries, row_start, D**-0.5)
+    return keys, values, queries
+
+
+def test_dense_phase_is_a_dynamic_layer():
+    layer = RocketKVLayer(config(), GenerationHints())
+    assert layer.get_seq_length() == 0 and layer.get_max_length() == -1
+    keys, values, _ = prefill(layer, 10)
+    assert layer.get_seq_length() == 10
+    assert layer.get_mask_sizes(1) == (11, 0)
+    more_k, more_v = torch.randn(2, HKV, 3, D), torch.randn(2, HKV, 3, D)
+    k_out, v_out = layer.update(more_k, more_v)  # a second prefill chunk
+    assert torch.equal(k_out, torch.cat([keys, more_k], 2)) and torch.equal(v_out, torch.cat([values, more_v], 2))
+    assert layer.get_seq_length() == 13
+    assert layer.kept_tokens().tolist() == [[13, 13], [13, 13]]
+    assert not layer.compressed
+
+
+@pytest.mark.parametrize("row_start", [None, [0, 7]])
+def test_compress_keeps_stage1_slots_and_builds_kt(row_start):
+    cfg = config(prompt_budget=12, page_size=4)
+    hints = GenerationHints(max_length=40 + 5)
+    layer = RocketKVLayer(cfg, hints)
+    start = torch.tensor(row_start) if row_start is not None else None
+    keys, values, queries = prefill(layer, 40, row_start=start)
+    layer.compress()
+    assert layer.compressed
+    starts = start.tolist() if start is not None else [0, 0]
+    expected = snapkv_keep_slots(
+        queries[:, :, -cfg.window_size :], keys, torch.tensor(starts), torch.tensor([40, 40]),
+        window_size=cfg.window_size, prompt_budget=cfg.prompt_budget, kernel_size=cfg.kernel_size, scaling=D**-0.5,
+    )
+    assert layer.lengths.tolist() == [12, 12]
+    # capacity: kept + tokens still to come (45 - 40), rounded up to whole pages
+    assert layer.capacity == 20 and layer.capacity % cfg.page_size == 0
+    assert layer.keys.shape == (2, HKV, 20, D) and layer.kt.shape == (2, HKV, 5, 2, D)
+    for b in range(2):
+        assert torch.equal(layer.positions[b, :, :12].long(), expected[b])
+        assert torch.all(layer.positions[b, :, 12:] == -1)
+        assert layer.positions[b].min() == -1 and layer.positions[b, :, :12].min() >= starts[b]
+        idx = expected[b][..., None].expand(-1, -1, D)
+        assert torch.equal(layer.keys[b, :, :12], keys[b].gather(1, idx))
+        assert torch.equal(layer.values[b, :, :12], values[b].gather(1, idx))
+    assert torch.equal(layer.kt, ref_build_kt(layer.keys, layer.lengths, cfg.page_size, torch.float32))
+    assert layer.get_seq_length() == 40  # logical length is unchanged by eviction
+    assert layer.pending_queries is None
+
+
+def test_short_prompt_kept_whole_padding_dropped():
+    layer = RocketKVLayer(config(prompt_budget=12), GenerationHints(max_length=20))
+    keys, _, _ = prefill(layer, 10, row_start=torch.tensor([0, 4]))
+    layer.compress()
+    assert layer.lengths.tolist() == [10, 6]
+    assert layer.positions[0, 0, :10].tolist() == list(range(10))
+    assert layer.positions[1, 0, :6].tolist() == list(range(4, 10))
+    assert torch.equal(layer.keys[1, :, :6], keys[1, :, 4:])
+    assert layer.kept_tokens().tolist() == [[10, 10], [6, 6]]
+
+
+def test_padding_offset_comes_from_latest_prefill_chunk():
+    """Chunked prefill: a first chunk lying entirely in row 1's padding reports offset 8 (its length); the second
+    chunk's mask shows the real offset 11. Stage 1 must use 11, never keeping a padding column."""
+    layer = RocketKVLayer(config(prompt_budget=6, window_size=4), GenerationHints(max_length=20))
+    g = torch.Generator().manual_seed(0)
+    for offsets in ([0, 8], [0, 11]):
+        layer.update(torch.randn(2, HKV, 8, D, generator=g), torch.randn(2, HKV, 8, D, generator=g))
+        layer.observe_prefill(torch.randn(2, HKV * G, 8, D, generator=g), torch.tensor(offsets), D**-0.5)
+    layer.compress()
+    assert layer.lengths.tolist() == [6, 5]
+    assert layer.positions[1, :, :5].tolist() == [list(range(11, 16))] * HKV
+
+
+@pytest.mark.parametrize("kt_dtype", ["float32", "bfloat16", "float8_e5m2"])
+def test_decode_appends_update_kt_incrementally(kt_dtype):
+    cfg = config(kt_cache_dtype=kt_dtype, page_size=4, prompt_budget=10)
+    layer = RocketKVLayer(cfg, GenerationHints(max_length=30 + 9))
+    prefill(layer, 30, row_start=torch.tensor([0, 25]))  # row 1 keeps 5 tokens, row 0 keeps 10
+    layer.compress()
+    assert layer.kt.dtype == cfg.kt_torch_dtype
+    for step in range(9):
+        k, v = torch.randn(2, HKV, 1, D), torch.randn(2, HKV, 1, D)
+        slots = layer.lengths.clone()
+        k_out, v_out = layer.update(k, v)
+        assert k_out is layer.keys and v_out is layer.values
+        for b in range(2):
+            assert torch.equal(layer.keys[b, :, slots[b]], k[b, :, 0])
+            assert torch.equal(layer.values[b, :, slots[b]], v[b, :, 0])
+            assert torch.all(layer.positions[b, :, slots[b]] == 30 + step)
+        assert torch.equal(layer.lengths, slots + 1)
+        assert torch.equal(layer.kt.float(), build_kt(layer.keys, layer.lengths, 4, cfg.kt_torch_dtype).float())
+    assert layer.lengths.tolist() == [19, 14]
+    assert layer.get_seq_length() == 39
+
+
+def test_capacity_grows_without_hints():
+    cfg = config(prompt_budget=8, page_size=4, capacity_headroom=3)  # rounded up to whole pages
+    layer = RocketKVLayer(cfg, GenerationHints())
+    prefill(layer, 20, batch=1)
+    layer.compress()
+    assert layer.capacity == 12  # 8 kept + 3 headroom -> 12
+    written = []
+    for _ in range(10):
+        k = torch.randn(1, HKV, 1, D)
+        written.append(k[0, :, 0])
+        layer.update(k, torch.randn(1, HKV, 1, D))
+    assert layer.lengths.tolist() == [18]
+    assert layer.capacity >= 18 and layer.capacity % 4 == 0
+    assert torch.equal(layer.keys[0, :, 8:18], torch.stack(written, dim=1))
+    assert layer.positions[0, 0, :18].tolist()[8:] == list(range(20, 30))
+    assert torch.all(layer.positions[0, :, 18:] == -1)
+    assert torch.equal(layer.kt, build_kt(layer.keys, layer.lengths, 4, torch.float32))
+
+
+def test_reorder_cache_for_beams():
+    layer = RocketKVLayer(config(), GenerationHints(max_length=40))
+    prefill(layer, 30, batch=3, row_start=torch.tensor([0, 10, 20]))
+    layer.compress()
+    layer.update(torch.randn(3, HKV, 1, D), torch.randn(3, HKV, 1, D))
+    before = {name: getattr(layer, name).clone() for name in ("keys", "values", "kt", "positions", "lengths")}
+    beam_idx = torch.tensor([2, 2, 0])
+    layer.reorder_cache(beam_idx)
+    for name, tensor in before.items():
+        assert torch.equal(getattr(layer, name), tensor[beam_idx]), name
+
+
+def test_later_turn_appends_and_recompresses():
+    cfg = config(prompt_budget=12, window_size=4, page_size=4)
+    layer = RocketKVLayer(cfg, GenerationHints(max_length=100))
+    prefill(layer, 30, batch=2, row_start=torch.tensor([0, 22]))
+    layer.compress()
+    for _ in range(3):
+        layer.update(torch.randn(2, HKV, 1, D), torch.randn(2, HKV, 1, D))
+    assert layer.lengths.tolist() == [15, 11]
+    new_k, new_v = torch.randn(2, HKV, 6, D), torch.randn(2, HKV, 6, D)
+    layer.update(new_k, new_v)  # a second turn of 6 tokens on a compressed layer
+    assert layer.lengths.tolist() == [21, 17]
+    assert layer.get_seq_length() == 39
+    for b, n in enumerate([15, 11]):
+        assert torch.equal(layer.keys[b, :, n : n + 6], new_k[b])
+        assert layer.positions[b, 0, n : n + 6].tolist() == list(range(33, 39))
+    assert torch.equal(layer.kt, build_kt(layer.keys, layer.lengths, 4, torch.float32))
+    layer.observe_prefill(torch.randn(2, HKV * G, 6, D), None, D**-0.5)
+    positions_before = layer.positions.clone()
+    layer.compress()
+    assert layer.lengths.tolist() == [12, 12]
+    for b in range(2):
+        kept = layer.positions[b, 0, :12].tolist()
+        assert kept == sorted(kept) and kept[-4:] == [35, 36, 37, 38]  # the new turn's window is kept
+        assert set(kept) <= set(positions_before[b, 0].tolist()) - {-1}
+    assert torch.equal(layer.kt, build_kt(layer.keys, layer.lengths, 4, torch.float32))
+
+
+def test_unsupported_operations_raise():
+    layer = RocketKVLayer(config(), GenerationHints())
+    with pytest.raises(NotImplementedError, match="crop"):
+        layer.crop(-1)
+    with pytest.raises(NotImplementedError, match="offload"):
+        layer.offload()
+    cache = RocketKVCache(config())
+    with pytest.raises(NotImplementedError, match="assisted"):
+        cache.crop(-2)
+    with pytest.raises(TypeError, match="RocketKVConfig"):
+        RocketKVCache({"prompt_budget": 12})
+
+
+def test_cache_container():
+    cache = RocketKVCache(config(), topk=7)
+    assert cache.config.topk == 7 and cache.config.prompt_budget == 12
+    with pytest.raises(ValueError, match="page_size"):
+        RocketKVCache(config(), page_size=3)
+    assert not cache.is_compressed
+    with pytest.raises(IndexError):
+        cache.kept_tokens(0)
+    for layer_idx in range(2):
+        cache.update(torch.randn(1, HKV, 20, D), torch.randn(1, HKV, 20, D), layer_idx)
+        from hf_rocketkv.integration import handoff
+
+        assert handoff.take(layer_idx) is cache  # the attention function of the same layer finds the cache
+    assert cache.get_seq_length() == 20
+    with pytest.raises(ValueError, match="not compressed"):
+        cache.kept_positions(0)
+    for layer in cache.layers:
+        layer.observe_prefill(torch.randn(1, HKV * G, 20, D), None, D**-0.5)
+        layer.compress()
+    assert cache.is_compressed
+    assert cache.kept_tokens(1).tolist() == [[12, 12]]
+    expected = 0
+    for layer in cache.layers:
+        for t in (layer.keys, layer.values, layer.kt, layer.positions, layer.lengths):
+            expected += t.numel() * t.element_size()
+    assert cache.memory_bytes() == expected
+
+
+def test_handoff_detects_missing_rocketkv_attention():
+    from hf_rocketkv.integration import handoff
+
+    cache = RocketKVCache(config())
+    cache.update(torch.randn(1, HKV, 4, D), torch.randn(1, HKV, 4, D), 0)
+    with pytest.raises(RuntimeError, match="rocketkv"):
+        cache.update(torch.randn(1, HKV, 4, D), torch.randn(1, HKV, 4, D), 1)  # layer 0's pointer never taken
+    assert handoff.take(1) is None  # cleared after the error
+
+
+# ------------------------------------------------------------------------------------------------ attention paths
+
+
+def compressed_layer(topk, batch=2, seed=0, decode_steps=3):
+    cfg = config(topk=topk, page_size=4, prompt_budget=12)
+    layer = RocketKVLayer(cfg, GenerationHints(max_length=60))
+    prefill(layer, 30, batch=batch, row_start=torch.tensor([0, 21][:batch]), seed=seed)
+    layer.compress()
+    for _ in range(decode_steps):
+        layer.update(torch.randn(batch, HKV, 1, D), torch.randn(batch, HKV, 1, D))
+    return layer
+
+
+def test_decode_attention_all_pages_equals_dense_over_stored_tokens():
+    layer = compressed_layer(topk=1000)
+    query = torch.randn(2, HKV * G, 1, D)
+    out = decode_attention(layer, query, D**-0.5)
+    assert out.shape == (2, 1, HKV * G, D)
+    for b in range(2):
+        n = int(layer.lengths[b])
+        dense = F.scaled_dot_product_attention(
+            query[b : b + 1], layer.keys[b : b + 1, :, :n], layer.values[b : b + 1, :, :n], scale=D**-0.5,
+            enable_gqa=True,
+        )
+        torch.testing.assert_close(out[b : b + 1], dense.transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_sparse_matches_reference():
+    layer = compressed_layer(topk=2)
+    query = torch.randn(2, HKV * G, 1, D)
+    out = decode_attention(layer, query, D**-0.5)
+    q = query.reshape(2, HKV, G, D)
+    n_pages = num_pages(layer.lengths, 4)
+    probs = page_scores(q, layer.kt, n_pages, layer.config.topr)
+    page_idx, page_valid = select_pages(probs, n_pages, 2)
+    assert torch.all(page_valid.sum(-1) == 2)
+    ref = ref_sparse_attention(q, layer.keys, layer.values, page_idx, page_valid, layer.lengths, 4, D**-0.5)
+    torch.testing.assert_close(out.transpose(1, 2).reshape(2, HKV, G, D).double(), ref, rtol=1e-5, atol=1e-5)
+    dense = decode_attention(compressed_layer(topk=1000), query, D**-0.5)
+    assert not torch.allclose(out, dense, atol=1e-3), "topk=2 of 4-5 pages should differ from dense attention"
+
+
+def test_continuation_attention_is_causal_over_kept_and_new():
+    layer = compressed_layer(topk=2, decode_steps=2)
+    n = 5
+    before = layer.lengths.clone()
+    layer.update(torch.randn(2, HKV, n, D), torch.randn(2, HKV, n, D))
+    query = torch.randn(2, HKV * G, n, D)
+    out = continuation_attention(layer, query, D**-0.5)
+    assert out.shape == (2, n, HKV * G, D)
+    for b in range(2):
+        for i in range(n):
+            m = int(before[b]) + i + 1
+            dense = F.scaled_dot_product_attention(
+                query[b : b + 1, :, i : i + 1], layer.keys[b : b + 1, :, :m], layer.values[b : b + 1, :, :m],
+                scale=D**-0.5, enable_gqa=True,
+            )
+            torch.testing.assert_close(out[b, i], dense[0, :, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_padding_offsets_from_mask():
+    mask = torch.ones(3, 1, 4, 6, dtype=torch.bool)
+    mask[1, ..., :2] = False
+    mask[2, ..., :5] = False
+    assert padding_offsets(mask, 6).tolist() == [0, 2, 5]
+    assert padding_offsets(None, 6) is None
+    right = torch.ones(1, 1, 1, 6, dtype=torch.bool)
+    right[..., 4:] = False
+    with pytest.raises(ValueError, match="left"):
+        padding_offsets(right, 6)

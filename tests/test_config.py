@@ -1,0 +1,205 @@
+"""RocketKVConfig: validation messages, TensorRT-LLM defaults and the YAML shape ``sparse_attention_config``."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import yaml
+
+from hf_rocketkv import RocketKVConfig
+from hf_rocketkv.kernels.dispatch import get_ops
+
+INT_FIELDS = ("window_size", "kernel_size", "prompt_budget", "topk", "topr", "page_size", "capacity_headroom")
+
+
+def _raises(match_all: list[str], **kwargs) -> str:
+    with pytest.raises(ValueError) as info:
+        RocketKVConfig(**kwargs)
+    message = str(info.value)
+    for fragment in match_all:
+        assert fragment in message, f"{fragment!r} missing from error message: {message}"
+    return message
+
+
+def test_defaults_are_tensorrt_llm_defaults():
+    config = RocketKVConfig()
+    assert (config.window_size, config.kernel_size, config.prompt_budget) == (32, 63, 2048)
+    assert (config.topk, config.topr, config.page_size) == (64, 128, 4)
+    assert config.kt_cache_dtype == "float8_e5m2"
+    assert config.kt_torch_dtype == torch.float8_e5m2
+
+
+@pytest.mark.parametrize("page_size", [0, 3, 6, 12, -4])
+def test_page_size_must_be_power_of_two(page_size):
+    _raises(["page_size", "power of 2", str(page_size)], page_size=page_size)
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 4, 8, 64])
+def test_page_size_powers_of_two_accepted(page_size):
+    assert RocketKVConfig(page_size=page_size).page_size == page_size
+
+
+def test_window_larger_than_prompt_budget():
+    message = _raises(["prompt_budget", "window_size", "64"], window_size=64, prompt_budget=32)
+    assert "32" in message
+    assert RocketKVConfig(window_size=32, prompt_budget=32).prompt_budget == 32  # equal is allowed
+
+
+@pytest.mark.parametrize("kernel_size", [0, -1, 2, 64])
+def test_kernel_size_odd_and_positive(kernel_size):
+    _raises(["kernel_size", "odd", ">= 1", str(kernel_size)], kernel_size=kernel_size)
+
+
+@pytest.mark.parametrize("kernel_size", [1, 3, 63])
+def test_kernel_size_odd_accepted(kernel_size):
+    assert RocketKVConfig(kernel_size=kernel_size).kernel_size == kernel_size
+
+
+@pytest.mark.parametrize("field", ["topk", "topr"])
+@pytest.mark.parametrize("value", [0, -3])
+def test_topk_topr_at_least_one(field, value):
+    _raises([field, ">= 1", str(value)], **{field: value})
+
+
+def test_window_size_at_least_one():
+    _raises(["window_size", ">= 1"], window_size=0)
+
+
+def test_capacity_headroom_at_least_one():
+    _raises(["capacity_headroom", ">= 1"], capacity_headroom=0)
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "float8_e4m3fn", "int8", "bf16", ""])
+def test_unknown_kt_cache_dtype(dtype):
+    message = _raises(["kt_cache_dtype", repr(dtype)], kt_cache_dtype=dtype)
+    for allowed in ("float8_e5m2", "bfloat16", "float16", "float32"):
+        assert allowed in message
+
+
+@pytest.mark.parametrize("dtype,torch_dtype", [
+    ("float8_e5m2", torch.float8_e5m2), ("bfloat16", torch.bfloat16),
+    ("float16", torch.float16), ("float32", torch.float32),
+])
+def test_kt_cache_dtypes_accepted(dtype, torch_dtype):
+    assert RocketKVConfig(kt_cache_dtype=dtype).kt_torch_dtype == torch_dtype
+
+
+@pytest.mark.parametrize("backend", ["cuda", "Torch", "", "pytorch"])
+def test_unknown_backend(backend):
+    message = _raises(["backend", repr(backend)], backend=backend)
+    for allowed in ("auto", "torch", "triton"):
+        assert allowed in message
+
+
+@pytest.mark.parametrize("field", INT_FIELDS)
+@pytest.mark.parametrize("value", [4.0, "4", True, None])
+def test_non_integer_values(field, value):
+    _raises([field, "integer", repr(value)], **{field: value})
+
+
+def test_replace_validates():
+    config = RocketKVConfig(prompt_budget=64, window_size=8)
+    assert config.replace(topk=3).topk == 3
+    with pytest.raises(ValueError, match="page_size"):
+        config.replace(page_size=5)
+
+
+def test_triton_backend_needs_cuda_on_cpu(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="triton"):
+        get_ops("triton", torch.device("cpu"))
+    assert get_ops("torch", torch.device("cpu")).name == "torch"
+    assert get_ops("auto", torch.device("cpu")).name == "torch"
+
+
+# ---------------------------------------------------------------------------------------------------------- YAML
+
+TRT_YAML = """\
+sparse_attention_config:
+  algorithm: rocket
+  window_size: 16
+  kernel_size: 31
+  prompt_budget: 1024
+  topk: 32
+  topr: 96
+  page_size: 8
+  kt_cache_dtype: bfloat16
+"""
+
+
+def test_yaml_in_tensorrt_llm_shape():
+    config = RocketKVConfig.from_yaml(TRT_YAML)
+    assert config == RocketKVConfig(
+        window_size=16, kernel_size=31, prompt_budget=1024, topk=32, topr=96, page_size=8, kt_cache_dtype="bfloat16"
+    )
+
+
+def test_yaml_round_trip_text_and_file(tmp_path):
+    config = RocketKVConfig(
+        window_size=8, kernel_size=7, prompt_budget=100, topk=5, topr=12, page_size=2,
+        kt_cache_dtype="float32", backend="torch", capacity_headroom=17,
+    )
+    text = config.to_yaml()
+    data = yaml.safe_load(text)
+    assert list(data) == ["sparse_attention_config"]
+    section = data["sparse_attention_config"]
+    assert section["algorithm"] == "rocket"
+    assert section["prompt_budget"] == 100 and section["page_size"] == 2 and section["kt_cache_dtype"] == "float32"
+    assert RocketKVConfig.from_yaml(text) == config
+
+    path = tmp_path / "rocket.yaml"
+    config.to_yaml(path)
+    assert RocketKVConfig.from_yaml(path) == config
+    assert RocketKVConfig.from_yaml(str(path)) == config
+
+
+def test_from_dict_flat_and_sectioned():
+    flat = {"prompt_budget": 64, "window_size": 8, "topk": 4}
+    assert RocketKVConfig.from_dict(flat) == RocketKVConfig(prompt_budget=64, window_size=8, topk=4)
+    assert RocketKVConfig.from_dict({"sparse_attention_config": flat}) == RocketKVConfig.from_dict(flat)
+    assert RocketKVConfig.from_dict(RocketKVConfig(topk=7).to_dict()) == RocketKVConfig(topk=7)
+
+
+def test_yaml_unknown_key_named():
+    text = TRT_YAML + "  use_interleave: true\n"
+    with pytest.raises(ValueError) as info:
+        RocketKVConfig.from_yaml(text)
+    assert "use_interleave" in str(info.value)
+    assert "prompt_budget" in str(info.value)  # lists what is allowed
+
+
+def test_unknown_top_level_key_named():
+    with pytest.raises(ValueError, match="kv_cache_config"):
+        RocketKVConfig.from_dict({"sparse_attention_config": {"algorithm": "rocket"}, "kv_cache_config": {}})
+
+
+@pytest.mark.parametrize("algorithm", ["quest", "Rocket", "dsa"])
+def test_wrong_algorithm_named(algorithm):
+    text = TRT_YAML.replace("algorithm: rocket", f"algorithm: {algorithm}")
+    with pytest.raises(ValueError) as info:
+        RocketKVConfig.from_yaml(text)
+    message = str(info.value)
+    assert "algorithm" in message and algorithm in message and "'rocket'" in message
+
+
+def test_yaml_invalid_value_names_field():
+    with pytest.raises(ValueError, match=re.escape("page_size")):
+        RocketKVConfig.from_yaml(TRT_YAML.replace("page_size: 8", "page_size: 6"))
+    with pytest.raises(ValueError, match="topk"):
+        RocketKVConfig.from_yaml(TRT_YAML.replace("topk: 32", "topk: 3.5"))
+
+
+def test_yaml_malformed_and_wrong_types():
+    with pytest.raises(ValueError):
+        RocketKVConfig.from_yaml("sparse_attention_config: [1, 2")
+    with pytest.raises(ValueError, match="mapping"):
+        RocketKVConfig.from_yaml("sparse_attention_config: 3\n")
+    with pytest.raises(ValueError, match="mapping"):
+        RocketKVConfig.from_dict(["prompt_budget", 3])
+
+
+def test_missing_yaml_file_raises(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        RocketKVConfig.from_yaml(str(tmp_path / "absent.yaml"))

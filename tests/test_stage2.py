@@ -1,0 +1,341 @@
+"""Stage 2 (KT page summaries, page scoring, top-k pages, sparse attention) against brute-force references (spec §3).
+
+References loop over batch rows, KV heads, pages, channels and query heads in float64. Scoring follows the
+TensorRT-LLM variant the package implements: temperature 1/sqrt(D), top-r channels by |q| summed over the GQA group,
+max/min picked per channel by the sign of the group-summed q, softmax over the row's valid pages, mean over the
+group, and q rounded to the KT dtype before scoring.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_rocketkv.kernels.sparse_decode_attention import sparse_decode_attention_torch
+from hf_rocketkv.selection.stage2_pages import build_kt, num_pages, page_scores, select_pages, update_kt
+
+KT_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e5m2]
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+# ------------------------------------------------------------------------------------------------ references
+
+
+def ref_build_kt(keys, lengths, page_size, kt_dtype):
+    batch, heads, capacity, dim = keys.shape
+    out = torch.zeros(batch, heads, capacity // page_size, 2, dim)
+    for b in range(batch):
+        for h in range(heads):
+            for p in range(capacity // page_size):
+                tokens = list(range(p * page_size, min((p + 1) * page_size, int(lengths[b]))))
+                if not tokens:
+                    continue  # an empty page holds zeros
+                for d in range(dim):
+                    column = [keys[b, h, t, d].item() for t in tokens]
+                    out[b, h, p, 0, d] = min(column)
+                    out[b, h, p, 1, d] = max(column)
+    return out.to(kt_dtype)
+
+
+def ref_page_scores(q, kt, n_pages, topr):
+    batch, heads, group, dim = q.shape
+    out = torch.zeros(batch, heads, kt.shape[2], dtype=torch.float64)
+    for b in range(batch):
+        n = int(n_pages[b])
+        if n == 0:
+            continue
+        for h in range(heads):
+            qq = q[b, h].to(kt.dtype).double()  # [G, D], rounded to the KT dtype like TensorRT-LLM
+            magnitude = [sum(abs(qq[g, c].item()) for g in range(group)) for c in range(dim)]
+            channels = sorted(range(dim), key=lambda c: -magnitude[c])[: min(topr, dim)]
+            use_max = [sum(qq[g, c].item() for g in range(group)) > 0 for c in channels]
+            probs = []
+            for g in range(group):
+                logits = []
+                for j in range(n):
+                    s = 0.0
+                    for c, take_max in zip(channels, use_max):
+                        bound = kt[b, h, j, 1 if take_max else 0, c].double().item()
+                        s += qq[g, c].item() * bound
+                    logits.append(s / math.sqrt(dim))
+                probs.append(torch.softmax(torch.tensor(logits, dtype=torch.float64), dim=0))
+            out[b, h, :n] = torch.stack(probs).mean(dim=0)
+    return out
+
+
+def ref_sparse_attention(q, keys, values, page_idx, page_valid, lengths, page_size, scaling):
+    batch, heads, group, dim = q.shape
+    out = torch.zeros(batch, heads, group, dim, dtype=torch.float64)
+    for b in range(batch):
+        for h in range(heads):
+            slots = sorted(
+                t
+                for p, ok in zip(page_idx[b, h].tolist(), page_valid[b, h].tolist())
+                if ok
+                for t in range(p * page_size, min((p + 1) * page_size, int(lengths[b])))
+            )
+            if not slots:
+                continue
+            k = keys[b, h, slots].double()
+            v = values[b, h, slots].double()
+            for g in range(group):
+                weights = torch.softmax(k @ q[b, h, g].double() * scaling, dim=0)
+                out[b, h, g] = weights @ v
+    return out
+
+
+def has_channel_gap(q, topr):
+    """True when the top-``topr`` channel set by group-summed |q| is unique (no tie at the boundary)."""
+    dim = q.shape[-1]
+    if topr >= dim:
+        return True
+    magnitude = q.double().abs().sum(dim=2).sort(dim=-1, descending=True).values
+    return bool(torch.all(magnitude[..., topr - 1] - magnitude[..., topr] > 1e-4))
+
+
+# ------------------------------------------------------------------------------------------------ KT
+
+
+@pytest.mark.parametrize("kt_dtype", KT_DTYPES)
+@pytest.mark.parametrize("page_size", [1, 2, 4, 8])
+def test_build_kt_matches_loops(kt_dtype, page_size):
+    capacity = 6 * page_size
+    keys = torch.randn(3, 2, capacity, 8, generator=gen(page_size)) * 3
+    lengths = torch.tensor([capacity, capacity - page_size // 2 - 1, 1 if page_size > 1 else 3])
+    got = build_kt(keys, lengths, page_size, kt_dtype)
+    assert got.dtype == kt_dtype and got.shape == (3, 2, 6, 2, 8)
+    ref = ref_build_kt(keys, lengths, page_size, kt_dtype)
+    assert torch.equal(got.float(), ref.float())
+
+
+def test_build_kt_ignores_garbage_after_length():
+    keys = torch.randn(1, 1, 8, 4, generator=gen(3))
+    keys[0, 0, 5:] = 1e4  # not stored tokens: must not leak into the partial page
+    kt = build_kt(keys, torch.tensor([5]), 4, torch.float32)
+    assert torch.equal(kt[0, 0, 1, 0], keys[0, 0, 4])
+    assert torch.equal(kt[0, 0, 1, 1], keys[0, 0, 4])
+
+
+@pytest.mark.parametrize("kt_dtype", KT_DTYPES)
+@pytest.mark.parametrize("page_size", [1, 2, 4])
+def test_update_kt_incremental_equals_rebuild(kt_dtype, page_size):
+    capacity, dim = 40, 16
+    keys = torch.randn(3, 2, capacity, dim, generator=gen(7 + page_size)) * 4
+    lengths = torch.tensor([0, 5, 2 * page_size])
+    stored = torch.zeros_like(keys)
+    for b, n in enumerate(lengths.tolist()):
+        stored[b, :, :n] = keys[b, :, :n]
+    kt = build_kt(stored, lengths, page_size, kt_dtype)
+    for _ in range(capacity - int(lengths.max())):
+        slot = lengths.clone()
+        rows = torch.arange(3)
+        key_new = keys[rows, :, slot]  # [B, Hkv, D]
+        stored[rows, :, slot] = key_new
+        update_kt(kt, key_new, slot, page_size)
+        lengths = lengths + 1
+        assert torch.equal(kt.float(), build_kt(stored, lengths, page_size, kt_dtype).float()), lengths.tolist()
+
+
+def test_update_kt_fresh_page_overwrites_stale_summary():
+    """A page that starts fresh must not keep min/max of whatever the buffer held before (e.g. zeros)."""
+    kt = torch.zeros(1, 1, 2, 2, 4)
+    kt[0, 0, 1] = -100.0
+    key_new = torch.full((1, 1, 4), 5.0)
+    update_kt(kt, key_new, torch.tensor([4]), 4)
+    assert torch.equal(kt[0, 0, 1, 0], key_new[0, 0]) and torch.equal(kt[0, 0, 1, 1], key_new[0, 0])
+
+
+# ------------------------------------------------------------------------------------------------ page scores
+
+SCORE_CASES = [
+    # batch, kv heads, group, head_dim, pages, lengths, topr, kt dtype
+    (1, 1, 1, 16, 5, [17], 16, torch.float32),
+    (2, 2, 4, 16, 6, [24, 9], 8, torch.float32),
+    (2, 3, 2, 32, 8, [29, 32], 5, torch.float32),
+    (3, 2, 8, 16, 7, [28, 1, 13], 3, torch.float32),
+    (2, 2, 4, 64, 5, [20, 11], 64, torch.bfloat16),
+    (2, 2, 2, 32, 6, [21, 24], 12, torch.bfloat16),
+    (2, 1, 3, 16, 9, [36, 7], 100, torch.float8_e5m2),
+    (2, 2, 4, 32, 6, [24, 18], 32, torch.float8_e5m2),
+    (1, 2, 1, 16, 4, [16], 1, torch.float32),
+    (2, 2, 2, 16, 5, [19, 4], 16, torch.float16),
+]
+
+
+@pytest.mark.parametrize("index", range(len(SCORE_CASES)))
+def test_page_scores_match_reference(index):
+    batch, heads, group, dim, pages, lengths, topr, kt_dtype = SCORE_CASES[index]
+    page_size = 4
+    lengths = torch.tensor(lengths)
+    seed = index
+    while True:  # resample until the top-r channel set is unique (ties are an implementation choice)
+        q = torch.randn(batch, heads, group, dim, generator=gen(seed))
+        if has_channel_gap(q.to(kt_dtype).float(), topr):
+            break
+        seed += 1000
+    keys = torch.randn(batch, heads, pages * page_size, dim, generator=gen(seed + 1)) * 2
+    kt = build_kt(keys, lengths, page_size, kt_dtype)
+    n_pages = num_pages(lengths, page_size)
+    got = page_scores(q, kt, n_pages, topr)
+    assert got.dtype == torch.float32 and got.shape == (batch, heads, pages)
+    ref = ref_page_scores(q, kt, n_pages, topr)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-6)
+    for b in range(batch):
+        assert torch.all(got[b, :, int(n_pages[b]) :] == 0), "pages past the row's length must score 0"
+        torch.testing.assert_close(got[b, :, : int(n_pages[b])].sum(-1), torch.ones(heads), rtol=1e-5, atol=1e-5)
+
+
+def test_num_pages():
+    assert num_pages(torch.tensor([0, 1, 4, 5, 8]), 4).tolist() == [0, 1, 1, 2, 2]
+
+
+def test_page_scores_sign_tie_picks_min():
+    """Group-summed q == 0 in a channel -> Kmin (the sign rule is 'max if sum > 0 else min')."""
+    q = torch.tensor([[[[1.0, 1.0], [-1.0, 1.0]]]])  # G=2; channel 0 sums to 0 (-> min), channel 1 to 2 (-> max)
+    kt = torch.zeros(1, 1, 2, 2, 2)
+    kt[0, 0, 0, 0, 0], kt[0, 0, 0, 1, 0] = -3.0, 3.0  # page 0: channel 0 in [-3, 3], channel 1 = 0
+    kt[0, 0, 1, :, :] = 1.0  # page 1: every key is (1, 1)
+    probs = page_scores(q, kt, torch.tensor([2]), topr=2)[0, 0]
+    scale = 2**-0.5
+    head0 = torch.softmax(torch.tensor([-3.0, 2.0]) * scale, 0)  # Kmin on channel 0: 1*-3, page 1: 1 + 1
+    head1 = torch.softmax(torch.tensor([3.0, 0.0]) * scale, 0)  # -1*-3, page 1: -1 + 1
+    torch.testing.assert_close(probs, (head0 + head1) / 2)
+    torch.testing.assert_close(probs.double()[None, None], ref_page_scores(q, kt, torch.tensor([2]), topr=2))
+
+
+def test_page_scores_use_group_sign_not_per_head_bound():
+    """For GQA the picked bound is shared by the group (group-summed sign), unlike a per-head max(q*Kmax, q*Kmin)."""
+    q = torch.tensor([[[[2.0], [-1.0]]]])  # sum 1 > 0 -> Kmax for both heads
+    kt = torch.zeros(1, 1, 2, 2, 1)
+    kt[0, 0, 0, 0, 0], kt[0, 0, 0, 1, 0] = -4.0, 1.0
+    kt[0, 0, 1, 0, 0], kt[0, 0, 1, 1, 0] = 0.0, 0.0
+    probs = page_scores(q, kt, torch.tensor([2]), topr=1)[0, 0]
+    # Kmax = 1: head 0 logit 2 vs 0, head 1 logit -1 vs 0 (scaled by 1/sqrt(1))
+    p0 = torch.softmax(torch.tensor([2.0, 0.0]), 0)
+    p1 = torch.softmax(torch.tensor([-1.0, 0.0]), 0)
+    torch.testing.assert_close(probs, (p0 + p1) / 2)
+
+
+def test_page_scores_temperature_is_inverse_sqrt_head_dim():
+    dim = 16
+    q = torch.zeros(1, 1, 1, dim)
+    q[..., 0] = 4.0
+    kt = torch.zeros(1, 1, 2, 2, dim)
+    kt[0, 0, 0, :, 0] = 2.0  # page 0 logit 8 / sqrt(16) = 2, page 1 logit 0
+    probs = page_scores(q, kt, torch.tensor([2]), topr=1)[0, 0]
+    torch.testing.assert_close(probs, torch.softmax(torch.tensor([2.0, 0.0]), 0))
+
+
+def test_topr_channels_by_group_summed_magnitude():
+    """Only the top-r channels of sum_g |q| count: a huge key in an unselected channel changes nothing."""
+    q = torch.tensor([[[[3.0, 0.1, -2.0, 0.2], [-3.0, 0.1, -2.0, 0.2]]]])  # |q| sums: 6, .2, 4, .4
+    kt = torch.zeros(1, 1, 3, 2, 4)
+    kt[0, 0, :, :, 0] = torch.tensor([1.0, -1.0, 0.5])[:, None]
+    kt[0, 0, :, :, 2] = torch.tensor([-1.0, 0.0, 2.0])[:, None]
+    base = page_scores(q, kt, torch.tensor([3]), topr=2)
+    kt2 = kt.clone()
+    kt2[0, 0, 1, :, 3] = 50.0  # channel 3 is not among the top 2
+    torch.testing.assert_close(page_scores(q, kt2, torch.tensor([3]), topr=2), base)
+    assert not torch.allclose(page_scores(q, kt2, torch.tensor([3]), topr=4), base)
+
+
+# ------------------------------------------------------------------------------------------------ select pages
+
+
+def assert_selection(page_idx, page_valid, probs, n_pages, topk):
+    batch, heads, total = probs.shape
+    assert page_idx.dtype == torch.long and page_valid.dtype == torch.bool
+    assert page_idx.shape == page_valid.shape == (batch, heads, min(topk, total))
+    for b in range(batch):
+        n = int(n_pages[b])
+        k = min(topk, n)
+        for h in range(heads):
+            idx = page_idx[b, h].tolist()
+            valid = page_valid[b, h].tolist()
+            chosen = [p for p, ok in zip(idx, valid) if ok]
+            assert len(chosen) == k, f"row {b} head {h}: {len(chosen)} valid pages, expected min(topk, pages)={k}"
+            assert len(set(chosen)) == k
+            assert all(0 <= p < n for p in chosen), "a page past the row's length was selected"
+            assert len(set(idx)) == len(idx), "a page was returned twice"
+            if n == 0:
+                continue
+            assert n - 1 in chosen, "the page holding the newest token must be selected"
+            others = [p for p in chosen if p != n - 1]
+            scores = probs[b, h, : n - 1].double().tolist()
+            ranked = sorted(scores, reverse=True)
+            if others:
+                kth = ranked[len(others) - 1]
+                for p in range(n - 1):
+                    if p in others:
+                        assert scores[p] >= kth - 1e-12
+                    else:
+                        assert scores[p] <= kth + 1e-12
+
+
+@pytest.mark.parametrize("topk", [1, 2, 3, 5, 8, 64])
+def test_select_pages(topk):
+    total = 8
+    n_pages = torch.tensor([8, 5, 1, 3, 0])
+    probs = torch.rand(5, 3, total, generator=gen(topk))
+    probs = probs * (torch.arange(total)[None, None, :] < n_pages[:, None, None])
+    page_idx, page_valid = select_pages(probs, n_pages, topk)
+    assert_selection(page_idx, page_valid, probs, n_pages, topk)
+    assert torch.equal(page_valid, page_idx < n_pages[:, None, None])
+
+
+def test_select_pages_newest_forced_even_when_lowest():
+    probs = torch.tensor([[[0.5, 0.3, 0.2, 0.0]]])  # newest page (2) scores low, page 3 unused
+    page_idx, page_valid = select_pages(probs, torch.tensor([3]), topk=2)
+    assert sorted(page_idx[0, 0][page_valid[0, 0]].tolist()) == [0, 2]
+
+
+# ------------------------------------------------------------------------------------------------ sparse attention
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group,dim,page_size,topk", [(1, 16, 4, 2), (4, 32, 2, 5), (8, 64, 8, 1), (3, 16, 1, 7)])
+def test_sparse_decode_attention_equals_dense_on_selected_tokens(dtype, group, dim, page_size, topk):
+    batch, heads, total_pages = 3, 2, 6
+    capacity = total_pages * page_size
+    g = gen(group * dim + page_size)
+    q = torch.randn(batch, heads, group, dim, generator=g).to(dtype)
+    keys = torch.randn(batch, heads, capacity, dim, generator=g).to(dtype)
+    values = torch.randn(batch, heads, capacity, dim, generator=g).to(dtype)
+    lengths = torch.tensor([capacity, capacity - page_size // 2 - 1 if page_size > 1 else capacity - 3, 1])
+    keys[2, :, 1:] = 1e4  # slots past the row's length hold stale data that must not be attended
+    values[2, :, 1:] = 1e4
+    n_pages = num_pages(lengths, page_size)
+    probs = torch.rand(batch, heads, total_pages, generator=g)
+    page_idx, page_valid = select_pages(probs, n_pages, topk)
+    scaling = dim**-0.5
+    got = sparse_decode_attention_torch(q, keys, values, page_idx, page_valid, lengths, page_size, scaling)
+    assert got.dtype == dtype and got.shape == (batch, heads, group, dim)
+    ref = ref_sparse_attention(q, keys, values, page_idx, page_valid, lengths, page_size, scaling)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got.double(), ref, **tol)
+
+
+@pytest.mark.parametrize("group,dim,page_size", [(1, 16, 4), (4, 32, 2), (2, 64, 8)])
+def test_sparse_decode_attention_all_pages_equals_full_attention(group, dim, page_size):
+    batch, heads, total_pages = 3, 2, 5
+    capacity = total_pages * page_size
+    g = gen(dim + page_size)
+    q = torch.randn(batch, heads, group, dim, generator=g)
+    keys = torch.randn(batch, heads, capacity, dim, generator=g)
+    values = torch.randn(batch, heads, capacity, dim, generator=g)
+    lengths = torch.tensor([capacity, capacity - 1, page_size + 1])
+    n_pages = num_pages(lengths, page_size)
+    probs = torch.rand(batch, heads, total_pages, generator=g)
+    page_idx, page_valid = select_pages(probs, n_pages, topk=total_pages)
+    scaling = dim**-0.5
+    got = sparse_decode_attention_torch(q, keys, values, page_idx, page_valid, lengths, page_size, scaling)
+    for b in range(batch):
+        n = int(lengths[b])
+        dense = F.scaled_dot_product_attention(q[b], keys[b, :, :n], values[b, :, :n], scale=scaling)
+        torch.testing.assert_close(got[b], dense, rtol=1e-5, atol=1e-5)

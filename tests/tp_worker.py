@@ -1,0 +1,67 @@
+"""Tensor-parallel worker for tests/test_tensor_parallel.py (run under ``torchrun --nproc_per_node=2``, gloo, CPU).
+
+    torchrun --nproc_per_node=2 tests/tp_worker.py MODEL_DIR INPUT_JSON OUTPUT_JSON
+
+Loads the tiny checkpoint in MODEL_DIR with ``tp_plan="auto"`` and ``attn_implementation="rocketkv"``, generates
+greedily with a compressing RocketKVCache built from the config in INPUT_JSON, and has rank 0 write the tokens
+plus what every rank's cache held (KV heads per rank, kept tokens, logical length) to OUTPUT_JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+
+def main() -> None:
+    model_dir, input_path, output_path = sys.argv[1:4]
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    spec = json.loads(open(input_path).read())
+
+    import hf_rocketkv
+    from hf_rocketkv import RocketKVCache, RocketKVConfig
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, tp_plan="auto", attn_implementation=hf_rocketkv.ATTN_NAME, dtype=torch.float32
+    ).eval()
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    input_ids = torch.tensor(spec["input_ids"], dtype=torch.long)
+    attention_mask = torch.tensor(spec["attention_mask"], dtype=torch.long)
+    cache = RocketKVCache(RocketKVConfig(**spec["rocketkv"]))
+    with torch.no_grad():
+        out = model.generate(
+            input_ids,
+            attention_mask=attention_mask,
+            past_key_values=cache,
+            max_new_tokens=spec["max_new_tokens"],
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=spec["pad_token_id"],
+        )
+    report = {
+        "rank": rank,
+        "tokens": out.tolist(),
+        "kv_heads": [int(layer.keys.shape[1]) for layer in cache.layers],
+        "kept_tokens": [cache.kept_tokens(i).tolist() for i in range(len(cache.layers))],
+        "seq_length": cache.get_seq_length(),
+        "compressed": cache.is_compressed,
+    }
+    gathered = [None] * world
+    dist.all_gather_object(gathered, report)
+    if rank == 0:
+        with open(output_path, "w") as f:
+            json.dump({"world_size": world, "ranks": gathered}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
