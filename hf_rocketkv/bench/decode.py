@@ -1,0 +1,407 @@
+"""Decode benchmark: Llama-3.1-8B-shaped model with RANDOM weights, DynamicCache vs StaticCache+compile vs RocketKV.
+
+    python benchmarks/bench_decode.py                      # the full grid on one GPU (bf16)
+    python benchmarks/bench_decode.py --quick              # tiny CPU smoke run (seconds)
+    hf-rocketkv bench --config default --batch 1 4 --context 8192 32768 --layers 8
+
+Rows (``--caches``), all in one process on the same model:
+    dynamic           transformers DynamicCache, eager, sdpa attention
+    static-compile    ``generate(cache_implementation="static")``, which torch.compiles the decode step on CUDA
+                      (transformers' CompileConfig: mode "reduce-overhead", i.e. CUDA graphs)
+    rocketkv          RocketKVCache (``--config``'s RocketKVConfig, backend "triton" on CUDA), eager decode
+    rocketkv-compile  RocketKVCache with generate's auto-compile left on (opt-in: needs the compiled decode path)
+for every batch size x context (prompt tokens). A point that cannot fit in GPU memory is skipped with the estimate
+that says so (weights + KV cache + prefill activations), and an out-of-memory error is recorded, not raised.
+
+Columns: decode ms/token (median time between consecutive generated tokens, first steps dropped: they include
+compilation), tokens/s (batch / that time), prefill seconds (generate's first forward), peak GiB
+(torch.cuda.max_memory_allocated), attention step (one layer, timed separately on the cache state left by the run:
+sdpa over the full K/V for the dense caches, RocketKV's page scoring + top-k + sparse attention for RocketKV), the
+bytes that step must read and its achieved GB/s, and decode time relative to DynamicCache.
+Writes ``decode_bench.json`` and ``decode_bench.png`` (decode ms/token vs context, one line per cache, one panel
+per batch size) under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LLAMA_31_8B = dict(
+    hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+    vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+)
+TINY = dict(
+    hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512,
+    vocab_size=1024, max_position_embeddings=4096,
+)
+CACHES = ("dynamic", "static-compile", "rocketkv", "rocketkv-compile")
+DEFAULT_CACHES = ("dynamic", "static-compile", "rocketkv")
+DROP_FIRST_STEPS = 3  # decode steps left out of the median (compilation, CUDA-graph capture, allocator warm-up)
+
+
+@dataclasses.dataclass
+class Row:
+    cache: str
+    batch: int
+    context: int
+    status: str = "ok"
+    new_tokens: int = 0
+    decode_ms_per_token: float | None = None
+    tokens_per_s: float | None = None
+    prefill_s: float | None = None
+    peak_gib: float | None = None
+    attn_ms: float | None = None
+    attn_bytes: int | None = None
+    attn_GBps: float | None = None
+    ratio_vs_dynamic: float | None = None
+    estimate_gib: float | None = None
+
+
+# ------------------------------------------------------------------------------------------------ setup
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hf-rocketkv bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=None, help="RocketKV YAML (sparse_attention_config); default RocketKVConfig()")
+    p.add_argument("--batch", nargs="+", type=int, default=None, help="batch sizes (default 1 4 16)")
+    p.add_argument("--context", nargs="+", type=int, default=None, help="prompt tokens (default 8192 32768 100000)")
+    p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per run (default 32)")
+    p.add_argument("--caches", nargs="+", choices=CACHES, default=None, help=f"rows (default {' '.join(DEFAULT_CACHES)})")
+    p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (fewer = faster)")
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--device", default=None, help="default cuda if available, else cpu")
+    p.add_argument("--out", default="out/bench_decode", help="folder for decode_bench.json / .png")
+    p.add_argument("--quick", action="store_true", help="tiny model on CPU, tiny grid: a smoke run of this script")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--memory-fraction", type=float, default=0.92, help="skip points estimated above this share")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def resolve(args) -> dict[str, Any]:
+    quick = args.quick
+    device = torch.device(args.device or ("cpu" if quick or not torch.cuda.is_available() else "cuda"))
+    return dict(
+        device=device,
+        dtype=getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16")),
+        batch=args.batch or ([1, 2] if quick else [1, 4, 16]),
+        context=args.context or ([96, 192] if quick else [8192, 32768, 100_000]),
+        new_tokens=args.new_tokens or (6 if quick else 32),
+        caches=args.caches or list(DEFAULT_CACHES),
+        model=dict(TINY if quick else LLAMA_31_8B),
+    )
+
+
+def rocket_config(args, quick: bool, device: torch.device):
+    from ..config import RocketKVConfig
+
+    if args.config is not None:
+        from ..eval.settings import load_run_config
+
+        config = load_run_config(args.config).rocket
+    elif quick:
+        config = RocketKVConfig(prompt_budget=48, window_size=8, kernel_size=7, topk=4, page_size=4)
+    else:
+        config = RocketKVConfig()
+    # the kernels under test on CUDA; the reference on CPU (the Triton interpreter would take minutes)
+    return config.replace(backend="triton" if device.type == "cuda" else "torch")
+
+
+def build_model(model_kwargs: dict, layers: int | None, dtype: torch.dtype, device: torch.device, seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kwargs = dict(model_kwargs)
+    if layers is not None:
+        kwargs["num_hidden_layers"] = layers
+    config = LlamaConfig(**kwargs, pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(config, dtype=dtype)
+    return model.eval()
+
+
+# ------------------------------------------------------------------------------------------------ memory estimate
+def estimate_bytes(cache: str, batch: int, context: int, new_tokens: int, model, rocket) -> int:
+    """Weights + KV cache + prefill activations (a deliberately rough upper estimate, used only to skip points)."""
+    cfg = model.config
+    elem = next(model.parameters()).element_size()
+    weights = sum(p.numel() for p in model.parameters()) * elem
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_token_layer = 2 * cfg.num_key_value_heads * head_dim * elem
+    tokens = batch * (context + new_tokens)
+    if cache.startswith("rocketkv"):
+        kept = batch * (min(context, rocket.prompt_budget) + new_tokens)
+        kv = cfg.num_hidden_layers * kept * kv_token_layer * 2  # + KT, positions (generous)
+        kv += 2 * batch * context * kv_token_layer  # one layer dense during prefill + its compacted copy
+    else:
+        kv = cfg.num_hidden_layers * tokens * kv_token_layer
+    activations = batch * context * (8 * cfg.hidden_size + 4 * cfg.intermediate_size) * elem
+    return int(weights + kv + activations)
+
+
+# ------------------------------------------------------------------------------------------------ one run
+class StepClock:
+    """A logits processor that timestamps every generated token (synchronising the device first)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def run_generate(model, cache: str, ids: torch.Tensor, new_tokens: int, rocket) -> tuple[dict, Any]:
+    from transformers import LogitsProcessorList
+
+    from ..cache.cache import RocketKVCache
+    from ..integration.registration import enable
+
+    device = ids.device
+    clock = StepClock(device)
+    kwargs: dict[str, Any] = dict(
+        max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+        logits_processor=LogitsProcessorList([clock]), return_dict_in_generate=True,
+    )
+    if cache.startswith("rocketkv"):
+        enable(model)
+        past = RocketKVCache(rocket)
+        kwargs["past_key_values"] = past
+        kwargs["disable_compile"] = cache == "rocketkv"
+    else:
+        model.set_attn_implementation("sdpa")
+        if cache == "static-compile":
+            kwargs["cache_implementation"] = "static"
+        else:
+            kwargs["past_key_values"] = None
+            kwargs["disable_compile"] = True
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    try:
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+    finally:
+        model.set_attn_implementation("sdpa")
+    steps = [b - a for a, b in zip(clock.times, clock.times[1:])]
+    steady = steps[DROP_FIRST_STEPS:] if len(steps) > DROP_FIRST_STEPS + 2 else steps
+    result = dict(
+        prefill_s=clock.times[0] - start if clock.times else None,
+        decode_ms_per_token=statistics.median(steady) * 1e3 if steady else None,
+        new_tokens=len(clock.times),
+        peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+    )
+    return result, out.past_key_values
+
+
+# ------------------------------------------------------------------------------------------------ attention step
+def _time_ms(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=10, rep=50, return_mode="median")
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        fn()
+    return (time.perf_counter() - t0) / 3 * 1e3
+
+
+def attention_step(cache_name: str, past, model) -> tuple[float, int]:
+    """(ms, bytes to read) of ONE layer's decode attention on the state the run left in layer 0."""
+    import torch.nn.functional as F
+
+    cfg = model.config
+    layer = past.layers[0]
+    keys, values = layer.keys, layer.values
+    batch, kv_heads, _, head_dim = keys.shape
+    q = torch.randn(batch, cfg.num_attention_heads, 1, head_dim, device=keys.device, dtype=keys.dtype)
+    elem = keys.element_size()
+    q_out_bytes = 2 * q.numel() * elem
+    if cache_name.startswith("rocketkv"):
+        from ..integration.attention import decode_attention
+        from ..kernels.sparse_decode_attention import selected_slots
+        from ..selection.stage2_pages import num_pages
+
+        scaling = head_dim**-0.5
+        ms = _time_ms(lambda: decode_attention(layer, q, scaling), keys.device)
+        config = layer.config
+        n_pages = num_pages(layer.lengths, config.page_size)
+        kt_bytes = int(n_pages.sum()) * kv_heads * layer.kt.shape[-1] * 2 * layer.kt.element_size()
+        qg = q.reshape(batch, kv_heads, -1, head_dim)
+        idx, valid = layer.ops.select_pages(layer.ops.page_scores(qg, layer.kt, n_pages, config.topr), n_pages, config.topk)
+        tokens = int(selected_slots(idx, valid, layer.lengths, config.page_size, keys.shape[2])[1].sum())
+        return ms, kt_bytes + tokens * head_dim * 2 * elem + q_out_bytes
+    if cache_name == "static-compile":
+        # the static cache attends over its whole buffer with a mask (what the compiled step reads)
+        length = int(past.get_seq_length())
+        mask = (torch.arange(keys.shape[2], device=keys.device) < length)[None, None, None, :]
+        ms = _time_ms(lambda: F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True),
+                      keys.device)
+        return ms, 2 * keys.numel() * elem + q_out_bytes
+    ms = _time_ms(lambda: F.scaled_dot_product_attention(q, keys, values, enable_gqa=True), keys.device)
+    return ms, 2 * keys.numel() * elem + q_out_bytes
+
+
+# ------------------------------------------------------------------------------------------------ main
+def run(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    setup = resolve(args)
+    device, dtype = setup["device"], setup["dtype"]
+    import hf_rocketkv  # noqa: F401  registers the rocketkv attention
+
+    rocket = rocket_config(args, args.quick, device)
+    model = build_model(setup["model"], args.layers, dtype, device, args.seed)
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    env = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(), device=_device_name(device),
+        torch=torch.__version__, python=platform.python_version(), dtype=str(dtype),
+        layers=model.config.num_hidden_layers, model=setup["model"] | ({"num_hidden_layers": args.layers} if args.layers else {}),
+        rocketkv=rocket.to_dict(), new_tokens=setup["new_tokens"], total_gib=total / 2**30 if total else None,
+    )
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    print(json.dumps(env), flush=True)
+    rows: list[Row] = []
+    gen = torch.Generator().manual_seed(args.seed)
+    for batch in setup["batch"]:
+        for context in setup["context"]:
+            ids = torch.randint(3, model.config.vocab_size, (batch, context), generator=gen).to(device)
+            for cache in setup["caches"]:
+                row = Row(cache=cache, batch=batch, context=context)
+                need = estimate_bytes(cache, batch, context, setup["new_tokens"], model, rocket)
+                row.estimate_gib = need / 2**30
+                if total is not None and need > args.memory_fraction * total:
+                    row.status = f"skipped: needs ~{need / 2**30:.0f} GiB > {args.memory_fraction * total / 2**30:.0f} GiB"
+                    rows.append(row)
+                    print(_line(row), flush=True)
+                    continue
+                past = None
+                try:
+                    result, past = run_generate(model, cache, ids, setup["new_tokens"], rocket)
+                    for key, value in result.items():
+                        setattr(row, key, value)
+                    if row.decode_ms_per_token:
+                        row.tokens_per_s = batch * 1e3 / row.decode_ms_per_token
+                    row.attn_ms, row.attn_bytes = attention_step(cache, past, model)
+                    row.attn_GBps = row.attn_bytes / (row.attn_ms * 1e-3) / 1e9
+                except torch.cuda.OutOfMemoryError:
+                    row.status = "out of memory"
+                except Exception as err:  # noqa: BLE001 - one bad point must not lose the others
+                    row.status = f"error: {type(err).__name__}: {str(err)[:300]}"
+                del past
+                _free(device)
+                rows.append(row)
+                print(_line(row), flush=True)
+    _ratios(rows)
+    report = dict(env=env, rows=[dataclasses.asdict(r) for r in rows])
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "decode_bench.json").write_text(json.dumps(report, indent=1))
+    print(markdown(rows))
+    if not args.no_plot:
+        plot(rows, out_dir / "decode_bench.png", env)
+    print(f"wrote {out_dir / 'decode_bench.json'}" + ("" if args.no_plot else f" and {out_dir / 'decode_bench.png'}"))
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    run(argv)
+    return 0
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def _free(device: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _ratios(rows: list[Row]) -> None:
+    dense = {(r.batch, r.context): r.decode_ms_per_token for r in rows if r.cache == "dynamic" and r.decode_ms_per_token}
+    for r in rows:
+        base = dense.get((r.batch, r.context))
+        if base and r.decode_ms_per_token:
+            r.ratio_vs_dynamic = r.decode_ms_per_token / base
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _line(r: Row) -> str:
+    return (f"{r.cache:16s} B={r.batch:<3d} ctx={r.context:<7d} {r.status:10.60s} decode {_fmt(r.decode_ms_per_token, '.2f')} "
+            f"ms/tok, prefill {_fmt(r.prefill_s, '.2f')} s, peak {_fmt(r.peak_gib, '.1f')} GiB, attn "
+            f"{_fmt(r.attn_ms, '.4f')} ms = {_fmt(r.attn_GBps, '.0f')} GB/s")
+
+
+def markdown(rows: list[Row]) -> str:
+    head = ("| cache | batch | context | status | decode ms/token | tokens/s | prefill s | peak GiB | attn step ms "
+            "(1 layer) | attn GB/s | vs dynamic |")
+    lines = [head, "|" + "---|" * 11]
+    for r in rows:
+        lines.append(
+            f"| {r.cache} | {r.batch} | {r.context} | {r.status} | {_fmt(r.decode_ms_per_token, '.2f')} | "
+            f"{_fmt(r.tokens_per_s, '.1f')} | {_fmt(r.prefill_s, '.2f')} | {_fmt(r.peak_gib, '.1f')} | "
+            f"{_fmt(r.attn_ms, '.4f')} | {_fmt(r.attn_GBps, '.0f')} | {_fmt(r.ratio_vs_dynamic, '.2f')} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], path: Path, env: dict) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return
+    batches = sorted({r.batch for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        for cache in CACHES:
+            pts = sorted((r.context, r.decode_ms_per_token) for r in rows
+                         if r.batch == batch and r.cache == cache and r.decode_ms_per_token)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=cache)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (prompt tokens)")
+        ax.set_ylabel("decode ms / token")
+        ax.set_title(f"batch {batch}")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{env['device']}, {env['layers']} layers, {env['dtype']}, {env['date'][:10]}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
