@@ -40,10 +40,11 @@ def spy_caches(monkeypatch):
 # ------------------------------------------------------------------------------------------------ equivalence
 
 
-def test_keep_all_greedy_equals_sdpa(llama_pair):
+@pytest.mark.parametrize("kt_dtype", ["float32", "float8_e5m2"])
+def test_keep_all_greedy_equals_sdpa(llama_pair, kt_dtype):
     rocket, sdpa = llama_pair
     ids = random_ids(1, 40)
-    cache = RocketKVCache(keep_all_config())
+    cache = RocketKVCache(keep_all_config(kt_cache_dtype=kt_dtype))
     out = greedy(rocket, ids, past_key_values=cache, max_new_tokens=20, output_logits=True,
                  return_dict_in_generate=True)
     ref = greedy(sdpa, ids, max_new_tokens=20, output_logits=True, return_dict_in_generate=True)
@@ -71,15 +72,17 @@ def test_plain_forward_without_cache_is_sdpa(llama_pair):
 # ------------------------------------------------------------------------------------------------ compression
 
 
-def test_compression_engaged(llama_pair):
+@pytest.mark.parametrize("kt_dtype", ["bfloat16", "float8_e5m2"])
+def test_compression_engaged(llama_pair, kt_dtype):
     rocket, sdpa = llama_pair
     ids = random_ids(1, 80)
-    config = compressing_config()
+    config = compressing_config(kt_cache_dtype=kt_dtype)
     cache = RocketKVCache(config)
     greedy(rocket, ids, past_key_values=cache, max_new_tokens=1)
     assert cache.is_compressed
     for layer_idx in range(rocket.config.num_hidden_layers):
         assert cache.kept_tokens(layer_idx).tolist() == [[config.prompt_budget] * 2]  # right after prefill
+        assert cache.layers[layer_idx].kt.dtype == config.kt_torch_dtype
 
     new = 10
     cache = RocketKVCache(config)
@@ -275,7 +278,7 @@ def test_multi_turn_after_compression_keeps_bounded(llama_pair):
             assert torch.all(kept == config.prompt_budget + 5), kept  # re-evicted to the budget, then 5 decoded
             positions = cache.kept_positions(layer_idx)[0, 0, : kept[0, 0]].tolist()
             assert positions == sorted(positions) and positions[-1] == out.shape[1] - 2
-    # a compressing multi-turn run is deterministic and differs from nothing else than itself
+    # later turns never rewrite earlier tokens: the first turn alone reproduces the start of the conversation
     cache2 = RocketKVCache(config)
     again = greedy(rocket, random_ids(1, 60), past_key_values=cache2, max_new_tokens=6)
     assert torch.equal(again, out[:, : again.shape[1]])
@@ -354,6 +357,22 @@ def test_rocketkv_cache_on_sdpa_model_raises(llama_pair):
             sdpa(ids, past_key_values=RocketKVCache(compressing_config()))
     # the failed forward leaves nothing behind: the next legitimate run works
     greedy(llama_pair[0], ids, past_key_values=RocketKVCache(compressing_config()), max_new_tokens=2)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: integration/handoff.py detects a missing 'rocketkv' attention only at the NEXT cache.update; on the last "
+    "(here: only) layer nothing follows, so the sdpa forward silently runs dense and the stale pointer makes the "
+    "next, legitimate RocketKV run raise RuntimeError instead."
+))
+def test_rocketkv_cache_on_one_layer_sdpa_model_raises_at_once():
+    rocket, sdpa = make_models("llama", num_hidden_layers=1)
+    ids = random_ids(1, 30)
+    try:
+        with pytest.raises(RuntimeError, match="rocketkv"):
+            with torch.no_grad():
+                sdpa(ids, past_key_values=RocketKVCache(compressing_config()))
+    finally:
+        greedy(rocket, ids, past_key_values=RocketKVCache(compressing_config()), max_new_tokens=2)
 
 
 def test_other_cache_on_rocketkv_model_raises(llama_pair):
