@@ -237,11 +237,6 @@ def test_reusing_filled_cache_for_unrelated_prompt_raises(llama_pair):
         greedy(rocket, random_ids(2, 90, seed=4), past_key_values=cache)  # other batch size
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: the reuse guard (integration/generate.py check_continuation) only compares the previous PROMPT, not the "
-    "generated tokens the cache also holds; prompt + unrelated text passes and generate() silently drops the first "
-    "tokens of the new text (it slices input_ids by the cache's logical length)."
-))
 def test_reusing_cache_with_same_prompt_but_other_continuation_raises(llama_pair):
     rocket, _ = llama_pair
     cache = RocketKVCache(compressing_config())
@@ -302,11 +297,6 @@ def test_chunked_prefill_equals_unchunked(llama_pair, chunk):
         assert torch.equal(cache.kept_positions(layer_idx), reference_cache.kept_positions(layer_idx))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: deferred stage 1 for chunked prefill is triggered in RocketKVLayer.update by the first 1-token forward, "
-    "so a LAST prefill chunk of exactly one token (prompt_len % chunk == 1) is mistaken for the first decode step: "
-    "stage 1 runs before the last prompt token is stored and that token is appended as a decode token."
-))
 @pytest.mark.parametrize("chunk", [11, 5])
 def test_chunked_prefill_last_chunk_of_one_token(llama_pair, chunk):
     rocket, _ = llama_pair

@@ -33,12 +33,21 @@ class RocketKVCache(Cache):
             raise TypeError(f"RocketKVCache(config=...) takes a RocketKVConfig, got {type(config).__name__}")
         self.config = config.replace(**overrides) if overrides else config
         self.hints = GenerationHints()
-        self.prompt_ids: torch.Tensor | None = None  # set by the generate integration, guards reuse
+        self.token_ids: torch.Tensor | None = None  # ids this cache has served (set by generate), guards reuse
         super().__init__(layer_class_to_replicate=functools.partial(RocketKVLayer, self.config, self.hints))
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         handoff.hand_to_attention(self, layer_idx)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def finish_prefill(self) -> None:
+        """Run stage 1 on every layer still holding a full prompt.
+
+        Only needed after chunked prefill (``hints.defer_compression``): generate() calls it once the last chunk is
+        in; call it yourself when you feed a prompt in chunks through plain forwards with deferred compression.
+        """
+        for layer in self.layers:
+            layer.finish_prefill()
 
     # ------------------------------------------------------------------------------------------ introspection
     def kept_tokens(self, layer_idx: int) -> torch.LongTensor:

@@ -126,8 +126,6 @@ class RocketKVLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         query_length = key_states.shape[2]
-        if not self.compressed and self.pending_queries is not None and query_length == 1:
-            self.compress()  # deferred stage 1 (chunked prefill): the prompt is complete at the first decode step
         self.seen.add_(query_length)
         if not self.compressed:
             first = self.keys.shape[2] == 0
@@ -208,6 +206,11 @@ class RocketKVLayer(CacheLayerMixin):
         if row_start is not None or self.row_start is None:
             batch = query_states.shape[0]
             self.row_start = row_start if row_start is not None else torch.zeros(batch, dtype=torch.long, device=self.device)
+
+    def finish_prefill(self) -> None:
+        """Run the stage 1 that chunked prefill deferred (no-op when already compressed or never prefilled)."""
+        if not self.compressed and self.pending_queries is not None:
+            self.compress()
 
     def compress(self) -> None:
         """Stage 1: keep each row's best ``prompt_budget`` tokens per KV head, release the rest, build the KT."""

@@ -7,7 +7,9 @@ private ``GenerationMixin`` steps, keeping their signatures (checked on transfor
   caller passed no cache; a passed RocketKVCache learns the request's maximum length and whether prefill is chunked;
   a RocketKVCache on a model whose attention is not ``rocketkv`` raises.
 * ``_prefill``: a RocketKVCache that already holds tokens only accepts a continuation of the same request
-  (``generate`` slices the prompt by the cache's length, so an unrelated prompt would silently give garbage).
+  (``generate`` slices the prompt by the cache's length, so an unrelated prompt would silently give garbage); after
+  a chunked prefill it runs the deferred stage 1.
+* ``prepare_inputs_for_generation``: records the ids fed so far, which a continuation must start with.
 """
 
 from __future__ import annotations
@@ -83,20 +85,34 @@ def _wrap_prefill(original):
     @functools.wraps(original)
     def prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs):
         cache = model_kwargs.get("past_key_values")
-        if isinstance(cache, RocketKVCache):
-            check_continuation(cache, input_ids)
-            cache.prompt_ids = input_ids.detach().clone()
-        return original(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
+        if not isinstance(cache, RocketKVCache):
+            return original(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
+        check_continuation(cache, input_ids)
+        cache.token_ids = input_ids
+        outputs = original(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
+        cache.finish_prefill()  # chunked prefill deferred stage 1 until the whole prompt was in
+        return outputs
 
     return prefill
 
 
+def _wrap_prepare_inputs(original):
+    @functools.wraps(original)
+    def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
+        cache = kwargs.get("past_key_values")
+        if isinstance(cache, RocketKVCache):
+            cache.token_ids = input_ids  # every id fed so far (a reference, no copy): what a continuation must extend
+        return original(self, input_ids, *args, **kwargs)
+
+    return prepare_inputs_for_generation
+
+
 def check_continuation(cache: RocketKVCache, input_ids: torch.Tensor) -> None:
-    """A filled cache only continues the request it served: the new ids must extend the previous prompt."""
+    """A filled cache only continues the request it served: the new ids must start with every id it has seen."""
     seen = cache.get_seq_length()
     if seen == 0:
         return
-    previous = cache.prompt_ids
+    previous = cache.token_ids
     hint = (
         "Pass a fresh RocketKVCache to every generate()/pipeline() call (or pass no cache and one is made per "
         "call); to continue a conversation, pass the previous output ids followed by the new tokens."
@@ -107,12 +123,12 @@ def check_continuation(cache: RocketKVCache, input_ids: torch.Tensor) -> None:
             f"{input_ids.shape[1]} tokens, so it cannot be a continuation. {hint}"
         )
     if previous is not None:
+        n = min(seen, previous.shape[1])
         same_batch = previous.shape[0] == input_ids.shape[0]
-        n = previous.shape[1]
-        if not same_batch or not torch.equal(previous.to(input_ids.device), input_ids[:, :n]):
+        if not same_batch or not torch.equal(previous[:, :n].to(input_ids.device), input_ids[:, :n]):
             raise ValueError(
-                f"This RocketKVCache already holds {seen} tokens of a different prompt: input_ids does not start "
-                f"with the prompt it served. {hint}"
+                f"This RocketKVCache already holds {seen} tokens of another request: input_ids does not start with "
+                f"the tokens it has seen. {hint}"
             )
 
 
@@ -126,4 +142,5 @@ def install() -> None:
         return
     GenerationMixin._prepare_cache_for_generation = _wrap_prepare_cache(GenerationMixin._prepare_cache_for_generation)
     GenerationMixin._prefill = _wrap_prefill(GenerationMixin._prefill)
+    GenerationMixin.prepare_inputs_for_generation = _wrap_prepare_inputs(GenerationMixin.prepare_inputs_for_generation)
     _INSTALLED = True
