@@ -146,6 +146,20 @@ def check_decode(batch: int, ctx: int, gen: torch.Generator, time_it: bool) -> N
         attn_mask=(torch.arange(capacity, device=DEV)[None, :] < lengths[:, None])[:, None, None, :], scale=D**-0.5,
     ).reshape(batch, HKV, G, D)
     record("correctness", op="sparse_decode_attention_all_pages_vs_sdpa", batch=batch, ctx=ctx, rel=rel_err(out, dense))
+    for variant, kw in (("n32w4s2", dict(block_n=32, num_warps=4, num_stages=2)), ("n64w4", dict(block_n=64, num_warps=4))):
+        other = sparse_decode_attention_launch(q, keys, values, idx_all, valid_all, lengths, PAGE, D**-0.5, **kw)
+        record("correctness", op=f"sparse_decode_attention_all_pages_{variant}", batch=batch, ctx=ctx, rel=rel_err(other, dense))
+    if time_it:  # reading the WHOLE context through the page gather: a bandwidth test at a size that fills the GPU
+        kv_bytes = int(lengths.sum()) * HKV * D * 2 * 2
+        row = dict(batch=batch, ctx=ctx, all_pages_bytes=kv_bytes)
+        row["all_pages_sparse_attn"] = bench(lambda: T.sparse_decode_attention(q, keys, values, idx_all, valid_all, lengths, PAGE, D**-0.5), graph=False)
+        row["all_pages_n32w4s2"] = bench(lambda: sparse_decode_attention_launch(q, keys, values, idx_all, valid_all, lengths, PAGE, D**-0.5, block_n=32, num_warps=4, num_stages=2), graph=False)
+        row["all_pages_n64w4"] = bench(lambda: sparse_decode_attention_launch(q, keys, values, idx_all, valid_all, lengths, PAGE, D**-0.5, block_n=64, num_warps=4), graph=False)
+        kd, vd = keys[:, :, :ctx], values[:, :, :ctx]
+        row["all_pages_sdpa_flash"] = bench(lambda: F.scaled_dot_product_attention(q.reshape(batch, HQ, 1, D), kd, vd, enable_gqa=True), graph=False)
+        for k in ("all_pages_sparse_attn", "all_pages_n32w4s2", "all_pages_n64w4", "all_pages_sdpa_flash"):
+            row[k + "_GBps"] = kv_bytes / (row[k]["eager_ms"] * 1e-3) / 1e9
+        record("timing", **row)
 
     if not time_it:
         return
@@ -169,6 +183,8 @@ def check_decode(batch: int, ctx: int, gen: torch.Generator, time_it: bool) -> N
     row["select_torch_topk"] = bench(lambda: s2.select_pages(probs, n_pages, TOPK))
     row["sparse_attn"] = bench(lambda: T.sparse_decode_attention(q, keys, values, idx, valid, lengths, PAGE, D**-0.5))
     row["sparse_attn_1split"] = bench(lambda: sparse_decode_attention_launch(q, keys, values, idx, valid, lengths, PAGE, D**-0.5, num_splits=1))
+    row["sparse_attn_n32w4s2"] = bench(lambda: sparse_decode_attention_launch(q, keys, values, idx, valid, lengths, PAGE, D**-0.5, block_n=32, num_warps=4, num_stages=2))
+    row["sparse_attn_n64w4"] = bench(lambda: sparse_decode_attention_launch(q, keys, values, idx, valid, lengths, PAGE, D**-0.5, block_n=64, num_warps=4))
     row["sparse_attn_torch"] = bench(lambda: sparse_decode_attention_torch(q, keys, values, idx, valid, lengths, PAGE, D**-0.5))
     n_tok = int(selected_slots(idx, valid, lengths, PAGE, keys.shape[2])[1].sum())  # selected tokens that exist
     bytes_attn = n_tok * D * 2 * 2 + q.numel() * 2 * 2 + idx.numel() * 9
@@ -309,7 +325,9 @@ def summary(res: dict) -> None:
     print(f"\n== timings (median ms; eager = do_bench, graph = CUDA-graph replay) on {res['env']['device']}, "
           f"copy {res['env']['copy_GBps']:.0f} GB/s ==")
     keys = ("update_kt", "page_scores", "page_scores_fused", "page_scores_split", "page_scores_torch", "select_triton",
-            "select_triton_4bit", "select_torch_topk", "sparse_attn", "sparse_attn_1split", "sparse_attn_torch",
+            "select_triton_4bit", "select_torch_topk", "sparse_attn", "sparse_attn_1split", "sparse_attn_n32w4s2",
+            "sparse_attn_n64w4", "sparse_attn_torch", "all_pages_sparse_attn", "all_pages_n32w4s2", "all_pages_n64w4",
+            "all_pages_sdpa_flash",
             "decode_step_triton", "decode_step_torch", "dense_sdpa_nomask", "window_scores", "build_kt")
     for r in res["timing"]:
         cells = [f"B{r['batch']} N{r['ctx']}"]
@@ -317,7 +335,8 @@ def summary(res: dict) -> None:
             if k in r:
                 v = r[k]
                 cells.append(f"{k}={v.get('eager_ms', float('nan')):.4f}/{v.get('graph_ms', float('nan')):.4f}")
-        for k in ("sparse_attn_GBps_graph", "select_share_graph"):
+        for k in ("sparse_attn_GBps_graph", "select_share_graph", "all_pages_sparse_attn_GBps", "all_pages_n32w4s2_GBps",
+                  "all_pages_n64w4_GBps", "all_pages_sdpa_flash_GBps"):
             if k in r:
                 cells.append(f"{k}={r[k]:.2f}")
         print(" ".join(cells))

@@ -84,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--memory-fraction", type=float, default=0.92, help="skip points estimated above this share")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true", help="print torch.profiler's top ops of every generate call")
     return p
 
 
@@ -163,7 +164,7 @@ class StepClock:
         return scores
 
 
-def run_generate(model, cache: str, ids: torch.Tensor, new_tokens: int, rocket) -> tuple[dict, Any]:
+def run_generate(model, cache: str, ids: torch.Tensor, new_tokens: int, rocket, profile: bool = False) -> tuple[dict, Any]:
     from transformers import LogitsProcessorList
 
     from ..cache.cache import RocketKVCache
@@ -190,11 +191,19 @@ def run_generate(model, cache: str, ids: torch.Tensor, new_tokens: int, rocket) 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+    profiler = _profiler(device) if profile else None
     start = time.perf_counter()
     try:
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        if profiler is not None:
+            with profiler:
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        else:
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
     finally:
         model.set_attn_implementation("sdpa")
+    if profiler is not None:
+        print(f"--- profile: {cache} batch {ids.shape[0]} context {ids.shape[1]} (prefill + {new_tokens} tokens)")
+        print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
     steps = [b - a for a, b in zip(clock.times, clock.times[1:])]
     steady = steps[DROP_FIRST_STEPS:] if len(steps) > DROP_FIRST_STEPS + 2 else steps
     result = dict(
@@ -204,6 +213,13 @@ def run_generate(model, cache: str, ids: torch.Tensor, new_tokens: int, rocket) 
         peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
     )
     return result, out.past_key_values
+
+
+def _profiler(device: torch.device):
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    return profile(activities=activities)
 
 
 # ------------------------------------------------------------------------------------------------ attention step
@@ -297,7 +313,7 @@ def run(argv: list[str] | None = None) -> dict:
                     continue
                 past = None
                 try:
-                    result, past = run_generate(model, cache, ids, setup["new_tokens"], rocket)
+                    result, past = run_generate(model, cache, ids, setup["new_tokens"], rocket, args.profile)
                     for key, value in result.items():
                         setattr(row, key, value)
                     if row.decode_ms_per_token:

@@ -55,7 +55,7 @@ def _select_pages_kernel(
     prefix = 0
     remaining = need
     for it in tl.static_range(ROUNDS):
-        shift: tl.constexpr = 32 - DIGIT_BITS * (it + 1)
+        shift = 32 - DIGIT_BITS * (it + 1)  # constexpr: `it` is a static_range index
         hist = tl.zeros((NBINS,), tl.int32)
         for p0 in range(0, cand, BLOCK):
             pages = p0 + offs

@@ -79,7 +79,7 @@ if triton is not None:
         num_kv_heads, group, head_dim, num_sel, tokens_per_split, num_splits,
         scale_log2,
         P: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        QK_FP32: tl.constexpr, PV_PREC: tl.constexpr, OUT_DT: tl.constexpr, DIRECT: tl.constexpr,
+        QK_FP32: tl.constexpr, PV_FP32: tl.constexpr, OUT_DT: tl.constexpr, DIRECT: tl.constexpr,
     ):
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -127,7 +127,10 @@ if triton is not None:
             alpha = tl.exp2(m_i - m_safe)
             p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PV_PREC)
+            if PV_FP32:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:  # probabilities rounded to V's half type, fp32 accumulation (as flash attention does)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         inv = tl.where(l_i > 0, 1.0 / tl.maximum(l_i, 1e-30), 0.0)
         o = acc * inv[:, None]
@@ -175,8 +178,13 @@ if triton is not None:
         page_size: int,
         scaling: float,
         num_splits: int | None = None,
+        block_n: int | None = None,
+        num_warps: int | None = None,
+        num_stages: int = 3,
     ) -> torch.Tensor:
-        """Launcher; ``num_splits`` (None = heuristic, 1 = one kernel, no reduce) exists for tests and benchmarks."""
+        """Launcher; ``num_splits`` (None = heuristic, 1 = one kernel, no reduce) and the tile knobs exist for tests
+        and benchmarks. Default tile: 64 gathered tokens x head_dim with 8 warps (4 warps spill registers: the
+        gathered K/V rows cannot be staged through shared memory by Triton's pipeliner)."""
         batch, num_kv_heads, group, head_dim = q.shape
         num_sel = page_idx.shape[-1]
         out = torch.empty((batch, num_kv_heads, group, head_dim), dtype=q.dtype, device=q.device)
@@ -184,7 +192,8 @@ if triton is not None:
             return out
         block_g = max(16, next_pow2(group))
         block_d = next_pow2(head_dim)
-        block_n = 64 if block_d <= 128 else 32
+        block_n = block_n or (64 if block_d <= 128 else 32)
+        num_warps = num_warps or (8 if block_n * block_d >= 64 * 128 else 4)
         total = num_sel * page_size
         rows = batch * num_kv_heads
         max_splits = max(1, triton.cdiv(total, block_n))
@@ -201,18 +210,18 @@ if triton is not None:
             part_lse = torch.empty((rows * num_splits * block_g,), dtype=torch.float32, device=q.device)
         code = dtype_code(keys.dtype)
         # logits: half-precision operands on the tensor cores (exact products, fp32 accumulation); fp32 K/V and the
-        # interpreter (whose dot cannot take bf16) use fp32. Probabilities x V: fp32 operands, tf32 on the GPU for
-        # half-precision V (V is exact in tf32), ieee for fp32 V.
+        # interpreter (whose dot cannot take bf16) use fp32. Probabilities x V: probabilities rounded to V's half
+        # type, fp32 accumulation (an fp32/tf32 product here needs twice the registers and spills); fp32 V: fp32.
         qk_fp32 = code == 0 or interpreting() or q.dtype != keys.dtype
-        pv_prec = "ieee" if code == 0 else "tf32"
+        pv_fp32 = code == 0 or interpreting() or values.dtype != keys.dtype
         wrap_triton(_sparse_decode_split_kernel)[(rows, num_splits)](
             q, keys, values, page_idx, page_valid.view(torch.uint8), lengths, out, part_o, part_lse,
             *q.stride(), *keys.stride(), *values.stride(), *page_idx.stride(), *page_valid.stride(), *out.stride(),
             num_kv_heads, group, head_dim, num_sel, tokens_per_split, num_splits,
             scaling * 1.4426950408889634,
             P=page_size, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
-            QK_FP32=qk_fp32, PV_PREC=pv_prec, OUT_DT=dtype_code(q.dtype), DIRECT=direct,
-            num_warps=4, num_stages=3,
+            QK_FP32=qk_fp32, PV_FP32=pv_fp32, OUT_DT=dtype_code(q.dtype), DIRECT=direct,
+            num_warps=num_warps, num_stages=num_stages,
         )
         if not direct:
             wrap_triton(_sparse_decode_reduce_kernel)[(rows * group,)](
