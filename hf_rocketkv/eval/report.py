@@ -23,6 +23,7 @@ def summarize(results: dict) -> dict:
     kept: dict = defaultdict(list)
     prefill_s: dict = defaultdict(list)
     per_token_s: dict = defaultdict(list)
+    cache_bytes: dict = defaultdict(list)
     for r in results.get("records", []):
         task, method = r["task"], r["method"]
         by_task[task][method].append(r["score"])
@@ -31,6 +32,7 @@ def summarize(results: dict) -> dict:
             grid[task][method][f"{r['length']}|{r['depth']}"].append(r["score"])
         kept[method].append(r["kept_tokens_mean"])
         prefill_s[method].append(r["method_prefill_s"])
+        cache_bytes[method].append(r.get("cache_bytes_after_prefill", float("nan")))
         per_token_s[method].append(r["decode_s_per_token"])
     retention: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     for r in results.get("records", []):
@@ -64,6 +66,7 @@ def summarize(results: dict) -> dict:
         "grid": {t: {m: {c: _mean(v) for c, v in cs.items()} for m, cs in ms.items()} for t, ms in grid.items()},
         "kept_tokens_after_prefill": {m: _mean(v) for m, v in kept.items()},
         "method_prefill_s": {m: _mean(v) for m, v in prefill_s.items()},
+        "cache_bytes_after_prefill": {m: _mean(v) for m, v in cache_bytes.items()},
         "decode_s_per_token": {m: _mean(v) for m, v in per_token_s.items()},
         "fidelity": {
             m: {
@@ -156,19 +159,21 @@ def markdown(results: dict) -> str:
             lines.append("")
         lines += ["## Cache after prefill and CPU timing (mean over samples)", ""]
         lines += [
-            "| method | stored tokens / layer / KV head | method's prefill part (s) | decode s / token |",
-            "|---|---|---|---|",
+            "| method | stored tokens / layer / KV head | cache MiB | method's prefill part (s) | decode s / token |",
+            "|---|---|---|---|---|",
         ]
         for name in order:
             if name in s["kept_tokens_after_prefill"]:
+                mib = s.get("cache_bytes_after_prefill", {}).get(name, float("nan")) / 2**20
                 lines.append(
-                    f"| {name} | {s['kept_tokens_after_prefill'][name]:.0f} | {s['method_prefill_s'][name]:.2f} | "
-                    f"{s['decode_s_per_token'][name]:.3f} |"
+                    f"| {name} | {s['kept_tokens_after_prefill'][name]:.0f} | {mib:.1f} | "
+                    f"{s['method_prefill_s'][name]:.2f} | {s['decode_s_per_token'][name]:.3f} |"
                 )
         lines += [
             "",
             "The prompt minus its last tokens is prefilled once and shared (eval/decode.py); the prefill column is "
-            "each method's own tail forward, stage 1 included.",
+            "each method's own tail forward, stage 1 included. Cache MiB: RocketKVCache.memory_bytes() (K/V buffers "
+            "at capacity, KT, positions) or the DynamicCache's K/V tensors.",
             "",
         ]
     if s["fidelity"]:

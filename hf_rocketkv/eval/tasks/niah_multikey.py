@@ -1,6 +1,7 @@
 """RULER-style multi-key needle: several "magic number" needles with different keys, the question names one.
 
-The asked-for needle sits at the grid depth; the distractor needles sit at seeded random depths.
+The asked-for needle sits at the grid depth; the distractor needles sit at seeded random depths. The answer starts
+with RULER's answer prefix, so the number comes within the first few generated tokens.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from .words import distinct_keys, magic_number
 
 NEEDLE = "One of the special magic numbers for {key} is: {value}."
 QUESTION = "What is the special magic number for {key} mentioned in the provided text? Answer with the number only."
+ANSWER_PREFIX = "The special magic number for {key} mentioned in the provided text is"  # as RULER's template
 
 
 class NiahMultiKeyTask(Task):
@@ -26,8 +28,9 @@ class NiahMultiKeyTask(Task):
             values = [magic_number(r) for _ in keys]
             inserts = [(depth, NEEDLE.format(key=keys[0], value=values[0]))]
             inserts += [(r.random(), NEEDLE.format(key=k, value=v)) for k, v in zip(keys[1:], values[1:])]
+            prefix = ANSWER_PREFIX.format(key=keys[0])
             prompt = haystack_prompt(
-                tokenizer, length, r.randrange(2**31), inserts, QUESTION.format(key=keys[0]), settings.chat
+                tokenizer, length, r.randrange(2**31), inserts, QUESTION.format(key=keys[0]), settings.chat, prefix
             )
             samples.append(
                 Sample(
@@ -37,6 +40,7 @@ class NiahMultiKeyTask(Task):
                     answers=[values[0]],
                     metrics=("string_match_all",),
                     max_new_tokens=settings.max_new_tokens or self.max_new_tokens,
+                    answer_prefix=prefix,
                     length=length,
                     depth=depth,
                     meta={"distractors": values[1:], "needle": inserts[0][1], "key": values[0]},

@@ -14,11 +14,12 @@ QUESTION = (
     "What are all the special magic numbers for {key} mentioned in the provided text? "
     "Answer with the numbers only, separated by commas."
 )
+ANSWER_PREFIX = "The special magic numbers for {key} mentioned in the provided text are:"  # as RULER's template
 
 
 class NiahMultiValueTask(Task):
     name = "niah_multivalue"
-    max_new_tokens = 40
+    max_new_tokens = 48
     num_values = 4
 
     def build(self, tokenizer, settings) -> list[Sample]:
@@ -32,8 +33,9 @@ class NiahMultiValueTask(Task):
                 if v not in values:
                     values.append(v)
             inserts = [(r.random(), NEEDLE.format(key=key, value=v)) for v in values]
+            prefix = ANSWER_PREFIX.format(key=key)
             prompt = haystack_prompt(
-                tokenizer, length, r.randrange(2**31), inserts, QUESTION.format(key=key), settings.chat
+                tokenizer, length, r.randrange(2**31), inserts, QUESTION.format(key=key), settings.chat, prefix
             )
             samples.append(
                 Sample(
@@ -43,6 +45,7 @@ class NiahMultiValueTask(Task):
                     answers=values,
                     metrics=("string_match_all",),
                     max_new_tokens=settings.max_new_tokens or self.max_new_tokens,
+                    answer_prefix=prefix,
                     length=length,
                 )
             )
