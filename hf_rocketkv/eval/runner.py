@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from ..config import RocketKVConfig
 from . import decode
@@ -89,7 +90,7 @@ def run_generation_sample(
     return records
 
 
-def run_fidelity_sample(model, sample: FidelitySample, methods: list[Method]) -> list[dict]:
+def run_fidelity_sample(model, sample: FidelitySample, methods: list[Method], progress: bool = False) -> list[dict]:
     input_ids = torch.tensor([sample.context_ids], device=next(model.parameters()).device)
     prefix = decode.shared_prefix(model, input_ids, _tail(methods))
     start = len(sample.context_ids)
@@ -101,7 +102,16 @@ def run_fidelity_sample(model, sample: FidelitySample, methods: list[Method]) ->
     records = []
     for method in ordered:
         prefilled = decode.prefill(model, method, prefix, len(target))
-        steps = list(decode.teacher_forced_log_probs(model, prefilled, start, sample.continuation_ids))
+        steps = list(
+            tqdm(
+                decode.teacher_forced_log_probs(model, prefilled, start, sample.continuation_ids),
+                total=len(target),
+                desc=f"fidelity {method.name}",
+                unit="tok",
+                leave=False,
+                disable=not progress,
+            )
+        )
         log_probs = torch.stack(steps).cpu()  # [P, V]
         if reference is None:
             reference = log_probs
@@ -139,8 +149,6 @@ def run_eval(
     progress: bool = True,
 ) -> dict:
     """Run ``settings`` on ``model``; writes results.json, results.md and heatmap_<task>.png into ``output``."""
-    from tqdm.auto import tqdm
-
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     methods = build_methods(settings.methods, config, settings.sink_tokens)
@@ -167,11 +175,15 @@ def run_eval(
     bar = tqdm(total=total, desc="eval", unit="sample", disable=not progress)
     for task, samples in built:
         for sample in samples:
+            length = getattr(sample, "length", None) or sample.meta.get("length")
+            depth = getattr(sample, "depth", None)
             bar.set_postfix_str(
-                f"{task.name} len={getattr(sample, 'length', None)} depth={getattr(sample, 'depth', None)}"
+                f"{task.name} #{sample.index}"
+                + (f" len={length}" if length else "")
+                + (f" depth={depth}" if depth is not None else "")
             )
             if task.kind == "fidelity":
-                results["fidelity"] += run_fidelity_sample(model, sample, methods)
+                results["fidelity"] += run_fidelity_sample(model, sample, methods, progress)
             else:
                 results["records"] += run_generation_sample(model, tokenizer, sample, methods, settings)
             bar.update(1)
