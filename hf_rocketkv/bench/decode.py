@@ -15,9 +15,10 @@ that says so (weights + KV cache + prefill activations), and an out-of-memory er
 
 Columns: decode ms/token (median time between consecutive generated tokens, first steps dropped: they include
 compilation), tokens/s (batch / that time), prefill seconds (generate's first forward), peak GiB
-(torch.cuda.max_memory_allocated), attention step (one layer, timed separately on the cache state left by the run:
-sdpa over the full K/V for the dense caches, RocketKV's page scoring + top-k + sparse attention for RocketKV), the
-bytes that step must read and its achieved GB/s, and decode time relative to DynamicCache.
+(torch.cuda.max_memory_allocated), attention step (one layer, timed separately on the cache state left by the run,
+eager and as a CUDA-graph replay: sdpa over the full K/V for the dense caches, RocketKV's page scoring + top-k +
+sparse attention for RocketKV), the bytes that step must read and its achieved GB/s, and decode time relative to
+DynamicCache. PyTorch's cuDNN attention backend is switched off unless --allow-cudnn-sdpa (see that flag).
 Writes ``decode_bench.json`` and ``decode_bench.png`` (decode ms/token vs context, one line per cache, one panel
 per batch size) under ``--out``.
 """
@@ -62,8 +63,10 @@ class Row:
     prefill_s: float | None = None
     peak_gib: float | None = None
     attn_ms: float | None = None
+    attn_graph_ms: float | None = None
     attn_bytes: int | None = None
     attn_GBps: float | None = None
+    attn_graph_GBps: float | None = None
     ratio_vs_dynamic: float | None = None
     estimate_gib: float | None = None
 
@@ -85,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-fraction", type=float, default=0.92, help="skip points estimated above this share")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top ops of every generate call")
+    p.add_argument(
+        "--allow-cudnn-sdpa", action="store_true",
+        help="keep PyTorch's cuDNN attention backend (off by default: torch 2.11 re-plans it for every new KV length, "
+        "~37 ms of CPU per call in eager DynamicCache decode on an H100, which would make the baseline meaningless)",
+    )
     return p
 
 
@@ -223,20 +231,26 @@ def _profiler(device: torch.device):
 
 
 # ------------------------------------------------------------------------------------------------ attention step
-def _time_ms(fn, device: torch.device) -> float:
+def _time_ms(fn, device: torch.device) -> tuple[float, float | None]:
+    """(eager ms, CUDA-graph replay ms or None): eager includes the launch overhead, the replay is the GPU work."""
     if device.type == "cuda":
-        from triton.testing import do_bench
+        from triton.testing import do_bench, do_bench_cudagraph
 
-        return do_bench(fn, warmup=10, rep=50, return_mode="median")
+        eager = do_bench(fn, warmup=10, rep=50, return_mode="median")
+        try:
+            graph = do_bench_cudagraph(fn, rep=30, return_mode="median")
+        except Exception:  # noqa: BLE001 - an op that cannot be captured: eager only
+            graph = None
+        return eager, graph
     fn()
     t0 = time.perf_counter()
     for _ in range(3):
         fn()
-    return (time.perf_counter() - t0) / 3 * 1e3
+    return (time.perf_counter() - t0) / 3 * 1e3, None
 
 
-def attention_step(cache_name: str, past, model) -> tuple[float, int]:
-    """(ms, bytes to read) of ONE layer's decode attention on the state the run left in layer 0."""
+def attention_step(cache_name: str, past, model) -> tuple[tuple[float, float | None], int]:
+    """((eager ms, graph ms), bytes to read) of ONE layer's decode attention on the state left in layer 0."""
     import torch.nn.functional as F
 
     cfg = model.config
@@ -278,6 +292,8 @@ def run(argv: list[str] | None = None) -> dict:
     device, dtype = setup["device"], setup["dtype"]
     import hf_rocketkv  # noqa: F401  registers the rocketkv attention
 
+    if device.type == "cuda" and not args.allow_cudnn_sdpa:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     rocket = rocket_config(args, args.quick, device)
     model = build_model(setup["model"], args.layers, dtype, device, args.seed)
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
@@ -286,6 +302,7 @@ def run(argv: list[str] | None = None) -> dict:
         torch=torch.__version__, python=platform.python_version(), dtype=str(dtype),
         layers=model.config.num_hidden_layers, model=setup["model"] | ({"num_hidden_layers": args.layers} if args.layers else {}),
         rocketkv=rocket.to_dict(), new_tokens=setup["new_tokens"], total_gib=total / 2**30 if total else None,
+        cudnn_sdpa=bool(device.type != "cuda" or args.allow_cudnn_sdpa),
     )
     try:
         import transformers
@@ -318,8 +335,10 @@ def run(argv: list[str] | None = None) -> dict:
                         setattr(row, key, value)
                     if row.decode_ms_per_token:
                         row.tokens_per_s = batch * 1e3 / row.decode_ms_per_token
-                    row.attn_ms, row.attn_bytes = attention_step(cache, past, model)
+                    (row.attn_ms, row.attn_graph_ms), row.attn_bytes = attention_step(cache, past, model)
                     row.attn_GBps = row.attn_bytes / (row.attn_ms * 1e-3) / 1e9
+                    if row.attn_graph_ms:
+                        row.attn_graph_GBps = row.attn_bytes / (row.attn_graph_ms * 1e-3) / 1e9
                 except torch.cuda.OutOfMemoryError:
                     row.status = "out of memory"
                 except Exception as err:  # noqa: BLE001 - one bad point must not lose the others
@@ -379,13 +398,14 @@ def _line(r: Row) -> str:
 
 def markdown(rows: list[Row]) -> str:
     head = ("| cache | batch | context | status | decode ms/token | tokens/s | prefill s | peak GiB | attn step ms "
-            "(1 layer) | attn GB/s | vs dynamic |")
+            "(1 layer, eager / graph) | attn GB/s (eager / graph) | vs dynamic |")
     lines = [head, "|" + "---|" * 11]
     for r in rows:
         lines.append(
             f"| {r.cache} | {r.batch} | {r.context} | {r.status} | {_fmt(r.decode_ms_per_token, '.2f')} | "
             f"{_fmt(r.tokens_per_s, '.1f')} | {_fmt(r.prefill_s, '.2f')} | {_fmt(r.peak_gib, '.1f')} | "
-            f"{_fmt(r.attn_ms, '.4f')} | {_fmt(r.attn_GBps, '.0f')} | {_fmt(r.ratio_vs_dynamic, '.2f')} |"
+            f"{_fmt(r.attn_ms, '.4f')} / {_fmt(r.attn_graph_ms, '.4f')} | {_fmt(r.attn_GBps, '.0f')} / "
+            f"{_fmt(r.attn_graph_GBps, '.0f')} | {_fmt(r.ratio_vs_dynamic, '.2f')} |"
         )
     return "\n".join(lines)
 

@@ -15,13 +15,26 @@ launch shapes from tensor shapes only and never sync with the host. Registration
     select_pages             select_pages.py             1                                           decode
     sparse_decode_attention  sparse_decode_attention.py  1 (one split) or 2 (split + reduce)         decode
 
+Eager calls skip the custom-op machinery: each RocketOps entry calls the plain launcher directly (exactly what the
+registered op's own eager implementation runs, minus the dispatcher, autograd and dynamo-disable wrappers, which
+cost tens of microseconds per call) and hands over to the registered op whenever torch.compile is tracing.
+
 CPU: the kernels run under Triton's interpreter when TRITON_INTERPRET=1 is set BEFORE triton is first imported
 (tests/conftest.py does this on machines without CUDA).
 """
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
+import torch
 from torch.library import triton_op
+
+try:  # what triton_op's own eager implementation uses to launch kernels directly instead of through the HOP
+    from torch._library.triton import set_wrap_triton_enabled
+except ImportError:  # pragma: no cover - a torch without it: eager calls go through the registered op
+    set_wrap_triton_enabled = None
 
 from .dispatch import RocketOps
 from .kt_build import build_kt_triton
@@ -40,12 +53,30 @@ sparse_decode_attention = triton_op("hf_rocketkv::sparse_decode_attention", muta
     sparse_decode_attention_triton
 )
 
+
+
+def _eager_or_op(launcher: Callable, op) -> Callable:
+    """``op`` (the triton_op) under torch.compile, the launcher itself in eager mode."""
+    if set_wrap_triton_enabled is None:
+        return op
+
+    @functools.wraps(launcher)
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return op(*args, **kwargs)
+        with set_wrap_triton_enabled(False):
+            return launcher(*args, **kwargs)
+
+    call.op = op
+    return call
+
+
 TRITON_OPS = RocketOps(
     name="triton",
-    window_scores=window_scores,
-    build_kt=build_kt,
-    update_kt=update_kt,
-    page_scores=page_scores,
-    select_pages=select_pages,
-    sparse_decode_attention=sparse_decode_attention,
+    window_scores=_eager_or_op(window_scores_triton, window_scores),
+    build_kt=_eager_or_op(build_kt_triton, build_kt),
+    update_kt=_eager_or_op(update_kt_triton, update_kt),
+    page_scores=_eager_or_op(page_scores_triton, page_scores),
+    select_pages=_eager_or_op(select_pages_triton, select_pages),
+    sparse_decode_attention=_eager_or_op(sparse_decode_attention_triton, sparse_decode_attention),
 )

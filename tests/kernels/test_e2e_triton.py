@@ -84,3 +84,16 @@ def test_decode_ops_trace_without_graph_breaks():
     got = torch.compile(step, fullgraph=True)(kt, lengths)
     torch.testing.assert_close(got, want)
     assert torch.equal(kt, kt_eager)  # the in-place KT update happened exactly once
+
+
+def test_triton_ops_are_wired_with_reference_signatures():
+    import inspect
+
+    from hf_rocketkv.kernels.dispatch import TORCH_OPS, get_ops
+
+    t = ops()
+    assert get_ops("triton", DEVICE) is t and t.name == "triton"
+    for name in ("window_scores", "build_kt", "update_kt", "page_scores", "select_pages", "sparse_decode_attention"):
+        fn, ref = getattr(t, name), getattr(TORCH_OPS, name)
+        assert list(inspect.signature(fn).parameters) == list(inspect.signature(ref).parameters), name
+        assert str(fn.op) == f"<CustomOpDef(hf_rocketkv::{name})>"  # what torch.compile traces
