@@ -183,8 +183,8 @@ if triton is not None:
         num_stages: int = 3,
     ) -> torch.Tensor:
         """Launcher; ``num_splits`` (None = heuristic, 1 = one kernel, no reduce) and the tile knobs exist for tests
-        and benchmarks. Default tile: 64 gathered tokens x head_dim with 8 warps (4 warps spill registers: the
-        gathered K/V rows cannot be staged through shared memory by Triton's pipeliner)."""
+        and benchmarks. Default tile: 64 gathered tokens x head_dim, 8 warps; on an H100 (2026-11-22) 4 warps or
+        32-token tiles timed within noise of it (benchmarks/results/h100_2026-11-22.md)."""
         batch, num_kv_heads, group, head_dim = q.shape
         num_sel = page_idx.shape[-1]
         out = torch.empty((batch, num_kv_heads, group, head_dim), dtype=q.dtype, device=q.device)
@@ -214,7 +214,7 @@ if triton is not None:
         code = dtype_code(keys.dtype)
         # logits: half-precision operands on the tensor cores (exact products, fp32 accumulation); fp32 K/V and the
         # interpreter (whose dot cannot take bf16) use fp32. Probabilities x V: probabilities rounded to V's half
-        # type, fp32 accumulation (an fp32/tf32 product here needs twice the registers and spills); fp32 V: fp32.
+        # type, fp32 accumulation, as flash attention does (half the registers of an fp32 operand); fp32 V: fp32.
         qk_fp32 = code == 0 or interpreting() or q.dtype != keys.dtype
         pv_fp32 = code == 0 or interpreting() or values.dtype != keys.dtype
         wrap_triton(_sparse_decode_split_kernel)[(rows, num_splits)](
