@@ -102,6 +102,7 @@ def run_fidelity_sample(model, sample: FidelitySample, methods: list[Method], pr
     records = []
     for method in ordered:
         prefilled = decode.prefill(model, method, prefix, len(target))
+        kept = decode.kept_tokens_per_layer(prefilled.cache)  # after prefill, before the continuation is appended
         steps = list(
             tqdm(
                 decode.teacher_forced_log_probs(model, prefilled, start, sample.continuation_ids),
@@ -130,7 +131,7 @@ def run_fidelity_sample(model, sample: FidelitySample, methods: list[Method], pr
                     "mean_kl": float(kl.mean()),
                     "max_kl": float(kl.max()),
                     "next_token_accuracy": float(correct.mean()),
-                    "kept_tokens_mean": sum(k := decode.kept_tokens_per_layer(prefilled.cache)) / len(k),
+                    "kept_tokens_mean": sum(kept) / len(kept),
                 }
             )
         del prefilled, steps
