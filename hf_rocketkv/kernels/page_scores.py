@@ -113,7 +113,7 @@ def _page_logits_kernel(
             s = tl.dot(qd, tl.trans(kp.to(tl.float16)))
         else:
             s = tl.dot(qd, tl.trans(kp))
-        s = tl.where(p_ok[None, :], s * scale_log2, float("-inf"))
+        s = tl.where(p_ok[None, :], (s * scale_log2).to(tl.float32), float("-inf"))
         tl.store(logit_base + pages[None, :], s, mask=g_ok[:, None] & p_ok[None, :])
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)

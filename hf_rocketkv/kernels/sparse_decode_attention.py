@@ -121,7 +121,7 @@ if triton is not None:
                 s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
-            s = tl.where(ok[None, :], s * scale_log2, float("-inf"))
+            s = tl.where(ok[None, :], (s * scale_log2).to(tl.float32), float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
             alpha = tl.exp2(m_i - m_safe)
