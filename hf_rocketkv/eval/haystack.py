@@ -30,27 +30,23 @@ def prose_paragraphs() -> tuple[str, ...]:
     return tuple(paragraphs)
 
 
-def haystack_text(num_chars: int, seed: int = 0) -> str:
-    """About ``num_chars`` characters of prose, paragraphs drawn in a seeded order (whole paragraphs only)."""
+def _take_paragraphs(budget: int, cost, seed: int) -> list[str]:
+    """Paragraphs in a seeded order (cycling when needed) until their summed ``cost`` reaches ``budget``."""
     paragraphs = list(prose_paragraphs())
     random.Random(seed).shuffle(paragraphs)
-    out, total, i = [], 0, 0
-    while total < num_chars:
-        paragraph = paragraphs[i % len(paragraphs)]
+    out, total = [], 0
+    while total < budget:
+        paragraph = paragraphs[len(out) % len(paragraphs)]
         out.append(paragraph)
-        total += len(paragraph) + 2
-        i += 1
-    return "\n\n".join(out)
+        total += cost(paragraph)
+    return out
+
+
+def haystack_text(num_chars: int, seed: int = 0) -> str:
+    """About ``num_chars`` characters of prose, paragraphs drawn in a seeded order (whole paragraphs only)."""
+    return "\n\n".join(_take_paragraphs(num_chars, lambda p: len(p) + 2, seed))
 
 
 def haystack_tokens(tokenizer, num_tokens: int, seed: int = 0) -> list[str]:
     """Paragraphs whose concatenation is about ``num_tokens`` tokens (for placing needles between paragraphs)."""
-    paragraphs = list(prose_paragraphs())
-    random.Random(seed).shuffle(paragraphs)
-    out, total, i = [], 0, 0
-    while total < num_tokens:
-        paragraph = paragraphs[i % len(paragraphs)]
-        out.append(paragraph)
-        total += len(tokenizer(paragraph, add_special_tokens=False).input_ids) + 1
-        i += 1
-    return out
+    return _take_paragraphs(num_tokens, lambda p: len(tokenizer(p, add_special_tokens=False).input_ids) + 1, seed)
