@@ -16,7 +16,7 @@ from transformers.cache_utils import Cache
 
 from ..config import RocketKVConfig
 from ..integration import handoff
-from .layer import GenerationHints, RocketKVLayer
+from .layer import CROP_UNSUPPORTED, GenerationHints, RocketKVLayer
 
 
 class RocketKVCache(Cache):
@@ -79,10 +79,7 @@ class RocketKVCache(Cache):
         return len(self.layers) > 0 and all(layer.compressed for layer in self.layers)
 
     def crop(self, max_length: int) -> None:
-        raise NotImplementedError(
-            "RocketKVCache cannot be cropped: stage 1 evicts tokens for good, so assisted/speculative decoding "
-            "(which rolls the cache back) is not supported. Use plain greedy, sampling or beam search."
-        )
+        raise NotImplementedError(CROP_UNSUPPORTED)
 
     def __repr__(self) -> str:
         return f"RocketKVCache(layers={len(self.layers)}, seen={self.get_seq_length()}, config={self.config})"

@@ -37,6 +37,12 @@ class GenerationHints:
     defer_compression: bool = False  # chunked prefill: run stage 1 at the first decode step, not after each chunk
 
 
+CROP_UNSUPPORTED = (
+    "RocketKVCache cannot be cropped: stage 1 evicts tokens for good, so assisted/speculative decoding "
+    "(which rolls the cache back) is not supported. Use plain greedy, sampling or beam search."
+)
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -291,10 +297,7 @@ class RocketKVLayer(CacheLayerMixin):
             self._index_batch(indices)
 
     def crop(self, max_length: int) -> None:
-        raise NotImplementedError(
-            "RocketKVCache cannot be cropped: stage 1 evicts tokens for good, so assisted/speculative decoding "
-            "(which rolls the cache back) is not supported. Use plain greedy, sampling or beam search."
-        )
+        raise NotImplementedError(CROP_UNSUPPORTED)
 
     def offload(self):
         raise NotImplementedError("RocketKVCache does not support offloading=True")
