@@ -40,6 +40,16 @@ class RocketKVCache(Cache):
         handoff.hand_to_attention(self, layer_idx)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
+    def get_query_offset(self, layer_idx: int = 0):
+        """Logical position of the next query, for transformers' mask code (called before every forward).
+
+        Compressed layers ignore that mask, so they answer with the device counter itself (as StaticLayer does):
+        ``get_seq_length()`` would turn it into a Python int, a host sync at every decode step.
+        """
+        if layer_idx < len(self.layers) and self.layers[layer_idx].compressed:
+            return self.layers[layer_idx].seen
+        return super().get_query_offset(layer_idx)
+
     def finish_prefill(self) -> None:
         """Run stage 1 on every layer still holding a full prompt.
 
