@@ -31,6 +31,7 @@ KT_CACHE_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
 }
 BACKENDS = ("auto", "torch", "triton")
+DECODE_GUARD_CHECKS = ("first_step", "every_step")
 YAML_SECTION = "sparse_attention_config"
 YAML_ALGORITHM = "rocket"
 
@@ -68,6 +69,13 @@ class RocketKVConfig:
         capacity_headroom: tokens preallocated per layer for decode beyond the kept prompt when generate() does
                        not say how many new tokens to expect; the store grows by this much whenever it fills up
                        (eager mode). Multiple of ``page_size`` after rounding up.
+        prefill_batch_size: rows per prefill forward in generate() (None: the whole batch in one forward, as
+                       transformers does). Each group of rows is prefilled and compressed by stage 1 before the
+                       next one starts, so prefill activations and the full-prompt K/V scale with this, not with
+                       the batch; the groups' compressed caches are then stacked for a batched decode.
+        decode_guard_checks: "first_step" (torch.compile's guards run on the first compiled decode step of each
+                       generate() call; later steps only tell apart compiled graphs, saving ~1 ms of CPU per token
+                       on an 8B model) or "every_step" (torch.compile's default).
     """
 
     window_size: int = 32
@@ -79,6 +87,8 @@ class RocketKVConfig:
     kt_cache_dtype: str = "float8_e5m2"
     backend: str = "auto"
     capacity_headroom: int = field(default=256)
+    prefill_batch_size: int | None = None
+    decode_guard_checks: str = "first_step"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -116,6 +126,16 @@ class RocketKVConfig:
             raise ValueError(f"RocketKVConfig.backend must be one of {list(BACKENDS)}, got {self.backend!r}")
         if self.capacity_headroom < 1:
             raise ValueError(f"RocketKVConfig.capacity_headroom must be >= 1, got {self.capacity_headroom}")
+        if self.decode_guard_checks not in DECODE_GUARD_CHECKS:
+            raise ValueError(
+                f"RocketKVConfig.decode_guard_checks must be one of {list(DECODE_GUARD_CHECKS)}, "
+                f"got {self.decode_guard_checks!r}"
+            )
+        if self.prefill_batch_size is not None and (not _is_int(self.prefill_batch_size) or self.prefill_batch_size < 1):
+            raise ValueError(
+                f"RocketKVConfig.prefill_batch_size must be None (whole batch) or an integer >= 1, "
+                f"got {self.prefill_batch_size!r}"
+            )
 
     # ------------------------------------------------------------------------------------------------ derived
     @property

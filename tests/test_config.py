@@ -71,6 +71,16 @@ def test_capacity_headroom_at_least_one():
     _raises(["capacity_headroom", ">= 1"], capacity_headroom=0)
 
 
+@pytest.mark.parametrize("value", [0, -2, 1.5, "2", True])
+def test_prefill_batch_size_none_or_positive_int(value):
+    _raises(["prefill_batch_size", "None", ">= 1", repr(value)], prefill_batch_size=value)
+
+
+def test_prefill_batch_size_accepts_none_and_ints():
+    assert RocketKVConfig(prefill_batch_size=None).prefill_batch_size is None
+    assert RocketKVConfig(prefill_batch_size=3).prefill_batch_size == 3
+
+
 @pytest.mark.parametrize("dtype", ["fp8", "float8_e4m3fn", "int8", "bf16", ""])
 def test_unknown_kt_cache_dtype(dtype):
     message = _raises(["kt_cache_dtype", repr(dtype)], kt_cache_dtype=dtype)

@@ -333,6 +333,53 @@ def test_chunked_prefill_padding_longer_than_first_chunk(llama_pair):
     assert torch.equal(out, reference)
 
 
+# ------------------------------------------------------------------------------------------------ row-group prefill
+
+
+def _same_cache_state(cache, reference, layers):
+    for layer_idx in range(layers):
+        got, want = cache.layers[layer_idx], reference.layers[layer_idx]
+        assert torch.equal(got.lengths, want.lengths), f"layer {layer_idx}"
+        for b, n in enumerate(want.lengths.tolist()):
+            assert torch.equal(got.positions[b, :, :n], want.positions[b, :, :n]), f"layer {layer_idx} row {b}"
+            assert torch.equal(got.keys[b, :, :n], want.keys[b, :, :n]), f"layer {layer_idx} row {b}"
+
+
+@pytest.mark.parametrize("rows_per_group", [1, 2, 3])
+def test_row_group_prefill_equals_one_forward(llama_pair, rows_per_group):
+    """Rows of different lengths (20 < budget is kept whole, so group capacities differ), left-padded."""
+    rocket, _ = llama_pair
+    ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (60, 45, 20, 31)])
+    reference_cache = RocketKVCache(compressing_config())
+    reference = greedy(rocket, ids, attention_mask=mask, past_key_values=reference_cache, max_new_tokens=10)
+    cache = RocketKVCache(compressing_config(prefill_batch_size=rows_per_group))
+    out = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=10)
+    assert torch.equal(out, reference)
+    assert cache.kept_tokens(0)[:, 0].tolist() == [24 + 9, 24 + 9, 20 + 9, 24 + 9]
+    _same_cache_state(cache, reference_cache, rocket.config.num_hidden_layers)
+
+
+def test_row_group_prefill_with_chunked_prefill_and_beams(llama_pair):
+    rocket, _ = llama_pair
+    ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (48, 40, 52)])
+    kwargs = dict(attention_mask=mask, num_beams=2, num_return_sequences=2, max_new_tokens=6)
+    reference = greedy(rocket, ids, past_key_values=RocketKVCache(compressing_config()), **kwargs)
+    cache = RocketKVCache(compressing_config(prefill_batch_size=2))
+    out = greedy(rocket, ids, past_key_values=cache, prefill_chunk_size=16, **kwargs)
+    assert torch.equal(out, reference)
+    assert cache.kept_tokens(0).shape == (6, 2)
+
+
+def test_row_group_prefill_unknown_batch_input_raises():
+    from hf_rocketkv.integration.row_groups import slice_rows
+
+    kwargs = dict(attention_mask=torch.ones(4, 9), pixel_values=torch.zeros(4, 3, 8, 8), cache_position=torch.arange(4))
+    sliced = slice_rows({k: v for k, v in kwargs.items() if k != "pixel_values"}, slice(0, 2), 4)
+    assert sliced["attention_mask"].shape == (2, 9) and sliced["cache_position"].shape == (4,)
+    with pytest.raises(ValueError, match="prefill_batch_size.*'pixel_values'"):
+        slice_rows(kwargs, slice(0, 2), 4)
+
+
 # ------------------------------------------------------------------------------------------------ misuse errors
 
 

@@ -13,7 +13,8 @@ Rows (``--caches``), all in one process on the same model:
 for every batch size x context (prompt tokens). A point that cannot fit in GPU memory is skipped with the estimate
 that says so (weights + KV cache + prefill activations), and an out-of-memory error is recorded, not raised.
 
-Columns: decode ms/token (median time between consecutive generated tokens, first steps dropped: they include
+Before any timing, one short eager generate per cache kind absorbs one-time costs (CUDA initialisation, the JIT
+compilation of the Triton kernels). Columns: decode ms/token (median time between consecutive generated tokens, first steps dropped: they include
 compilation), tokens/s (batch / that time), prefill seconds (generate's first forward), peak GiB
 (torch.cuda.max_memory_allocated), attention step (one layer, timed separately on the cache state left by the run,
 eager and as a CUDA-graph replay: sdpa over the full K/V for the dense caches, RocketKV's page scoring + top-k +
@@ -87,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--memory-fraction", type=float, default=0.92, help="skip points estimated above this share")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cudnn-for-static", action="store_true",
+                   help="let the static-compile rows use cuDNN attention (it plans once, at CUDA-graph capture)")
+    p.add_argument("--prefill-batch-size", type=int, default=None,
+                   help="RocketKVConfig.prefill_batch_size for the rocketkv rows: prefill that many rows per forward")
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top ops of every generate call")
     p.add_argument(
         "--allow-cudnn-sdpa", action="store_true",
@@ -121,6 +126,8 @@ def rocket_config(args, quick: bool, device: torch.device):
         config = RocketKVConfig(prompt_budget=48, window_size=8, kernel_size=7, topk=4, page_size=4)
     else:
         config = RocketKVConfig()
+    if args.prefill_batch_size is not None:
+        config = config.replace(prefill_batch_size=args.prefill_batch_size)
     # the kernels under test on CUDA; the reference on CPU (the Triton interpreter would take minutes)
     return config.replace(backend="triton" if device.type == "cuda" else "torch")
 
@@ -153,7 +160,10 @@ def estimate_bytes(cache: str, batch: int, context: int, new_tokens: int, model,
         kv += 2 * batch * context * kv_token_layer  # one layer dense during prefill + its compacted copy
     else:
         kv = cfg.num_hidden_layers * tokens * kv_token_layer
-    activations = batch * context * (8 * cfg.hidden_size + 4 * cfg.intermediate_size) * elem
+    prefill_rows = batch
+    if cache.startswith("rocketkv") and rocket.prefill_batch_size is not None:
+        prefill_rows = min(batch, rocket.prefill_batch_size)
+    activations = prefill_rows * context * (8 * cfg.hidden_size + 4 * cfg.intermediate_size) * elem
     return int(weights + kv + activations)
 
 
@@ -172,7 +182,8 @@ class StepClock:
         return scores
 
 
-def run_generate(model, cache: str, ids: torch.Tensor, new_tokens: int, rocket, profile: bool = False) -> tuple[dict, Any]:
+def run_generate(model, cache: str, ids: torch.Tensor, new_tokens: int, rocket, profile: bool = False,
+                 cudnn_for_static: bool = False) -> tuple[dict, Any]:
     from transformers import LogitsProcessorList
 
     from ..cache.cache import RocketKVCache
@@ -180,6 +191,7 @@ def run_generate(model, cache: str, ids: torch.Tensor, new_tokens: int, rocket, 
 
     device = ids.device
     clock = StepClock(device)
+    cudnn_default = torch.backends.cuda.cudnn_sdp_enabled()
     kwargs: dict[str, Any] = dict(
         max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
         logits_processor=LogitsProcessorList([clock]), return_dict_in_generate=True,
@@ -193,6 +205,9 @@ def run_generate(model, cache: str, ids: torch.Tensor, new_tokens: int, rocket, 
         model.set_attn_implementation("sdpa")
         if cache == "static-compile":
             kwargs["cache_implementation"] = "static"
+            if device.type == "cuda" and cudnn_for_static:
+                # captured in a CUDA graph, cuDNN's per-call planning is paid once: its fastest attention is fair here
+                torch.backends.cuda.enable_cudnn_sdp(True)
         else:
             kwargs["past_key_values"] = None
             kwargs["disable_compile"] = True
@@ -209,6 +224,8 @@ def run_generate(model, cache: str, ids: torch.Tensor, new_tokens: int, rocket, 
             out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
     finally:
         model.set_attn_implementation("sdpa")
+        if device.type == "cuda" and cudnn_for_static:
+            torch.backends.cuda.enable_cudnn_sdp(cudnn_default)
     if profiler is not None:
         print(f"--- profile: {cache} batch {ids.shape[0]} context {ids.shape[1]} (prefill + {new_tokens} tokens)")
         print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
@@ -228,6 +245,23 @@ def _profiler(device: torch.device):
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     return profile(activities=activities)
+
+
+def warm_up(model, caches: list[str], rocket, device: torch.device) -> None:
+    """One short eager generate per cache kind before any timing, so prefill seconds (TTFT) exclude one-time costs:
+    CUDA/cuBLAS initialisation and the JIT compilation of RocketKV's Triton kernels (~2 s on the first call)."""
+    from ..cache.cache import RocketKVCache
+    from ..integration.registration import enable
+
+    ids = torch.randint(3, model.config.vocab_size, (1, rocket.prompt_budget + 2 * rocket.window_size), device=device)
+    kwargs = dict(max_new_tokens=2, do_sample=False, eos_token_id=None, disable_compile=True,
+                  attention_mask=torch.ones_like(ids))
+    if any(cache.startswith("rocketkv") for cache in caches):
+        enable(model)
+        model.generate(ids, past_key_values=RocketKVCache(rocket), **kwargs)
+    model.set_attn_implementation("sdpa")
+    model.generate(ids, **kwargs)
+    _free(device)
 
 
 # ------------------------------------------------------------------------------------------------ attention step
@@ -303,6 +337,7 @@ def run(argv: list[str] | None = None) -> dict:
         layers=model.config.num_hidden_layers, model=setup["model"] | ({"num_hidden_layers": args.layers} if args.layers else {}),
         rocketkv=rocket.to_dict(), new_tokens=setup["new_tokens"], total_gib=total / 2**30 if total else None,
         cudnn_sdpa=bool(device.type != "cuda" or args.allow_cudnn_sdpa),
+        cudnn_for_static=bool(args.cudnn_for_static),
     )
     try:
         import transformers
@@ -316,6 +351,7 @@ def run(argv: list[str] | None = None) -> dict:
     print(json.dumps(env), flush=True)
     rows: list[Row] = []
     gen = torch.Generator().manual_seed(args.seed)
+    warm_up(model, setup["caches"], rocket, device)
     for batch in setup["batch"]:
         for context in setup["context"]:
             ids = torch.randint(3, model.config.vocab_size, (batch, context), generator=gen).to(device)
@@ -330,7 +366,8 @@ def run(argv: list[str] | None = None) -> dict:
                     continue
                 past = None
                 try:
-                    result, past = run_generate(model, cache, ids, setup["new_tokens"], rocket, args.profile)
+                    result, past = run_generate(model, cache, ids, setup["new_tokens"], rocket, args.profile,
+                                                args.cudnn_for_static)
                     for key, value in result.items():
                         setattr(row, key, value)
                     if row.decode_ms_per_token:

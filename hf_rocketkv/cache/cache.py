@@ -59,6 +59,15 @@ class RocketKVCache(Cache):
         for layer in self.layers:
             layer.finish_prefill()
 
+    def adopt_row_groups(self, parts: list["RocketKVCache"]) -> None:
+        """Take over the compressed layers of caches that each prefilled some rows, in row order (row-group
+        prefill, ``RocketKVConfig.prefill_batch_size``). This cache must be empty."""
+        if self.get_seq_length() != 0:
+            raise ValueError("adopt_row_groups needs an empty RocketKVCache")
+        self.layers = [
+            RocketKVLayer.stack_rows([part.layers[i] for part in parts], self.hints) for i in range(len(parts[0].layers))
+        ]
+
     # ------------------------------------------------------------------------------------------ introspection
     def kept_tokens(self, layer_idx: int) -> torch.LongTensor:
         """Tokens physically stored per row and KV head in ``layer_idx``: LongTensor ``[batch, kv_heads]``."""
@@ -80,9 +89,10 @@ class RocketKVCache(Cache):
     @property
     def is_compileable(self) -> bool:
         """generate() compiles decode steps for compileable caches (on CUDA, or with compile_config's
-        ``_compile_all_devices``). Chunked prefill keeps every layer dense until the first decode step, and
-        generate() would compile those chunks too, so it runs eagerly."""
-        return not self.hints.defer_compression
+        ``_compile_all_devices``). It asks once before prefill (for decode) and again inside a chunked prefill (for
+        the chunks): the answer is False only while generate()'s prefill runs, so chunks run eagerly (their shapes
+        change every chunk) and decode is compiled after a chunked prefill too."""
+        return not self.hints.prefilling
 
     @property
     def is_compressed(self) -> bool:

@@ -35,6 +35,8 @@ class GenerationHints:
 
     max_length: int | None = None  # logical tokens the cache will have seen at most (prompt + new tokens)
     defer_compression: bool = False  # chunked prefill: run stage 1 at the first decode step, not after each chunk
+    prefilling: bool = False  # generate()'s prefill is running (chunks must not be compiled: their shapes change)
+    guards_checked: bool = False  # this generate() call's first compiled decode step has run with every guard
 
 
 CROP_UNSUPPORTED = (
@@ -45,6 +47,16 @@ CROP_UNSUPPORTED = (
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def _pad_dim2(tensor: torch.Tensor, size: int, fill) -> torch.Tensor:
+    """``tensor`` with dim 2 extended to ``size`` by ``fill`` (slots or KT pages that hold no token)."""
+    missing = size - tensor.shape[2]
+    if missing == 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[2] = missing
+    return torch.cat([tensor, tensor.new_full(shape, fill)], dim=2)
 
 
 class RocketKVLayer(CacheLayerMixin):
@@ -164,6 +176,9 @@ class RocketKVLayer(CacheLayerMixin):
     def _append_many(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """A multi-token forward on a compressed layer (a later turn): append after each row's tokens."""
         n = key_states.shape[2]
+        # a sync, but this is a multi-token forward: the mirror may be stale after compiled decode steps driven
+        # outside generate() (user-compiled loops), and a stale one would under-size the store
+        self.host_max_length = int(self.lengths.max())
         self._ensure_capacity(n)
         offsets = torch.arange(n, device=self.device)
         slots = (self.lengths[:, None] + offsets[None, :])[:, None, :, None]  # [B, 1, n, 1]
@@ -264,6 +279,31 @@ class RocketKVLayer(CacheLayerMixin):
         self.kt = self.ops.build_kt(self.keys, self.lengths, self.config.page_size, self.config.kt_torch_dtype)
         self.compressed = True
         self._mark_static()
+
+    @classmethod
+    def stack_rows(cls, parts: list["RocketKVLayer"], hints: GenerationHints) -> "RocketKVLayer":
+        """One compressed layer holding the rows of ``parts`` in order (row-group prefill, then batched decode).
+
+        The parts saw the same input columns (one padded batch), so they share ``seen``; capacities may differ
+        (rows shorter than the budget keep fewer tokens), so every part is padded with empty slots to the largest.
+        """
+        first = parts[0]
+        if not all(part.compressed for part in parts):
+            raise RuntimeError("RocketKVLayer.stack_rows needs compressed layers (stage 1 done on every row group)")
+        capacity = max(part.capacity for part in parts)
+        pages = capacity // first.config.page_size
+        layer = cls(first.config, hints)
+        layer.dtype, layer.device, layer.ops, layer.scaling = first.dtype, first.device, first.ops, first.scaling
+        layer.keys = torch.cat([_pad_dim2(part.keys, capacity, 0) for part in parts])
+        layer.values = torch.cat([_pad_dim2(part.values, capacity, 0) for part in parts])
+        layer.positions = torch.cat([_pad_dim2(part.positions, capacity, -1) for part in parts])
+        layer.kt = torch.cat([_pad_dim2(part.kt, pages, 0) for part in parts])
+        layer.lengths = torch.cat([part.lengths for part in parts])
+        layer.seen = first.seen.clone()
+        layer.host_max_length = max(part.host_max_length for part in parts)
+        layer.compressed = layer.is_initialized = True
+        layer._mark_static()
+        return layer
 
     def _mark_static(self) -> None:
         """Fixed addresses for CUDA graphs: decode mutates these tensors in place and never reallocates them."""

@@ -8,8 +8,11 @@ private ``GenerationMixin`` steps, keeping their signatures (checked on transfor
   a RocketKVCache on a model whose attention is not ``rocketkv`` raises.
 * ``_prefill``: a RocketKVCache that already holds tokens only accepts a continuation of the same request
   (``generate`` slices the prompt by the cache's length, so an unrelated prompt would silently give garbage); after
-  a chunked prefill it runs the deferred stage 1.
+  a chunked prefill it runs the deferred stage 1; with ``prefill_batch_size`` it prefills the batch in row groups
+  (``row_groups.py``).
 * ``prepare_inputs_for_generation``: records the ids fed so far, which a continuation must start with.
+* ``PreTrainedModel.get_compiled_call``: compiled decode steps after a request's first one skip the guards that
+  cannot change within a request (``compiled_decode.py``).
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ from __future__ import annotations
 import functools
 
 import torch
-from transformers import GenerationMixin
+from transformers import GenerationMixin, PreTrainedModel
 
 from ..cache.cache import RocketKVCache
 from ..config import RocketKVConfig
+from .compiled_decode import wrap_get_compiled_call
 from .handoff import ATTN_NAME
+from .row_groups import prefill_in_row_groups, wants_row_groups
 
 CONFIG_ATTRIBUTE = "rocketkv"  # model.config.rocketkv: dict of RocketKVConfig fields (saved with the model)
 
@@ -89,9 +94,17 @@ def _wrap_prefill(original):
             return original(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
         check_continuation(cache, input_ids)
         cache.token_ids = input_ids
-        outputs = original(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
-        cache.finish_prefill()  # chunked prefill deferred stage 1 until the whole prompt was in
-        return outputs
+        cache.hints.guards_checked = False  # this call's first compiled decode step runs every guard
+        cache.hints.prefilling = True
+        try:
+            if wants_row_groups(cache, input_ids.shape[0]):
+                return prefill_in_row_groups(original, self, input_ids, generation_config, model_kwargs, cache, *args,
+                                             **kwargs)
+            outputs = original(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
+            cache.finish_prefill()  # chunked prefill deferred stage 1 until the whole prompt was in
+            return outputs
+        finally:
+            cache.hints.prefilling = False
 
     return prefill
 
@@ -143,4 +156,5 @@ def install() -> None:
     GenerationMixin._prepare_cache_for_generation = _wrap_prepare_cache(GenerationMixin._prepare_cache_for_generation)
     GenerationMixin._prefill = _wrap_prefill(GenerationMixin._prefill)
     GenerationMixin.prepare_inputs_for_generation = _wrap_prepare_inputs(GenerationMixin.prepare_inputs_for_generation)
+    PreTrainedModel.get_compiled_call = wrap_get_compiled_call(PreTrainedModel.get_compiled_call)
     _INSTALLED = True
