@@ -79,10 +79,29 @@ def main() -> None:
                    graph_breaks=dict(dynamo_utils.counters["graph_break"]),
                    eager_ms_per_token=eager_ms, compiled_ms_per_token=times[1])
         row["dtype"] = args.dtype
+        row.update(deferred_stop(model, ids, gen, rocket))
         row.update(static_vs_dynamic(model, ids, gen))
         hf_rocketkv.enable(model)
         results.append(row)
         print(json.dumps(row), flush=True)
+
+
+def deferred_stop(model, ids, gen, rocket) -> dict:
+    """generate() with transformers' deferred stop check (RocketKVConfig.deferred_stop_check, default on CUDA) vs the
+    per-step check: same tokens, and after an EOS stop (one extra step, undone by crop) the same cache state."""
+    plain = rocket.replace(deferred_stop_check=False)
+    reference = model.generate(ids, past_key_values=RocketKVCache(plain), **gen)
+    deferred = model.generate(ids, past_key_values=RocketKVCache(rocket), **gen)
+    eos = int(reference[0, ids.shape[1] + 5])  # row 0 stops at its 6th token
+    stopped = {}
+    for name, config in (("plain", plain), ("deferred", rocket)):
+        cache = RocketKVCache(config)
+        out = model.generate(ids, past_key_values=cache, **(gen | dict(eos_token_id=eos)))
+        stopped[name] = (out, cache.get_seq_length(), cache.kept_tokens(0), cache.layers[0].lengths.clone())
+    same_state = all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+                     for a, b in zip(stopped["plain"], stopped["deferred"]))
+    return dict(deferred_same_tokens=bool(torch.equal(reference, deferred)), deferred_eos_same_tokens_and_cache=same_state,
+                eos_stop_length=int(stopped["plain"][0].shape[1]))
 
 
 def static_vs_dynamic(model, ids, gen) -> dict:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -37,15 +36,15 @@ def run_mode(model, mode: str, ids: torch.Tensor, chunk: int, new_tokens: int) -
     else:
         model.set_attn_implementation("sdpa")
         kwargs["disable_compile"] = True
-    clock = StepClock(ids.device)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     row = dict(mode=mode, context=ids.shape[1], chunk=chunk if mode.endswith("chunked") else None)
-    start = time.perf_counter()
+    clock = StepClock(ids.device)
     try:
         model.generate(ids, logits_processor=LogitsProcessorList([clock]), **kwargs)
-        gaps = sorted(b - a for a, b in zip(clock.times[3:], clock.times[4:]))
-        row.update(status="ok", prefill_s=clock.times[0] - start, decode_ms_per_token=gaps[len(gaps) // 2] * 1e3)
+        times = clock.seconds()
+        gaps = sorted(b - a for a, b in zip(times[3:], times[4:]))
+        row.update(status="ok", prefill_s=times[0], decode_ms_per_token=gaps[len(gaps) // 2] * 1e3)
         if cache is not None:
             row["kept_tokens_per_kv_head"] = int(cache.kept_tokens(0).max())
             row["cache_gib"] = cache.memory_bytes() / 2**30

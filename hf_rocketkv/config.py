@@ -76,6 +76,10 @@ class RocketKVConfig:
         decode_guard_checks: "first_step" (torch.compile's guards run on the first compiled decode step of each
                        generate() call; later steps only tell apart compiled graphs, saving ~1 ms of CPU per token
                        on an 8B model) or "every_step" (torch.compile's default).
+        deferred_stop_check: on CUDA, let generate() read its "all sequences finished" flag one step late
+                       (transformers' DeferredStopCheck, which it enables on MPS only), so the next decode step is
+                       queued while the current one runs instead of the GPU idling during generate()'s host work.
+                       Same tokens; one extra forward, undone, when generation stops on EOS.
     """
 
     window_size: int = 32
@@ -89,6 +93,7 @@ class RocketKVConfig:
     capacity_headroom: int = field(default=256)
     prefill_batch_size: int | None = None
     decode_guard_checks: str = "first_step"
+    deferred_stop_check: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -130,6 +135,10 @@ class RocketKVConfig:
             raise ValueError(
                 f"RocketKVConfig.decode_guard_checks must be one of {list(DECODE_GUARD_CHECKS)}, "
                 f"got {self.decode_guard_checks!r}"
+            )
+        if not isinstance(self.deferred_stop_check, bool):
+            raise ValueError(
+                f"RocketKVConfig.deferred_stop_check must be True or False, got {self.deferred_stop_check!r}"
             )
         if self.prefill_batch_size is not None and (not _is_int(self.prefill_batch_size) or self.prefill_batch_size < 1):
             raise ValueError(

@@ -188,13 +188,14 @@ def test_later_turn_appends_and_recompresses():
 
 def test_unsupported_operations_raise():
     layer = RocketKVLayer(config(), GenerationHints())
+    layer.crop(-1)  # nothing stored yet: nothing to undo (as DynamicLayer)
     with pytest.raises(NotImplementedError, match="crop"):
-        layer.crop(-1)
+        layer.crop(3)  # an absolute length: assisted decoding's legacy call
     with pytest.raises(NotImplementedError, match="offload"):
         layer.offload()
     cache = RocketKVCache(config())
     with pytest.raises(NotImplementedError, match="assisted"):
-        cache.crop(-2)
+        cache.crop(2)
     with pytest.raises(TypeError, match="RocketKVConfig"):
         RocketKVCache({"prompt_budget": 12})
 

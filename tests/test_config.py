@@ -76,6 +76,15 @@ def test_prefill_batch_size_none_or_positive_int(value):
     _raises(["prefill_batch_size", "None", ">= 1", repr(value)], prefill_batch_size=value)
 
 
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_deferred_stop_check_is_a_bool(value):
+    _raises(["deferred_stop_check", "True or False", repr(value)], deferred_stop_check=value)
+
+
+def test_decode_guard_checks_choices():
+    _raises(["decode_guard_checks", "first_step", "every_step", "'always'"], decode_guard_checks="always")
+
+
 def test_prefill_batch_size_accepts_none_and_ints():
     assert RocketKVConfig(prefill_batch_size=None).prefill_batch_size is None
     assert RocketKVConfig(prefill_batch_size=3).prefill_batch_size == 3

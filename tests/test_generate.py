@@ -445,3 +445,65 @@ def test_assisted_decoding_not_implemented(llama_pair):
         greedy(rocket, ids, past_key_values=RocketKVCache(compressing_config()), assistant_model=assistant)
     with pytest.raises(NotImplementedError, match="crop"):
         greedy(rocket, ids, prompt_lookup_num_tokens=3)  # automatic cache too
+
+
+# ------------------------------------------------------------------------------------------------ deferred stop check
+
+
+def _assert_same_state(cache, reference):
+    for layer_idx, (got, want) in enumerate(zip(cache.layers, reference.layers)):
+        where = f"layer {layer_idx}"
+        assert torch.equal(got.lengths, want.lengths) and int(got.seen) == int(want.seen), where
+        assert torch.equal(got.positions, want.positions), where
+        assert (got.host_max_length, got.host_decoded) == (want.host_max_length, want.host_decoded), where
+        for b, n in enumerate(want.lengths.tolist()):
+            assert torch.equal(got.keys[b, :, :n], want.keys[b, :, :n]), where
+            assert torch.equal(got.values[b, :, :n], want.values[b, :, :n]), where
+            pages = -(-n // want.config.page_size)
+            assert torch.equal(got.kt[b, :, :pages], want.kt[b, :, :pages]), where
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_crop_undoes_the_last_decode_steps(llama_pair, steps):
+    """What generate()'s deferred stop check relies on: crop(-n) restores the cache of n decode steps earlier."""
+    rocket, _ = llama_pair
+    ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (50, 37)])
+    longer, shorter = RocketKVCache(compressing_config()), RocketKVCache(compressing_config())
+    out_longer = greedy(rocket, ids, attention_mask=mask, past_key_values=longer, max_new_tokens=6 + steps)
+    out_shorter = greedy(rocket, ids, attention_mask=mask, past_key_values=shorter, max_new_tokens=6)
+    longer.crop(0)  # no-op
+    longer.crop(-steps)
+    _assert_same_state(longer, shorter)
+    # and the next turn continues exactly as from the cache that never took those steps
+    follow = torch.cat([out_shorter, random_ids(2, 3, seed=9)], dim=1)
+    follow_mask = torch.cat([mask, torch.ones(2, follow.shape[1] - mask.shape[1], dtype=mask.dtype)], dim=1)
+    assert torch.equal(out_longer[:, : out_shorter.shape[1]], out_shorter)
+    again = [greedy(rocket, follow, attention_mask=follow_mask, past_key_values=c, max_new_tokens=5)
+             for c in (longer, shorter)]
+    assert torch.equal(again[0], again[1])
+
+
+def test_crop_refuses_what_it_cannot_undo(llama_pair):
+    rocket, _ = llama_pair
+    cache = RocketKVCache(compressing_config())
+    greedy(rocket, random_ids(1, 40), past_key_values=cache, max_new_tokens=4)  # 3 decode steps
+    for bad in (5, -4):  # an absolute length (assisted decoding's legacy call), more than was decoded
+        with pytest.raises(NotImplementedError, match="assisted"):
+            cache.crop(bad)
+    cache.crop(-3)
+    assert cache.kept_tokens(0).tolist() == [[24, 24]]
+
+
+def test_deferred_stop_check_enabled_for_rocketkv_on_cuda_only():
+    from transformers.generation.utils import DeferredStopCheck
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    cache = RocketKVCache(compressing_config())
+    assert DeferredStopCheck.is_supported(cuda, cache, True, False)
+    assert not DeferredStopCheck.is_supported(cuda, cache, True, True)  # assistant models keep the plain check
+    assert not DeferredStopCheck.is_supported(cpu, cache, True, False)  # CPU events do not exist
+    off = RocketKVCache(compressing_config(deferred_stop_check=False))
+    assert not DeferredStopCheck.is_supported(cuda, off, True, False)
+    from transformers import DynamicCache
+
+    assert not DeferredStopCheck.is_supported(cuda, DynamicCache(), True, False)  # others: transformers' rule

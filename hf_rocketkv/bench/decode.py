@@ -14,8 +14,8 @@ for every batch size x context (prompt tokens). A point that cannot fit in GPU m
 that says so (weights + KV cache + prefill activations), and an out-of-memory error is recorded, not raised.
 
 Before any timing, one short eager generate per cache kind absorbs one-time costs (CUDA initialisation, the JIT
-compilation of the Triton kernels). Columns: decode ms/token (median time between consecutive generated tokens, first steps dropped: they include
-compilation), tokens/s (batch / that time), prefill seconds (generate's first forward), peak GiB
+compilation of the Triton kernels). Columns: decode ms/token (median time between consecutive generated tokens, from CUDA events recorded per token
+without a sync; first steps dropped: they include compilation), tokens/s (batch / that time), prefill seconds (generate's first forward), peak GiB
 (torch.cuda.max_memory_allocated), attention step (one layer, timed separately on the cache state left by the run,
 eager and as a CUDA-graph replay: sdpa over the full K/V for the dense caches, RocketKV's page scoring + top-k +
 sparse attention for RocketKV), the bytes that step must read and its achieved GB/s, and decode time relative to
@@ -169,17 +169,39 @@ def estimate_bytes(cache: str, batch: int, context: int, new_tokens: int, model,
 
 # ------------------------------------------------------------------------------------------------ one run
 class StepClock:
-    """A logits processor that timestamps every generated token (synchronising the device first)."""
+    """A logits processor that timestamps every generated token without synchronising the device.
+
+    On CUDA it records a CUDA event per token (read back after generate(): a sync per token would stall the GPU
+    between steps and hide what generate() itself does); elsewhere it reads the host clock.
+    """
 
     def __init__(self, device: torch.device):
-        self.device = device
+        self.cuda = device.type == "cuda"
+        self.events: list = []
         self.times: list[float] = []
+        self.start()
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+        if self.cuda:
+            self.start_event = torch.cuda.Event(enable_timing=True)
+            self.start_event.record()
 
     def __call__(self, input_ids, scores):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.times.append(time.perf_counter())
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.events.append(event)
+        else:
+            self.times.append(time.perf_counter())
         return scores
+
+    def seconds(self) -> list[float]:
+        """Time of each generated token since ``start()``."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [self.start_event.elapsed_time(event) / 1e3 for event in self.events]
+        return [t - self.t0 for t in self.times]
 
 
 def run_generate(model, cache: str, ids: torch.Tensor, new_tokens: int, rocket, profile: bool = False,
@@ -215,7 +237,7 @@ def run_generate(model, cache: str, ids: torch.Tensor, new_tokens: int, rocket, 
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     profiler = _profiler(device) if profile else None
-    start = time.perf_counter()
+    clock.start()
     try:
         if profiler is not None:
             with profiler:
@@ -229,12 +251,13 @@ def run_generate(model, cache: str, ids: torch.Tensor, new_tokens: int, rocket, 
     if profiler is not None:
         print(f"--- profile: {cache} batch {ids.shape[0]} context {ids.shape[1]} (prefill + {new_tokens} tokens)")
         print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
-    steps = [b - a for a, b in zip(clock.times, clock.times[1:])]
+    times = clock.seconds()
+    steps = [b - a for a, b in zip(times, times[1:])]
     steady = steps[DROP_FIRST_STEPS:] if len(steps) > DROP_FIRST_STEPS + 2 else steps
     result = dict(
-        prefill_s=clock.times[0] - start if clock.times else None,
+        prefill_s=times[0] if times else None,
         decode_ms_per_token=statistics.median(steady) * 1e3 if steady else None,
-        new_tokens=len(clock.times),
+        new_tokens=len(times),
         peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
     )
     return result, out.past_key_values

@@ -98,8 +98,12 @@ class RocketKVCache(Cache):
     def is_compressed(self) -> bool:
         return len(self.layers) > 0 and all(layer.compressed for layer in self.layers)
 
-    def crop(self, max_length: int) -> None:
-        raise NotImplementedError(CROP_UNSUPPORTED)
+    def crop(self, tokens_to_remove: int) -> None:
+        """Undo the last ``-tokens_to_remove`` decode steps (see ``RocketKVLayer.crop``); anything else raises."""
+        if tokens_to_remove > 0:
+            raise NotImplementedError(CROP_UNSUPPORTED)
+        for layer in self.layers:
+            layer.crop(tokens_to_remove)
 
     def __repr__(self) -> str:
         return f"RocketKVCache(layers={len(self.layers)}, seen={self.get_seq_length()}, config={self.config})"

@@ -40,8 +40,9 @@ class GenerationHints:
 
 
 CROP_UNSUPPORTED = (
-    "RocketKVCache cannot be cropped: stage 1 evicts tokens for good, so assisted/speculative decoding "
-    "(which rolls the cache back) is not supported. Use plain greedy, sampling or beam search."
+    "RocketKVCache cannot be cropped beyond its last decoded tokens: stage 1 evicts tokens for good, so "
+    "assisted/speculative decoding (which rolls the cache back over verified candidates) is not supported. Use "
+    "plain greedy, sampling or beam search."
 )
 
 
@@ -77,7 +78,8 @@ class RocketKVLayer(CacheLayerMixin):
         self.lengths: torch.Tensor | None = None
         self.compressed = False
         self.seen: torch.Tensor | None = None  # 0-d int64 on the device: logical tokens seen (compile-safe)
-        self.host_max_length = 0  # eager-only mirror of lengths.max(), so eager decode never syncs with the GPU
+        self.host_max_length = 0  # host mirror of lengths.max(), so decode never syncs with the GPU
+        self.host_decoded = 0  # one-token decode steps appended since stage 1 last ran (what crop may remove)
         self.ops: RocketOps | None = None
         # dense state only: the padding offset of each row and the latest window of queries
         self.row_start: torch.Tensor | None = None
@@ -162,9 +164,9 @@ class RocketKVLayer(CacheLayerMixin):
         No host sync and no shape change, so a compiled decode step replays as one CUDA graph. Capacity comes from
         generate()'s max_length; in eager mode the store grows when a caller runs past it.
         """
-        if not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling():  # compiled steps: integration/compiled_decode.py counts on the host
             self._ensure_capacity(1)
-            self.host_max_length += 1
+            self.note_decode_step()
         rows = torch.arange(self.keys.shape[0], device=self.device)
         slot = self.lengths
         self.keys[rows, :, slot] = key_states[:, :, 0]
@@ -172,6 +174,10 @@ class RocketKVLayer(CacheLayerMixin):
         self.positions[rows, :, slot] = (self.seen - 1).to(torch.int32)
         self.ops.update_kt(self.kt, key_states[:, :, 0], slot, self.config.page_size)
         self.lengths.add_(1)
+
+    def note_decode_step(self) -> None:
+        self.host_max_length += 1
+        self.host_decoded += 1
 
     def _append_many(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """A multi-token forward on a compressed layer (a later turn): append after each row's tokens."""
@@ -276,6 +282,7 @@ class RocketKVLayer(CacheLayerMixin):
         self.keys, self.values, self.positions = keys, values, positions
         self.lengths = torch.tensor(counts, dtype=torch.long, device=self.device)
         self.host_max_length = max(counts)
+        self.host_decoded = 0
         self.kt = self.ops.build_kt(self.keys, self.lengths, self.config.page_size, self.config.kt_torch_dtype)
         self.compressed = True
         self._mark_static()
@@ -336,8 +343,30 @@ class RocketKVLayer(CacheLayerMixin):
         if self.is_initialized:
             self._index_batch(indices)
 
-    def crop(self, max_length: int) -> None:
-        raise NotImplementedError(CROP_UNSUPPORTED)
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` decoded tokens, restoring the state before those decode steps.
+
+        generate()'s deferred stop check (``deferred_stop_check``) runs one decode step past an EOS stop and undoes it
+        with ``crop(-1)``; ``crop(0)`` is a no-op. Evicted prompt tokens cannot come back, so a positive value (the
+        legacy absolute length), more tokens than were decoded since stage 1, or a dense layer raise.
+        """
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        count = -tokens_to_remove
+        if tokens_to_remove > 0 or not self.compressed or count > self.host_decoded:
+            raise NotImplementedError(CROP_UNSUPPORTED)
+        rows = torch.arange(self.keys.shape[0], device=self.device)
+        for _ in range(count):
+            self.lengths.sub_(1)
+            slot = self.lengths
+            self.keys[rows, :, slot] = 0
+            self.values[rows, :, slot] = 0
+            self.positions[rows, :, slot] = -1
+        self.seen.sub_(count)
+        self.host_max_length -= count
+        self.host_decoded -= count
+        # a page's min/max cannot be un-folded: rebuild the summaries of what is left (in place: fixed addresses)
+        self.kt.copy_(self.ops.build_kt(self.keys, self.lengths, self.config.page_size, self.config.kt_torch_dtype))
 
     def offload(self):
         raise NotImplementedError("RocketKVCache does not support offloading=True")

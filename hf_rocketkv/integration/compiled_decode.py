@@ -67,7 +67,7 @@ def count_decode_step(cache: RocketKVCache, inputs: dict) -> None:
                 f"max_length (max_new_tokens); when driving the compiled forward yourself, pass a larger max_length "
                 f"or decode eagerly (disable_compile=True), where the store grows."
             )
-        layer.host_max_length += 1
+        layer.note_decode_step()
 
 
 def wrap_get_compiled_call(original):

@@ -13,6 +13,8 @@ private ``GenerationMixin`` steps, keeping their signatures (checked on transfor
 * ``prepare_inputs_for_generation``: records the ids fed so far, which a continuation must start with.
 * ``PreTrainedModel.get_compiled_call``: compiled decode steps after a request's first one skip the guards that
   cannot change within a request (``compiled_decode.py``).
+* ``DeferredStopCheck.is_supported``: on CUDA, generate() checks for the end of generation one step late, so the host
+  never stalls the GPU between decode steps (``deferred_stop_check``).
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ import functools
 
 import torch
 from transformers import GenerationMixin, PreTrainedModel
+from transformers.generation import utils as generation_utils
+from transformers.generation.configuration_utils import GenerationMode
 
 from ..cache.cache import RocketKVCache
+from ..cache.layer import CROP_UNSUPPORTED
 from ..config import RocketKVConfig
 from .compiled_decode import wrap_get_compiled_call
 from .handoff import ATTN_NAME
@@ -68,6 +73,9 @@ def _wrap_prepare_cache(original):
                 f"generate(use_cache=False) keeps no KV cache, so attn_implementation='{ATTN_NAME}' has nothing to "
                 f"compress. Leave use_cache on, or switch the model to 'sdpa' for cache-free generation."
             )
+        generation_mode = args[0] if args else kwargs.get("generation_mode")
+        if (rocket or isinstance(cache, RocketKVCache)) and generation_mode == GenerationMode.ASSISTED_GENERATION:
+            raise NotImplementedError(CROP_UNSUPPORTED)
         if rocket and generation_config.cache_implementation is not None:
             raise ValueError(
                 f"cache_implementation={generation_config.cache_implementation!r} cannot be combined with "
@@ -157,4 +165,26 @@ def install() -> None:
     GenerationMixin._prefill = _wrap_prefill(GenerationMixin._prefill)
     GenerationMixin.prepare_inputs_for_generation = _wrap_prepare_inputs(GenerationMixin.prepare_inputs_for_generation)
     PreTrainedModel.get_compiled_call = wrap_get_compiled_call(PreTrainedModel.get_compiled_call)
+    deferred = getattr(generation_utils, "DeferredStopCheck", None)  # transformers >= 5.17 has it
+    if deferred is not None:
+        deferred.is_supported = staticmethod(_wrap_deferred_stop_support(deferred.is_supported))
     _INSTALLED = True
+
+
+def _wrap_deferred_stop_support(original):
+    """Let generate() defer its per-token stop check on CUDA for RocketKV caches (``deferred_stop_check``).
+
+    generate() reads ``unfinished_sequences.max() == 0`` on the host after every token, so the GPU idles while the host
+    prepares the next step (~2-3 ms per token with an 8B model, a third of a compiled step). transformers' own
+    ``DeferredStopCheck`` reads that flag one step late instead, so the next step is queued while the current one
+    runs; it costs one extra forward when a sequence stops on EOS, which it undoes with ``cache.crop(-1)``
+    (``RocketKVLayer.crop``). transformers enables it on MPS only; the tokens are the same either way.
+    """
+
+    @functools.wraps(original)
+    def is_supported(device, cache, cache_is_returned, is_assistant):
+        if isinstance(cache, RocketKVCache) and cache.config.deferred_stop_check and device.type == "cuda":
+            return not is_assistant
+        return original(device, cache, cache_is_returned, is_assistant)
+
+    return is_supported
