@@ -350,10 +350,12 @@ class RocketKVLayer(CacheLayerMixin):
         with ``crop(-1)``; ``crop(0)`` is a no-op. Evicted prompt tokens cannot come back, so a positive value (the
         legacy absolute length), more tokens than were decoded since stage 1, or a dense layer raise.
         """
+        if tokens_to_remove > 0:
+            raise NotImplementedError(CROP_UNSUPPORTED)
         if tokens_to_remove == 0 or not self.is_initialized:
             return
         count = -tokens_to_remove
-        if tokens_to_remove > 0 or not self.compressed or count > self.host_decoded:
+        if not self.compressed or count > self.host_decoded:
             raise NotImplementedError(CROP_UNSUPPORTED)
         rows = torch.arange(self.keys.shape[0], device=self.device)
         for _ in range(count):
