@@ -4,6 +4,7 @@
         --out docs/img/targets_h200.png
 
 Reads the ``decode_bench.json`` files of one session (``<prefix>_decode_*.json``); each point is (batch, context).
+The peak-memory panel also takes the settings only measured in ``<prefix>_<--peak-also>_*.json``.
 """
 
 import argparse
@@ -19,9 +20,9 @@ DECODE_TARGETS = {(1, 32768): 6.0, (1, 100000): 6.5, (4, 32768): 8.0}
 PEAK_TARGET = 26.0
 
 
-def load(results: Path, prefix: str) -> list[dict]:
+def load(results: Path, pattern: str) -> list[dict]:
     rows = []
-    for path in sorted(results.glob(f"{prefix}_decode_*.json")):
+    for path in sorted(results.glob(pattern)):
         report = json.loads(path.read_text())
         rows_per_pass = report["env"]["rocketkv"].get("prefill_batch_size")
         for row in report["rows"]:
@@ -29,7 +30,7 @@ def load(results: Path, prefix: str) -> list[dict]:
                 continue
             label = row["cache"]
             if label.startswith("rocketkv") and row["batch"] > 1:
-                label += f" (prefill rows {rows_per_pass or row['batch']})"
+                label += f" (prefill rows {rows_per_pass})" if rows_per_pass else " (one prefill forward)"
             rows.append(dict(row, label=label, file=path.name))
     return rows
 
@@ -38,9 +39,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--results", default="benchmarks/results")
     parser.add_argument("--prefix", default="h200_2026-11-22")
+    parser.add_argument("--peak-also", default="before_deferred",
+                        help="files <prefix>_<this>_*.json add peak-memory bars for settings the decode runs lack "
+                             "(peak memory is set by prefill, not by how decode steps are scheduled)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    rows = [r for r in load(Path(args.results), args.prefix) if (r["batch"], r["context"]) in DECODE_TARGETS]
+    results = Path(args.results)
+    rows = [r for r in load(results, f"{args.prefix}_decode_*.json") if (r["batch"], r["context"]) in DECODE_TARGETS]
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw=dict(width_ratios=[2, 1]))
     points = list(DECODE_TARGETS)
     labels = sorted({r["label"] for r in rows}, key=lambda s: (not s.startswith("dynamic"), s))
@@ -53,7 +58,7 @@ def main() -> None:
                 xs.append(p + i * width)
                 ys.append(sum(found) / len(found))
         bars = left.bar(xs, ys, width, label=label)
-        left.bar_label(bars, fmt="%.1f", fontsize=7)
+        left.bar_label(bars, fmt="%.2f", fontsize=7)
     for p, point in enumerate(points):
         left.hlines(DECODE_TARGETS[point], p - width / 2, p + 0.8 - width / 2, colors="k", linestyles="--")
     left.set_xticks([p + 0.4 - width / 2 for p in range(len(points))])
@@ -61,8 +66,11 @@ def main() -> None:
     left.set_ylabel("decode ms / token (generate, lower is better)")
     left.set_yscale("log")
     left.set_title("decode, dashed = target")
-    left.legend(fontsize=7)
-    peak = sorted((r for r in rows if (r["batch"], r["context"]) == (4, 32768) and r["peak_gib"]),
+    left.legend(fontsize=7, loc="upper center", ncol=2)
+    left.set_ylim(top=60)
+    peak = {r["label"]: r for r in load(results, f"{args.prefix}_{args.peak_also}_*.json")}
+    peak.update({r["label"]: r for r in rows})
+    peak = sorted((r for r in peak.values() if (r["batch"], r["context"]) == (4, 32768) and r["peak_gib"]),
                   key=lambda r: -r["peak_gib"])
     bars = right.bar([r["label"].replace(" (", "\n(") for r in peak], [r["peak_gib"] for r in peak], color="tab:gray")
     right.bar_label(bars, fmt="%.1f", fontsize=7)
