@@ -14,9 +14,9 @@ for every batch size x context (prompt tokens). A point that cannot fit in GPU m
 that says so (weights + KV cache + prefill activations), and an out-of-memory error is recorded, not raised.
 
 Before any timing, one short eager generate per cache kind absorbs one-time costs (CUDA initialisation, the JIT
-compilation of the Triton kernels). Columns: decode ms/token (median time between consecutive generated tokens, from CUDA events recorded per token
-without a sync; first steps dropped: they include compilation), tokens/s (batch / that time), prefill seconds (generate's first forward), peak GiB
-(torch.cuda.max_memory_allocated), attention step (one layer, timed separately on the cache state left by the run,
+compilation of the Triton kernels). Columns: decode ms/token (median time between consecutive generated tokens,
+from CUDA events recorded per token without a sync; first steps dropped: they include compilation), tokens/s
+(batch / that time), prefill seconds (generate's first forward), peak GiB (torch.cuda.max_memory_allocated), attention step (one layer, timed separately on the cache state left by the run,
 eager and as a CUDA-graph replay: sdpa over the full K/V for the dense caches, RocketKV's page scoring + top-k +
 sparse attention for RocketKV), the bytes that step must read and its achieved GB/s, and decode time relative to
 DynamicCache. PyTorch's cuDNN attention backend is switched off unless --allow-cudnn-sdpa (see that flag).
