@@ -7,14 +7,15 @@
     out = model.generate(ids, past_key_values=RocketKVCache(RocketKVConfig(prompt_budget=256, topk=16)))
 
 Data flow: generate -> integration/attention.py (the registered attention function) -> cache/layer.py (paged
-store) -> selection/ (stage 1 and stage 2, PyTorch reference) -> kernels/ (dispatch to Triton twins).
+store) -> selection/ (stage 1 and stage 2, PyTorch reference) -> kernels/ (dispatch to Triton twins). Every private
+transformers symbol used is listed in compat.py; the seam is described in docs/seam.md.
 """
 
 from .cache.cache import RocketKVCache
 from .cache.layer import RocketKVLayer
 from .config import RocketKVConfig
 from .integration.generate import get_config, set_config
-from .integration.handoff import ATTN_NAME
+from .integration.names import ATTN_NAME
 from .integration.registration import enable, register
 
 __version__ = "0.1.0"

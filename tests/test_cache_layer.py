@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from hf_rocketkv import RocketKVCache, RocketKVConfig, RocketKVLayer
-from hf_rocketkv.cache.layer import GenerationHints
+from hf_rocketkv.cache.layer import UNCONSUMED_KEYS, GenerationHints, layer_of
 from hf_rocketkv.integration.attention import continuation_attention, decode_attention, padding_offsets
 from hf_rocketkv.selection.stage1_snapkv import snapkv_keep_slots
-from hf_rocketkv.selection.stage2_pages import build_kt, num_pages, page_scores, select_pages
+from hf_rocketkv.selection.stage2_pages import build_kt
 
-from .test_stage2 import ref_build_kt, ref_sparse_attention
+from .test_stage2 import ref_build_kt, ref_page_scores, ref_sparse_attention
 
 HKV, G, D = 2, 3, 16
 
@@ -168,7 +168,9 @@ def test_later_turn_appends_and_recompresses():
         layer.update(torch.randn(2, HKV, 1, D), torch.randn(2, HKV, 1, D))
     assert layer.lengths.tolist() == [15, 11]
     new_k, new_v = torch.randn(2, HKV, 6, D), torch.randn(2, HKV, 6, D)
-    layer.update(new_k, new_v)  # a second turn of 6 tokens on a compressed layer
+    layer.update(new_k, new_v)  # a second turn of 6 tokens on a compressed layer: staged until the mask is known
+    assert layer.lengths.tolist() == [15, 11]
+    layer.store_new_tokens(None)  # the attention function stores them (no padding here)
     assert layer.lengths.tolist() == [21, 17]
     assert layer.get_seq_length() == 39
     for b, n in enumerate([15, 11]):
@@ -209,10 +211,10 @@ def test_cache_container():
     with pytest.raises(IndexError):
         cache.kept_tokens(0)
     for layer_idx in range(2):
-        cache.update(torch.randn(1, HKV, 20, D), torch.randn(1, HKV, 20, D), layer_idx)
-        from hf_rocketkv.integration import handoff
-
-        assert handoff.take(layer_idx) is cache  # the attention function of the same layer finds the cache
+        keys, _ = cache.update(torch.randn(1, HKV, 20, D), torch.randn(1, HKV, 20, D), layer_idx)
+        assert layer_of(keys) is cache.layers[layer_idx]  # the attention function of this call finds its layer
+        cache.layers[layer_idx].attention_ran()
+    assert layer_of(torch.randn(1, HKV, 20, D)) is None  # any other tensor: no RocketKV layer
     assert cache.get_seq_length() == 20
     with pytest.raises(ValueError, match="not compressed"):
         cache.kept_positions(0)
@@ -228,14 +230,23 @@ def test_cache_container():
     assert cache.memory_bytes() == expected
 
 
-def test_handoff_detects_missing_rocketkv_attention():
-    from hf_rocketkv.integration import handoff
-
+def test_unconsumed_keys_are_detected_per_cache():
+    """Keys no attention call consumed: the next layer's update (same forward) or the same layer's next update
+    (next forward: one-layer models, interrupted forwards) raises. The state is the cache's own: another cache is
+    unaffected."""
     cache = RocketKVCache(config())
     cache.update(torch.randn(1, HKV, 4, D), torch.randn(1, HKV, 4, D), 0)
-    with pytest.raises(RuntimeError, match="rocketkv"):
-        cache.update(torch.randn(1, HKV, 4, D), torch.randn(1, HKV, 4, D), 1)  # layer 0's pointer never taken
-    assert handoff.take(1) is None  # cleared after the error
+    with pytest.raises(RuntimeError, match="rocketkv") as info:
+        cache.update(torch.randn(1, HKV, 4, D), torch.randn(1, HKV, 4, D), 1)  # layer 0's keys never consumed
+    assert str(info.value) == UNCONSUMED_KEYS
+    one_layer = RocketKVCache(config())
+    one_layer.update(torch.randn(1, HKV, 4, D), torch.randn(1, HKV, 4, D), 0)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        one_layer.update(torch.randn(1, HKV, 1, D), torch.randn(1, HKV, 1, D), 0)  # the next forward
+    other = RocketKVCache(config())
+    keys, _ = other.update(torch.randn(1, HKV, 4, D), torch.randn(1, HKV, 4, D), 0)
+    layer_of(keys).attention_ran()
+    other.update(torch.randn(1, HKV, 4, D), torch.randn(1, HKV, 4, D), 1)  # fine: its own keys were consumed
 
 
 # ------------------------------------------------------------------------------------------------ attention paths
@@ -265,14 +276,32 @@ def test_decode_attention_all_pages_equals_dense_over_stored_tokens():
         torch.testing.assert_close(out[b : b + 1], dense.transpose(1, 2), rtol=1e-5, atol=1e-5)
 
 
-def test_decode_attention_sparse_matches_reference():
+def brute_force_pages(q, kt, lengths, page_size, topr, topk):
+    """Independent oracle of stage 2's choice: float64 page scores by loops (``ref_page_scores``), then per (row,
+    KV head) the newest page plus the best-scoring others, ``min(topk, pages)`` in all. Returns (page_idx, valid)."""
+    batch, heads = q.shape[:2]
+    n_pages = [-(-int(n) // page_size) for n in lengths]
+    probs = ref_page_scores(q, kt, torch.tensor(n_pages), topr)
+    k = min(topk, kt.shape[2])
+    page_idx = torch.zeros(batch, heads, k, dtype=torch.long)
+    valid = torch.zeros(batch, heads, k, dtype=torch.bool)
+    for b in range(batch):
+        for h in range(heads):
+            newest = n_pages[b] - 1
+            others = sorted(range(newest), key=lambda j: (-probs[b, h, j].item(), j))
+            chosen = ([newest] + others)[: min(k, n_pages[b])]
+            page_idx[b, h, : len(chosen)] = torch.tensor(chosen)
+            valid[b, h, : len(chosen)] = True
+    return page_idx, valid
+
+
+def test_decode_attention_sparse_matches_dense_over_the_selected_pages():
+    """Stage 2 with 2 of 4-5 pages: exact attention over exactly the pages an independent float64 oracle selects."""
     layer = compressed_layer(topk=2)
     query = torch.randn(2, HKV * G, 1, D)
     out = decode_attention(layer, query, D**-0.5)
     q = query.reshape(2, HKV, G, D)
-    n_pages = num_pages(layer.lengths, 4)
-    probs = page_scores(q, layer.kt, n_pages, layer.config.topr)
-    page_idx, page_valid = select_pages(probs, n_pages, 2)
+    page_idx, page_valid = brute_force_pages(q, layer.kt, layer.lengths.tolist(), 4, layer.config.topr, 2)
     assert torch.all(page_valid.sum(-1) == 2)
     ref = ref_sparse_attention(q, layer.keys, layer.values, page_idx, page_valid, layer.lengths, 4, D**-0.5)
     torch.testing.assert_close(out.transpose(1, 2).reshape(2, HKV, G, D).double(), ref, rtol=1e-5, atol=1e-5)
@@ -285,6 +314,7 @@ def test_continuation_attention_is_causal_over_kept_and_new():
     n = 5
     before = layer.lengths.clone()
     layer.update(torch.randn(2, HKV, n, D), torch.randn(2, HKV, n, D))
+    layer.store_new_tokens(None)
     query = torch.randn(2, HKV * G, n, D)
     out = continuation_attention(layer, query, D**-0.5)
     assert out.shape == (2, n, HKV * G, D)
@@ -296,6 +326,39 @@ def test_continuation_attention_is_causal_over_kept_and_new():
                 scale=D**-0.5, enable_gqa=True,
             )
             torch.testing.assert_close(out[b, i], dense[0, :, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_padded_later_turn_stores_and_attends_only_real_tokens():
+    """A batched later turn: row 0 adds 5 real tokens; row 1 has its previous turn's last token, 3 padding tokens,
+    then 1 new token (padding sits between the turns). Padding is neither stored nor attended; each real query sees
+    the kept tokens and the real new tokens up to itself; the stage-1 window holds only real queries."""
+    layer = compressed_layer(topk=2, decode_steps=2)
+    n = 5
+    valid = torch.tensor([[True] * 5, [True, False, False, False, True]])
+    before = layer.lengths.tolist()
+    new_k, new_v = torch.randn(2, HKV, n, D), torch.randn(2, HKV, n, D)
+    layer.update(new_k, new_v)
+    layer.store_new_tokens(valid)
+    assert layer.lengths.tolist() == [before[0] + 5, before[1] + 2]
+    assert torch.equal(layer.keys[1, :, before[1] : before[1] + 2], new_k[1][:, [0, 4]])
+    first_column = layer.get_seq_length() - n
+    assert layer.positions[1, 0, before[1] : before[1] + 2].tolist() == [first_column, first_column + 4]
+    assert torch.equal(layer.kt, build_kt(layer.keys, layer.lengths, 4, torch.float32))
+    query = torch.randn(2, HKV * G, n, D)
+    out = continuation_attention(layer, query, D**-0.5, valid)
+    for b in range(2):
+        real = valid[b].nonzero()[:, 0].tolist()
+        for r, i in enumerate(real):
+            m = before[b] + r + 1  # kept tokens + real new tokens up to query i
+            dense = F.scaled_dot_product_attention(
+                query[b : b + 1, :, i : i + 1], layer.keys[b : b + 1, :, :m], layer.values[b : b + 1, :, :m],
+                scale=D**-0.5, enable_gqa=True,
+            )
+            torch.testing.assert_close(out[b, i], dense[0, :, 0], rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(out).all()  # padding queries get a finite (unused) output
+    layer.observe_prefill(query, None, D**-0.5, valid=valid)
+    assert layer.pending_valid.tolist() == [4, 2]  # window_size 4; row 1 has only 2 real queries
+    assert torch.equal(layer.pending_queries[1, :, -2:], query[1][:, [0, 4]])
 
 
 def test_padding_offsets_from_mask():

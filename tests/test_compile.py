@@ -74,11 +74,12 @@ def test_chunked_prefill_then_compiled_decode_equals_eager():
 
 @pytest.mark.slow
 def test_later_decode_steps_skip_guards_and_new_shapes_still_recompile(monkeypatch):
-    """After each request's first compiled step only differentiating guards run; a request of another batch size
-    must still get its own graph (a skipped guard would replay the batch-1 graph on batch-2 inputs)."""
+    """decode_guard_checks="first_step" (opt-in): after each request's first compiled step only differentiating
+    guards run; a request of another batch size must still get its own graph (a skipped guard would replay the
+    batch-1 graph on batch-2 inputs). The default, "every_step", never touches torch's (process-global) stance."""
     torch._dynamo.reset()
     rocket, _ = make_models("llama", num_hidden_layers=1)
-    config = compressing_config(kt_cache_dtype="float32")
+    config = compressing_config(kt_cache_dtype="float32", decode_guard_checks="first_step")
     stances = []
     original = torch.compiler.set_stance
 
@@ -102,6 +103,7 @@ def test_later_decode_steps_skip_guards_and_new_shapes_still_recompile(monkeypat
     every = RocketKVCache(config.replace(decode_guard_checks="every_step"))
     greedy(rocket, ids, max_new_tokens=6, past_key_values=every, compile_config=_compile_config())
     assert stances == []
+    assert compressing_config().decode_guard_checks == "every_step"  # the default
 
 
 def test_compiled_step_counter_raises_when_the_store_is_full():
@@ -112,11 +114,14 @@ def test_compiled_step_counter_raises_when_the_store_is_full():
     greedy(rocket, random_ids(1, 40), max_new_tokens=3, past_key_values=cache, disable_compile=True)
     step = {"input_ids": torch.ones(1, 1, dtype=torch.long)}
     before = [layer.host_max_length for layer in cache.layers]
-    count_decode_step(cache, step)
+    count_decode_step(cache, (), step)
     assert [layer.host_max_length for layer in cache.layers] == [n + 1 for n in before]
+    count_decode_step(cache, (step["input_ids"],), {})  # input_ids passed positionally
+    assert [layer.host_max_length for layer in cache.layers] == [n + 2 for n in before]
     cache.layers[1].host_max_length = cache.layers[1].capacity
+    cache.layers[0].host_max_length = cache.layers[0].capacity - 1
     with pytest.raises(RuntimeError, match="layer 1 is full.*max_new_tokens"):
-        count_decode_step(cache, step)
+        count_decode_step(cache, (), step)
 
 
 @pytest.mark.slow

@@ -222,3 +222,16 @@ def test_yaml_malformed_and_wrong_types():
 def test_missing_yaml_file_raises(tmp_path):
     with pytest.raises(FileNotFoundError):
         RocketKVConfig.from_yaml(str(tmp_path / "absent.yaml"))
+
+
+def test_config_is_immutable_and_replace_validates():
+    import dataclasses
+
+    config = RocketKVConfig(prompt_budget=512)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.prompt_budget = 16
+    changed = config.replace(prompt_budget=1024)
+    assert changed.prompt_budget == 1024 and config.prompt_budget == 512
+    with pytest.raises(ValueError, match="prompt_budget"):
+        config.replace(prompt_budget=4)  # below window_size
+    assert hash(config) == hash(RocketKVConfig(prompt_budget=512))  # usable as a dict key (compiled-step caches)

@@ -12,11 +12,11 @@ from __future__ import annotations
 import functools
 
 import torch
-from transformers.cache_utils import Cache
+from transformers import Cache
 
+from .. import compat
 from ..config import RocketKVConfig
-from ..integration import handoff
-from .layer import CROP_UNSUPPORTED, GenerationHints, RocketKVLayer
+from .layer import CROP_UNSUPPORTED, INTERRUPTED_FORWARD, UNCONSUMED_KEYS, GenerationHints, RocketKVLayer
 
 
 class RocketKVCache(Cache):
@@ -28,6 +28,7 @@ class RocketKVCache(Cache):
     """
 
     def __init__(self, config: RocketKVConfig | None = None, **overrides):
+        compat.require()  # a transformers whose private symbols changed fails here, naming version and symbol
         config = config if config is not None else RocketKVConfig()
         if not isinstance(config, RocketKVConfig):
             raise TypeError(f"RocketKVCache(config=...) takes a RocketKVConfig, got {type(config).__name__}")
@@ -36,9 +37,70 @@ class RocketKVCache(Cache):
         self.token_ids: torch.Tensor | None = None  # ids this cache has served (set by generate), guards reuse
         super().__init__(layer_class_to_replicate=functools.partial(RocketKVLayer, self.config, self.hints))
 
+    def empty_like(self) -> "RocketKVCache":
+        """A new, empty cache of the same kind and configuration (row-group prefill builds one per group).
+
+        Subclasses that take more constructor arguments override ``_init_kwargs``."""
+        return type(self)(self.config, **self._init_kwargs())
+
+    def _init_kwargs(self) -> dict:
+        return {}
+
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        handoff.hand_to_attention(self, layer_idx)
+        """Store ``layer_idx``'s new keys and values (see ``RocketKVLayer.update``).
+
+        Also checks that earlier keys were consumed by a ``rocketkv`` attention call: the previous layer's in this
+        forward (so a RocketKVCache on a model whose attention is not ``rocketkv`` fails at the second layer instead
+        of silently running dense attention) and this layer's own from the previous forward (the last layer, one-layer
+        models, and a forward that an exception interrupted between a layer's update and its attention).
+        """
+        if not torch.compiler.is_compiling():
+            self._check_consistent(layer_idx, key_states.shape[2])
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _check_consistent(self, layer_idx: int, query_length: int) -> None:
+        """Raise if an earlier forward left this cache half-updated, or its keys were never consumed.
+
+        Each layer counts on the host the tokens it stored (eager updates; compiled steps skip every layer alike),
+        so at layer 0 all layers agree, and at layer i > 0 layer i is exactly this forward's tokens behind layer 0.
+        """
+        for index in (layer_idx - 1, layer_idx):
+            if 0 <= index < len(self.layers) and self.layers[index].awaiting_attention:
+                raise RuntimeError(UNCONSUMED_KEYS)
+        if not self.layers:
+            return
+        reference = self.layers[0].host_seen
+        if layer_idx == 0:
+            counts = [layer.host_seen for layer in self.layers]
+            if len(set(counts)) > 1:
+                raise RuntimeError(INTERRUPTED_FORWARD.format(detail=f"per layer: {counts}"))
+            return
+        seen = self.layers[layer_idx].host_seen if layer_idx < len(self.layers) else 0
+        if seen + query_length != reference:
+            raise RuntimeError(
+                INTERRUPTED_FORWARD.format(detail=f"layer {layer_idx}: {seen}, layer 0: {reference - query_length}")
+            )
+
+    def preload_prefix(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Store the dense keys and values of a prompt prefix computed elsewhere, one ``(K, V)`` pair
+        ``[B, Hkv, L, D]`` per layer, in layer order. The rest of the prompt then runs through the model with this
+        cache, and stage 1 runs over the whole prompt at the end of that forward, exactly as after a one-shot
+        prefill (the eval prefills a shared prefix once for several methods this way). Only on an empty cache."""
+        if self.get_seq_length() != 0:
+            raise ValueError("preload_prefix needs an empty RocketKVCache")
+        for layer_idx, (keys, values) in enumerate(kv):
+            super().update(keys, values, layer_idx)
+            self.layers[layer_idx].attention_ran()  # stored on purpose: no attention call consumes these
+
+    def seq_length_tensor(self, layer_idx: int = 0) -> torch.Tensor:
+        """Logical tokens seen, as a 0-d int64 tensor on the cache's device (no host sync).
+
+        For hand-written decode loops: ``position_ids = cache.seq_length_tensor() + torch.arange(n)`` instead of
+        ``cache.get_seq_length()``, which returns a Python int and therefore waits for the GPU at every step.
+        """
+        if layer_idx >= len(self.layers) or not self.layers[layer_idx].is_initialized:
+            return torch.zeros((), dtype=torch.long)
+        return self.layers[layer_idx].seen
 
     def get_query_offset(self, layer_idx: int = 0):
         """Logical position of the next query, for transformers' mask code (called before every forward).
@@ -65,7 +127,8 @@ class RocketKVCache(Cache):
         if self.get_seq_length() != 0:
             raise ValueError("adopt_row_groups needs an empty RocketKVCache")
         self.layers = [
-            RocketKVLayer.stack_rows([part.layers[i] for part in parts], self.hints) for i in range(len(parts[0].layers))
+            RocketKVLayer.stack_rows([part.layers[i] for part in parts], self.layer_class_to_replicate)
+            for i in range(len(parts[0].layers))
         ]
 
     # ------------------------------------------------------------------------------------------ introspection

@@ -14,16 +14,20 @@ Tensors (B batch, Hkv KV heads, C capacity, P page_size, D head_dim):
     positions     [B, Hkv, C]         int32 input column of each stored token (-1 = empty slot)
     lengths       [B]                 int64 tokens stored per row (every KV head holds the same count)
 
-The layer knows nothing of transformers' attention registry; the attention function drives it.
+The layer knows nothing of transformers' attention registry; the attention function drives it. It finds the layer
+through the key tensor ``update()`` returned (``layer_of``): the layer tags its key buffer with a weak reference to
+itself, so each attention call reaches exactly the layer that stored its keys, with no process-global state (see
+docs/seam.md).
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
 
+from ..compat import CacheLayerMixin
 from ..config import RocketKVConfig
 from ..kernels.dispatch import RocketOps, get_ops
 from ..selection.stage1_snapkv import snapkv_keep_slots
@@ -37,13 +41,57 @@ class GenerationHints:
     defer_compression: bool = False  # chunked prefill: run stage 1 at the first decode step, not after each chunk
     prefilling: bool = False  # generate()'s prefill is running (chunks must not be compiled: their shapes change)
     guards_checked: bool = False  # this generate() call's first compiled decode step has run with every guard
+    # device types on which generate() may defer its stop check by a step (deferred_stop_check); CUDA only, as
+    # the check needs device events (tests add "cpu" together with a CPU stand-in for torch.Event)
+    deferred_stop_devices: tuple[str, ...] = ("cuda",)
 
+
+INTERRUPTED_FORWARD = (
+    "RocketKVCache: its layers have seen different numbers of tokens ({detail}): an earlier forward on this cache "
+    "was interrupted (an exception), which leaves it inconsistent. Start again with a fresh RocketKVCache."
+)
+
+UNCONSUMED_KEYS = (
+    "RocketKVCache: a layer stored keys that no 'rocketkv' attention call consumed. Either the model's attention is "
+    "not 'rocketkv' (enable it with `hf_rocketkv.enable(model)` or `from_pretrained(..., attn_implementation="
+    "'rocketkv')`), or an earlier forward on this cache was interrupted by an exception, which leaves it "
+    "inconsistent: start again with a fresh RocketKVCache."
+)
 
 CROP_UNSUPPORTED = (
     "RocketKVCache cannot be cropped beyond its last decoded tokens: stage 1 evicts tokens for good, so "
     "assisted/speculative decoding (which rolls the cache back over verified candidates) is not supported. Use "
     "plain greedy, sampling or beam search."
 )
+
+
+OWNER_ATTRIBUTE = "_hf_rocketkv_layer"  # on the key tensor update() returns: weakref.ref(its RocketKVLayer)
+
+
+def layer_of(key: torch.Tensor) -> "RocketKVLayer | None":
+    """The RocketKVLayer whose ``update()`` returned ``key``, or None (another cache, or no cache).
+
+    A weak reference, so the layer and its buffers are freed as soon as the cache is (no reference cycle through
+    the tensor). Traceable by torch.compile: reading it adds no graph break and a fresh cache per request adds no
+    recompilation.
+    """
+    ref = getattr(key, OWNER_ATTRIBUTE, None)
+    return ref() if ref is not None else None
+
+
+def last_real_queries(queries: torch.Tensor, valid: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's last ``window`` real queries, right-aligned: ``([B, H, w, D], count [B])``, w = min(window, n).
+
+    ``queries`` [B, H, n, D], ``valid`` bool [B, n]. Row b's real queries sit in the last ``count[b]`` entries in
+    their original order; the entries before them are placeholders (``count`` tells stage 1 to ignore them).
+    """
+    n = queries.shape[2]
+    w = min(window, n)
+    order = torch.arange(n, device=valid.device)
+    rank = torch.where(valid, order, torch.full_like(order, -1).expand_as(valid))  # padding ranks below every token
+    index = rank.topk(w, dim=1).indices.flip(1)  # ascending: placeholders first, then the last real ones in order
+    gathered = queries.gather(2, index[:, None, :, None].expand(-1, queries.shape[1], -1, queries.shape[3]))
+    return gathered, valid.sum(dim=1).clamp(max=w)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -80,10 +128,19 @@ class RocketKVLayer(CacheLayerMixin):
         self.seen: torch.Tensor | None = None  # 0-d int64 on the device: logical tokens seen (compile-safe)
         self.host_max_length = 0  # host mirror of lengths.max(), so decode never syncs with the GPU
         self.host_decoded = 0  # one-token decode steps appended since stage 1 last ran (what crop may remove)
+        self.host_seen = 0  # host count of the tokens eager updates stored: tells an interrupted forward apart
         self.ops: RocketOps | None = None
-        # dense state only: the padding offset of each row and the latest window of queries
+        # set by update(), cleared by the attention function: still set at the next update means the attention that
+        # should have consumed these keys never ran (not "rocketkv", or an interrupted forward)
+        self.awaiting_attention = False
+        # until stage 1 runs: the padding offset of each row, the latest window of queries and, per row, how many of
+        # them are real tokens (a later turn's left padding sits inside its first forward)
         self.row_start: torch.Tensor | None = None
         self.pending_queries: torch.Tensor | None = None
+        self.pending_valid: torch.Tensor | None = None  # [B] real queries seen so far in this prefill/turn
+        # a later turn's new tokens, stored by the attention function once it knows which are padding
+        self.pending_keys: torch.Tensor | None = None
+        self.pending_values: torch.Tensor | None = None
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -106,8 +163,16 @@ class RocketKVLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------------------------------ sizes
     def get_seq_length(self) -> int:
-        """Logical tokens seen (positions of new tokens continue from here), not tokens stored."""
-        return int(self.seen) if self.is_initialized else 0
+        """Logical tokens seen (positions of new tokens continue from here), not tokens stored.
+
+        Under torch.compile this is the 0-d device counter itself (transformers only adds it to an arange), so a
+        compiled forward without ``position_ids`` neither syncs with the host nor breaks the graph.
+        """
+        if not self.is_initialized:
+            return 0
+        if torch.compiler.is_compiling():
+            return self.seen
+        return int(self.seen)
 
     def get_max_length(self) -> int:
         return -1
@@ -116,11 +181,12 @@ class RocketKVLayer(CacheLayerMixin):
         if not self.compressed:
             # dense: the mask covers the stored columns plus the new ones, exactly like a DynamicLayer
             return (self.keys.shape[2] if self.is_initialized else 0) + query_length, 0
-        # Compressed: the attention function builds validity from `lengths` and ignores the mask, so its size only
-        # has to stay constant across decode steps (a changing mask shape would recompile a compiled decode step).
-        if self.hints.max_length is not None:
-            return self.hints.max_length + 1, 0
-        return self.get_seq_length() + query_length, 0
+        if query_length == 1:
+            # Decode: the attention function builds validity from `lengths` and ignores the mask, so its size only has
+            # to stay constant (a growing mask would recompile a compiled decode step every step): one per capacity.
+            return self.capacity + 1, 0
+        # A later turn: the mask's last query_length columns say which new tokens are padding.
+        return int(self.seen) + query_length, 0
 
     def kept_tokens(self) -> torch.Tensor:
         """Tokens physically stored, ``[B, Hkv]`` (padding excluded once compressed)."""
@@ -142,21 +208,40 @@ class RocketKVLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------------------------------ update
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Store the new tokens; returns the K/V a dense attention would use (the dense buffers while dense)."""
+        """Store the new tokens; returns the K/V a dense attention would use (the dense buffers while dense).
+
+        The returned keys carry a weak reference to this layer (``layer_of``), which is how the ``rocketkv``
+        attention function finds the layer of its own call. A later turn's tokens (several on a compressed layer)
+        are only staged here: the attention function stores them once the mask has told it which are padding.
+        """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         query_length = key_states.shape[2]
+        if not torch.compiler.is_compiling():
+            self.awaiting_attention = True  # cleared by the attention function; RocketKVCache.update checks it
+            self.host_seen += query_length
         self.seen.add_(query_length)
         if not self.compressed:
             first = self.keys.shape[2] == 0
             self.keys = key_states if first else torch.cat([self.keys, key_states], dim=-2)
             self.values = value_states if first else torch.cat([self.values, value_states], dim=-2)
-            return self.keys, self.values
-        if query_length == 1:
+        elif query_length == 1:
             self._append_one(key_states, value_states)
         else:
-            self._append_many(key_states, value_states)
+            self.pending_keys, self.pending_values = key_states, value_states
+        if not self.compressed:
+            self._tag_keys()  # a new dense buffer every forward (eager: prefill never runs compiled)
         return self.keys, self.values
+
+    def _tag_keys(self) -> None:
+        """Let the attention function find this layer from the key buffer (``layer_of``). Called wherever the buffer
+        is (re)allocated, always in eager code, so compiled decode steps find it tagged already."""
+        if getattr(self.keys, OWNER_ATTRIBUTE, None) is None:
+            setattr(self.keys, OWNER_ATTRIBUTE, weakref.ref(self))
+
+    def attention_ran(self) -> None:
+        """Called by the ``rocketkv`` attention function once it has found this layer."""
+        self.awaiting_attention = False
 
     def _append_one(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Decode: write slot lengths[b] of every row in place and fold the key into its KT page.
@@ -179,21 +264,33 @@ class RocketKVLayer(CacheLayerMixin):
         self.host_max_length += 1
         self.host_decoded += 1
 
-    def _append_many(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """A multi-token forward on a compressed layer (a later turn): append after each row's tokens."""
-        n = key_states.shape[2]
+    def store_new_tokens(self, valid: torch.Tensor | None) -> None:
+        """Store the later turn's tokens staged by ``update``, skipping padding.
+
+        ``valid`` bool ``[B, n]`` marks the real new tokens (None = all real). A batched later turn carries padding
+        where rows added less text; row b takes its ``m_b`` real tokens, in order, at slots ``lengths[b] ..
+        lengths[b] + m_b - 1``, so the store, the KT and stage 1 see exactly what a run of that row alone sees.
+        """
+        key_states, value_states = self.pending_keys, self.pending_values
+        self.pending_keys = self.pending_values = None
+        batch, _, n, _ = key_states.shape
+        columns = [torch.arange(n, device=self.device)] * batch if valid is None else [
+            row.nonzero()[:, 0] for row in valid
+        ]
         # a sync, but this is a multi-token forward: the mirror may be stale after compiled decode steps driven
         # outside generate() (user-compiled loops), and a stale one would under-size the store
-        self.host_max_length = int(self.lengths.max())
-        self._ensure_capacity(n)
-        offsets = torch.arange(n, device=self.device)
-        slots = (self.lengths[:, None] + offsets[None, :])[:, None, :, None]  # [B, 1, n, 1]
-        self.keys.scatter_(2, slots.expand_as(key_states), key_states)
-        self.values.scatter_(2, slots.expand_as(value_states), value_states)
-        columns = (self.seen - n + offsets).to(torch.int32).expand(*self.positions.shape[:2], n)
-        self.positions.scatter_(2, slots[..., 0].expand_as(columns), columns)
-        self.lengths.add_(n)
-        self.host_max_length += n  # every row took n tokens: no second sync
+        lengths = self.lengths.tolist()
+        counts = [len(c) for c in columns]
+        self.host_max_length = max(lengths)
+        self._ensure_capacity(max(counts))
+        first_column = int(self.seen) - n
+        for b, (length, taken) in enumerate(zip(lengths, columns)):
+            m = len(taken)
+            self.keys[b, :, length : length + m] = key_states[b, :, taken]
+            self.values[b, :, length : length + m] = value_states[b, :, taken]
+            self.positions[b, :, length : length + m] = (first_column + taken).to(torch.int32)
+        self.lengths.add_(torch.tensor(counts, dtype=self.lengths.dtype, device=self.device))
+        self.host_max_length = max(length + m for length, m in zip(lengths, counts))
         self.kt = self.ops.build_kt(self.keys, self.lengths, self.config.page_size, self.config.kt_torch_dtype)
 
     def _ensure_capacity(self, extra: int) -> None:
@@ -219,19 +316,35 @@ class RocketKVLayer(CacheLayerMixin):
         return self.config.capacity_headroom
 
     # ------------------------------------------------------------------------------------------ stage 1
-    def observe_prefill(self, query_states: torch.Tensor, row_start: torch.Tensor | None, scaling: float) -> None:
-        """Remember the last window_size queries and each row's padding offset.
+    def observe_prefill(
+        self,
+        query_states: torch.Tensor,
+        row_start: torch.Tensor | None,
+        scaling: float,
+        valid: torch.Tensor | None = None,
+    ) -> None:
+        """Remember each row's last ``window_size`` real queries (stage 1's window) and its padding offset.
 
-        With chunked prefill the offset comes from the latest chunk: its mask covers every column so far, while an
-        earlier chunk may lie entirely inside a row's left padding (and then under-counts it).
+        ``valid`` bool ``[B, n]`` marks the real tokens among this forward's queries (None = all): padding never
+        enters the window, so a row's window is the one it would have alone. Chunks of a chunked prefill add to the
+        window of the earlier ones. The padding offset comes from the latest chunk: its mask covers every column so
+        far, while an earlier chunk may lie entirely inside a row's left padding.
         """
         self.scaling = scaling
         window = self.config.window_size
-        if self.pending_queries is not None and query_states.shape[2] < window:
-            query_states = torch.cat([self.pending_queries, query_states], dim=2)
-        self.pending_queries = query_states[:, :, -window:].detach()
+        batch, n = query_states.shape[0], query_states.shape[2]
+        if valid is None:
+            valid = torch.ones(batch, n, dtype=torch.bool, device=query_states.device)
+        queries, count = last_real_queries(query_states.detach(), valid, window)
+        if self.pending_queries is not None:
+            held = self.pending_queries.shape[2]
+            held_valid = torch.arange(held, device=valid.device)[None, :] >= (held - self.pending_valid)[:, None]
+            now_valid = torch.arange(queries.shape[2], device=valid.device)[None, :] >= (queries.shape[2] - count)[:, None]
+            queries, count = last_real_queries(
+                torch.cat([self.pending_queries, queries], dim=2), torch.cat([held_valid, now_valid], dim=1), window
+            )
+        self.pending_queries, self.pending_valid = queries, count
         if row_start is not None or self.row_start is None:
-            batch = query_states.shape[0]
             self.row_start = row_start if row_start is not None else torch.zeros(batch, dtype=torch.long, device=self.device)
 
     def finish_prefill(self) -> None:
@@ -260,9 +373,10 @@ class RocketKVLayer(CacheLayerMixin):
             kernel_size=self.config.kernel_size,
             scaling=self.scaling,
             scores_fn=self.ops.window_scores,
+            window_len=self.pending_valid,
         )
         self._compact(kept, columns)
-        self.pending_queries = None
+        self.pending_queries = self.pending_valid = None
         self.row_start = None
 
     def _compact(self, kept: list[torch.Tensor], columns: torch.Tensor | None) -> None:
@@ -287,19 +401,21 @@ class RocketKVLayer(CacheLayerMixin):
         self.compressed = True
         self._mark_static()
 
-    @classmethod
-    def stack_rows(cls, parts: list["RocketKVLayer"], hints: GenerationHints) -> "RocketKVLayer":
+    @staticmethod
+    def stack_rows(parts: list["RocketKVLayer"], new_layer) -> "RocketKVLayer":
         """One compressed layer holding the rows of ``parts`` in order (row-group prefill, then batched decode).
 
-        The parts saw the same input columns (one padded batch), so they share ``seen``; capacities may differ
-        (rows shorter than the budget keep fewer tokens), so every part is padded with empty slots to the largest.
+        ``new_layer()`` makes the empty layer to fill: the adopting cache's own layer factory, so the stacked layer
+        keeps its kind (stage-1 policy) and shares that cache's hints. The parts saw the same input columns (one
+        padded batch), so they share ``seen``; capacities may differ (rows shorter than the budget keep fewer
+        tokens), so every part is padded with empty slots to the largest.
         """
         first = parts[0]
         if not all(part.compressed for part in parts):
             raise RuntimeError("RocketKVLayer.stack_rows needs compressed layers (stage 1 done on every row group)")
         capacity = max(part.capacity for part in parts)
         pages = capacity // first.config.page_size
-        layer = cls(first.config, hints)
+        layer = new_layer()
         layer.dtype, layer.device, layer.ops, layer.scaling = first.dtype, first.device, first.ops, first.scaling
         layer.keys = torch.cat([_pad_dim2(part.keys, capacity, 0) for part in parts])
         layer.values = torch.cat([_pad_dim2(part.values, capacity, 0) for part in parts])
@@ -307,6 +423,7 @@ class RocketKVLayer(CacheLayerMixin):
         layer.kt = torch.cat([_pad_dim2(part.kt, pages, 0) for part in parts])
         layer.lengths = torch.cat([part.lengths for part in parts])
         layer.seen = first.seen.clone()
+        layer.host_seen = first.host_seen
         layer.host_max_length = max(part.host_max_length for part in parts)
         layer.compressed = layer.is_initialized = True
         layer._mark_static()
@@ -316,12 +433,13 @@ class RocketKVLayer(CacheLayerMixin):
         """Fixed addresses for CUDA graphs: decode mutates these tensors in place and never reallocates them."""
         if torch.compiler.is_compiling():
             return
+        self._tag_keys()
         for tensor in (self.keys, self.values, self.kt, self.positions, self.lengths, self.seen):
             torch._dynamo.mark_static_address(tensor)
 
     # ------------------------------------------------------------------------------------------ generate hooks
     def _index_batch(self, index: torch.Tensor, in_place: bool = False) -> None:
-        for name in ("keys", "values", "kt", "positions", "lengths", "pending_queries", "row_start"):
+        for name in ("keys", "values", "kt", "positions", "lengths", "pending_queries", "pending_valid", "row_start"):
             tensor = getattr(self, name)
             if tensor is None:
                 continue
@@ -330,6 +448,7 @@ class RocketKVLayer(CacheLayerMixin):
                 tensor.copy_(selected)  # beam search reorders every step: keep the buffers' addresses
             else:
                 setattr(self, name, selected)
+        self._tag_keys()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
@@ -365,6 +484,7 @@ class RocketKVLayer(CacheLayerMixin):
             self.values[rows, :, slot] = 0
             self.positions[rows, :, slot] = -1
         self.seen.sub_(count)
+        self.host_seen -= count
         self.host_max_length -= count
         self.host_decoded -= count
         # a page's min/max cannot be un-folded: rebuild the summaries of what is left (in place: fixed addresses)

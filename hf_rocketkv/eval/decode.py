@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache
 
 from .methods import Method
 
@@ -62,10 +61,12 @@ def prefill(model, method: Method, prefix: SharedPrefix, max_new_tokens: int | N
     hints = getattr(cache, "hints", None)
     if hints is not None and max_new_tokens is not None:
         hints.max_length = prefix.ids.shape[1] + max_new_tokens  # what generate() would tell the cache
-    for layer_idx, (k, v) in enumerate(prefix.kv):
-        # Cache.update (the base class) only stores: RocketKVCache.update would also hand the layer to the attention
-        # function, which does not run here.
-        Cache.update(cache, k.clone(), v.clone(), layer_idx)
+    kv = [(k.clone(), v.clone()) for k, v in prefix.kv]
+    if hasattr(cache, "preload_prefix"):
+        cache.preload_prefix(kv)  # RocketKV: stored without an attention call (no forward consumes them)
+    else:
+        for layer_idx, (k, v) in enumerate(kv):
+            cache.update(k, v, layer_idx)
     model.set_attn_implementation(method.attn_implementation)
     device = _model_device(model)
     length = prefix.ids.shape[1]

@@ -67,3 +67,6 @@ class StreamingCache(RocketKVCache):
         super().__init__(config, **overrides)
         self.sink_tokens = sink_tokens
         self.layer_class_to_replicate = functools.partial(StreamingLayer, self.config, self.hints, sink_tokens)
+
+    def _init_kwargs(self) -> dict:
+        return {"sink_tokens": self.sink_tokens}

@@ -3,19 +3,21 @@
 generate -> attention module -> ``cache.update`` (stores the tokens) -> ``rocketkv_attention`` (this file):
     dense layer (prefill)  exact causal attention over the whole prompt, then stage 1 evicts (cache layer)
     compressed, 1 query    stage 2: score KT pages, take the top-k, exact attention over their tokens
-    compressed, n queries  a later turn: exact attention over the kept tokens + the new ones, then stage 1 again
-Without a RocketKVCache (a plain forward, ``use_cache=False``) it is exactly transformers' sdpa attention.
+    compressed, n queries  a later turn: store the new real tokens, exact attention over the kept tokens + the new
+                           ones, then stage 1 again
+The layer of this call is found from ``key`` itself: it is the buffer the layer's ``update()`` returned, tagged
+with a weak reference to that layer (``layer_of``; docs/seam.md). Without a RocketKVCache (a plain forward with the
+model's own DynamicCache, ``use_cache=False``) it is exactly transformers' sdpa attention.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ..cache.layer import RocketKVLayer
+from ..cache.layer import RocketKVLayer, layer_of
+from ..compat import sdpa_attention_forward
 from ..selection.stage2_pages import num_pages
-from . import handoff
 
 UNSUPPORTED_KWARGS = ("sliding_window", "softcap", "s_aux")
 
@@ -30,24 +32,28 @@ def rocketkv_attention(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    cache = handoff.take(module.layer_idx)
-    if cache is None:
+    layer = layer_of(key)
+    if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    check_supported(module, kwargs)
-    layer: RocketKVLayer = cache.layers[module.layer_idx]
+    if not torch.compiler.is_compiling():
+        layer.attention_ran()
+        check_supported(module, kwargs)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
 
     if not layer.compressed:
         out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-        layer.observe_prefill(query, padding_offsets(attention_mask, key.shape[2]), scaling)
-        if not cache.hints.defer_compression:
+        start = padding_offsets(attention_mask, key.shape[2])
+        layer.observe_prefill(query, start, scaling, valid=real_queries(start, key.shape[2], query.shape[2]))
+        if not layer.hints.defer_compression:
             layer.compress()
         return out, None
     if query.shape[2] == 1:
         return decode_attention(layer, query, scaling), None
-    out = continuation_attention(layer, query, scaling)
-    layer.observe_prefill(query, None, scaling)
-    if not cache.hints.defer_compression:
+    valid = new_token_validity(attention_mask, query.shape[2])
+    layer.store_new_tokens(valid)
+    out = continuation_attention(layer, query, scaling, valid)
+    layer.observe_prefill(query, None, scaling, valid=valid)
+    if not layer.hints.defer_compression:
         layer.compress()
     return out, None
 
@@ -81,6 +87,34 @@ def padding_offsets(attention_mask: torch.Tensor | None, kv_length: int) -> torc
     return start
 
 
+def real_queries(start: torch.Tensor | None, kv_length: int, n: int) -> torch.Tensor | None:
+    """Which of a dense forward's ``n`` queries are real tokens, bool ``[B, n]`` (None: no padding): query j sits at
+    column ``kv_length - n + j``, real from the row's padding offset ``start`` on."""
+    if start is None:
+        return None
+    column = kv_length - n + torch.arange(n, device=start.device)
+    return column[None, :] >= start[:, None]
+
+
+def new_token_validity(attention_mask: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """Which of a later turn's ``n`` new tokens are real, bool ``[B, n]`` (None: all), from the mask's last row.
+
+    A batched later turn carries padding where rows added less text: after the previous turn's last generated token
+    (fed back only now) and before the row's new text. The last query is a real token in every row and sees every
+    real new token, so its mask row marks them.
+    """
+    if attention_mask is None:
+        return None
+    last_row = attention_mask[:, 0, -1, -n:]
+    valid = last_row if last_row.dtype == torch.bool else last_row == 0
+    if not bool(valid[:, -1].all()):
+        raise ValueError(
+            "RocketKV needs the last token of every row to be a real token (left padding): set "
+            "tokenizer.padding_side='left'."
+        )
+    return None if bool(valid.all()) else valid
+
+
 def decode_attention(layer: RocketKVLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
     """Stage 2 for one new token per row: top-k KT pages per KV head, exact attention over their tokens."""
     batch, num_q_heads, _, head_dim = query.shape
@@ -96,11 +130,19 @@ def decode_attention(layer: RocketKVLayer, query: torch.Tensor, scaling: float) 
     return out.reshape(batch, num_q_heads, 1, head_dim).transpose(1, 2).contiguous()
 
 
-def continuation_attention(layer: RocketKVLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
-    """n new tokens on a compressed layer: each sees every kept token and the new tokens up to itself."""
+def continuation_attention(
+    layer: RocketKVLayer, query: torch.Tensor, scaling: float, valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """n new tokens on a compressed layer (stored already): each real one sees every kept token and the real new
+    tokens up to itself. ``valid`` bool [B, n] marks the real tokens (None: all)."""
     n = query.shape[2]
     slot = torch.arange(layer.capacity, device=query.device)
-    limit = (layer.lengths - n)[:, None] + torch.arange(n, device=query.device)[None, :]  # [B, n]
+    # Row b stored its m_b real new tokens last, in order; the r-th real one (r = 0, 1, ...) sits at slot
+    # lengths - m_b + r and sees every slot up to it. A padding query sees the real tokens before it: its output is
+    # never used, and it always has at least one visible slot, so it is not NaN.
+    real = torch.ones(query.shape[0], n, dtype=torch.long, device=query.device) if valid is None else valid.long()
+    seen_real = real.cumsum(dim=1)  # [B, n] real new tokens up to and including each query
+    limit = ((layer.lengths - real.sum(dim=1))[:, None] + seen_real - 1).clamp(min=0)  # [B, n]
     mask = slot[None, None, :] <= limit[:, :, None]
     out = F.scaled_dot_product_attention(
         query, layer.keys, layer.values, attn_mask=mask[:, None], scale=scaling, enable_gqa=True

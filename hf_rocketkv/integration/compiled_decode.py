@@ -1,60 +1,55 @@
-"""What generate()'s compiled decode step does on the host around the CUDA graph: a capacity check, and guards run
-once per request instead of once per token (``RocketKVConfig.decode_guard_checks``).
+"""What generate()'s compiled decode step does on the host around the compiled graph, for RocketKV caches only:
+a capacity check, and the torch.compile guard policy (``RocketKVConfig.decode_guard_checks``).
 
 Capacity: a compiled step cannot grow the store (that would change the graph's shapes and addresses) and cannot
 raise from the device without a sync, so the host counts the compiled steps itself and raises before the step that
 would write past the preallocated slots. generate() sizes the store from its max_length, so it never gets there; a
 caller driving generate()'s compiled forward past it gets this error instead of a write out of bounds.
 
-Guards: generate() compiles the decode step (``get_compiled_call``) and calls it once per token. Before each call
-torch.compile evaluates the graph's guards: every tensor input and every Python attribute the trace read, ~300
-weights and ~10 cache attributes per layer for an 8B model. On the H100 host that is ~1 ms of CPU per token, during
-which the GPU waits (generate synchronises every step). Within one request nothing those guards protect can change
-between decode steps: the same cache object, buffers at fixed addresses (compiled mode never grows them), the same
-shapes and dtypes, grad mode off. So the first decode step of each generate() call runs every guard (a new shape
-recompiles as usual), and the later steps run only the guards that tell apart already-compiled graphs
-(``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``).
-
-``decode_guard_checks="every_step"`` turns this off.
+Guards: before each call torch.compile evaluates the graph's guards (~300 weights and ~10 cache attributes per
+layer for an 8B model, ~1 ms of CPU per token on an H100 host). ``decode_guard_checks="every_step"`` (the default)
+leaves that alone. ``"first_step"`` runs every guard on a request's first compiled step and afterwards only the
+guards that tell compiled graphs apart (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``), which is safe
+within one request (same cache object, fixed buffer addresses, same shapes). torch's stance is process-global,
+though: while such a step runs, compiled code in *other* threads would skip its guards too. So "first_step" holds a
+lock around the step (RocketKV steps of different threads never overlap) and is documented as meant for processes
+that run one generate() at a time.
 """
 
 from __future__ import annotations
 
-import functools
+import threading
 
 import torch
 
 from ..cache.cache import RocketKVCache
 
+# Serialises "first_step" decode steps: torch.compiler.set_stance saves and restores a process-global stance, and two
+# threads interleaving enter/exit would leave guard evaluation switched off for the whole process.
+_STANCE_LOCK = threading.Lock()
 
-class CompiledDecodeStep:
-    """Wraps generate()'s compiled forward for RocketKV caches: capacity check, then guards once per request."""
 
-    def __init__(self, compiled):
-        self.compiled = compiled
-
-    def __call__(self, **inputs):
-        cache = inputs.get("past_key_values")
-        if not isinstance(cache, RocketKVCache):
-            return self.compiled(**inputs)
-        count_decode_step(cache, inputs)
-        if cache.config.decode_guard_checks == "every_step":
-            return self.compiled(**inputs)
+def run_compiled_step(compiled, cache: RocketKVCache, args: tuple, kwargs: dict):
+    """One compiled forward of a RocketKV request: capacity check, then the configured guard policy."""
+    count_decode_step(cache, args, kwargs)
+    if cache.config.decode_guard_checks == "every_step":
+        return compiled(*args, **kwargs)
+    with _STANCE_LOCK:
         if not cache.hints.guards_checked:
-            outputs = self.compiled(**inputs)
+            outputs = compiled(*args, **kwargs)
             cache.hints.guards_checked = True
             return outputs
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-            return self.compiled(**inputs)
+            return compiled(*args, **kwargs)
 
 
-def count_decode_step(cache: RocketKVCache, inputs: dict) -> None:
+def count_decode_step(cache: RocketKVCache, args: tuple, kwargs: dict) -> None:
     """Advance every compressed layer's host mirror of its longest row by one token, or raise if it is full.
 
     Compiled steps skip the eager bookkeeping in ``RocketKVLayer._append_one``; this keeps the mirror exact, so a
     later eager forward on this cache (a next turn) grows the store from the true length.
     """
-    ids = inputs.get("input_ids")
+    ids = kwargs.get("input_ids", args[0] if args else None)
     if ids is not None and ids.shape[-1] != 1:
         return  # not a one-token decode step: the eager path handles (and grows) it
     for layer_idx, layer in enumerate(cache.layers):
@@ -68,11 +63,3 @@ def count_decode_step(cache: RocketKVCache, inputs: dict) -> None:
                 f"or decode eagerly (disable_compile=True), where the store grows."
             )
         layer.note_decode_step()
-
-
-def wrap_get_compiled_call(original):
-    @functools.wraps(original)
-    def get_compiled_call(self, compile_config):
-        return CompiledDecodeStep(original(self, compile_config))
-
-    return get_compiled_call

@@ -2,21 +2,22 @@
 
 from __future__ import annotations
 
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
+from .. import compat
 from ..config import RocketKVConfig
 from . import generate
 from .attention import rocketkv_attention
-from .handoff import ATTN_NAME
+from .names import ATTN_NAME
 
 
 def register() -> None:
-    """Register the ``rocketkv`` attention and mask functions and the generate() glue (idempotent)."""
-    AttentionInterface.register(ATTN_NAME, rocketkv_attention)
-    # Without a mask entry transformers hands the attention function no mask at all (padding would be lost).
-    # Prefill needs exactly sdpa's mask; compressed layers build validity from their own lengths.
-    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    """Register the ``rocketkv`` attention and mask functions and the generate() glue (idempotent).
+
+    Without a mask entry transformers hands the attention function no mask at all (padding would be lost). Prefill
+    needs exactly sdpa's mask; compressed layers build validity from their own lengths and read only a later turn's
+    padding from it.
+    """
+    if compat.sdpa_mask is not None:
+        compat.register_attention(ATTN_NAME, rocketkv_attention, compat.sdpa_mask)
     generate.install()
 
 
@@ -25,6 +26,7 @@ def enable(model, config: RocketKVConfig | None = None):
 
     Returns the model, so ``model = hf_rocketkv.enable(AutoModelForCausalLM.from_pretrained(...))`` reads well.
     """
+    compat.require()
     model.set_attn_implementation(ATTN_NAME)
     if config is not None:
         generate.set_config(model, config)

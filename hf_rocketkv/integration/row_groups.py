@@ -7,16 +7,15 @@ groups' compressed caches and decode the whole batch at once. Each row's attenti
 look at other rows, so the kept tokens are those of a one-forward prefill; the peak is one group's instead of the
 batch's.
 
-Used by the ``_prefill`` wrapper in ``generate.py``; the stacking itself is ``RocketKVLayer.stack_rows``.
+Used by the prefill hook in ``generate.py``; the stacking itself is ``RocketKVLayer.stack_rows``.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
 from ..cache.cache import RocketKVCache
+from ..compat import Call
 
 # model_kwargs entries generate() may pass to prefill: sliced by row, or shared by every row group
 ROW_KEYS = ("attention_mask", "position_ids", "token_type_ids", "inputs_embeds")
@@ -29,24 +28,26 @@ def wants_row_groups(cache: RocketKVCache, batch: int) -> bool:
     return rows is not None and batch > rows and cache.get_seq_length() == 0
 
 
-def prefill_in_row_groups(prefill: Callable, model, input_ids: torch.Tensor, generation_config, model_kwargs: dict,
-                          cache: RocketKVCache, *args, **kwargs):
+def prefill_in_row_groups(prefill: Call, cache: RocketKVCache):
     """Run generate's ``prefill`` once per group of rows, each on its own cache, and stack the results into ``cache``.
 
-    Returns prefill's output for the whole batch: tensors concatenated along the batch, ``past_key_values`` = cache.
+    ``prefill`` is the intercepted ``_prefill`` call (arguments by name). Each group's cache is ``cache.empty_like()``,
+    so a cache with another stage-1 policy keeps it. Returns prefill's output for the whole batch: tensors
+    concatenated along the batch, ``past_key_values`` = cache.
     """
+    input_ids, model_kwargs = prefill.arguments["input_ids"], prefill.arguments["model_kwargs"]
     batch = input_ids.shape[0]
     rows = cache.config.prefill_batch_size
     outputs, parts = [], []
     for start in range(0, batch, rows):
         group = slice(start, min(start + rows, batch))
-        part = RocketKVCache(cache.config)
+        part = cache.empty_like()
         part.hints.max_length = cache.hints.max_length
         part.hints.defer_compression = cache.hints.defer_compression
         part.hints.prefilling = True
         group_kwargs = slice_rows(model_kwargs, group, batch)
         group_kwargs["past_key_values"] = part
-        outputs.append(prefill(model, input_ids[group], generation_config, group_kwargs, *args, **kwargs))
+        outputs.append(prefill(input_ids=input_ids[group], model_kwargs=group_kwargs))
         part.finish_prefill()  # chunked prefill inside the group deferred stage 1
         parts.append(part)
     cache.adopt_row_groups(parts)

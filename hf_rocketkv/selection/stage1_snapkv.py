@@ -74,13 +74,38 @@ def snapkv_keep_slots(
     kernel_size: int,
     scaling: float,
     scores_fn=None,
+    window_len: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Stage-1 selection for every row: a list of B LongTensors ``[Hkv, n_keep_b]`` of slots, ascending.
 
     Only rows longer than the budget are scored, so short prompts cost nothing here. ``scores_fn`` replaces
-    ``window_scores`` (same signature), e.g. by the Triton kernel.
+    ``window_scores`` (same signature), e.g. by the Triton kernel. ``window_len`` [B] (None: all ``w``): how many of
+    the last window queries of each row are real tokens; a row with fewer (a later turn whose new tokens are fewer
+    than the window, left-padded in a batch) scores with only those and keeps only those as its window, exactly as
+    when it runs alone. Rows are grouped by window length, so ``scores_fn`` always sees full windows.
     """
-    scores_fn = scores_fn if scores_fn is not None else window_scores
+    batch, w = q_window.shape[0], q_window.shape[2]
+    lengths = [w] * batch if window_len is None else [min(int(n), w) for n in window_len.tolist()]
+    if any(n < 1 for n in lengths):
+        raise ValueError(f"every row needs at least one real query in its stage-1 window, got window lengths {lengths}")
+    kept: list[torch.Tensor | None] = [None] * batch
+    for length in sorted(set(lengths)):
+        rows = [b for b in range(batch) if lengths[b] == length]
+        if len(rows) == batch:
+            group = (q_window[:, :, w - length :], keys, start, end)
+        else:
+            index = torch.tensor(rows, device=keys.device)
+            group = (q_window[index][:, :, w - length :], keys[index], start[index], end[index])
+        group_kept = _keep_slots_same_window(
+            *group, window_size=min(window_size, length), prompt_budget=prompt_budget, kernel_size=kernel_size,
+            scaling=scaling, scores_fn=scores_fn if scores_fn is not None else window_scores,
+        )
+        for b, slots in zip(rows, group_kept):
+            kept[b] = slots
+    return kept
+
+
+def _keep_slots_same_window(q_window, keys, start, end, *, window_size, prompt_budget, kernel_size, scaling, scores_fn):
     starts, ends = start.tolist(), end.tolist()
     needs_scores = any(e - s > prompt_budget for s, e in zip(starts, ends))
     scores = scores_fn(q_window, keys, start, end, scaling) if needs_scores else None

@@ -1,0 +1,349 @@
+"""The seam's contract with transformers: every private transformers name hf_rocketkv relies on, in one place.
+
+Nothing else in hf_rocketkv imports a private transformers name or patches transformers. This module imports only
+transformers (no other hf_rocketkv module), so every floor of the package may use it.
+
+| symbol                                              | use         | why                                                   |
+|-----------------------------------------------------|-------------|-------------------------------------------------------|
+| GenerationMixin._prepare_cache_for_generation       | wrapped     | a fresh RocketKVCache per generate() call, capacity    |
+|                                                     |             | hints, misuse errors (no cache registry exists)       |
+| GenerationMixin._prefill                            | wrapped     | continuation guard, row-group prefill, stage 1 after  |
+|                                                     |             | a chunked prefill                                     |
+| GenerationMixin.prepare_inputs_for_generation       | wrapped     | records the ids a cache has served (continuation)     |
+| PreTrainedModel.get_compiled_call                   | wrapped     | compiled decode steps: capacity check, guard policy   |
+| generation.utils.DeferredStopCheck.is_supported     | wrapped     | defer the per-token stop check on CUDA (MPS only      |
+|                                                     |             | upstream)                                             |
+| integrations.sdpa_attention.sdpa_attention_forward  | called      | exact sdpa attention for dense prefill and for calls  |
+|                                                     |             | without a RocketKVCache                               |
+| masking_utils.sdpa_mask                             | registered  | the mask function of the "rocketkv" name              |
+| cache_utils.Cache / CacheLayerMixin contract        | implemented | RocketKVCache / RocketKVLayer (update, get_mask_sizes, |
+|                                                     |             | get_seq_length, get_query_offset, crop, reorder...)   |
+
+Public extension points used as such (not listed above): ``AttentionInterface.register``,
+``AttentionMaskInterface.register``, passing a ``Cache`` instance as ``past_key_values`` (auto-compiled by generate()
+when ``is_compileable``). ``generate(custom_generate=...)`` was considered for the fresh-cache-per-call behaviour and
+rejected: users would have to pass it on every call, and ``pipeline()`` could not.
+
+Every wrapper binds its arguments with ``inspect.signature(original).bind`` (never by position) and hands the call
+to hf_rocketkv only when it involves RocketKV (``GenerateHooks.involves_*``); any other model and cache get the
+original function, called with exactly the arguments it received. When the installed transformers changes a
+signature listed here, the wrapper is not installed and the first use of RocketKV raises ``CompatError`` naming the
+transformers version and the symbol (``require()``), instead of a TypeError deep inside generate().
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import transformers
+from transformers import AttentionInterface, AttentionMaskInterface, GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: F401  (re-exported for cache/)
+
+TRANSFORMERS_VERSION: str = transformers.__version__
+VERIFIED_VERSIONS: tuple[str, ...] = ("5.17.0", "5.23.0")
+WRAPPED_MARK = "__hf_rocketkv_wrapped__"
+
+
+class CompatError(RuntimeError):
+    """The installed transformers no longer matches a private symbol hf_rocketkv relies on."""
+
+
+@dataclass(frozen=True)
+class PrivateSymbol:
+    """One private transformers name: where it lives, the parameters hf_rocketkv binds by name, and why."""
+
+    qualname: str
+    resolve: Callable[[], Any]  # returns the function as it is looked up on its owner (raises if absent)
+    params: tuple[str, ...]  # parameter names hf_rocketkv binds; each must exist in the signature
+    why: str
+
+
+def _generation_utils():
+    from transformers.generation import utils
+
+    return utils
+
+
+def _sdpa_attention_forward():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
+
+
+def _sdpa_mask():
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask
+
+
+def _unwrapped(function):
+    """The original function below our own wrapper (so verification reads transformers' signature)."""
+    return getattr(function, "__wrapped__", function) if getattr(function, WRAPPED_MARK, False) else function
+
+
+PREPARE_CACHE = PrivateSymbol(
+    "GenerationMixin._prepare_cache_for_generation",
+    lambda: _unwrapped(GenerationMixin._prepare_cache_for_generation),
+    ("self", "generation_config", "model_kwargs", "generation_mode", "max_cache_length"),
+    "a fresh RocketKVCache for each generate() call, the request's maximum length, misuse errors",
+)
+PREFILL = PrivateSymbol(
+    "GenerationMixin._prefill",
+    lambda: _unwrapped(GenerationMixin._prefill),
+    ("self", "input_ids", "generation_config", "model_kwargs"),
+    "continuation guard, row-group prefill, stage 1 after a chunked prefill",
+)
+PREPARE_INPUTS = PrivateSymbol(
+    "GenerationMixin.prepare_inputs_for_generation",
+    lambda: _unwrapped(GenerationMixin.prepare_inputs_for_generation),
+    ("self", "input_ids", "past_key_values"),
+    "records every id a RocketKVCache has served, which a later turn must start with",
+)
+COMPILED_CALL = PrivateSymbol(
+    "PreTrainedModel.get_compiled_call",
+    lambda: _unwrapped(PreTrainedModel.get_compiled_call),
+    ("self", "compile_config"),
+    "compiled decode steps of RocketKV caches: host capacity check and guard policy",
+)
+DEFERRED_STOP = PrivateSymbol(
+    "generation.utils.DeferredStopCheck.is_supported",
+    lambda: _unwrapped(_generation_utils().DeferredStopCheck.is_supported),
+    ("device", "cache", "cache_is_returned", "is_assistant"),
+    "generate() reads its stop flag one step late on CUDA for RocketKV caches (upstream: MPS only)",
+)
+SDPA_ATTENTION = PrivateSymbol(
+    "integrations.sdpa_attention.sdpa_attention_forward",
+    _sdpa_attention_forward,
+    ("module", "query", "key", "value", "attention_mask", "dropout", "scaling"),
+    "exact sdpa attention for dense prefill and for forwards without a RocketKVCache",
+)
+SDPA_MASK = PrivateSymbol(
+    "masking_utils.sdpa_mask",
+    _sdpa_mask,
+    ("batch_size", "q_length", "kv_length", "q_offset", "kv_offset", "attention_mask"),
+    "the mask function registered for attn_implementation='rocketkv'",
+)
+CACHE_CONTRACT = PrivateSymbol(
+    "cache_utils.Cache.get_query_offset",
+    lambda: Cache.get_query_offset,
+    ("self", "layer_idx"),
+    "RocketKVCache answers the mask code's query offset with a device counter (no host sync per step)",
+)
+
+SYMBOLS: tuple[PrivateSymbol, ...] = (
+    PREPARE_CACHE,
+    PREFILL,
+    PREPARE_INPUTS,
+    COMPILED_CALL,
+    DEFERRED_STOP,
+    SDPA_ATTENTION,
+    SDPA_MASK,
+    CACHE_CONTRACT,
+)
+
+
+def check_symbol(symbol: PrivateSymbol) -> str | None:
+    """None when ``symbol`` exists with every parameter hf_rocketkv binds, else what changed (one line)."""
+    try:
+        function = symbol.resolve()
+    except (ImportError, AttributeError) as err:
+        return f"{symbol.qualname} is gone ({type(err).__name__}: {err})"
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError) as err:
+        return f"{symbol.qualname} has no readable signature ({err})"
+    missing = [name for name in symbol.params if name not in parameters]
+    if missing:
+        return f"{symbol.qualname} lost parameter(s) {missing}; it now takes ({', '.join(parameters)})"
+    return None
+
+
+def find_problems(symbols: tuple[PrivateSymbol, ...] = SYMBOLS) -> tuple[str, ...]:
+    return tuple(problem for problem in map(check_symbol, symbols) if problem is not None)
+
+
+# Computed once at import and never changed: the installed transformers does not change while the process runs.
+PROBLEMS: tuple[str, ...] = find_problems()
+
+
+def describe_problems(problems: tuple[str, ...]) -> str:
+    return (
+        f"hf_rocketkv cannot work with transformers {TRANSFORMERS_VERSION} (verified: "
+        f"{', '.join(VERIFIED_VERSIONS)}): " + "; ".join(problems) + ". Install a verified transformers version "
+        f"(pip install 'transformers=={VERIFIED_VERSIONS[-1]}') or an hf_rocketkv release that supports yours."
+    )
+
+
+def require(problems: tuple[str, ...] = PROBLEMS) -> None:
+    """Raise ``CompatError`` if a private symbol hf_rocketkv relies on has changed (called at RocketKV's first use)."""
+    if problems:
+        raise CompatError(describe_problems(problems))
+
+
+# --------------------------------------------------------------------------------------------------- accessors
+def _resolved_or_none(symbol: PrivateSymbol):
+    return symbol.resolve() if check_symbol(symbol) is None else None
+
+
+_SDPA_ATTENTION = _resolved_or_none(SDPA_ATTENTION)
+sdpa_mask = _resolved_or_none(SDPA_MASK)
+
+
+def sdpa_attention_forward(*args, **kwargs):
+    """transformers' sdpa attention function (``SDPA_ATTENTION``)."""
+    if _SDPA_ATTENTION is None:
+        require()
+    return _SDPA_ATTENTION(*args, **kwargs)
+
+
+def register_attention(name: str, attention_fn: Callable, mask_fn: Callable) -> None:
+    """Public extension points: the attention function and the mask function of ``attn_implementation=name``."""
+    AttentionInterface.register(name, attention_fn)
+    AttentionMaskInterface.register(name, mask_fn)
+
+
+# --------------------------------------------------------------------------------------------------- generate hooks
+class Call:
+    """One intercepted call: its arguments by name, and the original function to run them (possibly changed)."""
+
+    def __init__(self, original: Callable, bound: inspect.BoundArguments):
+        self.original = original
+        self.bound = bound
+
+    @property
+    def arguments(self) -> dict:
+        return self.bound.arguments
+
+    def __call__(self, **changes):
+        """Run the original with the same arguments, ``changes`` replacing some of them by name."""
+        if not changes:
+            return self.original(*self.bound.args, **self.bound.kwargs)
+        bound = inspect.BoundArguments(self.bound.signature, dict(self.bound.arguments))
+        bound.arguments.update(changes)
+        return self.original(*bound.args, **bound.kwargs)
+
+
+class GenerateHooks(Protocol):
+    """What hf_rocketkv does inside generate(); ``involves_*`` decide whether a call is RocketKV's at all."""
+
+    def involves_model(self, model) -> bool: ...
+
+    def involves_cache(self, cache) -> bool: ...
+
+    def prepare_cache(self, call: Call) -> Any: ...
+
+    def prefill(self, call: Call) -> Any: ...
+
+    def prepare_inputs(self, call: Call) -> Any: ...
+
+    def compiled_step(self, compiled: Callable, cache, args: tuple, kwargs: dict) -> Any: ...
+
+    def deferred_stop_supported(self, call: Call) -> bool: ...
+
+
+def _wrap(original: Callable, handle: Callable[[Call, tuple, dict], Any]) -> Callable:
+    """A wrapper that binds its arguments by signature and lets ``handle`` decide; marked so it is never wrapped
+    twice. ``handle`` gets the original positional and keyword arguments too, to pass them on untouched."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return handle(Call(original, bound), args, kwargs)
+
+    setattr(wrapper, WRAPPED_MARK, True)
+    return wrapper
+
+
+def _prepare_cache_handler(hooks: GenerateHooks):
+    def handle(call: Call, args, kwargs):
+        cache = call.arguments["model_kwargs"].get("past_key_values")
+        if not (hooks.involves_model(call.arguments["self"]) or hooks.involves_cache(cache)):
+            return call.original(*args, **kwargs)
+        return hooks.prepare_cache(call)
+
+    return handle
+
+
+def _prefill_handler(hooks: GenerateHooks):
+    def handle(call: Call, args, kwargs):
+        if not hooks.involves_cache(call.arguments["model_kwargs"].get("past_key_values")):
+            return call.original(*args, **kwargs)
+        return hooks.prefill(call)
+
+    return handle
+
+
+def _prepare_inputs_handler(hooks: GenerateHooks):
+    def handle(call: Call, args, kwargs):
+        if not hooks.involves_cache(call.arguments.get("past_key_values")):
+            return call.original(*args, **kwargs)
+        return hooks.prepare_inputs(call)
+
+    return handle
+
+
+class CompiledCallGate:
+    """What ``get_compiled_call`` returns once hf_rocketkv is imported: for a call without a RocketKV cache, the
+    compiled forward itself with the very same arguments (positional ones included); hf_rocketkv's compiled step
+    otherwise."""
+
+    def __init__(self, compiled: Callable, forward_signature: inspect.Signature, hooks: GenerateHooks):
+        self.compiled = compiled
+        self.forward_signature = forward_signature
+        self.hooks = hooks
+
+    def __call__(self, *args, **kwargs):
+        cache = kwargs.get("past_key_values")
+        if cache is None and args:
+            try:
+                cache = self.forward_signature.bind_partial(*args, **kwargs).arguments.get("past_key_values")
+            except TypeError:
+                cache = None  # let the compiled function itself report a bad call, exactly as without us
+        if not self.hooks.involves_cache(cache):
+            return self.compiled(*args, **kwargs)
+        return self.hooks.compiled_step(self.compiled, cache, args, kwargs)
+
+    def __getattr__(self, name):  # anything else a caller reads from the compiled function
+        return getattr(self.compiled, name)
+
+
+def _compiled_call_handler(hooks: GenerateHooks):
+    def handle(call: Call, args, kwargs):
+        compiled = call.original(*args, **kwargs)
+        return CompiledCallGate(compiled, inspect.signature(call.arguments["self"].forward), hooks)
+
+    return handle
+
+
+def _deferred_stop_handler(hooks: GenerateHooks):
+    def handle(call: Call, args, kwargs):
+        if not hooks.involves_cache(call.arguments["cache"]):
+            return call.original(*args, **kwargs)
+        return hooks.deferred_stop_supported(call)
+
+    return handle
+
+
+def _install_method(owner: type, name: str, symbol: PrivateSymbol, handler, static: bool = False) -> None:
+    current = owner.__dict__[name]
+    function = current.__func__ if isinstance(current, staticmethod) else current
+    if getattr(function, WRAPPED_MARK, False) or check_symbol(symbol) is not None:
+        return  # already installed, or transformers changed it (require() reports it at RocketKV's first use)
+    wrapper = _wrap(function, handler)
+    setattr(owner, name, staticmethod(wrapper) if static else wrapper)
+
+
+def install(hooks: GenerateHooks) -> None:
+    """Wrap the private generate() steps listed in this module's table (idempotent)."""
+    _install_method(GenerationMixin, "_prepare_cache_for_generation", PREPARE_CACHE, _prepare_cache_handler(hooks))
+    _install_method(GenerationMixin, "_prefill", PREFILL, _prefill_handler(hooks))
+    _install_method(GenerationMixin, "prepare_inputs_for_generation", PREPARE_INPUTS, _prepare_inputs_handler(hooks))
+    _install_method(PreTrainedModel, "get_compiled_call", COMPILED_CALL, _compiled_call_handler(hooks))
+    deferred = getattr(_generation_utils(), "DeferredStopCheck", None)
+    if deferred is not None:
+        _install_method(deferred, "is_supported", DEFERRED_STOP, _deferred_stop_handler(hooks), static=True)

@@ -1,0 +1,246 @@
+"""The compat module (hf_rocketkv/compat.py): the only place that touches private transformers names.
+
+- every private symbol is listed, exists in the installed transformers and has the parameters we bind by name;
+- a changed signature becomes one clear error naming the transformers version and the symbol, at first use;
+- the wrappers act only on RocketKV calls: an sdpa model with DynamicCache/StaticCache gives exactly the tokens of a
+  process that never imported hf_rocketkv, and the compiled static-cache forward accepts the same calls;
+- import direction: cache/ never imports integration/, nothing outside compat.py imports a private transformers
+  module, kernels/ has no import cycle, selection/ and kernels/ are pure tensor code.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from transformers import CompileConfig, DynamicCache, GenerationMixin, PreTrainedModel, StaticCache
+
+import hf_rocketkv
+from hf_rocketkv import compat
+
+from .helpers import make_models, random_ids
+
+PACKAGE = Path(hf_rocketkv.__file__).parent
+ROOT = PACKAGE.parent
+
+
+# ------------------------------------------------------------------------------------------------ the symbol table
+def test_every_private_symbol_is_present_with_the_parameters_we_bind():
+    assert compat.PROBLEMS == ()
+    for symbol in compat.SYMBOLS:
+        assert compat.check_symbol(symbol) is None, symbol.qualname
+    assert transformers.__version__ in compat.VERIFIED_VERSIONS, (
+        f"transformers {transformers.__version__} is tested but not listed in compat.VERIFIED_VERSIONS"
+    )
+
+
+def test_wrappers_are_installed_once_and_keep_the_signatures():
+    import inspect
+
+    from transformers.generation.utils import DeferredStopCheck
+
+    for function in (
+        GenerationMixin._prepare_cache_for_generation,
+        GenerationMixin._prefill,
+        GenerationMixin.prepare_inputs_for_generation,
+        PreTrainedModel.get_compiled_call,
+        DeferredStopCheck.is_supported,
+    ):
+        assert getattr(function, compat.WRAPPED_MARK, False), function
+        assert inspect.signature(function) == inspect.signature(function.__wrapped__)
+        assert not getattr(function.__wrapped__, compat.WRAPPED_MARK, False), "wrapped twice"
+    hf_rocketkv.register()  # idempotent
+    assert not getattr(GenerationMixin._prefill.__wrapped__, compat.WRAPPED_MARK, False)
+
+
+def test_changed_signature_gives_one_clear_error_naming_version_and_symbol():
+    def prefill_of_a_future_transformers(self, inputs, config, kwargs):
+        return None
+
+    symbol = compat.PrivateSymbol(
+        "GenerationMixin._prefill", lambda: prefill_of_a_future_transformers, compat.PREFILL.params, "test"
+    )
+    problem = compat.check_symbol(symbol)
+    assert "GenerationMixin._prefill" in problem and "input_ids" in problem
+    with pytest.raises(compat.CompatError) as info:
+        compat.require((problem,))
+    message = str(info.value)
+    assert f"transformers {transformers.__version__}" in message and "GenerationMixin._prefill" in message
+    assert "verified" in message and "\n" not in message
+
+    gone = compat.PrivateSymbol("generation.utils.Nothing", lambda: transformers.generation.utils.Nothing, (), "x")
+    assert "is gone" in compat.check_symbol(gone)
+
+
+def test_a_changed_symbol_is_not_wrapped():
+    class FutureMixin:
+        def _prefill(self, inputs):
+            return "original"
+
+    symbol = compat.PrivateSymbol("FutureMixin._prefill", lambda: FutureMixin._prefill, compat.PREFILL.params, "t")
+    compat._install_method(FutureMixin, "_prefill", symbol, lambda *a: "wrapped")
+    assert FutureMixin()._prefill(1) == "original"
+
+
+def test_rocketkv_use_raises_when_transformers_changed(monkeypatch):
+    monkeypatch.setattr(compat, "PROBLEMS", ("GenerationMixin._prefill lost parameter(s) ['model_kwargs']",))
+    monkeypatch.setattr(compat.require, "__defaults__", (compat.PROBLEMS,))
+    with pytest.raises(compat.CompatError, match="GenerationMixin._prefill"):
+        hf_rocketkv.RocketKVCache()
+
+
+# ------------------------------------------------------------------------------------------------ no leaks
+REFERENCE_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, torch
+    sys.path.insert(0, {root!r})
+    if {import_rocketkv}:
+        import hf_rocketkv  # noqa: F401
+    from transformers import CompileConfig, DynamicCache, StaticCache
+    from tests.helpers import make_models, random_ids, left_pad
+
+    _, sdpa = make_models("llama")
+    ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (30, 22)])
+    out = {{}}
+    with torch.no_grad():
+        kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=8, attention_mask=mask)
+        out["dynamic"] = sdpa.generate(ids, past_key_values=DynamicCache(), **kw).tolist()
+        out["default"] = sdpa.generate(ids, **kw).tolist()
+        config = CompileConfig(fullgraph=True, mode="default", dynamic=False, backend="eager")
+        config._compile_all_devices = True
+        out["static_compiled"] = sdpa.generate(ids, cache_implementation="static", compile_config=config, **kw).tolist()
+        compiled = sdpa.get_compiled_call(config)
+        one = torch.tensor([[5]])
+        out["positional"] = compiled(one).logits[0, -1].tolist()  # input_ids passed positionally
+    print(json.dumps(out))
+    """
+)
+
+
+def _run_reference(import_rocketkv: bool) -> dict:
+    script = REFERENCE_SCRIPT.format(root=str(ROOT), import_rocketkv=import_rocketkv)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_other_models_behave_exactly_as_without_hf_rocketkv():
+    """sdpa + DynamicCache, the default cache and the compiled StaticCache generate give the same tokens with and
+    without `import hf_rocketkv`; the compiled forward takes positional arguments in both."""
+    without = _run_reference(import_rocketkv=False)
+    with_rocketkv = _run_reference(import_rocketkv=True)
+    assert with_rocketkv == without
+
+
+def test_compiled_call_gate_passes_other_calls_through_untouched():
+    _, sdpa = make_models("llama")
+    config = CompileConfig(fullgraph=True, mode="default", dynamic=False, backend="eager")
+    gate = sdpa.get_compiled_call(config)
+    assert isinstance(gate, compat.CompiledCallGate)
+    ids = random_ids(1, 6)
+    with torch.no_grad():
+        positional = gate(ids).logits
+        cache = StaticCache(config=sdpa.config, max_cache_len=16)
+        keyword = gate(input_ids=ids, past_key_values=cache).logits
+        assert torch.allclose(positional, sdpa(ids).logits) and torch.allclose(keyword, positional)
+
+
+def test_deferred_stop_check_unchanged_for_other_caches():
+    from transformers.generation.utils import DeferredStopCheck
+
+    for device in (torch.device("cuda"), torch.device("cpu"), torch.device("mps")):
+        for cache in (DynamicCache(), None):
+            got = DeferredStopCheck.is_supported(device, cache, True, False)
+            want = DeferredStopCheck.is_supported.__wrapped__(device, cache, True, False)
+            assert got == want
+
+
+# ------------------------------------------------------------------------------------------------ import direction
+def _imports(path: Path) -> list[tuple[str, int]]:
+    """(absolute module name, line) of every import in a package file, relative imports resolved."""
+    tree = ast.parse(path.read_text())
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module
+            found.append((module, node.lineno))
+            found += [(f"{module}.{alias.name}", node.lineno) for alias in node.names]
+    return found
+
+
+def _package_files(folder: str) -> list[Path]:
+    return sorted((PACKAGE / folder).rglob("*.py")) if folder else sorted(PACKAGE.glob("*.py"))
+
+
+PRIVATE_TRANSFORMERS = (
+    "transformers.generation.utils",
+    "transformers.integrations",
+    "transformers.masking_utils",
+    "transformers.cache_utils",
+    "transformers.modeling_utils",
+)
+
+
+def test_only_compat_touches_private_transformers_modules():
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "compat.py" and path.parent == PACKAGE:
+            continue
+        for module, line in _imports(path):
+            if module and module.startswith(PRIVATE_TRANSFORMERS):
+                offenders.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
+    assert not offenders, offenders
+
+
+@pytest.mark.parametrize(
+    "folder, forbidden",
+    [
+        ("cache", ("hf_rocketkv.integration", "hf_rocketkv.eval", "hf_rocketkv.cli", "hf_rocketkv.bench")),
+        ("selection", ("hf_rocketkv.cache", "hf_rocketkv.integration", "hf_rocketkv.kernels", "transformers")),
+        ("kernels", ("hf_rocketkv.cache", "hf_rocketkv.integration", "transformers")),
+    ],
+)
+def test_arrows_point_down(folder, forbidden):
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in _package_files(folder)
+        for module, line in _imports(path)
+        if module and module.startswith(forbidden)
+    ]
+    assert not offenders, offenders
+
+
+def test_kernels_have_no_import_cycle():
+    graph = {}
+    for path in _package_files("kernels"):
+        name = f"hf_rocketkv.kernels.{path.stem}"
+        graph[name] = {m for m, _ in _imports(path) if m and m.startswith("hf_rocketkv.kernels.") and m in _modules()}
+
+    def visit(node, trail):
+        if node in trail:
+            raise AssertionError(f"import cycle: {' -> '.join(trail + [node])}")
+        for nxt in graph.get(node, ()):
+            visit(nxt, trail + [node])
+
+    for node in graph:
+        visit(node, [])
+
+
+def _modules() -> set[str]:
+    return {f"hf_rocketkv.kernels.{p.stem}" for p in _package_files("kernels")}
