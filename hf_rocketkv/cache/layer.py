@@ -26,7 +26,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..config import RocketKVConfig
 from ..kernels.dispatch import RocketOps, get_ops
-from ..selection.stage1_snapkv import snapkv_keep_slots
+from ..policies import KeptSlots, Stage1Inputs, derive_budgets, get_stage1_policy
 
 
 @dataclass
@@ -43,6 +43,13 @@ CROP_UNSUPPORTED = (
     "RocketKVCache cannot be cropped beyond its last decoded tokens: stage 1 evicts tokens for good, so "
     "assisted/speculative decoding (which rolls the cache back over verified candidates) is not supported. Use "
     "plain greedy, sampling or beam search."
+)
+
+PER_HEAD_COUNTS_UNSUPPORTED = (
+    "gives each KV head its own number of kept tokens, but RocketKVLayer stores one length per row (lengths [B]) "
+    "and the decode kernels read one length per row: per-KV-head lengths ([B, Hkv]) in the layer and the kernels "
+    "are not implemented yet (padding short heads with attended slots would change the attention). The policy "
+    "itself works on tensors: hf_rocketkv.policies.AdaKVPolicy().select(...). Use a uniform policy in the cache."
 )
 
 
@@ -84,6 +91,17 @@ class RocketKVLayer(CacheLayerMixin):
         # dense state only: the padding offset of each row and the latest window of queries
         self.row_start: torch.Tensor | None = None
         self.pending_queries: torch.Tensor | None = None
+        # stage 1 is delegated to a policy (hf_rocketkv/policies); the layer stores its per-prefill state, if any
+        self.policy = get_stage1_policy(
+            config.stage1,
+            kernel_size=config.kernel_size,
+            sink_tokens=config.sink_tokens,
+            window_scores_fn=self._window_scores,
+        )
+        if getattr(self.policy, "per_head_budgets", False):
+            raise NotImplementedError(f"RocketKVConfig.stage1={self.policy.name!r} {PER_HEAD_COUNTS_UNSUPPORTED}")
+        self.policy_state = None
+        self.observed_columns = 0  # queries seen by observe_prefill since the dense store began
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -220,19 +238,46 @@ class RocketKVLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------------------------------ stage 1
     def observe_prefill(self, query_states: torch.Tensor, row_start: torch.Tensor | None, scaling: float) -> None:
-        """Remember the last window_size queries and each row's padding offset.
+        """Remember the last window_size queries and each row's padding offset; feed the policy's accumulation hook.
 
         With chunked prefill the offset comes from the latest chunk: its mask covers every column so far, while an
-        earlier chunk may lie entirely inside a row's left padding (and then under-counts it).
+        earlier chunk may lie entirely inside a row's left padding (and then under-counts it). Such a chunk's offset
+        is its own length, which is still right for that chunk: every query and key in it is padding.
         """
         self.scaling = scaling
         window = self.config.window_size
+        chunk_queries = query_states
         if self.pending_queries is not None and query_states.shape[2] < window:
             query_states = torch.cat([self.pending_queries, query_states], dim=2)
         self.pending_queries = query_states[:, :, -window:].detach()
         if row_start is not None or self.row_start is None:
             batch = query_states.shape[0]
             self.row_start = row_start if row_start is not None else torch.zeros(batch, dtype=torch.long, device=self.device)
+        self._accumulate(chunk_queries.detach(), scaling)
+
+    def _accumulate(self, queries: torch.Tensor, scaling: float) -> None:
+        """Policies that score with every prefill query (H2O) accumulate here, once per forward."""
+        if not self.compressed:
+            self.observed_columns += queries.shape[2]
+        new_state = getattr(self.policy, "new_state", None)
+        if new_state is None:
+            return
+        if self.policy_state is None:
+            self.policy_state = new_state(self.keys.shape[0], self.keys.shape[1], self.device)
+            if self.policy_state is None:
+                return
+        start, end = self._stage1_bounds()
+        self.policy.accumulate(self.policy_state, queries, self.keys, start, end, scaling)
+
+    def _stage1_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's valid slots ``[start, end)``: after the padding while dense, ``[0, lengths)`` once compressed."""
+        if self.compressed:
+            return torch.zeros_like(self.lengths), self.lengths
+        return self.row_start, torch.full_like(self.row_start, self.keys.shape[2])
+
+    def _window_scores(self, *args) -> torch.Tensor:
+        """SnapKV's window scores on this layer's backend (the Triton twin on CUDA); ops are known from the first K/V."""
+        return self.ops.window_scores(*args)
 
     def finish_prefill(self) -> None:
         """Run the stage 1 that chunked prefill deferred (no-op when already compressed or never prefilled)."""
@@ -240,30 +285,64 @@ class RocketKVLayer(CacheLayerMixin):
             self.compress()
 
     def compress(self) -> None:
-        """Stage 1: keep each row's best ``prompt_budget`` tokens per KV head, release the rest, build the KT."""
-        q_window = self.pending_queries
-        if self.compressed:
-            start = torch.zeros_like(self.lengths)
-            end = self.lengths
-            columns = self.positions
-        else:
-            start = self.row_start
-            end = torch.full_like(self.row_start, self.keys.shape[2])
-            columns = None
-        kept = snapkv_keep_slots(
-            q_window,
+        """Stage 1: keep each row's best ``prompt_budget`` tokens per KV head (chosen by the configured policy),
+        release the rest, build the KT."""
+        start, end = self._stage1_bounds()
+        columns = self.positions if self.compressed else None
+        if not self.compressed:
+            self._check_accumulation_covers_prompt()
+            if self.config.token_budget is not None:
+                self._resolve_token_budget()
+        inputs = Stage1Inputs(
+            self.pending_queries,
             self.keys,
             start,
             end,
-            window_size=q_window.shape[2],
-            prompt_budget=self.config.prompt_budget,
-            kernel_size=self.config.kernel_size,
+            budget=self.config.prompt_budget,
             scaling=self.scaling,
-            scores_fn=self.ops.window_scores,
+            state=self.policy_state,
         )
+        kept = [self._same_count_per_head(row) for row in self.policy.select(inputs)]
         self._compact(kept, columns)
         self.pending_queries = None
         self.row_start = None
+        self.policy_state = None  # a later turn accumulates afresh
+        self.observed_columns = 0
+
+    def _same_count_per_head(self, row: KeptSlots) -> torch.Tensor:
+        """``[Hkv, n]`` slots of a uniform selection (this layer stores one length per row)."""
+        if not row.uniform:
+            raise NotImplementedError(f"stage-1 policy {self.policy.name!r} {PER_HEAD_COUNTS_UNSUPPORTED}")
+        return row.slots
+
+    def _check_accumulation_covers_prompt(self) -> None:
+        """An accumulating policy (H2O) scores with every prompt query: refuse a store that was partly written
+        without passing through the attention (e.g. a prefix stored with ``Cache.update``), instead of scoring
+        with part of the prompt."""
+        if self.policy_state is not None and self.observed_columns != self.keys.shape[2]:
+            raise ValueError(
+                f"stage-1 policy {self.policy.name!r} accumulates attention over every prompt query, but only "
+                f"{self.observed_columns} of the {self.keys.shape[2]} stored columns passed through the rocketkv "
+                f"attention (the rest were written to the cache directly). Prefill the whole prompt through the model."
+            )
+
+    def _resolve_token_budget(self) -> None:
+        """token_budget mode: derive this request's prompt_budget, topk, page_size and topr, once, before its first
+        stage 1 (later turns keep them: the KT pages are laid out with this page size).
+
+        The prompt length is the dense store's width, i.e. the longest row of the padded batch: every layer and every
+        row group of a row-group prefill sees the same width, so they all derive the same page size. prompt_budget
+        is raised to window_size when the formula gives less (the observation window is always kept).
+        """
+        prompt_len = self.keys.shape[2]
+        max_new = max(self.hints.max_length - prompt_len, 0) if self.hints.max_length is not None else 0
+        derived = derive_budgets(prompt_len, max_new, self.config.token_budget, self.keys.shape[3])
+        self.config = self.config.replace(
+            prompt_budget=max(derived.prompt_budget, self.config.window_size),
+            topk=derived.topk,
+            page_size=derived.page_size,
+            topr=derived.topr,
+        )
 
     def _compact(self, kept: list[torch.Tensor], columns: torch.Tensor | None) -> None:
         """Gather the kept slots of every row into fresh buffers; the old ones are released."""
