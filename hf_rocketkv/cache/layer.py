@@ -98,8 +98,6 @@ class RocketKVLayer(CacheLayerMixin):
             sink_tokens=config.sink_tokens,
             window_scores_fn=self._window_scores,
         )
-        if getattr(self.policy, "per_head_budgets", False):
-            raise NotImplementedError(f"RocketKVConfig.stage1={self.policy.name!r} {PER_HEAD_COUNTS_UNSUPPORTED}")
         self.policy_state = None
         self.observed_columns = 0  # queries seen by observe_prefill since the dense store began
 
@@ -244,6 +242,7 @@ class RocketKVLayer(CacheLayerMixin):
         earlier chunk may lie entirely inside a row's left padding (and then under-counts it). Such a chunk's offset
         is its own length, which is still right for that chunk: every query and key in it is padding.
         """
+        self._check_policy_supported()
         self.scaling = scaling
         window = self.config.window_size
         chunk_queries = query_states
@@ -274,6 +273,12 @@ class RocketKVLayer(CacheLayerMixin):
         if self.compressed:
             return torch.zeros_like(self.lengths), self.lengths
         return self.row_start, torch.full_like(self.row_start, self.keys.shape[2])
+
+    def _check_policy_supported(self) -> None:
+        """Refuse per-head budgets at the first prefill forward (not in ``update``: an error there would leave the
+        attention hand-off pending)."""
+        if getattr(self.policy, "per_head_budgets", False):
+            raise NotImplementedError(f"RocketKVConfig.stage1={self.policy.name!r} {PER_HEAD_COUNTS_UNSUPPORTED}")
 
     def _window_scores(self, *args) -> torch.Tensor:
         """SnapKV's window scores on this layer's backend (the Triton twin on CUDA); ops are known from the first K/V."""
