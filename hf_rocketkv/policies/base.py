@@ -27,6 +27,7 @@ device)`` and ``accumulate(state, queries, keys, start, end, scaling)``; the cac
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, runtime_checkable
 
@@ -64,7 +65,12 @@ class Stage1Inputs:
         return self.keys.shape[1]
 
     def rows(self) -> list[tuple[int, int, int]]:
-        """``(start, end, w_b)`` of every row as Python ints (one host sync for the whole batch)."""
+        """``(start, end, w_b)`` of every row as Python ints."""
+        return self._rows
+
+    @functools.cached_property
+    def _rows(self) -> list[tuple[int, int, int]]:
+        # read once (one host sync per tensor) however many times policies ask
         starts, ends = self.start.tolist(), self.end.tolist()
         windows = self.window_len.tolist() if self.window_len is not None else [self.window] * len(starts)
         return list(zip(starts, ends, windows))
@@ -100,14 +106,13 @@ def _check_inputs(inputs: Stage1Inputs) -> None:
             f"Stage1Inputs.budget must be an integer >= max(1, window queries w={q.shape[2]}) (the observation "
             f"window is always kept), got {inputs.budget!r}"
         )
-    starts, ends = inputs.start.tolist(), inputs.end.tolist()
-    for b, (s, e) in enumerate(zip(starts, ends)):
+    for b, (s, e, _) in enumerate(inputs.rows()):
         if not 0 <= s <= e <= keys.shape[2]:
             raise ValueError(
                 f"Stage1Inputs: row {b} has start={s}, end={e}; need 0 <= start <= end <= N={keys.shape[2]}"
             )
     if inputs.window_len is not None:
-        bad = [(b, n) for b, n in enumerate(inputs.window_len.tolist()) if not 0 <= n <= q.shape[2]]
+        bad = [(b, n) for b, (_, _, n) in enumerate(inputs.rows()) if not 0 <= n <= q.shape[2]]
         if bad:
             raise ValueError(f"Stage1Inputs.window_len must lie in [0, w={q.shape[2]}], got (row, value) {bad}")
 

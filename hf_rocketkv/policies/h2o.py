@@ -7,9 +7,9 @@ individual heavy-hitter tokens); the observation window is kept as for every pol
 The scores need every prompt query, which exists only during prefill, so the policy keeps a running sum in a state
 object: the cache layer calls ``new_state`` once, ``accumulate`` once per prefill forward (chunk) with that chunk's
 queries and every key stored so far, and hands the state back for ``select``. Chunked accumulation equals one-shot
-accumulation. Queries are processed in blocks of ``block_size``, so the extra memory is one fp32
-``[B, Hq, block_size, N]`` buffer; compute is O(B Hq L N D) over a prompt of L queries, about the cost of a second
-prefill attention.
+accumulation. Queries are processed in blocks of ``block_size``, so the extra memory is O(block_size x N): a few fp32
+``[B, Hq, block_size, N]`` buffers (logits, mask, probabilities) and an fp32 copy of the keys; compute is
+O(B Hq L N D) over a prompt of L queries, about the cost of a second prefill attention.
 
 After a later turn the state covers that turn's queries only (the layer starts a fresh state for each stage 1).
 """
@@ -74,7 +74,7 @@ class H2OPolicy:
     Parameters
     ----------
     block_size : int
-        Queries per block in ``accumulate`` (memory: one fp32 ``[B, Hq, block_size, N]`` buffer).
+        Queries per block in ``accumulate`` (memory: a few fp32 ``[B, Hq, block_size, N]`` buffers).
     """
 
     block_size: int = 128

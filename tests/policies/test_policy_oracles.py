@@ -24,7 +24,7 @@ from hf_rocketkv.selection.stage1_snapkv import snapkv_keep_slots
 from . import oracle
 from .oracle import assert_top_up_to_ties, assert_uniform_selection, random_case
 
-SEEDS = range(24)
+SEEDS = range(16)
 
 
 def kernel_for(seed: int) -> int:
@@ -122,7 +122,7 @@ def accumulate_in_chunks(case, policy: H2OPolicy, cuts: list[int]):
     return state
 
 
-@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("seed", range(10))
 def test_h2o_matches_oracle(seed):
     case = random_case(seed, dense=True)
     policy = H2OPolicy(block_size=random.Random(seed).choice([1, 3, 64]))
@@ -134,7 +134,7 @@ def test_h2o_matches_oracle(seed):
     assert_uniform_selection(case, kept, lambda c, b: oracle.prefix_of(c, b, oracle.h2o_scores(c, b)))
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(8))
 def test_h2o_chunked_accumulation_equals_one_shot(seed):
     case = random_case(seed, dense=True)
     slots = case.keys.shape[2]
