@@ -281,7 +281,7 @@ class RocketKVLayer(CacheLayerMixin):
             raise NotImplementedError(f"RocketKVConfig.stage1={self.policy.name!r} {PER_HEAD_COUNTS_UNSUPPORTED}")
 
     def _window_scores(self, *args) -> torch.Tensor:
-        """SnapKV's window scores on this layer's backend (the Triton twin on CUDA); ops are known from the first K/V."""
+        """SnapKV's window scores on this layer's backend (the Triton twin on CUDA); ops exist from the first K/V."""
         return self.ops.window_scores(*args)
 
     def finish_prefill(self) -> None:

@@ -37,7 +37,9 @@ def get_stage1_policy(
             "random": RandomPolicy,
         }
         if spec not in factories:
-            raise ValueError(f"unknown stage-1 policy {spec!r}; allowed: {list(STAGE1_POLICY_NAMES)} or a policy object")
+            raise ValueError(
+                f"unknown stage-1 policy {spec!r}; allowed: {list(STAGE1_POLICY_NAMES)} or a policy object"
+            )
         return factories[spec]()
     if not is_stage1_policy(spec):
         raise ValueError(
@@ -49,4 +51,6 @@ def get_stage1_policy(
 
 def is_stage1_policy(obj: object) -> bool:
     """An object (not a name) usable as a stage-1 policy: it has a ``name`` and a callable ``select``."""
-    return not isinstance(obj, str) and isinstance(getattr(obj, "name", None), str) and callable(getattr(obj, "select", None))
+    if isinstance(obj, str):
+        return False
+    return isinstance(getattr(obj, "name", None), str) and callable(getattr(obj, "select", None))

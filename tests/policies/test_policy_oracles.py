@@ -129,7 +129,8 @@ def test_h2o_matches_oracle(seed):
     state = accumulate_in_chunks(case, policy, [case.keys.shape[2]])
     for b in range(len(case.start)):
         reference = oracle.h2o_scores(case, b)
-        assert torch.allclose(state.scores[b].double(), torch.tensor(reference, dtype=torch.float64), rtol=1e-4, atol=1e-5)
+        reference = torch.tensor(reference, dtype=torch.float64)
+        assert torch.allclose(state.scores[b].double(), reference, rtol=1e-4, atol=1e-5)
     kept = policy.select(case.inputs(state))
     assert_uniform_selection(case, kept, lambda c, b: oracle.prefix_of(c, b, oracle.h2o_scores(c, b)))
 
@@ -235,9 +236,10 @@ def test_random_is_seeded():
 def test_scorer_policy_keeps_the_best_scores(seed):
     case = random_case(seed)
     kept = ScorerPolicy(lambda inputs: inputs.keys.float().sum(dim=-1), name="key_sum").select(case.inputs())
-    assert_uniform_selection(
-        case, kept, lambda c, b: [row[c.start[b] : c.end[b] - c.window_of(b)] for row in c.keys[b].double().sum(-1).tolist()]
-    )
+    def key_sums(c, b):
+        return [row[c.start[b] : c.end[b] - c.window_of(b)] for row in c.keys[b].double().sum(-1).tolist()]
+
+    assert_uniform_selection(case, kept, key_sums)
 
 
 def test_scorer_policy_bad_output_names_the_function():
