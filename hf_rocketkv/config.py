@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from .policies.registry import STAGE1_POLICY_NAMES, is_stage1_policy
+
 KT_CACHE_DTYPES: dict[str, torch.dtype] = {
     "float8_e5m2": torch.float8_e5m2,
     "bfloat16": torch.bfloat16,
@@ -85,6 +87,17 @@ class RocketKVConfig:
                        (transformers' DeferredStopCheck, which it enables on MPS only), so the next decode step is
                        queued while the current one runs instead of the GPU idling during generate()'s host work.
                        Same tokens; one extra forward, undone, when generation stops on EOS.
+
+    Policies (docs/policies.md):
+        stage1:        which prompt tokens stage 1 keeps: "snapkv" (RocketKV's, the default), "streaming" (sinks +
+                       recent), "knorm" (low key norm), "h2o" (attention accumulated over every prompt query), "adakv"
+                       (head-adaptive budgets; refused by the cache until it stores per-head lengths), "random", or a
+                       policy object (``hf_rocketkv.policies``; Python only: YAML holds names).
+        sink_tokens:   tokens at the start of each row that stage1="streaming" always keeps.
+        token_budget:  the paper's single knob (arXiv 2502.14051 §3.6): K+V token pairs read per KV head per decode
+                       step. When set, prompt_budget, topk, page_size and topr are derived per request from the
+                       prompt length at the end of prefill (``policies.token_budget.derive_budgets``) and the values
+                       given for them are ignored. None: use them as given.
     """
 
     window_size: int = 32
@@ -99,6 +112,10 @@ class RocketKVConfig:
     prefill_batch_size: int | None = None
     decode_guard_checks: str = "every_step"
     deferred_stop_check: bool = True
+    # policies (validated in _validate_policy_fields)
+    stage1: Any = "snapkv"  # a name from STAGE1_POLICY_NAMES or a policy object
+    sink_tokens: int = 4
+    token_budget: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -150,6 +167,28 @@ class RocketKVConfig:
                 f"RocketKVConfig.prefill_batch_size must be None (whole batch) or an integer >= 1, "
                 f"got {self.prefill_batch_size!r}"
             )
+        self._validate_policy_fields()
+
+    def _validate_policy_fields(self) -> None:
+        """stage1, sink_tokens, token_budget (a block of its own: the policy framework's fields)."""
+        if isinstance(self.stage1, str):
+            if self.stage1 not in STAGE1_POLICY_NAMES:
+                raise ValueError(
+                    f"RocketKVConfig.stage1 must be one of {list(STAGE1_POLICY_NAMES)} or a policy object, "
+                    f"got {self.stage1!r}"
+                )
+        elif not is_stage1_policy(self.stage1):
+            raise ValueError(
+                f"RocketKVConfig.stage1 must be one of {list(STAGE1_POLICY_NAMES)} or a policy object with a `name` "
+                f"and a select(inputs) method (hf_rocketkv.policies), got {type(self.stage1).__name__}"
+            )
+        if not _is_int(self.sink_tokens) or self.sink_tokens < 0:
+            raise ValueError(f"RocketKVConfig.sink_tokens must be an integer >= 0, got {self.sink_tokens!r}")
+        if self.token_budget is not None and (not _is_int(self.token_budget) or self.token_budget < 2):
+            raise ValueError(
+                f"RocketKVConfig.token_budget must be None (budgets as given) or an integer >= 2 (K+V pairs read per "
+                f"KV head per decode step, half for page scoring, half for exact attention), got {self.token_budget!r}"
+            )
 
     # ------------------------------------------------------------------------------------------------ derived
     @property
@@ -162,7 +201,8 @@ class RocketKVConfig:
 
     # ------------------------------------------------------------------------------------------------ dict / YAML
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        # not dataclasses.asdict: it would turn a policy object in `stage1` into a dict of its fields
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RocketKVConfig":
@@ -187,6 +227,11 @@ class RocketKVConfig:
         return cls(**data)
 
     def to_yaml_dict(self) -> dict[str, Any]:
+        if not isinstance(self.stage1, str):
+            raise ValueError(
+                f"RocketKVConfig.stage1 is a policy object ({type(self.stage1).__name__}); YAML holds policy names "
+                f"only, one of {list(STAGE1_POLICY_NAMES)}. Keep the object in Python, or use a name."
+            )
         return {YAML_SECTION: {"algorithm": YAML_ALGORITHM, **self.to_dict()}}
 
     @classmethod

@@ -17,7 +17,7 @@ from hf_rocketkv.eval.methods import ALL_PAGES, KEEP_ALL, build_method, build_me
 from hf_rocketkv.eval.report import heatmap, markdown, summarize, write_report
 from hf_rocketkv.eval.scoring import qa_f1, score, string_match_all, string_match_part, substring
 from hf_rocketkv.eval.settings import EvalSettings, run_config_from_dict
-from hf_rocketkv.eval.streaming import StreamingCache, sink_recent_slots
+from hf_rocketkv.eval.streaming import StreamingCache
 from hf_rocketkv.eval.tasks import TASKS, get_task
 from hf_rocketkv.eval.tasks.base import encode_prompt, fill_paragraphs, insert_at_depths, span_token_positions
 
@@ -188,16 +188,11 @@ def test_method_budgets():
     assert methods["stage2"].config.prompt_budget == KEEP_ALL and methods["stage2"].config.topk == 4
     assert methods["stage1_read"].config.prompt_budget == 16 and methods["streaming_read"].streaming
     assert build_method("stage1_read", base.replace(topk=1)).config.prompt_budget == 8  # raised to window_size
-    assert isinstance(methods["streaming"].new_cache(), StreamingCache)
+    assert methods["streaming"].new_cache().config.stage1 == "streaming" and not methods["stage1"].streaming
     with pytest.raises(ValueError, match="unknown method 'h2o'"):
         build_method("h2o", base)
     with pytest.raises(ValueError, match="listed twice"):
         build_methods(["full", "full"], base)
-
-
-def test_sink_recent_slots():
-    assert sink_recent_slots(2, 8, 10, 4, 1, "cpu").tolist() == [[2, 3, 4, 5, 6, 7]]
-    assert sink_recent_slots(2, 30, 10, 4, 2, "cpu").tolist() == [[2, 3, 4, 5, 24, 25, 26, 27, 28, 29]] * 2
 
 
 def test_streaming_cache_keeps_sinks_and_recent_tokens():

@@ -38,13 +38,9 @@ class RocketKVCache(Cache):
         super().__init__(layer_class_to_replicate=functools.partial(RocketKVLayer, self.config, self.hints))
 
     def empty_like(self) -> "RocketKVCache":
-        """A new, empty cache of the same kind and configuration (row-group prefill builds one per group).
-
-        Subclasses that take more constructor arguments override ``_init_kwargs``."""
-        return type(self)(self.config, **self._init_kwargs())
-
-    def _init_kwargs(self) -> dict:
-        return {}
+        """A new, empty cache of the same kind and configuration (the stage-1 policy included): row-group prefill
+        builds one per group."""
+        return type(self)(self.config)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """Store ``layer_idx``'s new keys and values (see ``RocketKVLayer.update``).

@@ -30,7 +30,7 @@ import torch
 from ..compat import CacheLayerMixin
 from ..config import RocketKVConfig
 from ..kernels.dispatch import RocketOps, get_ops
-from ..selection.stage1_snapkv import snapkv_keep_slots
+from ..policies import KeptSlots, Stage1Inputs, derive_budgets, get_stage1_policy
 
 
 @dataclass
@@ -62,6 +62,13 @@ CROP_UNSUPPORTED = (
     "RocketKVCache cannot be cropped beyond its last decoded tokens: stage 1 evicts tokens for good, so "
     "assisted/speculative decoding (which rolls the cache back over verified candidates) is not supported. Use "
     "plain greedy, sampling or beam search."
+)
+
+PER_HEAD_COUNTS_UNSUPPORTED = (
+    "gives each KV head its own number of kept tokens, but RocketKVLayer stores one length per row (lengths [B]) "
+    "and the decode kernels read one length per row: per-KV-head lengths ([B, Hkv]) in the layer and the kernels "
+    "are not implemented yet (padding short heads with attended slots would change the attention). The policy "
+    "itself works on tensors: hf_rocketkv.policies.AdaKVPolicy().select(...). Use a uniform policy in the cache."
 )
 
 
@@ -137,16 +144,21 @@ class RocketKVLayer(CacheLayerMixin):
         # them are real tokens (a later turn's left padding sits inside its first forward)
         self.row_start: torch.Tensor | None = None
         self.pending_queries: torch.Tensor | None = None
-        self.pending_valid: torch.Tensor | None = None  # [B] real queries seen so far in this prefill/turn
+        self.pending_valid: torch.Tensor | None = None  # [B] real queries in pending_queries (right-aligned)
         # a later turn's new tokens, stored by the attention function once it knows which are padding
         self.pending_keys: torch.Tensor | None = None
         self.pending_values: torch.Tensor | None = None
+        # stage 1 is delegated to a policy (hf_rocketkv/policies); the layer stores its per-prefill state, if any
+        self.policy = self._make_policy(None)  # rebuilt with the backend's window-scores twin once the device is known
+        self.policy_state = None
+        self.observed_columns = 0  # queries seen by observe_prefill since the dense store began
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Sizes come from the first K/V seen, so tensor-parallel shards and device maps need nothing special."""
         self.dtype, self.device = key_states.dtype, key_states.device
         self.ops = get_ops(self.config.backend, self.device)
+        self.policy = self._make_policy(self.ops.window_scores)
         self.keys = key_states.new_empty((key_states.shape[0], key_states.shape[1], 0, key_states.shape[3]))
         self.values = value_states.new_empty((value_states.shape[0], value_states.shape[1], 0, value_states.shape[3]))
         self.seen = torch.zeros((), dtype=torch.long, device=self.device)
@@ -323,19 +335,29 @@ class RocketKVLayer(CacheLayerMixin):
         scaling: float,
         valid: torch.Tensor | None = None,
     ) -> None:
-        """Remember each row's last ``window_size`` real queries (stage 1's window) and its padding offset.
+        """Remember each row's last ``window_size`` real queries (stage 1's window) and its padding offset; feed the
+        policy's accumulation hook.
 
         ``valid`` bool ``[B, n]`` marks the real tokens among this forward's queries (None = all): padding never
         enters the window, so a row's window is the one it would have alone. Chunks of a chunked prefill add to the
         window of the earlier ones. The padding offset comes from the latest chunk: its mask covers every column so
-        far, while an earlier chunk may lie entirely inside a row's left padding.
+        far, while an earlier chunk may lie entirely inside a row's left padding (such a chunk's offset is its own
+        length, which is still right for that chunk: every query and key in it is padding).
         """
+        self._check_policy_supported()
         self.scaling = scaling
         window = self.config.window_size
         batch, n = query_states.shape[0], query_states.shape[2]
+        if valid is not None and self.compressed and hasattr(self.policy, "accumulate"):
+            raise NotImplementedError(
+                f"stage-1 policy {self.policy.name!r} accumulates attention over every query, which is not implemented "
+                f"for a batched later turn with padding between the turns: run those rows separately, or use a "
+                f"window-based policy (snapkv, streaming, knorm, random)."
+            )
+        chunk_queries = query_states.detach()
         if valid is None:
             valid = torch.ones(batch, n, dtype=torch.bool, device=query_states.device)
-        queries, count = last_real_queries(query_states.detach(), valid, window)
+        queries, count = last_real_queries(chunk_queries, valid, window)
         if self.pending_queries is not None:
             held = self.pending_queries.shape[2]
             held_valid = torch.arange(held, device=valid.device)[None, :] >= (held - self.pending_valid)[:, None]
@@ -346,6 +368,44 @@ class RocketKVLayer(CacheLayerMixin):
         self.pending_queries, self.pending_valid = queries, count
         if row_start is not None or self.row_start is None:
             self.row_start = row_start if row_start is not None else torch.zeros(batch, dtype=torch.long, device=self.device)
+        self._accumulate(chunk_queries, scaling)
+
+    def _accumulate(self, queries: torch.Tensor, scaling: float) -> None:
+        """Policies that score with every prefill query (H2O) accumulate here, once per forward."""
+        if not self.compressed:
+            self.observed_columns += queries.shape[2]
+        new_state = getattr(self.policy, "new_state", None)
+        if new_state is None:
+            return
+        if self.policy_state is None:
+            self.policy_state = new_state(self.keys.shape[0], self.keys.shape[1], self.device)
+            if self.policy_state is None:
+                return
+        start, end = self._stage1_bounds()
+        self.policy.accumulate(self.policy_state, queries, self.keys, start, end, scaling)
+
+    def _stage1_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's valid slots ``[start, end)``: after the padding while dense, ``[0, lengths)`` once compressed."""
+        if self.compressed:
+            return torch.zeros_like(self.lengths), self.lengths
+        return self.row_start, torch.full_like(self.row_start, self.keys.shape[2])
+
+    def _check_policy_supported(self) -> None:
+        """Refuse per-head budgets at the first prefill forward (not in ``update``: an error there would leave the
+        attention hand-off pending)."""
+        if getattr(self.policy, "per_head_budgets", False):
+            raise NotImplementedError(f"RocketKVConfig.stage1={self.policy.name!r} {PER_HEAD_COUNTS_UNSUPPORTED}")
+
+    def _make_policy(self, window_scores_fn):
+        """The stage-1 policy of this layer's config. ``window_scores_fn`` is the backend's plain function (the Triton
+        twin on CUDA), never a bound method of the layer: the policy must not point back at the layer, so a dropped
+        cache frees its buffers at once instead of waiting for the garbage collector."""
+        return get_stage1_policy(
+            self.config.stage1,
+            kernel_size=self.config.kernel_size,
+            sink_tokens=self.config.sink_tokens,
+            window_scores_fn=window_scores_fn,
+        )
 
     def finish_prefill(self) -> None:
         """Run the stage 1 that chunked prefill deferred (no-op when already compressed or never prefilled)."""
@@ -353,31 +413,65 @@ class RocketKVLayer(CacheLayerMixin):
             self.compress()
 
     def compress(self) -> None:
-        """Stage 1: keep each row's best ``prompt_budget`` tokens per KV head, release the rest, build the KT."""
-        q_window = self.pending_queries
-        if self.compressed:
-            start = torch.zeros_like(self.lengths)
-            end = self.lengths
-            columns = self.positions
-        else:
-            start = self.row_start
-            end = torch.full_like(self.row_start, self.keys.shape[2])
-            columns = None
-        kept = snapkv_keep_slots(
-            q_window,
+        """Stage 1: keep each row's best ``prompt_budget`` tokens per KV head (chosen by the configured policy),
+        release the rest, build the KT."""
+        start, end = self._stage1_bounds()
+        columns = self.positions if self.compressed else None
+        if not self.compressed:
+            self._check_accumulation_covers_prompt()
+            if self.config.token_budget is not None:
+                self._resolve_token_budget()
+        inputs = Stage1Inputs(
+            self.pending_queries,
             self.keys,
             start,
             end,
-            window_size=q_window.shape[2],
-            prompt_budget=self.config.prompt_budget,
-            kernel_size=self.config.kernel_size,
+            budget=self.config.prompt_budget,
             scaling=self.scaling,
-            scores_fn=self.ops.window_scores,
             window_len=self.pending_valid,
+            state=self.policy_state,
         )
+        kept = [self._same_count_per_head(row) for row in self.policy.select(inputs)]
         self._compact(kept, columns)
         self.pending_queries = self.pending_valid = None
         self.row_start = None
+        self.policy_state = None  # a later turn accumulates afresh
+        self.observed_columns = 0
+
+    def _same_count_per_head(self, row: KeptSlots) -> torch.Tensor:
+        """``[Hkv, n]`` slots of a uniform selection (this layer stores one length per row)."""
+        if not row.uniform:
+            raise NotImplementedError(f"stage-1 policy {self.policy.name!r} {PER_HEAD_COUNTS_UNSUPPORTED}")
+        return row.slots
+
+    def _check_accumulation_covers_prompt(self) -> None:
+        """An accumulating policy (H2O) scores with every prompt query: refuse a store that was partly written
+        without passing through the attention (e.g. a prefix stored with ``Cache.update``), instead of scoring
+        with part of the prompt."""
+        if self.policy_state is not None and self.observed_columns != self.keys.shape[2]:
+            raise ValueError(
+                f"stage-1 policy {self.policy.name!r} accumulates attention over every prompt query, but only "
+                f"{self.observed_columns} of the {self.keys.shape[2]} stored columns passed through the rocketkv "
+                f"attention (the rest were written to the cache directly). Prefill the whole prompt through the model."
+            )
+
+    def _resolve_token_budget(self) -> None:
+        """token_budget mode: derive this request's prompt_budget, topk, page_size and topr, once, before its first
+        stage 1 (later turns keep them: the KT pages are laid out with this page size).
+
+        The prompt length is the dense store's width, i.e. the longest row of the padded batch: every layer and every
+        row group of a row-group prefill sees the same width, so they all derive the same page size. prompt_budget
+        is raised to window_size when the formula gives less (the observation window is always kept).
+        """
+        prompt_len = self.keys.shape[2]
+        max_new = max(self.hints.max_length - prompt_len, 0) if self.hints.max_length is not None else 0
+        derived = derive_budgets(prompt_len, max_new, self.config.token_budget, self.keys.shape[3])
+        self.config = self.config.replace(
+            prompt_budget=max(derived.prompt_budget, self.config.window_size),
+            topk=derived.topk,
+            page_size=derived.page_size,
+            topr=derived.topr,
+        )
 
     def _compact(self, kept: list[torch.Tensor], columns: torch.Tensor | None) -> None:
         """Gather the kept slots of every row into fresh buffers; the old ones are released."""
@@ -416,7 +510,9 @@ class RocketKVLayer(CacheLayerMixin):
         capacity = max(part.capacity for part in parts)
         pages = capacity // first.config.page_size
         layer = new_layer()
+        layer.config = first.config  # the parts' effective config (token_budget mode derives it per request)
         layer.dtype, layer.device, layer.ops, layer.scaling = first.dtype, first.device, first.ops, first.scaling
+        layer.policy = first.policy
         layer.keys = torch.cat([_pad_dim2(part.keys, capacity, 0) for part in parts])
         layer.values = torch.cat([_pad_dim2(part.values, capacity, 0) for part in parts])
         layer.positions = torch.cat([_pad_dim2(part.positions, capacity, -1) for part in parts])

@@ -11,7 +11,7 @@ Budgets, per layer and KV head (P = base.page_size, B = base.prompt_budget, K = 
 | rocketkv        | RocketKVCache(base): both stages         | B             | K*P                  |
 | stage1          | SnapKV eviction only (topk = all pages)  | B             | all kept (B + gen.)  |
 | stage2          | page top-k only (prompt_budget = inf)    | all           | K*P                  |
-| streaming       | 4 sink + recent tokens, all pages        | B             | all kept (B + gen.)  |
+| streaming       | stage1="streaming": 4 sinks + recent     | B             | all kept (B + gen.)  |
 | stage1_read     | SnapKV eviction to K*P tokens            | K*P           | all kept (K*P + gen.)|
 | streaming_read  | sink + recent to K*P tokens              | K*P           | all kept (K*P + gen.)|
 
@@ -28,7 +28,7 @@ from transformers import DynamicCache
 
 from ..cache.cache import RocketKVCache
 from ..config import RocketKVConfig
-from .streaming import StreamingCache
+from .streaming import streaming_config
 
 ALL_PAGES = 1 << 30  # a topk larger than any page count: every stored token is attended
 KEEP_ALL = 1 << 30  # a prompt_budget larger than any prompt: stage 1 keeps everything
@@ -43,14 +43,15 @@ class Method:
     config: RocketKVConfig | None  # None: DynamicCache
     kept_budget: int | None  # prompt tokens kept per KV head, None = all
     read_budget: int | None  # tokens attended per decode step, None = every stored token
-    streaming: bool = False
-    sink_tokens: int = 4
+
+    @property
+    def streaming(self) -> bool:
+        """Stage 1 keeps sinks + recent tokens (the config's stage1 policy is "streaming")."""
+        return self.config is not None and self.config.stage1 == "streaming"
 
     def new_cache(self):
         if self.config is None:
             return DynamicCache()
-        if self.streaming:
-            return StreamingCache(self.config, sink_tokens=self.sink_tokens)
         return RocketKVCache(self.config)
 
     def describe(self) -> dict:
@@ -75,13 +76,13 @@ def build_method(name: str, base: RocketKVConfig, sink_tokens: int = 4) -> Metho
     if name == "stage2":
         return Method(name, "rocketkv", base.replace(prompt_budget=KEEP_ALL), None, read)
     if name == "streaming":
-        return Method(name, "rocketkv", base.replace(topk=ALL_PAGES), base.prompt_budget, None, True, sink_tokens)
+        config = streaming_config(base.replace(topk=ALL_PAGES), sink_tokens)
+        return Method(name, "rocketkv", config, base.prompt_budget, None)
     if name == "stage1_read":
         return Method(name, "rocketkv", base.replace(prompt_budget=small, topk=ALL_PAGES), small, None)
     if name == "streaming_read":
-        return Method(
-            name, "rocketkv", base.replace(prompt_budget=small, topk=ALL_PAGES), small, None, True, sink_tokens
-        )
+        config = streaming_config(base.replace(prompt_budget=small, topk=ALL_PAGES), sink_tokens)
+        return Method(name, "rocketkv", config, small, None)
     raise ValueError(f"unknown method {name!r}; known: {list(METHOD_NAMES)}")
 
 

@@ -1,0 +1,56 @@
+"""Stage-1 policies by name: ``get_stage1_policy("snapkv" | "streaming" | ... | policy_object)``."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .adakv import AdaKVPolicy
+from .base import Stage1Policy
+from .h2o import H2OPolicy
+from .knorm import KnormPolicy
+from .random_policy import RandomPolicy
+from .snapkv import SnapKVPolicy
+from .streaming import StreamingPolicy
+
+STAGE1_POLICY_NAMES = ("snapkv", "streaming", "knorm", "h2o", "adakv", "random")
+
+
+def get_stage1_policy(
+    spec: str | Stage1Policy,
+    *,
+    kernel_size: int = 63,
+    sink_tokens: int = 4,
+    window_scores_fn: Callable | None = None,
+) -> Stage1Policy:
+    """The policy named ``spec`` (built from the keyword hyper-parameters it uses), or ``spec`` itself when it is
+    already a policy object (then the keywords are ignored: the object carries its own).
+
+    kernel_size and window_scores_fn feed SnapKV (also AdaKV's default scorer); sink_tokens feeds streaming.
+    """
+    if isinstance(spec, str):
+        factories: dict[str, Callable[[], Stage1Policy]] = {
+            "snapkv": lambda: SnapKVPolicy(kernel_size=kernel_size, scores_fn=window_scores_fn),
+            "streaming": lambda: StreamingPolicy(sink_tokens=sink_tokens),
+            "knorm": KnormPolicy,
+            "h2o": H2OPolicy,
+            "adakv": lambda: AdaKVPolicy(SnapKVPolicy(kernel_size=kernel_size, scores_fn=window_scores_fn)),
+            "random": RandomPolicy,
+        }
+        if spec not in factories:
+            raise ValueError(
+                f"unknown stage-1 policy {spec!r}; allowed: {list(STAGE1_POLICY_NAMES)} or a policy object"
+            )
+        return factories[spec]()
+    if not is_stage1_policy(spec):
+        raise ValueError(
+            f"a stage-1 policy must be one of {list(STAGE1_POLICY_NAMES)} or an object with a `name` and a "
+            f"select(inputs) -> list[KeptSlots] method, got {type(spec).__name__}"
+        )
+    return spec
+
+
+def is_stage1_policy(obj: object) -> bool:
+    """An object (not a name) usable as a stage-1 policy: it has a ``name`` and a callable ``select``."""
+    if isinstance(obj, str):
+        return False
+    return isinstance(getattr(obj, "name", None), str) and callable(getattr(obj, "select", None))

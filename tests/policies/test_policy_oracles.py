@@ -1,0 +1,251 @@
+"""Every stage-1 policy against a brute-force float64 oracle written from its definition (tests/policies/oracle.py),
+over random shapes: GQA ratios 1-8, left padding, rows shorter than the budget, windows longer than a row, per-row
+window lengths, dense and compressed (per-row end) stores.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hf_rocketkv.policies import (
+    AdaKVPolicy,
+    H2OPolicy,
+    KnormPolicy,
+    RandomPolicy,
+    ScorerPolicy,
+    SnapKVPolicy,
+    StreamingPolicy,
+)
+from hf_rocketkv.selection.stage1_snapkv import snapkv_keep_slots
+
+from . import oracle
+from .oracle import assert_top_up_to_ties, assert_uniform_selection, random_case
+
+SEEDS = range(16)
+
+
+def kernel_for(seed: int) -> int:
+    return random.Random(seed).choice([1, 3, 5, 7])
+
+
+# ------------------------------------------------------------------------------------------------ snapkv
+@pytest.mark.parametrize("seed", SEEDS)
+def test_snapkv_gives_exactly_todays_kept_slots(seed):
+    """Without window_len the policy is today's selection/stage1_snapkv.snapkv_keep_slots, slot for slot."""
+    case = random_case(seed, with_window_len=False)
+    kernel = kernel_for(seed)
+    kept = SnapKVPolicy(kernel_size=kernel).select(case.inputs())
+    today = snapkv_keep_slots(
+        case.q_window(), case.keys, torch.tensor(case.start), torch.tensor(case.end), window_size=case.w,
+        prompt_budget=case.budget, kernel_size=kernel, scaling=case.scaling,
+    )
+    assert [row.slots.tolist() for row in kept] == [t.tolist() for t in today]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_snapkv_matches_oracle(seed):
+    case = random_case(seed)
+    kernel = kernel_for(seed)
+    kept = SnapKVPolicy(kernel_size=kernel).select(case.inputs())
+    assert_uniform_selection(case, kept, lambda c, b: oracle.snapkv_prefix_scores(c, b, kernel))
+
+
+def test_snapkv_window_len_equals_a_shorter_window():
+    """A row with window_len n scores exactly as that row alone with only its last n window queries."""
+    case = random_case(3, max_batch=1, with_window_len=False, dense=True)
+    case.window_len = None
+    full = case.inputs()
+    for n in range(1, case.w + 1):
+        short = SnapKVPolicy(kernel_size=3).raw_scores(
+            type(full)(full.q_window[:, :, case.w - n :], full.keys, full.start, full.end, case.budget, case.scaling)
+        )
+        masked = SnapKVPolicy(kernel_size=3).raw_scores(
+            type(full)(full.q_window, full.keys, full.start, full.end, case.budget, case.scaling, torch.tensor([n]))
+        )
+        assert torch.equal(short, masked)
+
+
+def test_snapkv_padding_queries_contribute_nothing():
+    """Garbage in the padded window queries (before the last window_len) does not change the scores."""
+    case = random_case(5, dense=True, with_window_len=True)
+    inputs = case.inputs()
+    noisy = inputs.q_window.clone()
+    for b, n in enumerate(case.window_len):
+        noisy[b, :, : case.w - n] = 1e3 * torch.randn_like(noisy[b, :, : case.w - n])
+    policy = SnapKVPolicy(kernel_size=3)
+    again = type(inputs)(noisy, inputs.keys, inputs.start, inputs.end, inputs.budget, inputs.scaling, inputs.window_len)
+    assert torch.equal(policy.raw_scores(inputs), policy.raw_scores(again))
+
+
+# ------------------------------------------------------------------------------------------------ knorm / streaming
+@pytest.mark.parametrize("seed", SEEDS)
+def test_knorm_matches_oracle(seed):
+    case = random_case(seed)
+    assert_uniform_selection(case, KnormPolicy().select(case.inputs()), oracle.knorm_prefix_scores)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("sinks", [0, 1, 4, 50])
+def test_streaming_matches_oracle(seed, sinks):
+    case = random_case(seed)
+    kept = StreamingPolicy(sink_tokens=sinks).select(case.inputs())
+    for b, row in enumerate(kept):
+        assert row.slots.tolist() == [oracle.streaming_slots(case, b, sinks)] * case.keys.shape[1]
+
+
+def test_streaming_keeps_the_old_baselines_slots():
+    """The eval baseline's former sink_recent_slots(2, 30, budget 10, 4 sinks): [2..5] + [24..29]."""
+    keys = torch.zeros(1, 2, 30, 4)
+    q = torch.zeros(1, 2, 4, 4)
+    kept = StreamingPolicy(4).select(
+        oracle.Stage1Inputs(q, keys, torch.tensor([2]), torch.tensor([30]), budget=10, scaling=1.0)
+    )
+    assert kept[0].slots.tolist() == [[2, 3, 4, 5, 24, 25, 26, 27, 28, 29]] * 2
+
+
+# ------------------------------------------------------------------------------------------------ h2o
+def accumulate_in_chunks(case, policy: H2OPolicy, cuts: list[int]):
+    """Accumulate a dense case as prefill chunks ending at ``cuts``: chunk c has the queries of its slots and the
+    keys stored so far (what the cache layer passes)."""
+    batch, kv_heads = case.keys.shape[:2]
+    state = policy.new_state(batch, kv_heads, case.keys.device)
+    previous = 0
+    for cut in cuts:
+        policy.accumulate(
+            state, case.queries[:, :, previous:cut], case.keys[:, :, :cut], torch.tensor(case.start),
+            torch.full((batch,), cut), case.scaling,
+        )
+        previous = cut
+    return state
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_h2o_matches_oracle(seed):
+    case = random_case(seed, dense=True)
+    policy = H2OPolicy(block_size=random.Random(seed).choice([1, 3, 64]))
+    state = accumulate_in_chunks(case, policy, [case.keys.shape[2]])
+    for b in range(len(case.start)):
+        reference = oracle.h2o_scores(case, b)
+        reference = torch.tensor(reference, dtype=torch.float64)
+        assert torch.allclose(state.scores[b].double(), reference, rtol=1e-4, atol=1e-5)
+    kept = policy.select(case.inputs(state))
+    assert_uniform_selection(case, kept, lambda c, b: oracle.prefix_of(c, b, oracle.h2o_scores(c, b)))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_h2o_chunked_accumulation_equals_one_shot(seed):
+    case = random_case(seed, dense=True)
+    slots = case.keys.shape[2]
+    rng = random.Random(seed)
+    cuts = sorted(set(rng.sample(range(1, slots), min(3, slots - 1)))) + [slots]
+    policy = H2OPolicy(block_size=rng.choice([2, 5, 128]))
+    one_shot = accumulate_in_chunks(case, policy, [slots])
+    chunked = accumulate_in_chunks(case, policy, cuts)
+    assert chunked.queries_seen == one_shot.queries_seen == slots
+    torch.testing.assert_close(chunked.scores, one_shot.scores, rtol=1e-5, atol=1e-6)
+
+
+def test_h2o_on_a_compressed_store_scores_with_the_new_queries_only():
+    """Per-row ends (a later turn on a compressed store): n new queries sit in slots end-n .. end-1 of each row."""
+    case = random_case(11, dense=False, max_batch=3)
+    n = min(min(e - s for s, e in zip(case.start, case.end)), 4)
+    policy = H2OPolicy(block_size=2)
+    state = policy.new_state(*case.keys.shape[:2], case.keys.device)
+    new_queries = torch.stack([case.queries[b, :, e - n : e] for b, e in enumerate(case.end)])
+    policy.accumulate(state, new_queries, case.keys, torch.tensor(case.start), torch.tensor(case.end), case.scaling)
+    for b, (s, e) in enumerate(zip(case.start, case.end)):
+        expected = torch.zeros(case.keys.shape[1], case.keys.shape[2], dtype=torch.float64)
+        for query_head in range(case.queries.shape[1]):
+            for slot in range(e - n, e):
+                for j, p in oracle.attention_row(case, b, query_head, case.queries[b, query_head, slot], slot).items():
+                    expected[query_head // case.group, j] += p
+        assert torch.allclose(state.scores[b].double(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_h2o_needs_its_state():
+    case = random_case(1, dense=True)
+    case.budget, case.start = case.w, [0] * len(case.start)  # every row exceeds the budget: scores are needed
+    with pytest.raises(ValueError, match="accumulation state"):
+        H2OPolicy().select(case.inputs())
+    state = H2OPolicy().new_state(*case.keys.shape[:2], "cpu")
+    with pytest.raises(ValueError, match="accumulate\\(\\) must see the same store"):
+        H2OPolicy().select(case.inputs(state))
+
+
+# ------------------------------------------------------------------------------------------------ adakv
+@pytest.mark.parametrize("seed", SEEDS)
+def test_adakv_matches_oracle(seed):
+    """Per row: every head keeps its window; the Hkv * (budget - w_b) best prefix scores ACROSS heads are kept."""
+    case = random_case(seed)
+    kernel = kernel_for(seed)
+    kept = AdaKVPolicy(SnapKVPolicy(kernel_size=kernel)).select(case.inputs())
+    heads = case.keys.shape[1]
+    for b, row in enumerate(kept):
+        s, e, w = case.start[b], case.end[b], case.window_of(b)
+        counts = row.counts.tolist()
+        slots = row.slots.tolist()
+        if not case.selects(b):
+            assert slots == [list(range(s, e))] * heads and counts == [e - s] * heads
+            continue
+        assert sum(counts) == heads * case.budget
+        reference = oracle.snapkv_prefix_scores(case, b, kernel)
+        flat_scores, flat_chosen = [], []
+        for h in range(heads):
+            own = slots[h][: counts[h]]
+            assert all(x == -1 for x in slots[h][counts[h] :])
+            assert own[-w:] == list(range(e - w, e)) if w else True
+            prefix = own[: counts[h] - w]
+            assert prefix == sorted(prefix) and len(set(prefix)) == len(prefix)
+            flat_chosen += [h * (e - w - s) + (j - s) for j in prefix]
+            flat_scores += reference[h]
+        assert_top_up_to_ties(flat_chosen, flat_scores, heads * (case.budget - w))
+
+
+def test_adakv_allots_by_score():
+    """Head 0's scores dominate head 1's: head 0 takes every prefix slot the total allows."""
+    keys = torch.zeros(1, 2, 20, 4)
+
+    def scores(inputs):
+        out = torch.zeros(1, 2, 20)
+        out[0, 0] = 100 + torch.arange(20.0)
+        out[0, 1] = torch.arange(20.0)
+        return out
+
+    inputs = oracle.Stage1Inputs(torch.zeros(1, 2, 2, 4), keys, torch.tensor([0]), torch.tensor([20]), 8, 1.0)
+    row = AdaKVPolicy(ScorerPolicy(scores)).select(inputs)[0]
+    assert row.counts.tolist() == [14, 2]  # 2 * (8 - 2) = 12 prefix slots, all to head 0 (it has 18)
+    assert row.slots[0].tolist() == list(range(6, 20))
+    assert row.slots[1].tolist() == [18, 19] + [-1] * 12
+
+
+# ------------------------------------------------------------------------------------------------ random / scorer
+def test_random_is_seeded():
+    case = random_case(2, dense=True)
+    case.budget = case.w + 1
+    first = [r.slots for r in RandomPolicy(seed=7).select(case.inputs())]
+    again = [r.slots for r in RandomPolicy(seed=7).select(case.inputs())]
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    many = {tuple(RandomPolicy(seed=s).select(case.inputs())[0].slots[0].tolist()) for s in range(8)}
+    assert len(many) > 1
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_scorer_policy_keeps_the_best_scores(seed):
+    case = random_case(seed)
+    kept = ScorerPolicy(lambda inputs: inputs.keys.float().sum(dim=-1), name="key_sum").select(case.inputs())
+    def key_sums(c, b):
+        return [row[c.start[b] : c.end[b] - c.window_of(b)] for row in c.keys[b].double().sum(-1).tolist()]
+
+    assert_uniform_selection(case, kept, key_sums)
+
+
+def test_scorer_policy_bad_output_names_the_function():
+    case = random_case(0, dense=True)
+    case.budget, case.start = case.w, [0] * len(case.start)
+    with pytest.raises(ValueError, match=r"ScorerPolicy\('mine'\).fn must return floating scores of shape"):
+        ScorerPolicy(lambda inputs: torch.zeros(3), name="mine").select(case.inputs())
+    with pytest.raises(ValueError, match="ScorerPolicy.fn must be callable"):
+        ScorerPolicy(42)
