@@ -423,16 +423,20 @@ class KVBlockPool:
     def admit(self, prompt_len: int, max_new_tokens: int, cfg: "RocketKVConfig", token_ids: Any = None,
               keys: PrefixKeys | None = None, keep_all: bool = False) -> Admission:
         """Take every page one request needs (prefix hits first), or raise PoolExhaustedError and change nothing."""
-        if not isinstance(prompt_len, int) or isinstance(prompt_len, bool):
-            raise ValueError(f"admit: prompt_len must be an integer (use admit_batch for rows), got {prompt_len!r}")
-        return self.admit_batch([prompt_len], [max_new_tokens], cfg,
-                                None if token_ids is None else [token_ids], keys, keep_all)[0]
+        if not isinstance(prompt_len, int):
+            raise ValueError(f"admit: prompt_len must be an integer (admit_batch takes rows), got {prompt_len!r}")
+        return self._admit(prompt_len, max_new_tokens, cfg, token_ids, keys, keep_all)[0]
 
     def admit_batch(self, prompt_lens: Sequence[int], max_new_tokens: int | Sequence[int], cfg: "RocketKVConfig",
                     token_ids: Any = None, keys: Any = None, keep_all: bool = False) -> list[Admission]:
         """``admit`` for several rows at once: all rows get their pages, or none does."""
+        if isinstance(prompt_lens, int):
+            raise ValueError(f"admit_batch: prompt_lens must be a list of row lengths, got {prompt_lens!r}")
+        return self._admit(list(prompt_lens), max_new_tokens, cfg, token_ids, keys, keep_all)
+
+    def _admit(self, prompt_len, max_new_tokens, cfg, token_ids, keys, keep_all) -> list[Admission]:
         with self._lock:
-            plan = self._plan(list(prompt_lens), max_new_tokens, cfg, token_ids, keys, keep_all)
+            plan = self._plan(prompt_len, max_new_tokens, cfg, token_ids, keys, keep_all)
             need = plan.needed.prefill_peak
             if need > len(self._free):
                 rows = f"{plan.needed.rows} row(s), " if plan.needed.rows > 1 else ""
@@ -589,7 +593,7 @@ class KVBlockPool:
     def _take_pages(self, count: int) -> list[PageMeta]:
         """Pop ``count`` pages in allocation order (caller checked ``count <= free``); cached ones are evicted
         (offloaded when they qualify). Each comes back with ref 1."""
-        taken, offloads = [], []
+        taken, offloads = [], {}
         for _ in range(count):
             index = self._free.next_in_allocation_order()
             self._free.remove(index)
@@ -598,7 +602,7 @@ class KVBlockPool:
                 self._evict_page(meta, offloads)
             taken.append(meta)
         if offloads:
-            self._start_offload(offloads)
+            self._start_offload(list(offloads.values()))
         for meta in taken:
             self._wait_on_current_stream(meta)
             meta.ref = 1
@@ -613,7 +617,7 @@ class KVBlockPool:
             if num_pages is not None:
                 _check_int(num_pages, "num_pages", 0)
             self._poll_copies()
-            evicted, offloads = [], []
+            evicted, offloads = [], {}
             while num_pages is None or len(evicted) < num_pages:
                 index = self._free.first_cached()
                 if index is None:
@@ -623,7 +627,7 @@ class KVBlockPool:
                 self._evict_page(meta, offloads)
                 evicted.append(meta)
             if offloads:
-                self._start_offload(offloads)
+                self._start_offload(list(offloads.values()))
             for meta in evicted:
                 self._push_free(meta)
             return len(evicted)
@@ -637,40 +641,48 @@ class KVBlockPool:
             return False
         return True
 
-    def _evict_page(self, meta: PageMeta, offloads: list[tuple[PageMeta, PageMeta]]) -> None:
-        """Take a cached device page's hash away; move it to a host slot when it qualifies, else drop it."""
+    def _evict_page(self, meta: PageMeta, offloads: dict[int, tuple[PageMeta, PageMeta]]) -> None:
+        """Take a cached device page's hash away; move it to a host slot when it qualifies, else drop it.
+
+        ``offloads`` (host slot -> (device page, slot)) collects one batch of copies, issued together afterwards. A
+        later page of the batch may displace an earlier one from its slot before the copy is issued (the earlier
+        one is then dropped, never copied), so the host keeps the most recent pages as LRU says it should.
+        """
         del self._index[meta.hash]
         self._counters["evictions"] += 1
+        slot = None
         if meta.priority >= self.offload_min_priority and self._can_offload():
-            slot = self._take_host_slot()
-            if slot is not None:
-                slot.hash, slot.depth, slot.priority, slot.last_access = meta.hash, meta.depth, meta.priority, \
-                    meta.last_access
-                self._index[slot.hash] = slot
-                offloads.append((meta, slot))
-                meta.forget()
-                return
-        self._counters["dropped_pages"] += 1
-        meta.forget()
-
-    def _take_host_slot(self) -> PageMeta | None:
-        index = self._host_free.next_in_allocation_order()
-        if index is None:
-            return None
-        self._host_free.remove(index)
-        slot = self._host_pages[index]
+            slot = self._take_host_slot(meta.priority)
+        if slot is None:
+            self._counters["dropped_pages"] += 1
+            meta.forget()
+            return
         if slot.hash is not None:
             del self._index[slot.hash]
+            displaced = offloads.pop(slot.index, None)
+            self._counters["dropped_pages" if displaced else "host_evictions"] += 1
             slot.forget()
-            self._counters["host_evictions"] += 1
-        return slot
+        slot.hash, slot.depth, slot.priority, slot.last_access = meta.hash, meta.depth, meta.priority, meta.last_access
+        self._index[slot.hash] = slot
+        self._host_free.push_back(cached_queue(slot.priority), slot.index)
+        offloads[slot.index] = (meta, slot)
+        meta.forget()
+
+    def _take_host_slot(self, priority: int) -> PageMeta | None:
+        """An empty host slot, else the host page evicted next if it is worth no more than ``priority``."""
+        index = self._host_free.first(UNCACHED)
+        if index is None:
+            index = self._host_free.first_cached()
+            if index is None or self._host_pages[index].priority > priority:
+                return None
+        self._host_free.remove(index)
+        return self._host_pages[index]
 
     def _start_offload(self, pairs: list[tuple[PageMeta, PageMeta]]) -> None:
         layout = self._record_layout()
         event = self._engine.offload(self._storage, layout, [m.index for m, _ in pairs], [s.index for _, s in pairs])
         for meta, slot in pairs:
             meta.pending = slot.pending = event
-            self._host_free.push_back(cached_queue(slot.priority), slot.index)
         if event is not None:
             self._pending.append((event, [meta for pair in pairs for meta in pair]))
         self._counters["offloaded_bytes"] += len(pairs) * self._page_data_bytes()
