@@ -58,5 +58,9 @@ def fingerprint_fields(geometry: ModelGeometry, kv_dtype: torch.dtype, model: to
 def model_fingerprint(geometry: ModelGeometry, kv_dtype: torch.dtype, model: torch.nn.Module | None = None,
                       samples: int = 4) -> str:
     """Hex SHA-256 of :func:`fingerprint_fields` as canonical JSON."""
-    text = json.dumps(fingerprint_fields(geometry, kv_dtype, model, samples), sort_keys=True, separators=(",", ":"))
+    return fingerprint_of(fingerprint_fields(geometry, kv_dtype, model, samples))
+
+
+def fingerprint_of(fields: dict[str, object]) -> str:
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()

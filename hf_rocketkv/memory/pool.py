@@ -37,7 +37,7 @@ from .accounting import PagesNeeded, RowPages, row_pages
 from .admission import Admission
 from .block_table import BlockTable
 from .errors import PoolExhaustedError, PoolStateError, PrefixFileError
-from .fingerprint import fingerprint_fields, model_fingerprint
+from .fingerprint import fingerprint_fields, fingerprint_of
 from .free_list import UNCACHED, FreeLists, cached_queue
 from .geometry import KT_DTYPES, KV_DTYPES, dtype_name, model_geometry, parse_dtype
 from .hashing import HASH_SCHEME, MultimodalItem, PrefixKeys, as_token_list, hit_cap_tokens, page_hashes, root_hash
@@ -183,8 +183,8 @@ class KVBlockPool:
             )
         self._storage = PageStorage(num_layers, self.num_pages, planned)
 
-        self.fingerprint = model_fingerprint(self.geometry, self.dtype, model, fingerprint_samples)
-        self._fingerprint_fields = fingerprint_fields(self.geometry, self.dtype, None)
+        self._fingerprint_fields = fingerprint_fields(self.geometry, self.dtype, model, fingerprint_samples)
+        self.fingerprint = fingerprint_of(self._fingerprint_fields)
         self._root = root_hash(self.fingerprint)
 
         self._device_pages = [PageMeta(i, Tier.DEVICE) for i in range(self.num_pages)]
@@ -813,15 +813,10 @@ class KVBlockPool:
         return num_tokens
 
     def _check_file_matches(self, path: Path, meta: dict[str, str]) -> None:
+        """Named settings first (their messages say exactly what differs), then the whole model fingerprint."""
         if meta.get("hash_scheme") != HASH_SCHEME:
             raise PrefixFileError(f"prefix file {str(path)!r} uses hash scheme {meta.get('hash_scheme')!r}; this "
                                   f"pool uses {HASH_SCHEME!r}")
-        if meta.get("model_fingerprint") != self.fingerprint:
-            raise PrefixFileError(
-                f"prefix file {str(path)!r} was saved for another model: fingerprint "
-                f"{str(meta.get('model_fingerprint'))[:16]}... ({meta.get('model')}) != this pool's "
-                f"{self.fingerprint[:16]}... ({json.dumps(self._fingerprint_fields, sort_keys=True)})"
-            )
         expected = {
             "kv_dtype": dtype_name(self.dtype), "page_size": str(self.page_size),
             "kt_page_size": str(self.kt_page_size), "kt_dtype": dtype_name(self.kt_dtype),
@@ -834,6 +829,12 @@ class KVBlockPool:
                 raise PrefixFileError(
                     f"prefix file {str(path)!r} has {key}={meta.get(key)!r}; this pool has {key}={value!r}"
                 )
+        if meta.get("model_fingerprint") != self.fingerprint:
+            raise PrefixFileError(
+                f"prefix file {str(path)!r} was saved for another model: fingerprint "
+                f"{str(meta.get('model_fingerprint'))[:16]}... ({meta.get('model')}) != this pool's "
+                f"{self.fingerprint[:16]}... ({json.dumps(self._fingerprint_fields, sort_keys=True)})"
+            )
 
     def load_prefix(self, path: str | Path, cache_salt: str | None = None, priority: int = LOADED_PREFIX_PRIORITY,
                     device: torch.device | str | None = None) -> LoadedPrefix:

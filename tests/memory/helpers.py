@@ -26,10 +26,11 @@ def rocket_config(**overrides) -> RocketKVConfig:
 
 
 def page_bytes(dtype=torch.bfloat16, page_size: int = 8, layers: int = LAYERS, heads: int = KV_HEADS,
-               head_dim: int = HEAD_DIM, kt_page_size: int = 4, scale_granularity: str = "page") -> int:
+               head_dim: int = HEAD_DIM, kt_page_size: int = 4, scale_granularity: str = "page",
+               kt_itemsize: int = 1) -> int:
     """Bytes of one page over all layers, computed here from the layout rules (independent of the pool)."""
     k = heads * page_size * head_dim * dtype.itemsize
-    kt = heads * (page_size // kt_page_size) * 2 * head_dim * 1  # float8_e5m2 KT
+    kt = heads * (page_size // kt_page_size) * 2 * head_dim * kt_itemsize  # default: float8_e5m2 KT
     scales = 0
     if dtype == torch.float8_e4m3fn:
         scales = 2 * 4 * (1 if scale_granularity == "page" else heads)
@@ -52,9 +53,12 @@ def make_pool(num_pages: int = 16, host_pages: int = 0, page_size: int = 8, dtyp
               config=None, **kwargs) -> KVBlockPool:
     """A CPU pool of exactly ``num_pages`` pages (and about ``host_pages`` host slots), layers allocated."""
     granularity = kwargs.get("scale_granularity", "page")
-    per_page = page_bytes(dtype, page_size, scale_granularity=granularity)
+    kt_itemsize = 2 if kwargs.get("kt_dtype") in ("bfloat16", "float16") else 1
+    config = config or model_config()
+    per_page = page_bytes(dtype, page_size, heads=config.num_key_value_heads, scale_granularity=granularity,
+                          kt_itemsize=kt_itemsize)
     host_bytes = host_pages * slot_bytes(dtype, page_size, granularity)
-    pool = KVBlockPool(config or model_config(), max_gpu_bytes=num_pages * per_page, host_bytes=host_bytes,
+    pool = KVBlockPool(config, max_gpu_bytes=num_pages * per_page, host_bytes=host_bytes,
                        page_size=page_size, dtype=dtype, **kwargs)
     assert pool.total_pages() == num_pages and pool.host_slots == host_pages
     if bind:
