@@ -6,9 +6,10 @@ HostBuffer   ``num_slots`` rows of ``slot_bytes`` in ONE host allocation of exac
              back to ``pin_memory=True``, then to pageable memory, with a warning each time (pinning only buys
              bandwidth). Without CUDA it is plain memory, no warning.
 CopyEngine   moves page records (every byte of a page in every layer: K, V, KT, fp8 scales) between device pages and
-             host slots. On CUDA the copies run on a dedicated stream that first waits for the compute stream (so
-             the last writes of a page land before it is read), and each batch of copies ends with an event that the
-             pool keeps on every physical page and slot it touches until the event completes. Without CUDA copies
+             host slots. On CUDA the copies run on a dedicated stream that first waits for the events the pool
+             recorded when those pages were last released (so their last writes, and their previous users' reads,
+             come first), and each batch of copies ends with an event that the pool keeps on every physical page
+             and slot it touches until the event completes. Without CUDA copies
              are synchronous and return no event.
 
 Copies go through a device staging tensor of at most ``chunk_pages`` records (allocated on the copy stream, outside
@@ -121,8 +122,10 @@ class CopyEngine:
         for first in range(0, len(page_ids), self.chunk_pages):
             yield page_ids[first : first + self.chunk_pages], slots[first : first + self.chunk_pages]
 
-    def offload(self, storage: PageStorage, layout: RecordLayout, page_ids: Sequence[int], slots: Sequence[int]):
-        """Copy device pages ``page_ids`` into host slots ``slots``; returns the completion event (None on CPU)."""
+    def offload(self, storage: PageStorage, layout: RecordLayout, page_ids: Sequence[int], slots: Sequence[int],
+                wait_for: Sequence = ()):
+        """Copy device pages ``page_ids`` into host slots ``slots`` once the ``wait_for`` events (the pages' last
+        writes) have completed; returns the completion event (None on CPU)."""
         device = storage.device()
         stream = self.stream(device)
         if stream is None:
@@ -131,7 +134,8 @@ class CopyEngine:
                 records = storage.gather_records(ids, layout, row_bytes=self.host.slot_bytes)
                 self.host.slots[torch.tensor(chunk_slots, dtype=torch.long)] = records
             return None
-        stream.wait_stream(torch.cuda.current_stream(device))  # the pages' last writes land first
+        for event in wait_for:  # the pages' last writes land first
+            stream.wait_event(event)
         with torch.cuda.stream(stream):
             for chunk_pages, chunk_slots in self._chunks(page_ids, slots):
                 ids = _device_ids(chunk_pages, device)
@@ -142,11 +146,11 @@ class CopyEngine:
             event.record(stream)
         return event
 
-    def onload(self, storage: PageStorage, layout: RecordLayout, slots: Sequence[int], page_ids: Sequence[int]):
-        """Copy host slots ``slots`` into device pages ``page_ids``; returns the completion event (None on CPU).
-
-        The caller makes the compute stream wait for the event before anything reads those pages.
-        """
+    def onload(self, storage: PageStorage, layout: RecordLayout, slots: Sequence[int], page_ids: Sequence[int],
+               wait_for: Sequence = ()):
+        """Copy host slots ``slots`` into device pages ``page_ids`` once the ``wait_for`` events (the pages' previous
+        users) have completed; returns the completion event (None on CPU). The caller makes the compute stream
+        wait for it before anything reads those pages."""
         device = storage.device()
         stream = self.stream(device)
         if stream is None:
@@ -154,7 +158,8 @@ class CopyEngine:
                 records = self.host.slots[torch.tensor(chunk_slots, dtype=torch.long)]
                 storage.scatter_records(_device_ids(chunk_pages, device), records, layout)
             return None
-        stream.wait_stream(torch.cuda.current_stream(device))  # earlier users of the target pages are done
+        for event in wait_for:  # earlier users of the target pages are done
+            stream.wait_event(event)
         with torch.cuda.stream(stream):
             for chunk_pages, chunk_slots in self._chunks(page_ids, slots):
                 records = torch.empty(len(chunk_pages), self.host.slot_bytes, dtype=torch.uint8, device=device)

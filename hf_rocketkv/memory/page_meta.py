@@ -26,6 +26,8 @@ class PageMeta:
     priority     retention priority 0..100: lower is evicted first
     last_access  the pool's logical clock when the page was last taken or released
     pending      the copy event still using this physical page or slot (None: no copy in flight)
+    released     CUDA event recorded on the compute stream when the page last became free: a copy that reads or
+                 overwrites the page waits for it (not for the whole compute stream, so copies overlap compute)
     """
 
     index: int
@@ -36,6 +38,7 @@ class PageMeta:
     priority: int = DEFAULT_PRIORITY
     last_access: int = 0
     pending: Any = None
+    released: Any = None
 
     @property
     def in_flight(self) -> bool:

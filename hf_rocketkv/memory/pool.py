@@ -16,9 +16,11 @@ except that ``save_prefix`` writes and ``load_prefix`` reads the file outside it
 the pool, under the lock. Pages must not be released from a garbage-collector finalizer (it can run inside a pool
 method on the same thread); a consumer that releases on GC should queue the release and do it on its next call.
 
-CUDA streams: ``admit``, ``allocate`` and ``load_prefix`` must run on the stream that will then write and read the
-pages (the current stream): copies run on the pool's copy stream, and the current stream is made to wait for every
-copy that touches a page it is handed, so no page is reused while a copy still reads or writes it.
+CUDA streams: call the pool on the stream that writes and reads the pages (the current stream; ``release`` after the
+last kernel that uses them is enqueued). Copies run on the pool's own copy stream: a copy out of or into a page waits
+for the event recorded when that page was last released (not for the whole compute stream, so copies overlap
+compute), and the current stream waits for every copy touching a page the pool hands it. No page or host slot is
+reused while a copy still reads or writes it.
 """
 
 from __future__ import annotations
@@ -58,6 +60,11 @@ def _check_int(value: Any, field: str, minimum: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{field} must be an integer >= {minimum}, got {value!r}")
     return value
+
+
+def _distinct(events) -> list:
+    """The distinct non-None events, in first-seen order."""
+    return list({id(event): event for event in events if event is not None}.values())
 
 
 @dataclass
@@ -573,6 +580,7 @@ class KVBlockPool:
             self._unref_all(table._truncate(num_pages))
 
     def _unref_all(self, pages: list[int]) -> None:
+        freed = []
         for index in reversed(pages):  # tail first: deeper pages reach the eviction queues first
             meta = self._device_pages[index]
             if meta.ref <= 0:
@@ -581,6 +589,29 @@ class KVBlockPool:
             meta.last_access = self._clock
             if meta.ref == 0:
                 self._push_free(meta)
+                freed.append(meta)
+        event = self._release_event() if freed else None
+        for meta in freed:
+            meta.released = event
+
+    def _cuda_device(self) -> torch.device | None:
+        """The pool's CUDA device once layers are allocated on a single one (None on CPU or before)."""
+        if not self._storage.any_bound:
+            return None
+        try:
+            device = self._storage.device()
+        except ValueError:  # layers on several devices: no host copies, so no events are needed
+            return None
+        return device if device.type == "cuda" else None
+
+    def _release_event(self):
+        """An event on the current (compute) stream marking the last use of pages being freed now."""
+        device = self._cuda_device()
+        if device is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        return event
 
     def _push_free(self, meta: PageMeta) -> None:
         if meta.hash is not None:
@@ -680,7 +711,8 @@ class KVBlockPool:
 
     def _start_offload(self, pairs: list[tuple[PageMeta, PageMeta]]) -> None:
         layout = self._record_layout()
-        event = self._engine.offload(self._storage, layout, [m.index for m, _ in pairs], [s.index for _, s in pairs])
+        event = self._engine.offload(self._storage, layout, [m.index for m, _ in pairs], [s.index for _, s in pairs],
+                                     wait_for=_distinct(m.released for m, _ in pairs))
         for meta, slot in pairs:
             meta.pending = slot.pending = event
         if event is not None:
@@ -694,7 +726,8 @@ class KVBlockPool:
             self._host_free.remove(slot.index)
         targets = self._take_pages(len(slots))
         layout = self._record_layout()
-        event = self._engine.onload(self._storage, layout, [s.index for s in slots], [m.index for m in targets])
+        event = self._engine.onload(self._storage, layout, [s.index for s in slots], [m.index for m in targets],
+                                    wait_for=_distinct(m.released for m in targets))
         moved = {}
         for slot, meta in zip(slots, targets):
             meta.hash, meta.depth, meta.priority = slot.hash, slot.depth, slot.priority
@@ -747,7 +780,7 @@ class KVBlockPool:
                     if meta.index in free:
                         free.remove(meta.index)
                     meta.forget()
-                    meta.pending = None
+                    meta.pending = meta.released = None
                     free.push_back(UNCACHED, meta.index)
 
     # ============================================================================================ lookups
