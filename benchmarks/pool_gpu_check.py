@@ -93,7 +93,7 @@ def check_dtype(args, device: torch.device, dtype: str, granularity: str) -> dic
     else:
         model = types.SimpleNamespace(num_hidden_layers=32, num_key_value_heads=8, num_attention_heads=32,
                                       head_dim=128, rope_theta=500000.0, architectures=["LlamaForCausalLM"])
-        prefix_tokens, page_size, mm_size, mm_count = 32768, 16, 8192, 60
+        prefix_tokens, page_size, mm_size, mm_count = 32768, 16, 8192, 150
     cfg = RocketKVConfig(prompt_budget=2048, window_size=32, page_size=4, kt_cache_dtype="float8_e5m2")
     probe = KVBlockPool(model, max_gpu_bytes=GIB, page_size=page_size, dtype=dtype, scale_granularity=granularity)
     prefix_pages = prefix_tokens // page_size

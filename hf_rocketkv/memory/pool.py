@@ -483,15 +483,17 @@ class KVBlockPool:
                 page_size=self.page_size, keys=row.keys, page_hashes=tuple(row.hashes), hit_pages=len(hits),
                 onloaded_pages=sum(id(meta) in onloaded for meta in row.hits), committed_pages=len(hits),
             ))
+        self._wait_for_copies(meta for row in plan.rows for meta in row.hits if meta.tier is Tier.DEVICE)
+        self._wait_for_copies(onloaded.values())
         return admissions
 
     def _touch(self, meta: PageMeta) -> None:
-        """A hit takes a reference; a ref-0 page leaves the free list (it can no longer be evicted)."""
+        """A hit takes a reference; a ref-0 page leaves the free list (it can no longer be evicted). The caller
+        makes the current stream wait for the page's pending copy (``_wait_for_copies``)."""
         if meta.index in self._free:
             self._free.remove(meta.index)
         meta.ref += 1
         meta.last_access = self._clock
-        self._wait_on_current_stream(meta)
 
     # ============================================================================================ low-level pages
     def new_table(self, kind: str, max_pages: int | None = None) -> BlockTable:
@@ -634,8 +636,8 @@ class KVBlockPool:
             taken.append(meta)
         if offloads:
             self._start_offload(list(offloads.values()))
+        self._wait_for_copies(taken)
         for meta in taken:
-            self._wait_on_current_stream(meta)
             meta.ref = 1
             meta.last_access = self._clock
         return taken
@@ -737,17 +739,19 @@ class KVBlockPool:
             meta.pending = slot.pending = event
             self._host_free.push_back(UNCACHED, slot.index)
             moved[id(slot)] = meta
-            self._wait_on_current_stream(meta)
         if event is not None:
             self._pending.append((event, [*slots, *targets]))
         self._counters["onloaded_bytes"] += len(slots) * self._page_data_bytes()
         return moved
 
-    def _wait_on_current_stream(self, meta: PageMeta) -> None:
-        """The stream that will use this page waits (on the GPU, the host does not block) for its pending copy."""
-        event = meta.pending
-        if event is not None:
-            torch.cuda.current_stream(self._storage.device()).wait_event(event)
+    def _wait_for_copies(self, metas) -> None:
+        """The current stream, which will use these pages, waits (on the GPU; the host does not block) for every
+        copy still pending on them."""
+        events = _distinct(meta.pending for meta in metas)
+        if events:
+            stream = torch.cuda.current_stream(self._storage.device())
+            for event in events:
+                stream.wait_event(event)
 
     def _poll_copies(self) -> None:
         """Clear the in-flight mark of pages whose copies have completed (events complete in stream order)."""
