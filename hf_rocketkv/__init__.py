@@ -17,6 +17,7 @@ from .config import RocketKVConfig
 from .integration.generate import get_config, set_config
 from .integration.names import ATTN_NAME
 from .integration.registration import enable, register
+from .memory import KVBlockPool
 
 __version__ = "0.1.0"
 __all__ = [

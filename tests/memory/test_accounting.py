@@ -1,0 +1,188 @@
+"""Accounting: page counts from the formulas, equal to what admission really takes; refusals change nothing."""
+
+import pytest
+import torch
+
+from hf_rocketkv.memory import KVBlockPool, PoolExhaustedError
+
+from .helpers import fill_pages, make_pool, model_config, page_bytes, rocket_config
+
+CFG = rocket_config(prompt_budget=32, window_size=8)
+
+
+def ceil(a, b):
+    return -(-a // b)
+
+
+def snapshot(pool: KVBlockPool):
+    """Everything observable about the pool's state."""
+    return (
+        pool.free_page_ids("device"),
+        pool.free_page_ids("host"),
+        [pool.page_info(i) for i in range(pool.total_pages())],
+        [pool.page_info(i, "host") for i in range(pool.host_slots)],
+        pool.stats(),
+    )
+
+
+@pytest.mark.parametrize("dtype, granularity", [(torch.bfloat16, "page"), (torch.float32, "page"),
+                                                (torch.float8_e4m3fn, "page"), (torch.float8_e4m3fn, "head")])
+def test_num_pages_from_bytes(dtype, granularity):
+    per_page = page_bytes(dtype, 8, scale_granularity=granularity)
+    pool = KVBlockPool(model_config(), max_gpu_bytes=10 * per_page + per_page - 1, page_size=8, dtype=dtype,
+                       scale_granularity=granularity)
+    assert pool.bytes_per_page == per_page and pool.total_pages() == 10 == pool.free_pages()
+    with pytest.raises(ValueError, match=rf"max_gpu_bytes={per_page - 1} holds no page.*{per_page} bytes"):
+        KVBlockPool(model_config(), max_gpu_bytes=per_page - 1, page_size=8, dtype=dtype,
+                    scale_granularity=granularity)
+
+
+@pytest.mark.parametrize(
+    "prompt, new, reuse, keep_all, expected",
+    [
+        # (prefill_peak, steady_state, prompt_pages, view_pages), page 8, budget 32, computed by hand
+        (100, 10, True, False, (13 + 6, 6, 13, 6)),
+        (20, 5, True, False, (3 + 4, 4, 3, 4)),  # shorter than the budget: kept whole
+        (32, 0, True, False, (4 + 4, 4, 4, 4)),
+        (100, 10, True, True, (14 + 6, 14 + 6, 14, 6)),  # keep_all: the prompt table grows by the new tokens
+        (100, 10, False, False, (13, 6, 13, 0)),  # reuse off: compaction in place, max(13, 6)
+        (20, 30, False, False, (7, 7, 7, 0)),  # reuse off, view larger than the prompt
+    ],
+)
+def test_formulas(prompt, new, reuse, keep_all, expected):
+    pool = make_pool(64, prefix_reuse=reuse)
+    needed = pool.pages_needed(prompt, new, CFG, keep_all=keep_all)
+    assert (needed.prefill_peak, needed.steady_state, needed.prompt_pages, needed.view_pages) == expected
+    assert needed.hit_pages == 0 and needed.rows == 1
+
+
+@pytest.mark.parametrize("prompt, new", [(100, 10), (64, 3), (8, 1), (33, 0), (20, 40)])
+def test_prediction_equals_observed_cold(prompt, new):
+    pool = make_pool(64)
+    needed = pool.pages_needed(prompt, new, CFG, token_ids=list(range(prompt)))
+    before = pool.free_pages()
+    adm = pool.admit(prompt, new, CFG, token_ids=list(range(prompt)))
+    assert before - pool.free_pages() == needed.prefill_peak
+    assert len(adm.prompt) + len(adm.view) == needed.prefill_peak
+    assert adm.reused_tokens == 0 and adm.computed_tokens == prompt
+    pool.commit_prompt(adm)
+    pool.release(adm.prompt)
+    assert pool.used_pages() == needed.steady_state
+    pool.release(adm)
+    assert pool.free_pages() == pool.total_pages()
+
+
+def test_prediction_with_hits_counts_evictable_hits():
+    pool = make_pool(64)
+    ids = list(range(1000, 1100))  # 100 tokens: 12 full pages, cap floor((100 - 8) / 8) = 11 pages
+    first = pool.admit(100, 10, CFG, token_ids=ids)
+    pool.commit_prompt(first)
+    # while the first request holds its prompt, hits are not free pages: no extra cost
+    held = pool.pages_needed(100, 10, CFG, token_ids=ids)
+    assert (held.hit_pages, held.hit_pages_free, held.prefill_peak) == (11, 0, 13 - 11 + 6)
+    first_prompt = first.prompt.pages
+    pool.release(first.prompt)
+    cached = pool.pages_needed(100, 10, CFG, token_ids=ids)
+    assert (cached.hit_pages, cached.hit_pages_free, cached.hit_tokens) == (11, 11, 88)
+    assert cached.prefill_peak == 13 - 11 + 6 + 11
+    before = pool.free_pages()
+    second = pool.admit(100, 10, CFG, token_ids=ids)
+    assert before - pool.free_pages() == cached.prefill_peak
+    assert second.reused_tokens == 88 and second.computed_tokens == 12
+    assert second.prompt.pages[:11] == first_prompt[:11]
+    pool.release(second)
+    pool.release(first)
+    assert pool.free_pages() == pool.total_pages()
+
+
+def test_batch_sums_rows_and_counts_shared_hits_once():
+    pool = make_pool(64)
+    ids = list(range(64))
+    warm = pool.admit(64, 0, CFG, token_ids=ids)
+    pool.commit_prompt(warm)
+    pool.release(warm)  # 8 cached pages; the cap allows floor((64 - 8) / 8) = 7
+    other = list(range(500, 540))
+    needed = pool.pages_needed([64, 64, 40], [4, 4, 4], CFG, token_ids=[ids, ids, other])
+    assert needed.rows == 3 and needed.hit_pages == 14 and needed.hit_pages_free == 7
+    per_row_cold = [8 + 5, 8 + 5, 5 + 5]
+    assert needed.prefill_peak == sum(per_row_cold) - 14 + 7
+    before = pool.free_pages()
+    rows = pool.admit_batch([64, 64, 40], 4, CFG, token_ids=[ids, ids, other])
+    assert before - pool.free_pages() == needed.prefill_peak
+    shared = rows[0].prompt.pages[:7]
+    assert rows[1].prompt.pages[:7] == shared and all(pool.page_info(p).ref == 2 for p in shared)
+    for row in rows:
+        pool.release(row)
+    assert pool.free_pages() == pool.total_pages()
+
+
+def test_can_admit_exact_fit_and_one_short():
+    needed = make_pool(64).pages_needed(100, 10, CFG).prefill_peak  # 19
+    fits = make_pool(needed)
+    assert fits.can_admit(100, 10, CFG)
+    fits.admit(100, 10, CFG)
+    assert fits.free_pages() == 0
+    short = make_pool(needed - 1)
+    assert not short.can_admit(100, 10, CFG)
+    before = snapshot(short)
+    with pytest.raises(PoolExhaustedError, match=rf"needs {needed} pages but only {needed - 1} of {needed - 1} are free") as err:
+        short.admit(100, 10, CFG)
+    assert (err.value.pages_needed, err.value.pages_free) == (needed, needed - 1)
+    assert snapshot(short) == before
+
+
+def test_refused_batch_with_device_and_host_hits_changes_nothing():
+    pool = make_pool(24, host_pages=8)
+    ids_a, ids_b = list(range(40)), list(range(100, 140))
+    for ids in (ids_a, ids_b):
+        adm = pool.admit(40, 0, CFG, token_ids=ids)
+        fill_pages(pool, adm.prompt.pages, seed=ids[0])
+        pool.commit_prompt(adm)
+        pool.release(adm)
+    pool.evict(3)  # some of the cached pages go to the host
+    assert pool.stats().host_cached == 3
+    needed = pool.pages_needed([40, 40, 90], 50, CFG, token_ids=[ids_a, ids_b, list(range(90))])
+    assert needed.hit_pages_host == 3 and needed.hit_pages_free > 0 and needed.prefill_peak > pool.free_pages()
+    before = snapshot(pool)
+    with pytest.raises(PoolExhaustedError, match=rf"needs {needed.prefill_peak} pages but only 24 of 24"):
+        pool.admit_batch([40, 40, 90], 50, CFG, token_ids=[ids_a, ids_b, list(range(90))])
+    assert snapshot(pool) == before
+
+
+def test_low_level_allocate_refusal_changes_nothing():
+    pool = make_pool(4)
+    table = pool.new_table("view")
+    pool.allocate(table, 3)
+    before = snapshot(pool)
+    with pytest.raises(PoolExhaustedError, match="needs 2 pages but only 1 of 4"):
+        pool.allocate(table, 2)
+    assert snapshot(pool) == before and len(table) == 3
+    capped = pool.new_table("view", max_pages=0)
+    with pytest.raises(ValueError, match="exceed its max_pages=0"):
+        pool.allocate(capped, 1)
+    assert snapshot(pool) == before
+
+
+def test_config_and_input_errors_name_the_field():
+    with pytest.raises(ValueError, match=r"KVBlockPool.page_size \(tokens per pool page\) must be a multiple of "
+                                         r"KVBlockPool.kt_page_size \(tokens per KT page\): got page_size=6"):
+        KVBlockPool(model_config(), max_gpu_bytes=1 << 20, page_size=6, dtype="bfloat16")
+    pool = make_pool(8)
+    with pytest.raises(ValueError, match=r"RocketKVConfig.page_size \(tokens per KT page\) is 8.*"
+                                         r"KVBlockPool.kt_page_size=4.*KVBlockPool.page_size, tokens per pool page"):
+        pool.pages_needed(10, 1, rocket_config(page_size=8))
+    with pytest.raises(ValueError, match="RocketKVConfig.kt_cache_dtype is 'bfloat16'.*float8_e5m2"):
+        pool.can_admit(10, 1, rocket_config(kt_cache_dtype="bfloat16"))
+    with pytest.raises(ValueError, match="token_ids has 3 ids but prompt_len is 4"):
+        pool.pages_needed(4, 1, CFG, token_ids=[1, 2, 3])
+    with pytest.raises(ValueError, match="prompt_len must be an integer >= 1, got 0"):
+        pool.admit(0, 1, CFG)
+    with pytest.raises(ValueError, match=r"max_new_tokens\[1\] must be an integer >= 0, got -1"):
+        pool.pages_needed([4, 4], [1, -1], CFG)
+    with pytest.raises(ValueError, match="cfg must be a RocketKVConfig"):
+        pool.pages_needed(4, 1, object())
+    with pytest.raises(ValueError, match="KVBlockPool.dtype must be one of"):
+        KVBlockPool(model_config(), max_gpu_bytes=1 << 20, dtype="float64")
+    with pytest.raises(ValueError, match="KVBlockPool.dtype is None and the model/config names no dtype"):
+        KVBlockPool(model_config(), max_gpu_bytes=1 << 20)
+    assert KVBlockPool(model_config(dtype="float16"), max_gpu_bytes=1 << 20).dtype == torch.float16

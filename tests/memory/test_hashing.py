@@ -1,0 +1,104 @@
+"""Prefix hashing: canonical bytes (checked against a from-the-spec re-implementation), chaining, extra keys,
+stability across processes, and the hit cap rule."""
+
+import hashlib
+import struct
+
+import pytest
+
+from hf_rocketkv.memory.hashing import (
+    ROOT_SEED,
+    MultimodalItem,
+    PrefixKeys,
+    as_token_list,
+    hit_cap_tokens,
+    page_hashes,
+    root_hash,
+)
+
+ROOT = root_hash("f" * 64)
+
+
+def _field(tag: bytes, payload: bytes) -> bytes:
+    return len(tag).to_bytes(4, "little") + tag + len(payload).to_bytes(8, "little") + payload
+
+
+def test_root_and_page_zero_match_the_documented_encoding():
+    fingerprint = "ab" * 32
+    root = hashlib.sha256(ROOT_SEED + _field(b"fingerprint", fingerprint.encode())).digest()
+    assert root_hash(fingerprint) == root
+    ids = [1, 2, 70000, 2**40]
+    tokens = b"".join(i.to_bytes(8, "little", signed=True) for i in ids)
+    salt = _field(b"salt", "tenant-a".encode())
+    adapter = _field(b"adapter", "lora:x@/p".encode())
+    mm = _field(b"mm", _field(b"digest", b"img0") + struct.pack("<q", 2))
+    expected0 = hashlib.sha256(root + _field(b"tokens", tokens) + salt + adapter + mm).digest()
+    ids2 = [5, 6, 7, 8]
+    tokens2 = b"".join(i.to_bytes(8, "little") for i in ids2)
+    mm2 = _field(b"mm", _field(b"digest", b"img0") + struct.pack("<q", -2))  # the item started 2 tokens earlier
+    expected1 = hashlib.sha256(expected0 + _field(b"tokens", tokens2) + adapter + mm2).digest()  # no salt after page 0
+    keys = PrefixKeys(cache_salt="tenant-a", adapter="lora:x@/p", multimodal=(MultimodalItem("img0", 2, 3),))
+    assert page_hashes(root, ids + ids2 + [9], 4, keys) == [expected0, expected1]
+
+
+def test_only_full_pages_are_hashed():
+    assert len(page_hashes(ROOT, list(range(15)), 4)) == 3
+    assert len(page_hashes(ROOT, list(range(16)), 4)) == 4
+    assert page_hashes(ROOT, [1, 2, 3], 4) == []
+
+
+@pytest.mark.parametrize("changed_page", [0, 1, 3])
+def test_chain_changing_a_token_misses_that_page_and_later(changed_page):
+    ids = list(range(100, 132))  # 8 pages of 4
+    base = page_hashes(ROOT, ids, 4)
+    edited = list(ids)
+    edited[changed_page * 4 + 2] += 1
+    other = page_hashes(ROOT, edited, 4)
+    assert other[:changed_page] == base[:changed_page]
+    assert all(a != b for a, b in zip(other[changed_page:], base[changed_page:]))
+
+
+def test_extra_keys_change_page_zero():
+    ids = list(range(16))
+    plain = page_hashes(ROOT, ids, 4)
+    for keys in (PrefixKeys(cache_salt="s"), PrefixKeys(adapter="a"), PrefixKeys(multimodal=(MultimodalItem("d", 0, 1),)),
+                 PrefixKeys(multimodal=(MultimodalItem("d", 1, 1),))):
+        assert page_hashes(ROOT, ids, 4, keys)[0] != plain[0]
+    # an empty salt is a salt; the multimodal item touches only the pages it overlaps
+    assert page_hashes(ROOT, ids, 4, PrefixKeys(cache_salt=""))[0] != plain[0]
+    late = page_hashes(ROOT, ids, 4, PrefixKeys(multimodal=(MultimodalItem("d", 9, 2),)))
+    assert late[:2] == plain[:2] and late[2] != plain[2]
+    assert page_hashes(ROOT, ids, 4, PrefixKeys(cache_salt="s")) != page_hashes(ROOT, ids, 4, PrefixKeys(cache_salt="t"))
+    assert root_hash("a" * 64) != root_hash("b" * 64)
+
+
+@pytest.mark.parametrize(
+    "prompt_len, page, window, budget, expected",
+    [
+        (100, 8, 16, 32, 80),  # evicts: keep the last 16 tokens out -> floor(84 / 8) * 8
+        (96, 8, 16, 32, 80),  # exact multiple of the page size
+        (32, 8, 16, 32, 24),  # no eviction (P <= budget): only the last token -> floor(31 / 8) * 8
+        (33, 8, 16, 32, 16),  # one token over the budget: the window rule applies
+        (8, 8, 16, 32, 0),  # a one-page prompt can never hit (its last token must be computed)
+        (9, 8, None, None, 8),  # no RocketKV config: last-token rule
+        (10, 16, 4, 4, 0),
+    ],
+)
+def test_hit_cap(prompt_len, page, window, budget, expected):
+    assert hit_cap_tokens(prompt_len, page, window, budget) == expected
+
+
+def test_token_id_validation():
+    assert as_token_list((1, 2)) == [1, 2]
+    with pytest.raises(ValueError, match=r"token_ids\[1\].*got -1"):
+        as_token_list([0, -1])
+    with pytest.raises(ValueError, match="1-D integer tensor"):
+        import torch
+
+        as_token_list(torch.zeros(2, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="sequence of token ids"):
+        as_token_list("abc")
+    with pytest.raises(ValueError, match="PrefixKeys.cache_salt"):
+        PrefixKeys(cache_salt=b"bytes")
+    with pytest.raises(ValueError, match="MultimodalItem.length"):
+        MultimodalItem("d", 0, 0)

@@ -1,0 +1,69 @@
+"""memory/ stays below the cache floors (no transformers, no cache classes), and one pool serves several threads."""
+
+import ast
+import threading
+from pathlib import Path
+
+from hf_rocketkv.memory import PoolExhaustedError
+
+from .helpers import make_pool, rocket_config
+
+MEMORY = Path(__file__).resolve().parents[2] / "hf_rocketkv" / "memory"
+FORBIDDEN = ("transformers", "hf_rocketkv.cache", "hf_rocketkv.integration")
+
+
+def _imports(tree):
+    """(module, inside `if TYPE_CHECKING:`) for every import in a module."""
+    guarded = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            guarded.update(id(child) for child in ast.walk(node))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, id(node) in guarded
+        elif isinstance(node, ast.ImportFrom):
+            module = ("hf_rocketkv." if node.level == 2 else "") + (node.module or "")
+            if node.level == 1:
+                module = "hf_rocketkv.memory." + (node.module or "")
+            yield module, id(node) in guarded
+
+
+def test_memory_imports_nothing_from_the_floors_above():
+    files = sorted(MEMORY.glob("*.py"))
+    assert len(files) > 5
+    for path in files:
+        for module, type_only in _imports(ast.parse(path.read_text())):
+            assert not module.startswith(FORBIDDEN), f"{path.name} imports {module}"
+            if module.startswith("hf_rocketkv.") and not module.startswith("hf_rocketkv.memory"):
+                assert module == "hf_rocketkv.config" and type_only, f"{path.name} imports {module} at run time"
+
+
+def test_threads_share_one_pool():
+    pool = make_pool(40, host_pages=6)
+    cfg = rocket_config(prompt_budget=16, window_size=4)
+    errors = []
+
+    def worker(seed):
+        try:
+            for step in range(25):
+                ids = [seed % 2 * 1000 + i for i in range(36)] + [step % 3]
+                try:
+                    adm = pool.admit(len(ids), 4, cfg, token_ids=ids)
+                except PoolExhaustedError:
+                    continue
+                pool.commit_prompt(adm)
+                pool.release(adm.prompt)
+                if step % 5 == 0:
+                    pool.evict(2)
+                pool.release(adm)
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert pool.free_pages() == pool.total_pages() and pool.stats().hit_pages > 0
