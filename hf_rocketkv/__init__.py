@@ -22,6 +22,7 @@ from .memory import KVBlockPool
 __version__ = "0.1.0"
 __all__ = [
     "ATTN_NAME",
+    "KVBlockPool",
     "RocketKVCache",
     "RocketKVConfig",
     "RocketKVLayer",
