@@ -9,35 +9,14 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from ..selection import stage1_snapkv, stage2_pages
+from .ops import RocketOps
 from .sparse_decode_attention import sparse_decode_attention_torch
 
-
-@dataclass(frozen=True)
-class RocketOps:
-    """Every hot op of both stages; see each reference for shapes.
-
-    window_scores(q_window, keys, start, end, scaling) -> [B, Hkv, N] fp32        (stage 1, prefill)
-    build_kt(keys, lengths, page_size, kt_dtype) -> kt [B, Hkv, C/P, 2, D]         (after stage 1)
-    update_kt(kt, key_new, slot, page_size) -> None (in place)
-    page_scores(q, kt, n_pages, topr) -> probs [B, Hkv, NP]
-    select_pages(probs, n_pages, topk) -> (page_idx, page_valid)
-    sparse_decode_attention(q, keys, values, page_idx, page_valid, lengths, page_size, scaling) -> [B, Hkv, G, D]
-    """
-
-    name: str
-    window_scores: Callable
-    build_kt: Callable
-    update_kt: Callable
-    page_scores: Callable
-    select_pages: Callable
-    sparse_decode_attention: Callable
-
+__all__ = ["RocketOps", "TORCH_OPS", "get_ops", "triton_usable"]  # RocketOps lives in ops.py, re-exported
 
 TORCH_OPS = RocketOps(
     name="torch",

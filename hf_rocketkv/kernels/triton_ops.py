@@ -36,7 +36,7 @@ try:  # what triton_op's own eager implementation uses to launch kernels directl
 except ImportError:  # pragma: no cover - a torch without it: eager calls go through the registered op
     set_wrap_triton_enabled = None
 
-from .dispatch import RocketOps
+from .ops import RocketOps
 from .kt_build import build_kt_triton
 from .kt_update import update_kt_triton
 from .page_scores import page_scores_triton

@@ -1,0 +1,31 @@
+"""``RocketOps``: the bundle of hot ops that every backend (PyTorch reference, Triton) provides.
+
+Kept in its own module so that ``dispatch`` (which builds the bundles) and ``triton_ops`` (which fills the Triton
+one) both import it without importing each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class RocketOps:
+    """Every hot op of both stages; see each reference for shapes.
+
+    window_scores(q_window, keys, start, end, scaling) -> [B, Hkv, N] fp32        (stage 1, prefill)
+    build_kt(keys, lengths, page_size, kt_dtype) -> kt [B, Hkv, C/P, 2, D]         (after stage 1)
+    update_kt(kt, key_new, slot, page_size) -> None (in place)
+    page_scores(q, kt, n_pages, topr) -> probs [B, Hkv, NP]
+    select_pages(probs, n_pages, topk) -> (page_idx, page_valid)
+    sparse_decode_attention(q, keys, values, page_idx, page_valid, lengths, page_size, scaling) -> [B, Hkv, G, D]
+    """
+
+    name: str
+    window_scores: Callable
+    build_kt: Callable
+    update_kt: Callable
+    page_scores: Callable
+    select_pages: Callable
+    sparse_decode_attention: Callable
