@@ -3,7 +3,8 @@
 Shapes (B batch, Hkv KV heads, G query heads per KV head, C slot capacity, P page_size, K pages, D head_dim):
     q:          [B, Hkv, G, D]
     keys/values:[B, Hkv, C, D]
-    page_idx:   [B, Hkv, K] long, page_valid: [B, Hkv, K] bool, lengths: [B]
+    page_idx:   [B, Hkv, K] long, page_valid: [B, Hkv, K] bool, lengths: [B] or [B, Hkv] (tokens per row or per
+                row and KV head)
     returns     [B, Hkv, G, D] in q's dtype
 
 The G query heads of one KV head share its pages, so every selected K/V row is read once per group.
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from ..selection.stage2_pages import per_head
+
 
 def selected_slots(
     page_idx: torch.Tensor, page_valid: torch.Tensor, lengths: torch.Tensor, page_size: int, capacity: int
@@ -21,7 +24,7 @@ def selected_slots(
     offsets = torch.arange(page_size, device=page_idx.device)
     slots = (page_idx[..., None] * page_size + offsets).flatten(-2)
     valid = page_valid[..., None].expand(*page_valid.shape, page_size).flatten(-2)
-    valid = valid & (slots < lengths[:, None, None])
+    valid = valid & (slots < per_head(lengths, *page_idx.shape[:2])[..., None])
     return slots.clamp(max=capacity - 1), valid
 
 
