@@ -64,7 +64,7 @@ try:
     import triton.language as tl
     from torch.library import wrap_triton
 
-    from ._triton_common import cast_to, dtype_code, interpreting, next_pow2, num_sms
+    from ._triton_common import cast_to, count_strides, dtype_code, interpreting, next_pow2, num_sms
 except ImportError:  # triton is optional: the reference above works without it
     triton = None
 
@@ -79,6 +79,7 @@ if triton is not None:
         s_ib, s_ih, s_ik,
         s_mb, s_mh, s_mk,
         s_ob, s_oh, s_og, s_od,
+        s_lb, s_lh,
         num_kv_heads, group, head_dim, num_sel, tokens_per_split, num_splits,
         scale_log2,
         P: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -92,7 +93,7 @@ if triton is not None:
         d = tl.arange(0, BLOCK_D)
         g_ok = g < group
         d_ok = d < head_dim
-        length = tl.load(len_ptr + b)
+        length = tl.load(len_ptr + b * s_lb + h * s_lh)
         q = tl.load(q_ptr + b * s_qb + h * s_qh + g[:, None] * s_qg + d[None, :] * s_qd,
                     mask=g_ok[:, None] & d_ok[None, :], other=0.0)
         if QK_FP32:
@@ -223,6 +224,7 @@ if triton is not None:
         wrap_triton(_sparse_decode_split_kernel)[(rows, num_splits)](
             q, keys, values, page_idx, page_valid, lengths, out, part_o, part_lse,
             *q.stride(), *keys.stride(), *values.stride(), *page_idx.stride(), *page_valid.stride(), *out.stride(),
+            *count_strides(lengths, batch, num_kv_heads, "lengths"),
             num_kv_heads, group, head_dim, num_sel, tokens_per_split, num_splits,
             scaling * 1.4426950408889634,
             P=page_size, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
