@@ -209,7 +209,8 @@ def _select(
     kb, fanin, levels = plan["kb"], plan["fanin"], plan["levels"]
     # one scratch buffer for every level's key lists (rows x lists x KB), ping-ponged by offset
     sizes = [plan["num_chunks"]] + levels[:-1]
-    scratch = torch.empty((rows * kb * sum(sizes),) if levels else (1,), dtype=torch.int64, device=device)
+    # (one chunk: no key lists; page_idx stands in for the unused pointer, saving an allocation)
+    scratch = torch.empty((rows * kb * sum(sizes),), dtype=torch.int64, device=device) if levels else page_idx
     offsets = [0]
     for size in sizes:
         offsets.append(offsets[-1] + rows * kb * size)
