@@ -20,7 +20,8 @@ chosen from the shapes only (no host sync, fixed grids: CUDA-graph safe, any num
     chunk  grid (B*Hkv, S): program s sorts the keys of pages [s*CHUNK, (s+1)*CHUNK) and keeps its best KB
            (KB = next power of two >= K); with S == 1 it writes the answer directly (one launch).
     merge  grid (B*Hkv, S'): program m sorts the FANIN*KB keys of lists [m*FANIN, (m+1)*FANIN) and keeps the best
-           KB; repeated until one list remains (log_FANIN(S) launches), the last writes the answer.
+           KB; repeated until one list remains (log_FANIN(S) launches, FANIN <= MERGE_BLOCK / KB), the last
+           writes the answer.
 ``top_pages`` runs page_scores' logits pass (``page_logits_launch``), then the chunk kernel computes each page's
 group-mean probability itself from those logits and the softmax statistics, so the probabilities are never
 written: 2 launches for up to CHUNK pages (vs num_pages + page_scores + select_pages: 4-5).
@@ -165,18 +166,21 @@ def _select_merge_kernel(
 
 
 def select_plan(num_pages: int, k: int, chunk: int | None = None, merge_block: int | None = None) -> dict:
-    """The launch plan from the shapes: chunk size, number of chunks, key-list width KB, merge fan-in and the list
-    count after each merge level (empty: one chunk, one launch)."""
+    """The launch plan from the shapes: chunk size, number of chunks, key-list width KB, and per merge level its
+    fan-in (lists merged by one program: at most MERGE_BLOCK // KB, fewer when fewer lists remain, so no program
+    sorts mostly padding) and the list count it leaves (no levels: one chunk, one launch)."""
     kb = next_pow2(k)
     chunk = min(max(next_pow2(chunk or SELECT_CHUNK), 2 * kb), next_pow2(num_pages))
     num_chunks = triton.cdiv(num_pages, chunk)
-    fanin = max(2, next_pow2(merge_block or MERGE_BLOCK) // kb)
-    levels = []
+    max_fanin = max(2, next_pow2(merge_block or MERGE_BLOCK) // kb)
+    fanins, levels = [], []
     lists = num_chunks
     while lists > 1:
+        fanin = min(max_fanin, next_pow2(lists))
         lists = triton.cdiv(lists, fanin)
+        fanins.append(fanin)
         levels.append(lists)
-    return {"chunk": chunk, "num_chunks": num_chunks, "kb": kb, "fanin": fanin, "levels": levels}
+    return {"chunk": chunk, "num_chunks": num_chunks, "kb": kb, "fanins": fanins, "levels": levels}
 
 
 def _sort_warps(n: int) -> int:
@@ -206,7 +210,7 @@ def _select(
     plan = select_plan(num_pages, k, chunk, merge_block)
     # tl.sort on the GPU; the kernel's own bitonic network under the interpreter (where tl.sort is very slow)
     tl_sort = (not interpreting()) if use_tl_sort is None else use_tl_sort
-    kb, fanin, levels = plan["kb"], plan["fanin"], plan["levels"]
+    kb, levels = plan["kb"], plan["levels"]
     # one scratch buffer for every level's key lists (rows x lists x KB), ping-ponged by offset
     sizes = [plan["num_chunks"]] + levels[:-1]
     # (one chunk: no key lists; page_idx stands in for the unused pointer, saving an allocation)
@@ -228,7 +232,7 @@ def _select(
         TL_SORT=tl_sort, num_warps=num_warps or _sort_warps(plan["chunk"]),
     )
     lists = plan["num_chunks"]
-    for level, lists_out in enumerate(levels):
+    for level, (fanin, lists_out) in enumerate(zip(plan["fanins"], levels)):
         src = scratch[offsets[level]:]
         dst = scratch[offsets[level + 1]:] if lists_out > 1 else scratch
         wrap_triton(_select_merge_kernel)[(rows, lists_out)](

@@ -48,7 +48,7 @@ CASES = [
     (7, 3, 0, 0, None, None),
     (50, 64, 2, 3, None, None),
     (90, 8, 1, 2, 32, None),  # 3 chunks of 32, one merge
-    (150, 4, 0, 1, 16, 16),  # 10 chunks of 16, fan-in 4: merge levels 10 -> 3 -> 1
+    (150, 4, 0, 1, 16, 16),  # 10 chunks of 16, fan-in 4: merge levels 10 -> 3 -> 1 (the last with fan-in 4)
     (200, 200, 3, 1, None, None),  # K = NP
     (300, 16, 4, 4, 64, 32),  # 5 chunks, fan-in 2: 5 -> 3 -> 2 -> 1
 ]
@@ -94,7 +94,8 @@ def test_select_pages_tl_sort_path_and_strided_probs():
 def test_select_pages_many_pages_no_torch_fallback():
     """Any page count runs on the kernels (the old torch.topk hand-over above 8,192 pages is gone)."""
     plan = select_plan(100_000, 64)
-    assert plan["num_chunks"] == 98 and plan["levels"] == [13, 2, 1]
+    assert plan["num_chunks"] == 98 and plan["levels"] == [13, 2, 1] and plan["fanins"] == [8, 8, 2]
+    assert select_plan(2100, 64)["fanins"] == [4]  # 3 chunk lists: one merge of 4 x 64 keys, not 8 x 64
     g = gen("select-many")
     probs = torch.rand((1, 1, 9000), generator=g).to(DEVICE)
     n_pages = torch.tensor([8999], device=DEVICE)
