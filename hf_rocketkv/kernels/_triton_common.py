@@ -75,7 +75,13 @@ def load_count(count_ptr, b, h, s_cb, s_ch, limit, COUNT_DIV: tl.constexpr):
 
 
 def next_pow2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+    """Smallest power of two >= n (>= 1). Plain Python: triton's helpers are JIT callables (~10 us per host call)."""
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for launch sizes (plain Python, see ``next_pow2``)."""
+    return -(-a // b)
 
 
 @triton.jit

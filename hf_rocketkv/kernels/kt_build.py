@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from ._triton_common import cast_to, count_strides, dtype_code, next_pow2
+from ._triton_common import cast_to, cdiv, count_strides, dtype_code, next_pow2
 
 
 @triton.jit
@@ -63,7 +63,7 @@ def build_kt_triton(keys: torch.Tensor, lengths: torch.Tensor, page_size: int, k
         return kt
     block_d = next_pow2(head_dim)
     block_p = max(1, min(next_pow2(num_pages), 4096 // block_d))
-    grid = (batch * num_kv_heads, triton.cdiv(num_pages, block_p))
+    grid = (batch * num_kv_heads, cdiv(num_pages, block_p))
     wrap_triton(_build_kt_kernel)[grid](
         keys, lengths, kt,
         *keys.stride(), *kt.stride(), *count_strides(lengths, batch, num_kv_heads, "lengths"),

@@ -37,6 +37,7 @@ from ._triton_common import (
     DT_FP16,
     DT_FP32,
     DT_FP8E5,
+    cdiv,
     count_strides,
     dtype_code,
     interpreting,
@@ -193,9 +194,9 @@ def score_splits(rows: int, num_pages: int, block_p: int, device: torch.device, 
         # a program walks its pages block after block, so rows of many pages are split over several programs
         # (~PAGES_PER_PROGRAM each) unless the rows alone fill the GPU
         sms = num_sms(device)
-        num_splits = max(1, min(triton.cdiv(num_pages, PAGES_PER_PROGRAM), triton.cdiv(4 * sms, rows)))
-    pages_per_prog = triton.cdiv(triton.cdiv(num_pages, num_splits), block_p) * block_p
-    return triton.cdiv(num_pages, pages_per_prog), pages_per_prog
+        num_splits = max(1, min(cdiv(num_pages, PAGES_PER_PROGRAM), cdiv(4 * sms, rows)))
+    pages_per_prog = cdiv(cdiv(num_pages, num_splits), block_p) * block_p
+    return cdiv(num_pages, pages_per_prog), pages_per_prog
 
 
 def page_logits_launch(
@@ -242,7 +243,7 @@ def page_scores_launch(
     if num_splits > 1:
         block_p2 = 128
         s_cb, s_ch = count_strides(n_pages, batch, num_kv_heads, "n_pages")
-        wrap_triton(_page_probs_kernel)[(batch * num_kv_heads, triton.cdiv(num_pages, block_p2))](
+        wrap_triton(_page_probs_kernel)[(batch * num_kv_heads, cdiv(num_pages, block_p2))](
             n_pages, logits, stats, probs,
             s_cb, s_ch,
             num_kv_heads, group, num_pages, num_splits,

@@ -35,7 +35,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from ..selection.stage2_pages import check_forcing
-from ._triton_common import count_strides, interpreting, load_count, next_pow2
+from ._triton_common import cdiv, count_strides, interpreting, load_count, next_pow2
 from .page_scores import page_logits_launch
 
 # pages sorted by one chunk program and keys sorted by one merge program; benchmarks/bench_kernels.py sweeps them
@@ -171,13 +171,13 @@ def select_plan(num_pages: int, k: int, chunk: int | None = None, merge_block: i
     sorts mostly padding) and the list count it leaves (no levels: one chunk, one launch)."""
     kb = next_pow2(k)
     chunk = min(max(next_pow2(chunk or SELECT_CHUNK), 2 * kb), next_pow2(num_pages))
-    num_chunks = triton.cdiv(num_pages, chunk)
+    num_chunks = cdiv(num_pages, chunk)
     max_fanin = max(2, next_pow2(merge_block or MERGE_BLOCK) // kb)
     fanins, levels = [], []
     lists = num_chunks
     while lists > 1:
         fanin = min(max_fanin, next_pow2(lists))
-        lists = triton.cdiv(lists, fanin)
+        lists = cdiv(lists, fanin)
         fanins.append(fanin)
         levels.append(lists)
     return {"chunk": chunk, "num_chunks": num_chunks, "kb": kb, "fanins": fanins, "levels": levels}

@@ -64,7 +64,7 @@ try:
     import triton.language as tl
     from torch.library import wrap_triton
 
-    from ._triton_common import cast_to, count_strides, dtype_code, interpreting, next_pow2, num_sms
+    from ._triton_common import cast_to, cdiv, count_strides, dtype_code, interpreting, next_pow2, num_sms
 except ImportError:  # triton is optional: the reference above works without it
     triton = None
 
@@ -200,15 +200,15 @@ if triton is not None:
         num_warps = num_warps or (8 if block_n * block_d >= 64 * 128 else 4)
         total = num_sel * page_size
         rows = batch * num_kv_heads
-        max_splits = max(1, triton.cdiv(total, block_n))
+        max_splits = max(1, cdiv(total, block_n))
         if num_splits is None:
             # one split when the (row, KV head) programs alone fill the GPU (H100, 2026-11-22, 256 tokens per head:
             # batch 16: 10 us with 1 split vs 14 us with 4; batch 1: 6 us with 4 splits vs 9 us with 1)
             sms = num_sms(q.device)
-            num_splits = 1 if 2 * rows > sms else min(max_splits, triton.cdiv(2 * sms, rows))
+            num_splits = 1 if 2 * rows > sms else min(max_splits, cdiv(2 * sms, rows))
         num_splits = max(1, min(num_splits, max_splits))
-        tokens_per_split = triton.cdiv(triton.cdiv(total, num_splits), block_n) * block_n
-        num_splits = max(1, triton.cdiv(total, tokens_per_split))
+        tokens_per_split = cdiv(cdiv(total, num_splits), block_n) * block_n
+        num_splits = max(1, cdiv(total, tokens_per_split))
         direct = num_splits == 1
         if direct:
             part_o = part_lse = out  # unused
