@@ -38,9 +38,11 @@ from ..selection.stage2_pages import check_forcing
 from ._triton_common import cdiv, count_strides, interpreting, load_count, next_pow2
 from .page_scores import page_logits_launch
 
-# pages sorted by one chunk program and keys sorted by one merge program; benchmarks/bench_kernels.py sweeps them
+# Launch defaults, swept by benchmarks/bench_kernels.py: pages sorted by one chunk program, keys sorted by one merge
+# program, and the sort on the GPU (tl.sort, or this file's own network; the interpreter always uses the network).
 SELECT_CHUNK = 1024
 MERGE_BLOCK = 512
+TL_SORT_ON_GPU = True
 
 
 @triton.jit
@@ -209,7 +211,7 @@ def _select(
     rows = batch * num_kv_heads
     plan = select_plan(num_pages, k, chunk, merge_block)
     # tl.sort on the GPU; the kernel's own bitonic network under the interpreter (where tl.sort is very slow)
-    tl_sort = (not interpreting()) if use_tl_sort is None else use_tl_sort
+    tl_sort = (TL_SORT_ON_GPU and not interpreting()) if use_tl_sort is None else use_tl_sort
     kb, levels = plan["kb"], plan["levels"]
     # one scratch buffer for every level's key lists (rows x lists x KB), ping-ponged by offset
     sizes = [plan["num_chunks"]] + levels[:-1]
