@@ -37,7 +37,9 @@ import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 from hf_rocketkv.kernels.page_scores import page_scores_launch
-from hf_rocketkv.kernels.select_pages import HAS_MASKED_HISTOGRAM, select_pages_launch
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the old radix select, frozen beside this file
+from legacy_select_pages import HAS_MASKED_HISTOGRAM  # noqa: E402
+from legacy_select_pages import select_pages_launch as radix_select_launch  # noqa: E402
 from hf_rocketkv.kernels.sparse_decode_attention import (
     selected_slots,
     sparse_decode_attention_launch,
@@ -179,7 +181,7 @@ def check_decode(batch: int, ctx: int, gen: torch.Generator, time_it: bool) -> N
     row["page_scores_split_n"] = splits
     row["page_scores_torch"] = bench(lambda: s2.page_scores(q, kt, n_pages, 128))
     row["select_triton"] = bench(lambda: T.select_pages(probs, n_pages, TOPK))
-    row["select_triton_4bit"] = bench(lambda: select_pages_launch(probs, n_pages, TOPK, digit_bits=4, use_histogram=False))
+    row["select_radix_4bit"] = bench(lambda: radix_select_launch(probs, n_pages, TOPK, digit_bits=4, use_histogram=False))
     row["select_torch_topk"] = bench(lambda: s2.select_pages(probs, n_pages, TOPK))
     row["sparse_attn"] = bench(lambda: T.sparse_decode_attention(q, keys, values, idx, valid, lengths, PAGE, D**-0.5))
     row["sparse_attn_1split"] = bench(lambda: sparse_decode_attention_launch(q, keys, values, idx, valid, lengths, PAGE, D**-0.5, num_splits=1))

@@ -15,7 +15,14 @@ import torch
 import torch.nn.functional as F
 
 from hf_rocketkv.kernels.sparse_decode_attention import sparse_decode_attention_torch
-from hf_rocketkv.selection.stage2_pages import build_kt, num_pages, page_scores, select_pages, update_kt
+from hf_rocketkv.selection.stage2_pages import (
+    build_kt,
+    num_pages,
+    page_scores,
+    select_pages,
+    top_pages,
+    update_kt,
+)
 
 KT_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e5m2]
 
@@ -293,6 +300,87 @@ def test_select_pages_newest_forced_even_when_lowest():
     probs = torch.tensor([[[0.5, 0.3, 0.2, 0.0]]])  # newest page (2) scores low, page 3 unused
     page_idx, page_valid = select_pages(probs, torch.tensor([3]), topk=2)
     assert sorted(page_idx[0, 0][page_valid[0, 0]].tolist()) == [0, 2]
+
+
+def ref_select(probs, n_pages, topk, sink, recent):
+    """Loops: forced pages (first ``sink``, last ``recent`` in use), then the best others; ties -> lower page."""
+    batch, heads, total = probs.shape
+    k = min(topk, total)
+    idx = torch.zeros(batch, heads, k, dtype=torch.long)
+    for b in range(batch):
+        for h in range(heads):
+            n = int(n_pages[b, h] if n_pages.dim() == 2 else n_pages[b])
+            n = max(0, min(n, total))
+            forced = [j for j in range(n) if j < sink or j >= n - recent]
+            score = [float(probs[b, h, j]) for j in range(n)]
+            score = [x if x > 0 else 0.0 for x in score]  # NaN and negatives rank as 0
+            others = sorted((j for j in range(n) if j not in forced), key=lambda j: (-score[j], j))
+            chosen = (forced + others)[: min(k, n)]
+            idx[b, h] = torch.tensor(chosen + list(range(n, n + k - len(chosen))), dtype=torch.long)
+    return idx, idx < torch.as_tensor(n_pages).reshape(batch, -1).clamp(0, total)[..., None]
+
+
+@pytest.mark.parametrize("topk,sink,recent", [(1, 0, 1), (3, 0, 1), (4, 2, 2), (5, 1, 3), (8, 0, 0), (64, 3, 1)])
+def test_select_pages_forcing_and_ties_match_loops(topk, sink, recent):
+    g = gen(topk * 10 + sink)
+    probs = (torch.rand(4, 3, 12, generator=g) * 4).round() / 4  # coarse: many ties
+    probs[0, 1, 3] = float("nan")
+    n_pages = torch.tensor([12, 5, 1, 0])
+    idx, valid = select_pages(probs, n_pages, topk, sink_pages=sink, recent_pages=recent)
+    want_idx, want_valid = ref_select(probs, n_pages, topk, sink, recent)
+    assert torch.equal(idx, want_idx) and torch.equal(valid, want_valid)  # the canonical order too
+
+
+def test_select_pages_per_head_counts():
+    g = gen(77)
+    probs = torch.rand(2, 3, 10, generator=g)
+    n_pages = torch.tensor([[10, 0, 3], [7, 12, 1]])  # 12 > NP: clamped
+    idx, valid = select_pages(probs, n_pages, 4, sink_pages=1, recent_pages=1)
+    want_idx, want_valid = ref_select(probs, n_pages, 4, 1, 1)
+    assert torch.equal(idx, want_idx) and torch.equal(valid, want_valid)
+    rows = torch.tensor([6, 9])
+    by_row, by_head = select_pages(probs, rows, 4), select_pages(probs, rows[:, None].expand(2, 3), 4)
+    assert torch.equal(by_row[0], by_head[0]) and torch.equal(by_row[1], by_head[1])
+
+
+def test_select_pages_lower_page_wins_ties():
+    probs = torch.tensor([[[0.2, 0.5, 0.5, 0.1, 0.5, 0.0]]])
+    idx, valid = select_pages(probs, torch.tensor([6]), topk=3)  # page 5 forced, then two of the three 0.5s
+    assert idx[0, 0].tolist() == [5, 1, 2] and valid.all()
+
+
+@pytest.mark.parametrize("kwargs", [dict(topk=2, sink_pages=2, recent_pages=1), dict(topk=0), dict(topk=3, sink_pages=-1)])
+def test_select_pages_rejects_bad_forcing(kwargs):
+    with pytest.raises(ValueError, match="select_pages: (sink_pages|topk)"):
+        select_pages(torch.rand(1, 1, 4), torch.tensor([4]), **kwargs)
+
+
+def test_top_pages_is_scores_then_select():
+    g = gen(91)
+    q = torch.randn(2, 2, 3, 16, generator=g)
+    keys = torch.randn(2, 2, 40, 16, generator=g)
+    for lengths in (torch.tensor([37, 6]), torch.tensor([[40, 0], [9, 21]])):
+        kt = build_kt(keys, lengths, 4, torch.bfloat16)
+        got = top_pages(q, kt, lengths, 4, 8, 3, sink_pages=1, recent_pages=1)
+        n_pages = num_pages(lengths, 4)
+        want = select_pages(page_scores(q, kt, n_pages, 8), n_pages, 3, sink_pages=1, recent_pages=1)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_per_head_counts_in_kt_and_scores_equal_single_heads():
+    """build_kt / page_scores with [B, Hkv] counts == the same op run on each (row, head) alone."""
+    g = gen(93)
+    keys = torch.randn(2, 3, 16, 8, generator=g)
+    q = torch.randn(2, 3, 2, 8, generator=g)
+    lengths = torch.tensor([[16, 0, 5], [9, 13, 1]])
+    kt = build_kt(keys, lengths, 4, torch.float32)
+    probs = page_scores(q, kt, num_pages(lengths, 4), 8)
+    for b in range(2):
+        for h in range(3):
+            one_kt = build_kt(keys[b:b + 1, h:h + 1], lengths[b, h:h + 1], 4, torch.float32)
+            assert torch.equal(kt[b, h], one_kt[0, 0])
+            one = page_scores(q[b:b + 1, h:h + 1], one_kt, num_pages(lengths[b, h:h + 1], 4), 8)
+            torch.testing.assert_close(probs[b, h], one[0, 0])
 
 
 # ------------------------------------------------------------------------------------------------ sparse attention

@@ -264,13 +264,10 @@ class RocketKVLayer(CacheLayerMixin):
         if not torch.compiler.is_compiling():  # compiled steps: integration/compiled_decode.py counts on the host
             self._ensure_capacity(1)
             self.note_decode_step()
-        rows = torch.arange(self.keys.shape[0], device=self.device)
-        slot = self.lengths
-        self.keys[rows, :, slot] = key_states[:, :, 0]
-        self.values[rows, :, slot] = value_states[:, :, 0]
-        self.positions[rows, :, slot] = (self.seen - 1).to(torch.int32)
-        self.ops.update_kt(self.kt, key_states[:, :, 0], slot, self.config.page_size)
-        self.lengths.add_(1)
+        self.ops.append_token(
+            self.keys, self.values, self.positions, self.kt, self.lengths, self.seen,
+            key_states[:, :, 0], value_states[:, :, 0], self.config.page_size,
+        )
 
     def note_decode_step(self) -> None:
         self.host_max_length += 1

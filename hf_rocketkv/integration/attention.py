@@ -119,15 +119,16 @@ def decode_attention(layer: RocketKVLayer, query: torch.Tensor, scaling: float) 
     """Stage 2 for one new token per row: top-k KT pages per KV head, exact attention over their tokens."""
     batch, num_q_heads, _, head_dim = query.shape
     num_kv_heads = layer.keys.shape[1]
-    q = query.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    q = query.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # a view for decode layouts
     config, ops = layer.config, layer.ops
-    n_pages = num_pages(layer.lengths, config.page_size)
-    probs = ops.page_scores(q, layer.kt, n_pages, config.topr)
-    page_idx, page_valid = ops.select_pages(probs, n_pages, config.topk)
+    # top_pages derives the page counts from the token counts itself (no num_pages launches) and, in Triton,
+    # selects from the scoring pass's logits without writing the page probabilities
+    page_idx, page_valid = ops.top_pages(q, layer.kt, layer.lengths, config.page_size, config.topr, config.topk)
     out = ops.sparse_decode_attention(
         q, layer.keys, layer.values, page_idx, page_valid, layer.lengths, config.page_size, scaling
     )
-    return out.reshape(batch, num_q_heads, 1, head_dim).transpose(1, 2).contiguous()
+    # [B, Hkv, G, D] -> [B, 1, Hq, D]: the size-1 axes make this transpose a contiguous view
+    return out.reshape(batch, num_q_heads, 1, head_dim).transpose(1, 2)
 
 
 def continuation_attention(

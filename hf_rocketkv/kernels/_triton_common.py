@@ -51,8 +51,37 @@ def num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def count_strides(counts: torch.Tensor, batch: int, num_kv_heads: int, name: str) -> tuple[int, int]:
+    """(row, KV head) strides of a per-row [B] or per-(row, KV head) [B, Hkv] count tensor: a [B] tensor gets a
+    head stride of 0, so kernels always index ``counts[b * s_b + h * s_h]``."""
+    if counts.dim() == 1 and counts.shape[0] == batch:
+        return counts.stride(0), 0
+    if counts.dim() == 2 and counts.shape[0] == batch and counts.shape[1] == num_kv_heads:
+        return counts.stride(0), counts.stride(1)
+    from ..selection.stage2_pages import per_head
+
+    per_head(counts, batch, num_kv_heads, name)  # raises the shape error
+    raise AssertionError("unreachable")
+
+
+@triton.jit
+def load_count(count_ptr, b, h, s_cb, s_ch, limit, COUNT_DIV: tl.constexpr):
+    """counts[b, h] (stride 0 over heads for a [B] tensor) divided by COUNT_DIV rounding up, clamped to [0, limit]:
+    with COUNT_DIV = page_size a token count becomes a page count (``num_pages``) without a separate launch."""
+    c = tl.load(count_ptr + b * s_cb + h * s_ch).to(tl.int64)
+    if COUNT_DIV != 1:
+        c = (c + COUNT_DIV - 1) // COUNT_DIV
+    return tl.minimum(tl.maximum(c, 0), limit).to(tl.int32)
+
+
 def next_pow2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+    """Smallest power of two >= n (>= 1). Plain Python: triton's helpers are JIT callables (~10 us per host call)."""
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for launch sizes (plain Python, see ``next_pow2``)."""
+    return -(-a // b)
 
 
 @triton.jit

@@ -13,10 +13,11 @@ import os
 import torch
 
 from ..selection import stage1_snapkv, stage2_pages
+from .append_token import append_token_torch
 from .ops import RocketOps
 from .sparse_decode_attention import sparse_decode_attention_torch
 
-__all__ = ["RocketOps", "TORCH_OPS", "get_ops", "triton_usable"]
+__all__ = ["RocketOps", "TORCH_OPS", "get_ops", "triton_usable"]  # RocketOps lives in ops.py, re-exported
 
 TORCH_OPS = RocketOps(
     name="torch",
@@ -26,6 +27,8 @@ TORCH_OPS = RocketOps(
     page_scores=stage2_pages.page_scores,
     select_pages=stage2_pages.select_pages,
     sparse_decode_attention=sparse_decode_attention_torch,
+    append_token=append_token_torch,
+    top_pages=stage2_pages.top_pages,
 )
 
 

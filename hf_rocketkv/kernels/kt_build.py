@@ -2,7 +2,7 @@
 
 Shapes (B batch, Hkv KV heads, C slot capacity, P page_size, NP = C // P pages, D head_dim):
     keys:    [B, Hkv, C, D]      fp32 / fp16 / bf16, any strides
-    lengths: [B]                 int, tokens stored per row; slots >= lengths[b] are ignored
+    lengths: [B] or [B, Hkv]     int, tokens stored per row (or per row and KV head); slots past it are ignored
     returns  kt [B, Hkv, NP, 2, D] in ``kt_dtype`` (fp32 / fp16 / bf16 / float8_e5m2): [..., 0, :] min, [..., 1, :] max;
              a partial last page covers only its tokens, pages without tokens hold zeros.
 
@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from ._triton_common import cast_to, dtype_code, next_pow2
+from ._triton_common import cast_to, cdiv, count_strides, dtype_code, next_pow2
 
 
 @triton.jit
@@ -26,6 +26,7 @@ def _build_kt_kernel(
     keys_ptr, lengths_ptr, kt_ptr,
     s_kb, s_kh, s_kc, s_kd,
     s_tb, s_th, s_tp, s_tm, s_td,
+    s_lb, s_lh,
     num_kv_heads, num_pages, head_dim,
     P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, KT_DT: tl.constexpr,
 ):
@@ -35,7 +36,7 @@ def _build_kt_kernel(
     pages = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
-    length = tl.load(lengths_ptr + b)
+    length = tl.load(lengths_ptr + b * s_lb + h * s_lh)
     k_base = keys_ptr + b * s_kb + h * s_kh
     kmin = tl.full((BLOCK_P, BLOCK_D), float("inf"), tl.float32)
     kmax = tl.full((BLOCK_P, BLOCK_D), float("-inf"), tl.float32)
@@ -62,10 +63,10 @@ def build_kt_triton(keys: torch.Tensor, lengths: torch.Tensor, page_size: int, k
         return kt
     block_d = next_pow2(head_dim)
     block_p = max(1, min(next_pow2(num_pages), 4096 // block_d))
-    grid = (batch * num_kv_heads, triton.cdiv(num_pages, block_p))
+    grid = (batch * num_kv_heads, cdiv(num_pages, block_p))
     wrap_triton(_build_kt_kernel)[grid](
         keys, lengths, kt,
-        *keys.stride(), *kt.stride(),
+        *keys.stride(), *kt.stride(), *count_strides(lengths, batch, num_kv_heads, "lengths"),
         num_kv_heads, num_pages, head_dim,
         P=page_size, BLOCK_P=block_p, BLOCK_D=block_d, KT_DT=dtype_code(kt_dtype),
         num_warps=4,

@@ -3,8 +3,9 @@
 Shapes (B batch, Hkv KV heads, NP pages, D head_dim, P page_size):
     kt:      [B, Hkv, NP, 2, D]  KT dtype (fp32 / fp16 / bf16 / float8_e5m2), updated in place
     key_new: [B, Hkv, D]         the key just written at ``slot[b]`` (any strides, e.g. ``key_states[:, :, 0]``)
-    slot:    [B]                 int, its slot; page = slot // P. ``slot % P == 0`` starts a fresh page (overwrite),
-                                 otherwise min/max with the stored summary. Slots past the KT are ignored.
+    slot:    [B] or [B, Hkv]     int, its slot (per row, or per row and KV head); page = slot // P. ``slot % P == 0``
+                                 starts a fresh page (overwrite), otherwise min/max with the stored summary. Slots
+                                 past the KT are ignored.
 
 Grid (B*Hkv,): one program per (row, KV head) reads 2*D summary values and D key values. No host syncs, so it is
 safe inside CUDA graphs; registered as ``torch.ops.hf_rocketkv.update_kt`` (mutates ``kt``) for torch.compile.
@@ -17,7 +18,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from ._triton_common import cast_to, dtype_code, next_pow2
+from ._triton_common import cast_to, count_strides, dtype_code, next_pow2
 
 
 @triton.jit
@@ -25,13 +26,14 @@ def _update_kt_kernel(
     kt_ptr, key_ptr, slot_ptr,
     s_tb, s_th, s_tp, s_tm, s_td,
     s_kb, s_kh, s_kd,
+    s_sb, s_sh,
     num_kv_heads, num_pages, head_dim,
     P: tl.constexpr, BLOCK_D: tl.constexpr, KT_DT: tl.constexpr,
 ):
     bh = tl.program_id(0)
     b = (bh // num_kv_heads).to(tl.int64)
     h = (bh % num_kv_heads).to(tl.int64)
-    slot = tl.load(slot_ptr + b).to(tl.int64)
+    slot = tl.load(slot_ptr + b * s_sb + h * s_sh).to(tl.int64)
     page = slot // P
     fresh = (slot % P) == 0
     d = tl.arange(0, BLOCK_D)
@@ -54,7 +56,7 @@ def update_kt_triton(kt: torch.Tensor, key_new: torch.Tensor, slot: torch.Tensor
         return
     wrap_triton(_update_kt_kernel)[(batch * num_kv_heads,)](
         kt, key_new, slot,
-        *kt.stride(), *key_new.stride(),
+        *kt.stride(), *key_new.stride(), *count_strides(slot, batch, num_kv_heads, "slot"),
         num_kv_heads, num_pages, head_dim,
         P=page_size, BLOCK_D=next_pow2(head_dim), KT_DT=dtype_code(kt.dtype),
         num_warps=1 if head_dim <= 128 else 2,

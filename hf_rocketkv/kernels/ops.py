@@ -1,7 +1,7 @@
-"""RocketOps: the bundle of every hot op of both stages, one field per op (the dispatch point's currency).
+"""``RocketOps``: the bundle of hot ops that every backend (PyTorch reference, Triton) provides.
 
-Its own file so that the dispatch point (dispatch.py) and the Triton registrations (triton_ops.py) both import it
-without importing each other.
+Kept in its own module so that ``dispatch`` (which builds the bundles) and ``triton_ops`` (which fills the Triton
+one) both import it without importing each other.
 """
 
 from __future__ import annotations
@@ -18,8 +18,12 @@ class RocketOps:
     build_kt(keys, lengths, page_size, kt_dtype) -> kt [B, Hkv, C/P, 2, D]         (after stage 1)
     update_kt(kt, key_new, slot, page_size) -> None (in place)
     page_scores(q, kt, n_pages, topr) -> probs [B, Hkv, NP]
-    select_pages(probs, n_pages, topk) -> (page_idx, page_valid)
+    select_pages(probs, n_pages, topk, sink_pages=0, recent_pages=1) -> (page_idx, page_valid)
     sparse_decode_attention(q, keys, values, page_idx, page_valid, lengths, page_size, scaling) -> [B, Hkv, G, D]
+    append_token(keys, values, positions, kt, lengths, seen, key_new, value_new, page_size) -> None (in place)
+    top_pages(q, kt, lengths, page_size, topr, topk, sink_pages=0, recent_pages=1) -> (page_idx, page_valid)
+
+    lengths / n_pages / slot: [B] (per row) or [B, Hkv] (per row and KV head) everywhere in decode.
     """
 
     name: str
@@ -29,3 +33,5 @@ class RocketOps:
     page_scores: Callable
     select_pages: Callable
     sparse_decode_attention: Callable
+    append_token: Callable
+    top_pages: Callable

@@ -3,7 +3,7 @@
 Shapes (B batch, Hkv KV heads, G query heads per KV head, NP pages, D head_dim):
     q:       [B, Hkv, G, D]      the decode query (any float dtype, any strides); rounded to the KT dtype first
     kt:      [B, Hkv, NP, 2, D]  KT summaries (fp32 / fp16 / bf16 / float8_e5m2): [..., 0, :] min, [..., 1, :] max
-    n_pages: [B]                 int, pages in use per row; pages >= n_pages[b] get probability 0
+    n_pages: [B] or [B, Hkv]     int, pages in use per row (or per row and KV head); pages past it get probability 0
     topr:    int                 channels used (top ``topr`` of sum_g |q| per KV head); >= D means all
     returns  probs [B, Hkv, NP] fp32
 
@@ -32,7 +32,20 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from ._triton_common import DT_BF16, DT_FP16, DT_FP32, DT_FP8E5, dtype_code, interpreting, next_pow2, num_sms, round_to
+from ._triton_common import (
+    DT_BF16,
+    DT_FP16,
+    DT_FP32,
+    DT_FP8E5,
+    cdiv,
+    count_strides,
+    dtype_code,
+    interpreting,
+    load_count,
+    next_pow2,
+    num_sms,
+    round_to,
+)
 
 LOG2E = 1.4426950408889634
 PAGES_PER_PROGRAM = 256  # target pages scored by one program (4 blocks of 64); fewer pages -> the fused schedule
@@ -58,19 +71,21 @@ def _channel_mask(q_ptr, s_qg, s_qd, group, head_dim, a_rows, d_rows,
 
 @triton.jit
 def _page_logits_kernel(
-    q_ptr, kt_ptr, npages_ptr, logits_ptr, stats_ptr, probs_ptr,
+    q_ptr, kt_ptr, count_ptr, logits_ptr, stats_ptr, probs_ptr,
     s_qb, s_qh, s_qg, s_qd,
     s_tb, s_th, s_tp, s_tm, s_td,
+    s_cb, s_ch,
     num_kv_heads, group, num_pages, head_dim, pages_per_prog, num_splits,
     scale_log2,
     TOPR: tl.constexpr, USE_TOPR: tl.constexpr, KT_DT: tl.constexpr, DOT_DT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, FUSED: tl.constexpr,
+    COUNT_DIV: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (bh // num_kv_heads).to(tl.int64)
     h = (bh % num_kv_heads).to(tl.int64)
-    n = tl.minimum(tl.load(npages_ptr + b).to(tl.int32), num_pages)
+    n = load_count(count_ptr, b, h, s_cb, s_ch, num_pages, COUNT_DIV)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     g_ok = g < group
@@ -136,13 +151,15 @@ def _page_logits_kernel(
 
 @triton.jit
 def _page_probs_kernel(
-    npages_ptr, logits_ptr, stats_ptr, probs_ptr,
+    count_ptr, logits_ptr, stats_ptr, probs_ptr,
+    s_cb, s_ch,
     num_kv_heads, group, num_pages, num_splits,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     bh = tl.program_id(0)
     b = (bh // num_kv_heads).to(tl.int64)
-    n = tl.minimum(tl.load(npages_ptr + b).to(tl.int32), num_pages)
+    h = (bh % num_kv_heads).to(tl.int64)
+    n = load_count(count_ptr, b, h, s_cb, s_ch, num_pages, 1)
     g = tl.arange(0, BLOCK_G)
     sp = tl.arange(0, BLOCK_S)
     st = stats_ptr + ((bh * num_splits + sp) * 2 * BLOCK_G)[:, None] + g[None, :]
@@ -166,10 +183,51 @@ def _dot_code(kt_dtype: torch.dtype) -> int:
     code = dtype_code(kt_dtype)
     if code == DT_FP32 or (code == DT_BF16 and interpreting()):  # the interpreter's dot cannot take bf16
         return 0
-        return 0
     if code in (DT_FP16, DT_FP8E5):
         return 1
     return 2
+
+
+def score_splits(rows: int, num_pages: int, block_p: int, device: torch.device, num_splits: int | None) -> tuple[int, int]:
+    """(programs per row, pages per program) of the logits kernel, from the shapes only."""
+    if num_splits is None:
+        # a program walks its pages block after block, so rows of many pages are split over several programs
+        # (~PAGES_PER_PROGRAM each) unless the rows alone fill the GPU
+        sms = num_sms(device)
+        num_splits = max(1, min(cdiv(num_pages, PAGES_PER_PROGRAM), cdiv(4 * sms, rows)))
+    pages_per_prog = cdiv(cdiv(num_pages, num_splits), block_p) * block_p
+    return cdiv(num_pages, pages_per_prog), pages_per_prog
+
+
+def page_logits_launch(
+    q: torch.Tensor, kt: torch.Tensor, counts: torch.Tensor, count_div: int, topr: int, num_splits: int | None,
+    probs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """Pass 1 of the page scoring: logits (log2 units, ``[B*Hkv*BLOCK_G, NP]`` fp32) and per-split softmax
+    statistics (``[B*Hkv, S, 2, BLOCK_G]``: max, sum). ``counts`` are pages in use (count_div 1) or tokens
+    (count_div = page_size). With ``probs`` given and one split the kernel also writes the probabilities (fused
+    schedule) and the statistics are not written. Returns (logits, stats, S, BLOCK_G)."""
+    batch, num_kv_heads, group, head_dim = q.shape
+    num_pages = kt.shape[2]
+    s_cb, s_ch = count_strides(counts, batch, num_kv_heads, "n_pages" if count_div == 1 else "lengths")
+    block_g = max(16, next_pow2(group))
+    block_d = next_pow2(head_dim)
+    block_p = 64 if block_d <= 128 else 32
+    rows = batch * num_kv_heads
+    num_splits, pages_per_prog = score_splits(rows, num_pages, block_p, q.device, num_splits)
+    fused = probs is not None and num_splits == 1
+    logits = torch.empty((rows * block_g, num_pages), dtype=torch.float32, device=q.device)
+    stats = torch.empty((rows, num_splits, 2, block_g) if not fused else (1,), dtype=torch.float32, device=q.device)
+    wrap_triton(_page_logits_kernel)[(rows, num_splits)](
+        q, kt, counts, logits, stats, probs if fused else logits,
+        *q.stride(), *kt.stride(), s_cb, s_ch,
+        num_kv_heads, group, num_pages, head_dim, pages_per_prog, num_splits,
+        head_dim**-0.5 * LOG2E,
+        TOPR=min(topr, head_dim), USE_TOPR=topr < head_dim, KT_DT=dtype_code(kt.dtype), DOT_DT=_dot_code(kt.dtype),
+        BLOCK_G=block_g, BLOCK_P=block_p, BLOCK_D=block_d, FUSED=fused, COUNT_DIV=count_div,
+        num_warps=4, num_stages=3,
+    )
+    return logits, stats, num_splits, block_g
 
 
 def page_scores_launch(
@@ -181,34 +239,13 @@ def page_scores_launch(
     probs = torch.empty((batch, num_kv_heads, num_pages), dtype=torch.float32, device=q.device)
     if probs.numel() == 0:
         return probs
-    block_g = max(16, next_pow2(group))
-    block_d = next_pow2(head_dim)
-    block_p = 64 if block_d <= 128 else 32
-    rows = batch * num_kv_heads
-    if num_splits is None:
-        # a program walks its pages block after block, so rows of many pages are split over several programs
-        # (~PAGES_PER_PROGRAM each) unless the rows alone fill the GPU
-        sms = num_sms(q.device)
-        num_splits = max(1, min(triton.cdiv(num_pages, PAGES_PER_PROGRAM), triton.cdiv(4 * sms, rows)))
-    pages_per_prog = triton.cdiv(triton.cdiv(num_pages, num_splits), block_p) * block_p
-    num_splits = triton.cdiv(num_pages, pages_per_prog)
-    fused = num_splits == 1
-    logits = torch.empty((rows * block_g, num_pages), dtype=torch.float32, device=q.device)
-    stats = torch.empty((rows, num_splits, 2, block_g) if not fused else (1,), dtype=torch.float32, device=q.device)
-    kt_code = dtype_code(kt.dtype)
-    wrap_triton(_page_logits_kernel)[(rows, num_splits)](
-        q, kt, n_pages, logits, stats, probs,
-        *q.stride(), *kt.stride(),
-        num_kv_heads, group, num_pages, head_dim, pages_per_prog, num_splits,
-        head_dim**-0.5 * LOG2E,
-        TOPR=min(topr, head_dim), USE_TOPR=topr < head_dim, KT_DT=kt_code, DOT_DT=_dot_code(kt.dtype),
-        BLOCK_G=block_g, BLOCK_P=block_p, BLOCK_D=block_d, FUSED=fused,
-        num_warps=4, num_stages=3,
-    )
-    if not fused:
+    logits, stats, num_splits, block_g = page_logits_launch(q, kt, n_pages, 1, topr, num_splits, probs=probs)
+    if num_splits > 1:
         block_p2 = 128
-        wrap_triton(_page_probs_kernel)[(rows, triton.cdiv(num_pages, block_p2))](
+        s_cb, s_ch = count_strides(n_pages, batch, num_kv_heads, "n_pages")
+        wrap_triton(_page_probs_kernel)[(batch * num_kv_heads, cdiv(num_pages, block_p2))](
             n_pages, logits, stats, probs,
+            s_cb, s_ch,
             num_kv_heads, group, num_pages, num_splits,
             BLOCK_G=block_g, BLOCK_S=next_pow2(num_splits), BLOCK_P=block_p2,
             num_warps=4,

@@ -3,7 +3,8 @@
 Shapes (B batch, Hkv KV heads, G query heads per KV head, C slot capacity, P page_size, K pages, D head_dim):
     q:          [B, Hkv, G, D]
     keys/values:[B, Hkv, C, D]
-    page_idx:   [B, Hkv, K] long, page_valid: [B, Hkv, K] bool, lengths: [B]
+    page_idx:   [B, Hkv, K] long, page_valid: [B, Hkv, K] bool, lengths: [B] or [B, Hkv] (tokens per row or per
+                row and KV head)
     returns     [B, Hkv, G, D] in q's dtype
 
 The G query heads of one KV head share its pages, so every selected K/V row is read once per group.
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from ..selection.stage2_pages import per_head
+
 
 def selected_slots(
     page_idx: torch.Tensor, page_valid: torch.Tensor, lengths: torch.Tensor, page_size: int, capacity: int
@@ -21,7 +24,7 @@ def selected_slots(
     offsets = torch.arange(page_size, device=page_idx.device)
     slots = (page_idx[..., None] * page_size + offsets).flatten(-2)
     valid = page_valid[..., None].expand(*page_valid.shape, page_size).flatten(-2)
-    valid = valid & (slots < lengths[:, None, None])
+    valid = valid & (slots < per_head(lengths, *page_idx.shape[:2])[..., None])
     return slots.clamp(max=capacity - 1), valid
 
 
@@ -61,7 +64,7 @@ try:
     import triton.language as tl
     from torch.library import wrap_triton
 
-    from ._triton_common import cast_to, dtype_code, interpreting, next_pow2, num_sms
+    from ._triton_common import cast_to, cdiv, count_strides, dtype_code, interpreting, next_pow2, num_sms
 except ImportError:  # triton is optional: the reference above works without it
     triton = None
 
@@ -76,6 +79,7 @@ if triton is not None:
         s_ib, s_ih, s_ik,
         s_mb, s_mh, s_mk,
         s_ob, s_oh, s_og, s_od,
+        s_lb, s_lh,
         num_kv_heads, group, head_dim, num_sel, tokens_per_split, num_splits,
         scale_log2,
         P: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -89,7 +93,7 @@ if triton is not None:
         d = tl.arange(0, BLOCK_D)
         g_ok = g < group
         d_ok = d < head_dim
-        length = tl.load(len_ptr + b)
+        length = tl.load(len_ptr + b * s_lb + h * s_lh)
         q = tl.load(q_ptr + b * s_qb + h * s_qh + g[:, None] * s_qg + d[None, :] * s_qd,
                     mask=g_ok[:, None] & d_ok[None, :], other=0.0)
         if QK_FP32:
@@ -196,15 +200,15 @@ if triton is not None:
         num_warps = num_warps or (8 if block_n * block_d >= 64 * 128 else 4)
         total = num_sel * page_size
         rows = batch * num_kv_heads
-        max_splits = max(1, triton.cdiv(total, block_n))
+        max_splits = max(1, cdiv(total, block_n))
         if num_splits is None:
             # one split when the (row, KV head) programs alone fill the GPU (H100, 2026-11-22, 256 tokens per head:
             # batch 16: 10 us with 1 split vs 14 us with 4; batch 1: 6 us with 4 splits vs 9 us with 1)
             sms = num_sms(q.device)
-            num_splits = 1 if 2 * rows > sms else min(max_splits, triton.cdiv(2 * sms, rows))
+            num_splits = 1 if 2 * rows > sms else min(max_splits, cdiv(2 * sms, rows))
         num_splits = max(1, min(num_splits, max_splits))
-        tokens_per_split = triton.cdiv(triton.cdiv(total, num_splits), block_n) * block_n
-        num_splits = max(1, triton.cdiv(total, tokens_per_split))
+        tokens_per_split = cdiv(cdiv(total, num_splits), block_n) * block_n
+        num_splits = max(1, cdiv(total, tokens_per_split))
         direct = num_splits == 1
         if direct:
             part_o = part_lse = out  # unused
@@ -220,6 +224,7 @@ if triton is not None:
         wrap_triton(_sparse_decode_split_kernel)[(rows, num_splits)](
             q, keys, values, page_idx, page_valid, lengths, out, part_o, part_lse,
             *q.stride(), *keys.stride(), *values.stride(), *page_idx.stride(), *page_valid.stride(), *out.stride(),
+            *count_strides(lengths, batch, num_kv_heads, "lengths"),
             num_kv_heads, group, head_dim, num_sel, tokens_per_split, num_splits,
             scaling * 1.4426950408889634,
             P=page_size, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,

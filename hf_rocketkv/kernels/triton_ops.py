@@ -3,8 +3,8 @@
 Each kernel file holds its kernels and a plain launcher with the reference's signature; this module registers every
 launcher as a ``torch.library.triton_op`` (``torch.ops.hf_rocketkv.<name>``; the launchers call their kernels
 through ``wrap_triton``), so torch.compile traces straight into the Triton kernels without graph breaks and CUDA
-graphs can capture them. The decode ops (update_kt, page_scores, select_pages, sparse_decode_attention) derive their
-launch shapes from tensor shapes only and never sync with the host. Registration happens here, not at
+graphs can capture them. The decode ops (append_token, update_kt, page_scores, select_pages, top_pages,
+sparse_decode_attention) derive their launch shapes from tensor shapes only and never sync with the host. Registration happens here, not at
 ``import hf_rocketkv``, because ``triton_op`` imports torch._inductor (seconds) and only the Triton backend needs it.
 
     op                       file                        kernels per call
@@ -12,8 +12,10 @@ launch shapes from tensor shapes only and never sync with the host. Registration
     build_kt                 kt_build.py                 1                                           prefill
     update_kt                kt_update.py                1 (in place: mutates kt)                    decode
     page_scores              page_scores.py              1 (fused) or 2 (split over pages)           decode
-    select_pages             select_pages.py             1                                           decode
+    select_pages             select_pages.py             1 (<= SELECT_CHUNK pages) + merge levels    decode
+    top_pages                select_pages.py             2 (logits, select) + merge levels           decode
     sparse_decode_attention  sparse_decode_attention.py  1 (one split) or 2 (split + reduce)         decode
+    append_token             append_token.py             1 (in place: K, V, positions, KT, lengths)  decode
 
 Eager calls skip the custom-op machinery: each RocketOps entry calls the plain launcher directly (exactly what the
 registered op's own eager implementation runs, minus the dispatcher, autograd and dynamo-disable wrappers, which
@@ -37,10 +39,11 @@ except ImportError:  # pragma: no cover - a torch without it: eager calls go thr
     set_wrap_triton_enabled = None
 
 from .ops import RocketOps
+from .append_token import append_token_triton
 from .kt_build import build_kt_triton
 from .kt_update import update_kt_triton
 from .page_scores import page_scores_triton
-from .select_pages import select_pages_triton
+from .select_pages import select_pages_triton, top_pages_triton
 from .sparse_decode_attention import sparse_decode_attention_triton
 from .window_scores import window_scores_triton
 
@@ -52,7 +55,10 @@ select_pages = triton_op("hf_rocketkv::select_pages", mutates_args={})(select_pa
 sparse_decode_attention = triton_op("hf_rocketkv::sparse_decode_attention", mutates_args={})(
     sparse_decode_attention_triton
 )
-
+append_token = triton_op(
+    "hf_rocketkv::append_token", mutates_args={"keys", "values", "positions", "kt", "lengths"}
+)(append_token_triton)
+top_pages = triton_op("hf_rocketkv::top_pages", mutates_args={})(top_pages_triton)
 
 
 def _eager_or_op(launcher: Callable, op) -> Callable:
@@ -79,4 +85,6 @@ TRITON_OPS = RocketOps(
     page_scores=_eager_or_op(page_scores_triton, page_scores),
     select_pages=_eager_or_op(select_pages_triton, select_pages),
     sparse_decode_attention=_eager_or_op(sparse_decode_attention_triton, sparse_decode_attention),
+    append_token=_eager_or_op(append_token_triton, append_token),
+    top_pages=_eager_or_op(top_pages_triton, top_pages),
 )

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from ._triton_common import interpreting, next_pow2, num_sms
+from ._triton_common import cdiv, interpreting, next_pow2, num_sms
 
 LOG2E = 1.4426950408889634
 
@@ -140,12 +140,12 @@ def window_scores_triton(
     block_m = 64 if block_d <= 128 else 32
     block_n = 64 if block_d <= 128 else 32
     num_rows = group * window
-    row_blocks = triton.cdiv(num_rows, block_m)
+    row_blocks = cdiv(num_rows, block_m)
     rows_pad = row_blocks * block_m
     rows = batch * num_kv_heads
-    num_chunks = max(1, min(triton.cdiv(num_slots, 8 * block_n), triton.cdiv(2 * num_sms(keys.device), rows * row_blocks)))
-    chunk = triton.cdiv(triton.cdiv(num_slots, num_chunks), block_n) * block_n
-    num_chunks = triton.cdiv(num_slots, chunk)
+    num_chunks = max(1, min(cdiv(num_slots, 8 * block_n), cdiv(2 * num_sms(keys.device), rows * row_blocks)))
+    chunk = cdiv(cdiv(num_slots, num_chunks), block_n) * block_n
+    num_chunks = cdiv(num_slots, chunk)
     scale_log2 = scaling * LOG2E
     stats = torch.empty((rows, num_chunks, 2, rows_pad), dtype=torch.float32, device=keys.device)
     strides = (*q_window.stride(), *keys.stride())
@@ -162,7 +162,7 @@ def window_scores_triton(
     m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     total = (l_part * torch.exp2(m_part - m_safe)).sum(dim=1)
     lse = torch.where(total > 0, m_safe[:, 0] + torch.log2(total), torch.full_like(total, float("inf"))).contiguous()
-    wrap_triton(_window_accum_kernel)[(rows, triton.cdiv(num_slots, block_n))](
+    wrap_triton(_window_accum_kernel)[(rows, cdiv(num_slots, block_n))](
         q_window, keys, start, end, lse, out,
         *strides,
         num_kv_heads, group, window, head_dim, num_slots, rows_pad,

@@ -7,8 +7,12 @@ D head_dim, r = min(topr, D), K = min(topk, NP)):
     keys:      [B, Hkv, C, D]       slot order (compacted prompt, then generated tokens)
     kt:        [B, Hkv, NP, 2, D]   per page: [0] element-wise min, [1] element-wise max of its keys, in the KT
                                     dtype; pages with no token hold zeros
-    lengths:   [B]                  tokens stored per row (the same for every KV head)
+    lengths:   [B] or [B, Hkv]      tokens stored per row (every KV head the same) or per row and KV head
+    n_pages:   [B] or [B, Hkv]      pages in use, ``num_pages(lengths, P)``
     q:         [B, Hkv, G, D]       the decode query, grouped by KV head
+
+Every op that takes ``lengths`` / ``n_pages`` / ``slot`` accepts both forms; a [B] tensor means the same count
+for every KV head of the row (``per_head`` broadcasts it), so [B] and its [B, Hkv] expansion give identical results.
 """
 
 from __future__ import annotations
@@ -17,8 +21,20 @@ import torch
 
 
 def num_pages(lengths: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Pages in use per row: ceil(lengths / page_size)."""
+    """Pages in use per row (or per row and KV head): ceil(lengths / page_size), same shape as ``lengths``."""
     return (lengths + page_size - 1) // page_size
+
+
+def per_head(counts: torch.Tensor, batch: int, num_kv_heads: int, name: str = "lengths") -> torch.Tensor:
+    """``counts`` ([B] per row or [B, Hkv] per row and KV head) as a [B, Hkv] tensor (a broadcast view for [B])."""
+    if counts.dim() == 1 and counts.shape[0] == batch:
+        return counts[:, None].expand(batch, num_kv_heads)
+    if counts.dim() == 2 and tuple(counts.shape) == (batch, num_kv_heads):
+        return counts
+    raise ValueError(
+        f"{name} must have shape [B]=[{batch}] (per row) or [B, Hkv]=[{batch}, {num_kv_heads}] (per row and KV "
+        f"head), got {list(counts.shape)}"
+    )
 
 
 def build_kt(keys: torch.Tensor, lengths: torch.Tensor, page_size: int, kt_dtype: torch.dtype) -> torch.Tensor:
@@ -28,7 +44,7 @@ def build_kt(keys: torch.Tensor, lengths: torch.Tensor, page_size: int, kt_dtype
     """
     batch, num_kv_heads, capacity, head_dim = keys.shape
     slot = torch.arange(capacity, device=keys.device)
-    filled = (slot[None, :] < lengths[:, None])[:, None, :, None]  # [B, 1, C, 1]
+    filled = (slot < per_head(lengths, batch, num_kv_heads)[..., None])[..., None]  # [B, Hkv, C, 1]
     k = keys.float()
     page_shape = (batch, num_kv_heads, capacity // page_size, page_size, head_dim)
     kmin = k.masked_fill(~filled, float("inf")).view(page_shape).amin(dim=3)
@@ -38,19 +54,23 @@ def build_kt(keys: torch.Tensor, lengths: torch.Tensor, page_size: int, kt_dtype
 
 
 def update_kt(kt: torch.Tensor, key_new: torch.Tensor, slot: torch.Tensor, page_size: int) -> None:
-    """In place: fold the key written at ``slot[b]`` (``key_new`` ``[B, Hkv, D]``) into its page's min/max.
+    """In place: fold the key written at ``slot`` (``key_new`` ``[B, Hkv, D]``) into its page's min/max.
 
-    The first token of a page overwrites it (a fresh page); later tokens take the element-wise min/max.
-    Rounding to the KT dtype is monotone, so this equals ``build_kt`` over the same keys exactly.
+    ``slot`` is [B] (the same slot for every KV head) or [B, Hkv]. The first token of a page overwrites it (a fresh
+    page); later tokens take the element-wise min/max. Rounding to the KT dtype is monotone, so this equals
+    ``build_kt`` over the same keys exactly.
     """
-    rows = torch.arange(kt.shape[0], device=kt.device)
-    page = slot // page_size
-    fresh = (slot % page_size == 0)[:, None, None]  # [B, 1, 1]
-    current = kt[rows, :, page].float()  # [B, Hkv, 2, D]
+    batch, num_kv_heads = kt.shape[:2]
+    slot = per_head(slot, batch, num_kv_heads, "slot")
+    rows = torch.arange(batch, device=kt.device)[:, None]
+    heads = torch.arange(num_kv_heads, device=kt.device)[None, :]
+    page = slot // page_size  # [B, Hkv]
+    fresh = (slot % page_size == 0)[..., None]  # [B, Hkv, 1]
+    current = kt[rows, heads, page].float()  # [B, Hkv, 2, D]
     k = key_new.float()
     new_min = torch.where(fresh, k, torch.minimum(current[:, :, 0], k))
     new_max = torch.where(fresh, k, torch.maximum(current[:, :, 1], k))
-    kt[rows, :, page] = torch.stack([new_min, new_max], dim=2).to(kt.dtype)
+    kt[rows, heads, page] = torch.stack([new_min, new_max], dim=2).to(kt.dtype)
 
 
 def top_channels(q: torch.Tensor, topr: int) -> torch.Tensor | None:
@@ -79,26 +99,79 @@ def page_scores(q: torch.Tensor, kt: torch.Tensor, n_pages: torch.Tensor, topr: 
     picked = torch.where(use_max, minmax[:, :, :, 1], minmax[:, :, :, 0])  # [B, Hkv, NP, r]
     logits = torch.einsum("bhgr,bhpr->bhgp", q, picked) * head_dim**-0.5
     page = torch.arange(kt.shape[2], device=kt.device)
-    in_use = (page[None, :] < n_pages[:, None])[:, None, None, :]
+    in_use = (page < per_head(n_pages, *q.shape[:2], "n_pages")[..., None])[:, :, None, :]  # [B, Hkv, 1, NP]
     probs = torch.softmax(logits.masked_fill(~in_use, float("-inf")), dim=-1).nan_to_num_(0.0)
     return probs.mean(dim=2)
 
 
-def select_pages(
-    probs: torch.Tensor, n_pages: torch.Tensor, topk: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k pages per KV head; the page holding the newest token is always selected.
+def check_forcing(topk: int, sink_pages: int, recent_pages: int) -> None:
+    """Validate ``select_pages``' integer arguments (host-side only: no device sync)."""
+    if topk < 1:
+        raise ValueError(f"select_pages: topk must be >= 1, got {topk}")
+    if sink_pages < 0:
+        raise ValueError(f"select_pages: sink_pages must be >= 0, got {sink_pages}")
+    if recent_pages < 0:
+        raise ValueError(f"select_pages: recent_pages must be >= 0, got {recent_pages}")
+    if sink_pages + recent_pages > topk:
+        raise ValueError(
+            f"select_pages: sink_pages + recent_pages must be <= topk (forced pages take top-k slots), got "
+            f"sink_pages={sink_pages} + recent_pages={recent_pages} > topk={topk}"
+        )
 
-    Returns ``page_idx`` LongTensor ``[B, Hkv, K]`` and ``page_valid`` bool ``[B, Hkv, K]``
-    (K = min(topk, NP); entries past a row's page count are invalid). Order inside the K is unspecified.
+
+def forced_pages(n: torch.Tensor, num_slots: int, sink_pages: int, recent_pages: int) -> torch.Tensor:
+    """Pages always selected, ``[B, Hkv, NP]`` bool from ``n`` [B, Hkv] pages in use: the first ``sink_pages``
+    and the last ``recent_pages`` pages in use (the newest page holds the newest token)."""
+    page = torch.arange(num_slots, device=n.device)
+    n = n[..., None]
+    return ((page < sink_pages) | (page >= n - recent_pages)) & (page < n)
+
+
+def select_pages(
+    probs: torch.Tensor, n_pages: torch.Tensor, topk: int, sink_pages: int = 0, recent_pages: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k pages per KV head, with the first ``sink_pages`` and last ``recent_pages`` pages in use forced in.
+
+    ``probs`` [B, Hkv, NP] (>= 0; NaN and negative values rank as 0), ``n_pages`` [B] or [B, Hkv] (clamped to
+    [0, NP]). With n pages in use, the forced pages {j < min(sink_pages, n)} and {max(0, n - recent_pages) <= j < n}
+    are taken, then the best-scoring other pages in use until min(K, n) are taken; ties go to the lower page id.
+    Returns ``page_idx`` LongTensor ``[B, Hkv, K]`` and ``page_valid`` bool ``[B, Hkv, K]`` (K = min(topk, NP));
+    slots past min(K, n) are invalid and hold the unused page ids n, n+1, ... Callers must treat the order inside
+    the K as unspecified; this reference (and the Triton kernel) list the forced pages in ascending order, then the
+    others by descending score, then the invalid ones.
+    The defaults (no sink, the newest page forced) are RocketKV's decode rule. Needs sink_pages + recent_pages <=
+    topk.
     """
-    num_slots = probs.shape[-1]
+    check_forcing(topk, sink_pages, recent_pages)
+    batch, num_kv_heads, num_slots = probs.shape
     k = min(topk, num_slots)
+    n = per_head(n_pages, batch, num_kv_heads, "n_pages").clamp(0, num_slots)
     page = torch.arange(num_slots, device=probs.device)
-    newest = (n_pages - 1).clamp(min=0)[:, None, None]
-    # probabilities are in [0, 1]: 2 forces the newest page in, -1 keeps unused pages last
-    ranked = torch.where(page == newest, torch.full_like(probs, 2.0), probs)
-    ranked = torch.where(page < n_pages[:, None, None], ranked, torch.full_like(probs, -1.0))
-    page_idx = ranked.topk(k, dim=-1).indices
-    page_valid = page_idx < n_pages[:, None, None]
+    forced = forced_pages(n, num_slots, sink_pages, recent_pages)
+    candidate = (page < n[..., None]) & ~forced
+    # rank key: class (forced 2, other pages in use 1, unused 0), then score, then lower page id. Two stable sorts
+    # give the lexicographic order (the last sort is the major key); scores count only inside class 1.
+    score = torch.where(candidate & (probs > 0), probs, torch.zeros_like(probs))  # NaN > 0 is False
+    order = score.sort(dim=-1, descending=True, stable=True).indices
+    klass = forced.long() * 2 + candidate.long()
+    order = order.gather(-1, klass.gather(-1, order).sort(dim=-1, descending=True, stable=True).indices)
+    page_idx = order[..., :k]
+    page_valid = page_idx < n[..., None]
     return page_idx, page_valid
+
+
+def top_pages(
+    q: torch.Tensor,
+    kt: torch.Tensor,
+    lengths: torch.Tensor,
+    page_size: int,
+    topr: int,
+    topk: int,
+    sink_pages: int = 0,
+    recent_pages: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's page selection from the token counts: ``select_pages(page_scores(q, kt, num_pages(lengths),
+    topr), ...)``. ``lengths`` [B] or [B, Hkv] tokens stored; returns (page_idx, page_valid) [B, Hkv, K]."""
+    n_pages = num_pages(lengths, page_size)
+    probs = page_scores(q, kt, n_pages, topr)
+    return select_pages(probs, n_pages, topk, sink_pages, recent_pages)

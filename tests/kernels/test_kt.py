@@ -62,3 +62,31 @@ def test_update_kt_matches_reference_and_rebuild(key_dtype, kt_dtype, page_size,
         lengths = lengths + 1
         assert torch.equal(kt_tri.float(), kt_ref.float())
     assert torch.equal(kt_tri.float(), ref.build_kt(keys, lengths, page_size, kt_dtype).float())
+
+
+def test_kt_ops_take_per_head_counts():
+    """build_kt lengths and update_kt slots per (row, KV head); [B] equals its [B, Hkv] expansion exactly."""
+    g = gen("kt-per-head")
+    page_size, capacity = 4, 24
+    keys = randn((2, 3, capacity, 32), torch.bfloat16, g, scale=3.0)
+    lengths = torch.tensor([[0, 5, 24], [8, 1, 13]], device=DEVICE)
+    got = ops().build_kt(keys, lengths, page_size, torch.float8_e5m2)
+    want = ref.build_kt(keys, lengths, page_size, torch.float8_e5m2)
+    assert torch.equal(got.float(), want.float())
+    for b in range(2):  # the reference per head == the per-row reference on that head alone
+        for h in range(3):
+            one = ref.build_kt(keys[b:b + 1, h:h + 1], lengths[b, h:h + 1], page_size, torch.float8_e5m2)
+            assert torch.equal(want[b, h].float(), one[0, 0].float())
+    slot = lengths.clamp(max=capacity - 1)
+    new = randn((2, 3, 32), torch.bfloat16, g, scale=3.0)
+    kt_ref = want.clone()
+    ref.update_kt(kt_ref, new, slot, page_size)
+    ops().update_kt(got, new, slot, page_size)
+    assert torch.equal(got.float(), kt_ref.float())
+    rows = torch.tensor([7, 12], device=DEVICE)
+    a, b = want.clone(), want.clone()
+    ops().update_kt(a, new, rows, page_size)
+    ops().update_kt(b, new, rows[:, None].expand(2, 3), page_size)
+    assert torch.equal(a.float(), b.float())
+    assert torch.equal(ops().build_kt(keys, rows, page_size, torch.bfloat16),
+                       ops().build_kt(keys, rows[:, None].expand(2, 3), page_size, torch.bfloat16))

@@ -60,3 +60,17 @@ def test_page_scores_op_and_many_pages():
     n_pages = torch.tensor([2077], device=DEVICE)
     got = ops().page_scores(q, kt, n_pages, 64)
     torch.testing.assert_close(got, ref.page_scores(q, kt, n_pages, 64), atol=2e-6, rtol=1e-4)
+
+
+def test_page_scores_per_head_page_counts():
+    """n_pages [B, Hkv]: every head softmaxes over its own pages; [B] equals its [B, Hkv] expansion."""
+    g = gen("page_scores-per-head")
+    q = randn((2, 3, 4, 32), torch.float32, g)
+    kt = randn((2, 3, 40, 2, 32), torch.float32, g).sort(dim=3).values.to(torch.bfloat16)
+    n_pages = torch.tensor([[0, 40, 7], [1, 23, 39]], device=DEVICE)
+    for splits in (1, 3):
+        got = page_scores_launch(q, kt, n_pages, 16, num_splits=splits)
+        torch.testing.assert_close(got, ref.page_scores(q, kt, n_pages, 16), atol=2e-6, rtol=1e-4)
+        assert torch.all(got[0, 0] == 0) and torch.all(got[0, 2, 7:] == 0)
+    rows = torch.tensor([12, 40], device=DEVICE)
+    assert torch.equal(ops().page_scores(q, kt, rows, 16), ops().page_scores(q, kt, rows[:, None].expand(2, 3), 16))

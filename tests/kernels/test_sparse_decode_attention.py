@@ -56,3 +56,19 @@ def test_sparse_decode_attention_op_strided_query():
     got = ops().sparse_decode_attention(q, keys, values, page_idx, page_valid, lengths, 4, 0.125)
     want = sparse_decode_attention_torch(q, keys, values, page_idx, page_valid, lengths, 4, 0.125)
     torch.testing.assert_close(got.float(), want.float(), atol=OUT_ATOL[torch.bfloat16], rtol=0)
+
+
+def test_sparse_decode_attention_per_head_lengths():
+    """lengths [B, Hkv]: each head attends only its own stored tokens; [B] equals its [B, Hkv] expansion."""
+    g = gen("sda-per-head")
+    q, keys, values, page_idx, page_valid, _ = _inputs(torch.float32, 2, 32, 4, g)
+    lengths = torch.tensor([[0, 48], [13, 2], [48, 21], [5, 0]], device=DEVICE)
+    for splits in (1, 2):
+        got = sparse_decode_attention_launch(q, keys, values, page_idx, page_valid, lengths, 4, 0.2, num_splits=splits)
+        want = sparse_decode_attention_torch(q, keys, values, page_idx, page_valid, lengths, 4, 0.2)
+        torch.testing.assert_close(got, want, atol=OUT_ATOL[torch.float32], rtol=0)
+        assert torch.all(got[0, 0] == 0) and torch.all(got[3, 1] == 0)
+    rows = torch.tensor([0, 30, 48, 7], device=DEVICE)
+    by_row = ops().sparse_decode_attention(q, keys, values, page_idx, page_valid, rows, 4, 0.2)
+    by_head = ops().sparse_decode_attention(q, keys, values, page_idx, page_valid, rows[:, None].expand(4, 2), 4, 0.2)
+    assert torch.equal(by_row, by_head)
