@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 from ..cache.layer import RocketKVLayer, layer_of
 from ..compat import sdpa_attention_forward
-from ..selection.stage2_pages import num_pages
 
 UNSUPPORTED_KWARGS = ("sliding_window", "softcap", "s_aux")
 

@@ -93,9 +93,9 @@ def test_select_pages_tl_sort_path_and_strided_probs():
 
 def test_select_pages_many_pages_no_torch_fallback():
     """Any page count runs on the kernels (the old torch.topk hand-over above 8,192 pages is gone)."""
-    plan = select_plan(100_000, 64)
+    plan = select_plan(100_000, 64, chunk=1024)
     assert plan["num_chunks"] == 98 and plan["levels"] == [13, 2, 1] and plan["fanins"] == [8, 8, 2]
-    assert select_plan(2100, 64)["fanins"] == [4]  # 3 chunk lists: one merge of 4 x 64 keys, not 8 x 64
+    assert select_plan(2100, 64, chunk=1024)["fanins"] == [4]  # 3 chunk lists: one merge of 4 x 64 keys, not 8 x 64
     g = gen("select-many")
     probs = torch.rand((1, 1, 9000), generator=g).to(DEVICE)
     n_pages = torch.tensor([8999], device=DEVICE)
