@@ -1,21 +1,28 @@
-"""The hf-rocketkv command: generate report, eval outputs, YAML errors naming the key, bench delegation.
+"""The hf-rocketkv command: generate report, eval outputs, every documented user error, bench delegation.
 
 Runs ``hf_rocketkv.cli.main(argv)`` in-process on a tiny random Llama saved to a tmp folder with the SmolLM2
-tokenizer (so chat templates and real text work), on CPU.
+tokenizer (so chat templates and real text work), on CPU. The table of user errors in docs/cli.md is parsed here:
+each row is one test case, so the table and the behaviour cannot drift apart.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import BertConfig, Gemma2Config, LlamaConfig, LlamaForCausalLM
 
 from hf_rocketkv.cli import CONFIG_DIR, compact_list, main
+from hf_rocketkv.cli.threads import cgroup_cpu_quota, choose_threads, default_threads, physical_cores
 from hf_rocketkv.eval.settings import load_run_config
+
+ROOT = Path(__file__).resolve().parent.parent
 
 TINY_YAML = """\
 sparse_attention_config:
@@ -64,34 +71,45 @@ def tiny_yaml(tmp_path):
     return path
 
 
-def test_generate_prints_text_and_report(tiny_model_dir, tiny_yaml, tmp_path, capsys):
+def test_generate_streams_compares_and_reports(tiny_model_dir, tiny_yaml, tmp_path, capsys):
     doc = tmp_path / "doc.txt"
     doc.write_text("The quick brown fox jumps over the lazy dog. " * 30)
-    rc = main(
-        [
-            "generate",
-            "--model",
-            str(tiny_model_dir),
-            "--config",
-            str(tiny_yaml),
-            "--prompt-file",
-            str(doc),
-            "--prompt",
-            "What jumps?",
-            "--chat",
-            "--max-new-tokens",
-            "4",
-        ]
-    )
-    out = capsys.readouterr().out
+    argv = ["generate", "--model", str(tiny_model_dir), "--config", str(tiny_yaml), "--prompt-file", str(doc)]
+    argv += ["--prompt", "What jumps?", "--chat", "--max-new-tokens", "4", "--prefill-chunk-size", "128"]
+    rc = main(argv)
+    captured = capsys.readouterr()
+    out = captured.out
     assert rc == 0
+    assert out.startswith("RocketKV: ") and "\nfull cache: " in out  # labels of the two streamed answers
+    assert "prefill, RocketKV" in captured.err and "prefill, full cache" in captured.err  # the progress bars
     assert "--- hf-rocketkv report ---" in out
     prompt_tokens = int(out.split("prompt tokens: ")[1].split()[0])
     assert prompt_tokens > 300
+    assert "kept per layer and KV head: 48 (" in out  # prompt_budget of tiny.yaml
     assert "stored tokens per layer and KV head (kept prompt + generated): min 51 / mean 51.0 / max 51" in out
     assert "per layer: 51 x2" in out
-    assert "RocketKVCache.memory_bytes() = " in out and f"*{prompt_tokens + 3}*" in out  # full: prompt + 3 fed back
-    assert "prefill: " in out and "ms/token over 3 steps" in out
+    assert f"*{prompt_tokens + 3}*" in out  # full cache: prompt + 3 tokens fed back
+    percent = float(re.search(r"= ([\d.]+)%", out.split("KV cache: ")[1]).group(1))
+    assert percent < 50  # compressed: 48 kept + 4 slots of the prompt's 300+ tokens
+    assert "RocketKV:   " in out and "full cache: " in out and out.count("ms/token over 3 steps") == 2
+    assert "answer vs the full cache: " in out
+    assert "thread(s)" in out
+
+
+def test_generate_no_compare(tiny_model_dir, tiny_yaml, capsys):
+    argv = ["generate", "--model", str(tiny_model_dir), "--config", str(tiny_yaml), "--prompt", "Hello there"]
+    assert main(argv + ["--max-new-tokens", "2", "--no-compare", "--no-progress", "--threads", "1"]) == 0
+    captured = capsys.readouterr()
+    assert "full cache: -" in captured.out and "not compared (--no-compare)" in captured.out
+    assert "1 thread(s), --threads" in captured.out
+    assert "prefill" not in captured.err
+
+
+def test_generate_prompt_longer_than_the_model(tiny_model_dir, tiny_yaml, capsys):
+    argv = ["generate", "--model", str(tiny_model_dir), "--config", str(tiny_yaml), "--prompt", "word " * 4100]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "exceeds the model's 4096 positions" in err and "Traceback" not in err
 
 
 def test_eval_writes_json_markdown_and_heatmap(tiny_model_dir, tiny_yaml, tmp_path, capsys):
@@ -159,19 +177,6 @@ def test_yaml_errors_name_the_key(tmp_path, capsys, yaml_text, expected):
     assert expected in err and "bad.yaml" in err
 
 
-def test_bad_names_fail_before_the_model_loads(tmp_path, capsys):
-    assert main(["eval", "--task", "needle", "--output", str(tmp_path)]) == 2
-    assert "unknown task 'needle'" in capsys.readouterr().err
-    assert main(["eval", "--methods", "full", "h2o", "--output", str(tmp_path)]) == 2
-    assert "unknown method 'h2o'" in capsys.readouterr().err
-    assert main(["eval", "--config", str(tmp_path / "missing.yaml"), "--output", str(tmp_path)]) == 2
-    assert "no such file" in capsys.readouterr().err
-    assert main(["generate", "--max-new-tokens", "3"]) == 2
-    assert "needs --prompt-file and/or --prompt" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["generate", "--prompt", "x", "--bogus"])
-
-
 def test_bundled_configs_parse():
     names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
     assert {"default", "smollm2-cpu"} <= set(names)
@@ -194,7 +199,8 @@ def test_bench_delegates_and_passes_unknown_args(monkeypatch):
 def test_bench_without_the_module_says_so(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "hf_rocketkv.bench.decode", None)  # import raises ModuleNotFoundError
     assert main(["bench", "--lengths", "1024"]) == 2
-    assert "hf_rocketkv/bench/decode.py" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("hf-rocketkv bench: error: ") and "hf_rocketkv/bench/decode.py" in err
 
 
 def test_compact_list():
@@ -208,9 +214,117 @@ def test_set_overrides_config_fields():
 
     config = apply_overrides(RocketKVConfig(), ["prompt_budget=512", "kt_cache_dtype=bfloat16"])
     assert (config.prompt_budget, config.kt_cache_dtype, config.topk) == (512, "bfloat16", 64)
-    with pytest.raises(ValueError, match=r"unknown key\(s\) \['budget'\]"):
+    with pytest.raises(ValueError, match=r"--set budget=3: unknown key\(s\) \['budget'\]"):
         apply_overrides(RocketKVConfig(), ["budget=3"])
     with pytest.raises(ValueError, match="expected FIELD=VALUE"):
         apply_overrides(RocketKVConfig(), ["prompt_budget"])
     with pytest.raises(ValueError, match="RocketKVConfig.page_size"):
         apply_overrides(RocketKVConfig(), ["page_size=3"])
+
+
+# ------------------------------------------------------------------------------------------------ documented errors
+def documented_errors() -> list[tuple[str, str, str]]:
+    """``(mistake, command, stderr)`` rows of the table under "## Errors and exit status" in docs/cli.md."""
+    text = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+    section = text.split("## Errors and exit status", 1)[1]
+    rows = []
+    for line in section.splitlines():
+        if not line.startswith("| ") or line.startswith("| mistake"):
+            continue
+        mistake, command, stderr = (cell.strip() for cell in line.strip().strip("|").split(" | "))
+        lines = [part.strip().strip("`") for part in stderr.split("<br>")]
+        rows.append((mistake, command.strip("`"), "\n".join(lines)))
+    return rows
+
+
+def make_error_fixtures(folder: Path) -> None:
+    """The files the rows of the docs/cli.md error table name (listed under that table)."""
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128)
+    Gemma2Config(**small, num_key_value_heads=2, head_dim=8).save_pretrained(folder / "gemma2")
+    BertConfig(**small, architectures=["BertForMaskedLM"]).save_pretrained(folder / "bert")
+    LlamaConfig(**small, num_key_value_heads=2).save_pretrained(folder / "llama-no-weights")
+    (folder / "empty-folder").mkdir()
+    (folder / "notes.txt").write_text("some notes\n")
+    (folder / "broken.gguf").write_bytes(b"not a gguf file at all")
+    (folder / "broken.yaml").write_text("sparse_attention_config: [1\n")
+    (folder / "typo.yaml").write_text("sparse_attention_config:\n  prompt_budgte: 256\n")
+    (folder / "empty.txt").write_text("  \n")
+    (folder / "latin1.txt").write_bytes("café crème".encode("latin-1"))
+    (folder / "broken.jsonl").write_text('{"context": "x", "input": "q"\n')
+    (folder / "rows.jsonl").write_text(json.dumps({"input": "What is 2+2?"}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def error_fixtures(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("error_fixtures")
+    make_error_fixtures(folder)
+    return folder
+
+
+ERROR_ROWS = documented_errors()
+
+
+def test_the_error_table_is_there():
+    assert len(ERROR_ROWS) >= 25
+
+
+@pytest.mark.parametrize("mistake,command,expected", ERROR_ROWS, ids=[f"{i:02d}-{r[0]}" for i, r in enumerate(ERROR_ROWS)])
+def test_documented_error(mistake, command, expected, error_fixtures, monkeypatch, capsys):
+    monkeypatch.chdir(error_fixtures)
+    argv = shlex.split(command)
+    assert argv[0] == "hf-rocketkv"
+    rc = main(argv[1:])
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert rc == 2, err
+    assert "Traceback" not in err and 1 <= len(err.splitlines()) <= 3, err
+    pattern = ".*?".join(re.escape(part) for part in expected.split("…"))
+    assert re.fullmatch(pattern, err, flags=re.S), f"\ndocumented: {expected}\nprinted:    {err}"
+    assert not (error_fixtures / "out").exists()  # nothing was run
+
+
+def test_debug_shows_the_traceback(error_fixtures, monkeypatch, capsys):
+    monkeypatch.chdir(error_fixtures)
+    assert main(["generate", "--model", "models/llama", "--prompt", "hi", "--debug"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "ModelSourceError" in err
+    assert err.strip().splitlines()[-1].startswith("hf-rocketkv generate: error: --model models/llama: no such file")
+
+
+def test_help_exits_zero(capsys):
+    assert main(["generate", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--dtype" in out and "checkpoint's" in out  # --dtype has a help text
+    assert "--threads" in out and "--prefill-chunk-size" in out and "--debug" in out
+
+
+# ------------------------------------------------------------------------------------------------ threads
+def test_default_threads_follow_idle_cores(monkeypatch):
+    monkeypatch.setattr("hf_rocketkv.cli.threads.usable_cpus", lambda: 8)
+    monkeypatch.setattr("hf_rocketkv.cli.threads.physical_cores", lambda: 4)
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert default_threads(load_average=0.0).count == 4  # physical cores, not hyper-threads
+    assert default_threads(load_average=5.0).count == 3  # 3 CPUs idle
+    assert default_threads(load_average=7.6).count == 1  # never below 1
+    assert default_threads(load_average=40.0).count == 1
+    assert "load average 5.0" in default_threads(load_average=5.0).reason
+
+
+def test_choose_threads_precedence():
+    assert choose_threads(3) == choose_threads(3, {"OMP_NUM_THREADS": "2"})
+    assert choose_threads(3).count == 3 and choose_threads(3).reason == "--threads"
+    assert choose_threads(None, {"OMP_NUM_THREADS": "2"}) is None  # torch already follows the variable
+    assert choose_threads(None, {}).count >= 1
+
+
+def test_cpu_topology_files(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    blocks = [f"processor\t: {i}\nphysical id\t: 0\ncore id\t\t: {i % 2}\n" for i in range(4)]  # 2 cores x 2 threads
+    cpuinfo.write_text("\n".join(blocks))
+    assert physical_cores(cpuinfo) == 2
+    assert physical_cores(tmp_path / "missing") is None
+    quota = tmp_path / "cpu.max"
+    quota.write_text("150000 100000\n")
+    assert cgroup_cpu_quota(quota) == 2
+    quota.write_text("max 100000\n")
+    assert cgroup_cpu_quota(quota) is None
