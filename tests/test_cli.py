@@ -64,6 +64,13 @@ def tiny_model_dir(tmp_path_factory, smollm2_tokenizer):
     return folder
 
 
+@pytest.fixture(autouse=True)
+def keep_torch_threads(monkeypatch):
+    """main() sets torch's thread count for the whole process; with OMP_NUM_THREADS set it leaves it alone, so the
+    pytest worker keeps its own setting (tests that pass --threads still set it)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
+
+
 @pytest.fixture
 def tiny_yaml(tmp_path):
     path = tmp_path / "tiny.yaml"
@@ -185,6 +192,32 @@ def test_bundled_configs_parse():
     cpu = load_run_config(CONFIG_DIR / "smollm2-cpu.yaml")
     assert (cpu.rocket.prompt_budget, cpu.rocket.topk, cpu.rocket.page_size) == (256, 16, 4)
     assert cpu.eval.tasks == ["passkey"]
+    longdoc = load_run_config(CONFIG_DIR / "smollm2-longdoc.yaml")
+    assert (longdoc.rocket.prompt_budget, longdoc.rocket.topk, longdoc.rocket.page_size) == (512, 32, 4)
+
+
+def test_long_document_has_its_answer_deep_inside():
+    from hf_rocketkv.data import DATA_DIR, LONG_DOCUMENT
+
+    text = LONG_DOCUMENT.text
+    assert text.count(LONG_DOCUMENT.answer) == 1
+    assert 0.6 < text.index(LONG_DOCUMENT.answer) / len(text) < 0.9
+    assert "Execution model" in text and "Objects, values and types" in text
+    assert (DATA_DIR / "LICENSE-PSF.txt").read_text().startswith("PYTHON SOFTWARE FOUNDATION LICENSE VERSION 2")
+    assert "Changes made" in (DATA_DIR / "NOTICE.txt").read_text()
+
+
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="the committed text came from CPython 3.11's pydoc_data")
+def test_long_document_is_reproducible():
+    import importlib.util
+
+    from hf_rocketkv.data import LONG_DOCUMENT
+
+    spec = importlib.util.spec_from_file_location("make_long_document", ROOT / "scripts" / "make_long_document.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.with_sentence(script.chapters_text()) == LONG_DOCUMENT.text
+    assert LONG_DOCUMENT.answer in script.SENTENCE
 
 
 def test_bench_delegates_and_passes_unknown_args(monkeypatch):
@@ -328,3 +361,39 @@ def test_cpu_topology_files(tmp_path):
     assert cgroup_cpu_quota(quota) == 2
     quota.write_text("max 100000\n")
     assert cgroup_cpu_quota(quota) is None
+
+
+# ------------------------------------------------------------------------------------------------ the main job
+def readme_main_job() -> list[str]:
+    """The ``hf-rocketkv generate`` command of README.md's set-up section, as argv."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"```bash\n(hf-rocketkv generate .*?)\n```", text, flags=re.S).group(1)
+    return shlex.split(block.replace("\\\n", " "))
+
+
+@pytest.mark.slow
+def test_readme_main_job_compresses_and_answers_like_the_full_cache(monkeypatch, capsys):
+    """The README's one command on the embedded model: the answer deep in the document, with both caches."""
+    from hf_rocketkv.data import LONG_DOCUMENT
+    from hf_rocketkv.models import DefaultModelMissing, smollm2_gguf_path
+
+    try:
+        smollm2_gguf_path()
+    except DefaultModelMissing as err:
+        pytest.skip(str(err))
+    argv = readme_main_job()
+    assert argv[:2] == ["hf-rocketkv", "generate"] and "--prompt-file" in argv
+    monkeypatch.chdir(ROOT)  # the README runs it from the repository root
+    assert main(argv[1:]) == 0
+    captured = capsys.readouterr()
+    out = captured.out
+    rocket_answer = out.split("RocketKV: ", 1)[1].split("\n", 1)[0]
+    full_answer = out.split("full cache: ", 1)[1].split("\n", 1)[0]
+    assert LONG_DOCUMENT.answer in rocket_answer and LONG_DOCUMENT.answer in full_answer, out
+    assert "answer vs the full cache: identical" in out
+    prompt_tokens = int(out.split("prompt tokens: ")[1].split()[0])
+    assert 3000 < prompt_tokens < 4000
+    assert "kept per layer and KV head: 512 (" in out
+    percent = float(re.search(r"= ([\d.]+)%", out.split("KV cache: ")[1]).group(1))
+    assert percent < 25
+    assert "100%" in captured.err  # the prefill progress bars ran to the end
