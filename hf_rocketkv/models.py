@@ -64,7 +64,9 @@ def model_source(model: str | None) -> ModelSource:
         path = smollm2_gguf_path()
         return ModelSource(str(path.parent), path.name, DEFAULT_MODEL)
     if not model or not model.strip():
-        raise ModelSourceError(f"{model!r}: empty model path; use '{DEFAULT_MODEL}', a checkpoint folder or a .gguf file")
+        raise ModelSourceError(
+            f"{model!r}: empty model path; use '{DEFAULT_MODEL}', a checkpoint folder or a .gguf file"
+        )
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelSourceError(

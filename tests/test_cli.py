@@ -301,7 +301,10 @@ def test_the_error_table_is_there():
     assert len(ERROR_ROWS) >= 25
 
 
-@pytest.mark.parametrize("mistake,command,expected", ERROR_ROWS, ids=[f"{i:02d}-{r[0]}" for i, r in enumerate(ERROR_ROWS)])
+ERROR_IDS = [f"{i:02d}-{row[0]}" for i, row in enumerate(ERROR_ROWS)]
+
+
+@pytest.mark.parametrize("mistake,command,expected", ERROR_ROWS, ids=ERROR_IDS)
 def test_documented_error(mistake, command, expected, error_fixtures, monkeypatch, capsys):
     monkeypatch.chdir(error_fixtures)
     argv = shlex.split(command)

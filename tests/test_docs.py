@@ -67,7 +67,7 @@ def test_block_extraction_and_skip_marker(tmp_path):
     assert [(b.line, b.code) for b in blocks] == [
         (3, "x = 1\n"),
         (11, "# docs-test: skip - needs a GPU\ny = 2\n"),
-        (16, "# docs-test: skip\n"),
+        (15, "# docs-test: skip\n"),
     ]
     assert [b.skip_reason for b in blocks] == [None, "needs a GPU", ""]
 

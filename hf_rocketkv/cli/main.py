@@ -1,7 +1,7 @@
 """``hf-rocketkv``: generate with RocketKV, evaluate it against baselines, benchmark decode.
 
     hf-rocketkv generate --config smollm2-longdoc --prompt-file hf_rocketkv/data/python_reference.txt \\
-        --prompt "What is the archive number of this copy? Answer with the number only." --chat
+        --prompt "What is the archive number of this chapter? Answer with the number only." --chat
     hf-rocketkv eval --task passkey --output out/passkey --config smollm2-cpu
     hf-rocketkv bench --config default ...                 (hf_rocketkv.bench.decode, GPU)
 

@@ -58,7 +58,8 @@ def common_options() -> argparse.ArgumentParser:
     common.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help=f"'{DEFAULT_MODEL}' (the embedded SmolLM2-135M-Instruct, default), a local checkpoint folder or a .gguf file",
+        help=f"'{DEFAULT_MODEL}' (the embedded SmolLM2-135M-Instruct, default), a local checkpoint folder or a "
+        ".gguf file",
     )
     common.add_argument(
         "--config", default=None, help=f"YAML config file, or a bundled one by name: {', '.join(bundled_configs())}"

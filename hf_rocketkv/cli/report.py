@@ -45,7 +45,7 @@ def answers_line(rocket: TimedRun, full: TimedRun | None, tokenizer) -> str:
         return f"answer vs the full cache: identical ({len(rocket.new_ids)} tokens)"
     same = next((i for i, (a, b) in enumerate(zip(rocket.new_ids, full.new_ids)) if a != b), None)
     where = f"from token {same}" if same is not None else "in length"
-    text = tokenizer.decode(full.new_ids, skip_special_tokens=True).strip()
+    text = tokenizer.decode(full.new_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False).strip()
     return f"answer vs the full cache: differs {where}; full cache answered {text!r}"
 
 

@@ -61,9 +61,10 @@ class StepClock(LogitsProcessor):
 class PrefillProgress:
     """A tqdm bar over the prompt's tokens, advanced after each prefill forward (one per chunk).
 
-    A forward hook on the model sees every forward generate() makes: the prefill chunks, then one-token decode
-    steps, which are ignored once the bar is full. ``when_done`` runs once, right after the bar closes (the CLI
-    prints the answer's label there, so the bar on stderr and the streamed answer on stdout never share a line).
+    A forward hook on the model sees the forwards generate() makes; it removes itself once the prompt is done, so
+    decode steps (which generate() may compile) never run it. ``when_done`` runs once, right after the bar closes
+    (the CLI prints the answer's label there, so the bar on stderr and the streamed answer on stdout never share a
+    line).
     """
 
     def __init__(self, model: torch.nn.Module, total: int, desc: str, enabled: bool, when_done=None):
@@ -72,7 +73,7 @@ class PrefillProgress:
         self.done = 0
 
     def __enter__(self) -> "PrefillProgress":
-        from tqdm.auto import tqdm
+        from tqdm import tqdm
 
         self.bar = tqdm(
             total=self.total, desc=self.desc, unit="tok", disable=not self.enabled, file=sys.stderr, dynamic_ncols=True
@@ -81,8 +82,6 @@ class PrefillProgress:
         return self
 
     def after_forward(self, module, args, kwargs, output) -> None:
-        if self.done >= self.total:
-            return
         tokens = kwargs.get("input_ids")
         if tokens is None:
             tokens = kwargs.get("inputs_embeds")
@@ -94,17 +93,17 @@ class PrefillProgress:
         if self.done >= self.total:
             self.finish()
 
-    def finish(self) -> None:
+    def finish(self, announce: bool = True) -> None:
         if self.bar is None:
             return
+        self.handle.remove()
         self.bar.close()
         self.bar = None
-        if self.when_done is not None:
+        if announce and self.when_done is not None:
             self.when_done()
 
-    def __exit__(self, *exc) -> None:
-        self.handle.remove()
-        self.finish()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.finish(announce=exc_type is None)
 
 
 def timed_generate(
@@ -126,7 +125,9 @@ def timed_generate(
     clock = StepClock(device)
     prompt_tokens = input_ids.shape[1]
     chunk = prefill_chunk_size if 0 < prefill_chunk_size < prompt_tokens else None
-    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
+    # clean_up_tokenization_spaces=False: BPE tokenizers ignore the clean-up anyway, and 5.17 warns when it is asked
+    decode = dict(skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, **decode) if stream else None
     def print_label():
         print(f"{label}:", end=" ", flush=True)
 
@@ -145,5 +146,5 @@ def timed_generate(
                 streamer=streamer,
             )
     if streamer is None:
-        print(tokenizer.decode(out[0, prompt_tokens:], skip_special_tokens=True), flush=True)
+        print(tokenizer.decode(out[0, prompt_tokens:], **decode), flush=True)
     return TimedRun(label, out[0, prompt_tokens:].tolist(), start, clock.times)
