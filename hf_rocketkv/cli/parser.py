@@ -166,12 +166,3 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--config", default=None)
     return parser
-
-
-def program_name(argv: list[str]) -> str:
-    """``hf-rocketkv generate`` for error messages (the subcommand when one was given)."""
-    for item in argv:
-        if item in ("generate", "eval", "bench"):
-            return f"hf-rocketkv {item}"
-    return "hf-rocketkv"
-
