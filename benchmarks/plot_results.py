@@ -13,6 +13,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from hf_rocketkv.bench.decode import context_label  # noqa: E402
+
 LINE = re.compile(r"^(\S+)\s+B=(\d+)\s+ctx=(\d+)\s+ok\s+decode ([\d.]+) ms/tok")
 
 
@@ -37,8 +39,11 @@ def main() -> None:
                 continue
             xs = sorted(series)
             ax.plot(xs, [series[x] for x in xs], marker="o", label=cache)
+        contexts = sorted({x for (b, _), series in points.items() if b == batch for x in series})
         ax.set_xscale("log")
-        ax.set_xlabel("context (prompt tokens)")
+        ax.set_xticks(contexts, [context_label(c) for c in contexts])  # the measured contexts, not powers of ten
+        ax.minorticks_off()
+        ax.set_xlabel("context (prompt tokens, log scale)")
         ax.set_ylabel("decode ms/token")
         ax.set_title(f"batch {batch}")
         ax.grid(True, alpha=0.3)

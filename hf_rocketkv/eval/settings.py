@@ -142,8 +142,16 @@ def load_run_config(path: str | Path | None) -> RunConfig:
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
-        raise ValueError(f"{path}: invalid YAML: {err}") from err
+        raise ValueError(f"{path}: invalid YAML{_yaml_error_summary(err)}") from err
     return run_config_from_dict(data or {}, source=str(path))
+
+
+def _yaml_error_summary(err) -> str:
+    """``" at line 2, column 1: expected ',' or ']'"``: PyYAML's multi-line message reduced to one line."""
+    mark = getattr(err, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    return f"{where}: {problem}; check the indentation, colons and brackets there"
 
 
 def run_config_from_dict(data: dict[str, Any], source: str = "config") -> RunConfig:

@@ -25,6 +25,7 @@ def truncate_middle(tokenizer, text: str, max_tokens: int) -> str:
 
 class LongBenchTask(Task):
     name = "longbench"
+    required_fields = ("context", "input", "answers")  # checked by the CLI before the model loads, and here
     max_new_tokens = 32
 
     def __init__(self, path: str):
@@ -36,7 +37,7 @@ class LongBenchTask(Task):
         max_len = max(settings.lengths)
         samples = []
         for number, row in enumerate(rows, 1):
-            require(row, ("context", "input", "answers"), self.path, number)
+            require(row, self.required_fields, self.path, number)
             answers = row["answers"] if isinstance(row["answers"], list) else [row["answers"]]
             overhead = len(encode_prompt(tokenizer, TEMPLATE.format(context="", input=row["input"]), settings.chat))
             context = truncate_middle(tokenizer, str(row["context"]), max(max_len - overhead, 16))

@@ -15,6 +15,7 @@ from .jsonl import read_jsonl, require
 
 class RulerJsonlTask(Task):
     name = "ruler"
+    required_fields = ("input", "outputs")  # checked by the CLI before the model loads, and here
     max_new_tokens = 64
 
     def __init__(self, path: str):
@@ -25,7 +26,7 @@ class RulerJsonlTask(Task):
         rows = read_jsonl(self.path, settings.samples)
         samples = []
         for number, row in enumerate(rows, 1):
-            require(row, ("input", "outputs"), self.path, number)
+            require(row, self.required_fields, self.path, number)
             outputs = row["outputs"] if isinstance(row["outputs"], list) else [row["outputs"]]
             task_name = str(row.get("task", Path(self.path).stem)).lower()
             metric = "string_match_part" if "qa" in task_name else "string_match_all"

