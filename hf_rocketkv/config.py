@@ -223,7 +223,8 @@ class RocketKVConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"unknown key(s) {unknown} in {YAML_SECTION}; allowed: {sorted(known)}")
+            raise ValueError(f"unknown key(s) {unknown} in {YAML_SECTION}{_suggestions(unknown, known)}; "
+                             f"allowed: {sorted(known)}")
         return cls(**data)
 
     def to_yaml_dict(self) -> dict[str, Any]:
@@ -253,6 +254,14 @@ class RocketKVConfig:
         if path is not None:
             Path(path).write_text(text)
         return text
+
+
+def _suggestions(unknown: list[str], known: set[str]) -> str:
+    """`` (did you mean 'prompt_budget'?)`` for keys that look like a typo of a known one."""
+    import difflib
+
+    close = [match[0] for key in unknown if (match := difflib.get_close_matches(key, known, n=1))]
+    return f" (did you mean {', '.join(repr(k) for k in close)}?)" if close else ""
 
 
 def _looks_like_path(value: str | Path) -> bool:

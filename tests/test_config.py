@@ -235,3 +235,11 @@ def test_config_is_immutable_and_replace_validates():
     with pytest.raises(ValueError, match="prompt_budget"):
         config.replace(prompt_budget=4)  # below window_size
     assert hash(config) == hash(RocketKVConfig(prompt_budget=512))  # usable as a dict key (compiled-step caches)
+
+
+def test_unknown_key_suggests_the_close_field():
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['prompt_budgte'\].*did you mean 'prompt_budget'\?"):
+        RocketKVConfig.from_dict({"prompt_budgte": 256})
+    with pytest.raises(ValueError) as info:
+        RocketKVConfig.from_dict({"zzz": 1})
+    assert "did you mean" not in str(info.value)
