@@ -239,7 +239,7 @@ class GenerateHooks(Protocol):
 
     def prepare_inputs(self, call: Call) -> Any: ...
 
-    def compiled_step(self, compiled: Callable, cache, args: tuple, kwargs: dict) -> Any: ...
+    def compiled_step(self, compiled: Callable, model, cache, args: tuple, kwargs: dict) -> Any: ...
 
     def deferred_stop_supported(self, call: Call) -> bool: ...
 
@@ -292,9 +292,10 @@ class CompiledCallGate:
     compiled forward itself with the very same arguments (positional ones included); hf_rocketkv's compiled step
     otherwise."""
 
-    def __init__(self, compiled: Callable, forward_signature: inspect.Signature, hooks: GenerateHooks):
+    def __init__(self, compiled: Callable, model, hooks: GenerateHooks):
         self.compiled = compiled
-        self.forward_signature = forward_signature
+        self.model = model
+        self.forward_signature = inspect.signature(model.forward)
         self.hooks = hooks
 
     def __call__(self, *args, **kwargs):
@@ -306,7 +307,7 @@ class CompiledCallGate:
                 cache = None  # let the compiled function itself report a bad call, exactly as without us
         if not self.hooks.involves_cache(cache):
             return self.compiled(*args, **kwargs)
-        return self.hooks.compiled_step(self.compiled, cache, args, kwargs)
+        return self.hooks.compiled_step(self.compiled, self.model, cache, args, kwargs)
 
     def __getattr__(self, name):  # anything else a caller reads from the compiled function
         return getattr(self.compiled, name)
@@ -315,7 +316,7 @@ class CompiledCallGate:
 def _compiled_call_handler(hooks: GenerateHooks):
     def handle(call: Call, args, kwargs):
         compiled = call.original(*args, **kwargs)
-        return CompiledCallGate(compiled, inspect.signature(call.arguments["self"].forward), hooks)
+        return CompiledCallGate(compiled, call.arguments["self"], hooks)
 
     return handle
 

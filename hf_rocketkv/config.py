@@ -34,6 +34,7 @@ KT_CACHE_DTYPES: dict[str, torch.dtype] = {
 }
 BACKENDS = ("auto", "torch", "triton")
 DECODE_GUARD_CHECKS = ("first_step", "every_step")
+DECODE_RUNNERS = ("cuda_graphs", "torch_compile")
 YAML_SECTION = "sparse_attention_config"
 YAML_ALGORITHM = "rocket"
 
@@ -83,6 +84,11 @@ class RocketKVConfig:
                        saving ~0.5 ms of CPU per token on an 8B model). torch's stance switch is process-global, so
                        "first_step" serialises compiled RocketKV steps across threads and, while one runs, compiled
                        code of other threads skips its guards too: use it only where one generate() runs at a time.
+        decode_runner: how generate() runs the decode steps it would compile (CUDA; or CPU with compile_config's
+                       ``_compile_all_devices``): "cuda_graphs" captures each request's eager decode step as a CUDA
+                       graph on its second step and replays it (no torch.compile: no cold-start compile, no
+                       recompiles for new prompt lengths, batch sizes or max_new_tokens, no guards per step);
+                       "torch_compile" is transformers' torch.compile of the whole forward.
         deferred_stop_check: on CUDA, let generate() read its "all sequences finished" flag one step late
                        (transformers' DeferredStopCheck, which it enables on MPS only), so the next decode step is
                        queued while the current one runs instead of the GPU idling during generate()'s host work.
@@ -111,6 +117,7 @@ class RocketKVConfig:
     capacity_headroom: int = field(default=256)
     prefill_batch_size: int | None = None
     decode_guard_checks: str = "every_step"
+    decode_runner: str = "cuda_graphs"
     deferred_stop_check: bool = True
     # policies (validated in _validate_policy_fields)
     stage1: Any = "snapkv"  # a name from STAGE1_POLICY_NAMES or a policy object
@@ -157,6 +164,10 @@ class RocketKVConfig:
             raise ValueError(
                 f"RocketKVConfig.decode_guard_checks must be one of {list(DECODE_GUARD_CHECKS)}, "
                 f"got {self.decode_guard_checks!r}"
+            )
+        if self.decode_runner not in DECODE_RUNNERS:
+            raise ValueError(
+                f"RocketKVConfig.decode_runner must be one of {list(DECODE_RUNNERS)}, got {self.decode_runner!r}"
             )
         if not isinstance(self.deferred_stop_check, bool):
             raise ValueError(

@@ -9,7 +9,9 @@ Rows (``--caches``), all in one process on the same model:
     static-compile    ``generate(cache_implementation="static")``, which torch.compiles the decode step on CUDA
                       (transformers' CompileConfig: mode "reduce-overhead", i.e. CUDA graphs)
     rocketkv          RocketKVCache (``--config``'s RocketKVConfig, backend "triton" on CUDA), eager decode
-    rocketkv-compile  RocketKVCache with generate's auto-compile left on (opt-in: needs the compiled decode path)
+    rocketkv-graphs   RocketKVCache, generate's compiled-decode path with decode_runner="cuda_graphs" (the default on
+                      CUDA: each request's eager decode step captured as a CUDA graph, no torch.compile)
+    rocketkv-compile  RocketKVCache, generate's compiled-decode path with decode_runner="torch_compile"
 for every batch size x context (prompt tokens). A point that cannot fit in GPU memory is skipped with the estimate
 that says so (weights + KV cache + prefill activations), and an out-of-memory error is recorded, not raised.
 
@@ -47,7 +49,7 @@ TINY = dict(
     hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512,
     vocab_size=1024, max_position_embeddings=4096,
 )
-CACHES = ("dynamic", "static-compile", "rocketkv", "rocketkv-compile")
+CACHES = ("dynamic", "static-compile", "rocketkv", "rocketkv-graphs", "rocketkv-compile")
 DEFAULT_CACHES = ("dynamic", "static-compile", "rocketkv")
 DROP_FIRST_STEPS = 3  # decode steps left out of the median (compilation, CUDA-graph capture, allocator warm-up)
 
@@ -220,7 +222,7 @@ def run_generate(model, cache: str, ids: torch.Tensor, new_tokens: int, rocket, 
     )
     if cache.startswith("rocketkv"):
         enable(model)
-        past = RocketKVCache(rocket)
+        past = RocketKVCache(rocket_for_row(rocket, cache))
         kwargs["past_key_values"] = past
         kwargs["disable_compile"] = cache == "rocketkv"
     else:
@@ -261,6 +263,15 @@ def run_generate(model, cache: str, ids: torch.Tensor, new_tokens: int, rocket, 
         peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
     )
     return result, out.past_key_values
+
+
+def rocket_for_row(rocket, cache: str):
+    """The RocketKVConfig of a benchmark row: rocketkv-graphs / rocketkv-compile pick the decode runner."""
+    if cache == "rocketkv-graphs":
+        return rocket.replace(decode_runner="cuda_graphs")
+    if cache == "rocketkv-compile":
+        return rocket.replace(decode_runner="torch_compile")
+    return rocket
 
 
 def _profiler(device: torch.device):

@@ -50,7 +50,7 @@ class RocketKVCache(Cache):
         of silently running dense attention) and this layer's own from the previous forward (the last layer, one-layer
         models, and a forward that an exception interrupted between a layer's update and its attention).
         """
-        if not torch.compiler.is_compiling():
+        if not (torch.compiler.is_compiling() or self.hints.in_graph):
             self._check_consistent(layer_idx, key_states.shape[2])
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 

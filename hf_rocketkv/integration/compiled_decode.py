@@ -63,3 +63,4 @@ def count_decode_step(cache: RocketKVCache, args: tuple, kwargs: dict) -> None:
                 f"or decode eagerly (disable_compile=True), where the store grows."
             )
         layer.note_decode_step()
+        layer.host_seen += 1  # the traced/graphed update() skipped its host count

@@ -11,7 +11,8 @@ alone) lives in ``hf_rocketkv/compat.py``; this module is what happens when a ca
   a chunked prefill it runs the deferred stage 1; with ``prefill_batch_size`` it prefills the batch in row groups
   (``row_groups.py``).
 * ``prepare_inputs``: records the ids fed so far, which a continuation must start with.
-* ``compiled_step``: compiled decode steps count capacity on the host (``compiled_decode.py``).
+* ``compiled_step``: decode steps generate() would compile are captured as CUDA graphs (``decode_graphs.py``)
+  or compiled, counting capacity on the host (``compiled_decode.py``).
 * ``deferred_stop_supported``: on CUDA, generate() checks for the end of generation one step late, so the host never
   stalls the GPU between decode steps (``deferred_stop_check``).
 """
@@ -25,6 +26,7 @@ from ..cache.cache import RocketKVCache
 from ..cache.layer import CROP_UNSUPPORTED
 from ..config import RocketKVConfig
 from .compiled_decode import run_compiled_step
+from .decode_graphs import run_graphed_step, wants_graphs
 from .names import ATTN_NAME
 from .row_groups import prefill_in_row_groups, wants_row_groups
 
@@ -79,6 +81,7 @@ class RocketKVGenerateHooks:
         check_continuation(cache, input_ids)
         cache.token_ids = input_ids
         cache.hints.guards_checked = False  # this call's first compiled decode step runs every guard
+        cache.hints.forget_graph()  # prefill reallocates the store: a captured decode step would point at old buffers
         cache.hints.prefilling = True
         try:
             if wants_row_groups(cache, input_ids.shape[0]):
@@ -96,7 +99,11 @@ class RocketKVGenerateHooks:
         return call()
 
     # ----------------------------------------------------------------------------------------- decode
-    def compiled_step(self, compiled, cache: RocketKVCache, args: tuple, kwargs: dict):
+    def compiled_step(self, compiled, model, cache: RocketKVCache, args: tuple, kwargs: dict):
+        """A decode step generate() would compile: captured as a CUDA graph (``decode_runner="cuda_graphs"``, the
+        default on CUDA) or run through torch.compile."""
+        if not args and wants_graphs(cache, kwargs):
+            return run_graphed_step(model, cache, kwargs)
         return run_compiled_step(compiled, cache, args, kwargs)
 
     def deferred_stop_supported(self, call: compat.Call) -> bool:

@@ -1,0 +1,176 @@
+"""``hf-rocketkv bench --workload``: what a user lives with over a workload of varied requests, not one warm call.
+
+Real users change the prompt length on every call and the batch size often. For each cache type, in one process and
+on one model, this runs the same sequence of generate() calls (prompt lengths drawn between --min-context and
+--max-context, the batch sizes of --batches in turn) and reports per call: wall time (compilation included), TTFT,
+decode ms/token, and how many torch.compile graphs were built. The summary gives, side by side: the first call's
+time, the median time of the later calls, compiled graphs after the first call (recompilations), and the medians of
+TTFT and ms/token.
+
+    hf-rocketkv bench --workload --calls 8 --batches 1 4 --min-context 1024 --max-context 16384 --out out/workload
+    hf-rocketkv bench --workload --quick          # tiny model on CPU: a smoke run
+
+Rows: ``dynamic`` (DynamicCache, eager), ``static-compile`` (StaticCache + transformers' auto-compile),
+``rocketkv-graphs`` (RocketKV, decode_runner="cuda_graphs"), ``rocketkv-compile`` (RocketKV, decode_runner=
+"torch_compile"). Random weights with Llama-3.1-8B shapes (tokens are meaningless; speed is not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .decode import LLAMA_31_8B, TINY, build_model, rocket_config, run_generate
+
+WORKLOAD_CACHES = ("dynamic", "static-compile", "rocketkv-graphs", "rocketkv-compile")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hf-rocketkv bench --workload", description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", action="store_true", help="(selects this benchmark)")
+    p.add_argument("--config", default=None, help="RocketKV YAML (default RocketKVConfig())")
+    p.add_argument("--calls", type=int, default=8, help="generate() calls per cache type")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4], help="batch sizes, used in turn")
+    p.add_argument("--min-context", type=int, default=1024)
+    p.add_argument("--max-context", type=int, default=16384)
+    p.add_argument("--new-tokens", type=int, nargs="+", default=[64, 128], help="max_new_tokens, used in turn")
+    p.add_argument("--caches", nargs="+", choices=WORKLOAD_CACHES, default=list(WORKLOAD_CACHES))
+    p.add_argument("--budget-s", type=float, default=240.0, help="per cache type: skip its remaining calls after this")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="tiny model on CPU, short prompts")
+    p.add_argument("--out", default=None, help="folder for workload.json")
+    p.add_argument("--prefill-batch-size", type=int, default=None)
+    return p
+
+
+def plan_calls(args) -> list[tuple[int, int, int]]:
+    """(batch, prompt tokens, new tokens) of every call, the same for every cache type."""
+    rng = random.Random(args.seed)
+    lo, hi = (48, 160) if args.quick else (args.min_context, args.max_context)
+    return [
+        (args.batches[i % len(args.batches)], rng.randint(lo, hi), args.new_tokens[(i // len(args.batches)) % len(args.new_tokens)])
+        for i in range(args.calls)
+    ]
+
+
+def compiled_graphs() -> int:
+    import torch._dynamo.utils as dynamo_utils
+
+    return int(dynamo_utils.counters["stats"].get("unique_graphs", 0))
+
+
+def run_cache(model, cache: str, calls, rocket, device, vocab: int, budget_s: float) -> list[dict]:
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    records, started = [], time.perf_counter()
+    for index, (batch, length, new) in enumerate(calls):
+        if time.perf_counter() - started > budget_s:
+            records.append(dict(call=index, batch=batch, context=length, new_tokens=new, status="skipped (budget)"))
+            continue
+        ids = torch.randint(3, vocab, (batch, length), device=device, generator=torch.Generator(device).manual_seed(index))
+        graphs_before = compiled_graphs()
+        t0 = time.perf_counter()
+        try:
+            result, _ = run_generate(model, cache, ids, new, rocket)
+            status = "ok"
+        except torch.OutOfMemoryError:
+            result, status = {}, "oom"
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        records.append(dict(
+            call=index, batch=batch, context=length, new_tokens=new, status=status,
+            wall_s=time.perf_counter() - t0, graphs_compiled=compiled_graphs() - graphs_before,
+            **{k: v for k, v in result.items() if k != "new_tokens"},
+        ))
+        del ids
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return records
+
+
+def summarise(cache: str, records: list[dict]) -> dict:
+    done = [r for r in records if r["status"] == "ok"]
+    later = done[1:]
+
+    def median(key, rows):
+        values = [r[key] for r in rows if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    return dict(
+        cache=cache,
+        calls_ok=len(done),
+        first_call_s=done[0]["wall_s"] if done else None,
+        warm_call_s=median("wall_s", later),
+        graphs_first_call=done[0]["graphs_compiled"] if done else None,
+        recompiles_after_first=sum(r["graphs_compiled"] for r in later),
+        ttft_s=median("prefill_s", done),
+        decode_ms_per_token=median("decode_ms_per_token", later or done),
+        peak_gib=max((r["peak_gib"] for r in done if r.get("peak_gib") is not None), default=None),
+    )
+
+
+def markdown(summaries: list[dict]) -> str:
+    head = ("| cache | calls ok | first call s | later calls s (median) | graphs 1st call | recompiles after | "
+            "TTFT s | decode ms/token | peak GiB |")
+    lines = [head, "|" + "---|" * 9]
+    for s in summaries:
+        cells = [s["cache"], s["calls_ok"], s["first_call_s"], s["warm_call_s"], s["graphs_first_call"],
+                 s["recompiles_after_first"], s["ttft_s"], s["decode_ms_per_token"], s["peak_gib"]]
+        lines.append("| " + " | ".join(f"{c:.2f}" if isinstance(c, float) else str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def run(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    model_kwargs = dict(TINY if args.quick else LLAMA_31_8B)
+    model = build_model(model_kwargs, args.layers, dtype, device, args.seed)
+    rocket = rocket_config(argparse.Namespace(config=args.config, prefill_batch_size=args.prefill_batch_size),
+                           args.quick, device)
+    calls = plan_calls(args)
+    report = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(), device=_device_name(device),
+        torch=torch.__version__, command="hf-rocketkv bench " + " ".join(argv or []), calls=calls,
+        rocketkv=rocket.to_dict(), caches={},
+    )
+    summaries = []
+    for cache in args.caches:
+        if args.quick and cache == "static-compile":
+            continue  # the compiled StaticCache path needs CUDA (or minutes of CPU compile)
+        records = run_cache(model, cache, calls, rocket, device, model_kwargs["vocab_size"], args.budget_s)
+        summary = summarise(cache, records)
+        summaries.append(summary)
+        report["caches"][cache] = dict(summary=summary, calls=records)
+        print(json.dumps(summary))
+        if args.out:
+            _write(report, args.out)
+    report["markdown"] = markdown(summaries)
+    print(report["markdown"])
+    if args.out:
+        _write(report, args.out)
+    return report
+
+
+def _write(report: dict, out: str) -> None:
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "workload.json").write_text(json.dumps(report, indent=1, default=str))
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def main(argv: list[str] | None = None) -> int:
+    run(argv)
+    return 0

@@ -1,0 +1,146 @@
+"""A request's decode step as a CUDA graph of the eager forward (``RocketKVConfig.decode_runner="cuda_graphs"``).
+
+generate() compiles decode steps with torch.compile (inductor + CUDA graphs) when a cache is compileable. That costs
+a whole-model compile on a process's first call (78-166 s for an 8B model), a recompile whenever a shape changes
+(prompt length, batch size, max_new_tokens) and guard checks before every step. RocketKV's decode step has fixed
+shapes within one request and no host synchronisation, so it can instead be captured as it runs eagerly:
+
+    step 1   eager, on a side stream (warms up cuBLAS and the Triton kernels; a real step)
+    step 2   copy the inputs into static buffers, capture the forward into a torch.cuda.CUDAGraph, replay it
+    step 3+  copy the inputs, advance the cache's host bookkeeping, replay
+
+There is no dynamo, so no compile, no recompiles and no guards: a new prompt length, batch size or max_new_tokens is
+just another capture (~2 eager steps) on that request's first decode steps. Python runs at capture only, so the
+cache layers skip their host bookkeeping while ``cache.hints.in_graph`` is set and this runner does it instead
+(``count_decode_step``: capacity check, length mirrors).
+
+The graph lives on the request's cache (``cache.hints``): it is specific to that cache's buffers, and freed with it.
+Everything here runs on the thread that calls generate(); nothing is shared between requests or threads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..cache.cache import RocketKVCache
+from .compiled_decode import count_decode_step
+
+def wants_graphs(cache: RocketKVCache, kwargs: dict) -> bool:
+    """A one-token decode step of a cache configured for CUDA graphs, on a device that has them."""
+    if cache.config.decode_runner != "cuda_graphs":
+        return False
+    ids = kwargs.get("input_ids")
+    if ids is None or ids.dim() != 2 or ids.shape[1] != 1:
+        return False
+    return ids.device.type in cache.hints.graph_devices
+
+
+def signature_of(kwargs: dict) -> tuple:
+    """What a captured graph depends on: every tensor's shape, dtype and device, every other value as is."""
+    parts = []
+    for name in sorted(kwargs):
+        value = kwargs[name]
+        if isinstance(value, torch.Tensor):
+            parts.append((name, tuple(value.shape), value.dtype, value.device))
+        elif isinstance(value, dict):
+            parts.append((name, signature_of(value)))
+        elif isinstance(value, RocketKVCache):
+            parts.append((name, id(value)))
+        else:
+            parts.append((name, value))
+    return tuple(parts)
+
+
+def static_copy(value):
+    """A static buffer for one input (tensors cloned, dicts of tensors recursively, anything else as is)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: static_copy(v) for k, v in value.items()}
+    return value
+
+
+def copy_into(static, value) -> None:
+    if isinstance(static, torch.Tensor):
+        static.copy_(value)
+    elif isinstance(static, dict):
+        for key, item in static.items():
+            copy_into(item, value[key])
+
+
+class CudaGraphBackend:
+    """torch.cuda.CUDAGraph capture and replay (the real thing; tests substitute a CPU stand-in)."""
+
+    def warm_up(self, run: Callable[[], Any]):
+        """Run one real step on a side stream, as torch recommends before a capture."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            out = run()
+        torch.cuda.current_stream().wait_stream(stream)
+        return out
+
+    def capture(self, run: Callable[[], Any]):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run()
+        return graph, out
+
+    def replay(self, graph) -> None:
+        graph.replay()
+
+
+@dataclass
+class GraphedStep:
+    """The captured decode step of one request (one input signature)."""
+
+    signature: tuple
+    static_kwargs: dict
+    graph: Any
+    static_output: Any
+    replays: int = field(default=0)
+
+
+def run_graphed_step(model, cache: RocketKVCache, kwargs: dict, backend=None):
+    """One decode step of ``cache``'s request through its CUDA graph (see the module docstring for the phases)."""
+    backend = backend if backend is not None else cache.hints.graph_backend or CudaGraphBackend()
+    hints = cache.hints
+    signature = signature_of(kwargs)
+    step: GraphedStep | None = hints.graphed_step
+    if step is not None and step.signature != signature:
+        step = hints.graphed_step = None  # new shapes within the request (rare): capture again
+    if step is None and not hints.graph_warmed_up:
+        hints.graph_warmed_up = True
+        return backend.warm_up(lambda: model(**kwargs))
+    count_decode_step(cache, (), kwargs)  # capacity check and host mirrors, before the device step
+    if step is None:
+        static_kwargs = {k: static_copy(v) for k, v in kwargs.items()}
+        hints.in_graph = True
+        try:
+            graph, static_output = backend.capture(lambda: model(**static_kwargs))
+        finally:
+            hints.in_graph = False
+        step = hints.graphed_step = GraphedStep(signature, static_kwargs, graph, static_output)
+    else:
+        for name, value in kwargs.items():
+            copy_into(step.static_kwargs[name], value)
+    hints.in_graph = True
+    try:
+        backend.replay(step.graph)
+    finally:
+        hints.in_graph = False
+    step.replays += 1
+    return detached_output(step.static_output)
+
+
+def detached_output(output):
+    """The step's output with its tensors cloned out of the graph's static memory (the next replay overwrites it)."""
+    if isinstance(output, torch.Tensor):
+        return output.clone()
+    fields = {}
+    for key, value in output.items():
+        fields[key] = value.clone() if isinstance(value, torch.Tensor) else value
+    return type(output)(**fields)

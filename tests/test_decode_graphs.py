@@ -1,0 +1,131 @@
+"""Decode steps captured as graphs (integration/decode_graphs.py), on CPU with a stand-in for torch.cuda graphs.
+
+The stand-in keeps what matters of a CUDA graph: capture records the call without running it, replay re-runs it on
+the SAME static input buffers with the cache's host bookkeeping switched off (at a real replay no Python runs). So if
+the runner forgot to copy an input, to count a step on the host or to reset a graph between turns, tokens or cache
+state would differ from the eager run, which is the oracle here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo.utils as dynamo_utils
+from transformers import CompileConfig
+
+from hf_rocketkv import RocketKVCache
+
+from .helpers import compressing_config, greedy, left_pad, make_models, random_ids
+
+
+class StandInGraph:
+    def __init__(self, run):
+        self.run = run
+        self.output = None
+
+
+class StandInBackend:
+    """Capture = remember; replay = run on the static buffers and write the result into the static output."""
+
+    def __init__(self):
+        self.captures = 0
+        self.replays = 0
+
+    def warm_up(self, run):
+        return run()
+
+    def capture(self, run):
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        self.captures += 1
+        graph = StandInGraph(run)
+        graph.output = CausalLMOutputWithPast()
+        return graph, graph.output
+
+    def replay(self, graph):
+        self.replays += 1
+        out = graph.run()
+        for key, value in out.items():
+            graph.output[key] = value
+
+
+def _compile_config():
+    config = CompileConfig(fullgraph=True, mode="default", dynamic=False, backend="eager")
+    config._compile_all_devices = True  # take generate()'s compiled-decode path on CPU
+    return config
+
+
+def graphed_cache(config, backend):
+    cache = RocketKVCache(config)
+    cache.hints.graph_devices = ("cpu",)
+    cache.hints.graph_backend = backend
+    return cache
+
+
+def _same_state(a, b):
+    for la, lb in zip(a.layers, b.layers):
+        assert torch.equal(la.lengths, lb.lengths) and int(la.seen) == int(lb.seen)
+        assert (la.host_max_length, la.host_decoded, la.host_seen) == (lb.host_max_length, lb.host_decoded, lb.host_seen)
+        assert torch.equal(la.positions, lb.positions) and torch.equal(la.kt, lb.kt)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_graphed_decode_equals_eager_with_one_capture_and_no_dynamo(batch):
+    rocket, _ = make_models("llama")
+    config = compressing_config()
+    ids, mask = left_pad([random_ids(1, 40 + 7 * b, seed=b)[0] for b in range(batch)])
+    eager_cache = RocketKVCache(config)
+    eager = greedy(rocket, ids, attention_mask=mask, past_key_values=eager_cache, max_new_tokens=12,
+                   disable_compile=True)
+    backend = StandInBackend()
+    dynamo_utils.counters.clear()
+    cache = graphed_cache(config, backend)
+    out = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12,
+                 compile_config=_compile_config())
+    assert torch.equal(out, eager)
+    assert backend.captures == 1 and backend.replays == 10  # 11 decode steps: 1 warm-up, 1 capture + replay, 9
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 0  # nothing compiled
+    _same_state(cache, eager_cache)
+
+
+def test_new_prompt_lengths_and_lengths_of_answer_just_capture_again():
+    rocket, _ = make_models("llama")
+    config = compressing_config()
+    backend = StandInBackend()
+    for length, new in ((30, 6), (57, 9), (44, 4)):
+        ids = random_ids(1, length, seed=length)
+        eager = greedy(rocket, ids, past_key_values=RocketKVCache(config), max_new_tokens=new, disable_compile=True)
+        out = greedy(rocket, ids, past_key_values=graphed_cache(config, backend), max_new_tokens=new,
+                     compile_config=_compile_config())
+        assert torch.equal(out, eager), (length, new)
+    assert backend.captures == 3  # one per request, whatever its shapes
+
+
+def test_next_turn_recaptures_on_the_new_buffers():
+    rocket, _ = make_models("llama")
+    config = compressing_config()
+    backend = StandInBackend()
+    caches = [RocketKVCache(config), graphed_cache(config, backend)]
+    outs = []
+    for cache in caches:
+        kwargs = dict(disable_compile=True) if cache is caches[0] else dict(compile_config=_compile_config())
+        first = greedy(rocket, random_ids(1, 50), past_key_values=cache, max_new_tokens=8, **kwargs)
+        second = greedy(rocket, torch.cat([first, random_ids(1, 9, seed=3)], 1), past_key_values=cache,
+                        max_new_tokens=8, **kwargs)
+        outs.append(second)
+    assert torch.equal(outs[0], outs[1])
+    assert backend.captures == 2
+    _same_state(caches[1], caches[0])
+
+
+def test_torch_compile_runner_is_still_available():
+    rocket, _ = make_models("llama", num_hidden_layers=1)
+    config = compressing_config(decode_runner="torch_compile", kt_cache_dtype="float32")
+    backend = StandInBackend()
+    ids = random_ids(1, 40)
+    eager = greedy(rocket, ids, past_key_values=RocketKVCache(config), max_new_tokens=5, disable_compile=True)
+    out = greedy(rocket, ids, past_key_values=graphed_cache(config, backend), max_new_tokens=5,
+                 compile_config=_compile_config())
+    assert torch.equal(out, eager) and backend.captures == 0
+    with pytest.raises(ValueError, match="decode_runner"):
+        compressing_config(decode_runner="graphs")
