@@ -19,7 +19,8 @@ from ..models import DEFAULT_MODEL
 PROG = "hf-rocketkv serve"
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 CONFIG_SECTION = "sparse_attention_config"
-OTHER_SECTIONS = ("eval",)  # sections of other commands that a shared config file may hold
+OTHER_SECTIONS = ("eval",)
+GRACEFUL_SHUTDOWN_S = 10  # sections of other commands that a shared config file may hold
 
 
 class UsageError(ValueError):
@@ -138,7 +139,8 @@ def served_name(args: argparse.Namespace) -> str:
 
 
 def serve_main(argv: list[str] | None = None) -> int:
-    """Run the server until interrupted. Returns the exit status (2: usage or config error)."""
+    """Run the server until interrupted (Ctrl-C / SIGTERM: in-flight requests get up to 10 s, then are cancelled).
+    Returns the exit status: 0 after a requested stop, 2 for a usage, config or model-loading error."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -162,6 +164,8 @@ def serve_main(argv: list[str] | None = None) -> int:
         return 2
     try:
         _run(manager, served_name(args), sock, args.log_level)
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled: the user asked for a stop
+        pass
     finally:
         manager.stop(drain=False, timeout=30)
         sock.close()
@@ -176,4 +180,5 @@ def _run(manager, model_name: str, sock: socket.socket, log_level: str) -> None:
     app = create_app(manager, model_name)
     host, port = sock.getsockname()[:2]
     print(f"{PROG}: serving {model_name!r} on http://{host}:{port}/v1", file=sys.stderr)
-    uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off")).run(sockets=[sock])
+    config = uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    uvicorn.Server(config).run(sockets=[sock])
