@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 (default 64)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="context limit, prompt + max_tokens (default: the model's max_position_embeddings)")
+    parser.add_argument("--default-max-tokens", type=int, default=4096,
+                        help="max_tokens of chat requests that give none (default 4096, capped by the context; "
+                             "RocketKV preallocates decode slots for max_tokens)")
     parser.add_argument("--pool-gib", type=float, default=None,
                         help="reserve each request's pages in a KVBlockPool of this many GiB (admission, metrics)")
     parser.add_argument("--device", default=None, help="torch device (default: where the model loads, CPU)")
@@ -93,6 +96,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--max-queue must be >= 1, got {args.max_queue}")
     if args.max_model_len is not None and args.max_model_len < 2:
         raise UsageError(f"--max-model-len must be >= 2, got {args.max_model_len}")
+    if args.default_max_tokens < 1:
+        raise UsageError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
     if args.pool_gib is not None and args.pool_gib <= 0:
         raise UsageError(f"--pool-gib must be > 0, got {args.pool_gib}")
     if args.threads is not None and args.threads < 1:
@@ -163,7 +168,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: cannot load --model {args.model}: {err}", file=sys.stderr)
         return 2
     try:
-        _run(manager, served_name(args), sock, args.log_level)
+        _run(manager, served_name(args), sock, args)
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled: the user asked for a stop
         pass
     finally:
@@ -172,13 +177,14 @@ def serve_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run(manager, model_name: str, sock: socket.socket, log_level: str) -> None:
+def _run(manager, model_name: str, sock: socket.socket, args: argparse.Namespace) -> None:
     import uvicorn
 
     from .server import create_app
 
-    app = create_app(manager, model_name)
+    app = create_app(manager, model_name, default_max_tokens=args.default_max_tokens)
     host, port = sock.getsockname()[:2]
     print(f"{PROG}: serving {model_name!r} on http://{host}:{port}/v1", file=sys.stderr)
-    config = uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    config = uvicorn.Config(app, log_level=args.log_level, lifespan="off",
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     uvicorn.Server(config).run(sockets=[sock])

@@ -69,6 +69,10 @@ class GenerationManager:
         self.vocab_size = int(text_config.vocab_size)
         self.max_model_len = int(max_model_len or text_config.max_position_embeddings)
         self.eos_token_ids = _eos_ids(model, tokenizer)
+        if tokenizer is not None:
+            # A fast tokenizer may reset padding/truncation state stored in its file on its first call (a mutation
+            # of the Rust object); do it here, on one thread, before requests encode and decode concurrently.
+            tokenizer("warm-up", add_special_tokens=True)
         self.engine = engine if engine is not None else SequentialEngine(model, config, pool=pool,
                                                                           max_queue=max_queue)
         self._records: dict[str, _Record] = {}

@@ -14,7 +14,10 @@ from .errors import InvalidRequest
 from .outputs import FinishReason
 from .sampling import SamplingParams
 
-COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# Chat without max_tokens: this cap or the rest of the context, whichever is smaller. A cap, because a RocketKV cache
+# preallocates decode slots for max_tokens: "the rest of a 128k context" would reserve 128k slots per request.
+CHAT_DEFAULT_MAX_TOKENS = 4096
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "stop", "stop_token_ids", "seed", "ignore_eos")
 COMMON_FIELDS = frozenset({
@@ -34,7 +37,7 @@ class ParsedRequest:
 
     prompt            completions: a string or a list of token ids; chat: None
     messages          chat: the messages (text content); completions: None
-    max_tokens        None: the endpoint's default (completions 16, chat the rest of the context)
+    max_tokens        None: the endpoint's default (completions 16; chat min(chat_default, the rest of the context))
     sampling          SamplingParams fields other than max_tokens
     """
 
@@ -46,11 +49,14 @@ class ParsedRequest:
     prompt: str | list[int] | None = None
     messages: list[dict[str, str]] | None = None
 
-    def sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
-        """SamplingParams once the prompt is tokenized (chat without max_tokens gets the rest of the context)."""
+    def sampling_params(self, prompt_len: int, max_model_len: int,
+                        chat_default: int = CHAT_DEFAULT_MAX_TOKENS) -> SamplingParams:
+        """SamplingParams once the prompt is tokenized (the endpoint's default max_tokens filled in)."""
         max_tokens = self.max_tokens
-        if max_tokens is None:
-            max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if self.messages is None else max(1, max_model_len - prompt_len)
+        if max_tokens is None and self.messages is None:
+            max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
+        elif max_tokens is None:
+            max_tokens = max(1, min(chat_default, max_model_len - prompt_len))
         return SamplingParams(max_tokens=max_tokens, **self.sampling)
 
 

@@ -32,8 +32,9 @@ from starlette.responses import StreamingResponse  # noqa: E402
 
 from .errors import EngineStopped, InvalidRequest, Overloaded
 from .outputs import FinishReason
-from .prompts import encode_chat
+from .prompts import encode_chat, encode_text
 from .protocol import (
+    CHAT_DEFAULT_MAX_TOKENS,
     ParsedRequest,
     chat_body,
     chat_chunk,
@@ -49,12 +50,19 @@ logger = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.2  # how often a non-streaming request checks that its client is still there
 
 
-def create_app(manager, model_name: str):
-    """The FastAPI app serving ``manager`` under the model id ``model_name``."""
+def create_app(manager, model_name: str, *, default_max_tokens: int = CHAT_DEFAULT_MAX_TOKENS):
+    """The FastAPI app serving ``manager`` under the model id ``model_name``.
+
+    ``default_max_tokens``: max_tokens of a chat request that gives none (capped by the rest of the context).
+    Completions without max_tokens get OpenAI's 16.
+    """
+    if not isinstance(default_max_tokens, int) or isinstance(default_max_tokens, bool) or default_max_tokens < 1:
+        raise ValueError(f"default_max_tokens must be an integer >= 1, got {default_max_tokens!r}")
     app = FastAPI(title="hf_rocketkv", description="RocketKV KV-cache compression, OpenAI-compatible API")
     app.state.manager = manager
     app.state.model_name = model_name
     app.state.created = int(time.time())
+    app.state.default_max_tokens = default_max_tokens
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -112,7 +120,7 @@ async def _generate(request, app, chat: bool):
         raise InvalidRequest(f"model {parsed.model!r} does not exist; this server serves {model_name!r}", "model",
                              "model_not_found")
     prompt_ids = await run_in_threadpool(_prompt_ids, manager, parsed)  # tokenizing a long prompt takes a while
-    params = parsed.sampling_params(len(prompt_ids), manager.max_model_len)
+    params = parsed.sampling_params(len(prompt_ids), manager.max_model_len, app.state.default_max_tokens)
     request_id = manager.add_request(prompt_ids, params)
     prefix = "chatcmpl-" if chat else "cmpl-"
     reply = _Reply(prefix + request_id, int(time.time()), model_name, chat)
@@ -132,9 +140,7 @@ def _prompt_ids(manager, parsed: ParsedRequest) -> list[int]:
     if parsed.messages is not None:
         return encode_chat(manager.tokenizer, parsed.messages)
     if isinstance(parsed.prompt, str):
-        if manager.tokenizer is None:
-            raise InvalidRequest("this server has no tokenizer: send the prompt as token ids", "prompt")
-        return list(manager.tokenizer(parsed.prompt, add_special_tokens=True)["input_ids"])
+        return encode_text(manager.tokenizer, parsed.prompt)
     return list(parsed.prompt)
 
 

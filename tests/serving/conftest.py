@@ -57,9 +57,9 @@ def serve(make_manager):
 
     servers = []
 
-    def start(model_name: str = "tiny", **kwargs):
+    def start(model_name: str = "tiny", app_kwargs: dict | None = None, **kwargs):
         manager = make_manager(**kwargs)
-        server = ServerThread(create_app(manager, model_name)).start()
+        server = ServerThread(create_app(manager, model_name, **(app_kwargs or {}))).start()
         servers.append(server)
         return server, manager
 

@@ -18,6 +18,12 @@ from hf_rocketkv.serving.cli import load_config, serve_main
 REPO = Path(__file__).resolve().parents[2]
 
 
+def subprocess_env() -> dict[str, str]:
+    """This environment, with the repository first on PYTHONPATH (so the subprocess imports this checkout)."""
+    paths = [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--port", "x"], "invalid int value"),
@@ -74,7 +80,7 @@ def test_missing_serve_extra_names_the_install_command(monkeypatch):
 
 def run_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
+                          timeout=timeout, env=subprocess_env())
 
 
 def test_import_without_the_serve_extra():
@@ -125,7 +131,7 @@ def test_serve_main_end_to_end(tmp_path):
                "sys.exit(serve_main(sys.argv[1:]))", "--model", str(tmp_path / "tiny"), "--config", str(config),
                "--port", "0", "--served-model-name", "tiny", "--log-level", "warning", "--threads", "1"]
     process = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONPATH": str(REPO)})
+                               env=subprocess_env())
     try:
         url = None
         deadline = time.monotonic() + 120

@@ -88,6 +88,18 @@ def test_chat_streaming_and_not(serve, tiny_pair, tokenizer, cfg):
     assert joined.choices[0].message.content == expected
 
 
+def test_default_max_tokens(serve, tokenizer):
+    server, _ = serve(tokenizer=tokenizer, app_kwargs={"default_max_tokens": 5})
+    api = client(server)
+    short = api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                        extra_body=NO_EOS)
+    assert short.usage.completion_tokens == 5  # the server's default for chat
+    near_limit = [{"role": "user", "content": "y" * 1005}]  # chat template + 1005 characters: 1021 of 1024 tokens
+    tail = api.chat.completions.create(model="tiny", messages=near_limit, extra_body=NO_EOS)
+    assert tail.usage.prompt_tokens + tail.usage.completion_tokens == 1024  # capped by the rest of the context
+    assert api.completions.create(model="tiny", prompt="hi", extra_body=NO_EOS).usage.completion_tokens == 16
+
+
 def test_concurrent_requests_equal_each_alone(serve, tiny_pair, tokenizer, cfg):
     server, _ = serve(tokenizer=tokenizer)
     api = client(server)
