@@ -18,7 +18,6 @@ request you add, or cancel it.
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -189,7 +188,8 @@ class GenerationManager:
             free, total = self.pool.free_pages(), self.pool.total_pages()
         return ManagerMetrics(
             running=load.running, waiting=load.waiting, max_queue=load.max_queue, free_pages=free, total_pages=total,
-            time_to_first_token=self._recorder.ttft.snapshot(), tokens_per_second=self._recorder.tokens_per_s.snapshot(),
+            time_to_first_token=self._recorder.ttft.snapshot(),
+            tokens_per_second=self._recorder.tokens_per_s.snapshot(),
             alive=load.alive and not self._stopped, **counters,
         )
 

@@ -30,10 +30,10 @@ from fastapi.responses import JSONResponse, Response  # noqa: E402
 from starlette.concurrency import run_in_threadpool  # noqa: E402
 from starlette.responses import StreamingResponse  # noqa: E402
 
-from .errors import EngineStopped, InvalidRequest, Overloaded
-from .outputs import FinishReason
-from .prompts import encode_chat, encode_text
-from .protocol import (
+from .errors import EngineStopped, InvalidRequest, Overloaded  # noqa: E402
+from .outputs import FinishReason  # noqa: E402
+from .prompts import encode_chat, encode_text  # noqa: E402
+from .protocol import (  # noqa: E402
     CHAT_DEFAULT_MAX_TOKENS,
     ParsedRequest,
     chat_body,

@@ -17,7 +17,6 @@ from hf_rocketkv import KVBlockPool, RocketKVCache
 from hf_rocketkv.serving import (
     EngineStopped,
     FinishReason,
-    GenerationManager,
     InvalidRequest,
     Overloaded,
     SamplingParams,
