@@ -18,6 +18,7 @@ from .integration.generate import get_config, set_config
 from .integration.names import ATTN_NAME
 from .integration.registration import enable, register
 from .memory import KVBlockPool
+from .serving.batch import generate_batch
 
 __version__ = "0.1.0"
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "RocketKVConfig",
     "RocketKVLayer",
     "enable",
+    "generate_batch",
     "get_config",
     "register",
     "set_config",

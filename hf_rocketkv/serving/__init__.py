@@ -1,0 +1,58 @@
+"""serving/: many requests on one model. The floor above integration/ (uses only the public API below it).
+
+    GenerationManager   add_request / stream / astream / result / cancel / stop / metrics
+    SamplingParams      per-request max_tokens, temperature, top_p, top_k, stop, stop_token_ids, seed, ignore_eos
+    GenerationOutput    one streamed event; GenerationResult: a finished request; FinishReason
+    Engine              the interface an engine implements (engine.py); SequentialEngine: the first one
+    generate_batch      prompts in, results in input order
+    create_app          the OpenAI-compatible FastAPI app (optional extra: pip install hf_rocketkv[serve])
+    serve_main          ``hf-rocketkv serve`` (argparse entry, returns an exit status)
+
+FastAPI, uvicorn and prometheus-client are imported only by ``create_app`` / ``serve_main`` / ``ServerThread``.
+"""
+
+from .batch import generate_batch
+from .engine import Engine, EngineEvent, EngineLoad, EngineRequest
+from .errors import EngineStopped, InvalidRequest, Overloaded, ServeDependencyError, UnknownRequest
+from .manager import GenerationManager
+from .metrics import HistogramSnapshot, ManagerMetrics
+from .outputs import FinishReason, GenerationOutput, GenerationResult, RequestTimings
+from .sampling import SamplingParams
+from .sequential import SequentialEngine
+
+__all__ = [
+    "Engine",
+    "EngineEvent",
+    "EngineLoad",
+    "EngineRequest",
+    "EngineStopped",
+    "FinishReason",
+    "GenerationManager",
+    "GenerationOutput",
+    "GenerationResult",
+    "HistogramSnapshot",
+    "InvalidRequest",
+    "ManagerMetrics",
+    "Overloaded",
+    "RequestTimings",
+    "SamplingParams",
+    "SequentialEngine",
+    "ServeDependencyError",
+    "UnknownRequest",
+    "create_app",
+    "generate_batch",
+    "serve_main",
+]
+
+
+def __getattr__(name: str):
+    """``create_app`` and ``serve_main`` load lazily: their modules need the optional serve extra."""
+    if name == "create_app":
+        from .server import create_app
+
+        return create_app
+    if name == "serve_main":
+        from .cli import serve_main
+
+        return serve_main
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,74 @@
+"""generate_batch: many prompts through a GenerationManager, results in input order.
+
+    results = hf_rocketkv.generate_batch(model, ["first prompt", "second"], tokenizer=tok,
+                                         sampling=SamplingParams.greedy(64))
+    results[0].text, results[0].token_ids, results[0].finish_reason
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..config import RocketKVConfig
+from .errors import InvalidRequest
+from .manager import GenerationManager
+from .outputs import GenerationResult
+from .sampling import SamplingParams
+
+
+def sampling_from_generation_config(generation_config) -> SamplingParams:
+    """SamplingParams equivalent to a transformers GenerationConfig's length, sampling and EOS settings."""
+    max_tokens = generation_config.max_new_tokens or 16
+    if not generation_config.do_sample:
+        return SamplingParams.greedy(max_tokens)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=generation_config.temperature if generation_config.temperature is not None else 1.0,
+        top_p=generation_config.top_p if generation_config.top_p is not None else 1.0,
+        top_k=generation_config.top_k or 0,
+    )
+
+
+def generate_batch(model, prompts: Sequence[str | Sequence[int]], generation_config=None,
+                   config: RocketKVConfig | None = None, pool=None,
+                   sampling: SamplingParams | Sequence[SamplingParams] | None = None, *, tokenizer=None,
+                   engine=None) -> list[GenerationResult]:
+    """Generate for every prompt and return one ``GenerationResult`` per prompt, in input order.
+
+    Args:
+        model: a causal LM with ``rocketkv`` attention.
+        prompts: strings (need ``tokenizer``) or lists of token ids.
+        generation_config: used only when ``sampling`` is None: its max_new_tokens / do_sample / temperature /
+            top_p / top_k (default: the model's generation config).
+        config: RocketKVConfig of every request's cache (default ``hf_rocketkv.get_config(model)``).
+        pool: a ``KVBlockPool`` the engine reserves pages from.
+        sampling: one SamplingParams for all prompts, or one per prompt.
+        tokenizer: to encode string prompts and decode outputs (``result.text``); without it texts are empty.
+        engine: an Engine to use instead of a fresh SequentialEngine.
+
+    An invalid prompt raises ``InvalidRequest`` naming its index (requests added before it are cancelled).
+    """
+    prompts = list(prompts)
+    if isinstance(sampling, SamplingParams) or sampling is None:
+        params = sampling or sampling_from_generation_config(generation_config or model.generation_config)
+        per_prompt = [params] * len(prompts)
+    else:
+        per_prompt = list(sampling)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"sampling has {len(per_prompt)} entries for {len(prompts)} prompts")
+    if not prompts:
+        return []
+    manager = GenerationManager(model, tokenizer, config, engine=engine, pool=pool,
+                                max_queue=max(1, len(prompts)))
+    try:
+        ids = [_add(manager, i, prompt, params) for i, (prompt, params) in enumerate(zip(prompts, per_prompt))]
+        return [manager.result(request_id) for request_id in ids]
+    finally:
+        manager.stop(drain=False)
+
+
+def _add(manager: GenerationManager, index: int, prompt, params: SamplingParams) -> str:
+    try:
+        return manager.add_request(prompt, params)
+    except InvalidRequest as err:
+        raise InvalidRequest(f"prompts[{index}]: {err.message}", err.param, err.code) from err

@@ -1,0 +1,190 @@
+"""``hf-rocketkv serve``: the OpenAI-compatible server from the command line.
+
+    hf-rocketkv serve --model smollm2 --config smollm2-cpu --host 127.0.0.1 --port 8000
+
+``serve_main(argv) -> int`` is the whole command (the ``hf-rocketkv`` entry point dispatches to it). Every mistake
+that can be found before the model loads (missing serve extra, bad config, port taken) is reported in one to three
+lines with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from pathlib import Path
+
+from ..models import DEFAULT_MODEL
+
+PROG = "hf-rocketkv serve"
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_SECTION = "sparse_attention_config"
+OTHER_SECTIONS = ("eval",)
+GRACEFUL_SHUTDOWN_S = 10  # sections of other commands that a shared config file may hold
+
+
+class UsageError(ValueError):
+    """A command-line or config mistake: one short message, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (not the whole usage block)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=PROG, description="Serve a model with RocketKV through an OpenAI-compatible HTTP API.")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="'smollm2' (embedded default), a local checkpoint folder or a .gguf file")
+    parser.add_argument("--config", default=None,
+                        help="YAML with a sparse_attention_config section, or a bundled config by name "
+                             f"({', '.join(sorted(p.stem for p in CONFIG_DIR.glob('*.yaml')))})")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None, help="model id clients send (default: --model's name)")
+    parser.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 (default 64)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="context limit, prompt + max_tokens (default: the model's max_position_embeddings)")
+    parser.add_argument("--default-max-tokens", type=int, default=4096,
+                        help="max_tokens of chat requests that give none (default 4096, capped by the context; "
+                             "RocketKV preallocates decode slots for max_tokens)")
+    parser.add_argument("--pool-gib", type=float, default=None,
+                        help="reserve each request's pages in a KVBlockPool of this many GiB (admission, metrics)")
+    parser.add_argument("--device", default=None, help="torch device (default: where the model loads, CPU)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return parser
+
+
+def load_config(value: str | None):
+    """A RocketKVConfig from a YAML path or a bundled config name; other commands' sections (eval) are ignored."""
+    import yaml
+
+    from ..config import RocketKVConfig
+
+    if value is None:
+        return RocketKVConfig()
+    path = Path(value)
+    if not path.exists() and (CONFIG_DIR / f"{value}.yaml").is_file():
+        path = CONFIG_DIR / f"{value}.yaml"
+    if not path.is_file():
+        raise UsageError(f"--config {value}: no such file (nor a bundled config of that name)")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise UsageError(f"--config {value}: invalid YAML: {err}") from err
+    if not isinstance(data, dict):
+        raise UsageError(f"--config {value}: expected a mapping with a '{CONFIG_SECTION}' section")
+    if CONFIG_SECTION in data:
+        section = data[CONFIG_SECTION]
+    else:  # a flat mapping of fields (other commands' sections left aside)
+        section = {key: item for key, item in data.items() if key not in OTHER_SECTIONS}
+    try:
+        return RocketKVConfig.from_dict({CONFIG_SECTION: section})
+    except ValueError as err:
+        raise UsageError(f"--config {value}: {err}") from err
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_queue < 1:
+        raise UsageError(f"--max-queue must be >= 1, got {args.max_queue}")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise UsageError(f"--max-model-len must be >= 2, got {args.max_model_len}")
+    if args.default_max_tokens < 1:
+        raise UsageError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
+    if args.pool_gib is not None and args.pool_gib <= 0:
+        raise UsageError(f"--pool-gib must be > 0, got {args.pool_gib}")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {args.threads}")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind now, before the model loads, so a taken port fails in a second rather than after a minute."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise UsageError(f"cannot listen on {host}:{port}: {err.strerror or err}") from err
+    return sock
+
+
+def build_manager(args: argparse.Namespace, config):
+    """Load the model and tokenizer and start a GenerationManager (the slow part)."""
+    import torch
+
+    from ..memory import KVBlockPool
+    from ..models import load_model_and_tokenizer
+    from .manager import GenerationManager
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    model, tokenizer = load_model_and_tokenizer(args.model, dtype=dtype, device=args.device)
+    pool = None
+    if args.pool_gib is not None:
+        pool = KVBlockPool(model, max_gpu_bytes=int(args.pool_gib * 2**30), kt_page_size=config.page_size,
+                           kt_dtype=config.kt_cache_dtype)
+    return GenerationManager(model, tokenizer, config, pool=pool, max_queue=args.max_queue,
+                             max_model_len=args.max_model_len)
+
+
+def served_name(args: argparse.Namespace) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    return Path(str(args.model)).stem if args.model != DEFAULT_MODEL else DEFAULT_MODEL
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    """Run the server until interrupted (Ctrl-C / SIGTERM: in-flight requests get up to 10 s, then are cancelled).
+    Returns the exit status: 0 after a requested stop, 2 for a usage, config or model-loading error."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse already printed its message
+        return int(exit_.code or 0)
+    try:
+        from .deps import require_serve_deps
+
+        require_serve_deps()
+        check_args(args)
+        config = load_config(args.config)
+        sock = bind_socket(args.host, args.port)
+    except (UsageError, ImportError) as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    try:
+        manager = build_manager(args, config)
+    except (FileNotFoundError, OSError, ValueError) as err:
+        sock.close()
+        print(f"{PROG}: error: cannot load --model {args.model}: {err}", file=sys.stderr)
+        return 2
+    try:
+        _run(manager, served_name(args), sock, args)
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled: the user asked for a stop
+        pass
+    finally:
+        manager.stop(drain=False, timeout=30)
+        sock.close()
+    return 0
+
+
+def _run(manager, model_name: str, sock: socket.socket, args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from .server import create_app
+
+    app = create_app(manager, model_name, default_max_tokens=args.default_max_tokens)
+    host, port = sock.getsockname()[:2]
+    print(f"{PROG}: serving {model_name!r} on http://{host}:{port}/v1", file=sys.stderr)
+    config = uvicorn.Config(app, log_level=args.log_level, lifespan="off",
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    uvicorn.Server(config).run(sockets=[sock])

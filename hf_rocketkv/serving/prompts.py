@@ -1,0 +1,47 @@
+"""Prompts to token ids: plain text (the tokenizer's special tokens added, as generate() users do) and chat messages
+(the tokenizer's chat template with the assistant turn opened; the template brings its own special tokens)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .errors import InvalidRequest
+
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    if tokenizer is None:
+        raise InvalidRequest("this manager has no tokenizer: pass the prompt as token ids", "prompt")
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def encode_chat(tokenizer, messages: Sequence[dict[str, Any]]) -> list[int]:
+    """Token ids of ``messages`` ([{"role": ..., "content": str}]) through the chat template, ready for the reply."""
+    if tokenizer is None:
+        raise InvalidRequest("this manager has no tokenizer, so it cannot apply a chat template", "messages")
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequest("the model's tokenizer has no chat template; use /v1/completions", "messages")
+    check_messages(messages)
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def check_messages(messages: Any) -> None:
+    """Messages must be a non-empty list of {"role": one of CHAT_ROLES, "content": str}."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("messages must be a non-empty list of {role, content} objects", "messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InvalidRequest(f"messages[{i}] must be an object with role and content", f"messages[{i}]")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise InvalidRequest(f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got {role!r}",
+                                 f"messages[{i}].role")
+        if not isinstance(message.get("content"), str):
+            raise InvalidRequest(f"messages[{i}].content must be a string", f"messages[{i}].content")
+        extra = sorted(set(message) - {"role", "content", "name"})
+        if extra:
+            raise InvalidRequest(f"messages[{i}] has unsupported field(s) {extra}; allowed: role, content, name",
+                                 f"messages[{i}]")

@@ -1,0 +1,245 @@
+"""An OpenAI-compatible HTTP server over a GenerationManager (FastAPI; ``pip install hf_rocketkv[serve]``).
+
+    app = create_app(manager, "smollm2")        # then: uvicorn.run(app, host="127.0.0.1", port=8000)
+
+    POST /v1/completions, /v1/chat/completions   streaming (SSE ``data: {...}`` chunks, ``data: [DONE]``) or not
+    GET  /v1/models, /health, /metrics           model list; 200/503; Prometheus text
+
+Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``: 400 invalid request (unknown model,
+prompt longer than the context, bad or unsupported parameters), 429 queue full (the request was not admitted),
+503 stopped, 500 a failure inside the request. A client that disconnects gets its request cancelled (the engine
+stops it within one step and frees its cache and pages). The app keeps its state on itself (``app.state``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from .deps import require_serve_deps
+
+require_serve_deps()  # a clear "pip install hf_rocketkv[serve]" instead of a bare ModuleNotFoundError
+
+import anyio  # noqa: E402
+from fastapi import FastAPI, Request  # noqa: E402
+from fastapi.responses import JSONResponse, Response  # noqa: E402
+from starlette.concurrency import run_in_threadpool  # noqa: E402
+from starlette.responses import StreamingResponse  # noqa: E402
+
+from .errors import EngineStopped, InvalidRequest, Overloaded  # noqa: E402
+from .outputs import FinishReason  # noqa: E402
+from .prompts import encode_chat, encode_text  # noqa: E402
+from .protocol import (  # noqa: E402
+    CHAT_DEFAULT_MAX_TOKENS,
+    ParsedRequest,
+    chat_body,
+    chat_chunk,
+    completion_body,
+    error_body,
+    parse_chat_request,
+    parse_completion_request,
+    usage,
+)
+
+logger = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 0.2  # how often a non-streaming request checks that its client is still there
+
+
+def create_app(manager, model_name: str, *, default_max_tokens: int = CHAT_DEFAULT_MAX_TOKENS):
+    """The FastAPI app serving ``manager`` under the model id ``model_name``.
+
+    ``default_max_tokens``: max_tokens of a chat request that gives none (capped by the rest of the context).
+    Completions without max_tokens get OpenAI's 16.
+    """
+    if not isinstance(default_max_tokens, int) or isinstance(default_max_tokens, bool) or default_max_tokens < 1:
+        raise ValueError(f"default_max_tokens must be an integer >= 1, got {default_max_tokens!r}")
+    app = FastAPI(title="hf_rocketkv", description="RocketKV KV-cache compression, OpenAI-compatible API")
+    app.state.manager = manager
+    app.state.model_name = model_name
+    app.state.created = int(time.time())
+    app.state.default_max_tokens = default_max_tokens
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _guard(lambda: _generate(request, app, chat=False))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _guard(lambda: _generate(request, app, chat=True))
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": app.state.created,
+                                            "owned_by": "hf_rocketkv"}]}
+
+    @app.get("/health")
+    async def health():
+        if manager.healthy():
+            return {"status": "ok"}
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        from .prometheus import render
+
+        body, content_type = render(manager)
+        return Response(body, media_type=content_type)
+
+    return app
+
+
+# ------------------------------------------------------------------------------------------------ errors
+async def _guard(handler: Callable):
+    """Run an endpoint; every failure becomes an OpenAI-shaped error response, never an unhandled exception."""
+    try:
+        return await handler()
+    except InvalidRequest as err:
+        return JSONResponse(error_body(err.message, "invalid_request_error", err.param, err.code), status_code=400)
+    except Overloaded as err:
+        return JSONResponse(error_body(str(err), "rate_limit_error", None, "overloaded"), status_code=429,
+                            headers={"Retry-After": "1"})
+    except EngineStopped as err:
+        return JSONResponse(error_body(str(err), "service_unavailable", None, "engine_stopped"), status_code=503)
+    except Exception as err:  # noqa: BLE001 - a bug in one request must not take the server down
+        logger.exception("hf_rocketkv server: request failed")
+        return JSONResponse(error_body(f"internal error: {type(err).__name__}: {err}", "server_error", None,
+                                       "internal_error"), status_code=500)
+
+
+# ------------------------------------------------------------------------------------------------ generation
+async def _generate(request, app, chat: bool):
+    manager, model_name = app.state.manager, app.state.model_name
+    body = await _json_body(request)
+    parsed = parse_chat_request(body) if chat else parse_completion_request(body)
+    if parsed.model != model_name:
+        raise InvalidRequest(f"model {parsed.model!r} does not exist; this server serves {model_name!r}", "model",
+                             "model_not_found")
+    prompt_ids = await run_in_threadpool(_prompt_ids, manager, parsed)  # tokenizing a long prompt takes a while
+    params = parsed.sampling_params(len(prompt_ids), manager.max_model_len, app.state.default_max_tokens)
+    request_id = manager.add_request(prompt_ids, params)
+    prefix = "chatcmpl-" if chat else "cmpl-"
+    reply = _Reply(prefix + request_id, int(time.time()), model_name, chat)
+    if parsed.stream:
+        return _EventStream(_sse(manager, request_id, reply, parsed.include_usage), manager, request_id)
+    return await _complete(request, manager, request_id, reply)
+
+
+async def _json_body(request) -> Any:
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise InvalidRequest(f"the request body is not valid JSON: {err}", None, "invalid_json") from err
+
+
+def _prompt_ids(manager, parsed: ParsedRequest) -> list[int]:
+    if parsed.messages is not None:
+        return encode_chat(manager.tokenizer, parsed.messages)
+    if isinstance(parsed.prompt, str):
+        return encode_text(manager.tokenizer, parsed.prompt)
+    return list(parsed.prompt)
+
+
+class _Reply:
+    """Builds one request's response bodies (completion or chat, whole or chunk)."""
+
+    def __init__(self, response_id: str, created: int, model: str, chat: bool):
+        self.id, self.created, self.model, self.chat = response_id, created, model, chat
+        self._role_sent = False
+
+    def whole(self, text: str, finish_reason: str, usage_: dict) -> dict:
+        builder = chat_body if self.chat else completion_body
+        return builder(self.id, self.created, self.model, text, finish_reason, usage_)
+
+    def chunk(self, text: str, finish_reason: str | None) -> dict:
+        if not self.chat:
+            return completion_body(self.id, self.created, self.model, text, finish_reason, chunk=True)
+        delta = {"content": text}
+        if not self._role_sent:  # the first chunk carries the role, as OpenAI's do
+            delta = {"role": "assistant", **delta}
+            self._role_sent = True
+        return chat_chunk(self.id, self.created, self.model, delta, finish_reason)
+
+    def usage_chunk(self, usage_: dict) -> dict:
+        if self.chat:
+            return chat_chunk(self.id, self.created, self.model, None, None, usage_)
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [], "usage": usage_}
+
+
+def _failure(reason: FinishReason, error: str | None) -> tuple[int, dict]:
+    """HTTP status and error body for a request that ended cancelled (server stopping) or failed."""
+    if reason is FinishReason.CANCELLED:
+        return 503, error_body(error or "the request was cancelled (the server is stopping)", "service_unavailable",
+                               None, "cancelled")
+    return 500, error_body(f"generation failed: {error}", "server_error", None, "generation_error")
+
+
+async def _complete(request, manager, request_id: str, reply: _Reply):
+    """Non-streaming: gather the outputs; a client that leaves meanwhile cancels the request."""
+    watcher = asyncio.ensure_future(_cancel_on_disconnect(request, manager, request_id))
+    text, last = [], None
+    try:
+        async for output in manager.astream(request_id):
+            text.append(output.text)
+            last = output
+    finally:
+        watcher.cancel()
+    if last.finish_reason in (FinishReason.CANCELLED, FinishReason.ERROR):
+        status, body = _failure(last.finish_reason, last.error)
+        return JSONResponse(body, status_code=status)
+    return reply.whole("".join(text), last.finish_reason.value, usage(last.prompt_tokens, last.completion_tokens))
+
+
+async def _cancel_on_disconnect(request, manager, request_id: str) -> None:
+    while True:
+        if await request.is_disconnected():
+            manager.cancel(request_id)
+            return
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+async def _sse(manager, request_id: str, reply: _Reply, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per output with text (and the final one), then usage if asked, then [DONE]."""
+    stream = manager.astream(request_id)
+    try:
+        async for output in stream:
+            if output.finish_reason in (FinishReason.CANCELLED, FinishReason.ERROR):
+                yield _event(_failure(output.finish_reason, output.error)[1])
+                break
+            if output.text or output.finished:
+                finish = output.finish_reason.value if output.finished else None
+                yield _event(reply.chunk(output.text, finish))
+            if output.finished and include_usage:
+                yield _event(reply.usage_chunk(usage(output.prompt_tokens, output.completion_tokens)))
+        yield "data: [DONE]\n\n"
+    finally:
+        await stream.aclose()  # leaving early (client gone) cancels the request and drops its record
+
+
+def _event(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """SSE that, however the response ends (done, client gone, send failed), cancels the request and closes its
+    event generator, so the engine stops within one step and frees the request's cache and pages."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], manager, request_id: str):
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._manager = manager
+        self._request_id = request_id
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._manager.cancel(self._request_id)  # a no-op when it finished
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()

@@ -1,0 +1,162 @@
+"""``hf-rocketkv serve`` (serve_main) and the optional serve extra."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from hf_rocketkv.serving.cli import load_config, serve_main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def subprocess_env() -> dict[str, str]:
+    """This environment, with the repository first on PYTHONPATH (so the subprocess imports this checkout)."""
+    paths = [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--port", "x"], "invalid int value"),
+    (["--port", "70000"], "--port must be in [0, 65535]"),
+    (["--max-queue", "0"], "--max-queue must be >= 1"),
+    (["--pool-gib", "-1"], "--pool-gib must be > 0"),
+    (["--config", "no-such.yaml"], "no such file"),
+])
+def test_usage_errors_are_short_and_exit_2(capsys, argv, message):
+    assert serve_main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and 1 <= len(err.strip().splitlines()) <= 3
+
+
+def test_bad_config_values_and_port_in_use(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sparse_attention_config:\n  algorithm: rocket\n  topk: 0\n")
+    assert serve_main(["--config", str(bad)]) == 2
+    assert "RocketKVConfig.topk" in capsys.readouterr().err
+
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert serve_main(["--port", str(taken.getsockname()[1])]) == 2  # fails before any model loads
+    assert "cannot listen on 127.0.0.1" in capsys.readouterr().err
+
+
+def test_load_config_by_name_path_and_flat(tmp_path):
+    assert load_config("smollm2-cpu").prompt_budget == 256  # bundled, its eval section ignored
+    assert load_config(None).prompt_budget == 2048
+    flat = tmp_path / "flat.yaml"
+    flat.write_text("prompt_budget: 128\ntopk: 8\n")
+    assert (load_config(str(flat)).prompt_budget, load_config(str(flat)).topk) == (128, 8)
+
+
+def test_missing_serve_extra_names_the_install_command(monkeypatch):
+    import importlib
+
+    from hf_rocketkv.serving import deps
+
+    real = importlib.import_module
+
+    def fake(name, *args):
+        if name == "uvicorn":
+            raise ImportError("No module named 'uvicorn'")
+        return real(name, *args)
+
+    monkeypatch.setattr(deps.importlib, "import_module", fake)
+    with pytest.raises(ImportError, match=r"uvicorn.*pip install hf_rocketkv\[serve\]"):
+        deps.require_serve_deps()
+
+
+def run_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env=subprocess_env())
+
+
+def test_import_without_the_serve_extra():
+    """A fresh interpreter: importing the library loads no server module; with fastapi/uvicorn/prometheus_client
+    unimportable the library still works, the server names what to install, and serve_main exits 2."""
+    result = run_python("""
+        import sys
+        import hf_rocketkv, hf_rocketkv.serving
+        print("loaded:", sorted(m for m in ("fastapi", "uvicorn", "prometheus_client") if m in sys.modules))
+        for name in ("fastapi", "uvicorn", "prometheus_client", "starlette"):
+            sys.modules[name] = None  # makes `import name` raise ImportError
+        from hf_rocketkv.serving import GenerationManager, SamplingParams, ServeDependencyError
+        assert callable(hf_rocketkv.generate_batch)
+        try:
+            from hf_rocketkv.serving import create_app
+        except ServeDependencyError as err:
+            print("create_app:", err)
+        from hf_rocketkv.serving.cli import serve_main
+        print("exit", serve_main([]))
+    """)
+    assert result.returncode == 0, result.stderr
+    assert "loaded: []" in result.stdout
+    assert "create_app:" in result.stdout and "pip install hf_rocketkv[serve]" in result.stdout
+    assert "exit 2" in result.stdout and "pip install hf_rocketkv[serve]" in result.stderr
+
+
+@pytest.mark.slow
+def test_serve_main_end_to_end(tmp_path):
+    """The real command in a subprocess on a saved tiny model: it prints its address, answers, exits 0 on SIGINT."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from tests.helpers import compressing_config, make_models
+    from tests.serving.helpers import char_tokenizer
+
+    model, _ = make_models("llama")
+    model.save_pretrained(tmp_path / "tiny")
+    char_tokenizer().save_pretrained(tmp_path / "tiny")
+    config = tmp_path / "c.yaml"
+    compressing_config().to_yaml(config)
+    command = [sys.executable, "-c", "import sys; from hf_rocketkv.serving.cli import serve_main; "
+               "sys.exit(serve_main(sys.argv[1:]))", "--model", str(tmp_path / "tiny"), "--config", str(config),
+               "--port", "0", "--served-model-name", "tiny", "--log-level", "warning", "--threads", "1"]
+    process = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True,
+                               env=subprocess_env())
+    try:
+        url = None
+        deadline = time.monotonic() + 120
+        while url is None and time.monotonic() < deadline:
+            line = process.stderr.readline()
+            if not line and process.poll() is not None:
+                break
+            match = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line)
+            url = match.group(1) if match else None
+        assert url, f"the server did not start (exit {process.poll()})"
+        assert wait_for_health(httpx, url)
+        body = {"model": "tiny", "prompt": "hello world " * 4, "max_tokens": 5, "ignore_eos": True}
+        response = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            code = process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            code = process.wait()
+        process.stderr.close()
+    assert code == 0
+
+
+def wait_for_health(httpx, url: str, timeout: float = 30) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return True
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    return False
