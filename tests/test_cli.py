@@ -427,3 +427,10 @@ def test_readme_main_job_compresses_and_answers_like_the_full_cache(monkeypatch,
     percent = float(re.search(r"= ([\d.]+)%", out.split("KV cache: ")[1]).group(1))
     assert percent < 25
     assert "100%" in captured.err  # the prefill progress bars ran to the end
+
+
+def test_serve_is_a_subcommand(capsys):
+    from hf_rocketkv.cli import main
+
+    assert main(["serve", "--port", "-3"]) == 2
+    assert "--port" in capsys.readouterr().err

@@ -195,6 +195,10 @@ def load_run(args):
 def dispatch(args, extra: list[str], argv: list[str]) -> int:
     if args.command == "bench":
         return cmd_bench(args, extra)
+    if args.command == "serve":
+        from ..serving.cli import serve_main
+
+        return serve_main(argv[argv.index("serve") + 1 :])
     run = load_run(args)
     if args.command == "generate":
         return cmd_generate(args, run)
@@ -210,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exit_:  # --help, or an argparse error already printed in two lines
         return int(exit_.code or 0)
     prog = f"hf-rocketkv {args.command}"
-    if extra and args.command != "bench":
+    if extra and args.command not in ("bench", "serve"):
         print(f"{prog}: error: unrecognized arguments: {' '.join(extra)}\nSee '{prog} --help' for the options.",
               file=sys.stderr)
         return EXIT_USAGE

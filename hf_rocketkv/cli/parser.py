@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hf-rocketkv", description="RocketKV for Hugging Face transformers: generate, evaluate, benchmark."
     )
     sub = parser.add_subparsers(
-        dest="command", required=True, metavar="{generate,eval,bench}", parser_class=ShortErrorParser
+        dest="command", required=True, metavar="{generate,eval,bench,serve}", parser_class=ShortErrorParser
     )
     common = common_options()
     add_generate(sub, common)
@@ -165,4 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", add_help=False, help="decode benchmark (hf_rocketkv.bench.decode); other arguments pass through"
     )
     bench.add_argument("--config", default=None)
+    sub.add_parser(
+        "serve", add_help=False,
+        help="OpenAI-compatible server (hf_rocketkv.serving; needs `pip install hf_rocketkv[serve]`); "
+        "`hf-rocketkv serve --help` for its options",
+    )
     return parser
