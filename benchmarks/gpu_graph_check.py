@@ -53,6 +53,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     p.add_argument("--out", default="out")
+    p.add_argument("--regions", action="store_true", help="also run cuda_graphs after hf_rocketkv.compile_regions")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -83,6 +84,23 @@ def main() -> None:
                 report["runs"].append(entry)
                 print(json.dumps(entry)[:2000], flush=True)
             (out / "gpu_graph_check.json").write_text(json.dumps(report, indent=1))
+    if args.regions:
+        from hf_rocketkv import compile_regions
+
+        t0 = time.perf_counter()
+        compile_regions(model)
+        for batch in args.batches:
+            ids = torch.randint(3, LLAMA_31_8B["vocab_size"], (batch, args.context), device="cuda",
+                                generator=torch.Generator("cuda").manual_seed(batch))
+            for name in ("regions_first", "regions_again"):
+                try:
+                    _, timing = generate(model, ids, base.replace(decode_runner="cuda_graphs"), args.new_tokens, True)
+                    entry = dict(batch=batch, runner=name, since_compile_regions_s=time.perf_counter() - t0, **timing)
+                except Exception as err:
+                    entry = dict(batch=batch, runner=name, error=repr(err)[:500], trace=traceback.format_exc()[-3000:])
+                report["runs"].append(entry)
+                print(json.dumps(entry)[:2000], flush=True)
+                (out / "gpu_graph_check.json").write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

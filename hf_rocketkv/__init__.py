@@ -17,6 +17,7 @@ from .config import RocketKVConfig
 from .integration.generate import get_config, set_config
 from .integration.names import ATTN_NAME
 from .integration.registration import enable, register
+from .integration.regions import compile_regions
 from .memory import KVBlockPool
 from .serving.batch import generate_batch
 
@@ -27,6 +28,7 @@ __all__ = [
     "RocketKVCache",
     "RocketKVConfig",
     "RocketKVLayer",
+    "compile_regions",
     "enable",
     "generate_batch",
     "get_config",

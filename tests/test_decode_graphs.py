@@ -129,3 +129,27 @@ def test_torch_compile_runner_is_still_available():
     assert torch.equal(out, eager) and backend.captures == 0
     with pytest.raises(ValueError, match="decode_runner"):
         compressing_config(decode_runner="graphs")
+
+
+def test_compile_regions_keeps_tokens_and_compiles_one_graph_per_module_kind():
+    import torch._dynamo
+
+    import hf_rocketkv
+    from hf_rocketkv.integration.regions import region_modules
+
+    rocket, _ = make_models("llama", num_hidden_layers=3)
+    ids = random_ids(1, 40)
+    config = compressing_config()
+    eager = greedy(rocket, ids, past_key_values=RocketKVCache(config), max_new_tokens=6, disable_compile=True)
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    assert hf_rocketkv.compile_regions(rocket, backend="eager") is rocket
+    assert len(region_modules(rocket)) == 3 * 3 + 1  # 2 norms + 1 MLP per layer, and the final norm
+    backend = StandInBackend()
+    out = greedy(rocket, ids, past_key_values=graphed_cache(config, backend), max_new_tokens=6,
+                 compile_config=_compile_config())
+    assert torch.equal(out, eager) and backend.captures == 1
+    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+    assert 0 < graphs <= 6, graphs  # per module kind and input shape (prefill, decode), not per layer
+    with pytest.raises(ValueError, match="no RMSNorm or MLP"):
+        hf_rocketkv.compile_regions(torch.nn.Linear(2, 2))
