@@ -36,6 +36,19 @@ def main() -> None:
     input_ids = torch.tensor(spec["input_ids"], dtype=torch.long)
     attention_mask = torch.tensor(spec["attention_mask"], dtype=torch.long)
     cache = RocketKVCache(RocketKVConfig(**spec["rocketkv"]))
+    if spec.get("record_steps"):
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from tp_steps import record_steps
+
+        record = record_steps(model, cache, input_ids, attention_mask, spec["max_new_tokens"], spec["pad_token_id"])
+        gathered = [None] * world
+        dist.all_gather_object(gathered, dict(rank=rank, **record))
+        if rank == 0:
+            with open(output_path, "w") as f:
+                json.dump({"world_size": world, "ranks": gathered}, f)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     with torch.no_grad():
         out = model.generate(
             input_ids,
