@@ -18,6 +18,7 @@ from .integration.generate import get_config, set_config
 from .integration.names import ATTN_NAME
 from .integration.registration import enable, register
 from .integration.regions import compile_regions
+from .integration.warmup import use_compile_cache, warmup
 from .memory import KVBlockPool
 from .serving.batch import generate_batch
 
@@ -34,6 +35,8 @@ __all__ = [
     "get_config",
     "register",
     "set_config",
+    "use_compile_cache",
+    "warmup",
 ]
 
 register()

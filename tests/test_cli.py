@@ -434,3 +434,24 @@ def test_serve_is_a_subcommand(capsys):
 
     assert main(["serve", "--port", "-3"]) == 2
     assert "--port" in capsys.readouterr().err
+
+
+def test_warmup_saves_and_a_new_process_loads(tmp_path):
+    """CPU: no compiled decode, so the artifact may be empty; the command and the cache folders still work."""
+    import os
+
+    from hf_rocketkv.cli import main
+    from hf_rocketkv.integration.warmup import use_compile_cache
+
+    before = {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
+    try:
+        assert main(["warmup", "--cache-dir", str(tmp_path / "c"), "--context", "64", "--new-tokens", "2",
+                     "--set", "prompt_budget=32", "--set", "topk=4"]) == 0
+        assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "c" / "triton")
+        assert use_compile_cache(tmp_path / "c")["cache_dir"] == str(tmp_path / "c")
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -159,6 +159,20 @@ def cmd_eval(args, run, argv) -> int:
     return 0
 
 
+def cmd_warmup(args, run) -> int:
+    """Point the compile caches at --cache-dir first (before anything compiles), then load, warm up and save."""
+    import json
+
+    from ..integration.warmup import use_compile_cache, warmup
+
+    found = use_compile_cache(args.cache_dir)
+    model, _ = load_model(args, [])
+    result = warmup(model, run.rocket, cache_dir=args.cache_dir, batch_sizes=args.batch, prompt_tokens=args.context,
+                    new_tokens=args.new_tokens, regions=args.regions)
+    print(json.dumps({**found, **result}))
+    return 0
+
+
 def cmd_bench(args, extra: list[str]) -> int:
     """The decode benchmark, or with ``--workload`` the workload benchmark (hf_rocketkv.bench.workload)."""
     name = "hf_rocketkv.bench.workload" if "--workload" in extra else "hf_rocketkv.bench.decode"
@@ -200,6 +214,8 @@ def dispatch(args, extra: list[str], argv: list[str]) -> int:
 
         return serve_main(argv[argv.index("serve") + 1 :])
     run = load_run(args)
+    if args.command == "warmup":
+        return cmd_warmup(args, run)
     if args.command == "generate":
         return cmd_generate(args, run)
     return cmd_eval(args, run, argv)

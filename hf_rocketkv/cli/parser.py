@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hf-rocketkv", description="RocketKV for Hugging Face transformers: generate, evaluate, benchmark."
     )
     sub = parser.add_subparsers(
-        dest="command", required=True, metavar="{generate,eval,bench,serve}", parser_class=ShortErrorParser
+        dest="command", required=True, metavar="{generate,eval,bench,serve,warmup}", parser_class=ShortErrorParser
     )
     common = common_options()
     add_generate(sub, common)
@@ -165,6 +165,18 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", add_help=False, help="decode benchmark (hf_rocketkv.bench.decode); other arguments pass through"
     )
     bench.add_argument("--config", default=None)
+    warm = sub.add_parser(
+        "warmup",
+        parents=[common],
+        help="compile RocketKV's decode path once and save the artifacts for later processes",
+        description="Run one short generate() per batch size, then save Triton's and torch.compile's artifacts into "
+        "--cache-dir; later processes call hf_rocketkv.use_compile_cache(DIR) before their first generate().",
+    )
+    warm.add_argument("--cache-dir", required=True, help="folder for the compile artifacts (created if missing)")
+    warm.add_argument("--batch", type=int_at_least(1), nargs="+", default=[1], help="batch sizes to warm up")
+    warm.add_argument("--context", type=int_at_least(1), default=1024, help="prompt tokens of the warm-up requests")
+    warm.add_argument("--new-tokens", type=int_at_least(2), default=8)
+    warm.add_argument("--regions", action="store_true", help="also compile_regions(model) (fused norms and MLPs)")
     sub.add_parser(
         "serve", add_help=False,
         help="OpenAI-compatible server (hf_rocketkv.serving; needs `pip install hf_rocketkv[serve]`); "
