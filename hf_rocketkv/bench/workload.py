@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="tiny model on CPU, short prompts")
     p.add_argument("--out", default=None, help="folder for workload.json")
     p.add_argument("--prefill-batch-size", type=int, default=None)
+    p.add_argument("--allow-cudnn-sdpa", action="store_true",
+                   help="keep PyTorch's cuDNN attention (off by default, as in the decode benchmark: torch 2.11 "
+                   "re-plans it for every new KV length, ~37 ms of CPU per eager DynamicCache step)")
     return p
 
 
@@ -132,6 +135,8 @@ def markdown(summaries: list[dict]) -> str:
 def run(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
+    if device.type == "cuda" and not args.allow_cudnn_sdpa:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     model_kwargs = dict(TINY if args.quick else LLAMA_31_8B)
     model = build_model(model_kwargs, args.layers, dtype, device, args.seed)
