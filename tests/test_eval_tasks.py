@@ -224,6 +224,20 @@ def test_policy_methods_budgets_and_options():
         build_method("stage1:knorm", base)
 
 
+def test_method_overrides_after_at():
+    base = compressing_config(prompt_budget=64, topk=8, page_size=4, window_size=8)
+    method = build_method("rocketkv@prompt_budget=32,topk=4,stage2_recent_tokens=4", base)
+    assert method.name == "rocketkv@prompt_budget=32,topk=4,stage2_recent_tokens=4"
+    assert (method.kept_budget, method.read_budget, method.config.stage2_forced_pages) == (32, 16, (0, 2))
+    assert build_method("evict:knorm@stage2=none", base).config.stage1 == "knorm"
+    with pytest.raises(ValueError, match="method 'rocketkv@topk': expected FIELD=VALUE"):
+        build_method("rocketkv@topk", base)
+    with pytest.raises(ValueError, match="method 'rocketkv@tpk=3': unknown key.*did you mean 'topk'"):
+        build_method("rocketkv@tpk=3", base)
+    with pytest.raises(ValueError, match="forced stage-2 pages must fit in topk=8"):
+        build_method("rocketkv@stage2_recent_tokens=64", base)
+
+
 def test_h2o_method_prefills_the_whole_prompt():
     """H2O scores with every prompt query, so its method runs the whole prompt itself (no shared dense prefix) and
     keeps what the same policy keeps in model.generate."""

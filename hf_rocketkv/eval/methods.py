@@ -29,6 +29,11 @@ Policy comparisons (docs/policies.md; POLICY below is one of snapkv, streaming, 
 | rocketkv_plain[:POLICY]| POLICY (snapkv)    | B             | page top-k, no forced sinks / recent window  | K*P                  |
 | stage2_plain           | keep all           | all           | page top-k, no forced sinks / recent window  | K*P                  |
 
+Any method takes config overrides after "@": ``rocketkv@prompt_budget=256,topk=16`` or
+``rocketkv@stage2_sink_tokens=4,stage2_recent_tokens=64`` builds the method from ``base`` with those fields changed
+(validated like --set; integer values, or names for stage2/stage1), so one run can compare budgets and stage-2
+options on the same samples, sharing the prefill and the full-cache reference.
+
 "rocketkv" and "stage2" use base's stage-2 options as configured (``stage2_sink_tokens``, ``stage2_recent_tokens``);
 the "_plain" variants switch them off, so one run compares RocketKV with and without them. When base forces sink
 tokens, stage 1 is wrapped in ``KeepFirst`` so that the sink pages hold the prompt's first tokens (the cache layer
@@ -147,7 +152,31 @@ def _build_policy_method(kind: str, policy: str, base: RocketKVConfig) -> Method
     return Method(name, "rocketkv", _with_policy(config, policy), base.prompt_budget, read)
 
 
+def parse_overrides(name: str, text: str) -> dict:
+    """``"prompt_budget=256,topk=16"`` -> ``{"prompt_budget": 256, "topk": 16}`` (values: integers or names)."""
+    changes = {}
+    for item in text.split(","):
+        field, sep, value = item.partition("=")
+        if not sep or not field.strip() or not value.strip():
+            raise ValueError(f"expected FIELD=VALUE[,FIELD=VALUE...] after '@', got {item!r}")
+        value = value.strip()
+        changes[field.strip()] = int(value) if value.lstrip("-").isdigit() else value
+    return changes
+
+
 def build_method(name: str, base: RocketKVConfig, sink_tokens: int = 4) -> Method:
+    """The method ``name`` (tables above), optionally ``NAME@FIELD=VALUE,...`` with config overrides."""
+    plain_name, sep, overrides = name.partition("@")
+    if sep:
+        try:
+            base = RocketKVConfig.from_dict({**base.to_dict(), **parse_overrides(name, overrides)})
+        except ValueError as err:
+            raise ValueError(f"method {name!r}: {err}") from err
+        return dataclasses.replace(_build_method(plain_name, base, sink_tokens), name=name)
+    return _build_method(name, base, sink_tokens)
+
+
+def _build_method(name: str, base: RocketKVConfig, sink_tokens: int = 4) -> Method:
     read = base.topk * base.page_size
     small = max(read, base.window_size)
     if name == "full":
