@@ -232,3 +232,20 @@ def test_stage2_none_equals_attending_every_kept_page():
     sparse = greedy(rocket, ids, 10, past_key_values=RocketKVCache(compressing_config(topk=1)))
     assert torch.equal(none, every)
     assert not torch.equal(none, sparse)  # the check can tell a sparse stage 2 apart
+
+
+def test_forced_pages_same_tokens_on_the_triton_backend():
+    """The forced counts reach the Triton top_pages too (interpreted on CPU): same greedy tokens as the torch twin."""
+    rocket, _ = make_models(seed=2)
+    with torch.no_grad():  # sharper attention: page scores far from ties, so both backends pick the same pages
+        for layer in rocket.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4)
+            layer.self_attn.k_proj.weight.mul_(4)
+    ids = random_ids(1, 28, seed=4)
+    config = compressing_config(prompt_budget=16, window_size=4, kernel_size=3, topk=5, page_size=2,
+                                kt_cache_dtype="float32", stage2_sink_tokens=2, stage2_recent_tokens=4)
+    config = config.replace(stage1=get_stage1_policy("snapkv", kernel_size=3, keep_first=2))
+    cache = RocketKVCache(config.replace(backend="triton"))
+    out_triton = greedy(rocket, ids, 4, past_key_values=cache)
+    assert cache.layers[0].ops.name == "triton"
+    assert torch.equal(out_triton, greedy(rocket, ids, 4, past_key_values=RocketKVCache(config)))
