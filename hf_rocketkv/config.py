@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from .policies.registry import STAGE1_POLICY_NAMES, is_stage1_policy
+from .policies.stage2 import STAGE2_NAMES, fit_forced_pages, forced_page_counts
 
 KT_CACHE_DTYPES: dict[str, torch.dtype] = {
     "float8_e5m2": torch.float8_e5m2,
@@ -104,6 +105,17 @@ class RocketKVConfig:
                        step. When set, prompt_budget, topk, page_size and topr are derived per request from the
                        prompt length at the end of prefill (``policies.token_budget.derive_budgets``) and the values
                        given for them are ignored. None: use them as given.
+
+    Stage-2 options (docs/policies.md, "Stage 2: sinks and a recent window"):
+        stage2:        "kt_pages" (RocketKV's page top-k, the default) or "none" (attend every kept token: stage 1
+                       only, no page selection).
+        stage2_sink_tokens: the first s tokens are attended at every decode step: the first ceil(s / page_size)
+                       pages of the compacted store are forced into the top-k (counted in it), and stage 1 keeps
+                       the prompt's first s tokens so that those pages hold them. 0: none forced.
+        stage2_recent_tokens: the newest r tokens are attended at every decode step: the newest 1 + ceil(r /
+                       page_size) pages (the newest page always; 0 gives RocketKV's rule) are forced into the top-k.
+                       Forced sink + recent pages must fit in ``topk`` (checked here; in token-budget mode, where
+                       topk is derived per request, the recent pages are kept first and the sinks get what is left).
     """
 
     window_size: int = 32
@@ -123,6 +135,10 @@ class RocketKVConfig:
     stage1: Any = "snapkv"  # a name from STAGE1_POLICY_NAMES or a policy object
     sink_tokens: int = 4
     token_budget: int | None = None
+    # stage-2 options (validated in _validate_stage2_fields)
+    stage2: str = "kt_pages"
+    stage2_sink_tokens: int = 0
+    stage2_recent_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -179,6 +195,7 @@ class RocketKVConfig:
                 f"got {self.prefill_batch_size!r}"
             )
         self._validate_policy_fields()
+        self._validate_stage2_fields()
 
     def _validate_policy_fields(self) -> None:
         """stage1, sink_tokens, token_budget (a block of its own: the policy framework's fields)."""
@@ -201,7 +218,32 @@ class RocketKVConfig:
                 f"KV head per decode step, half for page scoring, half for exact attention), got {self.token_budget!r}"
             )
 
+    def _validate_stage2_fields(self) -> None:
+        """stage2, stage2_sink_tokens, stage2_recent_tokens (the stage-2 options' block)."""
+        if self.stage2 not in STAGE2_NAMES:
+            raise ValueError(f"RocketKVConfig.stage2 must be one of {list(STAGE2_NAMES)}, got {self.stage2!r}")
+        for name in ("stage2_sink_tokens", "stage2_recent_tokens"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 0:
+                raise ValueError(f"RocketKVConfig.{name} must be an integer >= 0, got {value!r}")
+        if self.stage2 != "kt_pages" or self.token_budget is not None:
+            return  # no page selection, or topk and page_size are derived per request (then fit_forced_pages)
+        sink, recent = forced_page_counts(self.stage2_sink_tokens, self.stage2_recent_tokens, self.page_size)
+        if sink + recent > self.topk:
+            raise ValueError(
+                f"RocketKVConfig: the forced stage-2 pages must fit in topk={self.topk}: stage2_sink_tokens="
+                f"{self.stage2_sink_tokens} -> {sink} page(s) + stage2_recent_tokens={self.stage2_recent_tokens} -> "
+                f"{recent} page(s) (the newest page + ceil(r / page_size={self.page_size})) = {sink + recent}; lower "
+                f"them or raise topk"
+            )
+
     # ------------------------------------------------------------------------------------------------ derived
+    @property
+    def stage2_forced_pages(self) -> tuple[int, int]:
+        """``(sink_pages, recent_pages)`` stage 2 attends at every step besides the top-k by score (part of topk)."""
+        sink, recent = forced_page_counts(self.stage2_sink_tokens, self.stage2_recent_tokens, self.page_size)
+        return fit_forced_pages(sink, recent, self.topk)
+
     @property
     def kt_torch_dtype(self) -> torch.dtype:
         return KT_CACHE_DTYPES[self.kt_cache_dtype]

@@ -14,12 +14,14 @@ import torch
 from hf_rocketkv import RocketKVCache
 from hf_rocketkv.eval import decode
 from hf_rocketkv.eval.methods import ALL_PAGES, KEEP_ALL, build_method, build_methods
+from hf_rocketkv.eval.plot import compression_plot, fidelity_points
 from hf_rocketkv.eval.report import heatmap, markdown, summarize, write_report
 from hf_rocketkv.eval.scoring import qa_f1, score, string_match_all, string_match_part, substring
 from hf_rocketkv.eval.settings import EvalSettings, run_config_from_dict
 from hf_rocketkv.eval.streaming import StreamingCache
 from hf_rocketkv.eval.tasks import TASKS, get_task
 from hf_rocketkv.eval.tasks.base import encode_prompt, fill_paragraphs, insert_at_depths, span_token_positions
+from hf_rocketkv.policies import KeepFirst
 
 from .helpers import compressing_config, greedy, make_models, random_ids
 
@@ -195,6 +197,73 @@ def test_method_budgets():
         build_methods(["full", "full"], base)
 
 
+def test_policy_methods_budgets_and_options():
+    """KIND:POLICY methods: evict (B kept, all read), evict_read (K*P kept), rocketkv with and without the stage-2
+    options; forced sinks wrap stage 1 in KeepFirst; names are checked."""
+    base = compressing_config(prompt_budget=64, topk=8, page_size=4, window_size=8, stage2_sink_tokens=4,
+                              stage2_recent_tokens=12)
+    methods = {m.name: m for m in build_methods(
+        ["evict:knorm", "evict_read:h2o", "rocketkv:random", "rocketkv_plain:snapkv", "rocketkv", "rocketkv_plain",
+         "stage2", "stage2_plain"], base)}
+    evict = methods["evict:knorm"]
+    assert evict.config.stage2 == "none" and evict.config.stage1 == "knorm" and evict.config.stage2_sink_tokens == 0
+    assert (evict.kept_budget, evict.read_budget, evict.read_tokens(100)) == (64, None, 100)
+    assert methods["evict_read:h2o"].config.prompt_budget == 32 and methods["evict_read:h2o"].needs_full_prefill
+    rocket = methods["rocketkv:random"]
+    assert isinstance(rocket.config.stage1, KeepFirst) and rocket.config.stage1.tokens == 4
+    assert rocket.config.stage2_forced_pages == (1, 4) and (rocket.kept_budget, rocket.read_budget) == (64, 32)
+    assert rocket.describe()["config"]["stage1"] == "random+keep_first=4" and rocket.read_tokens(20) == 20
+    json.dumps([m.describe() for m in methods.values()])  # results.json stays JSON
+    plain = methods["rocketkv_plain:snapkv"]
+    assert plain.config.stage1 == "snapkv" and plain.config.stage2_forced_pages == (0, 1)
+    assert methods["rocketkv"].config.stage1.name == "snapkv" and methods["rocketkv_plain"].name == "rocketkv_plain"
+    assert methods["stage2_plain"].config.stage2_recent_tokens == 0 and methods["stage2"].kept_budget is None
+    with pytest.raises(ValueError, match="unknown stage-1 policy 'tova' in method 'evict:tova'"):
+        build_method("evict:tova", base)
+    with pytest.raises(ValueError, match=r"KIND:POLICY takes KIND in \['evict', 'evict_read'"):
+        build_method("stage1:knorm", base)
+
+
+def test_method_overrides_after_at():
+    base = compressing_config(prompt_budget=64, topk=8, page_size=4, window_size=8)
+    method = build_method("rocketkv@prompt_budget=32,topk=4,stage2_recent_tokens=4", base)
+    assert method.name == "rocketkv@prompt_budget=32,topk=4,stage2_recent_tokens=4"
+    assert (method.kept_budget, method.read_budget, method.config.stage2_forced_pages) == (32, 16, (0, 2))
+    assert build_method("evict:knorm@stage2=none", base).config.stage1 == "knorm"
+    with pytest.raises(ValueError, match="method 'rocketkv@topk': expected FIELD=VALUE"):
+        build_method("rocketkv@topk", base)
+    with pytest.raises(ValueError, match="method 'rocketkv@tpk=3': unknown key.*did you mean 'topk'"):
+        build_method("rocketkv@tpk=3", base)
+    with pytest.raises(ValueError, match="forced stage-2 pages must fit in topk=8"):
+        build_method("rocketkv@stage2_recent_tokens=64", base)
+
+
+def test_h2o_method_prefills_the_whole_prompt():
+    """H2O scores with every prompt query, so its method runs the whole prompt itself (no shared dense prefix) and
+    keeps what the same policy keeps in model.generate."""
+    rocket, _ = make_models("llama")
+    ids = random_ids(1, 48, seed=5)
+    method = build_method("evict:h2o", compressing_config(prompt_budget=24, topk=3))
+    prefix = decode.shared_prefix(rocket, ids, 8)
+    prefilled = decode.prefill(rocket, method, prefix)
+    reference = RocketKVCache(method.config)
+    greedy(rocket, ids, 1, past_key_values=reference)
+    for layer in range(len(reference.layers)):
+        assert torch.equal(prefilled.cache.kept_positions(layer), reference.kept_positions(layer))
+
+
+def test_compression_plot(tmp_path):
+    runs = []
+    for read, top1 in ((64, 0.8), (128, 0.9)):
+        results = _fake_results()
+        results["fidelity"] = [dict(results["fidelity"][0], read_tokens_mean=float(read), top1_agreement=top1),
+                               dict(results["fidelity"][0], method="full", read_tokens_mean=2100.0, top1_agreement=1.0)]
+        runs.append(results)
+    assert fidelity_points(runs)["rocketkv"] == [(64.0, pytest.approx(0.8)), (128.0, pytest.approx(0.9))]
+    png = compression_plot(runs, tmp_path / "p.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_streaming_cache_keeps_sinks_and_recent_tokens():
     rocket, _ = make_models("llama")
     config = compressing_config(prompt_budget=16, topk=ALL_PAGES)
@@ -296,6 +365,7 @@ def _fake_results():
             "next_token_accuracy": 0.4,
             "positions": 10,
             "kept_tokens_mean": 256.0,
+            "read_tokens_mean": 64.0,
         }
     ]
     return {
@@ -314,7 +384,7 @@ def test_summary_markdown_and_heatmap(tmp_path):
     assert s["grid"]["passkey"]["rocketkv"]["2048|0.9"] == 0.5
     text = markdown(results)
     assert "| rocketkv | 256 | 64 | 75.0 (n=4) |" in text
-    assert "| rocketkv | 256 | 64 | 90.0 | 0.1000 | 40.0 | 10 |" in text
+    assert "| rocketkv | 256 | 64 | 64 | 90.0 | 0.1000 | 40.0 | 10 |" in text
     png = heatmap(results, "passkey", tmp_path / "h.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     written = write_report(results, tmp_path)

@@ -56,11 +56,17 @@ class Prefilled:
 
 @torch.no_grad()
 def prefill(model, method: Method, prefix: SharedPrefix, max_new_tokens: int | None = None) -> Prefilled:
-    """A fresh cache for ``method`` holding a copy of the shared prefix, then the tail forward through it."""
+    """A fresh cache for ``method`` holding a copy of the shared prefix, then the tail forward through it.
+
+    A method whose stage 1 scores with every prompt query (H2O, ``method.needs_full_prefill``) runs the whole prompt
+    through its own cache instead: the shared prefix never passed through its attention.
+    """
     cache = method.new_cache()
     hints = getattr(cache, "hints", None)
     if hints is not None and max_new_tokens is not None:
         hints.max_length = prefix.ids.shape[1] + max_new_tokens  # what generate() would tell the cache
+    if method.needs_full_prefill:
+        prefix = SharedPrefix(ids=prefix.ids, split=0, kv=[], seconds=0.0)
     kv = [(k.clone(), v.clone()) for k, v in prefix.kv]
     if hasattr(cache, "preload_prefix"):
         cache.preload_prefix(kv)  # RocketKV: stored without an attention call (no forward consumes them)

@@ -18,22 +18,47 @@ Budgets, per layer and KV head (P = base.page_size, B = base.prompt_budget, K = 
 "Equal kept" compares rocketkv, stage1 and streaming (same memory). "Equal read" compares rocketkv, stage2,
 stage1_read and streaming_read (same K/V traffic per decode step at the start of decode). stage1_read's budget is
 raised to window_size when K*P is smaller (the observation window is always kept).
+
+Policy comparisons (docs/policies.md; POLICY below is one of snapkv, streaming, knorm, h2o, adakv, random):
+
+| method                 | stage 1            | kept          | stage 2                                      | read per step        |
+|------------------------|--------------------|---------------|----------------------------------------------|----------------------|
+| evict:POLICY           | POLICY             | B             | none (every kept token)                      | all kept (B + gen.)  |
+| evict_read:POLICY      | POLICY             | K*P           | none                                         | all kept (K*P + gen.)|
+| rocketkv:POLICY        | POLICY             | B             | page top-k with base's stage-2 options       | K*P                  |
+| rocketkv_plain[:POLICY]| POLICY (snapkv)    | B             | page top-k, no forced sinks / recent window  | K*P                  |
+| stage2_plain           | keep all           | all           | page top-k, no forced sinks / recent window  | K*P                  |
+
+Any method takes config overrides after "@": ``rocketkv@prompt_budget=256,topk=16`` or
+``rocketkv@stage2_sink_tokens=4,stage2_recent_tokens=64`` builds the method from ``base`` with those fields changed
+(validated like --set; integer values, or names for stage2/stage1), so one run can compare budgets and stage-2
+options on the same samples, sharing the prefill and the full-cache reference.
+
+"rocketkv" and "stage2" use base's stage-2 options as configured (``stage2_sink_tokens``, ``stage2_recent_tokens``);
+the "_plain" variants switch them off, so one run compares RocketKV with and without them. When base forces sink
+tokens, stage 1 is wrapped in ``KeepFirst`` so that the sink pages hold the prompt's first tokens (the cache layer
+does not pass ``keep_first`` yet; see docs/policies.md). The evict baselines carry no stage-2 options: they read
+everything they keep, like kvpress' presses.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from transformers import DynamicCache
 
 from ..cache.cache import RocketKVCache
 from ..config import RocketKVConfig
+from ..policies import STAGE1_POLICY_NAMES, get_stage1_policy
 from .streaming import streaming_config
 
 ALL_PAGES = 1 << 30  # a topk larger than any page count: every stored token is attended
 KEEP_ALL = 1 << 30  # a prompt_budget larger than any prompt: stage 1 keeps everything
 
 METHOD_NAMES = ("full", "rocketkv", "stage1", "stage2", "streaming", "stage1_read", "streaming_read")
+POLICY_METHODS = ("evict", "evict_read", "rocketkv", "rocketkv_plain")  # used as KIND:POLICY
+PLAIN_METHODS = ("rocketkv_plain", "stage2_plain")
 
 
 @dataclass(frozen=True)
@@ -47,30 +72,127 @@ class Method:
     @property
     def streaming(self) -> bool:
         """Stage 1 keeps sinks + recent tokens (the config's stage1 policy is "streaming")."""
-        return self.config is not None and self.config.stage1 == "streaming"
+        return self.config is not None and _policy_name(self.config.stage1) == "streaming"
+
+    @property
+    def needs_full_prefill(self) -> bool:
+        """The stage-1 policy scores with every prompt query (H2O): the shared dense prefix cannot be used."""
+        return self.config is not None and _accumulates(self.config.stage1)
 
     def new_cache(self):
         if self.config is None:
             return DynamicCache()
         return RocketKVCache(self.config)
 
+    def read_tokens(self, stored: int) -> int:
+        """Tokens one decode step reads (per layer and KV head) with ``stored`` tokens in the cache."""
+        return stored if self.read_budget is None else min(self.read_budget, stored)
+
     def describe(self) -> dict:
+        config = None
+        if self.config is not None:
+            config = self.config.to_dict()
+            config["stage1"] = _policy_label(self.config.stage1)  # JSON-safe: a name, with its forced sinks
         return {
             "name": self.name,
             "attn_implementation": self.attn_implementation,
             "kept_budget": self.kept_budget,
             "read_budget": self.read_budget,
-            "config": None if self.config is None else self.config.to_dict(),
+            "config": config,
         }
 
 
+def _policy_name(stage1) -> str:
+    return stage1 if isinstance(stage1, str) else stage1.name
+
+
+def _policy_label(stage1) -> str:
+    tokens = getattr(stage1, "tokens", 0) if not isinstance(stage1, str) else 0
+    return _policy_name(stage1) + (f"+keep_first={tokens}" if tokens else "")
+
+
+def _accumulates(stage1) -> bool:
+    if isinstance(stage1, str):
+        return stage1 == "h2o"
+    return hasattr(stage1, "accumulate")
+
+
+def _plain(config: RocketKVConfig) -> RocketKVConfig:
+    """RocketKV's own stage 2: no forced sinks, only the newest page forced."""
+    return config.replace(stage2_sink_tokens=0, stage2_recent_tokens=0)
+
+
+def _with_policy(config: RocketKVConfig, policy: str) -> RocketKVConfig:
+    """``config`` whose stage 1 is ``policy``, wrapped to keep the stage-2 sink tokens when it forces any."""
+    if config.stage2 == "kt_pages" and config.stage2_sink_tokens > 0:
+        wrapped = get_stage1_policy(
+            policy, kernel_size=config.kernel_size, sink_tokens=config.sink_tokens, keep_first=config.stage2_sink_tokens
+        )
+        return config.replace(stage1=wrapped)
+    return config.replace(stage1=policy)
+
+
+def _evicting(config: RocketKVConfig, policy: str, budget: int) -> RocketKVConfig:
+    """Eviction only (stage2="none"): ``policy`` keeps ``budget`` prompt tokens and every kept token is read."""
+    return _plain(config).replace(prompt_budget=budget, stage1=policy, stage2="none")
+
+
+def _build_policy_method(kind: str, policy: str, base: RocketKVConfig) -> Method:
+    if policy not in STAGE1_POLICY_NAMES:
+        raise ValueError(f"unknown stage-1 policy {policy!r} in method '{kind}:{policy}'; allowed: "
+                         f"{list(STAGE1_POLICY_NAMES)}")
+    name = f"{kind}:{policy}"
+    read = base.topk * base.page_size
+    if kind == "evict":
+        return Method(name, "rocketkv", _evicting(base, policy, base.prompt_budget), base.prompt_budget, None)
+    if kind == "evict_read":
+        small = max(read, base.window_size)
+        return Method(name, "rocketkv", _evicting(base, policy, small), small, None)
+    config = _plain(base) if kind == "rocketkv_plain" else base
+    return Method(name, "rocketkv", _with_policy(config, policy), base.prompt_budget, read)
+
+
+def parse_overrides(name: str, text: str) -> dict:
+    """``"prompt_budget=256,topk=16"`` -> ``{"prompt_budget": 256, "topk": 16}`` (values: integers or names)."""
+    changes = {}
+    for item in text.split(","):
+        field, sep, value = item.partition("=")
+        if not sep or not field.strip() or not value.strip():
+            raise ValueError(f"expected FIELD=VALUE[,FIELD=VALUE...] after '@', got {item!r}")
+        value = value.strip()
+        changes[field.strip()] = int(value) if value.lstrip("-").isdigit() else value
+    return changes
+
+
 def build_method(name: str, base: RocketKVConfig, sink_tokens: int = 4) -> Method:
+    """The method ``name`` (tables above), optionally ``NAME@FIELD=VALUE,...`` with config overrides."""
+    plain_name, sep, overrides = name.partition("@")
+    if sep:
+        try:
+            base = RocketKVConfig.from_dict({**base.to_dict(), **parse_overrides(name, overrides)})
+        except ValueError as err:
+            raise ValueError(f"method {name!r}: {err}") from err
+        return dataclasses.replace(_build_method(plain_name, base, sink_tokens), name=name)
+    return _build_method(name, base, sink_tokens)
+
+
+def _build_method(name: str, base: RocketKVConfig, sink_tokens: int = 4) -> Method:
     read = base.topk * base.page_size
     small = max(read, base.window_size)
     if name == "full":
         return Method(name, "sdpa", None, None, None)
+    kind, sep, policy = name.partition(":")
+    if sep:
+        if kind not in POLICY_METHODS:
+            raise ValueError(f"unknown method {name!r}; KIND:POLICY takes KIND in {list(POLICY_METHODS)}")
+        return _build_policy_method(kind, policy, base)
     if name == "rocketkv":
-        return Method(name, "rocketkv", base, base.prompt_budget, read)
+        return Method(name, "rocketkv", _with_policy(base, base.stage1) if isinstance(base.stage1, str) else base,
+                      base.prompt_budget, read)
+    if name == "rocketkv_plain":
+        return dataclasses.replace(_build_policy_method("rocketkv_plain", base.stage1, base), name=name)
+    if name == "stage2_plain":
+        return Method(name, "rocketkv", _plain(base).replace(prompt_budget=KEEP_ALL), None, read)
     if name == "stage1":
         return Method(name, "rocketkv", base.replace(topk=ALL_PAGES), base.prompt_budget, None)
     if name == "stage2":
@@ -83,7 +205,10 @@ def build_method(name: str, base: RocketKVConfig, sink_tokens: int = 4) -> Metho
     if name == "streaming_read":
         config = streaming_config(base.replace(prompt_budget=small, topk=ALL_PAGES), sink_tokens)
         return Method(name, "rocketkv", config, small, None)
-    raise ValueError(f"unknown method {name!r}; known: {list(METHOD_NAMES)}")
+    raise ValueError(
+        f"unknown method {name!r}; known: {list(METHOD_NAMES + PLAIN_METHODS)} or KIND:POLICY with KIND in "
+        f"{list(POLICY_METHODS)} and POLICY in {list(STAGE1_POLICY_NAMES)}"
+    )
 
 
 def build_methods(names: list[str], base: RocketKVConfig, sink_tokens: int = 4) -> list[Method]:

@@ -52,6 +52,8 @@ def summarize(results: dict) -> dict:
             fidelity[r["method"]][key] += [r[key]] * r["positions"]  # position-weighted over samples
         fidelity[r["method"]]["positions"].append(r["positions"])
         fidelity[r["method"]]["kept"].append(r["kept_tokens_mean"])
+        if "read_tokens_mean" in r:
+            fidelity[r["method"]]["read"].append(r["read_tokens_mean"])
     return {
         "tasks": {t: {m: {"score": _mean(v), "n": len(v)} for m, v in ms.items()} for t, ms in by_task.items()},
         "by_length": {
@@ -75,6 +77,7 @@ def summarize(results: dict) -> dict:
                 "next_token_accuracy": _mean(d["next_token_accuracy"]),
                 "positions": sum(d["positions"]),
                 "kept_tokens_after_prefill": _mean(d["kept"]),
+                "read_tokens_mean": _mean(d["read"]),
             }
             for m, d in fidelity.items()
         },
@@ -103,7 +106,10 @@ def markdown(results: dict) -> str:
         "RocketKV config: "
         + ", ".join(
             f"{k}={cfg[k]}"
-            for k in ("prompt_budget", "topk", "page_size", "topr", "window_size", "kernel_size", "kt_cache_dtype")
+            for k in (
+                "prompt_budget", "topk", "page_size", "topr", "window_size", "kernel_size", "kt_cache_dtype",
+                "stage2", "stage2_sink_tokens", "stage2_recent_tokens",
+            )
             if k in cfg
         ),
         "",
@@ -179,16 +185,18 @@ def markdown(results: dict) -> str:
     if s["fidelity"]:
         lines += ["## Fidelity vs the full cache (teacher-forced)", ""]
         lines += [
-            "| method | kept / KV head | read / step | top-1 agreement % | mean KL (nats) | next-token acc. % | positions |",
-            "|---|---|---|---|---|---|---|",
+            "| method | kept / KV head | read / step | read / step, mean | top-1 agreement % | mean KL (nats) | "
+            "next-token acc. % | positions |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for m in methods:
             f = s["fidelity"].get(m["name"])
             if f:
                 kept, read = _budget(m)
+                mean_read = f.get("read_tokens_mean", float("nan"))
                 lines.append(
-                    f"| {m['name']} | {kept} | {read} | {100 * f['top1_agreement']:.1f} | {f['mean_kl']:.4f} | "
-                    f"{100 * f['next_token_accuracy']:.1f} | {f['positions']} |"
+                    f"| {m['name']} | {kept} | {read} | {mean_read:.0f} | {100 * f['top1_agreement']:.1f} | "
+                    f"{f['mean_kl']:.4f} | {100 * f['next_token_accuracy']:.1f} | {f['positions']} |"
                 )
         lines.append("")
     return "\n".join(lines)

@@ -78,6 +78,7 @@ def run_generation_sample(
                 "kept_tokens_mean": sum(kept) / len(kept),
                 "kept_tokens_min": min(kept),
                 "kept_tokens_max": max(kept),
+                "read_tokens_first_step": method.read_tokens(round(sum(kept) / len(kept)) + 1),
                 "cache_bytes_after_prefill": nbytes,
                 "shared_prefill_s": prefix.seconds,
                 "method_prefill_s": prefilled.seconds,
@@ -119,6 +120,8 @@ def run_fidelity_sample(model, sample: FidelitySample, methods: list[Method], pr
         kl = (reference.exp() * (reference - log_probs)).sum(-1)  # KL(full || method) per position
         agree = (log_probs.argmax(-1) == reference.argmax(-1)).float()
         correct = (log_probs.argmax(-1) == target).float()
+        # decode step j (1 <= j < P) feeds continuation token j - 1 onto the kept tokens: kept + j stored
+        reads = [method.read_tokens(round(sum(kept) / len(kept)) + j) for j in range(1, len(target))] or [0]
         if method in methods:
             records.append(
                 {
@@ -132,6 +135,8 @@ def run_fidelity_sample(model, sample: FidelitySample, methods: list[Method], pr
                     "max_kl": float(kl.max()),
                     "next_token_accuracy": float(correct.mean()),
                     "kept_tokens_mean": sum(kept) / len(kept),
+                    "read_tokens_mean": sum(reads) / len(reads),  # per layer and KV head, over the decode steps
+                    "read_tokens_max": max(reads),
                 }
             )
         del prefilled, steps

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from ..cache.layer import RocketKVLayer, layer_of
 from ..compat import sdpa_attention_forward
+from ..policies.stage2 import every_page
 
 UNSUPPORTED_KWARGS = ("sliding_window", "softcap", "s_aux")
 
@@ -120,9 +121,16 @@ def decode_attention(layer: RocketKVLayer, query: torch.Tensor, scaling: float) 
     num_kv_heads = layer.keys.shape[1]
     q = query.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # a view for decode layouts
     config, ops = layer.config, layer.ops
-    # top_pages derives the page counts from the token counts itself (no num_pages launches) and, in Triton,
-    # selects from the scoring pass's logits without writing the page probabilities
-    page_idx, page_valid = ops.top_pages(q, layer.kt, layer.lengths, config.page_size, config.topr, config.topk)
+    if config.stage2 == "none":  # stage 1 only: every kept page, no scoring
+        page_idx, page_valid = every_page(layer.lengths, num_kv_heads, layer.keys.shape[2] // config.page_size,
+                                          config.page_size)
+    else:
+        # top_pages derives the page counts from the token counts itself (no num_pages launches) and, in Triton,
+        # selects from the scoring pass's logits without writing the page probabilities; the sink and recent pages
+        # (stage2_sink_tokens / stage2_recent_tokens, Python ints) are forced in, inside the topk
+        sink_pages, recent_pages = config.stage2_forced_pages
+        page_idx, page_valid = ops.top_pages(q, layer.kt, layer.lengths, config.page_size, config.topr, config.topk,
+                                             sink_pages=sink_pages, recent_pages=recent_pages)
     out = ops.sparse_decode_attention(
         q, layer.keys, layer.values, page_idx, page_valid, layer.lengths, config.page_size, scaling
     )

@@ -10,20 +10,24 @@ Pure objects over tensors: nothing here knows transformers or the cache classes 
 from .adakv import AdaKVPolicy
 from .base import KeptSlots, Stage1Inputs, Stage1Policy, select_by_scores
 from .h2o import H2OPolicy, H2OState
+from .keep_first import KeepFirst
 from .knorm import KnormPolicy
 from .random_policy import RandomPolicy
 from .registry import STAGE1_POLICY_NAMES, get_stage1_policy, is_stage1_policy
 from .scorer import ScorerPolicy
 from .snapkv import SnapKVPolicy
+from .stage2 import STAGE2_NAMES, every_page, fit_forced_pages, forced_page_counts
 from .streaming import StreamingPolicy
 from .token_budget import DerivedBudgets, derive_budgets
 
 __all__ = [
     "STAGE1_POLICY_NAMES",
+    "STAGE2_NAMES",
     "AdaKVPolicy",
     "DerivedBudgets",
     "H2OPolicy",
     "H2OState",
+    "KeepFirst",
     "KeptSlots",
     "KnormPolicy",
     "RandomPolicy",
@@ -33,6 +37,9 @@ __all__ = [
     "Stage1Policy",
     "StreamingPolicy",
     "derive_budgets",
+    "every_page",
+    "fit_forced_pages",
+    "forced_page_counts",
     "get_stage1_policy",
     "is_stage1_policy",
     "select_by_scores",

@@ -1,6 +1,7 @@
 """AdaKV-style head-adaptive budgets: the same total per row and layer, allotted across KV heads by score.
 
-Each KV head keeps its observation window (``w_b`` tokens). The remaining ``Hkv * (budget - w_b)`` slots of a row go
+Each KV head keeps its observation window (``w_b`` tokens) and the row's first ``keep_first`` slots (stage 2's
+sinks, see Stage1Inputs). The remaining ``Hkv * (budget - w_b - forced)`` slots of a row go
 to the best prefix scores of the row *across all KV heads at once* (Feng et al., 2024, "Ada-KV"), so a head whose
 attention is concentrated keeps few tokens and a head whose attention is spread keeps many. The total per row is
 ``Hkv * budget`` exactly like a uniform policy; each head keeps between ``w_b`` and ``w_b + (n - w_b)`` slots.
@@ -61,12 +62,17 @@ class AdaKVPolicy:
             if e - s <= budget:
                 kept.append(whole_row(s, e, heads, device))
             else:
-                kept.append(allot_row(scores[b, :, s : e - w], heads * (budget - w), s, e, w))
+                forced = inputs.forced_count(s, e, w)
+                total = heads * (budget - w - forced)
+                kept.append(allot_row(scores[b, :, s + forced : e - w], total, s, e, w, forced))
         return kept
 
 
-def allot_row(prefix_scores: torch.Tensor, total: int, start: int, end: int, window: int) -> KeptSlots:
-    """Keep the ``total`` best of a row's ``[Hkv, n_prefix]`` prefix scores across heads, plus every head's window.
+def allot_row(
+    prefix_scores: torch.Tensor, total: int, start: int, end: int, window: int, forced: int = 0
+) -> KeptSlots:
+    """Keep the ``total`` best of a row's ``[Hkv, n_selectable]`` scores (slots ``start + forced .. end - window - 1``)
+    across heads, plus every head's first ``forced`` slots and its window.
 
     Returns per-head ascending slots padded with -1 (see the module docstring).
     """
@@ -75,7 +81,8 @@ def allot_row(prefix_scores: torch.Tensor, total: int, start: int, end: int, win
     chosen = prefix_scores.contiguous().flatten().topk(total).indices
     keep = torch.zeros(heads * n_prefix, dtype=torch.bool, device=device)
     keep[chosen] = True
-    keep = torch.cat([keep.view(heads, n_prefix), torch.ones(heads, window, dtype=torch.bool, device=device)], dim=1)
+    always = lambda n: torch.ones(heads, n, dtype=torch.bool, device=device)  # noqa: E731
+    keep = torch.cat([always(forced), keep.view(heads, n_prefix), always(window)], dim=1)
     counts = keep.sum(dim=1)
     # kept slots first in ascending order, then a sentinel past every slot, which becomes -1
     sentinel = end

@@ -10,6 +10,7 @@ Shapes (B batch, Hq query heads, Hkv KV heads, G = Hq // Hkv, N stored slots, D 
     keys:       [B, Hkv, N, D]  post-RoPE keys in slot order
     start, end: [B]             row b's valid slots are [start[b], end[b]); left padding sits before start[b]
     window_len: [B] or None     real queries among the w: the last window_len[b] (the earlier ones are padding)
+    keep_first: int             the first keep_first valid slots of every row are always kept (stage 2's sinks)
 
 Window query i (0 <= i < w) is the token in slot ``end[b] - w + i``. A row's observation window is its last
 ``w_b = window_len[b]`` tokens (``w`` when window_len is None); it is always kept, so ``budget >= w``.
@@ -41,6 +42,10 @@ class Stage1Inputs:
     budget:  tokens each KV head keeps per row (rows with at most ``budget`` valid tokens are kept whole).
     scaling: softmax scale of the attention (``head_dim ** -0.5`` for most models).
     state:   the object the policy's ``new_state`` returned, after every ``accumulate`` (None for stateless ones).
+    keep_first: a row over the budget always keeps its first ``min(keep_first, budget - w_b)`` valid slots
+             (``start .. start + keep_first - 1``), counted in the budget. Stage 2's sink pages
+             (``RocketKVConfig.stage2_sink_tokens``) are the first pages of the compacted store, so stage 1 must keep
+             the prompt's first tokens for them to be the real sinks. 0: no forced slots (the policy's own choice).
     """
 
     q_window: torch.Tensor
@@ -51,6 +56,7 @@ class Stage1Inputs:
     scaling: float
     window_len: torch.Tensor | None = None
     state: Any = None
+    keep_first: int = 0
 
     def __post_init__(self) -> None:
         _check_inputs(self)
@@ -74,6 +80,11 @@ class Stage1Inputs:
         starts, ends = self.start.tolist(), self.end.tolist()
         windows = self.window_len.tolist() if self.window_len is not None else [self.window] * len(starts)
         return list(zip(starts, ends, windows))
+
+    def forced_count(self, start: int, end: int, window: int) -> int:
+        """Slots a row over the budget keeps at its start because of ``keep_first`` (at most its selectable
+        ``budget - w_b``)."""
+        return min(self.keep_first, self.budget - window, max(end - window - start, 0))
 
     def needs_selection(self) -> bool:
         """True when some row holds more than ``budget`` valid tokens (otherwise nothing is scored)."""
@@ -111,6 +122,8 @@ def _check_inputs(inputs: Stage1Inputs) -> None:
             raise ValueError(
                 f"Stage1Inputs: row {b} has start={s}, end={e}; need 0 <= start <= end <= N={keys.shape[2]}"
             )
+    if not isinstance(inputs.keep_first, int) or isinstance(inputs.keep_first, bool) or inputs.keep_first < 0:
+        raise ValueError(f"Stage1Inputs.keep_first must be an integer >= 0, got {inputs.keep_first!r}")
     if inputs.window_len is not None:
         bad = [(b, n) for b, (_, _, n) in enumerate(inputs.rows()) if not 0 <= n <= q.shape[2]]
         if bad:
@@ -181,10 +194,11 @@ def top_prefix_slots(prefix_scores: torch.Tensor, count: int, offset: int) -> to
 
 
 def select_by_scores(inputs: Stage1Inputs, score_fn: ScoreFn, who: str = "score") -> list[KeptSlots]:
-    """Uniform selection: every KV head keeps its observation window plus its ``budget - w_b`` best prefix slots.
+    """Uniform selection: every KV head keeps its observation window, the row's first ``f`` slots
+    (``f = inputs.forced_count(...)``, from ``keep_first``) and its ``budget - w_b - f`` best other prefix slots.
 
     ``score_fn(inputs) -> [B, Hkv, N]`` (higher = keep) runs only when some row exceeds the budget; only the scores
-    of each row's prefix slots ``[start, end - w_b)`` are read.
+    of each row's selectable prefix slots ``[start + f, end - w_b)`` are read.
     """
     rows = inputs.rows()
     heads, device, budget = inputs.num_kv_heads, inputs.keys.device, inputs.budget
@@ -194,7 +208,9 @@ def select_by_scores(inputs: Stage1Inputs, score_fn: ScoreFn, who: str = "score"
         if e - s <= budget:
             kept.append(whole_row(s, e, heads, device))
             continue
-        chosen = top_prefix_slots(scores[b, :, s : e - w], budget - w, s)
+        forced = inputs.forced_count(s, e, w)
+        first = torch.arange(s, s + forced, device=device).expand(heads, forced)
+        chosen = top_prefix_slots(scores[b, :, s + forced : e - w], budget - w - forced, s + forced)
         window = torch.arange(e - w, e, device=device).expand(heads, w)
-        kept.append(KeptSlots.same_for_every_head(torch.cat([chosen, window], dim=-1)))
+        kept.append(KeptSlots.same_for_every_head(torch.cat([first, chosen, window], dim=-1)))
     return kept

@@ -7,6 +7,7 @@ from typing import Callable
 from .adakv import AdaKVPolicy
 from .base import Stage1Policy
 from .h2o import H2OPolicy
+from .keep_first import KeepFirst
 from .knorm import KnormPolicy
 from .random_policy import RandomPolicy
 from .snapkv import SnapKVPolicy
@@ -21,12 +22,20 @@ def get_stage1_policy(
     kernel_size: int = 63,
     sink_tokens: int = 4,
     window_scores_fn: Callable | None = None,
+    keep_first: int = 0,
 ) -> Stage1Policy:
     """The policy named ``spec`` (built from the keyword hyper-parameters it uses), or ``spec`` itself when it is
     already a policy object (then the keywords are ignored: the object carries its own).
 
     kernel_size and window_scores_fn feed SnapKV (also AdaKV's default scorer); sink_tokens feeds streaming.
+    keep_first > 0 wraps the policy in ``KeepFirst`` (every row keeps its first ``keep_first`` tokens: stage 2's
+    sinks, ``RocketKVConfig.stage2_sink_tokens``); it applies to policy objects too.
     """
+    policy = _named_or_object(spec, kernel_size, sink_tokens, window_scores_fn)
+    return KeepFirst(policy, keep_first) if keep_first > 0 else policy
+
+
+def _named_or_object(spec, kernel_size: int, sink_tokens: int, window_scores_fn: Callable | None) -> Stage1Policy:
     if isinstance(spec, str):
         factories: dict[str, Callable[[], Stage1Policy]] = {
             "snapkv": lambda: SnapKVPolicy(kernel_size=kernel_size, scores_fn=window_scores_fn),
