@@ -11,10 +11,11 @@ docs/memory.md has the layout, the formulas, the hashing scheme and the life of 
 the parts: storage.py (device tensors), free_list.py (allocation / eviction order), hashing.py (prefix keys),
 accounting.py (pages needed), host_tier.py (offload), prefix_file.py (files).
 
-Thread safety: one ``threading.RLock`` per pool (``pool._lock``). Every public method holds it for its whole run,
+Thread safety: one re-entrant lock per pool (``pool._lock``). Every public method holds it for its whole run,
 except that ``save_prefix`` writes and ``load_prefix`` reads the file outside it. Block tables are changed only by
 the pool, under the lock. Pages must not be released from a garbage-collector finalizer (it can run inside a pool
-method on the same thread); a consumer that releases on GC should queue the release and do it on its next call.
+method on the same thread): a finalizer calls ``release_later``, which only queues the tables; the pool releases
+them at its next call (``deferred.py``).
 
 CUDA streams: call the pool on the stream that writes and reads the pages (the current stream; ``release`` after the
 last kernel that uses them is enqueued). Copies run on the pool's own copy stream: a copy out of or into a page waits
@@ -26,7 +27,6 @@ reused while a copy still reads or writes it.
 from __future__ import annotations
 
 import json
-import threading
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +38,7 @@ import torch
 from .accounting import PagesNeeded, RowPages, row_pages
 from .admission import Admission
 from .block_table import BlockTable
+from .deferred import DeferredReleases, DrainingLock
 from .errors import PoolExhaustedError, PoolStateError, PrefixFileError
 from .fingerprint import fingerprint_fields, fingerprint_of
 from .free_list import UNCACHED, FreeLists, cached_queue
@@ -224,7 +225,8 @@ class KVBlockPool:
         self._counters = dict.fromkeys(
             ("hit_pages", "missed_pages", "evictions", "dropped_pages", "host_evictions", "offloaded_bytes",
              "onloaded_bytes"), 0)
-        self._lock = threading.RLock()
+        self._deferred = DeferredReleases()
+        self._lock = DrainingLock(self._drain_deferred)  # releases queued by finalizers happen at the next call
 
     def __repr__(self) -> str:
         return (f"KVBlockPool({self.geometry.architecture}, pages={self.num_pages}x{self.page_size} tokens, "
@@ -573,6 +575,42 @@ class KVBlockPool:
                     raise ValueError(f"release expects a BlockTable or an Admission, got {type(obj).__name__}")
                 self._clock += 1
                 self._unref_all(table._truncate(0))
+
+    def release_later(self, obj: Any) -> None:
+        """Queue a table, an admission, or a list of them for release at the pool's next call. Takes no lock and runs
+        no pool code, so it is safe from a garbage-collector finalizer (which may fire inside a pool method)."""
+        self._deferred.put(obj)
+
+    def pending_releases(self) -> int:
+        """Objects queued by ``release_later`` and not released yet (any locked call releases them first)."""
+        return len(self._deferred)
+
+    def _drain_deferred(self) -> None:
+        """Called by the lock when a thread takes it from outside: release what finalizers queued."""
+        self._deferred.drain(self._release_queued)
+
+    def _release_queued(self, obj: Any) -> None:
+        if isinstance(obj, (list, tuple)):
+            for item in obj:
+                self._release_queued(item)
+        else:
+            self.release(obj)
+
+    def allocate_batch(self, requests: Sequence[tuple[BlockTable, int]], what: str = "allocating pages") -> None:
+        """``allocate`` for several tables at once: every table gets its pages, or none does (PoolExhaustedError
+        naming the pages needed and free, before anything changes)."""
+        with self._lock:
+            total = 0
+            for table, num_pages in requests:
+                _check_int(num_pages, "num_pages", 0)
+                table._check_room(num_pages)
+                total += num_pages
+            if total > len(self._free):
+                raise PoolExhaustedError(what, total, len(self._free), self.num_pages)
+            self._poll_copies()
+            self._clock += 1
+            for table, num_pages in requests:
+                table._extend([m.index for m in self._take_pages(num_pages)])
 
     def truncate(self, table: BlockTable, num_pages: int) -> None:
         """Release ``table``'s pages from ``num_pages`` on (tail first): in-place compaction gives its tail back."""
