@@ -498,9 +498,10 @@ class RocketKVLayer(CacheLayerMixin):
         self._mark_static()
 
     def _headroom(self) -> int:
-        """Slots for tokens still to come: from generate()'s max_length when known, else the config's headroom."""
+        """Slots for tokens still to come: from generate()'s max_length when known (the tokens it will still feed
+        back; 0 when it generates one token), else the config's headroom (a stale hint of an earlier call too)."""
         seen = self.get_seq_length()
-        if self.hints.max_length is not None and self.hints.max_length > seen:
+        if self.hints.max_length is not None and self.hints.max_length >= seen:
             return self.hints.max_length - seen
         return self.config.capacity_headroom
 
