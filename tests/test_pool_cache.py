@@ -340,3 +340,36 @@ def test_pool_checks(model):
                        kt_page_size=4, kt_dtype="float32")
     with pytest.raises(ValueError, match="KVBlockPool.dtype"):
         run(model, random_ids(1, 30), CFG, pool=bf16)
+
+
+def test_chunked_prefill_after_a_prefix_hit_equals_cold(model):
+    ids = random_ids(1, 70, seed=43)
+    pool = make_pool(model, CFG)
+    cold, first = run(model, ids, CFG, pool=pool)
+    first.close()
+    cache = RocketKVCache(CFG, pool=pool)
+    got = greedy(model, ids, max_new_tokens=6, past_key_values=cache, prefill_chunk_size=5)
+    assert cache.stats.reused_tokens == 56 and cache.stats.computed_tokens == 14
+    assert torch.equal(got, cold)
+    _, cold_cache = run(model, ids, CFG, pool=make_pool(model, CFG))
+    assert kept(cache) == kept(cold_cache)
+
+
+def test_eviction_to_host_and_back_through_generate(model):
+    """A small pool with a host tier: the second request's admission pushes the first one's cached prefix to host
+    memory (its offloaded_bytes), the third request repeats the first prompt and onloads it (onloaded_bytes); tokens
+    equal the first request's."""
+    ids, other = random_ids(1, 60, seed=44), random_ids(1, 60, seed=45)
+    need = make_pool(model, CFG).pages_needed(60, 6, CFG).prefill_peak
+    per_page = make_pool(model, CFG).bytes_per_page
+    pool = make_pool(model, CFG, max_bytes=need * per_page, host_bytes=need * per_page * 2)
+    first, cache = run(model, ids, CFG, pool=pool)
+    cache.close()
+    _, cache = run(model, other, CFG, pool=pool)
+    assert cache.stats.offloaded_bytes == 7 * per_page  # the first prompt's 7 full pages went to the host
+    cache.close()
+    again, cache = run(model, ids, CFG, pool=pool)
+    assert cache.stats.reused_tokens == 48 and cache.stats.onloaded_bytes == 6 * per_page
+    assert torch.equal(again, first)
+    cache.close()
+    assert pool.free_pages() == pool.total_pages()
