@@ -373,3 +373,29 @@ def test_eviction_to_host_and_back_through_generate(model):
     assert torch.equal(again, first)
     cache.close()
     assert pool.free_pages() == pool.total_pages()
+
+
+def test_row_groups_are_admitted_group_by_group_out_of_one_reservation(model):
+    """prefill_batch_size with a pool: the batch reserves every row's steady pages plus one group's prompt pages (not
+    every row's prompt at once), admits each group when it starts (so later groups reuse an earlier group's
+    prefix), and a pool one page short refuses the batch before anything runs."""
+    prefix = random_ids(1, 48, seed=50)[0]
+    ids = torch.stack([torch.cat([prefix, random_ids(1, 12, seed=51 + i)[0]]) for i in range(3)])
+    cfg = CFG.replace(prefill_batch_size=1)
+    want, private = run(model, ids, cfg)
+    one = make_pool(model, cfg).pages_needed(60, 5, cfg)  # generate(max_new_tokens=6) feeds 5 tokens back
+    per_page = make_pool(model, cfg).bytes_per_page
+    reservation = 3 * one.steady_state + one.prompt_pages
+    pool = make_pool(model, cfg, max_bytes=reservation * per_page)
+    assert make_pool(model, cfg).pages_needed([60] * 3, 5, cfg).prefill_peak > pool.total_pages()
+    got, cache = run(model, ids, cfg, pool=pool)
+    assert torch.equal(got, want) and kept(cache) == kept(private)
+    assert cache.stats.reused_tokens == 2 * 48  # groups 2 and 3 reuse group 1's prefix
+    assert cache.stats.pages_held == 3 * one.steady_state
+    cache.close()
+    assert pool.free_pages() == pool.total_pages()
+    short = make_pool(model, cfg, max_bytes=(reservation - 1) * per_page)
+    cache = RocketKVCache(cfg, pool=short)
+    with pytest.raises(PoolExhaustedError, match=f"needs {reservation} pages"):
+        greedy(model, ids, max_new_tokens=6, past_key_values=cache)
+    assert short.free_pages() == short.total_pages() and not cache.layers

@@ -20,7 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from hf_rocketkv import KVBlockPool, RocketKVCache
 from hf_rocketkv.memory import PoolExhaustedError
 
-from .helpers import compressing_config, greedy, make_models, random_ids
+from .helpers import compressing_config, greedy, left_pad, make_models, random_ids
 
 CFG = compressing_config(kt_cache_dtype="float32")
 MODEL = None
@@ -71,10 +71,28 @@ class PoolRequests(RuleBasedStateMachine):
         assert cache.stats.reused_tokens + cache.stats.computed_tokens == length
         self.live.append((cache, out))
 
-    @precondition(lambda self: self.live)
+    @rule(lengths=st.lists(st.integers(20, 90), min_size=2, max_size=3), rows_per_group=st.integers(1, 2),
+          keep_all=st.booleans())
+    def start_row_groups(self, lengths, rows_per_group, keep_all):
+        """A padded batch prefilled in row groups: reserved up front, admitted group by group."""
+        cfg = CFG.replace(prefill_batch_size=rows_per_group, multi_turn="keep_all" if keep_all else "evict")
+        cache = RocketKVCache(cfg, pool=self.pool)
+        ids, mask = left_pad([BASES[i % 2][:n] for i, n in enumerate(lengths)])
+        free = self.pool.free_pages()
+        try:
+            out = greedy(model(), ids, attention_mask=mask, max_new_tokens=3, past_key_values=cache)
+        except PoolExhaustedError:
+            assert self.pool.free_pages() == free and cache.stats.pages_held == 0  # refused before any change
+            self.refused += 1
+            return
+        assert self.pool.reserved_pages() == 0
+        self.live.append((cache, None))
+
+    @precondition(lambda self: any(out is not None for _, out in self.live))
     @rule(index=st.integers(0, 7), extra=st.integers(1, 12), data=st.data())
     def next_turn(self, index, extra, data):
-        position = index % len(self.live)
+        candidates = [i for i, (_, out) in enumerate(self.live) if out is not None]  # single-row conversations
+        position = candidates[index % len(candidates)]
         cache, out = self.live[position]
         ids = torch.cat([out, random_ids(1, extra, seed=extra)], dim=1)
         free, held = self.pool.free_pages(), cache.stats.pages_held
@@ -112,7 +130,7 @@ class PoolRequests(RuleBasedStateMachine):
             cache.close()
         self.live.clear()
         gc.collect()
-        assert self.pool.free_pages() == self.pool.total_pages()
+        assert self.pool.free_pages() == self.pool.total_pages() and self.pool.reserved_pages() == 0
 
 
 PoolRequests.TestCase.settings = settings(

@@ -62,7 +62,8 @@ class RocketKVCache(Cache):
             self.pages = PoolPages(pool, self.config, _prefix_keys(pool, self.config, cache_salt, prefix_keys),
                                    self.counters)
             # a cache dropped without close() queues its tables; the pool releases them at its next call
-            self._finalizer = weakref.finalize(self, release_rows_later, pool, self.pages.rows)
+            self._finalizer = weakref.finalize(self, release_rows_later, pool, self.pages.rows,
+                                               self.pages.reservations)
         elif cache_salt is not None or prefix_keys is not None:
             raise ValueError("RocketKVCache: cache_salt and prefix_keys key the pool's prefix index; pass pool= too")
         super().__init__(layer_class_to_replicate=functools.partial(
@@ -97,8 +98,9 @@ class RocketKVCache(Cache):
                       max_new_tokens: int | None = None, row_groups: bool = False) -> None:
         """Before a prefill forward (generate() calls this): with a pool, take every page the forward needs, or raise
         ``PoolExhaustedError`` naming the pages needed and free before anything is written; the first turn looks its
-        prompt up in the prefix index and, unless ``row_groups`` (each group does it), seeds the layers with the hit.
-        Without a pool: nothing."""
+        prompt up in the prefix index and seeds the layers with the hit; with ``row_groups`` it reserves the batch's
+        pages and each group is admitted (and looks up its prefix, so later groups reuse earlier ones') when it
+        starts (``share_rows``). Without a pool: nothing."""
         if self.pages is None:
             return
         if max_new_tokens is None:  # generate()'s max_length counts the input's columns (padding included)
@@ -107,7 +109,8 @@ class RocketKVCache(Cache):
                               else self.config.capacity_headroom)
         layer0 = self.layers[0] if self.layers else None
         self.pages.begin(input_ids, attention_mask, max_new_tokens, layer0,
-                         allow_prefix_lookup=self._prefix_lookup_allowed())
+                         allow_prefix_lookup=self._prefix_lookup_allowed(),
+                         rows_per_group=self.config.prefill_batch_size if row_groups else None)
         if not row_groups:
             self.setup_prefix()
 

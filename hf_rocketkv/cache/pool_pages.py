@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..memory import Admission, BlockTable, KVBlockPool, PrefixKeys
+from ..memory import Admission, BlockTable, KVBlockPool, PrefixKeys, Reservation
+from ..memory.accounting import row_pages
 from ..kernels.paged import gather_pages
 from .paged_store import PagedStore, ceil_div
 from .stats import RequestCounters
@@ -81,10 +82,23 @@ def _table_tensor(rows: list[list[BlockTable]], device) -> tuple[torch.Tensor, t
     return torch.tensor(padded, dtype=torch.int32, device=device), tuple(len(p) for p in pages)
 
 
-def release_rows_later(pool: KVBlockPool, rows: list[RowPages]) -> None:
+def release_rows_later(pool: KVBlockPool, rows: list[RowPages], extra: list[Reservation]) -> None:
     """Finalizer of a garbage-collected cache: queue its tables; the pool releases them at its next call (never
     here: a finalizer may run inside a pool method)."""
-    pool.release_later([table for row in rows for table in row.tables()])
+    pool.release_later([table for row in rows for table in row.tables()] + list(extra))
+
+
+@dataclass
+class GroupPlan:
+    """Row-group prefill's plan (``RocketKVConfig.prefill_batch_size``): the whole batch reserved up front, then
+    admitted group by group out of the reservation, so a group's prompt pages are held only while it prefills."""
+
+    reserve: Reservation  # free pages set aside for the groups not admitted yet (counted, not held)
+    prompt_lens: list[int]
+    token_ids: list | None
+    peak: list[int]  # per row: pages at its prefill peak (cold)
+    steady: list[int]  # per row: pages it keeps after its prefill
+    groups_left: int
 
 
 class PoolPages:
@@ -100,22 +114,31 @@ class PoolPages:
         self.page_tokens = pool.page_size
         self.turn: Turn | None = None
         self.max_new_tokens = 0
+        self.reservations: list[Reservation] = []  # a row-group reservation (the finalizer gives it back too)
+        self.plan: GroupPlan | None = None  # row-group prefill in progress (the whole batch's object)
+        self.parent: PoolPages | None = None  # a row group's part: the whole batch's object
+        self.group: slice | None = None
         self._view_table: tuple[torch.Tensor, tuple[int, ...]] | None = None
         self._history_table: tuple[torch.Tensor, tuple[int, ...]] | None = None
         self.device: torch.device | None = None
 
     # ------------------------------------------------------------------------------------------ admission
     def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int,
-              layer0=None, allow_prefix_lookup: bool = True) -> None:
+              layer0=None, allow_prefix_lookup: bool = True, rows_per_group: int | None = None) -> None:
         """Take this forward's pages before anything runs (see the module docstring). ``layer0``: the cache's first
-        layer (a later turn sizes its view from what it holds)."""
+        layer (a later turn sizes its view from what it holds). ``rows_per_group``: row-group prefill of a first
+        turn: reserve the batch's pages now (``GroupPlan``); each group is admitted when it starts."""
         batch, width = input_ids.shape
         mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
         self.max_new_tokens = max_new_tokens
         if not self.rows:
             pads = (width - mask.sum(dim=1)).tolist()  # left padding (right padding is refused by the attention)
-            ids = [input_ids[b, pad:] for b, pad in enumerate(pads)]
-            self._admit([width - pad for pad in pads], max_new_tokens, ids if allow_prefix_lookup else None)
+            ids = [input_ids[b, pad:] for b, pad in enumerate(pads)] if allow_prefix_lookup else None
+            lens = [width - pad for pad in pads]
+            if rows_per_group is not None:
+                self._reserve_groups(lens, max_new_tokens, ids, rows_per_group)
+            else:
+                self._admit(lens, max_new_tokens, ids)
             for row, pad in zip(self.rows, pads):
                 row.pad = pad
             return
@@ -125,6 +148,46 @@ class PoolPages:
         new = mask[:, seen:].sum(dim=1).tolist()
         stored = (layer0.history.lengths if layer0.history is not None else layer0.lengths).tolist()
         self._reserve_turn([s + m for s, m in zip(stored, new)], max_new_tokens)
+
+    def _reserve_groups(self, prompt_lens: list[int], max_new_tokens: int, token_ids, rows_per_group: int) -> None:
+        """Hold, in one allocation, every row's steady pages plus the largest group's prefill-only pages: enough for
+        any group's admission whatever it hits (a hit replaces a fresh page; an evictable or host hit needs at most
+        that one). PoolExhaustedError before anything changes when it does not fit."""
+        cfg, p = self.config, self.page_tokens
+        plans = [row_pages(n, max_new_tokens, p, cfg.prompt_budget, prefix_reuse=self.pool.prefix_reuse,
+                           keep_all=self.keep_all) for n in prompt_lens]
+        peak = [plan.peak_pages for plan in plans]
+        steady = [plan.steady_pages for plan in plans]
+        groups = range(0, len(plans), rows_per_group)
+        extra = max(sum(peak[g:g + rows_per_group]) - sum(steady[g:g + rows_per_group]) for g in groups)
+        reserve = self.pool.reserve(sum(steady) + extra, f"reserving {len(plans)} rows of a row-group prefill "
+                                    f"(every row's steady pages + the largest group's prompt pages)")
+        self.reservations.append(reserve)
+        self.rows[:] = [RowPages() for _ in prompt_lens]
+        self.plan = GroupPlan(reserve, prompt_lens, token_ids, peak, steady, len(groups))
+
+    def _admit_group(self) -> None:
+        """A row group's part: admit its rows out of the whole batch's reservation."""
+        plan, rows = self.parent.plan, self.group
+        ids = plan.token_ids[rows] if plan.token_ids is not None else None
+        before = self.pool.stats()
+        admissions = self.pool.admit_batch(plan.prompt_lens[rows], self.max_new_tokens, self.config, token_ids=ids,
+                                           keys=self.keys, keep_all=self.keep_all, reservation=plan.reserve)
+        self._count_copies(before)
+        for row, adm in zip(self.rows, admissions):
+            row.admission, row.hit_tokens = adm, adm.reused_tokens
+        self.turn = Turn(first=True, view=[[a.view if a.view.max_pages else a.prompt] for a in admissions])
+
+    def _group_done(self, released: int) -> None:
+        """A group's turn is over and its prompt pages went back (cached: still hittable by the next groups): set the
+        ``released`` pages aside again for the groups to come (under the same lock, so no one takes them in
+        between), or give the reservation back after the last group."""
+        plan = self.parent.plan
+        plan.groups_left -= 1
+        if plan.groups_left > 0:
+            self.pool.add_to_reservation(plan.reserve, released)
+        else:
+            self.pool.unreserve(plan.reserve)
 
     def _admit(self, prompt_lens: list[int], max_new_tokens: int, token_ids) -> None:
         before = self.pool.stats()
@@ -265,18 +328,24 @@ class PoolPages:
         turn.done.add(layer.layer_idx)
         if len(turn.done) < self.num_layers:
             return
-        for row, view in zip(self.rows, turn.view):
-            old_view = row.view
-            row.view = view
-            if turn.first:
-                adm = row.admission
-                self.pool.commit_prompt(adm)
-                if self.keep_all:
-                    row.history = [adm.prompt]
-                elif adm.view.max_pages:  # (reuse off: the prompt table is the view)
-                    self.pool.release(adm.prompt)
-            for table in old_view:
-                self.pool.release(table)
+        with self.pool.exclusive():  # a row group re-reserves exactly what it releases, before anyone else can
+            free_before = self.pool.free_pages()
+            for row, view in zip(self.rows, turn.view):
+                old_view = row.view
+                row.view = view
+                if turn.first:
+                    adm = row.admission
+                    self.pool.commit_prompt(adm)
+                    if self.keep_all:
+                        row.history = [adm.prompt]
+                    elif adm.view.max_pages:  # (reuse off: the prompt table is the view)
+                        self.pool.release(adm.prompt)
+                for table in old_view:
+                    self.pool.release(table)
+            if turn.first and self.parent is not None:
+                # the pages that became free (hit pages other requests still hold do not): re-reserving exactly
+                # these leaves the reservation >= every later group's steady pages + the largest group's prompt
+                self._group_done(self.pool.free_pages() - free_before)
         self._view_table = (turn.table, turn.row_pages)
         self.turn = None
 
@@ -332,16 +401,19 @@ class PoolPages:
 
     # ------------------------------------------------------------------------------------------ row groups
     def split(self, rows: slice, counters: RequestCounters) -> "PoolPages":
-        """A part for row-group prefill: the same row objects (tables) and the current turn's share of them."""
-        part = PoolPages(self.pool, self.config, self.keys, counters, rows=self.rows[rows])
+        """A part for row-group prefill: the same row objects (tables), admitted now out of the reservation."""
+        keys = self.keys[rows] if isinstance(self.keys, list) else self.keys
+        part = PoolPages(self.pool, self.config, keys, counters, rows=self.rows[rows])
         part.max_new_tokens = self.max_new_tokens
-        if self.turn is not None:
-            part.turn = Turn(first=self.turn.first, view=self.turn.view[rows])
+        part.parent, part.group = self, rows
+        if self.plan is not None:
+            part._admit_group()
         return part
 
     def adopt_parts(self) -> None:
         """The parts have closed their turns on the shared rows: this (whole-batch) object's turn is over too."""
         self.turn = None
+        self.plan = None
         self._view_table = self._history_table = None
 
     # ------------------------------------------------------------------------------------------ lifetime
@@ -353,7 +425,11 @@ class PoolPages:
     def release_all(self) -> None:
         """Every page of every row back to the pool now (cache.close(), reset())."""
         tables = [table for row in self.rows for table in row.tables()]
-        self.rows.clear()  # in place: the finalizer holds this list
+        self.rows.clear()  # in place: the finalizer holds these lists
+        for reservation in self.reservations:
+            self.pool.unreserve(reservation)
+        self.reservations.clear()
+        self.plan = None
         self.turn = None
         self._view_table = self._history_table = None
         for table in tables:
