@@ -399,3 +399,31 @@ def test_row_groups_are_admitted_group_by_group_out_of_one_reservation(model):
     with pytest.raises(PoolExhaustedError, match=f"needs {reservation} pages"):
         greedy(model, ids, max_new_tokens=6, past_key_values=cache)
     assert short.free_pages() == short.total_pages() and not cache.layers
+
+
+def test_two_threads_share_one_pool(model):
+    """Two requests in two threads on one pool (one model): each gets the tokens it gets alone, no page leaks."""
+    import threading
+
+    prompts = [random_ids(1, 60, seed=60), random_ids(1, 52, seed=61)]
+    alone = [run(model, ids, CFG)[0] for ids in prompts]
+    pool = make_pool(model, CFG)
+    results, errors = [None, None], []
+
+    def worker(i):
+        try:
+            for _ in range(2):  # the second round hits the first one's prefix
+                out, cache = run(model, prompts[i], CFG, pool=pool)
+                results[i] = out
+                cache.close()
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert all(torch.equal(got, want) for got, want in zip(results, alone))
+    assert pool.free_pages() == pool.total_pages()
