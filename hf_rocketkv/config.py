@@ -36,6 +36,7 @@ KT_CACHE_DTYPES: dict[str, torch.dtype] = {
 BACKENDS = ("auto", "torch", "triton")
 DECODE_GUARD_CHECKS = ("first_step", "every_step")
 DECODE_RUNNERS = ("cuda_graphs", "torch_compile")
+MULTI_TURN_MODES = ("evict", "keep_all")
 YAML_SECTION = "sparse_attention_config"
 YAML_ALGORITHM = "rocket"
 
@@ -101,6 +102,13 @@ class RocketKVConfig:
                        (head-adaptive budgets; refused by the cache until it stores per-head lengths), "random", or a
                        policy object (``hf_rocketkv.policies``; Python only: YAML holds names).
         sink_tokens:   tokens at the start of each row that stage1="streaming" always keeps.
+    Multi-turn (docs/memory.md):
+        multi_turn:    "evict" (default): a later turn re-runs stage 1 over the tokens kept so far plus the new ones,
+                       so what an earlier stage 1 evicted is gone for good. "keep_all" (RocketKV-MT): the cache also
+                       keeps every token of the conversation (prompt, generated tokens, later turns) in pages (the
+                       pool's with ``RocketKVCache(cfg, pool=pool)``), and each later turn re-runs stage 1 over all of
+                       it with that turn's window, so a fact evicted for one question can come back for the next.
+
         token_budget:  the paper's single knob (arXiv 2502.14051 §3.6): K+V token pairs read per KV head per decode
                        step. When set, prompt_budget, topk, page_size and topr are derived per request from the
                        prompt length at the end of prefill (``policies.token_budget.derive_budgets``) and the values
@@ -139,6 +147,8 @@ class RocketKVConfig:
     stage2: str = "kt_pages"
     stage2_sink_tokens: int = 0
     stage2_recent_tokens: int = 0
+    # multi-turn (validated in _validate_multi_turn)
+    multi_turn: str = "evict"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -196,6 +206,15 @@ class RocketKVConfig:
             )
         self._validate_policy_fields()
         self._validate_stage2_fields()
+        self._validate_multi_turn()
+
+    def _validate_multi_turn(self) -> None:
+        """multi_turn (a block of its own: keep_all multi-turn)."""
+        if self.multi_turn not in MULTI_TURN_MODES:
+            raise ValueError(
+                f"RocketKVConfig.multi_turn must be one of {list(MULTI_TURN_MODES)} (\"evict\": later turns re-run "
+                f"stage 1 over the kept tokens; \"keep_all\": over the whole conversation), got {self.multi_turn!r}"
+            )
 
     def _validate_policy_fields(self) -> None:
         """stage1, sink_tokens, token_budget (a block of its own: the policy framework's fields)."""

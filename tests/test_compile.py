@@ -140,3 +140,29 @@ def test_next_turn_after_compiled_decode_equals_eager():
                         disable_compile=True)
         outputs.append(second)
     assert torch.equal(outputs[0], outputs[1])
+
+
+@pytest.mark.slow
+def test_compiled_decode_with_a_pool_equals_eager_without_recompiles():
+    """Pool pages: the decode step reads the pool's tensors through each request's table; a second request (new
+    tables, a prefix hit) replays the same graph."""
+    from hf_rocketkv import KVBlockPool
+
+    torch._dynamo.reset()
+    rocket, _ = make_models("llama", num_hidden_layers=1)
+    config = compressing_config(kt_cache_dtype="float32")
+    pool = KVBlockPool(rocket.config, max_gpu_bytes=1 << 20, page_size=8, dtype=torch.float32, device="cpu",
+                       kt_page_size=4, kt_dtype="float32")
+    ids, mask = left_pad([random_ids(1, 40, seed=3)[0], random_ids(1, 33, seed=4)[0]])
+    eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=6, past_key_values=RocketKVCache(config),
+                   disable_compile=True)
+    dynamo_utils.counters.clear()
+    for _ in range(2):
+        cache = RocketKVCache(config, pool=pool)
+        compiled = greedy(rocket, ids, attention_mask=mask, max_new_tokens=6, past_key_values=cache,
+                          compile_config=_compile_config())
+        assert torch.equal(compiled, eager)
+        cache.close()
+    assert cache.stats.reused_tokens > 0  # the second request hit the first one's prefix
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1, dict(dynamo_utils.counters["stats"])
+    assert not dynamo_utils.counters["recompiles"]

@@ -5,18 +5,26 @@
     cache.kept_tokens(0)      # LongTensor [batch, kv_heads] physically stored in layer 0
     cache.get_seq_length()    # logical tokens seen (prompt + fed-back generated tokens)
     cache.memory_bytes()      # K/V + KT + index tensors actually allocated
+    cache.stats               # CacheStats(reused_tokens, computed_tokens, offloaded_bytes, onloaded_bytes, ...)
+
+With ``pool=KVBlockPool(...)`` the layers' pages come from the pool (``pool_pages.py``): admission before prefill,
+prefix reuse, keep_all history in pool pages; ``cache.close()`` (or reset, or garbage collection) gives them back.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 from transformers import Cache
 
 from .. import compat
 from ..config import RocketKVConfig
+from ..memory import KVBlockPool, PrefixKeys
 from .layer import CROP_UNSUPPORTED, INTERRUPTED_FORWARD, UNCONSUMED_KEYS, GenerationHints, RocketKVLayer
+from .pool_pages import PoolPages, release_rows_later
+from .stats import CacheStats, RequestCounters
 
 
 class RocketKVCache(Cache):
@@ -25,9 +33,21 @@ class RocketKVCache(Cache):
     Needs a model whose attention implementation is ``"rocketkv"`` (``hf_rocketkv.enable(model)`` or
     ``from_pretrained(..., attn_implementation="rocketkv")``). One cache serves one request: pass a fresh one to
     each ``generate`` call, or continue the same conversation with it.
+
+    Args:
+        config: the RocketKVConfig (``**overrides`` change fields of it).
+        pool: a ``KVBlockPool`` to draw pages from (shared by every cache made with it); None: the layers allocate
+            their own. Its ``kt_page_size`` and ``kt_dtype`` must equal ``config.page_size`` and
+            ``config.kt_cache_dtype``, its ``dtype`` the model's.
+        cache_salt: tenant key of the prefix index (a prefix is shared only between requests with the same salt);
+            from the server's trusted side. Pool only.
+        prefix_keys: other inputs that decide the prompt's K/V besides its ids (``PrefixKeys(adapter=...,
+            multimodal=...)``), one for every row or a list with one per row; ``cache_salt`` overrides their salt.
     """
 
-    def __init__(self, config: RocketKVConfig | None = None, **overrides):
+    def __init__(self, config: RocketKVConfig | None = None, pool: KVBlockPool | None = None,
+                 cache_salt: str | None = None, prefix_keys: PrefixKeys | list[PrefixKeys] | None = None,
+                 **overrides):
         compat.require()  # a transformers whose private symbols changed fails here, naming version and symbol
         config = config if config is not None else RocketKVConfig()
         if not isinstance(config, RocketKVConfig):
@@ -35,12 +55,97 @@ class RocketKVCache(Cache):
         self.config = config.replace(**overrides) if overrides else config
         self.hints = GenerationHints()
         self.token_ids: torch.Tensor | None = None  # ids this cache has served (set by generate), guards reuse
-        super().__init__(layer_class_to_replicate=functools.partial(RocketKVLayer, self.config, self.hints))
+        self.counters = RequestCounters()
+        self.pool = pool
+        self.pages: PoolPages | None = None
+        if pool is not None:
+            self.pages = PoolPages(pool, self.config, _prefix_keys(pool, self.config, cache_salt, prefix_keys),
+                                   self.counters)
+            # a cache dropped without close() queues its tables; the pool releases them at its next call
+            self._finalizer = weakref.finalize(self, release_rows_later, pool, self.pages.rows,
+                                               self.pages.reservations)
+        elif cache_salt is not None or prefix_keys is not None:
+            raise ValueError("RocketKVCache: cache_salt and prefix_keys key the pool's prefix index; pass pool= too")
+        super().__init__(layer_class_to_replicate=functools.partial(
+            RocketKVLayer, self.config, self.hints, self.pages, counters=self.counters))
 
     def empty_like(self) -> "RocketKVCache":
         """A new, empty cache of the same kind and configuration (the stage-1 policy included): row-group prefill
-        builds one per group."""
+        builds one per group. It has no pool of its own: a pool-backed cache hands each group its rows
+        (``share_rows``)."""
         return type(self)(self.config)
+
+    def share_rows(self, part: "RocketKVCache", rows: slice) -> None:
+        """Row-group prefill: ``part`` (an ``empty_like()`` cache) prefills ``rows`` of this cache's admitted batch
+        in this cache's pool pages."""
+        if self.pages is None:
+            return
+        part.pool = self.pool
+        part.pages = self.pages.split(rows, part.counters)
+        part.layer_class_to_replicate = functools.partial(RocketKVLayer, part.config, part.hints, part.pages,
+                                                          counters=part.counters)
+
+    def _new_layer(self, layer_idx: int) -> RocketKVLayer:
+        return self.layer_class_to_replicate(layer_idx=layer_idx)
+
+    def _ensure_layers(self, count: int) -> None:
+        """Create layers up to ``count`` (each knows its index: a pool keeps one set of page tensors per layer)."""
+        while len(self.layers) < count:
+            self.layers.append(self._new_layer(len(self.layers)))
+
+    # ------------------------------------------------------------------------------------------ pool requests
+    def begin_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                      max_new_tokens: int | None = None, row_groups: bool = False) -> None:
+        """Before a prefill forward (generate() calls this): with a pool, take every page the forward needs, or raise
+        ``PoolExhaustedError`` naming the pages needed and free before anything is written; the first turn looks its
+        prompt up in the prefix index and seeds the layers with the hit; with ``row_groups`` it reserves the batch's
+        pages and each group is admitted (and looks up its prefix, so later groups reuse earlier ones') when it
+        starts (``share_rows``). Without a pool: nothing."""
+        if self.pages is None:
+            return
+        if max_new_tokens is None:  # generate()'s max_length counts the input's columns (padding included)
+            max_length = self.hints.max_length
+            max_new_tokens = (max(0, max_length - input_ids.shape[1]) if max_length is not None
+                              else self.config.capacity_headroom)
+        layer0 = self.layers[0] if self.layers else None
+        self.pages.begin(input_ids, attention_mask, max_new_tokens, layer0,
+                         allow_prefix_lookup=self._prefix_lookup_allowed(),
+                         rows_per_group=self.config.prefill_batch_size if row_groups else None)
+        if not row_groups:
+            self.setup_prefix()
+
+    def setup_prefix(self) -> int:
+        """Seed the layers with the admitted prefix hit (first turn); returns the hit's input columns (0: none)."""
+        if self.pages is None:
+            return 0
+        self._ensure_layers(self.pages.num_layers)
+        return self.pages.setup_prefix(self.layers)
+
+    def _prefix_lookup_allowed(self) -> bool:
+        """Policies that score with every prompt query (H2O) need every prompt token computed: no prefix hits."""
+        return not hasattr(RocketKVLayer(self.config, self.hints).policy, "accumulate")
+
+    @property
+    def stats(self) -> CacheStats:
+        """What this request reused and computed so far (``cache/stats.py``)."""
+        counters = self.counters
+        held = self.pages.held_pages() if self.pages is not None else 0
+        return CacheStats(counters.reused_tokens, counters.computed_tokens, counters.offloaded_bytes,
+                          counters.onloaded_bytes, held)
+
+    def close(self) -> None:
+        """Give this request's pool pages back now (they are also given back when the cache is reset or garbage
+        collected). The cache is empty afterwards. Without a pool: drops the layers' buffers."""
+        if self.pages is not None:
+            self.pages.release_all()
+        self.layers = []
+        self.token_ids = None
+
+    def reset(self) -> None:
+        """Empty the cache for a new request (its pool pages go back)."""
+        if self.pages is not None:
+            self.pages.release_all()
+        super().reset()
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """Store ``layer_idx``'s new keys and values (see ``RocketKVLayer.update``).
@@ -52,6 +157,7 @@ class RocketKVCache(Cache):
         """
         if not (torch.compiler.is_compiling() or self.hints.in_graph):
             self._check_consistent(layer_idx, key_states.shape[2])
+            self._ensure_layers(layer_idx + 1)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def _check_consistent(self, layer_idx: int, query_length: int) -> None:
@@ -85,6 +191,7 @@ class RocketKVCache(Cache):
         if self.get_seq_length() != 0:
             raise ValueError("preload_prefix needs an empty RocketKVCache")
         for layer_idx, (keys, values) in enumerate(kv):
+            self._ensure_layers(layer_idx + 1)
             super().update(keys, values, layer_idx)
             self.layers[layer_idx].attention_ran()  # stored on purpose: no attention call consumes these
 
@@ -120,12 +227,17 @@ class RocketKVCache(Cache):
     def adopt_row_groups(self, parts: list["RocketKVCache"]) -> None:
         """Take over the compressed layers of caches that each prefilled some rows, in row order (row-group
         prefill, ``RocketKVConfig.prefill_batch_size``). This cache must be empty."""
-        if self.get_seq_length() != 0:
+        if any(layer.is_initialized for layer in self.layers):
             raise ValueError("adopt_row_groups needs an empty RocketKVCache")
         self.layers = [
-            RocketKVLayer.stack_rows([part.layers[i] for part in parts], self.layer_class_to_replicate)
+            RocketKVLayer.stack_rows([part.layers[i] for part in parts], functools.partial(self._new_layer, i))
             for i in range(len(parts[0].layers))
         ]
+        for part in parts:
+            self.counters.computed_tokens += part.counters.computed_tokens
+            self.counters.reused_tokens += part.counters.reused_tokens
+        if self.pages is not None:
+            self.pages.adopt_parts()
 
     # ------------------------------------------------------------------------------------------ introspection
     def kept_tokens(self, layer_idx: int) -> torch.LongTensor:
@@ -166,3 +278,36 @@ class RocketKVCache(Cache):
 
     def __repr__(self) -> str:
         return f"RocketKVCache(layers={len(self.layers)}, seen={self.get_seq_length()}, config={self.config})"
+
+
+def _prefix_keys(pool, config: RocketKVConfig, cache_salt, prefix_keys):
+    """Check a pool for a cache and build its prefix keys (one PrefixKeys, or one per row)."""
+    import dataclasses
+
+    if not isinstance(pool, KVBlockPool):
+        raise TypeError(f"RocketKVCache(pool=...) takes a hf_rocketkv.KVBlockPool, got {type(pool).__name__}")
+    pool.check_config(config)
+    if pool.dtype == torch.float8_e4m3fn:
+        raise NotImplementedError(
+            "RocketKVCache(pool=...) with KVBlockPool.dtype=float8_e4m3fn: the decode kernels do not read fp8 pages "
+            "yet; build the pool with the model's dtype (bfloat16 / float16 / float32)"
+        )
+    if config.token_budget is not None:
+        raise NotImplementedError(
+            f"RocketKVConfig.token_budget={config.token_budget} derives prompt_budget and page_size per request at the "
+            f"end of prefill, but a pool admits the request's pages before prefill and fixes the KT page size: set "
+            f"prompt_budget / topk / page_size / topr instead (token_budget=None) when using pool="
+        )
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise ValueError(f"RocketKVCache.cache_salt must be a string or None, got {type(cache_salt).__name__}")
+
+    def with_salt(keys):
+        if keys is None:
+            return PrefixKeys(cache_salt=cache_salt)
+        if not isinstance(keys, PrefixKeys):
+            raise ValueError(f"RocketKVCache.prefix_keys must be a PrefixKeys or a list of them, got {keys!r}")
+        return dataclasses.replace(keys, cache_salt=cache_salt) if cache_salt is not None else keys
+
+    if isinstance(prefix_keys, (list, tuple)):
+        return [with_salt(keys) for keys in prefix_keys]
+    return with_salt(prefix_keys)

@@ -2,22 +2,29 @@
 
 dense       from the first prompt token until stage 1 runs. Slot s holds column s of the input (left padding
             included), exactly like a DynamicLayer, so prefill attention (chunked or not) is plain causal
-            attention with transformers' own mask.
+            attention with transformers' own mask. Contiguous tensors (a prefix hit starts it from pool pages).
 compressed  after stage 1. Per row b and KV head h, slots [0, lengths[b]) hold the kept prompt tokens in
-            ascending original position, then every generated token. Padding is never stored. Buffers have a
-            fixed capacity (a multiple of page_size) with the KT page summaries beside them; decode writes one
-            slot per row in place.
+            ascending original position, then every generated token. Padding is never stored. The slots live in
+            pages (``PagedStore``: the pool's pages with ``pool=``, else a store of the layer's own) with the KT
+            page summaries beside them; decode writes one slot per row in place through the block table.
 
-Tensors (B batch, Hkv KV heads, C capacity, P page_size, D head_dim):
-    keys, values  [B, Hkv, C, D]     model dtype
-    kt            [B, Hkv, C/P, 2, D] KT dtype (min, max of each page)
-    positions     [B, Hkv, C]         int32 input column of each stored token (-1 = empty slot)
-    lengths       [B]                 int64 tokens stored per row (every KV head holds the same count)
+Tensors (B batch, Hkv KV heads, C capacity, PP tokens per page, KP = config.page_size, D head_dim):
+    store.k, store.v [N, Hkv, PP, D]      model dtype (private store: PP = KP, N = B * C / KP)
+    store.kt         [N, Hkv, PP/KP, 2, D] KT dtype (min, max of each KT page)
+    store.table      [B, C/PP] int32       row b's slot s is in page table[b, s // PP] at offset s % PP
+    positions        [B, Hkv, C]           int32 input column of each stored token (-1 = empty slot)
+    lengths          [B]                   int64 tokens stored per row (every KV head holds the same count)
+``keys``, ``values`` and ``kt`` read as contiguous ``[B, Hkv, C, D]`` / ``[B, Hkv, C/KP, 2, D]`` copies (gathered
+from the pages) for introspection and tests; the hot paths use the pages.
+
+A later turn (several new tokens on a compressed layer) works on a contiguous copy (the "working set": kept tokens,
+or with ``multi_turn="keep_all"`` the whole history, then the new real tokens), runs stage 1 over it and compacts
+the survivors into a fresh view.
 
 The layer knows nothing of transformers' attention registry; the attention function drives it. It finds the layer
-through the key tensor ``update()`` returned (``layer_of``): the layer tags its key buffer with a weak reference to
-itself, so each attention call reaches exactly the layer that stored its keys, with no process-global state (see
-docs/seam.md).
+through the key tensor ``update()`` returned (``layer_of``): the layer tags the key tensor it returns with a weak
+reference to itself (its dense buffer, or a per-layer handle once compressed), so each attention call reaches
+exactly the layer that stored its keys, with no process-global state (see docs/seam.md).
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from ..compat import CacheLayerMixin
 from ..config import RocketKVConfig
 from ..kernels.dispatch import RocketOps, get_ops
 from ..policies import KeptSlots, Stage1Inputs, derive_budgets, get_stage1_policy
+from .history import History, real_tokens_left_aligned
+from .paged_store import PagedStore, ceil_div, private_store, write_tokens
 
 
 @dataclass
@@ -118,6 +127,13 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def _fit_dim2(tensor: torch.Tensor, size: int, fill) -> torch.Tensor:
+    """``tensor`` with dim 2 cut or extended (by ``fill``) to ``size``."""
+    if tensor.shape[2] >= size:
+        return tensor[:, :, :size].contiguous()
+    return _pad_dim2(tensor, size, fill)
+
+
 def _pad_dim2(tensor: torch.Tensor, size: int, fill) -> torch.Tensor:
     """``tensor`` with dim 2 extended to ``size`` by ``fill`` (slots or KT pages that hold no token)."""
     missing = size - tensor.shape[2]
@@ -135,21 +151,38 @@ class RocketKVLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, config: RocketKVConfig, hints: GenerationHints):
+    def __init__(self, config: RocketKVConfig, hints: GenerationHints, pages=None, layer_idx: int | None = None,
+                 counters=None):
+        """``pages``: where compressed pages come from (``cache/pool_pages.py``'s per-request object when the cache
+        has a pool; None: the layer allocates its own). ``layer_idx``: this layer's index in the model (the pool
+        keeps one set of page tensors per layer). ``counters``: the cache's ``RequestCounters`` (layer 0 counts the
+        tokens prefill computes)."""
         super().__init__()
         self.config = config
         self.hints = hints
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-        self.kt: torch.Tensor | None = None
+        self.pages = pages
+        self.layer_idx = layer_idx
+        self.counters = counters
+        self._keys: torch.Tensor | None = None  # contiguous: the dense store, or a later turn's working set
+        self._values: torch.Tensor | None = None
+        self.store: PagedStore | None = None  # the compressed view, in pages
+        self.history: History | None = None  # multi_turn="keep_all": every token of the conversation (history.py)
+        self.prefix_tokens = 0  # a prefix hit: columns [0, prefix_tokens) come from pool pages (set before prefill)
         self.positions: torch.Tensor | None = None
         self.lengths: torch.Tensor | None = None
         self.compressed = False
         self.seen: torch.Tensor | None = None  # 0-d int64 on the device: logical tokens seen (compile-safe)
         self.host_max_length = 0  # host mirror of lengths.max(), so decode never syncs with the GPU
+        # rows of a pool-backed view may hold fewer pages than the widest: how many fewer decode steps the tightest
+        # row can take than (capacity - host_max_length) says (0 for a private store, where every row is as wide)
+        self.host_slack = 0
         self.host_decoded = 0  # one-token decode steps appended since stage 1 last ran (what crop may remove)
         self.host_seen = 0  # host count of the tokens eager updates stored: tells an interrupted forward apart
         self.ops: RocketOps | None = None
+        # per-layer tensors update() returns once compressed: the attention function finds the layer through them
+        # (the page tensors may be a pool's, shared by every cache); they hold no data
+        self.key_handle: torch.Tensor | None = None
+        self.value_handle: torch.Tensor | None = None
         # set by update(), cleared by the attention function: still set at the next update means the attention that
         # should have consumed these keys never ran (not "rocketkv", or an interrupted forward)
         self.awaiting_attention = False
@@ -166,25 +199,78 @@ class RocketKVLayer(CacheLayerMixin):
         self.policy_state = None
         self.observed_columns = 0  # queries seen by observe_prefill since the dense store began
 
+    # ------------------------------------------------------------------------------------------ contiguous views
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """Dense store / working set; once compressed a contiguous copy ``[B, Hkv, C, D]`` gathered from the pages."""
+        if self.compressed and self._keys is None and self.store is not None:
+            return self.store.gather()[0]
+        return self._keys
+
+    @keys.setter
+    def keys(self, tensor: torch.Tensor | None) -> None:
+        self._keys = tensor
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        if self.compressed and self._values is None and self.store is not None:
+            return self.store.gather()[1]
+        return self._values
+
+    @values.setter
+    def values(self, tensor: torch.Tensor | None) -> None:
+        self._values = tensor
+
+    @property
+    def kt(self) -> torch.Tensor | None:
+        """KT summaries as ``[B, Hkv, C/KP, 2, D]`` (a copy; built over the working set during a later turn)."""
+        if not self.compressed:
+            return None
+        if self._keys is not None:
+            return self.ops.build_kt(self._keys, self.lengths, self.config.page_size, self.config.kt_torch_dtype)
+        return self.store.gather_kt()
+
+    @property
+    def working(self) -> bool:
+        """A later turn's contiguous working set is in use (between storing its tokens and stage 1)."""
+        return self.compressed and self._keys is not None
+
     # ------------------------------------------------------------------------------------------ lifecycle
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Sizes come from the first K/V seen, so tensor-parallel shards and device maps need nothing special."""
         self.dtype, self.device = key_states.dtype, key_states.device
+        self.num_kv_heads, self.head_dim = key_states.shape[1], key_states.shape[3]
         self.ops = get_ops(self.config.backend, self.device)
         self.policy = self._make_policy(self.ops.window_scores)
-        self.keys = key_states.new_empty((key_states.shape[0], key_states.shape[1], 0, key_states.shape[3]))
-        self.values = value_states.new_empty((value_states.shape[0], value_states.shape[1], 0, value_states.shape[3]))
         self.seen = torch.zeros((), dtype=torch.long, device=self.device)
+        if self.pages is not None:
+            self.pages.check_layer(self, key_states)
+        if self.prefix_tokens:
+            # a prefix hit: the dense store starts with the hit tokens, gathered from the pool's pages
+            self._keys, self._values = self.pages.prefix_keys(self, key_states)
+            self.seen.fill_(self.prefix_tokens)
+        else:
+            self._keys = key_states.new_empty((key_states.shape[0], key_states.shape[1], 0, key_states.shape[3]))
+            self._values = value_states.new_empty((value_states.shape[0], value_states.shape[1], 0,
+                                                   value_states.shape[3]))
         self.is_initialized = True
 
     def reset(self) -> None:
-        self.__init__(self.config, self.hints)
+        self.__init__(self.config, self.hints, self.pages, self.layer_idx, self.counters)
+
+    def seed_prefix(self, tokens: int) -> None:
+        """Before the first update: input columns ``[0, tokens)`` come from a prefix hit (``self.pages`` gathers
+        them at the first update), so the logical length starts there and generate() prefills only the rest."""
+        if self.is_initialized:
+            raise RuntimeError("RocketKVLayer.seed_prefix needs a layer that has stored nothing yet")
+        self.prefix_tokens = tokens
+        self.host_seen = tokens
 
     @property
     def batch_size(self) -> int:
         if not self.is_initialized:
             raise AttributeError("batch_size")  # Cache.batch_size skips layers without it
-        return self.keys.shape[0]
+        return self.lengths.shape[0] if self.compressed else self._keys.shape[0]
 
     # ------------------------------------------------------------------------------------------ sizes
     def get_seq_length(self) -> int:
@@ -194,7 +280,7 @@ class RocketKVLayer(CacheLayerMixin):
         compiled forward without ``position_ids`` neither syncs with the host nor breaks the graph.
         """
         if not self.is_initialized:
-            return 0
+            return self.prefix_tokens
         if torch.compiler.is_compiling():
             return self.seen
         return int(self.seen)
@@ -205,7 +291,7 @@ class RocketKVLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if not self.compressed:
             # dense: the mask covers the stored columns plus the new ones, exactly like a DynamicLayer
-            return (self.keys.shape[2] if self.is_initialized else 0) + query_length, 0
+            return (self._keys.shape[2] if self.is_initialized else self.prefix_tokens) + query_length, 0
         if query_length == 1:
             # Decode: the attention function builds validity from `lengths` and ignores the mask, so its size only has
             # to stay constant (a growing mask would recompile a compiled decode step every step): one per capacity.
@@ -218,22 +304,40 @@ class RocketKVLayer(CacheLayerMixin):
         if not self.is_initialized:
             return torch.zeros(0, 0, dtype=torch.long)
         if not self.compressed:
-            stored = self.keys.shape[2] - self.row_start if self.row_start is not None else self.keys.shape[2]
-            stored = torch.as_tensor(stored, device=self.device).expand(self.keys.shape[0])
-            return stored[:, None].expand(-1, self.keys.shape[1]).clone()
-        return self.lengths[:, None].expand(-1, self.keys.shape[1]).clone()
+            width = self._keys.shape[2]
+            stored = width - self.row_start if self.row_start is not None else width
+            stored = torch.as_tensor(stored, device=self.device).expand(self._keys.shape[0])
+            return stored[:, None].expand(-1, self._keys.shape[1]).clone()
+        return self.lengths[:, None].expand(-1, self.num_kv_heads).clone()
 
     def memory_bytes(self) -> int:
-        tensors = (self.keys, self.values, self.kt, self.positions, self.lengths, self.pending_queries, self.row_start)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        """Bytes this layer holds: its pages (a pool's: the pages its rows hold), positions, lengths, and the
+        contiguous dense store / working set and pending queries when present."""
+        tensors = (self._keys, self._values, self.positions, self.lengths, self.pending_queries, self.row_start)
+        held = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        held += self.store.nbytes() if self.store is not None else 0
+        if self.history is not None:
+            held += self.history.store.nbytes() + sum(
+                t.numel() * t.element_size() for t in (self.history.positions, self.history.lengths))
+        return held
 
     @property
     def capacity(self) -> int:
-        return self.keys.shape[2] if self.keys is not None else 0
+        """Slots per row: of the working set during a later turn, of the paged view once compressed, of the dense
+        store before."""
+        if self._keys is not None:
+            return self._keys.shape[2]
+        return self.store.capacity if self.store is not None else 0
+
+    def decode_room(self) -> int:
+        """Decode steps every row can still take without growing its store (host mirror, no sync)."""
+        room = self.capacity - self.host_max_length - self.host_slack
+        return room if self.history is None else min(room, self.history.room())
 
     # ------------------------------------------------------------------------------------------ update
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Store the new tokens; returns the K/V a dense attention would use (the dense buffers while dense).
+        """Store the new tokens; returns the K/V a dense attention would use while dense, per-layer handles once
+        compressed (the compressed attention paths read the layer itself).
 
         The returned keys carry a weak reference to this layer (``layer_of``), which is how the ``rocketkv``
         attention function finds the layer of its own call. A later turn's tokens (several on a compressed layer)
@@ -247,29 +351,31 @@ class RocketKVLayer(CacheLayerMixin):
             self.host_seen += query_length
         self.seen.add_(query_length)
         if not self.compressed:
-            first = self.keys.shape[2] == 0
-            self.keys = key_states if first else torch.cat([self.keys, key_states], dim=-2)
-            self.values = value_states if first else torch.cat([self.values, value_states], dim=-2)
-        elif query_length == 1:
+            first = self._keys.shape[2] == 0
+            self._keys = key_states if first else torch.cat([self._keys, key_states], dim=-2)
+            self._values = value_states if first else torch.cat([self._values, value_states], dim=-2)
+            self._tag_keys()  # a new dense buffer every forward (eager: prefill never runs compiled)
+            return self._keys, self._values
+        if query_length == 1:
             self._append_one(key_states, value_states)
         else:
             self.pending_keys, self.pending_values = key_states, value_states
-        if not self.compressed:
-            self._tag_keys()  # a new dense buffer every forward (eager: prefill never runs compiled)
-        return self.keys, self.values
+        return self.key_handle, self.value_handle
 
     def _tag_keys(self) -> None:
-        """Let the attention function find this layer from the key buffer (``layer_of``). Called wherever the buffer
-        is (re)allocated, always in eager code, so compiled decode steps find it tagged already."""
-        if getattr(self.keys, OWNER_ATTRIBUTE, None) is None:
-            setattr(self.keys, OWNER_ATTRIBUTE, weakref.ref(self))
+        """Let the attention function find this layer from the key tensor update() returns (``layer_of``). Called
+        wherever that tensor is (re)allocated, always in eager code, so compiled decode steps find it tagged."""
+        tensor = self.key_handle if self.compressed else self._keys
+        if getattr(tensor, OWNER_ATTRIBUTE, None) is None:
+            setattr(tensor, OWNER_ATTRIBUTE, weakref.ref(self))
 
     def attention_ran(self) -> None:
         """Called by the ``rocketkv`` attention function once it has found this layer."""
         self.awaiting_attention = False
 
     def _append_one(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Decode: write slot lengths[b] of every row in place and fold the key into its KT page.
+        """Decode: write slot lengths[b] of every row in place through the block table and fold the key into its
+        KT page.
 
         No host sync and no shape change, so a compiled decode step replays as one CUDA graph. Capacity comes from
         generate()'s max_length; in eager mode the store grows when a caller runs past it.
@@ -277,25 +383,34 @@ class RocketKVLayer(CacheLayerMixin):
         if self._host_bookkeeping():  # compiled/graphed steps: their runner counts on the host
             self._ensure_capacity(1)
             self.note_decode_step()
-        self.ops.append_token(
-            self.keys, self.values, self.positions, self.kt, self.lengths, self.seen,
+        store, history = self.store, self.history
+        self.ops.paged_append_token(
+            store.k, store.v, store.kt, store.table, self.positions, self.lengths, self.seen,
             key_states[:, :, 0], value_states[:, :, 0], self.config.page_size,
         )
+        if history is not None:  # keep_all: the full history too
+            self.ops.paged_append_kv(
+                history.store.k, history.store.v, history.store.table, history.positions, history.lengths,
+                self.seen, key_states[:, :, 0], value_states[:, :, 0],
+            )
 
     def note_decode_step(self) -> None:
         self.host_max_length += 1
         self.host_decoded += 1
+        if self.history is not None:
+            self.history.host_max_length += 1
 
     def _host_bookkeeping(self) -> bool:
         """Whether this code runs eagerly, once per step (not traced by torch.compile, not a CUDA-graph step)."""
         return not (torch.compiler.is_compiling() or self.hints.in_graph)
 
     def store_new_tokens(self, valid: torch.Tensor | None) -> None:
-        """Store the later turn's tokens staged by ``update``, skipping padding.
+        """Store the later turn's tokens staged by ``update``, skipping padding, in a contiguous working set.
 
-        ``valid`` bool ``[B, n]`` marks the real new tokens (None = all real). A batched later turn carries padding
-        where rows added less text; row b takes its ``m_b`` real tokens, in order, at slots ``lengths[b] ..
-        lengths[b] + m_b - 1``, so the store, the KT and stage 1 see exactly what a run of that row alone sees.
+        ``valid`` bool ``[B, n]`` marks the real new tokens (None = all real). The working set starts from the
+        stored tokens (the view; with ``multi_turn="keep_all"``, every token of the conversation so far); row b then
+        takes its ``m_b`` real tokens, in order, at slots ``lengths[b] .. lengths[b] + m_b - 1``, so attention and
+        stage 1 see exactly what a run of that row alone sees. Stage 1 compacts it into a fresh view.
         """
         key_states, value_states = self.pending_keys, self.pending_values
         self.pending_keys = self.pending_values = None
@@ -303,41 +418,107 @@ class RocketKVLayer(CacheLayerMixin):
         columns = [torch.arange(n, device=self.device)] * batch if valid is None else [
             row.nonzero()[:, 0] for row in valid
         ]
+        keys, values, positions, lengths = self._working_source()
         # a sync, but this is a multi-token forward: the mirror may be stale after compiled decode steps driven
         # outside generate() (user-compiled loops), and a stale one would under-size the store
-        lengths = self.lengths.tolist()
+        stored = lengths.tolist()
         counts = [len(c) for c in columns]
-        self.host_max_length = max(lengths)
-        self._ensure_capacity(max(counts))
+        width = self._working_width(max(s + m for s, m in zip(stored, counts)), keys.shape[2])
+        keys, values = _pad_dim2(keys, width, 0), _pad_dim2(values, width, 0)
+        positions = _pad_dim2(positions, width, -1)
         first_column = int(self.seen) - n
-        for b, (length, taken) in enumerate(zip(lengths, columns)):
+        for b, (length, taken) in enumerate(zip(stored, columns)):
             m = len(taken)
-            self.keys[b, :, length : length + m] = key_states[b, :, taken]
-            self.values[b, :, length : length + m] = value_states[b, :, taken]
-            self.positions[b, :, length : length + m] = (first_column + taken).to(torch.int32)
-        self.lengths.add_(torch.tensor(counts, dtype=self.lengths.dtype, device=self.device))
-        self.host_max_length = max(length + m for length, m in zip(lengths, counts))
-        self.kt = self.ops.build_kt(self.keys, self.lengths, self.config.page_size, self.config.kt_torch_dtype)
+            keys[b, :, length : length + m] = key_states[b, :, taken]
+            values[b, :, length : length + m] = value_states[b, :, taken]
+            positions[b, :, length : length + m] = (first_column + taken).to(torch.int32)
+        self._keys, self._values, self.positions = keys, values, positions  # positions: of the working set now
+        self.lengths = lengths + torch.tensor(counts, dtype=lengths.dtype, device=self.device)
+        self.host_max_length = max(s + m for s, m in zip(stored, counts))
+        if self.history is not None:
+            self._extend_history(stored, counts)
+
+    def _working_source(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What a later turn starts from: (keys, values [B, Hkv, W, D], positions [B, Hkv, W], lengths [B]), as
+        fresh contiguous tensors. The view, trimmed to its capacity; keep_all: the whole history."""
+        if self.history is not None:
+            keys, values = self.history.store.gather()
+            return keys, values, self.history.positions.clone(), self.history.lengths.clone()
+        keys, values = self.store.gather()
+        return keys, values, self.positions.clone(), self.lengths.clone()
+
+    def _extend_history(self, stored: list[int], counts: list[int]) -> None:
+        """keep_all: a later turn's real tokens, just placed in the working set after each row's history, join the
+        history pages too (the working set's slots are the history's slots)."""
+        history = self.history
+        needed = max(s + m for s, m in zip(stored, counts))
+        self._grow_history(needed - history.host_max_length)
+        write_tokens(history.store, self._keys, self._values, stored, [s + m for s, m in zip(stored, counts)])
+        history.positions = _fit_dim2(self.positions, history.store.capacity, -1)
+        history.lengths = self.lengths.clone()
+        history.host_max_length = needed
+        history.slack = self._slack_of(history.store, self.lengths.tolist())
+
+    def _grow_history(self, extra: int) -> None:
+        """Make room for ``extra`` more tokens in every row of the keep_all history (eager): a private store is
+        reallocated and copied; a pool-backed one takes more pages (reserved before the forward by generate())."""
+        history = self.history
+        if history.room() >= extra:
+            return
+        capacity = _round_up(history.host_max_length + extra + self._headroom(), self.config.page_size)
+        if self.pages is not None:
+            history.store = self.pages.history_store(self, capacity)
+        else:
+            keys, values = history.store.gather()
+            history.store = self._private_history(keys.shape[0], capacity)
+            history.store.write(keys, values)
+        history.positions = _fit_dim2(history.positions, history.store.capacity, -1)
+        history.slack = self._slack_of(history.store, history.lengths.tolist())
+        self._mark_static()
+
+    @staticmethod
+    def _slack_of(store: PagedStore, lengths: list[int]) -> int:
+        """How many fewer tokens the tightest row can take than the store's capacity minus its longest row."""
+        rooms = [c - n for c, n in zip(store.row_capacity(), lengths)]
+        return store.capacity - max(lengths) - min(rooms)
+
+    def _private_history(self, batch: int, capacity: int) -> PagedStore:
+        page = self.config.page_size
+        return private_store(batch, ceil_div(capacity, page), self.num_kv_heads, page, self.head_dim, self.dtype,
+                             self.device)
+
+    def _working_width(self, needed: int, current: int) -> int:
+        """Slots of a later turn's working set: the current width when the new tokens fit, else grown to the
+        tokens to come (the same widths an in-place store had, so width-dependent policies see the same shapes)."""
+        if needed <= current:
+            return current
+        return _round_up(needed + self._headroom(), self.config.page_size)
 
     def _ensure_capacity(self, extra: int) -> None:
-        """Grow the compressed store (eager mode) so that every row can take ``extra`` more tokens."""
-        needed = self.host_max_length + extra
-        if needed <= self.capacity:
+        """Grow the compressed view (eager mode) so that every row can take ``extra`` more tokens: a private store
+        is reallocated; a pool-backed one gets more pages from the pool."""
+        if self.history is not None:
+            self._grow_history(extra)
+        if self.capacity - self.host_max_length - self.host_slack >= extra:
             return
+        needed = self.host_max_length + extra
         new_capacity = _round_up(needed + self._headroom(), self.config.page_size)
-        grow = new_capacity - self.capacity
-        batch, heads, _, dim = self.keys.shape
-        self.keys = torch.cat([self.keys, self.keys.new_zeros(batch, heads, grow, dim)], dim=2)
-        self.values = torch.cat([self.values, self.values.new_zeros(batch, heads, grow, dim)], dim=2)
-        self.positions = torch.cat([self.positions, self.positions.new_full((batch, heads, grow), -1)], dim=2)
-        pages = grow // self.config.page_size
-        self.kt = torch.cat([self.kt, self.kt.new_zeros(batch, heads, pages, 2, dim)], dim=2)
+        keys, values = self.store.gather()
+        kt = self.store.gather_kt()
+        if self.pages is not None:
+            self.store = self.pages.grow_view(self, new_capacity)
+        else:
+            self.store = self._private_view(keys.shape[0], new_capacity)
+        self.store.write(keys, values, kt)
+        self.positions = _pad_dim2(self.positions, self.store.capacity, -1)
+        self.host_slack = 0 if self.pages is None else self.pages.slack(self)
         self._mark_static()
 
     def _headroom(self) -> int:
-        """Slots for tokens still to come: from generate()'s max_length when known, else the config's headroom."""
+        """Slots for tokens still to come: from generate()'s max_length when known (the tokens it will still feed
+        back; 0 when it generates one token), else the config's headroom (a stale hint of an earlier call too)."""
         seen = self.get_seq_length()
-        if self.hints.max_length is not None and self.hints.max_length > seen:
+        if self.hints.max_length is not None and self.hints.max_length >= seen:
             return self.hints.max_length - seen
         return self.config.capacity_headroom
 
@@ -371,6 +552,8 @@ class RocketKVLayer(CacheLayerMixin):
         chunk_queries = query_states.detach()
         if valid is None:
             valid = torch.ones(batch, n, dtype=torch.bool, device=query_states.device)
+        if self.counters is not None and self.layer_idx == 0:
+            self.counters.computed_tokens += int(valid.sum())  # prefill is eager: a sync is fine here
         queries, count = last_real_queries(chunk_queries, valid, window)
         if self.pending_queries is not None:
             held = self.pending_queries.shape[2]
@@ -392,17 +575,17 @@ class RocketKVLayer(CacheLayerMixin):
         if new_state is None:
             return
         if self.policy_state is None:
-            self.policy_state = new_state(self.keys.shape[0], self.keys.shape[1], self.device)
+            self.policy_state = new_state(self._keys.shape[0], self._keys.shape[1], self.device)
             if self.policy_state is None:
                 return
         start, end = self._stage1_bounds()
-        self.policy.accumulate(self.policy_state, queries, self.keys, start, end, scaling)
+        self.policy.accumulate(self.policy_state, queries, self._keys, start, end, scaling)
 
     def _stage1_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's valid slots ``[start, end)``: after the padding while dense, ``[0, lengths)`` once compressed."""
         if self.compressed:
             return torch.zeros_like(self.lengths), self.lengths
-        return self.row_start, torch.full_like(self.row_start, self.keys.shape[2])
+        return self.row_start, torch.full_like(self.row_start, self._keys.shape[2])
 
     def _check_policy_supported(self) -> None:
         """Refuse per-head budgets at the first prefill forward (not in ``update``: an error there would leave the
@@ -428,7 +611,7 @@ class RocketKVLayer(CacheLayerMixin):
 
     def compress(self) -> None:
         """Stage 1: keep each row's best ``prompt_budget`` tokens per KV head (chosen by the configured policy),
-        release the rest, build the KT."""
+        write them into a fresh paged view, build the KT, release the rest."""
         start, end = self._stage1_bounds()
         columns = self.positions if self.compressed else None
         if not self.compressed:
@@ -437,7 +620,7 @@ class RocketKVLayer(CacheLayerMixin):
                 self._resolve_token_budget()
         inputs = Stage1Inputs(
             self.pending_queries,
-            self.keys,
+            self._keys,
             start,
             end,
             budget=self.config.prompt_budget,
@@ -446,11 +629,35 @@ class RocketKVLayer(CacheLayerMixin):
             state=self.policy_state,
         )
         kept = [self._same_count_per_head(row) for row in self.policy.select(inputs)]
+        if not self.compressed:
+            self._store_prompt()
         self._compact(kept, columns)
         self.pending_queries = self.pending_valid = None
         self.row_start = None
         self.policy_state = None  # a later turn accumulates afresh
         self.observed_columns = 0
+        if self.pages is not None:
+            self.pages.after_compaction(self)
+
+    def _store_prompt(self) -> None:
+        """A request's first stage 1: the prompt's real tokens go, whole, into the pages that keep them: the pool's
+        prompt pages (shareable prefix pages; keep_all's history) and, without a pool, keep_all's private history.
+        Pages a prefix hit shares with other requests are never written."""
+        keep_all = self.config.multi_turn == "keep_all"
+        pool_prompt = self.pages is not None and self.pages.wants_prompt_pages()
+        if not (keep_all or pool_prompt):
+            return
+        keys, values, positions, counts = real_tokens_left_aligned(self._keys, self._values, self.row_start)
+        if self.pages is not None:
+            store, fixed = self.pages.prompt_store(self)
+        else:
+            store = self._private_history(keys.shape[0], _round_up(max(counts) + self._headroom(), self.config.page_size))
+            fixed = [0] * len(counts)
+        write_tokens(store, keys, values, fixed, counts)
+        if keep_all:
+            lengths = torch.tensor(counts, dtype=torch.long, device=self.device)
+            self.history = History(store, _fit_dim2(positions, store.capacity, -1), lengths, max(counts), fixed,
+                                   self._slack_of(store, counts))
 
     def _same_count_per_head(self, row: KeptSlots) -> torch.Tensor:
         """``[Hkv, n]`` slots of a uniform selection (this layer stores one length per row)."""
@@ -462,10 +669,10 @@ class RocketKVLayer(CacheLayerMixin):
         """An accumulating policy (H2O) scores with every prompt query: refuse a store that was partly written
         without passing through the attention (e.g. a prefix stored with ``Cache.update``), instead of scoring
         with part of the prompt."""
-        if self.policy_state is not None and self.observed_columns != self.keys.shape[2]:
+        if self.policy_state is not None and self.observed_columns != self._keys.shape[2]:
             raise ValueError(
                 f"stage-1 policy {self.policy.name!r} accumulates attention over every prompt query, but only "
-                f"{self.observed_columns} of the {self.keys.shape[2]} stored columns passed through the rocketkv "
+                f"{self.observed_columns} of the {self._keys.shape[2]} stored columns passed through the rocketkv "
                 f"attention (the rest were written to the cache directly). Prefill the whole prompt through the model."
             )
 
@@ -477,9 +684,9 @@ class RocketKVLayer(CacheLayerMixin):
         row group of a row-group prefill sees the same width, so they all derive the same page size. prompt_budget
         is raised to window_size when the formula gives less (the observation window is always kept).
         """
-        prompt_len = self.keys.shape[2]
+        prompt_len = self._keys.shape[2]
         max_new = max(self.hints.max_length - prompt_len, 0) if self.hints.max_length is not None else 0
-        derived = derive_budgets(prompt_len, max_new, self.config.token_budget, self.keys.shape[3])
+        derived = derive_budgets(prompt_len, max_new, self.config.token_budget, self._keys.shape[3])
         self.config = self.config.replace(
             prompt_budget=max(derived.prompt_budget, self.config.window_size),
             topk=derived.topk,
@@ -488,77 +695,177 @@ class RocketKVLayer(CacheLayerMixin):
         )
 
     def _compact(self, kept: list[torch.Tensor], columns: torch.Tensor | None) -> None:
-        """Gather the kept slots of every row into fresh buffers; the old ones are released."""
-        batch, heads, _, dim = self.keys.shape
+        """Gather the kept slots of every row, write them into a fresh paged view with their KT; the dense store (or
+        the working set) and the previous view are released."""
+        batch, heads, _, dim = self._keys.shape
         counts = [k.shape[1] for k in kept]
         capacity = _round_up(max(max(counts), 1) + self._headroom(), self.config.page_size)
-        keys = self.keys.new_zeros(batch, heads, capacity, dim)
-        values = self.values.new_zeros(batch, heads, capacity, dim)
+        if self.pages is not None:
+            store = self.pages.view_store(self, counts, capacity - max(max(counts), 1))
+            capacity = store.capacity
+        else:
+            store = self._private_view(batch, capacity)
+        keys = self._keys.new_zeros(batch, heads, capacity, dim)
+        values = self._values.new_zeros(batch, heads, capacity, dim)
         positions = torch.full((batch, heads, capacity), -1, dtype=torch.int32, device=self.device)
         for b, slots in enumerate(kept):
             n = slots.shape[1]
             idx = slots[:, :, None].expand(heads, n, dim)
-            keys[b, :, :n] = self.keys[b].gather(1, idx)
-            values[b, :, :n] = self.values[b].gather(1, idx)
+            keys[b, :, :n] = self._keys[b].gather(1, idx)
+            values[b, :, :n] = self._values[b].gather(1, idx)
             positions[b, :, :n] = (columns[b].gather(1, slots) if columns is not None else slots).to(torch.int32)
-        self.keys, self.values, self.positions = keys, values, positions
         self.lengths = torch.tensor(counts, dtype=torch.long, device=self.device)
+        kt = self.ops.build_kt(keys, self.lengths, self.config.page_size, self.config.kt_torch_dtype)
+        store.write(keys, values, kt)
+        self.store, self.positions = store, positions
+        self._keys = self._values = None
         self.host_max_length = max(counts)
+        rooms = [c - n for c, n in zip(store.row_capacity(), counts)]
+        self.host_slack = store.capacity - self.host_max_length - min(rooms)
         self.host_decoded = 0
-        self.kt = self.ops.build_kt(self.keys, self.lengths, self.config.page_size, self.config.kt_torch_dtype)
+        if not self.compressed:
+            self.key_handle = torch.empty((batch, heads, 0, dim), dtype=self.dtype, device=self.device)
+            self.value_handle = torch.empty_like(self.key_handle)
         self.compressed = True
         self._mark_static()
+
+    def _private_view(self, batch: int, capacity: int) -> PagedStore:
+        """A store of this layer's own for ``capacity`` slots per row (pages of one KT page each, so the capacity is
+        exactly what the layer asked for)."""
+        page = self.config.page_size
+        return private_store(batch, ceil_div(capacity, page), self.num_kv_heads, page, self.head_dim, self.dtype,
+                             self.device, page, self.config.kt_torch_dtype)
 
     @staticmethod
     def stack_rows(parts: list["RocketKVLayer"], new_layer) -> "RocketKVLayer":
         """One compressed layer holding the rows of ``parts`` in order (row-group prefill, then batched decode).
 
         ``new_layer()`` makes the empty layer to fill: the adopting cache's own layer factory, so the stacked layer
-        keeps its kind (stage-1 policy) and shares that cache's hints. The parts saw the same input columns (one
-        padded batch), so they share ``seen``; capacities may differ (rows shorter than the budget keep fewer
-        tokens), so every part is padded with empty slots to the largest.
+        keeps its kind (stage-1 policy) and shares that cache's hints and pages. The parts saw the same input
+        columns (one padded batch), so they share ``seen``; capacities may differ (rows shorter than the budget
+        keep fewer tokens), so every part is padded with empty slots to the largest. Private stores are copied
+        into one store; pool-backed views only concatenate their tables.
         """
         first = parts[0]
         if not all(part.compressed for part in parts):
             raise RuntimeError("RocketKVLayer.stack_rows needs compressed layers (stage 1 done on every row group)")
-        capacity = max(part.capacity for part in parts)
-        pages = capacity // first.config.page_size
         layer = new_layer()
         layer.config = first.config  # the parts' effective config (token_budget mode derives it per request)
         layer.dtype, layer.device, layer.ops, layer.scaling = first.dtype, first.device, first.ops, first.scaling
+        layer.num_kv_heads, layer.head_dim = first.num_kv_heads, first.head_dim
         layer.policy = first.policy
-        layer.keys = torch.cat([_pad_dim2(part.keys, capacity, 0) for part in parts])
-        layer.values = torch.cat([_pad_dim2(part.values, capacity, 0) for part in parts])
-        layer.positions = torch.cat([_pad_dim2(part.positions, capacity, -1) for part in parts])
-        layer.kt = torch.cat([_pad_dim2(part.kt, pages, 0) for part in parts])
+        if layer.pages is not None:
+            layer.store = layer.pages.stacked_view(layer, [part.store for part in parts])
+        else:
+            capacity = max(part.capacity for part in parts)
+            gathered = [part.store.gather() for part in parts]
+            kts = [part.store.gather_kt() for part in parts]
+            layer.store = layer._private_view(sum(part.batch_size for part in parts), capacity)
+            layer.store.write(torch.cat([_pad_dim2(k, capacity, 0) for k, _ in gathered]),
+                              torch.cat([_pad_dim2(v, capacity, 0) for _, v in gathered]),
+                              torch.cat([_pad_dim2(kt, capacity // first.config.page_size, 0) for kt in kts]))
+        layer.positions = torch.cat([_pad_dim2(part.positions, layer.store.capacity, -1) for part in parts])
         layer.lengths = torch.cat([part.lengths for part in parts])
         layer.seen = first.seen.clone()
         layer.host_seen = first.host_seen
         layer.host_max_length = max(part.host_max_length for part in parts)
+        # every row of a stacked private store is as wide as the store; pool-backed rows keep their own pages
+        layer.host_slack = 0 if layer.pages is None else layer.store.capacity - layer.host_max_length - min(
+            part.decode_room() for part in parts)
+        if first.history is not None:
+            layer.history = RocketKVLayer._stack_histories(layer, [part.history for part in parts])
+        batch = layer.lengths.shape[0]
+        layer.key_handle = torch.empty((batch, layer.num_kv_heads, 0, layer.head_dim), dtype=layer.dtype,
+                                       device=layer.device)
+        layer.value_handle = torch.empty_like(layer.key_handle)
         layer.compressed = layer.is_initialized = True
         layer._mark_static()
         return layer
+
+    @staticmethod
+    def _stack_histories(layer: "RocketKVLayer", parts: list[History]) -> History:
+        """keep_all: the row groups' histories as one (private stores copied, pool-backed ones re-tabled)."""
+        lengths = torch.cat([h.lengths for h in parts])
+        counts = lengths.tolist()
+        if layer.pages is not None:
+            store = layer.pages.history_store(layer, 0)
+        else:
+            capacity = max(h.store.capacity for h in parts)
+            store = layer._private_history(len(counts), capacity)
+            gathered = [h.store.gather() for h in parts]
+            store.write(torch.cat([_pad_dim2(k, capacity, 0) for k, _ in gathered]),
+                        torch.cat([_pad_dim2(v, capacity, 0) for _, v in gathered]))
+        positions = torch.cat([_fit_dim2(h.positions, store.capacity, -1) for h in parts])
+        fixed = [f for h in parts for f in h.fixed]
+        return History(store, positions, lengths, max(counts), fixed, layer._slack_of(store, counts))
 
     def _mark_static(self) -> None:
         """Fixed addresses for CUDA graphs: decode mutates these tensors in place and never reallocates them."""
         if torch.compiler.is_compiling():
             return
         self._tag_keys()
-        for tensor in (self.keys, self.values, self.kt, self.positions, self.lengths, self.seen):
-            torch._dynamo.mark_static_address(tensor)
+        store, history = self.store, self.history
+        tensors = [store.k, store.v, store.kt, store.table, self.positions, self.lengths, self.seen, self.key_handle,
+                   self.value_handle]
+        if history is not None:
+            tensors += [history.store.k, history.store.v, history.store.table, history.positions, history.lengths]
+        for tensor in tensors:
+            if tensor is not None:
+                torch._dynamo.mark_static_address(tensor)
 
     # ------------------------------------------------------------------------------------------ generate hooks
     def _index_batch(self, index: torch.Tensor, in_place: bool = False) -> None:
-        for name in ("keys", "values", "kt", "positions", "lengths", "pending_queries", "pending_valid", "row_start"):
+        """Rows ``index`` of every per-row tensor. Dense: plain indexing. Compressed: the view's rows are gathered
+        from their pages, indexed and written back (beam search reorders every step: in place, fixed addresses);
+        a private view takes a new store when the batch size changes."""
+        index = index.to(self.device)
+        for name in ("_keys", "_values", "positions", "lengths", "pending_queries", "pending_valid", "row_start"):
             tensor = getattr(self, name)
             if tensor is None:
                 continue
             selected = tensor.index_select(0, index.to(tensor.device))
-            if in_place and self.compressed:
-                tensor.copy_(selected)  # beam search reorders every step: keep the buffers' addresses
+            if in_place and self.compressed and tensor.shape == selected.shape:
+                tensor.copy_(selected)  # keep the buffers' addresses
             else:
                 setattr(self, name, selected)
-        self._tag_keys()
+        if self.compressed:
+            keys, values = self.store.gather()
+            kt = self.store.gather_kt()
+            keys, values, kt = keys.index_select(0, index), values.index_select(0, index), kt.index_select(0, index)
+            if not (in_place and index.shape[0] == self.store.batch):
+                if self.pages is not None:
+                    raise NotImplementedError(
+                        "RocketKVCache with a pool cannot change its batch size after prefill "
+                        "(batch_repeat_interleave / batch_select_indices); expand the inputs before prefill"
+                    )
+                self.store = self._private_view(index.shape[0], self.store.capacity)
+                batch = index.shape[0]
+                self.key_handle = torch.empty((batch, self.num_kv_heads, 0, self.head_dim), dtype=self.dtype,
+                                              device=self.device)
+                self.value_handle = torch.empty_like(self.key_handle)
+            self.store.write(keys, values, kt)
+            if self.history is not None:
+                self._index_history(index, in_place)
+            self._mark_static()
+        else:
+            self._tag_keys()
+
+    def _index_history(self, index: torch.Tensor, in_place: bool) -> None:
+        """keep_all: rows ``index`` of the history. Slots in pages a prefix shares (``fixed``) are never rewritten:
+        beams of one prompt hold the same prompt there."""
+        history = self.history
+        keys, values = history.store.gather()
+        keys, values = keys.index_select(0, index), values.index_select(0, index)
+        positions, lengths = history.positions.index_select(0, index), history.lengths.index_select(0, index)
+        if in_place and index.shape[0] == history.store.batch:
+            history.positions.copy_(positions)
+            history.lengths.copy_(lengths)
+        else:
+            history.store = self._private_history(index.shape[0], history.store.capacity)
+            history.positions, history.lengths = positions, lengths
+            history.fixed = [0] * index.shape[0]
+        counts = history.lengths.tolist()
+        write_tokens(history.store, keys, values, [min(f, n) for f, n in zip(history.fixed, counts)], counts)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
@@ -566,7 +873,7 @@ class RocketKVLayer(CacheLayerMixin):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
-            self._index_batch(torch.arange(self.keys.shape[0], device=self.device).repeat_interleave(repeats))
+            self._index_batch(torch.arange(self.batch_size, device=self.device).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
@@ -586,19 +893,28 @@ class RocketKVLayer(CacheLayerMixin):
         count = -tokens_to_remove
         if not self.compressed or count > self.host_decoded:
             raise NotImplementedError(CROP_UNSUPPORTED)
-        rows = torch.arange(self.keys.shape[0], device=self.device)
+        keys, values = self.store.gather()
+        rows = torch.arange(keys.shape[0], device=self.device)
         for _ in range(count):
             self.lengths.sub_(1)
             slot = self.lengths
-            self.keys[rows, :, slot] = 0
-            self.values[rows, :, slot] = 0
+            keys[rows, :, slot] = 0
+            values[rows, :, slot] = 0
             self.positions[rows, :, slot] = -1
+        # a page's min/max cannot be un-folded: rebuild the summaries of what is left (written into the same pages)
+        kt = self.ops.build_kt(keys, self.lengths, self.config.page_size, self.config.kt_torch_dtype)
+        self.store.write(keys, values, kt)
         self.seen.sub_(count)
         self.host_seen -= count
         self.host_max_length -= count
         self.host_decoded -= count
-        # a page's min/max cannot be un-folded: rebuild the summaries of what is left (in place: fixed addresses)
-        self.kt.copy_(self.ops.build_kt(self.keys, self.lengths, self.config.page_size, self.config.kt_torch_dtype))
+        history = self.history
+        if history is not None:  # the decoded tokens leave the history too (their K/V past the length is never read)
+            rows = torch.arange(history.lengths.shape[0], device=self.device)
+            for _ in range(count):
+                history.lengths.sub_(1)
+                history.positions[rows, :, history.lengths] = -1
+            history.host_max_length -= count
 
     def offload(self):
         raise NotImplementedError("RocketKVCache does not support offloading=True")

@@ -116,23 +116,25 @@ def new_token_validity(attention_mask: torch.Tensor | None, n: int) -> torch.Ten
 
 
 def decode_attention(layer: RocketKVLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Stage 2 for one new token per row: top-k KT pages per KV head, exact attention over their tokens."""
+    """Stage 2 for one new token per row: top-k KT pages per KV head, exact attention over their tokens, both read
+    from the layer's pages through its block table."""
     batch, num_q_heads, _, head_dim = query.shape
-    num_kv_heads = layer.keys.shape[1]
+    num_kv_heads = layer.num_kv_heads
     q = query.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # a view for decode layouts
-    config, ops = layer.config, layer.ops
+    config, ops, store = layer.config, layer.ops, layer.store
     if config.stage2 == "none":  # stage 1 only: every kept page, no scoring
-        page_idx, page_valid = every_page(layer.lengths, num_kv_heads, layer.keys.shape[2] // config.page_size,
+        page_idx, page_valid = every_page(layer.lengths, num_kv_heads, store.capacity // config.page_size,
                                           config.page_size)
     else:
         # top_pages derives the page counts from the token counts itself (no num_pages launches) and, in Triton,
         # selects from the scoring pass's logits without writing the page probabilities; the sink and recent pages
         # (stage2_sink_tokens / stage2_recent_tokens, Python ints) are forced in, inside the topk
         sink_pages, recent_pages = config.stage2_forced_pages
-        page_idx, page_valid = ops.top_pages(q, layer.kt, layer.lengths, config.page_size, config.topr, config.topk,
-                                             sink_pages=sink_pages, recent_pages=recent_pages)
-    out = ops.sparse_decode_attention(
-        q, layer.keys, layer.values, page_idx, page_valid, layer.lengths, config.page_size, scaling
+        page_idx, page_valid = ops.paged_top_pages(q, store.kt, store.table, layer.lengths, config.page_size,
+                                                   config.topr, config.topk, sink_pages=sink_pages,
+                                                   recent_pages=recent_pages)
+    out = ops.paged_sparse_decode_attention(
+        q, store.k, store.v, store.table, page_idx, page_valid, layer.lengths, config.page_size, scaling
     )
     # [B, Hkv, G, D] -> [B, 1, Hq, D]: the size-1 axes make this transpose a contiguous view
     return out.reshape(batch, num_q_heads, 1, head_dim).transpose(1, 2)
@@ -144,7 +146,8 @@ def continuation_attention(
     """n new tokens on a compressed layer (stored already): each real one sees every kept token and the real new
     tokens up to itself. ``valid`` bool [B, n] marks the real tokens (None: all)."""
     n = query.shape[2]
-    slot = torch.arange(layer.capacity, device=query.device)
+    keys, values = layer.keys, layer.values  # the later turn's contiguous working set (RocketKVLayer.store_new_tokens)
+    slot = torch.arange(keys.shape[2], device=query.device)
     # Row b stored its m_b real new tokens last, in order; the r-th real one (r = 0, 1, ...) sits at slot
     # lengths - m_b + r and sees every slot up to it. A padding query sees the real tokens before it: its output is
     # never used, and it always has at least one visible slot, so it is not NaN.
@@ -152,7 +155,5 @@ def continuation_attention(
     seen_real = real.cumsum(dim=1)  # [B, n] real new tokens up to and including each query
     limit = ((layer.lengths - real.sum(dim=1))[:, None] + seen_real - 1).clamp(min=0)  # [B, n]
     mask = slot[None, None, :] <= limit[:, :, None]
-    out = F.scaled_dot_product_attention(
-        query, layer.keys, layer.values, attn_mask=mask[:, None], scale=scaling, enable_gqa=True
-    )
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask[:, None], scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).contiguous()

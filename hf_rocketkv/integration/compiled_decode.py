@@ -55,10 +55,11 @@ def count_decode_step(cache: RocketKVCache, args: tuple, kwargs: dict) -> None:
     for layer_idx, layer in enumerate(cache.layers):
         if not layer.compressed:
             continue
-        if layer.host_max_length >= layer.capacity:
+        if layer.decode_room() <= 0:
             raise RuntimeError(
-                f"RocketKVCache layer {layer_idx} is full: {layer.capacity} slots per row hold the kept prompt and "
-                f"every generated token, and a compiled decode step cannot grow them. generate() sizes them from "
+                f"RocketKVCache layer {layer_idx} is full: its slots per row ({layer.capacity} in the widest) hold the "
+                f"kept prompt and every generated token, and a compiled decode step cannot grow them. generate() "
+                f"sizes them from "
                 f"max_length (max_new_tokens); when driving the compiled forward yourself, pass a larger max_length "
                 f"or decode eagerly (disable_compile=True), where the store grows."
             )

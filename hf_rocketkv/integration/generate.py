@@ -7,8 +7,9 @@ alone) lives in ``hf_rocketkv/compat.py``; this module is what happens when a ca
 * ``prepare_cache``: a model whose attention is ``rocketkv`` gets ``RocketKVCache(config)`` when the caller passed no
   cache; a passed RocketKVCache learns the request's maximum length and whether prefill is chunked; misuse raises.
 * ``prefill``: a RocketKVCache that already holds tokens only accepts a continuation of the same request
-  (``generate`` slices the prompt by the cache's length, so an unrelated prompt would silently give garbage); after
-  a chunked prefill it runs the deferred stage 1; with ``prefill_batch_size`` it prefills the batch in row groups
+  (``generate`` slices the prompt by the cache's length, so an unrelated prompt would silently give garbage); a
+  pool-backed cache takes its pages first (admission, prefix hit: ``RocketKVCache.begin_prefill``); after a chunked
+  prefill it runs the deferred stage 1; with ``prefill_batch_size`` it prefills the batch in row groups
   (``row_groups.py``).
 * ``prepare_inputs``: records the ids fed so far, which a continuation must start with.
 * ``compiled_step``: decode steps generate() would compile are captured as CUDA graphs (``decode_graphs.py``)
@@ -84,7 +85,13 @@ class RocketKVGenerateHooks:
         cache.hints.forget_graph()  # prefill reallocates the store: a captured decode step would point at old buffers
         cache.hints.prefilling = True
         try:
-            if wants_row_groups(cache, input_ids.shape[0]):
+            row_groups = wants_row_groups(cache, input_ids.shape[0])
+            if input_ids.shape[1] > 0:  # (inputs_embeds only: a pool admits at the first stage 1, no prefix lookup)
+                # with a pool: every page this forward needs, or PoolExhaustedError before anything is written; a
+                # prefix hit makes the cache's length start after it, so _prefill computes only the rest
+                cache.begin_prefill(input_ids, call.arguments["model_kwargs"].get("attention_mask"),
+                                    row_groups=row_groups)
+            if row_groups:
                 return prefill_in_row_groups(call, cache)
             outputs = call()
             cache.finish_prefill()  # chunked prefill deferred stage 1 until the whole prompt was in

@@ -42,6 +42,8 @@ def prefill_in_row_groups(prefill: Call, cache: RocketKVCache):
     for start in range(0, batch, rows):
         group = slice(start, min(start + rows, batch))
         part = cache.empty_like()
+        cache.share_rows(part, group)  # a pool-backed cache: the group's admitted rows, in the same pool
+        part.setup_prefix()  # and their prefix hit
         part.hints.max_length = cache.hints.max_length
         part.hints.defer_compression = cache.hints.defer_compression
         part.hints.prefilling = True

@@ -13,9 +13,10 @@ import os
 import torch
 
 from ..selection import stage1_snapkv, stage2_pages
-from .append_token import append_token_torch
+from .append_token import append_token_torch, paged_append_kv_torch, paged_append_token_torch
 from .ops import RocketOps
-from .sparse_decode_attention import sparse_decode_attention_torch
+from .paged import paged_page_scores_torch, paged_top_pages_torch
+from .sparse_decode_attention import paged_sparse_decode_attention_torch, sparse_decode_attention_torch
 
 __all__ = ["RocketOps", "TORCH_OPS", "get_ops", "triton_usable"]  # RocketOps lives in ops.py, re-exported
 
@@ -29,6 +30,11 @@ TORCH_OPS = RocketOps(
     sparse_decode_attention=sparse_decode_attention_torch,
     append_token=append_token_torch,
     top_pages=stage2_pages.top_pages,
+    paged_append_token=paged_append_token_torch,
+    paged_append_kv=paged_append_kv_torch,
+    paged_page_scores=paged_page_scores_torch,
+    paged_top_pages=paged_top_pages_torch,
+    paged_sparse_decode_attention=paged_sparse_decode_attention_torch,
 )
 
 

@@ -23,6 +23,16 @@ class RocketOps:
     append_token(keys, values, positions, kt, lengths, seen, key_new, value_new, page_size) -> None (in place)
     top_pages(q, kt, lengths, page_size, topr, topk, sink_pages=0, recent_pages=1) -> (page_idx, page_valid)
 
+    Paged decode (what RocketKVLayer uses; layout in kernels/paged.py):
+    paged_append_token(k_pages, v_pages, kt_pages, table, positions, lengths, seen, key_new, value_new,
+                       kt_page_size) -> None (in place)
+    paged_append_kv(k_pages, v_pages, table, positions, lengths, seen, key_new, value_new) -> None (no KT)
+    paged_page_scores(q, kt_pages, table, n_pages, topr) -> probs [B, Hkv, MP * R]
+    paged_top_pages(q, kt_pages, table, lengths, kt_page_size, topr, topk, sink_pages=0, recent_pages=1)
+        -> (page_idx, page_valid)
+    paged_sparse_decode_attention(q, k_pages, v_pages, table, page_idx, page_valid, lengths, kt_page_size,
+                                  scaling) -> [B, Hkv, G, D]
+
     lengths / n_pages / slot: [B] (per row) or [B, Hkv] (per row and KV head) everywhere in decode.
     """
 
@@ -35,3 +45,8 @@ class RocketOps:
     sparse_decode_attention: Callable
     append_token: Callable
     top_pages: Callable
+    paged_append_token: Callable
+    paged_append_kv: Callable
+    paged_page_scores: Callable
+    paged_top_pages: Callable
+    paged_sparse_decode_attention: Callable

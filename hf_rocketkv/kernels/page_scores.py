@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from .paged import check_table
 from ._triton_common import (
     DT_BF16,
     DT_FP16,
@@ -71,15 +72,16 @@ def _channel_mask(q_ptr, s_qg, s_qd, group, head_dim, a_rows, d_rows,
 
 @triton.jit
 def _page_logits_kernel(
-    q_ptr, kt_ptr, count_ptr, logits_ptr, stats_ptr, probs_ptr,
+    q_ptr, kt_ptr, count_ptr, logits_ptr, stats_ptr, probs_ptr, table_ptr,
     s_qb, s_qh, s_qg, s_qd,
     s_tb, s_th, s_tp, s_tm, s_td,
     s_cb, s_ch,
-    num_kv_heads, group, num_pages, head_dim, pages_per_prog, num_splits,
+    s_ab, s_ap,
+    num_kv_heads, group, num_pages, head_dim, pages_per_prog, num_splits, kt_per_page,
     scale_log2,
     TOPR: tl.constexpr, USE_TOPR: tl.constexpr, KT_DT: tl.constexpr, DOT_DT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, FUSED: tl.constexpr,
-    COUNT_DIV: tl.constexpr,
+    COUNT_DIV: tl.constexpr, PAGED: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -107,7 +109,12 @@ def _page_logits_kernel(
         qd = q.to(tl.bfloat16)
     # both summaries of a page are read with contiguous (vectorised) loads and the signed choice is made in
     # registers: a per-channel gather of one of them would read the same sectors with byte-wide loads
-    kt_base = kt_ptr + b * s_tb + h * s_th + (d * s_td)[None, :]
+    # contiguous KT: the row's pages follow each other; paged: KT page j lives in pool page table[b, j // R] at
+    # position j % R (kernels/paged.py), so s_tb is the pool-page stride and the row offset comes from the table
+    if PAGED:
+        kt_base = kt_ptr + h * s_th + (d * s_td)[None, :]
+    else:
+        kt_base = kt_ptr + b * s_tb + h * s_th + (d * s_td)[None, :]
     logit_base = logits_ptr + (bh * BLOCK_G + g).to(tl.int64)[:, None] * num_pages
 
     p_start = split * pages_per_prog
@@ -117,7 +124,12 @@ def _page_logits_kernel(
     for p0 in range(p_start, p_end, BLOCK_P):
         pages = p0 + tl.arange(0, BLOCK_P)
         p_ok = pages < p_end
-        kt_page = kt_base + pages.to(tl.int64)[:, None] * s_tp
+        if PAGED:
+            pool_page = tl.load(table_ptr + b * s_ab + (pages // kt_per_page) * s_ap, mask=p_ok, other=-1).to(tl.int64)
+            p_ok = p_ok & (pool_page >= 0)
+            kt_page = kt_base + (tl.where(p_ok, pool_page, 0) * s_tb + (pages % kt_per_page) * s_tp)[:, None]
+        else:
+            kt_page = kt_base + pages.to(tl.int64)[:, None] * s_tp
         kt_mask = p_ok[:, None] & d_ok[None, :]
         kmin = tl.load(kt_page, mask=kt_mask, other=0.0)
         kmax = tl.load(kt_page + s_tm, mask=kt_mask, other=0.0)
@@ -199,16 +211,22 @@ def score_splits(rows: int, num_pages: int, block_p: int, device: torch.device, 
     return cdiv(num_pages, pages_per_prog), pages_per_prog
 
 
+def kt_pages_per_row(kt: torch.Tensor, table: torch.Tensor | None) -> int:
+    """NP, KT pages per row: ``kt.shape[2]`` for a contiguous KT, MP * R for a paged one (``kernels/paged.py``)."""
+    return kt.shape[2] if table is None else table.shape[1] * kt.shape[2]
+
+
 def page_logits_launch(
     q: torch.Tensor, kt: torch.Tensor, counts: torch.Tensor, count_div: int, topr: int, num_splits: int | None,
-    probs: torch.Tensor | None = None,
+    probs: torch.Tensor | None = None, table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """Pass 1 of the page scoring: logits (log2 units, ``[B*Hkv*BLOCK_G, NP]`` fp32) and per-split softmax
     statistics (``[B*Hkv, S, 2, BLOCK_G]``: max, sum). ``counts`` are pages in use (count_div 1) or tokens
     (count_div = page_size). With ``probs`` given and one split the kernel also writes the probabilities (fused
-    schedule) and the statistics are not written. Returns (logits, stats, S, BLOCK_G)."""
+    schedule) and the statistics are not written. ``table`` [B, MP] int32: ``kt`` is paged ``[N, Hkv, R, 2, D]``
+    (None: contiguous ``[B, Hkv, NP, 2, D]``). Returns (logits, stats, S, BLOCK_G)."""
     batch, num_kv_heads, group, head_dim = q.shape
-    num_pages = kt.shape[2]
+    num_pages = kt_pages_per_row(kt, table)
     s_cb, s_ch = count_strides(counts, batch, num_kv_heads, "n_pages" if count_div == 1 else "lengths")
     block_g = max(16, next_pow2(group))
     block_d = next_pow2(head_dim)
@@ -218,28 +236,33 @@ def page_logits_launch(
     fused = probs is not None and num_splits == 1
     logits = torch.empty((rows * block_g, num_pages), dtype=torch.float32, device=q.device)
     stats = torch.empty((rows, num_splits, 2, block_g) if not fused else (1,), dtype=torch.float32, device=q.device)
+    paged = table is not None
+    if paged:
+        check_table(table, batch)
     wrap_triton(_page_logits_kernel)[(rows, num_splits)](
-        q, kt, counts, logits, stats, probs if fused else logits,
-        *q.stride(), *kt.stride(), s_cb, s_ch,
-        num_kv_heads, group, num_pages, head_dim, pages_per_prog, num_splits,
+        q, kt, counts, logits, stats, probs if fused else logits, table if paged else counts,
+        *q.stride(), *kt.stride(), s_cb, s_ch, *(table.stride() if paged else (0, 0)),
+        num_kv_heads, group, num_pages, head_dim, pages_per_prog, num_splits, kt.shape[2],
         head_dim**-0.5 * LOG2E,
         TOPR=min(topr, head_dim), USE_TOPR=topr < head_dim, KT_DT=dtype_code(kt.dtype), DOT_DT=_dot_code(kt.dtype),
-        BLOCK_G=block_g, BLOCK_P=block_p, BLOCK_D=block_d, FUSED=fused, COUNT_DIV=count_div,
+        BLOCK_G=block_g, BLOCK_P=block_p, BLOCK_D=block_d, FUSED=fused, COUNT_DIV=count_div, PAGED=paged,
         num_warps=4, num_stages=3,
     )
     return logits, stats, num_splits, block_g
 
 
 def page_scores_launch(
-    q: torch.Tensor, kt: torch.Tensor, n_pages: torch.Tensor, topr: int, num_splits: int | None = None
+    q: torch.Tensor, kt: torch.Tensor, n_pages: torch.Tensor, topr: int, num_splits: int | None = None,
+    table: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launcher; ``num_splits`` (None = heuristic, 1 = fused) exists for tests and benchmarks."""
+    """Launcher; ``num_splits`` (None = heuristic, 1 = fused) exists for tests and benchmarks; ``table``: paged KT."""
     batch, num_kv_heads, group, head_dim = q.shape
-    num_pages = kt.shape[2]
+    num_pages = kt_pages_per_row(kt, table)
     probs = torch.empty((batch, num_kv_heads, num_pages), dtype=torch.float32, device=q.device)
     if probs.numel() == 0:
         return probs
-    logits, stats, num_splits, block_g = page_logits_launch(q, kt, n_pages, 1, topr, num_splits, probs=probs)
+    logits, stats, num_splits, block_g = page_logits_launch(q, kt, n_pages, 1, topr, num_splits, probs=probs,
+                                                            table=table)
     if num_splits > 1:
         block_p2 = 128
         s_cb, s_ch = count_strides(n_pages, batch, num_kv_heads, "n_pages")
@@ -256,3 +279,10 @@ def page_scores_launch(
 def page_scores_triton(q: torch.Tensor, kt: torch.Tensor, n_pages: torch.Tensor, topr: int) -> torch.Tensor:
     """Same contract as ``stage2_pages.page_scores``."""
     return page_scores_launch(q, kt, n_pages, topr)
+
+
+def paged_page_scores_triton(
+    q: torch.Tensor, kt_pages: torch.Tensor, table: torch.Tensor, n_pages: torch.Tensor, topr: int
+) -> torch.Tensor:
+    """Same contract as ``paged_page_scores_torch``."""
+    return page_scores_launch(q, kt_pages, n_pages, topr, table=table)

@@ -36,7 +36,7 @@ from torch.library import wrap_triton
 
 from ..selection.stage2_pages import check_forcing
 from ._triton_common import cdiv, count_strides, interpreting, load_count, next_pow2
-from .page_scores import page_logits_launch
+from .page_scores import kt_pages_per_row, page_logits_launch
 
 # Launch defaults, swept by benchmarks/bench_kernels.py: pages sorted by one chunk program, keys sorted by one merge
 # program, and the sort on the GPU (tl.sort, or this file's own network; the interpreter always uses the network).
@@ -278,14 +278,16 @@ def top_pages_launch(
     q: torch.Tensor, kt: torch.Tensor, lengths: torch.Tensor, page_size: int, topr: int, topk: int,
     sink_pages: int = 0, recent_pages: int = 1, score_splits: int | None = None, chunk: int | None = None,
     merge_block: int | None = None, num_warps: int | None = None, use_tl_sort: bool | None = None,
+    table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launcher of the fused decode selection; the knobs exist for tests and benchmarks."""
+    """Launcher of the fused decode selection; the knobs exist for tests and benchmarks. ``table`` [B, MP] int32:
+    ``kt`` is paged ``[N, Hkv, R, 2, D]`` (kernels/paged.py); None: contiguous ``[B, Hkv, NP, 2, D]``."""
     check_forcing(topk, sink_pages, recent_pages)
     batch, num_kv_heads, group, _ = q.shape
-    num_pages = kt.shape[2]
+    num_pages = kt_pages_per_row(kt, table)
     if batch * num_kv_heads * num_pages == 0:
         return _select(lengths, page_size, topk, sink_pages, recent_pages, (batch, num_kv_heads, num_pages), q.device)
-    logits, stats, splits, logit_g = page_logits_launch(q, kt, lengths, page_size, topr, score_splits)
+    logits, stats, splits, logit_g = page_logits_launch(q, kt, lengths, page_size, topr, score_splits, table=table)
     return _select(lengths, page_size, topk, sink_pages, recent_pages, (batch, num_kv_heads, num_pages), q.device,
                    logits=(logits, stats, splits, logit_g, group), chunk=chunk, merge_block=merge_block,
                    num_warps=num_warps, use_tl_sort=use_tl_sort)
@@ -297,3 +299,11 @@ def top_pages_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``stage2_pages.top_pages``."""
     return top_pages_launch(q, kt, lengths, page_size, topr, topk, sink_pages, recent_pages)
+
+
+def paged_top_pages_triton(
+    q: torch.Tensor, kt_pages: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, kt_page_size: int,
+    topr: int, topk: int, sink_pages: int = 0, recent_pages: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``paged.paged_top_pages_torch`` (the decode step's selection over a paged KT)."""
+    return top_pages_launch(q, kt_pages, lengths, kt_page_size, topr, topk, sink_pages, recent_pages, table=table)

@@ -7,6 +7,10 @@ Shapes (B batch, Hkv KV heads, G query heads per KV head, C slot capacity, P pag
                 row and KV head)
     returns     [B, Hkv, G, D] in q's dtype
 
+``paged_sparse_decode_attention`` takes the K/V of a paged store instead (kernels/paged.py): k_pages, v_pages
+[N, Hkv, PP, D] and table [B, MP] int32; slot s of row b is page table[b, s // PP], offset s % PP. Same kernel:
+the contiguous store is the case N = B, PP = C, page = row.
+
 The G query heads of one KV head share its pages, so every selected K/V row is read once per group.
 """
 
@@ -15,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..selection.stage2_pages import per_head
+from .paged import check_table, gather_pages
 
 
 def selected_slots(
@@ -50,6 +55,23 @@ def sparse_decode_attention_torch(
     return torch.einsum("bhgn,bhnd->bhgd", probs, v).to(q.dtype)
 
 
+def paged_sparse_decode_attention_torch(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    table: torch.Tensor,
+    page_idx: torch.Tensor,
+    page_valid: torch.Tensor,
+    lengths: torch.Tensor,
+    kt_page_size: int,
+    scaling: float,
+) -> torch.Tensor:
+    """Reference (paged): gather the rows' pages, then ``sparse_decode_attention_torch``."""
+    check_table(table, q.shape[0])
+    keys, values = gather_pages(k_pages, table), gather_pages(v_pages, table)
+    return sparse_decode_attention_torch(q, keys, values, page_idx, page_valid, lengths, kt_page_size, scaling)
+
+
 # ---------------------------------------------------------------------------------------------------- Triton twin
 # Flash-decoding over the selected pages. Grid (B*Hkv, S): program (row, KV head, split) walks its share of the
 # K*P selected token slots in blocks of BLOCK_N, gathering K/V rows by page id (each row is D contiguous values),
@@ -72,7 +94,7 @@ if triton is not None:
 
     @triton.jit
     def _sparse_decode_split_kernel(
-        q_ptr, k_ptr, v_ptr, idx_ptr, valid_ptr, len_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+        q_ptr, k_ptr, v_ptr, idx_ptr, valid_ptr, len_ptr, out_ptr, part_o_ptr, part_lse_ptr, table_ptr,
         s_qb, s_qh, s_qg, s_qd,
         s_kb, s_kh, s_kc, s_kd,
         s_vb, s_vh, s_vc, s_vd,
@@ -80,10 +102,12 @@ if triton is not None:
         s_mb, s_mh, s_mk,
         s_ob, s_oh, s_og, s_od,
         s_lb, s_lh,
-        num_kv_heads, group, head_dim, num_sel, tokens_per_split, num_splits,
+        s_ab, s_ap,
+        num_kv_heads, group, head_dim, num_sel, tokens_per_split, num_splits, page_tokens, capacity,
         scale_log2,
         P: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         QK_FP32: tl.constexpr, PV_FP32: tl.constexpr, OUT_DT: tl.constexpr, DIRECT: tl.constexpr,
+        PAGED: tl.constexpr,
     ):
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -98,8 +122,12 @@ if triton is not None:
                     mask=g_ok[:, None] & d_ok[None, :], other=0.0)
         if QK_FP32:
             q = q.to(tl.float32)
-        k_base = k_ptr + b * s_kb + h * s_kh + d[None, :] * s_kd
-        v_base = v_ptr + b * s_vb + h * s_vh + d[None, :] * s_vd
+        if PAGED:  # the row offset comes from the table, page by page
+            k_base = k_ptr + h * s_kh + d[None, :] * s_kd
+            v_base = v_ptr + h * s_vh + d[None, :] * s_vd
+        else:
+            k_base = k_ptr + b * s_kb + h * s_kh + d[None, :] * s_kd
+            v_base = v_ptr + b * s_vb + h * s_vh + d[None, :] * s_vd
         idx_base = idx_ptr + b * s_ib + h * s_ih
         valid_base = valid_ptr + b * s_mb + h * s_mh
         total = num_sel * P
@@ -116,11 +144,20 @@ if triton is not None:
             page = tl.load(idx_base + sel * s_ik, mask=t_ok, other=0)
             page_ok = tl.load(valid_base + sel * s_mk, mask=t_ok, other=0) != 0
             slot = page * P + (t % P)
-            ok = t_ok & page_ok & (slot < length) & (slot >= 0)
+            ok = t_ok & page_ok & (slot < length) & (slot >= 0) & (slot < capacity)
             slot = tl.where(ok, slot, 0).to(tl.int64)
+            if PAGED:
+                pool_page = tl.load(table_ptr + b * s_ab + (slot // page_tokens) * s_ap, mask=ok, other=-1).to(tl.int64)
+                ok = ok & (pool_page >= 0)
+                pool_page = tl.where(ok, pool_page, 0)
+                k_off = pool_page * s_kb + (slot % page_tokens) * s_kc
+                v_off = pool_page * s_vb + (slot % page_tokens) * s_vc
+            else:
+                k_off = slot * s_kc
+                v_off = slot * s_vc
             kv_mask = ok[:, None] & d_ok[None, :]
-            k = tl.load(k_base + slot[:, None] * s_kc, mask=kv_mask, other=0.0)
-            v = tl.load(v_base + slot[:, None] * s_vc, mask=kv_mask, other=0.0)
+            k = tl.load(k_base + k_off[:, None], mask=kv_mask, other=0.0)
+            v = tl.load(v_base + v_off[:, None], mask=kv_mask, other=0.0)
             if QK_FP32:
                 s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
@@ -185,11 +222,17 @@ if triton is not None:
         block_n: int | None = None,
         num_warps: int | None = None,
         num_stages: int = 3,
+        table: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Launcher; ``num_splits`` (None = heuristic, 1 = one kernel, no reduce) and the tile knobs exist for tests
         and benchmarks. Default tile: 64 gathered tokens x head_dim, 8 warps; on an H100 (2026-11-22) 4 warps or
-        32-token tiles timed within noise of it (benchmarks/results/h100_2026-11-22.md)."""
+        32-token tiles timed within noise of it (benchmarks/results/h100_2026-11-22.md). ``table`` [B, MP] int32:
+        ``keys``/``values`` are paged ``[N, Hkv, PP, D]`` (None: contiguous ``[B, Hkv, C, D]``)."""
         batch, num_kv_heads, group, head_dim = q.shape
+        paged = table is not None
+        if paged:
+            check_table(table, batch)
+        capacity = table.shape[1] * keys.shape[2] if paged else keys.shape[2]
         num_sel = page_idx.shape[-1]
         out = torch.empty((batch, num_kv_heads, group, head_dim), dtype=q.dtype, device=q.device)
         if out.numel() == 0:
@@ -222,13 +265,13 @@ if triton is not None:
         qk_fp32 = code == 0 or interpreting() or q.dtype != keys.dtype
         pv_fp32 = code == 0 or interpreting() or values.dtype != keys.dtype
         wrap_triton(_sparse_decode_split_kernel)[(rows, num_splits)](
-            q, keys, values, page_idx, page_valid, lengths, out, part_o, part_lse,
+            q, keys, values, page_idx, page_valid, lengths, out, part_o, part_lse, table if paged else lengths,
             *q.stride(), *keys.stride(), *values.stride(), *page_idx.stride(), *page_valid.stride(), *out.stride(),
-            *count_strides(lengths, batch, num_kv_heads, "lengths"),
-            num_kv_heads, group, head_dim, num_sel, tokens_per_split, num_splits,
+            *count_strides(lengths, batch, num_kv_heads, "lengths"), *(table.stride() if paged else (0, 0)),
+            num_kv_heads, group, head_dim, num_sel, tokens_per_split, num_splits, keys.shape[2], capacity,
             scaling * 1.4426950408889634,
             P=page_size, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
-            QK_FP32=qk_fp32, PV_FP32=pv_fp32, OUT_DT=dtype_code(q.dtype), DIRECT=direct,
+            QK_FP32=qk_fp32, PV_FP32=pv_fp32, OUT_DT=dtype_code(q.dtype), DIRECT=direct, PAGED=paged,
             num_warps=num_warps, num_stages=num_stages,
         )
         if not direct:
@@ -253,3 +296,18 @@ if triton is not None:
     ) -> torch.Tensor:
         """Same contract as ``sparse_decode_attention_torch`` (registered as a triton_op in ``triton_ops``)."""
         return sparse_decode_attention_launch(q, keys, values, page_idx, page_valid, lengths, page_size, scaling)
+
+    def paged_sparse_decode_attention_triton(
+        q: torch.Tensor,
+        k_pages: torch.Tensor,
+        v_pages: torch.Tensor,
+        table: torch.Tensor,
+        page_idx: torch.Tensor,
+        page_valid: torch.Tensor,
+        lengths: torch.Tensor,
+        kt_page_size: int,
+        scaling: float,
+    ) -> torch.Tensor:
+        """Same contract as ``paged_sparse_decode_attention_torch`` (registered as a triton_op)."""
+        return sparse_decode_attention_launch(q, k_pages, v_pages, page_idx, page_valid, lengths, kt_page_size,
+                                              scaling, table=table)

@@ -16,6 +16,11 @@ sparse_decode_attention) derive their launch shapes from tensor shapes only and 
     top_pages                select_pages.py             2 (logits, select) + merge levels           decode
     sparse_decode_attention  sparse_decode_attention.py  1 (one split) or 2 (split + reduce)         decode
     append_token             append_token.py             1 (in place: K, V, positions, KT, lengths)  decode
+    paged_append_token       append_token.py             1 (the same kernel, through a block table)   decode
+    paged_append_kv          append_token.py             1 (K/V, positions, lengths; no KT)           decode
+    paged_page_scores        page_scores.py              as page_scores, KT read through the table    decode
+    paged_top_pages          select_pages.py             as top_pages, KT read through the table      decode
+    paged_sparse_decode_attention  sparse_decode_attention.py  as sparse_decode_attention              decode
 
 Eager calls skip the custom-op machinery: each RocketOps entry calls the plain launcher directly (exactly what the
 registered op's own eager implementation runs, minus the dispatcher, autograd and dynamo-disable wrappers, which
@@ -39,12 +44,12 @@ except ImportError:  # pragma: no cover - a torch without it: eager calls go thr
     set_wrap_triton_enabled = None
 
 from .ops import RocketOps
-from .append_token import append_token_triton
+from .append_token import append_token_triton, paged_append_kv_triton, paged_append_token_triton
 from .kt_build import build_kt_triton
 from .kt_update import update_kt_triton
-from .page_scores import page_scores_triton
-from .select_pages import select_pages_triton, top_pages_triton
-from .sparse_decode_attention import sparse_decode_attention_triton
+from .page_scores import page_scores_triton, paged_page_scores_triton
+from .select_pages import paged_top_pages_triton, select_pages_triton, top_pages_triton
+from .sparse_decode_attention import paged_sparse_decode_attention_triton, sparse_decode_attention_triton
 from .window_scores import window_scores_triton
 
 window_scores = triton_op("hf_rocketkv::window_scores", mutates_args={})(window_scores_triton)
@@ -59,6 +64,17 @@ append_token = triton_op(
     "hf_rocketkv::append_token", mutates_args={"keys", "values", "positions", "kt", "lengths"}
 )(append_token_triton)
 top_pages = triton_op("hf_rocketkv::top_pages", mutates_args={})(top_pages_triton)
+paged_append_token = triton_op(
+    "hf_rocketkv::paged_append_token", mutates_args={"k_pages", "v_pages", "kt_pages", "positions", "lengths"}
+)(paged_append_token_triton)
+paged_append_kv = triton_op(
+    "hf_rocketkv::paged_append_kv", mutates_args={"k_pages", "v_pages", "positions", "lengths"}
+)(paged_append_kv_triton)
+paged_page_scores = triton_op("hf_rocketkv::paged_page_scores", mutates_args={})(paged_page_scores_triton)
+paged_top_pages = triton_op("hf_rocketkv::paged_top_pages", mutates_args={})(paged_top_pages_triton)
+paged_sparse_decode_attention = triton_op("hf_rocketkv::paged_sparse_decode_attention", mutates_args={})(
+    paged_sparse_decode_attention_triton
+)
 
 
 def _eager_or_op(launcher: Callable, op) -> Callable:
@@ -87,4 +103,9 @@ TRITON_OPS = RocketOps(
     sparse_decode_attention=_eager_or_op(sparse_decode_attention_triton, sparse_decode_attention),
     append_token=_eager_or_op(append_token_triton, append_token),
     top_pages=_eager_or_op(top_pages_triton, top_pages),
+    paged_append_token=_eager_or_op(paged_append_token_triton, paged_append_token),
+    paged_append_kv=_eager_or_op(paged_append_kv_triton, paged_append_kv),
+    paged_page_scores=_eager_or_op(paged_page_scores_triton, paged_page_scores),
+    paged_top_pages=_eager_or_op(paged_top_pages_triton, paged_top_pages),
+    paged_sparse_decode_attention=_eager_or_op(paged_sparse_decode_attention_triton, paged_sparse_decode_attention),
 )

@@ -6,6 +6,7 @@ Public API (docs/memory.md):
     Admission         what ``KVBlockPool.admit`` hands a request
     PagesNeeded       ``KVBlockPool.pages_needed``'s answer
     PrefixKeys, MultimodalItem   what besides token ids keys a prefix page (salt, adapter, multimodal inputs)
+    Reservation       free pages set aside (row-group prefill admits group by group out of one)
     PoolStats, PageInfo          snapshots
     PoolExhaustedError, PoolStateError, PrefixFileError
     quantize_pages, quantize_fp8, dequantize_fp8, fp8_scales   the fp8 storage reference
@@ -20,6 +21,7 @@ from .hashing import MultimodalItem, PrefixKeys
 from .layout import LayerShape, RecordLayout
 from .page_meta import DEFAULT_PRIORITY, LOADED_PREFIX_PRIORITY, PageInfo
 from .pool import KVBlockPool, LoadedPrefix
+from .reservation import Reservation
 from .stats import PoolStats
 from .storage import LayerStorage
 
@@ -41,6 +43,7 @@ __all__ = [
     "PrefixFileError",
     "PrefixKeys",
     "RecordLayout",
+    "Reservation",
     "dequantize_fp8",
     "fp8_scales",
     "quantize_fp8",

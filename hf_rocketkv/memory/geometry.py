@@ -79,6 +79,8 @@ def _positive_int(config: Any, name: str) -> int | None:
 
 def _config_dtype(config: Any) -> torch.dtype | None:
     for name in ("dtype", "torch_dtype"):
+        if name == "torch_dtype" and hasattr(config, "dtype"):
+            break  # transformers 5 names it dtype; reading torch_dtype there only warns that it is deprecated
         value = getattr(config, name, None)
         if isinstance(value, torch.dtype) and value.is_floating_point:
             return value

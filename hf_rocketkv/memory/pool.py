@@ -11,10 +11,11 @@ docs/memory.md has the layout, the formulas, the hashing scheme and the life of 
 the parts: storage.py (device tensors), free_list.py (allocation / eviction order), hashing.py (prefix keys),
 accounting.py (pages needed), host_tier.py (offload), prefix_file.py (files).
 
-Thread safety: one ``threading.RLock`` per pool (``pool._lock``). Every public method holds it for its whole run,
+Thread safety: one re-entrant lock per pool (``pool._lock``). Every public method holds it for its whole run,
 except that ``save_prefix`` writes and ``load_prefix`` reads the file outside it. Block tables are changed only by
 the pool, under the lock. Pages must not be released from a garbage-collector finalizer (it can run inside a pool
-method on the same thread); a consumer that releases on GC should queue the release and do it on its next call.
+method on the same thread): a finalizer calls ``release_later``, which only queues the tables; the pool releases
+them at its next call (``deferred.py``).
 
 CUDA streams: call the pool on the stream that writes and reads the pages (the current stream; ``release`` after the
 last kernel that uses them is enqueued). Copies run on the pool's own copy stream: a copy out of or into a page waits
@@ -26,7 +27,6 @@ reused while a copy still reads or writes it.
 from __future__ import annotations
 
 import json
-import threading
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +38,7 @@ import torch
 from .accounting import PagesNeeded, RowPages, row_pages
 from .admission import Admission
 from .block_table import BlockTable
+from .deferred import DeferredReleases, DrainingLock
 from .errors import PoolExhaustedError, PoolStateError, PrefixFileError
 from .fingerprint import fingerprint_fields, fingerprint_of
 from .free_list import UNCACHED, FreeLists, cached_queue
@@ -47,6 +48,7 @@ from .host_tier import CopyEngine, HostBuffer
 from .layout import SCALE_GRANULARITIES, LayerShape, RecordLayout
 from .page_meta import DEFAULT_PRIORITY, LOADED_PREFIX_PRIORITY, PageInfo, PageMeta, Tier, check_priority
 from .prefix_file import read_prefix_file, write_prefix_file
+from .reservation import Reservation
 from .stats import PoolStats
 from .storage import LayerStorage, PageStorage
 
@@ -224,20 +226,67 @@ class KVBlockPool:
         self._counters = dict.fromkeys(
             ("hit_pages", "missed_pages", "evictions", "dropped_pages", "host_evictions", "offloaded_bytes",
              "onloaded_bytes"), 0)
-        self._lock = threading.RLock()
+        self._reserved = 0  # pages set aside by reservations (counted, not held)
+        self._deferred = DeferredReleases()
+        self._lock = DrainingLock(self._drain_deferred)  # releases queued by finalizers happen at the next call
 
     def __repr__(self) -> str:
         return (f"KVBlockPool({self.geometry.architecture}, pages={self.num_pages}x{self.page_size} tokens, "
-                f"dtype={dtype_name(self.dtype)}, free={len(self._free)}, host_slots={len(self._host_pages)})")
+                f"dtype={dtype_name(self.dtype)}, free={self._available()}, host_slots={len(self._host_pages)})")
 
     # ============================================================================================ occupancy
     def total_pages(self) -> int:
         return self.num_pages
 
     def free_pages(self) -> int:
-        """Pages an allocation can take now: unused ones and cached ones (evicted on demand)."""
+        """Pages an allocation can take now: unused ones and cached ones (evicted on demand), less those set aside by
+        reservations."""
         with self._lock:
-            return len(self._free)
+            return self._available()
+
+    def reserved_pages(self) -> int:
+        """Free pages set aside by reservations (row-group prefills in progress)."""
+        with self._lock:
+            return self._reserved
+
+    def _available(self, reservation: Reservation | None = None) -> int:
+        """Free pages an allocation may take: all free ones less the reserved, plus its own reservation's."""
+        return len(self._free) - self._reserved + (reservation.count if reservation is not None else 0)
+
+    # ============================================================================================ reservations
+    def reserve(self, num_pages: int, what: str = "reserving pages") -> Reservation:
+        """Set ``num_pages`` free pages aside (``reservation.py``), or raise PoolExhaustedError and change nothing."""
+        with self._lock:
+            _check_int(num_pages, "num_pages", 0)
+            if num_pages > self._available():
+                raise PoolExhaustedError(what, num_pages, self._available(), self.num_pages)
+            self._reserved += num_pages
+            return Reservation(num_pages)
+
+    def add_to_reservation(self, reservation: Reservation, num_pages: int) -> None:
+        """Set ``num_pages`` more free pages aside for ``reservation`` (e.g. pages its owner just released)."""
+        with self._lock:
+            _check_int(num_pages, "num_pages", 0)
+            if num_pages > self._available():
+                raise PoolExhaustedError(f"adding to {reservation.name}", num_pages, self._available(),
+                                         self.num_pages)
+            reservation.count += num_pages
+            self._reserved += num_pages
+
+    def unreserve(self, reservation: Reservation, num_pages: int | None = None) -> None:
+        """Give ``num_pages`` (default: all) of a reservation's pages back to everyone."""
+        with self._lock:
+            count = reservation.count if num_pages is None else min(_check_int(num_pages, "num_pages", 0),
+                                                                    reservation.count)
+            reservation.count -= count
+            self._reserved -= count
+
+    def _consume(self, reservation: Reservation | None, pages: int) -> None:
+        """Pages just taken by an allocation naming ``reservation`` come off it first."""
+        if reservation is not None:
+            used = min(reservation.count, pages)
+            reservation.count -= used
+            self._reserved -= used
 
     def used_pages(self) -> int:
         with self._lock:
@@ -257,7 +306,7 @@ class KVBlockPool:
             self._poll_copies()
             return PoolStats(
                 total_pages=self.num_pages,
-                free_pages=len(self._free),
+                free_pages=self._available(),
                 cached_pages=len(self._free) - self._free.count(UNCACHED),
                 used_pages=self.num_pages - len(self._free),
                 in_flight_pages=sum(meta.in_flight for meta in self._device_pages),
@@ -352,7 +401,7 @@ class KVBlockPool:
         """``pages_needed(...).prefill_peak <= free_pages()``: admitting now cannot fail for lack of pages."""
         with self._lock:
             return self._plan(prompt_len, max_new_tokens, cfg, token_ids, keys, keep_all).needed.prefill_peak \
-                <= len(self._free)
+                <= self._available()
 
     def _rows(self, prompt_len, max_new_tokens, token_ids, keys) -> list[tuple[int, int, list[int] | None, PrefixKeys]]:
         batch = not isinstance(prompt_len, int)
@@ -435,22 +484,27 @@ class KVBlockPool:
         return self._admit(prompt_len, max_new_tokens, cfg, token_ids, keys, keep_all)[0]
 
     def admit_batch(self, prompt_lens: Sequence[int], max_new_tokens: int | Sequence[int], cfg: "RocketKVConfig",
-                    token_ids: Any = None, keys: Any = None, keep_all: bool = False) -> list[Admission]:
-        """``admit`` for several rows at once: all rows get their pages, or none does."""
+                    token_ids: Any = None, keys: Any = None, keep_all: bool = False,
+                    reservation: Reservation | None = None) -> list[Admission]:
+        """``admit`` for several rows at once: all rows get their pages, or none does. ``reservation``: pages set
+        aside for this admission (they count as free for it; what it takes comes off the reservation)."""
         if isinstance(prompt_lens, int):
             raise ValueError(f"admit_batch: prompt_lens must be a list of row lengths, got {prompt_lens!r}")
-        return self._admit(list(prompt_lens), max_new_tokens, cfg, token_ids, keys, keep_all)
+        return self._admit(list(prompt_lens), max_new_tokens, cfg, token_ids, keys, keep_all, reservation)
 
-    def _admit(self, prompt_len, max_new_tokens, cfg, token_ids, keys, keep_all) -> list[Admission]:
+    def _admit(self, prompt_len, max_new_tokens, cfg, token_ids, keys, keep_all, reservation=None) -> list[Admission]:
         with self._lock:
             plan = self._plan(prompt_len, max_new_tokens, cfg, token_ids, keys, keep_all)
             need = plan.needed.prefill_peak
-            if need > len(self._free):
+            available = self._available(reservation)
+            if need > available:
                 rows = f"{plan.needed.rows} row(s), " if plan.needed.rows > 1 else ""
                 raise PoolExhaustedError(
                     f"admitting {rows}{plan.needed.prompt_pages} prompt + {plan.needed.view_pages} view pages "
-                    f"({plan.needed.hit_pages} hit)", need, len(self._free), self.num_pages)
-            return self._admit_planned(plan)
+                    f"({plan.needed.hit_pages} hit)", need, available, self.num_pages)
+            admissions = self._admit_planned(plan)
+            self._consume(reservation, need)
+            return admissions
 
     def _admit_planned(self, plan: _Plan) -> list[Admission]:
         """Execute a plan that fits: touch device hits, onload host hits, allocate the rest. Nothing here raises
@@ -503,9 +557,9 @@ class KVBlockPool:
         """Append ``num_pages`` fresh pages to ``table`` (ref 1 each), or raise and change nothing."""
         with self._lock:
             _check_int(num_pages, "num_pages", 0)
-            if num_pages > len(self._free):
+            if num_pages > self._available():
                 raise PoolExhaustedError(f"allocating {num_pages} pages for {table.name}", num_pages,
-                                         len(self._free), self.num_pages)
+                                         self._available(), self.num_pages)
             table._check_room(num_pages)
             self._poll_copies()
             self._clock += 1
@@ -573,6 +627,50 @@ class KVBlockPool:
                     raise ValueError(f"release expects a BlockTable or an Admission, got {type(obj).__name__}")
                 self._clock += 1
                 self._unref_all(table._truncate(0))
+
+    def exclusive(self):
+        """The pool's (re-entrant) lock, as a context manager: a sequence of pool calls no other thread interleaves
+        with, e.g. handing a reservation's pages to an admission (``with pool.exclusive(): pool.truncate(...);
+        pool.admit_batch(...)``)."""
+        return self._lock
+
+    def release_later(self, obj: Any) -> None:
+        """Queue a table, an admission, or a list of them for release at the pool's next call. Takes no lock and runs
+        no pool code, so it is safe from a garbage-collector finalizer (which may fire inside a pool method)."""
+        self._deferred.put(obj)
+
+    def pending_releases(self) -> int:
+        """Objects queued by ``release_later`` and not released yet (any locked call releases them first)."""
+        return len(self._deferred)
+
+    def _drain_deferred(self) -> None:
+        """Called by the lock when a thread takes it from outside: release what finalizers queued."""
+        self._deferred.drain(self._release_queued)
+
+    def _release_queued(self, obj: Any) -> None:
+        if isinstance(obj, (list, tuple)):
+            for item in obj:
+                self._release_queued(item)
+        elif isinstance(obj, Reservation):
+            self.unreserve(obj)
+        else:
+            self.release(obj)
+
+    def allocate_batch(self, requests: Sequence[tuple[BlockTable, int]], what: str = "allocating pages") -> None:
+        """``allocate`` for several tables at once: every table gets its pages, or none does (PoolExhaustedError
+        naming the pages needed and free, before anything changes)."""
+        with self._lock:
+            total = 0
+            for table, num_pages in requests:
+                _check_int(num_pages, "num_pages", 0)
+                table._check_room(num_pages)
+                total += num_pages
+            if total > self._available():
+                raise PoolExhaustedError(what, total, self._available(), self.num_pages)
+            self._poll_copies()
+            self._clock += 1
+            for table, num_pages in requests:
+                table._extend([m.index for m in self._take_pages(num_pages)])
 
     def truncate(self, table: BlockTable, num_pages: int) -> None:
         """Release ``table``'s pages from ``num_pages`` on (tail first): in-place compaction gives its tail back."""
@@ -902,8 +1000,8 @@ class KVBlockPool:
                 raise PrefixFileError(f"prefix file {str(path)!r} does not match this pool's page layout: {err}") from err
             hashes = self.hash_pages(ids, keys)
             missing = [i for i, h in enumerate(hashes) if h not in self._index]
-            if len(missing) > len(self._free):
-                raise PoolExhaustedError(f"loading {str(path)!r}", len(missing), len(self._free), self.num_pages)
+            if len(missing) > self._available():
+                raise PoolExhaustedError(f"loading {str(path)!r}", len(missing), self._available(), self.num_pages)
             self._poll_copies()
             self._clock += 1
             targets = self._take_pages(len(missing))

@@ -1,0 +1,59 @@
+"""keep_all multi-turn (``RocketKVConfig(multi_turn="keep_all")``, RocketKV-MT): every token of the conversation
+stays in pages, so each later turn re-runs stage 1 over all of it.
+
+A row's history holds its real tokens in order (prompt, then every token fed back: generated ones, later turns),
+padding never: slot s of row b is the row's s-th real token, ``positions[b, :, s]`` its input column. The view
+(stage-1 survivors + generated tokens) is what decode attends to; decode appends to both. A later turn starts its
+working set from the history instead of the view.
+
+    store      PagedStore without KT (pool: the request's prompt tables, extended as the conversation grows; else the
+               layer's own pages)
+    positions  [B, Hkv, Ch] int32, -1 past a row's tokens
+    lengths    [B] int64 tokens per row
+    fixed      per row: leading tokens in pages that may be shared with other requests (prefix hits and committed
+               prompt pages): never rewritten
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .paged_store import PagedStore
+
+
+@dataclass
+class History:
+    store: PagedStore
+    positions: torch.Tensor
+    lengths: torch.Tensor
+    host_max_length: int
+    fixed: list[int]
+    slack: int = 0  # as RocketKVLayer.host_slack, for the history's rows
+
+    def room(self) -> int:
+        """Tokens every row can still take without growing (host mirror)."""
+        return self.store.capacity - self.host_max_length - self.slack
+
+
+def real_tokens_left_aligned(
+    keys: torch.Tensor, values: torch.Tensor, row_start: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """A dense store's real tokens (columns ``[row_start[b], T)``) moved to the front of each row.
+
+    ``keys``/``values`` ``[B, Hkv, T, D]``, ``row_start`` ``[B]`` -> (keys, values ``[B, Hkv, W, D]``, positions
+    ``[B, Hkv, W]`` int32 (input columns, -1 past the row's tokens), counts per row), W = the longest row.
+    """
+    batch, heads, width, dim = keys.shape
+    starts = row_start.tolist()
+    counts = [width - s for s in starts]
+    out_w = max(counts)
+    out_k = keys.new_zeros(batch, heads, out_w, dim)
+    out_v = values.new_zeros(batch, heads, out_w, dim)
+    positions = torch.full((batch, heads, out_w), -1, dtype=torch.int32, device=keys.device)
+    for b, (start, count) in enumerate(zip(starts, counts)):
+        out_k[b, :, :count] = keys[b, :, start:]
+        out_v[b, :, :count] = values[b, :, start:]
+        positions[b, :, :count] = torch.arange(start, width, dtype=torch.int32, device=keys.device)
+    return out_k, out_v, positions, counts

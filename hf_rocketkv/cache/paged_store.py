@@ -1,0 +1,136 @@
+"""PagedStore: one layer's compressed K/V (and KT) for a batch of rows, in pages.
+
+Layout (kernels/paged.py; the KV block pool's, docs/memory.md):
+
+    k, v    [N, Hkv, PP, D]     PP tokens per page, model dtype
+    kt      [N, Hkv, R, 2, D]   R = PP // KP KT pages per page (KP = RocketKVConfig.page_size); None for a store
+                                without KT summaries (keep_all's full history)
+    table   [B, MP] int32       row b's slot s is in page table[b, s // PP] at offset s % PP; -1 = no page
+
+``row_pages[b]`` pages belong to row b (the first entries of its table row), so row b holds
+``row_pages[b] * PP`` slots and the store ``C = MP * PP``. A private store (no pool) owns its tensors and gives every
+row MP pages (an identity table); a pool-backed store's tensors are the pool's per-layer tensors and its table comes
+from the request's block tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels.paged import gather_pages, identity_table, scatter_pages
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class PagedStore:
+    k: torch.Tensor
+    v: torch.Tensor
+    kt: torch.Tensor | None
+    table: torch.Tensor
+    row_pages: tuple[int, ...]
+    private: bool  # True: the tensors belong to this store alone (no pool)
+
+    @property
+    def page_tokens(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def batch(self) -> int:
+        return self.table.shape[0]
+
+    @property
+    def max_pages(self) -> int:
+        return self.table.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        """Slots of the widest row (C = MP * PP)."""
+        return self.max_pages * self.page_tokens
+
+    def row_capacity(self) -> list[int]:
+        return [pages * self.page_tokens for pages in self.row_pages]
+
+    def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's slots as contiguous ``(keys, values)`` ``[B, Hkv, C, D]`` (zeros where a row has no page)."""
+        return gather_pages(self.k, self.table), gather_pages(self.v, self.table)
+
+    def gather_kt(self) -> torch.Tensor:
+        """KT summaries as ``[B, Hkv, C // KP, 2, D]``."""
+        return gather_pages(self.kt, self.table)
+
+    def write(self, keys: torch.Tensor, values: torch.Tensor, kt: torch.Tensor | None = None) -> None:
+        """Write contiguous rows ``[B, Hkv, W, D]`` (W <= C; the rest of each page is zeroed) into the rows' pages,
+        and ``kt`` ``[B, Hkv, W // KP, 2, D]`` when given. Whole pages are written, so stale bytes of an earlier
+        owner of a pool page never survive."""
+        scatter_pages(self.k, self.table, _pad_slots(keys, self.capacity, 0))
+        scatter_pages(self.v, self.table, _pad_slots(values, self.capacity, 0))
+        if kt is not None:
+            scatter_pages(self.kt, self.table, _pad_slots(kt, self.max_pages * self.kt.shape[2], 0))
+
+    def nbytes(self) -> int:
+        """Bytes of the pages this store's rows hold (all of a private store's tensors, the table included)."""
+        per_page = sum(t[0].numel() * t.element_size() for t in (self.k, self.v, self.kt) if t is not None)
+        if self.private:
+            return per_page * self.k.shape[0] + self.table.numel() * self.table.element_size()
+        return per_page * sum(self.row_pages) + self.table.numel() * self.table.element_size()
+
+
+def _pad_slots(tensor: torch.Tensor, size: int, fill) -> torch.Tensor:
+    """``tensor`` with dim 2 extended to ``size`` by ``fill``."""
+    missing = size - tensor.shape[2]
+    if missing == 0:
+        return tensor
+    if missing < 0:
+        raise ValueError(f"{tensor.shape[2]} slots do not fit a store of {size}")
+    shape = list(tensor.shape)
+    shape[2] = missing
+    return torch.cat([tensor, tensor.new_full(shape, fill)], dim=2)
+
+
+def private_store(
+    batch: int,
+    pages_per_row: int,
+    num_kv_heads: int,
+    page_tokens: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    kt_page_size: int | None = None,
+    kt_dtype: torch.dtype | None = None,
+) -> PagedStore:
+    """A zeroed store owned by one layer: ``batch * pages_per_row`` pages, row b owning pages
+    ``b * MP .. b * MP + MP - 1``. Without ``kt_page_size`` it keeps no KT summaries."""
+    num_pages = batch * pages_per_row
+    k = torch.zeros(num_pages, num_kv_heads, page_tokens, head_dim, dtype=dtype, device=device)
+    v = torch.zeros_like(k)
+    kt = None
+    if kt_page_size is not None:
+        kt = torch.zeros(num_pages, num_kv_heads, page_tokens // kt_page_size, 2, head_dim, dtype=kt_dtype,
+                         device=device)
+    return PagedStore(k, v, kt, identity_table(batch, pages_per_row, device), (pages_per_row,) * batch, True)
+
+
+def write_tokens(store: PagedStore, keys: torch.Tensor, values: torch.Tensor, start: list[int], end: list[int]) -> None:
+    """Write slots ``[start[b], end[b])`` of each row from contiguous rows ``[B, Hkv, W, D]`` (slot-aligned: the
+    row's slot s comes from ``keys[b, :, s]``) into the row's pages, and nothing else. Pages before ``start`` may be
+    shared (prefix pages another request also reads): they are never touched."""
+    rows, slots = [], []
+    for b, (first, last) in enumerate(zip(start, end)):
+        if last > first:
+            rows.append(torch.full((last - first,), b, dtype=torch.long))
+            slots.append(torch.arange(first, last, dtype=torch.long))
+    if not rows:
+        return
+    device = store.k.device
+    rows, slots = torch.cat(rows).to(device), torch.cat(slots).to(device)
+    pages = store.table.long()[rows, slots // store.page_tokens]
+    if bool((pages < 0).any()):
+        raise IndexError("write_tokens: a row has no page for a slot it writes (table entry -1)")
+    offsets = slots % store.page_tokens
+    store.k[pages, :, offsets] = keys[rows, :, slots].to(store.k.dtype)
+    store.v[pages, :, offsets] = values[rows, :, slots].to(store.v.dtype)

@@ -1,0 +1,436 @@
+"""PoolPages: the pool side of one RocketKVCache (``RocketKVCache(cfg, pool=pool)``), shared by its layers.
+
+A request's pages are the same page ids in every layer (the pool allocates pages across layers), so the block tables
+and the turn bookkeeping live here, once per cache, and each layer asks for its ``PagedStore`` views over its own
+layer tensors of the pool.
+
+Life of a request (docs/memory.md):
+
+    begin()            before the prefill forward (generate()'s prefill hook): admission of every row at once,
+                       prompt pages found in the prefix index first (``KVBlockPool.admit_batch``), or for a later
+                       turn the pages of its new view (and keep_all's history growth). Raises PoolExhaustedError
+                       naming pages needed and free before anything is written; a forward without generate() begins
+                       implicitly at its first stage 1 (without prefix lookup).
+    setup_prefix()     a prefix hit: every layer starts its dense store with the hit tokens (``prefix_keys``) and the
+                       cache's logical length starts after them, so generate() prefills only the rest
+    prompt_store()     each layer writes the prompt's new tokens into the prompt pages (shareable, keep_all history)
+    view_store()       each layer compacts its stage-1 survivors into the turn's view pages
+    after_compaction() once every layer has: full prompt pages join the prefix index (``commit_prompt``), the prompt
+                       table goes back to the pool (cached, hittable) or stays as keep_all's history, the previous
+                       view goes back
+    release_all()      cache.close() / reset(); a garbage-collected cache queues its tables (``release_later``):
+                       the pool releases them at its next call
+
+Row-group prefill splits one PoolPages into parts (``split``) that share the rows' tables; the cache that adopts the
+groups (``adopt_parts``) rebuilds the device tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..memory import Admission, BlockTable, KVBlockPool, PrefixKeys, Reservation
+from ..memory.accounting import row_pages
+from ..kernels.paged import gather_pages
+from .paged_store import PagedStore, ceil_div
+from .stats import RequestCounters
+
+
+@dataclass
+class RowPages:
+    """One batch row's tables."""
+
+    admission: Admission | None = None
+    view: list[BlockTable] = field(default_factory=list)  # the current view (extensions appended on growth)
+    history: list[BlockTable] = field(default_factory=list)  # keep_all: the admission's prompt table, extensions
+    hit_tokens: int = 0  # prompt tokens in prefix-hit pages (shared: never written)
+    pad: int = 0  # left padding of the row in the first turn's input
+
+    def tables(self) -> list[BlockTable]:
+        tables = list(self.view) + list(self.history)
+        if self.admission is not None:
+            tables += [self.admission.prompt, self.admission.view]
+        return tables
+
+    @property
+    def view_pages(self) -> int:
+        return sum(len(t) for t in self.view)
+
+    @property
+    def history_pages(self) -> int:
+        return sum(len(t) for t in self.history)
+
+
+@dataclass
+class Turn:
+    """A prefill forward in progress: the view it compacts into and the layers done so far."""
+
+    first: bool
+    view: list[list[BlockTable]]  # per row
+    done: set[int] = field(default_factory=set)
+    table: torch.Tensor | None = None  # device table of ``view``, built at the first layer's compaction
+    row_pages: tuple[int, ...] = ()
+
+
+def _table_tensor(rows: list[list[BlockTable]], device) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """``[B, MP]`` int32 of each row's pages (its tables concatenated), padded with -1; and pages per row."""
+    pages = [[p for table in row for p in table.pages] for row in rows]
+    width = max(1, max(len(p) for p in pages))
+    padded = [p + [-1] * (width - len(p)) for p in pages]
+    return torch.tensor(padded, dtype=torch.int32, device=device), tuple(len(p) for p in pages)
+
+
+def release_rows_later(pool: KVBlockPool, rows: list[RowPages], extra: list[Reservation]) -> None:
+    """Finalizer of a garbage-collected cache: queue its tables; the pool releases them at its next call (never
+    here: a finalizer may run inside a pool method)."""
+    pool.release_later([table for row in rows for table in row.tables()] + list(extra))
+
+
+@dataclass
+class GroupPlan:
+    """Row-group prefill's plan (``RocketKVConfig.prefill_batch_size``): the whole batch reserved up front, then
+    admitted group by group out of the reservation, so a group's prompt pages are held only while it prefills."""
+
+    reserve: Reservation  # free pages set aside for the groups not admitted yet (counted, not held)
+    prompt_lens: list[int]
+    token_ids: list | None
+    peak: list[int]  # per row: pages at its prefill peak (cold)
+    steady: list[int]  # per row: pages it keeps after its prefill
+    groups_left: int
+
+
+class PoolPages:
+    def __init__(self, pool: KVBlockPool, config, keys: PrefixKeys | list[PrefixKeys] | None,
+                 counters: RequestCounters, rows: list[RowPages] | None = None):
+        self.pool = pool
+        self.config = config
+        self.keys = keys
+        self.counters = counters
+        self.rows: list[RowPages] = rows if rows is not None else []
+        self.keep_all = config.multi_turn == "keep_all"
+        self.num_layers = pool.geometry.num_layers
+        self.page_tokens = pool.page_size
+        self.turn: Turn | None = None
+        self.max_new_tokens = 0
+        self.reservations: list[Reservation] = []  # a row-group reservation (the finalizer gives it back too)
+        self.plan: GroupPlan | None = None  # row-group prefill in progress (the whole batch's object)
+        self.parent: PoolPages | None = None  # a row group's part: the whole batch's object
+        self.group: slice | None = None
+        self._view_table: tuple[torch.Tensor, tuple[int, ...]] | None = None
+        self._history_table: tuple[torch.Tensor, tuple[int, ...]] | None = None
+        self.device: torch.device | None = None
+
+    # ------------------------------------------------------------------------------------------ admission
+    def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int,
+              layer0=None, allow_prefix_lookup: bool = True, rows_per_group: int | None = None) -> None:
+        """Take this forward's pages before anything runs (see the module docstring). ``layer0``: the cache's first
+        layer (a later turn sizes its view from what it holds). ``rows_per_group``: row-group prefill of a first
+        turn: reserve the batch's pages now (``GroupPlan``); each group is admitted when it starts."""
+        batch, width = input_ids.shape
+        mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+        self.max_new_tokens = max_new_tokens
+        if not self.rows:
+            pads = (width - mask.sum(dim=1)).tolist()  # left padding (right padding is refused by the attention)
+            ids = [input_ids[b, pad:] for b, pad in enumerate(pads)] if allow_prefix_lookup else None
+            lens = [width - pad for pad in pads]
+            if rows_per_group is not None:
+                self._reserve_groups(lens, max_new_tokens, ids, rows_per_group)
+            else:
+                self._admit(lens, max_new_tokens, ids)
+            for row, pad in zip(self.rows, pads):
+                row.pad = pad
+            return
+        if layer0 is None or not layer0.compressed:
+            raise RuntimeError("PoolPages.begin: a later turn needs the cache's compressed layers")
+        seen = layer0.get_seq_length()
+        new = mask[:, seen:].sum(dim=1).tolist()
+        stored = (layer0.history.lengths if layer0.history is not None else layer0.lengths).tolist()
+        self._reserve_turn([s + m for s, m in zip(stored, new)], max_new_tokens)
+
+    def _reserve_groups(self, prompt_lens: list[int], max_new_tokens: int, token_ids, rows_per_group: int) -> None:
+        """Hold, in one allocation, every row's steady pages plus the largest group's prefill-only pages: enough for
+        any group's admission whatever it hits (a hit replaces a fresh page; an evictable or host hit needs at most
+        that one). PoolExhaustedError before anything changes when it does not fit."""
+        cfg, p = self.config, self.page_tokens
+        plans = [row_pages(n, max_new_tokens, p, cfg.prompt_budget, prefix_reuse=self.pool.prefix_reuse,
+                           keep_all=self.keep_all) for n in prompt_lens]
+        peak = [plan.peak_pages for plan in plans]
+        steady = [plan.steady_pages for plan in plans]
+        groups = range(0, len(plans), rows_per_group)
+        extra = max(sum(peak[g:g + rows_per_group]) - sum(steady[g:g + rows_per_group]) for g in groups)
+        reserve = self.pool.reserve(sum(steady) + extra, f"reserving {len(plans)} rows of a row-group prefill "
+                                    f"(every row's steady pages + the largest group's prompt pages)")
+        self.reservations.append(reserve)
+        self.rows[:] = [RowPages() for _ in prompt_lens]
+        self.plan = GroupPlan(reserve, prompt_lens, token_ids, peak, steady, len(groups))
+
+    def _admit_group(self) -> None:
+        """A row group's part: admit its rows out of the whole batch's reservation."""
+        plan, rows = self.parent.plan, self.group
+        ids = plan.token_ids[rows] if plan.token_ids is not None else None
+        before = self.pool.stats()
+        admissions = self.pool.admit_batch(plan.prompt_lens[rows], self.max_new_tokens, self.config, token_ids=ids,
+                                           keys=self.keys, keep_all=self.keep_all, reservation=plan.reserve)
+        self._count_copies(before)
+        for row, adm in zip(self.rows, admissions):
+            row.admission, row.hit_tokens = adm, adm.reused_tokens
+        self.turn = Turn(first=True, view=[[a.view if a.view.max_pages else a.prompt] for a in admissions])
+
+    def _group_done(self, released: int) -> None:
+        """A group's turn is over and its prompt pages went back (cached: still hittable by the next groups): set the
+        ``released`` pages aside again for the groups to come (under the same lock, so no one takes them in
+        between), or give the reservation back after the last group."""
+        plan = self.parent.plan
+        plan.groups_left -= 1
+        if plan.groups_left > 0:
+            self.pool.add_to_reservation(plan.reserve, released)
+        else:
+            self.pool.unreserve(plan.reserve)
+
+    def _admit(self, prompt_lens: list[int], max_new_tokens: int, token_ids) -> None:
+        before = self.pool.stats()
+        admissions = self.pool.admit_batch(prompt_lens, max_new_tokens, self.config, token_ids=token_ids,
+                                           keys=self.keys, keep_all=self.keep_all)
+        self._count_copies(before)
+        # in place: the finalizer registered by the cache holds this very list
+        self.rows[:] = [RowPages(admission=a, hit_tokens=a.reused_tokens) for a in admissions]
+        # the view: its own table, or (prefix reuse off) the prompt table compacted in place
+        self.turn = Turn(first=True, view=[[a.view if a.view.max_pages else a.prompt] for a in admissions])
+
+    def _reserve_turn(self, totals: list[int], max_new_tokens: int) -> None:
+        """A later turn: a fresh view per row for min(total, prompt_budget) + max_new_tokens tokens, and keep_all's
+        history room for the new tokens and the tokens to come, all at once or PoolExhaustedError."""
+        p = self.page_tokens
+        budget = self.config.prompt_budget
+        views = [BlockTable("view") for _ in self.rows]
+        requests = [(table, ceil_div(min(total, budget) + max_new_tokens, p)) for table, total in zip(views, totals)]
+        extensions = []
+        if self.keep_all:  # every row as wide as the longest (what the layers' growth asks for)
+            pages = ceil_div(max(totals) + max_new_tokens, p)
+            for row in self.rows:
+                missing = pages - row.history_pages
+                if missing > 0:
+                    table = BlockTable("prompt")
+                    extensions.append((row, table))
+                    requests.append((table, missing))
+        before = self.pool.stats()
+        self.pool.allocate_batch(requests, f"a later turn of {len(self.rows)} row(s) (views and history)")
+        self._count_copies(before)
+        for row, table in extensions:
+            row.history.append(table)
+        if extensions:
+            self._history_table = None
+        self.turn = Turn(first=False, view=[[table] for table in views])
+
+    def _count_copies(self, before) -> None:
+        after = self.pool.stats()
+        self.counters.offloaded_bytes += after.offloaded_bytes - before.offloaded_bytes
+        self.counters.onloaded_bytes += after.onloaded_bytes - before.onloaded_bytes
+
+    def _implicit_turn(self, layer, counts: list[int], headroom: int) -> Turn:
+        """A stage 1 that no ``begin`` announced (forwards outside generate()): admit now, without prefix lookup."""
+        self.max_new_tokens = headroom
+        if not self.rows:
+            prompt_lens = (layer._keys.shape[2] - layer.row_start).tolist()
+            self._admit(prompt_lens, headroom, None)
+        else:
+            self._reserve_turn(layer.lengths.tolist(), headroom)
+        return self.turn
+
+    # ------------------------------------------------------------------------------------------ prefix hits
+    def setup_prefix(self, layers: list) -> int:
+        """Seed every layer with the longest prefix every row of this forward can take from its hit pages: input
+        columns ``[0, L)``, ``L = min_b(pad_b + hit_b)`` (a row whose hit is longer recomputes the rest; hit pages are
+        never written). Returns L (0: no reuse)."""
+        if self.turn is None or not self.turn.first:
+            return 0
+        tokens = min(row.pad + row.hit_tokens for row in self.rows)
+        if tokens <= 0 or not any(row.hit_tokens for row in self.rows):
+            return 0
+        for layer in layers:
+            layer.seed_prefix(tokens)
+        self.counters.reused_tokens += sum(max(0, tokens - row.pad) for row in self.rows)
+        return tokens
+
+    def prefix_keys(self, layer, key_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The dense store's first ``layer.prefix_tokens`` columns ``[B, Hkv, L, D]``: row b's padding (zeros), then
+        its first ``L - pad_b`` prompt tokens from its prompt table's hit pages."""
+        storage = self.pool.layer(layer.layer_idx, key_states)
+        tokens = layer.prefix_tokens
+        batch, heads, _, dim = key_states.shape
+        keys = key_states.new_zeros(batch, heads, tokens, dim)
+        values = key_states.new_zeros(batch, heads, tokens, dim)
+        hit = ceil_div(tokens, self.page_tokens)  # no row reads past its hit pages: tokens - pad_b <= hit_b
+        rows = [list(row.admission.prompt.pages[:hit]) for row in self.rows]
+        table = torch.tensor([r + [-1] * (hit - len(r)) for r in rows], dtype=torch.int32, device=key_states.device)
+        pages_k, pages_v = gather_pages(storage.k, table), gather_pages(storage.v, table)
+        for b, row in enumerate(self.rows):
+            n = tokens - row.pad
+            if n > 0:
+                keys[b, :, row.pad:] = pages_k[b, :, :n]
+                values[b, :, row.pad:] = pages_v[b, :, :n]
+        return keys, values
+
+    # ------------------------------------------------------------------------------------------ layer views
+    def check_layer(self, layer, key_states: torch.Tensor) -> None:
+        """The pool's storage must match the model's K/V (checked at the first update, before any page is written)."""
+        if key_states.dtype != self.pool.dtype:
+            raise ValueError(
+                f"KVBlockPool.dtype is {self.pool.dtype} but the model's keys are {key_states.dtype}: build the pool "
+                f"with dtype={key_states.dtype} (the pages hold the model's K/V as they are)"
+            )
+        if layer.layer_idx is None or not 0 <= layer.layer_idx < self.num_layers:
+            raise ValueError(f"layer index {layer.layer_idx} outside the pool's {self.num_layers} layers")
+        self.device = key_states.device
+        self.pool.layer(layer.layer_idx, key_states)  # allocates the layer's pages (checks heads and head_dim)
+
+    def wants_prompt_pages(self) -> bool:
+        """The first stage 1 writes the prompt into its prompt pages when they will be shared (hashed) or kept."""
+        return (self.turn is not None and self.turn.first and self.rows[0].admission is not None
+                and (self.keep_all or any(row.admission.page_hashes for row in self.rows)))
+
+    def prompt_store(self, layer) -> tuple[PagedStore, list[int]]:
+        """The prompt tables as a store without KT (token t of row b at slot t), and each row's shared tokens."""
+        storage = self.pool.layer(layer.layer_idx)
+        if self.keep_all:
+            table, row_pages = self.history_table(layer.device)
+        else:
+            table, row_pages = _table_tensor([[row.admission.prompt] for row in self.rows], layer.device)
+        return PagedStore(storage.k, storage.v, None, table, row_pages, False), [row.hit_tokens for row in self.rows]
+
+    def view_store(self, layer, counts: list[int], headroom: int) -> PagedStore:
+        """The current turn's view pages for ``layer`` (the turn begins now when nothing announced it)."""
+        turn = self.turn or self._implicit_turn(layer, counts, headroom)
+        if turn.table is None:
+            if turn.first and self.rows[0].admission.view.max_pages == 0:
+                # prefix reuse off: the prompt table is the view, compacted in place; its tail goes back now
+                for row, count in zip(self.rows, counts):
+                    self.pool.truncate(row.admission.prompt, ceil_div(count + self.max_new_tokens, self.page_tokens))
+            turn.table, turn.row_pages = _table_tensor(turn.view, layer.device)
+        capacities = [n * self.page_tokens for n in turn.row_pages]
+        for b, (count, capacity) in enumerate(zip(counts, capacities)):
+            if count > capacity:
+                raise RuntimeError(
+                    f"RocketKVCache row {b} keeps {count} tokens after stage 1, more than the {capacity} slots its "
+                    f"admission planned (prompt_budget={self.config.prompt_budget} + max_new_tokens): a stage-1 "
+                    f"policy kept more than the budget"
+                )
+        storage = self.pool.layer(layer.layer_idx)
+        return PagedStore(storage.k, storage.v, storage.kt, turn.table, turn.row_pages, False)
+
+    def after_compaction(self, layer) -> None:
+        """Count the layers done; when every layer has compacted, close the turn (module docstring)."""
+        turn = self.turn
+        if turn is None:
+            return
+        turn.done.add(layer.layer_idx)
+        if len(turn.done) < self.num_layers:
+            return
+        with self.pool.exclusive():  # a row group re-reserves exactly what it releases, before anyone else can
+            free_before = self.pool.free_pages()
+            for row, view in zip(self.rows, turn.view):
+                old_view = row.view
+                row.view = view
+                if turn.first:
+                    adm = row.admission
+                    self.pool.commit_prompt(adm)
+                    if self.keep_all:
+                        row.history = [adm.prompt]
+                    elif adm.view.max_pages:  # (reuse off: the prompt table is the view)
+                        self.pool.release(adm.prompt)
+                for table in old_view:
+                    self.pool.release(table)
+            if turn.first and self.parent is not None:
+                # the pages that became free (hit pages other requests still hold do not): re-reserving exactly
+                # these leaves the reservation >= every later group's steady pages + the largest group's prompt
+                self._group_done(self.pool.free_pages() - free_before)
+        self._view_table = (turn.table, turn.row_pages)
+        self.turn = None
+
+    def view_table(self, device) -> tuple[torch.Tensor, tuple[int, ...]]:
+        if self._view_table is None:
+            self._view_table = _table_tensor([row.view for row in self.rows], device)
+        return self._view_table
+
+    def history_table(self, device) -> tuple[torch.Tensor, tuple[int, ...]]:
+        if self._history_table is None:
+            rows = [row.history or [row.admission.prompt] for row in self.rows]
+            self._history_table = _table_tensor(rows, device)
+        return self._history_table
+
+    # ------------------------------------------------------------------------------------------ growth (eager)
+    def grow_view(self, layer, capacity: int) -> PagedStore:
+        """Every row's view holds at least ``capacity`` slots (more pages, all rows at once); the first layer to
+        grow allocates, the others find the pages there."""
+        pages = ceil_div(capacity, self.page_tokens)
+        requests = [(BlockTable("view"), pages - row.view_pages) for row in self.rows if row.view_pages < pages]
+        if requests:
+            grow = [row for row in self.rows if row.view_pages < pages]
+            before = self.pool.stats()
+            self.pool.allocate_batch(requests, "growing the views past their admitted size")
+            self._count_copies(before)
+            for row, (table, _) in zip(grow, requests):
+                row.view.append(table)
+            self._view_table = None
+        table, row_pages = self.view_table(layer.device)
+        storage = self.pool.layer(layer.layer_idx)
+        return PagedStore(storage.k, storage.v, storage.kt, table, row_pages, False)
+
+    def history_store(self, layer, capacity: int) -> PagedStore:
+        """keep_all: the history pages as a store without KT, with at least ``capacity`` slots per row."""
+        pages = ceil_div(capacity, self.page_tokens)
+        grow = [row for row in self.rows if row.history_pages < pages]
+        if grow:
+            requests = [(BlockTable("prompt"), pages - row.history_pages) for row in grow]
+            before = self.pool.stats()
+            self.pool.allocate_batch(requests, "growing the keep_all history")
+            self._count_copies(before)
+            for row, (table, _) in zip(grow, requests):
+                row.history.append(table)
+            self._history_table = None
+        table, row_pages = self.history_table(layer.device)
+        storage = self.pool.layer(layer.layer_idx)
+        return PagedStore(storage.k, storage.v, None, table, row_pages, False)
+
+    def stacked_view(self, layer, stores: list[PagedStore]) -> PagedStore:
+        table, row_pages = self.view_table(layer.device)
+        storage = self.pool.layer(layer.layer_idx)
+        return PagedStore(storage.k, storage.v, storage.kt, table, row_pages, False)
+
+    # ------------------------------------------------------------------------------------------ row groups
+    def split(self, rows: slice, counters: RequestCounters) -> "PoolPages":
+        """A part for row-group prefill: the same row objects (tables), admitted now out of the reservation."""
+        keys = self.keys[rows] if isinstance(self.keys, list) else self.keys
+        part = PoolPages(self.pool, self.config, keys, counters, rows=self.rows[rows])
+        part.max_new_tokens = self.max_new_tokens
+        part.parent, part.group = self, rows
+        if self.plan is not None:
+            part._admit_group()
+        return part
+
+    def adopt_parts(self) -> None:
+        """The parts have closed their turns on the shared rows: this (whole-batch) object's turn is over too."""
+        self.turn = None
+        self.plan = None
+        self._view_table = self._history_table = None
+
+    # ------------------------------------------------------------------------------------------ lifetime
+    def held_pages(self) -> int:
+        """Pool pages this request's tables hold."""
+        tables = {id(table): table for row in self.rows for table in row.tables()}
+        return sum(len(table) for table in tables.values())
+
+    def release_all(self) -> None:
+        """Every page of every row back to the pool now (cache.close(), reset())."""
+        tables = [table for row in self.rows for table in row.tables()]
+        self.rows.clear()  # in place: the finalizer holds these lists
+        for reservation in self.reservations:
+            self.pool.unreserve(reservation)
+        self.reservations.clear()
+        self.plan = None
+        self.turn = None
+        self._view_table = self._history_table = None
+        for table in tables:
+            self.pool.release(table)

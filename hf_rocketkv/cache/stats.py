@@ -1,0 +1,34 @@
+"""``cache.stats``: what one RocketKVCache's request cost and reused (cumulative over its turns).
+
+    reused_tokens    prompt tokens whose K/V came from the pool's prefix index instead of being computed
+    computed_tokens  real (non-padding) tokens the model computed in prefill forwards (every turn; not decode)
+    offloaded_bytes  bytes of cached prefix pages the pool moved to host memory to make room for this request
+    onloaded_bytes   bytes of prefix pages the pool brought back from host memory for this request's hits
+    pages_held       pool pages this request holds now (0 without a pool)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class RequestCounters:
+    """The mutable counters behind ``CacheStats`` (one per cache, shared with its layers and pool pages)."""
+
+    reused_tokens: int = 0
+    computed_tokens: int = 0
+    offloaded_bytes: int = 0
+    onloaded_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    reused_tokens: int
+    computed_tokens: int
+    offloaded_bytes: int
+    onloaded_bytes: int
+    pages_held: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)

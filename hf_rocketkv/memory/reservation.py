@@ -1,0 +1,25 @@
+"""Reservation: free pages set aside for one consumer, counted, not held.
+
+A row-group prefill (``RocketKVConfig.prefill_batch_size``) admits its groups one after the other, yet must know at
+the start that every group will fit, and no other request may take the room meanwhile. Holding real pages for that
+would evict cached prefix pages the later groups could reuse; a reservation only lowers what other allocations see
+as free (``KVBlockPool.free_pages()``): cached pages stay cached and hittable. An admission or allocation that names
+the reservation may use its pages, and what it takes comes off the reservation.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+_ids = itertools.count()
+
+
+class Reservation:
+    """``count`` pages set aside in one pool (changed only by the pool, under its lock)."""
+
+    def __init__(self, count: int):
+        self.count = count
+        self.name = f"reservation-{next(_ids)}"
+
+    def __repr__(self) -> str:
+        return f"Reservation({self.name}, pages={self.count})"
