@@ -26,6 +26,7 @@ from hf_rocketkv.policies import (
     forced_page_counts,
     get_stage1_policy,
 )
+from hf_rocketkv.kernels.paged import gather_pages
 from hf_rocketkv.selection import stage2_pages
 from tests.helpers import compressing_config, greedy, make_models, random_ids
 
@@ -179,12 +180,16 @@ def test_keep_first_scorer_policy_never_scores_the_forced_slots():
 
 # ------------------------------------------------------------------------------------------------ decode, tiny model
 def _recording(ops, calls: list):
-    def top_pages(q, kt, lengths, page_size, topr, topk, sink_pages=0, recent_pages=1):
-        out = ops.top_pages(q, kt, lengths, page_size, topr, topk, sink_pages=sink_pages, recent_pages=recent_pages)
+    """Records every decode page selection (the paged op; the KT pages gathered through the block table)."""
+
+    def paged_top_pages(q, kt_pages, table, lengths, page_size, topr, topk, sink_pages=0, recent_pages=1):
+        out = ops.paged_top_pages(q, kt_pages, table, lengths, page_size, topr, topk, sink_pages=sink_pages,
+                                  recent_pages=recent_pages)
+        kt = gather_pages(kt_pages, table)
         calls.append((q.clone(), kt.clone(), lengths.clone(), page_size, topr, topk, sink_pages, recent_pages, out))
         return out
 
-    return dataclasses.replace(ops, top_pages=top_pages)
+    return dataclasses.replace(ops, paged_top_pages=paged_top_pages)
 
 
 @pytest.mark.parametrize("sinks,recent", [(4, 8), (1, 3), (0, 10), (6, 0)])
