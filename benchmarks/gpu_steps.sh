@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Runs named GPU measurement steps one after another, each under its own time limit, each logged to $OUT/<step>.log
+# (tee: a step that times out still leaves its output), so one device call can batch several checks.
+#
+#   OUT=/tmp/out bash benchmarks/gpu_steps.sh decode_b1_32k decode_b32_8k prefix_reuse graph_regions
+#
+# A failing step never stops the next one; the summary at the end lists each step's exit status and seconds.
+set -u
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONPATH=${PYTHONPATH:-.}
+PY=${PYTHON:-python}
+
+step() {  # step NAME LIMIT_SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  local start=$SECONDS
+  echo "=== $name (limit ${limit}s): $*" | tee "$OUT/$name.log"
+  timeout "$limit" "$@" 2>&1 | tee -a "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "$name rc=$rc seconds=$((SECONDS - start))" | tee -a "$OUT/summary.txt"
+}
+
+for name in "$@"; do
+  case $name in
+    decode_b1_32k)   step "$name" 200 $PY benchmarks/bench_decode.py --batch 1 --context 32768 --new-tokens 64 \
+                        --caches rocketkv-graphs rocketkv dynamic --no-plot --out "$OUT/decode_b1_32k" ;;
+    decode_b32_8k)   step "$name" 240 $PY benchmarks/bench_decode.py --batch 32 --context 8192 --new-tokens 64 \
+                        --prefill-batch-size 8 --caches rocketkv-graphs dynamic --no-plot --out "$OUT/decode_b32_8k" ;;
+    prefix_reuse)    step "$name" 240 $PY benchmarks/bench_prefix_reuse.py --out "$OUT/prefix_reuse" ;;
+    graph_regions)   step "$name" 200 $PY benchmarks/gpu_graph_check.py --layers 8 --context 4096 --regions \
+                        --out "$OUT/graph_regions" ;;
+    warm_start)      step "$name" 300 $PY benchmarks/warm_start_check.py --out "$OUT/warm_start" ;;
+    batching)        step "$name" 400 $PY benchmarks/batching_check.py --out "$OUT/batching" ;;
+    *) echo "unknown step $name (see benchmarks/gpu_steps.sh)" | tee -a "$OUT/summary.txt" ;;
+  esac
+done
+cat "$OUT/summary.txt"
