@@ -148,21 +148,30 @@ if triton is not None:
             slot = tl.where(ok, slot, 0).to(tl.int64)
             if PAGED:
                 pool_page = tl.load(table_ptr + b * s_ab + (slot // page_tokens) * s_ap, mask=ok, other=-1).to(tl.int64)
-                ok = ok & (pool_page >= 0)
-                pool_page = tl.where(ok, pool_page, 0)
+                # a slot without a page (-1) is masked in the loads and logits through `present`, never by folding
+                # it back into `ok`: that form (ok = ok & ..., then tl.where(ok, pool_page, 0)) crashes Triton 3.6's
+                # TritonGPURemoveLayoutConversions pass on sm_90 (benchmarks/triton_compile_check.py reproduces it)
+                present = pool_page >= 0
+                pool_page = tl.maximum(pool_page, 0)
                 k_off = pool_page * s_kb + (slot % page_tokens) * s_kc
                 v_off = pool_page * s_vb + (slot % page_tokens) * s_vc
             else:
                 k_off = slot * s_kc
                 v_off = slot * s_vc
-            kv_mask = ok[:, None] & d_ok[None, :]
+            if PAGED:
+                kv_mask = (ok & present)[:, None] & d_ok[None, :]
+            else:
+                kv_mask = ok[:, None] & d_ok[None, :]
             k = tl.load(k_base + k_off[:, None], mask=kv_mask, other=0.0)
             v = tl.load(v_base + v_off[:, None], mask=kv_mask, other=0.0)
             if QK_FP32:
                 s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
-            s = tl.where(ok[None, :], (s * scale_log2).to(tl.float32), float("-inf"))
+            if PAGED:
+                s = tl.where((ok & present)[None, :], (s * scale_log2).to(tl.float32), float("-inf"))
+            else:
+                s = tl.where(ok[None, :], (s * scale_log2).to(tl.float32), float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
             alpha = tl.exp2(m_i - m_safe)
