@@ -30,6 +30,9 @@ for name in "$@"; do
     graph_regions)   step "$name" 200 $PY benchmarks/gpu_graph_check.py --layers 8 --context 4096 --regions \
                         --out "$OUT/graph_regions" ;;
     warm_start)      step "$name" 300 $PY benchmarks/warm_start_check.py --out "$OUT/warm_start" ;;
+    kernel_tests)    # every Triton kernel against its PyTorch twin, compiled for this GPU (pytest from .device_wheels if absent)
+                     $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index .device_wheels/*.whl
+                     step "$name" 150 $PY -m pytest -q -x -p no:cacheprovider tests/kernels ;;
     batching)        step "$name" 400 $PY benchmarks/batching_check.py --out "$OUT/batching" ;;
     *) echo "unknown step $name (see benchmarks/gpu_steps.sh)" | tee -a "$OUT/summary.txt" ;;
   esac
