@@ -62,9 +62,17 @@ def _page_of(table: torch.Tensor, slot: torch.Tensor, page_tokens: int) -> torch
     """Page id of each ``slot`` ``[B, Hkv]`` through ``table`` ``[B, MP]``; raises (eager) for a missing page."""
     rows = torch.arange(table.shape[0], device=table.device)[:, None]
     page = table.long()[rows, slot // page_tokens]  # IndexError past the table
-    if not torch.compiler.is_compiling() and bool((page < 0).any()):
+    if _can_sync(page) and bool((page < 0).any()):
         raise IndexError("paged_append_token: a row has no page for its next slot (table entry -1)")
     return page
+
+
+def _can_sync(tensor: torch.Tensor) -> bool:
+    """Whether a host check may read ``tensor``: not while compiling or capturing a CUDA graph (there the runner's
+    host bookkeeping, ``count_decode_step``, has already checked the capacity before the step)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (tensor.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def paged_append_token_torch(
