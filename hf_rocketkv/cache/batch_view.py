@@ -31,8 +31,9 @@ Buffers per layer (R = ``max_rows``, MP = table width in pool pages, PP = tokens
     seen       [R] int64            logical tokens of each row's request: the row's next position
 
 A step over ``bucket`` rows uses the first ``bucket`` entries (views of the buffers). Rows ``[rows, bucket)`` are
-padding: their table row names one scratch page that this object holds from the pool (no request's table names
-it), their length and logical length start at 0, so a padding row writes its token into that page, attends to that
+padding: their table row names one scratch page that this object takes from the pool while padding rows exist
+(``ensure_scratch``; no request's table names it; ``release_scratch`` gives it back when the batch empties), their
+length and logical length start at 0, so a padding row writes its token into that page, attends to that
 token alone (no empty softmax, no NaN) and its output is dropped. Real rows never read the scratch page, so padding
 changes no real row's output (tested by comparing bucketed runs with runs on exact batch sizes).
 
@@ -48,6 +49,7 @@ import torch
 from transformers import Cache
 
 from ..memory import KVBlockPool
+from ..memory.errors import PoolExhaustedError
 from .cache import RocketKVCache, check_layers_consistent
 from .layer import GenerationHints, RocketKVLayer
 from .paged_store import PagedStore
@@ -138,8 +140,8 @@ class BatchedDecodeCache(Cache):
     """Rows of single-row pool-backed RocketKVCaches decoding as one batch (see the module docstring).
 
     Args:
-        pool: the KVBlockPool every joining cache draws its pages from (one scratch page is taken from it for the
-            padding rows and given back by ``close``).
+        pool: the KVBlockPool every joining cache draws its pages from (one scratch page is taken from it while
+            padding rows exist: ``ensure_scratch`` / ``release_scratch``).
         max_rows: rows at most (the largest decode bucket).
     """
 
@@ -160,8 +162,7 @@ class BatchedDecodeCache(Cache):
         self.rows = 0
         self.version = 0  # bumped whenever a buffer is reallocated (a captured step must be captured again)
         self._zero = None
-        self.scratch = pool.new_table("view")
-        pool.allocate(self.scratch, 1)  # the padding rows' page (PoolExhaustedError when the pool is full)
+        self.scratch = pool.new_table("view")  # the padding rows' page, held only while padding is needed
 
     # ------------------------------------------------------------------------------------------ rows
     def join(self, row: int, cache: RocketKVCache) -> None:
@@ -236,7 +237,9 @@ class BatchedDecodeCache(Cache):
                     f"request was admitted for fewer new tokens than it is decoding")
         if any(cache is not None for cache in self.caches[rows:bucket]):
             raise ValueError(f"BatchedDecodeCache.prepare: rows [{rows}, {bucket}) must be free (padding)")
-        scratch = self.scratch.pages[0]
+        if bucket > rows and not len(self.scratch):
+            raise RuntimeError("BatchedDecodeCache.prepare: padding rows need the scratch page (ensure_scratch)")
+        scratch = self.scratch.pages[0] if bucket > rows else -1
         for layer in self.layers:
             layer.table_buf[rows:bucket, 0] = scratch  # (their other entries are -1 already: _clear)
             layer.lengths_buf[rows:bucket] = 0
@@ -255,12 +258,27 @@ class BatchedDecodeCache(Cache):
             self.steps[row] += 1
             self.room[row] -= 1
 
+    def ensure_scratch(self) -> bool:
+        """Take the padding rows' page from the pool if not held yet. False when the pool has no free page (then
+        decode without padding rows: the exact batch size is just as correct)."""
+        if len(self.scratch):
+            return True
+        try:
+            self.pool.allocate(self.scratch, 1)
+        except PoolExhaustedError:
+            return False
+        return True
+
+    def release_scratch(self) -> None:
+        """Give the scratch page back (no padding row may step until ``ensure_scratch`` again)."""
+        if len(self.scratch):
+            self.pool.release(self.scratch)
+
     def close(self) -> None:
         """Give the scratch page back (every row must have left)."""
         if any(cache is not None for cache in self.caches):
             raise RuntimeError("BatchedDecodeCache.close: rows are still joined (leave them first)")
-        if len(self.scratch):
-            self.pool.release(self.scratch)
+        self.release_scratch()
 
     @property
     def joined(self) -> int:

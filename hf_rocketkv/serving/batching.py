@@ -91,7 +91,7 @@ class BatchingEngine:
         if not isinstance(self.batching, BatchingConfig):
             raise TypeError(f"batching must be a BatchingConfig, got {type(self.batching).__name__}")
         self.device = next(model.parameters()).device
-        self.batch = BatchedDecodeCache(pool, self.batching.buckets[-1])  # takes the padding rows' scratch page
+        self.batch = BatchedDecodeCache(pool, self.batching.buckets[-1])
         self._scheduler: Scheduler[_Running] = Scheduler(self.batching, self._admit, key=lambda r: r.request_id)
         self._requests: dict[str, _Running] = {}  # submitted, not finished
         self._lock = threading.Lock()
@@ -208,7 +208,7 @@ class BatchingEngine:
         request = running.request
         need = row_pages(request.prompt_len, request.max_new_tokens, self.pool.page_size, self.config.prompt_budget,
                          prefix_reuse=self.pool.prefix_reuse).peak_pages
-        usable = self.pool.total_pages() - len(self.batch.scratch)
+        usable = self.pool.total_pages()
         if need > usable:
             running.error = (
                 f"the prompt ({request.prompt_len} tokens) with max_tokens={request.max_new_tokens} needs {need} "
@@ -271,6 +271,8 @@ class BatchingEngine:
     def _decode(self) -> None:
         rows = list(self._scheduler.rows)
         bucket = self.batching.bucket_for(len(rows))
+        if bucket > len(rows) and not self.batch.ensure_scratch():
+            bucket = len(rows)  # no free page for the padding rows: this step runs on the exact batch size
         try:
             self.batch.prepare(len(rows), bucket)
             ids = torch.zeros(bucket, 1, dtype=torch.long)
@@ -338,6 +340,8 @@ class BatchingEngine:
             with self._lock:
                 self._scheduler.finish(running)
             self._apply_moves_now()
+            if not self._scheduler.rows:
+                self.batch.release_scratch()  # an idle engine holds no page: pool accounting reads "all free"
         self._finish(running, reason, error)
 
     def _apply_moves_now(self) -> None:
