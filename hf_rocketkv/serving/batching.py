@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -41,6 +43,25 @@ from .sampler import new_generator, sample_tokens
 from .scheduler import BatchingConfig, QueueFull, Scheduler
 
 logger = logging.getLogger(__name__)
+
+STEP_HISTORY = 65536  # decode step times kept in BatchingStats.step_ms
+
+
+@dataclass
+class BatchingStats:
+    """Counters of the engine thread (``BatchingEngine.stats()`` returns a copy), for benchmarks and tests.
+
+    decode_seconds / prefill_seconds: host wall time of the decode steps / prefills, each ending with the host
+    reading the sampled tokens (so the device work is included)."""
+
+    decode_steps: int = 0
+    decode_rows: int = 0  # real rows summed over decode steps (decode_rows / decode_steps = mean batch)
+    padded_rows: int = 0  # padding rows summed over decode steps
+    decode_seconds: float = 0.0
+    prefills: int = 0
+    prefill_seconds: float = 0.0
+    # the latest decode steps' wall times in ms, oldest first (bounded: a server runs for days)
+    step_ms: deque = field(default_factory=lambda: deque(maxlen=STEP_HISTORY))
 
 
 @dataclass(eq=False)  # identity: the scheduler finds a request's row with list.index
@@ -99,7 +120,7 @@ class BatchingEngine:
         self._closed = False
         self._sink: EventSink | None = None
         self._thread: threading.Thread | None = None
-        self.steps = 0  # decode forwards run (for tests and benchmarks)
+        self._stats = BatchingStats()
 
     # ------------------------------------------------------------------------------------------------ interface
     def start(self, sink: EventSink) -> None:
@@ -162,6 +183,15 @@ class BatchingEngine:
             self._emit(EngineEvent(running.request_id, finish_reason=FinishReason.CANCELLED))
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+
+    @property
+    def steps(self) -> int:
+        """Decode forwards run so far."""
+        return self._stats.decode_steps
+
+    def stats(self) -> BatchingStats:
+        """A snapshot of the engine's counters."""
+        return replace(self._stats, step_ms=deque(self._stats.step_ms, maxlen=STEP_HISTORY))
 
     # ------------------------------------------------------------------------------------------------ engine thread
     def _run(self) -> None:
@@ -231,11 +261,14 @@ class BatchingEngine:
         if request.cancelled.is_set():
             self._finish(running, FinishReason.CANCELLED)
             return
+        started = time.perf_counter()
         try:
             logits = self._prefill_forward(running)
             if not request.params.is_greedy:
                 running.generator = new_generator(request.params.seed, self.device)
             token = int(sample_tokens(logits, request.params, running.generator)[0])
+            self._stats.prefills += 1
+            self._stats.prefill_seconds += time.perf_counter() - started
         except Exception as err:  # noqa: BLE001 - one request's failure ends that request only
             logger.warning("hf_rocketkv batching engine: request %s failed in prefill: %s", request.request_id, err,
                            exc_info=True)
@@ -273,6 +306,7 @@ class BatchingEngine:
         bucket = self.batching.bucket_for(len(rows))
         if bucket > len(rows) and not self.batch.ensure_scratch():
             bucket = len(rows)  # no free page for the padding rows: this step runs on the exact batch size
+        started = time.perf_counter()
         try:
             self.batch.prepare(len(rows), bucket)
             ids = torch.zeros(bucket, 1, dtype=torch.long)
@@ -285,8 +319,14 @@ class BatchingEngine:
             logger.warning("hf_rocketkv batching engine: the decode step failed: %s", err, exc_info=True)
             self._fail_all_rows(f"the batched decode step failed: {type(err).__name__}: {err}")
             return
-        self.steps += 1
-        tokens = self._sample_rows(rows, logits)
+        tokens = self._sample_rows(rows, logits)  # reads the tokens on the host: the step's device work is done
+        seconds = time.perf_counter() - started
+        stats = self._stats
+        stats.decode_steps += 1
+        stats.decode_rows += len(rows)
+        stats.padded_rows += bucket - len(rows)
+        stats.decode_seconds += seconds
+        stats.step_ms.append(seconds * 1e3)
         for running, token in zip(rows, tokens):
             if isinstance(token, Exception):
                 self._end_row(running, FinishReason.ERROR, f"{type(token).__name__}: {token}")
