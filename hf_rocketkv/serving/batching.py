@@ -10,7 +10,8 @@ One engine thread owns the model. Each iteration of its loop:
     3. prefill up to ``prefills_per_step`` admitted requests, each with its own ``RocketKVCache(cfg, pool=pool)`` of
        batch 1 (prefix reuse through the pool, stage 1 as generate() runs it); sample its first token
     4. one batched decode forward over every decoding row (``cache/batch_view.py``: the rows' own pages through one
-       block table, rows padded up to the scheduler's bucket), per-row position ids, sampling per row with the
+       block table, rows padded up to the scheduler's bucket; on CUDA one captured graph per bucket,
+       ``integration/batch_graphs.py``), per-row position ids, sampling per row with the
        request's own parameters and generator; rows end on a stop id, ``max_tokens`` or their cancel flag and
        release their pages at once (the last row moves into a freed row, so the batch stays packed)
 
@@ -32,6 +33,7 @@ import torch
 from ..cache.batch_view import BatchedDecodeCache
 from ..cache.cache import RocketKVCache
 from ..config import RocketKVConfig
+from ..integration.batch_graphs import BatchedDecodeGraphs
 from ..integration.generate import get_config
 from ..memory import KVBlockPool
 from ..memory.accounting import row_pages
@@ -91,10 +93,13 @@ class BatchingEngine:
             KT page size).
         pool: the ``KVBlockPool`` every request's pages come from (required: admission is its accounting).
         batching: ``BatchingConfig`` (max_running, decode buckets, prefills_per_step, max_queue).
+        decode_graphs: how the decode step runs: None (default) captures one CUDA graph per bucket when
+            ``config.decode_runner == "cuda_graphs"`` and the model is on CUDA, else eager; False: always eager; or a
+            ``BatchedDecodeGraphs`` (integration/batch_graphs.py; tests pass one with a CPU stand-in backend).
     """
 
     def __init__(self, model, config: RocketKVConfig | None = None, pool: KVBlockPool | None = None,
-                 batching: BatchingConfig | None = None):
+                 batching: BatchingConfig | None = None, decode_graphs: BatchedDecodeGraphs | bool | None = None):
         self.model = model
         self.config = config if config is not None else get_config(model)
         if not isinstance(self.config, RocketKVConfig):
@@ -113,6 +118,9 @@ class BatchingEngine:
             raise TypeError(f"batching must be a BatchingConfig, got {type(self.batching).__name__}")
         self.device = next(model.parameters()).device
         self.batch = BatchedDecodeCache(pool, self.batching.buckets[-1])
+        if decode_graphs is None:
+            decode_graphs = BatchedDecodeGraphs(model) if self.config.decode_runner == "cuda_graphs" else False
+        self.graphs: BatchedDecodeGraphs | None = decode_graphs or None
         self._scheduler: Scheduler[_Running] = Scheduler(self.batching, self._admit, key=lambda r: r.request_id)
         self._requests: dict[str, _Running] = {}  # submitted, not finished
         self._lock = threading.Lock()
@@ -311,10 +319,15 @@ class BatchingEngine:
             self.batch.prepare(len(rows), bucket)
             ids = torch.zeros(bucket, 1, dtype=torch.long)
             ids[: len(rows), 0] = torch.tensor([r.last_token for r in rows])
-            out = self.model(input_ids=ids.to(self.device), position_ids=self.batch.next_positions(bucket),
-                             past_key_values=self.batch, use_cache=True)
+            ids = ids.to(self.device)
+            positions = self.batch.next_positions(bucket)
+            if self.graphs is not None and self.graphs.wants(self.device):
+                logits = self.graphs.run(self.batch, ids, positions)
+            else:
+                out = self.model(input_ids=ids, position_ids=positions, past_key_values=self.batch, use_cache=True)
+                logits = out.logits[:, -1]
             self.batch.stepped()
-            logits = out.logits[: len(rows), -1].float()
+            logits = logits[: len(rows)].float()
         except Exception as err:  # noqa: BLE001 - a batched forward cannot be pinned on one row
             logger.warning("hf_rocketkv batching engine: the decode step failed: %s", err, exc_info=True)
             self._fail_all_rows(f"the batched decode step failed: {type(err).__name__}: {err}")

@@ -309,3 +309,31 @@ def test_engine_refuses_what_it_cannot_serve(tiny_pair):
     pool = make_pool(tiny_pair[0])
     with pytest.raises(NotImplementedError, match="multi_turn"):
         BatchingEngine(tiny_pair[0], CFG.replace(multi_turn="keep_all"), pool)
+
+
+# ------------------------------------------------------------------------------------------------ decode graphs
+def test_graphed_decode_steps_equal_eager_ones(engines, oracle, tiny_pair):
+    """One graph per bucket (a CPU stand-in for capture/replay): the first step of a bucket runs eagerly, the second
+    captures, later ones replay on the static buffers; the tokens are those of each request alone."""
+    from hf_rocketkv.integration.batch_graphs import BatchedDecodeGraphs
+    from tests.test_decode_graphs import StandInBackend
+
+    backend = StandInBackend()
+    graphs = BatchedDecodeGraphs(tiny_pair[0], backend=backend, devices=("cpu",))
+    pool = make_pool(tiny_pair[0])
+    engine = BatchingEngine(tiny_pair[0], CFG, pool, BatchingConfig(max_running=8, buckets=(1, 2, 4, 8),
+                                                                     prefills_per_step=2), decode_graphs=graphs)
+    events = Events()
+    engine.start(events)
+    try:
+        prompts = [prompt_of(n, seed=200 + n) for n, _ in PROMPTS]
+        for i, (prompt, (_, n)) in enumerate(zip(prompts, PROMPTS)):
+            engine.submit(request(f"g{i}", prompt, n + 6))
+        events.wait_finals(len(PROMPTS))
+    finally:
+        engine.stop(timeout=60)
+    for i, (prompt, (_, n)) in enumerate(zip(prompts, PROMPTS)):
+        assert events.tokens(f"g{i}") == oracle(prompt, n + 6), f"request {i}"
+    assert 1 <= backend.captures <= 4 and backend.replays > backend.captures
+    assert sum(step.replays for step in graphs.graphs.values()) == backend.replays
+    assert pool.free_pages() == pool.total_pages()
