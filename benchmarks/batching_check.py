@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mixed-min-prompt", type=int, default=1024)
     parser.add_argument("--mixed-max-prompt", type=int, default=32768)
     parser.add_argument("--mixed-new-tokens", type=int, default=256)
+    parser.add_argument("--decode", default="graphs", choices=["graphs", "eager"],
+                        help="graphs: one CUDA graph per decode bucket (the engine's default on CUDA); eager")
     parser.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -193,7 +195,7 @@ def run_engine(model, pool, config, args, body) -> tuple[dict, BatchingEngine]:
     """A fresh engine on ``pool``; ``body(engine, recorder)`` submits and waits. Returns its summary and stats."""
     batching = BatchingConfig(max_running=args.max_running, prefills_per_step=args.prefills_per_step,
                               max_queue=4096, buckets=_buckets(args.max_running))
-    engine = BatchingEngine(model, config, pool, batching)
+    engine = BatchingEngine(model, config, pool, batching, decode_graphs=None if args.decode == "graphs" else False)
     recorder = Recorder()
     engine.start(recorder)
     try:
@@ -204,6 +206,8 @@ def run_engine(model, pool, config, args, body) -> tuple[dict, BatchingEngine]:
         engine.stop(drain=False, timeout=120)
     result = recorder.summary(start, end)
     result.update(engine_stats(engine))
+    result["graph_captures"] = engine.graphs.captures if engine.graphs is not None else None
+    result["decode"] = "graphs" if engine.graphs is not None and engine.graphs.wants(engine.device) else "eager"
     result["pool_free_pages_after"] = pool.free_pages()
     result["pool_total_pages"] = pool.total_pages()
     return result, engine

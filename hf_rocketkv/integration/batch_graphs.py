@@ -28,6 +28,10 @@ from ..cache.batch_view import BatchedDecodeCache
 from .decode_graphs import CudaGraphBackend
 
 
+class GraphCaptureFailed(RuntimeError):
+    """Capturing a bucket's step failed (nothing ran on the device: the batch is as before); run it eagerly."""
+
+
 @dataclass
 class BucketGraph:
     """The captured step of one bucket: its static inputs and output."""
@@ -97,6 +101,9 @@ class BatchedDecodeGraphs:
         batch.hints.in_graph = True
         try:
             graph, output = self.backend.capture(lambda: self._forward(batch, static_ids, static_positions))
+        except Exception as err:  # noqa: BLE001 - the caller falls back to eager steps
+            raise GraphCaptureFailed(f"capturing the decode step of bucket {batch.bucket} failed: "
+                                     f"{type(err).__name__}: {err}") from err
         finally:
             batch.hints.in_graph = False
         self.captures += 1

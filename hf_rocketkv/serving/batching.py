@@ -33,7 +33,7 @@ import torch
 from ..cache.batch_view import BatchedDecodeCache
 from ..cache.cache import RocketKVCache
 from ..config import RocketKVConfig
-from ..integration.batch_graphs import BatchedDecodeGraphs
+from ..integration.batch_graphs import BatchedDecodeGraphs, GraphCaptureFailed
 from ..integration.generate import get_config
 from ..memory import KVBlockPool
 from ..memory.accounting import row_pages
@@ -321,9 +321,8 @@ class BatchingEngine:
             ids[: len(rows), 0] = torch.tensor([r.last_token for r in rows])
             ids = ids.to(self.device)
             positions = self.batch.next_positions(bucket)
-            if self.graphs is not None and self.graphs.wants(self.device):
-                logits = self.graphs.run(self.batch, ids, positions)
-            else:
+            logits = self._graphed_step(ids, positions)
+            if logits is None:
                 out = self.model(input_ids=ids, position_ids=positions, past_key_values=self.batch, use_cache=True)
                 logits = out.logits[:, -1]
             self.batch.stepped()
@@ -347,6 +346,18 @@ class BatchingEngine:
                 self._end_row(running, FinishReason.CANCELLED)  # nothing after the step that saw the flag
             else:
                 self._accept(running, token)
+
+    def _graphed_step(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """The step through its bucket's CUDA graph; None: run it eagerly (no graphs, or a capture that failed,
+        after which every step runs eagerly)."""
+        if self.graphs is None or not self.graphs.wants(self.device):
+            return None
+        try:
+            return self.graphs.run(self.batch, ids, positions)
+        except GraphCaptureFailed as err:
+            logger.warning("hf_rocketkv batching engine: %s; decoding eagerly from now on", err)
+            self.graphs = None
+            return None
 
     def _sample_rows(self, rows: list[_Running], logits: torch.Tensor) -> list:
         """Next token per row (or the exception that row's sampling raised): greedy rows in one argmax, others with

@@ -56,7 +56,8 @@ def build_engine(engine: Engine | str | None, model, config, pool, max_queue: in
         raise ValueError("engine='batching' needs pool=KVBlockPool(...): admission is the pool's page accounting")
     from .batching import BatchingEngine
 
-    return BatchingEngine(model, config, pool, batching if batching is not None else BatchingConfig(max_queue=max_queue))
+    batching = batching if batching is not None else BatchingConfig(max_queue=max_queue)
+    return BatchingEngine(model, config, pool, batching)
 
 
 @dataclass
@@ -87,9 +88,9 @@ class GenerationManager:
         max_model_len: the context (prompt + max_tokens) limit; default the model's ``max_position_embeddings``.
     """
 
-    def __init__(self, model, tokenizer=None, config: RocketKVConfig | None = None, engine: Engine | str | None = "auto",
-                 pool=None, max_queue: int = DEFAULT_MAX_QUEUE, max_model_len: int | None = None,
-                 batching: BatchingConfig | None = None):
+    def __init__(self, model, tokenizer=None, config: RocketKVConfig | None = None,
+                 engine: Engine | str | None = "auto", pool=None, max_queue: int = DEFAULT_MAX_QUEUE,
+                 max_model_len: int | None = None, batching: BatchingConfig | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.pool = pool

@@ -337,3 +337,26 @@ def test_graphed_decode_steps_equal_eager_ones(engines, oracle, tiny_pair):
     assert 1 <= backend.captures <= 4 and backend.replays > backend.captures
     assert sum(step.replays for step in graphs.graphs.values()) == backend.replays
     assert pool.free_pages() == pool.total_pages()
+
+
+def test_a_failing_capture_falls_back_to_eager_steps(engines, oracle, tiny_pair):
+    from hf_rocketkv.integration.batch_graphs import BatchedDecodeGraphs
+    from tests.test_decode_graphs import StandInBackend
+
+    class Failing(StandInBackend):
+        def capture(self, run):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphs = BatchedDecodeGraphs(tiny_pair[0], backend=Failing(), devices=("cpu",))
+    engine = BatchingEngine(tiny_pair[0], CFG, make_pool(tiny_pair[0]),
+                            BatchingConfig(max_running=4, buckets=(1, 2, 4)), decode_graphs=graphs)
+    events = Events()
+    engine.start(events)
+    try:
+        prompt = prompt_of(30, seed=5)
+        engine.submit(request("f", prompt, 8))
+        events.wait_finals(1)
+    finally:
+        engine.stop(timeout=60)
+    assert events.tokens("f") == oracle(prompt, 8)
+    assert engine.graphs is None  # eager from the failed capture on
