@@ -360,3 +360,29 @@ def test_a_failing_capture_falls_back_to_eager_steps(engines, oracle, tiny_pair)
         engine.stop(timeout=60)
     assert events.tokens("f") == oracle(prompt, 8)
     assert engine.graphs is None  # eager from the failed capture on
+
+
+# ------------------------------------------------------------------------------------------------ wiring
+def test_manager_and_generate_batch_choose_the_engine(tiny_pair, oracle):
+    from hf_rocketkv.serving import GenerationManager, generate_batch
+
+    pool = make_pool(tiny_pair[0])
+    prompts = [prompt_of(30, seed=61), prompt_of(12, seed=62), prompt_of(27, seed=63)]
+    results = generate_batch(tiny_pair[0], prompts, config=CFG, pool=pool,
+                             sampling=SamplingParams.greedy(5, ignore_eos=True))
+    assert [list(r.token_ids) for r in results] == [oracle(p, 5) for p in prompts]
+    assert pool.free_pages() == pool.total_pages()
+    choices = {"auto": BatchingEngine, "batching": BatchingEngine, "sequential": SequentialEngine}
+    for name, kind in choices.items():
+        manager = GenerationManager(tiny_pair[0], None, CFG, engine=name, pool=pool)
+        try:
+            assert isinstance(manager.engine, kind)
+        finally:
+            manager.stop()
+    manager = GenerationManager(tiny_pair[0], None, CFG)  # auto without a pool: sequential
+    manager.stop()
+    assert isinstance(manager.engine, SequentialEngine)
+    with pytest.raises(ValueError, match="engine='batching' needs pool="):
+        GenerationManager(tiny_pair[0], None, CFG, engine="batching")
+    with pytest.raises(ValueError, match="engine must be an Engine or one of"):
+        GenerationManager(tiny_pair[0], None, CFG, engine="fast", pool=pool)
