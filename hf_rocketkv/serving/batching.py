@@ -303,8 +303,12 @@ class BatchingEngine:
             cache.begin_prefill(ids, None, max_new_tokens=request.max_new_tokens)
         start = cache.get_seq_length()  # a prefix hit: columns [0, start) come from the pool
         positions = torch.arange(start, request.prompt_len, device=self.device)[None]
-        out = self.model(input_ids=ids[:, start:], attention_mask=torch.ones_like(ids), position_ids=positions,
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache.hints.prefilling = True  # as in generate()'s prefill (the cache reports itself not compileable)
+        try:
+            out = self.model(input_ids=ids[:, start:], attention_mask=torch.ones_like(ids), position_ids=positions,
+                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+        finally:
+            cache.hints.prefilling = False
         cache.finish_prefill()
         return out.logits[:, -1].float()
 
@@ -392,8 +396,16 @@ class BatchingEngine:
 
     # ------------------------------------------------------------------------------------------------ endings
     def _finish_cancelled(self) -> None:
+        """Every request whose flag is set ends now: decoding rows leave, waiting ones are dropped (a flag set
+        without ``cancel()``, e.g. a stop string or a manager's stop, never waits for the head of the queue)."""
         for running in [r for r in self._scheduler.rows if r.request.cancelled.is_set()]:
             self._end_row(running, FinishReason.CANCELLED)
+        with self._lock:
+            dropped = [r for r in self._scheduler.waiting if r.request.cancelled.is_set()]
+            for running in dropped:
+                self._scheduler.cancel_waiting(running.request_id)
+        for running in dropped:
+            self._finish(running, FinishReason.CANCELLED)
 
     def _end_row(self, running: _Running, reason: FinishReason, error: str | None = None) -> None:
         """A request ends: out of the decoding rows (if it joined), its pages back, then its final event."""

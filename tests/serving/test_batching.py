@@ -386,3 +386,23 @@ def test_manager_and_generate_batch_choose_the_engine(tiny_pair, oracle):
         GenerationManager(tiny_pair[0], None, CFG, engine="batching")
     with pytest.raises(ValueError, match="engine must be an Engine or one of"):
         GenerationManager(tiny_pair[0], None, CFG, engine="fast", pool=pool)
+
+
+def test_a_waiting_request_whose_flag_is_set_ends_without_running(engines):
+    """The manager sets the flag (stop strings, its own stop) without calling cancel(): a waiting request ends at
+    the next step boundary, not when it reaches the head of the queue."""
+    engine, events, pool = engines(max_running=1, buckets=(1,))
+    gate = ForwardGate(engine.model, delay=0.01)
+    try:
+        engine.submit(request("first", prompt_of(25, seed=1), 30))
+        waiting = request("waiting", prompt_of(25, seed=2), 30)
+        engine.submit(waiting)
+        assert wait_until(lambda: len(events.tokens("first")) >= 2)
+        waiting.cancelled.set()
+        assert wait_until(lambda: events.finals("waiting"), timeout=10)
+        assert not events.finals("first")  # it was still running: the waiting one did not wait for the head
+    finally:
+        gate.remove()
+    events.wait_finals(2)
+    assert events.finals("waiting")[0].finish_reason is FinishReason.CANCELLED and not events.tokens("waiting")
+    assert pool.free_pages() == pool.total_pages()
