@@ -211,6 +211,7 @@ class BatchingEngine:
                 except Exception:  # noqa: BLE001 - the thread must outlive any one step
                     logger.exception("hf_rocketkv batching engine: unexpected failure in a step")
                     self._fail_all_rows("the engine step failed (see the server log)")
+                    self._fail_orphans("the engine step failed (see the server log)")
         finally:
             self.batch.close()
 
@@ -457,6 +458,15 @@ class BatchingEngine:
                 self._scheduler.finish(running)
             self._scheduler.take_moves()
         for running in rows:
+            self._finish(running, FinishReason.ERROR, message)
+
+    def _fail_orphans(self, message: str) -> None:
+        """After an unexpected failure: every admitted request that is neither waiting nor decoding (its prefill
+        was interrupted) still gets its one final event."""
+        with self._lock:
+            placed = {id(r) for r in self._scheduler.waiting} | {id(r) for r in self._scheduler.rows}
+            orphans = [r for r in self._requests.values() if id(r) not in placed]
+        for running in orphans:
             self._finish(running, FinishReason.ERROR, message)
 
     def _emit(self, event: EngineEvent) -> None:

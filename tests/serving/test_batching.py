@@ -406,3 +406,32 @@ def test_a_waiting_request_whose_flag_is_set_ends_without_running(engines):
     events.wait_finals(2)
     assert events.finals("waiting")[0].finish_reason is FinishReason.CANCELLED and not events.tokens("waiting")
     assert pool.free_pages() == pool.total_pages()
+
+
+def test_an_unexpected_failure_still_ends_every_request_once(engines, oracle):
+    """A bug outside the per-request guards (here: the scheduler raising when a prefilled request joins) ends the
+    requests of that step with an error, releases their pages, and the engine serves the next ones."""
+    engine, events, pool = engines(prefills_per_step=2)
+    real = engine._scheduler.prefilled
+    calls = []
+
+    def broken(running):
+        calls.append(running.request_id)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        return real(running)
+
+    engine._scheduler.prefilled = broken
+    second = prompt_of(31, seed=2)
+    engine.submit(request("a", prompt_of(30, seed=1), 5))
+    engine.submit(request("b", second, 5))
+    events.wait_finals(2)
+    assert len(events.finals("a")) == len(events.finals("b")) == 1
+    assert events.finals("a")[0].finish_reason is FinishReason.ERROR
+    if events.finals("b")[0].finish_reason is not FinishReason.ERROR:  # b was admitted in a later step
+        assert events.tokens("b") == oracle(second, 5)
+    assert pool.free_pages() == pool.total_pages()
+    prompt = prompt_of(22, seed=3)
+    engine.submit(request("c", prompt, 5))
+    events.wait_finals(3)
+    assert events.tokens("c") == oracle(prompt, 5)
