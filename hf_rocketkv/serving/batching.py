@@ -365,20 +365,21 @@ class BatchingEngine:
             return None
 
     def _sample_rows(self, rows: list[_Running], logits: torch.Tensor) -> list:
-        """Next token per row (or the exception that row's sampling raised): greedy rows in one argmax, others with
-        their own parameters and generator (``sample_tokens`` on that row's logits)."""
-        greedy = logits.argmax(dim=-1).tolist()
-        tokens: list = []
+        """Next token per row (or the exception that row's sampling raised): the argmax for greedy rows, a draw with
+        the row's own parameters and generator for the others (``sample_tokens`` on that row's logits), read back
+        to the host once for the whole batch."""
+        tokens = logits.argmax(dim=-1)
+        failed: dict[int, Exception] = {}
         for index, running in enumerate(rows):
             params = running.request.params
             if params.is_greedy:
-                tokens.append(int(greedy[index]))
                 continue
             try:
-                tokens.append(int(sample_tokens(logits[index : index + 1], params, running.generator)[0]))
+                tokens[index] = sample_tokens(logits[index : index + 1], params, running.generator)[0]
             except Exception as err:  # noqa: BLE001 - one row's failure ends that row only
-                tokens.append(err)
-        return tokens
+                failed[index] = err
+        values = tokens.tolist()
+        return [failed.get(index, int(value)) for index, value in enumerate(values)]
 
     def _accept(self, running: _Running, token: int) -> bool:
         """Emit a sampled token; end the request on a stop id or max_tokens. True while it goes on decoding."""
