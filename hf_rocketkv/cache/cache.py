@@ -56,6 +56,7 @@ class RocketKVCache(Cache):
         self.hints = GenerationHints()
         self.token_ids: torch.Tensor | None = None  # ids this cache has served (set by generate), guards reuse
         self.counters = RequestCounters()
+        self.lent_to = None  # a BatchedDecodeCache decoding this cache's row (``lend``): forwards here must wait
         self.pool = pool
         self.pages: PoolPages | None = None
         if pool is not None:
@@ -135,7 +136,10 @@ class RocketKVCache(Cache):
 
     def close(self) -> None:
         """Give this request's pool pages back now (they are also given back when the cache is reset or garbage
-        collected). The cache is empty afterwards. Without a pool: drops the layers' buffers."""
+        collected). The cache is empty afterwards. Without a pool: drops the layers' buffers. A cache lent to a
+        batched decode (``lend``) refuses: that batch still reads its pages."""
+        if self.lent_to is not None:
+            raise RuntimeError(LENT_ROWS.format(holder=type(self.lent_to).__name__))
         if self.pages is not None:
             self.pages.release_all()
         self.layers = []
@@ -161,27 +165,25 @@ class RocketKVCache(Cache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def _check_consistent(self, layer_idx: int, query_length: int) -> None:
-        """Raise if an earlier forward left this cache half-updated, or its keys were never consumed.
+        """Raise if an earlier forward left this cache half-updated, or its keys were never consumed
+        (``check_layers_consistent``), or its rows are lent to a batched decode (``lend``)."""
+        if self.lent_to is not None:
+            raise RuntimeError(LENT_ROWS.format(holder=type(self.lent_to).__name__))
+        check_layers_consistent(self.layers, layer_idx, query_length)
 
-        Each layer counts on the host the tokens it stored (eager updates; compiled steps skip every layer alike),
-        so at layer 0 all layers agree, and at layer i > 0 layer i is exactly this forward's tokens behind layer 0.
-        """
-        for index in (layer_idx - 1, layer_idx):
-            if 0 <= index < len(self.layers) and self.layers[index].awaiting_attention:
-                raise RuntimeError(UNCONSUMED_KEYS)
-        if not self.layers:
-            return
-        reference = self.layers[0].host_seen
-        if layer_idx == 0:
-            counts = [layer.host_seen for layer in self.layers]
-            if len(set(counts)) > 1:
-                raise RuntimeError(INTERRUPTED_FORWARD.format(detail=f"per layer: {counts}"))
-            return
-        seen = self.layers[layer_idx].host_seen if layer_idx < len(self.layers) else 0
-        if seen + query_length != reference:
-            raise RuntimeError(
-                INTERRUPTED_FORWARD.format(detail=f"layer {layer_idx}: {seen}, layer 0: {reference - query_length}")
-            )
+    def lend(self, holder) -> None:
+        """Hand this cache's decode state to ``holder`` (a ``BatchedDecodeCache`` row): until ``give_back`` the
+        holder's tensors are the truth for this request's lengths, positions and logical length, and this cache
+        only owns the pages, so any forward on it raises instead of reading stale lengths."""
+        if self.lent_to is not None:
+            raise RuntimeError(LENT_ROWS.format(holder=type(self.lent_to).__name__))
+        if not self.is_compressed or self.get_seq_length() == 0:
+            raise ValueError("RocketKVCache.lend needs a compressed cache (prefill and stage 1 done)")
+        self.lent_to = holder
+
+    def give_back(self) -> None:
+        """The holder wrote this cache's decode state back (its layers are current again): it may be used again."""
+        self.lent_to = None
 
     def preload_prefix(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Store the dense keys and values of a prompt prefix computed elsewhere, one ``(K, V)`` pair
@@ -278,6 +280,37 @@ class RocketKVCache(Cache):
 
     def __repr__(self) -> str:
         return f"RocketKVCache(layers={len(self.layers)}, seen={self.get_seq_length()}, config={self.config})"
+
+
+def check_layers_consistent(layers: list, layer_idx: int, query_length: int) -> None:
+    """Raise if an earlier forward left these layers half-updated, or their keys were never consumed.
+
+    Each layer counts on the host the tokens it stored (eager updates; compiled steps skip every layer alike), so at
+    layer 0 all layers agree, and at layer i > 0 layer i is exactly this forward's tokens behind layer 0. Shared by
+    ``RocketKVCache`` and ``BatchedDecodeCache`` (one batch of several requests' rows).
+    """
+    for index in (layer_idx - 1, layer_idx):
+        if 0 <= index < len(layers) and layers[index].awaiting_attention:
+            raise RuntimeError(UNCONSUMED_KEYS)
+    if not layers:
+        return
+    reference = layers[0].host_seen
+    if layer_idx == 0:
+        counts = [layer.host_seen for layer in layers]
+        if len(set(counts)) > 1:
+            raise RuntimeError(INTERRUPTED_FORWARD.format(detail=f"per layer: {counts}"))
+        return
+    seen = layers[layer_idx].host_seen if layer_idx < len(layers) else 0
+    if seen + query_length != reference:
+        raise RuntimeError(
+            INTERRUPTED_FORWARD.format(detail=f"layer {layer_idx}: {seen}, layer 0: {reference - query_length}")
+        )
+
+
+LENT_ROWS = (
+    "RocketKVCache: this request's decode state is held by a {holder} (continuous batching decodes its row with "
+    "other requests' rows); its own lengths are stale until the holder gives the row back (leave)."
+)
 
 
 def _prefix_keys(pool, config: RocketKVConfig, cache_salt, prefix_keys):

@@ -10,7 +10,8 @@ Two entry points, one Triton kernel:
     table:             [B, MP] int32       the rows' pages (-1 = none)
     positions:         [B, Hkv, C] int32   written at slot s with seen - 1 (the token's input column), C = MP * PP
     lengths:           [B] or [B, Hkv]     int, tokens stored per row (or per row and KV head); incremented by 1
-    seen:              0-d int64           logical tokens seen, already advanced past this token
+    seen:              0-d or [B] int64    logical tokens seen, already advanced past this token (one count for the
+                                           batch, or one per row: rows of several requests decoding together)
     key_new, value_new: [B, Hkv, D]        any strides (e.g. ``key_states[:, :, 0]``)
     kt_page_size:      KP, tokens per KT page (PP must be a multiple of it)
 
@@ -53,7 +54,7 @@ def append_token_torch(
     heads = torch.arange(num_kv_heads, device=keys.device)[None, :]
     keys[rows, heads, slot] = key_new
     values[rows, heads, slot] = value_new
-    positions[rows, heads, slot] = (seen - 1).to(torch.int32)
+    positions[rows, heads, slot] = (seen.reshape(-1, 1) - 1).to(torch.int32)
     update_kt(kt, key_new, slot, page_size)
     lengths.add_(1)
 
@@ -97,7 +98,7 @@ def paged_append_token_torch(
     heads = torch.arange(num_kv_heads, device=k_pages.device)[None, :]
     k_pages[page, heads, offset] = key_new.to(k_pages.dtype)
     v_pages[page, heads, offset] = value_new.to(v_pages.dtype)
-    positions[rows, heads, slot] = (seen - 1).to(torch.int32)
+    positions[rows, heads, slot] = (seen.reshape(-1, 1) - 1).to(torch.int32)  # 0-d, or one count per row
     if kt_pages is not None:
         kt_page = offset // kt_page_size
         fresh = (offset % kt_page_size == 0)[..., None]
@@ -145,7 +146,7 @@ if triton is not None:
         s_lb, s_lh,
         s_nb, s_nh, s_nd,
         s_wb, s_wh, s_wd,
-        s_ab, s_ap,
+        s_ab, s_ap, s_sb,
         num_kv_heads, capacity, page_tokens, kt_per_page, table_pages, head_dim,
         P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KT_DT: tl.constexpr, PER_HEAD: tl.constexpr,
         PAGED: tl.constexpr, HAS_KT: tl.constexpr,
@@ -153,7 +154,7 @@ if triton is not None:
         b = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < head_dim
-        column = (tl.load(seen_ptr) - 1).to(tl.int32)
+        column = (tl.load(seen_ptr + b * s_sb) - 1).to(tl.int32)  # s_sb = 0: one count for the batch
         if not PER_HEAD:
             row_slot = tl.load(len_ptr + b * s_lb).to(tl.int64)
         for h0 in range(0, num_kv_heads, BLOCK_H):
@@ -202,6 +203,14 @@ if triton is not None:
             tl.debug_barrier()  # the row's length was read by every lane above: only now increment it
             tl.store(len_ptr + b * s_lb, row_slot + 1)
 
+    def _seen_stride(seen: torch.Tensor, batch: int) -> int:
+        """0 for one count shared by the rows (0-d), the row stride for one count per row ([B])."""
+        if seen.dim() == 0:
+            return 0
+        if seen.shape != (batch,):
+            raise ValueError(f"seen must be 0-d or [batch={batch}], got shape {tuple(seen.shape)}")
+        return seen.stride(0)
+
     def _launch(k_pages, v_pages, kt_pages, table, positions, lengths, seen, key_new, value_new, kt_page_size,
                 paged: bool) -> None:
         batch, num_kv_heads, capacity = positions.shape
@@ -220,7 +229,7 @@ if triton is not None:
         wrap_triton(_append_token_kernel)[(batch,)](
             k_pages, v_pages, positions, kt, lengths, seen, key_new, value_new, table_arg,
             *k_pages.stride(), *v_pages.stride(), *positions.stride(), *kt_strides, s_lb, s_lh,
-            *key_new.stride(), *value_new.stride(), *table_strides,
+            *key_new.stride(), *value_new.stride(), *table_strides, _seen_stride(seen, batch),
             num_kv_heads, capacity, k_pages.shape[2], kt_pages.shape[2] if has_kt else 1,
             table.shape[1] if paged else 1, head_dim,
             P=kt_page_size, BLOCK_H=block_h, BLOCK_D=block_d, KT_DT=dtype_code(kt.dtype) if has_kt else 0,

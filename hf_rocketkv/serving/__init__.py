@@ -3,7 +3,8 @@
     GenerationManager   add_request / stream / astream / result / cancel / stop / metrics
     SamplingParams      per-request max_tokens, temperature, top_p, top_k, stop, stop_token_ids, seed, ignore_eos
     GenerationOutput    one streamed event; GenerationResult: a finished request; FinishReason
-    Engine              the interface an engine implements (engine.py); SequentialEngine: the first one
+    Engine              the interface an engine implements (engine.py); SequentialEngine: one request at a time;
+                        BatchingEngine: continuous batching over a KVBlockPool (BatchingConfig: rows, buckets)
     generate_batch      prompts in, results in input order
     create_app          the OpenAI-compatible FastAPI app (optional extra: pip install hf_rocketkv[serve])
     serve_main          ``hf-rocketkv serve`` (argparse entry, returns an exit status)
@@ -12,15 +13,19 @@ FastAPI, uvicorn and prometheus-client are imported only by ``create_app`` / ``s
 """
 
 from .batch import generate_batch
+from .batching import BatchingEngine
 from .engine import Engine, EngineEvent, EngineLoad, EngineRequest
 from .errors import EngineStopped, InvalidRequest, Overloaded, ServeDependencyError, UnknownRequest
 from .manager import GenerationManager
 from .metrics import HistogramSnapshot, ManagerMetrics
 from .outputs import FinishReason, GenerationOutput, GenerationResult, RequestTimings
 from .sampling import SamplingParams
+from .scheduler import BatchingConfig
 from .sequential import SequentialEngine
 
 __all__ = [
+    "BatchingConfig",
+    "BatchingEngine",
     "Engine",
     "EngineEvent",
     "EngineLoad",

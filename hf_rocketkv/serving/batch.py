@@ -32,7 +32,7 @@ def sampling_from_generation_config(generation_config) -> SamplingParams:
 def generate_batch(model, prompts: Sequence[str | Sequence[int]], generation_config=None,
                    config: RocketKVConfig | None = None, pool=None,
                    sampling: SamplingParams | Sequence[SamplingParams] | None = None, *, tokenizer=None,
-                   engine=None) -> list[GenerationResult]:
+                   engine="auto") -> list[GenerationResult]:
     """Generate for every prompt and return one ``GenerationResult`` per prompt, in input order.
 
     Args:
@@ -41,10 +41,12 @@ def generate_batch(model, prompts: Sequence[str | Sequence[int]], generation_con
         generation_config: used only when ``sampling`` is None: its max_new_tokens / do_sample / temperature /
             top_p / top_k (default: the model's generation config).
         config: RocketKVConfig of every request's cache (default ``hf_rocketkv.get_config(model)``).
-        pool: a ``KVBlockPool`` the engine reserves pages from.
+        pool: a ``KVBlockPool``: with one, the prompts run through the continuous-batching engine (``BatchingEngine``:
+            every running prompt decodes in one forward), pages drawn from it.
         sampling: one SamplingParams for all prompts, or one per prompt.
         tokenizer: to encode string prompts and decode outputs (``result.text``); without it texts are empty.
-        engine: an Engine to use instead of a fresh SequentialEngine.
+        engine: an Engine to use, or ``"auto"`` (default: batching with a pool, else sequential), ``"batching"``,
+            ``"sequential"`` (see ``GenerationManager``).
 
     An invalid prompt raises ``InvalidRequest`` naming its index (requests added before it are cancelled).
     """

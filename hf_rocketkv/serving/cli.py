@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "RocketKV preallocates decode slots for max_tokens)")
     parser.add_argument("--pool-gib", type=float, default=None,
                         help="reserve each request's pages in a KVBlockPool of this many GiB (admission, metrics)")
+    parser.add_argument("--engine", default="auto", choices=["auto", "batching", "sequential"],
+                        help="batching: continuous batching over the --pool-gib pool (every running request decodes "
+                             "in one forward); sequential: one request at a time through generate(); auto (default): "
+                             "batching when --pool-gib is given, else sequential")
+    parser.add_argument("--max-running", type=int, default=64,
+                        help="batching engine: requests decoding at once (default 64, at most 128)")
     parser.add_argument("--device", default=None, help="torch device (default: where the model loads, CPU)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -100,6 +106,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
     if args.pool_gib is not None and args.pool_gib <= 0:
         raise UsageError(f"--pool-gib must be > 0, got {args.pool_gib}")
+    if args.engine == "batching" and args.pool_gib is None:
+        raise UsageError("--engine batching needs --pool-gib (admission is the KV block pool's page accounting)")
+    if not 1 <= args.max_running <= 128:
+        raise UsageError(f"--max-running must be in [1, 128], got {args.max_running}")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
 
@@ -124,6 +134,7 @@ def build_manager(args: argparse.Namespace, config):
     from ..memory import KVBlockPool
     from ..models import load_model_and_tokenizer
     from .manager import GenerationManager
+    from .scheduler import BatchingConfig
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -133,8 +144,9 @@ def build_manager(args: argparse.Namespace, config):
     if args.pool_gib is not None:
         pool = KVBlockPool(model, max_gpu_bytes=int(args.pool_gib * 2**30), kt_page_size=config.page_size,
                            kt_dtype=config.kt_cache_dtype)
-    return GenerationManager(model, tokenizer, config, pool=pool, max_queue=args.max_queue,
-                             max_model_len=args.max_model_len)
+    batching = BatchingConfig(max_running=args.max_running, max_queue=args.max_queue)
+    return GenerationManager(model, tokenizer, config, engine=args.engine, pool=pool, max_queue=args.max_queue,
+                             max_model_len=args.max_model_len, batching=batching)
 
 
 def served_name(args: argparse.Namespace) -> str:

@@ -31,7 +31,33 @@ from .output_processor import RequestOutputProcessor
 from .outputs import FinishReason, GenerationOutput, GenerationResult
 from .prompts import encode_chat, encode_text
 from .sampling import SamplingParams
+from .scheduler import BatchingConfig
 from .sequential import DEFAULT_MAX_QUEUE, SequentialEngine
+
+ENGINE_CHOICES = ("auto", "batching", "sequential")
+
+
+def build_engine(engine: Engine | str | None, model, config, pool, max_queue: int,
+                 batching: BatchingConfig | None = None) -> Engine:
+    """The manager's engine: an Engine instance as given, or one built by name (``ENGINE_CHOICES``; None = auto).
+
+    ``auto`` picks the batching engine when there is a pool (it admits by the pool's accounting and decodes every
+    running request in one forward), else the sequential one."""
+    if engine is not None and not isinstance(engine, str):
+        return engine
+    name = engine or "auto"
+    if name not in ENGINE_CHOICES:
+        raise ValueError(f"engine must be an Engine or one of {list(ENGINE_CHOICES)}, got {name!r}")
+    if name == "auto":
+        name = "batching" if pool is not None else "sequential"
+    if name == "sequential":
+        return SequentialEngine(model, config, pool=pool, max_queue=max_queue)
+    if pool is None:
+        raise ValueError("engine='batching' needs pool=KVBlockPool(...): admission is the pool's page accounting")
+    from .batching import BatchingEngine
+
+    batching = batching if batching is not None else BatchingConfig(max_queue=max_queue)
+    return BatchingEngine(model, config, pool, batching)
 
 
 @dataclass
@@ -53,14 +79,18 @@ class GenerationManager:
         model: a causal LM with ``rocketkv`` attention.
         tokenizer: its tokenizer (None: prompts must be token ids, outputs carry no text, no stop strings).
         config: RocketKVConfig of every request's cache (default ``hf_rocketkv.get_config(model)``).
-        engine: an ``Engine``; default ``SequentialEngine(model, config, pool=pool, max_queue=max_queue)``.
+        engine: an ``Engine`` instance, or which one to build: ``"batching"`` (``BatchingEngine``: continuous
+            batching over ``pool``, required), ``"sequential"`` (``SequentialEngine``: one request at a time) or
+            ``"auto"`` (the default: batching when a pool is given, else sequential).
         pool: a ``KVBlockPool`` the engine draws pages from; its free pages appear in ``metrics()``.
-        max_queue: requests that may wait for the default engine; one more raises ``Overloaded``.
+        max_queue: requests that may wait for a built engine; one more raises ``Overloaded``.
+        batching: the ``BatchingConfig`` of a built batching engine (default: ``BatchingConfig(max_queue=max_queue)``).
         max_model_len: the context (prompt + max_tokens) limit; default the model's ``max_position_embeddings``.
     """
 
-    def __init__(self, model, tokenizer=None, config: RocketKVConfig | None = None, engine: Engine | None = None,
-                 pool=None, max_queue: int = DEFAULT_MAX_QUEUE, max_model_len: int | None = None):
+    def __init__(self, model, tokenizer=None, config: RocketKVConfig | None = None,
+                 engine: Engine | str | None = "auto", pool=None, max_queue: int = DEFAULT_MAX_QUEUE,
+                 max_model_len: int | None = None, batching: BatchingConfig | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.pool = pool
@@ -72,8 +102,7 @@ class GenerationManager:
             # A fast tokenizer may reset padding/truncation state stored in its file on its first call (a mutation
             # of the Rust object); do it here, on one thread, before requests encode and decode concurrently.
             tokenizer("warm-up", add_special_tokens=True)
-        self.engine = engine if engine is not None else SequentialEngine(model, config, pool=pool,
-                                                                          max_queue=max_queue)
+        self.engine = build_engine(engine, model, config, pool, max_queue, batching)
         self._records: dict[str, _Record] = {}
         self._lock = threading.Lock()
         self._stopped = False

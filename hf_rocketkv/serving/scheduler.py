@@ -129,6 +129,12 @@ class Scheduler(Generic[Request]):
             self._moves.append((last, row))
         self.rows.pop()
 
+    def take_moves(self) -> list[tuple[int, int]]:
+        """The row moves recorded since the last step (or the last call), oldest first; the next ``Step`` will not
+        carry them. An executor that packs its rows as soon as a request finishes applies them right away."""
+        moves, self._moves = self._moves, []
+        return moves
+
     @property
     def running(self) -> int:
         return len(self.rows) + len(self.prefilling)

@@ -146,6 +146,28 @@ def test_paged_append_drops_writes_without_a_page():
     assert lengths.tolist() == [16, 8]
 
 
+def test_paged_append_token_with_one_logical_length_per_row():
+    """Rows of several requests decode together (serving/batching.py): ``seen`` [B] records each row's token at its
+    own input column; the Triton kernel equals the reference, and each row equals a one-row append with its own 0-d
+    count."""
+    g = gen("paged-append-seen-rows")
+    table = _table([2, 1, 3], 8, g)
+    lengths = torch.tensor([5, 2, 17], device=DEVICE)
+    base = _store(table, 8, 2, 8, 4, 16, torch.float32, torch.float32, lengths, g)
+    base[6] = torch.tensor([40, 7, 300], device=DEVICE)  # per-row logical lengths
+    want = _append_steps(paged_append_token_torch, [t.clone() for t in base], 2, torch.float32, gen("rows"), 4)
+    got = _append_steps(ops().paged_append_token, [t.clone() for t in base], 2, torch.float32, gen("rows"), 4)
+    for a, b in zip(got, want):
+        assert torch.equal(a.float(), b.float())
+    rows = torch.arange(3, device=DEVICE)
+    assert got[4][rows, :, lengths + 1].tolist() == [[41, 41], [8, 8], [301, 301]]
+    assert got[6].tolist() == [42, 9, 302]
+    with pytest.raises(ValueError, match=r"seen must be 0-d or \[batch=3\]"):
+        bad = [t.clone() for t in base]
+        bad[6] = torch.tensor([1, 2], device=DEVICE)
+        _append_steps(ops().paged_append_token, bad, 1, torch.float32, gen("rows"), 4)
+
+
 def _selection_inputs(g, group, head_dim, kv_heads, page_tokens, kt_page, kt_dtype, q_dtype, topr):
     table = _table([5, 2, 4], 14, g)
     lengths = torch.tensor([5 * page_tokens, 2 * page_tokens - 3, 4 * page_tokens // 3], device=DEVICE)

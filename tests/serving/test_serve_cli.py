@@ -30,6 +30,9 @@ def subprocess_env() -> dict[str, str]:
     (["--port", "70000"], "--port must be in [0, 65535]"),
     (["--max-queue", "0"], "--max-queue must be >= 1"),
     (["--pool-gib", "-1"], "--pool-gib must be > 0"),
+    (["--engine", "batching"], "--engine batching needs --pool-gib"),
+    (["--engine", "fast"], "invalid choice"),
+    (["--max-running", "0"], "--max-running must be in [1, 128]"),
     (["--config", "no-such.yaml"], "no such file"),
 ])
 def test_usage_errors_are_short_and_exit_2(capsys, argv, message):
@@ -108,8 +111,10 @@ def test_import_without_the_serve_extra():
 
 
 @pytest.mark.slow
-def test_serve_main_end_to_end(tmp_path):
-    """The real command in a subprocess on a saved tiny model: it prints its address, answers, exits 0 on SIGINT."""
+@pytest.mark.parametrize("engine_args", [[], ["--engine", "batching", "--pool-gib", "0.01"]])
+def test_serve_main_end_to_end(tmp_path, engine_args):
+    """The real command in a subprocess on a saved tiny model: it prints its address, answers, exits 0 on SIGINT;
+    with the sequential engine (no pool) and the batching one."""
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
     from tests.helpers import compressing_config, make_models
@@ -122,7 +127,7 @@ def test_serve_main_end_to_end(tmp_path):
     compressing_config().to_yaml(config)
     command = [sys.executable, "-c", "import sys; from hf_rocketkv.serving.cli import serve_main; "
                "sys.exit(serve_main(sys.argv[1:]))", "--model", str(tmp_path / "tiny"), "--config", str(config),
-               "--port", "0", "--served-model-name", "tiny", "--log-level", "warning", "--threads", "1"]
+               "--port", "0", "--served-model-name", "tiny", "--log-level", "warning", "--threads", "1", *engine_args]
     process = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True,
                                env=subprocess_env())
     try:

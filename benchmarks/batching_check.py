@@ -1,0 +1,333 @@
+"""GPU check of the continuous-batching engine (serving/batching.py) on Llama-3.1-8B shapes with random bf16 weights.
+
+    PYTHONPATH=. python3 benchmarks/batching_check.py [--out DIR] [--requests 32] [--prompt-len 8192]
+                                                      [--new-tokens 512] [--quick]
+
+Steps (each in its own try/except: one failure never loses the others' results):
+
+  warmup     two short requests through the engine (Triton JIT, allocator), timed and excluded from the rest
+  fixed      --requests x --prompt-len prompt tokens x --new-tokens new tokens (greedy, EOS ignored), all submitted
+             at once: total output tokens/s, TTFT p50/p99 (submit -> first token, queueing included), ms per decode
+             step (median, p90; mean rows per step), prefill s per request, peak GiB (torch.cuda.max_memory_allocated)
+  mixed      Poisson arrivals at each --rates (requests/s), prompt lengths log-uniform in [--mixed-min-prompt,
+             --mixed-max-prompt], --mixed-new-tokens new tokens, at most --mixed-requests requests or --mixed-time-s
+             seconds of arrivals per rate: tokens/s per GPU (all output tokens / wall time), per user (median of each
+             request's (tokens - 1) / (last token - first token)), TTFT p50/p99, finished / errors
+
+The pool is sized for the workload: every running request's view (min(prompt, prompt_budget) + new tokens) plus
+the prefill peak of the longest prompt, +10% (``--pool-gib`` overrides). Nothing is downloaded; the model is built
+from its config with random weights (``hf_rocketkv.bench.decode.build_model``), so tokens are meaningless but
+shapes, memory and timings are real. Model load is excluded from every timing.
+
+``--quick``: a tiny model (``TINY``), 4 requests x 96 tokens x 8 new, on the CPU without a GPU (< 60 s), to check
+the script's logic. Expected runtime on one H100 with the defaults: ~4-6 minutes (model build ~30 s, fixed ~1-2
+min, mixed 3 rates ~2-3 min); scale down with --requests / --prompt-len / --new-tokens / --mixed-requests / --rates.
+Writes ``batching_check.json`` under --out (default $OUT, else ./out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+import hf_rocketkv
+from hf_rocketkv.bench.decode import LLAMA_31_8B, TINY, build_model
+from hf_rocketkv.config import RocketKVConfig
+from hf_rocketkv.memory import KVBlockPool
+from hf_rocketkv.memory.accounting import row_pages
+from hf_rocketkv.serving.batching import BatchingEngine
+from hf_rocketkv.serving.engine import EngineRequest
+from hf_rocketkv.serving.sampling import SamplingParams
+from hf_rocketkv.serving.scheduler import BatchingConfig
+
+GIB = 1 << 30
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "out"), help="folder of batching_check.json")
+    parser.add_argument("--quick", action="store_true", help="tiny model, tiny workload (CPU without a GPU)")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=8192)
+    parser.add_argument("--new-tokens", type=int, default=512)
+    parser.add_argument("--max-running", type=int, default=32, help="BatchingConfig.max_running")
+    parser.add_argument("--prefills-per-step", type=int, default=1)
+    parser.add_argument("--page-size", type=int, default=16, help="pool page size (tokens)")
+    parser.add_argument("--pool-gib", type=float, default=None, help="pool size (default: sized for the workload)")
+    parser.add_argument("--layers", type=int, default=None, help="fewer decoder layers than Llama-3.1-8B's 32")
+    parser.add_argument("--rates", default="0.5,1,2", help="Poisson arrival rates (requests/s), comma separated; "
+                                                            "empty: skip the mixed workload")
+    parser.add_argument("--mixed-requests", type=int, default=32, help="requests at most per rate")
+    parser.add_argument("--mixed-time-s", type=float, default=60.0, help="seconds of arrivals at most per rate")
+    parser.add_argument("--mixed-min-prompt", type=int, default=1024)
+    parser.add_argument("--mixed-max-prompt", type=int, default=32768)
+    parser.add_argument("--mixed-new-tokens", type=int, default=256)
+    parser.add_argument("--decode", default="graphs", choices=["graphs", "eager"],
+                        help="graphs: one CUDA graph per decode bucket (the engine's default on CUDA); eager")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def apply_quick(args) -> None:
+    args.requests, args.prompt_len, args.new_tokens = min(args.requests, 4), min(args.prompt_len, 96), \
+        min(args.new_tokens, 8)
+    args.max_running = min(args.max_running, 4)
+    args.mixed_requests, args.mixed_time_s = min(args.mixed_requests, 4), min(args.mixed_time_s, 5.0)
+    args.mixed_min_prompt, args.mixed_max_prompt = min(args.mixed_min_prompt, 32), min(args.mixed_max_prompt, 160)
+    args.mixed_new_tokens = min(args.mixed_new_tokens, 6)
+    args.rates = ",".join(args.rates.split(",")[:1]) if args.rates else ""
+    args.rates = "4" if args.rates else ""
+
+
+def rocket_config(quick: bool, device: torch.device) -> RocketKVConfig:
+    config = RocketKVConfig(prompt_budget=48, window_size=8, kernel_size=7, topk=4, page_size=4) if quick \
+        else RocketKVConfig()
+    return config.replace(backend="triton" if device.type == "cuda" else "torch")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+# ------------------------------------------------------------------------------------------------ the pool
+def pool_pages_for(args, config: RocketKVConfig, max_prompt: int, new_tokens: int) -> int:
+    """Every running request's steady pages (its longest prompt) + one prefill peak, +10%."""
+    longest = row_pages(max_prompt, new_tokens, args.page_size, config.prompt_budget)
+    steady = longest.steady_pages * args.max_running
+    return int((steady + longest.peak_pages) * 1.1) + 4
+
+
+def make_pool(model, args, config: RocketKVConfig, pages: int, device: torch.device) -> KVBlockPool:
+    probe = KVBlockPool(model, max_gpu_bytes=1 << 30, page_size=args.page_size, kt_page_size=config.page_size,
+                        kt_dtype=config.kt_cache_dtype, device=device)  # lazily allocated: only its page size
+    size = int(args.pool_gib * GIB) if args.pool_gib else pages * probe.bytes_per_page
+    return KVBlockPool(model, max_gpu_bytes=size, page_size=args.page_size, kt_page_size=config.page_size,
+                       kt_dtype=config.kt_cache_dtype, device=device)
+
+
+# ------------------------------------------------------------------------------------------------ a run
+class Recorder:
+    """The engine's sink: per request, the submit time, every token's arrival time, the final event."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.submitted: dict[str, float] = {}
+        self.token_times: dict[str, list[float]] = {}
+        self.finals: dict[str, object] = {}
+
+    def __call__(self, event) -> None:
+        now = time.perf_counter()
+        with self.cond:
+            if event.token_ids:
+                self.token_times.setdefault(event.request_id, []).extend([now] * len(event.token_ids))
+            if event.finish_reason is not None:
+                self.finals[event.request_id] = event
+                self.cond.notify_all()
+
+    def submit(self, engine: BatchingEngine, request: EngineRequest) -> None:
+        with self.cond:
+            self.submitted[request.request_id] = time.perf_counter()
+        engine.submit(request)
+
+    def wait(self, count: int, timeout: float) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: len(self.finals) >= count, timeout)
+
+    def summary(self, start: float, end: float) -> dict:
+        ttft = [times[0] - self.submitted[rid] for rid, times in self.token_times.items()]
+        per_user = [(len(t) - 1) / (t[-1] - t[0]) for t in self.token_times.values() if len(t) > 1 and t[-1] > t[0]]
+        tokens = sum(len(t) for t in self.token_times.values())
+        reasons: dict[str, int] = {}
+        errors = []
+        for event in self.finals.values():
+            reasons[event.finish_reason.value] = reasons.get(event.finish_reason.value, 0) + 1
+            if event.error:
+                errors.append(event.error)
+        wall = end - start
+        return {
+            "requests": len(self.submitted), "finished": reasons, "errors": errors[:5], "output_tokens": tokens,
+            "wall_s": wall, "tokens_per_s": tokens / wall if wall > 0 else None,
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+            "per_user_tokens_per_s_p50": percentile(per_user, 50),
+            "per_user_tokens_per_s_p10": percentile(per_user, 10),
+        }
+
+
+def greedy_request(rid: str, prompt: list[int], new_tokens: int) -> EngineRequest:
+    return EngineRequest(rid, tuple(prompt), SamplingParams.greedy(new_tokens, ignore_eos=True), frozenset())
+
+
+def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
+    return [rng.randrange(3, vocab) for _ in range(length)]
+
+
+def engine_stats(engine: BatchingEngine, since: int = 0) -> dict:
+    stats = engine.stats()
+    steps = list(stats.step_ms)[since:] if since < stats.decode_steps else []
+    return {
+        "decode_steps": stats.decode_steps, "mean_rows_per_step": stats.decode_rows / max(1, stats.decode_steps),
+        "padded_rows": stats.padded_rows, "ms_per_step_p50": percentile(steps, 50),
+        "ms_per_step_p90": percentile(steps, 90), "prefills": stats.prefills,
+        "prefill_s_per_request": stats.prefill_seconds / max(1, stats.prefills),
+    }
+
+
+def run_engine(model, pool, config, args, body) -> tuple[dict, BatchingEngine]:
+    """A fresh engine on ``pool``; ``body(engine, recorder)`` submits and waits. Returns its summary and stats."""
+    batching = BatchingConfig(max_running=args.max_running, prefills_per_step=args.prefills_per_step,
+                              max_queue=4096, buckets=_buckets(args.max_running))
+    engine = BatchingEngine(model, config, pool, batching, decode_graphs=None if args.decode == "graphs" else False)
+    recorder = Recorder()
+    engine.start(recorder)
+    try:
+        start = time.perf_counter()
+        body(engine, recorder)
+        end = time.perf_counter()
+    finally:
+        engine.stop(drain=False, timeout=120)
+    result = recorder.summary(start, end)
+    result.update(engine_stats(engine))
+    result["graph_captures"] = engine.graphs.captures if engine.graphs is not None else None
+    result["decode"] = "graphs" if engine.graphs is not None and engine.graphs.wants(engine.device) else "eager"
+    result["pool_free_pages_after"] = pool.free_pages()
+    result["pool_total_pages"] = pool.total_pages()
+    return result, engine
+
+
+def _buckets(max_running: int) -> tuple[int, ...]:
+    buckets, size = [], 1
+    while size < max_running:
+        buckets.append(size)
+        size *= 2
+    return tuple(buckets + [max_running])
+
+
+def step_warmup(model, pool, config, args, vocab) -> dict:
+    rng = random.Random(args.seed + 1)
+
+    def body(engine, recorder):
+        for i in range(2):
+            recorder.submit(engine, greedy_request(f"warm{i}", random_prompt(rng, 64 + 32 * i, vocab), 4))
+        assert recorder.wait(2, 600), "warm-up requests did not finish"
+
+    result, _ = run_engine(model, pool, config, args, body)
+    return result
+
+
+def step_fixed(model, pool, config, args, vocab, device) -> dict:
+    rng = random.Random(args.seed + 2)
+    prompts = [random_prompt(rng, args.prompt_len, vocab) for _ in range(args.requests)]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def body(engine, recorder):
+        for i, prompt in enumerate(prompts):
+            recorder.submit(engine, greedy_request(f"fixed{i}", prompt, args.new_tokens))
+        assert recorder.wait(len(prompts), 3600), "the fixed workload did not finish"
+
+    result, _ = run_engine(model, pool, config, args, body)
+    result["workload"] = {"requests": args.requests, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
+    if device.type == "cuda":
+        result["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+    return result
+
+
+def step_mixed(model, pool, config, args, vocab, rate: float) -> dict:
+    rng = random.Random(args.seed + int(rate * 1000))
+    low, high = math.log(args.mixed_min_prompt), math.log(args.mixed_max_prompt)
+    lengths = [int(math.exp(rng.uniform(low, high))) for _ in range(args.mixed_requests)]
+
+    def body(engine, recorder):
+        start = time.perf_counter()
+        sent = 0
+        for i, length in enumerate(lengths):
+            if time.perf_counter() - start > args.mixed_time_s:
+                break
+            recorder.submit(engine, greedy_request(f"mixed{i}", random_prompt(rng, length, vocab),
+                                                   args.mixed_new_tokens))
+            sent += 1
+            time.sleep(rng.expovariate(rate))
+        assert recorder.wait(sent, 3600), "the mixed workload did not finish"
+
+    result, _ = run_engine(model, pool, config, args, body)
+    result["workload"] = {"rate_per_s": rate, "prompt_lens": [min(lengths), statistics.median(lengths),
+                                                              max(lengths)], "new_tokens": args.mixed_new_tokens}
+    result["tokens_per_s_per_gpu"] = result["tokens_per_s"]
+    return result
+
+
+# ------------------------------------------------------------------------------------------------ main
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.quick:
+        apply_quick(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"args": vars(args), "env": {"torch": torch.__version__, "python": platform.python_version(),
+                                                "device": torch.cuda.get_device_name(device)
+                                                if device.type == "cuda" else platform.processor() or "cpu"}}
+    steps: dict = {}
+    report["steps"] = steps
+    path = out / "batching_check.json"
+
+    def save():
+        path.write_text(json.dumps(report, indent=2, default=str))
+
+    try:
+        started = time.perf_counter()
+        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+        model = build_model(TINY if args.quick else LLAMA_31_8B, args.layers, dtype, device, args.seed)
+        hf_rocketkv.enable(model)
+        config = rocket_config(args.quick, device)
+        vocab = model.config.vocab_size
+        rates = [float(r) for r in args.rates.split(",") if r.strip()]
+        longest = max([args.prompt_len] + ([args.mixed_max_prompt] if rates else []))
+        new_tokens = max(args.new_tokens, args.mixed_new_tokens if rates else 0)
+        pool = make_pool(model, args, config, pool_pages_for(args, config, longest, new_tokens), device)
+        report["setup"] = {"model_build_s": time.perf_counter() - started, "pool_pages": pool.total_pages(),
+                           "pool_gib": pool.total_pages() * pool.bytes_per_page / GIB, "config": config.to_dict()}
+    except Exception:  # noqa: BLE001 - nothing else can run; say why
+        report["setup_error"] = traceback.format_exc()
+        save()
+        print(report["setup_error"])
+        return 1
+    save()
+    plan = [("warmup", lambda: step_warmup(model, pool, config, args, vocab)),
+            ("fixed", lambda: step_fixed(model, pool, config, args, vocab, device))]
+    plan += [(f"mixed_rate_{rate:g}", lambda rate=rate: step_mixed(model, pool, config, args, vocab, rate))
+             for rate in rates]
+    for name, step in plan:
+        started = time.perf_counter()
+        try:
+            steps[name] = step()
+        except Exception:  # noqa: BLE001 - one step's failure never loses the others
+            steps[name] = {"error": traceback.format_exc()}
+        steps[name]["step_s"] = time.perf_counter() - started
+        save()
+        print(name, json.dumps({k: v for k, v in steps[name].items() if k != "errors"}, default=str), flush=True)
+    print(f"wrote {path}")
+    return 0 if all("error" not in s for s in steps.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,366 @@
+"""BatchedDecodeCache: the decoding rows of several single-row, pool-backed RocketKVCaches as one batch.
+
+A continuous-batching engine prefills each request with its own ``RocketKVCache(cfg, pool=pool)`` (batch 1:
+admission, prefix reuse and stage 1 exactly as generate() does them), then decodes every running request in one
+forward. This cache is what that forward takes as ``past_key_values``: each of its layers is a compressed
+``RocketKVLayer`` whose store is the pool's page tensors read through a block table made of the rows' own view
+tables, so the normal decode path runs unchanged (``paged_append_token`` writes each row's token into that row's own
+pages, stage 2 scores that row's KT pages, sparse attention reads them). No K/V is copied: the pages are the pool's.
+
+    batch = BatchedDecodeCache(pool, max_rows=8)
+    batch.join(row, request_cache)     # the request's table row, lengths, positions and logical length move in
+    batch.move(src, dst)               # a packed batch: the last row fills a finished one
+    batch.prepare(rows, bucket)        # rows [rows, bucket) become padding rows
+    model(ids [bucket, 1], position_ids=batch.next_positions(bucket), past_key_values=batch)
+    batch.leave(row)                   # written back into the request's cache, which may be used (closed) again
+
+Whose state is the truth (the choice made here): while a request's cache has joined, this object's per-row tensors
+are (table row, length, positions, logical length), and the request cache only owns the pages: it is *lent*
+(``RocketKVCache.lend``), so a forward on it, or ``close()``, raises instead of reading stale lengths or freeing
+pages this batch still writes. ``leave`` writes the row's length, positions, logical length and host counters back
+into every layer of the request's cache, which is then exactly the cache generate() would have left. Why: writing
+back after every step would cost rows x layers small copies per step and give the buffers no fixed address; here a
+row costs one copy when it joins, moves or leaves, and the buffers never move while their width holds (static views
+per bucket, which a CUDA graph of the decode step can capture).
+
+Buffers per layer (R = ``max_rows``, MP = table width in pool pages, PP = tokens per pool page, C = MP * PP):
+
+    table      [R, MP] int32        row r's view pages (its request's view table), -1 after them
+    lengths    [R] int64            tokens stored per row
+    positions  [R, Hkv, C] int32    input column of every stored token, -1 for empty slots
+    seen       [R] int64            logical tokens of each row's request: the row's next position
+
+A step over ``bucket`` rows uses the first ``bucket`` entries (views of the buffers). Rows ``[rows, bucket)`` are
+padding: their table row names one scratch page that this object takes from the pool while padding rows exist
+(``ensure_scratch``; no request's table names it; ``release_scratch`` gives it back when the batch empties), their
+length and logical length start at 0, so a padding row writes its token into that page, attends to that
+token alone (no empty softmax, no NaN) and its output is dropped. Real rows never read the scratch page, so padding
+changes no real row's output (tested by comparing bucketed runs with runs on exact batch sizes).
+
+Consistency checks are those of a RocketKVCache (``check_layers_consistent``: keys consumed by a rocketkv attention
+call, every layer at the same host count), plus: one token per row, the batch size of the prepared bucket, and each
+row's room (a row past its admitted pages raises before the step: the paged kernels would drop such a write
+silently).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Cache
+
+from ..memory import KVBlockPool
+from ..memory.errors import PoolExhaustedError
+from .cache import RocketKVCache, check_layers_consistent
+from .layer import GenerationHints, RocketKVLayer
+from .paged_store import PagedStore
+
+
+class BatchedDecodeLayer(RocketKVLayer):
+    """One model layer of a ``BatchedDecodeCache``: a compressed RocketKVLayer over persistent per-row buffers.
+
+    Only one-token decode steps: ``update`` appends one token per row (``seen`` is per row, so each row's token is
+    recorded at its own input column) and returns the per-bucket handles the attention function finds this layer by.
+    """
+
+    def __init__(self, config, hints: GenerationHints, layer_idx: int):
+        super().__init__(config, hints, pages=None, layer_idx=layer_idx)
+        self.table_buf: torch.Tensor | None = None  # [R, MP] int32
+        self.lengths_buf: torch.Tensor | None = None  # [R] int64
+        self.positions_buf: torch.Tensor | None = None  # [R, Hkv, C] int32
+        self.seen_buf: torch.Tensor | None = None  # [R] int64
+        self._handles: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def init_from(self, source: RocketKVLayer, max_rows: int, width: int, pool: KVBlockPool) -> None:
+        """Shapes, dtype, device and kernels from a compressed request layer; buffers for ``max_rows`` rows of
+        ``width`` pool pages (all rows padding)."""
+        self.config = source.config  # the effective config (stage-2 options, KT page size)
+        self.dtype, self.device, self.ops = source.dtype, source.device, source.ops
+        self.num_kv_heads, self.head_dim = source.num_kv_heads, source.head_dim
+        self.policy = source.policy
+        self.storage = pool.layer(self.layer_idx)
+        self.page_tokens = self.storage.k.shape[2]
+        self.table_buf = torch.full((max_rows, width), -1, dtype=torch.int32, device=self.device)
+        self.lengths_buf = torch.zeros(max_rows, dtype=torch.long, device=self.device)
+        self.positions_buf = torch.full((max_rows, self.num_kv_heads, width * self.page_tokens), -1,
+                                        dtype=torch.int32, device=self.device)
+        self.seen_buf = torch.zeros(max_rows, dtype=torch.long, device=self.device)
+        self.compressed = self.is_initialized = True
+
+    @property
+    def width(self) -> int:
+        return self.table_buf.shape[1]
+
+    def widen(self, width: int) -> None:
+        """Tables of ``width`` pages (a row with more view pages than any before joined); contents kept."""
+        rows, old = self.table_buf.shape
+        table = torch.full((rows, width), -1, dtype=torch.int32, device=self.device)
+        table[:, :old] = self.table_buf
+        positions = torch.full((rows, self.num_kv_heads, width * self.page_tokens), -1, dtype=torch.int32,
+                               device=self.device)
+        positions[:, :, : self.positions_buf.shape[2]] = self.positions_buf
+        self.table_buf, self.positions_buf = table, positions
+
+    def select(self, bucket: int, row_pages: tuple[int, ...]) -> None:
+        """Point the decode path (store, lengths, positions, seen, handles) at rows ``[0, bucket)``."""
+        table = self.table_buf[:bucket]
+        self.store = PagedStore(self.storage.k, self.storage.v, self.storage.kt, table, row_pages, False)
+        self.lengths = self.lengths_buf[:bucket]
+        self.positions = self.positions_buf[:bucket]
+        self.seen = self.seen_buf[:bucket]
+        if bucket not in self._handles:
+            handle = torch.empty((bucket, self.num_kv_heads, 0, self.head_dim), dtype=self.dtype, device=self.device)
+            self._handles[bucket] = (handle, torch.empty_like(handle))
+        self.key_handle, self.value_handle = self._handles[bucket]
+        self._tag_keys()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append one token per row through the rows' tables (no host sync); returns the bucket's handles."""
+        if self._host_bookkeeping():
+            self.awaiting_attention = True  # cleared by the attention function (BatchedDecodeCache checks it)
+            self.host_seen += 1
+        self.seen.add_(1)
+        store = self.store
+        self.ops.paged_append_token(
+            store.k, store.v, store.kt, store.table, self.positions, self.lengths, self.seen,
+            key_states[:, :, 0], value_states[:, :, 0], self.config.page_size,
+        )
+        return self.key_handle, self.value_handle
+
+    def get_seq_length(self) -> int:
+        raise RuntimeError(
+            "BatchedDecodeCache rows have different lengths: pass position_ids (each row's next position, "
+            "BatchedDecodeCache.next_positions) to the model instead of asking the cache for one length"
+        )
+
+    def reset(self) -> None:
+        raise NotImplementedError("BatchedDecodeLayer.reset: rows leave one at a time (BatchedDecodeCache.leave)")
+
+
+class BatchedDecodeCache(Cache):
+    """Rows of single-row pool-backed RocketKVCaches decoding as one batch (see the module docstring).
+
+    Args:
+        pool: the KVBlockPool every joining cache draws its pages from (one scratch page is taken from it while
+            padding rows exist: ``ensure_scratch`` / ``release_scratch``).
+        max_rows: rows at most (the largest decode bucket).
+    """
+
+    def __init__(self, pool: KVBlockPool, max_rows: int):
+        if not isinstance(pool, KVBlockPool):
+            raise TypeError(f"BatchedDecodeCache(pool=...) takes a KVBlockPool, got {type(pool).__name__}")
+        if not isinstance(max_rows, int) or max_rows < 1:
+            raise ValueError(f"BatchedDecodeCache.max_rows must be an integer >= 1, got {max_rows!r}")
+        super().__init__(layers=[])
+        self.pool = pool
+        self.max_rows = max_rows
+        self.hints = GenerationHints()
+        self.caches: list[RocketKVCache | None] = [None] * max_rows
+        self.row_pages: list[int] = [0] * max_rows  # view pages of each row's table
+        self.room: list[int] = [0] * max_rows  # decode steps each row can still take (host mirror)
+        self.steps: list[int] = [0] * max_rows  # decode steps since the row joined (written back by leave)
+        self.bucket = 0
+        self.rows = 0
+        self.version = 0  # bumped whenever a buffer is reallocated (a captured step must be captured again)
+        self._zero = None
+        self.scratch = pool.new_table("view")  # the padding rows' page, held only while padding is needed
+
+    # ------------------------------------------------------------------------------------------ rows
+    def join(self, row: int, cache: RocketKVCache) -> None:
+        """Row ``row`` takes over the decode state of ``cache`` (one row, compressed, pool-backed; lent until
+        ``leave``)."""
+        self._check_row(row)
+        if self.caches[row] is not None:
+            raise ValueError(f"BatchedDecodeCache row {row} is taken (leave it first)")
+        if cache.pool is not self.pool:
+            raise ValueError("BatchedDecodeCache.join: the cache draws its pages from another pool (or none)")
+        if not cache.is_compressed or cache.layers[0].batch_size != 1:
+            raise ValueError("BatchedDecodeCache.join needs a compressed RocketKVCache of batch 1 (prefill done)")
+        if any(layer.history is not None for layer in cache.layers):
+            raise NotImplementedError(
+                "BatchedDecodeCache does not batch keep_all histories (RocketKVConfig.multi_turn='keep_all'); "
+                "use multi_turn='evict' for batched decode")
+        cache.lend(self)
+        try:
+            self._ensure_layers(cache)
+            for mine, theirs in zip(self.layers, cache.layers):
+                self._copy_in(mine, theirs, row)
+        except BaseException:
+            cache.give_back()
+            raise
+        layer0 = cache.layers[0]
+        self.caches[row] = cache
+        self.row_pages[row] = layer0.store.row_pages[0]
+        self.room[row] = min(layer.decode_room() for layer in cache.layers)
+        self.steps[row] = 0
+
+    def leave(self, row: int) -> RocketKVCache:
+        """Write row ``row`` back into its request's cache (lengths, positions, logical length, host counters of
+        every layer), give the cache back and free the row. Returns the cache."""
+        cache = self._cache_at(row)
+        steps = self.steps[row]
+        for mine, theirs in zip(self.layers, cache.layers):
+            width = theirs.positions.shape[2]
+            theirs.lengths.copy_(mine.lengths_buf[row : row + 1])
+            theirs.positions[0].copy_(mine.positions_buf[row, :, :width])
+            theirs.seen.copy_(mine.seen_buf[row])
+            theirs.host_seen += steps
+            theirs.host_max_length += steps
+            theirs.host_decoded += steps
+        cache.give_back()
+        self._clear(row)
+        return cache
+
+    def move(self, src: int, dst: int) -> None:
+        """Row ``src`` moves to the free row ``dst`` (packing after a row left)."""
+        self._cache_at(src)
+        self._check_row(dst)
+        if self.caches[dst] is not None:
+            raise ValueError(f"BatchedDecodeCache.move: row {dst} is taken")
+        for layer in self.layers:
+            for buf in (layer.table_buf, layer.lengths_buf, layer.positions_buf, layer.seen_buf):
+                buf[dst] = buf[src]
+        for values in (self.caches, self.row_pages, self.room, self.steps):
+            values[dst] = values[src]
+        self._clear(src)
+
+    def prepare(self, rows: int, bucket: int) -> None:
+        """The next step decodes rows ``[0, rows)`` (all joined) padded to ``bucket`` rows: rows ``[rows,
+        bucket)`` become padding (scratch page, length 0). Raises when a real row has no room left."""
+        if not 1 <= rows <= bucket <= self.max_rows:
+            raise ValueError(f"BatchedDecodeCache.prepare: need 1 <= rows ({rows}) <= bucket ({bucket}) <= "
+                             f"max_rows ({self.max_rows})")
+        for row in range(rows):
+            self._cache_at(row)
+            if self.room[row] < 1:
+                raise RuntimeError(
+                    f"BatchedDecodeCache row {row} has no room for another token ({self.steps[row]} decoded): its "
+                    f"request was admitted for fewer new tokens than it is decoding")
+        if any(cache is not None for cache in self.caches[rows:bucket]):
+            raise ValueError(f"BatchedDecodeCache.prepare: rows [{rows}, {bucket}) must be free (padding)")
+        if bucket > rows and not len(self.scratch):
+            raise RuntimeError("BatchedDecodeCache.prepare: padding rows need the scratch page (ensure_scratch)")
+        scratch = self.scratch.pages[0] if bucket > rows else -1
+        for layer in self.layers:
+            layer.table_buf[rows:bucket, 0] = scratch  # (their other entries are -1 already: _clear)
+            layer.lengths_buf[rows:bucket] = 0
+            layer.seen_buf[rows:bucket] = 0
+            layer.select(bucket, tuple(self.row_pages[:rows]) + (1,) * (bucket - rows))
+        self.rows, self.bucket = rows, bucket
+
+    def next_positions(self, bucket: int | None = None) -> torch.Tensor:
+        """``[bucket, 1]`` int64: each row's next position (its logical length; padding rows 0)."""
+        bucket = bucket or self.bucket
+        return self.layers[0].seen_buf[:bucket, None].clone()
+
+    def stepped(self) -> None:
+        """Host bookkeeping after a decode step over ``rows`` real rows (counts for ``leave`` and room checks)."""
+        for row in range(self.rows):
+            self.steps[row] += 1
+            self.room[row] -= 1
+
+    def ensure_scratch(self) -> bool:
+        """Take the padding rows' page from the pool if not held yet. False when the pool has no free page (then
+        decode without padding rows: the exact batch size is just as correct)."""
+        if len(self.scratch):
+            return True
+        try:
+            self.pool.allocate(self.scratch, 1)
+        except PoolExhaustedError:
+            return False
+        return True
+
+    def release_scratch(self) -> None:
+        """Give the scratch page back (no padding row may step until ``ensure_scratch`` again)."""
+        if len(self.scratch):
+            self.pool.release(self.scratch)
+
+    def close(self) -> None:
+        """Give the scratch page back (every row must have left)."""
+        if any(cache is not None for cache in self.caches):
+            raise RuntimeError("BatchedDecodeCache.close: rows are still joined (leave them first)")
+        self.release_scratch()
+
+    @property
+    def joined(self) -> int:
+        return sum(cache is not None for cache in self.caches)
+
+    # ------------------------------------------------------------------------------------------ Cache interface
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        """One token per row of the prepared bucket; RocketKVCache's consistency checks in eager mode."""
+        if not (torch.compiler.is_compiling() or self.hints.in_graph):
+            if key_states.shape[2] != 1:
+                raise ValueError(f"BatchedDecodeCache decodes one token per row, got {key_states.shape[2]}")
+            if key_states.shape[0] != self.bucket:
+                raise ValueError(f"BatchedDecodeCache was prepared for {self.bucket} rows, the forward has "
+                                 f"{key_states.shape[0]} (call prepare(rows, bucket) first)")
+            if layer_idx >= len(self.layers):
+                raise ValueError(f"BatchedDecodeCache has {len(self.layers)} layers, the model updates layer "
+                                 f"{layer_idx}")
+            check_layers_consistent(self.layers, layer_idx, 1)
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].get_seq_length() if self.layers else 0
+
+    def get_query_offset(self, layer_idx: int = 0):
+        """The mask transformers builds is not read by compressed decode (validity comes from ``lengths``): a
+        0-d zero keeps its shape constant per bucket and needs no host sync."""
+        if self._zero is None:
+            self._zero = torch.zeros((), dtype=torch.long, device=self.layers[0].device)
+        return self._zero
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+    # ------------------------------------------------------------------------------------------ internals
+    def _ensure_layers(self, cache: RocketKVCache) -> None:
+        """Layers on the first join; wider tables when this cache's view has more pages than the width."""
+        width = cache.layers[0].store.max_pages
+        if not self.layers:
+            hints = self.hints
+            for index, source in enumerate(cache.layers):
+                layer = BatchedDecodeLayer(source.config, hints, index)
+                layer.init_from(source, self.max_rows, width, self.pool)
+                self.layers.append(layer)
+            self.version += 1
+            return
+        if len(cache.layers) != len(self.layers):
+            raise ValueError(f"BatchedDecodeCache has {len(self.layers)} layers, the cache {len(cache.layers)}")
+        if width > self.layers[0].width:
+            for layer in self.layers:
+                layer.widen(width)
+            self.version += 1
+
+    @staticmethod
+    def _copy_in(mine: BatchedDecodeLayer, theirs: RocketKVLayer, row: int) -> None:
+        store = theirs.store
+        pages, width = store.max_pages, theirs.positions.shape[2]
+        if store.page_tokens != mine.page_tokens:
+            raise ValueError("BatchedDecodeCache.join: the cache's pages are not this pool's")
+        mine.table_buf[row].fill_(-1)
+        mine.table_buf[row, :pages] = store.table[0]
+        mine.lengths_buf[row] = theirs.lengths[0]
+        mine.positions_buf[row].fill_(-1)
+        mine.positions_buf[row, :, :width] = theirs.positions[0]
+        mine.seen_buf[row] = theirs.seen
+
+    def _clear(self, row: int) -> None:
+        for layer in self.layers:
+            layer.table_buf[row].fill_(-1)
+            layer.lengths_buf[row] = 0
+            layer.positions_buf[row].fill_(-1)
+            layer.seen_buf[row] = 0
+        self.caches[row] = None
+        self.row_pages[row] = self.room[row] = self.steps[row] = 0
+
+    def _check_row(self, row: int) -> None:
+        if not 0 <= row < self.max_rows:
+            raise IndexError(f"BatchedDecodeCache row {row} outside [0, {self.max_rows})")
+
+    def _cache_at(self, row: int) -> RocketKVCache:
+        self._check_row(row)
+        cache = self.caches[row]
+        if cache is None:
+            raise ValueError(f"BatchedDecodeCache row {row} is free")
+        return cache

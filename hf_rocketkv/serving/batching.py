@@ -1,0 +1,478 @@
+"""BatchingEngine: continuous batching over the KV block pool, behind the same ``Engine`` interface as
+SequentialEngine (engine.py has the contract).
+
+One engine thread owns the model. Each iteration of its loop:
+
+    1. cancel flags: every admitted request whose flag is set ends ("cancelled"), its pages released first
+    2. admission (``Scheduler.next_step``): the head of the FIFO is admitted when the pool can set its cold prefill
+       peak aside (``pool.reserve``: the prompt pages and the view for all ``max_tokens``, so a decoding request never
+       runs out of pages); a prompt that can never fit the pool ends with ``error``
+    3. prefill up to ``prefills_per_step`` admitted requests, each with its own ``RocketKVCache(cfg, pool=pool)`` of
+       batch 1 (prefix reuse through the pool, stage 1 as generate() runs it); sample its first token
+    4. one batched decode forward over every decoding row (``cache/batch_view.py``: the rows' own pages through one
+       block table, rows padded up to the scheduler's bucket; on CUDA one captured graph per bucket,
+       ``integration/batch_graphs.py``), per-row position ids, sampling per row with the
+       request's own parameters and generator; rows end on a stop id, ``max_tokens`` or their cancel flag and
+       release their pages at once (the last row moves into a freed row, so the batch stays packed)
+
+A request's events are its tokens as they are sampled, then one final event sent after its pages are back in the
+pool. Failures: a prefill or sampling error ends that request only; an error in the batched decode forward cannot be
+pinned on one row, so it ends every row of that step (the engine and the waiting requests go on).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from ..cache.batch_view import BatchedDecodeCache
+from ..cache.cache import RocketKVCache
+from ..config import RocketKVConfig
+from ..integration.batch_graphs import BatchedDecodeGraphs, GraphCaptureFailed
+from ..integration.generate import get_config
+from ..memory import KVBlockPool
+from ..memory.accounting import row_pages
+from ..memory.errors import PoolExhaustedError
+from .engine import EngineEvent, EngineLoad, EngineRequest, EventSink
+from .errors import EngineStopped, Overloaded
+from .outputs import FinishReason
+from .sampler import new_generator, sample_tokens
+from .scheduler import BatchingConfig, QueueFull, Scheduler
+
+logger = logging.getLogger(__name__)
+
+STEP_HISTORY = 65536  # decode step times kept in BatchingStats.step_ms
+
+
+@dataclass
+class BatchingStats:
+    """Counters of the engine thread (``BatchingEngine.stats()`` returns a copy), for benchmarks and tests.
+
+    decode_seconds / prefill_seconds: host wall time of the decode steps / prefills, each ending with the host
+    reading the sampled tokens (so the device work is included)."""
+
+    decode_steps: int = 0
+    decode_rows: int = 0  # real rows summed over decode steps (decode_rows / decode_steps = mean batch)
+    padded_rows: int = 0  # padding rows summed over decode steps
+    decode_seconds: float = 0.0
+    prefills: int = 0
+    prefill_seconds: float = 0.0
+    # the latest decode steps' wall times in ms, oldest first (bounded: a server runs for days)
+    step_ms: deque = field(default_factory=lambda: deque(maxlen=STEP_HISTORY))
+
+
+@dataclass(eq=False)  # identity: the scheduler finds a request's row with list.index
+class _Running:
+    """One admitted request on the engine thread."""
+
+    request: EngineRequest
+    reservation: object = None  # the pool pages set aside at admission (given to the cache's admission at prefill)
+    error: str | None = None  # set at admission: the request can never be served (ends with "error" at prefill)
+    cache: RocketKVCache | None = None
+    generator: torch.Generator | None = None
+    tokens: int = 0
+    last_token: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+class BatchingEngine:
+    """Continuous batching over a ``KVBlockPool`` (see the module docstring).
+
+    Args:
+        model: a causal LM whose attention is ``rocketkv``.
+        config: the RocketKVConfig of every request (default ``hf_rocketkv.get_config(model)``);
+            ``multi_turn="keep_all"`` and ``token_budget`` are refused (one turn per request; the pool fixes the
+            KT page size).
+        pool: the ``KVBlockPool`` every request's pages come from (required: admission is its accounting).
+        batching: ``BatchingConfig`` (max_running, decode buckets, prefills_per_step, max_queue).
+        decode_graphs: how the decode step runs: None (default) captures one CUDA graph per bucket when
+            ``config.decode_runner == "cuda_graphs"`` and the model is on CUDA, else eager; False: always eager; or a
+            ``BatchedDecodeGraphs`` (integration/batch_graphs.py; tests pass one with a CPU stand-in backend).
+    """
+
+    def __init__(self, model, config: RocketKVConfig | None = None, pool: KVBlockPool | None = None,
+                 batching: BatchingConfig | None = None, decode_graphs: BatchedDecodeGraphs | bool | None = None):
+        self.model = model
+        self.config = config if config is not None else get_config(model)
+        if not isinstance(self.config, RocketKVConfig):
+            raise TypeError(f"config must be a RocketKVConfig, got {type(self.config).__name__}")
+        if not isinstance(pool, KVBlockPool):
+            raise TypeError(f"BatchingEngine(pool=...) needs a hf_rocketkv.KVBlockPool (admission is its page "
+                            f"accounting), got {type(pool).__name__}")
+        if self.config.multi_turn != "evict":
+            raise NotImplementedError(
+                f"BatchingEngine serves one turn per request: RocketKVConfig.multi_turn must be 'evict', got "
+                f"{self.config.multi_turn!r}")
+        pool.check_config(self.config)
+        self.pool = pool
+        self.batching = batching if batching is not None else BatchingConfig()
+        if not isinstance(self.batching, BatchingConfig):
+            raise TypeError(f"batching must be a BatchingConfig, got {type(self.batching).__name__}")
+        self.device = next(model.parameters()).device
+        self.batch = BatchedDecodeCache(pool, self.batching.buckets[-1])
+        if decode_graphs is None:
+            decode_graphs = BatchedDecodeGraphs(model) if self.config.decode_runner == "cuda_graphs" else False
+        self.graphs: BatchedDecodeGraphs | None = decode_graphs or None
+        self._scheduler: Scheduler[_Running] = Scheduler(self.batching, self._admit, key=lambda r: r.request_id)
+        self._requests: dict[str, _Running] = {}  # submitted, not finished
+        self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
+        self._closed = False
+        self._sink: EventSink | None = None
+        self._thread: threading.Thread | None = None
+        self._stats = BatchingStats()
+
+    # ------------------------------------------------------------------------------------------------ interface
+    def start(self, sink: EventSink) -> None:
+        if self._thread is not None:
+            raise RuntimeError("BatchingEngine.start: already started")
+        self._sink = sink
+        self._thread = threading.Thread(target=self._run, name="hf-rocketkv-batching", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: EngineRequest) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            raise EngineStopped("the engine is not running (never started, stopped, or its thread ended)")
+        with self._lock:
+            if self._closed:
+                raise EngineStopped("the engine is stopping or stopped; no new requests are admitted")
+            if request.request_id in self._requests:
+                raise ValueError(f"request id {request.request_id!r} is already admitted")
+            running = _Running(request)
+            try:
+                self._scheduler.submit(running)
+            except QueueFull:
+                raise Overloaded(len(self._scheduler.waiting), self.batching.max_queue) from None
+            self._requests[request.request_id] = running
+            self._wakeup.notify()
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            running = self._requests.get(request_id)
+            if running is None:
+                return
+            running.request.cancelled.set()  # an admitted one stops at the next step boundary
+            dropped = self._scheduler.cancel_waiting(request_id)
+            if dropped is not None:
+                del self._requests[request_id]
+            self._wakeup.notify()
+        if dropped is not None:  # it never ran: it ends here, on the caller's thread
+            self._emit(EngineEvent(request_id, finish_reason=FinishReason.CANCELLED))
+
+    def load(self) -> EngineLoad:
+        with self._lock:
+            running, waiting = self._scheduler.running, len(self._scheduler.waiting)
+        alive = self._thread is not None and self._thread.is_alive() and not self._closed
+        return EngineLoad(running=running, waiting=waiting, alive=alive, max_queue=self.batching.max_queue)
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Admit nothing new; ``drain``: finish every admitted request; else cancel them all. Joins the thread."""
+        dropped: list[_Running] = []
+        with self._lock:
+            self._closed = True
+            if not drain:
+                while self._scheduler.waiting:
+                    running = self._scheduler.waiting.popleft()
+                    dropped.append(running)
+                    self._requests.pop(running.request_id, None)
+                for running in self._requests.values():
+                    running.request.cancelled.set()
+            self._wakeup.notify_all()
+        for running in dropped:
+            running.request.cancelled.set()
+            self._emit(EngineEvent(running.request_id, finish_reason=FinishReason.CANCELLED))
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    @property
+    def steps(self) -> int:
+        """Decode forwards run so far."""
+        return self._stats.decode_steps
+
+    def stats(self) -> BatchingStats:
+        """A snapshot of the engine's counters."""
+        return replace(self._stats, step_ms=deque(self._stats.step_ms, maxlen=STEP_HISTORY))
+
+    # ------------------------------------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)  # thread-local: this thread never builds autograd graphs
+        try:
+            while self._wait_for_work():
+                try:
+                    self._iteration()
+                except Exception:  # noqa: BLE001 - the thread must outlive any one step
+                    logger.exception("hf_rocketkv batching engine: unexpected failure in a step")
+                    self._fail_all_rows("the engine step failed (see the server log)")
+                    self._fail_orphans("the engine step failed (see the server log)")
+        finally:
+            self.batch.close()
+
+    def _wait_for_work(self) -> bool:
+        """Block while nothing is admitted; False once stopped with nothing left."""
+        with self._lock:
+            while self._scheduler.idle():
+                if self._closed:
+                    return False
+                self._wakeup.wait()
+            return True
+
+    def _iteration(self) -> None:
+        self._finish_cancelled()
+        with self._lock:
+            step = self._scheduler.next_step()
+        for src, dst in step.moves:
+            self.batch.move(src, dst)
+        for running in step.prefill:
+            self._prefill(running)
+        self._finish_cancelled()  # a flag set during prefill ends that request before it decodes
+        if self._scheduler.rows:
+            self._decode()
+        elif not step.prefill:
+            # the head waits for pages that nobody running will free (another user of the pool holds them)
+            with self._lock:
+                self._wakeup.wait(0.01)
+
+    # ------------------------------------------------------------------------------------------------ admission
+    def _admit(self, running: _Running) -> bool:
+        """The scheduler's admission callback (engine lock held): set the request's cold prefill peak aside, or say
+        "not now"; a request that can never fit is admitted only to end with an error at once."""
+        request = running.request
+        need = row_pages(request.prompt_len, request.max_new_tokens, self.pool.page_size, self.config.prompt_budget,
+                         prefix_reuse=self.pool.prefix_reuse).peak_pages
+        usable = self.pool.total_pages()
+        if need > usable:
+            running.error = (
+                f"the prompt ({request.prompt_len} tokens) with max_tokens={request.max_new_tokens} needs {need} "
+                f"KV pool pages at its prefill peak, more than the pool's {usable} usable pages "
+                f"(KVBlockPool max_gpu_bytes / page_size={self.pool.page_size}): it can never be admitted; "
+                f"send a shorter prompt or fewer max_tokens, or give the pool more memory")
+            return True
+        try:
+            running.reservation = self.pool.reserve(need, f"admitting request {request.request_id}")
+        except PoolExhaustedError:
+            return False  # not now: pages come back as running requests finish
+        return True
+
+    # ------------------------------------------------------------------------------------------------ prefill
+    def _prefill(self, running: _Running) -> None:
+        request = running.request
+        if running.error is not None:
+            self._finish(running, FinishReason.ERROR, running.error)
+            return
+        if request.cancelled.is_set():
+            self._finish(running, FinishReason.CANCELLED)
+            return
+        started = time.perf_counter()
+        try:
+            logits = self._prefill_forward(running)
+            if not request.params.is_greedy:
+                running.generator = new_generator(request.params.seed, self.device)
+            token = int(sample_tokens(logits, request.params, running.generator)[0])
+            self._stats.prefills += 1
+            self._stats.prefill_seconds += time.perf_counter() - started
+        except Exception as err:  # noqa: BLE001 - one request's failure ends that request only
+            logger.warning("hf_rocketkv batching engine: request %s failed in prefill: %s", request.request_id, err,
+                           exc_info=True)
+            self._finish(running, FinishReason.ERROR, f"{type(err).__name__}: {err}")
+            return
+        if self._accept(running, token):
+            with self._lock:
+                row = self._scheduler.prefilled(running)
+            try:
+                self.batch.join(row, running.cache)
+            except Exception as err:  # noqa: BLE001
+                self._end_row(running, FinishReason.ERROR, f"{type(err).__name__}: {err}")
+
+    def _prefill_forward(self, running: _Running) -> torch.Tensor:
+        """The request's prompt through the model with its own pool-backed cache; returns the last logits [1, V]."""
+        request = running.request
+        cache = RocketKVCache(self.config, pool=self.pool)
+        running.cache = cache
+        ids = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)
+        cache.hints.max_length = request.prompt_len + request.max_new_tokens  # generate()'s capacity hint
+        with self.pool.exclusive():  # the pages set aside at admission go to this admission, and nobody else's
+            self.pool.unreserve(running.reservation)
+            running.reservation = None
+            cache.begin_prefill(ids, None, max_new_tokens=request.max_new_tokens)
+        start = cache.get_seq_length()  # a prefix hit: columns [0, start) come from the pool
+        positions = torch.arange(start, request.prompt_len, device=self.device)[None]
+        cache.hints.prefilling = True  # as in generate()'s prefill (the cache reports itself not compileable)
+        try:
+            out = self.model(input_ids=ids[:, start:], attention_mask=torch.ones_like(ids), position_ids=positions,
+                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+        finally:
+            cache.hints.prefilling = False
+        cache.finish_prefill()
+        return out.logits[:, -1].float()
+
+    # ------------------------------------------------------------------------------------------------ decode
+    def _decode(self) -> None:
+        rows = list(self._scheduler.rows)
+        bucket = self.batching.bucket_for(len(rows))
+        if bucket > len(rows) and not self.batch.ensure_scratch():
+            bucket = len(rows)  # no free page for the padding rows: this step runs on the exact batch size
+        started = time.perf_counter()
+        try:
+            self.batch.prepare(len(rows), bucket)
+            ids = torch.zeros(bucket, 1, dtype=torch.long)
+            ids[: len(rows), 0] = torch.tensor([r.last_token for r in rows])
+            ids = ids.to(self.device)
+            positions = self.batch.next_positions(bucket)
+            logits = self._graphed_step(ids, positions)
+            if logits is None:
+                out = self.model(input_ids=ids, position_ids=positions, past_key_values=self.batch, use_cache=True)
+                logits = out.logits[:, -1]
+            self.batch.stepped()
+            logits = logits[: len(rows)].float()
+        except Exception as err:  # noqa: BLE001 - a batched forward cannot be pinned on one row
+            logger.warning("hf_rocketkv batching engine: the decode step failed: %s", err, exc_info=True)
+            self._fail_all_rows(f"the batched decode step failed: {type(err).__name__}: {err}")
+            return
+        tokens = self._sample_rows(rows, logits)  # reads the tokens on the host: the step's device work is done
+        seconds = time.perf_counter() - started
+        stats = self._stats
+        stats.decode_steps += 1
+        stats.decode_rows += len(rows)
+        stats.padded_rows += bucket - len(rows)
+        stats.decode_seconds += seconds
+        stats.step_ms.append(seconds * 1e3)
+        for running, token in zip(rows, tokens):
+            if isinstance(token, Exception):
+                self._end_row(running, FinishReason.ERROR, f"{type(token).__name__}: {token}")
+            elif running.request.cancelled.is_set():
+                self._end_row(running, FinishReason.CANCELLED)  # nothing after the step that saw the flag
+            else:
+                self._accept(running, token)
+
+    def _graphed_step(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """The step through its bucket's CUDA graph; None: run it eagerly (no graphs, or a capture that failed,
+        after which every step runs eagerly)."""
+        if self.graphs is None or not self.graphs.wants(self.device):
+            return None
+        try:
+            return self.graphs.run(self.batch, ids, positions)
+        except GraphCaptureFailed as err:
+            logger.warning("hf_rocketkv batching engine: %s; decoding eagerly from now on", err)
+            self.graphs = None
+            return None
+
+    def _sample_rows(self, rows: list[_Running], logits: torch.Tensor) -> list:
+        """Next token per row (or the exception that row's sampling raised): the argmax for greedy rows, a draw with
+        the row's own parameters and generator for the others (``sample_tokens`` on that row's logits), read back
+        to the host once for the whole batch."""
+        tokens = logits.argmax(dim=-1)
+        failed: dict[int, Exception] = {}
+        for index, running in enumerate(rows):
+            params = running.request.params
+            if params.is_greedy:
+                continue
+            try:
+                tokens[index] = sample_tokens(logits[index : index + 1], params, running.generator)[0]
+            except Exception as err:  # noqa: BLE001 - one row's failure ends that row only
+                failed[index] = err
+        values = tokens.tolist()
+        return [failed.get(index, int(value)) for index, value in enumerate(values)]
+
+    def _accept(self, running: _Running, token: int) -> bool:
+        """Emit a sampled token; end the request on a stop id or max_tokens. True while it goes on decoding."""
+        request = running.request
+        running.tokens += 1
+        running.last_token = token
+        self._emit(EngineEvent(request.request_id, (token,)))
+        if token in request.stop_token_ids:
+            reason = FinishReason.STOP
+        elif running.tokens >= request.max_new_tokens:
+            reason = FinishReason.LENGTH
+        else:
+            return True
+        self._end_row(running, reason)
+        return False
+
+    # ------------------------------------------------------------------------------------------------ endings
+    def _finish_cancelled(self) -> None:
+        """Every request whose flag is set ends now: decoding rows leave, waiting ones are dropped (a flag set
+        without ``cancel()``, e.g. a stop string or a manager's stop, never waits for the head of the queue)."""
+        for running in [r for r in self._scheduler.rows if r.request.cancelled.is_set()]:
+            self._end_row(running, FinishReason.CANCELLED)
+        with self._lock:
+            dropped = [r for r in self._scheduler.waiting if r.request.cancelled.is_set()]
+            for running in dropped:
+                self._scheduler.cancel_waiting(running.request_id)
+        for running in dropped:
+            self._finish(running, FinishReason.CANCELLED)
+
+    def _end_row(self, running: _Running, reason: FinishReason, error: str | None = None) -> None:
+        """A request ends: out of the decoding rows (if it joined), its pages back, then its final event."""
+        if running in self._scheduler.rows:
+            row = self._scheduler.rows.index(running)
+            if self.batch.caches[row] is running.cache:
+                self.batch.leave(row)
+            with self._lock:
+                self._scheduler.finish(running)
+            self._apply_moves_now()
+            if not self._scheduler.rows:
+                self.batch.release_scratch()  # an idle engine holds no page: pool accounting reads "all free"
+        self._finish(running, reason, error)
+
+    def _apply_moves_now(self) -> None:
+        """Apply the scheduler's pending row moves to the batch at once (rows stay packed between finishes)."""
+        with self._lock:
+            moves = self._scheduler.take_moves()
+        for src, dst in moves:
+            self.batch.move(src, dst)
+
+    def _finish(self, running: _Running, reason: FinishReason, error: str | None = None) -> None:
+        """Release everything the request holds, forget it, then send its final event (pages are back by then)."""
+        try:
+            if running.cache is not None:
+                running.cache.close()
+                running.cache = None
+            if running.reservation is not None:
+                self.pool.unreserve(running.reservation)
+                running.reservation = None
+        except Exception:  # noqa: BLE001 - the final event must still be sent
+            logger.exception("hf_rocketkv batching engine: releasing request %s failed", running.request_id)
+        with self._lock:
+            self._requests.pop(running.request_id, None)
+        self._emit(EngineEvent(running.request_id, finish_reason=reason, error=error))
+
+    def _fail_all_rows(self, message: str) -> None:
+        """A failed decode step: every decoding row ends with an error and the batch starts afresh (its state may be
+        half-updated; the rows' caches are closed without a write-back)."""
+        for index, cache in enumerate(self.batch.caches):
+            if cache is not None:
+                cache.give_back()
+                self.batch.caches[index] = None
+        self.batch.close()
+        self.batch = BatchedDecodeCache(self.pool, self.batching.buckets[-1])
+        rows = list(self._scheduler.rows)
+        with self._lock:
+            for running in rows:
+                self._scheduler.finish(running)
+            self._scheduler.take_moves()
+        for running in rows:
+            self._finish(running, FinishReason.ERROR, message)
+
+    def _fail_orphans(self, message: str) -> None:
+        """After an unexpected failure: every admitted request that is neither waiting nor decoding (its prefill
+        was interrupted) still gets its one final event."""
+        with self._lock:
+            placed = {id(r) for r in self._scheduler.waiting} | {id(r) for r in self._scheduler.rows}
+            orphans = [r for r in self._requests.values() if id(r) not in placed]
+        for running in orphans:
+            self._finish(running, FinishReason.ERROR, message)
+
+    def _emit(self, event: EngineEvent) -> None:
+        """Send to the sink; a failing sink is logged and never reaches the engine loop."""
+        try:
+            self._sink(event)
+        except Exception:  # noqa: BLE001
+            logger.exception("hf_rocketkv batching engine: the event sink failed on %s", event)

@@ -1,0 +1,437 @@
+"""BatchingEngine: continuous batching over the KV block pool, on a tiny random Llama (CPU, float32, GQA).
+
+Oracle: each request alone, through model.generate with its own RocketKVCache of the same config (a second copy of
+the model, so the oracle never shares a module with the engine thread), or through SequentialEngine for sampling.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from hf_rocketkv import KVBlockPool
+from hf_rocketkv.serving import EngineStopped, FinishReason, SamplingParams, SequentialEngine
+from hf_rocketkv.serving.batching import BatchingEngine
+from hf_rocketkv.serving.engine import EngineRequest
+from hf_rocketkv.serving.scheduler import BatchingConfig
+from tests.helpers import compressing_config, random_ids
+from tests.serving.conftest import oracle_tokens
+from tests.serving.helpers import ForwardGate, wait_until
+
+CFG = compressing_config(kt_cache_dtype="float32")  # prompts over 24 tokens are compressed; decode reads 3 pages
+
+
+class Events:
+    """A thread-safe sink: every event, and a condition to wait for final events."""
+
+    def __init__(self):
+        self.events = []
+        self.cond = threading.Condition()
+
+    def __call__(self, event) -> None:
+        with self.cond:
+            self.events.append(event)
+            self.cond.notify_all()
+
+    def finals(self, request_id=None):
+        with self.cond:
+            return [e for e in self.events if e.finish_reason is not None
+                    and (request_id is None or e.request_id == request_id)]
+
+    def tokens(self, request_id) -> list[int]:
+        with self.cond:
+            return [t for e in self.events if e.request_id == request_id for t in e.token_ids]
+
+    def wait_finals(self, count: int, timeout: float = 60) -> None:
+        with self.cond:
+            assert self.cond.wait_for(lambda: len([e for e in self.events if e.finish_reason]) >= count, timeout)
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_pair):
+    """``oracle(prompt, n)``: greedy tokens of the prompt alone (memoised: the random tests reuse prompts)."""
+    memo = {}
+
+    def run(prompt, n, config=CFG):
+        key = (tuple(prompt), n, config)
+        if key not in memo:
+            memo[key] = oracle_tokens(tiny_pair[1], prompt, config, n)
+        return memo[key]
+
+    return run
+
+
+def make_pool(model, page_size: int = 8, mib: float = 1.0, config=CFG) -> KVBlockPool:
+    return KVBlockPool(model, max_gpu_bytes=int(mib * 2**20), page_size=page_size, dtype=torch.float32,
+                       device="cpu", kt_page_size=config.page_size, kt_dtype=config.kt_cache_dtype)
+
+
+@pytest.fixture
+def engines(tiny_pair):
+    """``make(pool=None, **batching) -> (engine, events, pool)``: started engines, all stopped at teardown."""
+    made = []
+
+    def make(pool=None, config=CFG, **batching):
+        pool = pool if pool is not None else make_pool(tiny_pair[0], config=config)
+        batching = {"max_running": 8, "buckets": (1, 2, 4, 8), **batching}
+        engine = BatchingEngine(tiny_pair[0], config, pool, BatchingConfig(**batching))
+        events = Events()
+        engine.start(events)
+        made.append(engine)
+        return engine, events, pool
+
+    yield make
+    for engine in made:
+        engine.stop(drain=False, timeout=60)
+
+
+def request(rid: str, prompt, max_tokens: int, **params) -> EngineRequest:
+    sampling = SamplingParams(max_tokens=max_tokens, **params) if params else SamplingParams.greedy(max_tokens)
+    return EngineRequest(rid, tuple(prompt), sampling, frozenset(sampling.stop_token_ids))
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    return random_ids(1, length, seed=seed)[0].tolist()
+
+
+PROMPTS = [(30, 9), (17, 3), (45, 12), (5, 6), (26, 1), (33, 8)]  # (prompt length, max_tokens): some under the budget
+
+
+# ------------------------------------------------------------------------------------------------ greedy
+@pytest.mark.parametrize("page_size", [4, 16])  # 16: prompts and views end inside pages (partial pages)
+def test_greedy_requests_submitted_at_once_equal_each_alone(engines, oracle, tiny_pair, page_size):
+    engine, events, pool = engines(pool=make_pool(tiny_pair[0], page_size=page_size))
+    free = pool.free_pages()
+    prompts = [prompt_of(n, seed=n) for n, _ in PROMPTS]
+    for i, (prompt, (_, n)) in enumerate(zip(prompts, PROMPTS)):
+        engine.submit(request(f"r{i}", prompt, n))
+    events.wait_finals(len(PROMPTS))
+    for i, (prompt, (_, n)) in enumerate(zip(prompts, PROMPTS)):
+        assert events.tokens(f"r{i}") == oracle(prompt, n), f"request {i}"
+        assert [e.finish_reason for e in events.finals(f"r{i}")] == [FinishReason.LENGTH]
+    assert engine.steps < sum(n for _, n in PROMPTS)  # rows really decoded together
+    assert pool.free_pages() == free
+
+
+def test_greedy_requests_joining_mid_run_equal_each_alone(engines, oracle):
+    engine, events, pool = engines(prefills_per_step=2)
+    free = pool.free_pages()
+    gate = ForwardGate(engine.model, delay=0.002)  # slow steps so that later submissions land mid-run
+    try:
+        prompts = [prompt_of(n, seed=100 + n) for n, _ in PROMPTS]
+        for i, (prompt, (_, n)) in enumerate(zip(prompts, PROMPTS)):
+            engine.submit(request(f"s{i}", prompt, n + 4))
+            wait_until(lambda: engine.steps >= 2 * (i + 1), timeout=10)  # join at a later step boundary
+        events.wait_finals(len(PROMPTS))
+    finally:
+        gate.remove()
+    for i, (prompt, (_, n)) in enumerate(zip(prompts, PROMPTS)):
+        assert events.tokens(f"s{i}") == oracle(prompt, n + 4), f"request {i}"
+    assert pool.free_pages() == free
+
+
+def test_stop_token_ends_a_row_and_the_others_go_on(engines, oracle):
+    engine, events, _ = engines()
+    prompts = [prompt_of(30, seed=1), prompt_of(28, seed=2)]
+    alone = oracle(prompts[0], 10)
+    stop = alone[3]
+    first = EngineRequest("a", tuple(prompts[0]), SamplingParams.greedy(10, stop_token_ids=[stop]),
+                          frozenset([stop]))
+    engine.submit(first)
+    engine.submit(request("b", prompts[1], 10))
+    events.wait_finals(2)
+    assert events.tokens("a") == alone[: alone.index(stop) + 1]
+    assert events.finals("a")[0].finish_reason is FinishReason.STOP
+    assert events.tokens("b") == oracle(prompts[1], 10)
+
+
+def test_padded_bucket_rows_change_nothing(engines, oracle, tiny_pair):
+    """3, 5, 6 and 7 rows decode padded to 4 / 8 rows vs exactly sized batches: the same tokens (and the oracle's)."""
+    prompts = [prompt_of(20 + 3 * i, seed=50 + i) for i in range(7)]
+    lengths = [6, 9, 4, 11, 7, 5, 8]
+    runs = []
+    for buckets in [(1, 2, 4, 8), tuple(range(1, 9))]:
+        engine, events, _ = engines(buckets=buckets, prefills_per_step=3)
+        for i, (prompt, n) in enumerate(zip(prompts, lengths)):
+            engine.submit(request(f"p{i}", prompt, n))
+        events.wait_finals(len(prompts))
+        runs.append([events.tokens(f"p{i}") for i in range(len(prompts))])
+    assert runs[0] == runs[1]
+    assert runs[0] == [oracle(p, n) for p, n in zip(prompts, lengths)]
+
+
+# ------------------------------------------------------------------------------------------------ sampling
+def test_seeded_sampling_equals_the_request_alone(engines, tiny_pair):
+    """Each row samples with its own generator: the same tokens as SequentialEngine, whatever runs beside it."""
+    prompts = [prompt_of(30, seed=7), prompt_of(19, seed=8), prompt_of(41, seed=9)]
+    params = [dict(temperature=0.9, top_p=0.9, seed=11), dict(temperature=1.3, top_k=20, seed=12),
+              dict(temperature=0.7, seed=13)]
+    engine, events, _ = engines()
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.submit(request(f"x{i}", prompt, 8, **p))
+    engine.submit(request("greedy", prompt_of(25, seed=10), 8))
+    events.wait_finals(4)
+    sequential = SequentialEngine(tiny_pair[1], CFG)
+    alone = Events()
+    sequential.start(alone)
+    try:
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            sequential.submit(request(f"x{i}", prompt, 8, **p))
+        alone.wait_finals(3)
+    finally:
+        sequential.stop()
+    for i in range(3):
+        assert events.tokens(f"x{i}") == alone.tokens(f"x{i}"), f"request {i}"
+
+
+# ------------------------------------------------------------------------------------------------ random sequences
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_request_sequences(engines, oracle, seed):
+    """Arrivals, cancels, max_tokens, prompt lengths, shared prefixes: one final event each, the pool's free pages
+    back to the start, and every row's tokens those of the request alone (a cancelled one: a prefix of them)."""
+    rng = random.Random(seed)
+    engine, events, pool = engines(prefills_per_step=rng.choice([1, 2]), max_running=6, buckets=(1, 2, 4, 8))
+    free = pool.free_pages()
+    shared = prompt_of(24, seed=1000 + seed)  # three pool pages: later requests may hit them
+    sent = []
+    for i in range(10):
+        length = rng.randint(3, 40)
+        prompt = shared + prompt_of(length, seed=rng.randint(0, 10**6)) if rng.random() < 0.4 else \
+            prompt_of(length, seed=rng.randint(0, 10**6))
+        n = rng.randint(1, 12)
+        rid = f"q{i}"
+        engine.submit(request(rid, prompt, n))
+        sent.append((rid, prompt, n))
+        if rng.random() < 0.3:
+            victim = rng.choice(sent)[0]
+            wait_until(lambda: len(events.tokens(victim)) >= rng.randint(0, 3), timeout=2)
+            engine.cancel(victim)
+        wait_until(lambda: engine.steps >= rng.randint(0, 2 * i), timeout=2)
+    events.wait_finals(len(sent))
+    for rid, prompt, n in sent:
+        finals = events.finals(rid)
+        assert len(finals) == 1, rid
+        tokens = events.tokens(rid)
+        alone = oracle(prompt, n)
+        if finals[0].finish_reason is FinishReason.CANCELLED:
+            assert tokens == alone[: len(tokens)], rid
+        else:
+            assert finals[0].finish_reason is FinishReason.LENGTH, (rid, finals[0])
+            assert tokens == alone, rid
+        assert events.events.index(finals[0]) > max(
+            [k for k, e in enumerate(events.events) if e.request_id == rid and e.token_ids], default=-1)
+    assert pool.free_pages() == free
+    assert pool.stats().hit_pages > 0 or seed != 0  # seed 0 sends shared prefixes
+
+
+# ------------------------------------------------------------------------------------------------ lifecycle
+def test_cancel_while_decoding_frees_pages_within_one_step(engines):
+    engine, events, pool = engines()
+    free = pool.free_pages()
+    gate = ForwardGate(engine.model, delay=0.01)
+    try:
+        engine.submit(request("long", prompt_of(30, seed=4), 200))
+        engine.submit(request("other", prompt_of(22, seed=5), 30))
+        assert wait_until(lambda: len(events.tokens("long")) >= 3)
+        assert pool.free_pages() < free
+        steps = engine.steps
+        engine.cancel("long")
+        events.wait_finals(1)
+        assert events.finals("long")[0].finish_reason is FinishReason.CANCELLED
+        assert engine.steps <= steps + 1
+        events.wait_finals(2)
+    finally:
+        gate.remove()
+    assert events.finals("other")[0].finish_reason is FinishReason.LENGTH
+    assert len(events.tokens("long")) < 200
+    assert pool.free_pages() == free
+
+
+def test_prompt_that_never_fits_the_pool_ends_with_an_error(engines, oracle, tiny_pair):
+    pool = make_pool(tiny_pair[0], page_size=8, mib=0.05)  # a few dozen pages
+    engine, events, _ = engines(pool=pool)
+    free = pool.free_pages()
+    huge = prompt_of(pool.total_pages() * 8, seed=3)
+    small = prompt_of(20, seed=4)
+    engine.submit(request("huge", huge, 4))
+    engine.submit(request("small", small, 4))
+    events.wait_finals(2)
+    final = events.finals("huge")[0]
+    assert final.finish_reason is FinishReason.ERROR
+    assert "can never be admitted" in final.error and "pages" in final.error
+    assert events.tokens("small") == oracle(small, 4)
+    assert pool.free_pages() == free
+
+
+def test_requests_wait_for_pages_then_run(engines, oracle, tiny_pair):
+    """A pool that holds about two requests at once: the rest wait at the head of the queue, none is refused."""
+    pool = make_pool(tiny_pair[0], page_size=8, mib=0.06)
+    engine, events, _ = engines(pool=pool)
+    prompts = [prompt_of(40, seed=20 + i) for i in range(5)]
+    for i, prompt in enumerate(prompts):
+        engine.submit(request(f"w{i}", prompt, 6))
+    events.wait_finals(5)
+    for i, prompt in enumerate(prompts):
+        assert events.tokens(f"w{i}") == oracle(prompt, 6)
+
+
+def test_stop_drain_finishes_and_no_drain_cancels(engines):
+    engine, events, pool = engines()
+    for i in range(3):
+        engine.submit(request(f"d{i}", prompt_of(20 + i, seed=i), 5))
+    engine.stop(drain=True, timeout=60)
+    assert [e.finish_reason for e in events.finals()] == [FinishReason.LENGTH] * 3
+    assert pool.free_pages() == pool.total_pages()  # the scratch page too, once stopped
+    with pytest.raises(EngineStopped):
+        engine.submit(request("late", prompt_of(5, seed=1), 2))
+
+    engine, events, pool = engines()
+    gate = ForwardGate(engine.model, delay=0.01)
+    try:
+        for i in range(12):
+            engine.submit(request(f"c{i}", prompt_of(20 + i, seed=i), 50))
+        wait_until(lambda: engine.steps >= 2)
+        engine.stop(drain=False, timeout=60)
+    finally:
+        gate.remove()
+    finals = events.finals()
+    assert sorted(e.request_id for e in finals) == sorted(f"c{i}" for i in range(12))
+    assert {e.finish_reason for e in finals} == {FinishReason.CANCELLED}
+    assert pool.free_pages() == pool.total_pages()
+
+
+def test_engine_refuses_what_it_cannot_serve(tiny_pair):
+    with pytest.raises(TypeError, match="KVBlockPool"):
+        BatchingEngine(tiny_pair[0], CFG, None)
+    pool = make_pool(tiny_pair[0])
+    with pytest.raises(NotImplementedError, match="multi_turn"):
+        BatchingEngine(tiny_pair[0], CFG.replace(multi_turn="keep_all"), pool)
+
+
+# ------------------------------------------------------------------------------------------------ decode graphs
+def test_graphed_decode_steps_equal_eager_ones(engines, oracle, tiny_pair):
+    """One graph per bucket (a CPU stand-in for capture/replay): the first step of a bucket runs eagerly, the second
+    captures, later ones replay on the static buffers; the tokens are those of each request alone."""
+    from hf_rocketkv.integration.batch_graphs import BatchedDecodeGraphs
+    from tests.test_decode_graphs import StandInBackend
+
+    backend = StandInBackend()
+    graphs = BatchedDecodeGraphs(tiny_pair[0], backend=backend, devices=("cpu",))
+    pool = make_pool(tiny_pair[0])
+    engine = BatchingEngine(tiny_pair[0], CFG, pool, BatchingConfig(max_running=8, buckets=(1, 2, 4, 8),
+                                                                     prefills_per_step=2), decode_graphs=graphs)
+    events = Events()
+    engine.start(events)
+    try:
+        prompts = [prompt_of(n, seed=200 + n) for n, _ in PROMPTS]
+        for i, (prompt, (_, n)) in enumerate(zip(prompts, PROMPTS)):
+            engine.submit(request(f"g{i}", prompt, n + 6))
+        events.wait_finals(len(PROMPTS))
+    finally:
+        engine.stop(timeout=60)
+    for i, (prompt, (_, n)) in enumerate(zip(prompts, PROMPTS)):
+        assert events.tokens(f"g{i}") == oracle(prompt, n + 6), f"request {i}"
+    assert 1 <= backend.captures <= 4 and backend.replays > backend.captures
+    assert sum(step.replays for step in graphs.graphs.values()) == backend.replays
+    assert pool.free_pages() == pool.total_pages()
+
+
+def test_a_failing_capture_falls_back_to_eager_steps(engines, oracle, tiny_pair):
+    from hf_rocketkv.integration.batch_graphs import BatchedDecodeGraphs
+    from tests.test_decode_graphs import StandInBackend
+
+    class Failing(StandInBackend):
+        def capture(self, run):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphs = BatchedDecodeGraphs(tiny_pair[0], backend=Failing(), devices=("cpu",))
+    engine = BatchingEngine(tiny_pair[0], CFG, make_pool(tiny_pair[0]),
+                            BatchingConfig(max_running=4, buckets=(1, 2, 4)), decode_graphs=graphs)
+    events = Events()
+    engine.start(events)
+    try:
+        prompt = prompt_of(30, seed=5)
+        engine.submit(request("f", prompt, 8))
+        events.wait_finals(1)
+    finally:
+        engine.stop(timeout=60)
+    assert events.tokens("f") == oracle(prompt, 8)
+    assert engine.graphs is None  # eager from the failed capture on
+
+
+# ------------------------------------------------------------------------------------------------ wiring
+def test_manager_and_generate_batch_choose_the_engine(tiny_pair, oracle):
+    from hf_rocketkv.serving import GenerationManager, generate_batch
+
+    pool = make_pool(tiny_pair[0])
+    prompts = [prompt_of(30, seed=61), prompt_of(12, seed=62), prompt_of(27, seed=63)]
+    results = generate_batch(tiny_pair[0], prompts, config=CFG, pool=pool,
+                             sampling=SamplingParams.greedy(5, ignore_eos=True))
+    assert [list(r.token_ids) for r in results] == [oracle(p, 5) for p in prompts]
+    assert pool.free_pages() == pool.total_pages()
+    choices = {"auto": BatchingEngine, "batching": BatchingEngine, "sequential": SequentialEngine}
+    for name, kind in choices.items():
+        manager = GenerationManager(tiny_pair[0], None, CFG, engine=name, pool=pool)
+        try:
+            assert isinstance(manager.engine, kind)
+        finally:
+            manager.stop()
+    manager = GenerationManager(tiny_pair[0], None, CFG)  # auto without a pool: sequential
+    manager.stop()
+    assert isinstance(manager.engine, SequentialEngine)
+    with pytest.raises(ValueError, match="engine='batching' needs pool="):
+        GenerationManager(tiny_pair[0], None, CFG, engine="batching")
+    with pytest.raises(ValueError, match="engine must be an Engine or one of"):
+        GenerationManager(tiny_pair[0], None, CFG, engine="fast", pool=pool)
+
+
+def test_a_waiting_request_whose_flag_is_set_ends_without_running(engines):
+    """The manager sets the flag (stop strings, its own stop) without calling cancel(): a waiting request ends at
+    the next step boundary, not when it reaches the head of the queue."""
+    engine, events, pool = engines(max_running=1, buckets=(1,))
+    gate = ForwardGate(engine.model, delay=0.01)
+    try:
+        engine.submit(request("first", prompt_of(25, seed=1), 30))
+        waiting = request("waiting", prompt_of(25, seed=2), 30)
+        engine.submit(waiting)
+        assert wait_until(lambda: len(events.tokens("first")) >= 2)
+        waiting.cancelled.set()
+        assert wait_until(lambda: events.finals("waiting"), timeout=10)
+        assert not events.finals("first")  # it was still running: the waiting one did not wait for the head
+    finally:
+        gate.remove()
+    events.wait_finals(2)
+    assert events.finals("waiting")[0].finish_reason is FinishReason.CANCELLED and not events.tokens("waiting")
+    assert pool.free_pages() == pool.total_pages()
+
+
+def test_an_unexpected_failure_still_ends_every_request_once(engines, oracle):
+    """A bug outside the per-request guards (here: the scheduler raising when a prefilled request joins) ends the
+    requests of that step with an error, releases their pages, and the engine serves the next ones."""
+    engine, events, pool = engines(prefills_per_step=2)
+    real = engine._scheduler.prefilled
+    calls = []
+
+    def broken(running):
+        calls.append(running.request_id)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        return real(running)
+
+    engine._scheduler.prefilled = broken
+    second = prompt_of(31, seed=2)
+    engine.submit(request("a", prompt_of(30, seed=1), 5))
+    engine.submit(request("b", second, 5))
+    events.wait_finals(2)
+    assert len(events.finals("a")) == len(events.finals("b")) == 1
+    assert events.finals("a")[0].finish_reason is FinishReason.ERROR
+    if events.finals("b")[0].finish_reason is not FinishReason.ERROR:  # b was admitted in a later step
+        assert events.tokens("b") == oracle(second, 5)
+    assert pool.free_pages() == pool.total_pages()
+    prompt = prompt_of(22, seed=3)
+    engine.submit(request("c", prompt, 5))
+    events.wait_finals(3)
+    assert events.tokens("c") == oracle(prompt, 5)
