@@ -33,7 +33,10 @@ for name in "$@"; do
     kernel_tests)    # every Triton kernel against its PyTorch twin, compiled for this GPU (pytest from .device_wheels if absent)
                      $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index .device_wheels/*.whl
                      step "$name" 150 $PY -m pytest -q -x -p no:cacheprovider tests/kernels ;;
-    batching)        step "$name" 400 $PY benchmarks/batching_check.py --out "$OUT/batching" ;;
+    batching)        step "$name" 300 $PY benchmarks/batching_check.py --rates 1,4 --mixed-requests 16 --mixed-time-s 20 \
+                        --mixed-max-prompt 16384 --out "$OUT/batching" ;;
+    graph_regions_b1) step "$name" 120 $PY benchmarks/gpu_graph_check.py --layers 8 --context 4096 --regions --batches 1 \
+                        --out "$OUT/graph_regions" ;;
     *) echo "unknown step $name (see benchmarks/gpu_steps.sh)" | tee -a "$OUT/summary.txt" ;;
   esac
 done
