@@ -61,6 +61,9 @@ class GenerationHints:
     graph_warmed_up: bool = False
     graph_devices: tuple[str, ...] = ("cuda",)
     graph_backend: object = None  # None: torch.cuda graphs (tests put a CPU stand-in here)
+    # batch_buckets: generate() padded the caller's rows (real) up to a bucket (padded) with copies of row 0;
+    # prefill runs the real rows only and copies row 0's cache (integration/batch_buckets.py)
+    batch_padding: tuple[int, int] | None = None
 
     def forget_graph(self) -> None:
         """Drop the captured decode step (its buffers change when a new turn is prefilled)."""
