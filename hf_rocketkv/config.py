@@ -41,8 +41,8 @@ MULTI_TURN_MODES = ("evict", "keep_all")
 BUCKET_FIELDS = ("capacity_buckets", "batch_buckets")
 # decode_runner="torch_compile" with batch_buckets=None: the batch sizes serving engines capture CUDA graphs for
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-# decode_runner="torch_compile" with capacity_buckets=None: slots per row are rounded up to the ladder 256, 384, 512,
-# 768, 1024, 1536, ... (powers of two and 1.5x powers of two), so a store is at most 1.5x what the request needs
+# requests larger than the largest capacity bucket: slots per row are rounded up to the ladder 256, 384, 512, 768,
+# 1024, 1536, ... (powers of two and 1.5x powers of two), so such a store is at most 1.5x what the request needs
 CAPACITY_LADDER_START = 256
 YAML_SECTION = "sparse_attention_config"
 YAML_ALGORITHM = "rocket"
@@ -106,10 +106,11 @@ class RocketKVConfig:
                        holds the kept prompt + max_new_tokens (then to whole pages), so a compiled decode step sees
                        the same shapes for every prompt length and max_new_tokens within a bucket: one bucket
                        (e.g. ``(4096,)``) is one configured maximum, one graph. A request needing more than the
-                       largest bucket is sized exactly (a new graph, with a warning). ``()``: exact sizes. None: the
-                       runner's default, exact for "cuda_graphs" (it captures per request), the ladder 256, 384, 512,
-                       768, 1024, ... for "torch_compile". Memory: the padded slots are allocated (K, V, KT,
-                       positions), up to 1.5x the needed slots with the ladder; with a pool only the table widens.
+                       largest bucket gets the next size of the ladder 256, 384, 512, 768, 1024, ... (one more
+                       graph). ``()``: exact sizes. None: the runner's default, exact for "cuda_graphs" (it captures
+                       per request), ``(prompt_budget + capacity_headroom,)`` for "torch_compile". Memory: the padded
+                       slots are allocated (K, V, KT, positions) by a store of its own; with a pool only the block
+                       table widens (docs/configuration.md).
         batch_buckets: generate() pads a fresh request's batch with copies of its first row up to the smallest of
                        these sizes that holds it, and strips them from the output and the cache, so a compiled
                        decode step compiles once per bucket, not per batch size. Prefill runs the real rows only.
@@ -321,27 +322,24 @@ class RocketKVConfig:
         return next((size for size in self.effective_batch_buckets if size >= batch), batch)
 
     @property
-    def buckets_capacity(self) -> bool:
-        """Whether decode capacities are rounded up to buckets (explicit ones, or the torch_compile ladder)."""
+    def effective_capacity_buckets(self) -> tuple[int, ...]:
+        """The decode capacities (slots per row) stores are rounded up to: ``capacity_buckets``, or the decode
+        runner's default (one size, ``prompt_budget + capacity_headroom``, under torch_compile; none otherwise)."""
         if self.capacity_buckets is not None:
-            return len(self.capacity_buckets) > 0
-        return self.decode_runner == "torch_compile"
+            return self.capacity_buckets
+        return (self.prompt_budget + self.capacity_headroom,) if self.decode_runner == "torch_compile" else ()
 
     def bucket_capacity(self, needed: int, page_size: int) -> int:
-        """Slots per row for a store that must hold ``needed``: the smallest capacity bucket >= needed (the ladder
-        when ``capacity_buckets`` is None under torch_compile), else ``needed`` itself; then whole pages of
-        ``page_size``. A compiled decode step sees the same shapes for every request of one bucket."""
+        """Slots per row for a store that must hold ``needed``: the smallest capacity bucket >= needed; above the
+        largest, the ladder 256, 384, 512, 768, 1024, ... (so even those requests share graphs); ``needed`` itself
+        when bucketing is off. Then whole pages of ``page_size``. A compiled decode step sees the same shapes for
+        every request of one bucket."""
         needed = max(needed, 1)
+        buckets = self.effective_capacity_buckets
         bucket = needed
-        if self.capacity_buckets:
-            bucket = next((size for size in self.capacity_buckets if size >= needed), needed)
-        elif self.capacity_buckets is None and self.decode_runner == "torch_compile":
-            bucket = _ladder_bucket(needed)
+        if buckets:
+            bucket = next((size for size in buckets if size >= needed), None) or _ladder_bucket(needed)
         return -(-bucket // page_size) * page_size
-
-    def exceeds_capacity_buckets(self, needed: int) -> bool:
-        """An explicit bucket list that cannot hold ``needed`` slots (that request gets an exact size)."""
-        return bool(self.capacity_buckets) and needed > self.capacity_buckets[-1]
 
     def replace(self, **changes: Any) -> "RocketKVConfig":
         """A validated copy with some fields changed."""
