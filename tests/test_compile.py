@@ -321,3 +321,28 @@ def test_batch_padding_only_where_decode_compiles_and_never_for_other_caches():
         assert seen == [(3, 8)]
     out = greedy(sdpa, ids, attention_mask=mask, max_new_tokens=3, compile_config=_eager_backend_config())
     assert out.shape[0] == 3
+
+
+@pytest.mark.slow
+def test_pool_backed_caches_widen_only_the_table_and_share_one_graph():
+    """With a pool, the bucket widens the block table (-1 columns) and reserves no page for it: two prompt lengths,
+    one graph, the tokens of the unbucketed eager run."""
+    from hf_rocketkv import KVBlockPool
+
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    rocket, _ = make_models("llama", num_hidden_layers=1)
+    config = compressing_config(kt_cache_dtype="float32", decode_runner="torch_compile", capacity_headroom=60)
+    pool = KVBlockPool(rocket.config, max_gpu_bytes=1 << 20, page_size=8, dtype=torch.float32, device="cpu",
+                       kt_page_size=4, kt_dtype="float32")
+    for length in (40, 19):
+        ids = random_ids(1, length, seed=length)
+        eager = greedy(rocket, ids, max_new_tokens=6, past_key_values=RocketKVCache(_unbucketed(config)),
+                       disable_compile=True)
+        cache = RocketKVCache(config, pool=pool)
+        out = greedy(rocket, ids, max_new_tokens=6, past_key_values=cache, compile_config=_eager_backend_config())
+        assert torch.equal(out, eager), length
+        store = cache.layers[0].store
+        assert store.capacity == 88 and sum(store.row_pages) * 8 < 88  # 24 + 60 in pool pages of 8; pages: needed
+        assert _graphs() == 1, (length, dict(dynamo_utils.counters["stats"]))
+        cache.close()
