@@ -106,7 +106,7 @@ class RocketKVGenerateHooks:
         try:
             padding = cache.hints.batch_padding
             if padding is not None and input_ids.shape[0] > padding[0]:
-                return prefill_real_rows(call, cache, lambda real: self._prefill_rows(real, cache))
+                return prefill_real_rows(call, cache, lambda rows_call: self._prefill_rows(rows_call, cache))
             return self._prefill_rows(call, cache)
         finally:
             cache.hints.prefilling = False
