@@ -346,3 +346,23 @@ def test_pool_backed_caches_widen_only_the_table_and_share_one_graph():
         assert store.capacity == 88 and sum(store.row_pages) * 8 < 88  # 24 + 60 in pool pages of 8; pages: needed
         assert _graphs() == 1, (length, dict(dynamo_utils.counters["stats"]))
         cache.close()
+
+
+@pytest.mark.slow
+def test_keep_all_history_is_bucketed_too():
+    """multi_turn="keep_all": decode also appends to the whole-conversation history, whose table and positions the
+    compiled step reads; it is rounded to the same buckets (the ladder above the largest), so two prompt lengths
+    (both longer than prompt_budget) share a graph and give the unbucketed tokens."""
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    rocket, _ = make_models("llama", num_hidden_layers=1)
+    config = compressing_config(kt_cache_dtype="float32", decode_runner="torch_compile", multi_turn="keep_all")
+    for length in (40, 71):
+        ids = random_ids(1, length, seed=length)
+        eager = greedy(rocket, ids, max_new_tokens=6, past_key_values=RocketKVCache(_unbucketed(config)),
+                       disable_compile=True)
+        cache = RocketKVCache(config)
+        out = greedy(rocket, ids, max_new_tokens=6, past_key_values=cache, compile_config=_eager_backend_config())
+        assert torch.equal(out, eager), length
+        assert cache.layers[0].history.store.capacity == 24 + 256  # prompt_budget + capacity_headroom: 40 and 71 fit
+        assert _graphs() == 1, (length, dict(dynamo_utils.counters["stats"]))
