@@ -18,6 +18,9 @@ transformers (no other hf_rocketkv module), so every floor of the package may us
 | masking_utils.sdpa_mask                             | registered  | the mask function of the "rocketkv" name              |
 | cache_utils.Cache / CacheLayerMixin contract        | implemented | RocketKVCache / RocketKVLayer (update, get_mask_sizes, |
 |                                                     |             | get_seq_length, get_query_offset, crop, reorder...)   |
+| GenerationMixin.generate (public, but patched)      | wrapped     | batch-size buckets: pad a RocketKV request's rows,    |
+|                                                     |             | strip them from the output (``batch_buckets``)        |
+| CompileConfig._compile_all_devices                  | read        | whether generate() compiles decode off CUDA (tests)   |
 
 Public extension points used as such (not listed above): ``AttentionInterface.register``,
 ``AttentionMaskInterface.register``, passing a ``Cache`` instance as ``past_key_values`` (auto-compiled by generate()
@@ -133,7 +136,16 @@ CACHE_CONTRACT = PrivateSymbol(
     "RocketKVCache answers the mask code's query offset with a device counter (no host sync per step)",
 )
 
+GENERATE = PrivateSymbol(
+    "GenerationMixin.generate",
+    lambda: _unwrapped(GenerationMixin.generate),
+    ("self", "inputs", "generation_config", "prefix_allowed_tokens_fn", "assistant_model", "streamer",
+     "negative_prompt_ids", "custom_generate", "kwargs"),
+    "batch-size buckets: a RocketKV request's rows are padded to a bucket and stripped from the output",
+)
+
 SYMBOLS: tuple[PrivateSymbol, ...] = (
+    GENERATE,
     PREPARE_CACHE,
     PREFILL,
     PREPARE_INPUTS,
@@ -217,6 +229,12 @@ class Call:
     def arguments(self) -> dict:
         return self.bound.arguments
 
+    def with_arguments(self, **changes) -> "Call":
+        """The same call with some arguments replaced by name (not run yet)."""
+        bound = inspect.BoundArguments(self.bound.signature, dict(self.bound.arguments))
+        bound.arguments.update(changes)
+        return Call(self.original, bound)
+
     def __call__(self, **changes):
         """Run the original with the same arguments, ``changes`` replacing some of them by name."""
         if not changes:
@@ -232,6 +250,8 @@ class GenerateHooks(Protocol):
     def involves_model(self, model) -> bool: ...
 
     def involves_cache(self, cache) -> bool: ...
+
+    def generate(self, call: Call) -> Any: ...
 
     def prepare_cache(self, call: Call) -> Any: ...
 
@@ -257,6 +277,21 @@ def _wrap(original: Callable, handle: Callable[[Call, tuple, dict], Any]) -> Cal
 
     setattr(wrapper, WRAPPED_MARK, True)
     return wrapper
+
+
+def _generate_handler(hooks: GenerateHooks):
+    def handle(call: Call, args, kwargs):
+        cache = call.arguments["kwargs"].get("past_key_values")
+        if not (hooks.involves_model(call.arguments["self"]) or hooks.involves_cache(cache)):
+            return call.original(*args, **kwargs)
+        return hooks.generate(call)
+
+    return handle
+
+
+def compiles_on_every_device(compile_config) -> bool:
+    """``CompileConfig._compile_all_devices``: generate() compiles decode off CUDA too (tests force it on CPU)."""
+    return bool(getattr(compile_config, "_compile_all_devices", False))
 
 
 def _prepare_cache_handler(hooks: GenerateHooks):
@@ -341,6 +376,7 @@ def _install_method(owner: type, name: str, symbol: PrivateSymbol, handler, stat
 
 def install(hooks: GenerateHooks) -> None:
     """Wrap the private generate() steps listed in this module's table (idempotent)."""
+    _install_method(GenerationMixin, "generate", GENERATE, _generate_handler(hooks))
     _install_method(GenerationMixin, "_prepare_cache_for_generation", PREPARE_CACHE, _prepare_cache_handler(hooks))
     _install_method(GenerationMixin, "_prefill", PREFILL, _prefill_handler(hooks))
     _install_method(GenerationMixin, "prepare_inputs_for_generation", PREPARE_INPUTS, _prepare_inputs_handler(hooks))

@@ -37,6 +37,13 @@ BACKENDS = ("auto", "torch", "triton")
 DECODE_GUARD_CHECKS = ("first_step", "every_step")
 DECODE_RUNNERS = ("cuda_graphs", "torch_compile")
 MULTI_TURN_MODES = ("evict", "keep_all")
+# Bucket fields (tuples; a YAML/JSON list is turned into one): None picks the runner's default below.
+BUCKET_FIELDS = ("capacity_buckets", "batch_buckets")
+# decode_runner="torch_compile" with batch_buckets=None: the batch sizes serving engines capture CUDA graphs for
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# requests larger than the largest capacity bucket: slots per row are rounded up to the ladder 256, 384, 512, 768,
+# 1024, 1536, ... (powers of two and 1.5x powers of two), so such a store is at most 1.5x what the request needs
+CAPACITY_LADDER_START = 256
 YAML_SECTION = "sparse_attention_config"
 YAML_ALGORITHM = "rocket"
 
@@ -95,6 +102,20 @@ class RocketKVConfig:
                        (transformers' DeferredStopCheck, which it enables on MPS only), so the next decode step is
                        queued while the current one runs instead of the GPU idling during generate()'s host work.
                        Same tokens; one extra forward, undone, when generation stops on EOS.
+        capacity_buckets: decode slots per row after stage 1 are rounded up to the smallest of these sizes that
+                       holds the kept prompt + max_new_tokens (then to whole pages), so a compiled decode step sees
+                       the same shapes for every prompt length and max_new_tokens within a bucket: one bucket
+                       (e.g. ``(4096,)``) is one configured maximum, one graph. A request needing more than the
+                       largest bucket gets the next size of the ladder 256, 384, 512, 768, 1024, ... (one more
+                       graph). ``()``: exact sizes. None: the runner's default, exact for "cuda_graphs" (it captures
+                       per request), ``(prompt_budget + capacity_headroom,)`` for "torch_compile". Memory: the padded
+                       slots are allocated (K, V, KT, positions) by a store of its own; with a pool only the block
+                       table widens (docs/configuration.md).
+        batch_buckets: generate() pads a fresh request's batch with copies of its first row up to the smallest of
+                       these sizes that holds it, and strips them from the output and the cache, so a compiled
+                       decode step compiles once per bucket, not per batch size. Prefill runs the real rows only.
+                       ``()``: no padding. None: the runner's default, none for "cuda_graphs" (no compile to save),
+                       (1, 2, 4, 8, 16, 32, 64, 128) for "torch_compile". Larger batches run unpadded.
 
     Policies (docs/policies.md):
         stage1:        which prompt tokens stage 1 keeps: "snapkv" (RocketKV's, the default), "streaming" (sinks +
@@ -139,6 +160,8 @@ class RocketKVConfig:
     decode_guard_checks: str = "every_step"
     decode_runner: str = "cuda_graphs"
     deferred_stop_check: bool = True
+    capacity_buckets: tuple[int, ...] | None = None  # validated in _validate_buckets
+    batch_buckets: tuple[int, ...] | None = None
     # policies (validated in _validate_policy_fields)
     stage1: Any = "snapkv"  # a name from STAGE1_POLICY_NAMES or a policy object
     sink_tokens: int = 4
@@ -151,6 +174,10 @@ class RocketKVConfig:
     multi_turn: str = "evict"
 
     def __post_init__(self) -> None:
+        for name in BUCKET_FIELDS:  # YAML and JSON (model.config.rocketkv) hold lists; the frozen config a tuple
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
         self.validate()
 
     # ------------------------------------------------------------------------------------------------ validation
@@ -207,6 +234,22 @@ class RocketKVConfig:
         self._validate_policy_fields()
         self._validate_stage2_fields()
         self._validate_multi_turn()
+        self._validate_buckets()
+
+    def _validate_buckets(self) -> None:
+        """capacity_buckets, batch_buckets: None, or a strictly ascending tuple of integers >= 1 (may be empty)."""
+        for name in BUCKET_FIELDS:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            allowed = (
+                f"None (the decode runner's default) or a strictly ascending tuple of integers >= 1, e.g. "
+                f"{DEFAULT_BATCH_BUCKETS if name == 'batch_buckets' else (2048, 4096)} (() turns it off)"
+            )
+            if not isinstance(value, tuple) or not all(_is_int(v) for v in value):
+                raise ValueError(f"RocketKVConfig.{name} must be {allowed}, got {value!r}")
+            if any(v < 1 for v in value) or any(a >= b for a, b in zip(value, value[1:])):
+                raise ValueError(f"RocketKVConfig.{name} must be {allowed}, got {value!r}")
 
     def _validate_multi_turn(self) -> None:
         """multi_turn (a block of its own: keep_all multi-turn)."""
@@ -267,14 +310,50 @@ class RocketKVConfig:
     def kt_torch_dtype(self) -> torch.dtype:
         return KT_CACHE_DTYPES[self.kt_cache_dtype]
 
+    @property
+    def effective_batch_buckets(self) -> tuple[int, ...]:
+        """The batch sizes generate() pads to (``batch_buckets``, or the decode runner's default)."""
+        if self.batch_buckets is not None:
+            return self.batch_buckets
+        return DEFAULT_BATCH_BUCKETS if self.decode_runner == "torch_compile" else ()
+
+    def batch_bucket(self, batch: int) -> int:
+        """The padded batch size for ``batch`` rows: the smallest bucket that holds them, else ``batch`` itself."""
+        return next((size for size in self.effective_batch_buckets if size >= batch), batch)
+
+    @property
+    def effective_capacity_buckets(self) -> tuple[int, ...]:
+        """The decode capacities (slots per row) stores are rounded up to: ``capacity_buckets``, or the decode
+        runner's default (one size, ``prompt_budget + capacity_headroom``, under torch_compile; none otherwise)."""
+        if self.capacity_buckets is not None:
+            return self.capacity_buckets
+        return (self.prompt_budget + self.capacity_headroom,) if self.decode_runner == "torch_compile" else ()
+
+    def bucket_capacity(self, needed: int, page_size: int) -> int:
+        """Slots per row for a store that must hold ``needed``: the smallest capacity bucket >= needed; above the
+        largest, the ladder 256, 384, 512, 768, 1024, ... (so even those requests share graphs); ``needed`` itself
+        when bucketing is off. Then whole pages of ``page_size``. A compiled decode step sees the same shapes for
+        every request of one bucket."""
+        needed = max(needed, 1)
+        buckets = self.effective_capacity_buckets
+        bucket = needed
+        if buckets:
+            bucket = next((size for size in buckets if size >= needed), None) or _ladder_bucket(needed)
+        return -(-bucket // page_size) * page_size
+
     def replace(self, **changes: Any) -> "RocketKVConfig":
         """A validated copy with some fields changed."""
         return dataclasses.replace(self, **changes)
 
     # ------------------------------------------------------------------------------------------------ dict / YAML
     def to_dict(self) -> dict[str, Any]:
-        # not dataclasses.asdict: it would turn a policy object in `stage1` into a dict of its fields
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        # not dataclasses.asdict: it would turn a policy object in `stage1` into a dict of its fields; bucket
+        # tuples as lists, which YAML (safe_dump) and JSON (model.config.rocketkv) hold
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name in BUCKET_FIELDS:
+            if data[name] is not None:
+                data[name] = list(data[name])
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RocketKVConfig":
@@ -326,6 +405,17 @@ class RocketKVConfig:
         if path is not None:
             Path(path).write_text(text)
         return text
+
+
+def _ladder_bucket(needed: int) -> int:
+    """The smallest of 256, 384, 512, 768, 1024, 1536, ... (2^k and 3 * 2^(k-1)) that is >= ``needed``."""
+    size = CAPACITY_LADDER_START
+    while size < needed:
+        half_step = size * 3 // 2
+        if half_step >= needed:
+            return half_step
+        size *= 2
+    return size
 
 
 def _suggestions(unknown: list[str], known: set[str]) -> str:

@@ -47,6 +47,7 @@ def test_wrappers_are_installed_once_and_keep_the_signatures():
     from transformers.generation.utils import DeferredStopCheck
 
     for function in (
+        GenerationMixin.generate,
         GenerationMixin._prepare_cache_for_generation,
         GenerationMixin._prefill,
         GenerationMixin.prepare_inputs_for_generation,

@@ -11,6 +11,7 @@ import torch._dynamo
 import torch._dynamo.utils as dynamo_utils
 from transformers import CompileConfig
 
+import hf_rocketkv
 from hf_rocketkv import RocketKVCache
 
 from .helpers import compressing_config, greedy, left_pad, make_models, random_ids
@@ -73,13 +74,15 @@ def test_chunked_prefill_then_compiled_decode_equals_eager():
 
 
 @pytest.mark.slow
-def test_later_decode_steps_skip_guards_and_new_shapes_still_recompile(monkeypatch):
+def test_later_decode_steps_skip_guards_new_buckets_compile_and_new_prompt_lengths_do_not(monkeypatch):
     """decode_guard_checks="first_step" (opt-in): after each request's first compiled step only differentiating
-    guards run; a request of another batch size must still get its own graph (a skipped guard would replay the
-    batch-1 graph on batch-2 inputs). The default, "every_step", never touches torch's (process-global) stance."""
+    guards run. A request of another batch bucket must still get its own graph (a skipped guard would replay the
+    batch-1 graph on batch-2 inputs); a new prompt length in the same buckets replays the graph it has (capacity
+    and batch buckets keep every shape). The default, "every_step", never touches torch's (process-global) stance."""
     torch._dynamo.reset()
     rocket, _ = make_models("llama", num_hidden_layers=1)
-    config = compressing_config(kt_cache_dtype="float32", decode_guard_checks="first_step")
+    config = compressing_config(kt_cache_dtype="float32", decode_guard_checks="first_step",
+                                decode_runner="torch_compile")
     stances = []
     original = torch.compiler.set_stance
 
@@ -88,16 +91,19 @@ def test_later_decode_steps_skip_guards_and_new_shapes_still_recompile(monkeypat
         return original(*args, **kwargs)
 
     monkeypatch.setattr(torch.compiler, "set_stance", spy)
-    for batch in (1, 2, 1):
-        ids = random_ids(batch, 40, seed=batch)
+    dynamo_utils.counters.clear()
+    graphs = []
+    for batch, length in ((1, 40), (2, 40), (1, 57), (2, 31)):
+        ids = random_ids(batch, length, seed=batch)
         eager = greedy(rocket, ids, max_new_tokens=6, past_key_values=RocketKVCache(config), disable_compile=True)
         stances.clear()
         cache = RocketKVCache(config)
         compiled = greedy(rocket, ids, max_new_tokens=6, past_key_values=cache, compile_config=_compile_config())
-        assert torch.equal(compiled, eager), f"batch {batch}"
+        assert torch.equal(compiled, eager), f"batch {batch}, prompt {length}"
         assert stances == [True] * 4  # 5 decode steps: the first runs every guard
         assert cache.hints.guards_checked
-    assert dynamo_utils.counters["stats"]["unique_graphs"] >= 2  # batch 2 compiled its own graph
+        graphs.append(dynamo_utils.counters["stats"]["unique_graphs"])
+    assert graphs == [1, 2, 2, 2], graphs  # batch 2 compiled its own graph; new prompt lengths compiled nothing
 
     stances.clear()
     every = RocketKVCache(config.replace(decode_guard_checks="every_step"))
@@ -166,3 +172,197 @@ def test_compiled_decode_with_a_pool_equals_eager_without_recompiles():
     assert cache.stats.reused_tokens > 0  # the second request hit the first one's prefix
     assert dynamo_utils.counters["stats"]["unique_graphs"] == 1, dict(dynamo_utils.counters["stats"])
     assert not dynamo_utils.counters["recompiles"]
+
+
+# ------------------------------------------------------------------------------------------------ buckets
+def _eager_backend_config() -> CompileConfig:
+    """generate()'s compiled-decode path on CPU, traced by dynamo (fullgraph) without inductor: fast, and every new
+    graph is counted in dynamo's counters."""
+    config = CompileConfig(fullgraph=True, mode="default", dynamic=False, backend="eager")
+    config._compile_all_devices = True
+    return config
+
+
+def _graphs() -> int:
+    return dynamo_utils.counters["stats"]["unique_graphs"]
+
+
+def _unbucketed(config):
+    """The oracle: eager decode, exact capacities, no batch padding."""
+    return config.replace(decode_runner="cuda_graphs", capacity_buckets=(), batch_buckets=())
+
+
+@pytest.mark.slow
+def test_prompt_lengths_and_max_new_tokens_in_one_capacity_bucket_compile_nothing_new():
+    """After a first call, two other prompt lengths (one shorter than prompt_budget: rows kept whole) and two other
+    max_new_tokens build no graph: the store is sized prompt_budget + capacity_headroom for all of them. Tokens
+    equal the eager, unbucketed run."""
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    rocket, _ = make_models("llama", num_hidden_layers=1)
+    config = compressing_config(kt_cache_dtype="float32", decode_runner="torch_compile", capacity_headroom=40)
+    capacities = set()
+    for step, (length, new) in enumerate(((40, 6), (57, 6), (13, 6), (40, 11), (40, 3))):
+        ids = random_ids(1, length, seed=length)
+        eager = greedy(rocket, ids, max_new_tokens=new, past_key_values=RocketKVCache(_unbucketed(config)),
+                       disable_compile=True)
+        cache = RocketKVCache(config)
+        out = greedy(rocket, ids, max_new_tokens=new, past_key_values=cache, compile_config=_eager_backend_config())
+        assert torch.equal(out, eager), (length, new)
+        capacities.add(cache.layers[0].capacity)
+        assert _graphs() == 1, (step, length, new, dict(dynamo_utils.counters["stats"]))
+    assert capacities == {24 + 40}  # prompt_budget + capacity_headroom
+
+
+@pytest.mark.slow
+def test_a_request_above_the_largest_capacity_bucket_gets_a_ladder_size():
+    """capacity_buckets=(32,) is one configured maximum; a longer request is sized by the ladder (256), which
+    compiles one more graph, and gives the tokens of the unbucketed run."""
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    rocket, _ = make_models("llama", num_hidden_layers=1)
+    config = compressing_config(kt_cache_dtype="float32", decode_runner="torch_compile", capacity_buckets=(32,))
+    ids = random_ids(1, 40)
+    for new, capacity, graphs in ((6, 32, 1), (9, 32, 1), (12, 256, 2)):
+        eager = greedy(rocket, ids, max_new_tokens=new, past_key_values=RocketKVCache(_unbucketed(config)),
+                       disable_compile=True)
+        cache = RocketKVCache(config)
+        out = greedy(rocket, ids, max_new_tokens=new, past_key_values=cache, compile_config=_eager_backend_config())
+        assert torch.equal(out, eager)
+        assert cache.layers[0].capacity == capacity and _graphs() == graphs, (new, cache.layers[0].capacity)
+
+
+def _batch(batch: int):
+    return left_pad([random_ids(1, 30 + 7 * row, seed=row)[0] for row in range(batch)])
+
+
+@pytest.mark.slow
+def test_batch_sizes_of_one_bucket_share_a_graph_and_padding_changes_no_token():
+    """Batches of 3 then 4 rows run as the bucket 4 (one graph); 5 rows as the bucket 8 (one more). Each real row's
+    tokens equal the unpadded eager batch and that row alone; the caller sees its own batch in the output and in
+    the cache."""
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    rocket, _ = make_models("llama", num_hidden_layers=1)
+    config = compressing_config(kt_cache_dtype="float32", decode_runner="torch_compile")
+    for batch, graphs in ((3, 1), (4, 1), (5, 2)):
+        ids, mask = _batch(batch)
+        eager_cache = RocketKVCache(_unbucketed(config))
+        eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=7, past_key_values=eager_cache,
+                       disable_compile=True)
+        cache = RocketKVCache(config)
+        out = greedy(rocket, ids, attention_mask=mask, max_new_tokens=7, past_key_values=cache,
+                     compile_config=_eager_backend_config())
+        assert torch.equal(out, eager), batch
+        assert _graphs() == graphs, (batch, dict(dynamo_utils.counters["stats"]))
+        assert cache.batch_size == batch and cache.token_ids.shape[0] == batch
+        assert torch.equal(cache.kept_tokens(0), eager_cache.kept_tokens(0))
+        assert torch.equal(cache.layers[0].lengths, eager_cache.layers[0].lengths)
+    for row in range(batch):  # each row alone (no padding, no batch)
+        alone_ids = ids[row : row + 1, mask[row].bool()]
+        alone = greedy(rocket, alone_ids, max_new_tokens=7, past_key_values=RocketKVCache(_unbucketed(config)),
+                       disable_compile=True)
+        assert torch.equal(out[row, -7:], alone[0, -7:]), row
+
+
+@pytest.mark.slow
+def test_padded_generate_output_and_returned_cache_hold_the_callers_rows():
+    """return_dict_in_generate: sequences, scores and the returned cache are stripped to the caller's rows; a
+    cache made by generate() (none passed) is padded too; the next turn continues the stripped cache."""
+    torch._dynamo.reset()
+    rocket, _ = make_models("llama", num_hidden_layers=1)
+    config = compressing_config(kt_cache_dtype="float32", decode_runner="torch_compile")
+    hf_rocketkv.set_config(rocket, config)
+    ids, mask = _batch(3)
+    eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=5, disable_compile=True,
+                   past_key_values=RocketKVCache(_unbucketed(config)), return_dict_in_generate=True,
+                   output_scores=True)
+    out = greedy(rocket, ids, attention_mask=mask, max_new_tokens=5, compile_config=_eager_backend_config(),
+                 return_dict_in_generate=True, output_scores=True)
+    assert torch.equal(out.sequences, eager.sequences)
+    assert len(out.scores) == 5 and all(s.shape[0] == 3 for s in out.scores)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(out.scores, eager.scores))
+    assert out.past_key_values.batch_size == 3 and out.past_key_values.hints.batch_padding is None
+
+    follow = torch.cat([out.sequences, random_ids(3, 4, seed=9)], dim=1)
+    follow_mask = torch.cat([mask, torch.ones(3, 9, dtype=mask.dtype)], dim=1)
+    again = greedy(rocket, follow, attention_mask=follow_mask, max_new_tokens=4, disable_compile=True,
+                   past_key_values=out.past_key_values)
+    oracle = greedy(rocket, follow, attention_mask=follow_mask, max_new_tokens=4, disable_compile=True,
+                    past_key_values=eager.past_key_values)
+    assert torch.equal(again, oracle)
+
+
+def test_batch_padding_only_where_decode_compiles_and_never_for_other_caches():
+    """No padding for eager decode (disable_compile) or the cuda_graphs runner's default; explicit buckets pad; an sdpa
+    model's generate() is not touched (tests/test_compat.py compares whole processes)."""
+    from hf_rocketkv.integration import batch_buckets
+
+    rocket, sdpa = make_models("llama", num_hidden_layers=1)
+    ids, mask = _batch(3)
+    seen = []
+    original = batch_buckets.prefill_real_rows
+
+    def spy(call, cache, run):
+        seen.append(cache.hints.batch_padding)
+        return original(call, cache, run)
+
+    config = compressing_config(kt_cache_dtype="float32", decode_runner="torch_compile")
+    import unittest.mock as mock
+
+    with mock.patch("hf_rocketkv.integration.generate.prefill_real_rows", spy):
+        greedy(rocket, ids, attention_mask=mask, max_new_tokens=3, past_key_values=RocketKVCache(config),
+               disable_compile=True)
+        greedy(rocket, ids, attention_mask=mask, max_new_tokens=3, compile_config=_eager_backend_config(),
+               past_key_values=RocketKVCache(config.replace(decode_runner="cuda_graphs")))
+        assert seen == []
+        greedy(rocket, ids, attention_mask=mask, max_new_tokens=3, compile_config=_eager_backend_config(),
+               past_key_values=RocketKVCache(config.replace(batch_buckets=(8,))))
+        assert seen == [(3, 8)]
+    out = greedy(sdpa, ids, attention_mask=mask, max_new_tokens=3, compile_config=_eager_backend_config())
+    assert out.shape[0] == 3
+
+
+@pytest.mark.slow
+def test_pool_backed_caches_widen_only_the_table_and_share_one_graph():
+    """With a pool, the bucket widens the block table (-1 columns) and reserves no page for it: two prompt lengths,
+    one graph, the tokens of the unbucketed eager run."""
+    from hf_rocketkv import KVBlockPool
+
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    rocket, _ = make_models("llama", num_hidden_layers=1)
+    config = compressing_config(kt_cache_dtype="float32", decode_runner="torch_compile", capacity_headroom=60)
+    pool = KVBlockPool(rocket.config, max_gpu_bytes=1 << 20, page_size=8, dtype=torch.float32, device="cpu",
+                       kt_page_size=4, kt_dtype="float32")
+    for length in (40, 19):
+        ids = random_ids(1, length, seed=length)
+        eager = greedy(rocket, ids, max_new_tokens=6, past_key_values=RocketKVCache(_unbucketed(config)),
+                       disable_compile=True)
+        cache = RocketKVCache(config, pool=pool)
+        out = greedy(rocket, ids, max_new_tokens=6, past_key_values=cache, compile_config=_eager_backend_config())
+        assert torch.equal(out, eager), length
+        store = cache.layers[0].store
+        assert store.capacity == 88 and sum(store.row_pages) * 8 < 88  # 24 + 60 in pool pages of 8; pages: needed
+        assert _graphs() == 1, (length, dict(dynamo_utils.counters["stats"]))
+        cache.close()
+
+
+@pytest.mark.slow
+def test_keep_all_history_is_bucketed_too():
+    """multi_turn="keep_all": decode also appends to the whole-conversation history, whose table and positions the
+    compiled step reads; it is rounded to the same buckets (the ladder above the largest), so two prompt lengths
+    (both longer than prompt_budget) share a graph and give the unbucketed tokens."""
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    rocket, _ = make_models("llama", num_hidden_layers=1)
+    config = compressing_config(kt_cache_dtype="float32", decode_runner="torch_compile", multi_turn="keep_all")
+    for length in (40, 71):
+        ids = random_ids(1, length, seed=length)
+        eager = greedy(rocket, ids, max_new_tokens=6, past_key_values=RocketKVCache(_unbucketed(config)),
+                       disable_compile=True)
+        cache = RocketKVCache(config)
+        out = greedy(rocket, ids, max_new_tokens=6, past_key_values=cache, compile_config=_eager_backend_config())
+        assert torch.equal(out, eager), length
+        assert cache.layers[0].history.store.capacity == 24 + 256  # prompt_budget + capacity_headroom: 40 and 71 fit
+        assert _graphs() == 1, (length, dict(dynamo_utils.counters["stats"]))

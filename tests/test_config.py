@@ -76,6 +76,30 @@ def test_prefill_batch_size_none_or_positive_int(value):
     _raises(["prefill_batch_size", "None", ">= 1", repr(value)], prefill_batch_size=value)
 
 
+@pytest.mark.parametrize("field", ["capacity_buckets", "batch_buckets"])
+@pytest.mark.parametrize("value", [(4, 2), (2, 2), (0, 8), (1.5,), ("8",), (True,), 8, "8"])
+def test_buckets_are_none_or_strictly_ascending_positive_ints(field, value):
+    _raises([f"RocketKVConfig.{field}", "None", "strictly ascending", ">= 1", repr(value)], **{field: value})
+
+
+def test_bucket_defaults_follow_the_decode_runner_and_lists_become_tuples():
+    graphs = RocketKVConfig(prompt_budget=100, capacity_headroom=28)
+    assert graphs.effective_capacity_buckets == () and graphs.effective_batch_buckets == ()
+    assert graphs.bucket_capacity(37, 4) == 40 and graphs.batch_bucket(3) == 3  # exact: nothing to compile
+    compiled = graphs.replace(decode_runner="torch_compile")
+    assert compiled.effective_capacity_buckets == (128,)  # prompt_budget + capacity_headroom: one graph
+    assert [compiled.bucket_capacity(n, 4) for n in (1, 37, 128, 129, 300, 385)] == [128, 128, 128, 256, 384, 512]
+    assert [compiled.batch_bucket(n) for n in (1, 3, 5, 100, 128, 129)] == [1, 4, 8, 128, 128, 129]
+    explicit = RocketKVConfig(capacity_buckets=[30, 64], batch_buckets=[2, 6])
+    assert explicit.capacity_buckets == (30, 64) and explicit.batch_buckets == (2, 6)
+    assert [explicit.bucket_capacity(n, 8) for n in (3, 31, 65)] == [32, 64, 256]  # whole pages; then the ladder
+    assert [explicit.batch_bucket(n) for n in (1, 3, 7)] == [2, 6, 7]
+    off = compiled.replace(capacity_buckets=(), batch_buckets=())
+    assert off.bucket_capacity(37, 4) == 40 and off.batch_bucket(3) == 3
+    assert RocketKVConfig.from_yaml(explicit.to_yaml()) == explicit
+    assert RocketKVConfig.from_dict(explicit.to_dict()) == explicit
+
+
 @pytest.mark.parametrize("value", [1, "yes", None])
 def test_deferred_stop_check_is_a_bool(value):
     _raises(["deferred_stop_check", "True or False", repr(value)], deferred_stop_check=value)

@@ -61,6 +61,9 @@ class GenerationHints:
     graph_warmed_up: bool = False
     graph_devices: tuple[str, ...] = ("cuda",)
     graph_backend: object = None  # None: torch.cuda graphs (tests put a CPU stand-in here)
+    # batch_buckets: generate() padded the caller's rows (real) up to a bucket (padded) with copies of row 0;
+    # prefill runs the real rows only and copies row 0's cache (integration/batch_buckets.py)
+    batch_padding: tuple[int, int] | None = None
 
     def forget_graph(self) -> None:
         """Drop the captured decode step (its buffers change when a new turn is prefilled)."""
@@ -467,10 +470,10 @@ class RocketKVLayer(CacheLayerMixin):
             return
         capacity = _round_up(history.host_max_length + extra + self._headroom(), self.config.page_size)
         if self.pages is not None:
-            history.store = self.pages.history_store(self, capacity)
+            history.store = self.pages.history_store(self, capacity).widened(self._slots_for(capacity))
         else:
             keys, values = history.store.gather()
-            history.store = self._private_history(keys.shape[0], capacity)
+            history.store = self._private_history(keys.shape[0], self._slots_for(capacity))
             history.store.write(keys, values)
         history.positions = _fit_dim2(history.positions, history.store.capacity, -1)
         history.slack = self._slack_of(history.store, history.lengths.tolist())
@@ -506,13 +509,19 @@ class RocketKVLayer(CacheLayerMixin):
         keys, values = self.store.gather()
         kt = self.store.gather_kt()
         if self.pages is not None:
-            self.store = self.pages.grow_view(self, new_capacity)
+            self.store = self.pages.grow_view(self, new_capacity).widened(self._slots_for(new_capacity))
         else:
-            self.store = self._private_view(keys.shape[0], new_capacity)
+            self.store = self._private_view(keys.shape[0], self._slots_for(new_capacity))
         self.store.write(keys, values, kt)
         self.positions = _pad_dim2(self.positions, self.store.capacity, -1)
         self.host_slack = 0 if self.pages is None else self.pages.slack(self)
         self._mark_static()
+
+    def _slots_for(self, needed: int) -> int:
+        """Slots per row of a store that must hold ``needed`` tokens: the capacity bucket that holds them
+        (``RocketKVConfig.capacity_buckets``; exact when bucketing is off), in whole KT pages. Buckets keep a
+        compiled decode step's shapes the same across prompt lengths and max_new_tokens."""
+        return self.config.bucket_capacity(needed, self.config.page_size)
 
     def _headroom(self) -> int:
         """Slots for tokens still to come: from generate()'s max_length when known (the tokens it will still feed
@@ -650,8 +659,11 @@ class RocketKVLayer(CacheLayerMixin):
         keys, values, positions, counts = real_tokens_left_aligned(self._keys, self._values, self.row_start)
         if self.pages is not None:
             store, fixed = self.pages.prompt_store(self)
+            if keep_all:  # the history is read by decode steps: bucket its table width too
+                store = store.widened(self._slots_for(store.capacity))
         else:
-            store = self._private_history(keys.shape[0], _round_up(max(counts) + self._headroom(), self.config.page_size))
+            needed = _round_up(max(counts) + self._headroom(), self.config.page_size)
+            store = self._private_history(keys.shape[0], self._slots_for(needed))
             fixed = [0] * len(counts)
         write_tokens(store, keys, values, fixed, counts)
         if keep_all:
@@ -699,12 +711,13 @@ class RocketKVLayer(CacheLayerMixin):
         the working set) and the previous view are released."""
         batch, heads, _, dim = self._keys.shape
         counts = [k.shape[1] for k in kept]
-        capacity = _round_up(max(max(counts), 1) + self._headroom(), self.config.page_size)
-        if self.pages is not None:
-            store = self.pages.view_store(self, counts, capacity - max(max(counts), 1))
-            capacity = store.capacity
+        needed = _round_up(max(max(counts), 1) + self._headroom(), self.config.page_size)
+        if self.pages is not None:  # the pool's pages hold what the request needs; only the table is bucketed
+            store = self.pages.view_store(self, counts, needed - max(max(counts), 1))
+            store = store.widened(self._slots_for(store.capacity))
         else:
-            store = self._private_view(batch, capacity)
+            store = self._private_view(batch, self._slots_for(needed))
+        capacity = store.capacity
         keys = self._keys.new_zeros(batch, heads, capacity, dim)
         values = self._values.new_zeros(batch, heads, capacity, dim)
         positions = torch.full((batch, heads, capacity), -1, dtype=torch.int32, device=self.device)
@@ -755,7 +768,8 @@ class RocketKVLayer(CacheLayerMixin):
         layer.num_kv_heads, layer.head_dim = first.num_kv_heads, first.head_dim
         layer.policy = first.policy
         if layer.pages is not None:
-            layer.store = layer.pages.stacked_view(layer, [part.store for part in parts])
+            layer.store = layer.pages.stacked_view(layer, [part.store for part in parts]).widened(
+                max(part.capacity for part in parts))  # the parts' (bucketed) table width
         else:
             capacity = max(part.capacity for part in parts)
             gathered = [part.store.gather() for part in parts]
@@ -788,7 +802,7 @@ class RocketKVLayer(CacheLayerMixin):
         lengths = torch.cat([h.lengths for h in parts])
         counts = lengths.tolist()
         if layer.pages is not None:
-            store = layer.pages.history_store(layer, 0)
+            store = layer.pages.history_store(layer, 0).widened(max(h.store.capacity for h in parts))
         else:
             capacity = max(h.store.capacity for h in parts)
             store = layer._private_history(len(counts), capacity)

@@ -15,6 +15,7 @@ from the request's block tables.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +72,18 @@ class PagedStore:
         scatter_pages(self.v, self.table, _pad_slots(values, self.capacity, 0))
         if kt is not None:
             scatter_pages(self.kt, self.table, _pad_slots(kt, self.max_pages * self.kt.shape[2], 0))
+
+    def widened(self, capacity: int) -> "PagedStore":
+        """The same pages, the table padded with -1 (no page) up to ``capacity`` slots per row (never narrowed).
+
+        A compiled decode step sees one table shape for every request of a capacity bucket
+        (``RocketKVConfig.capacity_buckets``), while a pool reserves no page for the padding: ``row_pages`` still
+        says how many slots each row really holds."""
+        pages = ceil_div(capacity, self.page_tokens)
+        if pages <= self.max_pages:
+            return self
+        padding = self.table.new_full((self.batch, pages - self.max_pages), -1)
+        return dataclasses.replace(self, table=torch.cat([self.table, padding], dim=1))
 
     def nbytes(self) -> int:
         """Bytes of the pages this store's rows hold (all of a private store's tensors, the table included)."""

@@ -4,6 +4,8 @@ transformers has no cache registry (``cache_implementation`` is a closed set), s
 generate() steps. The hooking itself (which symbols, checked signatures, binding by name, leaving every other model
 alone) lives in ``hf_rocketkv/compat.py``; this module is what happens when a call involves RocketKV:
 
+* ``generate``: batch-size buckets (``batch_buckets``): a fresh request's rows are padded up to a bucket with
+  copies of row 0 and stripped from the output (``batch_buckets.py``).
 * ``prepare_cache``: a model whose attention is ``rocketkv`` gets ``RocketKVCache(config)`` when the caller passed no
   cache; a passed RocketKVCache learns the request's maximum length and whether prefill is chunked; misuse raises.
 * ``prefill``: a RocketKVCache that already holds tokens only accepts a continuation of the same request
@@ -26,6 +28,7 @@ from .. import compat
 from ..cache.cache import RocketKVCache
 from ..cache.layer import CROP_UNSUPPORTED
 from ..config import RocketKVConfig
+from .batch_buckets import plan_padding, prefill_real_rows, strip_padding
 from .compiled_decode import run_compiled_step
 from .decode_graphs import run_graphed_step, wants_graphs
 from .names import ATTN_NAME
@@ -61,6 +64,22 @@ class RocketKVGenerateHooks:
     def involves_cache(self, cache) -> bool:
         return isinstance(cache, RocketKVCache)
 
+    # ----------------------------------------------------------------------------------------- the whole call
+    def generate(self, call: compat.Call):
+        """Pad the batch up to its bucket (``RocketKVConfig.batch_buckets``), run generate(), strip the padding."""
+        model = call.arguments["self"]
+        cache = call.arguments["kwargs"].get("past_key_values")
+        config = cache.config if isinstance(cache, RocketKVCache) else get_config(model)
+        planned = plan_padding(call, config, lambda: RocketKVCache(config)) if uses_rocketkv(model) else None
+        if planned is None:
+            return call()
+        padding, changes = planned
+        try:
+            output = call(**changes)
+        finally:
+            padding.cache.hints.batch_padding = None
+        return strip_padding(output, padding)
+
     # ----------------------------------------------------------------------------------------- cache preparation
     def prepare_cache(self, call: compat.Call):
         model, generation_config = call.arguments["self"], call.arguments["generation_config"]
@@ -85,19 +104,28 @@ class RocketKVGenerateHooks:
         cache.hints.forget_graph()  # prefill reallocates the store: a captured decode step would point at old buffers
         cache.hints.prefilling = True
         try:
-            row_groups = wants_row_groups(cache, input_ids.shape[0])
-            if input_ids.shape[1] > 0:  # (inputs_embeds only: a pool admits at the first stage 1, no prefix lookup)
-                # with a pool: every page this forward needs, or PoolExhaustedError before anything is written; a
-                # prefix hit makes the cache's length start after it, so _prefill computes only the rest
-                cache.begin_prefill(input_ids, call.arguments["model_kwargs"].get("attention_mask"),
-                                    row_groups=row_groups)
-            if row_groups:
-                return prefill_in_row_groups(call, cache)
-            outputs = call()
-            cache.finish_prefill()  # chunked prefill deferred stage 1 until the whole prompt was in
-            return outputs
+            padding = cache.hints.batch_padding
+            if padding is not None and input_ids.shape[0] > padding[0]:
+                return prefill_real_rows(call, cache, lambda rows_call: self._prefill_rows(rows_call, cache))
+            return self._prefill_rows(call, cache)
         finally:
             cache.hints.prefilling = False
+
+    @staticmethod
+    def _prefill_rows(call: compat.Call, cache: RocketKVCache):
+        """Prefill every row of ``call``: in row groups when configured, then the deferred stage 1."""
+        input_ids = call.arguments["input_ids"]
+        row_groups = wants_row_groups(cache, input_ids.shape[0])
+        if input_ids.shape[1] > 0:  # (inputs_embeds only: a pool admits at the first stage 1, no prefix lookup)
+            # with a pool: every page this forward needs, or PoolExhaustedError before anything is written; a
+            # prefix hit makes the cache's length start after it, so _prefill computes only the rest
+            cache.begin_prefill(input_ids, call.arguments["model_kwargs"].get("attention_mask"),
+                                row_groups=row_groups)
+        if row_groups:
+            return prefill_in_row_groups(call, cache)
+        outputs = call()
+        cache.finish_prefill()  # chunked prefill deferred stage 1 until the whole prompt was in
+        return outputs
 
     def prepare_inputs(self, call: compat.Call):
         cache: RocketKVCache = call.arguments["past_key_values"]
