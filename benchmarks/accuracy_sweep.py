@@ -2,7 +2,8 @@
 tokens, on the eval harness's fidelity task and multi-key needle, with a small grid of stage-2 options.
 
     PYTHONPATH=. python benchmarks/accuracy_sweep.py --out out/sweep                 # CPU, embedded SmolLM2
-    PYTHONPATH=. python benchmarks/accuracy_sweep.py --quick --out out/sweep_quick   # < 60 s smoke run
+    PYTHONPATH=. python benchmarks/accuracy_sweep.py --quick --out out/sweep_quick   # smoke run (~80 s of CPU)
+    PYTHONPATH=. python benchmarks/accuracy_sweep.py --preset cpu --samples 2 --out out/sweep_cpu   # ~30 min
     PYTHONPATH=. python benchmarks/accuracy_sweep.py --device cuda --threads 0 --out $OUT/sweep   # a GPU
 
 Tasks (``hf_rocketkv.eval``, the same code as ``hf-rocketkv eval``):
@@ -81,6 +82,17 @@ def sweep_specs(quick: bool) -> list[Spec]:
     for budget, topk in EQUAL_KEPT:
         specs += [rocket_spec(budget, topk, s, r) for s, r in ((0, 0), (4, 32))]
     return specs
+
+
+def cpu_subset(specs: list[Spec]) -> list[Spec]:
+    """``--preset cpu``: what fits ~30 minutes of one shared CPU core: the baselines at 256 and 928 kept, RocketKV at
+    64 and 256 read with the stage-2 options 0/0, 4/32 (and 8/128 at 256 read), and at 928 kept with 0/0."""
+    keep = {"full"}
+    keep |= {f"evict:{p}@prompt_budget={n}" for p in BASELINES for n in (256, 928)}
+    keep |= {rocket_spec(256, 16, s, r).method for s, r in ((0, 0), (4, 32))}
+    keep |= {rocket_spec(1024, 64, s, r).method for s, r in ((0, 0), (4, 32), (8, 128))}
+    keep.add(rocket_spec(928, 64, 0, 0).method)
+    return [s for s in specs if s.method in keep]
 
 
 def base_config():
@@ -214,6 +226,8 @@ def parse_args(argv=None):
     parser.add_argument("--needle-length", type=int, default=2048)
     parser.add_argument("--depths", type=float, nargs="+", default=NEEDLE_DEPTHS)
     parser.add_argument("--methods", nargs="+", default=None, help="only these method strings (default: the sweep)")
+    parser.add_argument("--preset", choices=["all", "cpu"], default="all",
+                        help="all: every method of the sweep; cpu: the subset that fits ~30 min of one CPU core")
     parser.add_argument("--progress", action="store_true")
     args = parser.parse_args(argv)
     if args.quick:
@@ -231,6 +245,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     specs = sweep_specs(args.quick)
+    if args.preset == "cpu" and not args.quick:
+        specs = cpu_subset(specs)
     if args.methods:
         wanted = set(args.methods) | {"full"}
         specs = [s for s in specs if s.method in wanted]
