@@ -286,3 +286,16 @@ def test_yaml_and_cli_accept_the_fields():
     assert apply_overrides(config, ["decode_budget=null"]).decode_compression is None
     with pytest.raises(ValueError, match="decode_budget"):
         RocketKVConfig.from_dict({"decode_budget": -1})
+
+
+def test_row_group_prefill_equals_one_forward():
+    """prefill_batch_size=1 stacks the rows' layers after stage 1: the stacked layer gets its own ring buffer and
+    generated-token start, and the tokens equal a one-forward prefill's."""
+    rocket, _ = make_models("llama")
+    config = compressing_config(decode_budget=8, decode_interval=4, decode_window=4)
+    ids, mask = left_pad([random_ids(1, 44, seed=3)[0], random_ids(1, 30, seed=4)[0]])
+    want = greedy(rocket, ids, attention_mask=mask, past_key_values=RocketKVCache(config), max_new_tokens=25)
+    cache = RocketKVCache(config.replace(prefill_batch_size=1))
+    out = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=25)
+    assert torch.equal(out, want)
+    assert cache.layers[0].decode_queries.shape == (2, 4, 4, 16)
