@@ -57,10 +57,11 @@ class Spec:
     read: int | None  # tokens read per step at the start of decode (None: every stored token)
 
 
-def rocket_spec(budget: int, topk: int, sink: int, recent: int) -> Spec:
+def rocket_spec(budget: int, topk: int, sink: int, recent: int, family: str = "rocketkv") -> Spec:
+    """RocketKV keeping ``budget`` prompt tokens and reading ``topk`` pages of 4, stage-2 options ``sink/recent``."""
     method = (f"rocketkv@prompt_budget={budget},topk={topk},page_size={PAGE},stage2_sink_tokens={sink},"
               f"stage2_recent_tokens={recent}")
-    return Spec(method, f"rocketkv {sink}/{recent}", budget, topk * PAGE)
+    return Spec(method, f"{family} {sink}/{recent}", budget, topk * PAGE)
 
 
 def forced_pages_fit(topk: int, sink: int, recent: int) -> bool:
@@ -80,7 +81,7 @@ def sweep_specs(quick: bool) -> list[Spec]:
     for _, (budget, topk) in READ_BUDGETS.items():
         specs += [rocket_spec(budget, topk, s, r) for s, r in STAGE2_GRID if forced_pages_fit(topk, s, r)]
     for budget, topk in EQUAL_KEPT:
-        specs += [rocket_spec(budget, topk, s, r) for s, r in ((0, 0), (4, 32))]
+        specs += [rocket_spec(budget, topk, s, r, f"rocketkv kept {budget}") for s, r in ((0, 0), (4, 32))]
     return specs
 
 
@@ -120,6 +121,19 @@ def run_tasks(model, tokenizer, specs: list[Spec], args, out: Path) -> dict:
                                 depths=args.depths, samples=1, seed=0)
         results["niah"] = run_eval(model, tokenizer, config, settings, out / "niah", model_name=args.model,
                                    command="benchmarks/accuracy_sweep.py", progress=args.progress)
+    return results
+
+
+def load_results(out: Path) -> dict:
+    """The results.json of each task under ``out`` (an interrupted run keeps what it measured), summarised."""
+    from hf_rocketkv.eval.report import summarize
+
+    results = {}
+    for task in ("fidelity", "niah"):
+        path = out / task / "results.json"
+        if path.is_file():
+            results[task] = json.loads(path.read_text())
+            results[task]["summary"] = summarize(results[task])
     return results
 
 
@@ -229,6 +243,8 @@ def parse_args(argv=None):
     parser.add_argument("--preset", choices=["all", "cpu"], default="all",
                         help="all: every method of the sweep; cpu: the subset that fits ~30 min of one CPU core")
     parser.add_argument("--progress", action="store_true")
+    parser.add_argument("--report-only", action="store_true",
+                        help="no model run: rebuild sweep.json/md/png from the results.json files under --out")
     args = parser.parse_args(argv)
     if args.quick:
         args.samples, args.context, args.positions = 1, 512, 16
@@ -251,8 +267,11 @@ def main(argv=None) -> int:
         wanted = set(args.methods) | {"full"}
         specs = [s for s in specs if s.method in wanted]
     start = time.perf_counter()
-    model, tokenizer = load_model_and_tokenizer(args.model, device=args.device)
-    results = run_tasks(model, tokenizer, specs, args, out)
+    if args.report_only:
+        results = load_results(out)
+    else:
+        model, tokenizer = load_model_and_tokenizer(args.model, device=args.device)
+        results = run_tasks(model, tokenizer, specs, args, out)
     rows = table_rows(specs, results)
     seconds = time.perf_counter() - start
     header = (f"Accuracy sweep, {datetime.date.today()}, device {args.device}, {torch.get_num_threads()} thread(s), "
