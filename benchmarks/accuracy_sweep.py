@@ -274,6 +274,8 @@ def main(argv=None) -> int:
         results = run_tasks(model, tokenizer, specs, args, out)
     rows = table_rows(specs, results)
     seconds = time.perf_counter() - start
+    if args.report_only and (out / "sweep.json").is_file():  # keep the measured run's wall time
+        seconds = json.loads((out / "sweep.json").read_text()).get("seconds", seconds)
     header = (f"Accuracy sweep, {datetime.date.today()}, device {args.device}, {torch.get_num_threads()} thread(s), "
               f"{seconds:.0f} s; fidelity: {args.samples} x {args.positions} positions after {args.context} tokens; "
               f"needle: {args.needle_length} tokens, depths {args.depths}")
