@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .policies.decode_compression import DecodeCompression
 from .policies.registry import STAGE1_POLICY_NAMES, is_stage1_policy
 from .policies.stage2 import STAGE2_NAMES, fit_forced_pages, forced_page_counts
 
@@ -145,6 +146,19 @@ class RocketKVConfig:
                        page_size) pages (the newest page always; 0 gives RocketKV's rule) are forced into the top-k.
                        Forced sink + recent pages must fit in ``topk`` (checked here; in token-budget mode, where
                        topk is derived per request, the recent pages are kept first and the sinks get what is left).
+
+    Decode-time compression (docs/policies.md, "Decode-time compression"): bounds the generated tokens a layer stores,
+    so a long answer does not grow the cache without bound.
+        decode_budget: None (off, the default): every generated token is stored. An integer M: when M +
+                       decode_interval generated tokens are stored, each layer re-scores its generated tokens with its
+                       last decode_window decode queries and keeps M of them per KV head (the newest decode_window
+                       plus the best-scoring others); prompt tokens kept by stage 1 are never touched. A layer's
+                       store then holds at most prompt_budget + decode_budget + decode_interval tokens, whatever
+                       max_new_tokens is. Works with both decode runners (the compaction runs between two
+                       compiled / graphed steps, on the host side) and with a pool; not with multi_turn="keep_all".
+        decode_interval: generated tokens added between two compressions (>= 1).
+        decode_window: decode queries that score, and newest generated tokens always kept (1 .. decode_budget).
+        decode_kernel_size: odd width of the max-pooling over the generated tokens' scores (1: none).
     """
 
     window_size: int = 32
@@ -172,6 +186,11 @@ class RocketKVConfig:
     stage2_recent_tokens: int = 0
     # multi-turn (validated in _validate_multi_turn)
     multi_turn: str = "evict"
+    # decode-time compression (validated in _validate_decode_compression)
+    decode_budget: int | None = None
+    decode_interval: int = 64
+    decode_window: int = 32
+    decode_kernel_size: int = 7
 
     def __post_init__(self) -> None:
         for name in BUCKET_FIELDS:  # YAML and JSON (model.config.rocketkv) hold lists; the frozen config a tuple
@@ -235,6 +254,7 @@ class RocketKVConfig:
         self._validate_stage2_fields()
         self._validate_multi_turn()
         self._validate_buckets()
+        self._validate_decode_compression()
 
     def _validate_buckets(self) -> None:
         """capacity_buckets, batch_buckets: None, or a strictly ascending tuple of integers >= 1 (may be empty)."""
@@ -257,6 +277,33 @@ class RocketKVConfig:
             raise ValueError(
                 f"RocketKVConfig.multi_turn must be one of {list(MULTI_TURN_MODES)} (\"evict\": later turns re-run "
                 f"stage 1 over the kept tokens; \"keep_all\": over the whole conversation), got {self.multi_turn!r}"
+            )
+
+    def _validate_decode_compression(self) -> None:
+        """decode_budget, decode_interval, decode_window, decode_kernel_size (decode-time compression's block)."""
+        for name in ("decode_budget", "decode_interval", "decode_window", "decode_kernel_size"):
+            value = getattr(self, name)
+            if name == "decode_budget" and value is None:
+                continue
+            if not _is_int(value) or value < 1:
+                what = "None (off) or an integer >= 1" if name == "decode_budget" else "an integer >= 1"
+                raise ValueError(f"RocketKVConfig.{name} must be {what}, got {value!r}")
+        if self.decode_budget is None:
+            return
+        if self.decode_window > self.decode_budget:
+            raise ValueError(
+                f"RocketKVConfig.decode_window ({self.decode_window}) must be <= decode_budget ({self.decode_budget}): "
+                f"the newest decode_window generated tokens are always kept"
+            )
+        if self.decode_kernel_size % 2 == 0:
+            raise ValueError(
+                f"RocketKVConfig.decode_kernel_size must be odd (same-length max-pooling), got {self.decode_kernel_size}"
+            )
+        if self.multi_turn == "keep_all":
+            raise ValueError(
+                f"RocketKVConfig.decode_budget={self.decode_budget} bounds the generated tokens a layer stores, but "
+                f"multi_turn='keep_all' keeps every token of the conversation: the two do not combine. Use "
+                f"multi_turn='evict' with decode_budget, or decode_budget=None with keep_all."
             )
 
     def _validate_policy_fields(self) -> None:
@@ -305,6 +352,19 @@ class RocketKVConfig:
         """``(sink_pages, recent_pages)`` stage 2 attends at every step besides the top-k by score (part of topk)."""
         sink, recent = forced_page_counts(self.stage2_sink_tokens, self.stage2_recent_tokens, self.page_size)
         return fit_forced_pages(sink, recent, self.topk)
+
+    @property
+    def decode_compression(self) -> DecodeCompression | None:
+        """The decode-time compression settings (``policies.decode_compression``), None when decode_budget is None."""
+        if self.decode_budget is None:
+            return None
+        return DecodeCompression(self.decode_budget, self.decode_interval, self.decode_window, self.decode_kernel_size)
+
+    def decode_headroom(self, new_tokens: int) -> int:
+        """Slots to reserve beyond the kept prompt for ``new_tokens`` generated tokens: all of them, or at most
+        ``decode_budget + decode_interval`` with decode-time compression (independent of max_new_tokens)."""
+        compression = self.decode_compression
+        return new_tokens if compression is None else min(new_tokens, compression.max_generated)
 
     @property
     def kt_torch_dtype(self) -> torch.dtype:

@@ -130,6 +130,8 @@ class PoolPages:
         turn: reserve the batch's pages now (``GroupPlan``); each group is admitted when it starts."""
         batch, width = input_ids.shape
         mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+        # decode-time compression bounds the generated tokens a view holds: reserve that, not max_new_tokens
+        max_new_tokens = self.config.decode_headroom(max_new_tokens)
         self.max_new_tokens = max_new_tokens
         if not self.rows:
             pads = (width - mask.sum(dim=1)).tolist()  # left padding (right padding is refused by the attention)

@@ -136,6 +136,7 @@ def decode_attention(layer: RocketKVLayer, query: torch.Tensor, scaling: float) 
     out = ops.paged_sparse_decode_attention(
         q, store.k, store.v, store.table, page_idx, page_valid, layer.lengths, config.page_size, scaling
     )
+    layer.record_decode_query(query)  # decode-time compression's scoring window (no-op when it is off)
     # [B, Hkv, G, D] -> [B, 1, Hq, D]: the size-1 axes make this transpose a contiguous view
     return out.reshape(batch, num_q_heads, 1, head_dim).transpose(1, 2)
 

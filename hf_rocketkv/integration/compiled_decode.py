@@ -1,5 +1,11 @@
 """What generate()'s compiled decode step does on the host around the compiled graph, for RocketKV caches only:
-a capacity check, and the torch.compile guard policy (``RocketKVConfig.decode_guard_checks``).
+a capacity check, decode-time compression when it is due, and the torch.compile guard policy
+(``RocketKVConfig.decode_guard_checks``).
+
+Decode-time compression (``RocketKVConfig.decode_budget``): its compaction has fixed shapes and runs in place on
+the layers' fixed-address buffers, but the decision *when* is a host counter, which a compiled or captured step
+cannot hold. So ``count_decode_step`` runs it eagerly before the step that would exceed the budget; the compiled
+graph (or the CUDA graph) only writes each step's query into the layer's ring buffer.
 
 Capacity: a compiled step cannot grow the store (that would change the graph's shapes and addresses) and cannot
 raise from the device without a sync, so the host counts the compiled steps itself and raises before the step that
@@ -55,6 +61,7 @@ def count_decode_step(cache: RocketKVCache, args: tuple, kwargs: dict) -> None:
     for layer_idx, layer in enumerate(cache.layers):
         if not layer.compressed:
             continue
+        layer.maybe_compress_decode()  # decode-time compression runs here, eagerly, between two device steps
         if layer.decode_room() <= 0:
             raise RuntimeError(
                 f"RocketKVCache layer {layer_idx} is full: its slots per row ({layer.capacity} in the widest) hold the "
