@@ -384,10 +384,16 @@ class RocketKVConfig:
     @property
     def effective_capacity_buckets(self) -> tuple[int, ...]:
         """The decode capacities (slots per row) stores are rounded up to: ``capacity_buckets``, or the decode
-        runner's default (one size, ``prompt_budget + capacity_headroom``, under torch_compile; none otherwise)."""
+        runner's default (one size under torch_compile, none otherwise). The default size is the decode-time
+        compression bound, ``prompt_budget + decode_budget + decode_interval``, when ``decode_budget`` is set (every
+        request then needs at most that), else ``prompt_budget + capacity_headroom``."""
         if self.capacity_buckets is not None:
             return self.capacity_buckets
-        return (self.prompt_budget + self.capacity_headroom,) if self.decode_runner == "torch_compile" else ()
+        if self.decode_runner != "torch_compile":
+            return ()
+        if self.decode_budget is not None:
+            return (self.prompt_budget + self.decode_budget + self.decode_interval,)
+        return (self.prompt_budget + self.capacity_headroom,)
 
     def bucket_capacity(self, needed: int, page_size: int) -> int:
         """Slots per row for a store that must hold ``needed``: the smallest capacity bucket >= needed; above the
