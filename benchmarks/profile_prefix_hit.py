@@ -1,0 +1,110 @@
+"""Where the time to first token of a prefix hit goes (issue 13: target <= 10% of a cold prefill, measured 24%).
+
+    PYTHONPATH=. python benchmarks/profile_prefix_hit.py --out $OUT          # H100: about 1 minute
+    PYTHONPATH=. python benchmarks/profile_prefix_hit.py --quick --out out   # CPU smoke run
+
+Llama-3.1-8B shapes, random bf16 weights, RocketKVConfig() defaults on the Triton backend, a KVBlockPool of 16-token
+pages. A cold request (32k shared prefix + 256 tokens) fills the pool, a warm-up hit compiles the hit path, then a
+second hit (same prefix, other 256 tokens, one new token) runs under torch.profiler. Prints and writes the top ops by
+CPU time and by device time, the wall time of the hit and of the cold request, and the host-device synchronisations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+import hf_rocketkv
+from hf_rocketkv import KVBlockPool, RocketKVCache, RocketKVConfig
+from hf_rocketkv.bench.decode import LLAMA_31_8B, TINY, build_model
+
+GIB = 2**30
+
+
+def first_token(model, ids: torch.Tensor, cache: RocketKVCache) -> float:
+    """Seconds to the first token of one request (generate with max_new_tokens=1, synchronised)."""
+    sync(ids.device)
+    start = time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=1, do_sample=False,
+                   eos_token_id=None, pad_token_id=0, disable_compile=True)
+    sync(ids.device)
+    return time.perf_counter() - start
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def top_ops(prof, key: str, rows: int) -> list[dict]:
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:rows]
+    return [dict(name=e.key, calls=e.count, cpu_ms=round(e.cpu_time_total / 1e3, 3),
+                 self_cpu_ms=round(e.self_cpu_time_total / 1e3, 3),
+                 device_ms=round(getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)) / 1e3, 3))
+            for e in events]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "out"))
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--prefix", type=int, default=32768)
+    parser.add_argument("--suffix", type=int, default=256)
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
+    if args.quick:
+        args.prefix, args.suffix = 256, 32
+    config = RocketKVConfig(backend="triton" if device.type == "cuda" else "torch")
+    if args.quick:
+        config = config.replace(prompt_budget=64, window_size=8, kernel_size=7, topk=8)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(TINY if args.quick else LLAMA_31_8B, None, dtype, device, seed=0)
+    hf_rocketkv.enable(model)
+    pool = KVBlockPool(model.config, max_gpu_bytes=int((0.05 if args.quick else 24) * GIB), page_size=16, dtype=dtype,
+                       kt_page_size=config.page_size, kt_dtype=config.kt_cache_dtype, device=device)
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(3, model.config.vocab_size, (1, args.prefix), generator=g)
+    prompts = [torch.cat([prefix, torch.randint(3, model.config.vocab_size, (1, args.suffix), generator=g)], 1).to(device)
+               for _ in range(3)]
+    report: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+
+    def request(ids):
+        cache = RocketKVCache(config, pool=pool)
+        seconds = first_token(model, ids, cache)
+        stats = cache.stats.as_dict()
+        cache.close()
+        return seconds, stats
+
+    report["cold_s"], _ = request(prompts[0])
+    report["cold_again_s"], _ = request(prompts[0][:, : args.prefix // 2].flip(1))  # another cold one, warm kernels
+    report["warm_up_hit_s"], _ = request(prompts[1])
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities, record_shapes=False) as prof:
+        report["hit_s"], report["hit_stats"] = request(prompts[2])
+    report["top_by_cpu"] = top_ops(prof, "cpu_time_total", 30)
+    report["top_by_self_cpu"] = top_ops(prof, "self_cpu_time_total", 20)
+    if device.type == "cuda":
+        report["top_by_device"] = top_ops(prof, "device_time_total", 20)
+    report["syncs"] = sum(e.count for e in prof.key_averages()
+                          if any(s in e.key for s in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                                      "cudaMemcpyAsync", "aten::item", "aten::_local_scalar_dense")))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile_prefix_hit.json").write_text(json.dumps(report, indent=1, default=str))
+    print(json.dumps({k: v for k, v in report.items() if not k.startswith("top")}, default=str))
+    for key in ("top_by_cpu", "top_by_self_cpu", "top_by_device"):
+        print(f"--- {key}")
+        for row in report.get(key, []):
+            print(f"{row['cpu_ms']:9.2f} cpu {row['self_cpu_ms']:9.2f} self {row['device_ms']:9.2f} dev "
+                  f"{row['calls']:6d}x {row['name'][:90]}")
+
+
+if __name__ == "__main__":
+    main()
