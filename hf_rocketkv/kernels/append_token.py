@@ -62,7 +62,12 @@ def append_token_torch(
 def _page_of(table: torch.Tensor, slot: torch.Tensor, page_tokens: int) -> torch.Tensor:
     """Page id of each ``slot`` ``[B, Hkv]`` through ``table`` ``[B, MP]``; raises (eager) for a missing page."""
     rows = torch.arange(table.shape[0], device=table.device)[:, None]
-    page = table.long()[rows, slot // page_tokens]  # IndexError past the table
+    column = slot // page_tokens
+    if _can_sync(column) and bool((column >= table.shape[1]).any()):
+        raise IndexError("paged_append_token: a row's next slot lies past its block table")
+    # clamped, so that a slot past the table never becomes a device-side assert (which would poison the CUDA
+    # context): where the host cannot check (graph capture, compile), the runner's bookkeeping has checked already
+    page = table.long()[rows, column.clamp(max=table.shape[1] - 1)]
     if _can_sync(page) and bool((page < 0).any()):
         raise IndexError("paged_append_token: a row has no page for its next slot (table entry -1)")
     return page
