@@ -64,6 +64,18 @@ def generate(model, ids: torch.Tensor, cache: RocketKVCache, new_tokens: int, **
                 tokens=out[:, ids.shape[1]:].tolist(), stats=cache.stats.as_dict())
 
 
+def setup(device: torch.device, quick: bool) -> tuple[RocketKVConfig, torch.dtype, torch.nn.Module]:
+    """The benchmark's config, dtype and model: Llama-3.1-8B shapes in bf16 on the GPU (Triton backend), or the tiny
+    model in float32 with small budgets for a CPU smoke run (``quick``). Shared with profile_prefix_hit.py."""
+    config = RocketKVConfig(backend="triton" if device.type == "cuda" else "torch")
+    if quick:
+        config = config.replace(prompt_budget=64, window_size=8, kernel_size=7, topk=8)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(TINY if quick else LLAMA_31_8B, None, dtype, device, seed=0)
+    hf_rocketkv.enable(model)
+    return config, dtype, model
+
+
 class Recorder:
     """Runs steps, records their results or their errors, and keeps to a time budget."""
 
@@ -110,12 +122,7 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     rec = Recorder(args.budget_s)
-    config = RocketKVConfig(backend="triton" if device.type == "cuda" else "torch")
-    if args.quick:
-        config = config.replace(prompt_budget=64, window_size=8, kernel_size=7, topk=8)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = build_model(TINY if args.quick else LLAMA_31_8B, None, dtype, device, seed=0)
-    hf_rocketkv.enable(model)
+    config, dtype, model = setup(device, args.quick)
     rec.report["env"] = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(), device=str(device),
         name=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,

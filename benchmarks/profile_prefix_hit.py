@@ -19,9 +19,12 @@ from pathlib import Path
 
 import torch
 
-import hf_rocketkv
-from hf_rocketkv import KVBlockPool, RocketKVCache, RocketKVConfig
-from hf_rocketkv.bench.decode import LLAMA_31_8B, TINY, build_model
+import sys
+
+from hf_rocketkv import KVBlockPool, RocketKVCache
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the prefix-reuse benchmark's setup, beside this file
+from bench_prefix_reuse import setup  # noqa: E402
 
 GIB = 2**30
 
@@ -59,12 +62,7 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     if args.quick:
         args.prefix, args.suffix = 256, 32
-    config = RocketKVConfig(backend="triton" if device.type == "cuda" else "torch")
-    if args.quick:
-        config = config.replace(prompt_budget=64, window_size=8, kernel_size=7, topk=8)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = build_model(TINY if args.quick else LLAMA_31_8B, None, dtype, device, seed=0)
-    hf_rocketkv.enable(model)
+    config, dtype, model = setup(device, args.quick)
     pool = KVBlockPool(model.config, max_gpu_bytes=int((0.05 if args.quick else 24) * GIB), page_size=16, dtype=dtype,
                        kt_page_size=config.page_size, kt_dtype=config.kt_cache_dtype, device=device)
     g = torch.Generator().manual_seed(0)
