@@ -124,18 +124,26 @@ def triton_type(kind: str, value) -> str:
     raise ValueError(f"cannot type a non-constexpr argument of kind {kind!r}")
 
 
+def as_on_gpu(launch: dict) -> dict:
+    """The recorded launch with the constexprs a GPU launch would use (``gpu_choices``)."""
+    choices = {name: ["bool" if isinstance(v, bool) else "int", v] for name, v in gpu_choices(launch).items()}
+    return dict(launch, args={**launch["args"], **choices})
+
+
 def source_of(launch: dict):
-    """The kernel's ASTSource: constexpr parameters take their recorded values, the others their types."""
+    """The kernel's ASTSource: constexpr parameters take the launch's values, the others their types."""
     from triton.compiler import ASTSource
 
     kernel = getattr(importlib.import_module(launch["module"]), launch["kernel"])
     names = list(inspect.signature(kernel.fn).parameters)
     constexpr_names = {names[i] for i in kernel.constexprs}
     signature, constexprs = {}, {}
-    args = dict(launch["args"])
-    args.update({name: ["bool" if isinstance(v, bool) else "int", v] for name, v in gpu_choices(launch).items()})
+    missing = [name for name in names if name not in launch["args"] and name not in constexpr_names]
+    if missing:
+        raise ValueError(f"the record of {launch['kernel']} has no {missing}: recorded from another version of the "
+                         f"kernel? Record again")
     for index, name in enumerate(names):
-        kind, value = args.get(name, ["none", None])
+        kind, value = launch["args"].get(name, ["none", None])
         if name in constexpr_names or kind == "none":
             signature[name] = "constexpr"
             constexprs[(index,)] = value
@@ -153,12 +161,12 @@ def compile_all(launches_file: Path, arch: int, out: Path | None) -> int:
 
     target = GPUTarget("cuda", arch, 32)
     launches, unique = [], set()
-    for launch in json.loads(launches_file.read_text()):  # distinct after the GPU's choices
-        key = json.dumps(dict(launch, gpu=gpu_choices(launch)), sort_keys=True)
+    for recorded in json.loads(launches_file.read_text()):  # with the GPU's choices, then distinct
+        launch = as_on_gpu(recorded)
+        key = json.dumps(launch, sort_keys=True)
         if key not in unique:
             unique.add(key)
-            launches.append(dict(launch, args={**launch["args"], **{
-                k: ["bool" if isinstance(v, bool) else "int", v] for k, v in gpu_choices(launch).items()}}))
+            launches.append(launch)
     results, failures = [], 0
     for launch in launches:
         start = time.perf_counter()
