@@ -34,6 +34,7 @@ for name in "$@"; do
                      $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index .device_wheels/*.whl
                      step "$name" 150 $PY -m pytest -q -p no:cacheprovider tests/kernels ;;
     profile_prefix_hit) step "$name" 150 $PY benchmarks/profile_prefix_hit.py --out "$OUT/profile_prefix_hit" ;;
+    profile_prefill) step "$name" 150 $PY benchmarks/profile_prefill.py --out "$OUT/profile_prefill" ;;
     decode_compression) step "$name" 120 $PY benchmarks/gpu_decode_compression_check.py --new-tokens 512 \
                         --out "$OUT/decode_compression" ;;
     batching)        step "$name" 300 $PY benchmarks/batching_check.py --rates 1,4 --mixed-requests 16 --mixed-time-s 20 \

@@ -1,0 +1,122 @@
+"""Where a cold prefill's time goes (issue 14: the batching engine's 8k prefills take 0.42 s each on an H100).
+
+    PYTHONPATH=. python benchmarks/profile_prefill.py --out $OUT            # H100: about 1 minute
+    PYTHONPATH=. python benchmarks/profile_prefill.py --quick --out out     # CPU smoke run
+
+Llama-3.1-8B shapes, random bf16 weights, RocketKVConfig() defaults on the Triton backend. One prompt of --prompt-len
+tokens, timed (median of --repeats after a warm-up) three ways, side by side:
+
+    dense      the model alone (sdpa attention, no cache, logits of the last token): the floor
+    rocketkv   a RocketKVCache without a pool (prefill + stage 1), as generate() runs it
+    pool       a RocketKVCache on a KVBlockPool, the way the batching engine prefills (begin_prefill, forward,
+               finish_prefill; prefix hashing and the prompt's pages kept for reuse)
+
+then profiles one ``pool`` prefill with torch.profiler: top ops by CPU and device time, host-device syncs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from hf_rocketkv import KVBlockPool, RocketKVCache
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_prefix_reuse import setup  # noqa: E402
+from profile_prefix_hit import sync, top_ops  # noqa: E402
+
+GIB = 2**30
+
+
+def timed(fn, device, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "out"))
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--prompt-len", type=int, default=8192)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
+    if args.quick:
+        args.prompt_len = 256
+    torch.set_grad_enabled(False)
+    config, dtype, model = setup(device, args.quick)
+    pool = KVBlockPool(model.config, max_gpu_bytes=int((0.05 if args.quick else 8) * GIB), page_size=16, dtype=dtype,
+                       kt_page_size=config.page_size, kt_dtype=config.kt_cache_dtype, device=device)
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+
+    def prompt():
+        return torch.randint(3, vocab, (1, args.prompt_len), generator=g).to(device)
+
+    def dense():
+        model(input_ids=prompt(), use_cache=False, logits_to_keep=1)
+
+    def rocketkv():
+        ids = prompt()
+        cache = RocketKVCache(config)
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, use_cache=True,
+              logits_to_keep=1)
+
+    def pooled():
+        ids = prompt()  # a new prompt each time: a cold prefill, no prefix hit
+        cache = RocketKVCache(config, pool=pool)
+        cache.hints.max_length = args.prompt_len + 64
+        cache.begin_prefill(ids, None, max_new_tokens=64)
+        cache.hints.prefilling = True
+        try:
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, use_cache=True,
+                  logits_to_keep=1)
+        finally:
+            cache.hints.prefilling = False
+        cache.finish_prefill()
+        sync(device)
+        cache.close()
+
+    report: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                    "prompt_len": args.prompt_len}
+    for name, fn in (("dense_s", dense), ("rocketkv_s", rocketkv), ("pool_s", pooled)):
+        report[name] = timed(fn, device, args.repeats)
+        print(name, round(report[name], 4), flush=True)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        pooled()
+    report["top_by_cpu"] = top_ops(prof, "cpu_time_total", 30)
+    if device.type == "cuda":
+        report["top_by_device"] = top_ops(prof, "device_time_total", 25)
+    report["syncs"] = sum(e.count for e in prof.key_averages()
+                          if any(s in e.key for s in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                                      "aten::item", "aten::_local_scalar_dense")))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile_prefill.json").write_text(json.dumps(report, indent=1, default=str))
+    print(json.dumps({k: v for k, v in report.items() if not k.startswith("top")}, default=str))
+    for key in ("top_by_cpu", "top_by_device"):
+        print(f"--- {key}")
+        for row in report.get(key, []):
+            print(f"{row['cpu_ms']:9.2f} cpu {row['self_cpu_ms']:9.2f} self {row['device_ms']:9.2f} dev "
+                  f"{row['calls']:6d}x {row['name'][:90]}")
+
+
+if __name__ == "__main__":
+    main()
