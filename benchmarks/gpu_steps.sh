@@ -32,9 +32,10 @@ for name in "$@"; do
     warm_start)      step "$name" 300 $PY benchmarks/warm_start_check.py --out "$OUT/warm_start" ;;
     kernel_tests)    # every Triton kernel against its PyTorch twin, compiled for this GPU (pytest from .device_wheels if absent)
                      $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index .device_wheels/*.whl
-                     step "$name" 150 $PY -m pytest -q -p no:cacheprovider tests/kernels ;;
+                     step "$name" 330 $PY -m pytest -q -p no:cacheprovider --durations=15 tests/kernels ;;
     profile_prefix_hit) step "$name" 150 $PY benchmarks/profile_prefix_hit.py --out "$OUT/profile_prefix_hit" ;;
     profile_prefill) step "$name" 150 $PY benchmarks/profile_prefill.py --out "$OUT/profile_prefill" ;;
+    sync_sites)      step "$name" 120 $PY benchmarks/sync_sites.py --layers 2 --out "$OUT/sync_sites" ;;
     decode_compression) step "$name" 120 $PY benchmarks/gpu_decode_compression_check.py --new-tokens 512 \
                         --out "$OUT/decode_compression" ;;
     batching)        step "$name" 300 $PY benchmarks/batching_check.py --rates 1,4 --mixed-requests 16 --mixed-time-s 20 \
