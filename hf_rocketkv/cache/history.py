@@ -38,16 +38,19 @@ class History:
 
 
 def real_tokens_left_aligned(
-    keys: torch.Tensor, values: torch.Tensor, row_start: torch.Tensor
+    keys: torch.Tensor, values: torch.Tensor, row_start: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
     """A dense store's real tokens (columns ``[row_start[b], T)``) moved to the front of each row.
 
-    ``keys``/``values`` ``[B, Hkv, T, D]``, ``row_start`` ``[B]`` -> (keys, values ``[B, Hkv, W, D]``, positions
+    ``keys``/``values`` ``[B, Hkv, T, D]``, ``row_start`` ``[B]`` host ints -> (keys, values ``[B, Hkv, W, D]``, positions
     ``[B, Hkv, W]`` int32 (input columns, -1 past the row's tokens), counts per row), W = the longest row.
     """
     batch, heads, width, dim = keys.shape
-    starts = row_start.tolist()
+    starts = list(row_start)
     counts = [width - s for s in starts]
+    if not any(starts):  # no padding: already left-aligned (no copy of the whole prompt, once per layer)
+        positions = torch.arange(width, dtype=torch.int32, device=keys.device).expand(batch, heads, width)
+        return keys, values, positions, counts
     out_w = max(counts)
     out_k = keys.new_zeros(batch, heads, out_w, dim)
     out_v = values.new_zeros(batch, heads, out_w, dim)

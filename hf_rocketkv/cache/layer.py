@@ -43,6 +43,7 @@ from ..kernels.dispatch import RocketOps, get_ops
 from ..policies import KeptSlots, Stage1Inputs, derive_budgets, get_stage1_policy
 from ..policies.decode_compression import move_kept
 from .history import History, real_tokens_left_aligned
+from ..kernels.host_copy import device_tensor, filled
 from .paged_store import PagedStore, ceil_div, private_store, write_tokens
 
 
@@ -68,6 +69,9 @@ class GenerationHints:
     # batch_buckets: generate() padded the caller's rows (real) up to a bucket (padded) with copies of row 0;
     # prefill runs the real rows only and copies row 0's cache (integration/batch_buckets.py)
     batch_padding: tuple[int, int] | None = None
+    # the padding offsets of the latest prefill forward's mask (integration/attention.py padding_of_forward):
+    # (weak reference to the mask, kv length, offsets on the device, offsets on the host), read once per forward
+    padding_memo: tuple | None = None
 
     def forget_graph(self) -> None:
         """Drop the captured decode step (its buffers change when a new turn is prefilled)."""
@@ -198,6 +202,10 @@ class RocketKVLayer(CacheLayerMixin):
         self.row_start: torch.Tensor | None = None
         self.pending_queries: torch.Tensor | None = None
         self.pending_valid: torch.Tensor | None = None  # [B] real queries in pending_queries (right-aligned)
+        # host mirrors of row_start and pending_valid when known without reading the device (a prefill without
+        # padding, or padding read once per forward): stage 1 then never syncs per layer; None = unknown
+        self.host_row_start: list[int] | None = None
+        self.host_window_len: list[int] | None = None
         # a later turn's new tokens, stored by the attention function once it knows which are padding
         self.pending_keys: torch.Tensor | None = None
         self.pending_values: torch.Tensor | None = None
@@ -513,7 +521,7 @@ class RocketKVLayer(CacheLayerMixin):
             values[b, :, length : length + m] = value_states[b, :, taken]
             positions[b, :, length : length + m] = (first_column + taken).to(torch.int32)
         self._keys, self._values, self.positions = keys, values, positions  # positions: of the working set now
-        self.lengths = lengths + torch.tensor(counts, dtype=lengths.dtype, device=self.device)
+        self.lengths = lengths + device_tensor(counts, lengths.dtype, self.device)
         self.host_max_length = max(s + m for s, m in zip(stored, counts))
         if self.history is not None:
             self._extend_history(stored, counts)
@@ -603,7 +611,8 @@ class RocketKVLayer(CacheLayerMixin):
     def _headroom(self) -> int:
         """Slots for tokens still to come: from generate()'s max_length when known (the tokens it will still feed
         back; 0 when it generates one token), else the config's headroom (a stale hint of an earlier call too)."""
-        seen = self.get_seq_length()
+        # a first prefill is eager and counts its tokens on the host: no read of the device counter (a sync)
+        seen = self.host_seen if not self.compressed and self._host_bookkeeping() else self.get_seq_length()
         if self.hints.max_length is not None and self.hints.max_length >= seen:
             return self.config.decode_headroom(self.hints.max_length - seen)
         return self.config.decode_headroom(self.config.capacity_headroom)
@@ -615,6 +624,7 @@ class RocketKVLayer(CacheLayerMixin):
         row_start: torch.Tensor | None,
         scaling: float,
         valid: torch.Tensor | None = None,
+        host_row_start: list[int] | None = None,
     ) -> None:
         """Remember each row's last ``window_size`` real queries (stage 1's window) and its padding offset; feed the
         policy's accumulation hook.
@@ -624,6 +634,9 @@ class RocketKVLayer(CacheLayerMixin):
         window of the earlier ones. The padding offset comes from the latest chunk: its mask covers every column so
         far, while an earlier chunk may lie entirely inside a row's left padding (such a chunk's offset is its own
         length, which is still right for that chunk: every query and key in it is padding).
+
+        ``host_row_start``: ``row_start`` as Python ints when the caller has them (read once per forward), so that
+        stage 1 needs no host sync in this layer.
         """
         self._check_policy_supported()
         self.scaling = scaling
@@ -636,11 +649,17 @@ class RocketKVLayer(CacheLayerMixin):
                 f"window-based policy (snapkv, streaming, knorm, random)."
             )
         chunk_queries = query_states.detach()
-        if valid is None:
-            valid = torch.ones(batch, n, dtype=torch.bool, device=query_states.device)
+        all_real = valid is None
         if self.counters is not None and self.layer_idx == 0:
-            self.counters.computed_tokens += int(valid.sum())  # prefill is eager: a sync is fine here
-        queries, count = last_real_queries(chunk_queries, valid, window)
+            # prefill is eager: a sync is fine here (once per forward, and none without padding)
+            self.counters.computed_tokens += batch * n if all_real else int(valid.sum())
+        held_count = self.host_window_len if self.pending_queries is not None else [0] * batch
+        if all_real:
+            valid = torch.ones(batch, n, dtype=torch.bool, device=query_states.device)
+            queries = chunk_queries[:, :, n - min(window, n):]  # every query is real: the last w, no ranking
+            count = torch.full((batch,), queries.shape[2], dtype=torch.long, device=query_states.device)
+        else:
+            queries, count = last_real_queries(chunk_queries, valid, window)
         if self.pending_queries is not None:
             held = self.pending_queries.shape[2]
             held_valid = torch.arange(held, device=valid.device)[None, :] >= (held - self.pending_valid)[:, None]
@@ -649,9 +668,21 @@ class RocketKVLayer(CacheLayerMixin):
                 torch.cat([self.pending_queries, queries], dim=2), torch.cat([held_valid, now_valid], dim=1), window
             )
         self.pending_queries, self.pending_valid = queries, count
+        real_counts = [n] * batch if all_real else self._host_real_queries(host_row_start, n)
+        self.host_window_len = ([min(window, held + real) for held, real in zip(held_count, real_counts)]
+                                if held_count is not None and real_counts is not None else None)
         if row_start is not None or self.row_start is None:
             self.row_start = row_start if row_start is not None else torch.zeros(batch, dtype=torch.long, device=self.device)
+            self.host_row_start = host_row_start if row_start is not None else [0] * batch
         self._accumulate(chunk_queries, scaling)
+
+    def _host_real_queries(self, host_row_start: list[int] | None, n: int) -> list[int] | None:
+        """Real (non-padding) queries per row among a first prefill's latest ``n``, from the host padding offsets:
+        the queries are the dense store's last ``n`` columns, real from the row's offset on (None: unknown)."""
+        if host_row_start is None or self.compressed:
+            return None
+        first_query = self._keys.shape[2] - n
+        return [n - min(n, max(0, start - first_query)) for start in host_row_start]
 
     def _accumulate(self, queries: torch.Tensor, scaling: float) -> None:
         """Policies that score with every prefill query (H2O) accumulate here, once per forward."""
@@ -713,6 +744,7 @@ class RocketKVLayer(CacheLayerMixin):
             scaling=self.scaling,
             window_len=self.pending_valid,
             state=self.policy_state,
+            host_rows=self._host_stage1_rows(),
         )
         kept = [self._same_count_per_head(row) for row in self.policy.select(inputs)]
         if not self.compressed:
@@ -720,10 +752,19 @@ class RocketKVLayer(CacheLayerMixin):
         self._compact(kept, columns)
         self.pending_queries = self.pending_valid = None
         self.row_start = None
+        self.host_row_start = self.host_window_len = None
         self.policy_state = None  # a later turn accumulates afresh
         self.observed_columns = 0
         if self.pages is not None:
             self.pages.after_compaction(self)
+
+    def _host_stage1_rows(self) -> tuple[tuple[int, int, int], ...] | None:
+        """Stage 1's ``(start, end, w_b)`` per row from the host mirrors (a first prefill whose padding and window
+        counts are known on the host); None when some are only on the device (the policy reads them back)."""
+        if self.compressed or self.host_row_start is None or self.host_window_len is None:
+            return None
+        end = self._keys.shape[2]
+        return tuple((start, end, w) for start, w in zip(self.host_row_start, self.host_window_len))
 
     def _store_prompt(self) -> None:
         """A request's first stage 1: the prompt's real tokens go, whole, into the pages that keep them: the pool's
@@ -733,7 +774,8 @@ class RocketKVLayer(CacheLayerMixin):
         pool_prompt = self.pages is not None and self.pages.wants_prompt_pages()
         if not (keep_all or pool_prompt):
             return
-        keys, values, positions, counts = real_tokens_left_aligned(self._keys, self._values, self.row_start)
+        starts = self.host_row_start if self.host_row_start is not None else self.row_start.tolist()
+        keys, values, positions, counts = real_tokens_left_aligned(self._keys, self._values, starts)
         if self.pages is not None:
             store, fixed = self.pages.prompt_store(self)
             if keep_all:  # the history is read by decode steps: bucket its table width too
@@ -744,7 +786,7 @@ class RocketKVLayer(CacheLayerMixin):
             fixed = [0] * len(counts)
         write_tokens(store, keys, values, fixed, counts)
         if keep_all:
-            lengths = torch.tensor(counts, dtype=torch.long, device=self.device)
+            lengths = device_tensor(counts, torch.long, self.device)
             self.history = History(store, _fit_dim2(positions, store.capacity, -1), lengths, max(counts), fixed,
                                    self._slack_of(store, counts))
 
@@ -804,7 +846,7 @@ class RocketKVLayer(CacheLayerMixin):
             keys[b, :, :n] = self._keys[b].gather(1, idx)
             values[b, :, :n] = self._values[b].gather(1, idx)
             positions[b, :, :n] = (columns[b].gather(1, slots) if columns is not None else slots).to(torch.int32)
-        self.lengths = torch.tensor(counts, dtype=torch.long, device=self.device)
+        self.lengths = filled(batch, counts, torch.long, self.device)  # no pageable copy (a sync) per layer
         kt = self.ops.build_kt(keys, self.lengths, self.config.page_size, self.config.kt_torch_dtype)
         store.write(keys, values, kt)
         self.store, self.positions = store, positions
@@ -913,6 +955,7 @@ class RocketKVLayer(CacheLayerMixin):
         from their pages, indexed and written back (beam search reorders every step: in place, fixed addresses);
         a private view takes a new store when the batch size changes."""
         index = index.to(self.device)
+        self.host_row_start = self.host_window_len = None  # rows reordered: the host mirrors are stale
         for name in ("_keys", "_values", "positions", "lengths", "pending_queries", "pending_valid", "row_start",
                      "gen_start", "decode_queries"):
             tensor = getattr(self, name)

@@ -68,10 +68,11 @@ class PagedStore:
         """Write contiguous rows ``[B, Hkv, W, D]`` (W <= C; the rest of each page is zeroed) into the rows' pages,
         and ``kt`` ``[B, Hkv, W // KP, 2, D]`` when given. Whole pages are written, so stale bytes of an earlier
         owner of a pool page never survive."""
-        scatter_pages(self.k, self.table, _pad_slots(keys, self.capacity, 0))
-        scatter_pages(self.v, self.table, _pad_slots(values, self.capacity, 0))
+        counts = self.row_pages  # host page counts: no device-side mask of the table (a sync per write)
+        scatter_pages(self.k, self.table, _pad_slots(keys, self.capacity, 0), counts)
+        scatter_pages(self.v, self.table, _pad_slots(values, self.capacity, 0), counts)
         if kt is not None:
-            scatter_pages(self.kt, self.table, _pad_slots(kt, self.max_pages * self.kt.shape[2], 0))
+            scatter_pages(self.kt, self.table, _pad_slots(kt, self.max_pages * self.kt.shape[2], 0), counts)
 
     def widened(self, capacity: int) -> "PagedStore":
         """The same pages, the table padded with -1 (no page) up to ``capacity`` slots per row (never narrowed).
@@ -132,18 +133,21 @@ def write_tokens(store: PagedStore, keys: torch.Tensor, values: torch.Tensor, st
     """Write slots ``[start[b], end[b])`` of each row from contiguous rows ``[B, Hkv, W, D]`` (slot-aligned: the
     row's slot s comes from ``keys[b, :, s]``) into the row's pages, and nothing else. Pages before ``start`` may be
     shared (prefix pages another request also reads): they are never touched."""
+    # checked on the host (a row's pages are table[b, :row_pages[b]]), and the index tensors are built on the
+    # device: no host-device sync on the prefill path
+    for b, (first, last) in enumerate(zip(start, end)):
+        if last > first and (b >= len(store.row_pages) or last > store.row_pages[b] * store.page_tokens):
+            raise IndexError("write_tokens: a row has no page for a slot it writes (table entry -1)")
+    device = store.k.device
     rows, slots = [], []
     for b, (first, last) in enumerate(zip(start, end)):
         if last > first:
-            rows.append(torch.full((last - first,), b, dtype=torch.long))
-            slots.append(torch.arange(first, last, dtype=torch.long))
+            rows.append(torch.full((last - first,), b, dtype=torch.long, device=device))
+            slots.append(torch.arange(first, last, dtype=torch.long, device=device))
     if not rows:
         return
-    device = store.k.device
-    rows, slots = torch.cat(rows).to(device), torch.cat(slots).to(device)
+    rows, slots = torch.cat(rows), torch.cat(slots)
     pages = store.table.long()[rows, slots // store.page_tokens]
-    if bool((pages < 0).any()):
-        raise IndexError("write_tokens: a row has no page for a slot it writes (table entry -1)")
     offsets = slots % store.page_tokens
     store.k[pages, :, offsets] = keys[rows, :, slots].to(store.k.dtype)
     store.v[pages, :, offsets] = values[rows, :, slots].to(store.v.dtype)

@@ -33,6 +33,7 @@ import torch
 
 from ..memory import Admission, BlockTable, KVBlockPool, PrefixKeys, Reservation
 from ..memory.accounting import row_pages
+from ..kernels.host_copy import device_tensor
 from ..kernels.paged import gather_pages
 from .paged_store import PagedStore, ceil_div
 from .stats import RequestCounters
@@ -72,6 +73,9 @@ class Turn:
     done: set[int] = field(default_factory=set)
     table: torch.Tensor | None = None  # device table of ``view``, built at the first layer's compaction
     row_pages: tuple[int, ...] = ()
+    # the prompt tables' and the prefix hit's device tables, built once per turn (not once per layer)
+    prompt_table: tuple[torch.Tensor, tuple[int, ...]] | None = None
+    hit_table: torch.Tensor | None = None
 
 
 def _table_tensor(rows: list[list[BlockTable]], device) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -79,7 +83,19 @@ def _table_tensor(rows: list[list[BlockTable]], device) -> tuple[torch.Tensor, t
     pages = [[p for table in row for p in table.pages] for row in rows]
     width = max(1, max(len(p) for p in pages))
     padded = [p + [-1] * (width - len(p)) for p in pages]
-    return torch.tensor(padded, dtype=torch.int32, device=device), tuple(len(p) for p in pages)
+    return device_tensor(padded, torch.int32, device), tuple(len(p) for p in pages)
+
+
+def copy_pages_into(dest: torch.Tensor, pages: torch.Tensor, n: int) -> None:
+    """``dest[:, :n] = `` the first ``n`` tokens of ``pages`` ``[P, Hkv, S, D]`` laid out as ``[Hkv, P * S, D]``:
+    whole pages through a 4-d view of ``dest`` (one strided copy, no intermediate tensor), the last partial page
+    on its own. ``dest`` ``[Hkv, >= n, D]`` with unit stride on D."""
+    page = pages.shape[2]
+    full = n // page
+    if full:
+        dest[:, : full * page].unflatten(1, (full, page)).copy_(pages[:full].transpose(0, 1))
+    if n > full * page:
+        dest[:, full * page : n].copy_(pages[full, :, : n - full * page])
 
 
 def release_rows_later(pool: KVBlockPool, rows: list[RowPages], extra: list[Reservation]) -> None:
@@ -258,21 +274,29 @@ class PoolPages:
 
     def prefix_keys(self, layer, key_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The dense store's first ``layer.prefix_tokens`` columns ``[B, Hkv, L, D]``: row b's padding (zeros), then
-        its first ``L - pad_b`` prompt tokens from its prompt table's hit pages."""
+        its first ``L - pad_b`` prompt tokens from its prompt table's hit pages.
+
+        Two passes over the prefix per tensor (gather the pages, one strided copy into the dense layout), and the
+        hit table is built once per turn: this runs in every layer of a prefix hit, on its time to first token."""
         storage = self.pool.layer(layer.layer_idx, key_states)
         tokens = layer.prefix_tokens
         batch, heads, _, dim = key_states.shape
-        keys = key_states.new_zeros(batch, heads, tokens, dim)
-        values = key_states.new_zeros(batch, heads, tokens, dim)
+        padded = any(row.pad for row in self.rows)
+        make = key_states.new_zeros if padded else key_states.new_empty  # padding columns must read as zeros
+        keys, values = make(batch, heads, tokens, dim), make(batch, heads, tokens, dim)
         hit = ceil_div(tokens, self.page_tokens)  # no row reads past its hit pages: tokens - pad_b <= hit_b
-        rows = [list(row.admission.prompt.pages[:hit]) for row in self.rows]
-        table = torch.tensor([r + [-1] * (hit - len(r)) for r in rows], dtype=torch.int32, device=key_states.device)
-        pages_k, pages_v = gather_pages(storage.k, table), gather_pages(storage.v, table)
+        table = self.turn.hit_table if self.turn is not None else None
+        if table is None:
+            rows = [list(row.admission.prompt.pages[:hit]) for row in self.rows]
+            table = device_tensor([r + [-1] * (hit - len(r)) for r in rows], torch.int32, key_states.device)
+            if self.turn is not None:
+                self.turn.hit_table = table
         for b, row in enumerate(self.rows):
             n = tokens - row.pad
             if n > 0:
-                keys[b, :, row.pad:] = pages_k[b, :, :n]
-                values[b, :, row.pad:] = pages_v[b, :, :n]
+                index = table[b, : ceil_div(n, self.page_tokens)].long()
+                copy_pages_into(keys[b, :, row.pad :], storage.k.index_select(0, index), n)
+                copy_pages_into(values[b, :, row.pad :], storage.v.index_select(0, index), n)
         return keys, values
 
     # ------------------------------------------------------------------------------------------ layer views
@@ -298,8 +322,12 @@ class PoolPages:
         storage = self.pool.layer(layer.layer_idx)
         if self.keep_all:
             table, row_pages = self.history_table(layer.device)
+        elif self.turn is not None and self.turn.prompt_table is not None:
+            table, row_pages = self.turn.prompt_table
         else:
             table, row_pages = _table_tensor([[row.admission.prompt] for row in self.rows], layer.device)
+            if self.turn is not None:
+                self.turn.prompt_table = (table, row_pages)
         return PagedStore(storage.k, storage.v, None, table, row_pages, False), [row.hit_tokens for row in self.rows]
 
     def view_store(self, layer, counts: list[int], headroom: int) -> PagedStore:

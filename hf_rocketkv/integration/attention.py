@@ -12,6 +12,8 @@ model's own DynamicCache, ``use_cache=False``) it is exactly transformers' sdpa 
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -42,8 +44,11 @@ def rocketkv_attention(
 
     if not layer.compressed:
         out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-        start = padding_offsets(attention_mask, key.shape[2])
-        layer.observe_prefill(query, start, scaling, valid=real_queries(start, key.shape[2], query.shape[2]))
+        start, host_start = padding_of_forward(layer, attention_mask, key.shape[2])
+        first_query = key.shape[2] - query.shape[2]
+        all_real = host_start is not None and max(host_start) <= first_query  # no query is padding: no mask needed
+        valid = None if all_real else real_queries(start, key.shape[2], query.shape[2])
+        layer.observe_prefill(query, start, scaling, valid=valid, host_row_start=host_start)
         if not layer.hints.defer_compression:
             layer.compress()
         return out, None
@@ -85,6 +90,23 @@ def padding_offsets(attention_mask: torch.Tensor | None, kv_length: int) -> torc
             "RocketKV needs left-padded batches (padding before each prompt): set tokenizer.padding_side='left'."
         )
     return start
+
+
+def padding_of_forward(
+    layer: RocketKVLayer, attention_mask: torch.Tensor | None, kv_length: int
+) -> tuple[torch.Tensor | None, list[int] | None]:
+    """``padding_offsets`` and its host copy, read from the device once per forward: every layer of a forward gets
+    the same mask object, so the later layers find the first one's answer in the cache's hints (a weak reference
+    to the mask: a new forward's mask is a new object) instead of syncing again."""
+    if attention_mask is None:
+        return None, None
+    memo = layer.hints.padding_memo
+    if memo is not None and memo[0]() is attention_mask and memo[1] == kv_length:
+        return memo[2], memo[3]
+    start = padding_offsets(attention_mask, kv_length)
+    host = start.tolist()
+    layer.hints.padding_memo = (weakref.ref(attention_mask), kv_length, start, host)
+    return start, host
 
 
 def real_queries(start: torch.Tensor | None, kv_length: int, n: int) -> torch.Tensor | None:

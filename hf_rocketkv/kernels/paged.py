@@ -46,17 +46,27 @@ def gather_pages(pages: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return gathered.reshape(batch, gathered.shape[1], max_pages * pages.shape[2], *pages.shape[3:])
 
 
-def scatter_pages(pages: torch.Tensor, table: torch.Tensor, rows: torch.Tensor) -> None:
+def scatter_pages(pages: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
+                  row_pages: tuple[int, ...] | None = None) -> None:
     """In place: write contiguous rows back into their pages (the inverse of ``gather_pages``).
 
     ``rows`` ``[B, Hkv, MP * S, *rest]``; the slots of missing pages (-1) are dropped. Every present page of a row is
     written whole, so a row's pages must not be shared with another row.
+
+    ``row_pages`` (host ints, optional): row b's pages are ``table[b, :row_pages[b]]`` and every entry after them is
+    -1 (what a ``PagedStore`` table holds). Given, the present pages come from these counts instead of a boolean mask
+    over the device table, whose indexing waits for the device (a host sync per call).
     """
     batch, max_pages = table.shape
     per_page = rows.reshape(batch, rows.shape[1], max_pages, pages.shape[2], *pages.shape[3:]).movedim(1, 2)
-    index = table.long()
-    present = index >= 0
-    pages[index[present]] = per_page[present].to(pages.dtype)
+    if row_pages is None:
+        index = table.long()
+        present = index >= 0
+        pages[index[present]] = per_page[present].to(pages.dtype)
+        return
+    index = torch.cat([table[b, :n] for b, n in enumerate(row_pages)]).long()
+    source = torch.cat([per_page[b, :n] for b, n in enumerate(row_pages)])
+    pages[index] = source.to(pages.dtype)  # index_put_ (index_copy_ has no float8 kernel on CPU)
 
 
 def identity_table(batch: int, pages_per_row: int, device: torch.device | str) -> torch.Tensor:

@@ -29,7 +29,7 @@ device)`` and ``accumulate(state, queries, keys, start, end, scaling)``; the cac
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
@@ -57,6 +57,9 @@ class Stage1Inputs:
     window_len: torch.Tensor | None = None
     state: Any = None
     keep_first: int = 0
+    # ``(start, end, w_b)`` per row as Python ints when the caller knows them on the host (the cache layer does for
+    # a prefill): policies then never read ``start`` / ``end`` / ``window_len`` back from the device (a sync per layer)
+    host_rows: tuple[tuple[int, int, int], ...] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         _check_inputs(self)
@@ -76,6 +79,8 @@ class Stage1Inputs:
 
     @functools.cached_property
     def _rows(self) -> list[tuple[int, int, int]]:
+        if self.host_rows is not None:
+            return [tuple(row) for row in self.host_rows]
         # read once (one host sync per tensor) however many times policies ask
         starts, ends = self.start.tolist(), self.end.tolist()
         windows = self.window_len.tolist() if self.window_len is not None else [self.window] * len(starts)
@@ -108,6 +113,9 @@ def _check_inputs(inputs: Stage1Inputs) -> None:
         raise ValueError(
             f"Stage1Inputs: query heads ({num_q_heads}) must be a multiple of KV heads ({keys.shape[1]})"
         )
+    if inputs.host_rows is not None and len(inputs.host_rows) != batch:
+        raise ValueError(f"Stage1Inputs.host_rows must have one (start, end, w_b) per row ({batch}), got "
+                         f"{len(inputs.host_rows)}")
     for name in ("start", "end") + (("window_len",) if inputs.window_len is not None else ()):
         value = getattr(inputs, name)
         if value.shape != (batch,):
@@ -141,16 +149,21 @@ class KeptSlots:
 
     slots: torch.Tensor
     counts: torch.Tensor
+    # True when known on the host that every head keeps ``slots.shape[1]`` (``same_for_every_head``); None: read
+    # ``counts`` back from the device to tell
+    known_uniform: bool | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def same_for_every_head(cls, slots: torch.Tensor) -> "KeptSlots":
         """From ``[Hkv, n]`` ascending slots (every head keeps n)."""
         counts = torch.full((slots.shape[0],), slots.shape[1], dtype=torch.long, device=slots.device)
-        return cls(slots, counts)
+        return cls(slots, counts, known_uniform=True)
 
     @property
     def uniform(self) -> bool:
         """Every KV head keeps the same count (what the cache layer can store today)."""
+        if self.known_uniform is not None:
+            return self.known_uniform
         return bool((self.counts == self.slots.shape[1]).all())
 
 

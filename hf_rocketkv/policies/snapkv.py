@@ -46,8 +46,11 @@ class SnapKVPolicy:
         q, w = inputs.q_window, inputs.window
         if inputs.window_len is None:
             return scores_fn(q, inputs.keys, inputs.start, inputs.end, inputs.scaling)
+        lengths = [n for _, _, n in inputs.rows()]
+        if len(set(lengths)) == 1 and lengths[0] > 0:  # one window length: no row gather (the usual prefill)
+            n = lengths[0]
+            return scores_fn(q[:, :, w - n :], inputs.keys, inputs.start, inputs.end, inputs.scaling)
         out = torch.zeros(inputs.keys.shape[:3], dtype=torch.float32, device=inputs.keys.device)
-        lengths = inputs.window_len.tolist()
         for n in sorted(set(lengths)):
             if n == 0:
                 continue  # no real query: the row scores 0 everywhere

@@ -270,6 +270,28 @@ def test_identity_table_round_trip():
     assert torch.equal(copy, pages)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2])
+def test_scatter_pages_with_host_page_counts_equals_the_masked_write(dtype):
+    """``scatter_pages(..., row_pages)`` (no device mask: host page counts) writes exactly what the masked write
+    does, on shuffled pool pages with rows of different page counts (-1 after each row's pages)."""
+    g = gen("scatter-counts")
+    counts = (3, 1, 4)
+    order = torch.randperm(12, generator=g).tolist()
+    table = torch.full((3, 4), -1, dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(counts):
+        table[b, :n] = torch.tensor(order[start : start + n], dtype=torch.int32)
+        start += n
+    table = table.to(DEVICE)
+    rows = randn((3, 2, 4 * 5, 8), torch.float32, g).to(dtype)
+    base = randn((12, 2, 5, 8), torch.float32, g).to(dtype)
+    want, got = base.clone(), base.clone()
+    scatter_pages(want, table, rows)
+    scatter_pages(got, table, rows, counts)
+    assert torch.equal(got.float(), want.float())
+    assert not torch.equal(got.float(), base.float())  # something was written
+
+
 def test_registered_paged_ops_run_through_the_dispatcher():
     """The triton_op registrations (what torch.compile traces) give the launchers' results."""
     g = gen("paged-registered")
