@@ -278,3 +278,14 @@ def test_a_pool_too_small_for_the_warm_up_is_logged_and_the_manager_serves(tiny_
     finally:
         manager.stop()
     assert pool.free_pages() == pool.total_pages()
+
+
+def test_generate_batch_does_not_warm_up(tiny_pair, graphed_on_cpu, oracle):
+    """One workload: its buckets are captured as it reaches them; capturing them all first would only add."""
+    from hf_rocketkv.serving import SamplingParams, generate_batch
+
+    pool = make_pool(tiny_pair[0])
+    prompt = prompt_of(30, seed=61)
+    results = generate_batch(tiny_pair[0], [prompt], config=CFG, pool=pool,
+                             sampling=SamplingParams.greedy(3, ignore_eos=True))
+    assert graphed_on_cpu == [] and list(results[0].token_ids) == oracle(prompt, 3)
