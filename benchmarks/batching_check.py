@@ -3,9 +3,15 @@
     PYTHONPATH=. python3 benchmarks/batching_check.py [--out DIR] [--requests 32] [--prompt-len 8192]
                                                       [--new-tokens 512] [--quick]
 
+One engine serves every step, as a server would: before it starts, ``BatchingEngine.warm_up`` captures the decode
+graph of every bucket for max_tokens up to max(--new-tokens, --mixed-new-tokens) (``startup_capture_s``), so no
+workload pays for a capture or a table widening. Its counters are cumulative: each step reports its own deltas
+(``graph_captures`` included: 0 after the warm-up).
+
 Steps (each in its own try/except: one failure never loses the others' results):
 
-  warmup     two short requests through the engine (Triton JIT, allocator), timed and excluded from the rest
+  warmup     the startup capture (``startup_capture_s``, also at the report's top level), then two short requests
+             through the engine (Triton JIT, allocator), timed and excluded from the rest
   fixed      --requests x --prompt-len prompt tokens x --new-tokens new tokens (greedy, EOS ignored), all submitted
              at once: total output tokens/s, TTFT p50/p99 (submit -> first token, queueing included), ms per decode
              step (median, p90; mean rows per step), prefill s per request, peak GiB (torch.cuda.max_memory_allocated)
@@ -180,37 +186,79 @@ def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(length)]
 
 
-def engine_stats(engine: BatchingEngine, since: int = 0) -> dict:
-    stats = engine.stats()
-    steps = list(stats.step_ms)[since:] if since < stats.decode_steps else []
+def engine_stats(before, after) -> dict:
+    """The engine's counters over one step: ``after - before`` (two ``engine.stats()`` snapshots)."""
+    steps = after.decode_steps - before.decode_steps
+    prefills = after.prefills - before.prefills
+    step_ms = list(after.step_ms)[-steps:] if steps else []
     return {
-        "decode_steps": stats.decode_steps, "mean_rows_per_step": stats.decode_rows / max(1, stats.decode_steps),
-        "padded_rows": stats.padded_rows, "ms_per_step_p50": percentile(steps, 50),
-        "ms_per_step_p90": percentile(steps, 90), "prefills": stats.prefills,
-        "prefill_s_per_request": stats.prefill_seconds / max(1, stats.prefills),
+        "decode_steps": steps, "mean_rows_per_step": (after.decode_rows - before.decode_rows) / max(1, steps),
+        "padded_rows": after.padded_rows - before.padded_rows, "ms_per_step_p50": percentile(step_ms, 50),
+        "ms_per_step_p90": percentile(step_ms, 90), "prefills": prefills,
+        "prefill_s_per_request": (after.prefill_seconds - before.prefill_seconds) / max(1, prefills),
     }
 
 
-def run_engine(model, pool, config, args, body) -> tuple[dict, BatchingEngine]:
-    """A fresh engine on ``pool``; ``body(engine, recorder)`` submits and waits. Returns its summary and stats."""
-    batching = BatchingConfig(max_running=args.max_running, prefills_per_step=args.prefills_per_step,
-                              max_queue=4096, buckets=_buckets(args.max_running))
-    engine = BatchingEngine(model, config, pool, batching, decode_graphs=None if args.decode == "graphs" else False)
-    recorder = Recorder()
-    engine.start(recorder)
-    try:
-        start = time.perf_counter()
-        body(engine, recorder)
-        end = time.perf_counter()
-    finally:
-        engine.stop(drain=False, timeout=120)
-    result = recorder.summary(start, end)
-    result.update(engine_stats(engine))
-    result["graph_captures"] = engine.graphs.captures if engine.graphs is not None else None
-    result["decode"] = "graphs" if engine.graphs is not None and engine.graphs.wants(engine.device) else "eager"
-    result["pool_free_pages_after"] = pool.free_pages()
-    result["pool_total_pages"] = pool.total_pages()
-    return result, engine
+class Session:
+    """The one engine of the run and its sink, which forwards each event to the running step's Recorder."""
+
+    def __init__(self, model, pool, config, args, warm_tokens: int):
+        self.model, self.pool, self.config, self.args = model, pool, config, args
+        self.warm_tokens = warm_tokens
+        self.engine: BatchingEngine | None = None
+        self.recorder: Recorder | None = None
+
+    def _sink(self, event) -> None:
+        recorder = self.recorder
+        if recorder is not None:
+            recorder(event)
+
+    def start(self, warm_up: bool = True) -> dict | None:
+        """Build the engine, capture its decode graphs (``warm_up``), start it; returns warm_up's report."""
+        args = self.args
+        batching = BatchingConfig(max_running=args.max_running, prefills_per_step=args.prefills_per_step,
+                                  max_queue=4096, buckets=_buckets(args.max_running))
+        engine = BatchingEngine(self.model, self.config, self.pool, batching,
+                                decode_graphs=None if args.decode == "graphs" else False)
+        report = engine.warm_up(max_new_tokens=self.warm_tokens) if warm_up else None
+        engine.start(self._sink)
+        self.engine = engine
+        return report
+
+    def run(self, body) -> dict:
+        """``body(engine, recorder)`` submits and waits; returns its summary and the engine's counters over it."""
+        if self.engine is None:  # the warmup step failed before starting it: measure the rest anyway, unwarmed
+            self.start(warm_up=False)
+        engine, recorder = self.engine, Recorder()
+        graphs = engine.graphs
+        captures = graphs.captures if graphs is not None else 0
+        before = engine.stats()
+        self.recorder = recorder
+        try:
+            start = time.perf_counter()
+            body(engine, recorder)
+            end = time.perf_counter()
+        finally:
+            self._cancel_unfinished(recorder)
+            self.recorder = None
+        result = recorder.summary(start, end)
+        result.update(engine_stats(before, engine.stats()))
+        result["graph_captures"] = graphs.captures - captures if graphs is not None else None
+        result["decode"] = "graphs" if engine.graphs_in_use else "eager"
+        result["pool_free_pages_after"] = self.pool.free_pages()
+        result["pool_total_pages"] = self.pool.total_pages()
+        return result
+
+    def _cancel_unfinished(self, recorder: Recorder) -> None:
+        """A step that failed or timed out leaves none of its requests running into the next step."""
+        unfinished = [rid for rid in recorder.submitted if rid not in recorder.finals]
+        for rid in unfinished:
+            self.engine.cancel(rid)
+        recorder.wait(len(recorder.submitted), 120)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.stop(drain=False, timeout=120)
 
 
 def _buckets(max_running: int) -> tuple[int, ...]:
@@ -221,19 +269,22 @@ def _buckets(max_running: int) -> tuple[int, ...]:
     return tuple(buckets + [max_running])
 
 
-def step_warmup(model, pool, config, args, vocab) -> dict:
+def step_warmup(session: Session, args, vocab) -> dict:
     rng = random.Random(args.seed + 1)
+    startup = session.start()  # the decode graphs of every bucket, before any request
 
     def body(engine, recorder):
         for i in range(2):
             recorder.submit(engine, greedy_request(f"warm{i}", random_prompt(rng, 64 + 32 * i, vocab), 4))
         assert recorder.wait(2, 600), "warm-up requests did not finish"
 
-    result, _ = run_engine(model, pool, config, args, body)
+    result = session.run(body)
+    result["startup_capture_s"] = startup["seconds"]
+    result["startup_capture"] = startup
     return result
 
 
-def step_fixed(model, pool, config, args, vocab, device) -> dict:
+def step_fixed(session: Session, args, vocab, device) -> dict:
     rng = random.Random(args.seed + 2)
     prompts = [random_prompt(rng, args.prompt_len, vocab) for _ in range(args.requests)]
     if device.type == "cuda":
@@ -244,14 +295,14 @@ def step_fixed(model, pool, config, args, vocab, device) -> dict:
             recorder.submit(engine, greedy_request(f"fixed{i}", prompt, args.new_tokens))
         assert recorder.wait(len(prompts), 3600), "the fixed workload did not finish"
 
-    result, _ = run_engine(model, pool, config, args, body)
+    result = session.run(body)
     result["workload"] = {"requests": args.requests, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
     if device.type == "cuda":
         result["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
     return result
 
 
-def step_mixed(model, pool, config, args, vocab, rate: float) -> dict:
+def step_mixed(session: Session, args, vocab, rate: float) -> dict:
     rng = random.Random(args.seed + int(rate * 1000))
     low, high = math.log(args.mixed_min_prompt), math.log(args.mixed_max_prompt)
     lengths = [int(math.exp(rng.uniform(low, high))) for _ in range(args.mixed_requests)]
@@ -268,7 +319,7 @@ def step_mixed(model, pool, config, args, vocab, rate: float) -> dict:
             time.sleep(rng.expovariate(rate))
         assert recorder.wait(sent, 3600), "the mixed workload did not finish"
 
-    result, _ = run_engine(model, pool, config, args, body)
+    result = session.run(body)
     result["workload"] = {"rate_per_s": rate, "prompt_lens": [min(lengths), statistics.median(lengths),
                                                               max(lengths)], "new_tokens": args.mixed_new_tokens}
     result["tokens_per_s_per_gpu"] = result["tokens_per_s"]
@@ -312,19 +363,23 @@ def main(argv: list[str] | None = None) -> int:
         print(report["setup_error"])
         return 1
     save()
-    plan = [("warmup", lambda: step_warmup(model, pool, config, args, vocab)),
-            ("fixed", lambda: step_fixed(model, pool, config, args, vocab, device))]
-    plan += [(f"mixed_rate_{rate:g}", lambda rate=rate: step_mixed(model, pool, config, args, vocab, rate))
-             for rate in rates]
-    for name, step in plan:
-        started = time.perf_counter()
-        try:
-            steps[name] = step()
-        except Exception:  # noqa: BLE001 - one step's failure never loses the others
-            steps[name] = {"error": traceback.format_exc()}
-        steps[name]["step_s"] = time.perf_counter() - started
-        save()
-        print(name, json.dumps({k: v for k, v in steps[name].items() if k != "errors"}, default=str), flush=True)
+    session = Session(model, pool, config, args, warm_tokens=new_tokens)
+    plan = [("warmup", lambda: step_warmup(session, args, vocab)),
+            ("fixed", lambda: step_fixed(session, args, vocab, device))]
+    plan += [(f"mixed_rate_{rate:g}", lambda rate=rate: step_mixed(session, args, vocab, rate)) for rate in rates]
+    try:
+        for name, step in plan:
+            started = time.perf_counter()
+            try:
+                steps[name] = step()
+            except Exception:  # noqa: BLE001 - one step's failure never loses the others
+                steps[name] = {"error": traceback.format_exc()}
+            steps[name]["step_s"] = time.perf_counter() - started
+            report["startup_capture_s"] = steps["warmup"].get("startup_capture_s")
+            save()
+            print(name, json.dumps({k: v for k, v in steps[name].items() if k != "errors"}, default=str), flush=True)
+    finally:
+        session.close()
     print(f"wrote {path}")
     return 0 if all("error" not in s for s in steps.values()) else 1
 

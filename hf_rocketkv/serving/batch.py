@@ -60,8 +60,10 @@ def generate_batch(model, prompts: Sequence[str | Sequence[int]], generation_con
             raise ValueError(f"sampling has {len(per_prompt)} entries for {len(prompts)} prompts")
     if not prompts:
         return []
+    # no startup capture: one workload, whose buckets are captured as it reaches them (capturing every bucket up
+    # front would only add the ones it never uses)
     manager = GenerationManager(model, tokenizer, config, engine=engine, pool=pool,
-                                max_queue=max(1, len(prompts)))
+                                max_queue=max(1, len(prompts)), warmup_max_tokens=0)
     try:
         ids = [_add(manager, i, prompt, params) for i, (prompt, params) in enumerate(zip(prompts, per_prompt))]
         return [manager.result(request_id) for request_id in ids]

@@ -15,6 +15,9 @@ One engine thread owns the model. Each iteration of its loop:
        request's own parameters and generator; rows end on a stop id, ``max_tokens`` or their cancel flag and
        release their pages at once (the last row moves into a freed row, so the batch stays packed)
 
+Before ``start``, ``warm_up`` captures every bucket's decode graph at once (a synthetic request decodes two steps
+per bucket), so the captures and the widening of the batch's tables never happen while real requests wait.
+
 A request's events are its tokens as they are sampled, then one final event sent after its pages are back in the
 pool. Failures: a prefill or sampling error ends that request only; an error in the batched decode forward cannot be
 pinned on one row, so it ends every row of that step (the engine and the waiting requests go on).
@@ -42,11 +45,16 @@ from .engine import EngineEvent, EngineLoad, EngineRequest, EventSink
 from .errors import EngineStopped, Overloaded
 from .outputs import FinishReason
 from .sampler import new_generator, sample_tokens
+from .sampling import SamplingParams
 from .scheduler import BatchingConfig, QueueFull, Scheduler
 
 logger = logging.getLogger(__name__)
 
 STEP_HISTORY = 65536  # decode step times kept in BatchingStats.step_ms
+DEFAULT_WARMUP_MAX_TOKENS = 512  # max_tokens covered by BatchingEngine.warm_up (and GenerationManager's) default
+# the warm-up request's prefix-index salt: its prompt pages (cached once it ends) can never be a real request's hit
+WARMUP_CACHE_SALT = "hf_rocketkv.batching.warm_up"
+WARMUP_REQUEST_ID = "hf_rocketkv-warm-up"
 
 
 @dataclass
@@ -72,6 +80,7 @@ class _Running:
 
     request: EngineRequest
     reservation: object = None  # the pool pages set aside at admission (given to the cache's admission at prefill)
+    cache_salt: str | None = None  # the prefix-index salt of its cache (set only for the warm-up request)
     error: str | None = None  # set at admission: the request can never be served (ends with "error" at prefill)
     cache: RocketKVCache | None = None
     generator: torch.Generator | None = None
@@ -201,6 +210,125 @@ class BatchingEngine:
         """A snapshot of the engine's counters."""
         return replace(self._stats, step_ms=deque(self._stats.step_ms, maxlen=STEP_HISTORY))
 
+    # ------------------------------------------------------------------------------------------------ warm-up
+    @property
+    def graphs_in_use(self) -> bool:
+        """Whether decode steps run through captured graphs (on CUDA by default; False once a capture failed)."""
+        return self.graphs is not None and self.graphs.wants(self.device)
+
+    @property
+    def warm_up_prompt_len(self) -> int:
+        """Prompt tokens of ``warm_up``'s synthetic request: more than ``prompt_budget``, so stage 1 keeps the full
+        budget and its view is as wide as any request's (the observation window on top, so the policy has a window
+        and a budget to choose from, as for any long prompt)."""
+        return self.config.prompt_budget + self.config.window_size + 1
+
+    def warm_up(self, max_new_tokens: int = DEFAULT_WARMUP_MAX_TOKENS, buckets: tuple[int, ...] | None = None) -> dict:
+        """Capture the decode graph of every bucket now, before serving (as vLLM and TensorRT-LLM do at start-up).
+
+        Without it the first two steps of each bucket run while real requests wait: an eager warm-up step, then the
+        capture; and every row whose view table is wider than any before reallocates the batch's buffers, after
+        which every bucket is captured again. Here one synthetic request (``warm_up_prompt_len`` random token ids,
+        ``max_tokens = max(max_new_tokens, 2 * len(buckets) + 1)``) is prefilled exactly as a request is (pool
+        reservation, its own pool-backed ``RocketKVCache``, stage 1), joins the batch as row 0, and decodes two
+        steps per bucket (padded to the bucket: warm-up, then capture); then it leaves and its pages go back.
+
+        Its view table is as wide as that of any request whose ``max_tokens <= max_new_tokens``, whatever its
+        prompt length (a view holds ``min(prompt, prompt_budget) + max_tokens`` tokens, docs/memory.md), so such
+        requests never trigger a capture or a table widening afterwards. A request with more ``max_tokens`` widens
+        the tables and the buckets are captured again, lazily, as without warm-up. The cost of a wide table is
+        paid from the first step: the tables stay as wide as the warm-up's.
+
+        Args:
+            max_new_tokens: the largest ``max_tokens`` to cover (an int >= 1).
+            buckets: the batch sizes to capture, each one of ``BatchingConfig.buckets``; default: every bucket up to
+                ``bucket_for(max_running)``, the largest one a step can use.
+
+        Runs on the caller's thread and must come before ``start()`` (RuntimeError after it): the engine thread owns
+        the batch once started; graphs captured here replay on it. Without graphs (CPU, ``decode_graphs=False``)
+        the steps run eagerly (kernels and allocator warmed) and nothing is captured. The synthetic request's
+        prompt pages stay in the prefix index as evictable cached pages under a salt of their own (no real request
+        can hit them); the pool's free pages are back to what they were. Raises ``ValueError`` for bad arguments
+        and ``PoolExhaustedError`` (pages needed and free) when the pool cannot hold the synthetic request.
+
+        Returns ``{"seconds", "buckets", "captures", "table_pages", "max_new_tokens"}``: wall time, the buckets
+        stepped, graphs captured, the batch's table width in pool pages, and the ``max_tokens`` covered.
+        """
+        if self._thread is not None:
+            raise RuntimeError("BatchingEngine.warm_up must run before start(): once started, the engine thread owns "
+                               "the decode batch")
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise ValueError(f"BatchingEngine.warm_up: max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        buckets = self._warm_up_buckets(buckets)
+        graphs = self.graphs if self.graphs_in_use else None
+        captured_before = graphs.captures if graphs is not None else 0
+        started = time.perf_counter()
+        running = self._warm_up_request(max(max_new_tokens, 2 * len(buckets) + 1), scratch=buckets[-1] > 1)
+        try:
+            with torch.no_grad():  # not inference_mode: the batch's buffers are updated in place on the engine thread
+                self._warm_up_steps(running, buckets)
+        finally:
+            self._release(running)
+            self.batch.release_scratch()
+        result = {
+            "seconds": time.perf_counter() - started,
+            "buckets": buckets,
+            "captures": graphs.captures - captured_before if graphs is not None else 0,
+            "table_pages": self.batch.layers[0].width,
+            "max_new_tokens": running.request.max_new_tokens,
+        }
+        logger.info("hf_rocketkv batching engine: warmed up buckets %s in %.2f s (%d graphs captured, tables of %d "
+                    "pages: max_tokens <= %d never captures again)", buckets, result["seconds"], result["captures"],
+                    result["table_pages"], result["max_new_tokens"])
+        return result
+
+    def _warm_up_buckets(self, buckets: tuple[int, ...] | None) -> tuple[int, ...]:
+        """The buckets to warm up, checked; default: those a step can use (up to the bucket of max_running)."""
+        config = self.batching
+        if buckets is None:
+            largest = config.bucket_for(config.max_running)
+            return tuple(b for b in config.buckets if b <= largest)
+        if isinstance(buckets, int) or not all(isinstance(b, int) and not isinstance(b, bool) for b in buckets):
+            raise ValueError(f"BatchingEngine.warm_up: buckets must be a tuple of batch sizes, got {buckets!r}")
+        unknown = [b for b in buckets if b not in config.buckets]
+        if unknown or not buckets:
+            raise ValueError(f"BatchingEngine.warm_up: buckets must be among BatchingConfig.buckets "
+                             f"{config.buckets}, got {tuple(buckets)!r}")
+        return tuple(sorted(set(buckets)))
+
+    def _warm_up_request(self, max_new_tokens: int, scratch: bool) -> _Running:
+        """The synthetic request, its pages set aside as admission does (PoolExhaustedError when they do not fit):
+        its prefill peak, or its view plus the padding rows' scratch page if that is more."""
+        vocab = int(self.model.config.get_text_config().vocab_size)
+        generator = torch.Generator().manual_seed(0)  # reproducible; the salt keeps them out of real hits anyway
+        ids = torch.randint(0, vocab, (self.warm_up_prompt_len,), generator=generator).tolist()
+        request = EngineRequest(WARMUP_REQUEST_ID, tuple(ids), SamplingParams.greedy(max_new_tokens, ignore_eos=True),
+                                frozenset())
+        running = _Running(request, cache_salt=WARMUP_CACHE_SALT)
+        plan = self._row_pages(request)
+        need = max(plan.peak_pages, plan.steady_pages + int(scratch))
+        running.reservation = self.pool.reserve(
+            need, f"BatchingEngine.warm_up's synthetic request ({request.prompt_len} prompt tokens, max_tokens="
+                  f"{max_new_tokens}{', plus a scratch page for padding rows' if scratch else ''}; warm up fewer "
+                  f"max_new_tokens or give the pool more memory)")
+        return running
+
+    def _warm_up_steps(self, running: _Running, buckets: tuple[int, ...]) -> None:
+        """Prefill the synthetic request, join it as row 0, two decode steps per bucket, leave."""
+        token = int(self._prefill_forward(running).argmax(dim=-1)[0])
+        self.batch.join(0, running.cache)
+        try:
+            for bucket in buckets:
+                if bucket > 1 and not self.batch.ensure_scratch():
+                    raise PoolExhaustedError("the padding rows' scratch page (BatchingEngine.warm_up)", 1,
+                                             self.pool.free_pages(), self.pool.total_pages())
+                for _ in range(2):  # a bucket's first step warms up, its second captures (batch_graphs.py)
+                    token = int(self._step_logits(1, bucket, [token]).argmax(dim=-1)[0])
+        except BaseException:
+            self._reset_batch()  # a failed step may leave the batch half-updated
+            raise
+        self.batch.leave(0)
+
     # ------------------------------------------------------------------------------------------------ engine thread
     def _run(self) -> None:
         torch.set_grad_enabled(False)  # thread-local: this thread never builds autograd graphs
@@ -245,8 +373,7 @@ class BatchingEngine:
         """The scheduler's admission callback (engine lock held): set the request's cold prefill peak aside, or say
         "not now"; a request that can never fit is admitted only to end with an error at once."""
         request = running.request
-        need = row_pages(request.prompt_len, request.max_new_tokens, self.pool.page_size, self.config.prompt_budget,
-                         prefix_reuse=self.pool.prefix_reuse).peak_pages
+        need = self._row_pages(request).peak_pages
         usable = self.pool.total_pages()
         if need > usable:
             running.error = (
@@ -260,6 +387,11 @@ class BatchingEngine:
         except PoolExhaustedError:
             return False  # not now: pages come back as running requests finish
         return True
+
+    def _row_pages(self, request: EngineRequest):
+        """The request's pool pages at its cold prefill peak and once compressed (``memory/accounting.py``)."""
+        return row_pages(request.prompt_len, request.max_new_tokens, self.pool.page_size, self.config.prompt_budget,
+                         prefix_reuse=self.pool.prefix_reuse)
 
     # ------------------------------------------------------------------------------------------------ prefill
     def _prefill(self, running: _Running) -> None:
@@ -294,7 +426,7 @@ class BatchingEngine:
     def _prefill_forward(self, running: _Running) -> torch.Tensor:
         """The request's prompt through the model with its own pool-backed cache; returns the last logits [1, V]."""
         request = running.request
-        cache = RocketKVCache(self.config, pool=self.pool)
+        cache = RocketKVCache(self.config, pool=self.pool, cache_salt=running.cache_salt)
         running.cache = cache
         ids = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)
         cache.hints.max_length = request.prompt_len + request.max_new_tokens  # generate()'s capacity hint
@@ -321,17 +453,7 @@ class BatchingEngine:
             bucket = len(rows)  # no free page for the padding rows: this step runs on the exact batch size
         started = time.perf_counter()
         try:
-            self.batch.prepare(len(rows), bucket)
-            ids = torch.zeros(bucket, 1, dtype=torch.long)
-            ids[: len(rows), 0] = torch.tensor([r.last_token for r in rows])
-            ids = ids.to(self.device)
-            positions = self.batch.next_positions(bucket)
-            logits = self._graphed_step(ids, positions)
-            if logits is None:
-                out = self.model(input_ids=ids, position_ids=positions, past_key_values=self.batch, use_cache=True)
-                logits = out.logits[:, -1]
-            self.batch.stepped()
-            logits = logits[: len(rows)].float()
+            logits = self._step_logits(len(rows), bucket, [r.last_token for r in rows])
         except Exception as err:  # noqa: BLE001 - a batched forward cannot be pinned on one row
             logger.warning("hf_rocketkv batching engine: the decode step failed: %s", err, exc_info=True)
             self._fail_all_rows(f"the batched decode step failed: {type(err).__name__}: {err}")
@@ -351,6 +473,21 @@ class BatchingEngine:
                 self._end_row(running, FinishReason.CANCELLED)  # nothing after the step that saw the flag
             else:
                 self._accept(running, token)
+
+    def _step_logits(self, rows: int, bucket: int, last_tokens: list[int]) -> torch.Tensor:
+        """One decode forward over rows ``[0, rows)`` (their last tokens in), padded to ``bucket`` rows, through the
+        bucket's graph or eagerly; returns the real rows' logits ``[rows, V]`` as float32."""
+        self.batch.prepare(rows, bucket)
+        ids = torch.zeros(bucket, 1, dtype=torch.long)
+        ids[:rows, 0] = torch.tensor(last_tokens)
+        ids = ids.to(self.device)
+        positions = self.batch.next_positions(bucket)
+        logits = self._graphed_step(ids, positions)
+        if logits is None:
+            out = self.model(input_ids=ids, position_ids=positions, past_key_values=self.batch, use_cache=True)
+            logits = out.logits[:, -1]
+        self.batch.stepped()
+        return logits[:rows].float()
 
     def _graphed_step(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """The step through its bucket's CUDA graph; None: run it eagerly (no graphs, or a capture that failed,
@@ -432,27 +569,26 @@ class BatchingEngine:
     def _finish(self, running: _Running, reason: FinishReason, error: str | None = None) -> None:
         """Release everything the request holds, forget it, then send its final event (pages are back by then)."""
         try:
-            if running.cache is not None:
-                running.cache.close()
-                running.cache = None
-            if running.reservation is not None:
-                self.pool.unreserve(running.reservation)
-                running.reservation = None
+            self._release(running)
         except Exception:  # noqa: BLE001 - the final event must still be sent
             logger.exception("hf_rocketkv batching engine: releasing request %s failed", running.request_id)
         with self._lock:
             self._requests.pop(running.request_id, None)
         self._emit(EngineEvent(running.request_id, finish_reason=reason, error=error))
 
+    def _release(self, running: _Running) -> None:
+        """Close the request's cache (its pages go back) and give back what its reservation still holds."""
+        if running.cache is not None:
+            running.cache.close()
+            running.cache = None
+        if running.reservation is not None:
+            self.pool.unreserve(running.reservation)
+            running.reservation = None
+
     def _fail_all_rows(self, message: str) -> None:
         """A failed decode step: every decoding row ends with an error and the batch starts afresh (its state may be
         half-updated; the rows' caches are closed without a write-back)."""
-        for index, cache in enumerate(self.batch.caches):
-            if cache is not None:
-                cache.give_back()
-                self.batch.caches[index] = None
-        self.batch.close()
-        self.batch = BatchedDecodeCache(self.pool, self.batching.buckets[-1])
+        self._reset_batch()
         rows = list(self._scheduler.rows)
         with self._lock:
             for running in rows:
@@ -460,6 +596,16 @@ class BatchingEngine:
             self._scheduler.take_moves()
         for running in rows:
             self._finish(running, FinishReason.ERROR, message)
+
+    def _reset_batch(self) -> None:
+        """Every row's cache given back without a write-back, and a fresh batch in place of this one (after a failed
+        step its state may be half-updated; the graphs of the old one are captured again for the new one)."""
+        for index, cache in enumerate(self.batch.caches):
+            if cache is not None:
+                cache.give_back()
+                self.batch.caches[index] = None
+        self.batch.close()
+        self.batch = BatchedDecodeCache(self.pool, self.batching.buckets[-1])
 
     def _fail_orphans(self, message: str) -> None:
         """After an unexpected failure: every admitted request that is neither waiting nor decoding (its prefill

@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "batching when --pool-gib is given, else sequential")
     parser.add_argument("--max-running", type=int, default=64,
                         help="batching engine: requests decoding at once (default 64, at most 128)")
+    parser.add_argument("--warmup-max-tokens", type=int, default=None,
+                        help="batching engine on CUDA: capture every decode graph at startup for requests of up to "
+                             "this many max_tokens (default: --default-max-tokens; 0: capture lazily while serving)")
     parser.add_argument("--device", default=None, help="torch device (default: where the model loads, CPU)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -110,6 +113,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError("--engine batching needs --pool-gib (admission is the KV block pool's page accounting)")
     if not 1 <= args.max_running <= 128:
         raise UsageError(f"--max-running must be in [1, 128], got {args.max_running}")
+    if args.warmup_max_tokens is not None and args.warmup_max_tokens < 0:
+        raise UsageError(f"--warmup-max-tokens must be >= 0 (0: no startup capture), got {args.warmup_max_tokens}")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
 
@@ -146,7 +151,14 @@ def build_manager(args: argparse.Namespace, config):
                            kt_dtype=config.kt_cache_dtype)
     batching = BatchingConfig(max_running=args.max_running, max_queue=args.max_queue)
     return GenerationManager(model, tokenizer, config, engine=args.engine, pool=pool, max_queue=args.max_queue,
-                             max_model_len=args.max_model_len, batching=batching)
+                             max_model_len=args.max_model_len, batching=batching,
+                             warmup_max_tokens=warmup_max_tokens(args))
+
+
+def warmup_max_tokens(args: argparse.Namespace) -> int:
+    """The max_tokens the startup capture covers: ``--warmup-max-tokens``, else ``--default-max-tokens`` (the
+    max_tokens of every chat request that gives none: covering it keeps those requests from capturing mid-serve)."""
+    return args.default_max_tokens if args.warmup_max_tokens is None else args.warmup_max_tokens
 
 
 def served_name(args: argparse.Namespace) -> str:

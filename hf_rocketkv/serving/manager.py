@@ -17,12 +17,15 @@ request you add, or cancel it.
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ..config import RocketKVConfig
+from ..memory.errors import PoolExhaustedError
+from .batching import DEFAULT_WARMUP_MAX_TOKENS
 from .channel import OutputChannel
 from .engine import Engine, EngineEvent, EngineRequest
 from .errors import EngineStopped, InvalidRequest, Overloaded, UnknownRequest
@@ -36,13 +39,17 @@ from .sequential import DEFAULT_MAX_QUEUE, SequentialEngine
 
 ENGINE_CHOICES = ("auto", "batching", "sequential")
 
+logger = logging.getLogger(__name__)
+
 
 def build_engine(engine: Engine | str | None, model, config, pool, max_queue: int,
-                 batching: BatchingConfig | None = None) -> Engine:
+                 batching: BatchingConfig | None = None, warmup_max_tokens: int = 0,
+                 max_model_len: int | None = None) -> Engine:
     """The manager's engine: an Engine instance as given, or one built by name (``ENGINE_CHOICES``; None = auto).
 
     ``auto`` picks the batching engine when there is a pool (it admits by the pool's accounting and decodes every
-    running request in one forward), else the sequential one."""
+    running request in one forward), else the sequential one. A built batching engine whose decode runs through
+    CUDA graphs is warmed up (``warm_up_batching``) for ``warmup_max_tokens`` (0: not)."""
     if engine is not None and not isinstance(engine, str):
         return engine
     name = engine or "auto"
@@ -57,7 +64,37 @@ def build_engine(engine: Engine | str | None, model, config, pool, max_queue: in
     from .batching import BatchingEngine
 
     batching = batching if batching is not None else BatchingConfig(max_queue=max_queue)
-    return BatchingEngine(model, config, pool, batching)
+    built = BatchingEngine(model, config, pool, batching)
+    warm_up_batching(built, warmup_max_tokens, max_model_len)
+    return built
+
+
+def warm_up_batching(engine, max_tokens: int, max_model_len: int | None = None) -> dict | None:
+    """Capture every decode graph of a not yet started ``BatchingEngine`` now, when its steps run through graphs (on
+    CUDA; on the CPU there is nothing to capture), covering requests up to ``max_tokens`` (0: skip), capped by what
+    the context leaves after the warm-up prompt (the synthetic request stays within the model's positions). A pool
+    too small for the warm-up request is logged and the graphs are then captured lazily: the startup capture is an
+    optimisation, never a reason not to serve. Returns ``warm_up``'s report, or None when skipped."""
+    if check_warmup_max_tokens(max_tokens) == 0 or not engine.graphs_in_use:
+        return None
+    if max_model_len is not None:
+        max_tokens = min(max_tokens, max_model_len - engine.warm_up_prompt_len)
+        if max_tokens < 1:
+            logger.warning("hf_rocketkv: no startup capture: the context (%d) leaves no room after the %d-token "
+                           "warm-up prompt", max_model_len, engine.warm_up_prompt_len)
+            return None
+    try:
+        return engine.warm_up(max_new_tokens=max_tokens)
+    except PoolExhaustedError as err:
+        logger.warning("hf_rocketkv: no startup capture (graphs are captured while serving): %s", err)
+        return None
+
+
+def check_warmup_max_tokens(value) -> int:
+    """``warmup_max_tokens`` as given, or ValueError naming it (an integer >= 0; 0 turns the startup capture off)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"warmup_max_tokens must be an integer >= 0 (0: no startup capture), got {value!r}")
+    return value
 
 
 @dataclass
@@ -86,11 +123,15 @@ class GenerationManager:
         max_queue: requests that may wait for a built engine; one more raises ``Overloaded``.
         batching: the ``BatchingConfig`` of a built batching engine (default: ``BatchingConfig(max_queue=max_queue)``).
         max_model_len: the context (prompt + max_tokens) limit; default the model's ``max_position_embeddings``.
+        warmup_max_tokens: a built batching engine whose decode steps run through CUDA graphs captures every
+            bucket's graph here, before serving, for requests of up to this many max_tokens
+            (``BatchingEngine.warm_up``); 0: capture lazily while serving. Nothing happens on the CPU.
     """
 
     def __init__(self, model, tokenizer=None, config: RocketKVConfig | None = None,
                  engine: Engine | str | None = "auto", pool=None, max_queue: int = DEFAULT_MAX_QUEUE,
-                 max_model_len: int | None = None, batching: BatchingConfig | None = None):
+                 max_model_len: int | None = None, batching: BatchingConfig | None = None,
+                 warmup_max_tokens: int = DEFAULT_WARMUP_MAX_TOKENS):
         self.model = model
         self.tokenizer = tokenizer
         self.pool = pool
@@ -98,11 +139,13 @@ class GenerationManager:
         self.vocab_size = int(text_config.vocab_size)
         self.max_model_len = int(max_model_len or text_config.max_position_embeddings)
         self.eos_token_ids = _eos_ids(model, tokenizer)
+        check_warmup_max_tokens(warmup_max_tokens)  # before the tokenizer and the engine do anything
         if tokenizer is not None:
             # A fast tokenizer may reset padding/truncation state stored in its file on its first call (a mutation
             # of the Rust object); do it here, on one thread, before requests encode and decode concurrently.
             tokenizer("warm-up", add_special_tokens=True)
-        self.engine = build_engine(engine, model, config, pool, max_queue, batching)
+        self.engine = build_engine(engine, model, config, pool, max_queue, batching, warmup_max_tokens,
+                                   self.max_model_len)
         self._records: dict[str, _Record] = {}
         self._lock = threading.Lock()
         self._stopped = False

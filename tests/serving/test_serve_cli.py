@@ -33,6 +33,8 @@ def subprocess_env() -> dict[str, str]:
     (["--engine", "batching"], "--engine batching needs --pool-gib"),
     (["--engine", "fast"], "invalid choice"),
     (["--max-running", "0"], "--max-running must be in [1, 128]"),
+    (["--warmup-max-tokens", "-1"], "--warmup-max-tokens must be >= 0"),
+    (["--warmup-max-tokens", "many"], "argument --warmup-max-tokens: invalid int value"),
     (["--config", "no-such.yaml"], "no such file"),
 ])
 def test_usage_errors_are_short_and_exit_2(capsys, argv, message):
@@ -54,6 +56,16 @@ def test_bad_config_values_and_port_in_use(tmp_path, capsys):
         taken.listen()
         assert serve_main(["--port", str(taken.getsockname()[1])]) == 2  # fails before any model loads
     assert "cannot listen on 127.0.0.1" in capsys.readouterr().err
+
+
+def test_warmup_max_tokens_defaults_to_the_chat_default():
+    from hf_rocketkv.serving.cli import build_parser, warmup_max_tokens
+
+    parser = build_parser()
+    assert warmup_max_tokens(parser.parse_args([])) == 4096
+    assert warmup_max_tokens(parser.parse_args(["--default-max-tokens", "300"])) == 300
+    assert warmup_max_tokens(parser.parse_args(["--default-max-tokens", "300", "--warmup-max-tokens", "0"])) == 0
+    assert warmup_max_tokens(parser.parse_args(["--warmup-max-tokens", "64"])) == 64
 
 
 def test_load_config_by_name_path_and_flat(tmp_path):
