@@ -64,14 +64,18 @@ def generate(model, ids: torch.Tensor, cache: RocketKVCache, new_tokens: int, **
                 tokens=out[:, ids.shape[1]:].tolist(), stats=cache.stats.as_dict())
 
 
-def setup(device: torch.device, quick: bool) -> tuple[RocketKVConfig, torch.dtype, torch.nn.Module]:
+def setup(device: torch.device, quick: bool, dtype: torch.dtype | None = None,
+          layers: int | None = None) -> tuple[RocketKVConfig, torch.dtype, torch.nn.Module]:
     """The benchmark's config, dtype and model: Llama-3.1-8B shapes in bf16 on the GPU (Triton backend), or the tiny
-    model in float32 with small budgets for a CPU smoke run (``quick``). Shared with profile_prefix_hit.py."""
+    model in float32 with small budgets for a CPU smoke run (``quick``). ``dtype`` / ``layers`` override the model's
+    dtype and decoder layers (float32 on the GPU checks token equality: bf16 random weights have near-tied logits).
+    Shared with profile_prefix_hit.py and profile_prefill.py."""
     config = RocketKVConfig(backend="triton" if device.type == "cuda" else "torch")
     if quick:
         config = config.replace(prompt_budget=64, window_size=8, kernel_size=7, topk=8)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = build_model(TINY if quick else LLAMA_31_8B, None, dtype, device, seed=0)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(TINY if quick else LLAMA_31_8B, layers, dtype, device, seed=0)
     hf_rocketkv.enable(model)
     return config, dtype, model
 
@@ -114,6 +118,9 @@ def main() -> None:
     parser.add_argument("--pool-gib", type=float, default=24.0, help="device pool of steps 4-7")
     parser.add_argument("--host-gib", type=float, default=8.0)
     parser.add_argument("--budget-s", type=float, default=220.0, help="steps starting later are skipped")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                        help="model and pool dtype (default: bfloat16 on a GPU, float32 on CPU)")
+    parser.add_argument("--layers", type=int, default=None, help="fewer decoder layers than Llama-3.1-8B's 32")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     if args.quick:
@@ -122,7 +129,7 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     rec = Recorder(args.budget_s)
-    config, dtype, model = setup(device, args.quick)
+    config, dtype, model = setup(device, args.quick, getattr(torch, args.dtype) if args.dtype else None, args.layers)
     rec.report["env"] = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(), device=str(device),
         name=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,

@@ -27,6 +27,8 @@ for name in "$@"; do
     decode_b32_8k)   step "$name" 240 $PY benchmarks/bench_decode.py --batch 32 --context 8192 --new-tokens 64 \
                         --prefill-batch-size 8 --caches rocketkv-graphs dynamic --no-plot --out "$OUT/decode_b32_8k" ;;
     prefix_reuse)    step "$name" 240 $PY benchmarks/bench_prefix_reuse.py --out "$OUT/prefix_reuse" ;;
+    prefix_equal_fp32) step "$name" 150 $PY benchmarks/bench_prefix_reuse.py --dtype float32 --layers 8 --prefix 8192 \
+                        --batch 2 --pool-gib 8 --host-gib 2 --out "$OUT/prefix_equal_fp32" ;;
     graph_regions)   step "$name" 200 $PY benchmarks/gpu_graph_check.py --layers 8 --context 4096 --regions \
                         --out "$OUT/graph_regions" ;;
     warm_start)      step "$name" 300 $PY benchmarks/warm_start_check.py --out "$OUT/warm_start" ;;
