@@ -29,6 +29,7 @@ for name in "$@"; do
     prefix_reuse)    step "$name" 240 $PY benchmarks/bench_prefix_reuse.py --out "$OUT/prefix_reuse" ;;
     prefix_equal_fp32) step "$name" 150 $PY benchmarks/bench_prefix_reuse.py --dtype float32 --layers 8 --prefix 8192 \
                         --batch 2 --pool-gib 8 --host-gib 2 --out "$OUT/prefix_equal_fp32" ;;
+    onload_exact)    step "$name" 150 $PY benchmarks/onload_exact_check.py --layers 4 --out "$OUT/onload_exact" ;;
     graph_regions)   step "$name" 200 $PY benchmarks/gpu_graph_check.py --layers 8 --context 4096 --regions \
                         --out "$OUT/graph_regions" ;;
     warm_start)      step "$name" 300 $PY benchmarks/warm_start_check.py --out "$OUT/warm_start" ;;
