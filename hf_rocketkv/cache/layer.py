@@ -40,10 +40,10 @@ import torch
 from ..compat import CacheLayerMixin
 from ..config import RocketKVConfig
 from ..kernels.dispatch import RocketOps, get_ops
+from ..kernels.host_copy import device_tensor, filled
 from ..policies import KeptSlots, Stage1Inputs, derive_budgets, get_stage1_policy
 from ..policies.decode_compression import move_kept
 from .history import History, real_tokens_left_aligned
-from ..kernels.host_copy import device_tensor, filled
 from .paged_store import PagedStore, ceil_div, private_store, write_tokens
 
 
@@ -655,15 +655,15 @@ class RocketKVLayer(CacheLayerMixin):
             self.counters.computed_tokens += batch * n if all_real else int(valid.sum())
         held_count = self.host_window_len if self.pending_queries is not None else [0] * batch
         if all_real:
-            valid = torch.ones(batch, n, dtype=torch.bool, device=query_states.device)
             queries = chunk_queries[:, :, n - min(window, n):]  # every query is real: the last w, no ranking
             count = torch.full((batch,), queries.shape[2], dtype=torch.long, device=query_states.device)
         else:
             queries, count = last_real_queries(chunk_queries, valid, window)
         if self.pending_queries is not None:
             held = self.pending_queries.shape[2]
-            held_valid = torch.arange(held, device=valid.device)[None, :] >= (held - self.pending_valid)[:, None]
-            now_valid = torch.arange(queries.shape[2], device=valid.device)[None, :] >= (queries.shape[2] - count)[:, None]
+            device = query_states.device
+            held_valid = torch.arange(held, device=device)[None, :] >= (held - self.pending_valid)[:, None]
+            now_valid = torch.arange(queries.shape[2], device=device)[None, :] >= (queries.shape[2] - count)[:, None]
             queries, count = last_real_queries(
                 torch.cat([self.pending_queries, queries], dim=2), torch.cat([held_valid, now_valid], dim=1), window
             )

@@ -31,10 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels.host_copy import device_tensor
 from ..memory import Admission, BlockTable, KVBlockPool, PrefixKeys, Reservation
 from ..memory.accounting import row_pages
-from ..kernels.host_copy import device_tensor
-from ..kernels.paged import gather_pages
 from .paged_store import PagedStore, ceil_div
 from .stats import RequestCounters
 
