@@ -17,7 +17,6 @@ then profiles one ``pool`` prefill with torch.profiler: top ops by CPU and devic
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -30,7 +29,7 @@ from hf_rocketkv import KVBlockPool, RocketKVCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_prefix_reuse import setup  # noqa: E402
-from profile_prefix_hit import sync, top_ops  # noqa: E402
+from profile_prefix_hit import profiled, summarize, sync, write_report  # noqa: E402
 
 GIB = 2**30
 
@@ -96,27 +95,8 @@ def main() -> None:
     for name, fn in (("dense_s", dense), ("rocketkv_s", rocketkv), ("pool_s", pooled)):
         report[name] = timed(fn, device, args.repeats)
         print(name, round(report[name], 4), flush=True)
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
-        pooled()
-    report["top_by_cpu"] = top_ops(prof, "cpu_time_total", 30)
-    if device.type == "cuda":
-        report["top_by_device"] = top_ops(prof, "device_time_total", 25)
-    report["syncs"] = sum(e.count for e in prof.key_averages()
-                          if any(s in e.key for s in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
-                                                      "aten::item", "aten::_local_scalar_dense")))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "profile_prefill.json").write_text(json.dumps(report, indent=1, default=str))
-    print(json.dumps({k: v for k, v in report.items() if not k.startswith("top")}, default=str))
-    for key in ("top_by_cpu", "top_by_device"):
-        print(f"--- {key}")
-        for row in report.get(key, []):
-            print(f"{row['cpu_ms']:9.2f} cpu {row['self_cpu_ms']:9.2f} self {row['device_ms']:9.2f} dev "
-                  f"{row['calls']:6d}x {row['name'][:90]}")
-
+    summarize(profiled(device, pooled), device, report)
+    write_report(report, Path(args.out) / "profile_prefill.json")
 
 if __name__ == "__main__":
     main()
