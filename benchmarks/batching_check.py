@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--decode", default="graphs", choices=["graphs", "eager"],
                         help="graphs: one CUDA graph per decode bucket (the engine's default on CUDA); eager")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile-regions", action="store_true",
+                        help="hf_rocketkv.compile_regions(model) before the engine starts (fused norms and MLPs)")
     return parser
 
 
@@ -349,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
         model = build_model(TINY if args.quick else LLAMA_31_8B, args.layers, dtype, device, args.seed)
         hf_rocketkv.enable(model)
+        if args.compile_regions:
+            hf_rocketkv.compile_regions(model)  # compiled on first use: inside warm_up's startup_capture_s
         config = rocket_config(args.quick, device)
         vocab = model.config.vocab_size
         rates = [float(r) for r in args.rates.split(",") if r.strip()]

@@ -45,6 +45,15 @@ for name in "$@"; do
                         --mixed-max-prompt 16384 --out "$OUT/batching" ;;
     graph_regions_b1) step "$name" 120 $PY benchmarks/gpu_graph_check.py --layers 8 --context 4096 --regions --batches 1 \
                         --out "$OUT/graph_regions" ;;
+    profile_graph_b32) step "$name" 240 $PY benchmarks/profile_graph_step.py --batch 32 --context 8192 --eager \
+                        --out "$OUT/profile_graph_b32" ;;
+    profile_graph_b1) step "$name" 180 $PY benchmarks/profile_graph_step.py --batch 1 --context 32768 \
+                        --out "$OUT/profile_graph_b1" ;;
+    batching_fixed)  step "$name" 240 $PY benchmarks/batching_check.py --rates "" --out "$OUT/batching_fixed" ;;
+    batching_fixed_regions) step "$name" 300 $PY benchmarks/batching_check.py --rates "" --compile-regions \
+                        --out "$OUT/batching_fixed_regions" ;;
+    profile_graph_b32_regions) step "$name" 240 $PY benchmarks/profile_graph_step.py --batch 32 --context 8192 \
+                        --regions --out "$OUT/profile_graph_b32_regions" ;;
     *) echo "unknown step $name (see benchmarks/gpu_steps.sh)" | tee -a "$OUT/summary.txt" ;;
   esac
 done

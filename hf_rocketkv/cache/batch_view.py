@@ -70,9 +70,12 @@ class BatchedDecodeLayer(RocketKVLayer):
         self.seen_buf: torch.Tensor | None = None  # [R] int64
         self._handles: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def init_from(self, source: RocketKVLayer, max_rows: int, width: int, pool: KVBlockPool) -> None:
+    def init_from(self, source: RocketKVLayer, max_rows: int, width: int, pool: KVBlockPool,
+                  lengths: torch.Tensor | None = None, seen: torch.Tensor | None = None) -> None:
         """Shapes, dtype, device and kernels from a compressed request layer; buffers for ``max_rows`` rows of
-        ``width`` pool pages (all rows padding)."""
+        ``width`` pool pages (all rows padding). ``lengths`` / ``seen``: ``[max_rows]`` int64 zeros to use as this
+        layer's buffers (views of the batch's ``[layers, max_rows]`` tensors, so padding rows are reset for every
+        layer in one op); None allocates them."""
         self.config = source.config  # the effective config (stage-2 options, KT page size)
         self.dtype, self.device, self.ops = source.dtype, source.device, source.ops
         self.num_kv_heads, self.head_dim = source.num_kv_heads, source.head_dim
@@ -80,10 +83,11 @@ class BatchedDecodeLayer(RocketKVLayer):
         self.storage = pool.layer(self.layer_idx)
         self.page_tokens = self.storage.k.shape[2]
         self.table_buf = torch.full((max_rows, width), -1, dtype=torch.int32, device=self.device)
-        self.lengths_buf = torch.zeros(max_rows, dtype=torch.long, device=self.device)
+        self.lengths_buf = lengths if lengths is not None else torch.zeros(max_rows, dtype=torch.long,
+                                                                           device=self.device)
         self.positions_buf = torch.full((max_rows, self.num_kv_heads, width * self.page_tokens), -1,
                                         dtype=torch.int32, device=self.device)
-        self.seen_buf = torch.zeros(max_rows, dtype=torch.long, device=self.device)
+        self.seen_buf = seen if seen is not None else torch.zeros(max_rows, dtype=torch.long, device=self.device)
         self.compressed = self.is_initialized = True
 
     @property
@@ -162,6 +166,15 @@ class BatchedDecodeCache(Cache):
         self.rows = 0
         self.version = 0  # bumped whenever a buffer is reallocated (a captured step must be captured again)
         self._zero = None
+        # every layer's lengths / logical lengths as rows of one tensor each ([layers, max_rows] int64): a step's
+        # padding rows are reset in one op, not 2 per layer
+        self._lengths_all: torch.Tensor | None = None
+        self._seen_all: torch.Tensor | None = None
+        # what the layers' views point at: (rows, bucket, version, layout); ``prepare`` redoes the per-layer views
+        # and the padding rows' tables only when it changes (join, leave, move, widen, scratch page), so a step of
+        # an unchanged batch costs two ops instead of ~4 per layer
+        self._layout = 0
+        self._prepared: tuple | None = None
         self.scratch = pool.new_table("view")  # the padding rows' page, held only while padding is needed
 
     # ------------------------------------------------------------------------------------------ rows
@@ -189,6 +202,7 @@ class BatchedDecodeCache(Cache):
             raise
         layer0 = cache.layers[0]
         self.caches[row] = cache
+        self._layout += 1
         self.row_pages[row] = layer0.store.row_pages[0]
         self.room[row] = min(layer.decode_room() for layer in cache.layers)
         self.steps[row] = 0
@@ -221,7 +235,7 @@ class BatchedDecodeCache(Cache):
                 buf[dst] = buf[src]
         for values in (self.caches, self.row_pages, self.room, self.steps):
             values[dst] = values[src]
-        self._clear(src)
+        self._clear(src)  # (bumps the layout)
 
     def prepare(self, rows: int, bucket: int) -> None:
         """The next step decodes rows ``[0, rows)`` (all joined) padded to ``bucket`` rows: rows ``[rows,
@@ -239,12 +253,17 @@ class BatchedDecodeCache(Cache):
             raise ValueError(f"BatchedDecodeCache.prepare: rows [{rows}, {bucket}) must be free (padding)")
         if bucket > rows and not len(self.scratch):
             raise RuntimeError("BatchedDecodeCache.prepare: padding rows need the scratch page (ensure_scratch)")
-        scratch = self.scratch.pages[0] if bucket > rows else -1
-        for layer in self.layers:
-            layer.table_buf[rows:bucket, 0] = scratch  # (their other entries are -1 already: _clear)
-            layer.lengths_buf[rows:bucket] = 0
-            layer.seen_buf[rows:bucket] = 0
-            layer.select(bucket, tuple(self.row_pages[:rows]) + (1,) * (bucket - rows))
+        if bucket > rows:  # the last step advanced the padding rows too: back to empty
+            self._lengths_all[:, rows:bucket] = 0
+            self._seen_all[:, rows:bucket] = 0
+        key = (rows, bucket, self.version, self._layout)
+        if key != self._prepared:
+            scratch = self.scratch.pages[0] if bucket > rows else -1
+            row_pages = tuple(self.row_pages[:rows]) + (1,) * (bucket - rows)
+            for layer in self.layers:
+                layer.table_buf[rows:bucket, 0] = scratch  # (their other entries are -1 already: _clear)
+                layer.select(bucket, row_pages)
+            self._prepared = key
         self.rows, self.bucket = rows, bucket
 
     def next_positions(self, bucket: int | None = None) -> torch.Tensor:
@@ -267,12 +286,14 @@ class BatchedDecodeCache(Cache):
             self.pool.allocate(self.scratch, 1)
         except PoolExhaustedError:
             return False
+        self._layout += 1  # padding rows name the new page
         return True
 
     def release_scratch(self) -> None:
         """Give the scratch page back (no padding row may step until ``ensure_scratch`` again)."""
         if len(self.scratch):
             self.pool.release(self.scratch)
+            self._layout += 1
 
     def close(self) -> None:
         """Give the scratch page back (every row must have left)."""
@@ -319,9 +340,13 @@ class BatchedDecodeCache(Cache):
         width = cache.layers[0].store.max_pages
         if not self.layers:
             hints = self.hints
+            shape, device = (len(cache.layers), self.max_rows), cache.layers[0].device
+            self._lengths_all = torch.zeros(shape, dtype=torch.long, device=device)
+            self._seen_all = torch.zeros(shape, dtype=torch.long, device=device)
             for index, source in enumerate(cache.layers):
                 layer = BatchedDecodeLayer(source.config, hints, index)
-                layer.init_from(source, self.max_rows, width, self.pool)
+                layer.init_from(source, self.max_rows, width, self.pool, self._lengths_all[index],
+                                self._seen_all[index])
                 self.layers.append(layer)
             self.version += 1
             return
@@ -353,6 +378,7 @@ class BatchedDecodeCache(Cache):
             layer.seen_buf[row] = 0
         self.caches[row] = None
         self.row_pages[row] = self.room[row] = self.steps[row] = 0
+        self._layout += 1
 
     def _check_row(self, row: int) -> None:
         if not 0 <= row < self.max_rows:

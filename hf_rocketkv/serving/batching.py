@@ -38,6 +38,7 @@ from ..cache.cache import RocketKVCache
 from ..config import RocketKVConfig
 from ..integration.batch_graphs import BatchedDecodeGraphs, GraphCaptureFailed
 from ..integration.generate import get_config
+from ..kernels.host_copy import device_tensor
 from ..memory import KVBlockPool
 from ..memory.accounting import row_pages
 from ..memory.errors import PoolExhaustedError
@@ -478,9 +479,7 @@ class BatchingEngine:
         """One decode forward over rows ``[0, rows)`` (their last tokens in), padded to ``bucket`` rows, through the
         bucket's graph or eagerly; returns the real rows' logits ``[rows, V]`` as float32."""
         self.batch.prepare(rows, bucket)
-        ids = torch.zeros(bucket, 1, dtype=torch.long)
-        ids[:rows, 0] = torch.tensor(last_tokens)
-        ids = ids.to(self.device)
+        ids = device_tensor(last_tokens + [0] * (bucket - rows), torch.long, self.device).view(bucket, 1)
         positions = self.batch.next_positions(bucket)
         logits = self._graphed_step(ids, positions)
         if logits is None:
