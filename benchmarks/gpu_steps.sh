@@ -54,6 +54,9 @@ for name in "$@"; do
                         --out "$OUT/batching_fixed_regions" ;;
     profile_graph_b32_regions) step "$name" 240 $PY benchmarks/profile_graph_step.py --batch 32 --context 8192 \
                         --regions --out "$OUT/profile_graph_b32_regions" ;;
+    tune_kernels)    step "$name" 420 $PY benchmarks/tune_decode_kernels.py --out "$OUT/tune_kernels" ;;
+    profile_prefill_regions) step "$name" 180 $PY benchmarks/profile_prefill.py --regions \
+                        --out "$OUT/profile_prefill_regions" ;;
     *) echo "unknown step $name (see benchmarks/gpu_steps.sh)" | tee -a "$OUT/summary.txt" ;;
   esac
 done

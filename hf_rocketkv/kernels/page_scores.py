@@ -218,7 +218,7 @@ def kt_pages_per_row(kt: torch.Tensor, table: torch.Tensor | None) -> int:
 
 def page_logits_launch(
     q: torch.Tensor, kt: torch.Tensor, counts: torch.Tensor, count_div: int, topr: int, num_splits: int | None,
-    probs: torch.Tensor | None = None, table: torch.Tensor | None = None,
+    probs: torch.Tensor | None = None, table: torch.Tensor | None = None, num_warps: int = 4, num_stages: int = 3,
 ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """Pass 1 of the page scoring: logits (log2 units, ``[B*Hkv*BLOCK_G, NP]`` fp32) and per-split softmax
     statistics (``[B*Hkv, S, 2, BLOCK_G]``: max, sum). ``counts`` are pages in use (count_div 1) or tokens
@@ -246,23 +246,24 @@ def page_logits_launch(
         head_dim**-0.5 * LOG2E,
         TOPR=min(topr, head_dim), USE_TOPR=topr < head_dim, KT_DT=dtype_code(kt.dtype), DOT_DT=_dot_code(kt.dtype),
         BLOCK_G=block_g, BLOCK_P=block_p, BLOCK_D=block_d, FUSED=fused, COUNT_DIV=count_div, PAGED=paged,
-        num_warps=4, num_stages=3,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return logits, stats, num_splits, block_g
 
 
 def page_scores_launch(
     q: torch.Tensor, kt: torch.Tensor, n_pages: torch.Tensor, topr: int, num_splits: int | None = None,
-    table: torch.Tensor | None = None,
+    table: torch.Tensor | None = None, num_warps: int = 4, num_stages: int = 3,
 ) -> torch.Tensor:
-    """Launcher; ``num_splits`` (None = heuristic, 1 = fused) exists for tests and benchmarks; ``table``: paged KT."""
+    """Launcher; ``num_splits`` (None = heuristic, 1 = fused) and the tile knobs exist for tests and benchmarks;
+    ``table``: paged KT."""
     batch, num_kv_heads, group, head_dim = q.shape
     num_pages = kt_pages_per_row(kt, table)
     probs = torch.empty((batch, num_kv_heads, num_pages), dtype=torch.float32, device=q.device)
     if probs.numel() == 0:
         return probs
     logits, stats, num_splits, block_g = page_logits_launch(q, kt, n_pages, 1, topr, num_splits, probs=probs,
-                                                            table=table)
+                                                            table=table, num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         block_p2 = 128
         s_cb, s_ch = count_strides(n_pages, batch, num_kv_heads, "n_pages")
