@@ -21,6 +21,10 @@ Two schedules, chosen from the shapes only (no host sync, CUDA-graph safe):
                           fills the GPU); pass 1 also writes each program's (max, sum) per head, a second kernel
                           combines the S partial statistics and writes the probabilities. Measured on an H100
                           (2026-11-22, fp8 KT, batch 1, 576 pages): fused 50 us, split in 3: 20 us (CUDA graphs).
+                          S = min(pages / 128, 2 * SMs / (B * Hkv)), 2 pipeline stages: swept on an H100
+                          (2026-11-23, benchmarks/tune_decode_kernels.py, 575 of 640 pages, paged): batch 1 8.9 us
+                          (5 splits; 13.8 with the former 3 splits and 3 stages), batch 32 28.2 us (2 splits;
+                          33.0), batch 64 55.4 us (1; 60.1).
 """
 
 from __future__ import annotations
@@ -49,7 +53,8 @@ from ._triton_common import (
 )
 
 LOG2E = 1.4426950408889634
-PAGES_PER_PROGRAM = 256  # target pages scored by one program (4 blocks of 64); fewer pages -> the fused schedule
+PAGES_PER_PROGRAM = 128  # target pages scored by one program (2 blocks of 64); fewer pages -> the fused schedule
+PROGRAMS_PER_SM = 2  # splits stop once the batch's (row, KV head) programs reach this many per SM
 
 
 @triton.jit
@@ -206,7 +211,7 @@ def score_splits(rows: int, num_pages: int, block_p: int, device: torch.device, 
         # a program walks its pages block after block, so rows of many pages are split over several programs
         # (~PAGES_PER_PROGRAM each) unless the rows alone fill the GPU
         sms = num_sms(device)
-        num_splits = max(1, min(cdiv(num_pages, PAGES_PER_PROGRAM), cdiv(4 * sms, rows)))
+        num_splits = max(1, min(cdiv(num_pages, PAGES_PER_PROGRAM), cdiv(PROGRAMS_PER_SM * sms, rows)))
     pages_per_prog = cdiv(cdiv(num_pages, num_splits), block_p) * block_p
     return cdiv(num_pages, pages_per_prog), pages_per_prog
 
@@ -218,7 +223,7 @@ def kt_pages_per_row(kt: torch.Tensor, table: torch.Tensor | None) -> int:
 
 def page_logits_launch(
     q: torch.Tensor, kt: torch.Tensor, counts: torch.Tensor, count_div: int, topr: int, num_splits: int | None,
-    probs: torch.Tensor | None = None, table: torch.Tensor | None = None, num_warps: int = 4, num_stages: int = 3,
+    probs: torch.Tensor | None = None, table: torch.Tensor | None = None, num_warps: int = 4, num_stages: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """Pass 1 of the page scoring: logits (log2 units, ``[B*Hkv*BLOCK_G, NP]`` fp32) and per-split softmax
     statistics (``[B*Hkv, S, 2, BLOCK_G]``: max, sum). ``counts`` are pages in use (count_div 1) or tokens
@@ -253,7 +258,7 @@ def page_logits_launch(
 
 def page_scores_launch(
     q: torch.Tensor, kt: torch.Tensor, n_pages: torch.Tensor, topr: int, num_splits: int | None = None,
-    table: torch.Tensor | None = None, num_warps: int = 4, num_stages: int = 3,
+    table: torch.Tensor | None = None, num_warps: int = 4, num_stages: int = 2,
 ) -> torch.Tensor:
     """Launcher; ``num_splits`` (None = heuristic, 1 = fused) and the tile knobs exist for tests and benchmarks;
     ``table``: paged KT."""

@@ -230,12 +230,15 @@ if triton is not None:
         num_splits: int | None = None,
         block_n: int | None = None,
         num_warps: int | None = None,
-        num_stages: int = 3,
+        num_stages: int = 2,
         table: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Launcher; ``num_splits`` (None = heuristic, 1 = one kernel, no reduce) and the tile knobs exist for tests
         and benchmarks. Default tile: 64 gathered tokens x head_dim, 8 warps; on an H100 (2026-11-22) 4 warps or
-        32-token tiles timed within noise of it (benchmarks/results/h100_2026-11-22.md). ``table`` [B, MP] int32:
+        32-token tiles timed within noise of it (benchmarks/results/h100_2026-11-22.md). 2 pipeline stages: on an
+        H100 (2026-11-23, benchmarks/tune_decode_kernels.py, paged, 256 tokens per head) 8.0 / 19.0 / 42.4 us at
+        batch 1 / 32 / 64 against 11.5 / 27.2 / 55.9 with 3 (the page-id loads feed the K/V gathers, so a deeper
+        pipeline only costs registers and shared memory). ``table`` [B, MP] int32:
         ``keys``/``values`` are paged ``[N, Hkv, PP, D]`` (None: contiguous ``[B, Hkv, C, D]``)."""
         batch, num_kv_heads, group, head_dim = q.shape
         paged = table is not None
