@@ -40,6 +40,7 @@ import os
 import platform
 import random
 import statistics
+import sys
 import threading
 import time
 import traceback
@@ -82,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--decode", default="graphs", choices=["graphs", "eager"],
                         help="graphs: one CUDA graph per decode bucket (the engine's default on CUDA); eager")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile-prefill", action="store_true",
+                        help="after the fixed step: one more --prompt-len request (1 new token) through the running "
+                             "engine under torch.profiler; its top ops in profile_prefill/ under --out")
     parser.add_argument("--compile-regions", action="store_true",
                         help="hf_rocketkv.compile_regions(model) before the engine starts (fused norms and MLPs)")
     return parser
@@ -328,6 +332,42 @@ def step_mixed(session: Session, args, vocab, rate: float) -> dict:
     return result
 
 
+def all_threads_profiler(device: torch.device):
+    """torch.profiler recording the ops of every thread (the engine's included), where this torch can."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    try:
+        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except (AttributeError, TypeError):  # an older torch: the calling thread's CPU ops only (CUDA kernels all)
+        config = None
+    return profile(activities=activities, experimental_config=config)
+
+
+def step_profile_prefill(session: Session, args, vocab, device, out: Path) -> dict:
+    """One request's prefill in the engine thread, under torch.profiler (it records every thread's ops)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from profile_prefix_hit import summarize, write_report
+
+    rng = random.Random(args.seed + 3)
+    prompts = [random_prompt(rng, args.prompt_len, vocab) for _ in range(2)]
+
+    def one(i):
+        def body(engine, recorder):
+            recorder.submit(engine, greedy_request(f"profiled{i}", prompts[i], 1))
+            assert recorder.wait(1, 600), "the profiled request did not finish"
+        return session.run(body)
+
+    one(0)  # same shapes once before the profile
+    result = {}
+    with all_threads_profiler(device) as prof:
+        result.update(one(1))
+    report = {"prefill_s_per_request": result.get("prefill_s_per_request"), "prompt_len": args.prompt_len}
+    summarize(prof, device, report)
+    write_report(report, out / "profile_prefill" / "engine_prefill.json")
+    return report
+
+
 # ------------------------------------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
@@ -370,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     session = Session(model, pool, config, args, warm_tokens=new_tokens)
     plan = [("warmup", lambda: step_warmup(session, args, vocab)),
             ("fixed", lambda: step_fixed(session, args, vocab, device))]
+    if args.profile_prefill:
+        plan.append(("profile_prefill", lambda: step_profile_prefill(session, args, vocab, device, out)))
     plan += [(f"mixed_rate_{rate:g}", lambda rate=rate: step_mixed(session, args, vocab, rate)) for rate in rates]
     try:
         for name, step in plan:
@@ -381,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
             steps[name]["step_s"] = time.perf_counter() - started
             report["startup_capture_s"] = steps["warmup"].get("startup_capture_s")
             save()
-            print(name, json.dumps({k: v for k, v in steps[name].items() if k != "errors"}, default=str), flush=True)
+            shown = {k: v for k, v in steps[name].items() if k != "errors" and not k.startswith("top_")}
+            print(name, json.dumps(shown, default=str), flush=True)
     finally:
         session.close()
     print(f"wrote {path}")

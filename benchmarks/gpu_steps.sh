@@ -50,7 +50,7 @@ for name in "$@"; do
     profile_graph_b1) step "$name" 180 $PY benchmarks/profile_graph_step.py --batch 1 --context 32768 \
                         --out "$OUT/profile_graph_b1" ;;
     batching_fixed)  step "$name" 240 $PY benchmarks/batching_check.py --rates "" --out "$OUT/batching_fixed" ;;
-    batching_fixed_regions) step "$name" 300 $PY benchmarks/batching_check.py --rates "" --compile-regions \
+    batching_fixed_regions) step "$name" 300 $PY benchmarks/batching_check.py --rates "" --compile-regions --profile-prefill \
                         --out "$OUT/batching_fixed_regions" ;;
     profile_graph_b32_regions) step "$name" 240 $PY benchmarks/profile_graph_step.py --batch 32 --context 8192 \
                         --regions --out "$OUT/profile_graph_b32_regions" ;;

@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup-max-tokens", type=int, default=None,
                         help="batching engine on CUDA: capture every decode graph at startup for requests of up to "
                              "this many max_tokens (default: --default-max-tokens; 0: capture lazily while serving)")
+    parser.add_argument("--compile-regions", action="store_true",
+                        help="torch.compile the model's RMSNorm and MLP modules (hf_rocketkv.compile_regions): fused "
+                             "kernels in prefill and in the decode graphs; compiled at startup during the capture")
     parser.add_argument("--device", default=None, help="torch device (default: where the model loads, CPU)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -145,6 +148,7 @@ def build_manager(args: argparse.Namespace, config):
         torch.set_num_threads(args.threads)
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     model, tokenizer = load_model_and_tokenizer(args.model, dtype=dtype, device=args.device)
+    prepare_model(model, args)
     pool = None
     if args.pool_gib is not None:
         pool = KVBlockPool(model, max_gpu_bytes=int(args.pool_gib * 2**30), kt_page_size=config.page_size,
@@ -153,6 +157,15 @@ def build_manager(args: argparse.Namespace, config):
     return GenerationManager(model, tokenizer, config, engine=args.engine, pool=pool, max_queue=args.max_queue,
                              max_model_len=args.max_model_len, batching=batching,
                              warmup_max_tokens=warmup_max_tokens(args))
+
+
+def prepare_model(model, args: argparse.Namespace) -> None:
+    """What the flags change in the loaded model before the engine starts: ``--compile-regions`` compiles its norms
+    and MLPs in place (lazily: the first forwards compile, i.e. the startup capture when there is one)."""
+    if args.compile_regions:
+        from ..integration.regions import compile_regions
+
+        compile_regions(model)
 
 
 def warmup_max_tokens(args: argparse.Namespace) -> int:

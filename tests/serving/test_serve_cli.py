@@ -68,6 +68,22 @@ def test_warmup_max_tokens_defaults_to_the_chat_default():
     assert warmup_max_tokens(parser.parse_args(["--warmup-max-tokens", "64"])) == 64
 
 
+def test_compile_regions_flag_compiles_norms_and_mlps_only_when_asked():
+    from hf_rocketkv.integration.regions import region_modules
+    from hf_rocketkv.serving.cli import build_parser, prepare_model
+    from tests.helpers import make_models
+
+    parser = build_parser()
+    model, _ = make_models("llama")
+    prepare_model(model, parser.parse_args([]))
+    assert all(getattr(m, "_compiled_call_impl", None) is None for m in model.modules())
+    prepare_model(model, parser.parse_args(["--compile-regions"]))
+    regions = region_modules(model)
+    assert regions and all(m._compiled_call_impl is not None for m in regions)
+    others = [m for m in model.modules() if all(m is not r for r in regions)]
+    assert all(getattr(m, "_compiled_call_impl", None) is None for m in others)  # attention and the cache stay eager
+
+
 def test_load_config_by_name_path_and_flat(tmp_path):
     assert load_config("smollm2-cpu").prompt_budget == 256  # bundled, its eval section ignored
     assert load_config(None).prompt_budget == 2048
