@@ -354,6 +354,12 @@ class RocketKVConfig:
         return fit_forced_pages(sink, recent, self.topk)
 
     @property
+    def stage1_keep_first(self) -> int:
+        """Prompt tokens at the start of each row that stage 1 always keeps (``Stage1Inputs.keep_first``): the
+        stage-2 sinks, so that the sink pages hold them. 0 with stage2="none", which attends every kept token."""
+        return self.stage2_sink_tokens if self.stage2 == "kt_pages" else 0
+
+    @property
     def decode_compression(self) -> DecodeCompression | None:
         """The decode-time compression settings (``policies.decode_compression``), None when decode_budget is None."""
         if self.decode_budget is None:

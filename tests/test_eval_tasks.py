@@ -21,7 +21,7 @@ from hf_rocketkv.eval.settings import EvalSettings, run_config_from_dict
 from hf_rocketkv.eval.streaming import StreamingCache
 from hf_rocketkv.eval.tasks import TASKS, get_task
 from hf_rocketkv.eval.tasks.base import encode_prompt, fill_paragraphs, insert_at_depths, span_token_positions
-from hf_rocketkv.policies import KeepFirst
+from hf_rocketkv.policies import KeepFirst, KnormPolicy
 
 from .helpers import compressing_config, greedy, make_models, random_ids
 
@@ -199,24 +199,32 @@ def test_method_budgets():
 
 def test_policy_methods_budgets_and_options():
     """KIND:POLICY methods: evict (B kept, all read), evict_read (K*P kept), rocketkv with and without the stage-2
-    options; forced sinks wrap stage 1 in KeepFirst; names are checked."""
+    options; forced sinks reach stage 1 through the cache layer (labelled +keep_first=s), not the baselines that read
+    every kept page; names are checked."""
     base = compressing_config(prompt_budget=64, topk=8, page_size=4, window_size=8, stage2_sink_tokens=4,
                               stage2_recent_tokens=12)
     methods = {m.name: m for m in build_methods(
         ["evict:knorm", "evict_read:h2o", "rocketkv:random", "rocketkv_plain:snapkv", "rocketkv", "rocketkv_plain",
-         "stage2", "stage2_plain"], base)}
+         "stage2", "stage2_plain", "stage1", "streaming_read"], base)}
     evict = methods["evict:knorm"]
     assert evict.config.stage2 == "none" and evict.config.stage1 == "knorm" and evict.config.stage2_sink_tokens == 0
     assert (evict.kept_budget, evict.read_budget, evict.read_tokens(100)) == (64, None, 100)
     assert methods["evict_read:h2o"].config.prompt_budget == 32 and methods["evict_read:h2o"].needs_full_prefill
     rocket = methods["rocketkv:random"]
-    assert isinstance(rocket.config.stage1, KeepFirst) and rocket.config.stage1.tokens == 4
+    assert rocket.config.stage1 == "random" and rocket.config.stage1_keep_first == 4  # the layer wraps it
     assert rocket.config.stage2_forced_pages == (1, 4) and (rocket.kept_budget, rocket.read_budget) == (64, 32)
     assert rocket.describe()["config"]["stage1"] == "random+keep_first=4" and rocket.read_tokens(20) == 20
     json.dumps([m.describe() for m in methods.values()])  # results.json stays JSON
     plain = methods["rocketkv_plain:snapkv"]
     assert plain.config.stage1 == "snapkv" and plain.config.stage2_forced_pages == (0, 1)
-    assert methods["rocketkv"].config.stage1.name == "snapkv" and methods["rocketkv_plain"].name == "rocketkv_plain"
+    assert methods["rocketkv"].config.stage1 == "snapkv" and methods["rocketkv_plain"].name == "rocketkv_plain"
+    assert methods["rocketkv"].describe()["config"]["stage1"] == "snapkv+keep_first=4"
+    for name in ("stage1", "streaming_read"):  # every kept page read: no forced pages, so no stage-1 sinks either
+        assert methods[name].config.stage1_keep_first == 0 and methods[name].config.stage2_recent_tokens == 0
+    assert methods["stage1"].describe()["config"]["stage1"] == "snapkv"
+    # a KeepFirst object keeps its label; the layer forces the larger of its count and the config's sinks
+    wrapped = build_method("rocketkv", base.replace(stage1=KeepFirst(KnormPolicy(), 6)))
+    assert wrapped.describe()["config"]["stage1"] == "knorm+keep_first=6"
     assert methods["stage2_plain"].config.stage2_recent_tokens == 0 and methods["stage2"].kept_budget is None
     with pytest.raises(ValueError, match="unknown stage-1 policy 'tova' in method 'evict:tova'"):
         build_method("evict:tova", base)

@@ -713,12 +713,17 @@ class RocketKVLayer(CacheLayerMixin):
     def _make_policy(self, window_scores_fn):
         """The stage-1 policy of this layer's config. ``window_scores_fn`` is the backend's plain function (the Triton
         twin on CUDA), never a bound method of the layer: the policy must not point back at the layer, so a dropped
-        cache frees its buffers at once instead of waiting for the garbage collector."""
+        cache frees its buffers at once instead of waiting for the garbage collector.
+
+        Stage 2's sink pages are the first pages of the compacted store, so the policy keeps each row's first
+        ``stage2_sink_tokens`` prompt tokens (``config.stage1_keep_first``); a later turn's stage 1 then keeps the
+        store's first slots, which hold those same tokens."""
         return get_stage1_policy(
             self.config.stage1,
             kernel_size=self.config.kernel_size,
             sink_tokens=self.config.sink_tokens,
             window_scores_fn=window_scores_fn,
+            keep_first=self.config.stage1_keep_first,
         )
 
     def finish_prefill(self) -> None:

@@ -35,10 +35,11 @@ Any method takes config overrides after "@": ``rocketkv@prompt_budget=256,topk=1
 options on the same samples, sharing the prefill and the full-cache reference.
 
 "rocketkv" and "stage2" use base's stage-2 options as configured (``stage2_sink_tokens``, ``stage2_recent_tokens``);
-the "_plain" variants switch them off, so one run compares RocketKV with and without them. When base forces sink
-tokens, stage 1 is wrapped in ``KeepFirst`` so that the sink pages hold the prompt's first tokens (the cache layer
-does not pass ``keep_first`` yet; see docs/policies.md). The evict baselines carry no stage-2 options: they read
-everything they keep, like kvpress' presses.
+the "_plain" variants switch them off, so one run compares RocketKV with and without them. When a method forces
+sink tokens, the cache layer makes its stage 1 keep the prompt's first s tokens so that the sink pages hold them
+(``RocketKVConfig.stage1_keep_first``; docs/policies.md); its stage-1 label reads ``POLICY+keep_first=s``. The
+baselines that read everything they keep carry no stage-2 options, like kvpress' presses: the evict ones, and
+stage1, streaming, stage1_read and streaming_read (every kept page attended, so no stage-1 sinks forced either).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from transformers import DynamicCache
 
 from ..cache.cache import RocketKVCache
 from ..config import RocketKVConfig
-from ..policies import STAGE1_POLICY_NAMES, get_stage1_policy
+from ..policies import STAGE1_POLICY_NAMES, KeepFirst
 from .streaming import streaming_config
 
 ALL_PAGES = 1 << 30  # a topk larger than any page count: every stored token is attended
@@ -92,7 +93,7 @@ class Method:
         config = None
         if self.config is not None:
             config = self.config.to_dict()
-            config["stage1"] = _policy_label(self.config.stage1)  # JSON-safe: a name, with its forced sinks
+            config["stage1"] = _policy_label(self.config)  # JSON-safe: a name, with its forced sinks
         return {
             "name": self.name,
             "attn_implementation": self.attn_implementation,
@@ -106,8 +107,11 @@ def _policy_name(stage1) -> str:
     return stage1 if isinstance(stage1, str) else stage1.name
 
 
-def _policy_label(stage1) -> str:
-    tokens = getattr(stage1, "tokens", 0) if not isinstance(stage1, str) else 0
+def _policy_label(config: RocketKVConfig) -> str:
+    """The stage-1 policy's name, with the first tokens it keeps whether a ``KeepFirst`` object or the cache layer
+    (``stage1_keep_first``) forces them: the layer keeps the larger count."""
+    stage1 = config.stage1
+    tokens = max(stage1.tokens if isinstance(stage1, KeepFirst) else 0, config.stage1_keep_first)
     return _policy_name(stage1) + (f"+keep_first={tokens}" if tokens else "")
 
 
@@ -122,14 +126,11 @@ def _plain(config: RocketKVConfig) -> RocketKVConfig:
     return config.replace(stage2_sink_tokens=0, stage2_recent_tokens=0)
 
 
-def _with_policy(config: RocketKVConfig, policy: str) -> RocketKVConfig:
-    """``config`` whose stage 1 is ``policy``, wrapped to keep the stage-2 sink tokens when it forces any."""
-    if config.stage2 == "kt_pages" and config.stage2_sink_tokens > 0:
-        wrapped = get_stage1_policy(
-            policy, kernel_size=config.kernel_size, sink_tokens=config.sink_tokens, keep_first=config.stage2_sink_tokens
-        )
-        return config.replace(stage1=wrapped)
-    return config.replace(stage1=policy)
+def _every_kept_page(config: RocketKVConfig) -> RocketKVConfig:
+    """Stage 2 attends every kept page (topk above any page count), so forced pages would change nothing: they are
+    dropped, and with them the sinks stage 1 would otherwise keep (``stage1_keep_first``), so these baselines keep
+    what their policy alone picks."""
+    return _plain(config).replace(topk=ALL_PAGES)
 
 
 def _evicting(config: RocketKVConfig, policy: str, budget: int) -> RocketKVConfig:
@@ -149,7 +150,7 @@ def _build_policy_method(kind: str, policy: str, base: RocketKVConfig) -> Method
         small = max(read, base.window_size)
         return Method(name, "rocketkv", _evicting(base, policy, small), small, None)
     config = _plain(base) if kind == "rocketkv_plain" else base
-    return Method(name, "rocketkv", _with_policy(config, policy), base.prompt_budget, read)
+    return Method(name, "rocketkv", config.replace(stage1=policy), base.prompt_budget, read)
 
 
 def parse_overrides(name: str, text: str) -> dict:
@@ -187,23 +188,22 @@ def _build_method(name: str, base: RocketKVConfig, sink_tokens: int = 4) -> Meth
             raise ValueError(f"unknown method {name!r}; KIND:POLICY takes KIND in {list(POLICY_METHODS)}")
         return _build_policy_method(kind, policy, base)
     if name == "rocketkv":
-        return Method(name, "rocketkv", _with_policy(base, base.stage1) if isinstance(base.stage1, str) else base,
-                      base.prompt_budget, read)
+        return Method(name, "rocketkv", base, base.prompt_budget, read)
     if name == "rocketkv_plain":
         return dataclasses.replace(_build_policy_method("rocketkv_plain", base.stage1, base), name=name)
     if name == "stage2_plain":
         return Method(name, "rocketkv", _plain(base).replace(prompt_budget=KEEP_ALL), None, read)
     if name == "stage1":
-        return Method(name, "rocketkv", base.replace(topk=ALL_PAGES), base.prompt_budget, None)
+        return Method(name, "rocketkv", _every_kept_page(base), base.prompt_budget, None)
     if name == "stage2":
         return Method(name, "rocketkv", base.replace(prompt_budget=KEEP_ALL), None, read)
     if name == "streaming":
-        config = streaming_config(base.replace(topk=ALL_PAGES), sink_tokens)
+        config = streaming_config(_every_kept_page(base), sink_tokens)
         return Method(name, "rocketkv", config, base.prompt_budget, None)
     if name == "stage1_read":
-        return Method(name, "rocketkv", base.replace(prompt_budget=small, topk=ALL_PAGES), small, None)
+        return Method(name, "rocketkv", _every_kept_page(base).replace(prompt_budget=small), small, None)
     if name == "streaming_read":
-        config = streaming_config(base.replace(prompt_budget=small, topk=ALL_PAGES), sink_tokens)
+        config = streaming_config(_every_kept_page(base).replace(prompt_budget=small), sink_tokens)
         return Method(name, "rocketkv", config, small, None)
     raise ValueError(
         f"unknown method {name!r}; known: {list(METHOD_NAMES + PLAIN_METHODS)} or KIND:POLICY with KIND in "

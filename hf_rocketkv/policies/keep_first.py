@@ -9,6 +9,9 @@ silently giving stage 2 the wrong sinks.
 
     policy = KeepFirst(SnapKVPolicy(), 4)          # or get_stage1_policy("snapkv", keep_first=4)
 
+The cache layer wraps its policy this way from the config (``RocketKVConfig.stage1_keep_first``, i.e.
+``stage2_sink_tokens`` with page selection on), so a cache needs no policy object for its sinks.
+
 The wrapper forwards every other attribute (``name``, ``per_head_budgets``, ``new_state``, ``accumulate``) to the
 wrapped policy, so ``hasattr(wrapper, "accumulate")`` is true exactly when it is for the policy.
 """

@@ -29,10 +29,22 @@ def get_stage1_policy(
 
     kernel_size and window_scores_fn feed SnapKV (also AdaKV's default scorer); sink_tokens feeds streaming.
     keep_first > 0 wraps the policy in ``KeepFirst`` (every row keeps its first ``keep_first`` tokens: stage 2's
-    sinks, ``RocketKVConfig.stage2_sink_tokens``); it applies to policy objects too.
+    sinks, ``RocketKVConfig.stage2_sink_tokens``); it applies to policy objects too. A policy object that already is
+    a ``KeepFirst`` keeps one wrapper, forcing the larger of its count and ``keep_first``.
     """
     policy = _named_or_object(spec, kernel_size, sink_tokens, window_scores_fn)
-    return KeepFirst(policy, keep_first) if keep_first > 0 else policy
+    return _with_keep_first(policy, keep_first)
+
+
+def _with_keep_first(policy: Stage1Policy, keep_first: int) -> Stage1Policy:
+    """``policy`` forcing at least its row's first ``keep_first`` slots (itself when it already does)."""
+    if keep_first == 0:
+        return policy
+    if isinstance(policy, KeepFirst):
+        # one wrapper, not two: the same kept slots (max of the counts) with one check instead of two (each reads
+        # its result back from the device)
+        return policy if policy.tokens >= keep_first else KeepFirst(policy.policy, keep_first)
+    return KeepFirst(policy, keep_first)
 
 
 def _named_or_object(spec, kernel_size: int, sink_tokens: int, window_scores_fn: Callable | None) -> Stage1Policy:

@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 from hf_rocketkv import RocketKVCache, RocketKVConfig, RocketKVLayer
 from hf_rocketkv.cache.layer import GenerationHints
-from hf_rocketkv.policies import KeptSlots, KnormPolicy, ScorerPolicy, derive_budgets
+from hf_rocketkv.policies import KeepFirst, KeptSlots, KnormPolicy, ScorerPolicy, SnapKVPolicy, derive_budgets
 from tests.helpers import compressing_config, greedy, left_pad, make_models, random_ids
 
 from . import oracle
@@ -165,6 +165,113 @@ def test_a_custom_policy_with_per_head_counts_is_refused_at_stage_1():
     prefill_chunks(layer, dense_case(0), [30])
     with pytest.raises(NotImplementedError, match="stage-1 policy 'ragged' gives each KV head its own number"):
         layer.compress()
+
+
+# ------------------------------------------------------------------------------------------------ stage-2 sinks
+SINKS = 4  # stage2_sink_tokens of these tests: one page of page_size 4
+
+
+def sinks_last_case(seed: int) -> oracle.Case:
+    """``dense_case`` in which every query points one way and each row's first 6 valid keys point the other way, 8x
+    longer: SnapKV and H2O's later queries give them almost no weight (also once max-pooled with their neighbours)
+    and knorm ranks their norms last, so stage 1 keeps the first 4 only when forced to."""
+    case = dense_case(seed)
+    g = torch.Generator().manual_seed(100 + seed)
+    direction = torch.nn.functional.normalize(torch.randn(D, generator=g), dim=0)
+    queries = 2 * direction + 0.1 * torch.randn(case.queries.shape, generator=g)
+    keys = case.keys.clone()
+    for b, s in enumerate(case.start):
+        keys[b, :, s:s + 6] = -8 * direction
+    return oracle.Case(queries, keys, case.start, case.end, case.w, case.budget, None, case.scaling)
+
+
+def sink_config(**overrides) -> RocketKVConfig:
+    """page_size 4, so the first sink page holds exactly the SINKS forced tokens."""
+    return layer_config(page_size=4, stage2_sink_tokens=SINKS, **overrides)
+
+
+def first_slots(layer, count: int = SINKS) -> list[list[list[int]]]:
+    """The input columns in the first ``count`` slots of each row and KV head of the compacted store."""
+    return [[layer.positions[b, h, :count].tolist() for h in range(HKV)] for b in range(layer.positions.shape[0])]
+
+
+def prompt_starts(case: oracle.Case, count: int = SINKS) -> list[list[list[int]]]:
+    """What ``first_slots`` must be when each row's first prompt tokens were kept: columns start .. start + count - 1
+    (left padding included) in every KV head."""
+    return [[list(range(s, s + count))] * HKV for s in case.start]
+
+
+def compressed_layer(config: RocketKVConfig, case: oracle.Case, max_length: int = 34) -> RocketKVLayer:
+    layer = RocketKVLayer(config, GenerationHints(max_length=max_length))
+    prefill_chunks(layer, case, [30])
+    layer.compress()
+    return layer
+
+
+@pytest.mark.parametrize("stage1", ["snapkv", "knorm", "h2o", "random", "streaming"])
+def test_layer_keeps_the_stage2_sinks_with_every_uniform_policy(stage1):
+    """stage2_sink_tokens=4 alone (no policy object): every row's first 4 prompt tokens open the compacted store, in
+    every KV head, inside the budget; the window is still kept."""
+    case = sinks_last_case(0)
+    layer = compressed_layer(sink_config(stage1=stage1), case)
+    assert isinstance(layer.policy, KeepFirst) and layer.policy.tokens == SINKS and layer.policy.name == stage1
+    assert first_slots(layer) == prompt_starts(case)
+    assert layer.lengths.tolist() == [10, 10]
+    for heads in kept_positions(layer):
+        assert all(slots[-3:] == [27, 28, 29] for slots in heads)
+
+
+@pytest.mark.parametrize("stage1", ["snapkv", "knorm"])
+@pytest.mark.parametrize("options", [dict(stage2_sink_tokens=0), dict(stage2_sink_tokens=SINKS, stage2="none")])
+def test_layer_forces_nothing_without_stage2_sinks(stage1, options):
+    """No sink pages (none configured, or stage2="none" attending every kept token): the same case loses its first
+    tokens, in every KV head, so the test above can tell forced sinks apart."""
+    case = sinks_last_case(0)
+    layer = compressed_layer(layer_config(page_size=4, stage1=stage1, **options), case)
+    assert not isinstance(layer.policy, KeepFirst)
+    for b, heads in enumerate(kept_positions(layer)):
+        assert all(case.start[b] not in slots for slots in heads)
+
+
+@pytest.mark.parametrize("tokens", [2, 6])
+def test_layer_with_a_keep_first_policy_object_wraps_it_once(tokens):
+    """A user's KeepFirst keeps one wrapper: its own when it forces enough, else one forcing the config's sinks."""
+    policy = KeepFirst(SnapKVPolicy(kernel_size=3), tokens)
+    case = sinks_last_case(1)
+    layer = compressed_layer(sink_config(stage1=policy), case)
+    assert isinstance(layer.policy.policy, SnapKVPolicy)
+    assert layer.policy.tokens == max(tokens, SINKS) and (layer.policy is policy) == (tokens >= SINKS)
+    assert first_slots(layer, max(tokens, SINKS)) == prompt_starts(case, max(tokens, SINKS))
+
+
+def test_layer_later_turn_keeps_the_stage2_sinks():
+    """A later turn re-runs stage 1 over the compacted store: its first slots still hold the prompt's first tokens."""
+    case = sinks_last_case(2)
+    layer = compressed_layer(sink_config(), case, max_length=100)
+    new_keys = torch.randn(2, HKV, 5, D, generator=torch.Generator().manual_seed(5))
+    layer.update(new_keys, new_keys)
+    layer.store_new_tokens(None)
+    layer.observe_prefill(case.queries[:, :, :5], None, D**-0.5)  # the same direction: the sinks still score lowest
+    layer.compress()
+    assert first_slots(layer) == prompt_starts(case)
+    assert all(slots[-3:] == [32, 33, 34] for heads in kept_positions(layer) for slots in heads)
+
+
+def test_layer_token_budget_mode_keeps_the_stage2_sinks():
+    """token_budget derives prompt_budget and page_size per request; the forced count is in tokens, so it holds."""
+    case = sinks_last_case(3)
+    layer = compressed_layer(layer_config(token_budget=4, stage2_sink_tokens=SINKS), case)
+    derived = derive_budgets(30, 4, 4, D)
+    assert layer.config.prompt_budget == derived.prompt_budget < 23  # both rows are evicted
+    assert first_slots(layer) == prompt_starts(case)
+
+
+def test_adakv_with_stage2_sinks_is_still_refused():
+    """The KeepFirst wrapper forwards per_head_budgets, so the layer still refuses AdaKV with a clear error."""
+    layer = RocketKVLayer(sink_config(stage1="adakv"), GenerationHints())
+    assert isinstance(layer.policy, KeepFirst) and layer.policy.per_head_budgets
+    with pytest.raises(NotImplementedError, match=r"'adakv' gives each KV head its own number"):
+        prefill_chunks(layer, sinks_last_case(0), [30])
 
 
 # ------------------------------------------------------------------------------------------------ generate

@@ -196,11 +196,10 @@ def _recording(ops, calls: list):
 def test_decode_attends_the_forced_pages(sinks, recent):
     """At every decode step of every layer: the first ceil(s/P) pages and the newest 1 + ceil(r/P) pages are among
     the selected ones (brute force from the lengths), the others are the best by the reference page scores, and the
-    sink pages hold the prompt's first s tokens (stage 1 kept them)."""
+    sink pages hold the prompt's first s tokens (the cache layer's stage 1 kept them: the config alone asks)."""
     rocket, _ = make_models()
     config = compressing_config(topk=6, stage2_sink_tokens=sinks, stage2_recent_tokens=recent)
     page = config.page_size
-    config = config.replace(stage1=get_stage1_policy("snapkv", kernel_size=5, keep_first=sinks))
     cache = RocketKVCache(config)
     ids = random_ids(1, 60, seed=7)
     calls: list = []
@@ -226,6 +225,18 @@ def test_decode_attends_the_forced_pages(sinks, recent):
             others = [p for p in range(n) if p not in forced]
             rest = [others.index(p) for p in chosen if p not in forced]
             assert_top_up_to_ties(rest, [float(probs[0, h, p]) for p in others], len(rest))
+
+
+def test_decode_compression_leaves_the_stage2_sinks_in_place():
+    """Decode-time compression re-scores generated tokens only: after several compressions every layer's first slots
+    still hold prompt positions 0 .. s-1 (the config's sinks, kept by stage 1 without a policy object)."""
+    rocket, _ = make_models()
+    config = compressing_config(stage2_sink_tokens=4, decode_budget=8, decode_interval=4, decode_window=4)
+    cache = RocketKVCache(config)
+    greedy(rocket, random_ids(1, 40, seed=9), 30, past_key_values=cache)
+    for layer in cache.layers:
+        assert int(layer.lengths[0]) <= 24 + 8 + 4  # compressed: 29 generated tokens stored would not fit
+        assert layer.positions[0, :, :4].tolist() == [[0, 1, 2, 3]] * layer.positions.shape[1]
 
 
 def test_stage2_none_equals_attending_every_kept_page():
