@@ -57,6 +57,10 @@ for name in "$@"; do
     tune_kernels)    step "$name" 420 $PY benchmarks/tune_decode_kernels.py --out "$OUT/tune_kernels" ;;
     profile_prefill_regions) step "$name" 180 $PY benchmarks/profile_prefill.py --regions \
                         --out "$OUT/profile_prefill_regions" ;;
+    batching_regions) step "$name" 420 $PY benchmarks/batching_check.py --rates 1,4 --mixed-requests 16 \
+                        --mixed-time-s 20 --mixed-max-prompt 16384 --compile-regions --out "$OUT/batching_regions" ;;
+    profile_graph_b1_regions) step "$name" 180 $PY benchmarks/profile_graph_step.py --batch 1 --context 32768 \
+                        --regions --out "$OUT/profile_graph_b1_regions" ;;
     *) echo "unknown step $name (see benchmarks/gpu_steps.sh)" | tee -a "$OUT/summary.txt" ;;
   esac
 done
