@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_rocketkv import KVBlockPool, RocketKVCache
-from hf_rocketkv.cache.batch_view import BatchedDecodeCache
+from hf_rocketkv.cache.batch_view import BatchedDecodeCache, BatchedDecodeLayer
 from tests.helpers import compressing_config, greedy, make_models, random_ids
 
 CFG = compressing_config(kt_cache_dtype="float32")
@@ -140,5 +140,49 @@ def test_checks(model):
     with pytest.raises(RuntimeError, match="no room"):
         batch.prepare(1, 1)
     batch.leave(0).close()
+    batch.close()
+    assert pool.free_pages() == pool.total_pages()
+
+
+def test_prepare_rebuilds_views_only_when_the_layout_changes(model, monkeypatch):
+    """Steps of an unchanged batch keep the layers' views (no per-layer work) but still empty the padding rows; a
+    join, a leave or a new bucket rebuilds them. Padding rows decode from length 0 at every step (their lengths
+    would otherwise grow by one per step)."""
+    pool = new_pool(model, page_size=16)
+    batch = BatchedDecodeCache(pool, max_rows=4)
+    calls = []
+    real_select = BatchedDecodeLayer.select
+    monkeypatch.setattr(BatchedDecodeLayer, "select", lambda self, *a: (calls.append(a[0]), real_select(self, *a)))
+    caches = []
+    for row, n in enumerate((27, 35)):
+        cache, _ = prefill(model, pool, random_ids(1, n, seed=200 + n)[0], 8)
+        batch.join(row, cache)
+        caches.append(cache)
+    layers = len(batch.layers)
+    assert batch.ensure_scratch()
+
+    def step(rows, bucket):
+        batch.prepare(rows, bucket)
+        with torch.no_grad():
+            model(input_ids=torch.full((bucket, 1), 7), position_ids=batch.next_positions(), past_key_values=batch,
+                  use_cache=True)
+        batch.stepped()
+
+    step(2, 4)
+    assert len(calls) == layers
+    for _ in range(3):
+        step(2, 4)
+    assert len(calls) == layers  # unchanged layout: views kept
+    batch.prepare(2, 4)
+    for layer in batch.layers:  # padding rows emptied before each step, in every layer
+        assert layer.lengths_buf[2:4].tolist() == [0, 0] and layer.seen_buf[2:4].tolist() == [0, 0]
+    step(2, 2)  # a new bucket
+    assert len(calls) == 2 * layers
+    batch.leave(1)
+    step(1, 4)  # a row left
+    assert len(calls) == 3 * layers
+    batch.leave(0)
+    for cache in caches:
+        cache.close()
     batch.close()
     assert pool.free_pages() == pool.total_pages()
