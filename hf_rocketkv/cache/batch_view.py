@@ -71,11 +71,11 @@ class BatchedDecodeLayer(RocketKVLayer):
         self._handles: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def init_from(self, source: RocketKVLayer, max_rows: int, width: int, pool: KVBlockPool,
-                  lengths: torch.Tensor | None = None, seen: torch.Tensor | None = None) -> None:
+                  lengths: torch.Tensor, seen: torch.Tensor) -> None:
         """Shapes, dtype, device and kernels from a compressed request layer; buffers for ``max_rows`` rows of
-        ``width`` pool pages (all rows padding). ``lengths`` / ``seen``: ``[max_rows]`` int64 zeros to use as this
-        layer's buffers (views of the batch's ``[layers, max_rows]`` tensors, so padding rows are reset for every
-        layer in one op); None allocates them."""
+        ``width`` pool pages (all rows padding). ``lengths`` / ``seen``: ``[max_rows]`` int64 zeros, this layer's
+        buffers (views of the batch's ``[layers, max_rows]`` tensors, so padding rows are reset for every layer in
+        one op)."""
         self.config = source.config  # the effective config (stage-2 options, KT page size)
         self.dtype, self.device, self.ops = source.dtype, source.device, source.ops
         self.num_kv_heads, self.head_dim = source.num_kv_heads, source.head_dim
@@ -83,11 +83,10 @@ class BatchedDecodeLayer(RocketKVLayer):
         self.storage = pool.layer(self.layer_idx)
         self.page_tokens = self.storage.k.shape[2]
         self.table_buf = torch.full((max_rows, width), -1, dtype=torch.int32, device=self.device)
-        self.lengths_buf = lengths if lengths is not None else torch.zeros(max_rows, dtype=torch.long,
-                                                                           device=self.device)
+        self.lengths_buf = lengths
         self.positions_buf = torch.full((max_rows, self.num_kv_heads, width * self.page_tokens), -1,
                                         dtype=torch.int32, device=self.device)
-        self.seen_buf = seen if seen is not None else torch.zeros(max_rows, dtype=torch.long, device=self.device)
+        self.seen_buf = seen
         self.compressed = self.is_initialized = True
 
     @property
