@@ -332,22 +332,10 @@ def step_mixed(session: Session, args, vocab, rate: float) -> dict:
     return result
 
 
-def all_threads_profiler(device: torch.device):
-    """torch.profiler recording the ops of every thread (the engine's included), where this torch can."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    try:
-        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
-    except (AttributeError, TypeError):  # an older torch: the calling thread's CPU ops only (CUDA kernels all)
-        config = None
-    return profile(activities=activities, experimental_config=config)
-
-
 def step_profile_prefill(session: Session, args, vocab, device, out: Path) -> dict:
     """One request's prefill in the engine thread, under torch.profiler (it records every thread's ops)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from profile_prefix_hit import summarize, write_report
+    from profile_prefix_hit import profiled, summarize, write_report
 
     rng = random.Random(args.seed + 3)
     prompts = [random_prompt(rng, args.prompt_len, vocab) for _ in range(2)]
@@ -360,8 +348,7 @@ def step_profile_prefill(session: Session, args, vocab, device, out: Path) -> di
 
     one(0)  # same shapes once before the profile
     result = {}
-    with all_threads_profiler(device) as prof:
-        result.update(one(1))
+    prof = profiled(device, lambda: result.update(one(1)), all_threads=True)
     report = {"prefill_s_per_request": result.get("prefill_s_per_request"), "prompt_len": args.prompt_len}
     summarize(prof, device, report)
     write_report(report, out / "profile_prefill" / "engine_prefill.json")

@@ -89,12 +89,19 @@ def main() -> None:
     write_report(report, Path(args.out) / "profile_prefix_hit.json")
 
 
-def profiled(device: torch.device, fn):
-    """``fn()`` under torch.profiler (CPU, and CUDA on a GPU); returns the profiler."""
+def profiled(device: torch.device, fn, all_threads: bool = False):
+    """``fn()`` under torch.profiler (CPU, and CUDA on a GPU); returns the profiler. ``all_threads``: record the CPU
+    ops of every thread (e.g. an engine's), where this torch can; else the calling thread's."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities, record_shapes=False) as prof:
+    config = None
+    if all_threads:
+        try:
+            config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+        except (AttributeError, TypeError):  # an older torch: the calling thread's CPU ops only (CUDA kernels all)
+            config = None
+    with torch.profiler.profile(activities=activities, record_shapes=False, experimental_config=config) as prof:
         fn()
     return prof
 
