@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--decode", default="graphs", choices=["graphs", "eager"],
                         help="graphs: one CUDA graph per decode bucket (the engine's default on CUDA); eager")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--freeze-gc", action="store_true",
+                        help="after the fixed workload, gc.freeze() and run it again (fixed_gc_frozen): do "
+                             "collections of the long-lived heap slow the engine thread?")
     parser.add_argument("--profile-prefill", action="store_true",
                         help="after the fixed step: one more --prompt-len request (1 new token) through the running "
                              "engine under torch.profiler; its top ops in profile_prefill/ under --out")
@@ -308,6 +311,18 @@ def step_fixed(session: Session, args, vocab, device) -> dict:
     return result
 
 
+def step_fixed_frozen(session: Session, args, vocab, device) -> dict:
+    """The fixed workload again after ``gc.collect(); gc.freeze()``: the heap built so far (model, pool, graphs)
+    is never traversed by a collection again."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    result = step_fixed(session, args, vocab, device)
+    result["gc_frozen_objects"] = gc.get_freeze_count()
+    return result
+
+
 def step_mixed(session: Session, args, vocab, rate: float) -> dict:
     rng = random.Random(args.seed + int(rate * 1000))
     low, high = math.log(args.mixed_min_prompt), math.log(args.mixed_max_prompt)
@@ -335,7 +350,7 @@ def step_mixed(session: Session, args, vocab, rate: float) -> dict:
 def step_profile_prefill(session: Session, args, vocab, device, out: Path) -> dict:
     """One request's prefill in the engine thread, under torch.profiler (it records every thread's ops)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from profile_prefix_hit import profiled, summarize, write_report
+    from profile_prefix_hit import gpu_gaps, profiled, summarize, write_report
 
     rng = random.Random(args.seed + 3)
     prompts = [random_prompt(rng, args.prompt_len, vocab) for _ in range(2)]
@@ -346,11 +361,17 @@ def step_profile_prefill(session: Session, args, vocab, device, out: Path) -> di
             assert recorder.wait(1, 600), "the profiled request did not finish"
         return session.run(body)
 
-    one(0)  # same shapes once before the profile
+    isolated = [one(0)["prefill_s_per_request"] for _ in range(3)]  # same shapes before the profile, unprofiled
     result = {}
-    prof = profiled(device, lambda: result.update(one(1)), all_threads=True)
-    report = {"prefill_s_per_request": result.get("prefill_s_per_request"), "prompt_len": args.prompt_len}
+    prof = profiled(device, lambda: result.update(one(1)), all_threads=True, with_stack=True)
+    report = {"prefill_s_per_request": result.get("prefill_s_per_request"), "prompt_len": args.prompt_len,
+              "isolated_prefill_s": isolated}
     summarize(prof, device, report)
+    trace = out / "profile_prefill" / "engine_prefill_trace.json"
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(trace))
+    report["gaps"] = gpu_gaps(trace)
+    trace.unlink()  # tens of MB: the gap report keeps what it says
     write_report(report, out / "profile_prefill" / "engine_prefill.json")
     return report
 
@@ -397,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     session = Session(model, pool, config, args, warm_tokens=new_tokens)
     plan = [("warmup", lambda: step_warmup(session, args, vocab)),
             ("fixed", lambda: step_fixed(session, args, vocab, device))]
+    if args.freeze_gc:
+        plan.append(("fixed_gc_frozen", lambda: step_fixed_frozen(session, args, vocab, device)))
     if args.profile_prefill:
         plan.append(("profile_prefill", lambda: step_profile_prefill(session, args, vocab, device, out)))
     plan += [(f"mixed_rate_{rate:g}", lambda rate=rate: step_mixed(session, args, vocab, rate)) for rate in rates]

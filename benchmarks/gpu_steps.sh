@@ -55,6 +55,8 @@ for name in "$@"; do
     profile_graph_b32_regions) step "$name" 240 $PY benchmarks/profile_graph_step.py --batch 32 --context 8192 \
                         --regions --out "$OUT/profile_graph_b32_regions" ;;
     tune_kernels)    step "$name" 420 $PY benchmarks/tune_decode_kernels.py --out "$OUT/tune_kernels" ;;
+    batching_gc)     step "$name" 300 $PY benchmarks/batching_check.py --rates "" --compile-regions --freeze-gc \
+                        --out "$OUT/batching_gc" ;;
     profile_prefill_regions) step "$name" 180 $PY benchmarks/profile_prefill.py --regions \
                         --out "$OUT/profile_prefill_regions" ;;
     batching_regions) step "$name" 420 $PY benchmarks/batching_check.py --rates 1,4 --mixed-requests 16 \

@@ -17,6 +17,7 @@ then profiles one ``pool`` prefill with torch.profiler: top ops by CPU and devic
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -29,21 +30,35 @@ from hf_rocketkv import KVBlockPool, RocketKVCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_prefix_reuse import setup  # noqa: E402
-from profile_prefix_hit import profiled, summarize, sync, write_report  # noqa: E402
+from profile_prefix_hit import gpu_gaps, profiled, summarize, sync, write_report  # noqa: E402
 
 GIB = 2**30
 
 
-def timed(fn, device, repeats: int) -> float:
+def timed(fn, device, repeats: int) -> tuple[float, float]:
+    """Median seconds of ``fn()`` to its end on the device, and to its return on the host (no sync inside ``fn``:
+    a host return close to the total says the host, not the GPU, sets the pace)."""
     fn()  # warm-up
-    times = []
+    totals, hosts = [], []
     for _ in range(repeats):
         sync(device)
         start = time.perf_counter()
-        fn()
+        host_done = fn()  # fn may sync before it returns: then it returns when its host work was done
+        hosts.append((host_done if isinstance(host_done, float) else time.perf_counter()) - start)
         sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        totals.append(time.perf_counter() - start)
+    return statistics.median(totals), statistics.median(hosts)
+
+
+def without_gc(fn):
+    """``fn`` with Python's cyclic garbage collector off while it runs (does a collection pause show up?)."""
+    def run():
+        gc.disable()
+        try:
+            return fn()
+        finally:
+            gc.enable()
+    return run
 
 
 def main() -> None:
@@ -92,15 +107,25 @@ def main() -> None:
         finally:
             cache.hints.prefilling = False
         cache.finish_prefill()
+        host_done = time.perf_counter()
         sync(device)
         cache.close()
+        return host_done
 
     report: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                     "prompt_len": args.prompt_len, "regions": args.regions}
-    for name, fn in (("dense_s", dense), ("rocketkv_s", rocketkv), ("pool_s", pooled)):
-        report[name] = timed(fn, device, args.repeats)
-        print(name, round(report[name], 4), flush=True)
-    summarize(profiled(device, pooled), device, report)
+    for name, fn in (("dense_s", dense), ("rocketkv_s", rocketkv), ("pool_s", pooled),
+                     ("pool_without_gc_s", without_gc(pooled))):
+        report[name], report[name.replace("_s", "_host_return_s")] = timed(fn, device, args.repeats)
+        print(name, round(report[name], 4), "host return", round(report[name.replace("_s", "_host_return_s")], 4),
+              flush=True)
+    prof = profiled(device, pooled, with_stack=True)
+    summarize(prof, device, report)
+    trace = Path(args.out) / "profile_prefill_trace.json"
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(trace))
+    report["gaps"] = gpu_gaps(trace, "pooled")  # where the GPU waited for the host
+    trace.unlink()
     write_report(report, Path(args.out) / "profile_prefill.json")
 
 if __name__ == "__main__":

@@ -89,9 +89,10 @@ def main() -> None:
     write_report(report, Path(args.out) / "profile_prefix_hit.json")
 
 
-def profiled(device: torch.device, fn, all_threads: bool = False):
+def profiled(device: torch.device, fn, all_threads: bool = False, with_stack: bool = False):
     """``fn()`` under torch.profiler (CPU, and CUDA on a GPU); returns the profiler. ``all_threads``: record the CPU
-    ops of every thread (e.g. an engine's), where this torch can; else the calling thread's."""
+    ops of every thread (e.g. an engine's), where this torch can; else the calling thread's. ``with_stack``: also
+    the Python functions (``python_function`` events of the chrome trace, for ``gpu_gaps``)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -101,9 +102,99 @@ def profiled(device: torch.device, fn, all_threads: bool = False):
             config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
         except (AttributeError, TypeError):  # an older torch: the calling thread's CPU ops only (CUDA kernels all)
             config = None
-    with torch.profiler.profile(activities=activities, record_shapes=False, experimental_config=config) as prof:
+    with torch.profiler.profile(activities=activities, record_shapes=False, experimental_config=config,
+                                with_stack=with_stack) as prof:
         fn()
     return prof
+
+
+def gpu_gaps(trace_path: Path, window_function: str = "_prefill", step_us: float = 5.0, rows: int = 25) -> dict:
+    """Where the GPU sat idle inside one host function's span, from a chrome trace taken ``with_stack=True``.
+
+    The window is the longest ``python_function`` event whose name ends in ``: <window_function>``. Device activity
+    (kernels, memcpys, memsets) is merged into busy intervals; the idle time between them is sampled every
+    ``step_us`` and each sample is charged to the innermost Python function and the innermost aten op the window's
+    thread was in at that moment, i.e. what the host was doing while the GPU waited for it. Also reports the
+    inclusive host time of the ``hf_rocketkv`` / ``transformers`` functions on that thread (top ``rows``)."""
+    import bisect
+
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    python = [e for e in complete if e.get("cat") == "python_function"]
+    suffix = f": {window_function}"
+    windows = [e for e in python if e["name"].endswith(suffix)]
+    if not windows:
+        return {"error": f"no python_function ending in {suffix!r} in the trace"}
+    window = max(windows, key=lambda e: e["dur"])
+    start, end, tid = window["ts"], window["ts"] + window["dur"], window["tid"]
+    device = sorted((e["ts"], e["ts"] + e["dur"]) for e in complete
+                    if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e["ts"] < end and e["ts"] + e["dur"] > start)
+    busy: list[list[float]] = []
+    for s, e in device:
+        s, e = max(s, start), min(e, end)
+        if busy and s <= busy[-1][1]:
+            busy[-1][1] = max(busy[-1][1], e)
+        else:
+            busy.append([s, e])
+    gaps, cursor = [], start
+    for s, e in busy:
+        if s > cursor:
+            gaps.append((cursor, s))
+        cursor = max(cursor, e)
+    if cursor < end:
+        gaps.append((cursor, end))
+
+    def innermost_table(candidates):
+        ordered = sorted(candidates, key=lambda e: e["ts"])
+        return ordered, [e["ts"] for e in ordered]
+
+    own_python = innermost_table([e for e in python if e["tid"] == tid and e["ts"] < end and e["ts"] + e["dur"] > start])
+    own_ops = innermost_table([e for e in complete if e.get("cat") == "cpu_op" and e["tid"] == tid
+                               and e["ts"] < end and e["ts"] + e["dur"] > start])
+
+    def innermost(table, t, keep=lambda name: True):
+        ordered, starts = table
+        i = bisect.bisect_right(starts, t) - 1
+        for j in range(i, max(-1, i - 20000), -1):  # nested spans: the latest-starting one that contains t
+            e = ordered[j]
+            if e["ts"] + e["dur"] > t and keep(e["name"]):
+                return e["name"]
+        return "(none)"
+
+    ours = lambda name: "hf_rocketkv" in name or "transformers" in name
+    by_function: dict[str, float] = {}
+    by_our_function: dict[str, float] = {}
+    by_op: dict[str, float] = {}
+    for s, e in gaps:
+        t = s + step_us / 2
+        while t < e:
+            for table, key, keep in ((own_python, by_function, None), (own_python, by_our_function, ours),
+                                     (own_ops, by_op, None)):
+                name = innermost(table, t, keep) if keep else innermost(table, t)
+                key[name] = key.get(name, 0.0) + step_us
+            t += step_us
+    inclusive: dict[str, list] = {}
+    for e in own_python[0]:
+        if ours(e["name"]):
+            row = inclusive.setdefault(e["name"], [0.0, 0])
+            row[0] += e["dur"]
+            row[1] += 1
+
+    def top(table: dict) -> list:
+        return [{"name": k[:160], "idle_ms": round(v / 1e3, 3)} for k, v in sorted(table.items(), key=lambda kv: -kv[1])[:rows]]
+
+    idle = sum(e - s for s, e in gaps)
+    return {
+        "window": window["name"], "window_ms": round((end - start) / 1e3, 3),
+        "device_busy_ms": round(sum(e - s for s, e in busy) / 1e3, 3), "device_idle_ms": round(idle / 1e3, 3),
+        "idle_before_first_kernel_ms": round(((busy[0][0] if busy else end) - start) / 1e3, 3),
+        "idle_after_last_kernel_ms": round((end - (busy[-1][1] if busy else start)) / 1e3, 3),
+        "gaps_over_50us": sum(1 for s, e in gaps if e - s > 50),
+        "idle_by_python_function": top(by_function), "idle_by_our_function": top(by_our_function),
+        "idle_by_op": top(by_op),
+        "host_inclusive_ms": [{"name": k[:160], "ms": round(v[0] / 1e3, 3), "calls": v[1]}
+                              for k, v in sorted(inclusive.items(), key=lambda kv: -kv[1][0])[:rows]],
+    }
 
 
 SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::item", "aten::_local_scalar_dense")

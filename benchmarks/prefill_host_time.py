@@ -1,0 +1,177 @@
+"""Host time of a pool-backed prefill, per function, without a profiler (issue 14: is the engine's prefill host-bound?).
+
+    PYTHONPATH=. python benchmarks/prefill_host_time.py --regions --out $OUT      # H100: about 1 minute
+    PYTHONPATH=. python benchmarks/prefill_host_time.py --quick --out out        # CPU smoke run
+
+torch.profiler's Python tracing (``with_stack``) slows Python-heavy code several times over, so its picture of where
+the host spends a prefill is skewed towards Python. Here each listed function is wrapped by a timer (about a
+microsecond per call) and a prefill runs as the batching engine runs it (``profile_prefill.py``'s ``pooled``), with
+no synchronisation inside: the wrappers' inclusive seconds are host seconds (launches are asynchronous), and
+``host_return_s`` against ``total_s`` says how close the host comes to setting the pace.
+
+Llama-3.1-8B shapes, random bf16 weights, RocketKVConfig() defaults on the Triton backend, a KVBlockPool of 16-token
+pages; median over --repeats prefills after a warm-up. Writes ``prefill_host_time.json`` under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import importlib
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from hf_rocketkv import KVBlockPool, RocketKVCache
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_prefix_reuse import setup  # noqa: E402
+from profile_prefix_hit import sync  # noqa: E402
+
+GIB = 2**30
+
+# (module, attribute path): each is timed inclusively; nested entries are also inside their callers' times.
+TIMED = (
+    ("hf_rocketkv.cache.cache", "RocketKVCache.begin_prefill"),
+    ("hf_rocketkv.cache.cache", "RocketKVCache.finish_prefill"),
+    ("hf_rocketkv.cache.cache", "RocketKVCache.update"),
+    ("hf_rocketkv.integration.attention", "sdpa_attention_forward"),
+    ("hf_rocketkv.cache.layer", "RocketKVLayer.observe_prefill"),
+    ("hf_rocketkv.cache.layer", "RocketKVLayer.compress"),
+    ("hf_rocketkv.policies.snapkv", "SnapKVPolicy.select"),
+    ("hf_rocketkv.policies.snapkv", "SnapKVPolicy.score"),
+    ("hf_rocketkv.cache.layer", "RocketKVLayer._store_prompt"),
+    ("hf_rocketkv.cache.layer", "RocketKVLayer._compact"),
+    ("hf_rocketkv.cache.layer", "write_tokens"),
+    ("hf_rocketkv.cache.paged_store", "PagedStore.write"),
+    ("hf_rocketkv.kernels.window_scores", "window_scores_triton"),
+    ("hf_rocketkv.kernels.kt_build", "build_kt_triton"),
+    ("hf_rocketkv.memory.pool", "KVBlockPool.stats"),
+    ("hf_rocketkv.memory.pool", "page_hashes"),
+    ("hf_rocketkv.memory.pool", "as_token_list"),
+    ("transformers.models.llama.modeling_llama", "LlamaDecoderLayer.forward"),
+    ("transformers.models.llama.modeling_llama", "LlamaAttention.forward"),
+    ("transformers.models.llama.modeling_llama", "apply_rotary_pos_emb"),
+)
+
+
+class Timers:
+    """Inclusive host seconds and calls per wrapped function (while ``active``)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def wrap(self, name: str, fn):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+                self.calls[name] = self.calls.get(name, 0) + 1
+        return timed
+
+    def reset(self):
+        self.seconds.clear()
+        self.calls.clear()
+
+
+@contextlib.contextmanager
+def patched(timers: Timers, targets=TIMED):
+    """Every target replaced by its timed wrapper; the originals put back afterwards. A missing one is skipped."""
+    undo, skipped = [], []
+    for module_name, path in targets:
+        try:
+            owner = importlib.import_module(module_name)
+            *parents, attr = path.split(".")
+            for part in parents:
+                owner = getattr(owner, part)
+            original = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+        except (ImportError, AttributeError, KeyError):
+            skipped.append(f"{module_name}:{path}")
+            continue
+        setattr(owner, attr, timers.wrap(path, original))
+        undo.append((owner, attr, original))
+    try:
+        yield skipped
+    finally:
+        for owner, attr, original in reversed(undo):
+            setattr(owner, attr, original)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "out"))
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--prompt-len", type=int, default=8192)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--regions", action="store_true", help="hf_rocketkv.compile_regions(model) first")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
+    if args.quick:
+        args.prompt_len = 256
+    torch.set_grad_enabled(False)
+    config, dtype, model = setup(device, args.quick)
+    if args.regions:
+        from hf_rocketkv import compile_regions
+
+        compile_regions(model)
+    pool = KVBlockPool(model.config, max_gpu_bytes=int((0.05 if args.quick else 8) * GIB), page_size=16, dtype=dtype,
+                       kt_page_size=config.page_size, kt_dtype=config.kt_cache_dtype, device=device)
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+
+    def pooled() -> tuple[float, float]:
+        ids = torch.randint(3, vocab, (1, args.prompt_len), generator=g).to(device)  # cold: no prefix hit
+        sync(device)
+        start = time.perf_counter()
+        cache = RocketKVCache(config, pool=pool)
+        cache.hints.max_length = args.prompt_len + 64
+        cache.begin_prefill(ids, None, max_new_tokens=64)
+        cache.hints.prefilling = True
+        try:
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, use_cache=True,
+                  logits_to_keep=1)
+        finally:
+            cache.hints.prefilling = False
+        cache.finish_prefill()
+        host = time.perf_counter() - start
+        sync(device)
+        total = time.perf_counter() - start
+        cache.close()
+        return host, total
+
+    pooled()  # warm-up: Triton JIT, compiled regions
+    plain = [pooled() for _ in range(args.repeats)]
+    timers = Timers()
+    with patched(timers) as skipped:
+        pooled()
+        timers.reset()
+        runs = [pooled() for _ in range(args.repeats)]
+    report = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "prompt_len": args.prompt_len,
+        "regions": args.regions, "repeats": args.repeats,
+        "host_return_s": statistics.median(h for h, _ in plain), "total_s": statistics.median(t for _, t in plain),
+        "timed_host_return_s": statistics.median(h for h, _ in runs),
+        "timed_total_s": statistics.median(t for _, t in runs),
+        "skipped": skipped,
+        "host_ms_per_prefill": {name: round(1e3 * s / args.repeats, 3)
+                                for name, s in sorted(timers.seconds.items(), key=lambda kv: -kv[1])},
+        "calls_per_prefill": {name: timers.calls[name] // args.repeats for name in timers.calls},
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "prefill_host_time.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
