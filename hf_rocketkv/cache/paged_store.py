@@ -138,12 +138,19 @@ def write_tokens(store: PagedStore, keys: torch.Tensor, values: torch.Tensor, st
     for b, (first, last) in enumerate(zip(start, end)):
         if last > first and (b >= len(store.row_pages) or last > store.row_pages[b] * store.page_tokens):
             raise IndexError("write_tokens: a row has no page for a slot it writes (table entry -1)")
-    device = store.k.device
+    device, page = store.k.device, store.page_tokens
     rows, slots = [], []
     for b, (first, last) in enumerate(zip(start, end)):
-        if last > first:
-            rows.append(torch.full((last - first,), b, dtype=torch.long, device=device))
-            slots.append(torch.arange(first, last, dtype=torch.long, device=device))
+        whole_from, whole_to = ceil_div(first, page) * page, last // page * page
+        if whole_to > whole_from:  # the row's whole pages in one copy each for K and V (a prompt: all but its tail)
+            _write_whole_pages(store, keys, values, b, whole_from, whole_to)
+            pieces = ((first, whole_from), (whole_to, last))
+        else:
+            pieces = ((first, last),)
+        for lo, hi in pieces:  # partial pages at either end: slot by slot, the rest of those pages untouched
+            if hi > lo:
+                rows.append(torch.full((hi - lo,), b, dtype=torch.long, device=device))
+                slots.append(torch.arange(lo, hi, dtype=torch.long, device=device))
     if not rows:
         return
     rows, slots = torch.cat(rows), torch.cat(slots)
@@ -151,3 +158,16 @@ def write_tokens(store: PagedStore, keys: torch.Tensor, values: torch.Tensor, st
     offsets = slots % store.page_tokens
     store.k[pages, :, offsets] = keys[rows, :, slots].to(store.k.dtype)
     store.v[pages, :, offsets] = values[rows, :, slots].to(store.v.dtype)
+
+
+def _write_whole_pages(store: PagedStore, keys: torch.Tensor, values: torch.Tensor, row: int, first: int,
+                       last: int) -> None:
+    """Slots ``[first, last)`` of ``row`` (page aligned at both ends) into the row's pages, one indexed copy per
+    tensor: the slot-by-slot path gathers and scatters every token through an index tensor of its own."""
+    page = store.page_tokens
+    pages = store.table[row, first // page : last // page].long()
+    heads, dim = keys.shape[1], keys.shape[3]
+    for source, target in ((keys, store.k), (values, store.v)):
+        # [Hkv, n * P, D] -> [n, Hkv, P, D]: page-major like the pool's pages (a view; index_put_ reads the strides)
+        per_page = source[row, :, first:last].reshape(heads, -1, page, dim).transpose(0, 1)
+        target[pages] = per_page.to(target.dtype)

@@ -64,8 +64,11 @@ def scatter_pages(pages: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
         present = index >= 0
         pages[index[present]] = per_page[present].to(pages.dtype)
         return
-    index = torch.cat([table[b, :n] for b, n in enumerate(row_pages)]).long()
-    source = torch.cat([per_page[b, :n] for b, n in enumerate(row_pages)])
+    if len(row_pages) == 1:  # one row (a request's prefill): its slices as they are, no copy through cat
+        index, source = table[0, : row_pages[0]].long(), per_page[0, : row_pages[0]]
+    else:
+        index = torch.cat([table[b, :n] for b, n in enumerate(row_pages)]).long()
+        source = torch.cat([per_page[b, :n] for b, n in enumerate(row_pages)])
     pages[index] = source.to(pages.dtype)  # index_put_ (index_copy_ has no float8 kernel on CPU)
 
 
