@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--freeze-gc", action="store_true",
                         help="after the fixed workload, gc.freeze() and run it again (fixed_gc_frozen): do "
                              "collections of the long-lived heap slow the engine thread?")
+    parser.add_argument("--time-host", action="store_true",
+                        help="then the fixed workload again with the engine's methods timed on the host "
+                             "(fixed_host_times: inclusive ms per iteration of each, prefill_host_time.Timers)")
     parser.add_argument("--profile-prefill", action="store_true",
                         help="after the fixed step: one more --prompt-len request (1 new token) through the running "
                              "engine under torch.profiler; its top ops in profile_prefill/ under --out")
@@ -323,6 +326,35 @@ def step_fixed_frozen(session: Session, args, vocab, device) -> dict:
     return result
 
 
+ENGINE_TIMED = tuple(("hf_rocketkv.serving.batching", f"BatchingEngine.{name}") for name in (
+    "_iteration", "_finish_cancelled", "_prefill", "_decode", "_step_logits", "_sample_rows", "_accept", "_end_row")) + (
+    ("hf_rocketkv.serving.scheduler", "Scheduler.next_step"),
+    ("hf_rocketkv.integration.batch_graphs", "BatchedDecodeGraphs.run"),
+    ("hf_rocketkv.cache.batch_view", "BatchedDecodeCache.prepare"),
+    ("hf_rocketkv.cache.batch_view", "BatchedDecodeCache.next_positions"),
+    ("hf_rocketkv.cache.batch_view", "BatchedDecodeCache.stepped"),
+    ("hf_rocketkv.cache.batch_view", "BatchedDecodeCache.join"),
+)
+
+
+def step_fixed_host_times(session: Session, args, vocab, device) -> dict:
+    """The fixed workload with the engine's methods wrapped by host timers: where an iteration's host time goes
+    (``_sample_rows`` includes the wait for the step's tokens; what is outside ``_step_logits`` the GPU waits for)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from prefill_host_time import Timers, patched
+
+    timers = Timers()
+    with patched(timers, ENGINE_TIMED) as skipped:
+        result = step_fixed(session, args, vocab, device)
+    iterations = max(1, timers.calls.get("BatchingEngine._iteration", 0))
+    result["host_ms_per_iteration"] = {name: round(1e3 * s / iterations, 4)
+                                       for name, s in sorted(timers.seconds.items(), key=lambda kv: -kv[1])}
+    result["calls"] = dict(timers.calls)
+    result["iterations"] = iterations
+    result["skipped"] = skipped
+    return result
+
+
 def step_mixed(session: Session, args, vocab, rate: float) -> dict:
     rng = random.Random(args.seed + int(rate * 1000))
     low, high = math.log(args.mixed_min_prompt), math.log(args.mixed_max_prompt)
@@ -420,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
             ("fixed", lambda: step_fixed(session, args, vocab, device))]
     if args.freeze_gc:
         plan.append(("fixed_gc_frozen", lambda: step_fixed_frozen(session, args, vocab, device)))
+    if args.time_host:
+        plan.append(("fixed_host_times", lambda: step_fixed_host_times(session, args, vocab, device)))
     if args.profile_prefill:
         plan.append(("profile_prefill", lambda: step_profile_prefill(session, args, vocab, device, out)))
     plan += [(f"mixed_rate_{rate:g}", lambda rate=rate: step_mixed(session, args, vocab, rate)) for rate in rates]

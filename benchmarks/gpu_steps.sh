@@ -57,6 +57,9 @@ for name in "$@"; do
     tune_kernels)    step "$name" 420 $PY benchmarks/tune_decode_kernels.py --out "$OUT/tune_kernels" ;;
     batching_gc)     step "$name" 300 $PY benchmarks/batching_check.py --rates "" --compile-regions --freeze-gc \
                         --out "$OUT/batching_gc" ;;
+    batching_host_times) step "$name" 300 $PY benchmarks/batching_check.py --rates "" --compile-regions --time-host \
+                        --out "$OUT/batching_host_times" ;;
+    prefill_host_time) step "$name" 150 $PY benchmarks/prefill_host_time.py --regions --out "$OUT/prefill_host_time" ;;
     profile_prefill_regions) step "$name" 180 $PY benchmarks/profile_prefill.py --regions \
                         --out "$OUT/profile_prefill_regions" ;;
     batching_regions) step "$name" 420 $PY benchmarks/batching_check.py --rates 1,4 --mixed-requests 16 \
