@@ -11,6 +11,7 @@ at the start of the pool's next public call, when no pool operation is in progre
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import deque
 from typing import Any, Callable
 
@@ -37,6 +38,21 @@ class DeferredReleases:
                 return count
             release(obj)
             count += 1
+
+
+def weakly_bound(method: Callable[[], None]) -> Callable[[], None]:
+    """``method`` (a bound method) as a callable that does not keep its object alive: a no-op once the object is
+    gone. An object that stores its own bound method (the pool's lock calling ``pool._drain_deferred``) would
+    otherwise be a reference cycle, freed only by the cyclic garbage collector: a dropped pool would keep its
+    device pages until the next full collection."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        bound = ref()
+        if bound is not None:
+            bound()
+
+    return call
 
 
 class DrainingLock:

@@ -38,7 +38,7 @@ import torch
 from .accounting import PagesNeeded, RowPages, row_pages
 from .admission import Admission
 from .block_table import BlockTable
-from .deferred import DeferredReleases, DrainingLock
+from .deferred import DeferredReleases, DrainingLock, weakly_bound
 from .errors import PoolExhaustedError, PoolStateError, PrefixFileError
 from .fingerprint import fingerprint_fields, fingerprint_of
 from .free_list import UNCACHED, FreeLists, cached_queue
@@ -228,7 +228,9 @@ class KVBlockPool:
              "onloaded_bytes"), 0)
         self._reserved = 0  # pages set aside by reservations (counted, not held)
         self._deferred = DeferredReleases()
-        self._lock = DrainingLock(self._drain_deferred)  # releases queued by finalizers happen at the next call
+        # releases queued by finalizers happen at the next call; weakly bound: no reference cycle, so a dropped pool
+        # frees its pages at once (not at the next full garbage collection)
+        self._lock = DrainingLock(weakly_bound(self._drain_deferred))
 
     def __repr__(self) -> str:
         return (f"KVBlockPool({self.geometry.architecture}, pages={self.num_pages}x{self.page_size} tokens, "

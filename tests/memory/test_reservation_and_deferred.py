@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 
 import pytest
 
 from hf_rocketkv.memory import BlockTable, PoolExhaustedError, Reservation
+from hf_rocketkv.memory.deferred import DrainingLock, weakly_bound
 
 from .helpers import make_pool, rocket_config
 
@@ -76,3 +79,40 @@ def test_allocate_batch_is_all_or_nothing():
     assert len(a) == len(b) == 0 and pool.free_pages() == 8
     pool.allocate_batch([(a, 4), (b, 4)])
     assert pool.free_pages() == 0
+
+
+def test_the_pool_is_in_no_reference_cycle():
+    """Its lock calls the pool back through a weak reference: dropping the last reference frees the pool and its
+    page tensors at once, not at the next run of the cyclic garbage collector."""
+    gc.collect()
+    gc.disable()
+    try:
+        pool = make_pool(num_pages=8, host_pages=4)
+        table = BlockTable("view")
+        pool.allocate(table, 3)
+        pool.release_later(table)
+        assert pool.free_pages() == 8  # the lock still drains the queue
+        refs = weakref.ref(pool), weakref.ref(pool.layer(0).tensors()["k"].untyped_storage())
+        del pool
+        assert [ref() for ref in refs] == [None, None]
+    finally:
+        gc.enable()
+
+
+def test_weakly_bound_calls_the_method_while_its_object_lives():
+    class Counter:
+        calls = 0
+
+        def bump(self):
+            self.calls += 1
+
+    counter = Counter()
+    lock = DrainingLock(weakly_bound(counter.bump))
+    with lock, lock:  # re-entrant: one call
+        pass
+    assert counter.calls == 1
+    ref = weakref.ref(counter)
+    del counter
+    assert ref() is None
+    with lock:  # the object is gone: nothing to call
+        pass
