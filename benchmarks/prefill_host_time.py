@@ -15,12 +15,10 @@ pages; median over --repeats prefills after a warm-up. Writes ``prefill_host_tim
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import importlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -28,13 +26,9 @@ from pathlib import Path
 
 import torch
 
-from hf_rocketkv import KVBlockPool, RocketKVCache
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_prefix_reuse import setup  # noqa: E402
+from profile_prefill import pool_prefill, prefill_args, prefill_setup  # noqa: E402
 from profile_prefix_hit import sync  # noqa: E402
-
-GIB = 2**30
 
 # (module, attribute path): each is timed inclusively; nested entries are also inside their callers' times.
 TIMED = (
@@ -108,24 +102,8 @@ def patched(timers: Timers, targets=TIMED):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.environ.get("OUT", "out"))
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--prompt-len", type=int, default=8192)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--regions", action="store_true", help="hf_rocketkv.compile_regions(model) first")
-    args = parser.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
-    if args.quick:
-        args.prompt_len = 256
-    torch.set_grad_enabled(False)
-    config, dtype, model = setup(device, args.quick)
-    if args.regions:
-        from hf_rocketkv import compile_regions
-
-        compile_regions(model)
-    pool = KVBlockPool(model.config, max_gpu_bytes=int((0.05 if args.quick else 8) * GIB), page_size=16, dtype=dtype,
-                       kt_page_size=config.page_size, kt_dtype=config.kt_cache_dtype, device=device)
+    args = prefill_args(repeats=5)
+    device, config, model, pool = prefill_setup(args)
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
 
@@ -133,16 +111,7 @@ def main() -> None:
         ids = torch.randint(3, vocab, (1, args.prompt_len), generator=g).to(device)  # cold: no prefix hit
         sync(device)
         start = time.perf_counter()
-        cache = RocketKVCache(config, pool=pool)
-        cache.hints.max_length = args.prompt_len + 64
-        cache.begin_prefill(ids, None, max_new_tokens=64)
-        cache.hints.prefilling = True
-        try:
-            model(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, use_cache=True,
-                  logits_to_keep=1)
-        finally:
-            cache.hints.prefilling = False
-        cache.finish_prefill()
+        cache = pool_prefill(model, config, pool, ids)
         host = time.perf_counter() - start
         sync(device)
         total = time.perf_counter() - start

@@ -61,25 +61,54 @@ def without_gc(fn):
     return run
 
 
-def main() -> None:
+def prefill_args(repeats: int) -> argparse.Namespace:
+    """The command line shared with prefill_host_time.py (--quick: a 256-token prompt)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--prompt-len", type=int, default=8192)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=repeats)
     parser.add_argument("--regions", action="store_true", help="hf_rocketkv.compile_regions(model) first")
     args = parser.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     if args.quick:
         args.prompt_len = 256
+    return args
+
+
+def prefill_setup(args: argparse.Namespace):
+    """(device, config, model, pool): the benchmark model (compiled regions with --regions, compiled at its first
+    call) and an 8 GiB pool of 16-token pages (50 MiB with --quick); autograd off."""
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     torch.set_grad_enabled(False)
     config, dtype, model = setup(device, args.quick)
     if args.regions:
         from hf_rocketkv import compile_regions
 
-        compile_regions(model)  # compiled in each row's warm-up call (timed() runs one before timing)
+        compile_regions(model)
     pool = KVBlockPool(model.config, max_gpu_bytes=int((0.05 if args.quick else 8) * GIB), page_size=16, dtype=dtype,
                        kt_page_size=config.page_size, kt_dtype=config.kt_cache_dtype, device=device)
+    return device, config, model, pool
+
+
+def pool_prefill(model, config, pool, ids: torch.Tensor, max_new_tokens: int = 64) -> RocketKVCache:
+    """One prompt prefilled the way the batching engine does it (begin_prefill, forward, finish_prefill), with no
+    synchronisation; returns the cache (the caller closes it)."""
+    cache = RocketKVCache(config, pool=pool)
+    cache.hints.max_length = ids.shape[1] + max_new_tokens
+    cache.begin_prefill(ids, None, max_new_tokens=max_new_tokens)
+    cache.hints.prefilling = True
+    try:
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, use_cache=True,
+              logits_to_keep=1)
+    finally:
+        cache.hints.prefilling = False
+    cache.finish_prefill()
+    return cache
+
+
+def main() -> None:
+    args = prefill_args(repeats=3)
+    device, config, model, pool = prefill_setup(args)  # regions compile in each row's warm-up call (timed())
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
 
@@ -96,17 +125,7 @@ def main() -> None:
               logits_to_keep=1)
 
     def pooled():
-        ids = prompt()  # a new prompt each time: a cold prefill, no prefix hit
-        cache = RocketKVCache(config, pool=pool)
-        cache.hints.max_length = args.prompt_len + 64
-        cache.begin_prefill(ids, None, max_new_tokens=64)
-        cache.hints.prefilling = True
-        try:
-            model(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, use_cache=True,
-                  logits_to_keep=1)
-        finally:
-            cache.hints.prefilling = False
-        cache.finish_prefill()
+        cache = pool_prefill(model, config, pool, prompt())  # a new prompt each time: cold, no prefix hit
         host_done = time.perf_counter()
         sync(device)
         cache.close()

@@ -27,7 +27,7 @@ def tools():
         yield modules
     finally:
         sys.path.remove(str(BENCHMARKS))
-        for name in ("profile_prefix_hit", "prefill_host_time", "bench_prefix_reuse"):
+        for name in ("profile_prefix_hit", "prefill_host_time", "profile_prefill", "bench_prefix_reuse"):
             sys.modules.pop(name, None)
 
 
