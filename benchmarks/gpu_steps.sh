@@ -36,6 +36,9 @@ for name in "$@"; do
     kernel_tests)    # every Triton kernel against its PyTorch twin, compiled for this GPU (pytest from .device_wheels if absent)
                      $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index .device_wheels/*.whl
                      step "$name" 330 $PY -m pytest -q -p no:cacheprovider --durations=15 tests/kernels ;;
+    attention_tests) # the prefill attention's lower-right causal path (flash / mem-efficient on CUDA) against its oracle
+                     $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index .device_wheels/*.whl
+                     step "$name" 120 $PY -m pytest -q -p no:cacheprovider tests/test_dense_attention.py ;;
     profile_prefix_hit) step "$name" 150 $PY benchmarks/profile_prefix_hit.py --out "$OUT/profile_prefix_hit" ;;
     profile_prefill) step "$name" 150 $PY benchmarks/profile_prefill.py --out "$OUT/profile_prefill" ;;
     sync_sites)      step "$name" 120 $PY benchmarks/sync_sites.py --layers 2 --out "$OUT/sync_sites" ;;
@@ -55,6 +58,8 @@ for name in "$@"; do
     profile_graph_b32_regions) step "$name" 240 $PY benchmarks/profile_graph_step.py --batch 32 --context 8192 \
                         --regions --out "$OUT/profile_graph_b32_regions" ;;
     tune_kernels)    step "$name" 420 $PY benchmarks/tune_decode_kernels.py --out "$OUT/tune_kernels" ;;
+    batching_fixed_compiled) step "$name" 300 $PY benchmarks/batching_check.py --rates "" --compile-regions \
+                        --out "$OUT/batching_fixed_compiled" ;;
     batching_gc)     step "$name" 300 $PY benchmarks/batching_check.py --rates "" --compile-regions --freeze-gc \
                         --out "$OUT/batching_gc" ;;
     batching_host_times) step "$name" 300 $PY benchmarks/batching_check.py --rates "" --compile-regions --time-host \

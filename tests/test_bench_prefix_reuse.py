@@ -58,3 +58,12 @@ def test_step_8_runs_without_the_earlier_steps_pools(tmp_path, monkeypatch):
     assert [when for when, _ in stale_at].count("step 8") == 1
     # the earlier requests' pools are gone before step 8 allocates its own, and during its request
     assert [(when, len(stale)) for when, stale in stale_at if stale] == []
+    # steps 5 and 6 time several hits, each on a suffix no request had, so each reuses exactly the shared prefix
+    # (a repeat of the same prompt would reuse its suffix pages too and look faster); the ratio is the median's
+    cold = steps["4_pool_cold_A"]["ttft_s"]
+    for name in ("5_pool_prefix_on_device_B", "6_pool_prefix_from_host_C"):
+        runs = steps[name]["ttft_s_runs"]
+        assert len(runs) == 5
+        assert steps[name]["repeats_reused_tokens"] == [256] * 4  # --quick: a 256-token prefix
+        assert abs(steps[name]["ttft_s_median"] - sorted(runs)[2]) < 1e-4  # runs are rounded to 0.1 ms
+        assert steps[name]["ttft_ratio_to_cold"] == steps[name]["ttft_s_median"] / cold

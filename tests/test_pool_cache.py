@@ -100,6 +100,34 @@ def test_full_repeat_reuses_up_to_the_window(model):
     _hit_equals_cold(model, ids, ids, expect_reused=(60 - 8) // PAGE * PAGE)
 
 
+def test_a_hit_writes_its_new_tokens_into_the_gathered_store(model, monkeypatch):
+    """A prefix hit's dense store is allocated once, by the gather, with room for the forward's own tokens: the
+    prefill attention and stage 1 see that very buffer (no concatenation of the prefix with the new tokens), and the
+    result is the cold run's (``_hit_equals_cold``)."""
+    from hf_rocketkv.cache.layer import RocketKVLayer
+    from hf_rocketkv.cache.pool_pages import PoolPages
+
+    gathered, observed = [], []
+    real_prefix_keys, real_observe = PoolPages.prefix_keys, RocketKVLayer.observe_prefill
+
+    def prefix_keys(self, layer, key_states, room=0):
+        keys, values = real_prefix_keys(self, layer, key_states, room=room)
+        gathered.append((keys.data_ptr(), keys.shape[2], layer.prefix_tokens + key_states.shape[2]))
+        return keys, values
+
+    def observe_prefill(self, *args, **kwargs):
+        observed.append(self._keys.data_ptr())
+        return real_observe(self, *args, **kwargs)
+
+    monkeypatch.setattr(PoolPages, "prefix_keys", prefix_keys)
+    monkeypatch.setattr(RocketKVLayer, "observe_prefill", observe_prefill)
+    ids = random_ids(1, 60, seed=11)
+    _hit_equals_cold(model, ids, ids, expect_reused=(60 - 8) // PAGE * PAGE)
+    assert len(gathered) == 2  # one per layer, in the hit only
+    assert all(width == expected for _, width, expected in gathered)
+    assert {ptr for ptr, _, _ in gathered} <= set(observed)
+
+
 def test_prompt_a_multiple_of_the_page_size(model):
     ids = random_ids(1, 64, seed=12)
     _hit_equals_cold(model, ids, ids, expect_reused=(64 - 8) // PAGE * PAGE)
@@ -386,14 +414,16 @@ def test_chunked_prefill_after_a_prefix_hit_equals_cold(model):
     assert kept(cache) == kept(cold_cache)
 
 
-def test_eviction_to_host_and_back_through_generate(model):
+def test_eviction_to_host_and_back_through_generate(model, monkeypatch):
     """A small pool with a host tier: the second request's admission pushes the first one's cached prefix to host
     memory (its offloaded_bytes), the third request repeats the first prompt and onloads it (onloaded_bytes); tokens
-    equal the first request's."""
+    equal the first request's. The requests count their copies without ``pool.stats()`` (a walk over every page,
+    ~10 ms per admission with a 24 GiB pool at 8B shapes)."""
     ids, other = random_ids(1, 60, seed=44), random_ids(1, 60, seed=45)
     need = make_pool(model, CFG).pages_needed(60, 6, CFG).prefill_peak
     per_page = make_pool(model, CFG).bytes_per_page
     pool = make_pool(model, CFG, max_bytes=need * per_page, host_bytes=need * per_page * 2)
+    monkeypatch.setattr(pool, "stats", lambda: pytest.fail("a request called pool.stats()"))
     first, cache = run(model, ids, CFG, pool=pool)
     cache.close()
     _, cache = run(model, other, CFG, pool=pool)

@@ -22,6 +22,10 @@ ROCKET = dict(prompt_budget=24, window_size=8, kernel_size=5, topk=3, topr=8, pa
 NEW_TOKENS = 12
 
 
+def _failure(result: subprocess.CompletedProcess, output: Path) -> str:
+    return f"report written: {output.exists()}\n" + result.stdout[-3000:] + result.stderr[-5000:]
+
+
 @pytest.mark.slow
 def test_tensor_parallel_generate_matches_single_process(tmp_path):
     rocket, _ = make_models("llama", hidden_size=128, num_attention_heads=8, num_key_value_heads=4, head_dim=16)
@@ -39,7 +43,7 @@ def test_tensor_parallel_generate_matches_single_process(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
                str(model_dir), str(tmp_path / "in.json"), str(output)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert result.returncode == 0, _failure(result, output)
     report = json.loads(output.read_text())
     assert report["world_size"] == 2
 
@@ -85,7 +89,7 @@ def test_tensor_parallel_steps_match_single_process(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
                str(model_dir), str(tmp_path / "in.json"), str(output)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert result.returncode == 0, _failure(result, output)
     ranks = json.loads(output.read_text())["ranks"]
 
     from transformers import AutoModelForCausalLM

@@ -43,12 +43,7 @@ def main() -> None:
         record = record_steps(model, cache, input_ids, attention_mask, spec["max_new_tokens"], spec["pad_token_id"])
         gathered = [None] * world
         dist.all_gather_object(gathered, dict(rank=rank, **record))
-        if rank == 0:
-            with open(output_path, "w") as f:
-                json.dump({"world_size": world, "ranks": gathered}, f)
-        dist.barrier()
-        dist.destroy_process_group()
-        return
+        _write_and_exit(output_path, rank, world, gathered)
     with torch.no_grad():
         out = model.generate(
             input_ids,
@@ -69,11 +64,26 @@ def main() -> None:
     }
     gathered = [None] * world
     dist.all_gather_object(gathered, report)
+    _write_and_exit(output_path, rank, world, gathered)
+
+
+def _write_and_exit(output_path: str, rank: int, world: int, gathered: list) -> None:
+    """Rank 0 writes the report; every rank then leaves without interpreter finalization.
+
+    The model's DTensor shards keep the gloo process group alive past ``destroy_process_group()``; gloo's worker
+    threads then meet a half torn-down interpreter at exit and, now and then, abort the process ("terminate called
+    without an active exception", SIGABRT) after all the work is done (pytorch/pytorch#179291). ``os._exit`` after
+    flushing skips that teardown, so the exit status reports the run, not the race."""
     if rank == 0:
         with open(output_path, "w") as f:
             json.dump({"world_size": world, "ranks": gathered}, f)
+            f.flush()
+            os.fsync(f.fileno())
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

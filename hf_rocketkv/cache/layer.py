@@ -72,6 +72,9 @@ class GenerationHints:
     # the padding offsets of the latest prefill forward's mask (integration/attention.py padding_of_forward):
     # (weak reference to the mask, kv length, offsets on the device, offsets on the host), read once per forward
     padding_memo: tuple | None = None
+    # whether that mask is plain lower-right causal (integration/attention.py lower_right_causal): (weak reference to
+    # the mask, answer), compared once per forward
+    causal_memo: tuple | None = None
 
     def forget_graph(self) -> None:
         """Drop the captured decode step (its buffers change when a new turn is prefilled)."""
@@ -179,6 +182,9 @@ class RocketKVLayer(CacheLayerMixin):
         self.store: PagedStore | None = None  # the compressed view, in pages
         self.history: History | None = None  # multi_turn="keep_all": every token of the conversation (history.py)
         self.prefix_tokens = 0  # a prefix hit: columns [0, prefix_tokens) come from pool pages (set before prefill)
+        # a prefix hit's dense store is allocated with room for the first forward's tokens after the prefix (so they
+        # are copied in, not concatenated to a copy of 32k prefix columns): how many columns at its end are unwritten
+        self.dense_room = 0
         self.positions: torch.Tensor | None = None
         self.lengths: torch.Tensor | None = None
         self.compressed = False
@@ -266,8 +272,10 @@ class RocketKVLayer(CacheLayerMixin):
         if self.pages is not None:
             self.pages.check_layer(self, key_states)
         if self.prefix_tokens:
-            # a prefix hit: the dense store starts with the hit tokens, gathered from the pool's pages
-            self._keys, self._values = self.pages.prefix_keys(self, key_states)
+            # a prefix hit: the dense store starts with the hit tokens, gathered from the pool's pages, and leaves
+            # room for this forward's tokens (update() copies them in)
+            self.dense_room = key_states.shape[2]
+            self._keys, self._values = self.pages.prefix_keys(self, key_states, room=self.dense_room)
             self.seen.fill_(self.prefix_tokens)
         else:
             self._keys = key_states.new_empty((key_states.shape[0], key_states.shape[1], 0, key_states.shape[3]))
@@ -372,16 +380,30 @@ class RocketKVLayer(CacheLayerMixin):
             self.host_seen += query_length
         self.seen.add_(query_length)
         if not self.compressed:
-            first = self._keys.shape[2] == 0
-            self._keys = key_states if first else torch.cat([self._keys, key_states], dim=-2)
-            self._values = value_states if first else torch.cat([self._values, value_states], dim=-2)
-            self._tag_keys()  # a new dense buffer every forward (eager: prefill never runs compiled)
+            self._store_dense(key_states, value_states)
             return self._keys, self._values
         if query_length == 1:
             self._append_one(key_states, value_states)
         else:
             self.pending_keys, self.pending_values = key_states, value_states
         return self.key_handle, self.value_handle
+
+    def _store_dense(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Append a prefill forward's K/V ``[B, Hkv, n, D]`` to the dense store: into the room a prefix hit's store
+        left for them, else by concatenation (a new buffer, tagged for ``layer_of``)."""
+        n = key_states.shape[2]
+        if self.dense_room:
+            if n != self.dense_room:
+                raise RuntimeError(f"a prefix hit's dense store has room for {self.dense_room} tokens, got {n}")
+            self._keys[:, :, -n:].copy_(key_states)
+            self._values[:, :, -n:].copy_(value_states)
+            self.dense_room = 0
+        elif self._keys.shape[2] == 0:
+            self._keys, self._values = key_states, value_states
+        else:
+            self._keys = torch.cat([self._keys, key_states], dim=-2)
+            self._values = torch.cat([self._values, value_states], dim=-2)
+        self._tag_keys()  # a new dense buffer every forward but a prefix hit's first (eager: prefill never compiles)
 
     def _tag_keys(self) -> None:
         """Let the attention function find this layer from the key tensor update() returns (``layer_of``). Called

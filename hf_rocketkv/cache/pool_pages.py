@@ -187,7 +187,7 @@ class PoolPages:
         """A row group's part: admit its rows out of the whole batch's reservation."""
         plan, rows = self.parent.plan, self.group
         ids = plan.token_ids[rows] if plan.token_ids is not None else None
-        before = self.pool.stats()
+        before = self.pool.copied_bytes()
         admissions = self.pool.admit_batch(plan.prompt_lens[rows], self.max_new_tokens, self.config, token_ids=ids,
                                            keys=self.keys, keep_all=self.keep_all, reservation=plan.reserve)
         self._count_copies(before)
@@ -207,7 +207,7 @@ class PoolPages:
             self.pool.unreserve(plan.reserve)
 
     def _admit(self, prompt_lens: list[int], max_new_tokens: int, token_ids) -> None:
-        before = self.pool.stats()
+        before = self.pool.copied_bytes()
         admissions = self.pool.admit_batch(prompt_lens, max_new_tokens, self.config, token_ids=token_ids,
                                            keys=self.keys, keep_all=self.keep_all)
         self._count_copies(before)
@@ -232,7 +232,7 @@ class PoolPages:
                     table = BlockTable("prompt")
                     extensions.append((row, table))
                     requests.append((table, missing))
-        before = self.pool.stats()
+        before = self.pool.copied_bytes()
         self.pool.allocate_batch(requests, f"a later turn of {len(self.rows)} row(s) (views and history)")
         self._count_copies(before)
         for row, table in extensions:
@@ -241,10 +241,11 @@ class PoolPages:
             self._history_table = None
         self.turn = Turn(first=False, view=[[table] for table in views])
 
-    def _count_copies(self, before) -> None:
-        after = self.pool.stats()
-        self.counters.offloaded_bytes += after.offloaded_bytes - before.offloaded_bytes
-        self.counters.onloaded_bytes += after.onloaded_bytes - before.onloaded_bytes
+    def _count_copies(self, before: tuple[int, int]) -> None:
+        """Add the pool's copies since ``before`` (``pool.copied_bytes()``) to this request's counters."""
+        offloaded, onloaded = self.pool.copied_bytes()
+        self.counters.offloaded_bytes += offloaded - before[0]
+        self.counters.onloaded_bytes += onloaded - before[1]
 
     def _implicit_turn(self, layer, counts: list[int], headroom: int) -> Turn:
         """A stage 1 that no ``begin`` announced (forwards outside generate()): admit now, without prefix lookup."""
@@ -271,9 +272,10 @@ class PoolPages:
         self.counters.reused_tokens += sum(max(0, tokens - row.pad) for row in self.rows)
         return tokens
 
-    def prefix_keys(self, layer, key_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The dense store's first ``layer.prefix_tokens`` columns ``[B, Hkv, L, D]``: row b's padding (zeros), then
-        its first ``L - pad_b`` prompt tokens from its prompt table's hit pages.
+    def prefix_keys(self, layer, key_states: torch.Tensor, room: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The dense store ``[B, Hkv, L + room, D]`` of a prefix hit: in its first ``L = layer.prefix_tokens``
+        columns, row b's padding (zeros), then its first ``L - pad_b`` prompt tokens from its prompt table's hit
+        pages; the last ``room`` columns are left for the caller to write (the forward's own tokens).
 
         Two passes over the prefix per tensor (gather the pages, one strided copy into the dense layout), and the
         hit table is built once per turn: this runs in every layer of a prefix hit, on its time to first token."""
@@ -282,7 +284,7 @@ class PoolPages:
         batch, heads, _, dim = key_states.shape
         padded = any(row.pad for row in self.rows)
         make = key_states.new_zeros if padded else key_states.new_empty  # padding columns must read as zeros
-        keys, values = make(batch, heads, tokens, dim), make(batch, heads, tokens, dim)
+        keys, values = make(batch, heads, tokens + room, dim), make(batch, heads, tokens + room, dim)
         hit = ceil_div(tokens, self.page_tokens)  # no row reads past its hit pages: tokens - pad_b <= hit_b
         table = self.turn.hit_table if self.turn is not None else None
         if table is None:
@@ -397,7 +399,7 @@ class PoolPages:
         requests = [(BlockTable("view"), pages - row.view_pages) for row in self.rows if row.view_pages < pages]
         if requests:
             grow = [row for row in self.rows if row.view_pages < pages]
-            before = self.pool.stats()
+            before = self.pool.copied_bytes()
             self.pool.allocate_batch(requests, "growing the views past their admitted size")
             self._count_copies(before)
             for row, (table, _) in zip(grow, requests):
@@ -413,7 +415,7 @@ class PoolPages:
         grow = [row for row in self.rows if row.history_pages < pages]
         if grow:
             requests = [(BlockTable("prompt"), pages - row.history_pages) for row in grow]
-            before = self.pool.stats()
+            before = self.pool.copied_bytes()
             self.pool.allocate_batch(requests, "growing the keep_all history")
             self._count_copies(before)
             for row, (table, _) in zip(grow, requests):

@@ -16,6 +16,8 @@ import weakref
 
 import torch
 import torch.nn.functional as F
+from torch.backends.cuda import SDPAParams, can_use_flash_attention
+from torch.nn.attention.bias import causal_lower_right
 
 from ..cache.layer import RocketKVLayer, layer_of
 from ..compat import sdpa_attention_forward
@@ -43,8 +45,8 @@ def rocketkv_attention(
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
 
     if not layer.compressed:
-        out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
         start, host_start = padding_of_forward(layer, attention_mask, key.shape[2])
+        out = dense_attention(layer, module, query, key, value, attention_mask, scaling, host_start, **kwargs)
         first_query = key.shape[2] - query.shape[2]
         all_real = host_start is not None and max(host_start) <= first_query  # no query is padding: no mask needed
         valid = None if all_real else real_queries(start, key.shape[2], query.shape[2])
@@ -74,6 +76,75 @@ def check_supported(module: torch.nn.Module, kwargs: dict) -> None:
             )
     if getattr(module, "is_causal", True) is False:
         raise NotImplementedError(f"RocketKV serves causal self-attention only; {type(module).__name__} is not causal")
+
+
+def dense_attention(
+    layer: RocketKVLayer,
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [B, Hq, Lq, D]
+    key: torch.Tensor,  # [B, Hkv, Lk, D], Lk >= Lq
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    host_start: list[int] | None,
+    **kwargs,
+) -> torch.Tensor:
+    """Exact attention of a dense (prefill) forward, ``[B, Lq, Hq, D]``.
+
+    transformers' sdpa path, except where flash attention can run and the mask is plain causal with the queries at
+    the end (no padding, ``Lq <= Lk``: a prefix hit's new tokens, a chunk of a chunked prefill). There transformers
+    materialises the mask and, as SDPA takes no mask together with grouped-query heads, copies every key and value
+    once per query head (``repeat_kv``: 0.5 GiB per layer for 32k keys at 8B shapes); flash attention's lower-right
+    causal mode with native GQA needs neither. Where flash cannot run (CPU, float32) the lower-right path would fall
+    back to a materialised mask and the math kernel, no faster: transformers' path stays."""
+    if flash_attention_runs(query, key) and lower_right_causal(
+        layer, attention_mask, host_start, query.shape[2], key.shape[2]
+    ):
+        return lower_right_attention(query, key, value, scaling)
+    out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    return out
+
+
+def lower_right_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Causal attention of ``Lq`` queries that are the last of ``Lk`` keys (query j sees keys ``<= Lk - Lq + j``),
+    ``[B, Hq, Lq, D]`` x ``[B, Hkv, Lk, D]`` -> ``[B, Lq, Hq, D]``, query head h reading KV head ``h // (Hq / Hkv)``."""
+    bias = causal_lower_right(query.shape[2], key.shape[2])
+    gqa = query.shape[1] != key.shape[1]
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous()
+
+
+def flash_attention_runs(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether PyTorch's flash attention kernel takes these possibly grouped-query inputs (CUDA, half precision, a
+    supported head dim; checked by PyTorch itself, no sync)."""
+    if query.device.type != "cuda":
+        return False
+    # is_causal=False, as torch.nn.attention.bias asks before its lower-right flash call: the causal flag of the
+    # check means upper-left, which flash refuses for Lq != Lk
+    params = SDPAParams(query, key, key, None, 0.0, False, query.shape[1] != key.shape[1])
+    return can_use_flash_attention(params)
+
+
+def lower_right_causal(
+    layer: RocketKVLayer, attention_mask: torch.Tensor | None, host_start: list[int] | None, n: int, kv_length: int
+) -> bool:
+    """Whether a dense forward's sdpa-style mask ``[B, 1, n, kv_length]`` is exactly lower-right causal (query j sees
+    columns up to ``kv_length - n + j``) in every row. Compared on the device once per forward (every layer gets the
+    same mask object; the answer is memoised with a weak reference to it) and only for masks that can be: no
+    padding, no more queries than keys."""
+    if attention_mask is None or host_start is None or any(host_start) or n > kv_length:
+        return False
+    if attention_mask.dim() != 4 or attention_mask.shape[1] != 1 or tuple(attention_mask.shape[2:]) != (n, kv_length):
+        return False
+    memo = layer.hints.causal_memo
+    if memo is not None and memo[0]() is attention_mask:
+        return memo[1]
+    allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+    column = torch.arange(kv_length, device=allowed.device)
+    last_seen = kv_length - n + torch.arange(n, device=allowed.device)
+    causal = bool(torch.equal(allowed, (column[None, :] <= last_seen[:, None]).expand_as(allowed)))
+    layer.hints.causal_memo = (weakref.ref(attention_mask), causal)
+    return causal
 
 
 def padding_offsets(attention_mask: torch.Tensor | None, kv_length: int) -> torch.Tensor | None:

@@ -98,6 +98,24 @@ def test_token_id_validation():
         as_token_list(torch.zeros(2, 2, dtype=torch.long))
     with pytest.raises(ValueError, match="sequence of token ids"):
         as_token_list("abc")
+
+
+@pytest.mark.parametrize("dtype", ["int64", "int32", "int16", "uint8", "uint64"])
+def test_tensor_token_ids_are_checked_on_the_tensor(dtype):
+    """Tensors are validated with tensor ops (no per-token Python loop): same list, same errors as for a list."""
+    import torch
+
+    dtype = getattr(torch, dtype)
+    ids = torch.tensor([5, 0, 7, 200], dtype=dtype)
+    got = as_token_list(ids)
+    assert got == [5, 0, 7, 200] and all(type(t) is int for t in got)
+    if dtype.is_signed:
+        bad = torch.tensor([5, 0, -3, 7, -1], dtype=dtype)
+        with pytest.raises(ValueError, match=r"token_ids\[2\] must be an integer token id in \[0, 2\*\*63\), got -3"):
+            as_token_list(bad)
+    for wrong in (torch.tensor([1.0, 2.0]), torch.tensor([True, False]), torch.zeros(2, 2, dtype=dtype)):
+        with pytest.raises(ValueError, match="1-D integer tensor"):
+            as_token_list(wrong)
     with pytest.raises(ValueError, match="PrefixKeys.cache_salt"):
         PrefixKeys(cache_salt=b"bytes")
     with pytest.raises(ValueError, match="MultimodalItem.length"):

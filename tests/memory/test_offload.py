@@ -36,6 +36,7 @@ def test_offload_onload_round_trip_is_bit_exact(dtype, granularity):
     stats = pool.stats()
     assert stats.host_cached == 7 and stats.cached_pages == 0 and stats.dropped_pages == 0
     assert stats.offloaded_bytes == 7 * page_bytes(dtype, scale_granularity=granularity)
+    assert pool.copied_bytes() == (stats.offloaded_bytes, 0)
     assert [info.tier for info in pool.resident_prefix(ids)] == ["host"] * 7
     scramble_free_device_pages(pool, seed=2)
     adm = pool.admit(60, 0, CFG, token_ids=ids)
@@ -43,6 +44,7 @@ def test_offload_onload_round_trip_is_bit_exact(dtype, granularity):
     for i in range(6):
         assert page_bytes_of(pool, adm.prompt.pages[i]) == original[i], f"page {i} changed in the round trip"
     assert pool.stats().onloaded_bytes == 6 * page_bytes(dtype, scale_granularity=granularity)
+    assert pool.copied_bytes() == (stats.offloaded_bytes, 6 * page_bytes(dtype, scale_granularity=granularity))
     tiers = [info.tier for info in pool.resident_prefix(ids)]
     assert tiers == ["device"] * 6 + ["host"]  # a page lives in exactly one tier
     assert pool.stats().host_cached == 1

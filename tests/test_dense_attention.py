@@ -1,0 +1,141 @@
+"""The dense (prefill) attention of the ``rocketkv`` attention function (integration/attention.py ``dense_attention``).
+
+Where flash attention runs and transformers' mask is plain lower-right causal (a prefix hit's new tokens, a later
+chunk), it runs flash attention's lower-right causal mode with native GQA instead of transformers' masked path (which
+copies K/V per query head). Oracle: masked softmax in float64 over keys repeated per query head, from the mask itself.
+Every other mask (padding, a custom 4-D mask) and every input flash cannot take (CPU, float32) must take
+transformers' path, with the same oracle's answer. On a GPU (``gpu_steps.sh attention_tests``) the flash path runs
+too.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hf_rocketkv.cache.layer import GenerationHints
+from hf_rocketkv.integration.attention import dense_attention, lower_right_attention, lower_right_causal
+
+
+def oracle(query, key, value, allowed, scaling):
+    """[B, Lq, Hq, D] from an explicit [B, 1, Lq, Lk] bool mask (True = may attend)."""
+    group = query.shape[1] // key.shape[1]
+    k = key.double().repeat_interleave(group, dim=1)
+    v = value.double().repeat_interleave(group, dim=1)
+    scores = (query.double() @ k.transpose(-1, -2)) * scaling
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return (scores.softmax(dim=-1) @ v).transpose(1, 2)
+
+
+def causal_mask(batch, n, kv_length, pad=None):
+    column = torch.arange(kv_length)
+    allowed = column[None, :] <= (kv_length - n + torch.arange(n))[:, None]
+    allowed = allowed[None, None].expand(batch, 1, n, kv_length).clone()
+    for b, p in enumerate(pad or []):
+        allowed[b, :, :, :p] = False
+    return allowed
+
+
+def inputs(batch, q_heads, kv_heads, n, kv_length, dim, dtype, seed, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, q_heads, n, dim, generator=g).to(device, dtype)
+    k = torch.randn(batch, kv_heads, kv_length, dim, generator=g).to(device, dtype)
+    v = torch.randn(batch, kv_heads, kv_length, dim, generator=g).to(device, dtype)
+    module = SimpleNamespace(num_key_value_groups=q_heads // kv_heads, is_causal=True, training=False)
+    return q, k, v, module
+
+
+def layer():
+    return SimpleNamespace(hints=GenerationHints())
+
+
+# on a GPU (benchmarks/gpu_steps.sh attention_tests) the same oracle checks the flash-attention path, with head
+# dims of real models added
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+SHAPES = [  # batch, Hq, Hkv, Lq, Lk, D
+    (1, 8, 2, 5, 40, 16),  # a prefix hit: few new queries after many keys, GQA 4
+    (2, 6, 3, 7, 7, 8),  # square: a whole prompt
+    (1, 4, 4, 3, 19, 32),  # no GQA
+    (3, 12, 1, 9, 33, 16),  # MQA
+    (1, 8, 2, 1, 9, 16),  # one query
+] + ([(1, 32, 8, 256, 4352, 128), (2, 16, 2, 100, 1000, 64)] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lower_right_attention_equals_the_oracle(shape, dtype, device):
+    batch, hq, hkv, n, kv_length, dim = shape
+    q, k, v, _ = inputs(batch, hq, hkv, n, kv_length, dim, dtype, seed=sum(shape), device=device)
+    mask = causal_mask(batch, n, kv_length).to(device)
+    assert lower_right_causal(layer(), mask, [0] * batch, n, kv_length)
+    out = lower_right_attention(q, k, v, 0.3)
+    assert out.shape == (batch, n, hq, dim) and out.dtype == dtype and out.is_contiguous()
+    tolerance = (1e-5 if device == "cpu" else 1e-4) if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), oracle(q, k, v, mask, 0.3), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pad", [[0, 0], [0, 5]])
+def test_dense_attention_equals_the_oracle_on_the_path_it_takes(dtype, device, pad, monkeypatch):
+    """Flash's lower-right path exactly where flash runs and no row is padded; transformers' path elsewhere."""
+    import hf_rocketkv.integration.attention as attention
+
+    q, k, v, module = inputs(2, 8, 2, 6, 20, 64, dtype, seed=3, device=device)
+    mask = causal_mask(2, 6, 20, pad).to(device)
+    taken = []
+    monkeypatch.setattr(attention, "lower_right_attention",
+                        lambda *a: taken.append(1) or lower_right_attention(*a))
+    out = dense_attention(layer(), module, q, k, v, mask, 0.25, pad)
+    tolerance = (1e-5 if device == "cpu" else 1e-4) if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), oracle(q, k, v, mask, 0.25), atol=tolerance, rtol=tolerance)
+    flash = device == "cuda" and dtype == torch.bfloat16
+    assert bool(taken) == (flash and not any(pad))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_mask_that_is_not_plain_causal_is_recognised_and_honoured(device):
+    """One hidden key (a custom 4-D mask, packed sequences): not lower-right causal, and the answer respects it
+    (on a GPU in bfloat16, where flash would run)."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q, k, v, module = inputs(1, 8, 2, 4, 12, 64, dtype, seed=4, device=device)
+    mask = causal_mask(1, 4, 12).to(device)
+    mask[0, 0, 2, 3] = False
+    owner = layer()
+    assert not lower_right_causal(owner, mask, [0], 4, 12)
+    out = dense_attention(owner, module, q, k, v, mask, 0.25, [0])
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), oracle(q, k, v, mask, 0.25), atol=tolerance, rtol=tolerance)
+
+
+def test_additive_float_masks_are_read_like_bool_masks():
+    allowed = causal_mask(1, 3, 10)
+    additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    assert lower_right_causal(layer(), additive, [0], 3, 10)
+    additive[0, 0, 0, 0] = torch.finfo(torch.float32).min
+    assert not lower_right_causal(layer(), additive, [0], 3, 10)
+
+
+def test_no_mask_or_unknown_padding_is_never_taken_for_causal():
+    mask = causal_mask(1, 3, 10)
+    assert not lower_right_causal(layer(), None, [0], 3, 10)
+    assert not lower_right_causal(layer(), mask, None, 3, 10)
+    assert not lower_right_causal(layer(), mask[:, :, :2], [0], 3, 10)  # a mask of another shape
+
+
+def test_the_answer_is_compared_once_per_mask_object(monkeypatch):
+    """Every layer of a forward gets the same mask: the device comparison (a host sync) runs for the first only."""
+    mask = causal_mask(1, 3, 10)
+    owner = layer()
+    calls = []
+    real_equal = torch.equal
+    monkeypatch.setattr(torch, "equal", lambda a, b: calls.append(1) or real_equal(a, b))
+    for _ in range(4):
+        assert lower_right_causal(owner, mask, [0], 3, 10)
+    assert len(calls) == 1
+    other = causal_mask(1, 3, 10)  # the next forward's mask: a new object, compared again
+    assert lower_right_causal(owner, other, [0], 3, 10)
+    assert len(calls) == 2
