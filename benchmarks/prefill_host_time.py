@@ -16,15 +16,19 @@ pages; median over --repeats prefills after a warm-up. Writes ``prefill_host_tim
 from __future__ import annotations
 
 import contextlib
+import cProfile
 import functools
 import importlib
 import json
+import pstats
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+import hf_rocketkv
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_prefill import pool_prefill, prefill_args, prefill_setup  # noqa: E402
@@ -101,6 +105,31 @@ def patched(timers: Timers, targets=TIMED):
             setattr(owner, attr, original)
 
 
+def cprofile_top(fn, rows: int = 40) -> dict:
+    """Run ``fn()`` once under cProfile: the ``rows`` functions with the most own time and the ``rows`` hf_rocketkv
+    functions with the most cumulative time, in ms (cProfile slows Python-heavy code: read the ranking, not the
+    absolute values)."""
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        fn()
+    finally:
+        profile.disable()
+    stats = pstats.Stats(profile).stats  # (file, line, name) -> (primitive calls, calls, own s, cumulative s, callers)
+    package = str(Path(hf_rocketkv.__file__).parent)
+
+    def row(key, value) -> dict:
+        file, line, name = key
+        where = f"{file.split('site-packages/')[-1].removeprefix(package + '/')}:{line}" if line else file
+        return dict(function=f"{where}({name})", calls=value[1], own_ms=round(value[2] * 1e3, 3),
+                    cumulative_ms=round(value[3] * 1e3, 3))
+
+    by_own = sorted(stats.items(), key=lambda kv: -kv[1][2])[:rows]
+    ours = [kv for kv in stats.items() if kv[0][0].startswith(package)]
+    by_cumulative = sorted(ours, key=lambda kv: -kv[1][3])[:rows]
+    return {"by_own_time": [row(*kv) for kv in by_own], "hf_rocketkv_by_cumulative": [row(*kv) for kv in by_cumulative]}
+
+
 def main() -> None:
     args = prefill_args(repeats=5)
     device, config, model, pool = prefill_setup(args)
@@ -125,6 +154,7 @@ def main() -> None:
         pooled()
         timers.reset()
         runs = [pooled() for _ in range(args.repeats)]
+    profiled = cprofile_top(pooled) if args.cprofile else None
     report = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "prompt_len": args.prompt_len,
         "regions": args.regions, "repeats": args.repeats,
@@ -135,6 +165,7 @@ def main() -> None:
         "host_ms_per_prefill": {name: round(1e3 * s / args.repeats, 3)
                                 for name, s in sorted(timers.seconds.items(), key=lambda kv: -kv[1])},
         "calls_per_prefill": {name: timers.calls[name] // args.repeats for name in timers.calls},
+        "cprofile": profiled,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

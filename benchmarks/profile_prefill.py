@@ -69,6 +69,7 @@ def prefill_args(repeats: int) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=repeats)
     parser.add_argument("--regions", action="store_true", help="hf_rocketkv.compile_regions(model) first")
+    parser.add_argument("--cprofile", action="store_true", help="prefill_host_time.py: one more prefill under cProfile")
     args = parser.parse_args()
     if args.quick:
         args.prompt_len = 256

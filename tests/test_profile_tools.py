@@ -84,3 +84,24 @@ def test_timers_count_calls_and_put_the_originals_back(tools):
     assert Target.__dict__["work"] is original
     assert skipped == [f"{__name__}:Target.missing"]
     assert timers.calls == {"Target.work": 2} and timers.seconds["Target.work"] >= 0
+
+
+
+def _busy(n: int) -> int:
+    total = 0
+    for i in range(n):
+        total += i * i
+    return total
+
+
+def test_cprofile_top_ranks_the_function_that_did_the_work(tools):
+    """The function that does the work of ``fn`` (a plain loop: its time is its own) tops the own-time ranking,
+    counted once per call; cumulative time is never below own time; no hf_rocketkv code ran."""
+    module = tools["prefill_host_time"]
+    report = module.cprofile_top(lambda: [_busy(300_000) for _ in range(3)], rows=3)
+    rows = report["by_own_time"]
+    assert len(rows) == 3  # _busy, the lambda, its list comprehension, the profiler's disable: at most 3 kept
+    assert rows[0]["function"].endswith("(_busy)") and rows[0]["calls"] == 3
+    assert rows[0]["own_ms"] > 10 * rows[1]["own_ms"]
+    assert all(r["cumulative_ms"] >= r["own_ms"] for r in rows)
+    assert report["hf_rocketkv_by_cumulative"] == []
