@@ -12,9 +12,11 @@ The [G*w, N] probability matrix is never materialised. The G*w query rows of a K
 block (R = G*w), so every key is read for the whole group at once:
     pass 1  grid (B*Hkv, row blocks, key chunks): online softmax max / sum of every row over one chunk of keys
             -> partial statistics [B*Hkv, chunks, R] (a few KB);
-    combine (PyTorch, tiny): per-row log-sum-exp over the chunks (+inf for a row that sees no key: probability 0);
     pass 2  grid (B*Hkv, key blocks): each program holds one [BLOCK_N, D] key block and loops over the R rows,
-            accumulating exp(s - lse) over rows -> the output column block, written once (no atomics).
+            accumulating exp(s - lse) over rows -> the output column block, written once (no atomics). Each
+            program first combines pass 1's statistics of its rows into their log-sum-exp (+inf for a row that sees
+            no key: probability 0): a few KB of loads, instead of a dozen small PyTorch launches between the passes
+            (this runs once per layer on a prefill's host-bound path).
 Keys are read twice in total; logits use half-precision tensor-core dots (exact products, fp32 accumulation), fp32
 keys use an fp32 dot.
 """
@@ -95,11 +97,28 @@ def _window_stats_kernel(
 
 
 @triton.jit
+def _row_lse(stats_ptr, bh, rows, r_ok, num_chunks, num_rows_pad, BLOCK_M: tl.constexpr):
+    """Log2-sum-exp2 of each row over the chunks' partial (max, sum) from pass 1; +inf for a row that sees no key
+    (its probabilities are then 0) or is padding."""
+    base = stats_ptr + bh.to(tl.int64) * num_chunks * 2 * num_rows_pad + rows
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    for c in range(0, num_chunks):
+        m = tl.maximum(m, tl.load(base + c * 2 * num_rows_pad, mask=r_ok, other=float("-inf")))
+    m_safe = tl.where(m > float("-inf"), m, 0.0)
+    total = tl.zeros((BLOCK_M,), tl.float32)
+    for c in range(0, num_chunks):
+        m_c = tl.load(base + c * 2 * num_rows_pad, mask=r_ok, other=float("-inf"))
+        l_c = tl.load(base + c * 2 * num_rows_pad + num_rows_pad, mask=r_ok, other=0.0)
+        total += l_c * tl.exp2(m_c - m_safe)
+    return tl.where(total > 0, m_safe + tl.log2(total), float("inf"))
+
+
+@triton.jit
 def _window_accum_kernel(
-    q_ptr, k_ptr, start_ptr, end_ptr, lse_ptr, out_ptr,
+    q_ptr, k_ptr, start_ptr, end_ptr, stats_ptr, out_ptr,
     s_qb, s_qh, s_qw, s_qd,
     s_kb, s_kh, s_kn, s_kd,
-    num_kv_heads, group, window, head_dim, num_slots, num_rows_pad,
+    num_kv_heads, group, window, head_dim, num_slots, num_chunks, num_rows_pad,
     scale_log2,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FP32: tl.constexpr,
 ):
@@ -117,7 +136,7 @@ def _window_accum_kernel(
     for r0 in range(0, group * window, BLOCK_M):
         rows = r0 + tl.arange(0, BLOCK_M)
         q, r_ok, i = _load_rows(q_ptr, b, h, rows, d, group, window, head_dim, s_qb, s_qh, s_qw, s_qd, FP32)
-        lse = tl.load(lse_ptr + bh * num_rows_pad + rows, mask=r_ok, other=float("inf"))
+        lse = _row_lse(stats_ptr, bh, rows, r_ok, num_chunks, num_rows_pad, BLOCK_M)
         s = _logits(q, k, FP32) * scale_log2
         vis = n_ok[None, :] & (slots[None, :] <= (end - window + i)[:, None]) & r_ok[:, None]
         p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
@@ -157,15 +176,10 @@ def window_scores_triton(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, FP32=fp32,
         num_warps=4, num_stages=3,
     )
-    m_part, l_part = stats[:, :, 0], stats[:, :, 1]  # [rows, chunks, R]
-    m = m_part.amax(dim=1, keepdim=True)
-    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    total = (l_part * torch.exp2(m_part - m_safe)).sum(dim=1)
-    lse = torch.where(total > 0, m_safe[:, 0] + torch.log2(total), torch.full_like(total, float("inf"))).contiguous()
     wrap_triton(_window_accum_kernel)[(rows, cdiv(num_slots, block_n))](
-        q_window, keys, start, end, lse, out,
+        q_window, keys, start, end, stats, out,
         *strides,
-        num_kv_heads, group, window, head_dim, num_slots, rows_pad,
+        num_kv_heads, group, window, head_dim, num_slots, num_chunks, rows_pad,
         scale_log2,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, FP32=fp32,
         num_warps=4, num_stages=2,

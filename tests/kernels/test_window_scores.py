@@ -33,3 +33,24 @@ def test_window_scores_matches_reference(dtype, group, head_dim, window):
     assert got.dtype == torch.float32 and got.shape == want.shape
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     assert torch.all(got[1, :, :37] == 0) and torch.all(got[3] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_window_scores_over_several_key_chunks(dtype):
+    """Pass 1 splits the keys into chunks when there are few (row, KV head) pairs to spread over the GPU; pass 2
+    combines the chunks' statistics per row. With 2 x 1 pairs and 1,300 slots, the interpreter's 4 stand-in SMs give
+    min(ceil(1300 / 512), ceil(8 / 2)) = 3 chunks; row 1 starts at slot 700, so its first chunk sees no key at all
+    (a -inf partial maximum that must drop out of the combination)."""
+    g = gen("window-chunks", dtype)
+    batch, kv_heads, group, window, head_dim, slots = 2, 1, 4, 8, 64, 1300
+    q = randn((batch, kv_heads * group, window, head_dim), dtype, g, scale=2.0)
+    keys = randn((batch, kv_heads, slots, head_dim), dtype, g)
+    start = torch.tensor([0, 700], device=DEVICE)
+    end = torch.tensor([slots, slots - 5], device=DEVICE)
+    got = ops().window_scores(q, keys, start, end, head_dim**-0.5)
+    want = window_scores(q, keys, start, end, head_dim**-0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert torch.all(got[1, :, :700] == 0) and torch.all(got[1, :, slots - 5:] == 0)
+    # every window query's probabilities sum to 1: the scores of a row sum to group * window
+    torch.testing.assert_close(got.sum(dim=-1), torch.full((batch, kv_heads), float(group * window), device=DEVICE),
+                               atol=1e-3, rtol=1e-4)
