@@ -64,6 +64,7 @@ for name in "$@"; do
                         --out "$OUT/batching_gc" ;;
     batching_host_times) step "$name" 300 $PY benchmarks/batching_check.py --rates "" --compile-regions --time-host \
                         --out "$OUT/batching_host_times" ;;
+    triton_compiles) step "$name" 240 $PY benchmarks/triton_compiles.py ;;
     prefill_cprofile) step "$name" 150 $PY benchmarks/prefill_host_time.py --regions --cprofile --repeats 3 \
                         --out "$OUT/prefill_cprofile" ;;
     prefill_host_time) step "$name" 150 $PY benchmarks/prefill_host_time.py --regions --out "$OUT/prefill_host_time" ;;
