@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile-prefill", action="store_true",
                         help="after the fixed step: one more --prompt-len request (1 new token) through the running "
                              "engine under torch.profiler; its top ops in profile_prefill/ under --out")
+    parser.add_argument("--no-overlap-decode", dest="overlap_decode", action="store_false",
+                        help="BatchingConfig.overlap_decode=False: read each step's tokens before the next launch")
     parser.add_argument("--compile-regions", action="store_true",
                         help="hf_rocketkv.compile_regions(model) before the engine starts (fused norms and MLPs)")
     return parser
@@ -229,7 +231,8 @@ class Session:
         """Build the engine, capture its decode graphs (``warm_up``), start it; returns warm_up's report."""
         args = self.args
         batching = BatchingConfig(max_running=args.max_running, prefills_per_step=args.prefills_per_step,
-                                  max_queue=4096, buckets=_buckets(args.max_running))
+                                  max_queue=4096, buckets=_buckets(args.max_running),
+                                  overlap_decode=args.overlap_decode)
         engine = BatchingEngine(self.model, self.config, self.pool, batching,
                                 decode_graphs=None if args.decode == "graphs" else False)
         report = engine.warm_up(max_new_tokens=self.warm_tokens) if warm_up else None

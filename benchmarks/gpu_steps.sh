@@ -36,6 +36,9 @@ for name in "$@"; do
     kernel_tests)    # every Triton kernel against its PyTorch twin, compiled for this GPU (pytest from .device_wheels if absent)
                      $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index .device_wheels/*.whl
                      step "$name" 330 $PY -m pytest -q -p no:cacheprovider --durations=15 tests/kernels ;;
+    compact_tests)   # stage 1's compaction kernel against its twin and the slot-by-slot oracle, on this GPU
+                     $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index .device_wheels/*.whl
+                     step "$name" 120 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_compact.py ;;
     attention_tests) # the prefill attention's lower-right causal path (flash / mem-efficient on CUDA) against its oracle
                      $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index .device_wheels/*.whl
                      step "$name" 120 $PY -m pytest -q -p no:cacheprovider tests/test_dense_attention.py ;;
@@ -60,6 +63,8 @@ for name in "$@"; do
     tune_kernels)    step "$name" 420 $PY benchmarks/tune_decode_kernels.py --out "$OUT/tune_kernels" ;;
     batching_fixed_compiled) step "$name" 300 $PY benchmarks/batching_check.py --rates "" --compile-regions \
                         --out "$OUT/batching_fixed_compiled" ;;
+    batching_fixed_sync) step "$name" 300 $PY benchmarks/batching_check.py --rates "" --compile-regions \
+                        --no-overlap-decode --out "$OUT/batching_fixed_sync" ;;
     batching_gc)     step "$name" 300 $PY benchmarks/batching_check.py --rates "" --compile-regions --freeze-gc \
                         --out "$OUT/batching_gc" ;;
     batching_host_times) step "$name" 300 $PY benchmarks/batching_check.py --rates "" --compile-regions --time-host \

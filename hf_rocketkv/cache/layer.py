@@ -853,8 +853,9 @@ class RocketKVLayer(CacheLayerMixin):
         )
 
     def _compact(self, kept: list[torch.Tensor], columns: torch.Tensor | None) -> None:
-        """Gather the kept slots of every row, write them into a fresh paged view with their KT; the dense store (or
-        the working set) and the previous view are released."""
+        """Gather the kept slots of every row, write them into a fresh paged view with their KT and positions
+        (``ops.paged_compact_row``: one launch per row on the Triton backend); the dense store (or the working set)
+        and the previous view are released."""
         batch, heads, _, dim = self._keys.shape
         counts = [k.shape[1] for k in kept]
         needed = _round_up(max(max(counts), 1) + self._headroom(), self.config.page_size)
@@ -863,19 +864,13 @@ class RocketKVLayer(CacheLayerMixin):
             store = store.widened(self._slots_for(store.capacity))
         else:
             store = self._private_view(batch, self._slots_for(needed))
-        capacity = store.capacity
-        keys = self._keys.new_zeros(batch, heads, capacity, dim)
-        values = self._values.new_zeros(batch, heads, capacity, dim)
-        positions = torch.full((batch, heads, capacity), -1, dtype=torch.int32, device=self.device)
-        for b, slots in enumerate(kept):
-            n = slots.shape[1]
-            idx = slots[:, :, None].expand(heads, n, dim)
-            keys[b, :, :n] = self._keys[b].gather(1, idx)
-            values[b, :, :n] = self._values[b].gather(1, idx)
-            positions[b, :, :n] = (columns[b].gather(1, slots) if columns is not None else slots).to(torch.int32)
+        positions = torch.empty((batch, heads, store.capacity), dtype=torch.int32, device=self.device)
+        for b, slots in enumerate(kept):  # one launch per row on the Triton backend (kernels/compact.py)
+            self.ops.paged_compact_row(
+                self._keys[b], self._values[b], slots, columns[b] if columns is not None else None, store.k,
+                store.v, store.kt, store.table[b], store.row_pages[b], positions[b], self.config.page_size,
+            )
         self.lengths = filled(batch, counts, torch.long, self.device)  # no pageable copy (a sync) per layer
-        kt = self.ops.build_kt(keys, self.lengths, self.config.page_size, self.config.kt_torch_dtype)
-        store.write(keys, values, kt)
         self.store, self.positions = store, positions
         self._keys = self._values = None
         self.host_max_length = max(counts)

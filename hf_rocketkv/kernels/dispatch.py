@@ -15,7 +15,7 @@ import torch
 from ..selection import stage1_snapkv, stage2_pages
 from .append_token import append_token_torch, paged_append_kv_torch, paged_append_token_torch
 from .ops import RocketOps
-from .paged import paged_page_scores_torch, paged_top_pages_torch
+from .paged import paged_compact_row_torch, paged_page_scores_torch, paged_top_pages_torch
 from .sparse_decode_attention import paged_sparse_decode_attention_torch, sparse_decode_attention_torch
 
 __all__ = ["RocketOps", "TORCH_OPS", "get_ops", "triton_usable"]  # RocketOps lives in ops.py, re-exported
@@ -35,6 +35,7 @@ TORCH_OPS = RocketOps(
     paged_page_scores=paged_page_scores_torch,
     paged_top_pages=paged_top_pages_torch,
     paged_sparse_decode_attention=paged_sparse_decode_attention_torch,
+    paged_compact_row=paged_compact_row_torch,
 )
 
 

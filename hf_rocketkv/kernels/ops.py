@@ -33,6 +33,10 @@ class RocketOps:
     paged_sparse_decode_attention(q, k_pages, v_pages, table, page_idx, page_valid, lengths, kt_page_size,
                                   scaling) -> [B, Hkv, G, D]
 
+    Stage 1's compaction (prefill, eager; one call per row):
+    paged_compact_row(keys, values, slots, columns, k_pages, v_pages, kt_pages, table, row_pages, positions,
+                      kt_page_size) -> None (in place: the row's pages, their KT, positions)
+
     lengths / n_pages / slot: [B] (per row) or [B, Hkv] (per row and KV head) everywhere in decode.
     """
 
@@ -50,3 +54,4 @@ class RocketOps:
     paged_page_scores: Callable
     paged_top_pages: Callable
     paged_sparse_decode_attention: Callable
+    paged_compact_row: Callable

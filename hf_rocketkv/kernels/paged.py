@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..selection.stage2_pages import page_scores, top_pages
+from ..selection.stage2_pages import build_kt, page_scores, top_pages
 
 
 def check_table(table: torch.Tensor, batch: int, name: str = "table") -> None:
@@ -103,3 +103,51 @@ def paged_top_pages_torch(
     indices counted in KT pages of the row (slot // kt_page_size)."""
     check_table(table, q.shape[0])
     return top_pages(q, gather_pages(kt_pages, table), lengths, kt_page_size, topr, topk, sink_pages, recent_pages)
+
+
+def paged_compact_row_torch(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slots: torch.Tensor,
+    columns: torch.Tensor | None,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    kt_pages: torch.Tensor | None,
+    table: torch.Tensor,
+    row_pages: int,
+    positions: torch.Tensor,
+    kt_page_size: int,
+) -> None:
+    """Stage 1's compaction of one row, in place: the kept slots' K/V into the row's pages, their KT summaries and
+    their positions (the reference of ``compact.paged_compact_row_triton``).
+
+    keys, values [Hkv, S, D]   the row's dense store (any strides)
+    slots        [Hkv, n]      kept slots of each KV head, ascending (int)
+    columns      [Hkv, S]      positions of the dense slots (int), or None: a slot's position is the slot itself
+    k_pages, v_pages [N, Hkv, PP, D]; kt_pages [N, Hkv, PP // KP, 2, D] or None (no KT summaries)
+    table        [MP] int32    the row's pages; only its first ``row_pages`` entries are read (host int: no sync)
+    positions    [Hkv, MP * PP] int32, written whole: kept slot i's position at i, -1 after the n kept ones
+
+    Slot i < n of the row gets dense slot ``slots[h, i]``; the other slots of the row's pages are zeroed (whole pages
+    are written, so no byte of an earlier owner of a pool page survives) and their KT covers only the kept tokens
+    (``stage2_pages.build_kt``: a page without tokens summarises to zeros).
+    """
+    heads, n = slots.shape
+    dim, page = keys.shape[-1], k_pages.shape[2]
+    capacity = table.shape[0] * page
+    index = slots.long()
+    gathered = keys.new_zeros(heads, capacity, dim), values.new_zeros(heads, capacity, dim)
+    for source, target in zip((keys, values), gathered):
+        target[:, :n] = source.gather(1, index[:, :, None].expand(heads, n, dim))
+    kept_positions = columns.gather(1, index) if columns is not None else index
+    positions.fill_(-1)
+    positions[:, :n] = kept_positions.to(positions.dtype)
+    pages = table[:row_pages].long()
+    present = row_pages * page
+    for source, target in zip(gathered, (k_pages, v_pages)):
+        target[pages] = source[:, :present].reshape(heads, row_pages, page, dim).transpose(0, 1).to(target.dtype)
+    if kt_pages is not None:
+        lengths = torch.full((1,), n, dtype=torch.long, device=keys.device)
+        kt = build_kt(gathered[0][None], lengths, kt_page_size, kt_pages.dtype)[0]  # [Hkv, C // KP, 2, D]
+        per_page = kt_pages.shape[2]
+        kt_pages[pages] = kt[:, : row_pages * per_page].reshape(heads, row_pages, per_page, 2, dim).transpose(0, 1)

@@ -21,6 +21,10 @@ sparse_decode_attention) derive their launch shapes from tensor shapes only and 
     paged_page_scores        page_scores.py              as page_scores, KT read through the table    decode
     paged_top_pages          select_pages.py             as top_pages, KT read through the table      decode
     paged_sparse_decode_attention  sparse_decode_attention.py  as sparse_decode_attention              decode
+    paged_compact_row        compact.py                  1 (in place: a row's pages, KT, positions)   prefill
+
+``paged_compact_row`` is not registered: stage 1 runs eagerly at the end of a prefill, never inside a compiled or
+graphed step, so it only ever needs its plain launcher.
 
 Eager calls skip the custom-op machinery: each RocketOps entry calls the plain launcher directly (exactly what the
 registered op's own eager implementation runs, minus the dispatcher, autograd and dynamo-disable wrappers, which
@@ -45,6 +49,7 @@ except ImportError:  # pragma: no cover - a torch without it: eager calls go thr
 
 from .ops import RocketOps
 from .append_token import append_token_triton, paged_append_kv_triton, paged_append_token_triton
+from .compact import paged_compact_row_triton
 from .kt_build import build_kt_triton
 from .kt_update import update_kt_triton
 from .page_scores import page_scores_triton, paged_page_scores_triton
@@ -108,4 +113,5 @@ TRITON_OPS = RocketOps(
     paged_page_scores=_eager_or_op(paged_page_scores_triton, paged_page_scores),
     paged_top_pages=_eager_or_op(paged_top_pages_triton, paged_top_pages),
     paged_sparse_decode_attention=_eager_or_op(paged_sparse_decode_attention_triton, paged_sparse_decode_attention),
+    paged_compact_row=paged_compact_row_triton,
 )

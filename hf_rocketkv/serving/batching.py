@@ -15,6 +15,18 @@ One engine thread owns the model. Each iteration of its loop:
        request's own parameters and generator; rows end on a stop id, ``max_tokens`` or their cancel flag and
        release their pages at once (the last row moves into a freed row, so the batch stays packed)
 
+Overlapped decode (``BatchingConfig.overlap_decode``, on by default), as vLLM's asynchronous scheduling: step N+1 is
+launched from step N's sampled tokens while they are still on the device, then step N's tokens are read (their copy
+to pinned memory and an event were queued right after step N, so the read waits for step N only) and accepted while
+step N+1 runs. The device no longer waits for the host between two steps (about 1 ms per step on an H100 host). A
+step is launched ahead only when its rows are exactly the previous step's and none of them can end on the previous
+step's token for a reason known beforehand (max_tokens, a cancel flag, a failed draw); anything else that changes
+the batch (a prefill, a cancel, a row that ended) first reads the step in flight. A row that ends on a stop id is
+known only once its token is read: the step launched after it is then read at once, its tokens are accepted for the
+rows that go on and dropped for the row that ended, before the row leaves. Tokens are the same as without overlap,
+except that such a step computed one more row than a synchronous engine would have (the bucket may differ; on a
+random model's near-tied logits that can change a later token, as any change of batch size can).
+
 Before ``start``, ``warm_up`` captures every bucket's decode graph at once (a synthetic request decodes two steps
 per bucket), so the captures and the widening of the batch's tables never happen while real requests wait.
 
@@ -93,6 +105,39 @@ class _Running:
         return self.request.request_id
 
 
+class _TokensToHost:
+    """A step's sampled tokens on their way to the host: on CUDA an asynchronous copy into pinned memory and an
+    event, enqueued right after the step, so reading them waits for that step only and not for a step launched
+    after it (a plain ``.tolist()`` would wait for everything queued on the stream)."""
+
+    def __init__(self, tokens: torch.Tensor):
+        if tokens.device.type == "cuda":
+            self.values = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self.values.copy_(tokens, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.values, self.event = tokens, None
+
+    def read(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.values.tolist()
+
+
+@dataclass(eq=False)
+class _StepInFlight:
+    """A launched decode step: its rows (in row order), bucket, device tokens ``[rows]`` (the next step's inputs),
+    their copy on the way to the host, the rows whose draw raised, and its launch time."""
+
+    rows: list[_Running]
+    bucket: int
+    tokens: torch.Tensor
+    host: _TokensToHost
+    failed: dict[int, Exception]
+    started: float
+
+
 class BatchingEngine:
     """Continuous batching over a ``KVBlockPool`` (see the module docstring).
 
@@ -139,6 +184,8 @@ class BatchingEngine:
         self._sink: EventSink | None = None
         self._thread: threading.Thread | None = None
         self._stats = BatchingStats()
+        self._in_flight: _StepInFlight | None = None  # a launched decode step whose tokens are not read yet
+        self._last_read = 0.0  # when the latest step's tokens were read (perf_counter)
 
     # ------------------------------------------------------------------------------------------------ interface
     def start(self, sink: EventSink) -> None:
@@ -359,6 +406,8 @@ class BatchingEngine:
             step = self._scheduler.next_step()
         for src, dst in step.moves:
             self.batch.move(src, dst)
+        if step.prefill and self._in_flight is not None:
+            self._drain()  # the running rows' tokens go out before a prefill delays the next step
         for running in step.prefill:
             self._prefill(running)
         self._finish_cancelled()  # a flag set during prefill ends that request before it decodes
@@ -448,38 +497,120 @@ class BatchingEngine:
 
     # ------------------------------------------------------------------------------------------------ decode
     def _decode(self) -> None:
+        """One decode step over the running rows. With ``BatchingConfig.overlap_decode`` the step is launched before
+        the tokens of the step still in flight are read, from those tokens on the device (module docstring)."""
         rows = list(self._scheduler.rows)
+        in_flight = self._in_flight
+        if in_flight is not None and not self._can_launch_after(in_flight, rows):
+            self._drain()
+            in_flight, rows = None, list(self._scheduler.rows)
+            if not rows:
+                return
+        step = self._launch(rows, in_flight)
+        if step is None:
+            return
+        self._in_flight = step
+        if in_flight is not None:
+            self._complete(in_flight, after=step)
+        if not self.batching.overlap_decode:
+            self._drain()
+
+    def _can_launch_after(self, in_flight: "_StepInFlight", rows: list[_Running]) -> bool:
+        """Whether the next step may run on the tokens still in flight: the same rows in the same order, and none of
+        them can end on those tokens for a reason known now (max_tokens, a cancel flag, a failed draw). A stop id
+        is known only once read: ``_complete`` then takes the later step's tokens back too."""
+        if len(rows) != len(in_flight.rows) or any(a is not b for a, b in zip(rows, in_flight.rows)):
+            return False
+        if in_flight.failed:
+            return False
+        return all(r.tokens + 1 < r.request.max_new_tokens and not r.request.cancelled.is_set() for r in rows)
+
+    def _launch(self, rows: list[_Running], in_flight: "_StepInFlight | None") -> "_StepInFlight | None":
+        """Launch one step over ``rows`` (their last tokens from the host, or the in-flight step's device tokens) and
+        its sampling; the tokens start their way to the host. None when the forward failed (every row ended)."""
         bucket = self.batching.bucket_for(len(rows))
         if bucket > len(rows) and not self.batch.ensure_scratch():
             bucket = len(rows)  # no free page for the padding rows: this step runs on the exact batch size
         started = time.perf_counter()
+        last_tokens = in_flight.tokens if in_flight is not None else [r.last_token for r in rows]
         try:
-            logits = self._step_logits(len(rows), bucket, [r.last_token for r in rows])
+            logits = self._step_logits(len(rows), bucket, last_tokens)
         except Exception as err:  # noqa: BLE001 - a batched forward cannot be pinned on one row
             logger.warning("hf_rocketkv batching engine: the decode step failed: %s", err, exc_info=True)
             self._fail_all_rows(f"the batched decode step failed: {type(err).__name__}: {err}")
-            return
-        tokens = self._sample_rows(rows, logits)  # reads the tokens on the host: the step's device work is done
-        seconds = time.perf_counter() - started
+            return None
+        tokens, failed = self._sample_rows(rows, logits)
+        return _StepInFlight(rows, bucket, tokens, _TokensToHost(tokens), failed, started)
+
+    def _drain(self) -> None:
+        """Read and accept the tokens of the step in flight (no step is in flight afterwards)."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            self._complete(in_flight)
+
+    def _complete(self, step: "_StepInFlight", after: "_StepInFlight | None" = None) -> None:
+        """Read ``step``'s tokens (waiting for that step only) and accept them. ``after``: the step launched on
+        them, still in flight; when a row of ``step`` ends, ``after`` is read as well and its tokens accepted for the
+        rows that go on (a row that ended gets none), so no row leaves the batch while a step that holds it runs."""
+        values = step.host.read()
+        self._count_step(step)
+        outcomes = [self._outcome(running, step.failed.get(index, values[index]))
+                    for index, running in enumerate(step.rows)]
+        later = None
+        if after is not None and any(reason is not None for reason, _ in outcomes):
+            self._in_flight = None
+            later = after.host.read()
+            self._count_step(after)
+        for index, (running, (reason, error)) in enumerate(zip(step.rows, outcomes)):
+            token = values[index]
+            if self._settle(running, token, reason, error) and later is not None:
+                next_token = after.failed.get(index, later[index])
+                self._settle(running, later[index], *self._outcome(running, next_token))
+
+    def _count_step(self, step: "_StepInFlight") -> None:
+        """A step's tokens were read: its wall time runs from its launch, or from the previous read when it was
+        launched before that (then it is the time between two tokens of a row)."""
+        now = time.perf_counter()
+        seconds = now - max(step.started, self._last_read)
+        self._last_read = now
         stats = self._stats
         stats.decode_steps += 1
-        stats.decode_rows += len(rows)
-        stats.padded_rows += bucket - len(rows)
+        stats.decode_rows += len(step.rows)
+        stats.padded_rows += step.bucket - len(step.rows)
         stats.decode_seconds += seconds
         stats.step_ms.append(seconds * 1e3)
-        for running, token in zip(rows, tokens):
-            if isinstance(token, Exception):
-                self._end_row(running, FinishReason.ERROR, f"{type(token).__name__}: {token}")
-            elif running.request.cancelled.is_set():
-                self._end_row(running, FinishReason.CANCELLED)  # nothing after the step that saw the flag
-            else:
-                self._accept(running, token)
 
-    def _step_logits(self, rows: int, bucket: int, last_tokens: list[int]) -> torch.Tensor:
-        """One decode forward over rows ``[0, rows)`` (their last tokens in), padded to ``bucket`` rows, through the
-        bucket's graph or eagerly; returns the real rows' logits ``[rows, V]`` as float32."""
+    def _outcome(self, running: _Running, token) -> tuple[FinishReason | None, str | None]:
+        """How a row stands after ``token`` (an int, or the exception its draw raised), before accepting it:
+        (None, None) while it goes on, else the reason it ends and the error message."""
+        if isinstance(token, Exception):
+            return FinishReason.ERROR, f"{type(token).__name__}: {token}"
+        if running.request.cancelled.is_set():
+            return FinishReason.CANCELLED, None  # nothing after the step that saw the flag
+        if token in running.request.stop_token_ids:
+            return FinishReason.STOP, None
+        if running.tokens + 1 >= running.request.max_new_tokens:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    def _settle(self, running: _Running, token: int, reason: FinishReason | None, error: str | None) -> bool:
+        """Emit ``token`` (unless the row failed or was cancelled) and end the row for ``reason``. True while it
+        goes on decoding."""
+        if reason in (FinishReason.ERROR, FinishReason.CANCELLED):
+            self._end_row(running, reason, error)
+            return False
+        return self._accept(running, token)
+
+    def _step_logits(self, rows: int, bucket: int, last_tokens: list[int] | torch.Tensor) -> torch.Tensor:
+        """One decode forward over rows ``[0, rows)`` (their last tokens in: host ints, or a ``[rows]`` device
+        tensor), padded to ``bucket`` rows, through the bucket's graph or eagerly; returns the real rows' logits
+        ``[rows, V]`` as float32."""
         self.batch.prepare(rows, bucket)
-        ids = device_tensor(last_tokens + [0] * (bucket - rows), torch.long, self.device).view(bucket, 1)
+        if isinstance(last_tokens, torch.Tensor):
+            ids = last_tokens.new_zeros(bucket, 1)
+            ids[:rows, 0] = last_tokens
+        else:
+            ids = device_tensor(last_tokens + [0] * (bucket - rows), torch.long, self.device).view(bucket, 1)
         positions = self.batch.next_positions(bucket)
         logits = self._graphed_step(ids, positions)
         if logits is None:
@@ -500,10 +631,10 @@ class BatchingEngine:
             self.graphs = None
             return None
 
-    def _sample_rows(self, rows: list[_Running], logits: torch.Tensor) -> list:
-        """Next token per row (or the exception that row's sampling raised): the argmax for greedy rows, a draw with
-        the row's own parameters and generator for the others (``sample_tokens`` on that row's logits), read back
-        to the host once for the whole batch."""
+    def _sample_rows(self, rows: list[_Running], logits: torch.Tensor) -> tuple[torch.Tensor, dict[int, Exception]]:
+        """Next token per row on the device ``[rows]``, and the exception of each row whose draw raised: the argmax
+        for greedy rows, a draw with the row's own parameters and generator for the others (``sample_tokens`` on
+        that row's logits). Nothing is read back here."""
         tokens = logits.argmax(dim=-1)
         failed: dict[int, Exception] = {}
         for index, running in enumerate(rows):
@@ -514,8 +645,7 @@ class BatchingEngine:
                 tokens[index] = sample_tokens(logits[index : index + 1], params, running.generator)[0]
             except Exception as err:  # noqa: BLE001 - one row's failure ends that row only
                 failed[index] = err
-        values = tokens.tolist()
-        return [failed.get(index, int(value)) for index, value in enumerate(values)]
+        return tokens, failed
 
     def _accept(self, running: _Running, token: int) -> bool:
         """Emit a sampled token; end the request on a stop id or max_tokens. True while it goes on decoding."""
@@ -536,6 +666,8 @@ class BatchingEngine:
     def _finish_cancelled(self) -> None:
         """Every request whose flag is set ends now: decoding rows leave, waiting ones are dropped (a flag set
         without ``cancel()``, e.g. a stop string or a manager's stop, never waits for the head of the queue)."""
+        if self._in_flight is not None and any(r.request.cancelled.is_set() for r in self._scheduler.rows):
+            self._drain()  # no row leaves the batch while a step that holds it runs
         for running in [r for r in self._scheduler.rows if r.request.cancelled.is_set()]:
             self._end_row(running, FinishReason.CANCELLED)
         with self._lock:
@@ -586,7 +718,8 @@ class BatchingEngine:
 
     def _fail_all_rows(self, message: str) -> None:
         """A failed decode step: every decoding row ends with an error and the batch starts afresh (its state may be
-        half-updated; the rows' caches are closed without a write-back)."""
+        half-updated; the rows' caches are closed without a write-back). A step in flight is dropped unread."""
+        self._in_flight = None
         self._reset_batch()
         rows = list(self._scheduler.rows)
         with self._lock:

@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compile-regions", action="store_true",
                         help="torch.compile the model's RMSNorm and MLP modules (hf_rocketkv.compile_regions): fused "
                              "kernels in prefill and in the decode graphs; compiled at startup during the capture")
+    parser.add_argument("--no-overlap-decode", dest="overlap_decode", action="store_false",
+                        help="batching engine: read every decode step's tokens before launching the next one "
+                             "(default: the next step is launched first, so the GPU never waits for the host)")
     parser.add_argument("--device", default=None, help="torch device (default: where the model loads, CPU)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -153,7 +156,8 @@ def build_manager(args: argparse.Namespace, config):
     if args.pool_gib is not None:
         pool = KVBlockPool(model, max_gpu_bytes=int(args.pool_gib * 2**30), kt_page_size=config.page_size,
                            kt_dtype=config.kt_cache_dtype)
-    batching = BatchingConfig(max_running=args.max_running, max_queue=args.max_queue)
+    batching = BatchingConfig(max_running=args.max_running, max_queue=args.max_queue,
+                              overlap_decode=args.overlap_decode)
     return GenerationManager(model, tokenizer, config, engine=args.engine, pool=pool, max_queue=args.max_queue,
                              max_model_len=args.max_model_len, batching=batching,
                              warmup_max_tokens=warmup_max_tokens(args))

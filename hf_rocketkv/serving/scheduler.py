@@ -31,12 +31,16 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 class BatchingConfig:
     """max_running: decoding requests at once (<= the largest bucket). buckets: batch sizes of the decode step, each
     captured once. prefills_per_step: requests prefilled between two decode steps. max_queue: waiting requests
-    before ``submit`` refuses (the server answers 429)."""
+    before ``submit`` refuses (the server answers 429). overlap_decode: launch each decode step before reading the
+    previous step's tokens (from those tokens on the device), so the host's per-step work (reading, stop checks,
+    events) overlaps the device's next step instead of leaving it idle; False: every step is read before the next
+    one is launched (the executor's docstring, serving/batching.py, has the details)."""
 
     max_running: int = 64
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
     prefills_per_step: int = 1
     max_queue: int = 256
+    overlap_decode: bool = True
 
     def __post_init__(self) -> None:
         if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 1:
@@ -46,6 +50,8 @@ class BatchingConfig:
                 f"BatchingConfig.max_running must be in [1, {self.buckets[-1]}] (the largest bucket), "
                 f"got {self.max_running}"
             )
+        if not isinstance(self.overlap_decode, bool):
+            raise ValueError(f"BatchingConfig.overlap_decode must be True or False, got {self.overlap_decode!r}")
         for name in ("prefills_per_step", "max_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"BatchingConfig.{name} must be >= 1, got {getattr(self, name)}")

@@ -241,7 +241,9 @@ def test_cancel_while_decoding_frees_pages_within_one_step(engines):
         engine.cancel("long")
         events.wait_finals(1)
         assert events.finals("long")[0].finish_reason is FinishReason.CANCELLED
-        assert engine.steps <= steps + 1
+        # the step in flight when the flag is set, and (overlapped decode, the default) the one launched on its
+        # tokens before they were read: a row leaves only once no running step holds it
+        assert engine.steps <= steps + 2
         events.wait_finals(2)
     finally:
         gate.remove()

@@ -1,0 +1,119 @@
+"""paged_compact_row (stage 1's compaction of one row into its pages): the Triton kernel and the PyTorch twin
+against a slot-by-slot oracle, bit for bit, and pages the row does not own are never touched."""
+
+import pytest
+import torch
+from kernel_utils import DEVICE, gen, ops, randn
+
+from hf_rocketkv.kernels.paged import paged_compact_row_torch
+
+
+def oracle(keys, values, slots, columns, k_pages, v_pages, kt_pages, table, row_pages, positions, kp):
+    """Slot by slot, in Python: what the compaction must leave in the pages (written in place, like the op)."""
+    heads, n = slots.shape
+    page = k_pages.shape[2]
+    per_page = page // kp
+    positions.fill_(-1)
+    for h in range(heads):
+        kept = []  # the kept keys of the current KT page, fp32
+        for s in range(row_pages * page):
+            target, offset = int(table[s // page]), s % page
+            if s < n:
+                source = int(slots[h, s])
+                k_pages[target, h, offset] = keys[h, source].to(k_pages.dtype)
+                v_pages[target, h, offset] = values[h, source].to(v_pages.dtype)
+                positions[h, s] = int(columns[h, source]) if columns is not None else source
+                kept.append(keys[h, source].float())
+            else:
+                k_pages[target, h, offset] = 0
+                v_pages[target, h, offset] = 0
+            if kt_pages is not None and s % kp == kp - 1:
+                j = s // kp
+                kt_target = kt_pages[int(table[j // per_page]), h, j % per_page]
+                if kept:
+                    stacked = torch.stack(kept)
+                    kt_target[0] = stacked.amin(dim=0).to(kt_pages.dtype)
+                    kt_target[1] = stacked.amax(dim=0).to(kt_pages.dtype)
+                else:
+                    kt_target.zero_()
+                kept = []
+
+
+# (kv dtype, kt dtype, page tokens PP, kt page size KP, head_dim)
+CASES = [
+    (torch.bfloat16, torch.bfloat16, 16, 4, 64),
+    (torch.float16, torch.float8_e5m2, 8, 2, 32),
+    (torch.float32, torch.float32, 4, 4, 48),  # a private store's layout (one KT page per page); odd head_dim
+    (torch.bfloat16, torch.float32, 16, 1, 128),
+    (torch.float32, torch.float16, 8, 8, 16),
+]
+
+
+def _case(kv_dtype, kt_dtype, page, kp, head_dim, n, row_pages, max_pages, with_columns, tag):
+    g = gen("compact", kv_dtype, kt_dtype, page, kp, head_dim, n, row_pages, max_pages, with_columns, tag)
+    heads, dense, num_pages = 2, 3 * max_pages * page + 5, max_pages + 6
+    # the row's dense store is a slice of a batch (strided), its slots ascending
+    keys = randn((2, heads, dense, head_dim), kv_dtype, g, scale=3.0)[1]
+    values = randn((2, heads, dense, head_dim), kv_dtype, g)[1]
+    slots = torch.stack([torch.randperm(dense, generator=g)[:n].sort().values for _ in range(heads)]).to(DEVICE)
+    columns = (torch.randint(0, 10**6, (heads, dense), generator=g, dtype=torch.int32).to(DEVICE)
+               if with_columns else None)
+    # pool pages in no particular order; every page starts with garbage (a previous owner's bytes)
+    order = torch.randperm(num_pages, generator=g)[:max_pages].to(torch.int32)
+    table = torch.where(torch.arange(max_pages) < row_pages, order, -1).to(DEVICE)
+    k_pages = randn((num_pages, heads, page, head_dim), kv_dtype, g)
+    v_pages = randn((num_pages, heads, page, head_dim), kv_dtype, g)
+    kt_pages = randn((num_pages, heads, page // kp, 2, head_dim), torch.float32, g).to(kt_dtype)
+    positions = torch.full((heads, max_pages * page), 7, dtype=torch.int32, device=DEVICE)
+    return keys, values, slots, columns, k_pages, v_pages, kt_pages, table, row_pages, positions, kp
+
+
+def _run(fn, case):
+    keys, values, slots, columns, k_pages, v_pages, kt_pages, table, row_pages, positions, kp = case
+    outputs = [t.clone() for t in (k_pages, v_pages, kt_pages, positions)]
+    fn(keys, values, slots, columns, outputs[0], outputs[1], outputs[2], table, row_pages, outputs[3], kp)
+    return outputs
+
+
+def _assert_same(got, want):
+    for name, a, b in zip(("k_pages", "v_pages", "kt_pages", "positions"), got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.equal(a.float(), b.float()), f"{name} differs"
+
+
+@pytest.mark.parametrize("kv_dtype,kt_dtype,page,kp,head_dim", CASES)
+@pytest.mark.parametrize("with_columns", [False, True])
+def test_compact_row_matches_the_slot_by_slot_oracle(kv_dtype, kt_dtype, page, kp, head_dim, with_columns):
+    max_pages = 5
+    # kept counts: a partial KT page, exactly the row's pages, a single slot, nothing kept
+    for n, row_pages in ((2 * page + kp // 2 + 1, 3), (3 * page, 3), (1, 1), (0, 2), (page - 1, 4)):
+        case = _case(kv_dtype, kt_dtype, page, kp, head_dim, n, row_pages, max_pages, with_columns, "oracle")
+        want = _run(oracle, case)
+        _assert_same(_run(paged_compact_row_torch, case), want)
+        _assert_same(_run(ops().paged_compact_row, case), want)
+
+
+def test_compact_row_leaves_other_pages_untouched_and_fills_every_position():
+    case = _case(torch.bfloat16, torch.bfloat16, 16, 4, 64, 20, 2, 4, True, "untouched")
+    k_pages, table = case[4], case[7]
+    got = _run(ops().paged_compact_row, case)
+    owned = set(table[:2].tolist())
+    for p in range(k_pages.shape[0]):
+        if p not in owned:
+            assert torch.equal(got[0][p], k_pages[p]) and torch.equal(got[2][p].float(), case[6][p].float())
+    positions = got[3]
+    assert positions.shape == (2, 64) and bool((positions[:, 20:] == -1).all()) and bool((positions[:, :20] >= 0).all())
+
+
+def test_compact_row_takes_an_expanded_slot_view():
+    """A row under the budget keeps every slot: ``whole_row`` hands an ``arange(...).expand(Hkv, n)`` view."""
+    case = list(_case(torch.float16, torch.float16, 8, 4, 32, 12, 2, 3, False, "expand"))
+    case[2] = torch.arange(3, 15, device=DEVICE).expand(2, 12)
+    want = _run(oracle, case)
+    _assert_same(_run(ops().paged_compact_row, case), want)
+
+
+def test_compact_row_refuses_more_slots_than_pages():
+    case = list(_case(torch.float32, torch.float32, 4, 4, 16, 9, 2, 3, False, "refuse"))
+    with pytest.raises(ValueError, match="do not fit"):
+        _run(ops().paged_compact_row, case)

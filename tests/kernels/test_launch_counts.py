@@ -1,0 +1,30 @@
+"""Kernel launches a pool-backed prefill issues per layer (benchmarks/launch_counts.py), on the Triton backend under
+the interpreter: on a slow host every launch is host time of a prefill or a prefix hit, so the count must not grow
+back. The model's own launches and generate()'s per-request ones are not counted against RocketKV."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from launch_counts import count_prefill  # noqa: E402
+
+NOT_ROCKETKV = ("model", "compat._prefill_handler", "integration.generate.RocketKVGenerateHooks.generate",
+                "integration.generate.RocketKVGenerateHooks.prepare_inputs")
+# measured 2026-11-24 (2 layers, so the per-request launches count half a layer each): 27.5 per layer after the
+# compaction kernel, 42.5 before it
+ROCKETKV_LAUNCHES_PER_LAYER = 28
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="counts on the CPU, under Triton's interpreter")
+def test_a_prefill_launches_one_compaction_kernel_per_layer_and_few_others():
+    report = count_prefill(prompt_len=256, layers=2, backend="triton")
+    per_function = report["per_function"]
+    layers = report["layers"]
+    assert per_function.get("kernels.compact.paged_compact_row_triton") == layers  # one row: one launch per layer
+    assert "cache.layer.RocketKVLayer._compact" not in per_function  # no zero fills, gathers or copies of its own
+    assert "kernels.paged.scatter_pages" not in per_function
+    ours = {where: n for where, n in per_function.items() if not where.startswith(NOT_ROCKETKV)}
+    assert sum(ours.values()) / layers <= ROCKETKV_LAUNCHES_PER_LAYER, ours
