@@ -23,7 +23,8 @@ transformers (no other hf_rocketkv module), so every floor of the package may us
 | CompileConfig._compile_all_devices                  | read        | whether generate() compiles decode off CUDA (tests)   |
 
 Public extension points used as such (not listed above): ``AttentionInterface.register``,
-``AttentionMaskInterface.register``, passing a ``Cache`` instance as ``past_key_values`` (auto-compiled by generate()
+``AttentionMaskInterface.register``, passing a ``Cache`` instance as ``cache`` (``past_key_values`` before
+transformers 5.24: ``CACHE_ARG``; the rename is the only difference hf_rocketkv sees) (auto-compiled by generate()
 when ``is_compileable``). ``generate(custom_generate=...)`` was considered for the fresh-cache-per-call behaviour and
 rejected: users would have to pass it on every call, and ``pipeline()`` could not.
 
@@ -46,7 +47,7 @@ from transformers import AttentionInterface, AttentionMaskInterface, GenerationM
 from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: F401  (re-exported for cache/)
 
 TRANSFORMERS_VERSION: str = transformers.__version__
-VERIFIED_VERSIONS: tuple[str, ...] = ("5.17.0", "5.23.0")
+VERIFIED_VERSIONS: tuple[str, ...] = ("5.17.0", "5.23.0", "5.24.0")
 WRAPPED_MARK = "__hf_rocketkv_wrapped__"
 
 
@@ -87,6 +88,47 @@ def _unwrapped(function):
     return getattr(function, "__wrapped__", function) if getattr(function, WRAPPED_MARK, False) else function
 
 
+def _cache_argument_name() -> str:
+    """The name transformers gives the cache argument of generate(), the model forwards and their outputs:
+    ``cache`` from 5.24 on (``past_key_values`` still accepted there, deprecated), ``past_key_values`` before."""
+    try:
+        parameters = inspect.signature(_unwrapped(GenerationMixin.prepare_inputs_for_generation)).parameters
+    except (TypeError, ValueError):
+        return LEGACY_CACHE_ARG
+    return "cache" if "cache" in parameters else LEGACY_CACHE_ARG
+
+
+LEGACY_CACHE_ARG = "past_key_values"
+# Computed once at import: the installed transformers does not change while the process runs.
+CACHE_ARG: str = _cache_argument_name()
+CACHE_ARGS: tuple[str, ...] = tuple(dict.fromkeys((CACHE_ARG, LEGACY_CACHE_ARG)))  # either may reach generate()
+
+
+def cache_from(mapping: dict):
+    """The cache in a mapping of generate()/forward arguments or a model output, under either name (None if none)."""
+    for name in CACHE_ARGS:
+        if mapping.get(name) is not None:
+            return mapping[name]
+    return None
+
+
+def with_cache(mapping: dict, cache) -> dict:
+    """A copy of ``mapping`` whose cache is ``cache``, under the installed transformers' name (the other removed)."""
+    changed = {key: value for key, value in mapping.items() if key not in CACHE_ARGS}
+    changed[CACHE_ARG] = cache
+    return changed
+
+
+def cache_kwargs(cache) -> dict:
+    """``{name: cache}`` to pass a cache to generate() or a model forward under the installed transformers' name."""
+    return {CACHE_ARG: cache}
+
+
+def output_cache(output):
+    """The cache a model output carries (``output.cache`` from transformers 5.24 on, ``past_key_values`` before)."""
+    return getattr(output, CACHE_ARG)
+
+
 PREPARE_CACHE = PrivateSymbol(
     "GenerationMixin._prepare_cache_for_generation",
     lambda: _unwrapped(GenerationMixin._prepare_cache_for_generation),
@@ -102,7 +144,7 @@ PREFILL = PrivateSymbol(
 PREPARE_INPUTS = PrivateSymbol(
     "GenerationMixin.prepare_inputs_for_generation",
     lambda: _unwrapped(GenerationMixin.prepare_inputs_for_generation),
-    ("self", "input_ids", "past_key_values"),
+    ("self", "input_ids", CACHE_ARG),
     "records every id a RocketKVCache has served, which a later turn must start with",
 )
 COMPILED_CALL = PrivateSymbol(
@@ -281,7 +323,7 @@ def _wrap(original: Callable, handle: Callable[[Call, tuple, dict], Any]) -> Cal
 
 def _generate_handler(hooks: GenerateHooks):
     def handle(call: Call, args, kwargs):
-        cache = call.arguments["kwargs"].get("past_key_values")
+        cache = cache_from(call.arguments["kwargs"])
         if not (hooks.involves_model(call.arguments["self"]) or hooks.involves_cache(cache)):
             return call.original(*args, **kwargs)
         return hooks.generate(call)
@@ -296,7 +338,7 @@ def compiles_on_every_device(compile_config) -> bool:
 
 def _prepare_cache_handler(hooks: GenerateHooks):
     def handle(call: Call, args, kwargs):
-        cache = call.arguments["model_kwargs"].get("past_key_values")
+        cache = cache_from(call.arguments["model_kwargs"])
         if not (hooks.involves_model(call.arguments["self"]) or hooks.involves_cache(cache)):
             return call.original(*args, **kwargs)
         return hooks.prepare_cache(call)
@@ -306,7 +348,7 @@ def _prepare_cache_handler(hooks: GenerateHooks):
 
 def _prefill_handler(hooks: GenerateHooks):
     def handle(call: Call, args, kwargs):
-        if not hooks.involves_cache(call.arguments["model_kwargs"].get("past_key_values")):
+        if not hooks.involves_cache(cache_from(call.arguments["model_kwargs"])):
             return call.original(*args, **kwargs)
         return hooks.prefill(call)
 
@@ -315,7 +357,7 @@ def _prefill_handler(hooks: GenerateHooks):
 
 def _prepare_inputs_handler(hooks: GenerateHooks):
     def handle(call: Call, args, kwargs):
-        if not hooks.involves_cache(call.arguments.get("past_key_values")):
+        if not hooks.involves_cache(call.arguments.get(CACHE_ARG)):
             return call.original(*args, **kwargs)
         return hooks.prepare_inputs(call)
 
@@ -334,10 +376,10 @@ class CompiledCallGate:
         self.hooks = hooks
 
     def __call__(self, *args, **kwargs):
-        cache = kwargs.get("past_key_values")
+        cache = cache_from(kwargs)
         if cache is None and args:
             try:
-                cache = self.forward_signature.bind_partial(*args, **kwargs).arguments.get("past_key_values")
+                cache = cache_from(self.forward_signature.bind_partial(*args, **kwargs).arguments)
             except TypeError:
                 cache = None  # let the compiled function itself report a bad call, exactly as without us
         if not self.hooks.involves_cache(cache):

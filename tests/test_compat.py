@@ -32,6 +32,48 @@ ROOT = PACKAGE.parent
 
 
 # ------------------------------------------------------------------------------------------------ the symbol table
+def test_cache_argument_name_is_the_models_own():
+    """transformers 5.24 renamed ``past_key_values`` to ``cache`` (generate, forwards, outputs); compat follows the
+    installed version. Oracle: the parameters of a model's forward, read here independently."""
+    import inspect
+
+    from transformers import LlamaForCausalLM
+
+    forward = inspect.signature(LlamaForCausalLM.forward).parameters
+    expected = "cache" if "cache" in forward else "past_key_values"
+    assert compat.CACHE_ARG == expected and expected in forward
+    assert compat.CACHE_ARGS[0] == expected and "past_key_values" in compat.CACHE_ARGS
+    assert compat.cache_kwargs(7) == {expected: 7}
+    assert compat.cache_from({"past_key_values": 1}) == 1 and compat.cache_from({expected: 2}) == 2
+    assert compat.cache_from({"attention_mask": 3}) is None
+    assert compat.with_cache({"past_key_values": 1, "attention_mask": 3}, 5) == {expected: 5, "attention_mask": 3}
+
+
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+def test_generate_takes_the_cache_under_either_name(name, recwarn):
+    """From 5.24 on, ``cache=`` and the deprecated ``past_key_values=`` both reach RocketKV (before 5.24 only
+    ``past_key_values`` exists); the tokens equal a run without a cache argument (a fresh cache per call), and
+    hf_rocketkv's own forwards never use the deprecated name."""
+    if name not in compat.CACHE_ARGS:
+        pytest.skip(f"transformers {transformers.__version__} has no generate({name}=...)")
+    rocket, _ = make_models("llama")
+    ids = random_ids(2, 40)
+    config = hf_rocketkv.RocketKVConfig(prompt_budget=16, topk=2, page_size=4, window_size=4, kernel_size=3)
+    kwargs = dict(max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(ids), disable_compile=True)
+    hf_rocketkv.set_config(rocket, config)
+    cache = hf_rocketkv.RocketKVCache(config)
+    with torch.no_grad():
+        named = rocket.generate(ids, **{name: cache}, **kwargs)
+        default = rocket.generate(ids, **kwargs)
+    assert cache.get_seq_length() == 40 + 5  # this very cache served the call
+    assert torch.equal(named, default)
+    deprecated = [str(w.message) for w in recwarn if "past_key_values" in str(w.message)]
+    if name == compat.CACHE_ARG:
+        assert not deprecated, deprecated  # nothing inside hf_rocketkv uses the old name
+    else:  # the caller's own deprecated generate() argument, and nothing else (no forward inside)
+        assert deprecated and all(".generate" in message for message in deprecated), deprecated
+
+
 def test_every_private_symbol_is_present_with_the_parameters_we_bind():
     assert compat.PROBLEMS == ()
     for symbol in compat.SYMBOLS:

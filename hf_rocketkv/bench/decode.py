@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 
+from .. import compat
+
 LLAMA_31_8B = dict(
     hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
     vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
@@ -223,7 +225,7 @@ def run_generate(model, cache: str, ids: torch.Tensor, new_tokens: int, rocket, 
     if cache.startswith("rocketkv"):
         enable(model)
         past = RocketKVCache(rocket_for_row(rocket, cache))
-        kwargs["past_key_values"] = past
+        kwargs.update(compat.cache_kwargs(past))
         kwargs["disable_compile"] = cache == "rocketkv"
     else:
         model.set_attn_implementation("sdpa")
@@ -233,7 +235,7 @@ def run_generate(model, cache: str, ids: torch.Tensor, new_tokens: int, rocket, 
                 # captured in a CUDA graph, cuDNN's per-call planning is paid once: its fastest attention is fair here
                 torch.backends.cuda.enable_cudnn_sdp(True)
         else:
-            kwargs["past_key_values"] = None
+            kwargs.update(compat.cache_kwargs(None))
             kwargs["disable_compile"] = True
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -262,7 +264,7 @@ def run_generate(model, cache: str, ids: torch.Tensor, new_tokens: int, rocket, 
         new_tokens=len(times),
         peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
     )
-    return result, out.past_key_values
+    return result, compat.output_cache(out)
 
 
 def rocket_for_row(rocket, cache: str):
@@ -292,7 +294,7 @@ def warm_up(model, caches: list[str], rocket, device: torch.device) -> None:
                   attention_mask=torch.ones_like(ids))
     if any(cache.startswith("rocketkv") for cache in caches):
         enable(model)
-        model.generate(ids, past_key_values=RocketKVCache(rocket), **kwargs)
+        model.generate(ids, **compat.cache_kwargs(RocketKVCache(rocket)), **kwargs)
     model.set_attn_implementation("sdpa")
     model.generate(ids, **kwargs)
     _free(device)

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, TextStreamer
 
+from .. import compat
+
 
 @dataclass
 class TimedRun:
@@ -137,7 +139,7 @@ def timed_generate(
             out = model.generate(
                 input_ids,
                 attention_mask=torch.ones_like(input_ids),
-                past_key_values=cache,
+                **compat.cache_kwargs(cache),
                 do_sample=False,
                 max_new_tokens=max_new_tokens,
                 prefill_chunk_size=chunk,

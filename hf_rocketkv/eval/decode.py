@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from .. import compat
 from .methods import Method
 
 
@@ -42,7 +43,7 @@ def shared_prefix(model, ids: torch.LongTensor, tail: int) -> SharedPrefix:
     if split > 0:
         model.set_attn_implementation("sdpa")
         cache = DynamicCache()
-        model(ids[:, :split], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(ids[:, :split], use_cache=True, logits_to_keep=1, **compat.cache_kwargs(cache))
         kv = [(layer.keys, layer.values) for layer in cache.layers]
     return SharedPrefix(ids=ids, split=split, kv=kv, seconds=time.perf_counter() - start)
 
@@ -80,7 +81,7 @@ def prefill(model, method: Method, prefix: SharedPrefix, max_new_tokens: int | N
     out = model(
         prefix.ids[:, prefix.split :].to(device),
         position_ids=torch.arange(prefix.split, length, device=device)[None],
-        past_key_values=cache,
+        **compat.cache_kwargs(cache),
         use_cache=True,
         logits_to_keep=1,
     )
@@ -94,7 +95,7 @@ def step(model, cache, token: int, position: int) -> torch.Tensor:
     out = model(
         torch.tensor([[token]], device=device),
         position_ids=torch.tensor([[position]], device=device),
-        past_key_values=cache,
+        **compat.cache_kwargs(cache),
         use_cache=True,
     )
     return out.logits[0, -1].float()

@@ -61,13 +61,13 @@ def plan_padding(call: compat.Call, config, new_cache) -> tuple[BatchPadding, di
     padded = config.batch_bucket(batch)
     if padded == batch or not _same_batch(kwargs, rows, batch) or not decode_may_compile(call):
         return None
-    cache = kwargs.get("past_key_values")
+    cache = compat.cache_from(kwargs)
     if cache is None:
         cache = new_cache()
     if not isinstance(cache, RocketKVCache) or cache.pool is not None or cache.get_seq_length() != 0:
         return None  # a pool admits its rows itself; a later turn keeps the rows its cache holds
     cache.hints.batch_padding = (batch, padded)
-    changes = {"kwargs": {**kwargs, "past_key_values": cache}}
+    changes = {"kwargs": compat.with_cache(kwargs, cache)}
     for name, tensor in rows.items():
         padded_tensor = pad_rows(tensor, padded)
         if name == "inputs":
@@ -141,7 +141,7 @@ def _select_output_rows(outputs, index: torch.Tensor, rows: int, cache: RocketKV
     """Prefill's model output with rows ``index`` of every tensor of ``rows`` rows (tuples of them too)."""
     for key in list(outputs.keys()):
         value = outputs[key]
-        if key == "past_key_values":
+        if key in compat.CACHE_ARGS:
             outputs[key] = cache
         elif isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows:
             outputs[key] = value.index_select(0, index.to(value.device))

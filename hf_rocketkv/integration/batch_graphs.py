@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .. import compat
 from ..cache.batch_view import BatchedDecodeCache
 from .decode_graphs import CudaGraphBackend
 
@@ -112,4 +113,4 @@ class BatchedDecodeGraphs:
         return step
 
     def _forward(self, batch: BatchedDecodeCache, input_ids: torch.Tensor, position_ids: torch.Tensor):
-        return self.model(input_ids=input_ids, position_ids=position_ids, past_key_values=batch, use_cache=True)
+        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True, **compat.cache_kwargs(batch))

@@ -68,7 +68,7 @@ class RocketKVGenerateHooks:
     def generate(self, call: compat.Call):
         """Pad the batch up to its bucket (``RocketKVConfig.batch_buckets``), run generate(), strip the padding."""
         model = call.arguments["self"]
-        cache = call.arguments["kwargs"].get("past_key_values")
+        cache = compat.cache_from(call.arguments["kwargs"])
         config = cache.config if isinstance(cache, RocketKVCache) else get_config(model)
         planned = plan_padding(call, config, lambda: RocketKVCache(config)) if uses_rocketkv(model) else None
         if planned is None:
@@ -84,12 +84,12 @@ class RocketKVGenerateHooks:
     def prepare_cache(self, call: compat.Call):
         model, generation_config = call.arguments["self"], call.arguments["generation_config"]
         model_kwargs = call.arguments["model_kwargs"]
-        cache = model_kwargs.get("past_key_values")
+        cache = compat.cache_from(model_kwargs)
         check_generate_request(model, generation_config, cache, call.arguments["generation_mode"])
         result = call()
         if cache is None:
             cache = RocketKVCache(get_config(model))
-            model_kwargs["past_key_values"] = cache
+            model_kwargs[compat.CACHE_ARG] = cache
         cache.hints.max_length = call.arguments["max_cache_length"]
         cache.hints.defer_compression = generation_config.prefill_chunk_size is not None
         return result
@@ -97,7 +97,7 @@ class RocketKVGenerateHooks:
     # ----------------------------------------------------------------------------------------- prefill
     def prefill(self, call: compat.Call):
         input_ids = call.arguments["input_ids"]
-        cache: RocketKVCache = call.arguments["model_kwargs"]["past_key_values"]
+        cache: RocketKVCache = compat.cache_from(call.arguments["model_kwargs"])
         check_continuation(cache, input_ids)
         cache.token_ids = input_ids
         cache.hints.guards_checked = False  # this call's first compiled decode step runs every guard
@@ -128,7 +128,7 @@ class RocketKVGenerateHooks:
         return outputs
 
     def prepare_inputs(self, call: compat.Call):
-        cache: RocketKVCache = call.arguments["past_key_values"]
+        cache: RocketKVCache = call.arguments[compat.CACHE_ARG]
         if not cache.hints.prefilling:  # chunks of a chunked prefill pass partial ids: _prefill recorded the prompt
             cache.token_ids = call.arguments["input_ids"]  # a reference, no copy: what a continuation must extend
         return call()
@@ -160,14 +160,14 @@ def check_generate_request(model, generation_config, cache, generation_mode) -> 
     rocket = uses_rocketkv(model)
     if isinstance(cache, RocketKVCache) and not rocket:
         raise ValueError(
-            f"past_key_values is a RocketKVCache but the model's attn_implementation is "
+            f"{compat.CACHE_ARG} is a RocketKVCache but the model's attn_implementation is "
             f"'{model.config._attn_implementation}'. Call `hf_rocketkv.enable(model)` or load it with "
             f"`from_pretrained(..., attn_implementation='{ATTN_NAME}')`."
         )
     if cache is not None and not isinstance(cache, RocketKVCache):
         raise ValueError(
             f"attn_implementation='{ATTN_NAME}' needs a RocketKVCache, got {type(cache).__name__}. Pass "
-            f"`past_key_values=RocketKVCache(config)` or no cache (one is made from hf_rocketkv.get_config(model))."
+            f"`{compat.CACHE_ARG}=RocketKVCache(config)` or no cache (one is made from hf_rocketkv.get_config(model))."
         )
     if generation_config.use_cache is False:
         raise ValueError(

@@ -15,11 +15,12 @@ from __future__ import annotations
 import torch
 
 from ..cache.cache import RocketKVCache
+from .. import compat
 from ..compat import Call
 
 # model_kwargs entries generate() may pass to prefill: sliced by row, or shared by every row group
 ROW_KEYS = ("attention_mask", "position_ids", "token_type_ids", "inputs_embeds")
-SHARED_KEYS = ("cache_position", "past_key_values", "logits_to_keep", "use_cache")
+SHARED_KEYS = ("cache_position", *compat.CACHE_ARGS, "logits_to_keep", "use_cache")
 
 
 def wants_row_groups(cache: RocketKVCache, batch: int) -> bool:
@@ -33,7 +34,7 @@ def prefill_in_row_groups(prefill: Call, cache: RocketKVCache):
 
     ``prefill`` is the intercepted ``_prefill`` call (arguments by name). Each group's cache is ``cache.empty_like()``,
     so a cache with another stage-1 policy keeps it. Returns prefill's output for the whole batch: tensors
-    concatenated along the batch, ``past_key_values`` = cache.
+    concatenated along the batch, the cache field (``compat.CACHE_ARG``) = cache.
     """
     input_ids, model_kwargs = prefill.arguments["input_ids"], prefill.arguments["model_kwargs"]
     batch = input_ids.shape[0]
@@ -48,7 +49,7 @@ def prefill_in_row_groups(prefill: Call, cache: RocketKVCache):
         part.hints.defer_compression = cache.hints.defer_compression
         part.hints.prefilling = True
         group_kwargs = slice_rows(model_kwargs, group, batch)
-        group_kwargs["past_key_values"] = part
+        group_kwargs = compat.with_cache(group_kwargs, part)
         outputs.append(prefill(input_ids=input_ids[group], model_kwargs=group_kwargs))
         part.finish_prefill()  # chunked prefill inside the group deferred stage 1
         parts.append(part)
@@ -76,7 +77,7 @@ def stack_outputs(outputs: list, cache: RocketKVCache):
     merged = outputs[0]
     for key in list(merged.keys()):
         values = [out[key] for out in outputs]
-        if key == "past_key_values":
+        if key in compat.CACHE_ARGS:
             merged[key] = cache
         elif isinstance(values[0], torch.Tensor):
             merged[key] = torch.cat(values)

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from .. import compat
+
 ARTIFACTS_FILE = "torch_compile_artifacts.bin"
 
 
@@ -60,7 +62,7 @@ def warmup(model, config=None, *, cache_dir: str | os.PathLike, batch_sizes=(1,)
                             generator=torch.Generator(device=device).manual_seed(batch))
         start = time.perf_counter()
         with torch.no_grad():
-            model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=RocketKVCache(config),
+            model.generate(ids, attention_mask=torch.ones_like(ids), **compat.cache_kwargs(RocketKVCache(config)),
                            max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
                            pad_token_id=0)
         if device.type == "cuda":

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from .. import compat
 from ..cache.batch_view import BatchedDecodeCache
 from ..cache.cache import RocketKVCache
 from ..config import RocketKVConfig
@@ -489,7 +490,7 @@ class BatchingEngine:
         cache.hints.prefilling = True  # as in generate()'s prefill (the cache reports itself not compileable)
         try:
             out = self.model(input_ids=ids[:, start:], attention_mask=torch.ones_like(ids), position_ids=positions,
-                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+                             use_cache=True, logits_to_keep=1, **compat.cache_kwargs(cache))
         finally:
             cache.hints.prefilling = False
         cache.finish_prefill()
@@ -614,7 +615,8 @@ class BatchingEngine:
         positions = self.batch.next_positions(bucket)
         logits = self._graphed_step(ids, positions)
         if logits is None:
-            out = self.model(input_ids=ids, position_ids=positions, past_key_values=self.batch, use_cache=True)
+            out = self.model(input_ids=ids, position_ids=positions, use_cache=True,
+                             **compat.cache_kwargs(self.batch))
             logits = out.logits[:, -1]
         self.batch.stepped()
         return logits[:rows].float()

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
+from .. import compat
 from ..cache.cache import RocketKVCache
 from ..config import RocketKVConfig
 from ..integration.generate import get_config
@@ -179,7 +180,7 @@ class SequentialEngine:
         self.model.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
-            past_key_values=self.cache_factory(self.config),
+            **compat.cache_kwargs(self.cache_factory(self.config)),
             max_new_tokens=request.max_new_tokens,
             do_sample=False,  # sampling, when asked, is SamplingLogitsProcessor's (per-request generator)
             num_beams=1,
