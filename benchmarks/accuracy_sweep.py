@@ -57,11 +57,45 @@ class Spec:
     read: int | None  # tokens read per step at the start of decode (None: every stored token)
 
 
-def rocket_spec(budget: int, topk: int, sink: int, recent: int, family: str = "rocketkv") -> Spec:
-    """RocketKV keeping ``budget`` prompt tokens and reading ``topk`` pages of 4, stage-2 options ``sink/recent``."""
-    method = (f"rocketkv@prompt_budget={budget},topk={topk},page_size={PAGE},stage2_sink_tokens={sink},"
+def rocket_spec(budget: int, topk: int, sink: int, recent: int, family: str = "rocketkv", page: int = PAGE,
+                **fields) -> Spec:
+    """RocketKV keeping ``budget`` prompt tokens and reading ``topk`` pages of ``page``, stage-2 options
+    ``sink/recent``; ``fields``: other RocketKVConfig overrides (named in the family label)."""
+    method = (f"rocketkv@prompt_budget={budget},topk={topk},page_size={page},stage2_sink_tokens={sink},"
               f"stage2_recent_tokens={recent}")
-    return Spec(method, f"{family} {sink}/{recent}", budget, topk * PAGE)
+    method += "".join(f",{name}={value}" for name, value in fields.items())
+    label = f"{family} {sink}/{recent}" + "".join(f" {value}" for name, value in fields.items() if name != "backend")
+    return Spec(method, label, budget, topk * page)
+
+
+def custom_spec(method: str) -> Spec:
+    """A ``--methods`` string outside the preset: labelled by its overrides, kept / read from its fields."""
+    from hf_rocketkv.eval.methods import parse_overrides
+
+    name, _, overrides = method.partition("@")
+    fields = parse_overrides(name, overrides) if overrides else {}
+    budget = fields.get("prompt_budget")
+    read = fields["topk"] * fields.get("page_size", PAGE) if name == "rocketkv" and "topk" in fields else None
+    label = " ".join(f"{k}={v}" for k, v in fields.items() if k != "prompt_budget") or name
+    return Spec(method, f"{name} {label}", budget, read)
+
+
+def stage2_specs() -> list[Spec]:
+    """``--preset stage2``: what stage 2 can do at 8x fewer tokens read (256 of ~2,100) on the fidelity task: the
+    stage-1 budget (1024, or 2048 = the whole 2k context), forced sinks / recent pages, the page score rule
+    (``stage2_score``), the KT dtype and the page size, beside SnapKV eviction keeping 928 (every kept token read)."""
+    specs = [Spec("full", "full", None, None), Spec("evict:snapkv@prompt_budget=928", "evict:snapkv", 928, None)]
+    for score in ("group_sign", "head_bound"):
+        for budget in (1024, 2048):
+            for sink, recent in ((0, 0), (4, 32), (4, 64), (16, 64)):
+                specs.append(rocket_spec(budget, 64, sink, recent, f"rocketkv b{budget}", stage2_score=score))
+        specs.append(rocket_spec(2048, 64, 4, 32, "rocketkv b2048", stage2_score=score, kt_cache_dtype="bfloat16"))
+        specs.append(rocket_spec(2048, 128, 4, 32, "rocketkv b2048 page2", page=2, stage2_score=score))
+        specs.append(rocket_spec(2048, 32, 8, 32, "rocketkv b2048 page8", page=8, stage2_score=score))
+    # the ceiling of 256 tokens read: exact per-token scores (page 1, fp32 KT), which no real deployment would use
+    specs.append(rocket_spec(2048, 256, 4, 32, "exact top-256 tokens", page=1, stage2_score="head_bound",
+                             kt_cache_dtype="float32"))
+    return specs
 
 
 def forced_pages_fit(topk: int, sink: int, recent: int) -> bool:
@@ -240,8 +274,9 @@ def parse_args(argv=None):
     parser.add_argument("--needle-length", type=int, default=2048)
     parser.add_argument("--depths", type=float, nargs="+", default=NEEDLE_DEPTHS)
     parser.add_argument("--methods", nargs="+", default=None, help="only these method strings (default: the sweep)")
-    parser.add_argument("--preset", choices=["all", "cpu"], default="all",
-                        help="all: every method of the sweep; cpu: the subset that fits ~30 min of one CPU core")
+    parser.add_argument("--preset", choices=["all", "cpu", "stage2"], default="all",
+                        help="all: every method of the sweep; cpu: the subset that fits ~30 min of one CPU core; "
+                             "stage2: stage-2 options at 256 tokens read (stage2_specs)")
     parser.add_argument("--progress", action="store_true")
     parser.add_argument("--report-only", action="store_true",
                         help="no model run: rebuild sweep.json/md/png from the results.json files under --out")
@@ -260,12 +295,13 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    specs = sweep_specs(args.quick)
+    specs = stage2_specs() if args.preset == "stage2" else sweep_specs(args.quick)
     if args.preset == "cpu" and not args.quick:
         specs = cpu_subset(specs)
-    if args.methods:
-        wanted = set(args.methods) | {"full"}
-        specs = [s for s in specs if s.method in wanted]
+    if args.methods:  # the sweep's own specs where they match, any other method string as given
+        known = {s.method: s for s in specs}
+        specs = [known.get("full", Spec("full", "full", None, None))]
+        specs += [known.get(m) or custom_spec(m) for m in args.methods if m != "full"]
     start = time.perf_counter()
     if args.report_only:
         results = load_results(out)

@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "engine under torch.profiler; its top ops in profile_prefill/ under --out")
     parser.add_argument("--no-overlap-decode", dest="overlap_decode", action="store_false",
                         help="BatchingConfig.overlap_decode=False: read each step's tokens before the next launch")
+    parser.add_argument("--engine", default="rocketkv", choices=["rocketkv", "transformers"],
+                        help="rocketkv: hf_rocketkv's BatchingEngine on a KVBlockPool; transformers: transformers' own "
+                             "continuous batching (ContinuousBatchingManager, dense paged cache) on the same workloads")
+    parser.add_argument("--skip-fixed", action="store_true", help="no fixed workload (only warm-up and mixed)")
     parser.add_argument("--compile-regions", action="store_true",
                         help="hf_rocketkv.compile_regions(model) before the engine starts (fused norms and MLPs)")
     return parser
@@ -276,6 +280,86 @@ class Session:
             self.engine.stop(drain=False, timeout=120)
 
 
+class _Event:
+    """What the Recorder reads from an engine event (``serving.engine.EngineEvent``'s fields it uses)."""
+
+    def __init__(self, request_id: str, token_ids: list[int], finish_reason=None, error: str | None = None):
+        self.request_id, self.token_ids, self.finish_reason, self.error = request_id, token_ids, finish_reason, error
+
+
+class TransformersEngine:
+    """transformers' continuous batching (``model.init_continuous_batching``) behind the two calls the steps use,
+    ``submit(EngineRequest)`` and the events of each new token: requests stream, a reader thread turns each output
+    into the tokens it added. Greedy; EOS is not ignored (transformers has no such switch; random weights almost
+    never emit it within a few hundred tokens, and the report counts the tokens really produced)."""
+
+    def __init__(self, model, max_new_tokens: int, sink):
+        from transformers import GenerationConfig
+
+        from hf_rocketkv.serving.outputs import FinishReason
+
+        self.finished_reason = FinishReason.LENGTH
+        config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, eos_token_id=2)
+        self.manager = model.init_continuous_batching(generation_config=config)
+        self.manager.start()
+        self.sink = sink
+        self.seen: dict[str, int] = {}
+        self.running = True
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def submit(self, request: EngineRequest) -> None:
+        self.seen[request.request_id] = 0
+        self.manager.add_request(list(request.prompt_ids), request_id=request.request_id,
+                                 max_new_tokens=request.params.max_tokens, streaming=True)
+
+    def cancel(self, request_id: str) -> None:
+        self.manager.cancel_request(request_id)
+
+    def _read(self) -> None:
+        while self.running:
+            output = self.manager.get_result(timeout=0.1)
+            if output is None:
+                continue
+            rid = output.request_id
+            done = self.seen.get(rid, 0)
+            new = list(output.generated_tokens[done:])
+            self.seen[rid] = done + len(new)
+            finished = output.is_finished() or output.error is not None
+            self.sink(_Event(rid, new, self.finished_reason if finished else None, output.error))
+
+    def stop(self) -> None:
+        self.running = False
+        self.manager.stop(block=True, timeout=120)
+
+
+class TransformersSession(Session):
+    """The same steps on transformers' continuous batching (``--engine transformers``)."""
+
+    def start(self, warm_up: bool = True) -> dict | None:
+        started = time.perf_counter()
+        self.engine = TransformersEngine(self.model, self.warm_tokens, self._sink)
+        return {"seconds": time.perf_counter() - started}
+
+    def run(self, body) -> dict:
+        if self.engine is None:
+            self.start()
+        recorder = Recorder()
+        self.recorder = recorder
+        try:
+            start = time.perf_counter()
+            body(self.engine, recorder)
+            end = time.perf_counter()
+        finally:
+            self._cancel_unfinished(recorder)
+            self.recorder = None
+        return recorder.summary(start, end)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.stop()
+
+
 def _buckets(max_running: int) -> tuple[int, ...]:
     buckets, size = [], 1
     while size < max_running:
@@ -433,26 +517,35 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
         model = build_model(TINY if args.quick else LLAMA_31_8B, args.layers, dtype, device, args.seed)
-        hf_rocketkv.enable(model)
-        if args.compile_regions:
+        if args.engine == "rocketkv":
+            hf_rocketkv.enable(model)
+        if args.compile_regions and args.engine == "rocketkv":
             hf_rocketkv.compile_regions(model)  # compiled on first use: inside warm_up's startup_capture_s
         config = rocket_config(args.quick, device)
         vocab = model.config.vocab_size
         rates = [float(r) for r in args.rates.split(",") if r.strip()]
         longest = max([args.prompt_len] + ([args.mixed_max_prompt] if rates else []))
         new_tokens = max(args.new_tokens, args.mixed_new_tokens if rates else 0)
-        pool = make_pool(model, args, config, pool_pages_for(args, config, longest, new_tokens), device)
-        report["setup"] = {"model_build_s": time.perf_counter() - started, "pool_pages": pool.total_pages(),
-                           "pool_gib": pool.total_pages() * pool.bytes_per_page / GIB, "config": config.to_dict()}
+        if args.engine == "rocketkv":
+            pool = make_pool(model, args, config, pool_pages_for(args, config, longest, new_tokens), device)
+            report["setup"] = {"model_build_s": time.perf_counter() - started, "pool_pages": pool.total_pages(),
+                               "pool_gib": pool.total_pages() * pool.bytes_per_page / GIB,
+                               "config": config.to_dict()}
+        else:
+            pool = None
+            report["setup"] = {"model_build_s": time.perf_counter() - started, "engine": "transformers",
+                               "transformers": __import__("transformers").__version__}
     except Exception:  # noqa: BLE001 - nothing else can run; say why
         report["setup_error"] = traceback.format_exc()
         save()
         print(report["setup_error"])
         return 1
     save()
-    session = Session(model, pool, config, args, warm_tokens=new_tokens)
-    plan = [("warmup", lambda: step_warmup(session, args, vocab)),
-            ("fixed", lambda: step_fixed(session, args, vocab, device))]
+    session_class = Session if args.engine == "rocketkv" else TransformersSession
+    session = session_class(model, pool, config, args, warm_tokens=new_tokens)
+    plan = [("warmup", lambda: step_warmup(session, args, vocab))]
+    if not args.skip_fixed:
+        plan.append(("fixed", lambda: step_fixed(session, args, vocab, device)))
     if args.freeze_gc:
         plan.append(("fixed_gc_frozen", lambda: step_fixed_frozen(session, args, vocab, device)))
     if args.time_host:
@@ -468,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception:  # noqa: BLE001 - one step's failure never loses the others
                 steps[name] = {"error": traceback.format_exc()}
             steps[name]["step_s"] = time.perf_counter() - started
-            report["startup_capture_s"] = steps["warmup"].get("startup_capture_s")
+            report["startup_capture_s"] = steps.get("warmup", {}).get("startup_capture_s")
             save()
             shown = {k: v for k, v in steps[name].items() if k != "errors" and not k.startswith("top_")}
             print(name, json.dumps(shown, default=str), flush=True)

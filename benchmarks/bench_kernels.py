@@ -304,6 +304,9 @@ def time_shape(st: State, shape: dict, quick: bool) -> None:
     for chunk in (512, 1024, 4096):
         measure("top_pages", shape, lambda c=chunk: top_pages_launch(st.q, st.kt, st.lengths, PAGE, TOPR, TOPK, chunk=c),
                 chunk=chunk)
+    # stage2_score="head_bound": two dot products per page tile instead of one (the default chunk)
+    measure("top_pages_head_bound", shape,
+            lambda: top_pages_launch(st.q, st.kt, st.lengths, PAGE, TOPR, TOPK, per_head_bound=True))
     idx, valid = top_pages_launch(st.q, st.kt, st.lengths, PAGE, TOPR, TOPK)
     measure("sparse_attention", shape,
             lambda: sparse_decode_attention_triton(st.q, st.keys, st.values, idx, valid, st.lengths, PAGE, st.scale))

@@ -34,13 +34,13 @@ for name in "$@"; do
                         --out "$OUT/graph_regions" ;;
     warm_start)      step "$name" 300 $PY benchmarks/warm_start_check.py --out "$OUT/warm_start" ;;
     kernel_tests)    # every Triton kernel against its PyTorch twin, compiled for this GPU (pytest from .device_wheels if absent)
-                     $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index .device_wheels/*.whl
+                     $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index --find-links .device_wheels pytest hypothesis
                      step "$name" 330 $PY -m pytest -q -p no:cacheprovider --durations=15 tests/kernels ;;
     compact_tests)   # stage 1's compaction kernel against its twin and the slot-by-slot oracle, on this GPU
-                     $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index .device_wheels/*.whl
+                     $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index --find-links .device_wheels pytest hypothesis
                      step "$name" 120 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_compact.py ;;
     attention_tests) # the prefill attention's lower-right causal path (flash / mem-efficient on CUDA) against its oracle
-                     $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index .device_wheels/*.whl
+                     $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index --find-links .device_wheels pytest hypothesis
                      step "$name" 120 $PY -m pytest -q -p no:cacheprovider tests/test_dense_attention.py ;;
     profile_prefix_hit) step "$name" 150 $PY benchmarks/profile_prefix_hit.py --out "$OUT/profile_prefix_hit" ;;
     profile_prefill) step "$name" 150 $PY benchmarks/profile_prefill.py --out "$OUT/profile_prefill" ;;
@@ -79,6 +79,26 @@ for name in "$@"; do
                         --mixed-time-s 20 --mixed-max-prompt 16384 --compile-regions --out "$OUT/batching_regions" ;;
     profile_graph_b1_regions) step "$name" 180 $PY benchmarks/profile_graph_step.py --batch 1 --context 32768 \
                         --regions --out "$OUT/profile_graph_b1_regions" ;;
+    stage2_score_tests) # stage2_score="head_bound" (and the default) in the scoring / selection kernels on this GPU
+                     $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index --find-links .device_wheels pytest hypothesis
+                     step "$name" 240 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_page_scores.py \
+                        tests/kernels/test_select_pages.py tests/kernels/test_paged_ops.py tests/kernels/test_e2e_triton.py ;;
+    bench_kernels_quick) step "$name" 200 $PY benchmarks/bench_kernels.py --quick --budget-s 120 \
+                        --out "$OUT/bench_kernels_quick" ;;
+    mixed_curve)     step "$name" 300 $PY benchmarks/batching_check.py --skip-fixed --rates 1,2,4,8 --mixed-requests 16 \
+                        --mixed-time-s 20 --mixed-max-prompt 32768 --compile-regions --out "$OUT/mixed_curve" ;;
+    mixed_curve_transformers) step "$name" 540 $PY benchmarks/batching_check.py --engine transformers --skip-fixed \
+                        --rates 1,2,4,8 --mixed-requests 16 --mixed-time-s 20 --mixed-max-prompt 32768 \
+                        --out "$OUT/mixed_curve_transformers" ;;
+    decode_pages2)   # the fidelity-pages2 config (pages of 2, topk 128) against the default (pages of 4, topk 64)
+                     for cfg in default fidelity-pages2; do
+                       step "${name}_${cfg}_b1" 200 $PY benchmarks/bench_decode.py --batch 1 --context 32768 \
+                          --new-tokens 64 --caches rocketkv-graphs --config hf_rocketkv/configs/$cfg.yaml --no-plot \
+                          --out "$OUT/${name}_${cfg}_b1"
+                       step "${name}_${cfg}_b32" 240 $PY benchmarks/bench_decode.py --batch 32 --context 8192 \
+                          --new-tokens 64 --prefill-batch-size 8 --caches rocketkv-graphs \
+                          --config hf_rocketkv/configs/$cfg.yaml --no-plot --out "$OUT/${name}_${cfg}_b32"
+                     done ;;
     *) echo "unknown step $name (see benchmarks/gpu_steps.sh)" | tee -a "$OUT/summary.txt" ;;
   esac
 done

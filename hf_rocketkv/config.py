@@ -26,7 +26,7 @@ import torch
 
 from .policies.decode_compression import DecodeCompression
 from .policies.registry import STAGE1_POLICY_NAMES, is_stage1_policy
-from .policies.stage2 import STAGE2_NAMES, fit_forced_pages, forced_page_counts
+from .policies.stage2 import STAGE2_NAMES, STAGE2_SCORES, fit_forced_pages, forced_page_counts
 
 KT_CACHE_DTYPES: dict[str, torch.dtype] = {
     "float8_e5m2": torch.float8_e5m2,
@@ -146,6 +146,10 @@ class RocketKVConfig:
                        page_size) pages (the newest page always; 0 gives RocketKV's rule) are forced into the top-k.
                        Forced sink + recent pages must fit in ``topk`` (checked here; in token-budget mode, where
                        topk is derived per request, the recent pages are kept first and the sinks get what is left).
+        stage2_score:  how a query head scores a page from its min/max keys: "group_sign" (RocketKV and
+                       TensorRT-LLM, the default: the sign of the group-summed query picks Kmax or Kmin per channel
+                       for every head of the group) or "head_bound" (each head by its own sign, Quest's upper
+                       bound of the head's largest logit on the page; the same with one query head per KV head).
 
     Decode-time compression (docs/policies.md, "Decode-time compression"): bounds the generated tokens a layer stores,
     so a long answer does not grow the cache without bound.
@@ -184,6 +188,7 @@ class RocketKVConfig:
     stage2: str = "kt_pages"
     stage2_sink_tokens: int = 0
     stage2_recent_tokens: int = 0
+    stage2_score: str = "group_sign"
     # multi-turn (validated in _validate_multi_turn)
     multi_turn: str = "evict"
     # decode-time compression (validated in _validate_decode_compression)
@@ -331,6 +336,10 @@ class RocketKVConfig:
         """stage2, stage2_sink_tokens, stage2_recent_tokens (the stage-2 options' block)."""
         if self.stage2 not in STAGE2_NAMES:
             raise ValueError(f"RocketKVConfig.stage2 must be one of {list(STAGE2_NAMES)}, got {self.stage2!r}")
+        if self.stage2_score not in STAGE2_SCORES:
+            raise ValueError(
+                f"RocketKVConfig.stage2_score must be one of {list(STAGE2_SCORES)}, got {self.stage2_score!r}"
+            )
         for name in ("stage2_sink_tokens", "stage2_recent_tokens"):
             value = getattr(self, name)
             if not _is_int(value) or value < 0:
@@ -352,6 +361,11 @@ class RocketKVConfig:
         """``(sink_pages, recent_pages)`` stage 2 attends at every step besides the top-k by score (part of topk)."""
         sink, recent = forced_page_counts(self.stage2_sink_tokens, self.stage2_recent_tokens, self.page_size)
         return fit_forced_pages(sink, recent, self.topk)
+
+    @property
+    def stage2_per_head_bound(self) -> bool:
+        """``stage2_score == "head_bound"``: the ops' ``per_head_bound`` flag."""
+        return self.stage2_score == "head_bound"
 
     @property
     def stage1_keep_first(self) -> int:

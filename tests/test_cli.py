@@ -194,6 +194,9 @@ def test_bundled_configs_parse():
     assert cpu.eval.tasks == ["passkey"]
     longdoc = load_run_config(CONFIG_DIR / "smollm2-longdoc.yaml")
     assert (longdoc.rocket.prompt_budget, longdoc.rocket.topk, longdoc.rocket.page_size) == (512, 32, 4)
+    pages2 = load_run_config(CONFIG_DIR / "fidelity-pages2.yaml").rocket  # the same 256 tokens read as the default
+    assert pages2.topk * pages2.page_size == default.rocket.topk * default.rocket.page_size == 256
+    assert (pages2.prompt_budget, pages2.page_size, pages2.stage2_forced_pages) == (2048, 2, (2, 17))
 
 
 def test_long_document_has_its_answer_deep_inside():

@@ -267,3 +267,14 @@ def test_unknown_key_suggests_the_close_field():
     with pytest.raises(ValueError) as info:
         RocketKVConfig.from_dict({"zzz": 1})
     assert "did you mean" not in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["quest", "", None, 1])
+def test_stage2_score_must_be_a_known_rule(value):
+    with pytest.raises(ValueError, match=r"RocketKVConfig.stage2_score must be one of \['group_sign', 'head_bound'\]"):
+        RocketKVConfig(stage2_score=value)
+
+
+def test_stage2_score_head_bound_is_a_flag_of_the_ops():
+    assert RocketKVConfig().stage2_score == "group_sign" and not RocketKVConfig().stage2_per_head_bound
+    assert RocketKVConfig(stage2_score="head_bound").stage2_per_head_bound

@@ -50,7 +50,7 @@ def ref_build_kt(keys, lengths, page_size, kt_dtype):
     return out.to(kt_dtype)
 
 
-def ref_page_scores(q, kt, n_pages, topr):
+def ref_page_scores(q, kt, n_pages, topr, per_head_bound=False):
     batch, heads, group, dim = q.shape
     out = torch.zeros(batch, heads, kt.shape[2], dtype=torch.float64)
     for b in range(batch):
@@ -68,6 +68,9 @@ def ref_page_scores(q, kt, n_pages, topr):
                 for j in range(n):
                     s = 0.0
                     for c, take_max in zip(channels, use_max):
+                        if per_head_bound:  # the larger of the two products, this head's own bound
+                            s += max(qq[g, c].item() * kt[b, h, j, m, c].double().item() for m in (0, 1))
+                            continue
                         bound = kt[b, h, j, 1 if take_max else 0, c].double().item()
                         s += qq[g, c].item() * bound
                     logits.append(s / math.sqrt(dim))
@@ -175,8 +178,9 @@ SCORE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("per_head_bound", [False, True])
 @pytest.mark.parametrize("index", range(len(SCORE_CASES)))
-def test_page_scores_match_reference(index):
+def test_page_scores_match_reference(index, per_head_bound):
     batch, heads, group, dim, pages, lengths, topr, kt_dtype = SCORE_CASES[index]
     page_size = 4
     lengths = torch.tensor(lengths)
@@ -189,9 +193,9 @@ def test_page_scores_match_reference(index):
     keys = torch.randn(batch, heads, pages * page_size, dim, generator=gen(seed + 1)) * 2
     kt = build_kt(keys, lengths, page_size, kt_dtype)
     n_pages = num_pages(lengths, page_size)
-    got = page_scores(q, kt, n_pages, topr)
+    got = page_scores(q, kt, n_pages, topr, per_head_bound)
     assert got.dtype == torch.float32 and got.shape == (batch, heads, pages)
-    ref = ref_page_scores(q, kt, n_pages, topr)
+    ref = ref_page_scores(q, kt, n_pages, topr, per_head_bound)
     torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-6)
     for b in range(batch):
         assert torch.all(got[b, :, int(n_pages[b]) :] == 0), "pages past the row's length must score 0"
@@ -227,6 +231,37 @@ def test_page_scores_use_group_sign_not_per_head_bound():
     p0 = torch.softmax(torch.tensor([2.0, 0.0]), 0)
     p1 = torch.softmax(torch.tensor([-1.0, 0.0]), 0)
     torch.testing.assert_close(probs, (p0 + p1) / 2)
+
+
+def test_head_bound_scores_each_head_by_its_own_sign():
+    """stage2_score="head_bound": each head takes max(q*Kmax, q*Kmin) per channel (Quest's bound)."""
+    q = torch.tensor([[[[2.0], [-1.0]]]])  # the same case as above
+    kt = torch.zeros(1, 1, 2, 2, 1)
+    kt[0, 0, 0, 0, 0], kt[0, 0, 0, 1, 0] = -4.0, 1.0
+    probs = page_scores(q, kt, torch.tensor([2]), topr=1, per_head_bound=True)[0, 0]
+    p0 = torch.softmax(torch.tensor([2.0, 0.0]), 0)  # head 0 (q > 0): Kmax = 1
+    p1 = torch.softmax(torch.tensor([4.0, 0.0]), 0)  # head 1 (q < 0): Kmin = -4 -> logit 4
+    torch.testing.assert_close(probs, (p0 + p1) / 2)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_head_bound_is_an_upper_bound_of_every_key_logit(seed):
+    """With every channel and fp32 KT, a head's page logit under "head_bound" is >= q.k of every key of the page
+    (what makes it Quest's bound); with one query head per KV head it equals the group-sign rule."""
+    g = gen(seed)
+    batch, heads, group, dim, page_size, pages = 2, 2, 4, 16, 4, 6
+    q = torch.randn(batch, heads, group, dim, generator=g)
+    keys = torch.randn(batch, heads, pages * page_size, dim, generator=g)
+    lengths = torch.tensor([pages * page_size, pages * page_size - 3])
+    kt = build_kt(keys, lengths, page_size, torch.float32)
+    lo, hi = kt[:, :, :, 0], kt[:, :, :, 1]  # [B, H, NP, D]
+    bound = (q.clamp(min=0)[:, :, :, None] * hi[:, :, None] + q.clamp(max=0)[:, :, :, None] * lo[:, :, None]).sum(-1)
+    for b in range(batch):
+        for j in range(int(lengths[b])):
+            logit = torch.einsum("hgd,hd->hg", q[b], keys[b, :, j])
+            assert bool((bound[b, :, :, j // page_size] >= logit - 1e-5).all())
+    n_pages = num_pages(lengths, page_size)
+    torch.testing.assert_close(page_scores(q[:, :, :1], kt, n_pages, dim, True), page_scores(q[:, :, :1], kt, n_pages, dim))
 
 
 def test_page_scores_temperature_is_inverse_sqrt_head_dim():

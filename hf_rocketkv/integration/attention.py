@@ -225,7 +225,8 @@ def decode_attention(layer: RocketKVLayer, query: torch.Tensor, scaling: float) 
         sink_pages, recent_pages = config.stage2_forced_pages
         page_idx, page_valid = ops.paged_top_pages(q, store.kt, store.table, layer.lengths, config.page_size,
                                                    config.topr, config.topk, sink_pages=sink_pages,
-                                                   recent_pages=recent_pages)
+                                                   recent_pages=recent_pages,
+                                                   per_head_bound=config.stage2_per_head_bound)
     out = ops.paged_sparse_decode_attention(
         q, store.k, store.v, store.table, page_idx, page_valid, layer.lengths, config.page_size, scaling
     )

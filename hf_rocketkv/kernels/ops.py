@@ -17,18 +17,20 @@ class RocketOps:
     window_scores(q_window, keys, start, end, scaling) -> [B, Hkv, N] fp32        (stage 1, prefill)
     build_kt(keys, lengths, page_size, kt_dtype) -> kt [B, Hkv, C/P, 2, D]         (after stage 1)
     update_kt(kt, key_new, slot, page_size) -> None (in place)
-    page_scores(q, kt, n_pages, topr) -> probs [B, Hkv, NP]
+    page_scores(q, kt, n_pages, topr, per_head_bound=False) -> probs [B, Hkv, NP]
     select_pages(probs, n_pages, topk, sink_pages=0, recent_pages=1) -> (page_idx, page_valid)
     sparse_decode_attention(q, keys, values, page_idx, page_valid, lengths, page_size, scaling) -> [B, Hkv, G, D]
     append_token(keys, values, positions, kt, lengths, seen, key_new, value_new, page_size) -> None (in place)
-    top_pages(q, kt, lengths, page_size, topr, topk, sink_pages=0, recent_pages=1) -> (page_idx, page_valid)
+    top_pages(q, kt, lengths, page_size, topr, topk, sink_pages=0, recent_pages=1, per_head_bound=False)
+        -> (page_idx, page_valid)
 
     Paged decode (what RocketKVLayer uses; layout in kernels/paged.py):
     paged_append_token(k_pages, v_pages, kt_pages, table, positions, lengths, seen, key_new, value_new,
                        kt_page_size) -> None (in place)
     paged_append_kv(k_pages, v_pages, table, positions, lengths, seen, key_new, value_new) -> None (no KT)
-    paged_page_scores(q, kt_pages, table, n_pages, topr) -> probs [B, Hkv, MP * R]
-    paged_top_pages(q, kt_pages, table, lengths, kt_page_size, topr, topk, sink_pages=0, recent_pages=1)
+    paged_page_scores(q, kt_pages, table, n_pages, topr, per_head_bound=False) -> probs [B, Hkv, MP * R]
+    paged_top_pages(q, kt_pages, table, lengths, kt_page_size, topr, topk, sink_pages=0, recent_pages=1,
+                    per_head_bound=False)
         -> (page_idx, page_valid)
     paged_sparse_decode_attention(q, k_pages, v_pages, table, page_idx, page_valid, lengths, kt_page_size,
                                   scaling) -> [B, Hkv, G, D]

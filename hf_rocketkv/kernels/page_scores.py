@@ -86,7 +86,7 @@ def _page_logits_kernel(
     scale_log2,
     TOPR: tl.constexpr, USE_TOPR: tl.constexpr, KT_DT: tl.constexpr, DOT_DT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, FUSED: tl.constexpr,
-    COUNT_DIV: tl.constexpr, PAGED: tl.constexpr,
+    COUNT_DIV: tl.constexpr, PAGED: tl.constexpr, HEAD_BOUND: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -106,12 +106,19 @@ def _page_logits_kernel(
         keep = _channel_mask(q_base, s_qg, s_qd, group, head_dim, a, d, TOPR, KT_DT, BLOCK_G, BLOCK_D, 32)
         q = tl.where(keep[None, :], q, 0.0)
     use_max = tl.sum(q, axis=0) > 0.0
+    # HEAD_BOUND (stage2_score="head_bound"): each head's own sign, max(q Kmax, q Kmin) = max(q,0) Kmax + min(q,0) Kmin
     if DOT_DT == 0:
         qd = q
+        qd_pos = tl.maximum(q, 0.0)
+        qd_neg = tl.minimum(q, 0.0)
     elif DOT_DT == 1:
         qd = q.to(tl.float16)
+        qd_pos = tl.maximum(q, 0.0).to(tl.float16)
+        qd_neg = tl.minimum(q, 0.0).to(tl.float16)
     else:
         qd = q.to(tl.bfloat16)
+        qd_pos = tl.maximum(q, 0.0).to(tl.bfloat16)
+        qd_neg = tl.minimum(q, 0.0).to(tl.bfloat16)
     # both summaries of a page are read with contiguous (vectorised) loads and the signed choice is made in
     # registers: a per-channel gather of one of them would read the same sectors with byte-wide loads
     # contiguous KT: the row's pages follow each other; paged: KT page j lives in pool page table[b, j // R] at
@@ -138,13 +145,22 @@ def _page_logits_kernel(
         kt_mask = p_ok[:, None] & d_ok[None, :]
         kmin = tl.load(kt_page, mask=kt_mask, other=0.0)
         kmax = tl.load(kt_page + s_tm, mask=kt_mask, other=0.0)
-        kp = tl.where(use_max[None, :], kmax, kmin)
-        if DOT_DT == 0:
-            s = tl.dot(qd, tl.trans(kp.to(tl.float32)), input_precision="ieee")
-        elif DOT_DT == 1:
-            s = tl.dot(qd, tl.trans(kp.to(tl.float16)))
+        if HEAD_BOUND:
+            if DOT_DT == 0:
+                s = (tl.dot(qd_pos, tl.trans(kmax.to(tl.float32)), input_precision="ieee")
+                     + tl.dot(qd_neg, tl.trans(kmin.to(tl.float32)), input_precision="ieee"))
+            elif DOT_DT == 1:
+                s = tl.dot(qd_pos, tl.trans(kmax.to(tl.float16))) + tl.dot(qd_neg, tl.trans(kmin.to(tl.float16)))
+            else:
+                s = tl.dot(qd_pos, tl.trans(kmax)) + tl.dot(qd_neg, tl.trans(kmin))
         else:
-            s = tl.dot(qd, tl.trans(kp))
+            kp = tl.where(use_max[None, :], kmax, kmin)
+            if DOT_DT == 0:
+                s = tl.dot(qd, tl.trans(kp.to(tl.float32)), input_precision="ieee")
+            elif DOT_DT == 1:
+                s = tl.dot(qd, tl.trans(kp.to(tl.float16)))
+            else:
+                s = tl.dot(qd, tl.trans(kp))
         s = tl.where(p_ok[None, :], (s * scale_log2).to(tl.float32), float("-inf"))
         tl.store(logit_base + pages[None, :], s, mask=g_ok[:, None] & p_ok[None, :])
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -224,6 +240,7 @@ def kt_pages_per_row(kt: torch.Tensor, table: torch.Tensor | None) -> int:
 def page_logits_launch(
     q: torch.Tensor, kt: torch.Tensor, counts: torch.Tensor, count_div: int, topr: int, num_splits: int | None,
     probs: torch.Tensor | None = None, table: torch.Tensor | None = None, num_warps: int = 4, num_stages: int = 2,
+    per_head_bound: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """Pass 1 of the page scoring: logits (log2 units, ``[B*Hkv*BLOCK_G, NP]`` fp32) and per-split softmax
     statistics (``[B*Hkv, S, 2, BLOCK_G]``: max, sum). ``counts`` are pages in use (count_div 1) or tokens
@@ -251,14 +268,14 @@ def page_logits_launch(
         head_dim**-0.5 * LOG2E,
         TOPR=min(topr, head_dim), USE_TOPR=topr < head_dim, KT_DT=dtype_code(kt.dtype), DOT_DT=_dot_code(kt.dtype),
         BLOCK_G=block_g, BLOCK_P=block_p, BLOCK_D=block_d, FUSED=fused, COUNT_DIV=count_div, PAGED=paged,
-        num_warps=num_warps, num_stages=num_stages,
+        HEAD_BOUND=per_head_bound, num_warps=num_warps, num_stages=num_stages,
     )
     return logits, stats, num_splits, block_g
 
 
 def page_scores_launch(
     q: torch.Tensor, kt: torch.Tensor, n_pages: torch.Tensor, topr: int, num_splits: int | None = None,
-    table: torch.Tensor | None = None, num_warps: int = 4, num_stages: int = 2,
+    table: torch.Tensor | None = None, num_warps: int = 4, num_stages: int = 2, per_head_bound: bool = False,
 ) -> torch.Tensor:
     """Launcher; ``num_splits`` (None = heuristic, 1 = fused) and the tile knobs exist for tests and benchmarks;
     ``table``: paged KT."""
@@ -268,7 +285,8 @@ def page_scores_launch(
     if probs.numel() == 0:
         return probs
     logits, stats, num_splits, block_g = page_logits_launch(q, kt, n_pages, 1, topr, num_splits, probs=probs,
-                                                            table=table, num_warps=num_warps, num_stages=num_stages)
+                                                            table=table, num_warps=num_warps, num_stages=num_stages,
+                                                            per_head_bound=per_head_bound)
     if num_splits > 1:
         block_p2 = 128
         s_cb, s_ch = count_strides(n_pages, batch, num_kv_heads, "n_pages")
@@ -282,13 +300,16 @@ def page_scores_launch(
     return probs
 
 
-def page_scores_triton(q: torch.Tensor, kt: torch.Tensor, n_pages: torch.Tensor, topr: int) -> torch.Tensor:
+def page_scores_triton(
+    q: torch.Tensor, kt: torch.Tensor, n_pages: torch.Tensor, topr: int, per_head_bound: bool = False
+) -> torch.Tensor:
     """Same contract as ``stage2_pages.page_scores``."""
-    return page_scores_launch(q, kt, n_pages, topr)
+    return page_scores_launch(q, kt, n_pages, topr, per_head_bound=per_head_bound)
 
 
 def paged_page_scores_triton(
-    q: torch.Tensor, kt_pages: torch.Tensor, table: torch.Tensor, n_pages: torch.Tensor, topr: int
+    q: torch.Tensor, kt_pages: torch.Tensor, table: torch.Tensor, n_pages: torch.Tensor, topr: int,
+    per_head_bound: bool = False,
 ) -> torch.Tensor:
     """Same contract as ``paged_page_scores_torch``."""
-    return page_scores_launch(q, kt_pages, n_pages, topr, table=table)
+    return page_scores_launch(q, kt_pages, n_pages, topr, table=table, per_head_bound=per_head_bound)

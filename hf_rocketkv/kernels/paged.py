@@ -80,12 +80,13 @@ def identity_table(batch: int, pages_per_row: int, device: torch.device | str) -
 # ---------------------------------------------------------------------------------------------- twins of the paged
 # stage-2 ops (their Triton kernels are page_scores.py / select_pages.py, which import triton at module level)
 def paged_page_scores_torch(
-    q: torch.Tensor, kt_pages: torch.Tensor, table: torch.Tensor, n_pages: torch.Tensor, topr: int
+    q: torch.Tensor, kt_pages: torch.Tensor, table: torch.Tensor, n_pages: torch.Tensor, topr: int,
+    per_head_bound: bool = False,
 ) -> torch.Tensor:
     """``stage2_pages.page_scores`` over a paged KT: q [B, Hkv, G, D], kt_pages [N, Hkv, R, 2, D], table [B, MP],
     n_pages [B] or [B, Hkv] -> probs [B, Hkv, MP * R] fp32."""
     check_table(table, q.shape[0])
-    return page_scores(q, gather_pages(kt_pages, table), n_pages, topr)
+    return page_scores(q, gather_pages(kt_pages, table), n_pages, topr, per_head_bound)
 
 
 def paged_top_pages_torch(
@@ -98,11 +99,13 @@ def paged_top_pages_torch(
     topk: int,
     sink_pages: int = 0,
     recent_pages: int = 1,
+    per_head_bound: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``stage2_pages.top_pages`` over a paged KT: (page_idx, page_valid) ``[B, Hkv, min(topk, MP * R)]``, page
     indices counted in KT pages of the row (slot // kt_page_size)."""
     check_table(table, q.shape[0])
-    return top_pages(q, gather_pages(kt_pages, table), lengths, kt_page_size, topr, topk, sink_pages, recent_pages)
+    return top_pages(q, gather_pages(kt_pages, table), lengths, kt_page_size, topr, topk, sink_pages, recent_pages,
+                     per_head_bound)
 
 
 def paged_compact_row_torch(

@@ -61,6 +61,21 @@ def _page_keys(score, pages, n, sink_pages, recent_pages, num_pages):
 
 
 @triton.jit
+def _bitonic_step(x, N: tl.constexpr, s: tl.constexpr, jl: tl.constexpr):
+    """One compare-exchange step of stage ``s``: the elements ``2**jl`` apart (see ``_bitonic_sort_desc``)."""
+    outer: tl.constexpr = N >> (jl + 1)
+    inner: tl.constexpr = 1 << jl
+    first, second = tl.split(tl.permute(tl.reshape(x, [outer, 2, inner]), [0, 2, 1]))
+    big = tl.maximum(first, second)
+    small = tl.minimum(first, second)
+    # the pair's first element is (o * 2 + 0) * inner + i: bit s of it is bit (s - jl - 1) of o
+    o = tl.arange(0, outer)[:, None]
+    descending = ((o >> (s - jl - 1)) & 1) == 0
+    pair = tl.join(tl.where(descending, big, small), tl.where(descending, small, big))
+    return tl.reshape(tl.permute(pair, [0, 2, 1]), [N])
+
+
+@triton.jit
 def _bitonic_sort_desc(x, LOG_N: tl.constexpr):
     """``x`` ([2**LOG_N], any int or float dtype) sorted in descending order by a bitonic network.
 
@@ -68,22 +83,14 @@ def _bitonic_sort_desc(x, LOG_N: tl.constexpr):
     the elements 2**jl apart. A step views x as [outer, inner, 2] with each pair on the last axis (reshape, then
     permute), splits the pairs, keeps max / min per pair in the block's direction and joins them back. Only
     builtin ops (no reductions, which Triton's interpreter runs far slower), so the CPU tests stay fast; on the GPU
-    ``tl.sort`` is the default (``_sort_desc``).
+    ``tl.sort`` is the default (``_sort_desc``). Each step is its own function so that its shape constants are
+    bound once per call: a constexpr name rebound inside the loop compiles under the interpreter but not on the GPU
+    (Triton 3.6: "constexpr cannot be reassigned").
     """
     N: tl.constexpr = 1 << LOG_N
     for s in tl.static_range(1, LOG_N + 1):
         for t in tl.static_range(s):
-            jl: tl.constexpr = s - 1 - t
-            outer: tl.constexpr = N >> (jl + 1)
-            inner: tl.constexpr = 1 << jl
-            first, second = tl.split(tl.permute(tl.reshape(x, [outer, 2, inner]), [0, 2, 1]))
-            big = tl.maximum(first, second)
-            small = tl.minimum(first, second)
-            # the pair's first element is (o * 2 + 0) * inner + i: bit s of it is bit (s - jl - 1) of o
-            o = tl.arange(0, outer)[:, None]
-            descending = ((o >> (s - jl - 1)) & 1) == 0
-            pair = tl.join(tl.where(descending, big, small), tl.where(descending, small, big))
-            x = tl.reshape(tl.permute(pair, [0, 2, 1]), [N])
+            x = _bitonic_step(x, N, s, s - 1 - t)
     return x
 
 
@@ -278,7 +285,7 @@ def top_pages_launch(
     q: torch.Tensor, kt: torch.Tensor, lengths: torch.Tensor, page_size: int, topr: int, topk: int,
     sink_pages: int = 0, recent_pages: int = 1, score_splits: int | None = None, chunk: int | None = None,
     merge_block: int | None = None, num_warps: int | None = None, use_tl_sort: bool | None = None,
-    table: torch.Tensor | None = None,
+    table: torch.Tensor | None = None, per_head_bound: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher of the fused decode selection; the knobs exist for tests and benchmarks. ``table`` [B, MP] int32:
     ``kt`` is paged ``[N, Hkv, R, 2, D]`` (kernels/paged.py); None: contiguous ``[B, Hkv, NP, 2, D]``."""
@@ -287,7 +294,8 @@ def top_pages_launch(
     num_pages = kt_pages_per_row(kt, table)
     if batch * num_kv_heads * num_pages == 0:
         return _select(lengths, page_size, topk, sink_pages, recent_pages, (batch, num_kv_heads, num_pages), q.device)
-    logits, stats, splits, logit_g = page_logits_launch(q, kt, lengths, page_size, topr, score_splits, table=table)
+    logits, stats, splits, logit_g = page_logits_launch(q, kt, lengths, page_size, topr, score_splits, table=table,
+                                                        per_head_bound=per_head_bound)
     return _select(lengths, page_size, topk, sink_pages, recent_pages, (batch, num_kv_heads, num_pages), q.device,
                    logits=(logits, stats, splits, logit_g, group), chunk=chunk, merge_block=merge_block,
                    num_warps=num_warps, use_tl_sort=use_tl_sort)
@@ -295,15 +303,17 @@ def top_pages_launch(
 
 def top_pages_triton(
     q: torch.Tensor, kt: torch.Tensor, lengths: torch.Tensor, page_size: int, topr: int, topk: int,
-    sink_pages: int = 0, recent_pages: int = 1,
+    sink_pages: int = 0, recent_pages: int = 1, per_head_bound: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``stage2_pages.top_pages``."""
-    return top_pages_launch(q, kt, lengths, page_size, topr, topk, sink_pages, recent_pages)
+    return top_pages_launch(q, kt, lengths, page_size, topr, topk, sink_pages, recent_pages,
+                            per_head_bound=per_head_bound)
 
 
 def paged_top_pages_triton(
     q: torch.Tensor, kt_pages: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, kt_page_size: int,
-    topr: int, topk: int, sink_pages: int = 0, recent_pages: int = 1,
+    topr: int, topk: int, sink_pages: int = 0, recent_pages: int = 1, per_head_bound: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``paged.paged_top_pages_torch`` (the decode step's selection over a paged KT)."""
-    return top_pages_launch(q, kt_pages, lengths, kt_page_size, topr, topk, sink_pages, recent_pages, table=table)
+    return top_pages_launch(q, kt_pages, lengths, kt_page_size, topr, topk, sink_pages, recent_pages, table=table,
+                            per_head_bound=per_head_bound)

@@ -20,6 +20,10 @@ from __future__ import annotations
 import torch
 
 STAGE2_NAMES = ("kt_pages", "none")
+# How a query head scores a KT page (``stage2_pages.page_scores``): "group_sign" (RocketKV and TensorRT-LLM: the
+# group-summed query sign picks Kmax or Kmin per channel, shared by the group's heads) or "head_bound" (each head
+# by its own sign: Quest's upper bound of that head's largest logit on the page)
+STAGE2_SCORES = ("group_sign", "head_bound")
 
 
 def _ceil_div(a: int, b: int) -> int:

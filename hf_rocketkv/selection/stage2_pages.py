@@ -80,12 +80,17 @@ def top_channels(q: torch.Tensor, topr: int) -> torch.Tensor | None:
     return q.abs().sum(dim=2).topk(topr, dim=-1).indices
 
 
-def page_scores(q: torch.Tensor, kt: torch.Tensor, n_pages: torch.Tensor, topr: int) -> torch.Tensor:
+def page_scores(
+    q: torch.Tensor, kt: torch.Tensor, n_pages: torch.Tensor, topr: int, per_head_bound: bool = False
+) -> torch.Tensor:
     """Group-mean page probabilities ``[B, Hkv, NP]`` (fp32; pages >= n_pages[b] get 0).
 
     Per channel c the group-summed query sign picks Kmax (sum > 0) or Kmin; each query head scores
     ``s[g, j] = sum_c q[g, c] * Kp[j, c]``, softmax over the row's pages at temperature 1/sqrt(D), then the mean
     over the G heads of the group. As in TensorRT-LLM, q is rounded to the KT dtype before scoring.
+    ``per_head_bound`` (``stage2_score="head_bound"``): each query head picks by its own sign instead,
+    ``s[g, j] = sum_c max(q[g, c] * Kmax[j, c], q[g, c] * Kmin[j, c])``, Quest's upper bound of the head's largest
+    logit on the page (with G = 1 both rules agree).
     """
     head_dim = q.shape[-1]
     q = q.to(kt.dtype).float()
@@ -95,9 +100,13 @@ def page_scores(q: torch.Tensor, kt: torch.Tensor, n_pages: torch.Tensor, topr: 
         q = q.gather(-1, channels[:, :, None, :].expand(-1, -1, q.shape[2], -1))
         idx = channels[:, :, None, None, :].expand(-1, -1, minmax.shape[2], 2, -1)
         minmax = minmax.gather(-1, idx)
-    use_max = (q.sum(dim=2) > 0)[:, :, None, :]  # [B, Hkv, 1, r]
-    picked = torch.where(use_max, minmax[:, :, :, 1], minmax[:, :, :, 0])  # [B, Hkv, NP, r]
-    logits = torch.einsum("bhgr,bhpr->bhgp", q, picked) * head_dim**-0.5
+    if per_head_bound:  # max(q Kmax, q Kmin) = max(q, 0) Kmax + min(q, 0) Kmin, as Kmax >= Kmin
+        logits = (torch.einsum("bhgr,bhpr->bhgp", q.clamp(min=0), minmax[:, :, :, 1])
+                  + torch.einsum("bhgr,bhpr->bhgp", q.clamp(max=0), minmax[:, :, :, 0])) * head_dim**-0.5
+    else:
+        use_max = (q.sum(dim=2) > 0)[:, :, None, :]  # [B, Hkv, 1, r]
+        picked = torch.where(use_max, minmax[:, :, :, 1], minmax[:, :, :, 0])  # [B, Hkv, NP, r]
+        logits = torch.einsum("bhgr,bhpr->bhgp", q, picked) * head_dim**-0.5
     page = torch.arange(kt.shape[2], device=kt.device)
     in_use = (page < per_head(n_pages, *q.shape[:2], "n_pages")[..., None])[:, :, None, :]  # [B, Hkv, 1, NP]
     probs = torch.softmax(logits.masked_fill(~in_use, float("-inf")), dim=-1).nan_to_num_(0.0)
@@ -169,9 +178,11 @@ def top_pages(
     topk: int,
     sink_pages: int = 0,
     recent_pages: int = 1,
+    per_head_bound: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode step's page selection from the token counts: ``select_pages(page_scores(q, kt, num_pages(lengths),
-    topr), ...)``. ``lengths`` [B] or [B, Hkv] tokens stored; returns (page_idx, page_valid) [B, Hkv, K]."""
+    topr, per_head_bound), ...)``. ``lengths`` [B] or [B, Hkv] tokens stored; returns (page_idx, page_valid)
+    [B, Hkv, K]."""
     n_pages = num_pages(lengths, page_size)
-    probs = page_scores(q, kt, n_pages, topr)
+    probs = page_scores(q, kt, n_pages, topr, per_head_bound)
     return select_pages(probs, n_pages, topk, sink_pages, recent_pages)

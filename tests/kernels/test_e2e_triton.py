@@ -34,12 +34,12 @@ def _generate(model, ids, mask, config):
 
 
 @pytest.mark.parametrize(
-    "topr,kt_dtype",
+    "topr,kt_dtype,score",
     # top-r < head_dim needs a KT dtype that keeps the group-summed |q| free of ties: fp8 rounding of q creates
     # ties at the top-r boundary, which torch.topk and the kernel may break differently (both valid)
-    [(12, "float32"), (16, "float8_e5m2")],
+    [(12, "float32", "group_sign"), (16, "float8_e5m2", "group_sign"), (12, "float32", "head_bound")],
 )
-def test_greedy_tokens_match_torch_backend(topr, kt_dtype):
+def test_greedy_tokens_match_torch_backend(topr, kt_dtype, score):
     model = _model()
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 128, (2, 40), generator=g)
@@ -48,7 +48,7 @@ def test_greedy_tokens_match_torch_backend(topr, kt_dtype):
     ids, mask = ids.to(DEVICE), mask.to(DEVICE)
     # small budget: stage 1 evicts, stage 2 picks 3 of ~10 pages of 2 tokens (head_dim 16)
     config = RocketKVConfig(prompt_budget=16, window_size=4, kernel_size=3, topk=3, topr=topr, page_size=2,
-                            kt_cache_dtype=kt_dtype)
+                            kt_cache_dtype=kt_dtype, stage2_score=score)
     out_torch, _ = _generate(model, ids, mask, config.replace(backend="torch"))
     out_triton, cache = _generate(model, ids, mask, config.replace(backend="triton"))
     assert cache.layers[0].ops.name == "triton"

@@ -37,15 +37,16 @@ def _query_without_channel_ties(shape, dtype, kt_dtype, topr, g):
     raise AssertionError("could not draw a tie-free query")
 
 
+@pytest.mark.parametrize("per_head_bound", [False, True])
 @pytest.mark.parametrize("group,head_dim,topr,kt_dtype,q_dtype,splits", CASES)
-def test_page_scores_matches_reference(group, head_dim, topr, kt_dtype, q_dtype, splits):
+def test_page_scores_matches_reference(group, head_dim, topr, kt_dtype, q_dtype, splits, per_head_bound):
     g = gen("page_scores", group, head_dim, topr, kt_dtype, q_dtype, splits)
     batch, kv_heads, num_pages = 3, 2, 150
     q = _query_without_channel_ties((batch, kv_heads, group, head_dim), q_dtype, kt_dtype, topr, g)
     kt = randn((batch, kv_heads, num_pages, 2, head_dim), torch.float32, g, scale=2.0).sort(dim=3).values.to(kt_dtype)
     n_pages = torch.tensor([0, 1, 137], device=DEVICE)  # no page, one page, most pages
-    got = page_scores_launch(q, kt, n_pages, topr, num_splits=splits)
-    want = ref.page_scores(q, kt, n_pages, topr)
+    got = page_scores_launch(q, kt, n_pages, topr, num_splits=splits, per_head_bound=per_head_bound)
+    want = ref.page_scores(q, kt, n_pages, topr, per_head_bound)
     assert got.shape == want.shape and got.dtype == torch.float32
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-4)
     assert torch.all(got[0] == 0) and torch.all(got[2, :, 137:] == 0)

@@ -307,6 +307,14 @@ def test_registered_paged_ops_run_through_the_dispatcher():
     idx, valid = ops().paged_top_pages.op(q, kt_pages, table, lengths, 4, 16, 3)
     want_idx, want_valid = ops().paged_top_pages(q, kt_pages, table, lengths, 4, 16, 3)
     assert torch.equal(idx, want_idx) and torch.equal(valid, want_valid)
+    for per_head_bound in (False, True):  # the flag reaches the registered op and the paged twin
+        bound_idx, bound_valid = ops().paged_top_pages.op(q, kt_pages, table, lengths, 4, 16, 3, 0, 1, per_head_bound)
+        twin_idx, twin_valid = TORCH_OPS.paged_top_pages(q, kt_pages, table, lengths, 4, 16, 3, 0, 1, per_head_bound)
+        assert torch.equal(bound_valid, twin_valid)
+        assert torch.equal(bound_idx.sort(-1).values, twin_idx.sort(-1).values)
+        scores = ops().paged_page_scores.op(q, kt_pages, table, ref.num_pages(lengths, 4), 16, per_head_bound)
+        torch.testing.assert_close(scores, TORCH_OPS.paged_page_scores(q, kt_pages, table, ref.num_pages(lengths, 4),
+                                                                       16, per_head_bound), atol=2e-6, rtol=1e-4)
     out = ops().paged_sparse_decode_attention.op(q, k_pages, v_pages, table, idx, valid, lengths, 4, 0.25)
     torch.testing.assert_close(out, paged_sparse_decode_attention_torch(q, k_pages, v_pages, table, idx, valid,
                                                                         lengths, 4, 0.25), atol=2e-5, rtol=0)

@@ -91,6 +91,19 @@ def test_select_pages_tl_sort_path_and_strided_probs():
     assert torch.equal(idx, want[0]) and torch.equal(valid, want[1])
 
 
+@pytest.mark.parametrize("num_pages,chunk", [(70, None), (575, 256), (575, None)])
+def test_select_pages_bitonic_network_path(num_pages, chunk):
+    """use_tl_sort=False: the kernel's own bitonic network (the interpreter's default; on the GPU only by request,
+    which did not compile on Triton 3.6 until each step became its own function)."""
+    g = gen("select-bitonic", num_pages, chunk)
+    probs = _probs(2, 2, num_pages, g)
+    n_pages = torch.tensor([num_pages, num_pages - 5], device=DEVICE)
+    for sink, recent in ((0, 1), (4, 16)):
+        idx, valid = select_pages_launch(probs, n_pages, 64, sink, recent, chunk=chunk, use_tl_sort=False)
+        want = ref.select_pages(probs, n_pages, 64, sink, recent)
+        assert torch.equal(idx, want[0]) and torch.equal(valid, want[1])
+
+
 def test_select_pages_many_pages_no_torch_fallback():
     """Any page count runs on the kernels (the old torch.topk hand-over above 8,192 pages is gone)."""
     plan = select_plan(100_000, 64, chunk=1024)
@@ -185,8 +198,10 @@ TOP_CASES = [
 ]
 
 
+@pytest.mark.parametrize("per_head_bound", [False, True])
 @pytest.mark.parametrize("group,head_dim,topr,kt_dtype,q_dtype,page_size,splits,chunk", TOP_CASES)
-def test_top_pages_matches_scores_then_select(group, head_dim, topr, kt_dtype, q_dtype, page_size, splits, chunk):
+def test_top_pages_matches_scores_then_select(group, head_dim, topr, kt_dtype, q_dtype, page_size, splits, chunk,
+                                              per_head_bound):
     """Fused scoring + selection == page_scores then select_pages (Triton scores; tie-tolerant against the
     reference scores), with token counts per row and per KV head."""
     g = gen("top_pages", group, head_dim, topr, kt_dtype, page_size)
@@ -197,12 +212,12 @@ def test_top_pages_matches_scores_then_select(group, head_dim, topr, kt_dtype, q
     for lengths in (torch.tensor([0, 61 * page_size - 1], device=DEVICE),
                     torch.tensor([[5, 70 * page_size], [1, 33 * page_size + 1]], device=DEVICE)):
         idx, valid = top_pages_launch(q, kt, lengths, page_size, topr, topk, sink, recent, score_splits=splits,
-                                      chunk=chunk, merge_block=16)
+                                      chunk=chunk, merge_block=16, per_head_bound=per_head_bound)
         n_pages = ref.num_pages(lengths, page_size)
-        probs = page_scores_launch(q, kt, n_pages, topr)
+        probs = page_scores_launch(q, kt, n_pages, topr, per_head_bound=per_head_bound)
         want = ref.select_pages(probs, n_pages, topk, sink, recent)
         assert_same_selection(idx, valid, *want)
-        ref_probs = ref.page_scores(q, kt, n_pages, topr)
+        ref_probs = ref.page_scores(q, kt, n_pages, topr, per_head_bound)
         assert_valid_selection(idx, valid, ref_probs, n_pages, topk, sink, recent)
 
 

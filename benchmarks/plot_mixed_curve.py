@@ -1,0 +1,61 @@
+"""Plot the mixed-workload curve of batching_check.py runs: output tokens/s per GPU against tokens/s per user
+(median), one line per engine, each point labelled with its Poisson arrival rate, as TensorRT-LLM reports RocketKV.
+
+    python benchmarks/plot_mixed_curve.py \
+        "RocketKV BatchingEngine=benchmarks/results/h200_2026-11-26_s9_mixed_curve_rocketkv.json" \
+        "transformers continuous batching=benchmarks/results/h200_2026-11-26_s9_mixed_curve_transformers_cb.json" \
+        --title "..." --out docs/img/mixed_curve_h200.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def curve(path: Path) -> list[tuple[float, float, float]]:
+    """``(rate, per-user tokens/s p50, tokens/s per GPU)`` of every ``mixed_rate_*`` step of a batching_check.json."""
+    steps = json.loads(path.read_text())["steps"]
+    points = []
+    for name, step in steps.items():
+        if name.startswith("mixed_rate_") and step.get("tokens_per_s") is not None:
+            points.append((step["workload"]["rate_per_s"], step["per_user_tokens_per_s_p50"], step["tokens_per_s"]))
+    return sorted(points)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("runs", nargs="+", help="LABEL=PATH of a batching_check.json")
+    parser.add_argument("--title", default="mixed workload")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in args.runs:
+        label, _, path = run.partition("=")
+        points = curve(Path(path))
+        ax.plot([p[1] for p in points], [p[2] for p in points], marker="o", label=label)
+        for rate, user, gpu in points:
+            ax.annotate(f"{rate:g}/s", (user, gpu), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("output tokens/s per user (median)")
+    ax.set_ylabel("output tokens/s per GPU")
+    ax.set_title(args.title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=9)
+    fig.tight_layout()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.out, dpi=120)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,40 @@
+"""benchmarks/batching_check.py drives hf_rocketkv's engine and transformers' continuous batching (``--engine
+transformers``) through the same workload: the same prompts at the same arrival times, every request finished with
+the tokens it asked for, and the report fields the docs' tables read."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(engine: str, out: Path) -> dict:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import batching_check
+    finally:
+        sys.path.pop(0)
+    rc = batching_check.main(["--quick", "--engine", engine, "--skip-fixed", "--rates", "4", "--out", str(out)])
+    report = json.loads((out / "batching_check.json").read_text())
+    assert rc == 0, report
+    return report
+
+
+@pytest.mark.slow
+def test_both_engines_serve_the_same_mixed_workload(tmp_path):
+    ours = _run("rocketkv", tmp_path / "rocketkv")
+    theirs = _run("transformers", tmp_path / "transformers")
+    assert "fixed" not in ours["steps"] and "fixed" not in theirs["steps"]  # --skip-fixed
+    for report in (ours, theirs):
+        mixed = report["steps"]["mixed_rate_4"]
+        assert mixed["requests"] == 4 and mixed["finished"] == {"length": 4}, mixed
+        assert mixed["output_tokens"] == 4 * 6  # --quick: 6 new tokens each, every one streamed back
+        assert mixed["tokens_per_s_per_gpu"] > 0 and mixed["ttft_p50_s"] is not None
+        assert mixed["per_user_tokens_per_s_p50"] is not None
+    assert ours["steps"]["mixed_rate_4"]["workload"] == theirs["steps"]["mixed_rate_4"]["workload"]
+    assert theirs["setup"]["engine"] == "transformers" and "pool_pages" in ours["setup"]
