@@ -76,8 +76,8 @@ def custom_spec(method: str) -> Spec:
     fields = parse_overrides(name, overrides) if overrides else {}
     budget = fields.get("prompt_budget")
     read = fields["topk"] * fields.get("page_size", PAGE) if name == "rocketkv" and "topk" in fields else None
-    label = " ".join(f"{k}={v}" for k, v in fields.items() if k != "prompt_budget") or name
-    return Spec(method, f"{name} {label}", budget, read)
+    label = " ".join(f"{k}={v}" for k, v in fields.items() if k != "prompt_budget")
+    return Spec(method, f"{name} {label}".strip(), budget, read)
 
 
 def stage2_specs() -> list[Spec]:

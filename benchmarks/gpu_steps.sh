@@ -99,6 +99,13 @@ for name in "$@"; do
                           --new-tokens 64 --prefill-batch-size 8 --caches rocketkv-graphs \
                           --config hf_rocketkv/configs/$cfg.yaml --no-plot --out "$OUT/${name}_${cfg}_b32"
                      done ;;
+    tp_verify)       # tensor parallel on 2 GPUs against 1, float32, step level (benchmarks/tp_check.py)
+                     step "${name}_save" 150 $PY benchmarks/tp_check.py save --layers 4 --dtype bfloat16 --dir /tmp/tp4
+                     step "${name}_single" 150 env CUDA_VISIBLE_DEVICES=0 $PY benchmarks/tp_check.py run --dir /tmp/tp4 \
+                        --dtype float32 --context 16384 --new-tokens 8 --out "$OUT/tp_single.json"
+                     step "${name}_tp" 200 $PY -m torch.distributed.run --nproc_per_node=2 benchmarks/tp_check.py run \
+                        --dir /tmp/tp4 --dtype float32 --context 16384 --new-tokens 8 --out "$OUT/tp_two.json"
+                     step "${name}_compare" 60 $PY benchmarks/tp_check.py compare "$OUT/tp_single.json" "$OUT/tp_two.json" ;;
     *) echo "unknown step $name (see benchmarks/gpu_steps.sh)" | tee -a "$OUT/summary.txt" ;;
   esac
 done

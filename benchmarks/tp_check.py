@@ -44,6 +44,8 @@ def run(args) -> None:
 
     distributed = "WORLD_SIZE" in os.environ
     kwargs = dict(tp_plan="auto") if distributed else dict(device_map="cuda")
+    if args.dtype:  # e.g. a bf16 checkpoint (half the disk) run in float32: every weight is exactly representable
+        kwargs["dtype"] = getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(args.dir, attn_implementation=hf_rocketkv.ATTN_NAME, **kwargs).eval()
     rank = int(os.environ.get("RANK", 0))
     config = RocketKVConfig(backend="triton", kt_cache_dtype="float32" if model.dtype == torch.float32 else "float8_e5m2")
@@ -110,6 +112,7 @@ def main() -> None:
     r.add_argument("--batch", type=int, default=1)
     r.add_argument("--context", type=int, default=16384)
     r.add_argument("--new-tokens", type=int, default=32)
+    r.add_argument("--dtype", default=None, help="load the checkpoint in this dtype (default: as saved)")
     c = sub.add_parser("compare")
     c.add_argument("single")
     c.add_argument("tp")

@@ -14,6 +14,12 @@ Budgets, per layer and KV head (P = base.page_size, B = base.prompt_budget, K = 
 | streaming       | stage1="streaming": 4 sinks + recent     | B             | all kept (B + gen.)  |
 | stage1_read     | SnapKV eviction to K*P tokens            | K*P           | all kept (K*P + gen.)|
 | streaming_read  | sink + recent to K*P tokens              | K*P           | all kept (K*P + gen.)|
+| full_bf16kv     | full cache stored in bf16 pages          | all           | all                  |
+| full_fp8kv      | full cache in fp8 e4m3 pages, scale/page | all           | all                  |
+| full_fp8kv_head | the same, one scale per page and KV head | all           | all                  |
+
+The ``full_*kv`` methods measure what a KVBlockPool storage dtype costs in fidelity (``eval/kv_formats.py``: pages
+of 16 tokens re-quantized as they fill, exactly the pool's rule), against ``full`` in the model's own dtype.
 
 "Equal kept" compares rocketkv, stage1 and streaming (same memory). "Equal read" compares rocketkv, stage2,
 stage1_read and streaming_read (same K/V traffic per decode step at the start of decode). stage1_read's budget is
@@ -52,12 +58,15 @@ from transformers import DynamicCache
 from ..cache.cache import RocketKVCache
 from ..config import RocketKVConfig
 from ..policies import STAGE1_POLICY_NAMES, KeepFirst
+from .kv_formats import RoundTripCache
 from .streaming import streaming_config
 
 ALL_PAGES = 1 << 30  # a topk larger than any page count: every stored token is attended
 KEEP_ALL = 1 << 30  # a prompt_budget larger than any prompt: stage 1 keeps everything
 
-METHOD_NAMES = ("full", "rocketkv", "stage1", "stage2", "streaming", "stage1_read", "streaming_read")
+METHOD_NAMES = ("full", "rocketkv", "stage1", "stage2", "streaming", "stage1_read", "streaming_read", "full_bf16kv",
+                "full_fp8kv", "full_fp8kv_head")
+KV_FORMAT_METHODS = {"full_bf16kv": "bf16", "full_fp8kv": "fp8_page", "full_fp8kv_head": "fp8_head"}
 POLICY_METHODS = ("evict", "evict_read", "rocketkv", "rocketkv_plain")  # used as KIND:POLICY
 PLAIN_METHODS = ("rocketkv_plain", "stage2_plain")
 
@@ -69,6 +78,7 @@ class Method:
     config: RocketKVConfig | None  # None: DynamicCache
     kept_budget: int | None  # prompt tokens kept per KV head, None = all
     read_budget: int | None  # tokens attended per decode step, None = every stored token
+    kv_format: str | None = None  # full cache stored as bf16 / fp8 pages (eval/kv_formats.py); None: exact
 
     @property
     def streaming(self) -> bool:
@@ -82,7 +92,7 @@ class Method:
 
     def new_cache(self):
         if self.config is None:
-            return DynamicCache()
+            return DynamicCache() if self.kv_format is None else RoundTripCache(self.kv_format)
         return RocketKVCache(self.config)
 
     def read_tokens(self, stored: int) -> int:
@@ -99,6 +109,7 @@ class Method:
             "attn_implementation": self.attn_implementation,
             "kept_budget": self.kept_budget,
             "read_budget": self.read_budget,
+            "kv_format": self.kv_format,
             "config": config,
         }
 
@@ -182,6 +193,8 @@ def _build_method(name: str, base: RocketKVConfig, sink_tokens: int = 4) -> Meth
     small = max(read, base.window_size)
     if name == "full":
         return Method(name, "sdpa", None, None, None)
+    if name in KV_FORMAT_METHODS:
+        return Method(name, "sdpa", None, None, None, kv_format=KV_FORMAT_METHODS[name])
     kind, sep, policy = name.partition(":")
     if sep:
         if kind not in POLICY_METHODS:
