@@ -88,6 +88,9 @@ def _unwrapped(function):
     return getattr(function, "__wrapped__", function) if getattr(function, WRAPPED_MARK, False) else function
 
 
+LEGACY_CACHE_ARG = "past_key_values"
+
+
 def _cache_argument_name() -> str:
     """The name transformers gives the cache argument of generate(), the model forwards and their outputs:
     ``cache`` from 5.24 on (``past_key_values`` still accepted there, deprecated), ``past_key_values`` before."""
@@ -98,7 +101,6 @@ def _cache_argument_name() -> str:
     return "cache" if "cache" in parameters else LEGACY_CACHE_ARG
 
 
-LEGACY_CACHE_ARG = "past_key_values"
 # Computed once at import: the installed transformers does not change while the process runs.
 CACHE_ARG: str = _cache_argument_name()
 CACHE_ARGS: tuple[str, ...] = tuple(dict.fromkeys((CACHE_ARG, LEGACY_CACHE_ARG)))  # either may reach generate()

@@ -60,8 +60,7 @@ class RoundTripCache(DynamicCache):
         self.page_size = page_size
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        before = self.layers[layer_idx].keys.shape[-2] if layer_idx < len(self.layers) and getattr(
-            self.layers[layer_idx], "is_initialized", False) else 0
+        before = self.get_seq_length(layer_idx)  # 0 for a layer not written yet
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         for stored in (keys, values):
             round_trip_tail(stored, before, self.page_size, self.kv_format)
