@@ -76,6 +76,29 @@ def _channel_mask(q_ptr, s_qg, s_qd, group, head_dim, a_rows, d_rows,
 
 
 @triton.jit
+def _as_dot(x, DOT_DT: tl.constexpr):
+    """``x`` in the score dot's operand dtype (``_dot_code``): fp32 (0), fp16 (1) or bf16 (2)."""
+    if DOT_DT == 0:
+        out = x.to(tl.float32)
+    elif DOT_DT == 1:
+        out = x.to(tl.float16)
+    else:
+        out = x.to(tl.bfloat16)
+    return out
+
+
+@triton.jit
+def _dot_t(a, b, DOT_DT: tl.constexpr):
+    """``a @ b.T``, ``a`` already in the operand dtype (``_as_dot``, once per program), ``b`` cast here; fp32 with
+    exact (ieee) products."""
+    if DOT_DT == 0:
+        out = tl.dot(a, tl.trans(_as_dot(b, DOT_DT)), input_precision="ieee")
+    else:
+        out = tl.dot(a, tl.trans(_as_dot(b, DOT_DT)))
+    return out
+
+
+@triton.jit
 def _page_logits_kernel(
     q_ptr, kt_ptr, count_ptr, logits_ptr, stats_ptr, probs_ptr, table_ptr,
     s_qb, s_qh, s_qg, s_qd,
@@ -107,18 +130,9 @@ def _page_logits_kernel(
         q = tl.where(keep[None, :], q, 0.0)
     use_max = tl.sum(q, axis=0) > 0.0
     # HEAD_BOUND (stage2_score="head_bound"): each head's own sign, max(q Kmax, q Kmin) = max(q,0) Kmax + min(q,0) Kmin
-    if DOT_DT == 0:
-        qd = q
-        qd_pos = tl.maximum(q, 0.0)
-        qd_neg = tl.minimum(q, 0.0)
-    elif DOT_DT == 1:
-        qd = q.to(tl.float16)
-        qd_pos = tl.maximum(q, 0.0).to(tl.float16)
-        qd_neg = tl.minimum(q, 0.0).to(tl.float16)
-    else:
-        qd = q.to(tl.bfloat16)
-        qd_pos = tl.maximum(q, 0.0).to(tl.bfloat16)
-        qd_neg = tl.minimum(q, 0.0).to(tl.bfloat16)
+    qd = _as_dot(q, DOT_DT)
+    qd_pos = _as_dot(tl.maximum(q, 0.0), DOT_DT)
+    qd_neg = _as_dot(tl.minimum(q, 0.0), DOT_DT)
     # both summaries of a page are read with contiguous (vectorised) loads and the signed choice is made in
     # registers: a per-channel gather of one of them would read the same sectors with byte-wide loads
     # contiguous KT: the row's pages follow each other; paged: KT page j lives in pool page table[b, j // R] at
@@ -146,21 +160,9 @@ def _page_logits_kernel(
         kmin = tl.load(kt_page, mask=kt_mask, other=0.0)
         kmax = tl.load(kt_page + s_tm, mask=kt_mask, other=0.0)
         if HEAD_BOUND:
-            if DOT_DT == 0:
-                s = (tl.dot(qd_pos, tl.trans(kmax.to(tl.float32)), input_precision="ieee")
-                     + tl.dot(qd_neg, tl.trans(kmin.to(tl.float32)), input_precision="ieee"))
-            elif DOT_DT == 1:
-                s = tl.dot(qd_pos, tl.trans(kmax.to(tl.float16))) + tl.dot(qd_neg, tl.trans(kmin.to(tl.float16)))
-            else:
-                s = tl.dot(qd_pos, tl.trans(kmax)) + tl.dot(qd_neg, tl.trans(kmin))
+            s = _dot_t(qd_pos, kmax, DOT_DT) + _dot_t(qd_neg, kmin, DOT_DT)
         else:
-            kp = tl.where(use_max[None, :], kmax, kmin)
-            if DOT_DT == 0:
-                s = tl.dot(qd, tl.trans(kp.to(tl.float32)), input_precision="ieee")
-            elif DOT_DT == 1:
-                s = tl.dot(qd, tl.trans(kp.to(tl.float16)))
-            else:
-                s = tl.dot(qd, tl.trans(kp))
+            s = _dot_t(qd, tl.where(use_max[None, :], kmax, kmin), DOT_DT)
         s = tl.where(p_ok[None, :], (s * scale_log2).to(tl.float32), float("-inf"))
         tl.store(logit_base + pages[None, :], s, mask=g_ok[:, None] & p_ok[None, :])
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
