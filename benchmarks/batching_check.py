@@ -54,7 +54,7 @@ from hf_rocketkv.config import RocketKVConfig
 from hf_rocketkv.memory import KVBlockPool
 from hf_rocketkv.memory.accounting import row_pages
 from hf_rocketkv.serving.batching import BatchingEngine
-from hf_rocketkv.serving.engine import EngineRequest
+from hf_rocketkv.serving.engine import EngineEvent, EngineRequest
 from hf_rocketkv.serving.sampling import SamplingParams
 from hf_rocketkv.serving.scheduler import BatchingConfig
 
@@ -280,13 +280,6 @@ class Session:
             self.engine.stop(drain=False, timeout=120)
 
 
-class _Event:
-    """What the Recorder reads from an engine event (``serving.engine.EngineEvent``'s fields it uses)."""
-
-    def __init__(self, request_id: str, token_ids: list[int], finish_reason=None, error: str | None = None):
-        self.request_id, self.token_ids, self.finish_reason, self.error = request_id, token_ids, finish_reason, error
-
-
 class TransformersEngine:
     """transformers' continuous batching (``model.init_continuous_batching``) behind the two calls the steps use,
     ``submit(EngineRequest)`` and the events of each new token: requests stream, a reader thread turns each output
@@ -326,7 +319,7 @@ class TransformersEngine:
             new = list(output.generated_tokens[done:])
             self.seen[rid] = done + len(new)
             finished = output.is_finished() or output.error is not None
-            self.sink(_Event(rid, new, self.finished_reason if finished else None, output.error))
+            self.sink(EngineEvent(rid, tuple(new), self.finished_reason if finished else None, output.error))
 
     def stop(self) -> None:
         self.running = False
