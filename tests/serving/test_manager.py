@@ -217,7 +217,7 @@ def test_error_ends_only_its_request(make_manager, tiny_pair, cfg):
 
     def hook(module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is not None and (ids == poison).any():
+        if ids is not None and ids.shape[-1] > 1 and (ids == poison).any():  # prompts only, never a decode token
             raise RuntimeError("poisoned prompt")
 
     handle = tiny_pair[0].register_forward_pre_hook(hook, with_kwargs=True)

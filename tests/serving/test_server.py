@@ -300,7 +300,8 @@ def test_a_failing_request_gets_500_and_the_server_goes_on(serve, tiny_pair, tok
 
     def hook(module, args, kwargs):
         ids = kwargs.get("input_ids")
-        if ids is not None and (ids == poison).any():
+        # prompts only (prefill forwards): a sampled decode token may be '#' by chance
+        if ids is not None and ids.shape[-1] > 1 and (ids == poison).any():
             raise RuntimeError("boom")
 
     handle = tiny_pair[0].register_forward_pre_hook(hook, with_kwargs=True)
@@ -309,7 +310,8 @@ def test_a_failing_request_gets_500_and_the_server_goes_on(serve, tiny_pair, tok
         assert response.status_code == 500 and "boom" in response.json()["error"]["message"]
         with pytest.raises(openai.APIError, match="boom"):
             list(client(server).completions.create(model="tiny", prompt="a#b", max_tokens=3, stream=True))
-        ok = client(server).completions.create(model="tiny", prompt="fine", max_tokens=3, extra_body=NO_EOS)
+        ok = client(server).completions.create(model="tiny", prompt="fine", max_tokens=3, temperature=0,
+                                             extra_body=NO_EOS)
         assert ok.usage.completion_tokens == 3
     finally:
         handle.remove()
