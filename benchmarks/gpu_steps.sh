@@ -106,6 +106,28 @@ for name in "$@"; do
                      step "${name}_tp" 200 $PY -m torch.distributed.run --nproc_per_node=2 benchmarks/tp_check.py run \
                         --dir /tmp/tp4 --dtype float32 --context 16384 --new-tokens 8 --out "$OUT/tp_two.json"
                      step "${name}_compare" 60 $PY benchmarks/tp_check.py compare "$OUT/tp_single.json" "$OUT/tp_two.json" ;;
+    tp_speed)        # tensor parallel on 2 GPUs against 1, bf16, 8 layers: TTFT and decode after a warm-up (tp_speed.py)
+                     [ -d /tmp/tps8 ] || step "${name}_save" 80 $PY benchmarks/tp_check.py save --layers 8 --dtype bfloat16 --dir /tmp/tps8
+                     # batch 16: prefill in row groups of 4 (16 x 32k MLP activations at once would not fit one H100)
+                     for w in "1 100000 100 {}" "16 32768 140 {\"prefill_batch_size\":4}"; do
+                       read -r b ctx limit rk <<< "$w"  # batch, context, the single-GPU limit (TP takes less), config
+                       step "${name}_b${b}_${ctx}_single" "$limit" env CUDA_VISIBLE_DEVICES=0 $PY benchmarks/tp_speed.py \
+                          run --dir /tmp/tps8 --batch "$b" --context "$ctx" --new-tokens 64 --repeats 3 \
+                          --rocketkv-json "$rk" --out "$OUT/tp_speed_b${b}_${ctx}_single.json"
+                       step "${name}_b${b}_${ctx}_tp" 100 $PY -m torch.distributed.run --nproc_per_node=2 \
+                          benchmarks/tp_speed.py run --dir /tmp/tps8 --batch "$b" --context "$ctx" --new-tokens 64 \
+                          --repeats 3 --rocketkv-json "$rk" --out "$OUT/tp_speed_b${b}_${ctx}_tp.json"
+                       step "${name}_b${b}_${ctx}_compare" 10 $PY benchmarks/tp_speed.py compare \
+                          "$OUT/tp_speed_b${b}_${ctx}_single.json" "$OUT/tp_speed_b${b}_${ctx}_tp.json"
+                     done ;;
+    lockstep_serve)  # the batching engine in lockstep on 2 GPUs against 1 GPU: throughput, same events on both ranks
+                     [ -d /tmp/tps8 ] || step "${name}_save" 80 $PY benchmarks/tp_check.py save --layers 8 --dtype bfloat16 --dir /tmp/tps8
+                     step "${name}_single" 200 env CUDA_VISIBLE_DEVICES=0 $PY benchmarks/lockstep_check.py --dir /tmp/tps8 \
+                        --out "$OUT/lockstep_single.json"
+                     step "${name}_tp" 200 $PY -m torch.distributed.run --nproc_per_node=2 benchmarks/lockstep_check.py \
+                        --dir /tmp/tps8 --out "$OUT/lockstep_tp.json"
+                     step "${name}_compare" 10 $PY benchmarks/lockstep_check.py --compare "$OUT/lockstep_single.json" \
+                        "$OUT/lockstep_tp.json" ;;
     *) echo "unknown step $name (see benchmarks/gpu_steps.sh)" | tee -a "$OUT/summary.txt" ;;
   esac
 done

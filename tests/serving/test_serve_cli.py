@@ -193,3 +193,90 @@ def wait_for_health(httpx, url: str, timeout: float = 30) -> bool:
             pass
         time.sleep(0.1)
     return False
+
+
+def test_tensor_parallel_usage_errors(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert serve_main([]) == 2
+    assert "under torchrun (WORLD_SIZE=2)" in capsys.readouterr().err
+    assert serve_main(["--pool-gib", "1", "--device", "cpu"]) == 2
+    assert "each rank uses its own device" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    assert serve_main(["--pool-gib", "1"]) == 2
+    assert "WORLD_SIZE must be an integer" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_serve_under_torchrun_rank0_serves_every_rank_steps(tmp_path):
+    """``torchrun --nproc_per_node=2 -m hf_rocketkv.cli serve`` (gloo, CPU): rank 0 listens, rank 1 follows in
+    lockstep. A rank that did not step would leave rank 0's forward waiting in its all-reduce, so answers at all
+    prove the lockstep; the greedy text must equal the same request through one process (the model's oracle)."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from tests.helpers import compressing_config, make_models
+    from tests.serving.helpers import char_tokenizer
+
+    model, _ = make_models("llama", hidden_size=128, num_attention_heads=8, num_key_value_heads=4, head_dim=16)
+    model.save_pretrained(tmp_path / "tiny")
+    char_tokenizer().save_pretrained(tmp_path / "tiny")
+    config = tmp_path / "c.yaml"
+    compressing_config(kt_cache_dtype="float32").to_yaml(config)
+    common = ["--model", str(tmp_path / "tiny"), "--config", str(config), "--served-model-name", "tiny",
+              "--log-level", "warning", "--threads", "1", "--pool-gib", "0.01", "--dtype", "float32"]
+    env = {**subprocess_env(), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+               "hf_rocketkv.cli", "serve", "--port", "0", *common]
+    process = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True, env=env,
+                               start_new_session=True)
+    prompt = "lockstep " * 5
+    try:
+        url = None
+        deadline = time.monotonic() + 180
+        while url is None and time.monotonic() < deadline:
+            line = process.stderr.readline()
+            if not line and process.poll() is not None:
+                break
+            match = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line)
+            url = match.group(1) if match else None
+        assert url, f"the server did not start (exit {process.poll()})"
+        assert wait_for_health(httpx, url)
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "ignore_eos": True, "temperature": 0}
+        texts = []
+        for stream in (False, True):
+            with httpx.Client(timeout=60) as client:
+                if stream:
+                    with client.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as response:
+                        assert response.status_code == 200
+                        chunks = [line[6:] for line in response.iter_lines() if line.startswith("data: {")]
+                    import json
+
+                    texts.append("".join(json.loads(c)["choices"][0]["text"] for c in chunks))
+                else:
+                    response = client.post(url + "/v1/completions", json=body)
+                    assert response.status_code == 200, response.text
+                    assert response.json()["usage"]["completion_tokens"] == 6
+                    texts.append(response.json()["choices"][0]["text"])
+        assert texts[0] == texts[1]
+    finally:
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        process.stderr.close()
+
+    single = [sys.executable, "-c", textwrap.dedent(f"""
+        import torch
+        from hf_rocketkv import RocketKVCache, RocketKVConfig
+        from hf_rocketkv.models import load_model_and_tokenizer
+        model, tok = load_model_and_tokenizer({str(tmp_path / "tiny")!r}, dtype=torch.float32)
+        ids = tok({prompt!r}, return_tensors="pt").input_ids
+        cache = RocketKVCache(RocketKVConfig.from_yaml({str(config)!r}))
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=6,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+        print(repr(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)))
+    """)]
+    result = subprocess.run(single, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == repr(texts[0])

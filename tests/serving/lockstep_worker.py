@@ -1,0 +1,124 @@
+"""Lockstep worker for tests/serving/test_lockstep.py (``torchrun --nproc_per_node=2``, gloo, CPU).
+
+    torchrun --nproc_per_node=2 tests/serving/lockstep_worker.py MODEL_DIR OUTPUT_JSON
+
+Every rank loads the tiny checkpoint with ``tp_plan="auto"`` and builds a pool and a BatchingEngine with a
+``Lockstep``. Rank 0 submits staggered requests (greedy ones, a sampled one without a seed, one cancelled after two
+tokens, one after an idle gap of several heartbeats) and stops; rank 1 follows. Then every rank runs the oracle
+(model.generate of each greedy request alone, under the same TP), and rank 0 writes every rank's events, pages and
+the oracle's tokens to OUTPUT_JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+GREEDY = {"g1": (40, 8, 1), "g2": (56, 10, 2), "late": (48, 6, 3)}  # id: (prompt length, max_tokens, seed)
+SAMPLED_MAX, CANCELLED_MAX = 8, 200
+HEARTBEAT_S = 0.1
+
+
+def main() -> None:
+    model_dir, output_path = sys.argv[1:3]
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    from transformers import AutoModelForCausalLM
+
+    import hf_rocketkv
+    from hf_rocketkv import KVBlockPool, RocketKVCache
+    from hf_rocketkv.serving import Lockstep, SamplingParams
+    from hf_rocketkv.serving.batching import BatchingEngine
+    from hf_rocketkv.serving.engine import EngineRequest
+    from hf_rocketkv.serving.scheduler import BatchingConfig
+    from tests.helpers import compressing_config, greedy, random_ids
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto", attn_implementation=hf_rocketkv.ATTN_NAME,
+                                                 dtype=torch.float32).eval()
+    rank = dist.get_rank()
+    config = compressing_config(kt_cache_dtype="float32")
+    pool = KVBlockPool(model, max_gpu_bytes=2**20, page_size=8, dtype=torch.float32, device="cpu",
+                       kt_page_size=config.page_size, kt_dtype=config.kt_cache_dtype)
+    lockstep = Lockstep(heartbeat_s=HEARTBEAT_S)
+    engine = BatchingEngine(model, config, pool, BatchingConfig(max_running=4, buckets=(1, 2, 4)), lockstep=lockstep)
+
+    events, lock, heartbeats = [], threading.Condition(), []
+    if not lockstep.is_leader:  # count the empty inboxes this follower receives
+        exchange = lockstep.exchange
+        lockstep.exchange = lambda inbox: _counted(exchange(inbox), heartbeats)
+
+    def sink(event) -> None:
+        with lock:
+            events.append({"id": event.request_id, "tokens": list(event.token_ids),
+                           "finish": event.finish_reason.value if event.finish_reason else None})
+            lock.notify_all()
+
+    def prompt(length, seed):
+        return tuple(random_ids(1, length, seed=seed)[0].tolist())
+
+    if lockstep.is_leader:
+        def finished(request_id):
+            return any(e["id"] == request_id and e["finish"] for e in events)
+
+        def tokens_of(request_id):
+            return sum(len(e["tokens"]) for e in events if e["id"] == request_id)
+
+        def submit(request_id, ids, params):
+            engine.submit(EngineRequest(request_id, ids, params, frozenset()))
+
+        engine.start(sink)
+        submit("g1", prompt(*GREEDY["g1"][::2]), SamplingParams.greedy(GREEDY["g1"][1]))
+        submit("cancelled", prompt(30, 4), SamplingParams.greedy(CANCELLED_MAX))
+        time.sleep(0.05)  # a later arrival joins a running batch
+        submit("sampled", prompt(30, 5), SamplingParams(max_tokens=SAMPLED_MAX, temperature=0.8))  # seed: None
+        submit("g2", prompt(*GREEDY["g2"][::2]), SamplingParams.greedy(GREEDY["g2"][1]))
+        with lock:
+            assert lock.wait_for(lambda: tokens_of("cancelled") >= 2, 120)
+        engine.cancel("cancelled")
+        with lock:
+            assert lock.wait_for(lambda: all(finished(r) for r in ("g1", "g2", "sampled", "cancelled")), 120)
+        time.sleep(5 * HEARTBEAT_S)  # idle: heartbeats only
+        submit("late", prompt(*GREEDY["late"][::2]), SamplingParams.greedy(GREEDY["late"][1]))
+        with lock:
+            assert lock.wait_for(lambda: finished("late"), 120)
+        engine.stop(drain=True, timeout=120)
+    else:
+        engine.follow(sink)
+    assert not engine.load().alive
+
+    oracle = {}
+    for request_id, (length, max_tokens, seed) in GREEDY.items():  # every rank: generate's forwards are collective
+        ids = torch.tensor([prompt(length, seed)])
+        out = greedy(model, ids, max_tokens, past_key_values=RocketKVCache(config))
+        oracle[request_id] = out[0, ids.shape[1]:].tolist()
+
+    report = dict(rank=rank, events=events, free_pages=pool.free_pages(), total_pages=pool.total_pages(),
+                  kv_heads=int(pool.layer(0).k.shape[1]), heartbeats=len(heartbeats))
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, report)
+    if rank == 0:
+        Path(output_path).write_text(json.dumps({
+            "ranks": gathered, "oracle": oracle, "sampled_max_tokens": SAMPLED_MAX,
+            "cancelled_max_tokens": CANCELLED_MAX, "heartbeats_seen": gathered[1]["heartbeats"] > 0,
+        }))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _counted(inbox, heartbeats):
+    if not inbox:
+        heartbeats.append(1)
+    return inbox
+
+
+if __name__ == "__main__":
+    main()
