@@ -100,8 +100,13 @@ def run(args) -> dict:
     config = RocketKVConfig(backend="triton" if cuda else "torch")
     if args.rocketkv_json:
         config = config.replace(**json.loads(args.rocketkv_json))
+    # --pool-gib per GPU, as hf-rocketkv serve: under TP each rank's pages hold its shard of the KV heads
+    from hf_rocketkv.serving.cli import shard_kv_heads
+
+    world = int(os.environ.get("WORLD_SIZE", 1))
     pool = KVBlockPool(model, max_gpu_bytes=int(args.pool_gib * GIB), page_size=args.page_size,
-                       kt_page_size=config.page_size, kt_dtype=config.kt_cache_dtype, device=device)
+                       kt_page_size=config.page_size, kt_dtype=config.kt_cache_dtype, device=device,
+                       num_kv_heads=shard_kv_heads(model, world) if distributed else None)
     lockstep = Lockstep() if distributed else None
     batching = BatchingConfig(max_running=args.max_running, max_queue=4096, buckets=_buckets(args.max_running))
     engine = BatchingEngine(model, config, pool, batching, lockstep=lockstep)
@@ -168,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-prompt", type=int, default=32768)
     parser.add_argument("--max-running", type=int, default=16)
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--pool-gib", type=float, default=20.0)
+    parser.add_argument("--pool-gib", type=float, default=20.0, help="KV pool GiB per GPU")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rocketkv-json", default=None, help="RocketKVConfig field overrides (JSON)")
     args = parser.parse_args(argv)

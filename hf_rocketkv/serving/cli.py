@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -25,8 +26,8 @@ from ..models import DEFAULT_MODEL
 PROG = "hf-rocketkv serve"
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 CONFIG_SECTION = "sparse_attention_config"
-OTHER_SECTIONS = ("eval",)
-GRACEFUL_SHUTDOWN_S = 10  # sections of other commands that a shared config file may hold
+OTHER_SECTIONS = ("eval",)  # sections of other commands that a shared config file may hold
+GRACEFUL_SHUTDOWN_S = 10  # in-flight requests' time to finish after Ctrl-C / SIGTERM
 
 
 class UsageError(ValueError):
@@ -58,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="max_tokens of chat requests that give none (default 4096, capped by the context; "
                              "RocketKV preallocates decode slots for max_tokens)")
     parser.add_argument("--pool-gib", type=float, default=None,
-                        help="reserve each request's pages in a KVBlockPool of this many GiB (admission, metrics)")
+                        help="reserve each request's pages in a KVBlockPool of this many GiB (admission, metrics); "
+                             "per GPU under torchrun")
     parser.add_argument("--engine", default="auto", choices=["auto", "batching", "sequential"],
                         help="batching: continuous batching over the --pool-gib pool (every running request decodes "
                              "in one forward); sequential: one request at a time through generate(); auto (default): "
@@ -147,6 +149,13 @@ def world_size() -> int:
         raise UsageError(f"WORLD_SIZE must be an integer, got {os.environ['WORLD_SIZE']!r}") from None
 
 
+def shard_kv_heads(model, world: int) -> int | None:
+    """KV heads per rank under ``tp_plan="auto"`` (transformers shards k_proj / v_proj by heads), or None (plan for
+    all of them: an upper bound) when the count does not divide."""
+    heads = getattr(model.config.get_text_config(), "num_key_value_heads", None)
+    return heads // world if heads and heads % world == 0 else None
+
+
 def is_leader_rank() -> bool:
     """Rank 0 listens and takes requests (the only rank without torchrun)."""
     return int(os.environ.get("RANK", "0")) == 0
@@ -184,8 +193,10 @@ def build_manager(args: argparse.Namespace, config):
     prepare_model(model, args)
     pool = None
     if args.pool_gib is not None:
+        # under tensor parallelism --pool-gib is per GPU: each rank's pages hold its shard's KV heads only
         pool = KVBlockPool(model, max_gpu_bytes=int(args.pool_gib * 2**30), kt_page_size=config.page_size,
-                           kt_dtype=config.kt_cache_dtype)
+                           kt_dtype=config.kt_cache_dtype,
+                           num_kv_heads=shard_kv_heads(model, world_size()) if tensor_parallel else None)
     batching = BatchingConfig(max_running=args.max_running, max_queue=args.max_queue,
                               overlap_decode=args.overlap_decode)
     engine = args.engine
@@ -253,10 +264,11 @@ def serve_main(argv: list[str] | None = None) -> int:
     if sock is None:  # a follower rank: step with rank 0 until it stops
         from .lockstep import LockstepDiverged
 
+        # Ctrl-C reaches every rank under torchrun; rank 0 decides when to stop and ends every engine with its last
+        # inbox: a follower that left at once would leave rank 0's last steps waiting in their collectives
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             manager.follow()
-        except KeyboardInterrupt:
-            pass
         except LockstepDiverged as err:  # exit, so that torchrun stops every rank instead of leaving them waiting
             print(f"{PROG}: error: {err}", file=sys.stderr)
             return 1

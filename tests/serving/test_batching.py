@@ -71,13 +71,14 @@ def make_pool(model, page_size: int = 8, mib: float = 1.0, config=CFG) -> KVBloc
 
 @pytest.fixture
 def engines(tiny_pair):
-    """``make(pool=None, **batching) -> (engine, events, pool)``: started engines, all stopped at teardown."""
+    """``make(pool=None, config=CFG, lockstep=None, **batching) -> (engine, events, pool)``: started engines, all
+    stopped at teardown."""
     made = []
 
-    def make(pool=None, config=CFG, **batching):
+    def make(pool=None, config=CFG, lockstep=None, **batching):
         pool = pool if pool is not None else make_pool(tiny_pair[0], config=config)
         batching = {"max_running": 8, "buckets": (1, 2, 4, 8), **batching}
-        engine = BatchingEngine(tiny_pair[0], config, pool, BatchingConfig(**batching))
+        engine = BatchingEngine(tiny_pair[0], config, pool, BatchingConfig(**batching), lockstep=lockstep)
         events = Events()
         engine.start(events)
         made.append(engine)

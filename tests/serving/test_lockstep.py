@@ -27,7 +27,8 @@ from hf_rocketkv.serving.batching import BatchingEngine
 from hf_rocketkv.serving.lockstep import Inbox, resolve_seed
 from hf_rocketkv.serving.scheduler import BatchingConfig
 from tests.serving.helpers import ForwardGate, wait_until
-from tests.serving.test_batching import CFG, Events, make_pool, oracle, prompt_of, request  # noqa: F401 (oracle: a fixture)
+from tests.serving.test_batching import (  # noqa: F401 (engines, oracle: fixtures)
+    CFG, Events, engines, make_pool, oracle, prompt_of, request)
 
 WORKER = Path(__file__).with_name("lockstep_worker.py")
 
@@ -49,21 +50,14 @@ def one_rank_group():
 
 
 @pytest.fixture
-def leader(tiny_pair, one_rank_group):
-    made = []
+def leader(one_rank_group, engines):  # engines stop before the group goes
+    """``leader(heartbeat_s, **batching) -> (engine, events, pool)``: a started leader of a one-rank lockstep."""
 
     def make(heartbeat_s: float = 0.05, **batching):
-        pool = make_pool(tiny_pair[0])
-        config = BatchingConfig(**{"max_running": 4, "buckets": (1, 2, 4), **batching})
-        engine = BatchingEngine(tiny_pair[0], CFG, pool, config, lockstep=Lockstep(heartbeat_s=heartbeat_s))
-        events = Events()
-        engine.start(events)
-        made.append(engine)
-        return engine, events, pool
+        return engines(lockstep=Lockstep(heartbeat_s=heartbeat_s), **{"max_running": 4, "buckets": (1, 2, 4),
+                                                                      **batching})
 
-    yield make
-    for engine in made:
-        engine.stop(drain=False, timeout=60)
+    return make
 
 
 def test_lockstep_needs_torch_distributed():
@@ -218,6 +212,7 @@ def test_two_ranks_step_together_and_equal_generate_under_tp(tmp_path):
         assert finals[request_id] == "length"
     assert finals["sampled"] == "length" and len(tokens["sampled"]) == report["sampled_max_tokens"]
     assert finals["cancelled"] == "cancelled" and 2 <= len(tokens["cancelled"]) < report["cancelled_max_tokens"]
+    assert len({rank["total_pages"] for rank in report["ranks"]}) == 1, "the ranks' pools differ in pages"
     for rank in report["ranks"]:
         assert rank["free_pages"] == rank["total_pages"], f"rank {rank['rank']} leaked pages"
         assert rank["kv_heads"] == 2, "each rank holds half of the 4 KV heads"

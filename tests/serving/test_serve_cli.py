@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from hf_rocketkv.serving.cli import load_config, serve_main
 
@@ -159,15 +160,7 @@ def test_serve_main_end_to_end(tmp_path, engine_args):
     process = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True,
                                env=subprocess_env())
     try:
-        url = None
-        deadline = time.monotonic() + 120
-        while url is None and time.monotonic() < deadline:
-            line = process.stderr.readline()
-            if not line and process.poll() is not None:
-                break
-            match = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line)
-            url = match.group(1) if match else None
-        assert url, f"the server did not start (exit {process.poll()})"
+        url = server_address(process, timeout=120)
         assert wait_for_health(httpx, url)
         body = {"model": "tiny", "prompt": "hello world " * 4, "max_tokens": 5, "ignore_eos": True}
         response = httpx.post(url + "/v1/completions", json=body, timeout=60)
@@ -181,6 +174,19 @@ def test_serve_main_end_to_end(tmp_path, engine_args):
             code = process.wait()
         process.stderr.close()
     assert code == 0
+
+
+def server_address(process: subprocess.Popen, timeout: float) -> str:
+    """The http://127.0.0.1:PORT the serve command prints on stderr once it listens (asserts it does in time)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = process.stderr.readline()
+        if not line and process.poll() is not None:
+            break
+        match = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line)
+        if match:
+            return match.group(1)
+    raise AssertionError(f"the server did not start (exit {process.poll()})")
 
 
 def wait_for_health(httpx, url: str, timeout: float = 30) -> bool:
@@ -230,15 +236,7 @@ def test_serve_under_torchrun_rank0_serves_every_rank_steps(tmp_path):
                                start_new_session=True)
     prompt = "lockstep " * 5
     try:
-        url = None
-        deadline = time.monotonic() + 180
-        while url is None and time.monotonic() < deadline:
-            line = process.stderr.readline()
-            if not line and process.poll() is not None:
-                break
-            match = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line)
-            url = match.group(1) if match else None
-        assert url, f"the server did not start (exit {process.poll()})"
+        url = server_address(process, timeout=180)
         assert wait_for_health(httpx, url)
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "ignore_eos": True, "temperature": 0}
         texts = []
@@ -257,14 +255,17 @@ def test_serve_under_torchrun_rank0_serves_every_rank_steps(tmp_path):
                     assert response.json()["usage"]["completion_tokens"] == 6
                     texts.append(response.json()["choices"][0]["text"])
         assert texts[0] == texts[1]
+        metrics = httpx.get(url + "/metrics", timeout=30).text
+        total_pages = float(re.search(r"^hf_rocketkv_pool_total_pages (\S+)$", metrics, re.M).group(1))
     finally:
-        os.killpg(process.pid, signal.SIGINT)
+        os.killpg(process.pid, signal.SIGINT)  # Ctrl-C: every rank gets it, as from a terminal
         try:
-            process.wait(60)
+            rest = process.communicate(timeout=60)[1]
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        process.stderr.close()
+            rest = process.communicate()[1]
+    # rank 1 waits for rank 0's last inbox instead of leaving rank 0's engine in a broken collective
+    assert "Connection closed by peer" not in rest and "terminate called" not in rest, rest[-3000:]
 
     single = [sys.executable, "-c", textwrap.dedent(f"""
         import torch
@@ -280,3 +281,14 @@ def test_serve_under_torchrun_rank0_serves_every_rank_steps(tmp_path):
     result = subprocess.run(single, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == repr(texts[0])
+
+    # --pool-gib is per GPU: each rank's pages hold its 2 of the 4 KV heads, so the pool has twice the pages of a
+    # one-process pool of the same size
+    from hf_rocketkv import KVBlockPool
+
+    cfg = compressing_config(kt_cache_dtype="float32")
+    one_gpu = KVBlockPool(model.config, max_gpu_bytes=int(0.01 * 2**30), dtype=torch.float32,
+                          kt_page_size=cfg.page_size, kt_dtype=cfg.kt_cache_dtype).total_pages()
+    shard = KVBlockPool(model.config, max_gpu_bytes=int(0.01 * 2**30), dtype=torch.float32,
+                        kt_page_size=cfg.page_size, kt_dtype=cfg.kt_cache_dtype, num_kv_heads=2).total_pages()
+    assert total_pages == shard and shard >= 2 * one_gpu - 1
