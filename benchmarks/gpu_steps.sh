@@ -120,6 +120,9 @@ for name in "$@"; do
                        step "${name}_b${b}_${ctx}_compare" 10 $PY benchmarks/tp_speed.py compare \
                           "$OUT/tp_speed_b${b}_${ctx}_single.json" "$OUT/tp_speed_b${b}_${ctx}_tp.json"
                      done ;;
+    engine_device_tests) # needs 2 GPUs: the engines on a model on cuda:1 (their threads' current CUDA device)
+                     $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index --find-links .device_wheels pytest hypothesis
+                     step "$name" 180 $PY -m pytest -q -p no:cacheprovider tests/serving/test_engine_device.py tests/test_decode_graphs.py ;;
     lockstep_serve)  # the batching engine in lockstep on 2 GPUs against 1 GPU: throughput, same events on both ranks
                      [ -d /tmp/tps8 ] || step "${name}_save" 80 $PY benchmarks/tp_check.py save --layers 8 --dtype bfloat16 --dir /tmp/tps8
                      step "${name}_single" 200 env CUDA_VISIBLE_DEVICES=0 $PY benchmarks/lockstep_check.py --dir /tmp/tps8 \

@@ -153,3 +153,34 @@ def test_compile_regions_keeps_tokens_and_compiles_one_graph_per_module_kind():
     assert 0 < graphs <= 6, graphs  # per module kind and input shape (prefill, decode), not per layer
     with pytest.raises(ValueError, match="no RMSNorm or MLP"):
         hf_rocketkv.compile_regions(torch.nn.Linear(2, 2))
+
+
+def test_every_graphed_step_runs_with_the_inputs_device_current(monkeypatch):
+    """The current CUDA device is per thread (a thread starts on GPU 0): each graphed step enters the inputs'
+    device, so a model on another GPU captures and replays there."""
+    import contextlib
+
+    from hf_rocketkv.integration import decode_graphs
+
+    entered = []
+
+    def recording(device):
+        entered.append(torch.device(device))
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(decode_graphs, "on_device", recording)
+    rocket, _ = make_models("llama")
+    ids = random_ids(1, 40, seed=3)
+    greedy(rocket, ids, past_key_values=graphed_cache(compressing_config(), StandInBackend()), max_new_tokens=5,
+           compile_config=_compile_config())
+    assert entered == [torch.device("cpu")] * 4  # every decode step after the prefill
+
+
+def test_on_device_is_a_no_op_off_cuda_and_selects_the_gpu_on_cuda():
+    import contextlib
+
+    from hf_rocketkv.integration.decode_graphs import on_device
+
+    assert isinstance(on_device("cpu"), contextlib.nullcontext)
+    scope = on_device(torch.device("cuda", 1))  # built, not entered: no GPU needed
+    assert isinstance(scope, torch.cuda.device) and scope.idx == 1

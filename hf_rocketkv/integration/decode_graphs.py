@@ -20,6 +20,7 @@ Everything here runs on the thread that calls generate(); nothing is shared betw
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -71,6 +72,16 @@ def copy_into(static, value) -> None:
             copy_into(item, value[key])
 
 
+def on_device(device) -> contextlib.AbstractContextManager:
+    """Make ``device`` (a GPU) the calling thread's current CUDA device for the block; no-op off CUDA.
+
+    The current device is per host thread, and a thread starts on GPU 0, while side streams, graph captures, events,
+    Triton launches and NCCL collectives run on the current device: a model on another GPU (a tensor-parallel rank
+    > 0, ``device_map="cuda:1"``) would otherwise have them on the wrong one."""
+    device = torch.device(device)
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 class CudaGraphBackend:
     """torch.cuda.CUDAGraph capture and replay (the real thing; tests substitute a CPU stand-in)."""
 
@@ -105,7 +116,13 @@ class GraphedStep:
 
 
 def run_graphed_step(model, cache: RocketKVCache, kwargs: dict, backend=None):
-    """One decode step of ``cache``'s request through its CUDA graph (see the module docstring for the phases)."""
+    """One decode step of ``cache``'s request through its CUDA graph (see the module docstring for the phases),
+    on the inputs' GPU as the current device."""
+    with on_device(kwargs["input_ids"].device):
+        return _run_graphed_step(model, cache, kwargs, backend)
+
+
+def _run_graphed_step(model, cache: RocketKVCache, kwargs: dict, backend=None):
     backend = backend if backend is not None else cache.hints.graph_backend or CudaGraphBackend()
     hints = cache.hints
     signature = signature_of(kwargs)

@@ -50,6 +50,7 @@ from ..cache.batch_view import BatchedDecodeCache
 from ..cache.cache import RocketKVCache
 from ..config import RocketKVConfig
 from ..integration.batch_graphs import BatchedDecodeGraphs, GraphCaptureFailed
+from ..integration.decode_graphs import on_device
 from ..integration.generate import get_config
 from ..kernels.host_copy import device_tensor
 from ..memory import KVBlockPool
@@ -342,7 +343,9 @@ class BatchingEngine:
         started = time.perf_counter()
         running = self._warm_up_request(max(max_new_tokens, 2 * len(buckets) + 1), scratch=buckets[-1] > 1)
         try:
-            with torch.no_grad():  # not inference_mode: the batch's buffers are updated in place on the engine thread
+            # not inference_mode: the batch's buffers are updated in place on the engine thread; the model's GPU
+            # as the current device, as on the engine thread (the graphs captured here replay there)
+            with torch.no_grad(), on_device(self.device):
                 self._warm_up_steps(running, buckets)
         finally:
             self._release(running)
@@ -409,6 +412,10 @@ class BatchingEngine:
     # ------------------------------------------------------------------------------------------------ engine thread
     def _run(self) -> None:
         torch.set_grad_enabled(False)  # thread-local: this thread never builds autograd graphs
+        with on_device(self.device):  # this thread's current CUDA device: the model's GPU
+            self._loop()
+
+    def _loop(self) -> None:
         try:
             if self.lockstep is None:
                 while self._wait_for_work():

@@ -24,6 +24,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from .. import compat
 from ..cache.cache import RocketKVCache
 from ..config import RocketKVConfig
+from ..integration.decode_graphs import on_device
 from ..integration.generate import get_config
 from .engine import EngineEvent, EngineLoad, EngineRequest, EventSink
 from .errors import EngineStopped
@@ -130,6 +131,10 @@ class SequentialEngine:
     # ------------------------------------------------------------------------------------------------ engine thread
     def _run(self) -> None:
         torch.set_grad_enabled(False)  # grad mode is thread-local: this thread never builds autograd graphs
+        with on_device(self.device):  # this thread's current CUDA device: the model's GPU
+            self._loop()
+
+    def _loop(self) -> None:
         while True:
             with self._lock:
                 request = self._queue.get(timeout=0)
