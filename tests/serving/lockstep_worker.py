@@ -75,6 +75,9 @@ def main() -> None:
         def submit(request_id, ids, params):
             engine.submit(EngineRequest(request_id, ids, params, frozenset()))
 
+        # 5 ms per forward on the leader (the follower waits for it in every collective): the cancelled request's
+        # 200 tokens take seconds, so the cancel lands mid-run even on a loaded machine
+        model.register_forward_pre_hook(lambda module, args: time.sleep(0.005))
         engine.start(sink)
         submit("g1", prompt(*GREEDY["g1"][::2]), SamplingParams.greedy(GREEDY["g1"][1]))
         submit("cancelled", prompt(30, 4), SamplingParams.greedy(CANCELLED_MAX))
