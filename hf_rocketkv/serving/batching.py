@@ -58,7 +58,8 @@ from ..memory.accounting import row_pages
 from ..memory.errors import PoolExhaustedError
 from .engine import EngineEvent, EngineLoad, EngineRequest, EventSink
 from .errors import EngineStopped, Overloaded
-from .lockstep import Inbox, Lockstep, LockstepDiverged, Submission, engine_state, resolve_seed
+from .lockstep import (Inbox, Lockstep, LockstepDiverged, Submission, check_lockstep_for, engine_state,
+                       resolve_seed)
 from .outputs import FinishReason
 from .sampler import new_generator, sample_tokens
 from .sampling import SamplingParams
@@ -195,6 +196,7 @@ class BatchingEngine:
         self._last_read = 0.0  # when the latest step's tokens were read (perf_counter)
         if lockstep is not None and not isinstance(lockstep, Lockstep):
             raise TypeError(f"lockstep must be a hf_rocketkv.serving.Lockstep or None, got {type(lockstep).__name__}")
+        check_lockstep_for(model, lockstep, "BatchingEngine")
         self.lockstep = lockstep
         # the leader's side of lockstep (serving/lockstep.py): requests submitted since the last inbox, and the
         # callers' cancel flags of requests not finished (the engine reads only its own copies of them)

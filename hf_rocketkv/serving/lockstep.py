@@ -136,6 +136,23 @@ def _host_group():
     return dist.new_group(backend="gloo")
 
 
+def tensor_parallel_size(model) -> int:
+    """Ranks the model is sharded over: transformers' public ``PreTrainedModel.tp_size`` (None before sharding)."""
+    size = getattr(model, "tp_size", None)
+    return size if isinstance(size, int) and size > 1 else 1
+
+
+def check_lockstep_for(model, lockstep, engine: str) -> None:
+    """An engine on a tensor-parallel model runs forwards whose collectives every rank must join: without a
+    ``Lockstep`` each rank's engine would schedule on its own and the ranks would hang or compute garbage."""
+    size = tensor_parallel_size(model)
+    if size > 1 and lockstep is None:
+        raise ValueError(
+            f"{engine}: the model is sharded over {size} ranks (tp_plan; model.tp_size={size}), so every rank must run "
+            f"the same forwards: use BatchingEngine(..., lockstep=hf_rocketkv.serving.Lockstep()) on every rank "
+            f"(rank 0 serves, the others follow(); docs/serving.md, 'Tensor parallel')")
+
+
 def resolve_seed(params: SamplingParams) -> SamplingParams:
     """``params`` with a drawn seed when it samples without one, so that every rank draws the same tokens."""
     if params.is_greedy or params.seed is not None:

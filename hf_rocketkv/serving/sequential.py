@@ -29,6 +29,7 @@ from ..integration.generate import get_config
 from .engine import EngineEvent, EngineLoad, EngineRequest, EventSink
 from .errors import EngineStopped
 from .generate_hooks import CancelCriteria, SamplingLogitsProcessor, TokenStreamer
+from .lockstep import check_lockstep_for
 from .outputs import FinishReason
 from .request_queue import RequestQueue
 from .sampler import new_generator
@@ -64,6 +65,7 @@ class SequentialEngine:
         self.config = config if config is not None else get_config(model)
         if not isinstance(self.config, RocketKVConfig):
             raise TypeError(f"config must be a RocketKVConfig, got {type(self.config).__name__}")
+        check_lockstep_for(model, None, "SequentialEngine")  # only the batching engine runs in lockstep
         if pool is not None:
             pool.check_config(self.config)  # a KT geometry the pool cannot hold fails here, not per request
         self.pool = pool

@@ -105,7 +105,7 @@ def main() -> None:
         oracle[request_id] = out[0, ids.shape[1]:].tolist()
 
     report = dict(rank=rank, events=events, free_pages=pool.free_pages(), total_pages=pool.total_pages(),
-                  kv_heads=int(pool.layer(0).k.shape[1]), heartbeats=len(heartbeats))
+                  kv_heads=int(pool.layer(0).k.shape[1]), heartbeats=len(heartbeats), tp_size=model.tp_size)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, report)
     if rank == 0:

@@ -216,6 +216,7 @@ def test_two_ranks_step_together_and_equal_generate_under_tp(tmp_path):
     for rank in report["ranks"]:
         assert rank["free_pages"] == rank["total_pages"], f"rank {rank['rank']} leaked pages"
         assert rank["kv_heads"] == 2, "each rank holds half of the 4 KV heads"
+        assert rank["tp_size"] == 2  # what the engines' guard reads (an engine without lockstep is refused)
     assert report["heartbeats_seen"], "the follower never saw an empty inbox during the idle gap"
 
 
@@ -289,3 +290,18 @@ def test_a_follower_that_diverges_stops_loudly(tiny_pair, one_rank_group):
     with pytest.raises(LockstepDiverged, match="rank 1 no longer matches rank 0"):
         engine.follow()
     assert not engine.load().alive
+
+
+def test_engines_on_a_sharded_model_need_lockstep(tiny_pair):
+    from hf_rocketkv.serving import SequentialEngine
+
+    model = tiny_pair[0]
+    model._tp_size = 2  # what from_pretrained(tp_plan="auto") leaves on each of 2 ranks (model.tp_size)
+    try:
+        with pytest.raises(ValueError, match=r"BatchingEngine: the model is sharded over 2 ranks.*lockstep="):
+            BatchingEngine(model, CFG, make_pool(model), BatchingConfig(max_running=2))
+        with pytest.raises(ValueError, match="SequentialEngine: the model is sharded over 2 ranks"):
+            SequentialEngine(model, CFG)
+    finally:
+        model._tp_size = None
+    assert model.tp_size is None
