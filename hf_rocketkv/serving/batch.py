@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from ..config import RocketKVConfig
 from .errors import InvalidRequest
+from .lockstep import tensor_parallel_size
 from .manager import GenerationManager
 from .outputs import GenerationResult
 from .sampling import SamplingParams
@@ -49,6 +50,11 @@ def generate_batch(model, prompts: Sequence[str | Sequence[int]], generation_con
             ``"sequential"`` (see ``GenerationManager``).
 
     An invalid prompt raises ``InvalidRequest`` naming its index (requests added before it are cancelled).
+
+    Tensor parallel (a model loaded with ``tp_plan="auto"`` under torchrun): call it on every rank with the same
+    arguments, as ``model.generate``; it needs ``pool`` (a pool per rank). Rank 0's engine takes the requests and the
+    other ranks step with it in lockstep (serving/lockstep.py); every rank returns rank 0's results (and raises its
+    error, if any).
     """
     prompts = list(prompts)
     if isinstance(sampling, SamplingParams) or sampling is None:
@@ -60,10 +66,16 @@ def generate_batch(model, prompts: Sequence[str | Sequence[int]], generation_con
             raise ValueError(f"sampling has {len(per_prompt)} entries for {len(prompts)} prompts")
     if not prompts:
         return []
+    if tensor_parallel_size(model) > 1:
+        return _generate_in_lockstep(model, prompts, per_prompt, config, pool, tokenizer, engine)
     # no startup capture: one workload, whose buckets are captured as it reaches them (capturing every bucket up
     # front would only add the ones it never uses)
     manager = GenerationManager(model, tokenizer, config, engine=engine, pool=pool,
                                 max_queue=max(1, len(prompts)), warmup_max_tokens=0)
+    return _run_all(manager, prompts, per_prompt)
+
+
+def _run_all(manager: GenerationManager, prompts: list, per_prompt: list[SamplingParams]) -> list[GenerationResult]:
     try:
         ids = [_add(manager, i, prompt, params) for i, (prompt, params) in enumerate(zip(prompts, per_prompt))]
         return [manager.result(request_id) for request_id in ids]
@@ -71,8 +83,52 @@ def generate_batch(model, prompts: Sequence[str | Sequence[int]], generation_con
         manager.stop(drain=False)
 
 
+def _generate_in_lockstep(model, prompts: list, per_prompt: list[SamplingParams], config, pool, tokenizer,
+                          engine) -> list[GenerationResult]:
+    """Every rank: a lockstep batching engine; rank 0 runs the batch through a manager, the others follow; then
+    rank 0's results (or its exception) go to every rank."""
+    import torch.distributed as dist
+
+    from .batching import BatchingEngine
+    from .lockstep import Lockstep
+    from .scheduler import BatchingConfig
+
+    if pool is None or engine not in ("auto", "batching"):
+        raise ValueError(
+            f"generate_batch on a model sharded over {tensor_parallel_size(model)} ranks runs the batching engine in "
+            f"lockstep: pass pool=KVBlockPool(...) (one per rank) and engine='auto' or 'batching', got "
+            f"pool={type(pool).__name__}, engine={engine!r}")
+    lockstep = Lockstep()
+    built = BatchingEngine(model, config, pool, BatchingConfig(max_queue=max(1, len(prompts))), lockstep=lockstep)
+    outcome: list | BaseException | None = None
+    if lockstep.is_leader:
+        try:
+            manager = GenerationManager(model, tokenizer, config, engine=built, pool=pool,
+                                        max_queue=max(1, len(prompts)), warmup_max_tokens=0)
+            outcome = _run_all(manager, prompts, per_prompt)
+        except Exception as err:  # noqa: BLE001 - raised on every rank below
+            outcome = err
+            _end_followers(built)
+    else:
+        built.follow()  # returns once rank 0's manager has stopped its engine (the last inbox)
+    box = [outcome]
+    dist.broadcast_object_list(box, src=lockstep.src, group=lockstep.group)
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
+
+
 def _add(manager: GenerationManager, index: int, prompt, params: SamplingParams) -> str:
     try:
         return manager.add_request(prompt, params)
     except InvalidRequest as err:
         raise InvalidRequest(f"prompts[{index}]: {err.message}", err.param, err.code) from err
+
+
+def _end_followers(engine) -> None:
+    """Rank 0 failed: its engine still sends the last inbox, so the other ranks' ``follow()`` returns."""
+    try:
+        engine.start(lambda event: None)  # the manager failed before starting it
+    except RuntimeError:
+        pass  # started already
+    engine.stop(drain=False)

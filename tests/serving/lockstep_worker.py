@@ -30,6 +30,8 @@ HEARTBEAT_S = 0.1
 
 def main() -> None:
     model_dir, output_path = sys.argv[1:3]
+    if sys.argv[3:] == ["generate_batch"]:
+        return batch_main(model_dir, output_path)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     from transformers import AutoModelForCausalLM
@@ -113,6 +115,50 @@ def main() -> None:
             "ranks": gathered, "oracle": oracle, "sampled_max_tokens": SAMPLED_MAX,
             "cancelled_max_tokens": CANCELLED_MAX, "heartbeats_seen": gathered[1]["heartbeats"] > 0,
         }))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def batch_main(model_dir: str, output_path: str) -> None:
+    """generate_batch called on every rank with the same arguments: results on every rank, and an invalid prompt's
+    error raised on every rank (none left waiting)."""
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    from transformers import AutoModelForCausalLM
+
+    import hf_rocketkv
+    from hf_rocketkv import KVBlockPool, RocketKVCache, generate_batch
+    from hf_rocketkv.serving import InvalidRequest, SamplingParams
+    from tests.helpers import compressing_config, greedy, random_ids
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto", attn_implementation=hf_rocketkv.ATTN_NAME,
+                                                 dtype=torch.float32).eval()
+    config = compressing_config(kt_cache_dtype="float32")
+
+    def pool():
+        return KVBlockPool(model, max_gpu_bytes=2**20, page_size=8, dtype=torch.float32, device="cpu",
+                           kt_page_size=config.page_size, kt_dtype=config.kt_cache_dtype)
+
+    prompts = [random_ids(1, n, seed=n)[0].tolist() for n in (40, 56, 30)]
+    sampling = [SamplingParams.greedy(7, ignore_eos=True), SamplingParams.greedy(5, ignore_eos=True),
+                SamplingParams(max_tokens=6, temperature=0.9, ignore_eos=True)]  # seed None: drawn on rank 0
+    results = generate_batch(model, prompts, config=config, pool=pool(), sampling=sampling)
+    try:
+        generate_batch(model, [prompts[0], [10**6]], config=config, pool=pool(), sampling=SamplingParams.greedy(3))
+        error = None
+    except InvalidRequest as err:
+        error = str(err)
+    oracle = []
+    for prompt, params in zip(prompts[:2], sampling[:2]):
+        ids = torch.tensor([prompt])
+        oracle.append(greedy(model, ids, params.max_tokens, past_key_values=RocketKVCache(config))[0, ids.shape[1]:]
+                      .tolist())
+    report = dict(rank=dist.get_rank(), tokens=[list(r.token_ids) for r in results],
+                  reasons=[r.finish_reason.value for r in results], error=error, oracle=oracle)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, report)
+    if dist.get_rank() == 0:
+        Path(output_path).write_text(json.dumps(gathered))
     dist.barrier()
     dist.destroy_process_group()
 

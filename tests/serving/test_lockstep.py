@@ -305,3 +305,26 @@ def test_engines_on_a_sharded_model_need_lockstep(tiny_pair):
     finally:
         model._tp_size = None
     assert model.tp_size is None
+
+
+@pytest.mark.slow
+def test_generate_batch_on_every_rank_under_tp(tmp_path):
+    """generate_batch on a sharded model, called on both ranks (torchrun, gloo): every rank gets rank 0's results
+    (greedy ones equal model.generate under the same TP), and an invalid prompt raises on every rank."""
+    from tests.helpers import make_models
+
+    rocket, _ = make_models("llama", hidden_size=128, num_attention_heads=8, num_key_value_heads=4, head_dim=16)
+    rocket.save_pretrained(tmp_path / "model")
+    repo = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
+               str(tmp_path / "model"), str(tmp_path / "out.json"), "generate_batch"]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    ranks = json.loads((tmp_path / "out.json").read_text())
+    assert ranks[0]["tokens"] == ranks[1]["tokens"] and ranks[0]["reasons"] == ranks[1]["reasons"]
+    assert ranks[0]["tokens"][:2] == ranks[0]["oracle"]
+    assert [len(t) for t in ranks[0]["tokens"]] == [7, 5, 6] and ranks[0]["reasons"] == ["length"] * 3
+    for rank in ranks:
+        assert rank["error"] is not None and "prompts[1]" in rank["error"]
