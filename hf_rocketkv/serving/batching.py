@@ -554,9 +554,10 @@ class BatchingEngine:
         submits = [Submission(r.request_id, r.prompt_ids, resolve_seed(r.params), r.stop_token_ids)
                    for r in self._outbox]
         self._outbox.clear()
+        sent_now = {s.request_id for s in submits}
         cancels = []
         for request_id, flag in list(self._caller_flags.items()):
-            sent = request_id in self._requests or any(s.request_id == request_id for s in submits)
+            sent = request_id in self._requests or request_id in sent_now
             if not sent or flag.is_set():  # finished, or cancelled once and for all
                 del self._caller_flags[request_id]
             if sent and flag.is_set():
