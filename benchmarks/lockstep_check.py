@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from batching_check import Recorder, _buckets, engine_stats, greedy_request, percentile  # noqa: E402
+from batching_check import (  # noqa: E402
+    Recorder, _buckets, engine_stats, greedy_request, percentile, random_prompt)
 
 GIB = 2**30
 
@@ -52,10 +53,6 @@ class Sink:
         self.events += 1
         if self.recorder is not None:
             self.recorder(event)
-
-
-def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
-    return [rng.randrange(3, vocab) for _ in range(length)]
 
 
 def workloads(args, vocab: int) -> dict[str, list[tuple[float, list[int]]]]:

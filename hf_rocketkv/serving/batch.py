@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 from ..config import RocketKVConfig
 from .errors import InvalidRequest
-from .lockstep import tensor_parallel_size
-from .manager import GenerationManager
+from .lockstep import Lockstep, tensor_parallel_size
+from .manager import GenerationManager, build_engine
 from .outputs import GenerationResult
 from .sampling import SamplingParams
 
@@ -89,17 +89,13 @@ def _generate_in_lockstep(model, prompts: list, per_prompt: list[SamplingParams]
     rank 0's results (or its exception) go to every rank."""
     import torch.distributed as dist
 
-    from .batching import BatchingEngine
-    from .lockstep import Lockstep
-    from .scheduler import BatchingConfig
-
     if pool is None or engine not in ("auto", "batching"):
         raise ValueError(
             f"generate_batch on a model sharded over {tensor_parallel_size(model)} ranks runs the batching engine in "
             f"lockstep: pass pool=KVBlockPool(...) (one per rank) and engine='auto' or 'batching', got "
             f"pool={type(pool).__name__}, engine={engine!r}")
     lockstep = Lockstep()
-    built = BatchingEngine(model, config, pool, BatchingConfig(max_queue=max(1, len(prompts))), lockstep=lockstep)
+    built = build_engine("batching", model, config, pool, max(1, len(prompts)), lockstep=lockstep)  # no warm-up
     outcome: list | BaseException | None = None
     if lockstep.is_leader:
         try:

@@ -502,13 +502,13 @@ class BatchingEngine:
         """The leader's cancel: a request not sent yet ends here; a sent one is cancelled through the next inbox."""
         self._require_leader()
         with self._lock:
-            pending = next((r for r in self._outbox if r.request_id == request_id), None)
-            if pending is not None:
-                self._outbox.remove(pending)
-            flag = self._caller_flags.pop(request_id, None) if pending is not None else \
-                self._caller_flags.get(request_id)
+            flag = self._caller_flags.get(request_id)
             if flag is not None:
-                flag.set()
+                flag.set()  # a sent request: the next inbox carries the cancel
+            pending = next((r for r in self._outbox if r.request_id == request_id), None)
+            if pending is not None:  # not sent: it never reaches any rank
+                self._outbox.remove(pending)
+                del self._caller_flags[request_id]
             self._wakeup.notify()
         if pending is not None:
             self._emit(EngineEvent(request_id, finish_reason=FinishReason.CANCELLED))
@@ -576,7 +576,7 @@ class BatchingEngine:
         with self._lock:
             for sub in inbox.submits:
                 running = _Running(EngineRequest(sub.request_id, sub.prompt_ids, sub.params, sub.stop_token_ids))
-                self._scheduler.waiting.append(running)  # the leader counted the queue (max_queue) at submit
+                self._scheduler.submit(running)  # never QueueFull: the leader counted its outbox against max_queue
                 self._requests[sub.request_id] = running
             for request_id in inbox.cancels:
                 running = self._requests.get(request_id)

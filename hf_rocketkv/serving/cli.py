@@ -187,7 +187,8 @@ def build_manager(args: argparse.Namespace, config):
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    tensor_parallel = world_size() > 1
+    world = world_size()
+    tensor_parallel = world > 1
     model, tokenizer = load_model_and_tokenizer(args.model, dtype=dtype, device=args.device,
                                                 tp_plan="auto" if tensor_parallel else None)
     prepare_model(model, args)
@@ -196,7 +197,7 @@ def build_manager(args: argparse.Namespace, config):
         # under tensor parallelism --pool-gib is per GPU: each rank's pages hold its shard's KV heads only
         pool = KVBlockPool(model, max_gpu_bytes=int(args.pool_gib * 2**30), kt_page_size=config.page_size,
                            kt_dtype=config.kt_cache_dtype,
-                           num_kv_heads=shard_kv_heads(model, world_size()) if tensor_parallel else None)
+                           num_kv_heads=shard_kv_heads(model, world) if tensor_parallel else None)
     batching = BatchingConfig(max_running=args.max_running, max_queue=args.max_queue,
                               overlap_decode=args.overlap_decode)
     engine = args.engine

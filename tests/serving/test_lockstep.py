@@ -292,19 +292,17 @@ def test_a_follower_that_diverges_stops_loudly(tiny_pair, one_rank_group):
     assert not engine.load().alive
 
 
-def test_engines_on_a_sharded_model_need_lockstep(tiny_pair):
+def test_engines_on_a_sharded_model_need_lockstep(tiny_pair, monkeypatch):
     from hf_rocketkv.serving import SequentialEngine
 
     model = tiny_pair[0]
-    model._tp_size = 2  # what from_pretrained(tp_plan="auto") leaves on each of 2 ranks (model.tp_size)
-    try:
-        with pytest.raises(ValueError, match=r"BatchingEngine: the model is sharded over 2 ranks.*lockstep="):
-            BatchingEngine(model, CFG, make_pool(model), BatchingConfig(max_running=2))
-        with pytest.raises(ValueError, match="SequentialEngine: the model is sharded over 2 ranks"):
-            SequentialEngine(model, CFG)
-    finally:
-        model._tp_size = None
-    assert model.tp_size is None
+    assert model.tp_size is None  # not sharded
+    # what from_pretrained(tp_plan="auto") shows on each of 2 ranks (transformers' public property)
+    monkeypatch.setattr(type(model), "tp_size", property(lambda self: 2))
+    with pytest.raises(ValueError, match=r"BatchingEngine: the model is sharded over 2 ranks.*lockstep="):
+        BatchingEngine(model, CFG, make_pool(model), BatchingConfig(max_running=2))
+    with pytest.raises(ValueError, match="SequentialEngine: the model is sharded over 2 ranks"):
+        SequentialEngine(model, CFG)
 
 
 @pytest.mark.slow
