@@ -106,19 +106,29 @@ for name in "$@"; do
                      step "${name}_tp" 200 $PY -m torch.distributed.run --nproc_per_node=2 benchmarks/tp_check.py run \
                         --dir /tmp/tp4 --dtype float32 --context 16384 --new-tokens 8 --out "$OUT/tp_two.json"
                      step "${name}_compare" 60 $PY benchmarks/tp_check.py compare "$OUT/tp_single.json" "$OUT/tp_two.json" ;;
-    tp_speed)        # tensor parallel on 2 GPUs against 1, bf16, 8 layers: TTFT and decode after a warm-up (tp_speed.py)
-                     [ -d /tmp/tps8 ] || step "${name}_save" 80 $PY benchmarks/tp_check.py save --layers 8 --dtype bfloat16 --dir /tmp/tps8
-                     # batch 16: prefill in row groups of 4 (16 x 32k MLP activations at once would not fit one H100)
-                     for w in "1 100000 100 {}" "16 32768 140 {\"prefill_batch_size\":4}"; do
-                       read -r b ctx limit rk <<< "$w"  # batch, context, the single-GPU limit (TP takes less), config
-                       step "${name}_b${b}_${ctx}_single" "$limit" env CUDA_VISIBLE_DEVICES=0 $PY benchmarks/tp_speed.py \
-                          run --dir /tmp/tps8 --batch "$b" --context "$ctx" --new-tokens 64 --repeats 3 \
-                          --rocketkv-json "$rk" --out "$OUT/tp_speed_b${b}_${ctx}_single.json"
-                       step "${name}_b${b}_${ctx}_tp" 100 $PY -m torch.distributed.run --nproc_per_node=2 \
-                          benchmarks/tp_speed.py run --dir /tmp/tps8 --batch "$b" --context "$ctx" --new-tokens 64 \
-                          --repeats 3 --rocketkv-json "$rk" --out "$OUT/tp_speed_b${b}_${ctx}_tp.json"
-                       step "${name}_b${b}_${ctx}_compare" 10 $PY benchmarks/tp_speed.py compare \
-                          "$OUT/tp_speed_b${b}_${ctx}_single.json" "$OUT/tp_speed_b${b}_${ctx}_tp.json"
+    tp_speed)        # tensor parallel on 2 GPUs against 1, bf16: TTFT and decode after a warm-up (tp_speed.py)
+                     # TP_LAYERS (default 8; 32 = the whole 8B model) and TP_WORKLOADS (default "b1 b16")
+                     layers=${TP_LAYERS:-8}; dir=/tmp/tps$layers; scale=$(( layers > 8 ? layers / 8 : 1 ))
+                     tag=$([ "$layers" = 8 ] && echo "" || echo "_L$layers")
+                     [ -d "$dir" ] || step "${name}${tag}_save" $((80 * scale)) $PY benchmarks/tp_check.py save \
+                        --layers "$layers" --dtype bfloat16 --dir "$dir"
+                     for wl in ${TP_WORKLOADS:-b1 b16}; do
+                       # batch, context, the single-GPU limit at 8 layers (TP takes less), RocketKVConfig overrides;
+                       # batch 16: prefill in row groups of 4 (16 x 32k MLP activations at once would not fit one H100)
+                       case $wl in
+                         b1)  read -r b ctx limit rk <<< "1 100000 100 {}" ;;
+                         b16) read -r b ctx limit rk <<< "16 32768 140 {\"prefill_batch_size\":4}" ;;
+                         *)   echo "unknown TP workload $wl (b1, b16)" | tee -a "$OUT/summary.txt"; continue ;;
+                       esac
+                       run="${name}${tag}_b${b}_${ctx}"
+                       step "${run}_single" $((limit * scale)) env CUDA_VISIBLE_DEVICES=0 $PY benchmarks/tp_speed.py \
+                          run --dir "$dir" --batch "$b" --context "$ctx" --new-tokens 64 --repeats 3 \
+                          --rocketkv-json "$rk" --out "$OUT/${run}_single.json"
+                       step "${run}_tp" $((100 * scale)) $PY -m torch.distributed.run --nproc_per_node=2 \
+                          benchmarks/tp_speed.py run --dir "$dir" --batch "$b" --context "$ctx" --new-tokens 64 \
+                          --repeats 3 --rocketkv-json "$rk" --out "$OUT/${run}_tp.json"
+                       step "${run}_compare" 60 $PY benchmarks/tp_speed.py compare "$OUT/${run}_single.json" \
+                          "$OUT/${run}_tp.json"
                      done ;;
     engine_device_tests) # needs 2 GPUs: the engines on a model on cuda:1 (their threads' current CUDA device)
                      $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index --find-links .device_wheels pytest hypothesis
@@ -129,7 +139,7 @@ for name in "$@"; do
                         --out "$OUT/lockstep_single.json"
                      step "${name}_tp" 200 $PY -m torch.distributed.run --nproc_per_node=2 benchmarks/lockstep_check.py \
                         --dir /tmp/tps8 --out "$OUT/lockstep_tp.json"
-                     step "${name}_compare" 10 $PY benchmarks/lockstep_check.py --compare "$OUT/lockstep_single.json" \
+                     step "${name}_compare" 60 $PY benchmarks/lockstep_check.py --compare "$OUT/lockstep_single.json" \
                         "$OUT/lockstep_tp.json" ;;
     *) echo "unknown step $name (see benchmarks/gpu_steps.sh)" | tee -a "$OUT/summary.txt" ;;
   esac

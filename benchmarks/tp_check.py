@@ -37,13 +37,14 @@ def save(args) -> None:
 
 def run(args) -> None:
     from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
 
     import hf_rocketkv
     from hf_rocketkv import RocketKVCache, RocketKVConfig
     from tp_steps import record_steps
 
     distributed = "WORLD_SIZE" in os.environ
-    kwargs = dict(tp_plan="auto") if distributed else dict(device_map="cuda")
+    kwargs = dict(distributed_config=DistributedConfig(tp_plan="auto")) if distributed else dict(device_map="cuda")
     if args.dtype:  # e.g. a bf16 checkpoint (half the disk) run in float32: every weight is exactly representable
         kwargs["dtype"] = getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(args.dir, attn_implementation=hf_rocketkv.ATTN_NAME, **kwargs).eval()

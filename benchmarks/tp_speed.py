@@ -75,8 +75,55 @@ def _generate(model, ids: torch.Tensor, config, new_tokens: int, clock=None) -> 
     return time.perf_counter() - t0
 
 
+KERNEL_KINDS = (  # (kind, substrings of a CUDA kernel's name), first match wins
+    ("all-reduce (NCCL)", ("nccl",)),
+    ("GEMM", ("gemm", "cutlass", "nvjet", "xmma", "splitk", "cublas")),
+    ("Triton (RocketKV, compiled regions)", ("triton",)),
+)
+
+
+def _kernel_times(model, ids, config, new_tokens: int) -> tuple[dict[str, float], float, int]:
+    """GPU microseconds per kernel kind, the busy microseconds (the union of kernel intervals), and the kernel count
+    of one generate() under torch.profiler (CUDA graph replays included: CUPTI traces the kernels inside them)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _generate(model, ids, config, new_tokens)
+    kinds: dict[str, float] = {}
+    intervals = []
+    for event in prof.events():
+        if event.device_type != DeviceType.CUDA or "memcpy" in event.name.lower() or "memset" in event.name.lower():
+            continue
+        name = event.name.lower()
+        kind = next((k for k, keys in KERNEL_KINDS if any(key in name for key in keys)), "other kernels")
+        kinds[kind] = kinds.get(kind, 0.0) + event.time_range.elapsed_us()
+        intervals.append((event.time_range.start, event.time_range.end))
+    busy, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):  # the union: overlapping kernels (two streams) count once
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    return kinds, busy, len(intervals)
+
+
+def _decode_profile(model, ids, config, new_tokens: int) -> dict:
+    """Where a decode step's GPU time goes on this rank: profile generate(new_tokens) and generate(1) (prefill, stage 1,
+    first token) and divide the difference by new_tokens - 1. Milliseconds per token per kernel kind, GPU busy, and
+    kernels per token; the gap between busy and the measured ms/token is host time (the GPU waiting)."""
+    full, full_busy, full_count = _kernel_times(model, ids, config, new_tokens)
+    first, first_busy, first_count = _kernel_times(model, ids, config, 1)
+    per_token = 1e-3 / (new_tokens - 1)
+    return {
+        "ms_per_token_by_kind": {k: (v - first.get(k, 0.0)) * per_token for k, v in sorted(full.items())},
+        "gpu_busy_ms_per_token": (full_busy - first_busy) * per_token,
+        "kernels_per_token": (full_count - first_count) / (new_tokens - 1),
+    }
+
+
 def run(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
 
     import hf_rocketkv
     import transformers
@@ -89,7 +136,8 @@ def run(args: argparse.Namespace) -> None:
     distributed = "WORLD_SIZE" in os.environ
     kwargs: dict[str, Any] = {}
     if distributed:
-        kwargs["tp_plan"] = "auto"  # transformers starts the process group (NCCL on CUDA, gloo on CPU)
+        # transformers starts the process group (NCCL on CUDA, gloo on CPU)
+        kwargs["distributed_config"] = DistributedConfig(tp_plan="auto")
     elif cuda:
         kwargs["device_map"] = "cuda"
     if args.dtype:
@@ -123,6 +171,7 @@ def run(args: argparse.Namespace) -> None:
         steps = [b - a for a, b in zip(times, times[1:])]
         steady.append(statistics.median(steps[DROP_FIRST_STEPS:] if len(steps) > DROP_FIRST_STEPS + 2 else steps))
     decode_ms = [(f - t) / (args.new_tokens - 1) * 1e3 for f, t in zip(full, ttft)]
+    profile = _decode_profile(model, ids, config, args.new_tokens) if args.profile and device.type == "cuda" else None
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     peaks = [peak]
     if distributed:
@@ -144,6 +193,7 @@ def run(args: argparse.Namespace) -> None:
         peak_gib_per_rank=peaks,
         # torch.compile graphs made during the timed repeats (0 when the warm-up compiled everything there is)
         recompilations_after_warmup=counters["stats"]["unique_graphs"] - graphs_before,
+        decode_profile=profile,
     )
     if rank == 0:
         Path(args.out).write_text(json.dumps(record, indent=1, default=str))
@@ -155,13 +205,13 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _exit_distributed() -> None:
-    """Leave without interpreter finalization (as tests/tp_worker.py does): the model's DTensor shards keep the
-    process group alive past destroy_process_group(), and gloo's threads can abort a half torn-down interpreter
-    (SIGABRT after all the work, pytorch/pytorch#179291); the exit status should report the run, not that race."""
+    """Leave without interpreter finalization or destroy_process_group() (as lockstep_check.py does): the model's
+    DTensor shards keep the process group alive, and on 2 H200s destroy_process_group() hung past the step's
+    limit after the JSON was written; gloo's threads can also abort a half torn-down interpreter (SIGABRT after
+    all the work, pytorch/pytorch#179291). The exit status should report the run, not those races."""
     import torch.distributed as dist
 
     dist.barrier()  # rank 0 has written the JSON
-    dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
@@ -211,6 +261,8 @@ def main() -> None:
     r.add_argument("--new-tokens", type=int, default=64)
     r.add_argument("--repeats", type=int, default=3)
     r.add_argument("--dtype", default=None, help="load the checkpoint in this dtype (default: as saved)")
+    r.add_argument("--profile", action="store_true",
+                   help="after the timed repeats, profile one generate() per rank: decode ms/token by kernel kind")
     r.add_argument("--rocketkv-json", default=None, help="RocketKVConfig fields to override, as a JSON object")
     c = sub.add_parser("compare")
     c.add_argument("single")

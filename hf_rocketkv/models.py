@@ -164,6 +164,16 @@ def load_tokenizer(source: ModelSource):
     return tokenizer
 
 
+def _tensor_parallel_kwargs(tp_plan: str | None) -> dict:
+    """from_pretrained's tensor-parallel arguments: ``distributed_config=DistributedConfig(tp_plan=...)``, the form
+    transformers asks for since 5.17 (the standalone ``tp_plan=`` argument warns that it goes away)."""
+    if tp_plan is None:
+        return {}
+    from transformers.distributed import DistributedConfig
+
+    return {"distributed_config": DistributedConfig(tp_plan=tp_plan)}
+
+
 def load_model_and_tokenizer(
     model: str | None = None,
     *,
@@ -198,7 +208,7 @@ def load_model_and_tokenizer(
             config=config,
             attn_implementation=attn_implementation,
             dtype=dtype if dtype is not None else "auto",
-            **({"tp_plan": tp_plan} if tp_plan is not None else {}),
+            **_tensor_parallel_kwargs(tp_plan),
             **source.kwargs,
         )
     except OSError as err:  # unreadable or truncated weight files

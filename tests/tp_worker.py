@@ -27,9 +27,11 @@ def main() -> None:
     import hf_rocketkv
     from hf_rocketkv import RocketKVCache, RocketKVConfig
     from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
 
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, tp_plan="auto", attn_implementation=hf_rocketkv.ATTN_NAME, dtype=torch.float32
+        model_dir, distributed_config=DistributedConfig(tp_plan="auto"), attn_implementation=hf_rocketkv.ATTN_NAME,
+        dtype=torch.float32,
     ).eval()
     rank = dist.get_rank()
     world = dist.get_world_size()

@@ -35,6 +35,7 @@ def main() -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
 
     import hf_rocketkv
     from hf_rocketkv import KVBlockPool, RocketKVCache
@@ -44,8 +45,8 @@ def main() -> None:
     from hf_rocketkv.serving.scheduler import BatchingConfig
     from tests.helpers import compressing_config, greedy, random_ids
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto", attn_implementation=hf_rocketkv.ATTN_NAME,
-                                                 dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, distributed_config=DistributedConfig(tp_plan="auto"),
+                                                 attn_implementation=hf_rocketkv.ATTN_NAME, dtype=torch.float32).eval()
     rank = dist.get_rank()
     config = compressing_config(kt_cache_dtype="float32")
     pool = KVBlockPool(model, max_gpu_bytes=2**20, page_size=8, dtype=torch.float32, device="cpu",
@@ -125,14 +126,15 @@ def batch_main(model_dir: str, output_path: str) -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
 
     import hf_rocketkv
     from hf_rocketkv import KVBlockPool, RocketKVCache, generate_batch
     from hf_rocketkv.serving import InvalidRequest, SamplingParams
     from tests.helpers import compressing_config, greedy, random_ids
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto", attn_implementation=hf_rocketkv.ATTN_NAME,
-                                                 dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, distributed_config=DistributedConfig(tp_plan="auto"),
+                                                 attn_implementation=hf_rocketkv.ATTN_NAME, dtype=torch.float32).eval()
     config = compressing_config(kt_cache_dtype="float32")
 
     def pool():
