@@ -102,6 +102,8 @@ def gpu_choices(launch: dict) -> dict:
     if kernel in ("_select_chunk_kernel", "_select_merge_kernel") and "TL_SORT" in args:
         return {"TL_SORT": TL_SORT_ON_GPU}
     if kernel == "_sparse_decode_split_kernel":
+        if dtype("k_ptr") == "torch.float8_e4m3fn":  # fp8 pages: fp32 dots for fp32 queries, else q's half type
+            return {"QK_FP32": dtype("q_ptr") == "torch.float32", "PV_FP32": dtype("q_ptr") == "torch.float32"}
         same = dtype("q_ptr") == dtype("k_ptr") == dtype("v_ptr")
         return {"QK_FP32": not (same and dtype("k_ptr") in HALF), "PV_FP32": not (same and dtype("v_ptr") in HALF)}
     if kernel == "_page_logits_kernel" and dtype("kt_ptr") == "torch.bfloat16":

@@ -257,8 +257,10 @@ def test_only_compat_touches_private_transformers_modules():
     "folder, forbidden",
     [
         ("cache", ("hf_rocketkv.integration", "hf_rocketkv.eval", "hf_rocketkv.cli", "hf_rocketkv.bench")),
-        ("selection", ("hf_rocketkv.cache", "hf_rocketkv.integration", "hf_rocketkv.kernels", "transformers")),
-        ("kernels", ("hf_rocketkv.cache", "hf_rocketkv.integration", "transformers")),
+        ("memory", ("hf_rocketkv.cache", "hf_rocketkv.integration", "hf_rocketkv.serving")),
+        ("selection", ("hf_rocketkv.cache", "hf_rocketkv.integration", "hf_rocketkv.kernels", "hf_rocketkv.memory",
+                       "transformers")),
+        ("kernels", ("hf_rocketkv.cache", "hf_rocketkv.integration", "hf_rocketkv.memory", "transformers")),
     ],
 )
 def test_arrows_point_down(folder, forbidden):

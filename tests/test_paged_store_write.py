@@ -79,3 +79,52 @@ def test_scatter_pages_with_host_counts_matches_page_by_page_writes(batch):
             expected[int(table[b, i])] = rows[b, :, i * page : (i + 1) * page]
     scatter_pages(pool, table, rows, tuple(counts))
     assert torch.equal(pool, expected)
+
+
+@pytest.mark.parametrize("granularity", ["page", "head"])
+@pytest.mark.parametrize("seed", range(6))
+def test_fp8_write_tokens_follows_the_reference_write_rule(seed, granularity):
+    """fp8 pages: ``write_tokens`` equals ``memory/page_io.write_tokens`` (the reference rule) row by row, bit for bit:
+    touched pages re-quantized over their tokens with the slots past the write zeroed (stale bytes there, NaN
+    patterns included, never reach a scale), pages before ``start`` and other pages untouched."""
+    from hf_rocketkv.memory import page_io
+    from hf_rocketkv.memory.fp8 import FP8_DTYPE, quantize_pages
+    from hf_rocketkv.memory.layout import LayerShape
+    from hf_rocketkv.memory.storage import LayerStorage
+
+    rng = random.Random(seed)
+    page, heads, dim = rng.choice([4, 8]), rng.choice([1, 2]), rng.choice([4, 8])
+    batch, pages_per_row = rng.randint(1, 3), rng.randint(2, 4)
+    num_pages = batch * pages_per_row + 2
+    shape = LayerShape(heads, dim, page, page, FP8_DTYPE, torch.float32, granularity)
+    # earlier tokens: valid fp8 pages with their scales; then stale bytes (0x7f = NaN in e4m3) in some pages
+    k, k_scale = quantize_pages(torch.randn(num_pages, heads, page, dim), granularity)
+    v, v_scale = quantize_pages(torch.randn(num_pages, heads, page, dim), granularity)
+    table = torch.randperm(num_pages)[: batch * pages_per_row].view(batch, pages_per_row).to(torch.int32)
+    width = pages_per_row * page
+    keys, values = torch.randn(batch, heads, width, dim) * 3, torch.randn(batch, heads, width, dim)
+    start, end = [], []
+    for b in range(batch):
+        first = rng.choice([0, page, rng.randint(0, width - 1)])
+        last = rng.randint(first + 1, width)
+        start.append(first)
+        end.append(last)
+        for slot in range(last, ceil_div(last, page) * page):  # stale bytes past the write in its last page
+            k.view(torch.uint8)[int(table[b, slot // page]), :, slot % page] = 0x7F
+    reference = LayerStorage(shape, k.clone(), v.clone(), torch.zeros(0), k_scale.clone(), v_scale.clone())
+    for b in range(batch):
+        n = end[b] - start[b]
+        page_io.write_tokens(reference, table[b].tolist(), start[b], keys[b, :, start[b] : end[b]],
+                             values[b, :, start[b] : end[b]])
+        assert n > 0
+    store = PagedStore(k.clone(), v.clone(), None, table, (pages_per_row,) * batch, False, k_scale=k_scale.clone(),
+                       v_scale=v_scale.clone(), read_dtype=torch.float32)
+    write_tokens(store, keys, values, start, end)
+    for got, want in ((store.k, reference.k), (store.v, reference.v)):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(store.k_scale, reference.k_scale) and torch.equal(store.v_scale, reference.v_scale)
+    assert not torch.isnan(store.gather()[0]).any()
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)

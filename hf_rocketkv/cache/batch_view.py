@@ -106,7 +106,9 @@ class BatchedDecodeLayer(RocketKVLayer):
     def select(self, bucket: int, row_pages: tuple[int, ...]) -> None:
         """Point the decode path (store, lengths, positions, seen, handles) at rows ``[0, bucket)``."""
         table = self.table_buf[:bucket]
-        self.store = PagedStore(self.storage.k, self.storage.v, self.storage.kt, table, row_pages, False)
+        storage = self.storage  # an fp8 pool's pages come with their scales (read back in the model's dtype)
+        self.store = PagedStore(storage.k, storage.v, storage.kt, table, row_pages, False, k_scale=storage.k_scale,
+                                v_scale=storage.v_scale, read_dtype=self.dtype if storage.k_scale is not None else None)
         self.lengths = self.lengths_buf[:bucket]
         self.positions = self.positions_buf[:bucket]
         self.seen = self.seen_buf[:bucket]
@@ -126,6 +128,7 @@ class BatchedDecodeLayer(RocketKVLayer):
         self.ops.paged_append_token(
             store.k, store.v, store.kt, store.table, self.positions, self.lengths, self.seen,
             key_states[:, :, 0], value_states[:, :, 0], self.config.page_size,
+            k_scale=store.k_scale, v_scale=store.v_scale,
         )
         return self.key_handle, self.value_handle
 

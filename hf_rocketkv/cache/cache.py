@@ -320,11 +320,6 @@ def _prefix_keys(pool, config: RocketKVConfig, cache_salt, prefix_keys):
     if not isinstance(pool, KVBlockPool):
         raise TypeError(f"RocketKVCache(pool=...) takes a hf_rocketkv.KVBlockPool, got {type(pool).__name__}")
     pool.check_config(config)
-    if pool.dtype == torch.float8_e4m3fn:
-        raise NotImplementedError(
-            "RocketKVCache(pool=...) with KVBlockPool.dtype=float8_e4m3fn: the decode kernels do not read fp8 pages "
-            "yet; build the pool with the model's dtype (bfloat16 / float16 / float32)"
-        )
     if config.token_budget is not None:
         raise NotImplementedError(
             f"RocketKVConfig.token_budget={config.token_budget} derives prompt_budget and page_size per request at the "

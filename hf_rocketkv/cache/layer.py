@@ -9,7 +9,8 @@ compressed  after stage 1. Per row b and KV head h, slots [0, lengths[b]) hold t
             page summaries beside them; decode writes one slot per row in place through the block table.
 
 Tensors (B batch, Hkv KV heads, C capacity, PP tokens per page, KP = config.page_size, D head_dim):
-    store.k, store.v [N, Hkv, PP, D]      model dtype (private store: PP = KP, N = B * C / KP)
+    store.k, store.v [N, Hkv, PP, D]      model dtype (private store: PP = KP, N = B * C / KP); an fp8 pool's
+                                          pages are e4m3 with store.k_scale / v_scale [N] or [N, Hkv] (paged_store)
     store.kt         [N, Hkv, PP/KP, 2, D] KT dtype (min, max of each KT page)
     store.table      [B, C/PP] int32       row b's slot s is in page table[b, s // PP] at offset s % PP
     positions        [B, Hkv, C]           int32 input column of each stored token (-1 = empty slot)
@@ -431,11 +432,13 @@ class RocketKVLayer(CacheLayerMixin):
         self.ops.paged_append_token(
             store.k, store.v, store.kt, store.table, self.positions, self.lengths, self.seen,
             key_states[:, :, 0], value_states[:, :, 0], self.config.page_size,
+            k_scale=store.k_scale, v_scale=store.v_scale,
         )
         if history is not None:  # keep_all: the full history too
             self.ops.paged_append_kv(
                 history.store.k, history.store.v, history.store.table, history.positions, history.lengths,
                 self.seen, key_states[:, :, 0], value_states[:, :, 0],
+                k_scale=history.store.k_scale, v_scale=history.store.v_scale,
             )
 
     def note_decode_step(self) -> None:
@@ -869,6 +872,7 @@ class RocketKVLayer(CacheLayerMixin):
             self.ops.paged_compact_row(
                 self._keys[b], self._values[b], slots, columns[b] if columns is not None else None, store.k,
                 store.v, store.kt, store.table[b], store.row_pages[b], positions[b], self.config.page_size,
+                k_scale=store.k_scale, v_scale=store.v_scale,
             )
         self.lengths = filled(batch, counts, torch.long, self.device)  # no pageable copy (a sync) per layer
         self.store, self.positions = store, positions
@@ -963,10 +967,11 @@ class RocketKVLayer(CacheLayerMixin):
             return
         self._tag_keys()
         store, history = self.store, self.history
-        tensors = [store.k, store.v, store.kt, store.table, self.positions, self.lengths, self.seen, self.key_handle,
-                   self.value_handle, self.gen_start, self.decode_queries]
+        tensors = [store.k, store.v, store.kt, store.k_scale, store.v_scale, store.table, self.positions, self.lengths,
+                   self.seen, self.key_handle, self.value_handle, self.gen_start, self.decode_queries]
         if history is not None:
-            tensors += [history.store.k, history.store.v, history.store.table, history.positions, history.lengths]
+            tensors += [history.store.k, history.store.v, history.store.k_scale, history.store.v_scale,
+                        history.store.table, history.positions, history.lengths]
         for tensor in tensors:
             if tensor is not None:
                 torch._dynamo.mark_static_address(tensor)

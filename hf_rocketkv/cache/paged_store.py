@@ -7,6 +7,11 @@ Layout (kernels/paged.py; the KV block pool's, docs/memory.md):
                                 without KT summaries (keep_all's full history)
     table   [B, MP] int32       row b's slot s is in page table[b, s // PP] at offset s % PP; -1 = no page
 
+fp8 pages (a pool built with ``dtype=torch.float8_e4m3fn``): ``k``/``v`` are e4m3 with float32 scales ``k_scale`` /
+``v_scale`` ``[N]`` (one per page) or ``[N, Hkv]`` (per page and KV head), and ``read_dtype`` is the model's dtype.
+Reads dequantize (``gather``); writes follow ``memory/page_io.write_tokens``' rule: every page a write touches is
+re-quantized over what it holds, and slots past the write are zeros, so a page's scale covers exactly its tokens.
+
 ``row_pages[b]`` pages belong to row b (the first entries of its table row), so row b holds
 ``row_pages[b] * PP`` slots and the store ``C = MP * PP``. A private store (no pool) owns its tensors and gives every
 row MP pages (an identity table); a pool-backed store's tensors are the pool's per-layer tensors and its table comes
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.paged import gather_pages, identity_table, scatter_pages
+from ..memory.fp8 import dequantize_fp8, quantize_pages
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -35,6 +41,17 @@ class PagedStore:
     table: torch.Tensor
     row_pages: tuple[int, ...]
     private: bool  # True: the tensors belong to this store alone (no pool)
+    k_scale: torch.Tensor | None = None  # fp8 pages: float32 [N] or [N, Hkv]; None: pages in the model dtype
+    v_scale: torch.Tensor | None = None
+    read_dtype: torch.dtype | None = None  # fp8 pages: the dtype reads dequantize to (the model's)
+
+    @property
+    def fp8(self) -> bool:
+        return self.k_scale is not None
+
+    @property
+    def scale_granularity(self) -> str:
+        return "page" if self.k_scale.dim() == 1 else "head"
 
     @property
     def page_tokens(self) -> int:
@@ -57,7 +74,11 @@ class PagedStore:
         return [pages * self.page_tokens for pages in self.row_pages]
 
     def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every row's slots as contiguous ``(keys, values)`` ``[B, Hkv, C, D]`` (zeros where a row has no page)."""
+        """Every row's slots as contiguous ``(keys, values)`` ``[B, Hkv, C, D]`` (zeros where a row has no page);
+        fp8 pages are dequantized to ``read_dtype``."""
+        if self.fp8:
+            return (_gather_dequantized(self.k, self.k_scale, self.table, self.read_dtype),
+                    _gather_dequantized(self.v, self.v_scale, self.table, self.read_dtype))
         return gather_pages(self.k, self.table), gather_pages(self.v, self.table)
 
     def gather_kt(self) -> torch.Tensor:
@@ -69,8 +90,12 @@ class PagedStore:
         and ``kt`` ``[B, Hkv, W // KP, 2, D]`` when given. Whole pages are written, so stale bytes of an earlier
         owner of a pool page never survive."""
         counts = self.row_pages  # host page counts: no device-side mask of the table (a sync per write)
-        scatter_pages(self.k, self.table, _pad_slots(keys, self.capacity, 0), counts)
-        scatter_pages(self.v, self.table, _pad_slots(values, self.capacity, 0), counts)
+        if self.fp8:  # whole pages, each quantized over its slots (the rows' zeros past their tokens included)
+            _scatter_quantized(self.k, self.k_scale, self.table, _pad_slots(keys, self.capacity, 0), counts)
+            _scatter_quantized(self.v, self.v_scale, self.table, _pad_slots(values, self.capacity, 0), counts)
+        else:
+            scatter_pages(self.k, self.table, _pad_slots(keys, self.capacity, 0), counts)
+            scatter_pages(self.v, self.table, _pad_slots(values, self.capacity, 0), counts)
         if kt is not None:
             scatter_pages(self.kt, self.table, _pad_slots(kt, self.max_pages * self.kt.shape[2], 0), counts)
 
@@ -88,10 +113,37 @@ class PagedStore:
 
     def nbytes(self) -> int:
         """Bytes of the pages this store's rows hold (all of a private store's tensors, the table included)."""
-        per_page = sum(t[0].numel() * t.element_size() for t in (self.k, self.v, self.kt) if t is not None)
+        tensors = (self.k, self.v, self.kt, self.k_scale, self.v_scale)
+        per_page = sum(t[0].numel() * t.element_size() for t in tensors if t is not None)
         if self.private:
             return per_page * self.k.shape[0] + self.table.numel() * self.table.element_size()
         return per_page * sum(self.row_pages) + self.table.numel() * self.table.element_size()
+
+
+def _gather_dequantized(pages: torch.Tensor, scale: torch.Tensor, table: torch.Tensor,
+                        dtype: torch.dtype) -> torch.Tensor:
+    """``gather_pages`` of fp8 pages, dequantized: ``[B, Hkv, MP * PP, D]`` in ``dtype`` (zeros for a missing page).
+    The rows' pages are indexed first (only they are widened), then scaled by their page's (and head's) scale."""
+    index = table.long().clamp(min=0)  # [B, MP]
+    batch, max_pages = table.shape
+    rows = dequantize_fp8(pages[index.flatten()], scale[index.flatten()], dtype)  # [B * MP, Hkv, PP, D]
+    rows = rows.view(batch, max_pages, *rows.shape[1:])
+    present = (table >= 0).view(batch, max_pages, 1, 1, 1)
+    rows = torch.where(present, rows, torch.zeros((), dtype=rows.dtype, device=rows.device)).movedim(2, 1)
+    return rows.reshape(batch, rows.shape[1], max_pages * pages.shape[2], pages.shape[3])
+
+
+def _scatter_quantized(pages: torch.Tensor, scale: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
+                       row_pages: tuple[int, ...]) -> None:
+    """``scatter_pages`` into fp8 pages: each of a row's ``row_pages[b]`` pages (``table[b, :row_pages[b]]``) is
+    quantized over its ``PP`` slots of ``rows`` ``[B, Hkv, MP * PP, D]`` and written with its scale."""
+    batch, max_pages = table.shape
+    per_page = rows.reshape(batch, rows.shape[1], max_pages, pages.shape[2], pages.shape[3]).movedim(1, 2)
+    index = torch.cat([table[b, :n] for b, n in enumerate(row_pages)]).long()
+    source = torch.cat([per_page[b, :n] for b, n in enumerate(row_pages)])  # [n, Hkv, PP, D]
+    quantized, scales = quantize_pages(source, "page" if scale.dim() == 1 else "head")
+    pages[index] = quantized
+    scale[index] = scales
 
 
 def _pad_slots(tensor: torch.Tensor, size: int, fill) -> torch.Tensor:
@@ -138,6 +190,9 @@ def write_tokens(store: PagedStore, keys: torch.Tensor, values: torch.Tensor, st
     for b, (first, last) in enumerate(zip(start, end)):
         if last > first and (b >= len(store.row_pages) or last > store.row_pages[b] * store.page_tokens):
             raise IndexError("write_tokens: a row has no page for a slot it writes (table entry -1)")
+    if store.fp8:
+        _write_tokens_fp8(store, keys, values, start, end)
+        return
     device, page = store.k.device, store.page_tokens
     rows, slots = [], []
     for b, (first, last) in enumerate(zip(start, end)):
@@ -171,3 +226,27 @@ def _write_whole_pages(store: PagedStore, keys: torch.Tensor, values: torch.Tens
         # [Hkv, n * P, D] -> [n, Hkv, P, D]: page-major like the pool's pages (a view; index_put_ reads the strides)
         per_page = source[row, :, first:last].reshape(heads, -1, page, dim).transpose(0, 1)
         target[pages] = per_page.to(target.dtype)
+
+
+def _write_tokens_fp8(store: PagedStore, keys: torch.Tensor, values: torch.Tensor, start: list[int],
+                      end: list[int]) -> None:
+    """``write_tokens`` into fp8 pages by ``memory/page_io.write_tokens``' rule: the pages that slots
+    ``[start[b], end[b])`` touch are dequantized, take the new tokens, have every slot at or past ``end[b]`` zeroed,
+    and are re-quantized with fresh scales (earlier tokens of a touched page keep their values up to rounding).
+    Pages before the first touched one are never read or written (shared prefix pages)."""
+    page, granularity = store.page_tokens, store.scale_granularity
+    for b, (first, last) in enumerate(zip(start, end)):
+        if last <= first:
+            continue
+        first_page, end_page = first // page, ceil_div(last, page)
+        index = store.table[b, first_page:end_page].long()
+        base = first_page * page  # slot of the first touched page's slot 0
+        for source, pages, scale in ((keys, store.k, store.k_scale), (values, store.v, store.v_scale)):
+            dense = dequantize_fp8(pages[index], scale[index])  # [m, Hkv, PP, D] float32
+            heads, dim = dense.shape[1], dense.shape[3]
+            flat = dense.transpose(0, 1).reshape(heads, -1, dim)  # [Hkv, m * PP, D] (a copy)
+            flat[:, first - base : last - base] = source[b, :, first:last].to(flat.dtype)
+            flat[:, last - base :] = 0
+            quantized, scales = quantize_pages(flat.reshape(heads, -1, page, dim).transpose(0, 1), granularity)
+            pages[index] = quantized
+            scale[index] = scales

@@ -34,6 +34,7 @@ import torch
 from ..kernels.host_copy import device_tensor
 from ..memory import Admission, BlockTable, KVBlockPool, PrefixKeys, Reservation
 from ..memory.accounting import row_pages
+from ..memory.fp8 import FP8_DTYPE, dequantize_fp8
 from .paged_store import PagedStore, ceil_div
 from .stats import RequestCounters
 
@@ -83,6 +84,27 @@ def _table_tensor(rows: list[list[BlockTable]], device) -> tuple[torch.Tensor, t
     width = max(1, max(len(p) for p in pages))
     padded = [p + [-1] * (width - len(p)) for p in pages]
     return device_tensor(padded, torch.int32, device), tuple(len(p) for p in pages)
+
+
+def _read_pages(pages: torch.Tensor, scale: torch.Tensor | None, index: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+    """Pages ``index`` of a pool tensor ``[N, Hkv, S, D]``, dequantized to ``dtype`` when they are fp8."""
+    selected = pages.index_select(0, index)
+    return selected if scale is None else dequantize_fp8(selected, scale.index_select(0, index), dtype)
+
+
+def check_fp8_kernels(backend: str, device: torch.device, capability: tuple[int, int] | None = None) -> None:
+    """The Triton kernels convert to and from e4m3 in registers, which needs compute capability 8.9 or newer (Ada,
+    Hopper, Blackwell): on an older GPU an fp8 pool is refused before any page is written, naming the ways out."""
+    if backend != "triton" or device.type != "cuda":
+        return
+    capability = capability or torch.cuda.get_device_capability(device)
+    if tuple(capability) < (8, 9):
+        raise ValueError(
+            f"KVBlockPool(dtype=float8_e4m3fn) with the Triton kernels needs a GPU of compute capability 8.9 or newer "
+            f"(Ada, Hopper, Blackwell); {device} has {capability[0]}.{capability[1]}. Build the pool in the model's "
+            f"dtype, or use RocketKVConfig(backend='torch')"
+        )
 
 
 def copy_pages_into(dest: torch.Tensor, pages: torch.Tensor, n: int) -> None:
@@ -296,14 +318,27 @@ class PoolPages:
             n = tokens - row.pad
             if n > 0:
                 index = table[b, : ceil_div(n, self.page_tokens)].long()
-                copy_pages_into(keys[b, :, row.pad :], storage.k.index_select(0, index), n)
-                copy_pages_into(values[b, :, row.pad :], storage.v.index_select(0, index), n)
+                copy_pages_into(keys[b, :, row.pad :], _read_pages(storage.k, storage.k_scale, index, keys.dtype), n)
+                copy_pages_into(values[b, :, row.pad :], _read_pages(storage.v, storage.v_scale, index, keys.dtype), n)
         return keys, values
 
     # ------------------------------------------------------------------------------------------ layer views
+    @staticmethod
+    def _store(storage, layer, table: torch.Tensor, row_pages: tuple[int, ...], kt: bool = True) -> PagedStore:
+        """A store over the pool's tensors (fp8 pools: with the pages' scales, read back in the layer's dtype)."""
+        if storage.k_scale is None:
+            return PagedStore(storage.k, storage.v, storage.kt if kt else None, table, row_pages, False)
+        return PagedStore(storage.k, storage.v, storage.kt if kt else None, table, row_pages, False,
+                          k_scale=storage.k_scale, v_scale=storage.v_scale, read_dtype=layer.dtype)
+
     def check_layer(self, layer, key_states: torch.Tensor) -> None:
         """The pool's storage must match the model's K/V (checked at the first update, before any page is written)."""
-        if key_states.dtype != self.pool.dtype:
+        if self.pool.dtype == FP8_DTYPE:
+            if not key_states.dtype.is_floating_point or key_states.dtype.itemsize < 2:
+                raise ValueError(f"a KVBlockPool of {FP8_DTYPE} pages stores a model's bfloat16 / float16 / float32 "
+                                 f"K/V, got {key_states.dtype}")
+            check_fp8_kernels(layer.ops.name, key_states.device)
+        elif key_states.dtype != self.pool.dtype:
             raise ValueError(
                 f"KVBlockPool.dtype is {self.pool.dtype} but the model's keys are {key_states.dtype}: build the pool "
                 f"with dtype={key_states.dtype} (the pages hold the model's K/V as they are)"
@@ -329,7 +364,7 @@ class PoolPages:
             table, row_pages = _table_tensor([[row.admission.prompt] for row in self.rows], layer.device)
             if self.turn is not None:
                 self.turn.prompt_table = (table, row_pages)
-        return PagedStore(storage.k, storage.v, None, table, row_pages, False), [row.hit_tokens for row in self.rows]
+        return self._store(storage, layer, table, row_pages, kt=False), [row.hit_tokens for row in self.rows]
 
     def view_store(self, layer, counts: list[int], headroom: int) -> PagedStore:
         """The current turn's view pages for ``layer`` (the turn begins now when nothing announced it)."""
@@ -349,7 +384,7 @@ class PoolPages:
                     f"policy kept more than the budget"
                 )
         storage = self.pool.layer(layer.layer_idx)
-        return PagedStore(storage.k, storage.v, storage.kt, turn.table, turn.row_pages, False)
+        return self._store(storage, layer, turn.table, turn.row_pages)
 
     def after_compaction(self, layer) -> None:
         """Count the layers done; when every layer has compacted, close the turn (module docstring)."""
@@ -407,7 +442,7 @@ class PoolPages:
             self._view_table = None
         table, row_pages = self.view_table(layer.device)
         storage = self.pool.layer(layer.layer_idx)
-        return PagedStore(storage.k, storage.v, storage.kt, table, row_pages, False)
+        return self._store(storage, layer, table, row_pages)
 
     def history_store(self, layer, capacity: int) -> PagedStore:
         """keep_all: the history pages as a store without KT, with at least ``capacity`` slots per row."""
@@ -423,12 +458,12 @@ class PoolPages:
             self._history_table = None
         table, row_pages = self.history_table(layer.device)
         storage = self.pool.layer(layer.layer_idx)
-        return PagedStore(storage.k, storage.v, None, table, row_pages, False)
+        return self._store(storage, layer, table, row_pages, kt=False)
 
     def stacked_view(self, layer, stores: list[PagedStore]) -> PagedStore:
         table, row_pages = self.view_table(layer.device)
         storage = self.pool.layer(layer.layer_idx)
-        return PagedStore(storage.k, storage.v, storage.kt, table, row_pages, False)
+        return self._store(storage, layer, table, row_pages)
 
     # ------------------------------------------------------------------------------------------ row groups
     def split(self, rows: slice, counters: RequestCounters) -> "PoolPages":

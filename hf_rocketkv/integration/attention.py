@@ -228,7 +228,8 @@ def decode_attention(layer: RocketKVLayer, query: torch.Tensor, scaling: float) 
                                                    recent_pages=recent_pages,
                                                    per_head_bound=config.stage2_per_head_bound)
     out = ops.paged_sparse_decode_attention(
-        q, store.k, store.v, store.table, page_idx, page_valid, layer.lengths, config.page_size, scaling
+        q, store.k, store.v, store.table, page_idx, page_valid, layer.lengths, config.page_size, scaling,
+        k_scale=store.k_scale, v_scale=store.v_scale
     )
     layer.record_decode_query(query)  # decode-time compression's scoring window (no-op when it is off)
     # [B, Hkv, G, D] -> [B, 1, Hq, D]: the size-1 axes make this transpose a contiguous view

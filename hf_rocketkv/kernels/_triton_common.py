@@ -6,6 +6,10 @@ CPU. ``round_to`` first rounds the fp32 value to the nearest-even value represen
 integer arithmetic (the same on every backend), so the final ``.to()`` is exact everywhere. The rules are those of
 ``torch.Tensor.to`` for finite values; values that overflow float8_e5m2 (|x| > 57344) become inf as in PyTorch on
 the CPU interpreter, and the hardware conversion decides on the GPU.
+
+float8_e4m3fn (``DT_FP8E4``, the fp8 K/V pages of the KV block pool) is not in ``DTYPE_CODE`` (no kernel stores KT or
+outputs in it): the fp8 paged kernels quantize through ``quantize_e4m3``, which clamps to +-448 first (as
+``kernels/fp8.quantize_fp8``), so the rounding never meets a value e4m3 cannot hold.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ TORCH_TO_TL = {
 
 # integer codes for the dtypes a kernel stores or computes in (passed as tl.constexpr)
 DT_FP32, DT_FP16, DT_BF16, DT_FP8E5 = 0, 1, 2, 3
+DT_FP8E4 = 4  # float8_e4m3fn: fp8 K/V pages only (see the module docstring)
 DTYPE_CODE = {torch.float32: DT_FP32, torch.float16: DT_FP16, torch.bfloat16: DT_BF16, torch.float8_e5m2: DT_FP8E5}
 
 
@@ -104,6 +109,12 @@ def round_to(x, DT: tl.constexpr):
         tiny = _rtne_drop_bits(ax + 6.103515625e-05, 21) - 6.103515625e-05
         tiny = tl.where(x.to(tl.int32, bitcast=True) < 0, -tiny, tiny)  # keeps the sign of -0.0
         y = tl.where(ax < 6.103515625e-05, tiny, normal)
+    elif DT == 4:  # float8_e4m3fn: 3 mantissa bits, normals from 2**-6, subnormal spacing 2**-9 (no inf; |x| <= 448)
+        ax = tl.abs(x)
+        normal = _rtne_drop_bits(x, 20)
+        tiny = _rtne_drop_bits(ax + 0.015625, 20) - 0.015625
+        tiny = tl.where(x.to(tl.int32, bitcast=True) < 0, -tiny, tiny)  # keeps the sign of -0.0
+        y = tl.where(ax < 0.015625, tiny, normal)
     elif DT == 1:
         y = x.to(tl.float16).to(tl.float32)
     else:
@@ -119,8 +130,19 @@ def cast_to(x, DT: tl.constexpr):
         out = y.to(tl.bfloat16)
     elif DT == 3:
         out = y.to(tl.float8e5)
+    elif DT == 4:
+        out = y.to(tl.float8e4nv)
     elif DT == 1:
         out = y.to(tl.float16)
     else:
         out = y
     return out
+
+
+@triton.jit
+def quantize_e4m3(x, scale):
+    """fp32 ``x / scale`` (IEEE division) clamped to +-448 and rounded to float8_e4m3fn: ``kernels/fp8.quantize_fp8``
+    bit for bit."""
+    y = tl.math.div_rn(x, scale)
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    return cast_to(y, 4)  # DT_FP8E4

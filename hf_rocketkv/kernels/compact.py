@@ -16,6 +16,11 @@ Grid (Hkv, cdiv(MP * R, BLOCK_J)). For each of its KT pages j a program walks th
 loads dense slot ``slots[h, i]``, every other slot stores zeros, and the min/max runs in fp32 over the kept slots only
 (rounded once to the KT dtype, as ``build_kt``). Slots, K/V and KT bytes are copied, never computed, so the result is
 bit-identical to the reference (tested on CPU under the interpreter and on the GPU).
+
+fp8 pages (``k_scale`` / ``v_scale``): the same launch writes the row's pages into float32 staging pages (and its KT
+into a staging KT, through a staging table 0..row_pages-1), then PyTorch quantizes the staged pages
+(``kernels/fp8.quantize_pages``, granularity from the scale's shape) and writes pages, scales and KT into the pool
+pages: bit-identical to the reference, which quantizes its own float staging of the row.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8 import quantize_pages
 from ._triton_common import cast_to, cdiv, dtype_code, next_pow2
+from .paged import check_fp8_scales, scale_granularity
 
 
 # the counts and the head strides follow the prompt length and max_new_tokens: Triton would compile a variant per
@@ -97,8 +104,12 @@ def paged_compact_row_triton(
     row_pages: int,
     positions: torch.Tensor,
     kt_page_size: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Same contract as ``paged.paged_compact_row_torch`` (in place, one launch)."""
+    """Same contract as ``paged.paged_compact_row_torch`` (in place, one launch; fp8 pages: the launch stages the
+    row's pages in float32, then PyTorch quantizes them into the pool pages)."""
+    fp8 = check_fp8_scales(k_pages, v_pages, k_scale, v_scale, "paged_compact_row")
     heads, n = slots.shape
     page = k_pages.shape[2]
     if page % kt_page_size:
@@ -111,11 +122,15 @@ def paged_compact_row_triton(
                          f"{list(positions.shape)}")
     if n > row_pages * page:
         raise ValueError(f"paged_compact_row: {n} kept slots do not fit the row's {row_pages} pages of {page}")
+    if capacity // kt_page_size == 0 or heads == 0:
+        return
+    if fp8:
+        _compact_row_fp8(keys, values, slots, columns, k_pages, v_pages, kt_pages, table, row_pages, positions,
+                         kt_page_size, k_scale, v_scale)
+        return
     head_dim = keys.shape[-1]
     per_page = page // kt_page_size
     num_kt_pages = capacity // kt_page_size
-    if num_kt_pages == 0 or heads == 0:
-        return
     block_d = next_pow2(head_dim)
     block_j = max(1, min(next_pow2(num_kt_pages), 4096 // (block_d * kt_page_size) or 1))
     has_kt = kt_pages is not None
@@ -132,3 +147,29 @@ def paged_compact_row_triton(
         HAS_COLUMNS=columns is not None, HAS_KT=has_kt, KT_DT=dtype_code(kt_pages.dtype) if has_kt else 0,
         num_warps=4,
     )
+
+
+def _compact_row_fp8(keys, values, slots, columns, k_pages, v_pages, kt_pages, table, row_pages, positions,
+                     kt_page_size, k_scale, v_scale) -> None:
+    """fp8 pages: the launch into float32 staging pages, then quantize and write pages, scales and KT."""
+    _, heads, page, dim = k_pages.shape
+    device = k_pages.device
+    staged = max(row_pages, 1)  # a real buffer even for a row without pages (nothing is written into it)
+    k_stage = torch.empty((staged, heads, page, dim), dtype=torch.float32, device=device)
+    v_stage = torch.empty_like(k_stage)
+    kt_stage = None
+    if kt_pages is not None:
+        kt_stage = torch.empty((staged, *kt_pages.shape[1:]), dtype=kt_pages.dtype, device=device)
+    stage_table = torch.arange(table.shape[0], dtype=torch.int32, device=device)  # page j of the row -> staged j
+    paged_compact_row_triton(keys, values, slots, columns, k_stage, v_stage, kt_stage, stage_table, row_pages,
+                             positions, kt_page_size)  # float pages: the one launch
+    if row_pages == 0:
+        return
+    pages = table[:row_pages].long()
+    for stage, target, scale in ((k_stage, k_pages, k_scale), (v_stage, v_pages, v_scale)):
+        quantized, page_scale = quantize_pages(stage, scale_granularity(scale))
+        target[pages] = quantized  # index_put_ (index_copy_ has no float8 kernel on CPU)
+        scale[pages] = page_scale
+    if kt_pages is not None:
+        kt_pages[pages] = kt_stage
+

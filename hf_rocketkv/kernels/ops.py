@@ -26,20 +26,36 @@ class RocketOps:
 
     Paged decode (what RocketKVLayer uses; layout in kernels/paged.py):
     paged_append_token(k_pages, v_pages, kt_pages, table, positions, lengths, seen, key_new, value_new,
-                       kt_page_size) -> None (in place)
-    paged_append_kv(k_pages, v_pages, table, positions, lengths, seen, key_new, value_new) -> None (no KT)
+                       kt_page_size, k_scale=None, v_scale=None) -> None (in place)
+    paged_append_kv(k_pages, v_pages, table, positions, lengths, seen, key_new, value_new, k_scale=None,
+                    v_scale=None) -> None (no KT)
     paged_page_scores(q, kt_pages, table, n_pages, topr, per_head_bound=False) -> probs [B, Hkv, MP * R]
     paged_top_pages(q, kt_pages, table, lengths, kt_page_size, topr, topk, sink_pages=0, recent_pages=1,
                     per_head_bound=False)
         -> (page_idx, page_valid)
     paged_sparse_decode_attention(q, k_pages, v_pages, table, page_idx, page_valid, lengths, kt_page_size,
-                                  scaling) -> [B, Hkv, G, D]
+                                  scaling, k_scale=None, v_scale=None) -> [B, Hkv, G, D]
 
     Stage 1's compaction (prefill, eager; one call per row):
     paged_compact_row(keys, values, slots, columns, k_pages, v_pages, kt_pages, table, row_pages, positions,
-                      kt_page_size) -> None (in place: the row's pages, their KT, positions)
+                      kt_page_size, k_scale=None, v_scale=None) -> None (in place: the row's pages, their KT,
+                      positions; fp8: and their scales)
 
     lengths / n_pages / slot: [B] (per row) or [B, Hkv] (per row and KV head) everywhere in decode.
+
+    fp8 pages (the pool's float8_e4m3fn storage, arithmetic of kernels/fp8.py): k_scale / v_scale are float32 [N]
+    (granularity "page": one scale per pool page, all KV heads) or [N, Hkv] ("head"), indexed by pool page id.
+    Scales given <=> k_pages and v_pages are float8_e4m3fn; anything else (scales with float pages, fp8 pages
+    without scales, a shape other than [N] / [N, Hkv], a dtype other than float32) raises ValueError
+    (kernels/paged.check_fp8_scales).
+    - reads (paged_sparse_decode_attention) dequantize: k = float(k_fp8) * k_scale[page(, head)].
+    - decode appends (paged_append_token / paged_append_kv) follow the append rule (append_token.fp8_append_torch:
+      scale reset at a page's first slot; the page re-quantized only when the token's amax grows its scale; the
+      token quantized with the new scale), graph-safe; KT (from the unquantized key), positions and lengths as for
+      float pages. [B, Hkv] lengths need "head" scales (ValueError with "page" scales). Triton backend: the append
+      kernel applies the rule in place (the twin's bytes), still one launch and no host sync.
+    - paged_compact_row quantizes the row's written pages over their valid tokens (kernels/fp8.quantize_pages) and
+      writes their scales; Triton backend: its kernel stages the pages in float32, PyTorch quantizes them.
     """
 
     name: str

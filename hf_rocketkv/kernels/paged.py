@@ -13,12 +13,19 @@ serve both with one body (a constexpr chooses whether the page id is read from t
 
 The twins of the paged ops gather the pages into contiguous tensors (``gather_pages``) and call the contiguous
 reference, so a paged kernel is checked against exactly the math of the contiguous one.
+
+fp8 pages (the KV block pool's ``float8_e4m3fn`` storage, arithmetic of ``kernels/fp8.py``): k_pages / v_pages are
+e4m3 and every paged op that touches them takes ``k_scale`` / ``v_scale``, float32 ``[N]`` (granularity "page": one
+scale per pool page, all KV heads) or ``[N, Hkv]`` (granularity "head"), indexed by pool page id; a value is
+``float(q) * scale``. ``check_fp8_scales`` holds the rule (scales given <=> fp8 pages) and its errors;
+``gather_pages(..., scale)`` dequantizes while gathering.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .fp8 import FP8_DTYPE, SCALE_DTYPE, quantize_pages
 from ..selection.stage2_pages import build_kt, page_scores, top_pages
 
 
@@ -30,18 +37,75 @@ def check_table(table: torch.Tensor, batch: int, name: str = "table") -> None:
         )
 
 
-def gather_pages(pages: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+def check_fp8_scales(
+    k_pages: torch.Tensor, v_pages: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, op: str
+) -> bool:
+    """Whether the paged K/V are fp8 (True: ``k_scale`` / ``v_scale`` apply), after checking the contract.
+
+    Scales given <=> k_pages and v_pages are ``float8_e4m3fn``; each scale float32 ``[N]`` ("page") or ``[N, Hkv]``
+    ("head") for the N pool pages, on the pages' device (K and V may differ in granularity). Shapes, dtypes and
+    devices only: no device sync. Anything else raises ValueError naming the argument.
+    """
+    given = (k_scale is not None, v_scale is not None)
+    fp8 = (k_pages.dtype == FP8_DTYPE, v_pages.dtype == FP8_DTYPE)
+    if not any(given) and not any(fp8):
+        return False
+    if given[0] != given[1]:
+        missing = "v_scale" if given[0] else "k_scale"
+        raise ValueError(f"{op}: k_scale and v_scale go together (fp8 pages need both); {missing} is None")
+    if not all(given):
+        name = "k_pages" if fp8[0] else "v_pages"
+        raise ValueError(
+            f"{op}: {name} are {FP8_DTYPE}, so k_scale and v_scale (float32 [N] or [N, Hkv] per pool page) are "
+            f"required; got None"
+        )
+    if not all(fp8):
+        name, pages = ("k_pages", k_pages) if not fp8[0] else ("v_pages", v_pages)
+        raise ValueError(
+            f"{op}: k_scale / v_scale are given, so {name} must be {FP8_DTYPE} (scales only apply to fp8 pages); "
+            f"got {pages.dtype}"
+        )
+    for name, scale, pages in (("k_scale", k_scale, k_pages), ("v_scale", v_scale, v_pages)):
+        num_pages, heads = pages.shape[0], pages.shape[1]
+        allowed = (f"float32 [N={num_pages}] (one scale per pool page) or [N={num_pages}, Hkv={heads}] (per page and "
+                   f"KV head)")
+        if not isinstance(scale, torch.Tensor):
+            raise ValueError(f"{op}: {name} must be a tensor, {allowed}; got {type(scale).__name__}")
+        if scale.dtype != SCALE_DTYPE:
+            raise ValueError(f"{op}: {name} must be {allowed}; got dtype {scale.dtype}")
+        if tuple(scale.shape) not in ((num_pages,), (num_pages, heads)):
+            raise ValueError(f"{op}: {name} must be {allowed}; got shape {list(scale.shape)}")
+        if scale.device != pages.device:
+            raise ValueError(f"{op}: {name} must be on the pages' device {pages.device}; got {scale.device}")
+    return True
+
+
+def scale_granularity(scale: torch.Tensor) -> str:
+    """"page" for a ``[N]`` scale, "head" for ``[N, Hkv]`` (shapes checked by ``check_fp8_scales``)."""
+    return "page" if scale.dim() == 1 else "head"
+
+
+def gather_pages(pages: torch.Tensor, table: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """Rows of a paged tensor as contiguous per-row tensors.
 
     ``pages`` ``[N, Hkv, S, *rest]`` (S slots per page: PP tokens for K/V, R KT pages for KT), ``table`` ``[B, MP]``
     -> ``[B, Hkv, MP * S, *rest]``; the slots of a missing page (-1) are zeros.
+
+    ``scale`` (fp8 K/V pages): float32 ``[N]`` or ``[N, Hkv]``; the gathered pages come back dequantized, float32
+    ``q.float() * scale[page(, head)]``. Pages are gathered by plain indexing (no ``Tensor.gather``, which has no
+    fp8 kernel on the CPU) and dequantized before anything else touches them.
     """
     batch, max_pages = table.shape
     index = table.long()
     present = index >= 0
     gathered = pages[index.clamp(min=0)]  # [B, MP, Hkv, S, *rest]
+    if scale is not None:
+        page_scale = scale[index.clamp(min=0)].to(SCALE_DTYPE)  # [B, MP] or [B, MP, Hkv]
+        page_scale = page_scale.reshape(*page_scale.shape, *([1] * (gathered.dim() - page_scale.dim())))
+        gathered = gathered.to(SCALE_DTYPE) * page_scale
     shape = (batch, max_pages) + (1,) * (gathered.dim() - 2)
-    gathered = torch.where(present.view(shape), gathered, torch.zeros((), dtype=pages.dtype, device=pages.device))
+    gathered = torch.where(present.view(shape), gathered,
+                           torch.zeros((), dtype=gathered.dtype, device=gathered.device))
     gathered = gathered.movedim(2, 1)  # [B, Hkv, MP, S, *rest]
     return gathered.reshape(batch, gathered.shape[1], max_pages * pages.shape[2], *pages.shape[3:])
 
@@ -120,6 +184,8 @@ def paged_compact_row_torch(
     row_pages: int,
     positions: torch.Tensor,
     kt_page_size: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Stage 1's compaction of one row, in place: the kept slots' K/V into the row's pages, their KT summaries and
     their positions (the reference of ``compact.paged_compact_row_triton``).
@@ -134,7 +200,13 @@ def paged_compact_row_torch(
     Slot i < n of the row gets dense slot ``slots[h, i]``; the other slots of the row's pages are zeroed (whole pages
     are written, so no byte of an earlier owner of a pool page survives) and their KT covers only the kept tokens
     (``stage2_pages.build_kt``: a page without tokens summarises to zeros).
+
+    fp8 pages (``k_scale`` / ``v_scale`` float32 ``[N]`` or ``[N, Hkv]``, see ``check_fp8_scales``): the row's
+    written pages are quantized from the float staging of the row (``kernels/fp8.quantize_pages``: over their valid
+    tokens, the slots past the n kept ones being zeros) and their scales written; the KT is built from the
+    unquantized keys, as for float pages.
     """
+    fp8 = check_fp8_scales(k_pages, v_pages, k_scale, v_scale, "paged_compact_row")
     heads, n = slots.shape
     dim, page = keys.shape[-1], k_pages.shape[2]
     capacity = table.shape[0] * page
@@ -147,8 +219,14 @@ def paged_compact_row_torch(
     positions[:, :n] = kept_positions.to(positions.dtype)
     pages = table[:row_pages].long()
     present = row_pages * page
-    for source, target in zip(gathered, (k_pages, v_pages)):
-        target[pages] = source[:, :present].reshape(heads, row_pages, page, dim).transpose(0, 1).to(target.dtype)
+    for source, target, scale in zip(gathered, (k_pages, v_pages), (k_scale, v_scale)):
+        block = source[:, :present].reshape(heads, row_pages, page, dim).transpose(0, 1)  # [row_pages, Hkv, PP, D]
+        if fp8:
+            quantized, block_scale = quantize_pages(block, scale_granularity(scale))
+            target[pages] = quantized  # index_put_ (index_copy_ has no float8 kernel on CPU)
+            scale[pages] = block_scale
+        else:
+            target[pages] = block.to(target.dtype)
     if kt_pages is not None:
         lengths = torch.full((1,), n, dtype=torch.long, device=keys.device)
         kt = build_kt(gathered[0][None], lengths, kt_page_size, kt_pages.dtype)[0]  # [Hkv, C // KP, 2, D]

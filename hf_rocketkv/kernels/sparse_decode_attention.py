@@ -11,6 +11,11 @@ Shapes (B batch, Hkv KV heads, G query heads per KV head, C slot capacity, P pag
 [N, Hkv, PP, D] and table [B, MP] int32; slot s of row b is page table[b, s // PP], offset s % PP. Same kernel:
 the contiguous store is the case N = B, PP = C, page = row.
 
+fp8 pages (paged only): k_pages / v_pages float8_e4m3fn with ``k_scale`` / ``v_scale`` float32 [N] (one scale per
+pool page) or [N, Hkv] (per page and KV head); every read dequantizes, k = float(k_fp8) * k_scale[page(, head)]
+(``kernels/fp8.py``). The twin dequantizes the rows' pages while gathering them (``gather_pages(..., scale)``); the
+kernel loads each selected token's scale with the same mask as its K/V row and widens the tile to fp32.
+
 The G query heads of one KV head share its pages, so every selected K/V row is read once per group.
 """
 
@@ -19,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..selection.stage2_pages import per_head
-from .paged import check_table, gather_pages
+from .paged import check_fp8_scales, check_table, gather_pages
 
 
 def selected_slots(
@@ -65,10 +70,14 @@ def paged_sparse_decode_attention_torch(
     lengths: torch.Tensor,
     kt_page_size: int,
     scaling: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference (paged): gather the rows' pages, then ``sparse_decode_attention_torch``."""
+    """Reference (paged): gather the rows' pages (fp8: dequantized with their scales, float32), then
+    ``sparse_decode_attention_torch``."""
     check_table(table, q.shape[0])
-    keys, values = gather_pages(k_pages, table), gather_pages(v_pages, table)
+    check_fp8_scales(k_pages, v_pages, k_scale, v_scale, "paged_sparse_decode_attention")
+    keys, values = gather_pages(k_pages, table, k_scale), gather_pages(v_pages, table, v_scale)
     return sparse_decode_attention_torch(q, keys, values, page_idx, page_valid, lengths, kt_page_size, scaling)
 
 
@@ -95,6 +104,7 @@ if triton is not None:
     @triton.jit
     def _sparse_decode_split_kernel(
         q_ptr, k_ptr, v_ptr, idx_ptr, valid_ptr, len_ptr, out_ptr, part_o_ptr, part_lse_ptr, table_ptr,
+        ks_ptr, vs_ptr,
         s_qb, s_qh, s_qg, s_qd,
         s_kb, s_kh, s_kc, s_kd,
         s_vb, s_vh, s_vc, s_vd,
@@ -103,11 +113,12 @@ if triton is not None:
         s_ob, s_oh, s_og, s_od,
         s_lb, s_lh,
         s_ab, s_ap,
+        s_ksn, s_ksh, s_vsn, s_vsh,
         num_kv_heads, group, head_dim, num_sel, tokens_per_split, num_splits, page_tokens, capacity,
         scale_log2,
         P: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         QK_FP32: tl.constexpr, PV_FP32: tl.constexpr, OUT_DT: tl.constexpr, DIRECT: tl.constexpr,
-        PAGED: tl.constexpr,
+        PAGED: tl.constexpr, KV_FP8: tl.constexpr,
     ):
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -164,8 +175,18 @@ if triton is not None:
                 kv_mask = ok[:, None] & d_ok[None, :]
             k = tl.load(k_base + k_off[:, None], mask=kv_mask, other=0.0)
             v = tl.load(v_base + v_off[:, None], mask=kv_mask, other=0.0)
+            if KV_FP8:  # (PAGED only) each token's page scale, masked as its K/V row; s_ksh = 0: one per page
+                k_sc = tl.load(ks_ptr + pool_page * s_ksn + h * s_ksh, mask=ok & present, other=0.0)
+                v_sc = tl.load(vs_ptr + pool_page * s_vsn + h * s_vsh, mask=ok & present, other=0.0)
             if QK_FP32:
-                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+                if KV_FP8:
+                    s = tl.dot(q, tl.trans(k.to(tl.float32) * k_sc[:, None]), input_precision="ieee")
+                else:
+                    s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            elif KV_FP8:
+                # e4m3 values are exact in q's half type: half operands on the tensor cores, exact products, fp32
+                # accumulation; each token's scale multiplies its logit column afterwards
+                s = tl.dot(q, tl.trans(k.to(q_ptr.dtype.element_ty))) * k_sc[None, :]
             else:
                 s = tl.dot(q, tl.trans(k))
             if PAGED:
@@ -178,7 +199,13 @@ if triton is not None:
             p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if PV_FP32:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+                if KV_FP8:
+                    acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32) * v_sc[:, None], input_precision="ieee")
+                else:
+                    acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            elif KV_FP8:  # never p.to(v.dtype) here (fp8): probabilities and dequantized V in q's half type
+                half = q_ptr.dtype.element_ty
+                acc = acc * alpha[:, None] + tl.dot(p.to(half), (v.to(tl.float32) * v_sc[:, None]).to(half))
             else:  # probabilities rounded to V's half type, fp32 accumulation (as flash attention does)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
@@ -232,6 +259,8 @@ if triton is not None:
         num_warps: int | None = None,
         num_stages: int = 2,
         table: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Launcher; ``num_splits`` (None = heuristic, 1 = one kernel, no reduce) and the tile knobs exist for tests
         and benchmarks. Default tile: 64 gathered tokens x head_dim, 8 warps; on an H100 (2026-11-22) 4 warps or
@@ -239,11 +268,21 @@ if triton is not None:
         H100 (2026-11-23, benchmarks/tune_decode_kernels.py, paged, 256 tokens per head) 8.0 / 19.0 / 42.4 us at
         batch 1 / 32 / 64 against 11.5 / 27.2 / 55.9 with 3 (the page-id loads feed the K/V gathers, so a deeper
         pipeline only costs registers and shared memory). ``table`` [B, MP] int32:
-        ``keys``/``values`` are paged ``[N, Hkv, PP, D]`` (None: contiguous ``[B, Hkv, C, D]``)."""
+        ``keys``/``values`` are paged ``[N, Hkv, PP, D]`` (None: contiguous ``[B, Hkv, C, D]``). ``k_scale`` /
+        ``v_scale`` (paged only): fp8 pages and their float32 [N] or [N, Hkv] scales.
+
+        fp8: the tiles are widened to fp32 and scaled. fp32 queries and the interpreter take fp32 dots (K and V
+        dequantized before them); half queries (on the GPU) take q's half type: K in e4m3 is exact in it and the
+        logits are scaled per token after the dot, V is dequantized then rounded to q's type, probabilities too."""
         batch, num_kv_heads, group, head_dim = q.shape
         paged = table is not None
         if paged:
             check_table(table, batch)
+            fp8 = check_fp8_scales(keys, values, k_scale, v_scale, "paged_sparse_decode_attention")
+        elif k_scale is not None or v_scale is not None:
+            raise ValueError("sparse_decode_attention: k_scale / v_scale apply to paged K/V only (pass table)")
+        else:
+            fp8 = False
         capacity = table.shape[1] * keys.shape[2] if paged else keys.shape[2]
         num_sel = page_idx.shape[-1]
         out = torch.empty((batch, num_kv_heads, group, head_dim), dtype=q.dtype, device=q.device)
@@ -270,20 +309,29 @@ if triton is not None:
         else:
             part_o = torch.empty((rows * num_splits * block_g, block_d), dtype=torch.float32, device=q.device)
             part_lse = torch.empty((rows * num_splits * block_g,), dtype=torch.float32, device=q.device)
-        code = dtype_code(keys.dtype)
         # logits: half-precision operands on the tensor cores (exact products, fp32 accumulation); fp32 K/V and the
         # interpreter (whose dot cannot take bf16) use fp32. Probabilities x V: probabilities rounded to V's half
         # type, fp32 accumulation, as flash attention does (half the registers of an fp32 operand); fp32 V: fp32.
-        qk_fp32 = code == 0 or interpreting() or q.dtype != keys.dtype
-        pv_fp32 = code == 0 or interpreting() or values.dtype != keys.dtype
+        # fp8 K/V: fp32 for fp32 queries and the interpreter, else q's half type (see the docstring)
+        if fp8:
+            qk_fp32 = pv_fp32 = interpreting() or q.dtype == torch.float32
+            ks_strides = (k_scale.stride(0), k_scale.stride(1) if k_scale.dim() == 2 else 0)
+            vs_strides = (v_scale.stride(0), v_scale.stride(1) if v_scale.dim() == 2 else 0)
+        else:
+            code = dtype_code(keys.dtype)
+            qk_fp32 = code == 0 or interpreting() or q.dtype != keys.dtype
+            pv_fp32 = code == 0 or interpreting() or values.dtype != keys.dtype
+            ks_strides = vs_strides = (0, 0)
         wrap_triton(_sparse_decode_split_kernel)[(rows, num_splits)](
             q, keys, values, page_idx, page_valid, lengths, out, part_o, part_lse, table if paged else lengths,
+            k_scale if fp8 else q, v_scale if fp8 else q,  # unused pointers without fp8
             *q.stride(), *keys.stride(), *values.stride(), *page_idx.stride(), *page_valid.stride(), *out.stride(),
             *count_strides(lengths, batch, num_kv_heads, "lengths"), *(table.stride() if paged else (0, 0)),
+            *ks_strides, *vs_strides,
             num_kv_heads, group, head_dim, num_sel, tokens_per_split, num_splits, keys.shape[2], capacity,
             scaling * 1.4426950408889634,
             P=page_size, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
-            QK_FP32=qk_fp32, PV_FP32=pv_fp32, OUT_DT=dtype_code(q.dtype), DIRECT=direct, PAGED=paged,
+            QK_FP32=qk_fp32, PV_FP32=pv_fp32, OUT_DT=dtype_code(q.dtype), DIRECT=direct, PAGED=paged, KV_FP8=fp8,
             num_warps=num_warps, num_stages=num_stages,
         )
         if not direct:
@@ -319,7 +367,10 @@ if triton is not None:
         lengths: torch.Tensor,
         kt_page_size: int,
         scaling: float,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Same contract as ``paged_sparse_decode_attention_torch`` (registered as a triton_op)."""
+        """Same contract as ``paged_sparse_decode_attention_torch`` (registered as a triton_op; fp8 pages read and
+        dequantized in the kernel)."""
         return sparse_decode_attention_launch(q, k_pages, v_pages, page_idx, page_valid, lengths, kt_page_size,
-                                              scaling, table=table)
+                                              scaling, table=table, k_scale=k_scale, v_scale=v_scale)

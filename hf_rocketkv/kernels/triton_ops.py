@@ -26,6 +26,13 @@ sparse_decode_attention) derive their launch shapes from tensor shapes only and 
 ``paged_compact_row`` is not registered: stage 1 runs eagerly at the end of a prefill, never inside a compiled or
 graphed step, so it only ever needs its plain launcher.
 
+fp8 pages (float8_e4m3fn K/V with float32 ``k_scale`` / ``v_scale`` [N] or [N, Hkv], trailing keyword arguments of
+paged_append_token, paged_append_kv, paged_sparse_decode_attention and paged_compact_row; the schemas read
+``Tensor? k_scale=None, Tensor? v_scale=None``, mutated by the appends): paged_sparse_decode_attention reads and
+dequantizes them in its kernel; the append kernel applies the fp8 append rule in place (``append_token.
+fp8_append_torch`` is its reference, bit for bit); paged_compact_row stages the row's pages in float32 through its
+kernel, then quantizes them with PyTorch.
+
 Eager calls skip the custom-op machinery: each RocketOps entry calls the plain launcher directly (exactly what the
 registered op's own eager implementation runs, minus the dispatcher, autograd and dynamo-disable wrappers, which
 cost tens of microseconds per call) and hands over to the registered op whenever torch.compile is tracing.
@@ -70,10 +77,11 @@ append_token = triton_op(
 )(append_token_triton)
 top_pages = triton_op("hf_rocketkv::top_pages", mutates_args={})(top_pages_triton)
 paged_append_token = triton_op(
-    "hf_rocketkv::paged_append_token", mutates_args={"k_pages", "v_pages", "kt_pages", "positions", "lengths"}
+    "hf_rocketkv::paged_append_token",
+    mutates_args={"k_pages", "v_pages", "kt_pages", "positions", "lengths", "k_scale", "v_scale"},
 )(paged_append_token_triton)
 paged_append_kv = triton_op(
-    "hf_rocketkv::paged_append_kv", mutates_args={"k_pages", "v_pages", "positions", "lengths"}
+    "hf_rocketkv::paged_append_kv", mutates_args={"k_pages", "v_pages", "positions", "lengths", "k_scale", "v_scale"}
 )(paged_append_kv_triton)
 paged_page_scores = triton_op("hf_rocketkv::paged_page_scores", mutates_args={})(paged_page_scores_triton)
 paged_top_pages = triton_op("hf_rocketkv::paged_top_pages", mutates_args={})(paged_top_pages_triton)

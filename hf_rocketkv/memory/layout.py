@@ -19,11 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.fp8 import SCALE_DTYPE, SCALE_GRANULARITIES  # noqa: F401  (re-exported)
 from .geometry import FP8_KV_DTYPE
 
 RECORD_ALIGN = 16
-SCALE_DTYPE = torch.float32
-SCALE_GRANULARITIES = ("page", "head")
 
 
 def _align(n: int, to: int = RECORD_ALIGN) -> int:

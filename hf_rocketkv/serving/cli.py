@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pool-gib", type=float, default=None,
                         help="reserve each request's pages in a KVBlockPool of this many GiB (admission, metrics); "
                              "per GPU under torchrun")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                        help="the pool's K/V pages: auto (default) in the model's dtype; fp8: e4m3 with one scale per "
+                             "page, half the bytes of bf16 (twice the pages in --pool-gib), read back in the model's "
+                             "dtype")
     parser.add_argument("--engine", default="auto", choices=["auto", "batching", "sequential"],
                         help="batching: continuous batching over the --pool-gib pool (every running request decodes "
                              "in one forward); sequential: one request at a time through generate(); auto (default): "
@@ -123,6 +127,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
     if args.pool_gib is not None and args.pool_gib <= 0:
         raise UsageError(f"--pool-gib must be > 0, got {args.pool_gib}")
+    if args.kv_cache_dtype != "auto" and args.pool_gib is None:
+        raise UsageError(f"--kv-cache-dtype {args.kv_cache_dtype} sets the pool's page dtype: give --pool-gib too")
     if args.engine == "batching" and args.pool_gib is None:
         raise UsageError("--engine batching needs --pool-gib (admission is the KV block pool's page accounting)")
     if not 1 <= args.max_running <= 128:
@@ -197,6 +203,7 @@ def build_manager(args: argparse.Namespace, config):
         # under tensor parallelism --pool-gib is per GPU: each rank's pages hold its shard's KV heads only
         pool = KVBlockPool(model, max_gpu_bytes=int(args.pool_gib * 2**30), kt_page_size=config.page_size,
                            kt_dtype=config.kt_cache_dtype,
+                           dtype=torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else None,
                            num_kv_heads=shard_kv_heads(model, world) if tensor_parallel else None)
     batching = BatchingConfig(max_running=args.max_running, max_queue=args.max_queue,
                               overlap_decode=args.overlap_decode)
@@ -272,8 +279,8 @@ def serve_main(argv: list[str] | None = None) -> int:
             manager.follow()
         except LockstepDiverged as err:  # exit, so that torchrun stops every rank instead of leaving them waiting
             print(f"{PROG}: error: {err}", file=sys.stderr)
-            return 1
-        return 0
+            return leave_distributed(1)
+        return leave_distributed(0)
     try:
         _run(manager, served_name(args), sock, args)
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled: the user asked for a stop
@@ -281,7 +288,21 @@ def serve_main(argv: list[str] | None = None) -> int:
     finally:
         manager.stop(drain=False, timeout=30)
         sock.close()
-    return 0
+    return leave_distributed(0)
+
+
+def leave_distributed(code: int) -> int:
+    """``code``; under torchrun (a process group is up), the process ends here with it, without interpreter
+    finalization: the model's DTensor shards keep the gloo group alive, and gloo's threads meeting a half torn-down
+    interpreter abort now and then ("terminate called without an active exception", pytorch/pytorch#179291) after
+    the server has stopped cleanly. The engines have ended and the socket is closed by then; streams are flushed."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _run(manager, model_name: str, sock: socket.socket, args: argparse.Namespace) -> None:

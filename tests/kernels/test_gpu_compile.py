@@ -19,7 +19,7 @@ CHECK = ROOT / "benchmarks" / "triton_compile_check.py"
 RECORDED_TESTS = [  # fast kernel tests covering every kernel (test_e2e_triton adds model runs, not new kernels)
     "tests/kernels/test_paged_ops.py", "tests/kernels/test_sparse_decode_attention.py",
     "tests/kernels/test_select_pages.py", "tests/kernels/test_page_scores.py", "tests/kernels/test_window_scores.py",
-    "tests/kernels/test_append_token.py", "tests/kernels/test_kt.py",
+    "tests/kernels/test_append_token.py", "tests/kernels/test_kt.py", "tests/kernels/test_fp8_pages.py",
 ]
 
 

@@ -12,6 +12,7 @@ the oracle's tokens to OUTPUT_JSON.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -116,8 +117,7 @@ def main() -> None:
             "ranks": gathered, "oracle": oracle, "sampled_max_tokens": SAMPLED_MAX,
             "cancelled_max_tokens": CANCELLED_MAX, "heartbeats_seen": gathered[1]["heartbeats"] > 0,
         }))
-    dist.barrier()
-    dist.destroy_process_group()
+    _leave()
 
 
 def batch_main(model_dir: str, output_path: str) -> None:
@@ -161,8 +161,19 @@ def batch_main(model_dir: str, output_path: str) -> None:
     dist.all_gather_object(gathered, report)
     if dist.get_rank() == 0:
         Path(output_path).write_text(json.dumps(gathered))
+    _leave()
+
+
+def _leave() -> None:
+    """Every rank leaves without interpreter finalization, as tests/tp_worker.py does: the model's DTensor shards keep
+    the gloo group alive past destroy_process_group(), and gloo's threads meeting a half torn-down interpreter abort
+    now and then ("terminate called without an active exception", SIGABRT, pytorch/pytorch#179291) after all the
+    work is done and the report written. os._exit after flushing makes the exit status report the run."""
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _counted(inbox, heartbeats):

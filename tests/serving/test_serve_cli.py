@@ -32,6 +32,8 @@ def subprocess_env() -> dict[str, str]:
     (["--max-queue", "0"], "--max-queue must be >= 1"),
     (["--pool-gib", "-1"], "--pool-gib must be > 0"),
     (["--engine", "batching"], "--engine batching needs --pool-gib"),
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 sets the pool's page dtype: give --pool-gib too"),
+    (["--kv-cache-dtype", "int4"], "invalid choice"),
     (["--engine", "fast"], "invalid choice"),
     (["--max-running", "0"], "--max-running must be in [1, 128]"),
     (["--warmup-max-tokens", "-1"], "--warmup-max-tokens must be >= 0"),
@@ -140,10 +142,11 @@ def test_import_without_the_serve_extra():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine_args", [[], ["--engine", "batching", "--pool-gib", "0.01"]])
+@pytest.mark.parametrize("engine_args", [[], ["--engine", "batching", "--pool-gib", "0.01"],
+                                         ["--engine", "batching", "--pool-gib", "0.01", "--kv-cache-dtype", "fp8"]])
 def test_serve_main_end_to_end(tmp_path, engine_args):
     """The real command in a subprocess on a saved tiny model: it prints its address, answers, exits 0 on SIGINT;
-    with the sequential engine (no pool) and the batching one."""
+    with the sequential engine (no pool), the batching one, and the batching one on fp8 pages."""
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
     from tests.helpers import compressing_config, make_models
