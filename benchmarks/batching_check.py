@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefills-per-step", type=int, default=1)
     parser.add_argument("--page-size", type=int, default=16, help="pool page size (tokens)")
     parser.add_argument("--pool-gib", type=float, default=None, help="pool size (default: sized for the workload)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                        help="the pool's K/V pages: the model's dtype (auto) or e4m3 with a scale per page (fp8)")
     parser.add_argument("--layers", type=int, default=None, help="fewer decoder layers than Llama-3.1-8B's 32")
     parser.add_argument("--rates", default="0.5,1,2", help="Poisson arrival rates (requests/s), comma separated; "
                                                             "empty: skip the mixed workload")
@@ -141,11 +143,12 @@ def pool_pages_for(args, config: RocketKVConfig, max_prompt: int, new_tokens: in
 
 
 def make_pool(model, args, config: RocketKVConfig, pages: int, device: torch.device) -> KVBlockPool:
+    dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else None  # None: the model's dtype
     probe = KVBlockPool(model, max_gpu_bytes=1 << 30, page_size=args.page_size, kt_page_size=config.page_size,
-                        kt_dtype=config.kt_cache_dtype, device=device)  # lazily allocated: only its page size
+                        kt_dtype=config.kt_cache_dtype, device=device, dtype=dtype)  # lazily allocated: its page size
     size = int(args.pool_gib * GIB) if args.pool_gib else pages * probe.bytes_per_page
     return KVBlockPool(model, max_gpu_bytes=size, page_size=args.page_size, kt_page_size=config.page_size,
-                       kt_dtype=config.kt_cache_dtype, device=device)
+                       kt_dtype=config.kt_cache_dtype, device=device, dtype=dtype)
 
 
 # ------------------------------------------------------------------------------------------------ a run
@@ -523,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
             pool = make_pool(model, args, config, pool_pages_for(args, config, longest, new_tokens), device)
             report["setup"] = {"model_build_s": time.perf_counter() - started, "pool_pages": pool.total_pages(),
                                "pool_gib": pool.total_pages() * pool.bytes_per_page / GIB,
-                               "config": config.to_dict()}
+                               "pool_dtype": str(pool.dtype).removeprefix("torch."), "config": config.to_dict()}
         else:
             pool = None
             report["setup"] = {"model_build_s": time.perf_counter() - started, "engine": "transformers",

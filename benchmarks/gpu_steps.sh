@@ -141,6 +141,14 @@ for name in "$@"; do
                         --dir /tmp/tps8 --out "$OUT/lockstep_tp.json"
                      step "${name}_compare" 60 $PY benchmarks/lockstep_check.py --compare "$OUT/lockstep_single.json" \
                         "$OUT/lockstep_tp.json" ;;
+    fp8_kernel_tests) # the fp8 page kernels (attention, append, compaction) compiled for this GPU against their twins
+                     $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index --find-links .device_wheels pytest hypothesis
+                     step "$name" 240 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_pages.py ;;
+    fp8_vs_bf16_fixed) # the batching engine's fixed workload (32 x 8k, 512 new) on bf16 pool pages, then on fp8 pages
+                     for dt in auto fp8; do
+                       step "${name}_$dt" 300 $PY benchmarks/batching_check.py --rates "" --kv-cache-dtype "$dt" \
+                          --out "$OUT/${name}_$dt"
+                     done ;;
     *) echo "unknown step $name (see benchmarks/gpu_steps.sh)" | tee -a "$OUT/summary.txt" ;;
   esac
 done

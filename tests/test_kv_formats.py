@@ -71,3 +71,27 @@ def test_eval_methods_and_bad_format():
     assert build_method("full", base).new_cache().__class__.__name__ == "DynamicCache"
     with pytest.raises(ValueError, match=r"RoundTripCache.kv_format must be one of \['bf16', 'fp8_page', 'fp8_head'\]"):
         RoundTripCache("fp4")
+
+
+@pytest.mark.parametrize("name, granularity", [("rocketkv_fp8kv", "page"), ("rocketkv_fp8kv_head", "head")])
+def test_rocketkv_on_fp8_pool_pages_through_the_eval_path(name, granularity):
+    """``rocketkv_fp8kv*``: RocketKVCache on a pool of fp8 pages, run by the eval's shared-prefix prefill and decode
+    steps: the prompt's next-token logits equal plain rocketkv's (the prefill reads no fp8 page), the decode steps'
+    stay within 5% of them, and the cache needs the model and the tokens to size its pool."""
+    from hf_rocketkv.eval.decode import prefill, shared_prefix, step
+    from tests.helpers import compressing_config, make_models, random_ids
+
+    model, _ = make_models("llama")
+    base = compressing_config(kt_cache_dtype="float32")
+    method, plain = build_method(name, base), build_method("rocketkv", base)
+    assert method.kv_format == f"fp8_{granularity}" and method.attn_implementation == "rocketkv"
+    with pytest.raises(ValueError, match="needs the model and the tokens"):
+        method.new_cache()
+    ids = random_ids(1, 70, seed=9)
+    prefix = shared_prefix(model, ids, tail=16)
+    runs = [prefill(model, m, prefix, max_new_tokens=4) for m in (plain, method)]
+    assert runs[1].cache.layers[0].store.fp8 and runs[1].cache.layers[0].store.scale_granularity == granularity
+    assert torch.equal(runs[1].logits, runs[0].logits)
+    token = int(runs[0].logits.argmax())
+    decoded = [step(model, run.cache, token, 70) for run in runs]
+    assert float((decoded[1] - decoded[0]).norm() / decoded[0].norm()) < 0.05

@@ -62,7 +62,7 @@ def prefill(model, method: Method, prefix: SharedPrefix, max_new_tokens: int | N
     A method whose stage 1 scores with every prompt query (H2O, ``method.needs_full_prefill``) runs the whole prompt
     through its own cache instead: the shared prefix never passed through its attention.
     """
-    cache = method.new_cache()
+    cache = method.new_cache(model, prefix.ids.shape[1] + (max_new_tokens or 0))
     hints = getattr(cache, "hints", None)
     if hints is not None and max_new_tokens is not None:
         hints.max_length = prefix.ids.shape[1] + max_new_tokens  # what generate() would tell the cache

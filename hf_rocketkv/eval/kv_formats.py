@@ -19,7 +19,10 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from ..memory.fp8 import dequantize_fp8, quantize_pages
+from ..memory import KVBlockPool
+from ..memory.geometry import KT_DTYPES, model_geometry, parse_dtype
+from ..memory.layout import LayerShape
+from ..memory.fp8 import FP8_DTYPE, dequantize_fp8, quantize_pages
 
 KV_FORMATS = ("bf16", "fp8_page", "fp8_head")
 POOL_PAGE_SIZE = 16  # KVBlockPool's default page size (tokens)
@@ -65,3 +68,17 @@ class RoundTripCache(DynamicCache):
         for stored in (keys, values):
             round_trip_tail(stored, before, self.page_size, self.kv_format)
         return keys, values
+
+
+def fp8_pool(model, config, kv_format: str, tokens: int) -> KVBlockPool:
+    """A KVBlockPool of fp8 pages (``kv_format`` "fp8_page" or "fp8_head") on the model's device with room for one
+    request of ``tokens`` tokens: its prompt pages and its compressed view (eval methods ``rocketkv_fp8kv*``)."""
+    granularity = {"fp8_page": "page", "fp8_head": "head"}[kv_format]
+    device = next(model.parameters()).device
+    kwargs = dict(page_size=POOL_PAGE_SIZE, dtype=FP8_DTYPE, scale_granularity=granularity, device=device,
+                  kt_page_size=config.page_size, kt_dtype=config.kt_cache_dtype)
+    geometry, _ = model_geometry(model, None)
+    page_bytes = LayerShape(geometry.num_kv_heads, geometry.head_dim, POOL_PAGE_SIZE, config.page_size, FP8_DTYPE,
+                            parse_dtype(config.kt_cache_dtype, "kt_dtype", KT_DTYPES), granularity).bytes_per_page()
+    pages = 2 * (-(-tokens // POOL_PAGE_SIZE)) + 8  # the prompt's pages and a view as long, with slack
+    return KVBlockPool(model, max_gpu_bytes=pages * page_bytes * geometry.num_layers, **kwargs)

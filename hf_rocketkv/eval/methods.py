@@ -17,9 +17,13 @@ Budgets, per layer and KV head (P = base.page_size, B = base.prompt_budget, K = 
 | full_bf16kv     | full cache stored in bf16 pages          | all           | all                  |
 | full_fp8kv      | full cache in fp8 e4m3 pages, scale/page | all           | all                  |
 | full_fp8kv_head | the same, one scale per page and KV head | all           | all                  |
+| rocketkv_fp8kv  | rocketkv on a KVBlockPool of fp8 pages   | B             | K*P                  |
+| rocketkv_fp8kv_head | the same, one scale per page and KV head | B         | K*P                  |
 
 The ``full_*kv`` methods measure what a KVBlockPool storage dtype costs in fidelity (``eval/kv_formats.py``: pages
-of 16 tokens re-quantized as they fill, exactly the pool's rule), against ``full`` in the model's own dtype.
+of 16 tokens re-quantized as they fill, exactly the pool's rule), against ``full`` in the model's own dtype. The
+``rocketkv_fp8kv*`` methods run RocketKVCache itself on a ``KVBlockPool(dtype=torch.float8_e4m3fn)`` sized for the
+prompt (``kv_formats.fp8_pool``): RocketKV's compression and the pool's fp8 pages together.
 
 "Equal kept" compares rocketkv, stage1 and streaming (same memory). "Equal read" compares rocketkv, stage2,
 stage1_read and streaming_read (same K/V traffic per decode step at the start of decode). stage1_read's budget is
@@ -58,14 +62,15 @@ from transformers import DynamicCache
 from ..cache.cache import RocketKVCache
 from ..config import RocketKVConfig
 from ..policies import STAGE1_POLICY_NAMES, KeepFirst
-from .kv_formats import RoundTripCache
+from .kv_formats import RoundTripCache, fp8_pool
 from .streaming import streaming_config
 
 ALL_PAGES = 1 << 30  # a topk larger than any page count: every stored token is attended
 KEEP_ALL = 1 << 30  # a prompt_budget larger than any prompt: stage 1 keeps everything
 
 METHOD_NAMES = ("full", "rocketkv", "stage1", "stage2", "streaming", "stage1_read", "streaming_read", "full_bf16kv",
-                "full_fp8kv", "full_fp8kv_head")
+                "full_fp8kv", "full_fp8kv_head", "rocketkv_fp8kv", "rocketkv_fp8kv_head")
+ROCKETKV_POOL_METHODS = {"rocketkv_fp8kv": "fp8_page", "rocketkv_fp8kv_head": "fp8_head"}
 KV_FORMAT_METHODS = {"full_bf16kv": "bf16", "full_fp8kv": "fp8_page", "full_fp8kv_head": "fp8_head"}
 POLICY_METHODS = ("evict", "evict_read", "rocketkv", "rocketkv_plain")  # used as KIND:POLICY
 PLAIN_METHODS = ("rocketkv_plain", "stage2_plain")
@@ -78,7 +83,7 @@ class Method:
     config: RocketKVConfig | None  # None: DynamicCache
     kept_budget: int | None  # prompt tokens kept per KV head, None = all
     read_budget: int | None  # tokens attended per decode step, None = every stored token
-    kv_format: str | None = None  # full cache stored as bf16 / fp8 pages (eval/kv_formats.py); None: exact
+    kv_format: str | None = None  # full: stored as bf16 / fp8 pages (kv_formats.py); rocketkv: on an fp8 pool
 
     @property
     def streaming(self) -> bool:
@@ -90,10 +95,15 @@ class Method:
         """The stage-1 policy scores with every prompt query (H2O): the shared dense prefix cannot be used."""
         return self.config is not None and _accumulates(self.config.stage1)
 
-    def new_cache(self):
+    def new_cache(self, model=None, tokens: int | None = None):
+        """A fresh cache; ``model`` and ``tokens`` (prompt + new tokens) size the fp8 pool of ``rocketkv_fp8kv*``."""
         if self.config is None:
             return DynamicCache() if self.kv_format is None else RoundTripCache(self.kv_format)
-        return RocketKVCache(self.config)
+        if self.kv_format is None:
+            return RocketKVCache(self.config)
+        if model is None or tokens is None:
+            raise ValueError(f"method {self.name!r} runs on a KVBlockPool: new_cache needs the model and the tokens")
+        return RocketKVCache(self.config, pool=fp8_pool(model, self.config, self.kv_format, tokens))
 
     def read_tokens(self, stored: int) -> int:
         """Tokens one decode step reads (per layer and KV head) with ``stored`` tokens in the cache."""
@@ -202,6 +212,8 @@ def _build_method(name: str, base: RocketKVConfig, sink_tokens: int = 4) -> Meth
         return _build_policy_method(kind, policy, base)
     if name == "rocketkv":
         return Method(name, "rocketkv", base, base.prompt_budget, read)
+    if name in ROCKETKV_POOL_METHODS:
+        return Method(name, "rocketkv", base, base.prompt_budget, read, kv_format=ROCKETKV_POOL_METHODS[name])
     if name == "rocketkv_plain":
         return dataclasses.replace(_build_policy_method("rocketkv_plain", base.stage1, base), name=name)
     if name == "stage2_plain":

@@ -38,3 +38,20 @@ def test_both_engines_serve_the_same_mixed_workload(tmp_path):
         assert mixed["per_user_tokens_per_s_p50"] is not None
     assert ours["steps"]["mixed_rate_4"]["workload"] == theirs["steps"]["mixed_rate_4"]["workload"]
     assert theirs["setup"]["engine"] == "transformers" and "pool_pages" in ours["setup"]
+
+
+@pytest.mark.slow
+def test_fp8_pool_pages_serve_the_workload(tmp_path):
+    """--kv-cache-dtype fp8: the engine serves the same workload on e4m3 pool pages (every request finished)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import batching_check
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "fp8"
+    rc = batching_check.main(["--quick", "--skip-fixed", "--rates", "4", "--kv-cache-dtype", "fp8", "--out", str(out)])
+    report = json.loads((out / "batching_check.json").read_text())
+    assert rc == 0, report
+    assert report["setup"]["pool_dtype"] == "float8_e4m3fn"
+    mixed = report["steps"]["mixed_rate_4"]
+    assert mixed["finished"] == {"length": 4} and mixed["output_tokens"] == 4 * 6, mixed
