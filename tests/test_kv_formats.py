@@ -79,6 +79,7 @@ def test_rocketkv_on_fp8_pool_pages_through_the_eval_path(name, granularity):
     steps: the prompt's next-token logits equal plain rocketkv's (the prefill reads no fp8 page), the decode steps'
     stay within 5% of them, and the cache needs the model and the tokens to size its pool."""
     from hf_rocketkv.eval.decode import prefill, shared_prefix, step
+    from hf_rocketkv.kernels.paged import scale_granularity
     from tests.helpers import compressing_config, make_models, random_ids
 
     model, _ = make_models("llama")
@@ -90,7 +91,8 @@ def test_rocketkv_on_fp8_pool_pages_through_the_eval_path(name, granularity):
     ids = random_ids(1, 70, seed=9)
     prefix = shared_prefix(model, ids, tail=16)
     runs = [prefill(model, m, prefix, max_new_tokens=4) for m in (plain, method)]
-    assert runs[1].cache.layers[0].store.fp8 and runs[1].cache.layers[0].store.scale_granularity == granularity
+    store = runs[1].cache.layers[0].store
+    assert store.fp8 and scale_granularity(store.k_scale) == granularity
     assert torch.equal(runs[1].logits, runs[0].logits)
     token = int(runs[0].logits.argmax())
     decoded = [step(model, run.cache, token, 70) for run in runs]

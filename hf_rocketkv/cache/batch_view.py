@@ -106,9 +106,7 @@ class BatchedDecodeLayer(RocketKVLayer):
     def select(self, bucket: int, row_pages: tuple[int, ...]) -> None:
         """Point the decode path (store, lengths, positions, seen, handles) at rows ``[0, bucket)``."""
         table = self.table_buf[:bucket]
-        storage = self.storage  # an fp8 pool's pages come with their scales (read back in the model's dtype)
-        self.store = PagedStore(storage.k, storage.v, storage.kt, table, row_pages, False, k_scale=storage.k_scale,
-                                v_scale=storage.v_scale, read_dtype=self.dtype if storage.k_scale is not None else None)
+        self.store = PagedStore.over(self.storage, table, row_pages, self.dtype)
         self.lengths = self.lengths_buf[:bucket]
         self.positions = self.positions_buf[:bucket]
         self.seen = self.seen_buf[:bucket]

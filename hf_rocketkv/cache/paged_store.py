@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.paged import gather_pages, identity_table, scatter_pages
+from ..kernels.paged import gather_pages, identity_table, scale_granularity, scatter_pages
 from ..memory.fp8 import dequantize_fp8, quantize_pages
 
 
@@ -45,13 +45,18 @@ class PagedStore:
     v_scale: torch.Tensor | None = None
     read_dtype: torch.dtype | None = None  # fp8 pages: the dtype reads dequantize to (the model's)
 
+    @classmethod
+    def over(cls, storage, table: torch.Tensor, row_pages: tuple[int, ...], read_dtype: torch.dtype,
+             kt: bool = True) -> "PagedStore":
+        """A store over a pool layer's tensors (``memory.storage.LayerStorage``): its pages, KT unless ``kt`` is
+        False, and for fp8 pages their scales, read back in ``read_dtype`` (the model's)."""
+        fp8 = storage.k_scale is not None
+        return cls(storage.k, storage.v, storage.kt if kt else None, table, row_pages, False, k_scale=storage.k_scale,
+                   v_scale=storage.v_scale, read_dtype=read_dtype if fp8 else None)
+
     @property
     def fp8(self) -> bool:
         return self.k_scale is not None
-
-    @property
-    def scale_granularity(self) -> str:
-        return "page" if self.k_scale.dim() == 1 else "head"
 
     @property
     def page_tokens(self) -> int:
@@ -77,8 +82,8 @@ class PagedStore:
         """Every row's slots as contiguous ``(keys, values)`` ``[B, Hkv, C, D]`` (zeros where a row has no page);
         fp8 pages are dequantized to ``read_dtype``."""
         if self.fp8:
-            return (_gather_dequantized(self.k, self.k_scale, self.table, self.read_dtype),
-                    _gather_dequantized(self.v, self.v_scale, self.table, self.read_dtype))
+            return (gather_pages(self.k, self.table, self.k_scale).to(self.read_dtype),
+                    gather_pages(self.v, self.table, self.v_scale).to(self.read_dtype))
         return gather_pages(self.k, self.table), gather_pages(self.v, self.table)
 
     def gather_kt(self) -> torch.Tensor:
@@ -90,12 +95,9 @@ class PagedStore:
         and ``kt`` ``[B, Hkv, W // KP, 2, D]`` when given. Whole pages are written, so stale bytes of an earlier
         owner of a pool page never survive."""
         counts = self.row_pages  # host page counts: no device-side mask of the table (a sync per write)
-        if self.fp8:  # whole pages, each quantized over its slots (the rows' zeros past their tokens included)
-            _scatter_quantized(self.k, self.k_scale, self.table, _pad_slots(keys, self.capacity, 0), counts)
-            _scatter_quantized(self.v, self.v_scale, self.table, _pad_slots(values, self.capacity, 0), counts)
-        else:
-            scatter_pages(self.k, self.table, _pad_slots(keys, self.capacity, 0), counts)
-            scatter_pages(self.v, self.table, _pad_slots(values, self.capacity, 0), counts)
+        # fp8 pages: each written whole, quantized over its slots (the rows' zeros past their tokens included)
+        scatter_pages(self.k, self.table, _pad_slots(keys, self.capacity, 0), counts, self.k_scale)
+        scatter_pages(self.v, self.table, _pad_slots(values, self.capacity, 0), counts, self.v_scale)
         if kt is not None:
             scatter_pages(self.kt, self.table, _pad_slots(kt, self.max_pages * self.kt.shape[2], 0), counts)
 
@@ -118,32 +120,6 @@ class PagedStore:
         if self.private:
             return per_page * self.k.shape[0] + self.table.numel() * self.table.element_size()
         return per_page * sum(self.row_pages) + self.table.numel() * self.table.element_size()
-
-
-def _gather_dequantized(pages: torch.Tensor, scale: torch.Tensor, table: torch.Tensor,
-                        dtype: torch.dtype) -> torch.Tensor:
-    """``gather_pages`` of fp8 pages, dequantized: ``[B, Hkv, MP * PP, D]`` in ``dtype`` (zeros for a missing page).
-    The rows' pages are indexed first (only they are widened), then scaled by their page's (and head's) scale."""
-    index = table.long().clamp(min=0)  # [B, MP]
-    batch, max_pages = table.shape
-    rows = dequantize_fp8(pages[index.flatten()], scale[index.flatten()], dtype)  # [B * MP, Hkv, PP, D]
-    rows = rows.view(batch, max_pages, *rows.shape[1:])
-    present = (table >= 0).view(batch, max_pages, 1, 1, 1)
-    rows = torch.where(present, rows, torch.zeros((), dtype=rows.dtype, device=rows.device)).movedim(2, 1)
-    return rows.reshape(batch, rows.shape[1], max_pages * pages.shape[2], pages.shape[3])
-
-
-def _scatter_quantized(pages: torch.Tensor, scale: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
-                       row_pages: tuple[int, ...]) -> None:
-    """``scatter_pages`` into fp8 pages: each of a row's ``row_pages[b]`` pages (``table[b, :row_pages[b]]``) is
-    quantized over its ``PP`` slots of ``rows`` ``[B, Hkv, MP * PP, D]`` and written with its scale."""
-    batch, max_pages = table.shape
-    per_page = rows.reshape(batch, rows.shape[1], max_pages, pages.shape[2], pages.shape[3]).movedim(1, 2)
-    index = torch.cat([table[b, :n] for b, n in enumerate(row_pages)]).long()
-    source = torch.cat([per_page[b, :n] for b, n in enumerate(row_pages)])  # [n, Hkv, PP, D]
-    quantized, scales = quantize_pages(source, "page" if scale.dim() == 1 else "head")
-    pages[index] = quantized
-    scale[index] = scales
 
 
 def _pad_slots(tensor: torch.Tensor, size: int, fill) -> torch.Tensor:
@@ -234,7 +210,7 @@ def _write_tokens_fp8(store: PagedStore, keys: torch.Tensor, values: torch.Tenso
     ``[start[b], end[b])`` touch are dequantized, take the new tokens, have every slot at or past ``end[b]`` zeroed,
     and are re-quantized with fresh scales (earlier tokens of a touched page keep their values up to rounding).
     Pages before the first touched one are never read or written (shared prefix pages)."""
-    page, granularity = store.page_tokens, store.scale_granularity
+    page, granularity = store.page_tokens, scale_granularity(store.k_scale)
     for b, (first, last) in enumerate(zip(start, end)):
         if last <= first:
             continue

@@ -323,14 +323,6 @@ class PoolPages:
         return keys, values
 
     # ------------------------------------------------------------------------------------------ layer views
-    @staticmethod
-    def _store(storage, layer, table: torch.Tensor, row_pages: tuple[int, ...], kt: bool = True) -> PagedStore:
-        """A store over the pool's tensors (fp8 pools: with the pages' scales, read back in the layer's dtype)."""
-        if storage.k_scale is None:
-            return PagedStore(storage.k, storage.v, storage.kt if kt else None, table, row_pages, False)
-        return PagedStore(storage.k, storage.v, storage.kt if kt else None, table, row_pages, False,
-                          k_scale=storage.k_scale, v_scale=storage.v_scale, read_dtype=layer.dtype)
-
     def check_layer(self, layer, key_states: torch.Tensor) -> None:
         """The pool's storage must match the model's K/V (checked at the first update, before any page is written)."""
         if self.pool.dtype == FP8_DTYPE:
@@ -364,7 +356,7 @@ class PoolPages:
             table, row_pages = _table_tensor([[row.admission.prompt] for row in self.rows], layer.device)
             if self.turn is not None:
                 self.turn.prompt_table = (table, row_pages)
-        return self._store(storage, layer, table, row_pages, kt=False), [row.hit_tokens for row in self.rows]
+        return PagedStore.over(storage, table, row_pages, layer.dtype, kt=False), [row.hit_tokens for row in self.rows]
 
     def view_store(self, layer, counts: list[int], headroom: int) -> PagedStore:
         """The current turn's view pages for ``layer`` (the turn begins now when nothing announced it)."""
@@ -384,7 +376,7 @@ class PoolPages:
                     f"policy kept more than the budget"
                 )
         storage = self.pool.layer(layer.layer_idx)
-        return self._store(storage, layer, turn.table, turn.row_pages)
+        return PagedStore.over(storage, turn.table, turn.row_pages, layer.dtype)
 
     def after_compaction(self, layer) -> None:
         """Count the layers done; when every layer has compacted, close the turn (module docstring)."""
@@ -442,7 +434,7 @@ class PoolPages:
             self._view_table = None
         table, row_pages = self.view_table(layer.device)
         storage = self.pool.layer(layer.layer_idx)
-        return self._store(storage, layer, table, row_pages)
+        return PagedStore.over(storage, table, row_pages, layer.dtype)
 
     def history_store(self, layer, capacity: int) -> PagedStore:
         """keep_all: the history pages as a store without KT, with at least ``capacity`` slots per row."""
@@ -458,12 +450,12 @@ class PoolPages:
             self._history_table = None
         table, row_pages = self.history_table(layer.device)
         storage = self.pool.layer(layer.layer_idx)
-        return self._store(storage, layer, table, row_pages, kt=False)
+        return PagedStore.over(storage, table, row_pages, layer.dtype, kt=False)
 
     def stacked_view(self, layer, stores: list[PagedStore]) -> PagedStore:
         table, row_pages = self.view_table(layer.device)
         storage = self.pool.layer(layer.layer_idx)
-        return self._store(storage, layer, table, row_pages)
+        return PagedStore.over(storage, table, row_pages, layer.dtype)
 
     # ------------------------------------------------------------------------------------------ row groups
     def split(self, rows: slice, counters: RequestCounters) -> "PoolPages":

@@ -111,7 +111,7 @@ def gather_pages(pages: torch.Tensor, table: torch.Tensor, scale: torch.Tensor |
 
 
 def scatter_pages(pages: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
-                  row_pages: tuple[int, ...] | None = None) -> None:
+                  row_pages: tuple[int, ...] | None = None, scale: torch.Tensor | None = None) -> None:
     """In place: write contiguous rows back into their pages (the inverse of ``gather_pages``).
 
     ``rows`` ``[B, Hkv, MP * S, *rest]``; the slots of missing pages (-1) are dropped. Every present page of a row is
@@ -120,19 +120,23 @@ def scatter_pages(pages: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
     ``row_pages`` (host ints, optional): row b's pages are ``table[b, :row_pages[b]]`` and every entry after them is
     -1 (what a ``PagedStore`` table holds). Given, the present pages come from these counts instead of a boolean mask
     over the device table, whose indexing waits for the device (a host sync per call).
+
+    ``scale`` (fp8 K/V pages, float32 ``[N]`` or ``[N, Hkv]``): each written page is quantized over its slots
+    (``fp8.quantize_pages``, the granularity from the scale's shape) and its scale written beside it.
     """
     batch, max_pages = table.shape
     per_page = rows.reshape(batch, rows.shape[1], max_pages, pages.shape[2], *pages.shape[3:]).movedim(1, 2)
     if row_pages is None:
         index = table.long()
         present = index >= 0
-        pages[index[present]] = per_page[present].to(pages.dtype)
-        return
-    if len(row_pages) == 1:  # one row (a request's prefill): its slices as they are, no copy through cat
+        index, source = index[present], per_page[present]
+    elif len(row_pages) == 1:  # one row (a request's prefill): its slices as they are, no copy through cat
         index, source = table[0, : row_pages[0]].long(), per_page[0, : row_pages[0]]
     else:
         index = torch.cat([table[b, :n] for b, n in enumerate(row_pages)]).long()
         source = torch.cat([per_page[b, :n] for b, n in enumerate(row_pages)])
+    if scale is not None:
+        source, scale[index] = quantize_pages(source, scale_granularity(scale))
     pages[index] = source.to(pages.dtype)  # index_put_ (index_copy_ has no float8 kernel on CPU)
 
 
