@@ -24,6 +24,13 @@ for name in "$@"; do
   case $name in
     decode_b1_32k)   step "$name" 200 $PY benchmarks/bench_decode.py --batch 1 --context 32768 --new-tokens 64 \
                         --caches rocketkv-graphs rocketkv dynamic --no-plot --out "$OUT/decode_b1_32k" ;;
+    decode_pool_b1_32k) # private pages, bf16 pool pages and fp8 pool pages side by side (graphs), eager and DynamicCache
+                     step "$name" 300 $PY benchmarks/bench_decode.py --batch 1 --context 32768 --new-tokens 64 \
+                        --caches rocketkv-graphs rocketkv-graphs-pool rocketkv-graphs-pool-fp8 rocketkv dynamic \
+                        --no-plot --out "$OUT/decode_pool_b1_32k" ;;
+    decode_pool_b32_8k) step "$name" 300 $PY benchmarks/bench_decode.py --batch 32 --context 8192 --new-tokens 64 \
+                        --prefill-batch-size 8 --caches rocketkv-graphs rocketkv-graphs-pool rocketkv-graphs-pool-fp8 \
+                        --no-plot --out "$OUT/decode_pool_b32_8k" ;;
     decode_b32_8k)   step "$name" 240 $PY benchmarks/bench_decode.py --batch 32 --context 8192 --new-tokens 64 \
                         --prefill-batch-size 8 --caches rocketkv-graphs dynamic --no-plot --out "$OUT/decode_b32_8k" ;;
     prefix_reuse)    step "$name" 240 $PY benchmarks/bench_prefix_reuse.py --out "$OUT/prefix_reuse" ;;
@@ -36,6 +43,9 @@ for name in "$@"; do
     kernel_tests)    # every Triton kernel against its PyTorch twin, compiled for this GPU (pytest from .device_wheels if absent)
                      $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index --find-links .device_wheels pytest hypothesis
                      step "$name" 330 $PY -m pytest -q -p no:cacheprovider --durations=15 tests/kernels ;;
+    graph_pool_tests) # the CUDA-graph runner on pool pages (pages back without the garbage collector) and the graphs' tests
+                     $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index --find-links .device_wheels pytest hypothesis
+                     step "$name" 180 $PY -m pytest -q -p no:cacheprovider tests/test_decode_graphs.py ;;
     compact_tests)   # stage 1's compaction kernel against its twin and the slot-by-slot oracle, on this GPU
                      $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index --find-links .device_wheels pytest hypothesis
                      step "$name" 120 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_compact.py ;;
@@ -53,6 +63,11 @@ for name in "$@"; do
                         --out "$OUT/graph_regions" ;;
     profile_graph_b32) step "$name" 240 $PY benchmarks/profile_graph_step.py --batch 32 --context 8192 --eager \
                         --out "$OUT/profile_graph_b32" ;;
+    profile_pool_b1) # the graphed step at batch 1 x 32k on private pages, bf16 pool pages and fp8 pool pages
+                     for pool in none model fp8; do
+                       step "${name}_$pool" 150 $PY benchmarks/profile_graph_step.py --batch 1 --context 32768 \
+                          --pool "$pool" --out "$OUT/profile_pool_b1"
+                     done ;;
     profile_graph_b1) step "$name" 180 $PY benchmarks/profile_graph_step.py --batch 1 --context 32768 \
                         --out "$OUT/profile_graph_b1" ;;
     batching_fixed)  step "$name" 240 $PY benchmarks/batching_check.py --rates "" --out "$OUT/batching_fixed" ;;

@@ -25,7 +25,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from hf_rocketkv import RocketKVCache
-from hf_rocketkv.bench.decode import LLAMA_31_8B, StepClock, build_model, warm_up
+from hf_rocketkv.bench.decode import LLAMA_31_8B, StepClock, build_model, pool_for_row, warm_up
 from hf_rocketkv.config import RocketKVConfig
 from hf_rocketkv.integration.registration import enable
 
@@ -83,11 +83,12 @@ def kernel_table(profiler, steps: int) -> dict:
     )
 
 
-def one_run(model, ids, rocket: RocketKVConfig, new_tokens: int, eager: bool, window: ProfileWindow | None):
+def one_run(model, ids, rocket: RocketKVConfig, new_tokens: int, eager: bool, window: ProfileWindow | None,
+            pool=None):
     clock = StepClock(ids.device)
     processors = [clock] + ([window] if window is not None else [])
     enable(model)
-    model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=RocketKVCache(rocket),
+    model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=RocketKVCache(rocket, pool=pool),
                    max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
                    logits_processor=LogitsProcessorList(processors), disable_compile=eager)
     times = clock.seconds()
@@ -106,6 +107,8 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="also profile the eager step")
     parser.add_argument("--regions", action="store_true", help="hf_rocketkv.compile_regions(model) first")
     parser.add_argument("--bandwidth-tbs", type=float, default=3.35, help="device memory bandwidth (H100 SXM: 3.35)")
+    parser.add_argument("--pool", default="none", choices=["none", "model", "fp8"],
+                        help="cache pages: private (none), a KVBlockPool of the model's dtype, or of fp8 (e4m3)")
     parser.add_argument("--out", default="out/profile_graph_step")
     args = parser.parse_args()
     from torch.profiler import ProfilerActivity, profile
@@ -124,19 +127,21 @@ def main() -> None:
                             prefill_batch_size=min(args.batch, args.prefill_batch_size))
     warm_up(model, ["rocketkv"], rocket, device)
     ids = torch.randint(3, model.config.vocab_size, (args.batch, args.context), device=device)
+    row = {"none": "rocketkv-graphs", "model": "rocketkv-graphs-pool", "fp8": "rocketkv-graphs-pool-fp8"}[args.pool]
+    pool = pool_for_row(model, row, rocket, args.batch, args.context, args.new_tokens)
     report = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(device),
-                  torch=torch.__version__, regions=args.regions, batch=args.batch, context=args.context,
+                  torch=torch.__version__, regions=args.regions, batch=args.batch, context=args.context, pool=args.pool,
                   layers=model.config.num_hidden_layers,
                   weight_gb=weight_bytes / 1e9, weight_floor_ms=weight_bytes / (args.bandwidth_tbs * 1e12) * 1e3)
     runs = [("graphs", False)] + ([("eager", True)] if args.eager else [])
     for name, eager in runs:
-        one_run(model, ids, rocket, 8, eager, None)  # capture / warm-up
+        one_run(model, ids, rocket, 8, eager, None, pool)  # capture / warm-up
         profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
         window = ProfileWindow(profiler, first=args.new_tokens // 2, steps=args.steps)
-        wall = one_run(model, ids, rocket, args.new_tokens, eager, window)
-        unprofiled = one_run(model, ids, rocket, args.new_tokens, eager, None)
+        wall = one_run(model, ids, rocket, args.new_tokens, eager, window, pool)
+        unprofiled = one_run(model, ids, rocket, args.new_tokens, eager, None, pool)
         table = kernel_table(profiler, args.steps)
-        profiler.export_chrome_trace(str(out / f"trace_{name}_b{args.batch}_{args.context}.json"))
+        profiler.export_chrome_trace(str(out / f"trace_{name}_b{args.batch}_{args.context}_{args.pool}.json"))
         report[name] = dict(wall_ms_per_step=unprofiled, wall_ms_per_step_profiled=wall, **table)
         print(f"=== {name}: wall {unprofiled:.2f} ms/step (profiled {wall:.2f}); GPU busy "
               f"{table['gpu_busy_ms_per_step']:.2f} ms; {table['kernels_per_step']:.0f} kernels/step; "
@@ -146,7 +151,7 @@ def main() -> None:
         for k in table["top_kernels"][:25]:
             print(f"   {k['us_per_step']:9.1f} us {k['calls_per_step']:6.1f}x  [{k['family']}] {k['name']}")
         torch.cuda.empty_cache()
-    (out / "profile_graph_step.json").write_text(json.dumps(report, indent=1))
+    (out / f"profile_graph_step_{args.pool}.json").write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

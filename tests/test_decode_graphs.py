@@ -184,3 +184,60 @@ def test_on_device_is_a_no_op_off_cuda_and_selects_the_gpu_on_cuda():
     assert isinstance(on_device("cpu"), contextlib.nullcontext)
     scope = on_device(torch.device("cuda", 1))  # built, not entered: no GPU needed
     assert isinstance(scope, torch.cuda.device) and scope.idx == 1
+
+
+def _reaches(start, target, skip) -> bool:
+    """Whether ``target`` is reachable from ``start`` through gc referents, not entering objects in ``skip``."""
+    import gc
+
+    seen, todo = {id(start)}, [start]
+    while todo:
+        obj = todo.pop()
+        for ref in gc.get_referents(obj):
+            if ref is target:
+                return True
+            if id(ref) not in seen and not any(ref is s for s in skip) and not isinstance(ref, (type, torch.Tensor)):
+                seen.add(id(ref))
+                todo.append(ref)
+    return False
+
+
+def test_the_captured_step_holds_no_reference_to_its_cache():
+    """The cache holds its captured step (cache.hints.graphed_step); the step must not hold the cache, in its static
+    inputs or its static output, or a pool-backed request's pages stay out of the pool after the request until the
+    cyclic garbage collector runs. (The stand-in graph itself keeps the step's closure; a CUDA graph keeps none.)"""
+    rocket, _ = make_models("llama")
+    cache = graphed_cache(compressing_config(), StandInBackend())
+    out = greedy(rocket, random_ids(1, 50), past_key_values=cache, max_new_tokens=6, compile_config=_compile_config())
+    step = cache.hints.graphed_step
+    assert step is not None and step.replays > 0 and len(step.cache_fields) == 1  # past_key_values or cache
+    assert not _reaches(step, cache, skip=[step.graph])
+    assert out.shape[1] == 56
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real CUDA graphs on a GPU")
+@pytest.mark.parametrize("dtype", [None, torch.float8_e4m3fn])
+def test_pool_pages_come_back_after_a_graphed_request_without_the_garbage_collector(dtype):
+    """generate() with the default CUDA-graph runner on pool pages (model dtype and fp8), the output dropped, the
+    cyclic garbage collector off: every page is free again (prefix pages cached for reuse count as free), so a pool
+    sized for one request admits the same request again at once."""
+    import gc
+
+    from hf_rocketkv import KVBlockPool
+
+    rocket, _ = make_models("llama")
+    rocket = rocket.to("cuda", torch.bfloat16)
+    config = compressing_config(backend="triton", decode_runner="cuda_graphs")
+    pool = KVBlockPool(rocket, max_gpu_bytes=8 << 20, page_size=16, kt_page_size=4, dtype=dtype,
+                       kt_dtype=config.kt_cache_dtype, device="cuda")
+    ids = random_ids(1, 120).to("cuda")
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(2):
+            out = greedy(rocket, ids, past_key_values=RocketKVCache(config, pool=pool), max_new_tokens=8)
+            assert out.shape[1] == 128
+            del out
+            assert pool.free_pages() == pool.num_pages
+    finally:
+        gc.enable()

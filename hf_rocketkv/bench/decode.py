@@ -12,6 +12,9 @@ Rows (``--caches``), all in one process on the same model:
     rocketkv-graphs   RocketKVCache, generate's compiled-decode path with decode_runner="cuda_graphs" (the default on
                       CUDA: each request's eager decode step captured as a CUDA graph, no torch.compile)
     rocketkv-compile  RocketKVCache, generate's compiled-decode path with decode_runner="torch_compile"
+    rocketkv-graphs-pool      rocketkv-graphs on the pages of a KVBlockPool (model-dtype pages of 16 tokens, sized
+                              for the run's prefill peak) instead of the cache's private buffers
+    rocketkv-graphs-pool-fp8  the same on fp8 (e4m3) pool pages with per-page scales
 for every batch size x context (prompt tokens). A point that cannot fit in GPU memory is skipped with the estimate
 that says so (weights + KV cache + prefill activations), and an out-of-memory error is recorded, not raised.
 
@@ -51,7 +54,9 @@ TINY = dict(
     hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512,
     vocab_size=1024, max_position_embeddings=4096,
 )
-CACHES = ("dynamic", "static-compile", "rocketkv", "rocketkv-graphs", "rocketkv-compile")
+CACHES = ("dynamic", "static-compile", "rocketkv", "rocketkv-graphs", "rocketkv-compile", "rocketkv-graphs-pool",
+          "rocketkv-graphs-pool-fp8")
+POOL_PAGE_SIZE = 16  # tokens per pool page in the pool rows (KVBlockPool's default)
 DEFAULT_CACHES = ("dynamic", "static-compile", "rocketkv")
 DROP_FIRST_STEPS = 3  # decode steps left out of the median (compilation, CUDA-graph capture, allocator warm-up)
 
@@ -224,7 +229,8 @@ def run_generate(model, cache: str, ids: torch.Tensor, new_tokens: int, rocket, 
     )
     if cache.startswith("rocketkv"):
         enable(model)
-        past = RocketKVCache(rocket_for_row(rocket, cache))
+        pool = pool_for_row(model, cache, rocket, ids.shape[0], ids.shape[1], new_tokens)
+        past = RocketKVCache(rocket_for_row(rocket, cache), pool=pool)
         kwargs.update(compat.cache_kwargs(past))
         kwargs["disable_compile"] = cache == "rocketkv"
     else:
@@ -269,11 +275,29 @@ def run_generate(model, cache: str, ids: torch.Tensor, new_tokens: int, rocket, 
 
 def rocket_for_row(rocket, cache: str):
     """The RocketKVConfig of a benchmark row: rocketkv-graphs / rocketkv-compile pick the decode runner."""
-    if cache == "rocketkv-graphs":
+    if cache.startswith("rocketkv-graphs"):
         return rocket.replace(decode_runner="cuda_graphs")
     if cache == "rocketkv-compile":
         return rocket.replace(decode_runner="torch_compile")
     return rocket
+
+
+def pool_for_row(model, cache: str, rocket, batch: int, context: int, new_tokens: int):
+    """The KVBlockPool of a pool row (None for the others): exactly the pages the run's prefill peak needs."""
+    if "-pool" not in cache:
+        return None
+    from ..memory import KVBlockPool
+
+    dtype = torch.float8_e4m3fn if cache.endswith("-fp8") else None  # None: the model's dtype
+    device = next(model.parameters()).device
+
+    def make(nbytes: int) -> KVBlockPool:
+        return KVBlockPool(model.config, max_gpu_bytes=nbytes, page_size=POOL_PAGE_SIZE, dtype=dtype,
+                           kt_page_size=rocket.page_size, kt_dtype=rocket.kt_cache_dtype, device=device)
+
+    probe = make(1 << 30)  # lazily allocated: only its page bytes and its accounting are read
+    needed = probe.pages_needed([context] * batch, new_tokens, rocket)
+    return make(needed.prefill_peak * probe.bytes_per_page)
 
 
 def _profiler(device: torch.device):
@@ -325,6 +349,8 @@ def attention_step(cache_name: str, past, model) -> tuple[tuple[float, float | N
 
     cfg = model.config
     layer = past.layers[0]
+    if cache_name.endswith(("-pool", "-pool-fp8")):
+        return (None, None), None  # pool pages: the generate() rows above time them; the private layout is timed here
     keys, values = layer.keys, layer.values
     batch, kv_heads, _, head_dim = keys.shape
     q = torch.randn(batch, cfg.num_attention_heads, 1, head_dim, device=keys.device, dtype=keys.dtype)
@@ -409,7 +435,8 @@ def run(argv: list[str] | None = None) -> dict:
                     if row.decode_ms_per_token:
                         row.tokens_per_s = batch * 1e3 / row.decode_ms_per_token
                     (row.attn_ms, row.attn_graph_ms), row.attn_bytes = attention_step(cache, past, model)
-                    row.attn_GBps = row.attn_bytes / (row.attn_ms * 1e-3) / 1e9
+                    if row.attn_ms:
+                        row.attn_GBps = row.attn_bytes / (row.attn_ms * 1e-3) / 1e9
                     if row.attn_graph_ms:
                         row.attn_graph_GBps = row.attn_bytes / (row.attn_graph_ms * 1e-3) / 1e9
                 except torch.cuda.OutOfMemoryError:

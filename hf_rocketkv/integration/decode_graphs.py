@@ -106,13 +106,39 @@ class CudaGraphBackend:
 
 @dataclass
 class GraphedStep:
-    """The captured decode step of one request (one input signature)."""
+    """The captured decode step of one request (one input signature).
+
+    It never holds the request's cache: the cache holds it (``cache.hints.graphed_step``), and a cycle through the
+    step's inputs or output would keep a pool-backed request's pages out of the pool after the request, until Python's
+    cyclic garbage collector happened to run. The cache is left out of ``static_kwargs``, taken out of the static
+    output after every step, and put back from the live cache into each step's output (``cache_fields``)."""
 
     signature: tuple
     static_kwargs: dict
     graph: Any
     static_output: Any
+    cache_fields: set = field(default_factory=set)
     replays: int = field(default=0)
+
+    @classmethod
+    def captured(cls, signature: tuple, static_kwargs: dict, graph, static_output) -> "GraphedStep":
+        return cls(signature, _without_caches(static_kwargs), graph, static_output)
+
+    def output(self, cache: RocketKVCache):
+        """The step's output: tensors cloned out of the graph's static memory (the next replay overwrites it), the
+        live cache where the model's output had it."""
+        self.cache_fields |= {k for k, v in self.static_output.items() if isinstance(v, RocketKVCache)}
+        fields = {}
+        for key, value in self.static_output.items():
+            fields[key] = cache if key in self.cache_fields else (
+                value.clone() if isinstance(value, torch.Tensor) else value)
+        for key in self.cache_fields:
+            self.static_output[key] = None  # no reference back to the cache
+        return type(self.static_output)(**fields)
+
+
+def _without_caches(mapping: dict) -> dict:
+    return {k: v for k, v in mapping.items() if not isinstance(v, RocketKVCache)}
 
 
 def run_graphed_step(model, cache: RocketKVCache, kwargs: dict, backend=None):
@@ -140,24 +166,14 @@ def _run_graphed_step(model, cache: RocketKVCache, kwargs: dict, backend=None):
             graph, static_output = backend.capture(lambda: model(**static_kwargs))
         finally:
             hints.in_graph = False
-        step = hints.graphed_step = GraphedStep(signature, static_kwargs, graph, static_output)
+        step = hints.graphed_step = GraphedStep.captured(signature, static_kwargs, graph, static_output)
     else:
-        for name, value in kwargs.items():
-            copy_into(step.static_kwargs[name], value)
+        for name, static in step.static_kwargs.items():
+            copy_into(static, kwargs[name])
     hints.in_graph = True
     try:
         backend.replay(step.graph)
     finally:
         hints.in_graph = False
     step.replays += 1
-    return detached_output(step.static_output)
-
-
-def detached_output(output):
-    """The step's output with its tensors cloned out of the graph's static memory (the next replay overwrites it)."""
-    if isinstance(output, torch.Tensor):
-        return output.clone()
-    fields = {}
-    for key, value in output.items():
-        fields[key] = value.clone() if isinstance(value, torch.Tensor) else value
-    return type(output)(**fields)
+    return step.output(cache)

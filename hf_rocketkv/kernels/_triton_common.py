@@ -99,6 +99,14 @@ def _rtne_drop_bits(x, DROP: tl.constexpr):
 
 
 @triton.jit
+def _with_sign_of(x, magnitude):
+    """``magnitude`` (>= 0) with the sign bit of ``x``, set bitwise: Triton compiles ``-t`` as ``0 - t``, which turns
+    a -0.0 into +0.0 on the GPU (the interpreter negates), and PyTorch keeps -0.0 when a tiny negative rounds to 0."""
+    sign = x.to(tl.int32, bitcast=True) & -2147483648
+    return (magnitude.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def round_to(x, DT: tl.constexpr):
     """fp32 ``x`` rounded to the value of dtype code DT that ``torch`` would produce, still as fp32."""
     if DT == 2:  # bfloat16: 7 stored mantissa bits, same exponent range as fp32 (subnormals included)
@@ -106,14 +114,12 @@ def round_to(x, DT: tl.constexpr):
     elif DT == 3:  # float8_e5m2: 2 mantissa bits, normals from 2**-14, subnormal spacing 2**-16
         ax = tl.abs(x)
         normal = _rtne_drop_bits(x, 21)
-        tiny = _rtne_drop_bits(ax + 6.103515625e-05, 21) - 6.103515625e-05
-        tiny = tl.where(x.to(tl.int32, bitcast=True) < 0, -tiny, tiny)  # keeps the sign of -0.0
+        tiny = _with_sign_of(x, _rtne_drop_bits(ax + 6.103515625e-05, 21) - 6.103515625e-05)
         y = tl.where(ax < 6.103515625e-05, tiny, normal)
     elif DT == 4:  # float8_e4m3fn: 3 mantissa bits, normals from 2**-6, subnormal spacing 2**-9 (no inf; |x| <= 448)
         ax = tl.abs(x)
         normal = _rtne_drop_bits(x, 20)
-        tiny = _rtne_drop_bits(ax + 0.015625, 20) - 0.015625
-        tiny = tl.where(x.to(tl.int32, bitcast=True) < 0, -tiny, tiny)  # keeps the sign of -0.0
+        tiny = _with_sign_of(x, _rtne_drop_bits(ax + 0.015625, 20) - 0.015625)
         y = tl.where(ax < 0.015625, tiny, normal)
     elif DT == 1:
         y = x.to(tl.float16).to(tl.float32)

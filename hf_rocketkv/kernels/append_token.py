@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from .fp8 import FP8_DTYPE, FP8_MAX
+from .fp8 import FP8_DTYPE, FP8_MAX, scale_from_amax
 from ..selection.stage2_pages import per_head, update_kt
 from .paged import check_fp8_scales, check_table
 
@@ -150,7 +150,7 @@ def fp8_append_torch(pages: torch.Tensor, scale: torch.Tensor, page: torch.Tenso
         s_old = scale[page, head_ids]
     s_old = s_old.to(torch.float32)  # [B, Hkv]
     fresh = offset == 0
-    s_new = torch.maximum(torch.where(fresh, 0.0, s_old), amax / FP8_MAX)
+    s_new = torch.maximum(torch.where(fresh, 0.0, s_old), scale_from_amax(amax))
     s_new = torch.where(s_new > 0, s_new, 1.0)  # an all-zero page keeps scale 1
     grow = fresh | (s_new > s_old)
     block = pages[page, head_ids]  # [B, Hkv, PP, D] e4m3 (plain indexing: fp8 has no gather kernel on CPU)
@@ -258,20 +258,23 @@ if triton is not None:
 
     @triton.jit
     def _fp8_write_token(pages_ptr, page, hh, offset, d, d_ok, x, ok, s_old, s_new, grow, fresh, page_tokens,
-                         s_n, s_h, s_c, s_d):
+                         s_n, s_h, s_c, s_d, BLOCK_T: tl.constexpr):
         """One [BLOCK_H, BLOCK_D] tile of the fp8 append rule (``fp8_append_torch``): where grow, the slots below
-        the offset re-quantized from s_old to s_new and (fresh) the slots after it zeroed; the token quantized with
-        s_new. Where nothing grows every access is masked off (no traffic)."""
-        base = pages_ptr + page[:, None] * s_n + hh[:, None] * s_h + d[None, :] * s_d
-        for t in range(0, page_tokens):
-            below = ok & grow & (t < offset)
-            zero = ok & fresh & (t > offset)
-            at = base + t * s_c
-            stored = tl.load(at, mask=below[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            requantized = quantize_e4m3(stored * s_old[:, None], s_new[:, None])
-            tl.debug_barrier()  # every lane has read slot t before any lane overwrites it (replicated lanes)
-            tl.store(at, tl.where(zero[:, None], 0.0, requantized.to(tl.float32)).to(tl.float8e4nv),
-                     mask=(below | zero)[:, None] & d_ok[None, :])
+        the offset re-quantized from s_old to s_new and (fresh) the slots after it zeroed, as one [BLOCK_H, BLOCK_T,
+        BLOCK_D] tile of the page; the token quantized with s_new. Most steps neither open a page nor grow its scale:
+        then the page tile is skipped as a whole (its IEEE divisions are most of an fp8 append's cost)."""
+        base = pages_ptr + page[:, None] * s_n + hh[:, None] * s_h + d[None, :] * s_d  # [BLOCK_H, BLOCK_D]
+        rewrite = ok & (grow | fresh)
+        if tl.max(rewrite.to(tl.int32), axis=0) > 0:
+            t = tl.arange(0, BLOCK_T)
+            at = base[:, None, :] + t[None, :, None] * s_c  # [BLOCK_H, BLOCK_T, BLOCK_D]
+            below = (ok & grow)[:, None] & (t[None, :] < offset[:, None])  # [BLOCK_H, BLOCK_T]
+            zero = (ok & fresh)[:, None] & (t[None, :] > offset[:, None]) & (t[None, :] < page_tokens)
+            stored = tl.load(at, mask=below[:, :, None] & d_ok[None, None, :], other=0.0).to(tl.float32)
+            requantized = quantize_e4m3(stored * s_old[:, None, None], s_new[:, None, None])
+            tl.debug_barrier()  # every lane has read the page before any lane overwrites it (replicated lanes)
+            tl.store(at, tl.where(zero[:, :, None], 0.0, requantized.to(tl.float32)).to(tl.float8e4nv),
+                     mask=(below | zero)[:, :, None] & d_ok[None, None, :])
         tl.store(base + offset[:, None] * s_c, quantize_e4m3(x.to(tl.float32), s_new[:, None]),
                  mask=ok[:, None] & d_ok[None, :])
 
@@ -288,7 +291,8 @@ if triton is not None:
         s_ab, s_ap, s_sb,
         s_ksn, s_ksh, s_vsn, s_vsh,
         num_kv_heads, capacity, page_tokens, kt_per_page, table_pages, head_dim,
-        P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KT_DT: tl.constexpr, PER_HEAD: tl.constexpr,
+        P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, KT_DT: tl.constexpr,
+        PER_HEAD: tl.constexpr,
         PAGED: tl.constexpr, HAS_KT: tl.constexpr, KV_FP8: tl.constexpr, K_BY_PAGE: tl.constexpr,
         V_BY_PAGE: tl.constexpr,
     ):
@@ -361,9 +365,9 @@ if triton is not None:
                     v_old = tl.load(vs_ptr + page * s_vsn + hh * s_vsh, mask=ok, other=1.0)
                     v_new, v_grow = _fp8_scale_update(v_old, tl.max(tl.abs(v.to(tl.float32)), axis=1), fresh)
                 _fp8_write_token(keys_ptr, page, hh, offset, d, d_ok, k, ok, k_old, k_new, k_grow, fresh,
-                                 page_tokens, s_kn, s_kh, s_kc, s_kd)
+                                 page_tokens, s_kn, s_kh, s_kc, s_kd, BLOCK_T)
                 _fp8_write_token(values_ptr, page, hh, offset, d, d_ok, v, ok, v_old, v_new, v_grow, fresh,
-                                 page_tokens, s_vn, s_vh, s_vc, s_vd)
+                                 page_tokens, s_vn, s_vh, s_vc, s_vd, BLOCK_T)
                 if not K_BY_PAGE:  # each (page, KV head) scale is its lane's own
                     tl.store(ks_ptr + page * s_ksn + hh * s_ksh, k_new, mask=ok)
                 if not V_BY_PAGE:
@@ -412,15 +416,18 @@ if triton is not None:
         if batch * num_kv_heads == 0:
             return
         s_lb, s_lh = count_strides(lengths, batch, num_kv_heads, "lengths")
+        fp8 = k_scale is not None
         block_d = next_pow2(head_dim)
-        block_h = min(next_pow2(num_kv_heads), max(1, 2048 // block_d))
-        tile = block_h * block_d
+        block_t = next_pow2(k_pages.shape[2]) if fp8 else 1  # fp8: a page's slots as one tile (a scale grows)
+        # fp8: every KV head's page slots in one tile (16k elements at 8B shapes), spread over up to 16 warps: the
+        # heads in chunks would each wait for their own chain of dependent loads, and the slowest row sets the time
+        block_h = min(next_pow2(num_kv_heads), max(1, (16384 if fp8 else 2048) // (block_t * block_d)))
+        tile = block_h * block_t * block_d
         has_kt = kt_pages is not None
         kt = kt_pages if has_kt else k_pages  # an unused pointer without a KT
         kt_strides = kt_pages.stride() if has_kt else (0, 0, 0, 0, 0)
         table_arg = table if paged else lengths  # an unused pointer for the contiguous store
         table_strides = table.stride() if paged else (0, 0)
-        fp8 = k_scale is not None
         if fp8:  # (checked by check_fp8_append: paged, [N] scales only with one length per row)
             ks_strides = (k_scale.stride(0), k_scale.stride(1) if k_scale.dim() == 2 else 0)
             vs_strides = (v_scale.stride(0), v_scale.stride(1) if v_scale.dim() == 2 else 0)
@@ -434,10 +441,10 @@ if triton is not None:
             *ks_strides, *vs_strides,
             num_kv_heads, capacity, k_pages.shape[2], kt_pages.shape[2] if has_kt else 1,
             table.shape[1] if paged else 1, head_dim,
-            P=kt_page_size, BLOCK_H=block_h, BLOCK_D=block_d, KT_DT=dtype_code(kt.dtype) if has_kt else 0,
+            P=kt_page_size, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_T=block_t, KT_DT=dtype_code(kt.dtype) if has_kt else 0,
             PER_HEAD=s_lh != 0, PAGED=paged, HAS_KT=has_kt, KV_FP8=fp8,
             K_BY_PAGE=fp8 and k_scale.dim() == 1, V_BY_PAGE=fp8 and v_scale.dim() == 1,
-            num_warps=4 if tile >= 2048 else (2 if tile >= 512 else 1),
+            num_warps=min(16, tile // 512) if tile >= 4096 else (4 if tile >= 2048 else (2 if tile >= 512 else 1)),
         )
 
     def append_token_triton(

@@ -30,6 +30,13 @@ def _check_granularity(granularity: str) -> None:
         raise ValueError(f"KVBlockPool.scale_granularity must be one of {list(SCALE_GRANULARITIES)}, got {granularity!r}")
 
 
+def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """``amax / 448`` (float32), correctly rounded on every device, like the kernels' ``div_rn``. PyTorch's CUDA
+    division by a Python number multiplies by its reciprocal instead, which lands one ulp off for some values: a 0-dim
+    tensor divisor keeps the true division."""
+    return amax / amax.new_full((), FP8_MAX)
+
+
 def fp8_scales(x: torch.Tensor, granularity: str) -> torch.Tensor:
     """Scales for ``x`` ``[n, H, p, D]``: float32 ``[n]`` ("page") or ``[n, H]`` ("head")."""
     _check_granularity(granularity)
@@ -37,7 +44,7 @@ def fp8_scales(x: torch.Tensor, granularity: str) -> torch.Tensor:
         raise ValueError(f"fp8_scales expects pages [n, H, p, D], got shape {tuple(x.shape)}")
     reduce_dims = (1, 2, 3) if granularity == "page" else (2, 3)
     amax = x.detach().abs().to(SCALE_DTYPE).amax(dim=reduce_dims)
-    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return torch.where(amax > 0, scale_from_amax(amax), torch.ones_like(amax))
 
 
 def _broadcast(scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

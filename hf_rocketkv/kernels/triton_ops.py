@@ -28,7 +28,8 @@ graphed step, so it only ever needs its plain launcher.
 
 fp8 pages (float8_e4m3fn K/V with float32 ``k_scale`` / ``v_scale`` [N] or [N, Hkv], trailing keyword arguments of
 paged_append_token, paged_append_kv, paged_sparse_decode_attention and paged_compact_row; the schemas read
-``Tensor? k_scale=None, Tensor? v_scale=None``, mutated by the appends): paged_sparse_decode_attention reads and
+``Tensor? k_scale=None, Tensor? v_scale=None``, except the appends', which mutate them and take them without a
+default: see ``_paged_append_token_op``): paged_sparse_decode_attention reads and
 dequantizes them in its kernel; the append kernel applies the fp8 append rule in place (``append_token.
 fp8_append_torch`` is its reference, bit for bit); paged_compact_row stages the row's pages in float32 through its
 kernel, then quantizes them with PyTorch.
@@ -44,6 +45,7 @@ CPU: the kernels run under Triton's interpreter when TRITON_INTERPRET=1 is set B
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Callable
 
 import torch
@@ -76,13 +78,36 @@ append_token = triton_op(
     "hf_rocketkv::append_token", mutates_args={"keys", "values", "positions", "kt", "lengths"}
 )(append_token_triton)
 top_pages = triton_op("hf_rocketkv::top_pages", mutates_args={})(top_pages_triton)
+
+
+# The appends' registered schemas take k_scale / v_scale WITHOUT a default (``Tensor(a!)? k_scale``; pass None for
+# float pages): torch 2.11's ADInplaceOrView kernel of a mutating custom op indexes the mutated arguments in the
+# dispatcher's argument tuple, from which trailing arguments equal to their defaults are dropped, so a defaulted
+# mutated argument left at None raised IndexError in eager calls (torch 2.13 fills the defaults in first).
+def _paged_append_token_op(
+    k_pages: torch.Tensor, v_pages: torch.Tensor, kt_pages: torch.Tensor, table: torch.Tensor,
+    positions: torch.Tensor, lengths: torch.Tensor, seen: torch.Tensor, key_new: torch.Tensor,
+    value_new: torch.Tensor, kt_page_size: int, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+) -> None:
+    paged_append_token_triton(k_pages, v_pages, kt_pages, table, positions, lengths, seen, key_new, value_new,
+                              kt_page_size, k_scale, v_scale)
+
+
+def _paged_append_kv_op(
+    k_pages: torch.Tensor, v_pages: torch.Tensor, table: torch.Tensor, positions: torch.Tensor,
+    lengths: torch.Tensor, seen: torch.Tensor, key_new: torch.Tensor, value_new: torch.Tensor,
+    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+) -> None:
+    paged_append_kv_triton(k_pages, v_pages, table, positions, lengths, seen, key_new, value_new, k_scale, v_scale)
+
+
 paged_append_token = triton_op(
     "hf_rocketkv::paged_append_token",
     mutates_args={"k_pages", "v_pages", "kt_pages", "positions", "lengths", "k_scale", "v_scale"},
-)(paged_append_token_triton)
+)(_paged_append_token_op)
 paged_append_kv = triton_op(
     "hf_rocketkv::paged_append_kv", mutates_args={"k_pages", "v_pages", "positions", "lengths", "k_scale", "v_scale"}
-)(paged_append_kv_triton)
+)(_paged_append_kv_op)
 paged_page_scores = triton_op("hf_rocketkv::paged_page_scores", mutates_args={})(paged_page_scores_triton)
 paged_top_pages = triton_op("hf_rocketkv::paged_top_pages", mutates_args={})(paged_top_pages_triton)
 paged_sparse_decode_attention = triton_op("hf_rocketkv::paged_sparse_decode_attention", mutates_args={})(
@@ -90,15 +115,28 @@ paged_sparse_decode_attention = triton_op("hf_rocketkv::paged_sparse_decode_atte
 )
 
 
+def _defaulted(launcher: Callable) -> tuple[tuple[int, str, object], ...]:
+    """(index, name, default) of the launcher's parameters that have a default."""
+    params = inspect.signature(launcher).parameters.values()
+    return tuple((i, p.name, p.default) for i, p in enumerate(params) if p.default is not inspect.Parameter.empty)
+
+
 def _eager_or_op(launcher: Callable, op) -> Callable:
-    """``op`` (the triton_op) under torch.compile, the launcher itself in eager mode."""
+    """``op`` (the triton_op) under torch.compile, the launcher itself in eager mode. Arguments the caller leaves at
+    the launcher's defaults are passed to the op explicitly (the appends' schemas have no defaults for the scales)."""
+    defaulted = _defaulted(launcher)
+
+    def registered(*args, **kwargs):
+        missing = {name: default for i, name, default in defaulted if i >= len(args) and name not in kwargs}
+        return op(*args, **kwargs, **missing)
+
     if set_wrap_triton_enabled is None:
-        return op
+        return registered
 
     @functools.wraps(launcher)
     def call(*args, **kwargs):
         if torch.compiler.is_compiling():
-            return op(*args, **kwargs)
+            return registered(*args, **kwargs)
         with set_wrap_triton_enabled(False):
             return launcher(*args, **kwargs)
 

@@ -299,7 +299,9 @@ def test_registered_paged_ops_run_through_the_dispatcher():
     lengths = torch.tensor([9, 17], device=DEVICE)
     base = _store(table, 7, 2, 8, 4, 16, torch.float32, torch.float32, lengths, g)
     direct = _append_steps(ops().paged_append_token, [t.clone() for t in base], 2, torch.float32, gen("r"), 4)
-    registered = _append_steps(ops().paged_append_token.op, [t.clone() for t in base], 2, torch.float32, gen("r"), 4)
+    # the appends' registered schemas take the scales without a default: None for float pages
+    op = ops().paged_append_token.op
+    registered = _append_steps(lambda *a: op(*a, None, None), [t.clone() for t in base], 2, torch.float32, gen("r"), 4)
     for a, b in zip(direct, registered):
         assert torch.equal(a, b)
     q = randn((2, 2, 2, 16), torch.float32, g)
@@ -318,3 +320,42 @@ def test_registered_paged_ops_run_through_the_dispatcher():
     out = ops().paged_sparse_decode_attention.op(q, k_pages, v_pages, table, idx, valid, lengths, 4, 0.25)
     torch.testing.assert_close(out, paged_sparse_decode_attention_torch(q, k_pages, v_pages, table, idx, valid,
                                                                         lengths, 4, 0.25), atol=2e-5, rtol=0)
+
+
+def test_registered_appends_take_the_scales_without_defaults():
+    """The appends mutate k_scale / v_scale, so their schemas declare them without a default: torch 2.11's
+    ADInplaceOrView kernel indexes mutated arguments in the dispatcher's tuple, which drops trailing defaulted ones
+    (an IndexError for every eager call on float pages there). The RocketOps entries still default them to None,
+    under torch.compile too (the wrapper passes them explicitly)."""
+    import inspect
+
+    from torch._library.custom_ops import CustomOpDef
+
+    for name in ("paged_append_token", "paged_append_kv"):
+        entry = getattr(ops(), name)
+        assert isinstance(entry.op, CustomOpDef), name
+        schema = entry.op._opoverload._schema
+        scales = {a.name: a for a in schema.arguments if a.name in ("k_scale", "v_scale")}
+        assert set(scales) == {"k_scale", "v_scale"}, name
+        for arg in scales.values():
+            assert not arg.has_default_value(), (name, arg.name)
+            assert arg.alias_info is not None and arg.alias_info.is_write, (name, arg.name)  # mutated
+        params = inspect.signature(entry).parameters
+        assert params["k_scale"].default is None and params["v_scale"].default is None, name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="the interpreter cannot run a triton_op on the fake tensors torch.compile traces with")
+def test_append_entry_without_scales_compiles_fullgraph():
+    """``ops().paged_append_token(...)`` with the scales left out (float pages), traced by torch.compile: the entry
+    hands the op explicit Nones, no graph break, the eager entry's writes."""
+    g = gen("paged-append-compile")
+    table = _table([2, 3], 7, g)
+    lengths = torch.tensor([9, 17], device=DEVICE)
+    base = _store(table, 7, 2, 8, 4, 16, torch.float32, torch.float32, lengths, g)
+    eager = _append_steps(ops().paged_append_token, [t.clone() for t in base], 1, torch.float32, gen("c"), 4)
+    torch._dynamo.reset()
+    compiled = torch.compile(ops().paged_append_token, fullgraph=True, backend="aot_eager")
+    traced = _append_steps(compiled, [t.clone() for t in base], 1, torch.float32, gen("c"), 4)
+    for a, b in zip(eager, traced):
+        assert torch.equal(a, b)
