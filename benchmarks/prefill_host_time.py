@@ -115,6 +115,12 @@ def cprofile_top(fn, rows: int = 40) -> dict:
         fn()
     finally:
         profile.disable()
+    return stats_rows(profile, rows)
+
+
+def stats_rows(profile: cProfile.Profile, rows: int = 40) -> dict:
+    """A finished cProfile's ``rows`` functions with the most own time and ``rows`` hf_rocketkv functions with the
+    most cumulative time, in ms."""
     stats = pstats.Stats(profile).stats  # (file, line, name) -> (primitive calls, calls, own s, cumulative s, callers)
     package = str(Path(hf_rocketkv.__file__).parent)
 

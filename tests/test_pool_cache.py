@@ -281,6 +281,10 @@ def test_close_reset_and_garbage_collection_give_pages_back(model):
     gc.collect()
     assert ref() is None
     assert pool.free_pages() == pool.total_pages()  # the queued release happens at this call
+    with RocketKVCache(CFG, pool=pool) as cache:  # a with block closes the cache on the way out
+        greedy(model, ids, max_new_tokens=3, past_key_values=cache)
+        assert pool.free_pages() < pool.total_pages()
+    assert pool.free_pages() == pool.total_pages() and cache.stats.pages_held == 0
 
 
 @pytest.mark.parametrize("host", [False, True])

@@ -138,3 +138,40 @@ PoolRequests.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 test_pool_requests = PoolRequests.TestCase
+
+
+def test_admission_collects_unreachable_caches_before_refusing():
+    """A pool that holds one request. The first request's cache becomes unreachable inside a reference cycle (a
+    user's, or one torch.compile makes while tracing a cache) with the garbage collector off: its pages are not back.
+    The next admission collects garbage once before refusing, so it succeeds; when nothing can be collected, the
+    refusal is unchanged."""
+    m = model()
+    probe = KVBlockPool(m.config, max_gpu_bytes=1 << 20, page_size=8, dtype=torch.float32, device="cpu",
+                        kt_page_size=4, kt_dtype="float32")
+    pages = probe.pages_needed(90, 4, CFG).prefill_peak
+    pool = KVBlockPool(m.config, max_gpu_bytes=pages * probe.bytes_per_page, page_size=8, dtype=torch.float32,
+                       device="cpu", kt_page_size=4, kt_dtype="float32")
+    gc.collect()
+    gc.disable()
+    try:
+        cache = RocketKVCache(CFG, pool=pool)
+        greedy(model(), BASES[0][None], max_new_tokens=4, past_key_values=cache)
+        cycle = {"cache": cache}
+        cycle["self"] = cycle
+        del cache, cycle
+        assert pool.free_pages() < pages  # the unreachable request still holds its view pages
+        second = RocketKVCache(CFG, pool=pool)
+        greedy(model(), BASES[1][None], max_new_tokens=4, past_key_values=second)  # admitted after one collection
+        assert second.stats.computed_tokens == 90
+        third = RocketKVCache(CFG, pool=pool)  # the second is alive: nothing to collect, refused as before
+        free = pool.free_pages()
+        try:
+            greedy(model(), BASES[0][None], max_new_tokens=4, past_key_values=third)
+        except PoolExhaustedError as err:
+            assert "pages" in str(err) and pool.free_pages() == free
+        else:
+            raise AssertionError("a pool holding one live request admitted a second")
+        second.close()
+        assert pool.free_pages() == pool.total_pages()
+    finally:
+        gc.enable()

@@ -105,3 +105,18 @@ def test_cprofile_top_ranks_the_function_that_did_the_work(tools):
     assert rows[0]["own_ms"] > 10 * rows[1]["own_ms"]
     assert all(r["cumulative_ms"] >= r["own_ms"] for r in rows)
     assert report["hf_rocketkv_by_cumulative"] == []
+
+
+def test_decode_host_time_quick_profiles_only_the_decode_steps(tmp_path):
+    """The eager decode host-time script on the tiny CPU model: both caches timed, and its cProfile window holds
+    decode steps only (RocketKV's decode attention ran, stage 1's compaction at the end of the prefill did not)."""
+    import subprocess
+
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "decode_host_time.py"), "--quick", "--out",
+                             str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads((tmp_path / "decode_host_time.json").read_text())
+    assert report["eager_ms_per_token"]["rocketkv"] > 0 and report["eager_ms_per_token"]["dynamic"] > 0
+    ours = [r["function"] for r in report["cprofile"]["hf_rocketkv_by_cumulative"]]
+    assert any("decode_attention" in f for f in ours)
+    assert not any("finish_prefill" in f or "compact" in f for f in ours), ours

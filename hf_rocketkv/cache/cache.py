@@ -145,6 +145,13 @@ class RocketKVCache(Cache):
         self.layers = []
         self.token_ids = None
 
+    def __enter__(self) -> "RocketKVCache":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        """``with RocketKVCache(cfg, pool=pool) as cache:`` closes the cache (its pool pages go back) on the way out."""
+        self.close()
+
     def reset(self) -> None:
         """Empty the cache for a new request (its pool pages go back)."""
         if self.pages is not None:

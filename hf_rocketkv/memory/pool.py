@@ -501,6 +501,28 @@ class KVBlockPool:
         return self._admit(list(prompt_lens), max_new_tokens, cfg, token_ids, keys, keep_all, reservation)
 
     def _admit(self, prompt_len, max_new_tokens, cfg, token_ids, keys, keep_all, reservation=None) -> list[Admission]:
+        args = (prompt_len, max_new_tokens, cfg, token_ids, keys, keep_all, reservation)
+        try:
+            return self._admit_now(*args)
+        except PoolExhaustedError:
+            if not self._collect_unreachable_requests():
+                raise
+            return self._admit_now(*args)
+
+    def _collect_unreachable_requests(self) -> bool:
+        """Run Python's cyclic garbage collector once, outside the pool's lock; True if pages came back.
+
+        A cache nobody can reach any more still holds its pages until it is collected, and a reference cycle (one
+        made by torch.compile while tracing a cache, or by a user's own objects) delays that until the collector
+        happens to run. Before an admission is refused for lack of pages, those pages are worth one collection: the
+        caches' finalizers queue their releases, which the next acquisition of the lock applies."""
+        import gc
+
+        before = self.free_pages()
+        gc.collect()
+        return self.free_pages() > before
+
+    def _admit_now(self, prompt_len, max_new_tokens, cfg, token_ids, keys, keep_all, reservation) -> list[Admission]:
         with self._lock:
             plan = self._plan(prompt_len, max_new_tokens, cfg, token_ids, keys, keep_all)
             need = plan.needed.prefill_peak
