@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 from collections import Counter
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -140,33 +141,39 @@ PoolRequests.TestCase.settings = settings(
 test_pool_requests = PoolRequests.TestCase
 
 
-def test_admission_collects_unreachable_caches_before_refusing():
-    """A pool that holds one request. The first request's cache becomes unreachable inside a reference cycle (a
+@pytest.mark.parametrize("row_groups", [False, True])
+def test_admission_collects_unreachable_caches_before_refusing(row_groups):
+    """A pool that holds one request (two rows prefilled one group at a time with ``row_groups``: the reservation
+    path). The first request's cache becomes unreachable inside a reference cycle (a
     user's, or one torch.compile makes while tracing a cache) with the garbage collector off: its pages are not back.
     The next admission collects garbage once before refusing, so it succeeds; when nothing can be collected, the
     refusal is unchanged."""
     m = model()
+    cfg = CFG.replace(prefill_batch_size=1) if row_groups else CFG
+    rows = 2 if row_groups else 1
     probe = KVBlockPool(m.config, max_gpu_bytes=1 << 20, page_size=8, dtype=torch.float32, device="cpu",
                         kt_page_size=4, kt_dtype="float32")
-    pages = probe.pages_needed(90, 4, CFG).prefill_peak
+    one = probe.pages_needed(90, 4, cfg)
+    # a row-group prefill of two rows reserves both rows' steady pages plus one group's prompt pages
+    pages = one.prefill_peak + (one.steady_state if row_groups else 0)
     pool = KVBlockPool(m.config, max_gpu_bytes=pages * probe.bytes_per_page, page_size=8, dtype=torch.float32,
                        device="cpu", kt_page_size=4, kt_dtype="float32")
     gc.collect()
     gc.disable()
     try:
-        cache = RocketKVCache(CFG, pool=pool)
-        greedy(model(), BASES[0][None], max_new_tokens=4, past_key_values=cache)
+        cache = RocketKVCache(cfg, pool=pool)
+        greedy(model(), BASES[0][None].repeat(rows, 1), max_new_tokens=4, past_key_values=cache)
         cycle = {"cache": cache}
         cycle["self"] = cycle
         del cache, cycle
         assert pool.free_pages() < pages  # the unreachable request still holds its view pages
-        second = RocketKVCache(CFG, pool=pool)
-        greedy(model(), BASES[1][None], max_new_tokens=4, past_key_values=second)  # admitted after one collection
-        assert second.stats.computed_tokens == 90
-        third = RocketKVCache(CFG, pool=pool)  # the second is alive: nothing to collect, refused as before
+        second = RocketKVCache(cfg, pool=pool)
+        greedy(model(), BASES[1][None].repeat(rows, 1), max_new_tokens=4, past_key_values=second)  # after a collection
+        assert second.stats.reused_tokens + second.stats.computed_tokens == 90 * rows
+        third = RocketKVCache(cfg, pool=pool)  # the second is alive: nothing to collect, refused as before
         free = pool.free_pages()
         try:
-            greedy(model(), BASES[0][None], max_new_tokens=4, past_key_values=third)
+            greedy(model(), BASES[0][None].repeat(rows, 1), max_new_tokens=4, past_key_values=third)
         except PoolExhaustedError as err:
             assert "pages" in str(err) and pool.free_pages() == free
         else:

@@ -34,6 +34,7 @@ import torch
 from ..kernels.host_copy import device_tensor
 from ..memory import Admission, BlockTable, KVBlockPool, PrefixKeys, Reservation
 from ..memory.accounting import row_pages
+from ..memory.errors import PoolExhaustedError
 from ..memory.fp8 import FP8_DTYPE, dequantize_fp8
 from .paged_store import PagedStore, ceil_div
 from .stats import RequestCounters
@@ -199,8 +200,14 @@ class PoolPages:
         steady = [plan.steady_pages for plan in plans]
         groups = range(0, len(plans), rows_per_group)
         extra = max(sum(peak[g:g + rows_per_group]) - sum(steady[g:g + rows_per_group]) for g in groups)
-        reserve = self.pool.reserve(sum(steady) + extra, f"reserving {len(plans)} rows of a row-group prefill "
-                                    f"(every row's steady pages + the largest group's prompt pages)")
+        what = (f"reserving {len(plans)} rows of a row-group prefill (every row's steady pages + the largest "
+                f"group's prompt pages)")
+        try:
+            reserve = self.pool.reserve(sum(steady) + extra, what)
+        except PoolExhaustedError:  # a finished request in a reference cycle may still hold pages: collect once
+            if not self.pool.reclaim_unreachable():
+                raise
+            reserve = self.pool.reserve(sum(steady) + extra, what)
         self.reservations.append(reserve)
         self.rows[:] = [RowPages() for _ in prompt_lens]
         self.plan = GroupPlan(reserve, prompt_lens, token_ids, peak, steady, len(groups))

@@ -505,17 +505,18 @@ class KVBlockPool:
         try:
             return self._admit_now(*args)
         except PoolExhaustedError:
-            if not self._collect_unreachable_requests():
+            if not self.reclaim_unreachable():
                 raise
             return self._admit_now(*args)
 
-    def _collect_unreachable_requests(self) -> bool:
-        """Run Python's cyclic garbage collector once, outside the pool's lock; True if pages came back.
+    def reclaim_unreachable(self) -> bool:
+        """Run Python's cyclic garbage collector once (call it without holding the pool); True if pages came back.
 
         A cache nobody can reach any more still holds its pages until it is collected, and a reference cycle (one
         made by torch.compile while tracing a cache, or by a user's own objects) delays that until the collector
-        happens to run. Before an admission is refused for lack of pages, those pages are worth one collection: the
-        caches' finalizers queue their releases, which the next acquisition of the lock applies."""
+        happens to run. Before an admission is refused for lack of pages, those pages are worth one collection (a
+        refusal is rare, a collection takes milliseconds): the caches' finalizers queue their releases, which the
+        next acquisition of the lock applies. ``reserve`` does not collect: a scheduler asks it at every step."""
         import gc
 
         before = self.free_pages()
