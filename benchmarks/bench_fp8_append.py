@@ -4,7 +4,8 @@
 
 Llama-3.1-8B KV shapes (8 KV heads, head_dim 128), pool pages of 16 tokens, KT pages of 4. Each case appends
 ``--steps`` tokens per row into pages that start empty, captured as one CUDA graph and timed with CUDA events over
-three replays (device time per append, as in a graphed decode step), so every page opens, grows and keeps its scale as in decode. Token magnitudes:
+three replays (device time per append, as in a graphed decode step), so every page opens, grows and keeps its scale
+as in decode. Token magnitudes:
 ``steady`` (every token N(0, 1): the page scale grows at a page's record amax, a few times per page), ``rising``
 (each token larger than the last: the scale grows at every step, every slot below re-quantized), ``falling`` (never
 grows after a page opens). Writes ``bench_fp8_append.json``.
