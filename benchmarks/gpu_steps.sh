@@ -64,6 +64,7 @@ for name in "$@"; do
     profile_graph_b32) step "$name" 240 $PY benchmarks/profile_graph_step.py --batch 32 --context 8192 --eager \
                         --out "$OUT/profile_graph_b32" ;;
     decode_host_time) step "$name" 200 $PY benchmarks/decode_host_time.py --out "$OUT/decode_host_time" ;;
+    launch_overhead) step "$name" 120 $PY benchmarks/launch_overhead.py --out "$OUT/launch_overhead" ;;
     bench_fp8_append) step "$name" 120 $PY benchmarks/bench_fp8_append.py --out "$OUT/bench_fp8_append" ;;
     profile_pool_b1) # the graphed step at batch 1 x 32k on private pages, bf16 pool pages and fp8 pool pages
                      for pool in none model fp8; do

@@ -1,0 +1,90 @@
+"""Host microseconds per eager call of RocketKV's decode ops against a bare Triton launch, on a GPU (issue 12's eager
+target: which part of the 513 us RocketKV adds per layer and step is Triton's launcher, which is ours).
+
+    PYTHONPATH=. python benchmarks/launch_overhead.py --out $OUT
+
+Each entry is called ``--calls`` times back to back (no sync inside; the GPU work is tiny, so the loop is bound by
+the host) on one layer's decode state at Llama-3.1-8B shapes (batch 1, 8 KV heads, 4 query heads per KV head,
+head_dim 128, 2,304 kept tokens in pages of 4, fp8 KT): host us per call. ``bare_triton_launch``: a kernel with no
+work and as many arguments as the append kernel (Triton's own per-launch cost: argument specialization, cache
+lookup, driver call). Writes ``launch_overhead.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from hf_rocketkv.kernels.triton_ops import TRITON_OPS
+
+
+@triton.jit
+def _nothing(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, a19, a20, a21,
+             a22, a23, a24, a25, a26, a27, B: tl.constexpr):
+    pass
+
+
+def per_call_us(fn, calls: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return host / calls * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--out", default=os.environ.get("OUT", "out"))
+    args = parser.parse_args()
+    dev = torch.device("cuda")
+    heads, group, dim, page, kept = 8, 4, 128, 4, 2304
+    capacity = kept + 256
+    pages_per_row = capacity // page
+    k = torch.randn((pages_per_row, heads, page, dim), device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    kt = torch.randn((pages_per_row, heads, 1, 2, dim), device=dev).to(torch.float8_e5m2)
+    table = torch.arange(pages_per_row, dtype=torch.int32, device=dev)[None]
+    positions = torch.zeros((1, heads, capacity), dtype=torch.int32, device=dev)
+    lengths = torch.full((1,), kept, dtype=torch.long, device=dev)
+    seen = torch.tensor(kept, device=dev)
+    q = torch.randn((1, heads, group, dim), device=dev, dtype=torch.bfloat16)
+    new = torch.randn((1, heads, dim), device=dev, dtype=torch.bfloat16)
+    ops = TRITON_OPS
+    idx, valid = ops.paged_top_pages(q, kt, table, lengths, page, 128, 64)
+    scalars = [k] * 12 + [1] * 16
+
+    def append():
+        lengths.fill_(kept)  # (one tiny fill: the append grows lengths)
+        ops.paged_append_token(k, v, kt, table, positions, lengths, seen, new, new, page)
+
+    entries = {
+        "bare_triton_launch (28 args)": lambda: _nothing[(1,)](*scalars, B=1),
+        "torch.empty": lambda: torch.empty((1, heads, group, dim), device=dev, dtype=torch.bfloat16),
+        "lengths.fill_ (one aten launch)": lambda: lengths.fill_(kept),
+        "paged_top_pages (scores + select)": lambda: ops.paged_top_pages(q, kt, table, lengths, page, 128, 64),
+        "paged_sparse_decode_attention": lambda: ops.paged_sparse_decode_attention(
+            q, k, v, table, idx, valid, lengths, page, dim**-0.5),
+        "paged_append_token (+ one fill)": append,
+    }
+    rows = {name: round(per_call_us(fn, args.calls), 2) for name, fn in entries.items()}
+    for name, us in rows.items():
+        print(f"{us:8.2f} us  {name}", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "launch_overhead.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(), us_per_call=rows),
+                                                          indent=1))
+
+
+if __name__ == "__main__":
+    main()
