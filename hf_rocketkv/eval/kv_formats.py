@@ -20,8 +20,6 @@ import torch
 from transformers import DynamicCache
 
 from ..memory import KVBlockPool
-from ..memory.geometry import KT_DTYPES, model_geometry, parse_dtype
-from ..memory.layout import LayerShape
 from ..memory.fp8 import FP8_DTYPE, dequantize_fp8, quantize_pages
 
 KV_FORMATS = ("bf16", "fp8_page", "fp8_head")
@@ -77,8 +75,6 @@ def fp8_pool(model, config, kv_format: str, tokens: int) -> KVBlockPool:
     device = next(model.parameters()).device
     kwargs = dict(page_size=POOL_PAGE_SIZE, dtype=FP8_DTYPE, scale_granularity=granularity, device=device,
                   kt_page_size=config.page_size, kt_dtype=config.kt_cache_dtype)
-    geometry, _ = model_geometry(model, None)
-    page_bytes = LayerShape(geometry.num_kv_heads, geometry.head_dim, POOL_PAGE_SIZE, config.page_size, FP8_DTYPE,
-                            parse_dtype(config.kt_cache_dtype, "kt_dtype", KT_DTYPES), granularity).bytes_per_page()
+    probe = KVBlockPool(model, max_gpu_bytes=1 << 30, **kwargs)  # allocated lazily: only its page bytes are read
     pages = 2 * (-(-tokens // POOL_PAGE_SIZE)) + 8  # the prompt's pages and a view as long, with slack
-    return KVBlockPool(model, max_gpu_bytes=pages * page_bytes * geometry.num_layers, **kwargs)
+    return KVBlockPool(model, max_gpu_bytes=pages * probe.bytes_per_page, **kwargs)

@@ -84,6 +84,13 @@ def next_pow2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
 
 
+def scale_strides(scale: torch.Tensor | None) -> tuple[int, int]:
+    """(page, KV head) strides of an fp8 page scale, ``[N]`` (head stride 0) or ``[N, Hkv]``; (0, 0) without one."""
+    if scale is None:
+        return 0, 0
+    return scale.stride(0), scale.stride(1) if scale.dim() == 2 else 0
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for launch sizes (plain Python, see ``next_pow2``)."""
     return -(-a // b)

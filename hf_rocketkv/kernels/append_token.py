@@ -243,7 +243,7 @@ try:
     import triton.language as tl
     from torch.library import wrap_triton
 
-    from ._triton_common import cast_to, count_strides, dtype_code, next_pow2, quantize_e4m3
+    from ._triton_common import cast_to, count_strides, dtype_code, next_pow2, quantize_e4m3, scale_strides
 except ImportError:  # triton is optional: the references above work without it
     triton = None
 
@@ -428,17 +428,12 @@ if triton is not None:
         kt_strides = kt_pages.stride() if has_kt else (0, 0, 0, 0, 0)
         table_arg = table if paged else lengths  # an unused pointer for the contiguous store
         table_strides = table.stride() if paged else (0, 0)
-        if fp8:  # (checked by check_fp8_append: paged, [N] scales only with one length per row)
-            ks_strides = (k_scale.stride(0), k_scale.stride(1) if k_scale.dim() == 2 else 0)
-            vs_strides = (v_scale.stride(0), v_scale.stride(1) if v_scale.dim() == 2 else 0)
-        else:
-            ks_strides = vs_strides = (0, 0)
         wrap_triton(_append_token_kernel)[(batch,)](
             k_pages, v_pages, positions, kt, lengths, seen, key_new, value_new, table_arg,
             k_scale if fp8 else lengths, v_scale if fp8 else lengths,  # unused pointers without fp8
             *k_pages.stride(), *v_pages.stride(), *positions.stride(), *kt_strides, s_lb, s_lh,
             *key_new.stride(), *value_new.stride(), *table_strides, _seen_stride(seen, batch),
-            *ks_strides, *vs_strides,
+            *scale_strides(k_scale), *scale_strides(v_scale),  # (check_fp8_append: paged; [N] needs [B] lengths)
             num_kv_heads, capacity, k_pages.shape[2], kt_pages.shape[2] if has_kt else 1,
             table.shape[1] if paged else 1, head_dim,
             P=kt_page_size, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_T=block_t,

@@ -29,9 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8 import quantize_pages
 from ._triton_common import cast_to, cdiv, dtype_code, next_pow2
-from .paged import check_fp8_scales, scale_granularity
+from .paged import check_fp8_scales, store_pages
 
 
 # the counts and the head strides follow the prompt length and max_new_tokens: Triton would compile a variant per
@@ -166,10 +165,8 @@ def _compact_row_fp8(keys, values, slots, columns, k_pages, v_pages, kt_pages, t
     if row_pages == 0:
         return
     pages = table[:row_pages].long()
-    for stage, target, scale in ((k_stage, k_pages, k_scale), (v_stage, v_pages, v_scale)):
-        quantized, page_scale = quantize_pages(stage, scale_granularity(scale))
-        target[pages] = quantized  # index_put_ (index_copy_ has no float8 kernel on CPU)
-        scale[pages] = page_scale
+    store_pages(k_pages, pages, k_stage, k_scale)
+    store_pages(v_pages, pages, v_stage, v_scale)
     if kt_pages is not None:
         kt_pages[pages] = kt_stage
 

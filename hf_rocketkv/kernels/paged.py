@@ -135,6 +135,14 @@ def scatter_pages(pages: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
     else:
         index = torch.cat([table[b, :n] for b, n in enumerate(row_pages)]).long()
         source = torch.cat([per_page[b, :n] for b, n in enumerate(row_pages)])
+    store_pages(pages, index, source, scale)
+
+
+def store_pages(pages: torch.Tensor, index: torch.Tensor, source: torch.Tensor,
+                scale: torch.Tensor | None = None) -> None:
+    """In place: ``pages[index] = source`` (``source`` ``[n, Hkv, S, *rest]``). fp8 pages (``scale`` float32 ``[N]``
+    or ``[N, Hkv]`` given): each page quantized over its slots (``fp8.quantize_pages``, the granularity from the
+    scale's shape) and its scale written beside it."""
     if scale is not None:
         source, scale[index] = quantize_pages(source, scale_granularity(scale))
     pages[index] = source.to(pages.dtype)  # index_put_ (index_copy_ has no float8 kernel on CPU)
@@ -225,12 +233,7 @@ def paged_compact_row_torch(
     present = row_pages * page
     for source, target, scale in zip(gathered, (k_pages, v_pages), (k_scale, v_scale)):
         block = source[:, :present].reshape(heads, row_pages, page, dim).transpose(0, 1)  # [row_pages, Hkv, PP, D]
-        if fp8:
-            quantized, block_scale = quantize_pages(block, scale_granularity(scale))
-            target[pages] = quantized  # index_put_ (index_copy_ has no float8 kernel on CPU)
-            scale[pages] = block_scale
-        else:
-            target[pages] = block.to(target.dtype)
+        store_pages(target, pages, block, scale if fp8 else None)
     if kt_pages is not None:
         lengths = torch.full((1,), n, dtype=torch.long, device=keys.device)
         kt = build_kt(gathered[0][None], lengths, kt_page_size, kt_pages.dtype)[0]  # [Hkv, C // KP, 2, D]

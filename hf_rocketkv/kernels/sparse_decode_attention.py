@@ -95,7 +95,8 @@ try:
     import triton.language as tl
     from torch.library import wrap_triton
 
-    from ._triton_common import cast_to, cdiv, count_strides, dtype_code, interpreting, next_pow2, num_sms
+    from ._triton_common import (cast_to, cdiv, count_strides, dtype_code, interpreting, next_pow2, num_sms,
+                                 scale_strides)
 except ImportError:  # triton is optional: the reference above works without it
     triton = None
 
@@ -315,19 +316,16 @@ if triton is not None:
         # fp8 K/V: fp32 for fp32 queries and the interpreter, else q's half type (see the docstring)
         if fp8:
             qk_fp32 = pv_fp32 = interpreting() or q.dtype == torch.float32
-            ks_strides = (k_scale.stride(0), k_scale.stride(1) if k_scale.dim() == 2 else 0)
-            vs_strides = (v_scale.stride(0), v_scale.stride(1) if v_scale.dim() == 2 else 0)
         else:
             code = dtype_code(keys.dtype)
             qk_fp32 = code == 0 or interpreting() or q.dtype != keys.dtype
             pv_fp32 = code == 0 or interpreting() or values.dtype != keys.dtype
-            ks_strides = vs_strides = (0, 0)
         wrap_triton(_sparse_decode_split_kernel)[(rows, num_splits)](
             q, keys, values, page_idx, page_valid, lengths, out, part_o, part_lse, table if paged else lengths,
             k_scale if fp8 else q, v_scale if fp8 else q,  # unused pointers without fp8
             *q.stride(), *keys.stride(), *values.stride(), *page_idx.stride(), *page_valid.stride(), *out.stride(),
             *count_strides(lengths, batch, num_kv_heads, "lengths"), *(table.stride() if paged else (0, 0)),
-            *ks_strides, *vs_strides,
+            *scale_strides(k_scale if fp8 else None), *scale_strides(v_scale if fp8 else None),
             num_kv_heads, group, head_dim, num_sel, tokens_per_split, num_splits, keys.shape[2], capacity,
             scaling * 1.4426950408889634,
             P=page_size, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,

@@ -26,6 +26,7 @@ reused while a copy still reads or writes it.
 
 from __future__ import annotations
 
+import gc
 import json
 from collections import deque
 from collections.abc import Sequence
@@ -517,8 +518,6 @@ class KVBlockPool:
         happens to run. Before an admission is refused for lack of pages, those pages are worth one collection (a
         refusal is rare, a collection takes milliseconds): the caches' finalizers queue their releases, which the
         next acquisition of the lock applies. ``reserve`` does not collect: a scheduler asks it at every step."""
-        import gc
-
         before = self.free_pages()
         gc.collect()
         return self.free_pages() > before

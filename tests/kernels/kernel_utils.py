@@ -26,3 +26,11 @@ def ops():
     from hf_rocketkv.kernels.triton_ops import TRITON_OPS
 
     return TRITON_OPS
+
+
+def selected_slots(page_idx, page_valid, lengths, b: int, h: int, kt_page: int) -> list[int]:
+    """The token slots a sparse-attention oracle attends for row ``b``, KV head ``h``: every token of each valid
+    selected KT page, below the head's length (``lengths`` per head, ``[B, Hkv]``)."""
+    slots = [int(p) * kt_page + t for p, ok in zip(page_idx[b, h].tolist(), page_valid[b, h].tolist()) if ok
+             for t in range(kt_page)]
+    return [s for s in slots if s < int(lengths[b, h])]

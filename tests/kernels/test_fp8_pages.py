@@ -13,7 +13,7 @@ import collections
 
 import pytest
 import torch
-from kernel_utils import DEVICE, OUT_ATOL, gen, ops, randn
+from kernel_utils import DEVICE, OUT_ATOL, gen, ops, randn, selected_slots
 from test_paged_ops import _table
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -206,9 +206,7 @@ def _oracle_attention(q, layer, table, page_idx, page_valid, lengths, kt_page, s
         row_len = int(lengths[b].max())
         keys, values = read_tokens(layer, _row_pages(table, b), row_len)  # [Hkv, T, D] float32, dequantized
         for h in range(kv_heads):
-            slots = [int(p) * kt_page + t for p, ok in zip(page_idx[b, h].tolist(), page_valid[b, h].tolist()) if ok
-                     for t in range(kt_page)]
-            slots = [s for s in slots if s < int(lengths[b, h])]
+            slots = selected_slots(page_idx, page_valid, lengths, b, h, kt_page)
             if not slots:
                 continue
             k, v = keys[h, slots].double().cpu(), values[h, slots].double().cpu()

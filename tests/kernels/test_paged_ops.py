@@ -7,7 +7,7 @@ and the pages no row owns hold large garbage values, so reading a page of anothe
 
 import pytest
 import torch
-from kernel_utils import DEVICE, OUT_ATOL, gen, ops, randn
+from kernel_utils import DEVICE, OUT_ATOL, gen, ops, randn, selected_slots
 from test_page_scores import _query_without_channel_ties
 
 from hf_rocketkv.kernels.append_token import paged_append_kv_torch, paged_append_token_torch
@@ -216,9 +216,7 @@ def _oracle_paged_attention(q, k_pages, v_pages, table, page_idx, page_valid, le
     out = torch.zeros(batch, kv_heads, group, head_dim, dtype=torch.float64)
     for b in range(batch):
         for h in range(kv_heads):
-            slots = [int(p) * kt_page + t for p, ok in zip(page_idx[b, h].tolist(), page_valid[b, h].tolist()) if ok
-                     for t in range(kt_page)]
-            slots = [s for s in slots if s < int(lengths[b, h])]
+            slots = selected_slots(page_idx, page_valid, lengths, b, h, kt_page)
             if not slots:
                 continue
             pages = [int(table[b, s // page_tokens]) for s in slots]
