@@ -17,6 +17,7 @@ import argparse
 import cProfile
 import json
 import os
+import pstats
 import statistics
 import sys
 from pathlib import Path
@@ -48,6 +49,20 @@ class ProfileSteps:
         elif self.seen == self.first + self.steps:
             self.profile.disable()
         return scores
+
+
+def own_time_difference(rocket: cProfile.Profile, dynamic: cProfile.Profile, steps: int) -> list[dict]:
+    """Per function, own time per step in the RocketKV run minus the DynamicCache run (same steps), largest first."""
+    a, b = pstats.Stats(rocket).stats, pstats.Stats(dynamic).stats
+    rows = []
+    for key in set(a) | set(b):
+        own_a, own_b = (a[key][2] if key in a else 0.0), (b[key][2] if key in b else 0.0)
+        file, line, name = key
+        rows.append(dict(function=f"{file.split('site-packages/')[-1]}:{line}({name})",
+                         ms_per_step=round((own_a - own_b) * 1e3 / steps, 3),
+                         calls_rocketkv=(a[key][1] if key in a else 0) // steps,
+                         calls_dynamic=(b[key][1] if key in b else 0) // steps))
+    return sorted(rows, key=lambda r: -abs(r["ms_per_step"]))
 
 
 def run(model, ids, cache, new_tokens: int, processors=()) -> float:
@@ -93,15 +108,21 @@ def main() -> None:
         run(model, ids, None, 8)
     dynamic_ms = run(model, ids, None, args.new_tokens)
     rocket_ms = run(model, ids, RocketKVCache(config), args.new_tokens)
+    plain_ms = run(model, ids, RocketKVCache(config.replace(eager_layer_graphs=False)), args.new_tokens)
     profile = cProfile.Profile()
     run(model, ids, RocketKVCache(config), args.new_tokens, [ProfileSteps(profile, 4, args.profile_steps)])
     rows = stats_rows(profile, rows=40)
+    dynamic_profile = cProfile.Profile()  # the same steps on DynamicCache: where RocketKV's extra host time is
+    run(model, ids, None, args.new_tokens, [ProfileSteps(dynamic_profile, 4, args.profile_steps)])
+    rows["own_time_difference"] = own_time_difference(profile, dynamic_profile, args.profile_steps)
     report = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   torch=torch.__version__, layers=layers, context=args.context,
-                  eager_ms_per_token=dict(rocketkv=rocket_ms, dynamic=dynamic_ms),
+                  eager_ms_per_token=dict(rocketkv=rocket_ms, rocketkv_without_layer_graphs=plain_ms,
+                                          dynamic=dynamic_ms),
                   rocketkv_extra_ms_per_layer=(rocket_ms - dynamic_ms) / layers, profiled_steps=args.profile_steps,
                   cprofile=rows)
-    print(f"eager ms/token: RocketKV {rocket_ms:.2f}, DynamicCache {dynamic_ms:.2f}; RocketKV adds "
+    print(f"eager ms/token: RocketKV {rocket_ms:.2f} (eager_layer_graphs=False: {plain_ms:.2f}), DynamicCache "
+          f"{dynamic_ms:.2f}; RocketKV adds "
           f"{(rocket_ms - dynamic_ms) / layers * 1e3:.0f} us per layer ({layers} layers)")
     for r in rows["hf_rocketkv_by_cumulative"][:30]:
         print(f"  {r['cumulative_ms'] / args.profile_steps:8.3f} ms/step cum {r['own_ms'] / args.profile_steps:8.3f} "
@@ -109,6 +130,10 @@ def main() -> None:
     print("by own time:")
     for r in rows["by_own_time"][:30]:
         print(f"  {r['own_ms'] / args.profile_steps:8.3f} ms/step own {r['calls'] // args.profile_steps:5d} calls  "
+              f"{r['function']}")
+    print("own time per step, RocketKV minus DynamicCache (largest differences):")
+    for r in rows["own_time_difference"][:25]:
+        print(f"  {r['ms_per_step']:+8.3f} ms/step {r['calls_rocketkv']:5d} vs {r['calls_dynamic']:5d} calls  "
               f"{r['function']}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

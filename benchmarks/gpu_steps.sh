@@ -43,6 +43,12 @@ for name in "$@"; do
     kernel_tests)    # every Triton kernel against its PyTorch twin, compiled for this GPU (pytest from .device_wheels if absent)
                      $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index --find-links .device_wheels pytest hypothesis
                      step "$name" 330 $PY -m pytest -q -p no:cacheprovider --durations=15 tests/kernels ;;
+    launch_tests)    # kernels/launch.TritonLaunch: the compiled kernel it reuses is Triton's own, over specializations
+                     $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index --find-links .device_wheels pytest hypothesis
+                     step "$name" 120 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_launch.py ;;
+    op_graph_tests)  # eager decode through per-layer CUDA graphs equals plain eager launches, bit for bit (cache/op_graphs.py)
+                     $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index --find-links .device_wheels pytest hypothesis
+                     step "$name" 240 $PY -m pytest -q -p no:cacheprovider tests/test_op_graphs.py ;;
     graph_pool_tests) # the CUDA-graph runner on pool pages (pages back without the garbage collector) and the graphs' tests
                      $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index --find-links .device_wheels pytest hypothesis
                      step "$name" 180 $PY -m pytest -q -p no:cacheprovider tests/test_decode_graphs.py ;;
@@ -64,6 +70,7 @@ for name in "$@"; do
     profile_graph_b32) step "$name" 240 $PY benchmarks/profile_graph_step.py --batch 32 --context 8192 --eager \
                         --out "$OUT/profile_graph_b32" ;;
     decode_host_time) step "$name" 200 $PY benchmarks/decode_host_time.py --out "$OUT/decode_host_time" ;;
+    eager_layer_time) step "$name" 150 $PY benchmarks/eager_layer_time.py --out "$OUT/eager_layer_time" ;;
     launch_overhead) step "$name" 120 $PY benchmarks/launch_overhead.py --out "$OUT/launch_overhead" ;;
     bench_fp8_append) step "$name" 120 $PY benchmarks/bench_fp8_append.py --out "$OUT/bench_fp8_append" ;;
     profile_pool_b1) # the graphed step at batch 1 x 32k on private pages, bf16 pool pages and fp8 pool pages

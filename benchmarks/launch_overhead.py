@@ -7,7 +7,8 @@ Each entry is called ``--calls`` times back to back (no sync inside; the GPU wor
 the host) on one layer's decode state at Llama-3.1-8B shapes (batch 1, 8 KV heads, 4 query heads per KV head,
 head_dim 128, 2,304 kept tokens in pages of 4, fp8 KT): host us per call. ``bare_triton_launch``: a kernel with no
 work and as many arguments as the append kernel (Triton's own per-launch cost: argument specialization, cache
-lookup, driver call). Writes ``launch_overhead.json``.
+lookup, driver call). The three RocketKV ops are timed twice: through ``kernels/launch.TritonLaunch`` (what eager calls use) and with its
+fast path off (``[Triton's launcher]``: every launch through ``JITFunction.run``). Writes ``launch_overhead.json``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_rocketkv.kernels.launch import TritonLaunch
 from hf_rocketkv.kernels.triton_ops import TRITON_OPS
+
+try:
+    from torch._library.triton import set_wrap_triton_enabled
+except ImportError:  # pragma: no cover
+    set_wrap_triton_enabled = None
 
 
 @triton.jit
@@ -102,7 +109,24 @@ def main() -> None:
     direct = direct_launch(scalars)
     if direct is not None:
         entries["bare kernel through CompiledKernel.run (no re-specialization)"] = direct
+    nothing = TritonLaunch(_nothing)
+
+    def through_triton_launch():
+        with set_wrap_triton_enabled(False):
+            nothing[(1,)](*scalars, B=1)
+
+    if set_wrap_triton_enabled is not None:
+        entries["bare kernel through TritonLaunch (+ the wrap_triton switch)"] = through_triton_launch
     rows = {name: round(per_call_us(fn, args.calls), 2) for name, fn in entries.items()}
+    # the same ops with TritonLaunch's fast path off (every launch through Triton's JITFunction.run), same process
+    fast_getitem = TritonLaunch.__getitem__
+    TritonLaunch.__getitem__ = lambda self, grid: (fast_getitem(self, grid) if torch.compiler.is_compiling()
+                                                   else self.kernel[grid])
+    try:
+        for name in [n for n in entries if n.startswith("paged_")]:
+            rows[f"{name} [Triton's launcher]"] = round(per_call_us(entries[name], args.calls), 2)
+    finally:
+        TritonLaunch.__getitem__ = fast_getitem
     for name, us in rows.items():
         print(f"{us:8.2f} us  {name}", flush=True)
     out = Path(args.out)

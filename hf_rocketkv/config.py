@@ -103,6 +103,11 @@ class RocketKVConfig:
                        (transformers' DeferredStopCheck, which it enables on MPS only), so the next decode step is
                        queued while the current one runs instead of the GPU idling during generate()'s host work.
                        Same tokens; one extra forward, undone, when generation stops on EOS.
+        eager_layer_graphs: on CUDA, a decode step that runs eagerly (generate(disable_compile=True), a model
+                       called directly; not the compiled or whole-step-graph runners) replays each layer's RocketKV
+                       launches (the append; page scores, selection and sparse attention) as two small CUDA graphs
+                       captured on the second step (``cache/op_graphs.py``): the same launches on the same buffers,
+                       bit for bit, at a fraction of the host time. Not with multi_turn="keep_all" or decode_budget.
         capacity_buckets: decode slots per row after stage 1 are rounded up to the smallest of these sizes that
                        holds the kept prompt + max_new_tokens (then to whole pages), so a compiled decode step sees
                        the same shapes for every prompt length and max_new_tokens within a bucket: one bucket
@@ -178,6 +183,7 @@ class RocketKVConfig:
     decode_guard_checks: str = "every_step"
     decode_runner: str = "cuda_graphs"
     deferred_stop_check: bool = True
+    eager_layer_graphs: bool = True
     capacity_buckets: tuple[int, ...] | None = None  # validated in _validate_buckets
     batch_buckets: tuple[int, ...] | None = None
     # policies (validated in _validate_policy_fields)
@@ -246,10 +252,9 @@ class RocketKVConfig:
             raise ValueError(
                 f"RocketKVConfig.decode_runner must be one of {list(DECODE_RUNNERS)}, got {self.decode_runner!r}"
             )
-        if not isinstance(self.deferred_stop_check, bool):
-            raise ValueError(
-                f"RocketKVConfig.deferred_stop_check must be True or False, got {self.deferred_stop_check!r}"
-            )
+        for name in ("deferred_stop_check", "eager_layer_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"RocketKVConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.prefill_batch_size is not None and (not _is_int(self.prefill_batch_size) or self.prefill_batch_size < 1):
             raise ValueError(
                 f"RocketKVConfig.prefill_batch_size must be None (whole batch) or an integer >= 1, "

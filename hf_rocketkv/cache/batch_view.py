@@ -60,7 +60,10 @@ class BatchedDecodeLayer(RocketKVLayer):
 
     Only one-token decode steps: ``update`` appends one token per row (``seen`` is per row, so each row's token is
     recorded at its own input column) and returns the per-bucket handles the attention function finds this layer by.
+    Eager steps launch plainly (no OpGraphs): rows join, move and leave between steps.
     """
+
+    EAGER_GRAPHS = False
 
     def __init__(self, config, hints: GenerationHints, layer_idx: int):
         super().__init__(config, hints, pages=None, layer_idx=layer_idx)

@@ -45,6 +45,7 @@ from ..kernels.host_copy import device_tensor, filled
 from ..policies import KeptSlots, Stage1Inputs, derive_budgets, get_stage1_policy
 from ..policies.decode_compression import move_kept
 from .history import History, real_tokens_left_aligned
+from .op_graphs import OpGraph, buffers_key
 from .paged_store import PagedStore, ceil_div, private_store, write_tokens
 
 
@@ -201,6 +202,8 @@ class RocketKVLayer(CacheLayerMixin):
         # (the page tensors may be a pool's, shared by every cache); they hold no data
         self.key_handle: torch.Tensor | None = None
         self.value_handle: torch.Tensor | None = None
+        # eager decode steps: the append and the stage-2 launches as CUDA graphs (op_graphs.py, eager_graphs())
+        self.op_graphs = {"append": OpGraph(), "attention": OpGraph()}
         # set by update(), cleared by the attention function: still set at the next update means the attention that
         # should have consumed these keys never ran (not "rocketkv", or an interrupted forward)
         self.awaiting_attention = False
@@ -379,6 +382,9 @@ class RocketKVLayer(CacheLayerMixin):
         if self._host_bookkeeping():
             self.awaiting_attention = True  # cleared by the attention function; RocketKVCache.update checks it
             self.host_seen += query_length
+        if query_length == 1 and self.compressed and self.eager_graphs():
+            self._append_one(key_states, value_states, graphed=True)  # counts ``seen`` inside the graph
+            return self.key_handle, self.value_handle
         self.seen.add_(query_length)
         if not self.compressed:
             self._store_dense(key_states, value_states)
@@ -417,18 +423,24 @@ class RocketKVLayer(CacheLayerMixin):
         """Called by the ``rocketkv`` attention function once it has found this layer."""
         self.awaiting_attention = False
 
-    def _append_one(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def _append_one(self, key_states: torch.Tensor, value_states: torch.Tensor, graphed: bool = False) -> None:
         """Decode: write slot lengths[b] of every row in place through the block table and fold the key into its
         KT page.
 
         No host sync and no shape change, so a compiled decode step replays as one CUDA graph. Capacity comes from
-        generate()'s max_length; in eager mode the store grows when a caller runs past it.
+        generate()'s max_length; in eager mode the store grows when a caller runs past it. ``graphed`` (eager steps,
+        ``eager_graphs()``): the ``seen`` increment and the append through this layer's "append" OpGraph.
         """
         if self._host_bookkeeping():  # compiled/graphed steps: their runner counts on the host
             self.maybe_compress_decode()
             self._ensure_capacity(1)
             self.note_decode_step()
         store, history = self.store, self.history
+        if graphed:
+            key = buffers_key(store.k, store.v, store.kt, store.table, self.positions, self.lengths, self.seen,
+                              store.k_scale, store.v_scale)
+            self.op_graphs["append"](key, self._count_and_append, key_states[:, :, 0], value_states[:, :, 0])
+            return
         self.ops.paged_append_token(
             store.k, store.v, store.kt, store.table, self.positions, self.lengths, self.seen,
             key_states[:, :, 0], value_states[:, :, 0], self.config.page_size,
@@ -440,6 +452,28 @@ class RocketKVLayer(CacheLayerMixin):
                 self.seen, key_states[:, :, 0], value_states[:, :, 0],
                 k_scale=history.store.k_scale, v_scale=history.store.v_scale,
             )
+
+    def _count_and_append(self, key_new: torch.Tensor, value_new: torch.Tensor) -> None:
+        """The launches of a graphed eager append: ``seen`` += 1, then the token into its slot and KT page."""
+        store = self.store
+        self.seen.add_(1)
+        self.ops.paged_append_token(
+            store.k, store.v, store.kt, store.table, self.positions, self.lengths, self.seen, key_new, value_new,
+            self.config.page_size, k_scale=store.k_scale, v_scale=store.v_scale,
+        )
+
+    # Layers whose eager decode steps may use CUDA graphs (BatchedDecodeLayer: no, its rows change between steps)
+    EAGER_GRAPHS = True
+
+    def eager_graphs(self) -> bool:
+        """Whether this eager decode step runs its RocketKV launches through this layer's OpGraphs: CUDA, the
+        Triton ops, ``config.eager_layer_graphs``, no keep_all history or decode-time compression (their extra
+        launches stay eager, so both stay on the plain path), and not under torch.compile, a whole-step graph or
+        anyone else's capture."""
+        return (self.EAGER_GRAPHS and self.config.eager_layer_graphs and self.ops.name == "triton"
+                and self.history is None and self.decode_compression is None and self.store.k.is_cuda
+                and not torch.compiler.is_compiling() and not self.hints.in_graph
+                and not torch.cuda.is_current_stream_capturing())
 
     def note_decode_step(self) -> None:
         self.host_max_length += 1

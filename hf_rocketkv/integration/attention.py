@@ -20,6 +20,7 @@ from torch.backends.cuda import SDPAParams, can_use_flash_attention
 from torch.nn.attention.bias import causal_lower_right
 
 from ..cache.layer import RocketKVLayer, layer_of
+from ..cache.op_graphs import buffers_key
 from ..compat import sdpa_attention_forward
 from ..policies.stage2 import every_page
 
@@ -210,10 +211,25 @@ def new_token_validity(attention_mask: torch.Tensor | None, n: int) -> torch.Ten
 
 def decode_attention(layer: RocketKVLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
     """Stage 2 for one new token per row: top-k KT pages per KV head, exact attention over their tokens, both read
-    from the layer's pages through its block table."""
+    from the layer's pages through its block table. Eager steps on CUDA run both through the layer's "attention"
+    OpGraph (``RocketKVLayer.eager_graphs``, ``cache/op_graphs.py``)."""
     batch, num_q_heads, _, head_dim = query.shape
     num_kv_heads = layer.num_kv_heads
     q = query.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # a view for decode layouts
+    if layer.eager_graphs():
+        store = layer.store
+        key = buffers_key(store.kt, store.k, store.v, store.table, layer.lengths, store.k_scale, store.v_scale)
+        out = layer.op_graphs["attention"](key + (scaling,), lambda q_: stage2_attention(layer, q_, scaling), q)
+    else:
+        out = stage2_attention(layer, q, scaling)
+    layer.record_decode_query(query)  # decode-time compression's scoring window (no-op when it is off)
+    # [B, Hkv, G, D] -> [B, 1, Hq, D]: the size-1 axes make this transpose a contiguous view
+    return out.reshape(batch, num_q_heads, 1, head_dim).transpose(1, 2)
+
+
+def stage2_attention(layer: RocketKVLayer, q: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The launches of a decode step's stage 2: ``q`` [B, Hkv, G, D] -> attention output [B, Hkv, G, D]."""
+    num_kv_heads = layer.num_kv_heads
     config, ops, store = layer.config, layer.ops, layer.store
     if config.stage2 == "none":  # stage 1 only: every kept page, no scoring
         page_idx, page_valid = every_page(layer.lengths, num_kv_heads, store.capacity // config.page_size,
@@ -227,13 +243,10 @@ def decode_attention(layer: RocketKVLayer, query: torch.Tensor, scaling: float) 
                                                    config.topr, config.topk, sink_pages=sink_pages,
                                                    recent_pages=recent_pages,
                                                    per_head_bound=config.stage2_per_head_bound)
-    out = ops.paged_sparse_decode_attention(
+    return ops.paged_sparse_decode_attention(
         q, store.k, store.v, store.table, page_idx, page_valid, layer.lengths, config.page_size, scaling,
         k_scale=store.k_scale, v_scale=store.v_scale
     )
-    layer.record_decode_query(query)  # decode-time compression's scoring window (no-op when it is off)
-    # [B, Hkv, G, D] -> [B, 1, Hq, D]: the size-1 axes make this transpose a contiguous view
-    return out.reshape(batch, num_q_heads, 1, head_dim).transpose(1, 2)
 
 
 def continuation_attention(

@@ -241,7 +241,7 @@ def paged_append_kv_torch(
 try:
     import triton
     import triton.language as tl
-    from torch.library import wrap_triton
+    from .launch import TritonLaunch
 
     from ._triton_common import cast_to, count_strides, dtype_code, next_pow2, quantize_e4m3, scale_strides
 except ImportError:  # triton is optional: the references above work without it
@@ -401,6 +401,8 @@ if triton is not None:
             tl.debug_barrier()  # the row's length was read by every lane above: only now increment it
             tl.store(len_ptr + b * s_lb, row_slot + 1)
 
+    _append_token_launch = TritonLaunch(_append_token_kernel)
+
     def _seen_stride(seen: torch.Tensor, batch: int) -> int:
         """0 for one count shared by the rows (0-d), the row stride for one count per row ([B])."""
         if seen.dim() == 0:
@@ -428,7 +430,7 @@ if triton is not None:
         kt_strides = kt_pages.stride() if has_kt else (0, 0, 0, 0, 0)
         table_arg = table if paged else lengths  # an unused pointer for the contiguous store
         table_strides = table.stride() if paged else (0, 0)
-        wrap_triton(_append_token_kernel)[(batch,)](
+        _append_token_launch[(batch,)](
             k_pages, v_pages, positions, kt, lengths, seen, key_new, value_new, table_arg,
             k_scale if fp8 else lengths, v_scale if fp8 else lengths,  # unused pointers without fp8
             *k_pages.stride(), *v_pages.stride(), *positions.stride(), *kt_strides, s_lb, s_lh,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
+from .launch import TritonLaunch
 
 from ._triton_common import cast_to, cdiv, count_strides, dtype_code, next_pow2
 
@@ -56,6 +56,8 @@ def _build_kt_kernel(
     tl.store(out, cast_to(kmin, KT_DT), mask=sm)
     tl.store(out + s_tm, cast_to(kmax, KT_DT), mask=sm)
 
+_build_kt_launch = TritonLaunch(_build_kt_kernel)
+
 
 def build_kt_triton(keys: torch.Tensor, lengths: torch.Tensor, page_size: int, kt_dtype: torch.dtype) -> torch.Tensor:
     """Same contract as ``stage2_pages.build_kt``."""
@@ -67,7 +69,7 @@ def build_kt_triton(keys: torch.Tensor, lengths: torch.Tensor, page_size: int, k
     block_d = next_pow2(head_dim)
     block_p = max(1, min(next_pow2(num_pages), 4096 // block_d))
     grid = (batch * num_kv_heads, cdiv(num_pages, block_p))
-    wrap_triton(_build_kt_kernel)[grid](
+    _build_kt_launch[grid](
         keys, lengths, kt,
         *keys.stride(), *kt.stride(), *count_strides(lengths, batch, num_kv_heads, "lengths"),
         num_kv_heads, num_pages, head_dim,

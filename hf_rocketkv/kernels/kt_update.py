@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
+from .launch import TritonLaunch
 
 from ._triton_common import cast_to, count_strides, dtype_code, next_pow2
 
@@ -48,13 +48,15 @@ def _update_kt_kernel(
     tl.store(base, cast_to(new_min, KT_DT), mask=m)
     tl.store(base + s_tm, cast_to(new_max, KT_DT), mask=m)
 
+_update_kt_launch = TritonLaunch(_update_kt_kernel)
+
 
 def update_kt_triton(kt: torch.Tensor, key_new: torch.Tensor, slot: torch.Tensor, page_size: int) -> None:
     """Same contract as ``stage2_pages.update_kt``."""
     batch, num_kv_heads, num_pages, _, head_dim = kt.shape
     if batch * num_kv_heads == 0:
         return
-    wrap_triton(_update_kt_kernel)[(batch * num_kv_heads,)](
+    _update_kt_launch[(batch * num_kv_heads,)](
         kt, key_new, slot,
         *kt.stride(), *key_new.stride(), *count_strides(slot, batch, num_kv_heads, "slot"),
         num_kv_heads, num_pages, head_dim,

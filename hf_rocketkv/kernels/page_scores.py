@@ -34,7 +34,7 @@ import math
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
+from .launch import TritonLaunch
 
 from .paged import check_table
 from ._triton_common import (
@@ -183,6 +183,8 @@ def _page_logits_kernel(
         tl.store(st, m_i)
         tl.store(st + BLOCK_G, l_i)
 
+_page_logits_launch = TritonLaunch(_page_logits_kernel)
+
 
 @triton.jit
 def _page_probs_kernel(
@@ -211,6 +213,8 @@ def _page_probs_kernel(
                 mask=(g < group)[:, None] & valid[None, :], other=float("-inf"))
     p = tl.exp2(s - m_safe[:, None]) * inv[:, None]
     tl.store(probs_ptr + bh.to(tl.int64) * num_pages + pages, tl.sum(p, axis=0), mask=pages < num_pages)
+
+_page_probs_launch = TritonLaunch(_page_probs_kernel)
 
 
 def _dot_code(kt_dtype: torch.dtype) -> int:
@@ -263,7 +267,7 @@ def page_logits_launch(
     paged = table is not None
     if paged:
         check_table(table, batch)
-    wrap_triton(_page_logits_kernel)[(rows, num_splits)](
+    _page_logits_launch[(rows, num_splits)](
         q, kt, counts, logits, stats, probs if fused else logits, table if paged else counts,
         *q.stride(), *kt.stride(), s_cb, s_ch, *(table.stride() if paged else (0, 0)),
         num_kv_heads, group, num_pages, head_dim, pages_per_prog, num_splits, kt.shape[2],
@@ -292,7 +296,7 @@ def page_scores_launch(
     if num_splits > 1:
         block_p2 = 128
         s_cb, s_ch = count_strides(n_pages, batch, num_kv_heads, "n_pages")
-        wrap_triton(_page_probs_kernel)[(batch * num_kv_heads, cdiv(num_pages, block_p2))](
+        _page_probs_launch[(batch * num_kv_heads, cdiv(num_pages, block_p2))](
             n_pages, logits, stats, probs,
             s_cb, s_ch,
             num_kv_heads, group, num_pages, num_splits,

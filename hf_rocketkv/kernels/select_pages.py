@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
+from .launch import TritonLaunch
 
 from ..selection.stage2_pages import check_forcing
 from ._triton_common import cdiv, count_strides, interpreting, load_count, next_pow2
@@ -154,6 +154,8 @@ def _select_chunk_kernel(
         t = tl.arange(0, CHUNK)
         tl.store(scratch_ptr + (bh * num_chunks + chunk).to(tl.int64) * KB + t, keys, mask=t < KB)
 
+_select_chunk_launch = TritonLaunch(_select_chunk_kernel)
+
 
 @triton.jit
 def _select_merge_kernel(
@@ -176,6 +178,8 @@ def _select_merge_kernel(
         _write_selection(keys, idx_ptr + bh.to(tl.int64) * k_out, valid_ptr + bh.to(tl.int64) * k_out, n, k_out, M)
     else:
         tl.store(out_ptr + (bh * lists_out + m).to(tl.int64) * KB + e, keys, mask=e < KB)
+
+_select_merge_launch = TritonLaunch(_select_merge_kernel)
 
 
 def select_plan(num_pages: int, k: int, chunk: int | None = None, merge_block: int | None = None) -> dict:
@@ -236,7 +240,7 @@ def _select(
     else:
         logit_buf = stats = probs
         splits, logit_g, group = 1, 1, 1
-    wrap_triton(_select_chunk_kernel)[(rows, plan["num_chunks"])](
+    _select_chunk_launch[(rows, plan["num_chunks"])](
         probs if probs is not None else logit_buf, logit_buf, stats, counts, page_idx, page_valid, scratch,
         s_cb, s_ch,
         num_kv_heads, num_pages, k, plan["num_chunks"], sink_pages, recent_pages, group, splits,
@@ -248,7 +252,7 @@ def _select(
     for level, (fanin, lists_out) in enumerate(zip(plan["fanins"], levels)):
         src = scratch[offsets[level]:]
         dst = scratch[offsets[level + 1]:] if lists_out > 1 else scratch
-        wrap_triton(_select_merge_kernel)[(rows, lists_out)](
+        _select_merge_launch[(rows, lists_out)](
             src, dst, counts, page_idx, page_valid,
             s_cb, s_ch,
             num_kv_heads, num_pages, k, lists, lists_out,

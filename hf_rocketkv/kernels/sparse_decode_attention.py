@@ -93,7 +93,7 @@ def paged_sparse_decode_attention_torch(
 try:
     import triton
     import triton.language as tl
-    from torch.library import wrap_triton
+    from .launch import TritonLaunch
 
     from ._triton_common import (cast_to, cdiv, count_strides, dtype_code, interpreting, next_pow2, num_sms,
                                  scale_strides)
@@ -221,6 +221,8 @@ if triton is not None:
             lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
             tl.store(part_lse_ptr + row, lse)
 
+    _sparse_decode_split_launch = TritonLaunch(_sparse_decode_split_kernel)
+
     @triton.jit
     def _sparse_decode_reduce_kernel(
         part_o_ptr, part_lse_ptr, out_ptr,
@@ -245,6 +247,8 @@ if triton is not None:
         o = tl.load(part_o_ptr + row[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
         o = tl.sum(o * w[:, None], axis=0)
         tl.store(out_ptr + b * s_ob + h * s_oh + gi * s_og + d * s_od, cast_to(o, OUT_DT), mask=d < head_dim)
+
+    _sparse_decode_reduce_launch = TritonLaunch(_sparse_decode_reduce_kernel)
 
     def sparse_decode_attention_launch(
         q: torch.Tensor,
@@ -320,7 +324,7 @@ if triton is not None:
             code = dtype_code(keys.dtype)
             qk_fp32 = code == 0 or interpreting() or q.dtype != keys.dtype
             pv_fp32 = code == 0 or interpreting() or values.dtype != keys.dtype
-        wrap_triton(_sparse_decode_split_kernel)[(rows, num_splits)](
+        _sparse_decode_split_launch[(rows, num_splits)](
             q, keys, values, page_idx, page_valid, lengths, out, part_o, part_lse, table if paged else lengths,
             k_scale if fp8 else q, v_scale if fp8 else q,  # unused pointers without fp8
             *q.stride(), *keys.stride(), *values.stride(), *page_idx.stride(), *page_valid.stride(), *out.stride(),
@@ -333,7 +337,7 @@ if triton is not None:
             num_warps=num_warps, num_stages=num_stages,
         )
         if not direct:
-            wrap_triton(_sparse_decode_reduce_kernel)[(rows * group,)](
+            _sparse_decode_reduce_launch[(rows * group,)](
                 part_o, part_lse, out,
                 *out.stride(),
                 num_kv_heads, group, head_dim, num_splits,

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
+from .launch import TritonLaunch
 
 from ._triton_common import cdiv, interpreting, next_pow2, num_sms
 
@@ -95,6 +95,8 @@ def _window_stats_kernel(
     tl.store(out, m_i)
     tl.store(out + num_rows_pad, l_i)
 
+_window_stats_launch = TritonLaunch(_window_stats_kernel)
+
 
 @triton.jit
 def _row_lse(stats_ptr, bh, rows, r_ok, num_chunks, num_rows_pad, BLOCK_M: tl.constexpr):
@@ -143,6 +145,8 @@ def _window_accum_kernel(
         acc += tl.sum(p, axis=0)
     tl.store(out_ptr + bh.to(tl.int64) * num_slots + slots, acc, mask=slots < num_slots)
 
+_window_accum_launch = TritonLaunch(_window_accum_kernel)
+
 
 def window_scores_triton(
     q_window: torch.Tensor, keys: torch.Tensor, start: torch.Tensor, end: torch.Tensor, scaling: float
@@ -168,7 +172,7 @@ def window_scores_triton(
     scale_log2 = scaling * LOG2E
     stats = torch.empty((rows, num_chunks, 2, rows_pad), dtype=torch.float32, device=keys.device)
     strides = (*q_window.stride(), *keys.stride())
-    wrap_triton(_window_stats_kernel)[(rows, row_blocks, num_chunks)](
+    _window_stats_launch[(rows, row_blocks, num_chunks)](
         q_window, keys, start, end, stats,
         *strides,
         num_kv_heads, group, window, head_dim, chunk, num_chunks, rows_pad,
@@ -176,7 +180,7 @@ def window_scores_triton(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, FP32=fp32,
         num_warps=4, num_stages=3,
     )
-    wrap_triton(_window_accum_kernel)[(rows, cdiv(num_slots, block_n))](
+    _window_accum_launch[(rows, cdiv(num_slots, block_n))](
         q_window, keys, start, end, stats, out,
         *strides,
         num_kv_heads, group, window, head_dim, num_slots, num_chunks, rows_pad,
