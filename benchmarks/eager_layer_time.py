@@ -23,12 +23,12 @@ import json
 import os
 import pstats
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from transformers import DynamicCache  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
@@ -38,18 +38,7 @@ from hf_rocketkv.bench.decode import LLAMA_31_8B, build_model  # noqa: E402
 from hf_rocketkv.config import RocketKVConfig  # noqa: E402
 from hf_rocketkv.integration.attention import rocketkv_attention  # noqa: E402
 from hf_rocketkv.integration.registration import enable  # noqa: E402
-
-
-def per_call_us(fn, calls: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return host / calls * 1e6
+from launch_overhead import per_call_us  # noqa: E402
 
 
 def main() -> None:

@@ -33,6 +33,14 @@ for name in "$@"; do
                         --no-plot --out "$OUT/decode_pool_b32_8k" ;;
     decode_b32_8k)   step "$name" 240 $PY benchmarks/bench_decode.py --batch 32 --context 8192 --new-tokens 64 \
                         --prefill-batch-size 8 --caches rocketkv-graphs dynamic --no-plot --out "$OUT/decode_b32_8k" ;;
+    decode_graphs_b32_8k) step "$name" 240 $PY benchmarks/bench_decode.py --batch 32 --context 8192 --new-tokens 64 \
+                        --prefill-batch-size 8 --caches rocketkv-graphs --no-plot --out "$OUT/decode_graphs_b32_8k" ;;
+    attention_kernel_tests) # the sparse attention and paged ops against their twins on this GPU
+                     $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index --find-links .device_wheels pytest hypothesis
+                     step "$name" 240 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_sparse_decode_attention.py \
+                        tests/kernels/test_paged_ops.py tests/kernels/test_fp8_pages.py ;;
+    tune_wide)       step "$name" 400 $PY benchmarks/tune_decode_kernels.py --wide --skip-attention --batches 64 32 1 \
+                        --out "$OUT/tune_wide" ;;
     prefix_reuse)    step "$name" 240 $PY benchmarks/bench_prefix_reuse.py --out "$OUT/prefix_reuse" ;;
     prefix_equal_fp32) step "$name" 150 $PY benchmarks/bench_prefix_reuse.py --dtype float32 --layers 8 --prefix 8192 \
                         --batch 2 --pool-gib 8 --host-gib 2 --out "$OUT/prefix_equal_fp32" ;;

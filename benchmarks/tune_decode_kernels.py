@@ -27,7 +27,7 @@ from hf_rocketkv.kernels.sparse_decode_attention import sparse_decode_attention_
 HKV, GROUP, DIM, PAGE, TOPK = 8, 4, 128, 4, 64
 POOL_PAGE = 16  # tokens per pool page (the pool's default in the benchmarks)
 SCORE_GRID = ((None, 1, 2, 4, 8), (4, 8), (2, 3, 4))  # splits, warps, stages
-ATTENTION_GRID = ((None, 1, 2, 4), (32, 64), (4, 8), (2, 3))  # splits, block_n, warps, stages
+ATTENTION_GRID = ((None, 1, 2, 4), (32, 64, 128), (4, 8), (2, 3))  # splits, block_n, warps, stages
 
 
 def shapes(batch: int, kept: int, capacity: int, device: torch.device) -> dict:
@@ -57,26 +57,29 @@ def bench(fn) -> float:
     return do_bench_cudagraph(fn, rep=40, return_mode="median") * 1e3  # us
 
 
-def sweep_scores(t: dict, topr: int) -> list[dict]:
+def sweep_scores(t: dict, topr: int, grid=SCORE_GRID) -> list[dict]:
     ref = page_scores_launch(t["q"], t["kt"], t["n_pages"], topr, table=t["table"])
     rows = []
-    for splits, warps, stages in itertools.product(*SCORE_GRID):
-        def run(splits=splits, warps=warps, stages=stages):
+    for splits, warps, stages, *block_p in itertools.product(*grid):
+        block_p = block_p[0] if block_p else None
+
+        def run(splits=splits, warps=warps, stages=stages, block_p=block_p):
             return page_scores_launch(t["q"], t["kt"], t["n_pages"], topr, num_splits=splits, table=t["table"],
-                                      num_warps=warps, num_stages=stages)
+                                      num_warps=warps, num_stages=stages, block_p=block_p)
+        variant = dict(splits=splits, warps=warps, stages=stages, block_p=block_p)
         try:
             err = (run() - ref).abs().max().item()
-            rows.append(dict(splits=splits, warps=warps, stages=stages, us=bench(run), max_abs_diff=err))
+            rows.append(dict(variant, us=bench(run), max_abs_diff=err))
         except Exception as e:  # noqa: BLE001 - an invalid variant is recorded, the sweep goes on
-            rows.append(dict(splits=splits, warps=warps, stages=stages, error=f"{type(e).__name__}: {e}"[:200]))
+            rows.append(dict(variant, error=f"{type(e).__name__}: {e}"[:200]))
     return rows
 
 
-def sweep_attention(t: dict) -> list[dict]:
+def sweep_attention(t: dict, grid=ATTENTION_GRID) -> list[dict]:
     args = (t["q"], t["keys"], t["values"], t["idx"], t["valid"], t["lengths"], PAGE, DIM**-0.5)
     ref = sparse_decode_attention_launch(*args, table=t["table"]).float()
     rows = []
-    for splits, block_n, warps, stages in itertools.product(*ATTENTION_GRID):
+    for splits, block_n, warps, stages in itertools.product(*grid):
         def run(splits=splits, block_n=block_n, warps=warps, stages=stages):
             return sparse_decode_attention_launch(*args, num_splits=splits, block_n=block_n, num_warps=warps,
                                                   num_stages=stages, table=t["table"])
@@ -90,10 +93,15 @@ def sweep_attention(t: dict) -> list[dict]:
     return rows
 
 
+# the launchers' defaults at 8B shapes (block_p None: the launcher's own choice, 64 at head_dim 128)
+DEFAULTS = {"page_scores": dict(splits=None, warps=4, stages=2, block_p=None),
+            "sparse_decode": dict(splits=None, block_n=128, warps=4, stages=2)}
+
+
 def show(name: str, rows: list[dict], keys: tuple[str, ...]) -> None:
     ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
-    default = next((r for r in rows if r.get("splits") is None and r.get("warps") in (4, 8) and "us" in r
-                    and r.get("stages") == 3 and r.get("block_n", 64) == 64), None)
+    default = next((r for r in rows if "us" in r and all(r.get(k) == v for k, v in DEFAULTS[name.split()[0]].items())),
+                   None)
     print(f"--- {name}: default {default['us'] if default else float('nan'):.1f} us; best 6:", flush=True)
     for r in ok[:6]:
         print("   " + " ".join(f"{k}={r[k]}" for k in keys) + f"  {r['us']:.1f} us  (diff {r['max_abs_diff']:.2e})")
@@ -105,8 +113,14 @@ def main() -> None:
     parser.add_argument("--kept", type=int, default=2300, help="tokens per row (prompt budget 2048 + decoded)")
     parser.add_argument("--capacity", type=int, default=2560, help="slots per row (multiple of 16)")
     parser.add_argument("--topr", type=int, default=128)
+    parser.add_argument("--skip-scores", action="store_true", help="sweep the sparse attention only")
+    parser.add_argument("--skip-attention", action="store_true", help="sweep the page scoring only")
+    parser.add_argument("--wide", action="store_true",
+                        help="attention grid with larger tiles too: block_n up to 256, 16 warps, 1 stage")
     parser.add_argument("--out", default="out/tune")
     args = parser.parse_args()
+    grid = ((None, 1, 2), (64, 128, 256), (4, 8, 16), (1, 2, 3)) if args.wide else ATTENTION_GRID
+    score_grid = ((None, 1, 2, 4), (4, 8), (1, 2, 3), (None, 32, 128)) if args.wide else SCORE_GRID
     device = torch.device("cuda")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -114,10 +128,12 @@ def main() -> None:
                   torch=torch.__version__, kept=args.kept, capacity=args.capacity, results={})
     for batch in args.batches:
         t = shapes(batch, args.kept, args.capacity, device)
-        scores = sweep_scores(t, args.topr)
-        show(f"page_scores b{batch}", scores, ("splits", "warps", "stages"))
-        attention = sweep_attention(t)
-        show(f"sparse_decode b{batch}", attention, ("splits", "block_n", "warps", "stages"))
+        scores = [] if args.skip_scores else sweep_scores(t, args.topr, score_grid)
+        if scores:
+            show(f"page_scores b{batch}", scores, ("splits", "warps", "stages", "block_p"))
+        attention = [] if args.skip_attention else sweep_attention(t, grid)
+        if attention:
+            show(f"sparse_decode b{batch}", attention, ("splits", "block_n", "warps", "stages"))
         report["results"][str(batch)] = dict(page_scores=scores, sparse_decode=attention)
         (out / "tune_decode_kernels.json").write_text(json.dumps(report, indent=1))
 

@@ -246,7 +246,7 @@ def kt_pages_per_row(kt: torch.Tensor, table: torch.Tensor | None) -> int:
 def page_logits_launch(
     q: torch.Tensor, kt: torch.Tensor, counts: torch.Tensor, count_div: int, topr: int, num_splits: int | None,
     probs: torch.Tensor | None = None, table: torch.Tensor | None = None, num_warps: int = 4, num_stages: int = 2,
-    per_head_bound: bool = False,
+    per_head_bound: bool = False, block_p: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """Pass 1 of the page scoring: logits (log2 units, ``[B*Hkv*BLOCK_G, NP]`` fp32) and per-split softmax
     statistics (``[B*Hkv, S, 2, BLOCK_G]``: max, sum). ``counts`` are pages in use (count_div 1) or tokens
@@ -258,7 +258,7 @@ def page_logits_launch(
     s_cb, s_ch = count_strides(counts, batch, num_kv_heads, "n_pages" if count_div == 1 else "lengths")
     block_g = max(16, next_pow2(group))
     block_d = next_pow2(head_dim)
-    block_p = 64 if block_d <= 128 else 32
+    block_p = block_p or (64 if block_d <= 128 else 32)
     rows = batch * num_kv_heads
     num_splits, pages_per_prog = score_splits(rows, num_pages, block_p, q.device, num_splits)
     fused = probs is not None and num_splits == 1
@@ -282,9 +282,10 @@ def page_logits_launch(
 def page_scores_launch(
     q: torch.Tensor, kt: torch.Tensor, n_pages: torch.Tensor, topr: int, num_splits: int | None = None,
     table: torch.Tensor | None = None, num_warps: int = 4, num_stages: int = 2, per_head_bound: bool = False,
+    block_p: int | None = None,
 ) -> torch.Tensor:
-    """Launcher; ``num_splits`` (None = heuristic, 1 = fused) and the tile knobs exist for tests and benchmarks;
-    ``table``: paged KT."""
+    """Launcher; ``num_splits`` (None = heuristic, 1 = fused) and the tile knobs (``block_p``: pages per tile, a
+    power of two) exist for tests and benchmarks; ``table``: paged KT."""
     batch, num_kv_heads, group, head_dim = q.shape
     num_pages = kt_pages_per_row(kt, table)
     probs = torch.empty((batch, num_kv_heads, num_pages), dtype=torch.float32, device=q.device)
@@ -292,7 +293,7 @@ def page_scores_launch(
         return probs
     logits, stats, num_splits, block_g = page_logits_launch(q, kt, n_pages, 1, topr, num_splits, probs=probs,
                                                             table=table, num_warps=num_warps, num_stages=num_stages,
-                                                            per_head_bound=per_head_bound)
+                                                            per_head_bound=per_head_bound, block_p=block_p)
     if num_splits > 1:
         block_p2 = 128
         s_cb, s_ch = count_strides(n_pages, batch, num_kv_heads, "n_pages")

@@ -268,8 +268,9 @@ if triton is not None:
         v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Launcher; ``num_splits`` (None = heuristic, 1 = one kernel, no reduce) and the tile knobs exist for tests
-        and benchmarks. Default tile: 64 gathered tokens x head_dim, 8 warps; on an H100 (2026-11-22) 4 warps or
-        32-token tiles timed within noise of it (benchmarks/results/h100_2026-11-22.md). 2 pipeline stages: on an
+        and benchmarks. Default tile: 128 gathered tokens x head_dim, 4 warps for bf16/fp16 K/V (see the comment at
+        the choice); 64 tokens, 8 warps for fp32 and fp8 K/V (on an H100, 2026-11-22, 4 warps or 32-token tiles
+        timed within noise of that; benchmarks/results/h100_2026-11-22.md). 2 pipeline stages: on an
         H100 (2026-11-23, benchmarks/tune_decode_kernels.py, paged, 256 tokens per head) 8.0 / 19.0 / 42.4 us at
         batch 1 / 32 / 64 against 11.5 / 27.2 / 55.9 with 3 (the page-id loads feed the K/V gathers, so a deeper
         pipeline only costs registers and shared memory). ``table`` [B, MP] int32:
@@ -295,8 +296,13 @@ if triton is not None:
             return out
         block_g = max(16, next_pow2(group))
         block_d = next_pow2(head_dim)
-        block_n = block_n or (64 if block_d <= 128 else 32)
-        num_warps = num_warps or (8 if block_n * block_d >= 64 * 128 else 4)
+        # half K/V: 128 gathered tokens x head_dim per tile, 4 warps (H200, 2026-11-26, tune_decode_kernels.py
+        # --wide, paged, 256 tokens per head: 6.7 / 11.6 / 26.5 us at batch 1 / 32 / 64 against 7.9 / 18.9 / 41.3
+        # with the former 64 tokens and 8 warps: half the dependent index-load rounds per program); fp32 and fp8
+        # K/V (widened to fp32 in registers) keep the 64-token, 8-warp tile
+        wide = not fp8 and keys.dtype in (torch.bfloat16, torch.float16)
+        block_n = block_n or ((128 if wide else 64) if block_d <= 128 else (64 if wide else 32))
+        num_warps = num_warps or (4 if wide else (8 if block_n * block_d >= 64 * 128 else 4))
         total = num_sel * page_size
         rows = batch * num_kv_heads
         max_splits = max(1, cdiv(total, block_n))
