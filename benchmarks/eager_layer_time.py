@@ -7,8 +7,9 @@ profiler, each called ``--calls`` times back to back on one layer (Llama-3.1-8B 
 ``--context`` tokens prefilled into a RocketKVCache, the Triton backend; the GPU work per call is tiny, so the loop
 is bound by the host):
 
-    attention forward, RocketKV / DynamicCache   (RocketKV with eager_layer_graphs off and on) LlamaAttention.forward of a one-token step (projections, RoPE,
-                                                 cache.update, the attention function, o_proj)
+    attention forward, RocketKV / DynamicCache   LlamaAttention.forward of a one-token step (projections, RoPE,
+                                                 cache.update, the attention function, o_proj); RocketKV with
+                                                 eager_layer_graphs off and on
     cache.update, RocketKV / DynamicCache        only the cache's update of that step (RocketKV: the append)
     attention function (rocketkv / sdpa)         only the attention interface call (RocketKV: top pages + sparse)
     ops                                          the three decode ops called directly
@@ -137,8 +138,8 @@ def main() -> None:
         print(f"{us:9.2f} us  {name}", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "eager_layer_time.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(), context=args.context,
-                                                               us_per_call=rows), indent=1))
+    report = dict(device=torch.cuda.get_device_name(), context=args.context, us_per_call=rows)
+    (out / "eager_layer_time.json").write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ class StandInGraph:
 def stand_in_capture(monkeypatch):
     captured = []
 
-    def capture(run):
+    def capture(run, pool=None, stream=None):
         graph = StandInGraph(run, torch.empty(3))  # the launches below return 3 values
         captured.append(graph)
         return graph, graph.output
@@ -134,13 +134,13 @@ def _generate(model, ids, cache, new_tokens, mask=None):
     return out.sequences, torch.stack(out.logits)
 
 
-def _gpu_model(dtype=torch.bfloat16):
+def _gpu_model(dtype=torch.bfloat16, layers=2):
     from hf_rocketkv.bench.decode import build_model
     from hf_rocketkv.integration.registration import enable
 
     shapes = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
                   head_dim=128, vocab_size=1000, max_position_embeddings=8192, rope_theta=500000.0)
-    return enable(build_model(shapes, 2, dtype, torch.device("cuda"), seed=0))
+    return enable(build_model(shapes, layers, dtype, torch.device("cuda"), seed=0))
 
 
 def _decode_by_hand(model, ids, cache, steps):
@@ -185,6 +185,30 @@ def test_gpu_graphed_eager_decode_equals_plain_eager(pages):
     (plain_ids, plain_logits), (graph_ids, graph_logits) = results
     assert replays[0] == 0 and replays[1] > 0
     if pages == "grows":
-        assert stores[1] > 256 + 256  # the store did grow
+        assert stores[1] > 256 + 256  # the store did grow: every graph dropped, then captured into a fresh pool
     assert torch.equal(plain_ids, graph_ids)
     assert torch.equal(plain_logits, graph_logits)
+
+
+@gpu
+def test_gpu_one_memory_pool_per_request():
+    """Every layer's graphs capture into the request's one pool: the graphs' memory does not grow with the layers
+    (32 graphs with a pool each would reserve at least 2 MiB apiece)."""
+    model = _gpu_model(layers=16)
+    ids = torch.randint(3, 1000, (1, 1200), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    growth = {}
+    for graphs in (False, True):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved()
+        cache = RocketKVCache(RocketKVConfig(prompt_budget=256, topk=16, page_size=4, window_size=16, backend="triton",
+                                             eager_layer_graphs=graphs))
+        _generate(model, ids, cache, 8)
+        torch.cuda.synchronize()
+        growth[graphs] = torch.cuda.memory_reserved() - before
+        if graphs:
+            pool = cache.hints.op_graph_pool[torch.cuda.current_device()]
+            assert list(cache.hints.op_graph_pool) == [torch.cuda.current_device()] and len(pool.graphs) == 2 * 16
+            assert all(layer.op_graphs["attention"].replays > 0 for layer in cache.layers)
+        del cache
+    assert growth[True] - growth[False] < 16 * 2**20, growth

@@ -68,6 +68,10 @@ class GenerationHints:
     graph_warmed_up: bool = False
     graph_devices: tuple[str, ...] = ("cuda",)
     graph_backend: object = None  # None: torch.cuda graphs (tests put a CPU stand-in here)
+    # GPU index -> GraphPool (memory pool and capture stream) that every layer's eager-step OpGraphs on that GPU
+    # capture into (cache/op_graphs.py), made at the first capture: one per request and GPU, so the layers' scratch
+    # tensors share memory instead of a pool each
+    op_graph_pool: dict | None = None
     # batch_buckets: generate() padded the caller's rows (real) up to a bucket (padded) with copies of row 0;
     # prefill runs the real rows only and copies row 0's cache (integration/batch_buckets.py)
     batch_padding: tuple[int, int] | None = None
@@ -439,7 +443,8 @@ class RocketKVLayer(CacheLayerMixin):
         if graphed:
             key = buffers_key(store.k, store.v, store.kt, store.table, self.positions, self.lengths, self.seen,
                               store.k_scale, store.v_scale)
-            self.op_graphs["append"](key, self._count_and_append, key_states[:, :, 0], value_states[:, :, 0])
+            self.op_graphs["append"](key, self._count_and_append, key_states[:, :, 0], value_states[:, :, 0],
+                                     hints=self.hints)
             return
         self.ops.paged_append_token(
             store.k, store.v, store.kt, store.table, self.positions, self.lengths, self.seen,

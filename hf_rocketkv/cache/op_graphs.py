@@ -13,18 +13,23 @@ next, so each group is captured once and replayed: the host then spends one copy
     later steps, same buffers:     copy the inputs, replay
 
 ``key`` names everything a capture depends on besides the inputs (copied; their shapes and dtypes join the key):
-the addresses, shapes, strides and dtypes of the buffers the launches read and write (the layer's pages, KT, block table, lengths, positions, scales) and any Python
-values they take. A different key is a new sequence of launches: the stale graph is dropped and the step runs
-eagerly. Nothing else changes: the same launches on the same buffers with the same values, so the results are those
-of the eager launches bit for bit (``tests/test_op_graphs.py``; on a GPU, whole generations with and without).
+the addresses, shapes, strides and dtypes of the buffers the launches read and write (the layer's pages, KT, block
+table, lengths, positions, scales) and any Python values they take. A different key is a new sequence of launches:
+the stale graph is dropped and the step runs eagerly. Nothing else changes: the same launches on the same buffers
+with the same values, so the results are those of the eager launches bit for bit (``tests/test_op_graphs.py``; on
+a GPU, whole generations with and without).
 
 Each graph is captured on a side stream, in ``thread_local`` mode (another thread's CUDA calls during a capture
-are not affected), into its own memory pool (its scratch tensors: ~0.2 MiB per layer at 8B shapes, batch 1). The
-graph belongs to one layer of one request's cache and is freed with it; nothing is shared between requests.
+are not affected). All graphs of one request on one GPU capture into one memory pool, on one side stream
+(``GraphPool``, kept in ``GenerationHints.op_graph_pool``): a scratch tensor of one graph (page logits, selection
+lists, split partials) is dead once that graph has run, and the graphs replay one after another on one stream, so
+the next graph may reuse its memory; only each attention graph's output stays allocated. The pool belongs to the
+request's cache and is freed with it (and its graphs); nothing is shared between requests.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -42,16 +47,29 @@ class OpGraph:
         self.output: Any = None
         self.replays = 0
 
-    def __call__(self, key: tuple, launches: Callable[..., Any], *inputs: torch.Tensor) -> Any:
+    def __call__(self, key: tuple, launches: Callable[..., Any], *inputs: torch.Tensor, hints=None) -> Any:
         """``launches(*inputs)`` for this step: eager when ``key`` is new, else through the graph. The result of a
-        replay is the graph's static output, overwritten by the next replay (callers use it within the step)."""
+        replay is the graph's static output, overwritten by the next replay (callers use it within the step).
+        ``hints``: the request's GenerationHints, whose ``op_graph_pool`` every capture of the request shares."""
         key = (key, tuple((t.shape, t.dtype, t.device) for t in inputs))
         if key != self.key:
-            self.key, self.graph, self.inputs, self.output = key, None, (), None
+            self._drop()
+            self.key = key
             return launches(*inputs)
+        device = inputs[0].device
+        if device.index is not None and device.index != torch.cuda.current_device():
+            with torch.cuda.device(device):  # a layer on another GPU (device_map, a tensor-parallel rank)
+                return self._through_graph(launches, inputs, hints)
+        return self._through_graph(launches, inputs, hints)
+
+    def _through_graph(self, launches: Callable[..., Any], inputs: tuple, hints) -> Any:
         if self.graph is None:
             self.inputs = tuple(t.clone() for t in inputs)
-            self.graph, self.output = capture(lambda: launches(*self.inputs))
+            pool = request_pool(hints)
+            handle, stream = pool.handle_and_stream() if pool is not None else (None, None)
+            self.graph, self.output = capture(lambda: launches(*self.inputs), handle, stream)
+            if pool is not None:
+                pool.graphs.add(self.graph)
         else:
             for static, value in zip(self.inputs, inputs):
                 static.copy_(value)
@@ -59,17 +77,55 @@ class OpGraph:
         self.replays += 1
         return self.output
 
+    def _drop(self) -> None:
+        """Forget the graph (destroying it: its pool has one graph less) and its static tensors."""
+        self.graph, self.inputs, self.output = None, (), None
 
-def capture(run: Callable[[], Any]) -> tuple[Any, Any]:
-    """Capture ``run()`` (launches only: nothing runs) into a new CUDA graph on a side stream; returns (graph,
-    output). Unlike ``torch.cuda.graph`` it neither synchronizes nor empties the allocator's cache first: a step
-    captures up to two graphs per layer."""
+
+class GraphPool:
+    """One request's memory pool and capture stream on one GPU, shared by its OpGraphs.
+
+    torch frees a graph memory pool when the last graph captured into it is destroyed, after which its handle must
+    not be used again (an internal assert in the caching allocator). So this keeps weak references to the graphs
+    captured into the pool and takes a fresh handle when a capture starts with none of them alive (a grown store
+    drops every layer's graphs; a dropped layer takes its graphs with it)."""
+
+    def __init__(self) -> None:
+        self.handle: Any = None
+        self.stream = torch.cuda.Stream()
+        self.graphs: weakref.WeakSet = weakref.WeakSet()
+
+    def handle_and_stream(self) -> tuple[Any, Any]:
+        if len(self.graphs) == 0:
+            self.handle = torch.cuda.graph_pool_handle()
+        return self.handle, self.stream
+
+
+def request_pool(hints) -> GraphPool | None:
+    """The request's GraphPool on the current GPU (made on first use); None without hints (a graph then gets a pool
+    and a stream of its own)."""
+    if hints is None:
+        return None
+    if hints.op_graph_pool is None:
+        hints.op_graph_pool = {}
+    device = torch.cuda.current_device()
+    if device not in hints.op_graph_pool:
+        hints.op_graph_pool[device] = GraphPool()
+    return hints.op_graph_pool[device]
+
+
+def capture(run: Callable[[], Any], pool=None, stream: torch.cuda.Stream | None = None) -> tuple[Any, Any]:
+    """Capture ``run()`` (launches only: nothing runs) into a new CUDA graph on the side ``stream`` (None: a new
+    one), allocating from ``pool`` (a ``torch.cuda.graph_pool_handle()``; None: a pool of its own); returns (graph,
+    output). The caching allocator reuses a freed block only on the stream it was allocated on, so the graphs that
+    share a pool are captured on one stream too. Unlike ``torch.cuda.graph`` it neither synchronizes nor empties the
+    allocator's cache first: a step captures up to two graphs per layer."""
     graph = torch.cuda.CUDAGraph()
     current = torch.cuda.current_stream()
-    stream = torch.cuda.Stream()
+    stream = stream if stream is not None else torch.cuda.Stream()
     stream.wait_stream(current)
     with torch.cuda.stream(stream):
-        graph.capture_begin(capture_error_mode="thread_local")
+        graph.capture_begin(pool, capture_error_mode="thread_local")
         try:
             output = run()
         finally:

@@ -219,7 +219,8 @@ def decode_attention(layer: RocketKVLayer, query: torch.Tensor, scaling: float) 
     if layer.eager_graphs():
         store = layer.store
         key = buffers_key(store.kt, store.k, store.v, store.table, layer.lengths, store.k_scale, store.v_scale)
-        out = layer.op_graphs["attention"](key + (scaling,), lambda q_: stage2_attention(layer, q_, scaling), q)
+        out = layer.op_graphs["attention"](key + (scaling,), lambda q_: stage2_attention(layer, q_, scaling), q,
+                                           hints=layer.hints)
     else:
         out = stage2_attention(layer, q, scaling)
     layer.record_decode_query(query)  # decode-time compression's scoring window (no-op when it is off)

@@ -19,8 +19,8 @@ have launched for those arguments, with the same argument values, grid and launc
 
 Falls back to ``kernel[grid](...)`` on every call where the fast path cannot be exact: under Triton's interpreter
 (CPU tests), with pre-run hooks on the kernel, a stage-inspection hook, or a Triton whose ``JITFunction`` lacks the
-internals used here (``device_caches`` with a binder; checked when the object is made). Triton's debug knob is part of the
-key. The table holds compiled kernels only (immutable, like Triton's own cache), filled at most once per
+internals used here (``device_caches`` with a binder; checked when the object is made). Triton's debug knob is
+part of the key. The table holds compiled kernels only (immutable, like Triton's own cache), filled at most once per
 specialization; concurrent misses both go through Triton's own (thread-safe) path and store the same kernel.
 """
 
