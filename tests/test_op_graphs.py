@@ -2,7 +2,10 @@
 
 CPU: the OpGraph state machine with a stand-in capture (records the launches without running them; replay re-runs
 them on the static inputs): a new key runs eagerly, the next step captures and replays, later steps copy the inputs
-and replay, a changed key or input shape goes back to eager; and when layers take the graphed path at all. GPU:
+and replay, a changed key or input shape goes back to eager; when layers take the graphed path at all; and whole
+greedy generations through the graphed path (PyTorch ops, the device conditions lifted, a stand-in graph that
+replays the recorded launches on the static inputs) against plain eager: tokens, logits and every layer's logical
+length, lengths and positions equal, on private and pool pages, a padded batch and a growing store. GPU:
 whole greedy generations with ``disable_compile=True``, graphs on against graphs off (the oracle: the plain eager
 launches), tokens and every step's logits equal bit for bit, on private pages, bf16 pool pages and fp8 pool pages,
 with padding, and with a store that grows mid-generation (new buffers: eager again, then a new capture).
@@ -113,6 +116,90 @@ def test_layers_take_the_graphed_path_only_where_it_is_exact():
     assert not layer.eager_graphs()  # CPU, PyTorch ops
     assert RocketKVLayer.EAGER_GRAPHS and not BatchedDecodeLayer.EAGER_GRAPHS
     assert all(graph.key is None for graph in layer.op_graphs.values())  # never entered on this path
+
+
+# ----------------------------------------------------------------------------- CPU: whole generations, stand-in graphs
+class ReplayingGraph:
+    """Capture records the launches without running them; replay runs them on the static inputs (Python runs at a
+    real replay no more than here matters: the launches read only the static inputs and the layer's buffers) and
+    points the static output at the result (``set_``), so the caller reads it as it would a real graph's output."""
+
+    def __init__(self, run):
+        self.run, self.output = run, torch.empty(0)
+
+    def replay(self):
+        result = self.run()
+        if result is not None:
+            self.output.set_(result)
+
+
+@pytest.fixture
+def graphs_on_cpu(monkeypatch):
+    """The graphed eager path on CPU with the PyTorch ops: the device and backend conditions lifted, the capture
+    replaced by ReplayingGraph."""
+    captures = []
+
+    def capture(run, pool=None, stream=None):
+        graph = ReplayingGraph(run)
+        captures.append(graph)
+        return graph, graph.output
+
+    def eager_graphs(layer):
+        return (layer.EAGER_GRAPHS and layer.config.eager_layer_graphs and layer.history is None
+                and layer.decode_compression is None and not layer.hints.in_graph)
+
+    monkeypatch.setattr(op_graphs, "capture", capture)
+    monkeypatch.setattr(op_graphs, "request_pool", lambda hints: None)
+    monkeypatch.setattr(RocketKVLayer, "eager_graphs", eager_graphs)
+    return captures
+
+
+def _cpu_run(model, ids, config, new_tokens, mask=None, pool=None, by_hand=False):
+    cache = RocketKVCache(config, pool=pool) if pool is not None else RocketKVCache(config)
+    if by_hand:
+        out = _decode_by_hand(model, ids, cache, new_tokens)
+    else:
+        gen = greedy(model, ids, new_tokens, past_key_values=cache, attention_mask=mask, output_logits=True,
+                     return_dict_in_generate=True)
+        out = gen.sequences, torch.stack(gen.logits)
+    replays = sum(g.replays for layer in cache.layers for g in layer.op_graphs.values())
+    state = [(layer.seen.clone(), layer.lengths.clone(), layer.positions.clone()) for layer in cache.layers]
+    if pool is not None:
+        cache.close()
+    return out, replays, state
+
+
+@pytest.mark.parametrize("case", ["private", "pool", "padded", "grows"])
+def test_cpu_graphed_path_equals_plain_eager(graphs_on_cpu, case):
+    """The graphed eager path's own logic (``seen`` counted inside the append graph, inputs copied into static
+    tensors, a new key after the store grows) gives exactly the plain eager tokens and logits."""
+    from hf_rocketkv import KVBlockPool
+
+    model, _ = make_models()
+    base = dict(prompt_budget=16, window_size=4, kernel_size=3, topk=2, page_size=4, backend="torch",
+                capacity_headroom=8)
+    batch = 2 if case == "padded" else 1
+    ids = random_ids(batch, 40, seed=3)
+    mask = torch.ones_like(ids)
+    if case == "padded":
+        mask[1, :9] = 0
+    results = []
+    for graphs in (False, True):
+        config = RocketKVConfig(**base, eager_layer_graphs=graphs)
+        pool = None
+        if case == "pool":
+            pool = KVBlockPool(model.config, max_gpu_bytes=1 << 20, page_size=8, dtype=torch.float32, device="cpu",
+                               kt_page_size=4, kt_dtype=config.kt_cache_dtype)
+        results.append(_cpu_run(model, ids, config, 30, mask=mask, pool=pool, by_hand=case == "grows"))
+    ((plain_ids, plain_logits), plain_replays, plain_state), ((graph_ids, graph_logits), graph_replays, graph_state) = \
+        results
+    assert plain_replays == 0 and graph_replays > 0 and len(graphs_on_cpu) > 0
+    if case == "grows":  # headroom 8: the store grew several times, each time dropping and recapturing
+        assert len(graphs_on_cpu) > 2 * 2 * 2
+    assert torch.equal(plain_ids, graph_ids)
+    assert torch.equal(plain_logits, graph_logits)
+    for plain, graphed in zip(plain_state, graph_state, strict=True):  # logical length, stored tokens, positions
+        assert all(torch.equal(a, b) for a, b in zip(plain, graphed))
 
 
 def test_config_field():
