@@ -33,7 +33,7 @@ from hf_rocketkv import RocketKVCache  # noqa: E402
 from hf_rocketkv.bench.decode import LLAMA_31_8B, TINY, StepClock, build_model  # noqa: E402
 from hf_rocketkv.config import RocketKVConfig  # noqa: E402
 from hf_rocketkv.integration.registration import enable  # noqa: E402
-from prefill_host_time import stats_rows  # noqa: E402
+from prefill_host_time import function_name, stats_rows  # noqa: E402
 
 
 class ProfileSteps:
@@ -57,8 +57,7 @@ def own_time_difference(rocket: cProfile.Profile, dynamic: cProfile.Profile, ste
     rows = []
     for key in set(a) | set(b):
         own_a, own_b = (a[key][2] if key in a else 0.0), (b[key][2] if key in b else 0.0)
-        file, line, name = key
-        rows.append(dict(function=f"{file.split('site-packages/')[-1]}:{line}({name})",
+        rows.append(dict(function=function_name(key),
                          ms_per_step=round((own_a - own_b) * 1e3 / steps, 3),
                          calls_rocketkv=(a[key][1] if key in a else 0) // steps,
                          calls_dynamic=(b[key][1] if key in b else 0) // steps))

@@ -118,6 +118,15 @@ def cprofile_top(fn, rows: int = 40) -> dict:
     return stats_rows(profile, rows)
 
 
+def function_name(key: tuple) -> str:
+    """A cProfile key (file, line, name) as ``path:line(name)``, the path relative to site-packages or to the
+    hf_rocketkv package."""
+    file, line, name = key
+    package = str(Path(hf_rocketkv.__file__).parent)
+    where = f"{file.split('site-packages/')[-1].removeprefix(package + '/')}:{line}" if line else file
+    return f"{where}({name})"
+
+
 def stats_rows(profile: cProfile.Profile, rows: int = 40) -> dict:
     """A finished cProfile's ``rows`` functions with the most own time and ``rows`` hf_rocketkv functions with the
     most cumulative time, in ms."""
@@ -125,9 +134,7 @@ def stats_rows(profile: cProfile.Profile, rows: int = 40) -> dict:
     package = str(Path(hf_rocketkv.__file__).parent)
 
     def row(key, value) -> dict:
-        file, line, name = key
-        where = f"{file.split('site-packages/')[-1].removeprefix(package + '/')}:{line}" if line else file
-        return dict(function=f"{where}({name})", calls=value[1], own_ms=round(value[2] * 1e3, 3),
+        return dict(function=function_name(key), calls=value[1], own_ms=round(value[2] * 1e3, 3),
                     cumulative_ms=round(value[3] * 1e3, 3))
 
     by_own = sorted(stats.items(), key=lambda kv: -kv[1][2])[:rows]

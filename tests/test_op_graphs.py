@@ -261,9 +261,8 @@ def test_gpu_graphed_eager_decode_equals_plain_eager(pages):
                                dtype=torch.float8_e4m3fn if pages == "pool-fp8" else None)
         cache = RocketKVCache(config, pool=pool) if pool is not None else RocketKVCache(config)
         if pages == "grows":  # capacity_headroom 256 past the prompt budget: grows after ~256 steps
-            first = cache
             results.append(_decode_by_hand(model, ids, cache, 300))
-            stores.append(first.layers[0].capacity)
+            stores.append(cache.layers[0].capacity)
         else:
             results.append(_generate(model, ids, cache, 40, mask))
         replays.append(sum(g.replays for layer in cache.layers for g in layer.op_graphs.values()))

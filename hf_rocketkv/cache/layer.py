@@ -34,7 +34,7 @@ exactly the layer that stored its keys, with no process-global state (see docs/s
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -71,7 +71,7 @@ class GenerationHints:
     # GPU index -> GraphPool (memory pool and capture stream) that every layer's eager-step OpGraphs on that GPU
     # capture into (cache/op_graphs.py), made at the first capture: one per request and GPU, so the layers' scratch
     # tensors share memory instead of a pool each
-    op_graph_pool: dict | None = None
+    op_graph_pool: dict = field(default_factory=dict)
     # batch_buckets: generate() padded the caller's rows (real) up to a bucket (padded) with copies of row 0;
     # prefill runs the real rows only and copies row 0's cache (integration/batch_buckets.py)
     batch_padding: tuple[int, int] | None = None
@@ -446,11 +446,7 @@ class RocketKVLayer(CacheLayerMixin):
             self.op_graphs["append"](key, self._count_and_append, key_states[:, :, 0], value_states[:, :, 0],
                                      hints=self.hints)
             return
-        self.ops.paged_append_token(
-            store.k, store.v, store.kt, store.table, self.positions, self.lengths, self.seen,
-            key_states[:, :, 0], value_states[:, :, 0], self.config.page_size,
-            k_scale=store.k_scale, v_scale=store.v_scale,
-        )
+        self._append_token(key_states[:, :, 0], value_states[:, :, 0])
         if history is not None:  # keep_all: the full history too
             self.ops.paged_append_kv(
                 history.store.k, history.store.v, history.store.table, history.positions, history.lengths,
@@ -458,14 +454,18 @@ class RocketKVLayer(CacheLayerMixin):
                 k_scale=history.store.k_scale, v_scale=history.store.v_scale,
             )
 
-    def _count_and_append(self, key_new: torch.Tensor, value_new: torch.Tensor) -> None:
-        """The launches of a graphed eager append: ``seen`` += 1, then the token into its slot and KT page."""
+    def _append_token(self, key_new: torch.Tensor, value_new: torch.Tensor) -> None:
+        """The token ``[B, Hkv, D]`` into slot lengths[b] of every row and its key into the KT page."""
         store = self.store
-        self.seen.add_(1)
         self.ops.paged_append_token(
             store.k, store.v, store.kt, store.table, self.positions, self.lengths, self.seen, key_new, value_new,
             self.config.page_size, k_scale=store.k_scale, v_scale=store.v_scale,
         )
+
+    def _count_and_append(self, key_new: torch.Tensor, value_new: torch.Tensor) -> None:
+        """The launches of a graphed eager append: ``seen`` += 1, then ``_append_token``."""
+        self.seen.add_(1)
+        self._append_token(key_new, value_new)
 
     # Layers whose eager decode steps may use CUDA graphs (BatchedDecodeLayer: no, its rows change between steps)
     EAGER_GRAPHS = True

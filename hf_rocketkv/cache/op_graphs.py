@@ -106,8 +106,6 @@ def request_pool(hints) -> GraphPool | None:
     and a stream of its own)."""
     if hints is None:
         return None
-    if hints.op_graph_pool is None:
-        hints.op_graph_pool = {}
     device = torch.cuda.current_device()
     if device not in hints.op_graph_pool:
         hints.op_graph_pool[device] = GraphPool()
