@@ -87,6 +87,7 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=16)
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the three main rows")
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = parser.parse_args()
     device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
@@ -105,8 +106,14 @@ def main() -> None:
     for _ in range(2):  # warm-up: Triton compiles, cuBLAS plans, allocator
         run(model, ids, RocketKVCache(config), 8)
         run(model, ids, None, 8)
-    dynamic_ms = run(model, ids, None, args.new_tokens)
-    rocket_ms = run(model, ids, RocketKVCache(config), args.new_tokens)
+    # interleaved rounds: the device hosts drift within minutes, so each round measures every row back to back
+    rounds = {"dynamic": [], "rocketkv": [], "rocketkv_rope_off": []}
+    for _ in range(args.rounds):
+        rounds["dynamic"].append(run(model, ids, None, args.new_tokens))
+        rounds["rocketkv"].append(run(model, ids, RocketKVCache(config), args.new_tokens))
+        rounds["rocketkv_rope_off"].append(run(model, ids, RocketKVCache(config.replace(fused_rope=False)),
+                                               args.new_tokens))
+    dynamic_ms, rocket_ms, rope_off_ms = (statistics.median(rounds[k]) for k in rounds)
     plain_ms = run(model, ids, RocketKVCache(config.replace(eager_layer_graphs=False)), args.new_tokens)
     profile = cProfile.Profile()
     run(model, ids, RocketKVCache(config), args.new_tokens, [ProfileSteps(profile, 4, args.profile_steps)])
@@ -117,10 +124,13 @@ def main() -> None:
     report = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   torch=torch.__version__, layers=layers, context=args.context,
                   eager_ms_per_token=dict(rocketkv=rocket_ms, rocketkv_without_layer_graphs=plain_ms,
-                                          dynamic=dynamic_ms),
+                                          rocketkv_without_fused_rope=rope_off_ms, dynamic=dynamic_ms),
+                  rounds=rounds,
                   rocketkv_extra_ms_per_layer=(rocket_ms - dynamic_ms) / layers, profiled_steps=args.profile_steps,
                   cprofile=rows)
-    print(f"eager ms/token: RocketKV {rocket_ms:.2f} (eager_layer_graphs=False: {plain_ms:.2f}), DynamicCache "
+    print("rounds (ms/token):", {k: [round(v, 2) for v in vals] for k, vals in rounds.items()})
+    print(f"eager ms/token: RocketKV {rocket_ms:.2f} (fused_rope=False: {rope_off_ms:.2f}; "
+          f"eager_layer_graphs=False: {plain_ms:.2f}), DynamicCache "
           f"{dynamic_ms:.2f}; RocketKV adds "
           f"{(rocket_ms - dynamic_ms) / layers * 1e3:.0f} us per layer ({layers} layers)")
     for r in rows["hf_rocketkv_by_cumulative"][:30]:

@@ -31,6 +31,25 @@ for name in "$@"; do
     decode_pool_b32_8k) step "$name" 300 $PY benchmarks/bench_decode.py --batch 32 --context 8192 --new-tokens 64 \
                         --prefill-batch-size 8 --caches rocketkv-graphs rocketkv-graphs-pool rocketkv-graphs-pool-fp8 \
                         --no-plot --out "$OUT/decode_pool_b32_8k" ;;
+    rope_tests)      # the fused decode RoPE against transformers' formula, bit for bit, and whole generations on/off
+                     $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index --find-links .device_wheels pytest hypothesis
+                     step "$name" 300 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_rope.py tests/test_fused_rope.py ;;
+    decode_rope_b1_32k) # fused_rope on / off side by side: graphed and eager, DynamicCache
+                     step "$name" 300 $PY benchmarks/bench_decode.py --batch 1 --context 32768 --new-tokens 64 \
+                        --caches rocketkv-graphs rocketkv-graphs-rope-off rocketkv rocketkv-rope-off dynamic \
+                        --no-plot --out "$OUT/decode_rope_b1_32k" ;;
+    decode_rope_b32_8k) step "$name" 300 $PY benchmarks/bench_decode.py --batch 32 --context 8192 --new-tokens 64 \
+                        --prefill-batch-size 8 --caches rocketkv-graphs rocketkv-graphs-rope-off --no-plot \
+                        --out "$OUT/decode_rope_b32_8k" ;;
+    profile_b64_32k_regions) step "$name" 590 $PY benchmarks/profile_graph_step.py --batch 64 --context 32768 \
+                        --prefill-batch-size 8 --bandwidth-tbs 4.8 --regions --out "$OUT/profile_b64_32k_regions" ;;
+    profile_b64_8k_rope_ab) # fused_rope on, then off, compile_regions, batch 64 x 8k (stage 1 keeps 2048 either way)
+                     for r in "" "--rope-off"; do step "$name${r//-/_}" 290 $PY benchmarks/profile_graph_step.py \
+                        --batch 64 --context 8192 --prefill-batch-size 16 --bandwidth-tbs 4.8 --regions $r \
+                        --new-tokens 24 --out "$OUT/$name${r//-/_}"; done ;;
+    profile_b64_32k_regions_rope_off) step "$name" 590 $PY benchmarks/profile_graph_step.py --batch 64 \
+                        --context 32768 --prefill-batch-size 8 --bandwidth-tbs 4.8 --regions --rope-off \
+                        --out "$OUT/profile_b64_32k_regions_rope_off" ;;
     decode_b32_8k)   step "$name" 240 $PY benchmarks/bench_decode.py --batch 32 --context 8192 --new-tokens 64 \
                         --prefill-batch-size 8 --caches rocketkv-graphs dynamic --no-plot --out "$OUT/decode_b32_8k" ;;
     decode_graphs_b32_8k) step "$name" 240 $PY benchmarks/bench_decode.py --batch 32 --context 8192 --new-tokens 64 \

@@ -106,6 +106,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--eager", action="store_true", help="also profile the eager step")
     parser.add_argument("--regions", action="store_true", help="hf_rocketkv.compile_regions(model) first")
+    parser.add_argument("--rope-off", action="store_true", help="RocketKVConfig(fused_rope=False): transformers' RoPE")
     parser.add_argument("--bandwidth-tbs", type=float, default=3.35, help="device memory bandwidth (H100 SXM: 3.35)")
     parser.add_argument("--pool", default="none", choices=["none", "model", "fp8"],
                         help="cache pages: private (none), a KVBlockPool of the model's dtype, or of fp8 (e4m3)")
@@ -124,13 +125,13 @@ def main() -> None:
 
         compile_regions(model)
     rocket = RocketKVConfig(backend="triton", decode_runner="cuda_graphs",
-                            prefill_batch_size=min(args.batch, args.prefill_batch_size))
+                            prefill_batch_size=min(args.batch, args.prefill_batch_size), fused_rope=not args.rope_off)
     warm_up(model, ["rocketkv"], rocket, device)
     ids = torch.randint(3, model.config.vocab_size, (args.batch, args.context), device=device)
     row = {"none": "rocketkv-graphs", "model": "rocketkv-graphs-pool", "fp8": "rocketkv-graphs-pool-fp8"}[args.pool]
     pool = pool_for_row(model, row, rocket, args.batch, args.context, args.new_tokens)
     report = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(device),
-                  torch=torch.__version__, regions=args.regions, batch=args.batch, context=args.context, pool=args.pool,
+                  torch=torch.__version__, regions=args.regions, fused_rope=not args.rope_off, batch=args.batch, context=args.context, pool=args.pool,
                   layers=model.config.num_hidden_layers,
                   weight_gb=weight_bytes / 1e9, weight_floor_ms=weight_bytes / (args.bandwidth_tbs * 1e12) * 1e3)
     runs = [("graphs", False)] + ([("eager", True)] if args.eager else [])

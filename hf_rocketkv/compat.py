@@ -21,6 +21,9 @@ transformers (no other hf_rocketkv module), so every floor of the package may us
 | GenerationMixin.generate (public, but patched)      | wrapped     | batch-size buckets: pad a RocketKV request's rows,    |
 |                                                     |             | strip them from the output (``batch_buckets``)        |
 | CompileConfig._compile_all_devices                  | read        | whether generate() compiles decode off CUDA (tests)   |
+| models.*.modeling_*.apply_rotary_pos_emb            | wrapped     | one fused launch for a decode step's RoPE inside      |
+|                                                     | (optional)  | RocketKV calls (``integration/rope.py``); a model     |
+|                                                     |             | whose function takes other parameters keeps its own   |
 
 Public extension points used as such (not listed above): ``AttentionInterface.register``,
 ``AttentionMaskInterface.register``, passing a ``Cache`` instance as ``cache`` (``past_key_values`` before
@@ -39,9 +42,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+import torch
 import transformers
 from transformers import AttentionInterface, AttentionMaskInterface, GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: F401  (re-exported for cache/)
@@ -428,3 +434,54 @@ def install(hooks: GenerateHooks) -> None:
     deferred = getattr(_generation_utils(), "DeferredStopCheck", None)
     if deferred is not None:
         _install_method(deferred, "is_supported", DEFERRED_STOP, _deferred_stop_handler(hooks), static=True)
+
+
+# --------------------------------------------------------------------------------------------------- rotary embedding
+ROTARY_NAME = "apply_rotary_pos_emb"
+ROTARY_PARAMS = ("q", "k", "cos", "sin", "unsqueeze_dim")  # exactly these, in this order (Llama-style models)
+_ROTARY_LOCK = threading.Lock()
+
+
+def rotary_modules(model) -> list:
+    """The modeling modules (``transformers.models.<name>.modeling_<name>``) of ``model``'s layers whose
+    ``apply_rotary_pos_emb`` takes exactly ``ROTARY_PARAMS``; others (partial rotary, other signatures) are left out."""
+    found = {}
+    for module in model.modules():
+        owner = sys.modules.get(type(module).__module__)
+        if owner is None or owner.__name__ in found or not owner.__name__.startswith("transformers.models."):
+            continue
+        function = getattr(owner, ROTARY_NAME, None)
+        if function is None:
+            continue
+        try:
+            names = tuple(inspect.signature(function).parameters)
+        except (TypeError, ValueError):
+            continue
+        if names == ROTARY_PARAMS:
+            found[owner.__name__] = owner
+    return list(found.values())
+
+
+def install_rotary(owner, active: Callable[[], bool], compute: Callable[[Callable, dict], Any]) -> None:
+    """Wrap ``owner.apply_rotary_pos_emb`` once (idempotent, thread-safe). The wrapper calls the original with exactly
+    the arguments it received unless ``active()`` (checked first: one ContextVar read) says the call is RocketKV's
+    and torch.compile is not tracing it; then ``compute(original, arguments)`` decides, arguments bound by name."""
+    with _ROTARY_LOCK:
+        original = getattr(owner, ROTARY_NAME)
+        if getattr(original, WRAPPED_MARK, False):
+            return
+        signature = inspect.signature(original)
+        default_dim = signature.parameters[ROTARY_PARAMS[-1]].default
+
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            if torch.compiler.is_compiling() or not active():
+                return original(*args, **kwargs)
+            if len(args) == 4 and not kwargs:  # the modeling code's call: (q, k, cos, sin), ROTARY_PARAMS' order
+                return compute(original, dict(zip(ROTARY_PARAMS, (*args, default_dim))))
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return compute(original, bound.arguments)
+
+        setattr(wrapper, WRAPPED_MARK, True)
+        setattr(owner, ROTARY_NAME, wrapper)

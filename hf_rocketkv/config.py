@@ -108,6 +108,10 @@ class RocketKVConfig:
                        launches (the append; page scores, selection and sparse attention) as two small CUDA graphs
                        captured on the second step (``cache/op_graphs.py``): the same launches on the same buffers,
                        bit for bit, at a fraction of the host time. Not with multi_turn="keep_all" or decode_budget.
+        fused_rope:    on CUDA, a bf16/fp16 decode step inside a RocketKV call applies the rotary embedding to the
+                       new query and key in one launch instead of transformers' ten (``integration/rope.py``), bit
+                       for bit the same values; prefill, fp32, torch.compile'd forwards and models whose
+                       ``apply_rotary_pos_emb`` takes other parameters keep transformers' function.
         capacity_buckets: decode slots per row after stage 1 are rounded up to the smallest of these sizes that
                        holds the kept prompt + max_new_tokens (then to whole pages), so a compiled decode step sees
                        the same shapes for every prompt length and max_new_tokens within a bucket: one bucket
@@ -184,6 +188,7 @@ class RocketKVConfig:
     decode_runner: str = "cuda_graphs"
     deferred_stop_check: bool = True
     eager_layer_graphs: bool = True
+    fused_rope: bool = True
     capacity_buckets: tuple[int, ...] | None = None  # validated in _validate_buckets
     batch_buckets: tuple[int, ...] | None = None
     # policies (validated in _validate_policy_fields)
@@ -252,7 +257,7 @@ class RocketKVConfig:
             raise ValueError(
                 f"RocketKVConfig.decode_runner must be one of {list(DECODE_RUNNERS)}, got {self.decode_runner!r}"
             )
-        for name in ("deferred_stop_check", "eager_layer_graphs"):
+        for name in ("deferred_stop_check", "eager_layer_graphs", "fused_rope"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"RocketKVConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.prefill_batch_size is not None and (not _is_int(self.prefill_batch_size) or self.prefill_batch_size < 1):

@@ -15,6 +15,8 @@ Rows (``--caches``), all in one process on the same model:
     rocketkv-graphs-pool      rocketkv-graphs on the pages of a KVBlockPool (model-dtype pages of 16 tokens, sized
                               for the run's prefill peak) instead of the cache's private buffers
     rocketkv-graphs-pool-fp8  the same on fp8 (e4m3) pool pages with per-page scales
+    rocketkv-rope-off, rocketkv-graphs-rope-off  rocketkv / rocketkv-graphs with ``fused_rope=False``
+                              (transformers' ten-launch RoPE in decode steps), for the side-by-side comparison
 for every batch size x context (prompt tokens). A point that cannot fit in GPU memory is skipped with the estimate
 that says so (weights + KV cache + prefill activations), and an out-of-memory error is recorded, not raised.
 
@@ -55,7 +57,7 @@ TINY = dict(
     vocab_size=1024, max_position_embeddings=4096,
 )
 CACHES = ("dynamic", "static-compile", "rocketkv", "rocketkv-graphs", "rocketkv-compile", "rocketkv-graphs-pool",
-          "rocketkv-graphs-pool-fp8")
+          "rocketkv-graphs-pool-fp8", "rocketkv-rope-off", "rocketkv-graphs-rope-off")
 POOL_PAGE_SIZE = 16  # tokens per pool page in the pool rows (KVBlockPool's default)
 DEFAULT_CACHES = ("dynamic", "static-compile", "rocketkv")
 DROP_FIRST_STEPS = 3  # decode steps left out of the median (compilation, CUDA-graph capture, allocator warm-up)
@@ -232,7 +234,7 @@ def run_generate(model, cache: str, ids: torch.Tensor, new_tokens: int, rocket, 
         pool = pool_for_row(model, cache, rocket, ids.shape[0], ids.shape[1], new_tokens)
         past = RocketKVCache(rocket_for_row(rocket, cache), pool=pool)
         kwargs.update(compat.cache_kwargs(past))
-        kwargs["disable_compile"] = cache == "rocketkv"
+        kwargs["disable_compile"] = cache in ("rocketkv", "rocketkv-rope-off")
     else:
         model.set_attn_implementation("sdpa")
         if cache == "static-compile":
@@ -274,7 +276,10 @@ def run_generate(model, cache: str, ids: torch.Tensor, new_tokens: int, rocket, 
 
 
 def rocket_for_row(rocket, cache: str):
-    """The RocketKVConfig of a benchmark row: rocketkv-graphs / rocketkv-compile pick the decode runner."""
+    """The RocketKVConfig of a benchmark row: rocketkv-graphs / rocketkv-compile pick the decode runner; a
+    ``-rope-off`` row turns ``fused_rope`` off."""
+    if cache.endswith("-rope-off"):
+        rocket = rocket.replace(fused_rope=False)
     if cache.startswith("rocketkv-graphs"):
         return rocket.replace(decode_runner="cuda_graphs")
     if cache == "rocketkv-compile":

@@ -52,6 +52,7 @@ from ..config import RocketKVConfig
 from ..integration.batch_graphs import BatchedDecodeGraphs, GraphCaptureFailed
 from ..integration.decode_graphs import on_device
 from ..integration.generate import get_config
+from ..integration.rope import fused_rope
 from ..kernels.host_copy import device_tensor
 from ..memory import KVBlockPool
 from ..memory.accounting import row_pages
@@ -779,11 +780,12 @@ class BatchingEngine:
         else:
             ids = device_tensor(last_tokens + [0] * (bucket - rows), torch.long, self.device).view(bucket, 1)
         positions = self.batch.next_positions(bucket)
-        logits = self._graphed_step(ids, positions)
-        if logits is None:
-            out = self.model(input_ids=ids, position_ids=positions, use_cache=True,
-                             **compat.cache_kwargs(self.batch))
-            logits = out.logits[:, -1]
+        with fused_rope(self.model, self.config.fused_rope):
+            logits = self._graphed_step(ids, positions)
+            if logits is None:
+                out = self.model(input_ids=ids, position_ids=positions, use_cache=True,
+                                 **compat.cache_kwargs(self.batch))
+                logits = out.logits[:, -1]
         self.batch.stepped()
         return logits[:rows].float()
 

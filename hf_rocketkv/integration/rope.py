@@ -1,0 +1,60 @@
+"""Fused rotary embedding in RocketKV's decode steps (``RocketKVConfig.fused_rope``, default True).
+
+transformers applies RoPE inside the attention module, before the cache sees the keys: ``q * cos +
+rotate_half(q) * sin`` and the same for k, ten launches per layer and step. Inside a RocketKV call (``generate()``
+with a RocketKVCache, the batching engine's decode steps) a one-token step on CUDA in bf16/fp16 goes through
+``kernels/rope.rope_decode_triton`` instead: one launch, bit for bit the same values (``tests/kernels/test_rope.py``).
+Everything else (prefill, fp32, CPU, other caches, other threads, a call traced by torch.compile) runs
+transformers' own function with the arguments it received.
+
+How a call is recognised as RocketKV's: ``fused_rope(model, enabled)`` sets a ContextVar for the duration of the
+call (so it is per thread and per asyncio task, never process-wide), after making sure the modeling modules of
+``model`` have their ``apply_rotary_pos_emb`` wrapped (``compat.install_rotary``; once per module).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+from .. import compat
+from ..kernels.rope import rope_decode_triton, rope_supported
+
+FUSED_DEVICE_TYPES = ("cuda",)  # the kernel's devices (the CPU tests add "cpu": Triton's interpreter)
+_ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_rocketkv_fused_rope", default=False)
+_INSTALLED_ATTRIBUTE = "_hf_rocketkv_rotary_installed"
+
+
+def _compute(original, arguments: dict):
+    q, k, cos, sin = arguments["q"], arguments["k"], arguments["cos"], arguments["sin"]
+    if (arguments["unsqueeze_dim"] == 1 and q.device.type in FUSED_DEVICE_TYPES
+            and rope_supported(q, k, cos, sin)):
+        return rope_decode_triton(q, k, cos, sin)
+    return original(**arguments)
+
+
+def install_for(model) -> None:
+    """Wrap the rotary function of every modeling module ``model`` is made of (idempotent)."""
+    if getattr(model, _INSTALLED_ATTRIBUTE, False):
+        return
+    for owner in compat.rotary_modules(model):
+        compat.install_rotary(owner, _ACTIVE.get, _compute)
+    object.__setattr__(model, _INSTALLED_ATTRIBUTE, True)  # a plain attribute, not a submodule or buffer
+
+
+@contextlib.contextmanager
+def fused_rope(model, enabled: bool):
+    """Within the block, this thread's decode steps of ``model`` take the fused RoPE (when ``enabled``)."""
+    if not enabled:
+        yield
+        return
+    install_for(model)
+    token = _ACTIVE.set(True)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def fused_rope_active() -> bool:
+    return _ACTIVE.get()
