@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from .. import compat
+from ..cli.parser import ShortErrorParser, int_at_least
 
 LLAMA_31_8B = dict(
     hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
@@ -85,13 +86,13 @@ class Row:
 
 # ------------------------------------------------------------------------------------------------ setup
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hf-rocketkv bench", description=__doc__.split("\n\n")[0])
+    p = ShortErrorParser(prog="hf-rocketkv bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=None, help="RocketKV YAML (sparse_attention_config); default RocketKVConfig()")
-    p.add_argument("--batch", nargs="+", type=int, default=None, help="batch sizes (default 1 4 16)")
-    p.add_argument("--context", nargs="+", type=int, default=None, help="prompt tokens (default 8192 32768 100000)")
-    p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per run (default 32)")
+    p.add_argument("--batch", nargs="+", type=int_at_least(1), default=None, help="batch sizes (default 1 4 16)")
+    p.add_argument("--context", nargs="+", type=int_at_least(1), default=None, help="prompt tokens (default 8192 32768 100000)")
+    p.add_argument("--new-tokens", type=int_at_least(1), default=None, help="tokens generated per run (default 32)")
     p.add_argument("--caches", nargs="+", choices=CACHES, default=None, help=f"rows (default {' '.join(DEFAULT_CACHES)})")
-    p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (fewer = faster)")
+    p.add_argument("--layers", type=int_at_least(1), default=None, help="override num_hidden_layers (fewer = faster)")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"))
     p.add_argument("--device", default=None, help="default cuda if available, else cpu")
     p.add_argument("--out", default="out/bench_decode", help="folder for decode_bench.json / .png")

@@ -29,23 +29,24 @@ from pathlib import Path
 
 import torch
 
+from ..cli.parser import ShortErrorParser, int_at_least
 from .decode import LLAMA_31_8B, TINY, build_model, rocket_config, rocket_for_row, run_generate
 
 WORKLOAD_CACHES = ("dynamic", "static-compile", "rocketkv-graphs", "rocketkv-compile")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hf-rocketkv bench --workload", description=__doc__.split("\n\n")[0])
+    p = ShortErrorParser(prog="hf-rocketkv bench --workload", description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", action="store_true", help="(selects this benchmark)")
     p.add_argument("--config", default=None, help="RocketKV YAML (default RocketKVConfig())")
-    p.add_argument("--calls", type=int, default=8, help="generate() calls per cache type")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 4], help="batch sizes, used in turn")
-    p.add_argument("--min-context", type=int, default=1024)
-    p.add_argument("--max-context", type=int, default=16384)
-    p.add_argument("--new-tokens", type=int, nargs="+", default=[64, 128], help="max_new_tokens, used in turn")
+    p.add_argument("--calls", type=int_at_least(1), default=8, help="generate() calls per cache type")
+    p.add_argument("--batches", type=int_at_least(1), nargs="+", default=[1, 4], help="batch sizes, used in turn")
+    p.add_argument("--min-context", type=int_at_least(1), default=1024)
+    p.add_argument("--max-context", type=int_at_least(1), default=16384)
+    p.add_argument("--new-tokens", type=int_at_least(1), nargs="+", default=[64, 128], help="max_new_tokens, used in turn")
     p.add_argument("--caches", nargs="+", choices=WORKLOAD_CACHES, default=list(WORKLOAD_CACHES))
     p.add_argument("--budget-s", type=float, default=240.0, help="per cache type: skip its remaining calls after this")
-    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--layers", type=int_at_least(1), default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny model on CPU, short prompts")
     p.add_argument("--out", default=None, help="folder for workload.json")

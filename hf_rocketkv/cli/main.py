@@ -165,8 +165,17 @@ def cmd_warmup(args, run) -> int:
 
     from ..integration.warmup import use_compile_cache, warmup
 
-    found = use_compile_cache(args.cache_dir)
+    check_device(args.device)
+    try:
+        found = use_compile_cache(args.cache_dir)
+    except OSError as err:  # a file, or a folder we may not create
+        raise UsageError(f"--cache-dir {args.cache_dir}: cannot use it as a folder ({err.strerror}); pass a folder "
+                         f"path (created if missing)") from err
     model, _ = load_model(args, [])
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and args.context + args.new_tokens > limit:
+        raise UsageError(f"--context {args.context} plus --new-tokens {args.new_tokens} exceeds the model's {limit} "
+                         f"positions; lower --context")
     result = warmup(model, run.rocket, cache_dir=args.cache_dir, batch_sizes=args.batch, prompt_tokens=args.context,
                     new_tokens=args.new_tokens, regions=args.regions)
     print(json.dumps({**found, **result}))

@@ -52,6 +52,7 @@ def warmup(model, config=None, *, cache_dir: str | os.PathLike, batch_sizes=(1,)
     from .generate import get_config
     from .regions import compile_regions
 
+    batch_sizes = _checked_warmup_args(model, batch_sizes, prompt_tokens, new_tokens)
     if regions:
         compile_regions(model)
     config = config if config is not None else get_config(model)
@@ -68,6 +69,7 @@ def warmup(model, config=None, *, cache_dir: str | os.PathLike, batch_sizes=(1,)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         timings.append({"batch": batch, "seconds": time.perf_counter() - start})
+    Path(cache_dir).expanduser().mkdir(parents=True, exist_ok=True)  # also when use_compile_cache was not called
     saved = torch.compiler.save_cache_artifacts()
     size = 0
     if saved is not None:
@@ -75,3 +77,24 @@ def warmup(model, config=None, *, cache_dir: str | os.PathLike, batch_sizes=(1,)
         (Path(cache_dir).expanduser() / ARTIFACTS_FILE).write_bytes(blob)
         size = len(blob)
     return {"timings": timings, "artifact_bytes": size, "cache_dir": str(Path(cache_dir).expanduser())}
+
+
+def _checked_warmup_args(model, batch_sizes, prompt_tokens, new_tokens) -> tuple[int, ...]:
+    """The batch sizes as a tuple; a clear ValueError naming the argument for anything that cannot run."""
+    if isinstance(batch_sizes, int) and not isinstance(batch_sizes, bool):
+        batch_sizes = (batch_sizes,)
+    try:
+        sizes = tuple(batch_sizes)
+    except TypeError:
+        raise ValueError(f"warmup: batch_sizes must be an integer or a sequence of integers >= 1, got "
+                         f"{batch_sizes!r}") from None
+    if not sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in sizes):
+        raise ValueError(f"warmup: batch_sizes must be integers >= 1, got {batch_sizes!r}")
+    for name, value in (("prompt_tokens", prompt_tokens), ("new_tokens", new_tokens)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"warmup: {name} must be an integer >= 1, got {value!r}")
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and prompt_tokens + new_tokens > limit:
+        raise ValueError(f"warmup: prompt_tokens ({prompt_tokens}) + new_tokens ({new_tokens}) exceeds the model's "
+                         f"max_position_embeddings ({limit})")
+    return sizes

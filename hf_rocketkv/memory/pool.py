@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import gc
 import json
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -180,6 +181,8 @@ class KVBlockPool:
         self.scale_granularity = scale_granularity
         self.prefix_reuse = prefix_reuse
         self.device = torch.device(device) if device is not None else None
+        # a model was given: load_prefix allocates unbound layers where its weights are (at load time)
+        self._model_ref = weakref.ref(model) if model is not None else None
 
         planned = LayerShape(self.geometry.num_kv_heads, self.geometry.head_dim, page_size, kt_page_size,
                              self.dtype, self.kt_dtype, scale_granularity)
@@ -390,7 +393,8 @@ class KVBlockPool:
         if cfg.kt_cache_dtype != dtype_name(self.kt_dtype):
             raise ValueError(
                 f"RocketKVConfig.kt_cache_dtype is {cfg.kt_cache_dtype!r}, but this pool's KT slab is "
-                f"KVBlockPool.kt_dtype={dtype_name(self.kt_dtype)!r}"
+                f"KVBlockPool.kt_dtype={dtype_name(self.kt_dtype)!r}; build the pool with "
+                f"kt_dtype={cfg.kt_cache_dtype!r} or use RocketKVConfig(kt_cache_dtype={dtype_name(self.kt_dtype)!r})"
             )
 
     def hash_pages(self, token_ids: Any, keys: PrefixKeys | None = None) -> list[bytes]:
@@ -399,14 +403,14 @@ class KVBlockPool:
 
     def pages_needed(self, prompt_len: int | Sequence[int], max_new_tokens: int | Sequence[int],
                      cfg: "RocketKVConfig", token_ids: Any = None, keys: Any = None,
-                     keep_all: bool = False) -> PagesNeeded:
+                     keep_all: bool | None = None) -> PagesNeeded:
         """Pages a request (or a batch: ``prompt_len`` a list, ``token_ids`` a list per row) takes at its prefill
         peak and holds once compressed; with token ids, prefix hits are counted (formulas: docs/memory.md)."""
         with self._lock:
             return self._plan(prompt_len, max_new_tokens, cfg, token_ids, keys, keep_all).needed
 
     def can_admit(self, prompt_len: int | Sequence[int], max_new_tokens: int | Sequence[int],
-                  cfg: "RocketKVConfig", token_ids: Any = None, keys: Any = None, keep_all: bool = False) -> bool:
+                  cfg: "RocketKVConfig", token_ids: Any = None, keys: Any = None, keep_all: bool | None = None) -> bool:
         """``pages_needed(...).prefill_peak <= free_pages()``: admitting now cannot fail for lack of pages."""
         with self._lock:
             return self._plan(prompt_len, max_new_tokens, cfg, token_ids, keys, keep_all).needed.prefill_peak \
@@ -451,6 +455,8 @@ class KVBlockPool:
 
     def _plan(self, prompt_len, max_new_tokens, cfg, token_ids, keys, keep_all) -> _Plan:
         self.check_config(cfg)
+        if keep_all is None:  # the config says: RocketKVConfig(multi_turn="keep_all") keeps the prompt table
+            keep_all = getattr(cfg, "multi_turn", "evict") == "keep_all"
         if not isinstance(keep_all, bool):
             raise ValueError(f"keep_all must be True or False, got {keep_all!r}")
         p = self.page_size
@@ -486,14 +492,14 @@ class KVBlockPool:
 
     # ============================================================================================ admission
     def admit(self, prompt_len: int, max_new_tokens: int, cfg: "RocketKVConfig", token_ids: Any = None,
-              keys: PrefixKeys | None = None, keep_all: bool = False) -> Admission:
+              keys: PrefixKeys | None = None, keep_all: bool | None = None) -> Admission:
         """Take every page one request needs (prefix hits first), or raise PoolExhaustedError and change nothing."""
         if not isinstance(prompt_len, int):
             raise ValueError(f"admit: prompt_len must be an integer (admit_batch takes rows), got {prompt_len!r}")
         return self._admit(prompt_len, max_new_tokens, cfg, token_ids, keys, keep_all)[0]
 
     def admit_batch(self, prompt_lens: Sequence[int], max_new_tokens: int | Sequence[int], cfg: "RocketKVConfig",
-                    token_ids: Any = None, keys: Any = None, keep_all: bool = False,
+                    token_ids: Any = None, keys: Any = None, keep_all: bool | None = None,
                     reservation: Reservation | None = None) -> list[Admission]:
         """``admit`` for several rows at once: all rows get their pages, or none does. ``reservation``: pages set
         aside for this admission (they count as free for it; what it takes comes off the reservation)."""
@@ -1046,6 +1052,9 @@ class KVBlockPool:
 
     def _bind_for_file(self, path: Path, tensors: dict[str, torch.Tensor], device) -> None:
         device = device if device is not None else self.device
+        model = self._model_ref() if self._model_ref is not None else None
+        if device is None and model is not None:
+            device = next((t.device for t in model.parameters()), None)
         for layer_idx in range(self.geometry.num_layers):
             if self._storage.is_bound(layer_idx):
                 continue

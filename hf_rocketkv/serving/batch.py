@@ -20,10 +20,14 @@ from .sampling import SamplingParams
 def sampling_from_generation_config(generation_config) -> SamplingParams:
     """SamplingParams equivalent to a transformers GenerationConfig's length, sampling and EOS settings."""
     max_tokens = generation_config.max_new_tokens or 16
+    eos = generation_config.eos_token_id
+    extra = dict(stop_token_ids=tuple(eos if isinstance(eos, (list, tuple)) else [eos]) if eos is not None else (),
+                 stop=tuple([generation_config.stop_strings] if isinstance(generation_config.stop_strings, str)
+                            else generation_config.stop_strings or ()))
     if not generation_config.do_sample:
-        return SamplingParams.greedy(max_tokens)
+        return SamplingParams.greedy(max_tokens, **extra)
     return SamplingParams(
-        max_tokens=max_tokens,
+        max_tokens=max_tokens, **extra,
         temperature=generation_config.temperature if generation_config.temperature is not None else 1.0,
         top_p=generation_config.top_p if generation_config.top_p is not None else 1.0,
         top_k=generation_config.top_k or 0,

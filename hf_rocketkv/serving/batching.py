@@ -175,6 +175,16 @@ class BatchingEngine:
             raise NotImplementedError(
                 f"BatchingEngine serves one turn per request: RocketKVConfig.multi_turn must be 'evict', got "
                 f"{self.config.multi_turn!r}")
+        if self.config.decode_budget is not None:
+            raise NotImplementedError(
+                f"BatchingEngine: RocketKVConfig.decode_budget={self.config.decode_budget} (decode-time compression) "
+                f"is not run by the batched decode step (BatchedDecodeCache never calls maybe_compress_decode), while "
+                f"the pool admits only prompt kept + decode_budget + decode_interval slots per row: every request "
+                f"would fail at that length. Use engine='sequential' or decode_budget=None")
+        if self.config.token_budget is not None:
+            raise NotImplementedError(
+                "BatchingEngine: RocketKVConfig.token_budget derives page_size per request, but the pool fixes it; "
+                "set prompt_budget / topk / page_size / topr instead")
         pool.check_config(self.config)
         self.pool = pool
         self.batching = batching if batching is not None else BatchingConfig()

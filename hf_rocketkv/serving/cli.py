@@ -103,10 +103,17 @@ def load_config(value: str | None):
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
-        raise UsageError(f"--config {value}: invalid YAML: {err}") from err
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise UsageError(f"--config {value}: invalid YAML{where}: {problem}") from err
     if not isinstance(data, dict):
         raise UsageError(f"--config {value}: expected a mapping with a '{CONFIG_SECTION}' section")
     if CONFIG_SECTION in data:
+        extra = sorted(set(data) - {CONFIG_SECTION, *OTHER_SECTIONS})
+        if extra:
+            raise UsageError(f"--config {value}: unknown top-level key(s) {extra}; allowed: "
+                             f"{[CONFIG_SECTION, *OTHER_SECTIONS]}")
         section = data[CONFIG_SECTION]
     else:  # a flat mapping of fields (other commands' sections left aside)
         section = {key: item for key, item in data.items() if key not in OTHER_SECTIONS}
@@ -269,6 +276,11 @@ def serve_main(argv: list[str] | None = None) -> int:
             sock.close()
         print(f"{PROG}: error: cannot load --model {args.model}: {err}", file=sys.stderr)
         return 2
+    except NotImplementedError as err:  # the engine refuses the config (multi_turn keep_all, decode_budget, ...)
+        if sock is not None:
+            sock.close()
+        print(f"{PROG}: error: --config {args.config}: {err}", file=sys.stderr)
+        return 2
     if sock is None:  # a follower rank: step with rank 0 until it stops
         from .lockstep import LockstepDiverged
 
@@ -310,7 +322,7 @@ def _run(manager, model_name: str, sock: socket.socket, args: argparse.Namespace
 
     from .server import create_app
 
-    app = create_app(manager, model_name, default_max_tokens=args.default_max_tokens)
+    app = create_app(manager, model_name, default_max_tokens=args.default_max_tokens, aliases=(str(args.model),))
     host, port = sock.getsockname()[:2]
     print(f"{PROG}: serving {model_name!r} on http://{host}:{port}/v1", file=sys.stderr)
     config = uvicorn.Config(app, log_level=args.log_level, lifespan="off",

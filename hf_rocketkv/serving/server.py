@@ -50,7 +50,8 @@ logger = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.2  # how often a non-streaming request checks that its client is still there
 
 
-def create_app(manager, model_name: str, *, default_max_tokens: int = CHAT_DEFAULT_MAX_TOKENS):
+def create_app(manager, model_name: str, *, default_max_tokens: int = CHAT_DEFAULT_MAX_TOKENS,
+               aliases: tuple[str, ...] = ()):
     """The FastAPI app serving ``manager`` under the model id ``model_name``.
 
     ``default_max_tokens``: max_tokens of a chat request that gives none (capped by the rest of the context).
@@ -61,6 +62,7 @@ def create_app(manager, model_name: str, *, default_max_tokens: int = CHAT_DEFAU
     app = FastAPI(title="hf_rocketkv", description="RocketKV KV-cache compression, OpenAI-compatible API")
     app.state.manager = manager
     app.state.model_name = model_name
+    app.state.model_ids = frozenset((model_name, *aliases))
     app.state.created = int(time.time())
     app.state.default_max_tokens = default_max_tokens
 
@@ -76,6 +78,13 @@ def create_app(manager, model_name: str, *, default_max_tokens: int = CHAT_DEFAU
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": app.state.created,
                                             "owned_by": "hf_rocketkv"}]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id not in app.state.model_ids:
+            return JSONResponse(error_body(f"model {model_id!r} does not exist", "invalid_request_error", "model",
+                                           "model_not_found"), status_code=404)
+        return {"id": model_name, "object": "model", "created": app.state.created, "owned_by": "hf_rocketkv"}
 
     @app.get("/health")
     async def health():
@@ -116,7 +125,7 @@ async def _generate(request, app, chat: bool):
     manager, model_name = app.state.manager, app.state.model_name
     body = await _json_body(request)
     parsed = parse_chat_request(body) if chat else parse_completion_request(body)
-    if parsed.model != model_name:
+    if parsed.model not in app.state.model_ids:
         raise InvalidRequest(f"model {parsed.model!r} does not exist; this server serves {model_name!r}", "model",
                              "model_not_found")
     prompt_ids = await run_in_threadpool(_prompt_ids, manager, parsed)  # tokenizing a long prompt takes a while
