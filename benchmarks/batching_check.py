@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--skip-fixed", action="store_true", help="no fixed workload (only warm-up and mixed)")
     parser.add_argument("--compile-regions", action="store_true",
                         help="hf_rocketkv.compile_regions(model) before the engine starts (fused norms and MLPs)")
+    parser.add_argument("--rope-off", action="store_true",
+                        help="RocketKVConfig(fused_rope=False): transformers' RoPE in the decode steps")
     return parser
 
 
@@ -517,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
             hf_rocketkv.enable(model)
         if args.compile_regions and args.engine == "rocketkv":
             hf_rocketkv.compile_regions(model)  # compiled on first use: inside warm_up's startup_capture_s
-        config = rocket_config(args.quick, device)
+        config = rocket_config(args.quick, device).replace(fused_rope=not args.rope_off)
         vocab = model.config.vocab_size
         rates = [float(r) for r in args.rates.split(",") if r.strip()]
         longest = max([args.prompt_len] + ([args.mixed_max_prompt] if rates else []))

@@ -115,6 +115,8 @@ for name in "$@"; do
     tune_kernels)    step "$name" 420 $PY benchmarks/tune_decode_kernels.py --out "$OUT/tune_kernels" ;;
     batching_fixed_compiled) step "$name" 300 $PY benchmarks/batching_check.py --rates "" --compile-regions \
                         --out "$OUT/batching_fixed_compiled" ;;
+    batching_fixed_compiled_rope_off) step "$name" 300 $PY benchmarks/batching_check.py --rates "" --compile-regions \
+                        --rope-off --out "$OUT/batching_fixed_compiled_rope_off" ;;
     batching_fixed_sync) step "$name" 300 $PY benchmarks/batching_check.py --rates "" --compile-regions \
                         --no-overlap-decode --out "$OUT/batching_fixed_sync" ;;
     batching_gc)     step "$name" 300 $PY benchmarks/batching_check.py --rates "" --compile-regions --freeze-gc \
