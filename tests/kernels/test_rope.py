@@ -45,6 +45,17 @@ def bits(t):
     return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
 
 
+def assert_matches_transformers(q, k, cos, sin, kernel_cos=None, kernel_sin=None):
+    """The kernel's q and k equal transformers' own function bit for bit (optionally fed other cos/sin views)."""
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+    got_q, got_k = rope_decode_triton(q, k, cos if kernel_cos is None else kernel_cos,
+                                      sin if kernel_sin is None else kernel_sin)
+    assert got_q.shape == want_q.shape and got_k.shape == want_k.shape
+    assert torch.equal(bits(got_q), bits(want_q.contiguous()))
+    assert torch.equal(bits(got_k), bits(want_k.contiguous()))
+    return want_q, want_k
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_rope_decode_equals_transformers_bit_for_bit(shape, dtype):
@@ -53,11 +64,7 @@ def test_rope_decode_equals_transformers_bit_for_bit(shape, dtype):
     q, k = projected(batch, hq, head_dim, dtype, g), projected(batch, hkv, head_dim, dtype, g)
     cos, sin = rotary(batch, head_dim, dtype, g)
     assert rope_supported(q, k, cos, sin)
-    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
-    got_q, got_k = rope_decode_triton(q, k, cos, sin)
-    assert got_q.shape == want_q.shape and got_k.shape == want_k.shape
-    assert torch.equal(bits(got_q), bits(want_q.contiguous()))
-    assert torch.equal(bits(got_k), bits(want_k.contiguous()))
+    want_q, want_k = assert_matches_transformers(q, k, cos, sin)
     twin_q, twin_k = rope_decode_torch(q, k, cos, sin)
     assert torch.equal(bits(twin_q), bits(want_q.contiguous())) and torch.equal(bits(twin_k), bits(want_k.contiguous()))
 
@@ -67,9 +74,7 @@ def test_rope_decode_broadcasts_one_position_row_over_the_batch():
     q, k = projected(4, 8, 64, torch.bfloat16, g), projected(4, 2, 64, torch.bfloat16, g)
     cos, sin = rotary(1, 64, torch.bfloat16, g)
     assert rope_supported(q, k, cos, sin)
-    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
-    got_q, got_k = rope_decode_triton(q, k, cos, sin)
-    assert torch.equal(bits(got_q), bits(want_q.contiguous())) and torch.equal(bits(got_k), bits(want_k.contiguous()))
+    assert_matches_transformers(q, k, cos, sin)
 
 
 def test_rope_decode_reads_cos_and_sin_of_different_strides():
@@ -80,9 +85,7 @@ def test_rope_decode_reads_cos_and_sin_of_different_strides():
     wide[..., ::2] = sin
     sin_strided = wide[..., ::2]
     assert sin_strided.stride() != cos.stride()
-    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
-    got_q, got_k = rope_decode_triton(q, k, cos, sin_strided)
-    assert torch.equal(bits(got_q), bits(want_q.contiguous())) and torch.equal(bits(got_k), bits(want_k.contiguous()))
+    assert_matches_transformers(q, k, cos, sin, kernel_sin=sin_strided)
 
 
 @pytest.mark.parametrize(
