@@ -12,7 +12,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from launch_counts import count_prefill  # noqa: E402
 
 NOT_ROCKETKV = ("model", "compat._prefill_handler", "integration.generate.RocketKVGenerateHooks.generate",
-                "integration.generate.RocketKVGenerateHooks.prepare_inputs")
+                "integration.generate.RocketKVGenerateHooks.prepare_inputs",
+                # transformers' own RoPE, which the fused-RoPE wrapper hands every prefill call back to
+                "integration.rope._compute")
 # measured 2026-11-24 (2 layers, so the per-request launches count half a layer each): 27.5 per layer after the
 # compaction kernel, 42.5 before it
 ROCKETKV_LAUNCHES_PER_LAYER = 28
