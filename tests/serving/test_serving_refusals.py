@@ -84,12 +84,26 @@ def test_serve_invalid_yaml_is_one_line_with_its_position(tmp_path, capsys):
     assert "invalid YAML" in lines[0] and f"line {mark.line + 1}" in lines[0] and f"column {mark.column + 1}" in lines[0]
 
 
-def test_serve_unknown_top_level_key_beside_the_section_exits_2(tmp_path, capsys):
+@pytest.fixture
+def no_serving(monkeypatch):
+    """serve_main never starts uvicorn here: reaching the server (the config was accepted) fails the test at once."""
+    from hf_rocketkv.serving import cli
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("serve_main accepted the config and started serving")
+
+    monkeypatch.setattr(cli, "_run", refuse)
+
+
+def test_serve_unknown_top_level_key_beside_the_section_exits_2(tmp_path, capsys, no_serving):
     from hf_rocketkv.serving.cli import serve_main
 
     extra = tmp_path / "extra.yaml"
     extra.write_text("sparse_attention_config:\n  topk: 8\nsparse_attention_confg:\n  topk: 4\n")
-    assert serve_main(["--config", str(extra)]) == 2
+    # a --model that does not exist: the config is refused before any model loads (before: the key was ignored and
+    # the default model loaded)
+    missing = tmp_path / "nothing-here"
+    assert serve_main(["--config", str(extra), "--model", str(missing), "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert "sparse_attention_confg" in err and 1 <= len(err.strip().splitlines()) <= 3 and "Traceback" not in err
 
@@ -97,7 +111,7 @@ def test_serve_unknown_top_level_key_beside_the_section_exits_2(tmp_path, capsys
 @pytest.mark.parametrize("fields, name", [(dict(multi_turn="keep_all"), "multi_turn"),
                                           (dict(decode_budget=16, decode_interval=8, decode_window=4),
                                            "decode_budget")])
-def test_serve_config_refused_by_the_engine_exits_2(tiny_dir, tmp_path, capsys, fields, name):
+def test_serve_config_refused_by_the_engine_exits_2(tiny_dir, tmp_path, capsys, no_serving, fields, name):
     from hf_rocketkv.serving.cli import serve_main
 
     config = tmp_path / "c.yaml"
@@ -168,7 +182,9 @@ def test_eval_with_adakv_method_is_a_one_line_usage_error(tmp_path, capsys, monk
     assert main(argv) == 2
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and "adakv" in lines[0] and "Traceback" not in err
+    # tmp_path holds this test's name (with 'adakv'): check the method's quoted name and that the model was not named
+    assert len(lines) == 1 and "'rocketkv:adakv'" in lines[0] and "no-model" not in lines[0]
+    assert "Traceback" not in err
 
 
 # ------------------------------------------------------------------------------------------------ fix 5: GenerationConfig
