@@ -34,6 +34,18 @@ for name in "$@"; do
     rope_tests)      # the fused decode RoPE against transformers' formula, bit for bit, and whole generations on/off
                      $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index --find-links .device_wheels pytest hypothesis
                      step "$name" 300 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_rope.py tests/test_fused_rope.py ;;
+    adakv_tests)     # AdaKV's per-head lengths: compaction kernel (compiled), layer vs oracles, Triton vs torch, generate
+                     $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index --find-links .device_wheels pytest hypothesis
+                     step "$name" 400 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_compact.py \
+                        tests/policies/test_adakv_layer.py tests/policies/test_adakv_generate.py \
+                        tests/policies/test_policy_cache.py ;;
+    decode_adakv_b1_32k) # stage1="adakv" (per-head lengths) against snapkv: graphed and eager, same call
+                     step "$name" 300 $PY benchmarks/bench_decode.py --batch 1 --context 32768 --new-tokens 64 \
+                        --caches rocketkv-graphs rocketkv-graphs-adakv rocketkv rocketkv-adakv --no-plot \
+                        --out "$OUT/decode_adakv_b1_32k" ;;
+    decode_adakv_b32_8k) step "$name" 300 $PY benchmarks/bench_decode.py --batch 32 --context 8192 --new-tokens 64 \
+                        --prefill-batch-size 8 --caches rocketkv-graphs rocketkv-graphs-adakv --no-plot \
+                        --out "$OUT/decode_adakv_b32_8k" ;;
     decode_rope_b1_32k) # fused_rope on / off side by side: graphed and eager, DynamicCache
                      step "$name" 300 $PY benchmarks/bench_decode.py --batch 1 --context 32768 --new-tokens 64 \
                         --caches rocketkv-graphs rocketkv-graphs-rope-off rocketkv rocketkv-rope-off dynamic \

@@ -130,7 +130,8 @@ class RocketKVConfig:
     Policies (docs/policies.md):
         stage1:        which prompt tokens stage 1 keeps: "snapkv" (RocketKV's, the default), "streaming" (sinks +
                        recent), "knorm" (low key norm), "h2o" (attention accumulated over every prompt query), "adakv"
-                       (head-adaptive budgets; refused by the cache until it stores per-head lengths), "random", or a
+                       (head-adaptive budgets: the same total per row, allotted across KV heads; not with a pool, and
+                       a later turn needs multi_turn="keep_all"), "random", or a
                        policy object (``hf_rocketkv.policies``; Python only: YAML holds names).
         sink_tokens:   tokens at the start of each row that stage1="streaming" always keeps.
     Multi-turn (docs/memory.md):
@@ -376,6 +377,14 @@ class RocketKVConfig:
     def stage2_per_head_bound(self) -> bool:
         """``stage2_score == "head_bound"``: the ops' ``per_head_bound`` flag."""
         return self.stage2_score == "head_bound"
+
+    @property
+    def per_head_budgets(self) -> bool:
+        """Stage 1 gives each KV head its own number of kept tokens (``stage1="adakv"``, or a policy object that
+        declares ``per_head_budgets = True``): the cache then stores one length per row and KV head."""
+        if isinstance(self.stage1, str):
+            return self.stage1 == "adakv"
+        return bool(getattr(self.stage1, "per_head_budgets", False))
 
     @property
     def stage1_keep_first(self) -> int:

@@ -366,3 +366,30 @@ def test_keep_all_history_is_bucketed_too():
         assert torch.equal(out, eager), length
         assert cache.layers[0].history.store.capacity == 24 + 256  # prompt_budget + capacity_headroom: 40 and 71 fit
         assert _graphs() == 1, (length, dict(dynamo_utils.counters["stats"]))
+
+
+@pytest.mark.slow
+def test_compiled_decode_with_adakv_per_head_lengths_compiles_once_across_requests():
+    """AdaKV's [B, Hkv] lengths: the compiled decode step reads and advances them like [B] lengths. The longest head
+    differs per request (so exact capacities would differ); the torch_compile runner's capacity bucket holds every
+    request here, so one graph serves requests whose heads keep other counts, with the eager, unbucketed tokens."""
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    rocket, _ = make_models("llama", num_hidden_layers=1)
+    config = compressing_config(kt_cache_dtype="float32", stage1="adakv", decode_runner="torch_compile",
+                                capacity_headroom=40)
+    longest, capacities = set(), set()
+    for seeds in ((5, 6), (7, 8), (9, 10)):
+        ids, mask = left_pad([random_ids(1, 40, seed=seeds[0])[0], random_ids(1, 31, seed=seeds[1])[0]])
+        eager_cache = RocketKVCache(_unbucketed(config))
+        eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=6, past_key_values=eager_cache,
+                       disable_compile=True)
+        cache = RocketKVCache(config)
+        out = greedy(rocket, ids, attention_mask=mask, max_new_tokens=6, past_key_values=cache,
+                     compile_config=_eager_backend_config())
+        assert torch.equal(out, eager), seeds
+        assert cache.layers[0].lengths.dim() == 2 and torch.equal(cache.layers[0].lengths, eager_cache.layers[0].lengths)
+        longest.add(int(eager_cache.layers[0].lengths.max()))
+        capacities.add(cache.layers[0].capacity)
+        assert _graphs() == 1, (seeds, dict(dynamo_utils.counters["stats"]))
+    assert len(longest) > 1 and capacities == {24 + 40}  # the heads' counts changed, the bucket did not

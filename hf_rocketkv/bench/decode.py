@@ -16,6 +16,7 @@ Rows (``--caches``), all in one process on the same model:
                               for the run's prefill peak) instead of the cache's private buffers
     rocketkv-graphs-pool-fp8  the same on fp8 (e4m3) pool pages with per-page scales
     rocketkv-rope-off, rocketkv-graphs-rope-off  rocketkv / rocketkv-graphs with ``fused_rope=False``
+    rocketkv-adakv, rocketkv-graphs-adakv        rocketkv / rocketkv-graphs with ``stage1="adakv"``
                               (transformers' ten-launch RoPE in decode steps), for the side-by-side comparison
 for every batch size x context (prompt tokens). A point that cannot fit in GPU memory is skipped with the estimate
 that says so (weights + KV cache + prefill activations), and an out-of-memory error is recorded, not raised.
@@ -58,7 +59,8 @@ TINY = dict(
     vocab_size=1024, max_position_embeddings=4096,
 )
 CACHES = ("dynamic", "static-compile", "rocketkv", "rocketkv-graphs", "rocketkv-compile", "rocketkv-graphs-pool",
-          "rocketkv-graphs-pool-fp8", "rocketkv-rope-off", "rocketkv-graphs-rope-off")
+          "rocketkv-graphs-pool-fp8", "rocketkv-rope-off", "rocketkv-graphs-rope-off", "rocketkv-adakv",
+          "rocketkv-graphs-adakv")
 POOL_PAGE_SIZE = 16  # tokens per pool page in the pool rows (KVBlockPool's default)
 DEFAULT_CACHES = ("dynamic", "static-compile", "rocketkv")
 DROP_FIRST_STEPS = 3  # decode steps left out of the median (compilation, CUDA-graph capture, allocator warm-up)
@@ -235,7 +237,7 @@ def run_generate(model, cache: str, ids: torch.Tensor, new_tokens: int, rocket, 
         pool = pool_for_row(model, cache, rocket, ids.shape[0], ids.shape[1], new_tokens)
         past = RocketKVCache(rocket_for_row(rocket, cache), pool=pool)
         kwargs.update(compat.cache_kwargs(past))
-        kwargs["disable_compile"] = cache in ("rocketkv", "rocketkv-rope-off")
+        kwargs["disable_compile"] = cache in ("rocketkv", "rocketkv-rope-off", "rocketkv-adakv")
     else:
         model.set_attn_implementation("sdpa")
         if cache == "static-compile":
@@ -278,9 +280,11 @@ def run_generate(model, cache: str, ids: torch.Tensor, new_tokens: int, rocket, 
 
 def rocket_for_row(rocket, cache: str):
     """The RocketKVConfig of a benchmark row: rocketkv-graphs / rocketkv-compile pick the decode runner; a
-    ``-rope-off`` row turns ``fused_rope`` off."""
+    ``-rope-off`` row turns ``fused_rope`` off; an ``-adakv`` row sets ``stage1="adakv"`` (per-head budgets)."""
     if cache.endswith("-rope-off"):
         rocket = rocket.replace(fused_rope=False)
+    if cache.endswith("-adakv"):
+        rocket = rocket.replace(stage1="adakv")
     if cache.startswith("rocketkv-graphs"):
         return rocket.replace(decode_runner="cuda_graphs")
     if cache == "rocketkv-compile":
@@ -365,13 +369,13 @@ def attention_step(cache_name: str, past, model) -> tuple[tuple[float, float | N
     if cache_name.startswith("rocketkv"):
         from ..integration.attention import decode_attention
         from ..kernels.sparse_decode_attention import selected_slots
-        from ..selection.stage2_pages import num_pages
+        from ..selection.stage2_pages import num_pages, per_head
 
         scaling = head_dim**-0.5
         ms = _time_ms(lambda: decode_attention(layer, q, scaling), keys.device)
         config = layer.config
-        n_pages = num_pages(layer.lengths, config.page_size)
-        kt_bytes = int(n_pages.sum()) * kv_heads * layer.kt.shape[-1] * 2 * layer.kt.element_size()
+        n_pages = num_pages(layer.lengths, config.page_size)  # [B] or, per-head budgets (AdaKV), [B, Hkv]
+        kt_bytes = int(per_head(n_pages, batch, kv_heads).sum()) * layer.kt.shape[-1] * 2 * layer.kt.element_size()
         qg = q.reshape(batch, kv_heads, -1, head_dim)
         idx, valid = layer.ops.select_pages(layer.ops.page_scores(qg, layer.kt, n_pages, config.topr), n_pages, config.topk)
         tokens = int(selected_slots(idx, valid, layer.lengths, config.page_size, keys.shape[2])[1].sum())

@@ -14,9 +14,12 @@ Tensors (B batch, Hkv KV heads, C capacity, PP tokens per page, KP = config.page
     store.kt         [N, Hkv, PP/KP, 2, D] KT dtype (min, max of each KT page)
     store.table      [B, C/PP] int32       row b's slot s is in page table[b, s // PP] at offset s % PP
     positions        [B, Hkv, C]           int32 input column of each stored token (-1 = empty slot)
-    lengths          [B]                   int64 tokens stored per row (every KV head holds the same count)
+    lengths          [B]                   int64 tokens stored per row (every KV head holds the same count), or
+                     [B, Hkv]              per row and KV head when the policy gives heads their own budgets
+                                           (``per_head_budgets``: AdaKV); a row's capacity then covers its
+                                           longest head, shorter heads leave their slots past lengths[b, h] empty
 With decode-time compression (``config.decode_budget``; ``compress_decode``):
-    gen_start        [B]                   int64 first generated slot of each row (= lengths after stage 1)
+    gen_start        [B] / [B, Hkv]        int64 first generated slot of each row (= lengths after stage 1)
     decode_queries   [B, Hq, w, D]         the last w decode queries (post-RoPE), oldest first; w = decode_window
 ``keys``, ``values`` and ``kt`` read as contiguous ``[B, Hkv, C, D]`` / ``[B, Hkv, C/KP, 2, D]`` copies (gathered
 from the pages) for introspection and tests; the hot paths use the pages.
@@ -44,6 +47,7 @@ from ..kernels.dispatch import RocketOps, get_ops
 from ..kernels.host_copy import device_tensor, filled
 from ..policies import KeptSlots, Stage1Inputs, derive_budgets, get_stage1_policy
 from ..policies.decode_compression import move_kept
+from ..selection.stage2_pages import per_head
 from .history import History, real_tokens_left_aligned
 from .op_graphs import OpGraph, buffers_key
 from .paged_store import PagedStore, ceil_div, private_store, write_tokens
@@ -106,11 +110,17 @@ CROP_UNSUPPORTED = (
     "plain greedy, sampling or beam search."
 )
 
-PER_HEAD_COUNTS_UNSUPPORTED = (
-    "gives each KV head its own number of kept tokens, but RocketKVLayer stores one length per row (lengths [B]) "
-    "and the decode kernels read one length per row: per-KV-head lengths ([B, Hkv]) in the layer and the kernels "
-    "are not implemented yet (padding short heads with attended slots would change the attention). The policy "
-    "itself works on tensors: hf_rocketkv.policies.AdaKVPolicy().select(...). Use a uniform policy in the cache."
+PER_HEAD_LATER_TURN = (
+    "RocketKVCache: stage-1 policy {name!r} gives each KV head its own number of kept tokens, so a later turn (several "
+    "new tokens on a compressed cache) with RocketKVConfig.multi_turn='evict' would re-run stage 1 over KV heads of "
+    "different lengths, which is not implemented. Use multi_turn='keep_all' (each later turn re-runs stage 1 over "
+    "the whole conversation, stored per row) or a uniform policy (snapkv, streaming, knorm, h2o, random)."
+)
+
+UNDECLARED_PER_HEAD_COUNTS = (
+    "stage-1 policy {name!r} returned different kept counts for the KV heads of a row but does not declare "
+    "`per_head_budgets = True`: the cache lays out per-KV-head lengths ([B, Hkv]) only for policies that declare it "
+    "(it fixes the layout before any selection runs). Set the class attribute per_head_budgets = True."
 )
 
 
@@ -335,6 +345,12 @@ class RocketKVLayer(CacheLayerMixin):
         # A later turn: the mask's last query_length columns say which new tokens are padding.
         return int(self.seen) + query_length, 0
 
+    @property
+    def per_head_lengths(self) -> bool:
+        """The compressed view stores one length per row and KV head (``lengths`` ``[B, Hkv]``): the stage-1 policy
+        gives heads their own budgets (AdaKV). Fixed by the config, so every request has the same layout."""
+        return bool(getattr(self.policy, "per_head_budgets", False))
+
     def kept_tokens(self) -> torch.Tensor:
         """Tokens physically stored, ``[B, Hkv]`` (padding excluded once compressed)."""
         if not self.is_initialized:
@@ -344,7 +360,7 @@ class RocketKVLayer(CacheLayerMixin):
             stored = width - self.row_start if self.row_start is not None else width
             stored = torch.as_tensor(stored, device=self.device).expand(self._keys.shape[0])
             return stored[:, None].expand(-1, self._keys.shape[1]).clone()
-        return self.lengths[:, None].expand(-1, self.num_kv_heads).clone()
+        return per_head(self.lengths, self.lengths.shape[0], self.num_kv_heads).clone()
 
     def memory_bytes(self) -> int:
         """Bytes this layer holds: its pages (a pool's: the pages its rows hold), positions, lengths, and the
@@ -383,6 +399,9 @@ class RocketKVLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         query_length = key_states.shape[2]
+        if query_length > 1 and self.compressed and self.history is None and self.per_head_lengths:
+            # refused before any state changes, so the cache stays usable for decode steps
+            raise NotImplementedError(PER_HEAD_LATER_TURN.format(name=self.policy.name))
         if self._host_bookkeeping():
             self.awaiting_attention = True  # cleared by the attention function; RocketKVCache.update checks it
             self.host_seen += query_length
@@ -540,10 +559,11 @@ class RocketKVLayer(CacheLayerMixin):
         slots, lengths = compression.select(self.decode_queries, keys, self.lengths, self.gen_start, self.scaling)
         for tensor in (keys, values, self.positions):
             move_kept(tensor, slots, self.gen_start)
-        empty = torch.arange(keys.shape[2], device=self.device)[None, :] >= lengths[:, None]  # [B, C]
-        keys.masked_fill_(empty[:, None, :, None], 0)
-        values.masked_fill_(empty[:, None, :, None], 0)
-        self.positions.masked_fill_(empty[:, None, :], -1)
+        stored = per_head(lengths, keys.shape[0], keys.shape[1])  # [B, Hkv]
+        empty = torch.arange(keys.shape[2], device=self.device) >= stored[..., None]  # [B, Hkv, C]
+        keys.masked_fill_(empty[..., None], 0)
+        values.masked_fill_(empty[..., None], 0)
+        self.positions.masked_fill_(empty, -1)
         self.lengths.copy_(lengths)
         kt = self.ops.build_kt(keys, self.lengths, self.config.page_size, self.config.kt_torch_dtype)
         self.store.write(keys, values, kt)
@@ -702,7 +722,6 @@ class RocketKVLayer(CacheLayerMixin):
         ``host_row_start``: ``row_start`` as Python ints when the caller has them (read once per forward), so that
         stage 1 needs no host sync in this layer.
         """
-        self._check_policy_supported()
         self.scaling = scaling
         window = self.config.window_size
         batch, n = query_states.shape[0], query_states.shape[2]
@@ -768,12 +787,6 @@ class RocketKVLayer(CacheLayerMixin):
             return torch.zeros_like(self.lengths), self.lengths
         return self.row_start, torch.full_like(self.row_start, self._keys.shape[2])
 
-    def _check_policy_supported(self) -> None:
-        """Refuse per-head budgets at the first prefill forward (not in ``update``: an error there would leave the
-        attention hand-off pending)."""
-        if getattr(self.policy, "per_head_budgets", False):
-            raise NotImplementedError(f"RocketKVConfig.stage1={self.policy.name!r} {PER_HEAD_COUNTS_UNSUPPORTED}")
-
     def _make_policy(self, window_scores_fn):
         """The stage-1 policy of this layer's config. ``window_scores_fn`` is the backend's plain function (the Triton
         twin on CUDA), never a bound method of the layer: the policy must not point back at the layer, so a dropped
@@ -815,7 +828,7 @@ class RocketKVLayer(CacheLayerMixin):
             state=self.policy_state,
             host_rows=self._host_stage1_rows(),
         )
-        kept = [self._same_count_per_head(row) for row in self.policy.select(inputs)]
+        kept = self._checked_layout(self.policy.select(inputs))
         if not self.compressed:
             self._store_prompt()
         self._compact(kept, columns)
@@ -859,11 +872,12 @@ class RocketKVLayer(CacheLayerMixin):
             self.history = History(store, _fit_dim2(positions, store.capacity, -1), lengths, max(counts), fixed,
                                    self._slack_of(store, counts))
 
-    def _same_count_per_head(self, row: KeptSlots) -> torch.Tensor:
-        """``[Hkv, n]`` slots of a uniform selection (this layer stores one length per row)."""
-        if not row.uniform:
-            raise NotImplementedError(f"stage-1 policy {self.policy.name!r} {PER_HEAD_COUNTS_UNSUPPORTED}")
-        return row.slots
+    def _checked_layout(self, kept: list[KeptSlots]) -> list[KeptSlots]:
+        """The policy's selection, refused when a policy that does not declare ``per_head_budgets`` gave a row's
+        heads different counts (the layout, one length per row, was fixed by that declaration)."""
+        if not self.per_head_lengths and not all(row.uniform for row in kept):
+            raise ValueError(UNDECLARED_PER_HEAD_COUNTS.format(name=self.policy.name))
+        return kept
 
     def _check_accumulation_covers_prompt(self) -> None:
         """An accumulating policy (H2O) scores with every prompt query: refuse a store that was partly written
@@ -894,12 +908,14 @@ class RocketKVLayer(CacheLayerMixin):
             topr=derived.topr,
         )
 
-    def _compact(self, kept: list[torch.Tensor], columns: torch.Tensor | None) -> None:
+    def _compact(self, kept: list[KeptSlots], columns: torch.Tensor | None) -> None:
         """Gather the kept slots of every row, write them into a fresh paged view with their KT and positions
         (``ops.paged_compact_row``: one launch per row on the Triton backend); the dense store (or the working set)
-        and the previous view are released."""
+        and the previous view are released. Per-head budgets (``per_head_lengths``): each row is as wide as its
+        longest head, head h keeps ``counts[h]`` slots and ``lengths`` becomes ``[B, Hkv]``."""
         batch, heads, _, dim = self._keys.shape
-        counts = [k.shape[1] for k in kept]
+        per_head_counts = self.per_head_lengths
+        counts = [row.slots.shape[1] for row in kept]  # the longest head of each row (host ints: no sync)
         needed = _round_up(max(max(counts), 1) + self._headroom(), self.config.page_size)
         if self.pages is not None:  # the pool's pages hold what the request needs; only the table is bucketed
             store = self.pages.view_store(self, counts, needed - max(max(counts), 1))
@@ -907,13 +923,17 @@ class RocketKVLayer(CacheLayerMixin):
         else:
             store = self._private_view(batch, self._slots_for(needed))
         positions = torch.empty((batch, heads, store.capacity), dtype=torch.int32, device=self.device)
-        for b, slots in enumerate(kept):  # one launch per row on the Triton backend (kernels/compact.py)
+        for b, row in enumerate(kept):  # one launch per row on the Triton backend (kernels/compact.py)
             self.ops.paged_compact_row(
-                self._keys[b], self._values[b], slots, columns[b] if columns is not None else None, store.k,
+                self._keys[b], self._values[b], row.slots, columns[b] if columns is not None else None, store.k,
                 store.v, store.kt, store.table[b], store.row_pages[b], positions[b], self.config.page_size,
                 k_scale=store.k_scale, v_scale=store.v_scale,
+                counts=row.counts.to(self.device) if per_head_counts else None,
             )
-        self.lengths = filled(batch, counts, torch.long, self.device)  # no pageable copy (a sync) per layer
+        if per_head_counts:
+            self.lengths = torch.stack([row.counts.to(self.device, torch.long) for row in kept])  # [B, Hkv]
+        else:
+            self.lengths = filled(batch, counts, torch.long, self.device)  # no pageable copy (a sync) per layer
         self.store, self.positions = store, positions
         self._keys = self._values = None
         self.host_max_length = max(counts)
@@ -1098,13 +1118,14 @@ class RocketKVLayer(CacheLayerMixin):
         if not self.compressed or count > self.host_decoded:
             raise NotImplementedError(CROP_UNSUPPORTED)
         keys, values = self.store.gather()
-        rows = torch.arange(keys.shape[0], device=self.device)
+        rows = torch.arange(keys.shape[0], device=self.device)[:, None]
+        heads = torch.arange(keys.shape[1], device=self.device)[None, :]
         for _ in range(count):
             self.lengths.sub_(1)
-            slot = self.lengths
-            keys[rows, :, slot] = 0
-            values[rows, :, slot] = 0
-            self.positions[rows, :, slot] = -1
+            slot = per_head(self.lengths, keys.shape[0], keys.shape[1])  # [B, Hkv]
+            keys[rows, heads, slot] = 0
+            values[rows, heads, slot] = 0
+            self.positions[rows, heads, slot] = -1
         # a page's min/max cannot be un-folded: rebuild the summaries of what is left (written into the same pages)
         kt = self.ops.build_kt(keys, self.lengths, self.config.page_size, self.config.kt_torch_dtype)
         self.store.write(keys, values, kt)

@@ -163,7 +163,7 @@ def cmd_warmup(args, run) -> int:
     """Point the compile caches at --cache-dir first (before anything compiles), then load, warm up and save."""
     import json
 
-    from ..integration.warmup import use_compile_cache, warmup
+    from ..integration.warmup import positions_exceeded, use_compile_cache, warmup
 
     check_device(args.device)
     try:
@@ -172,8 +172,8 @@ def cmd_warmup(args, run) -> int:
         raise UsageError(f"--cache-dir {args.cache_dir}: cannot use it as a folder ({err.strerror}); pass a folder "
                          f"path (created if missing)") from err
     model, _ = load_model(args, [])
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if limit is not None and args.context + args.new_tokens > limit:
+    limit = positions_exceeded(model, args.context + args.new_tokens)
+    if limit is not None:  # before warmup(): the message names the flags, not warmup()'s arguments
         raise UsageError(f"--context {args.context} plus --new-tokens {args.new_tokens} exceeds the model's {limit} "
                          f"positions; lower --context")
     result = warmup(model, run.rocket, cache_dir=args.cache_dir, batch_sizes=args.batch, prompt_tokens=args.context,

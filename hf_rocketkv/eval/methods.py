@@ -163,9 +163,6 @@ def _build_policy_method(kind: str, policy: str, base: RocketKVConfig) -> Method
     if policy not in STAGE1_POLICY_NAMES:
         raise ValueError(f"unknown stage-1 policy {policy!r} in method '{kind}:{policy}'; allowed: "
                          f"{list(STAGE1_POLICY_NAMES)}")
-    if policy == "adakv":  # per-head counts: RocketKVLayer refuses it at prefill (NotImplementedError)
-        raise ValueError(f"method '{kind}:{policy}': the cache cannot run AdaKV's per-head budgets yet "
-                         f"(RocketKVLayer stores one length per row); pick another policy")
     name = f"{kind}:{policy}"
     read = base.topk * base.page_size
     if kind == "evict":

@@ -93,8 +93,15 @@ def _checked_warmup_args(model, batch_sizes, prompt_tokens, new_tokens) -> tuple
     for name, value in (("prompt_tokens", prompt_tokens), ("new_tokens", new_tokens)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"warmup: {name} must be an integer >= 1, got {value!r}")
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if limit is not None and prompt_tokens + new_tokens > limit:
+    limit = positions_exceeded(model, prompt_tokens + new_tokens)
+    if limit is not None:
         raise ValueError(f"warmup: prompt_tokens ({prompt_tokens}) + new_tokens ({new_tokens}) exceeds the model's "
                          f"max_position_embeddings ({limit})")
     return sizes
+
+
+def positions_exceeded(model, tokens: int) -> int | None:
+    """The model's ``max_position_embeddings`` when ``tokens`` positions exceed it, else None (also the CLI's check,
+    which names its own flags)."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    return limit if limit is not None and tokens > limit else None

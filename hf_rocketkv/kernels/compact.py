@@ -8,12 +8,14 @@ paged tensor); on a slow host those launches set the pace of a prefill and of a 
 
     keys, values [Hkv, S, D]   the row's dense store (any strides)
     slots        [Hkv, n]      kept slots, ascending        columns [Hkv, S] or None (positions of the dense slots)
+    counts       [Hkv] or None kept slots per KV head (AdaKV's per-head budgets: head h keeps slots[h, :counts[h]],
+                               the rest of its row is empty); None: every head keeps n
     k_pages, v_pages [N, Hkv, PP, D]; kt_pages [N, Hkv, R, 2, D] with R = PP // KP, or None
     table        [MP] int32    the row's pages; the first ``row_pages`` are written
     positions    [Hkv, MP * PP] int32 (written whole; -1 after the kept slots)
 
-Grid (Hkv, cdiv(MP * R, BLOCK_J)). For each of its KT pages j a program walks the KP slots ``j * KP + t``: slot i < n
-loads dense slot ``slots[h, i]``, every other slot stores zeros, and the min/max runs in fp32 over the kept slots only
+Grid (Hkv, cdiv(MP * R, BLOCK_J)). For each of its KT pages j a program walks the KP slots ``j * KP + t``: slot
+i < n_h (n, or counts[h]) loads dense slot ``slots[h, i]``, every other slot stores zeros, and the min/max runs in fp32 over the kept slots only
 (rounded once to the KT dtype, as ``build_kt``). Slots, K/V and KT bytes are copied, never computed, so the result is
 bit-identical to the reference (tested on CPU under the interpreter and on the GPU).
 
@@ -30,14 +32,15 @@ import triton
 import triton.language as tl
 
 from ._triton_common import cast_to, cdiv, dtype_code, next_pow2
-from .paged import check_fp8_scales, store_pages
+from .paged import check_counts, check_fp8_scales, store_pages
 
 
 # the counts and the head strides follow the prompt length and max_new_tokens: Triton would compile a variant per
 # divisibility by 16 of each (a first request of a new length would wait for a compile); they only index and mask
-@triton.jit(do_not_specialize=["n", "row_pages", "num_kt_pages", "s_kh", "s_vh", "s_sh", "s_ch", "s_oh"])
+@triton.jit(do_not_specialize=["n", "row_pages", "num_kt_pages", "s_kh", "s_vh", "s_sh", "s_ch", "s_oh", "s_nh"])
 def _compact_row_kernel(
     keys_ptr, values_ptr, slots_ptr, columns_ptr, k_pages_ptr, v_pages_ptr, kt_ptr, table_ptr, positions_ptr,
+    counts_ptr, s_nh,
     s_kh, s_ks, s_kd,
     s_vh, s_vs, s_vd,
     s_sh, s_sn,
@@ -48,9 +51,13 @@ def _compact_row_kernel(
     s_oh, s_oc,
     n, row_pages, num_kt_pages, head_dim,
     KP: tl.constexpr, R: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_COLUMNS: tl.constexpr, HAS_KT: tl.constexpr, KT_DT: tl.constexpr,
+    HAS_COLUMNS: tl.constexpr, HAS_KT: tl.constexpr, KT_DT: tl.constexpr, HAS_COUNTS: tl.constexpr,
 ):
     h = tl.program_id(0).to(tl.int64)
+    if HAS_COUNTS:  # per-head counts (AdaKV): this head keeps its first counts[h] slots
+        n_h = tl.minimum(tl.load(counts_ptr + h * s_nh).to(tl.int64), n)
+    else:
+        n_h = n
     j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)  # KT pages of the row
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
@@ -63,7 +70,7 @@ def _compact_row_kernel(
     kmax = tl.full((BLOCK_J, BLOCK_D), float("-inf"), tl.float32)
     for t in tl.static_range(KP):
         slot = j * KP + t
-        kept = j_ok & (slot < n)
+        kept = j_ok & (slot < n_h)
         index = tl.load(slots_ptr + h * s_sh + slot.to(tl.int64) * s_sn, mask=kept, other=0).to(tl.int64)
         m = kept[:, None] & d_ok[None, :]
         k = tl.load(keys_ptr + h * s_kh + index[:, None] * s_ks + d[None, :] * s_kd, mask=m, other=0.0)
@@ -105,11 +112,13 @@ def paged_compact_row_triton(
     kt_page_size: int,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
 ) -> None:
     """Same contract as ``paged.paged_compact_row_torch`` (in place, one launch; fp8 pages: the launch stages the
     row's pages in float32, then PyTorch quantizes them into the pool pages)."""
     fp8 = check_fp8_scales(k_pages, v_pages, k_scale, v_scale, "paged_compact_row")
     heads, n = slots.shape
+    check_counts(counts, heads)
     page = k_pages.shape[2]
     if page % kt_page_size:
         raise ValueError(f"paged_compact_row: page tokens ({page}) must be a multiple of kt_page_size ({kt_page_size})")
@@ -125,7 +134,7 @@ def paged_compact_row_triton(
         return
     if fp8:
         _compact_row_fp8(keys, values, slots, columns, k_pages, v_pages, kt_pages, table, row_pages, positions,
-                         kt_page_size, k_scale, v_scale)
+                         kt_page_size, k_scale, v_scale, counts)
         return
     head_dim = keys.shape[-1]
     per_page = page // kt_page_size
@@ -139,17 +148,18 @@ def paged_compact_row_triton(
     grid = (heads, cdiv(num_kt_pages, block_j))
     _compact_row_kernel[grid](
         keys, values, slots, cols, k_pages, v_pages, kt, table, positions,
+        counts if counts is not None else slots, counts.stride(0) if counts is not None else 0,
         *keys.stride(), *values.stride(), *slots.stride(), *cols.stride()[:2],
         *k_pages.stride(), *v_pages.stride(), *kt_strides, *positions.stride(),
         n, row_pages, num_kt_pages, head_dim,
         KP=kt_page_size, R=per_page, BLOCK_J=block_j, BLOCK_D=block_d,
         HAS_COLUMNS=columns is not None, HAS_KT=has_kt, KT_DT=dtype_code(kt_pages.dtype) if has_kt else 0,
-        num_warps=4,
+        HAS_COUNTS=counts is not None, num_warps=4,
     )
 
 
 def _compact_row_fp8(keys, values, slots, columns, k_pages, v_pages, kt_pages, table, row_pages, positions,
-                     kt_page_size, k_scale, v_scale) -> None:
+                     kt_page_size, k_scale, v_scale, counts) -> None:
     """fp8 pages: the launch into float32 staging pages, then quantize and write pages, scales and KT."""
     _, heads, page, dim = k_pages.shape
     device = k_pages.device
@@ -161,7 +171,7 @@ def _compact_row_fp8(keys, values, slots, columns, k_pages, v_pages, kt_pages, t
         kt_stage = torch.empty((staged, *kt_pages.shape[1:]), dtype=kt_pages.dtype, device=device)
     stage_table = torch.arange(table.shape[0], dtype=torch.int32, device=device)  # page j of the row -> staged j
     paged_compact_row_triton(keys, values, slots, columns, k_stage, v_stage, kt_stage, stage_table, row_pages,
-                             positions, kt_page_size)  # float pages: the one launch
+                             positions, kt_page_size, counts=counts)  # float pages: the one launch
     if row_pages == 0:
         return
     pages = table[:row_pages].long()

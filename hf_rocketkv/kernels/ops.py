@@ -38,8 +38,8 @@ class RocketOps:
 
     Stage 1's compaction (prefill, eager; one call per row):
     paged_compact_row(keys, values, slots, columns, k_pages, v_pages, kt_pages, table, row_pages, positions,
-                      kt_page_size, k_scale=None, v_scale=None) -> None (in place: the row's pages, their KT,
-                      positions; fp8: and their scales)
+                      kt_page_size, k_scale=None, v_scale=None, counts=None) -> None (in place: the row's pages,
+                      their KT, positions; fp8: and their scales; counts [Hkv]: per-head kept counts, AdaKV)
 
     lengths / n_pages / slot: [B] (per row) or [B, Hkv] (per row and KV head) everywhere in decode.
 

@@ -184,6 +184,15 @@ def paged_top_pages_torch(
                      per_head_bound)
 
 
+def check_counts(counts: torch.Tensor | None, heads: int) -> None:
+    """``paged_compact_row``'s per-head ``counts``: None or an integer ``[Hkv]`` tensor (ValueError otherwise)."""
+    if counts is None:
+        return
+    if not isinstance(counts, torch.Tensor) or counts.dtype.is_floating_point or tuple(counts.shape) != (heads,):
+        got = f"{counts.dtype} {list(counts.shape)}" if isinstance(counts, torch.Tensor) else type(counts).__name__
+        raise ValueError(f"paged_compact_row: counts must be None or an integer tensor [Hkv]=[{heads}], got {got}")
+
+
 def paged_compact_row_torch(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -198,18 +207,21 @@ def paged_compact_row_torch(
     kt_page_size: int,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
 ) -> None:
     """Stage 1's compaction of one row, in place: the kept slots' K/V into the row's pages, their KT summaries and
     their positions (the reference of ``compact.paged_compact_row_triton``).
 
     keys, values [Hkv, S, D]   the row's dense store (any strides)
     slots        [Hkv, n]      kept slots of each KV head, ascending (int)
+    counts       [Hkv] or None kept slots per KV head (per-head budgets, AdaKV): head h keeps ``slots[h, :counts[h]]``
+                               (entries after them are ignored, e.g. AdaKV's -1 padding); None: every head keeps n
     columns      [Hkv, S]      positions of the dense slots (int), or None: a slot's position is the slot itself
     k_pages, v_pages [N, Hkv, PP, D]; kt_pages [N, Hkv, PP // KP, 2, D] or None (no KT summaries)
     table        [MP] int32    the row's pages; only its first ``row_pages`` entries are read (host int: no sync)
     positions    [Hkv, MP * PP] int32, written whole: kept slot i's position at i, -1 after the n kept ones
 
-    Slot i < n of the row gets dense slot ``slots[h, i]``; the other slots of the row's pages are zeroed (whole pages
+    Slot i < n (or counts[h]) of head h gets dense slot ``slots[h, i]``; the other slots of the row's pages are zeroed (whole pages
     are written, so no byte of an earlier owner of a pool page survives) and their KT covers only the kept tokens
     (``stage2_pages.build_kt``: a page without tokens summarises to zeros).
 
@@ -220,22 +232,25 @@ def paged_compact_row_torch(
     """
     fp8 = check_fp8_scales(k_pages, v_pages, k_scale, v_scale, "paged_compact_row")
     heads, n = slots.shape
+    check_counts(counts, heads)
     dim, page = keys.shape[-1], k_pages.shape[2]
     capacity = table.shape[0] * page
-    index = slots.long()
+    limit = torch.full((heads,), n, device=keys.device) if counts is None else counts.clamp(max=n)
+    kept = torch.arange(n, device=keys.device)[None, :] < limit[:, None]  # [Hkv, n]
+    index = slots.long().masked_fill(~kept, 0)  # [Hkv, n]; slots past a head's count are read, then zeroed
     gathered = keys.new_zeros(heads, capacity, dim), values.new_zeros(heads, capacity, dim)
     for source, target in zip((keys, values), gathered):
-        target[:, :n] = source.gather(1, index[:, :, None].expand(heads, n, dim))
+        target[:, :n] = source.gather(1, index[:, :, None].expand(heads, n, dim)).masked_fill(~kept[:, :, None], 0)
     kept_positions = columns.gather(1, index) if columns is not None else index
     positions.fill_(-1)
-    positions[:, :n] = kept_positions.to(positions.dtype)
+    positions[:, :n] = kept_positions.to(positions.dtype).masked_fill(~kept, -1)
     pages = table[:row_pages].long()
     present = row_pages * page
     for source, target, scale in zip(gathered, (k_pages, v_pages), (k_scale, v_scale)):
         block = source[:, :present].reshape(heads, row_pages, page, dim).transpose(0, 1)  # [row_pages, Hkv, PP, D]
         store_pages(target, pages, block, scale if fp8 else None)
     if kt_pages is not None:
-        lengths = torch.full((1,), n, dtype=torch.long, device=keys.device)
+        lengths = kept.sum(dim=1)[None]  # [1, Hkv]
         kt = build_kt(gathered[0][None], lengths, kt_page_size, kt_pages.dtype)[0]  # [Hkv, C // KP, 2, D]
         per_page = kt_pages.shape[2]
         kt_pages[pages] = kt[:, : row_pages * per_page].reshape(heads, row_pages, per_page, 2, dim).transpose(0, 1)

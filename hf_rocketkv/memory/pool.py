@@ -390,6 +390,14 @@ class KVBlockPool:
                 f"pool page, is {self.page_size}); build the pool with kt_page_size={cfg.page_size} or use "
                 f"RocketKVConfig(page_size={self.kt_page_size})"
             )
+        if getattr(cfg, "per_head_budgets", False):
+            raise ValueError(
+                f"RocketKVConfig.stage1={getattr(cfg.stage1, 'name', cfg.stage1)!r} gives each KV head its own number "
+                f"of kept tokens, which a KVBlockPool does not account for: a pool page holds every KV head of a row, "
+                f"so admission would have to reserve the longest head's count for all of them. Use this policy "
+                f"without pool= (RocketKVCache(cfg) stores per-head lengths), or a uniform policy with the pool "
+                f"(snapkv, streaming, knorm, h2o, random)"
+            )
         if cfg.kt_cache_dtype != dtype_name(self.kt_dtype):
             raise ValueError(
                 f"RocketKVConfig.kt_cache_dtype is {cfg.kt_cache_dtype!r}, but this pool's KT slab is "

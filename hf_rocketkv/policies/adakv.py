@@ -9,8 +9,8 @@ Scores come from a wrapped scorer (SnapKV by default: its scores are sums of sof
 across heads). Cost: the scorer's, plus one top-k over ``Hkv * n`` scores per row.
 
 Output: per-head counts. ``KeptSlots.slots`` is ``[Hkv, n_max]`` with head h's ascending slots in
-``[:counts[h]]`` and -1 after. The cache layer cannot store per-head counts yet (it holds one length per row), so
-``RocketKVConfig(stage1="adakv")`` raises NotImplementedError there; the policy itself is complete.
+``[:counts[h]]`` and -1 after. ``RocketKVConfig(stage1="adakv")`` makes the cache layer store one length per row and
+KV head (``lengths`` ``[B, Hkv]``, docs/policies.md "Per-head budgets in the cache"); a KVBlockPool refuses it.
 """
 
 from __future__ import annotations

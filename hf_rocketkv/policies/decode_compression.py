@@ -14,10 +14,12 @@ pooling across its edges), and the top ``budget - window`` of them are kept with
 Shapes (B batch, Hq query heads, Hkv KV heads, G = Hq / Hkv, C slot capacity, D head_dim, w window, M budget):
     queries:    [B, Hq, w, D]  the last w decode queries, oldest first
     keys:       [B, Hkv, C, D] the layer's store (kept prompt, then generated tokens)
-    lengths:    [B]            tokens stored per row (L)
-    gen_start:  [B]            first generated slot of each row (g0: the prompt tokens kept by stage 1)
+    lengths:    [B] or [B, Hkv] tokens stored per row (L), or per row and KV head (AdaKV's per-head budgets)
+    gen_start:  like lengths   first generated slot (g0: the prompt tokens kept by stage 1)
     -> slots:   [B, Hkv, M]    the generated slots to keep, ascending; the layer moves them to g0 .. g0 + M - 1
-    -> lengths: [B]            g0 + M for compressed rows, L for rows with at most M generated tokens
+    -> lengths: like lengths   g0 + M where compressed, L where at most M tokens were generated
+Every KV head of a row stores one token per decode step, so the generated count ``L - g0`` is the same for every
+head even when the prompt counts differ; a [B] length is the same as its [B, Hkv] expansion.
 
 Every shape is fixed by (B, C, M, w): no host sync and no data-dependent shape, so the selection and the move can be
 compiled or captured once. What is eager is the decision WHEN to run (a host counter, ``DecodeCompression.due``);
@@ -30,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from ..selection.stage2_pages import per_head
 
 
 @dataclass(frozen=True)
@@ -83,9 +87,10 @@ def decode_scores(queries: torch.Tensor, keys: torch.Tensor, lengths: torch.Tens
     q = queries.float().reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, w, dim)
     logits = torch.einsum("bhgwd,bhcd->bhgwc", q, keys.float()) * scaling
     slot = torch.arange(capacity, device=keys.device)
-    own = lengths[:, None] - w + torch.arange(w, device=keys.device)[None, :]  # [B, w] slot of each query
-    visible = slot[None, None, :] <= own[:, :, None]  # [B, w, C] (own < lengths, so also inside the store)
-    logits = logits.masked_fill(~visible[:, None, None], float("-inf"))
+    stored = per_head(lengths, batch, num_kv_heads)  # [B, Hkv]
+    own = stored[..., None] - w + torch.arange(w, device=keys.device)  # [B, Hkv, w] slot of each query
+    visible = slot <= own[..., None]  # [B, Hkv, w, C] (own < lengths, so also inside the store)
+    logits = logits.masked_fill(~visible[:, :, None], float("-inf"))
     return torch.softmax(logits, dim=-1).nan_to_num_(0.0).sum(dim=(2, 3))
 
 
@@ -108,18 +113,20 @@ def decode_keep_slots(
     w = queries.shape[2]
     device = keys.device
     slot = torch.arange(capacity, device=device)
-    selectable = (slot[None, :] >= gen_start[:, None]) & (slot[None, :] < (lengths - w)[:, None])  # [B, C]
+    stored, first = per_head(lengths, batch, num_kv_heads), per_head(gen_start, batch, num_kv_heads, "gen_start")
+    selectable = (slot >= first[..., None]) & (slot < (stored - w)[..., None])  # [B, Hkv, C]
     scores = decode_scores(queries, keys, lengths, scaling)
-    scores = scores.masked_fill(~selectable[:, None, :], float("-inf"))
+    scores = scores.masked_fill(~selectable, float("-inf"))
     if kernel_size > 1:  # -inf outside the selectable slots: pooling never carries a score across their edges
         pooled = F.max_pool1d(scores.reshape(batch * num_kv_heads, 1, capacity), kernel_size, 1, kernel_size // 2)
-        scores = pooled.reshape(batch, num_kv_heads, capacity).masked_fill(~selectable[:, None, :], float("-inf"))
+        scores = pooled.reshape(batch, num_kv_heads, capacity).masked_fill(~selectable, float("-inf"))
     chosen = scores.topk(budget - w, dim=-1).indices if budget > w else slot.new_empty(batch, num_kv_heads, 0)
-    window = (lengths - w)[:, None, None] + torch.arange(w, device=device)  # [B, 1, w]
-    compressed = torch.cat([chosen, window.expand(batch, num_kv_heads, w)], dim=-1).sort(dim=-1).values
-    over = (lengths - gen_start) > budget  # [B]
-    unchanged = (gen_start[:, None] + torch.arange(budget, device=device)).clamp(max=capacity - 1)  # [B, M]
-    slots = torch.where(over[:, None, None], compressed, unchanged[:, None, :].expand(batch, num_kv_heads, budget))
+    window = (stored - w)[..., None] + torch.arange(w, device=device)  # [B, Hkv, w]
+    compressed = torch.cat([chosen, window], dim=-1).sort(dim=-1).values
+    over = (lengths - gen_start) > budget  # [B] or [B, Hkv]
+    over_h = per_head(over, batch, num_kv_heads, "over")
+    unchanged = (first[..., None] + torch.arange(budget, device=device)).clamp(max=capacity - 1)  # [B, Hkv, M]
+    slots = torch.where(over_h[..., None], compressed, unchanged)
     return slots, torch.where(over, gen_start + budget, lengths)
 
 
@@ -129,8 +136,9 @@ def move_kept(store: torch.Tensor, slots: torch.Tensor, gen_start: torch.Tensor)
     write, so the move is safe in place. Fixed shapes (compile-friendly)."""
     budget = slots.shape[2]
     extra = store.shape[3:]
-    dest = gen_start[:, None, None] + torch.arange(budget, device=store.device)  # [B, 1, M]
-    dest = dest.clamp(max=store.shape[2] - 1).expand_as(slots)
+    first = per_head(gen_start, slots.shape[0], slots.shape[1], "gen_start")  # [B, Hkv]
+    dest = first[..., None] + torch.arange(budget, device=store.device)  # [B, Hkv, M]
+    dest = dest.clamp(max=store.shape[2] - 1)
     index = slots.reshape(*slots.shape, *([1] * len(extra))).expand(*slots.shape, *extra)
     moved = store.gather(2, index)
     store.scatter_(2, dest.reshape(*dest.shape, *([1] * len(extra))).expand(*dest.shape, *extra), moved)

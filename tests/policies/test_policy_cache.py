@@ -1,6 +1,6 @@
 """The policies wired into RocketKVConfig and RocketKVLayer: config fields and their validation, each policy's
 selection through the layer (checked against the oracles), H2O's accumulation hook over prefill chunks, AdaKV's
-clear refusal, and the token-budget mode resolving budgets per request.
+per-head lengths, and the token-budget mode resolving budgets per request.
 """
 
 from __future__ import annotations
@@ -137,19 +137,19 @@ def test_layer_later_turn_with_h2o_uses_that_turns_queries():
             assert slots[-3:] == [32, 33, 34] and slots == sorted(slots)
 
 
-def test_adakv_is_refused_by_the_cache_naming_what_is_missing():
+def test_adakv_runs_in_the_cache_with_per_head_lengths():
+    """stage1="adakv" (SnapKV scores allotted across heads): per-head lengths, the row total of a uniform policy."""
     layer = RocketKVLayer(layer_config(stage1="adakv"), GenerationHints())
-    with pytest.raises(NotImplementedError, match=r"'adakv' gives each KV head its own number .* \(\[B, Hkv\]\)"):
-        prefill_chunks(layer, dense_case(0), [30])
+    prefill_chunks(layer, dense_case(0), [30])
+    layer.compress()
+    assert layer.lengths.shape == (2, HKV) and layer.lengths.sum(dim=1).tolist() == [HKV * 10] * 2
     rocket, _ = make_models("llama")
     cache = RocketKVCache(compressing_config(stage1="adakv"))
-    with pytest.raises(NotImplementedError, match="per-KV-head lengths"):
-        greedy(rocket, random_ids(1, 40), max_new_tokens=2, past_key_values=cache)
-    # the refusal left no attention hand-off pending: the next call works
-    greedy(rocket, random_ids(1, 40), max_new_tokens=2, past_key_values=RocketKVCache(compressing_config()))
+    greedy(rocket, random_ids(1, 40), max_new_tokens=2, past_key_values=cache)
+    assert all(cache.kept_tokens(i).sum().item() == HKV * 24 + HKV for i in range(len(cache.layers)))
 
 
-def test_a_custom_policy_with_per_head_counts_is_refused_at_stage_1():
+def test_a_custom_policy_with_undeclared_per_head_counts_is_refused_at_stage_1():
     class Ragged:
         name = "ragged"
 
@@ -163,7 +163,7 @@ def test_a_custom_policy_with_per_head_counts_is_refused_at_stage_1():
 
     layer = RocketKVLayer(layer_config(stage1=Ragged()), GenerationHints(max_length=34))
     prefill_chunks(layer, dense_case(0), [30])
-    with pytest.raises(NotImplementedError, match="stage-1 policy 'ragged' gives each KV head its own number"):
+    with pytest.raises(ValueError, match="stage-1 policy 'ragged' returned different kept counts"):
         layer.compress()
 
 
@@ -266,12 +266,17 @@ def test_layer_token_budget_mode_keeps_the_stage2_sinks():
     assert first_slots(layer) == prompt_starts(case)
 
 
-def test_adakv_with_stage2_sinks_is_still_refused():
-    """The KeepFirst wrapper forwards per_head_budgets, so the layer still refuses AdaKV with a clear error."""
+def test_adakv_with_stage2_sinks_keeps_them_in_every_head():
+    """The KeepFirst wrapper forwards per_head_budgets: per-head lengths, and every head keeps the first tokens."""
     layer = RocketKVLayer(sink_config(stage1="adakv"), GenerationHints())
     assert isinstance(layer.policy, KeepFirst) and layer.policy.per_head_budgets
-    with pytest.raises(NotImplementedError, match=r"'adakv' gives each KV head its own number"):
-        prefill_chunks(layer, sinks_last_case(0), [30])
+    case = sinks_last_case(0)
+    prefill_chunks(layer, case, [30])
+    layer.compress()
+    assert layer.lengths.shape == (2, HKV)
+    for b, start in enumerate(case.start):
+        for h in range(HKV):
+            assert layer.positions[b, h, :SINKS].tolist() == list(range(start, start + SINKS))
 
 
 # ------------------------------------------------------------------------------------------------ generate

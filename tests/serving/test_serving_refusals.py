@@ -6,7 +6,7 @@
   ``sparse_attention_config`` -> exit 2 naming it; a config the engine refuses (keep_all / decode_budget with a pool)
   -> exit 2, 1-3 lines, no traceback.
 * ``create_app(..., aliases=(path,))``: the alias is accepted as the request's model; ``GET /v1/models/{id}``.
-* ``eval`` refuses ``KIND:adakv`` methods with a usage error (exit 2, one line) before loading any model.
+* ``eval`` builds ``KIND:adakv`` methods (refused in session 14, run by the cache since session 15).
 * ``generate_batch`` maps a GenerationConfig's ``eos_token_id`` and ``stop_strings``.
 """
 
@@ -158,33 +158,15 @@ def test_model_alias_and_models_by_id(make_manager, tokenizer):
 
 
 # ------------------------------------------------------------------------------------------------ fix 4: eval adakv
-def test_adakv_method_is_refused_by_the_builder():
+def test_adakv_methods_build_now_that_the_cache_runs_them():
+    """Session 14 refused ``KIND:adakv`` (the cache could not store per-head counts); session 15 runs them."""
     from hf_rocketkv.eval.methods import build_method, build_methods
 
     base = compressing_config(prompt_budget=64, topk=4, page_size=4, window_size=8)
     for kind in ("rocketkv", "evict", "evict_read", "rocketkv_plain"):
-        with pytest.raises(ValueError, match="adakv"):
-            build_method(f"{kind}:adakv", base)
-    with pytest.raises(ValueError, match="adakv"):
-        build_methods(["full", "rocketkv:adakv"], base)
-    build_method("rocketkv:snapkv", base)  # other policies still build
-
-
-def test_eval_with_adakv_method_is_a_one_line_usage_error(tmp_path, capsys, monkeypatch):
-    from hf_rocketkv.cli import main
-
-    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
-    config = tmp_path / "c.yaml"
-    compressing_config().to_yaml(config)
-    # a --model that does not exist: the refusal must come first (before, main loaded it / failed on it)
-    argv = ["eval", "--model", str(tmp_path / "no-model"), "--config", str(config), "--task", "passkey",
-            "--methods", "full", "rocketkv:adakv", "--output", str(tmp_path / "out"), "--no-progress"]
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    # tmp_path holds this test's name (with 'adakv'): check the method's quoted name and that the model was not named
-    assert len(lines) == 1 and "'rocketkv:adakv'" in lines[0] and "no-model" not in lines[0]
-    assert "Traceback" not in err
+        method = build_method(f"{kind}:adakv", base)
+        assert method.config.stage1 == "adakv" and method.config.per_head_budgets
+    assert [m.name for m in build_methods(["full", "rocketkv:adakv"], base)] == ["full", "rocketkv:adakv"]
 
 
 # ------------------------------------------------------------------------------------------------ fix 5: GenerationConfig
