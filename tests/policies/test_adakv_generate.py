@@ -369,13 +369,15 @@ def test_pool_refuses_per_head_budgets(stage1):
 
 # ------------------------------------------------------------------------------------------------ triton backend
 def test_kt_pages_on_the_triton_backend_equal_the_torch_backend():
-    """Stage 2 selects 3 of the pages of each head's own length (interpreted Triton kernels on CPU)."""
+    """Stage 2 selects 3 of the pages of each head's own length (compiled kernels on a GPU, interpreted on CPU)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     rocket, _ = make_models("llama", seed=2)
+    rocket = rocket.to(device)
     with torch.no_grad():  # sharper attention: page scores far from ties, so both backends pick the same pages
         for layer in rocket.model.layers:
             layer.self_attn.q_proj.weight.mul_(4)
             layer.self_attn.k_proj.weight.mul_(4)
-    ids = random_ids(1, 32, seed=4)
+    ids = random_ids(1, 32, seed=4).to(device)
     config = compressing_config(stage1="adakv", prompt_budget=16, window_size=4, kernel_size=3, topk=3,
                                 page_size=2, kt_cache_dtype="float32")
     want_cache = RocketKVCache(config)
