@@ -31,11 +31,14 @@ KEPT = (256, 928)
 
 
 def dump(args) -> None:
+    from transformers import AutoTokenizer
+
     from hf_rocketkv.eval.settings import EvalSettings
     from hf_rocketkv.eval.tasks.fidelity import FidelityTask
-    from hf_rocketkv.models import load_model_and_tokenizer
+    from hf_rocketkv.models import resolve_model
 
-    _, tokenizer = load_model_and_tokenizer("smollm2")
+    folder, kwargs = resolve_model(None)  # the embedded SmolLM2: its tokenizer only
+    tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
     settings = EvalSettings(samples=args.samples, fidelity_context=args.context, fidelity_positions=args.positions)
     samples = FidelityTask().build(tokenizer, settings)
     out = Path(args.out)

@@ -391,3 +391,23 @@ def test_kt_pages_on_the_triton_backend_equal_the_torch_backend():
         assert held(cache, layer_idx) == held(want_cache, layer_idx)
     assert any(len(set(want_cache.kept_tokens(i)[0].tolist())) > 1 for i in range(rocket.config.num_hidden_layers))
     assert max(int(want_cache.kept_tokens(i).max()) for i in range(2)) > 2 * config.topk  # pages are selected
+
+
+@pytest.mark.parametrize("prefill_batch_size", [1, 2])
+def test_row_group_prefill_equals_one_batch(prefill_batch_size):
+    """prefill_batch_size splits the prefill into row groups whose compressed layers are stacked (stack_rows): the
+    [B, Hkv] lengths, kept positions and tokens equal a single-batch prefill."""
+    rocket, _ = make_models("llama")
+    ids, mask = left_pad([random_ids(1, 40, seed=1)[0], random_ids(1, 33, seed=2)[0], random_ids(1, 45, seed=3)[0]])
+    runs = []
+    for size in (None, prefill_batch_size):
+        cache = RocketKVCache(compressing_config(stage1="adakv", prefill_batch_size=size))
+        out = greedy(rocket, ids, attention_mask=mask, max_new_tokens=5, past_key_values=cache)
+        runs.append((out, cache))
+    (want, want_cache), (got, cache) = runs
+    assert torch.equal(got, want)
+    for layer_idx in range(len(cache.layers)):
+        assert cache.layers[layer_idx].lengths.shape == (3, 2)
+        assert torch.equal(cache.kept_tokens(layer_idx), want_cache.kept_tokens(layer_idx))
+        width = min(cache.kept_positions(layer_idx).shape[-1], want_cache.kept_positions(layer_idx).shape[-1])
+        assert torch.equal(cache.kept_positions(layer_idx)[..., :width], want_cache.kept_positions(layer_idx)[..., :width])

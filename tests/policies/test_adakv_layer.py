@@ -16,11 +16,12 @@ import torch
 from hf_rocketkv import RocketKVConfig, RocketKVLayer
 from hf_rocketkv.cache.layer import GenerationHints
 from hf_rocketkv.integration.attention import decode_attention
-from hf_rocketkv.policies import AdaKVPolicy, KeptSlots, ScorerPolicy
+from hf_rocketkv.policies import AdaKVPolicy, ScorerPolicy
 from hf_rocketkv.policies.decode_compression import decode_keep_slots
 
 from ..test_stage2 import ref_page_scores, ref_sparse_attention
 from . import oracle
+from .test_policy_cache import Ragged
 
 HKV, G, D = 2, 2, 8
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the Triton test: compiled on a GPU
@@ -105,17 +106,6 @@ def test_per_head_counts_positions_pages_and_kt_equal_the_oracle():
 
 
 def test_undeclared_per_head_counts_are_refused_and_declared_ones_are_stored():
-    class Ragged:
-        name = "ragged"
-
-        def select(self, inputs):
-            heads = inputs.num_kv_heads
-            slots = torch.arange(inputs.budget).expand(heads, inputs.budget).clone()
-            slots[0, -1] = -1
-            counts = torch.full((heads,), inputs.budget)
-            counts[0] -= 1
-            return [KeptSlots(slots, counts) for _ in range(inputs.keys.shape[0])]
-
     c = case(1, slots=20)
     with pytest.raises(ValueError, match=r"'ragged' returned different kept counts .* per_head_budgets = True"):
         prefilled(adakv_config(stage1=Ragged()), c)

@@ -149,18 +149,21 @@ def test_adakv_runs_in_the_cache_with_per_head_lengths():
     assert all(cache.kept_tokens(i).sum().item() == HKV * 24 + HKV for i in range(len(cache.layers)))
 
 
+class Ragged:
+    """Keeps slots 0 .. budget-1, one fewer in KV head 0, without declaring per_head_budgets."""
+
+    name = "ragged"
+
+    def select(self, inputs):
+        heads = inputs.num_kv_heads
+        slots = torch.arange(inputs.budget).expand(heads, inputs.budget).clone()
+        slots[0, -1] = -1
+        counts = torch.full((heads,), inputs.budget)
+        counts[0] -= 1
+        return [KeptSlots(slots, counts) for _ in range(inputs.keys.shape[0])]
+
+
 def test_a_custom_policy_with_undeclared_per_head_counts_is_refused_at_stage_1():
-    class Ragged:
-        name = "ragged"
-
-        def select(self, inputs):
-            heads = inputs.num_kv_heads
-            slots = torch.arange(inputs.budget).expand(heads, inputs.budget).clone()
-            slots[0, -1] = -1
-            counts = torch.full((heads,), inputs.budget)
-            counts[0] -= 1
-            return [KeptSlots(slots, counts) for _ in range(inputs.keys.shape[0])]
-
     layer = RocketKVLayer(layer_config(stage1=Ragged()), GenerationHints(max_length=34))
     prefill_chunks(layer, dense_case(0), [30])
     with pytest.raises(ValueError, match="stage-1 policy 'ragged' returned different kept counts"):
