@@ -128,8 +128,13 @@ def round_to(x, DT: tl.constexpr):
         normal = _rtne_drop_bits(x, 20)
         tiny = _with_sign_of(x, _rtne_drop_bits(ax + 0.015625, 20) - 0.015625)
         y = tl.where(ax < 0.015625, tiny, normal)
-    elif DT == 1:
-        y = x.to(tl.float16).to(tl.float32)
+    elif DT == 1:  # float16: 10 mantissa bits, normals from 2**-14, subnormal spacing 2**-24 (>= 65520 -> inf
+        # at the cast). Integer operations, not a float round trip: LLVM may narrow the arithmetic that produced x
+        # to half precision and contract it into an FMA through fptrunc/fpext (seen on an H200), eager never does
+        ax = tl.abs(x)
+        normal = _rtne_drop_bits(x, 13)
+        tiny = _with_sign_of(x, _rtne_drop_bits(ax + 6.103515625e-05, 13) - 6.103515625e-05)
+        y = tl.where(ax < 6.103515625e-05, tiny, normal)
     else:
         y = x
     return y

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import DT_BF16, DT_FP16, _rtne_drop_bits, _with_sign_of, cdiv, next_pow2, round_to
+from ._triton_common import DT_BF16, DT_FP16, cdiv, next_pow2, round_to
 from .launch import TritonLaunch
 
 try:  # what a triton_op's eager implementation uses to launch kernels directly (see ``_direct_launches``)
@@ -41,17 +41,10 @@ ROPE_DTYPES = {torch.bfloat16: DT_BF16, torch.float16: DT_FP16}
 
 @triton.jit
 def _rounded(x, DT: tl.constexpr):
-    """fp32 ``x`` rounded to nearest even in DT (bf16 or fp16), still fp32, with integer operations only: a float
-    round trip (``fptrunc``/``fpext``) would let LLVM narrow ``x * c + y * s`` to half-precision operations and
-    contract them into one FMA (seen on an H200 in fp16), which eager PyTorch never does."""
-    if DT == 2:
-        y = round_to(x, DT)
-    else:  # float16: 10 stored mantissa bits, normals from 2**-14, subnormal spacing 2**-24
-        ax = tl.abs(x)
-        normal = _rtne_drop_bits(x, 13)
-        tiny = _with_sign_of(x, _rtne_drop_bits(ax + 6.103515625e-05, 13) - 6.103515625e-05)
-        y = tl.where(ax < 6.103515625e-05, tiny, normal)
-    return y
+    """fp32 ``x`` rounded to nearest even in DT (bf16 or fp16), still fp32: ``round_to``, whose integer operations
+    keep LLVM from narrowing ``x * c + y * s`` to half precision and contracting it into one FMA (seen on an H200 in
+    fp16 with a float round trip), which eager PyTorch never does."""
+    return round_to(x, DT)
 
 
 @triton.jit

@@ -72,6 +72,20 @@ def test_cast_to_equals_torch_bit_for_bit(dtype):
     assert bool(torch.signbit(got[x.signbit() & (want.float() == 0)].float()).all()), "-0.0 must stay -0.0"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cast_to_overflows_and_infinities_like_torch(dtype):
+    """Past the largest finite value: torch rounds to nearest even, so values below max + half a step stay at max
+    and the rest become inf (float16: 65504 up to 65519.99, then inf); infinities stay infinite."""
+    info = torch.finfo(dtype)
+    step = info.max * info.eps / 2  # the spacing just below max (half a step is where rounding goes to inf)
+    above = torch.tensor([info.max + step * f for f in (0.25, 0.49, 0.5, 0.51, 1.0, 3.0)] + [1e6, 3e38])
+    x = torch.cat([above, -above, torch.tensor([float("inf"), float("-inf")])]).to(torch.float32).to(DEVICE)
+    want = x.to(dtype)
+    got = torch.empty_like(want)
+    _cast_kernel[(1,)](x, got, x.numel(), BLOCK=32, DT=dtype_code(dtype))
+    assert torch.equal(_bits(got), _bits(want)), list(zip(x.tolist(), got.float().tolist(), want.float().tolist()))
+
+
 def test_quantize_e4m3_equals_quantize_fp8_bit_for_bit():
     """The scaled write of an fp8 page: ``x / s`` (IEEE division), clamped to +-448, rounded to e4m3."""
     g = gen("quantize-e4m3")
