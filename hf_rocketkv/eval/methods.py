@@ -213,6 +213,13 @@ def _build_method(name: str, base: RocketKVConfig, sink_tokens: int = 4) -> Meth
     if name == "rocketkv":
         return Method(name, "rocketkv", base, base.prompt_budget, read)
     if name in ROCKETKV_POOL_METHODS:
+        if base.per_head_budgets:  # refused by the pool at the first cache: say so before any model runs
+            raise ValueError(f"method {name!r} runs on an fp8 KVBlockPool, which refuses stage1="
+                             f"{getattr(base.stage1, 'name', base.stage1)!r} (per-head budgets); use 'rocketkv' or a "
+                             f"uniform stage1")
+        if base.token_budget is not None:
+            raise ValueError(f"method {name!r} runs on an fp8 KVBlockPool, which refuses token_budget (it fixes the "
+                             f"page size before prefill); set prompt_budget / topk / page_size instead")
         return Method(name, "rocketkv", base, base.prompt_budget, read, kv_format=ROCKETKV_POOL_METHODS[name])
     if name == "rocketkv_plain":
         return dataclasses.replace(_build_policy_method("rocketkv_plain", base.stage1, base), name=name)

@@ -46,6 +46,7 @@ def rocketkv_attention(
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
 
     if not layer.compressed:
+        check_all_heads_here(layer, module, key)
         start, host_start = padding_of_forward(layer, attention_mask, key.shape[2])
         out = dense_attention(layer, module, query, key, value, attention_mask, scaling, host_start, **kwargs)
         first_query = key.shape[2] - query.shape[2]
@@ -64,6 +65,22 @@ def rocketkv_attention(
     if not layer.hints.defer_compression:
         layer.compress()
     return out, None
+
+
+def check_all_heads_here(layer: RocketKVLayer, module: torch.nn.Module, key: torch.Tensor) -> None:
+    """Per-head budgets (AdaKV) rank the scores of every KV head of a row against each other: refuse a layer that
+    holds only some of them (tensor parallelism shards the KV heads), whose rank would split the budget among its own
+    heads and keep other tokens than one process. Host-side shapes only (no sync)."""
+    if not layer.per_head_lengths:
+        return
+    total = getattr(module.config, "num_key_value_heads", None) or module.config.num_attention_heads
+    if key.shape[1] != total:
+        raise NotImplementedError(
+            f"RocketKVConfig.stage1={layer.policy.name!r} allots one budget across all {total} KV heads of a row, "
+            f"but this process holds {key.shape[1]} of them (tensor parallelism shards the KV heads): each rank would "
+            f"split the budget among its own heads and keep other tokens than one process. Use a uniform stage1 "
+            f"(snapkv, streaming, knorm, h2o, random) under tensor parallelism."
+        )
 
 
 def check_supported(module: torch.nn.Module, kwargs: dict) -> None:

@@ -120,7 +120,10 @@ def decode_keep_slots(
     if kernel_size > 1:  # -inf outside the selectable slots: pooling never carries a score across their edges
         pooled = F.max_pool1d(scores.reshape(batch * num_kv_heads, 1, capacity), kernel_size, 1, kernel_size // 2)
         scores = pooled.reshape(batch, num_kv_heads, capacity).masked_fill(~selectable, float("-inf"))
-    chosen = scores.topk(budget - w, dim=-1).indices if budget > w else slot.new_empty(batch, num_kv_heads, 0)
+    # a stable sort, not topk: max-pooling makes ties, and topk breaks them differently for other capacities (so a
+    # capacity bucket would change the kept tokens); the stable order keeps the lowest slot of a tie
+    chosen = (scores.sort(dim=-1, descending=True, stable=True).indices[..., : budget - w] if budget > w
+              else slot.new_empty(batch, num_kv_heads, 0))
     window = (stored - w)[..., None] + torch.arange(w, device=device)  # [B, Hkv, w]
     compressed = torch.cat([chosen, window], dim=-1).sort(dim=-1).values
     over = (lengths - gen_start) > budget  # [B] or [B, Hkv]
