@@ -29,6 +29,7 @@ from transformers import CompileConfig
 from hf_rocketkv import RocketKVCache, RocketKVConfig
 from hf_rocketkv.policies.decode_compression import decode_keep_slots
 from tests.helpers import PAD, compressing_config, greedy, left_pad, make_models, random_ids
+from tests.test_generate import _CpuEvent
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -148,20 +149,6 @@ def test_adakv_decode_budget_tokens_do_not_depend_on_capacity_buckets():
 
 
 # ------------------------------------------------------------------------------------------------ guards
-class _CpuEvent:
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def record(self, *args, **kwargs):
-        pass
-
-    def synchronize(self):
-        pass
-
-    def query(self):
-        return True
-
-
 @pytest.mark.parametrize("extra", [{}, dict(multi_turn="keep_all")])
 def test_deferred_stop_check_crop_with_per_head_lengths(monkeypatch, extra):
     import transformers.generation.utils as generation_utils
