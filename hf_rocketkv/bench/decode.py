@@ -16,8 +16,8 @@ Rows (``--caches``), all in one process on the same model:
                               for the run's prefill peak) instead of the cache's private buffers
     rocketkv-graphs-pool-fp8  the same on fp8 (e4m3) pool pages with per-page scales
     rocketkv-rope-off, rocketkv-graphs-rope-off  rocketkv / rocketkv-graphs with ``fused_rope=False``
-    rocketkv-adakv, rocketkv-graphs-adakv        rocketkv / rocketkv-graphs with ``stage1="adakv"``
                               (transformers' ten-launch RoPE in decode steps), for the side-by-side comparison
+    rocketkv-adakv, rocketkv-graphs-adakv        rocketkv / rocketkv-graphs with ``stage1="adakv"``
 for every batch size x context (prompt tokens). A point that cannot fit in GPU memory is skipped with the estimate
 that says so (weights + KV cache + prefill activations), and an out-of-memory error is recorded, not raised.
 

@@ -914,7 +914,7 @@ class RocketKVLayer(CacheLayerMixin):
         and the previous view are released. Per-head budgets (``per_head_lengths``): each row is as wide as its
         longest head, head h keeps ``counts[h]`` slots and ``lengths`` becomes ``[B, Hkv]``."""
         batch, heads, _, dim = self._keys.shape
-        per_head_counts = self.per_head_lengths
+        head_counts = [row.counts.to(self.device, torch.long) for row in kept] if self.per_head_lengths else None
         counts = [row.slots.shape[1] for row in kept]  # the longest head of each row (host ints: no sync)
         needed = _round_up(max(max(counts), 1) + self._headroom(), self.config.page_size)
         if self.pages is not None:  # the pool's pages hold what the request needs; only the table is bucketed
@@ -928,10 +928,10 @@ class RocketKVLayer(CacheLayerMixin):
                 self._keys[b], self._values[b], row.slots, columns[b] if columns is not None else None, store.k,
                 store.v, store.kt, store.table[b], store.row_pages[b], positions[b], self.config.page_size,
                 k_scale=store.k_scale, v_scale=store.v_scale,
-                counts=row.counts.to(self.device) if per_head_counts else None,
+                counts=head_counts[b] if head_counts is not None else None,
             )
-        if per_head_counts:
-            self.lengths = torch.stack([row.counts.to(self.device, torch.long) for row in kept])  # [B, Hkv]
+        if head_counts is not None:
+            self.lengths = torch.stack(head_counts)  # [B, Hkv]
         else:
             self.lengths = filled(batch, counts, torch.long, self.device)  # no pageable copy (a sync) per layer
         self.store, self.positions = store, positions

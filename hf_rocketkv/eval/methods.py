@@ -61,6 +61,7 @@ from transformers import DynamicCache
 
 from ..cache.cache import RocketKVCache
 from ..config import RocketKVConfig
+from ..memory.pool import check_pool_policy
 from ..policies import STAGE1_POLICY_NAMES, KeepFirst
 from .kv_formats import RoundTripCache, fp8_pool
 from .streaming import streaming_config
@@ -213,10 +214,10 @@ def _build_method(name: str, base: RocketKVConfig, sink_tokens: int = 4) -> Meth
     if name == "rocketkv":
         return Method(name, "rocketkv", base, base.prompt_budget, read)
     if name in ROCKETKV_POOL_METHODS:
-        if base.per_head_budgets:  # refused by the pool at the first cache: say so before any model runs
-            raise ValueError(f"method {name!r} runs on an fp8 KVBlockPool, which refuses stage1="
-                             f"{getattr(base.stage1, 'name', base.stage1)!r} (per-head budgets); use 'rocketkv' or a "
-                             f"uniform stage1")
+        try:  # refused by the pool at the first cache: say so before any model runs
+            check_pool_policy(base)
+        except ValueError as err:
+            raise ValueError(f"method {name!r} runs on an fp8 KVBlockPool: {err}") from None
         if base.token_budget is not None:
             raise ValueError(f"method {name!r} runs on an fp8 KVBlockPool, which refuses token_budget (it fixes the "
                              f"page size before prefill); set prompt_budget / topk / page_size instead")

@@ -14,10 +14,10 @@ paged tensor); on a slow host those launches set the pace of a prefill and of a 
     table        [MP] int32    the row's pages; the first ``row_pages`` are written
     positions    [Hkv, MP * PP] int32 (written whole; -1 after the kept slots)
 
-Grid (Hkv, cdiv(MP * R, BLOCK_J)). For each of its KT pages j a program walks the KP slots ``j * KP + t``: slot
-i < n_h (n, or counts[h]) loads dense slot ``slots[h, i]``, every other slot stores zeros, and the min/max runs in fp32 over the kept slots only
-(rounded once to the KT dtype, as ``build_kt``). Slots, K/V and KT bytes are copied, never computed, so the result is
-bit-identical to the reference (tested on CPU under the interpreter and on the GPU).
+Grid (Hkv, cdiv(MP * R, BLOCK_J)). For each of its KT pages j a program walks the KP slots ``j * KP + t``: slot i <
+n_h (n, or counts[h]) loads dense slot ``slots[h, i]``, every other slot stores zeros, and the min/max runs in fp32
+over the kept slots only (rounded once to the KT dtype, as ``build_kt``). Slots, K/V and KT bytes are copied, never
+computed, so the result is bit-identical to the reference (tested on CPU under the interpreter and on the GPU).
 
 fp8 pages (``k_scale`` / ``v_scale``): the same launch writes the row's pages into float32 staging pages (and its KT
 into a staging KT, through a staging table 0..row_pages-1), then PyTorch quantizes the staged pages

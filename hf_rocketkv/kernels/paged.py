@@ -221,9 +221,9 @@ def paged_compact_row_torch(
     table        [MP] int32    the row's pages; only its first ``row_pages`` entries are read (host int: no sync)
     positions    [Hkv, MP * PP] int32, written whole: kept slot i's position at i, -1 after the n kept ones
 
-    Slot i < n (or counts[h]) of head h gets dense slot ``slots[h, i]``; the other slots of the row's pages are zeroed (whole pages
-    are written, so no byte of an earlier owner of a pool page survives) and their KT covers only the kept tokens
-    (``stage2_pages.build_kt``: a page without tokens summarises to zeros).
+    Slot i < n (or counts[h]) of head h gets dense slot ``slots[h, i]``; the other slots of the row's pages are
+    zeroed (whole pages are written, so no byte of an earlier owner of a pool page survives) and their KT covers
+    only the kept tokens (``stage2_pages.build_kt``: a page without tokens summarises to zeros).
 
     fp8 pages (``k_scale`` / ``v_scale`` float32 ``[N]`` or ``[N, Hkv]``, see ``check_fp8_scales``): the row's
     written pages are quantized from the float staging of the row (``kernels/fp8.quantize_pages``: over their valid

@@ -12,8 +12,8 @@ Shapes (B batch, Hq query heads, Hkv KV heads, one new token, D head_dim, even):
     returns   (q_embed [B, Hq, 1, D], k_embed [B, Hkv, 1, D]), contiguous, in q's dtype
 
 Exactness: PyTorch computes each product and each sum of a half-precision expression in fp32 and rounds the result
-to the tensor's dtype before the next operation; the kernel rounds at the same places (``_rounded``: round to
-nearest even with integer operations, the same on every backend, the interpreter included), so no multiply-add
+to the tensor's dtype before the next operation; the kernel rounds at the same places (``round_to``: round
+to nearest even with integer operations, the same on every backend, the interpreter included), so no multiply-add
 can be contracted across them. Only
 16-bit dtypes are handled: in fp32 the compiler could fuse a product into the sum (an FMA), which eager PyTorch does
 not, so fp32 stays on transformers' formula (``rope_supported``).
@@ -37,14 +37,6 @@ except ImportError:  # pragma: no cover - an older torch: the launch goes throug
 
 HEADS_PER_PROGRAM = 8
 ROPE_DTYPES = {torch.bfloat16: DT_BF16, torch.float16: DT_FP16}
-
-
-@triton.jit
-def _rounded(x, DT: tl.constexpr):
-    """fp32 ``x`` rounded to nearest even in DT (bf16 or fp16), still fp32: ``round_to``, whose integer operations
-    keep LLVM from narrowing ``x * c + y * s`` to half precision and contracting it into one FMA (seen on an H200 in
-    fp16 with a float round trip), which eager PyTorch never does."""
-    return round_to(x, DT)
 
 
 @triton.jit
@@ -72,8 +64,8 @@ def _rotate_heads(x_ptr, out_ptr, cos_ptr, sin_ptr, b, h0, num_heads, half,
     s1 = tl.load(sin_ptr + c_row, mask=c_ok, other=0.0).to(tl.float32)[None, :]
     s2 = tl.load(sin_ptr + c_row + half * s_cd, mask=c_ok, other=0.0).to(tl.float32)[None, :]
     # rotate_half(x) = cat(-x2, x1); each product and the sum rounded to DT as eager PyTorch does
-    first = _rounded(_rounded(x1 * c1, DT) + _rounded(_negated(x2 * s1), DT), DT)
-    second = _rounded(_rounded(x2 * c2, DT) + _rounded(x1 * s2, DT), DT)
+    first = round_to(round_to(x1 * c1, DT) + round_to(_negated(x2 * s1), DT), DT)
+    second = round_to(round_to(x2 * c2, DT) + round_to(x1 * s2, DT), DT)
     o_row = out_ptr + b * s_ob + h.to(tl.int64)[:, None] * s_oh
     tl.store(o_row + d[None, :], first.to(out_ptr.dtype.element_ty), mask=ok)  # exact: already rounded
     tl.store(o_row + (d + half)[None, :], second.to(out_ptr.dtype.element_ty), mask=ok)

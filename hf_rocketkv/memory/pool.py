@@ -101,6 +101,19 @@ class LoadedPrefix:
     pages_already_resident: int
 
 
+def check_pool_policy(cfg: "RocketKVConfig") -> None:
+    """Refuse a stage-1 policy a pool cannot account for (``KVBlockPool.check_config``; the serve CLI and the eval
+    harness call it before loading a model): per-head budgets (AdaKV), ValueError naming stage1."""
+    if getattr(cfg, "per_head_budgets", False):
+        raise ValueError(
+            f"RocketKVConfig.stage1={getattr(cfg.stage1, 'name', cfg.stage1)!r} gives each KV head its own number "
+            f"of kept tokens, which a KVBlockPool does not account for: a pool page holds every KV head of a row, "
+            f"so admission would have to reserve the longest head's count for all of them. Use this policy "
+            f"without pool= (RocketKVCache(cfg) stores per-head lengths), or a uniform policy with the pool "
+            f"(snapkv, streaming, knorm, h2o, random)"
+        )
+
+
 class KVBlockPool:
     """A pool of KV pages for one model: ``num_pages`` pages of ``page_size`` tokens in every layer.
 
@@ -390,14 +403,7 @@ class KVBlockPool:
                 f"pool page, is {self.page_size}); build the pool with kt_page_size={cfg.page_size} or use "
                 f"RocketKVConfig(page_size={self.kt_page_size})"
             )
-        if getattr(cfg, "per_head_budgets", False):
-            raise ValueError(
-                f"RocketKVConfig.stage1={getattr(cfg.stage1, 'name', cfg.stage1)!r} gives each KV head its own number "
-                f"of kept tokens, which a KVBlockPool does not account for: a pool page holds every KV head of a row, "
-                f"so admission would have to reserve the longest head's count for all of them. Use this policy "
-                f"without pool= (RocketKVCache(cfg) stores per-head lengths), or a uniform policy with the pool "
-                f"(snapkv, streaming, knorm, h2o, random)"
-            )
+        check_pool_policy(cfg)
         if cfg.kt_cache_dtype != dtype_name(self.kt_dtype):
             raise ValueError(
                 f"RocketKVConfig.kt_cache_dtype is {cfg.kt_cache_dtype!r}, but this pool's KT slab is "

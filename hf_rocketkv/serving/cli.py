@@ -264,11 +264,13 @@ def serve_main(argv: list[str] | None = None) -> int:
         require_serve_deps()
         check_args(args)
         config = load_config(args.config)
-        if args.pool_gib is not None and config.per_head_budgets:
-            raise UsageError(
-                f"--config {args.config}: stage1={getattr(config.stage1, 'name', config.stage1)!r} gives each KV head "
-                f"its own budget, which the --pool-gib pool does not account for (a pool page holds every head of a "
-                f"row); serve it without --pool-gib (sequential engine) or use a uniform stage1")
+        if args.pool_gib is not None:
+            from ..memory.pool import check_pool_policy
+
+            try:  # before the model loads: the config is what is refused
+                check_pool_policy(config)
+            except ValueError as err:
+                raise UsageError(f"--config {args.config} with --pool-gib: {err}") from None
         if is_leader_rank():  # under torchrun only rank 0 listens
             sock = bind_socket(args.host, args.port)
     except (UsageError, ImportError) as err:
