@@ -57,7 +57,8 @@ def _generate(model, ids: torch.Tensor, config, new_tokens: int, clock=None) -> 
     """Seconds of one synchronised generate() with a fresh cache (a RocketKVCache serves one request)."""
     from transformers import LogitsProcessorList
 
-    from hf_rocketkv import RocketKVCache, compat
+    from hf_rocketkv import RocketKVCache
+    from hf_rocketkv.integration import compat
 
     kwargs: dict[str, Any] = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                                   eos_token_id=None, pad_token_id=0, attention_mask=torch.ones_like(ids))

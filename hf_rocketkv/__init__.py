@@ -8,7 +8,7 @@
 
 Data flow: generate -> integration/attention.py (the registered attention function) -> cache/layer.py (paged
 store) -> selection/ (stage 1 and stage 2, PyTorch reference) -> kernels/ (dispatch to Triton twins). Every private
-transformers symbol used is listed in compat.py; the seam is described in docs/seam.md.
+transformers symbol used is listed in integration/compat.py; the seam is described in docs/seam.md.
 """
 
 from .cache.cache import RocketKVCache

@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_rocketkv import RocketKVCache
-from hf_rocketkv.compat import cache_kwargs
+from hf_rocketkv.integration.compat import cache_kwargs
 from hf_rocketkv.integration import rope
 
 from .helpers import ARCHS, compressing_config, greedy, left_pad, make_models, random_ids

@@ -21,7 +21,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_rocketkv import KVBlockPool, RocketKVCache
-from hf_rocketkv.compat import cache_kwargs
+from hf_rocketkv.integration.compat import cache_kwargs
 from hf_rocketkv.memory import PoolExhaustedError
 
 from .helpers import compressing_config, greedy, make_models, random_ids

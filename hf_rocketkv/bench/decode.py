@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from .. import compat
+from ..integration import compat
 from ..cli.parser import ShortErrorParser, int_at_least
 
 LLAMA_31_8B = dict(
@@ -222,7 +222,7 @@ def run_generate(model, cache: str, ids: torch.Tensor, new_tokens: int, rocket, 
                  cudnn_for_static: bool = False) -> tuple[dict, Any]:
     from transformers import LogitsProcessorList
 
-    from ..cache.cache import RocketKVCache
+    from ..cache import RocketKVCache
     from ..integration.registration import enable
 
     device = ids.device
@@ -320,7 +320,7 @@ def _profiler(device: torch.device):
 def warm_up(model, caches: list[str], rocket, device: torch.device) -> None:
     """One short eager generate per cache kind before any timing, so prefill seconds (TTFT) exclude one-time costs:
     CUDA/cuBLAS initialisation and the JIT compilation of RocketKV's Triton kernels (~2 s on the first call)."""
-    from ..cache.cache import RocketKVCache
+    from ..cache import RocketKVCache
     from ..integration.registration import enable
 
     ids = torch.randint(3, model.config.vocab_size, (1, rocket.prompt_budget + 2 * rocket.window_size), device=device)

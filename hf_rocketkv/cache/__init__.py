@@ -1,0 +1,17 @@
+"""cache/: the KV cache floor (below integration, above memory and policies).
+
+Public API (what serving/, eval/, bench/ and the CLI import; integration/ may use the modules directly):
+    RocketKVCache       transformers ``Cache`` of RocketKV layers (cache.py)
+    RocketKVLayer       one decoder layer's KV store (layer.py)
+    GenerationHints     what generate() tells a cache before prefill (layer.py)
+    BatchedDecodeCache  one decode batch over the rows of several pool-backed caches (batch_view.py)
+    CacheStats          ``cache.stats``: tokens reused and computed, bytes moved (stats.py)
+    layer_of            the layer whose ``update()`` returned a key tensor (the attention function's seam)
+"""
+
+from .batch_view import BatchedDecodeCache
+from .cache import RocketKVCache
+from .layer import GenerationHints, RocketKVLayer, layer_of
+from .stats import CacheStats
+
+__all__ = ["BatchedDecodeCache", "CacheStats", "GenerationHints", "RocketKVCache", "RocketKVLayer", "layer_of"]

@@ -13,13 +13,14 @@ prefix reuse, keep_all history in pool pages; ``cache.close()`` (or reset, or ga
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
+from typing import Callable
 
 import torch
 from transformers import Cache
 
-from .. import compat
 from ..config import RocketKVConfig
 from ..memory import KVBlockPool, PrefixKeys
 from .layer import CROP_UNSUPPORTED, INTERRUPTED_FORWARD, UNCONSUMED_KEYS, GenerationHints, RocketKVLayer
@@ -45,10 +46,16 @@ class RocketKVCache(Cache):
             multimodal=...)``), one for every row or a list with one per row; ``cache_salt`` overrides their salt.
     """
 
+    # Run at every construction. The integration installs its check of the private transformers symbols it relies on
+    # here when hf_rocketkv registers (integration/registration.py), so a transformers whose private symbols changed
+    # fails at the first RocketKV use, naming the version and the symbol; the cache itself uses no private name.
+    compatibility_check: Callable[[], None] | None = None
+
     def __init__(self, config: RocketKVConfig | None = None, pool: KVBlockPool | None = None,
                  cache_salt: str | None = None, prefix_keys: PrefixKeys | list[PrefixKeys] | None = None,
                  **overrides):
-        compat.require()  # a transformers whose private symbols changed fails here, naming version and symbol
+        if RocketKVCache.compatibility_check is not None:
+            RocketKVCache.compatibility_check()
         config = config if config is not None else RocketKVConfig()
         if not isinstance(config, RocketKVConfig):
             raise TypeError(f"RocketKVCache(config=...) takes a RocketKVConfig, got {type(config).__name__}")
@@ -93,6 +100,56 @@ class RocketKVCache(Cache):
         """Create layers up to ``count`` (each knows its index: a pool keeps one set of page tensors per layer)."""
         while len(self.layers) < count:
             self.layers.append(self._new_layer(len(self.layers)))
+
+    # ------------------------------------------------------------------------------------------ prefill
+    @contextlib.contextmanager
+    def prefill(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, *,
+                max_new_tokens: int | None = None, max_length: int | None = None, reservation=None,
+                row_groups: bool = False):
+        """One prefill on this cache (a first turn or a later one), with what every caller needs around its
+        forwards, in order::
+
+            with cache.prefill(ids, mask, max_new_tokens=n) as start:     # ``start``: input columns a prefix hit
+                model(input_ids=ids[:, start:], ..., past_key_values=cache)  # put in the cache already
+            # here stage 1 has run on every layer (after a chunked prefill too)
+
+        Args:
+            input_ids, attention_mask: the whole input of the turn ``[B, T]`` (None: no pool admission, e.g. a
+                forward of embeddings; a pool then admits at the first stage 1, without prefix lookup).
+            max_new_tokens: tokens the request will still generate (sizes a pool admission; default: from
+                ``max_length``, else ``config.capacity_headroom``).
+            max_length: logical tokens the cache will have seen at most, prompt included (generate()'s capacity
+                hint ``hints.max_length``; None keeps the current hint).
+            reservation: pool pages set aside for this request earlier (a scheduler's ``pool.reserve``), given
+                back under the pool's lock right before the admission takes its pages, so nobody else can take them
+                in between.
+            row_groups: row-group prefill (``config.prefill_batch_size``): reserve the batch's pages now, admit each
+                group when it starts.
+
+        With a pool, every page the forwards need is taken on entry, or ``PoolExhaustedError`` is raised before
+        anything is written. While the block runs the cache reports itself not compileable (prefill shapes change
+        with every prompt and chunk). On a clean exit stage 1 runs where it was deferred (chunked prefill).
+        """
+        if max_length is not None:
+            self.hints.max_length = max_length
+        previous = self.hints.prefilling
+        self.hints.prefilling = True
+        try:
+            if input_ids is not None and input_ids.shape[1] > 0:
+                self._begin_with(reservation, input_ids, attention_mask, max_new_tokens, row_groups)
+            yield self.get_seq_length()
+        finally:
+            self.hints.prefilling = previous
+        self.finish_prefill()
+
+    def _begin_with(self, reservation, input_ids, attention_mask, max_new_tokens, row_groups) -> None:
+        """``begin_prefill``, first handing ``reservation``'s pages back to the pool under its lock."""
+        if reservation is None or self.pool is None:
+            self.begin_prefill(input_ids, attention_mask, max_new_tokens=max_new_tokens, row_groups=row_groups)
+            return
+        with self.pool.exclusive():  # the pages set aside go to this admission and nobody else's
+            self.pool.unreserve(reservation)
+            self.begin_prefill(input_ids, attention_mask, max_new_tokens=max_new_tokens, row_groups=row_groups)
 
     # ------------------------------------------------------------------------------------------ pool requests
     def begin_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..compat import CacheLayerMixin
+from transformers import CacheLayerMixin
 from ..config import RocketKVConfig
 from ..kernels.dispatch import RocketOps, get_ops
 from ..kernels.host_copy import device_tensor, filled

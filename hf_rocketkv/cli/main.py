@@ -66,7 +66,7 @@ def load_model(args, threads_note: list[str]):
 def cmd_generate(args, run) -> int:
     import torch
 
-    from ..cache.cache import RocketKVCache
+    from ..cache import RocketKVCache
     from ..eval.tasks.base import encode_prompt
     from .report import generate_report
     from .runs import timed_generate

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, TextStreamer
 
-from .. import compat
+from ..integration import compat
 
 
 @dataclass

@@ -12,13 +12,15 @@ Positions are explicit (``position_ids``): after stage 1 the number of stored to
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
-from .. import compat
+from ..cache import RocketKVCache
+from ..integration import compat
 from .methods import Method
 
 
@@ -63,9 +65,6 @@ def prefill(model, method: Method, prefix: SharedPrefix, max_new_tokens: int | N
     through its own cache instead: the shared prefix never passed through its attention.
     """
     cache = method.new_cache(model, prefix.ids.shape[1] + (max_new_tokens or 0))
-    hints = getattr(cache, "hints", None)
-    if hints is not None and max_new_tokens is not None:
-        hints.max_length = prefix.ids.shape[1] + max_new_tokens  # what generate() would tell the cache
     if method.needs_full_prefill:
         prefix = SharedPrefix(ids=prefix.ids, split=0, kv=[], seconds=0.0)
     kv = [(k.clone(), v.clone()) for k, v in prefix.kv]
@@ -78,13 +77,16 @@ def prefill(model, method: Method, prefix: SharedPrefix, max_new_tokens: int | N
     device = _model_device(model)
     length = prefix.ids.shape[1]
     start = time.perf_counter()
-    out = model(
-        prefix.ids[:, prefix.split :].to(device),
-        position_ids=torch.arange(prefix.split, length, device=device)[None],
-        **compat.cache_kwargs(cache),
-        use_cache=True,
-        logits_to_keep=1,
-    )
+    # a RocketKVCache's prefill knows the request's length (as generate() tells it); other caches need nothing
+    max_length = length + max_new_tokens if max_new_tokens is not None else None
+    with cache.prefill(max_length=max_length) if isinstance(cache, RocketKVCache) else contextlib.nullcontext():
+        out = model(
+            prefix.ids[:, prefix.split :].to(device),
+            position_ids=torch.arange(prefix.split, length, device=device)[None],
+            **compat.cache_kwargs(cache),
+            use_cache=True,
+            logits_to_keep=1,
+        )
     return Prefilled(cache=cache, logits=out.logits[0, -1].float(), seconds=time.perf_counter() - start)
 
 

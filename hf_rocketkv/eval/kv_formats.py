@@ -19,8 +19,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from ..memory import KVBlockPool
-from ..memory.fp8 import FP8_DTYPE, dequantize_fp8, quantize_pages
+from ..memory import FP8_DTYPE, KVBlockPool, dequantize_fp8, quantize_pages
 
 KV_FORMATS = ("bf16", "fp8_page", "fp8_head")
 POOL_PAGE_SIZE = 16  # KVBlockPool's default page size (tokens)

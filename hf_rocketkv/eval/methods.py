@@ -59,7 +59,7 @@ from dataclasses import dataclass
 
 from transformers import DynamicCache
 
-from ..cache.cache import RocketKVCache
+from ..cache import RocketKVCache
 from ..config import RocketKVConfig
 from ..memory.pool import check_pool_policy
 from ..policies import STAGE1_POLICY_NAMES, KeepFirst

@@ -7,7 +7,7 @@ eval/methods.py).
 
 from __future__ import annotations
 
-from ..cache.cache import RocketKVCache
+from ..cache import RocketKVCache
 from ..config import RocketKVConfig
 
 

@@ -21,7 +21,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from ..cache.layer import RocketKVLayer, layer_of
 from ..cache.op_graphs import buffers_key
-from ..compat import sdpa_attention_forward
+from .compat import sdpa_attention_forward
 from ..policies.stage2 import every_page
 
 UNSUPPORTED_KWARGS = ("sliding_window", "softcap", "s_aux")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import compat
+from . import compat
 from ..cache.cache import RocketKVCache
 from .row_groups import slice_rows
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .. import compat
+from . import compat
 from ..cache.batch_view import BatchedDecodeCache
 from .decode_graphs import CudaGraphBackend
 

@@ -2,7 +2,7 @@
 
 transformers has no cache registry (``cache_implementation`` is a closed set), so hf_rocketkv hooks a few private
 generate() steps. The hooking itself (which symbols, checked signatures, binding by name, leaving every other model
-alone) lives in ``hf_rocketkv/compat.py``; this module is what happens when a call involves RocketKV:
+alone) lives in ``compat.py`` beside it; this module is what happens when a call involves RocketKV:
 
 * ``generate``: batch-size buckets (``batch_buckets``): a fresh request's rows are padded up to a bucket with
   copies of row 0 and stripped from the output (``batch_buckets.py``); decode steps apply RoPE in one launch
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import compat
+from . import compat
 from ..cache.cache import RocketKVCache
 from ..cache.layer import CROP_UNSUPPORTED
 from ..config import RocketKVConfig
@@ -106,30 +106,20 @@ class RocketKVGenerateHooks:
         cache.token_ids = input_ids
         cache.hints.guards_checked = False  # this call's first compiled decode step runs every guard
         cache.hints.forget_graph()  # prefill reallocates the store: a captured decode step would point at old buffers
-        cache.hints.prefilling = True
-        try:
-            padding = cache.hints.batch_padding
-            if padding is not None and input_ids.shape[0] > padding[0]:
-                return prefill_real_rows(call, cache, lambda rows_call: self._prefill_rows(rows_call, cache))
-            return self._prefill_rows(call, cache)
-        finally:
-            cache.hints.prefilling = False
+        padding = cache.hints.batch_padding
+        if padding is not None and input_ids.shape[0] > padding[0]:
+            return prefill_real_rows(call, cache, lambda rows_call: self._prefill_rows(rows_call, cache))
+        return self._prefill_rows(call, cache)
 
     @staticmethod
     def _prefill_rows(call: compat.Call, cache: RocketKVCache):
-        """Prefill every row of ``call``: in row groups when configured, then the deferred stage 1."""
+        """Prefill every row of ``call`` (in row groups when configured) inside the cache's prefill: with a pool,
+        every page this forward needs first, or PoolExhaustedError before anything is written; a prefix hit makes
+        the cache's length start after it, so _prefill computes only the rest; stage 1 after a chunked prefill."""
         input_ids = call.arguments["input_ids"]
         row_groups = wants_row_groups(cache, input_ids.shape[0])
-        if input_ids.shape[1] > 0:  # (inputs_embeds only: a pool admits at the first stage 1, no prefix lookup)
-            # with a pool: every page this forward needs, or PoolExhaustedError before anything is written; a
-            # prefix hit makes the cache's length start after it, so _prefill computes only the rest
-            cache.begin_prefill(input_ids, call.arguments["model_kwargs"].get("attention_mask"),
-                                row_groups=row_groups)
-        if row_groups:
-            return prefill_in_row_groups(call, cache)
-        outputs = call()
-        cache.finish_prefill()  # chunked prefill deferred stage 1 until the whole prompt was in
-        return outputs
+        with cache.prefill(input_ids, call.arguments["model_kwargs"].get("attention_mask"), row_groups=row_groups):
+            return prefill_in_row_groups(call, cache) if row_groups else call()
 
     def prepare_inputs(self, call: compat.Call):
         cache: RocketKVCache = call.arguments[compat.CACHE_ARG]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from .. import compat
+from ..cache.cache import RocketKVCache
 from ..config import RocketKVConfig
+from . import compat
 from . import generate
 from .attention import rocketkv_attention
 from .names import ATTN_NAME
@@ -16,6 +17,7 @@ def register() -> None:
     needs exactly sdpa's mask; compressed layers build validity from their own lengths and read only a later turn's
     padding from it.
     """
+    RocketKVCache.compatibility_check = staticmethod(compat.require)
     if compat.sdpa_mask is not None:
         compat.register_attention(ATTN_NAME, rocketkv_attention, compat.sdpa_mask)
     generate.install()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 
-from .. import compat
+from . import compat
 from ..kernels.rope import rope_decode_triton, rope_supported
 
 FUSED_DEVICE_TYPES = ("cuda",)  # the kernel's devices (the CPU tests add "cpu": Triton's interpreter)

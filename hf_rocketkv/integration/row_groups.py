@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from ..cache.cache import RocketKVCache
-from .. import compat
-from ..compat import Call
+from . import compat
+from .compat import Call
 
 # model_kwargs entries generate() may pass to prefill: sliced by row, or shared by every row group
 ROW_KEYS = ("attention_mask", "position_ids", "token_type_ids", "inputs_embeds")
@@ -45,13 +45,11 @@ def prefill_in_row_groups(prefill: Call, cache: RocketKVCache):
         part = cache.empty_like()
         cache.share_rows(part, group)  # a pool-backed cache: the group's admitted rows, in the same pool
         part.setup_prefix()  # and their prefix hit
-        part.hints.max_length = cache.hints.max_length
         part.hints.defer_compression = cache.hints.defer_compression
-        part.hints.prefilling = True
-        group_kwargs = slice_rows(model_kwargs, group, batch)
-        group_kwargs = compat.with_cache(group_kwargs, part)
-        outputs.append(prefill(input_ids=input_ids[group], model_kwargs=group_kwargs))
-        part.finish_prefill()  # chunked prefill inside the group deferred stage 1
+        group_kwargs = compat.with_cache(slice_rows(model_kwargs, group, batch), part)
+        # admitted by the whole batch's cache already (share_rows): no ids, so no admission of its own
+        with part.prefill(max_length=cache.hints.max_length):
+            outputs.append(prefill(input_ids=input_ids[group], model_kwargs=group_kwargs))
         parts.append(part)
     cache.adopt_row_groups(parts)
     return stack_outputs(outputs, cache)

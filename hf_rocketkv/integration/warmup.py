@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .. import compat
+from . import compat
 
 ARTIFACTS_FILE = "torch_compile_artifacts.bin"
 

@@ -9,14 +9,14 @@ Public API (docs/memory.md):
     Reservation       free pages set aside (row-group prefill admits group by group out of one)
     PoolStats, PageInfo          snapshots
     PoolExhaustedError, PoolStateError, PrefixFileError
-    quantize_pages, quantize_fp8, dequantize_fp8, fp8_scales   the fp8 storage reference
+    FP8_DTYPE, quantize_pages, quantize_fp8, dequantize_fp8, fp8_scales   the fp8 storage format and its reference
 """
 
 from .accounting import PagesNeeded
 from .admission import Admission
 from .block_table import BlockTable
 from .errors import PoolExhaustedError, PoolStateError, PrefixFileError
-from .fp8 import dequantize_fp8, fp8_scales, quantize_fp8, quantize_pages
+from .fp8 import FP8_DTYPE, dequantize_fp8, fp8_scales, quantize_fp8, quantize_pages
 from .hashing import MultimodalItem, PrefixKeys
 from .layout import LayerShape, RecordLayout
 from .page_meta import DEFAULT_PRIORITY, LOADED_PREFIX_PRIORITY, PageInfo
@@ -27,6 +27,7 @@ from .storage import LayerStorage
 
 __all__ = [
     "DEFAULT_PRIORITY",
+    "FP8_DTYPE",
     "LOADED_PREFIX_PRIORITY",
     "Admission",
     "BlockTable",

@@ -45,9 +45,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .. import compat
-from ..cache.batch_view import BatchedDecodeCache
-from ..cache.cache import RocketKVCache
+from ..integration import compat
+from ..cache import BatchedDecodeCache
+from ..cache import RocketKVCache
 from ..config import RocketKVConfig
 from ..integration.batch_graphs import BatchedDecodeGraphs, GraphCaptureFailed
 from ..integration.decode_graphs import on_device
@@ -56,7 +56,7 @@ from ..integration.rope import fused_rope
 from ..kernels.host_copy import device_tensor
 from ..memory import KVBlockPool
 from ..memory.accounting import row_pages
-from ..memory.errors import PoolExhaustedError
+from ..memory import PoolExhaustedError
 from .engine import EngineEvent, EngineLoad, EngineRequest, EventSink
 from .errors import EngineStopped, Overloaded
 from .lockstep import (Inbox, Lockstep, LockstepDiverged, Submission, check_lockstep_for, engine_state,
@@ -657,20 +657,13 @@ class BatchingEngine:
         cache = RocketKVCache(self.config, pool=self.pool, cache_salt=running.cache_salt)
         running.cache = cache
         ids = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)
-        cache.hints.max_length = request.prompt_len + request.max_new_tokens  # generate()'s capacity hint
-        with self.pool.exclusive():  # the pages set aside at admission go to this admission, and nobody else's
-            self.pool.unreserve(running.reservation)
-            running.reservation = None
-            cache.begin_prefill(ids, None, max_new_tokens=request.max_new_tokens)
-        start = cache.get_seq_length()  # a prefix hit: columns [0, start) come from the pool
-        positions = torch.arange(start, request.prompt_len, device=self.device)[None]
-        cache.hints.prefilling = True  # as in generate()'s prefill (the cache reports itself not compileable)
-        try:
+        reservation, running.reservation = running.reservation, None  # the admission takes these pages
+        # a prefix hit: columns [0, start) come from the pool
+        with cache.prefill(ids, max_new_tokens=request.max_new_tokens, reservation=reservation,
+                           max_length=request.prompt_len + request.max_new_tokens) as start:
+            positions = torch.arange(start, request.prompt_len, device=self.device)[None]
             out = self.model(input_ids=ids[:, start:], attention_mask=torch.ones_like(ids), position_ids=positions,
                              use_cache=True, logits_to_keep=1, **compat.cache_kwargs(cache))
-        finally:
-            cache.hints.prefilling = False
-        cache.finish_prefill()
         return out.logits[:, -1].float()
 
     # ------------------------------------------------------------------------------------------------ decode

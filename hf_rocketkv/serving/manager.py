@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ..config import RocketKVConfig
-from ..memory.errors import PoolExhaustedError
+from ..memory import PoolExhaustedError
 from .batching import DEFAULT_WARMUP_MAX_TOKENS
 from .channel import OutputChannel
 from .engine import Engine, EngineEvent, EngineRequest

@@ -21,8 +21,8 @@ from collections.abc import Callable
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
-from .. import compat
-from ..cache.cache import RocketKVCache
+from ..integration import compat
+from ..cache import RocketKVCache
 from ..config import RocketKVConfig
 from ..integration.decode_graphs import on_device
 from ..integration.generate import get_config

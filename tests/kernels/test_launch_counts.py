@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from launch_counts import count_prefill  # noqa: E402
 
-NOT_ROCKETKV = ("model", "compat._prefill_handler", "integration.generate.RocketKVGenerateHooks.generate",
+NOT_ROCKETKV = ("model", "integration.compat._prefill_handler", "integration.generate.RocketKVGenerateHooks.generate",
                 "integration.generate.RocketKVGenerateHooks.prepare_inputs",
                 # transformers' own RoPE, which the fused-RoPE wrapper hands every prefill call back to
                 "integration.rope._compute")

@@ -1,7 +1,9 @@
 """The seam's contract with transformers: every private transformers name hf_rocketkv relies on, in one place.
 
 Nothing else in hf_rocketkv imports a private transformers name or patches transformers. This module imports only
-transformers (no other hf_rocketkv module), so every floor of the package may use it.
+transformers (no other hf_rocketkv module); it sits in the integration floor, so integration and the floors above
+it use it. The cache floor relies on no private name: its one tie to this table is ``RocketKVCache.compatibility_check``,
+which registration sets to ``require`` (a changed transformers then fails at the first RocketKVCache).
 
 | symbol                                              | use         | why                                                   |
 |-----------------------------------------------------|-------------|-------------------------------------------------------|
