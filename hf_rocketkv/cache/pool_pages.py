@@ -33,9 +33,9 @@ import torch
 
 from ..kernels.host_copy import device_tensor
 from ..memory import Admission, BlockTable, KVBlockPool, PrefixKeys, Reservation
-from ..memory.accounting import row_pages
 from ..memory.errors import PoolExhaustedError
 from ..memory.fp8 import FP8_DTYPE, dequantize_fp8
+from .page_budget import request_pages
 from .paged_store import PagedStore, ceil_div
 from .stats import RequestCounters
 
@@ -193,9 +193,8 @@ class PoolPages:
         """Hold, in one allocation, every row's steady pages plus the largest group's prefill-only pages: enough for
         any group's admission whatever it hits (a hit replaces a fresh page; an evictable or host hit needs at most
         that one). PoolExhaustedError before anything changes when it does not fit."""
-        cfg, p = self.config, self.page_tokens
-        plans = [row_pages(n, max_new_tokens, p, cfg.prompt_budget, prefix_reuse=self.pool.prefix_reuse,
-                           keep_all=self.keep_all) for n in prompt_lens]
+        plans = [request_pages(self.config, self.pool, n, max_new_tokens, keep_all=self.keep_all)
+                 for n in prompt_lens]
         peak = [plan.peak_pages for plan in plans]
         steady = [plan.steady_pages for plan in plans]
         groups = range(0, len(plans), rows_per_group)

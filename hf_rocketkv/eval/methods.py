@@ -59,9 +59,8 @@ from dataclasses import dataclass
 
 from transformers import DynamicCache
 
-from ..cache import RocketKVCache
+from ..cache import RocketKVCache, check_pool_policy
 from ..config import RocketKVConfig
-from ..memory.pool import check_pool_policy
 from ..policies import STAGE1_POLICY_NAMES, KeepFirst
 from .kv_formats import RoundTripCache, fp8_pool
 from .streaming import streaming_config

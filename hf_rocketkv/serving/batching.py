@@ -46,8 +46,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..integration import compat
-from ..cache import BatchedDecodeCache
-from ..cache import RocketKVCache
+from ..cache import BatchedDecodeCache, RocketKVCache, request_pages
 from ..config import RocketKVConfig
 from ..integration.batch_graphs import BatchedDecodeGraphs, GraphCaptureFailed
 from ..integration.decode_graphs import on_device
@@ -55,7 +54,6 @@ from ..integration.generate import get_config
 from ..integration.rope import fused_rope
 from ..kernels.host_copy import device_tensor
 from ..memory import KVBlockPool
-from ..memory.accounting import row_pages
 from ..memory import PoolExhaustedError
 from .engine import EngineEvent, EngineLoad, EngineRequest, EventSink
 from .errors import EngineStopped, Overloaded
@@ -617,9 +615,8 @@ class BatchingEngine:
         return True
 
     def _row_pages(self, request: EngineRequest):
-        """The request's pool pages at its cold prefill peak and once compressed (``memory/accounting.py``)."""
-        return row_pages(request.prompt_len, request.max_new_tokens, self.pool.page_size, self.config.prompt_budget,
-                         prefix_reuse=self.pool.prefix_reuse)
+        """The request's pool pages at its cold prefill peak and once compressed (``cache/page_budget.py``)."""
+        return request_pages(self.config, self.pool, request.prompt_len, request.max_new_tokens)
 
     # ------------------------------------------------------------------------------------------------ prefill
     def _prefill(self, running: _Running) -> None:

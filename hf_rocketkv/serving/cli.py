@@ -265,7 +265,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         check_args(args)
         config = load_config(args.config)
         if args.pool_gib is not None:
-            from ..memory.pool import check_pool_policy
+            from ..cache import check_pool_policy
 
             try:  # before the model loads: the config is what is refused
                 check_pool_policy(config)
