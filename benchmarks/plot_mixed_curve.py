@@ -2,8 +2,8 @@
 (median), one line per engine, each point labelled with its Poisson arrival rate, as TensorRT-LLM reports RocketKV.
 
     python benchmarks/plot_mixed_curve.py \
-        "RocketKV BatchingEngine=benchmarks/results/h200_2026-11-26_s9_mixed_curve_rocketkv.json" \
-        "transformers continuous batching=benchmarks/results/h200_2026-11-26_s9_mixed_curve_transformers_cb.json" \
+        "RocketKV BatchingEngine=results/h200_2026-11-26_s9_mixed_curve_rocketkv.json" \
+        "transformers continuous batching=results/h200_2026-11-26_s9_mixed_curve_transformers_cb.json" \
         --title "..." --out docs/img/mixed_curve_h200.png
 """
 

@@ -1,6 +1,6 @@
 """Plot issue 4's targets against the measured points: decode ms/token per cache, and peak GiB at batch 4 x 32k.
 
-    python benchmarks/plot_targets.py --results benchmarks/results --prefix h200_2026-11-22 \
+    python benchmarks/plot_targets.py --results results --prefix h200_2026-11-22 \
         --out docs/img/targets_h200.png
 
 Reads the ``decode_bench.json`` files of one session (``<prefix>_decode_*.json``); each point is (batch, context).
@@ -37,7 +37,7 @@ def load(results: Path, pattern: str) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--results", default="benchmarks/results")
+    parser.add_argument("--results", default="results")
     parser.add_argument("--prefix", default="h200_2026-11-22")
     parser.add_argument("--peak-also", default="before_deferred",
                         help="files <prefix>_<this>_*.json add peak-memory bars for settings the decode runs lack "
