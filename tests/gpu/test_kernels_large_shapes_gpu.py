@@ -2,11 +2,12 @@
 (32 query heads, 8 KV heads, head_dim 128, bf16) and long contexts, where the kernel tests' small shapes never go:
 many pages per head, several splits per head, ragged rows with partial last pages.
 
-Compared: the KT page summaries (build and one decode update) bit for bit; page scores within 1e-4 relative; the
-selected pages tie-tolerantly (same count, newest page in, no chosen page worse than the reference's worst); sparse
-attention over the selected pages within 1e-2 relative (bf16 K/V); sparse attention over EVERY page against SDPA's
-dense attention (the default launch and two tile shapes) within 1e-2; stage 1's window scores within 1e-4 with each
-query's row summing to one; and one whole decode step inside ``torch.compile(fullgraph=True)`` against eager.
+Compared: the KT page summaries (build and one decode update) bit for bit; page scores within 1e-4 relative (where
+the top-r channel set is unambiguous); the selected pages tie-tolerantly (same count, newest page in, no chosen page
+worse than the reference's worst); sparse attention over the selected pages within 1e-2 relative (bf16 K/V); sparse
+attention over EVERY page against SDPA's dense attention (the default launch and two tile shapes) within 1e-2; stage
+1's window scores within 1e-4 with each query's row summing to one; and one whole decode step inside
+``torch.compile(fullgraph=True)`` against eager (within 1e-2, the KT updated alike).
 Shapes: batch 1 and 16 at 2,048 kept tokens (RocketKV's defaults), batch 4 at 32,768 and batch 1 at 100,000.
 """
 
@@ -41,6 +42,16 @@ def decode_inputs(batch: int, ctx: int, seed: int):
     return q, keys, values, lengths
 
 
+def channel_ties(q: torch.Tensor, kt_dtype: torch.dtype, topr: int) -> torch.Tensor:
+    """``[B, Hkv]``: True where the group-summed |q| (rounded to the KT dtype, as both scorers round it) ties at the
+    top-``topr`` boundary. There the channel set is ambiguous (torch.topk leaves the order of ties unspecified), so
+    those (row, KV head) pairs are left out of the page-score comparison."""
+    if topr >= q.shape[-1]:
+        return torch.zeros(q.shape[:2], dtype=torch.bool, device=q.device)
+    summed = q.to(kt_dtype).float().abs().sum(dim=2).sort(dim=-1, descending=True).values
+    return summed[..., topr - 1] == summed[..., topr]
+
+
 @pytest.fixture(scope="module")
 def ops():
     from hf_rocketkv.kernels.triton_ops import TRITON_OPS
@@ -69,7 +80,10 @@ def test_decode_ops_match_their_references(ops, batch, ctx, kt_dtype):
     for topr in (128,) if kt_dtype == torch.float8_e5m2 else (128, 64):
         probs = ops.page_scores(q, kt, n_pages, topr)
         probs_ref = s2.page_scores(q, kt_ref, n_pages, topr)
-        assert rel_err(probs, probs_ref) < SCORES_REL, f"page_scores topr={topr}: {rel_err(probs, probs_ref):.2e}"
+        clear = ~channel_ties(q, kt_dtype, topr)
+        assert clear.float().mean() > 0.5, "too many channel ties to compare page scores"
+        err = rel_err(probs[clear], probs_ref[clear])
+        assert err < SCORES_REL, f"page_scores topr={topr}: {err:.2e}"
 
     idx, valid = ops.select_pages(probs_ref, n_pages, TOPK)
     ridx, rvalid = s2.select_pages(probs_ref, n_pages, TOPK)
