@@ -14,7 +14,7 @@ NO_GPU = "needs a CUDA GPU (torch.cuda.is_available() is False); run scripts/gpu
 
 
 def pytest_collection_modifyitems(config, items):
-    # a conftest's hook sees the whole session's items: only this folder's are marked here
+    # a conftest's hook sees every collected item: only this folder's are marked here
     skip = None if torch.cuda.is_available() else pytest.mark.skip(reason=NO_GPU)
     for item in items:
         if HERE in Path(item.path).resolve().parents:

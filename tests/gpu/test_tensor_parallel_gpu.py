@@ -21,7 +21,7 @@ import torch
 
 from hf_rocketkv import RocketKVCache
 
-from .gpu_models import two_gpus
+from .gpu_models import llama_8b_layers, two_gpus
 from .tp_worker_gpu import ROCKET, prompt
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,8 +31,6 @@ TIE = 1e-6
 
 
 def _save_checkpoint(folder: Path) -> None:
-    from .gpu_models import llama_8b_layers
-
     model = llama_8b_layers(LAYERS, torch.bfloat16)  # every bf16 weight is exact in the float32 runs
     model.save_pretrained(folder)
     del model
