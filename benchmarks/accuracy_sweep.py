@@ -1,10 +1,10 @@
-"""Accuracy sweep (issue 15, item 5): RocketKV against kvpress-style eviction baselines at equal kept and equal read
+"""Accuracy sweep: RocketKV against kvpress-style eviction baselines at equal kept and equal read
 tokens, on the eval harness's fidelity task and multi-key needle, with a small grid of stage-2 options.
 
-    PYTHONPATH=. python benchmarks/accuracy_sweep.py --out out/sweep                 # CPU, embedded SmolLM2
-    PYTHONPATH=. python benchmarks/accuracy_sweep.py --quick --out out/sweep_quick   # smoke run (~80 s of CPU)
-    PYTHONPATH=. python benchmarks/accuracy_sweep.py --preset cpu --samples 2 --out out/sweep_cpu   # ~30 min
-    PYTHONPATH=. python benchmarks/accuracy_sweep.py --device cuda --threads 0 --out $OUT/sweep   # a GPU
+    python -m benchmarks.accuracy_sweep --out out/sweep                 # CPU, embedded SmolLM2
+    python -m benchmarks.accuracy_sweep --quick --out out/sweep_quick   # smoke run (~80 s of CPU)
+    python -m benchmarks.accuracy_sweep --preset cpu --samples 2 --out out/sweep_cpu   # ~30 min
+    python -m benchmarks.accuracy_sweep --device cuda --threads 0 --out $OUT/sweep   # a GPU
 
 Tasks (``hf_rocketkv.eval``, the same code as ``hf-rocketkv eval``):
     fidelity       ``--samples`` (4) passages of real English prose, ``--context`` (2048) tokens prefilled, then
@@ -149,12 +149,12 @@ def run_tasks(model, tokenizer, specs: list[Spec], args, out: Path) -> dict:
         settings = EvalSettings(tasks=["fidelity"], methods=methods, samples=args.samples, seed=0,
                                 fidelity_context=args.context, fidelity_positions=args.positions)
         results["fidelity"] = run_eval(model, tokenizer, config, settings, out / "fidelity", model_name=args.model,
-                                       command="benchmarks/accuracy_sweep.py", progress=args.progress)
+                                       command="python -m benchmarks.accuracy_sweep", progress=args.progress)
     if "niah" in args.tasks:
         settings = EvalSettings(tasks=["niah_multikey"], methods=methods, lengths=[args.needle_length],
                                 depths=args.depths, samples=1, seed=0)
         results["niah"] = run_eval(model, tokenizer, config, settings, out / "niah", model_name=args.model,
-                                   command="benchmarks/accuracy_sweep.py", progress=args.progress)
+                                   command="python -m benchmarks.accuracy_sweep", progress=args.progress)
     return results
 
 
@@ -209,7 +209,7 @@ def markdown_tables(rows: list[dict], header: str) -> str:
 
 
 def targets(rows: list[dict]) -> dict:
-    """The issue's targets, checked on the measured rows (None where the sweep lacks the data)."""
+    """The sweep's accuracy targets, checked on the measured rows (None where the sweep lacks the data)."""
     full = next((r for r in rows if r["family"] == "full"), None)
     rocket = [r for r in rows if r["family"].startswith("rocketkv") and r["top1_agreement"] is not None]
     out = {}

@@ -1,7 +1,7 @@
-"""Prefix reuse, host onload, decode with and without a pool, and batch-64 memory with a pool (issue 13 targets).
+"""Prefix reuse, host onload, decode with and without a pool, and batch-64 memory with a pool, on a GPU.
 
-    PYTHONPATH=. python benchmarks/bench_prefix_reuse.py --out $OUT            # H100: ~2-3 minutes
-    PYTHONPATH=. python benchmarks/bench_prefix_reuse.py --quick --out out/q   # CPU smoke test (tiny model)
+    python -m benchmarks.bench_prefix_reuse --out $OUT            # H100: ~2-3 minutes
+    python -m benchmarks.bench_prefix_reuse --quick --out out/q   # CPU smoke test (tiny model)
 
 Llama-3.1-8B shapes (32 layers, 8 KV heads x 128), random bf16 weights, RocketKVConfig() defaults (budget 2048, topk
 64, KT page 4, fp8 KT) with the Triton backend; a KVBlockPool of 16-token pages. Prompts: a 32k-token shared prefix

@@ -1,7 +1,7 @@
-"""Host time of an EAGER decode step (issue 12: eager decode <= 30 ms/token at batch 1), per function, on a GPU.
+"""Host time of an EAGER decode step per function, on a GPU (target: eager decode <= 30 ms/token at batch 1).
 
-    PYTHONPATH=. python benchmarks/decode_host_time.py --out $OUT            # H100 / H200: about a minute
-    PYTHONPATH=. python benchmarks/decode_host_time.py --quick --out out     # CPU smoke run (tiny model)
+    python -m benchmarks.decode_host_time --out $OUT            # H100 / H200: about a minute
+    python -m benchmarks.decode_host_time --quick --out out     # CPU smoke run (tiny model)
 
 Without CUDA graphs a decode step is host-bound: the GPU waits for the launches. generate() runs with
 ``disable_compile=True`` on RocketKVCache (Triton backend) and on DynamicCache (the model's own host cost), after a
@@ -19,21 +19,18 @@ import json
 import os
 import pstats
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 from transformers import LogitsProcessorList
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hf_rocketkv
+from hf_rocketkv import RocketKVCache
+from hf_rocketkv.bench.decode import LLAMA_31_8B, TINY, StepClock, build_model
+from hf_rocketkv.config import RocketKVConfig
+from hf_rocketkv.integration.registration import enable
 
-import hf_rocketkv  # noqa: E402
-from hf_rocketkv import RocketKVCache  # noqa: E402
-from hf_rocketkv.bench.decode import LLAMA_31_8B, TINY, StepClock, build_model  # noqa: E402
-from hf_rocketkv.config import RocketKVConfig  # noqa: E402
-from hf_rocketkv.integration.registration import enable  # noqa: E402
-from prefill_host_time import function_name, stats_rows  # noqa: E402
+from benchmarks.prefill_host_time import function_name, stats_rows
 
 
 class ProfileSteps:

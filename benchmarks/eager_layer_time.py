@@ -1,6 +1,6 @@
-"""Host microseconds of ONE decoder layer's eager decode step, split into its parts, on a GPU (issue 12's eager target).
+"""Host microseconds of ONE decoder layer's eager decode step, split into its parts, on a GPU.
 
-    PYTHONPATH=. python benchmarks/eager_layer_time.py --out $OUT
+    python -m benchmarks.eager_layer_time --out $OUT
 
 decode_host_time.py ranks functions with cProfile, which inflates Python-heavy code; this times the parts without a
 profiler, each called ``--calls`` times back to back on one layer (Llama-3.1-8B shapes, batch 1, a prompt of
@@ -23,23 +23,19 @@ import cProfile
 import json
 import os
 import pstats
-import sys
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hf_rocketkv import RocketKVCache
+from hf_rocketkv.bench.decode import LLAMA_31_8B, build_model
+from hf_rocketkv.config import RocketKVConfig
+from hf_rocketkv.integration.attention import rocketkv_attention
+from hf_rocketkv.integration.registration import enable
 
-from transformers import DynamicCache  # noqa: E402
-from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
-
-from hf_rocketkv import RocketKVCache  # noqa: E402
-from hf_rocketkv.bench.decode import LLAMA_31_8B, build_model  # noqa: E402
-from hf_rocketkv.config import RocketKVConfig  # noqa: E402
-from hf_rocketkv.integration.attention import rocketkv_attention  # noqa: E402
-from hf_rocketkv.integration.registration import enable  # noqa: E402
-from launch_overhead import per_call_us  # noqa: E402
+from benchmarks.launch_overhead import per_call_us
 
 
 def main() -> None:

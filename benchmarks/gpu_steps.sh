@@ -2,14 +2,26 @@
 # Runs named GPU measurement steps one after another, each under its own time limit, each logged to $OUT/<step>.log
 # (tee: a step that times out still leaves its output), so one device call can batch several checks.
 #
-#   OUT=/tmp/out bash benchmarks/gpu_steps.sh decode_b1_32k decode_b32_8k prefix_reuse graph_regions
+#   OUT=/tmp/out bash benchmarks/gpu_steps.sh decode_b1_32k decode_b32_8k prefix_reuse graph_tests
 #
+# Run it from the repository root: the timing scripts run as modules (python -m benchmarks.<name>). The GPU
+# correctness checks are tests (tests/gpu and every test marked `gpu`): the step gpu_tests runs them all through
+# scripts/gpu_tests.sh, which writes its results file under $OUT/gpu_tests; the *_tests steps run some of them.
 # A failing step never stops the next one; the summary at the end lists each step's exit status and seconds.
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.}
 PY=${PYTHON:-python}
+
+need_pytest() {  # a GPU machine without network: pytest and hypothesis from the carried wheels
+  $PY -c "import pytest, hypothesis" 2>/dev/null || \
+    $PY -m pip install -q --no-index --find-links .device_wheels pytest hypothesis pytest-timeout
+}
+
+# "${GPU_TESTS[@]}" PATH...: the `gpu` tests of PATH, with a results file under $OUT/gpu_tests (a command, not a
+# function: step runs it under timeout)
+GPU_TESTS=(env OUT="$OUT/gpu_tests" bash scripts/gpu_tests.sh)
 
 step() {  # step NAME LIMIT_SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
@@ -22,161 +34,159 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...
 
 for name in "$@"; do
   case $name in
-    decode_b1_32k)   step "$name" 200 $PY benchmarks/bench_decode.py --batch 1 --context 32768 --new-tokens 64 \
+    decode_b1_32k)   step "$name" 200 $PY -m hf_rocketkv.bench.decode --batch 1 --context 32768 --new-tokens 64 \
                         --caches rocketkv-graphs rocketkv dynamic --no-plot --out "$OUT/decode_b1_32k" ;;
     decode_pool_b1_32k) # private pages, bf16 pool pages and fp8 pool pages side by side (graphs), eager and DynamicCache
-                     step "$name" 300 $PY benchmarks/bench_decode.py --batch 1 --context 32768 --new-tokens 64 \
+                     step "$name" 300 $PY -m hf_rocketkv.bench.decode --batch 1 --context 32768 --new-tokens 64 \
                         --caches rocketkv-graphs rocketkv-graphs-pool rocketkv-graphs-pool-fp8 rocketkv dynamic \
                         --no-plot --out "$OUT/decode_pool_b1_32k" ;;
-    decode_pool_b32_8k) step "$name" 300 $PY benchmarks/bench_decode.py --batch 32 --context 8192 --new-tokens 64 \
+    decode_pool_b32_8k) step "$name" 300 $PY -m hf_rocketkv.bench.decode --batch 32 --context 8192 --new-tokens 64 \
                         --prefill-batch-size 8 --caches rocketkv-graphs rocketkv-graphs-pool rocketkv-graphs-pool-fp8 \
                         --no-plot --out "$OUT/decode_pool_b32_8k" ;;
     rope_tests)      # the fused decode RoPE against transformers' formula, bit for bit, and whole generations on/off
-                     $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index --find-links .device_wheels pytest hypothesis
+                     need_pytest
                      step "$name" 300 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_rope.py tests/test_fused_rope.py ;;
     adakv_tests)     # AdaKV's per-head lengths: compaction kernel (compiled), layer vs oracles, Triton vs torch, generate
-                     $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index --find-links .device_wheels pytest hypothesis
+                     need_pytest
                      step "$name" 400 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_compact.py \
                         tests/policies/test_adakv_layer.py tests/policies/test_adakv_generate.py \
                         tests/policies/test_policy_cache.py ;;
     decode_adakv_b1_32k) # stage1="adakv" (per-head lengths) against snapkv: graphed and eager, same call
-                     step "$name" 300 $PY benchmarks/bench_decode.py --batch 1 --context 32768 --new-tokens 64 \
+                     step "$name" 300 $PY -m hf_rocketkv.bench.decode --batch 1 --context 32768 --new-tokens 64 \
                         --caches rocketkv-graphs rocketkv-graphs-adakv rocketkv rocketkv-adakv --no-plot \
                         --out "$OUT/decode_adakv_b1_32k" ;;
-    decode_adakv_b32_8k) step "$name" 300 $PY benchmarks/bench_decode.py --batch 32 --context 8192 --new-tokens 64 \
+    decode_adakv_b32_8k) step "$name" 300 $PY -m hf_rocketkv.bench.decode --batch 32 --context 8192 --new-tokens 64 \
                         --prefill-batch-size 8 --caches rocketkv-graphs rocketkv-graphs-adakv --no-plot \
                         --out "$OUT/decode_adakv_b32_8k" ;;
     decode_rope_b1_32k) # fused_rope on / off side by side: graphed and eager, DynamicCache
-                     step "$name" 300 $PY benchmarks/bench_decode.py --batch 1 --context 32768 --new-tokens 64 \
+                     step "$name" 300 $PY -m hf_rocketkv.bench.decode --batch 1 --context 32768 --new-tokens 64 \
                         --caches rocketkv-graphs rocketkv-graphs-rope-off rocketkv rocketkv-rope-off dynamic \
                         --no-plot --out "$OUT/decode_rope_b1_32k" ;;
-    decode_rope_b32_8k) step "$name" 300 $PY benchmarks/bench_decode.py --batch 32 --context 8192 --new-tokens 64 \
+    decode_rope_b32_8k) step "$name" 300 $PY -m hf_rocketkv.bench.decode --batch 32 --context 8192 --new-tokens 64 \
                         --prefill-batch-size 8 --caches rocketkv-graphs rocketkv-graphs-rope-off --no-plot \
                         --out "$OUT/decode_rope_b32_8k" ;;
-    profile_b64_32k_regions) step "$name" 590 $PY benchmarks/profile_graph_step.py --batch 64 --context 32768 \
+    profile_b64_32k_regions) step "$name" 590 $PY -m benchmarks.profile_graph_step --batch 64 --context 32768 \
                         --prefill-batch-size 8 --bandwidth-tbs 4.8 --regions --out "$OUT/profile_b64_32k_regions" ;;
     profile_b64_8k_rope_ab) # fused_rope on, then off, compile_regions, batch 64 x 8k (stage 1 keeps 2048 either way)
-                     for r in "" "--rope-off"; do step "$name${r//-/_}" 290 $PY benchmarks/profile_graph_step.py \
+                     for r in "" "--rope-off"; do step "$name${r//-/_}" 290 $PY -m benchmarks.profile_graph_step \
                         --batch 64 --context 8192 --prefill-batch-size 16 --bandwidth-tbs 4.8 --regions $r \
                         --new-tokens 24 --out "$OUT/$name${r//-/_}"; done ;;
-    profile_b64_32k_regions_rope_off) step "$name" 590 $PY benchmarks/profile_graph_step.py --batch 64 \
+    profile_b64_32k_regions_rope_off) step "$name" 590 $PY -m benchmarks.profile_graph_step --batch 64 \
                         --context 32768 --prefill-batch-size 8 --bandwidth-tbs 4.8 --regions --rope-off \
                         --out "$OUT/profile_b64_32k_regions_rope_off" ;;
-    decode_b32_8k)   step "$name" 240 $PY benchmarks/bench_decode.py --batch 32 --context 8192 --new-tokens 64 \
+    decode_b32_8k)   step "$name" 240 $PY -m hf_rocketkv.bench.decode --batch 32 --context 8192 --new-tokens 64 \
                         --prefill-batch-size 8 --caches rocketkv-graphs dynamic --no-plot --out "$OUT/decode_b32_8k" ;;
-    decode_graphs_b32_8k) step "$name" 240 $PY benchmarks/bench_decode.py --batch 32 --context 8192 --new-tokens 64 \
+    decode_graphs_b32_8k) step "$name" 240 $PY -m hf_rocketkv.bench.decode --batch 32 --context 8192 --new-tokens 64 \
                         --prefill-batch-size 8 --caches rocketkv-graphs --no-plot --out "$OUT/decode_graphs_b32_8k" ;;
     attention_kernel_tests) # the sparse attention and paged ops against their twins on this GPU
-                     $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index --find-links .device_wheels pytest hypothesis
+                     need_pytest
                      step "$name" 240 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_sparse_decode_attention.py \
                         tests/kernels/test_paged_ops.py tests/kernels/test_fp8_pages.py ;;
-    tune_wide)       step "$name" 400 $PY benchmarks/tune_decode_kernels.py --wide --skip-attention --batches 64 32 1 \
+    tune_wide)       step "$name" 400 $PY -m benchmarks.tune_decode_kernels --wide --skip-attention --batches 64 32 1 \
                         --out "$OUT/tune_wide" ;;
-    prefix_reuse)    step "$name" 240 $PY benchmarks/bench_prefix_reuse.py --out "$OUT/prefix_reuse" ;;
-    prefix_equal_fp32) step "$name" 150 $PY benchmarks/bench_prefix_reuse.py --dtype float32 --layers 8 --prefix 8192 \
+    prefix_reuse)    step "$name" 240 $PY -m benchmarks.bench_prefix_reuse --out "$OUT/prefix_reuse" ;;
+    prefix_equal_fp32) step "$name" 150 $PY -m benchmarks.bench_prefix_reuse --dtype float32 --layers 8 --prefix 8192 \
                         --batch 2 --pool-gib 8 --host-gib 2 --out "$OUT/prefix_equal_fp32" ;;
-    onload_exact)    step "$name" 150 $PY benchmarks/onload_exact_check.py --layers 4 --out "$OUT/onload_exact" ;;
-    graph_regions)   step "$name" 200 $PY benchmarks/gpu_graph_check.py --layers 8 --context 4096 --regions \
-                        --out "$OUT/graph_regions" ;;
-    warm_start)      step "$name" 300 $PY benchmarks/warm_start_check.py --out "$OUT/warm_start" ;;
+    gpu_tests)       # every test marked `gpu` (tests/gpu and the GPU-only tests elsewhere), one results file
+                     step "$name" 590 "${GPU_TESTS[@]}" tests ;;
+    onload_exact)    # a prefix hit onloaded from host memory equals the device hit, bit for bit
+                     step "$name" 150 "${GPU_TESTS[@]}" tests/gpu/test_prefix_onload_gpu.py ;;
+    graph_tests)     # CUDA-graph decode equals eager decode (also after compile_regions); torch.compile decode runs
+                     step "$name" 300 "${GPU_TESTS[@]}" tests/gpu/test_decode_graphs_gpu.py \
+                        tests/gpu/test_compiled_decode_gpu.py ;;
+    warm_start)      step "$name" 300 $PY -m benchmarks.warm_start_time --out "$OUT/warm_start" ;;
     kernel_tests)    # every Triton kernel against its PyTorch twin, compiled for this GPU (pytest from .device_wheels if absent)
-                     $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index --find-links .device_wheels pytest hypothesis
+                     need_pytest
                      step "$name" 330 $PY -m pytest -q -p no:cacheprovider --durations=15 tests/kernels ;;
     launch_tests)    # kernels/launch.TritonLaunch: the compiled kernel it reuses is Triton's own, over specializations
-                     $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index --find-links .device_wheels pytest hypothesis
+                     need_pytest
                      step "$name" 120 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_launch.py ;;
     op_graph_tests)  # eager decode through per-layer CUDA graphs equals plain eager launches, bit for bit (cache/op_graphs.py)
-                     $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index --find-links .device_wheels pytest hypothesis
+                     need_pytest
                      step "$name" 240 $PY -m pytest -q -p no:cacheprovider tests/test_op_graphs.py ;;
     graph_pool_tests) # the CUDA-graph runner on pool pages (pages back without the garbage collector) and the graphs' tests
-                     $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index --find-links .device_wheels pytest hypothesis
+                     need_pytest
                      step "$name" 180 $PY -m pytest -q -p no:cacheprovider tests/test_decode_graphs.py ;;
     compact_tests)   # stage 1's compaction kernel against its twin and the slot-by-slot oracle, on this GPU
-                     $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index --find-links .device_wheels pytest hypothesis
+                     need_pytest
                      step "$name" 120 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_compact.py ;;
     attention_tests) # the prefill attention's lower-right causal path (flash / mem-efficient on CUDA) against its oracle
-                     $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index --find-links .device_wheels pytest hypothesis
+                     need_pytest
                      step "$name" 120 $PY -m pytest -q -p no:cacheprovider tests/test_dense_attention.py ;;
-    profile_prefix_hit) step "$name" 150 $PY benchmarks/profile_prefix_hit.py --out "$OUT/profile_prefix_hit" ;;
-    profile_prefill) step "$name" 150 $PY benchmarks/profile_prefill.py --out "$OUT/profile_prefill" ;;
-    sync_sites)      step "$name" 120 $PY benchmarks/sync_sites.py --layers 2 --out "$OUT/sync_sites" ;;
-    decode_compression) step "$name" 120 $PY benchmarks/gpu_decode_compression_check.py --new-tokens 512 \
-                        --out "$OUT/decode_compression" ;;
-    batching)        step "$name" 300 $PY benchmarks/batching_check.py --rates 1,4 --mixed-requests 16 --mixed-time-s 20 \
+    profile_prefix_hit) step "$name" 150 $PY -m benchmarks.profile_prefix_hit --out "$OUT/profile_prefix_hit" ;;
+    profile_prefill) step "$name" 150 $PY -m benchmarks.profile_prefill --out "$OUT/profile_prefill" ;;
+    sync_sites)      step "$name" 120 $PY -m benchmarks.sync_sites --layers 2 --out "$OUT/sync_sites" ;;
+    decode_compression) # decode-time compression: CUDA-graph decode equals eager, the capacity stays bounded
+                     step "$name" 240 "${GPU_TESTS[@]}" tests/gpu/test_decode_compression_gpu.py ;;
+    batching)        step "$name" 300 $PY -m benchmarks.batching_throughput --rates 1,4 --mixed-requests 16 --mixed-time-s 20 \
                         --mixed-max-prompt 16384 --out "$OUT/batching" ;;
-    graph_regions_b1) step "$name" 120 $PY benchmarks/gpu_graph_check.py --layers 8 --context 4096 --regions --batches 1 \
-                        --out "$OUT/graph_regions" ;;
-    profile_graph_b32) step "$name" 240 $PY benchmarks/profile_graph_step.py --batch 32 --context 8192 --eager \
+    profile_graph_b32) step "$name" 240 $PY -m benchmarks.profile_graph_step --batch 32 --context 8192 --eager \
                         --out "$OUT/profile_graph_b32" ;;
-    decode_host_time) step "$name" 200 $PY benchmarks/decode_host_time.py --out "$OUT/decode_host_time" ;;
-    eager_layer_time) step "$name" 150 $PY benchmarks/eager_layer_time.py --out "$OUT/eager_layer_time" ;;
-    launch_overhead) step "$name" 120 $PY benchmarks/launch_overhead.py --out "$OUT/launch_overhead" ;;
-    bench_fp8_append) step "$name" 120 $PY benchmarks/bench_fp8_append.py --out "$OUT/bench_fp8_append" ;;
+    decode_host_time) step "$name" 200 $PY -m benchmarks.decode_host_time --out "$OUT/decode_host_time" ;;
+    eager_layer_time) step "$name" 150 $PY -m benchmarks.eager_layer_time --out "$OUT/eager_layer_time" ;;
+    launch_overhead) step "$name" 120 $PY -m benchmarks.launch_overhead --out "$OUT/launch_overhead" ;;
+    bench_fp8_append) step "$name" 120 $PY -m benchmarks.bench_fp8_append --out "$OUT/bench_fp8_append" ;;
     profile_pool_b1) # the graphed step at batch 1 x 32k on private pages, bf16 pool pages and fp8 pool pages
                      for pool in none model fp8; do
-                       step "${name}_$pool" 150 $PY benchmarks/profile_graph_step.py --batch 1 --context 32768 \
+                       step "${name}_$pool" 150 $PY -m benchmarks.profile_graph_step --batch 1 --context 32768 \
                           --pool "$pool" --out "$OUT/profile_pool_b1"
                      done ;;
-    profile_graph_b1) step "$name" 180 $PY benchmarks/profile_graph_step.py --batch 1 --context 32768 \
+    profile_graph_b1) step "$name" 180 $PY -m benchmarks.profile_graph_step --batch 1 --context 32768 \
                         --out "$OUT/profile_graph_b1" ;;
-    batching_fixed)  step "$name" 240 $PY benchmarks/batching_check.py --rates "" --out "$OUT/batching_fixed" ;;
-    batching_fixed_regions) step "$name" 300 $PY benchmarks/batching_check.py --rates "" --compile-regions --profile-prefill \
+    batching_fixed)  step "$name" 240 $PY -m benchmarks.batching_throughput --rates "" --out "$OUT/batching_fixed" ;;
+    batching_fixed_regions) step "$name" 300 $PY -m benchmarks.batching_throughput --rates "" --compile-regions --profile-prefill \
                         --out "$OUT/batching_fixed_regions" ;;
-    profile_graph_b32_regions) step "$name" 240 $PY benchmarks/profile_graph_step.py --batch 32 --context 8192 \
+    profile_graph_b32_regions) step "$name" 240 $PY -m benchmarks.profile_graph_step --batch 32 --context 8192 \
                         --regions --out "$OUT/profile_graph_b32_regions" ;;
-    tune_kernels)    step "$name" 420 $PY benchmarks/tune_decode_kernels.py --out "$OUT/tune_kernels" ;;
-    batching_fixed_compiled) step "$name" 300 $PY benchmarks/batching_check.py --rates "" --compile-regions \
+    tune_kernels)    step "$name" 420 $PY -m benchmarks.tune_decode_kernels --out "$OUT/tune_kernels" ;;
+    batching_fixed_compiled) step "$name" 300 $PY -m benchmarks.batching_throughput --rates "" --compile-regions \
                         --out "$OUT/batching_fixed_compiled" ;;
-    batching_fixed_compiled_rope_off) step "$name" 300 $PY benchmarks/batching_check.py --rates "" --compile-regions \
+    batching_fixed_compiled_rope_off) step "$name" 300 $PY -m benchmarks.batching_throughput --rates "" --compile-regions \
                         --rope-off --out "$OUT/batching_fixed_compiled_rope_off" ;;
-    batching_fixed_sync) step "$name" 300 $PY benchmarks/batching_check.py --rates "" --compile-regions \
+    batching_fixed_sync) step "$name" 300 $PY -m benchmarks.batching_throughput --rates "" --compile-regions \
                         --no-overlap-decode --out "$OUT/batching_fixed_sync" ;;
-    batching_gc)     step "$name" 300 $PY benchmarks/batching_check.py --rates "" --compile-regions --freeze-gc \
+    batching_gc)     step "$name" 300 $PY -m benchmarks.batching_throughput --rates "" --compile-regions --freeze-gc \
                         --out "$OUT/batching_gc" ;;
-    batching_host_times) step "$name" 300 $PY benchmarks/batching_check.py --rates "" --compile-regions --time-host \
+    batching_host_times) step "$name" 300 $PY -m benchmarks.batching_throughput --rates "" --compile-regions --time-host \
                         --out "$OUT/batching_host_times" ;;
-    triton_compiles) step "$name" 240 $PY benchmarks/triton_compiles.py ;;
-    prefill_cprofile) step "$name" 150 $PY benchmarks/prefill_host_time.py --regions --cprofile --repeats 3 \
+    triton_compiles) step "$name" 240 $PY -m benchmarks.triton_compiles ;;
+    prefill_cprofile) step "$name" 150 $PY -m benchmarks.prefill_host_time --regions --cprofile --repeats 3 \
                         --out "$OUT/prefill_cprofile" ;;
-    prefill_host_time) step "$name" 150 $PY benchmarks/prefill_host_time.py --regions --out "$OUT/prefill_host_time" ;;
-    profile_prefill_regions) step "$name" 180 $PY benchmarks/profile_prefill.py --regions \
+    prefill_host_time) step "$name" 150 $PY -m benchmarks.prefill_host_time --regions --out "$OUT/prefill_host_time" ;;
+    profile_prefill_regions) step "$name" 180 $PY -m benchmarks.profile_prefill --regions \
                         --out "$OUT/profile_prefill_regions" ;;
-    batching_regions) step "$name" 420 $PY benchmarks/batching_check.py --rates 1,4 --mixed-requests 16 \
+    batching_regions) step "$name" 420 $PY -m benchmarks.batching_throughput --rates 1,4 --mixed-requests 16 \
                         --mixed-time-s 20 --mixed-max-prompt 16384 --compile-regions --out "$OUT/batching_regions" ;;
-    profile_graph_b1_regions) step "$name" 180 $PY benchmarks/profile_graph_step.py --batch 1 --context 32768 \
+    profile_graph_b1_regions) step "$name" 180 $PY -m benchmarks.profile_graph_step --batch 1 --context 32768 \
                         --regions --out "$OUT/profile_graph_b1_regions" ;;
     stage2_score_tests) # stage2_score="head_bound" (and the default) in the scoring / selection kernels on this GPU
-                     $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index --find-links .device_wheels pytest hypothesis
+                     need_pytest
                      step "$name" 240 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_page_scores.py \
                         tests/kernels/test_select_pages.py tests/kernels/test_paged_ops.py tests/kernels/test_e2e_triton.py ;;
-    bench_kernels_quick) step "$name" 200 $PY benchmarks/bench_kernels.py --quick --budget-s 120 \
+    bench_kernels_quick) step "$name" 200 $PY -m benchmarks.bench_kernels --quick --budget-s 120 \
                         --out "$OUT/bench_kernels_quick" ;;
-    mixed_curve)     step "$name" 300 $PY benchmarks/batching_check.py --skip-fixed --rates 1,2,4,8 --mixed-requests 16 \
+    mixed_curve)     step "$name" 300 $PY -m benchmarks.batching_throughput --skip-fixed --rates 1,2,4,8 --mixed-requests 16 \
                         --mixed-time-s 20 --mixed-max-prompt 32768 --compile-regions --out "$OUT/mixed_curve" ;;
-    mixed_curve_transformers) step "$name" 540 $PY benchmarks/batching_check.py --engine transformers --skip-fixed \
+    mixed_curve_transformers) step "$name" 540 $PY -m benchmarks.batching_throughput --engine transformers --skip-fixed \
                         --rates 1,2,4,8 --mixed-requests 16 --mixed-time-s 20 --mixed-max-prompt 32768 \
                         --out "$OUT/mixed_curve_transformers" ;;
     decode_pages2)   # the fidelity-pages2 config (pages of 2, topk 128) against the default (pages of 4, topk 64)
                      for cfg in default fidelity-pages2; do
-                       step "${name}_${cfg}_b1" 200 $PY benchmarks/bench_decode.py --batch 1 --context 32768 \
+                       step "${name}_${cfg}_b1" 200 $PY -m hf_rocketkv.bench.decode --batch 1 --context 32768 \
                           --new-tokens 64 --caches rocketkv-graphs --config hf_rocketkv/configs/$cfg.yaml --no-plot \
                           --out "$OUT/${name}_${cfg}_b1"
-                       step "${name}_${cfg}_b32" 240 $PY benchmarks/bench_decode.py --batch 32 --context 8192 \
+                       step "${name}_${cfg}_b32" 240 $PY -m hf_rocketkv.bench.decode --batch 32 --context 8192 \
                           --new-tokens 64 --prefill-batch-size 8 --caches rocketkv-graphs \
                           --config hf_rocketkv/configs/$cfg.yaml --no-plot --out "$OUT/${name}_${cfg}_b32"
                      done ;;
-    tp_verify)       # tensor parallel on 2 GPUs against 1, float32, step level (benchmarks/tp_check.py)
-                     step "${name}_save" 150 $PY benchmarks/tp_check.py save --layers 4 --dtype bfloat16 --dir /tmp/tp4
-                     step "${name}_single" 150 env CUDA_VISIBLE_DEVICES=0 $PY benchmarks/tp_check.py run --dir /tmp/tp4 \
-                        --dtype float32 --context 16384 --new-tokens 8 --out "$OUT/tp_single.json"
-                     step "${name}_tp" 200 $PY -m torch.distributed.run --nproc_per_node=2 benchmarks/tp_check.py run \
-                        --dir /tmp/tp4 --dtype float32 --context 16384 --new-tokens 8 --out "$OUT/tp_two.json"
-                     step "${name}_compare" 60 $PY benchmarks/tp_check.py compare "$OUT/tp_single.json" "$OUT/tp_two.json" ;;
-    tp_speed)        # tensor parallel on 2 GPUs against 1, bf16: TTFT and decode after a warm-up (tp_speed.py)
+    tp_verify)       # needs 2 GPUs: tensor parallel against 1 GPU, float32, step level; the engine in lockstep
+                     step "$name" 590 "${GPU_TESTS[@]}" tests/gpu/test_tensor_parallel_gpu.py \
+                        tests/gpu/test_lockstep_serving_gpu.py ;;
+    tp_speed)        # tensor parallel on 2 GPUs against 1, bf16: TTFT and decode after a warm-up (benchmarks/tp_speed.py)
                      # TP_LAYERS (default 8; 32 = the whole 8B model) and TP_WORKLOADS (default "b1 b16")
                      layers=${TP_LAYERS:-8}; dir=/tmp/tps$layers; scale=$(( layers > 8 ? layers / 8 : 1 ))
                      tag=$([ "$layers" = 8 ] && echo "" || echo "_L$layers")
-                     [ -d "$dir" ] || step "${name}${tag}_save" $((80 * scale)) $PY benchmarks/tp_check.py save \
+                     [ -d "$dir" ] || step "${name}${tag}_save" $((80 * scale)) $PY -m benchmarks.random_checkpoint \
                         --layers "$layers" --dtype bfloat16 --dir "$dir"
                      for wl in ${TP_WORKLOADS:-b1 b16}; do
                        # batch, context, the single-GPU limit at 8 layers (TP takes less), RocketKVConfig overrides;
@@ -187,32 +197,32 @@ for name in "$@"; do
                          *)   echo "unknown TP workload $wl (b1, b16)" | tee -a "$OUT/summary.txt"; continue ;;
                        esac
                        run="${name}${tag}_b${b}_${ctx}"
-                       step "${run}_single" $((limit * scale)) env CUDA_VISIBLE_DEVICES=0 $PY benchmarks/tp_speed.py \
+                       step "${run}_single" $((limit * scale)) env CUDA_VISIBLE_DEVICES=0 $PY -m benchmarks.tp_speed \
                           run --dir "$dir" --batch "$b" --context "$ctx" --new-tokens 64 --repeats 3 \
                           --rocketkv-json "$rk" --out "$OUT/${run}_single.json"
                        step "${run}_tp" $((100 * scale)) $PY -m torch.distributed.run --nproc_per_node=2 \
-                          benchmarks/tp_speed.py run --dir "$dir" --batch "$b" --context "$ctx" --new-tokens 64 \
+                          -m benchmarks.tp_speed run --dir "$dir" --batch "$b" --context "$ctx" --new-tokens 64 \
                           --repeats 3 --rocketkv-json "$rk" --out "$OUT/${run}_tp.json"
-                       step "${run}_compare" 60 $PY benchmarks/tp_speed.py compare "$OUT/${run}_single.json" \
+                       step "${run}_compare" 60 $PY -m benchmarks.tp_speed compare "$OUT/${run}_single.json" \
                           "$OUT/${run}_tp.json"
                      done ;;
     engine_device_tests) # needs 2 GPUs: the engines on a model on cuda:1 (their threads' current CUDA device)
-                     $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index --find-links .device_wheels pytest hypothesis
+                     need_pytest
                      step "$name" 180 $PY -m pytest -q -p no:cacheprovider tests/serving/test_engine_device.py tests/test_decode_graphs.py ;;
     lockstep_serve)  # the batching engine in lockstep on 2 GPUs against 1 GPU: throughput, same events on both ranks
-                     [ -d /tmp/tps8 ] || step "${name}_save" 80 $PY benchmarks/tp_check.py save --layers 8 --dtype bfloat16 --dir /tmp/tps8
-                     step "${name}_single" 200 env CUDA_VISIBLE_DEVICES=0 $PY benchmarks/lockstep_check.py --dir /tmp/tps8 \
+                     [ -d /tmp/tps8 ] || step "${name}_save" 80 $PY -m benchmarks.random_checkpoint --layers 8 --dtype bfloat16 --dir /tmp/tps8
+                     step "${name}_single" 200 env CUDA_VISIBLE_DEVICES=0 $PY -m benchmarks.tp_serving_throughput --dir /tmp/tps8 \
                         --out "$OUT/lockstep_single.json"
-                     step "${name}_tp" 200 $PY -m torch.distributed.run --nproc_per_node=2 benchmarks/lockstep_check.py \
+                     step "${name}_tp" 200 $PY -m torch.distributed.run --nproc_per_node=2 -m benchmarks.tp_serving_throughput \
                         --dir /tmp/tps8 --out "$OUT/lockstep_tp.json"
-                     step "${name}_compare" 60 $PY benchmarks/lockstep_check.py --compare "$OUT/lockstep_single.json" \
+                     step "${name}_compare" 60 $PY -m benchmarks.tp_serving_throughput --compare "$OUT/lockstep_single.json" \
                         "$OUT/lockstep_tp.json" ;;
     fp8_kernel_tests) # the fp8 page kernels (attention, append, compaction) compiled for this GPU against their twins
-                     $PY -c "import pytest, hypothesis" 2>/dev/null || $PY -m pip install -q --no-index --find-links .device_wheels pytest hypothesis
+                     need_pytest
                      step "$name" 240 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_pages.py ;;
     fp8_vs_bf16_fixed) # the batching engine's fixed workload (32 x 8k, 512 new) on bf16 pool pages, then on fp8 pages
                      for dt in auto fp8; do
-                       step "${name}_$dt" 300 $PY benchmarks/batching_check.py --rates "" --kv-cache-dtype "$dt" \
+                       step "${name}_$dt" 300 $PY -m benchmarks.batching_throughput --rates "" --kv-cache-dtype "$dt" \
                           --out "$OUT/${name}_$dt"
                      done ;;
     *) echo "unknown step $name (see benchmarks/gpu_steps.sh)" | tee -a "$OUT/summary.txt" ;;

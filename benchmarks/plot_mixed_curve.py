@@ -1,9 +1,9 @@
-"""Plot the mixed-workload curve of batching_check.py runs: output tokens/s per GPU against tokens/s per user
+"""Plot the mixed-workload curve of batching_throughput.py runs: output tokens/s per GPU against tokens/s per user
 (median), one line per engine, each point labelled with its Poisson arrival rate, as TensorRT-LLM reports RocketKV.
 
-    python benchmarks/plot_mixed_curve.py \
-        "RocketKV BatchingEngine=benchmarks/results/h200_2026-11-26_s9_mixed_curve_rocketkv.json" \
-        "transformers continuous batching=benchmarks/results/h200_2026-11-26_s9_mixed_curve_transformers_cb.json" \
+    python -m benchmarks.plot_mixed_curve \
+        "RocketKV BatchingEngine=results/h200_2026-11-26_s9_mixed_curve_rocketkv.json" \
+        "transformers continuous batching=results/h200_2026-11-26_s9_mixed_curve_transformers_cb.json" \
         --title "..." --out docs/img/mixed_curve_h200.png
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 
 def curve(path: Path) -> list[tuple[float, float, float]]:
-    """``(rate, per-user tokens/s p50, tokens/s per GPU)`` of every ``mixed_rate_*`` step of a batching_check.json."""
+    """``(rate, per-user tokens/s p50, tokens/s per GPU)`` of every ``mixed_rate_*`` step of a batching_throughput.json."""
     steps = json.loads(path.read_text())["steps"]
     points = []
     for name, step in steps.items():
@@ -26,7 +26,7 @@ def curve(path: Path) -> list[tuple[float, float, float]]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("runs", nargs="+", help="LABEL=PATH of a batching_check.json")
+    parser.add_argument("runs", nargs="+", help="LABEL=PATH of a batching_throughput.json")
     parser.add_argument("--title", default="mixed workload")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)

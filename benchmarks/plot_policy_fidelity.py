@@ -1,7 +1,7 @@
 """Top-1 agreement against compression, per policy: accuracy_sweep.py runs and kvpress_fidelity.py runs in one plot.
 
-    python benchmarks/plot_policy_fidelity.py --sweeps docs/results/sweep_adakv/* \
-        --kvpress docs/results/kvpress_0.5.5/kvpress_results.json --out docs/img/accuracy_policies.png
+    python -m benchmarks.plot_policy_fidelity --sweeps results/eval/sweep_adakv/* \
+        --kvpress results/eval/kvpress_0.5.5/kvpress_results.json --out docs/img/accuracy_policies.png
 
 x: compression of the tokens read per decode step (full cache's read / the method's read, log scale); y: top-1
 agreement with the full cache. One marker per policy family: our eviction-only policies (every kept token read),

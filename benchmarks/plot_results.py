@@ -1,7 +1,7 @@
-"""Plot decode ms/token vs context from the bench logs of one GPU session (one line per cache, one panel per batch).
+"""Plot decode ms/token vs context from the bench logs of one GPU run (one line per cache, one panel per batch).
 
-    python benchmarks/plot_results.py benchmarks/results/h100_2026-11-22_bench_b1.log \
-        benchmarks/results/h100_2026-11-22_bench_b4.log --out docs/img/decode_h100.png
+    python -m benchmarks.plot_results results/h100_2026-11-22_bench_b1.log \
+        results/h100_2026-11-22_bench_b4.log --out docs/img/decode_h100.png
 """
 
 import argparse

@@ -1,9 +1,9 @@
-"""Plot issue 4's targets against the measured points: decode ms/token per cache, and peak GiB at batch 4 x 32k.
+"""Plot the decode targets against the measured points: decode ms/token per cache, and peak GiB at batch 4 x 32k.
 
-    python benchmarks/plot_targets.py --results benchmarks/results --prefix h200_2026-11-22 \
+    python -m benchmarks.plot_targets --results results --prefix h200_2026-11-22 \
         --out docs/img/targets_h200.png
 
-Reads the ``decode_bench.json`` files of one session (``<prefix>_decode_*.json``); each point is (batch, context).
+Reads the ``decode_bench.json`` files of one run (``<prefix>_decode_*.json``); each point is (batch, context).
 The peak-memory panel also takes the settings only measured in ``<prefix>_<--peak-also>_*.json``.
 """
 
@@ -37,7 +37,7 @@ def load(results: Path, pattern: str) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--results", default="benchmarks/results")
+    parser.add_argument("--results", default="results")
     parser.add_argument("--prefix", default="h200_2026-11-22")
     parser.add_argument("--peak-also", default="before_deferred",
                         help="files <prefix>_<this>_*.json add peak-memory bars for settings the decode runs lack "
@@ -54,7 +54,7 @@ def main() -> None:
         xs, ys = [], []
         for p, point in enumerate(points):
             found = [r["decode_ms_per_token"] for r in rows if r["label"] == label and (r["batch"], r["context"]) == point]
-            if found:  # one run per point and cache in a session's files; several would be averaged, never picked
+            if found:  # one run per point and cache in a prefix's files; several would be averaged, never picked
                 xs.append(p + i * width)
                 ys.append(sum(found) / len(found))
         bars = left.bar(xs, ys, width, label=label)

@@ -1,7 +1,7 @@
-"""Host time of a pool-backed prefill, per function, without a profiler (issue 14: is the engine's prefill host-bound?).
+"""Host time of a pool-backed prefill, per function, without a profiler: is the engine's prefill host-bound?
 
-    PYTHONPATH=. python benchmarks/prefill_host_time.py --regions --out $OUT      # H100: about 1 minute
-    PYTHONPATH=. python benchmarks/prefill_host_time.py --quick --out out        # CPU smoke run
+    python -m benchmarks.prefill_host_time --regions --out $OUT      # H100: about 1 minute
+    python -m benchmarks.prefill_host_time --quick --out out        # CPU smoke run
 
 torch.profiler's Python tracing (``with_stack``) slows Python-heavy code several times over, so its picture of where
 the host spends a prefill is skewed towards Python. Here each listed function is wrapped by a timer (about a
@@ -22,7 +22,6 @@ import importlib
 import json
 import pstats
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -30,9 +29,8 @@ import torch
 
 import hf_rocketkv
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from profile_prefill import pool_prefill, prefill_args, prefill_setup  # noqa: E402
-from profile_prefix_hit import sync  # noqa: E402
+from benchmarks.profile_prefill import pool_prefill, prefill_args, prefill_setup
+from benchmarks.profile_prefix_hit import sync
 
 # (module, attribute path): each is timed inclusively; nested entries are also inside their callers' times.
 TIMED = (

@@ -1,6 +1,6 @@
-"""Where one compiled decode step spends its time (issue 4), on a GPU.
+"""Where one compiled decode step spends its time, on a GPU.
 
-    TORCH_LOGS=perf_hints PYTHONPATH=. python benchmarks/profile_decode_step.py --caches rocketkv-compile \
+    TORCH_LOGS=perf_hints python -m benchmarks.profile_decode_step --caches rocketkv-compile \
         --batch 1 --context 32768 --out out/profile
 
 For each cache: a first generate() compiles the decode step; a second one of the same shapes runs under

@@ -1,6 +1,6 @@
 """Where a decode step of the default runner (``decode_runner="cuda_graphs"``) spends its device time, on a GPU.
 
-    PYTHONPATH=. python benchmarks/profile_graph_step.py --batch 32 --context 8192 --prefill-batch-size 8 --out out/pg
+    python -m benchmarks.profile_graph_step --batch 32 --context 8192 --prefill-batch-size 8 --out out/pg
 
 One generate() captures the step's graph; a second one of the same shapes runs with torch.profiler on for
 ``--steps`` decode steps in its middle (graph replays only: the kernels inside a replayed CUDA graph are traced one by

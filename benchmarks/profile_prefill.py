@@ -1,7 +1,7 @@
-"""Where a cold prefill's time goes (issue 14: the batching engine's 8k prefills take 0.42 s each on an H100).
+"""Where a cold prefill's time goes (the batching engine's 8k prefill), on a GPU.
 
-    PYTHONPATH=. python benchmarks/profile_prefill.py --out $OUT            # H100: about 1 minute
-    PYTHONPATH=. python benchmarks/profile_prefill.py --quick --out out     # CPU smoke run
+    python -m benchmarks.profile_prefill --out $OUT            # H100: about 1 minute
+    python -m benchmarks.profile_prefill --quick --out out     # CPU smoke run
 
 Llama-3.1-8B shapes, random bf16 weights, RocketKVConfig() defaults on the Triton backend. One prompt of --prompt-len
 tokens, timed (median of --repeats after a warm-up) three ways, side by side:
@@ -20,7 +20,6 @@ import argparse
 import gc
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -28,9 +27,8 @@ import torch
 
 from hf_rocketkv import KVBlockPool, RocketKVCache
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_prefix_reuse import setup  # noqa: E402
-from profile_prefix_hit import gpu_gaps, profiled, summarize, sync, write_report  # noqa: E402
+from benchmarks.bench_prefix_reuse import setup
+from benchmarks.profile_prefix_hit import gpu_gaps, profiled, summarize, sync, write_report
 
 GIB = 2**30
 

@@ -1,7 +1,7 @@
-"""Where the time to first token of a prefix hit goes (issue 13: target <= 10% of a cold prefill, measured 24%).
+"""Where the time to first token of a prefix hit goes (target: <= 10% of a cold prefill), on a GPU.
 
-    PYTHONPATH=. python benchmarks/profile_prefix_hit.py --out $OUT          # H100: about 1 minute
-    PYTHONPATH=. python benchmarks/profile_prefix_hit.py --quick --out out   # CPU smoke run
+    python -m benchmarks.profile_prefix_hit --out $OUT          # H100: about 1 minute
+    python -m benchmarks.profile_prefix_hit --quick --out out   # CPU smoke run
 
 Llama-3.1-8B shapes, random bf16 weights, RocketKVConfig() defaults on the Triton backend, a KVBlockPool of 16-token
 pages. A cold request (32k shared prefix + 256 tokens) fills the pool, a warm-up hit compiles the hit path, then a
@@ -19,12 +19,9 @@ from pathlib import Path
 
 import torch
 
-import sys
-
 from hf_rocketkv import KVBlockPool, RocketKVCache
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the prefix-reuse benchmark's setup, beside this file
-from bench_prefix_reuse import setup  # noqa: E402
+from benchmarks.bench_prefix_reuse import setup
 
 GIB = 2**30
 

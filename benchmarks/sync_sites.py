@@ -1,6 +1,6 @@
 """Every host-device synchronisation on the prefill, prefix-hit and decode paths, counted by call site (GPU only).
 
-    PYTHONPATH=. python benchmarks/sync_sites.py --out $OUT --layers 2
+    python -m benchmarks.sync_sites --out $OUT --layers 2
 
 ``torch.cuda.set_sync_debug_mode("warn")`` makes each synchronising call (``.item()``, ``.tolist()``, ``nonzero``,
 ``torch.equal``, a pageable host-to-device copy) raise a warning; this script turns each warning into its innermost

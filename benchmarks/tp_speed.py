@@ -1,14 +1,14 @@
 """Tensor-parallel speed against one GPU: TTFT and decode ms/token with compilation and graph capture warmed up.
 
-    # 1. a random bf16 checkpoint with Llama-3.1-8B shapes, written once (tp_check.py's save)
-    PYTHONPATH=. python benchmarks/tp_check.py save --layers 8 --dtype bfloat16 --dir /tmp/tps8
+    # 1. a random bf16 checkpoint with Llama-3.1-8B shapes, written once
+    python -m benchmarks.random_checkpoint --layers 8 --dtype bfloat16 --dir /tmp/tps8
     # 2. one GPU, then two (torchrun), same workload
-    PYTHONPATH=. CUDA_VISIBLE_DEVICES=0 python benchmarks/tp_speed.py run --dir /tmp/tps8 --batch 1 --context 100000 \
+    CUDA_VISIBLE_DEVICES=0 python -m benchmarks.tp_speed run --dir /tmp/tps8 --batch 1 --context 100000 \
         --new-tokens 64 --repeats 3 --out $OUT/single.json
-    PYTHONPATH=. torchrun --nproc_per_node=2 benchmarks/tp_speed.py run --dir /tmp/tps8 --batch 1 --context 100000 \
+    torchrun --nproc_per_node=2 -m benchmarks.tp_speed run --dir /tmp/tps8 --batch 1 --context 100000 \
         --new-tokens 64 --repeats 3 --out $OUT/tp.json
     # 3. a markdown table: TTFT, ms/token, tokens/s, peak GiB per GPU, TP/1-GPU ratios
-    python benchmarks/tp_speed.py compare $OUT/single.json $OUT/tp.json
+    python -m benchmarks.tp_speed compare $OUT/single.json $OUT/tp.json
 
 ``run`` loads the checkpoint with ``attn_implementation="rocketkv"`` (``device_map="cuda"`` in one process,
 ``tp_plan="auto"`` under torchrun, the CPU without CUDA), makes the same random prompt on every rank, runs one
@@ -206,7 +206,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _exit_distributed() -> None:
-    """Leave without interpreter finalization or destroy_process_group() (as lockstep_check.py does): the model's
+    """Leave without interpreter finalization or destroy_process_group() (as tp_serving_throughput.py does): the model's
     DTensor shards keep the process group alive, and on 2 H200s destroy_process_group() hung past the step's
     limit after the JSON was written; gloo's threads can also abort a half torn-down interpreter (SIGABRT after
     all the work, pytorch/pytorch#179291). The exit status should report the run, not those races."""
@@ -255,7 +255,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
-    r.add_argument("--dir", required=True, help="checkpoint (benchmarks/tp_check.py save)")
+    r.add_argument("--dir", required=True, help="checkpoint (python -m benchmarks.random_checkpoint)")
     r.add_argument("--out", required=True)
     r.add_argument("--batch", type=int, default=1)
     r.add_argument("--context", type=int, default=32768)

@@ -2,7 +2,7 @@
 prefix hits with max_new_tokens 32, 1, 1, 7, 100, 100. A kernel that compiles again for a new max_new_tokens shows up
 under that request (Triton's in-memory cache misses, seen through ``triton.knobs.runtime.jit_cache_hook``).
 
-    PYTHONPATH=. python benchmarks/triton_compiles.py      # H100: about 40 s after the model is built
+    python -m benchmarks.triton_compiles      # H100: about 40 s after the model is built
 
 Prints one JSON object per request: wall and TTFT seconds, reused tokens, the compiled kernels' signatures.
 """
@@ -10,17 +10,14 @@ Prints one JSON object per request: wall and TTFT seconds, reused tokens, the co
 from __future__ import annotations
 
 import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 from triton import knobs
 
 from hf_rocketkv import KVBlockPool, RocketKVCache
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the prefix-reuse benchmark's setup, beside this file
-from bench_prefix_reuse import generate, setup  # noqa: E402
+from benchmarks.bench_prefix_reuse import generate, setup
 
 SEQUENCE = (("cold", 32), ("hit", 32), ("hit", 1), ("hit", 1), ("hit", 7), ("hit", 100), ("hit", 100))
 

@@ -1,29 +1,18 @@
-"""benchmarks/accuracy_sweep.py without a model: every method of the sweep is a valid eval method whose budgets are
+"""benchmarks.accuracy_sweep without a model: every method of the sweep is a valid eval method whose budgets are
 what the sweep's tables say (the sweep itself runs the embedded SmolLM2: minutes, not a unit test)."""
 
 from __future__ import annotations
-
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
 from hf_rocketkv.eval.methods import build_method
 
-PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "accuracy_sweep.py"
-
 
 @pytest.fixture(scope="module")
 def sweep():
-    spec = importlib.util.spec_from_file_location("accuracy_sweep", PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(spec.name, None)
+    from benchmarks import accuracy_sweep
+
+    return accuracy_sweep
 
 
 @pytest.mark.parametrize("quick", [False, True])

@@ -1,4 +1,4 @@
-"""benchmarks/bench_prefix_reuse.py --quick on CPU: step 8 (batch x shared prefix memory) runs with no earlier step's
+"""benchmarks.bench_prefix_reuse --quick on CPU: step 8 (batch x shared prefix memory) runs with no earlier step's
 pool alive, so its peak is the weights, its own pool and the generate() call only.
 
 On the H100 its 70.0 GiB peak held step 4's 24 GiB pool: the loop that closed the earlier caches left the last one
@@ -8,19 +8,13 @@ was in a reference cycle, freed only by a full garbage collection.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import weakref
-from pathlib import Path
-
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def test_step_8_runs_without_the_earlier_steps_pools(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_prefix_reuse", BENCHMARKS / "bench_prefix_reuse.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from benchmarks import bench_prefix_reuse as bench
 
     events: list = []  # ("pool", weakref) for each pool made, ("generate", None) after each request
 

@@ -215,6 +215,7 @@ def test_the_captured_step_holds_no_reference_to_its_cache():
     assert out.shape[1] == 56
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real CUDA graphs on a GPU")
 @pytest.mark.parametrize("dtype", [None, torch.float8_e4m3fn])
 def test_pool_pages_come_back_after_a_graphed_request_without_the_garbage_collector(dtype):

@@ -51,9 +51,9 @@ def layer():
     return SimpleNamespace(hints=GenerationHints())
 
 
-# on a GPU (benchmarks/gpu_steps.sh attention_tests) the same oracle checks the flash-attention path, with head
-# dims of real models added
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# on a GPU (pytest -m gpu, scripts/gpu_tests.sh) the same oracle checks the flash-attention path, with head dims of
+# real models added
+DEVICES = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else [])
 SHAPES = [  # batch, Hq, Hkv, Lq, Lk, D
     (1, 8, 2, 5, 40, 16),  # a prefix hit: few new queries after many keys, GQA 4
     (2, 6, 3, 7, 7, 8),  # square: a whole prompt

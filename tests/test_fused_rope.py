@@ -45,6 +45,7 @@ def counted(monkeypatch):
 
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.gpu  # the model and kernels run on the GPU where one is present (pytest -m gpu)
 
 
 def bf16_model(arch):

@@ -211,7 +211,12 @@ def test_config_field():
 
 
 # ------------------------------------------------------------------------------------------------------------- GPU
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+def gpu(test):
+    """A GPU-only test: marked ``gpu`` (pytest -m gpu) and skipped without CUDA."""
+    return pytest.mark.gpu(requires_cuda(test))
 
 
 def _generate(model, ids, cache, new_tokens, mask=None):

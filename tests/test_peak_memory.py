@@ -1,4 +1,4 @@
-"""Peak live tensor bytes of a row-group prefill (benchmarks/peak_memory_cpu.py, CPU): one row's activations, not
+"""Peak live tensor bytes of a row-group prefill (benchmarks.peak_memory_cpu, CPU): one row's activations, not
 the batch's, and no [tokens, vocab] logits.
 
 The bound is worked out from the shapes: a cold row of T tokens holds at most the MLP's three [T, intermediate]
@@ -9,14 +9,9 @@ only their own suffix.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 MIB = 2**20
 DIMS = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=256, vocab=8192, prefix=512,
             suffix=32)
@@ -24,14 +19,9 @@ DIMS = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("peak_memory_cpu", BENCHMARKS / "peak_memory_cpu.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["peak_memory_cpu"] = module
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop("peak_memory_cpu", None)
+    from benchmarks import peak_memory_cpu
+
+    return peak_memory_cpu
 
 
 def measure(tool, batch: int) -> dict:

@@ -1,25 +1,19 @@
-"""benchmarks/kvpress_fidelity.py and benchmarks/plot_policy_fidelity.py without kvpress or a model run: the dumped
+"""benchmarks.kvpress_fidelity and benchmarks.plot_policy_fidelity without kvpress or a model run: the dumped
 samples are the fidelity task's own token ids, a kvpress press's read per step is its kept tokens plus the mean of
 the fed-back ones, and the plot is written from sweep and kvpress result files."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 def test_dump_writes_the_fidelity_tasks_token_ids(tmp_path, smollm2_tokenizer):

@@ -3,32 +3,19 @@ functions (``prefill_host_time.Timers``), on hand-made inputs whose answers are 
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def tools():
-    sys.path.insert(0, str(BENCHMARKS))  # prefill_host_time imports its neighbours
-    modules = {}
-    try:
-        for name in ("profile_prefix_hit", "prefill_host_time"):
-            spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            spec.loader.exec_module(module)
-            modules[name] = module
-        yield modules
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-        for name in ("profile_prefix_hit", "prefill_host_time", "profile_prefill", "bench_prefix_reuse"):
-            sys.modules.pop(name, None)
+    return {name: importlib.import_module(f"benchmarks.{name}") for name in ("profile_prefix_hit", "prefill_host_time")}
 
 
 def event(name, ts, dur, cat, tid=1):
@@ -112,8 +99,8 @@ def test_decode_host_time_quick_profiles_only_the_decode_steps(tmp_path):
     decode steps only (RocketKV's decode attention ran, stage 1's compaction at the end of the prefill did not)."""
     import subprocess
 
-    result = subprocess.run([sys.executable, str(BENCHMARKS / "decode_host_time.py"), "--quick", "--out",
-                             str(tmp_path)], capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, "-m", "benchmarks.decode_host_time", "--quick", "--out", str(tmp_path)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads((tmp_path / "decode_host_time.json").read_text())
     assert report["eager_ms_per_token"]["rocketkv"] > 0 and report["eager_ms_per_token"]["dynamic"] > 0

@@ -1,4 +1,4 @@
-"""benchmarks/tp_speed.py on the CPU: ``run`` in one process and under ``torchrun --nproc_per_node=2`` (gloo,
+"""benchmarks.tp_speed on the CPU: ``run`` in one process and under ``torchrun --nproc_per_node=2`` (gloo,
 ``tp_plan="auto"``) on a tiny Llama, then ``compare``. Checks the JSON each writes and the table, not the speed."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from .helpers import make_models
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "benchmarks" / "tp_speed.py"
+SCRIPT = ["-m", "benchmarks.tp_speed"]  # run from the repository root
 # the tiny model's prompt (64 tokens) must exceed prompt_budget, so stage 1 compresses as it would at 100k
 ROCKET = dict(prompt_budget=24, window_size=8, kernel_size=5, topk=3, topr=8, page_size=4,
               kt_cache_dtype="float32", backend="torch")
@@ -38,8 +38,8 @@ def test_tp_speed_run_and_compare_on_cpu(tmp_path):
     rocket.save_pretrained(model_dir)
     single, tp = tmp_path / "single.json", tmp_path / "tp.json"
 
-    _run([sys.executable, str(SCRIPT), "run", "--dir", str(model_dir), "--out", str(single), *WORKLOAD])
-    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT), "run",
+    _run([sys.executable, *SCRIPT, "run", "--dir", str(model_dir), "--out", str(single), *WORKLOAD])
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *SCRIPT, "run",
           "--dir", str(model_dir), "--out", str(tp), *WORKLOAD])
 
     for path, world in ((single, 1), (tp, 2)):
@@ -58,7 +58,7 @@ def test_tp_speed_run_and_compare_on_cpu(tmp_path):
         for key in ("torch", "transformers", "date"):
             assert record[key]
 
-    table = _run([sys.executable, str(SCRIPT), "compare", str(single), str(tp)]).stdout
+    table = _run([sys.executable, *SCRIPT, "compare", str(single), str(tp)]).stdout
     assert "WARNING" not in table
     assert "| metric | 1 GPU | TP (2 GPUs) | TP / 1 GPU | speed-up |" in table
     for metric in ("TTFT (s)", "decode ms/token", "tokens/s", "peak GiB per GPU"):

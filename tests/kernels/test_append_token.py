@@ -14,6 +14,8 @@ from hf_rocketkv.cache.layer import GenerationHints
 from hf_rocketkv.kernels.append_token import append_token_torch
 from hf_rocketkv.selection import stage2_pages as ref
 
+pytestmark = pytest.mark.gpu  # compiled for the GPU where one is present (pytest -m gpu); interpreted on CPU
+
 
 def old_append(keys, values, positions, kt, lengths, seen, key_new, value_new, page_size):
     """RocketKVLayer._append_one's writes before append_token existed ([B] lengths only)."""

@@ -7,6 +7,8 @@ from kernel_utils import DEVICE, gen, ops, randn
 
 from hf_rocketkv.kernels.paged import paged_compact_row_torch
 
+pytestmark = pytest.mark.gpu  # compiled for the GPU where one is present (pytest -m gpu); interpreted on CPU
+
 
 def oracle(keys, values, slots, columns, k_pages, v_pages, kt_pages, table, row_pages, positions, kp, counts=None):
     """Slot by slot, in Python: what the compaction must leave in the pages (written in place, like the op).

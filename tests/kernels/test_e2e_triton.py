@@ -11,6 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import hf_rocketkv
 from hf_rocketkv import RocketKVCache, RocketKVConfig
 
+pytestmark = pytest.mark.gpu  # compiled for the GPU where one is present (pytest -m gpu); interpreted on CPU
+
 
 def _model():
     torch.manual_seed(0)
@@ -57,8 +59,8 @@ def test_greedy_tokens_match_torch_backend(topr, kt_dtype, score):
 
 @pytest.mark.skipif(
     not torch.cuda.is_available(),
-    reason="interpreted Triton kernels are not traceable (wrap_triton passes them through); GPU only, also run by "
-    "benchmarks/gpu_kernel_check.py",
+    reason="interpreted Triton kernels are not traceable (wrap_triton passes them through); GPU only, also at "
+    "Llama-3.1-8B shapes in tests/gpu/test_kernels_large_shapes_gpu.py",
 )
 def test_decode_ops_trace_without_graph_breaks():
     """The four decode ops inside torch.compile(fullgraph=True) give the eager results."""

@@ -29,6 +29,8 @@ from hf_rocketkv.memory.page_io import read_tokens, write_tokens
 from hf_rocketkv.memory.storage import LayerStorage
 from hf_rocketkv.selection import stage2_pages as ref
 
+pytestmark = pytest.mark.gpu  # compiled for the GPU where one is present (pytest -m gpu); interpreted on CPU
+
 GRANULARITIES = ("page", "head")
 
 

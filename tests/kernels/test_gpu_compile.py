@@ -1,7 +1,7 @@
 """Every kernel variant the kernel tests launch also compiles for the GPU (sm_90), with the installed Triton.
 
-The interpreter runs the kernels' semantics but never Triton's GPU compiler; benchmarks/triton_compile_check.py
-records the launches of the kernel tests and compiles each one for cuda:90 on the CPU (every MLIR pass and ptxas),
+The interpreter runs the kernels' semantics but never Triton's GPU compiler; triton_compile_check.py (beside this
+file) records the launches of the kernel tests and compiles each one for cuda:90 on the CPU (every MLIR pass and ptxas),
 with the constexprs a GPU launch would use. A kernel that only the GPU compiler rejects fails here, in CI.
 """
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-CHECK = ROOT / "benchmarks" / "triton_compile_check.py"
+CHECK = Path(__file__).with_name("triton_compile_check.py")
 RECORDED_TESTS = [  # fast kernel tests covering every kernel (test_e2e_triton adds model runs, not new kernels)
     "tests/kernels/test_paged_ops.py", "tests/kernels/test_sparse_decode_attention.py",
     "tests/kernels/test_select_pages.py", "tests/kernels/test_page_scores.py", "tests/kernels/test_window_scores.py",

@@ -6,6 +6,8 @@ from kernel_utils import DEVICE, gen, ops, randn
 
 from hf_rocketkv.selection import stage2_pages as ref
 
+pytestmark = pytest.mark.gpu  # compiled for the GPU where one is present (pytest -m gpu); interpreted on CPU
+
 # (key dtype, KT dtype, page_size, head_dim): every value of each axis appears at least once
 CASES = [
     (torch.bfloat16, torch.float8_e5m2, 1, 64),

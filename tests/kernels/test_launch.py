@@ -154,7 +154,14 @@ def test_a_kernel_without_triton_internals_launches_through_triton():
 
 
 # ------------------------------------------------------------------------------------------- GPU: a real kernel
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="the fast path runs on a GPU (the CPU interprets)")
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                   reason="the fast path runs on a GPU (the CPU interprets)")
+
+
+def gpu(test):
+    """A GPU-only test: marked ``gpu`` (pytest -m gpu) and skipped without CUDA."""
+    return pytest.mark.gpu(requires_cuda(test))
+
 
 if torch.cuda.is_available():
     import triton.language as tl

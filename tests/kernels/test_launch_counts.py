@@ -1,15 +1,12 @@
-"""Kernel launches a pool-backed prefill issues per layer (benchmarks/launch_counts.py), on the Triton backend under
+"""Kernel launches a pool-backed prefill issues per layer (benchmarks.launch_counts), on the Triton backend under
 the interpreter: on a slow host every launch is host time of a prefill or a prefix hit, so the count must not grow
 back. The model's own launches and generate()'s per-request ones are not counted against RocketKV."""
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from launch_counts import count_prefill  # noqa: E402
+from benchmarks.launch_counts import count_prefill
 
 NOT_ROCKETKV = ("model", "integration.compat._prefill_handler", "integration.generate.RocketKVGenerateHooks.generate",
                 "integration.generate.RocketKVGenerateHooks.prepare_inputs",

@@ -7,6 +7,8 @@ from kernel_utils import DEVICE, gen, ops, randn
 from hf_rocketkv.kernels.page_scores import page_scores_launch
 from hf_rocketkv.selection import stage2_pages as ref
 
+pytestmark = pytest.mark.gpu  # compiled for the GPU where one is present (pytest -m gpu); interpreted on CPU
+
 # (group, head_dim, topr, KT dtype, q dtype, num_splits): None = the launcher's choice, 1 = fused, 3 = split
 CASES = [
     (1, 64, 64, torch.float8_e5m2, torch.bfloat16, None),

@@ -19,6 +19,8 @@ from hf_rocketkv.kernels.sparse_decode_attention import (
 )
 from hf_rocketkv.selection import stage2_pages as ref
 
+pytestmark = pytest.mark.gpu  # compiled for the GPU where one is present (pytest -m gpu); interpreted on CPU
+
 
 def _table(pages_per_row, num_pages, g):
     """Rows own ``pages_per_row[b]`` distinct random pages of a pool of ``num_pages``; -1 pads to the widest."""

@@ -14,6 +14,8 @@ pytest.importorskip("triton")
 
 from hf_rocketkv.kernels.rope import rope_decode_torch, rope_decode_triton, rope_supported  # noqa: E402
 
+pytestmark = pytest.mark.gpu  # compiled for the GPU where one is present (pytest -m gpu); interpreted on CPU
+
 SHAPES = [  # (batch, query heads, KV heads, head_dim)
     (1, 32, 8, 128),
     (3, 4, 2, 64),

@@ -18,6 +18,8 @@ tl = triton.language
 from hf_rocketkv.kernels._triton_common import DT_FP8E4, cast_to, dtype_code, quantize_e4m3  # noqa: E402
 from hf_rocketkv.kernels.fp8 import quantize_fp8  # noqa: E402
 
+pytestmark = pytest.mark.gpu  # compiled for the GPU where one is present (pytest -m gpu); interpreted on CPU
+
 
 @triton.jit
 def _cast_kernel(x_ptr, out_ptr, n, DT: tl.constexpr, BLOCK: tl.constexpr):

@@ -16,6 +16,8 @@ from hf_rocketkv.kernels.select_pages import select_pages_launch, select_plan, t
 from hf_rocketkv.kernels.page_scores import page_scores_launch
 from hf_rocketkv.selection import stage2_pages as ref
 
+pytestmark = pytest.mark.gpu  # compiled for the GPU where one is present (pytest -m gpu); interpreted on CPU
+
 
 def assert_same_selection(idx, valid, want_idx, want_valid):
     """Same shapes and dtypes, the same set of valid pages per (row, KV head), the same invalid tail."""

@@ -6,6 +6,8 @@ from kernel_utils import DEVICE, OUT_ATOL, gen, ops, randn
 
 from hf_rocketkv.kernels.sparse_decode_attention import sparse_decode_attention_launch, sparse_decode_attention_torch
 
+pytestmark = pytest.mark.gpu  # compiled for the GPU where one is present (pytest -m gpu); interpreted on CPU
+
 # (dtype, group, head_dim, page_size, num_splits): None = the launcher's choice, 1 = no reduce kernel
 CASES = [
     (torch.bfloat16, 1, 64, 1, None),

@@ -6,6 +6,8 @@ from kernel_utils import DEVICE, gen, ops, randn
 
 from hf_rocketkv.selection.stage1_snapkv import window_scores
 
+pytestmark = pytest.mark.gpu  # compiled for the GPU where one is present (pytest -m gpu); interpreted on CPU
+
 # (dtype, group, head_dim, window)
 CASES = [
     (torch.bfloat16, 1, 64, 4),

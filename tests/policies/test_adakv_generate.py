@@ -368,6 +368,7 @@ def test_pool_refuses_per_head_budgets(stage1):
 
 
 # ------------------------------------------------------------------------------------------------ triton backend
+@pytest.mark.gpu  # compiled kernels on a GPU where one is present (pytest -m gpu); interpreted on CPU
 def test_kt_pages_on_the_triton_backend_equal_the_torch_backend():
     """Stage 2 selects 3 of the pages of each head's own length (compiled kernels on a GPU, interpreted on CPU)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -25,6 +25,7 @@ from .test_policy_cache import Ragged
 
 HKV, G, D = 2, 2, 8
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the Triton test: compiled on a GPU
+pytestmark = pytest.mark.gpu  # the model and kernels run on the GPU where one is present (pytest -m gpu)
 BUDGET, WINDOW = 10, 3
 
 

@@ -56,6 +56,7 @@ def test_sequential_engine_thread_enters_the_model_device(tiny_pair, entered):
     assert entered == [("hf-rocketkv-engine", torch.device("cpu"))]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_engines_serve_a_model_on_the_second_gpu():
     """A model on cuda:1 with the Triton kernels and CUDA graphs: the batching engine's tokens equal generate()'s on

@@ -1,32 +1,21 @@
-"""benchmarks/load_test.py, bounded, against the tiny model's server on 127.0.0.1."""
+"""benchmarks.load_test, bounded, against the tiny model's server on 127.0.0.1."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import time
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("fastapi")
 pytest.importorskip("openai")
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "load_test.py"
-
 
 @pytest.fixture(scope="module")
 def load_test():
-    name = "benchmarks_load_test"
-    spec = importlib.util.spec_from_file_location(name, SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses resolve their module through sys.modules
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(name, None)
+    from benchmarks import load_test
+
+    return load_test
 
 
 def test_load_test_reports_ttft_and_throughput(serve, tokenizer, load_test, tmp_path, capsys):

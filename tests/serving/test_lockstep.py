@@ -222,7 +222,7 @@ def test_two_ranks_step_together_and_equal_generate_under_tp(tmp_path):
 
 @pytest.mark.slow
 def test_lockstep_check_script_on_cpu(tmp_path):
-    """benchmarks/lockstep_check.py's logic on a tiny checkpoint: one process, then 2 ranks (gloo), then the table;
+    """benchmarks.tp_serving_throughput's logic on a tiny checkpoint: one process, then 2 ranks (gloo), then the table;
     the ranks' event digests must agree and every workload must finish."""
     from tests.helpers import make_models
 
@@ -231,16 +231,16 @@ def test_lockstep_check_script_on_cpu(tmp_path):
     repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
            "PYTHONPATH": os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH")) if p)}
-    script = str(repo / "benchmarks" / "lockstep_check.py")
+    script = ["-m", "benchmarks.tp_serving_throughput"]
     small = ["--dir", str(tmp_path / "model"), "--requests", "3", "--prompt-len", "64", "--new-tokens", "5",
              "--mixed-requests", "3", "--rate", "20", "--min-prompt", "30", "--max-prompt", "90", "--max-running", "4",
              "--page-size", "8", "--pool-gib", "0.01", "--rocketkv-json",
              json.dumps(dict(prompt_budget=24, window_size=8, kernel_size=5, topk=3, topr=8, page_size=4,
                              kt_cache_dtype="float32"))]
-    runs = {"single": [sys.executable, script], "tp": [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                      "--nproc_per_node=2", script]}
+    runs = {"single": [sys.executable, *script], "tp": [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                       "--nproc_per_node=2", *script]}
     for name, command in runs.items():
-        result = subprocess.run([*command, *small, "--out", str(tmp_path / f"{name}.json")], env=env,
+        result = subprocess.run([*command, *small, "--out", str(tmp_path / f"{name}.json")], env=env, cwd=repo,
                                 capture_output=True, text=True, timeout=240)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     tp = json.loads((tmp_path / "tp.json").read_text())
@@ -249,8 +249,8 @@ def test_lockstep_check_script_on_cpu(tmp_path):
     for workload in ("fixed", "mixed"):
         assert tp["results"][workload]["finished"] == {"length": 3}
         assert tp["results"][workload]["output_tokens"] == 15
-    table = subprocess.run([sys.executable, script, "--compare", str(tmp_path / "single.json"),
-                            str(tmp_path / "tp.json")], env=env, capture_output=True, text=True, timeout=60)
+    table = subprocess.run([sys.executable, *script, "--compare", str(tmp_path / "single.json"),
+                            str(tmp_path / "tp.json")], env=env, cwd=repo, capture_output=True, text=True, timeout=60)
     assert table.returncode == 0 and "| fixed | tokens_per_s |" in table.stdout
     assert "same events on every rank: True" in table.stdout
 

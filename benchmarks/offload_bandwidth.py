@@ -1,23 +1,22 @@
-"""GPU check of KVBlockPool's host offload: bit-exact round trips with copies overlapping compute, pinned-buffer
-registration time, device<->host bandwidth.
+"""KVBlockPool's host offload on a GPU: device<->host GB/s of evictions and onloads, how much of an onload hides
+behind compute, pinned-buffer registration time, and plain pinned copies for comparison.
 
-    PYTHONPATH=. python3 benchmarks/pool_gpu_check.py [--out DIR] [--small]
+    python -m benchmarks.offload_bandwidth [--out DIR]
+    python -m benchmarks.offload_bandwidth --small      # tiny shapes (the CPU without a GPU): the script's logic
 
 Shapes: Llama-3.1-8B KV (32 layers, 8 KV heads, head_dim 128), bf16 pages of 16 tokens with fp8 KT (4-token KT
 pages), a 32k-token prefix = 2048 pages of 2.25 MiB (4.6 GiB); a second pass with fp8 (e4m3) pages and per-head
-scales. ``--small`` runs tiny shapes (on the CPU when there is no GPU) to check the script's logic.
+scales.
 
 Measured, per dtype:
   register_s            cudaHostRegister time of the host buffer (and the pinning mode actually obtained)
   offload_gbps          2048 pages evicted to the host (pool.evict + synchronize), page bytes / seconds
   onload_gbps           the same pages brought back by a prefix hit (pool.admit + synchronize)
-  bit_exact             every byte of every page (K, V, KT, scales, all layers) equal after offload -> onload,
-                        device pages scrambled in between so a copy that did nothing fails
   overlap               a chain of matmuls on the compute stream, then an onload: wall time of both vs each alone;
                         overlap_fraction = (t_mm + t_onload - t_both) / min(t_mm, t_onload) (1 = fully hidden)
-  stress_rounds_exact   rounds of (offload half, matmuls, onload) checked against a synchronized reference
 Baselines: one 1 GiB pinned cudaMemcpy each way, and torch's pin_memory=True allocation time for the same host size.
-Writes ``pool_gpu_check.json`` under --out (default $OUT or ./out). Expected runtime on an H100: ~1-2 minutes.
+Writes ``offload_bandwidth.json`` under --out (default $OUT or ./out). Expected runtime on an H100: ~1-2 minutes.
+That the offloaded and onloaded pages keep every byte is tests/gpu/test_pool_offload_gpu.py's check.
 """
 
 from __future__ import annotations
@@ -50,13 +49,6 @@ def timed(fn, device: torch.device) -> tuple[object, float]:
     result = fn()
     sync(device)
     return result, time.perf_counter() - start
-
-
-def page_records(pool: KVBlockPool, pages: list[int]) -> torch.Tensor:
-    """Every byte of the given pages (all layers), on the device: the reference to compare against."""
-    layout = pool._record_layout()
-    ids = torch.tensor(pages, dtype=torch.long, device=pool._storage.device())
-    return pool._storage.gather_records(ids, layout)
 
 
 def fill_random(pool: KVBlockPool, pages: list[int], seed: int) -> None:
@@ -114,25 +106,16 @@ def check_dtype(args, device: torch.device, dtype: str, granularity: str) -> dic
     adm = pool.admit(len(ids), 16, cfg, token_ids=ids)
     fill_random(pool, list(adm.prompt.pages), seed=1)
     pool.commit_prompt(adm)
-    chain = list(adm.prompt.pages[: len(ids) // page_size])  # every full page was indexed
-    reference = page_records(pool, chain)
     pool.release(adm)
 
     evicted, offload_s = timed(lambda: (pool.evict(), pool.synchronize())[0], device)
     data_bytes = evicted * pool.bytes_per_page  # all layers are bound with the planned heads
     result.update(evicted_pages=evicted, offload_s=offload_s, offload_gbps=data_bytes / offload_s / 1e9)
 
-    filler = pool.new_table("view")  # scramble every free device page
-    pool.allocate(filler, pool.free_pages())
-    fill_random(pool, list(filler.pages), seed=2)
-    pool.release(filler)
-
     adm, onload_s = timed(lambda: pool.admit(len(ids), 16, cfg, token_ids=ids), device)
     pool.synchronize()
-    hit = list(adm.prompt.pages[: adm.hit_pages])
     result.update(hit_pages=adm.hit_pages, onloaded_pages=adm.onloaded_pages, onload_s=onload_s,
                   onload_gbps=adm.onloaded_pages * pool.bytes_per_page / onload_s / 1e9)
-    result["bit_exact"] = bool(torch.equal(page_records(pool, hit), reference[: len(hit)]))
     pool.release(adm)
 
     # overlap: matmuls on the compute stream, then an onload enqueued behind them (it waits only for page events)
@@ -150,29 +133,13 @@ def check_dtype(args, device: torch.device, dtype: str, granularity: str) -> dic
         return pool.admit(len(ids), 16, cfg, token_ids=ids)
 
     adm, t_both = timed(both, device)
-    exact_after_overlap = bool(torch.equal(page_records(pool, list(adm.prompt.pages[: adm.hit_pages])),
-                                           reference[: adm.hit_pages]))
     pool.release(adm)
     result["overlap"] = {
         "t_matmul_s": t_mm, "t_onload_s": t_onload, "t_both_s": t_both,
         "overlap_fraction": (t_mm + t_onload - t_both) / min(t_mm, t_onload),
-        "bit_exact": exact_after_overlap,
     }
 
-    # stress: offload half while matmuls run, onload on a hit, compare with the synchronized reference
-    rounds = []
-    for round_idx in range(3):
-        pool.evict(prefix_pages // 2 + round_idx * 7)
-        run_mm()
-        adm = pool.admit(len(ids), 16, cfg, token_ids=ids)
-        run_mm()
-        hit = list(adm.prompt.pages[: adm.hit_pages])
-        sync(device)
-        rounds.append(bool(torch.equal(page_records(pool, hit), reference[: len(hit)])))
-        pool.release(adm)
-    result["stress_rounds_exact"] = rounds
     result["stats"] = pool.stats().as_dict()
-    result["all_free_at_end"] = pool.free_pages() == pool.total_pages()
     pool.close()
     return result
 
@@ -224,11 +191,8 @@ def main() -> None:
         report["errors"].append(traceback.format_exc())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "pool_gpu_check.json").write_text(json.dumps(report, indent=2))
-    print(json.dumps(report.get("baselines", {})))
-    print("ok" if not report["errors"] and all(
-        r["bit_exact"] and r["overlap"]["bit_exact"] and all(r["stress_rounds_exact"]) and r["all_free_at_end"]
-        for r in report["results"]) else "FAILED", flush=True)
+    (out / "offload_bandwidth.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps(report.get("baselines", {})), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,26 +1,20 @@
-"""benchmarks/batching_check.py drives hf_rocketkv's engine and transformers' continuous batching (``--engine
+"""benchmarks.batching_throughput drives hf_rocketkv's engine and transformers' continuous batching (``--engine
 transformers``) through the same workload: the same prompts at the same arrival times, every request finished with
 the tokens it asked for, and the report fields the docs' tables read."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from benchmarks import batching_throughput
 
 
 def _run(engine: str, out: Path) -> dict:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import batching_check
-    finally:
-        sys.path.pop(0)
-    rc = batching_check.main(["--quick", "--engine", engine, "--skip-fixed", "--rates", "4", "--out", str(out)])
-    report = json.loads((out / "batching_check.json").read_text())
+    rc = batching_throughput.main(["--quick", "--engine", engine, "--skip-fixed", "--rates", "4", "--out", str(out)])
+    report = json.loads((out / "batching_throughput.json").read_text())
     assert rc == 0, report
     return report
 
@@ -43,14 +37,10 @@ def test_both_engines_serve_the_same_mixed_workload(tmp_path):
 @pytest.mark.slow
 def test_fp8_pool_pages_serve_the_workload(tmp_path):
     """--kv-cache-dtype fp8: the engine serves the same workload on e4m3 pool pages (every request finished)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import batching_check
-    finally:
-        sys.path.pop(0)
     out = tmp_path / "fp8"
-    rc = batching_check.main(["--quick", "--skip-fixed", "--rates", "4", "--kv-cache-dtype", "fp8", "--out", str(out)])
-    report = json.loads((out / "batching_check.json").read_text())
+    rc = batching_throughput.main(["--quick", "--skip-fixed", "--rates", "4", "--kv-cache-dtype", "fp8", "--out",
+                                   str(out)])
+    report = json.loads((out / "batching_throughput.json").read_text())
     assert rc == 0, report
     assert report["setup"]["pool_dtype"] == "float8_e4m3fn"
     mixed = report["steps"]["mixed_rate_4"]

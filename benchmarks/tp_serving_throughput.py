@@ -1,11 +1,11 @@
 """Serving under tensor parallelism (serving/lockstep.py) against one GPU: the batching engine's throughput and
 whether every rank stepped through exactly the same events.
 
-    # a random bf16 checkpoint with Llama-3.1-8B shapes (tp_check.py's save), then one GPU and two
-    PYTHONPATH=. python benchmarks/tp_check.py save --layers 8 --dtype bfloat16 --dir /tmp/tps8
-    PYTHONPATH=. CUDA_VISIBLE_DEVICES=0 python benchmarks/lockstep_check.py --dir /tmp/tps8 --out $OUT/ls_single.json
-    PYTHONPATH=. torchrun --nproc_per_node=2 benchmarks/lockstep_check.py --dir /tmp/tps8 --out $OUT/ls_tp.json
-    python benchmarks/lockstep_check.py --compare $OUT/ls_single.json $OUT/ls_tp.json
+    # a random bf16 checkpoint with Llama-3.1-8B shapes, then one GPU and two
+    python -m benchmarks.random_checkpoint --layers 8 --dtype bfloat16 --dir /tmp/tps8
+    CUDA_VISIBLE_DEVICES=0 python -m benchmarks.tp_serving_throughput --dir /tmp/tps8 --out $OUT/ls_single.json
+    torchrun --nproc_per_node=2 -m benchmarks.tp_serving_throughput --dir /tmp/tps8 --out $OUT/ls_tp.json
+    python -m benchmarks.tp_serving_throughput --compare $OUT/ls_single.json $OUT/ls_tp.json
 
 Every rank loads the checkpoint (``tp_plan="auto"`` under torchrun), builds a pool and a BatchingEngine (with a
 ``Lockstep`` under torchrun) and captures the decode graphs (``warm_up``); rank 0 drives the workloads through the
@@ -32,16 +32,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from batching_check import (  # noqa: E402
-    Recorder, _buckets, engine_stats, greedy_request, percentile, random_prompt)
+from benchmarks.batching_throughput import Recorder, _buckets, engine_stats, greedy_request, random_prompt
 
 GIB = 2**30
 
 
 class Sink:
     """The engine's sink on every rank: a running SHA-256 of every event in arrival order, and each event forwarded
-    to the current workload's batching_check Recorder (rank 0)."""
+    to the current workload's batching_throughput Recorder (rank 0)."""
 
     def __init__(self):
         self.digest = hashlib.sha256()
@@ -167,7 +165,7 @@ def compare(single_path: str, tp_path: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dir", help="checkpoint folder (tp_check.py save)")
+    parser.add_argument("--dir", help="checkpoint folder (python -m benchmarks.random_checkpoint)")
     parser.add_argument("--out", help="JSON report (rank 0)")
     parser.add_argument("--compare", nargs=2, metavar=("SINGLE", "TP"), help="print the table of two reports")
     parser.add_argument("--requests", type=int, default=16)

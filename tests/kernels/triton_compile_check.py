@@ -2,17 +2,17 @@
 
 Triton's interpreter (TRITON_INTERPRET=1, what CI runs) never runs the GPU compiler, so a kernel can pass every CPU
 test and still fail to compile on the GPU: the paged sparse decode attention did, in Triton 3.6's layout pass on
-sm_90, and every decode on an H100 failed until the next GPU session. This check closes that gap without a GPU:
+sm_90, where every decode on an H100 then failed. This check closes that gap without a GPU:
 
     record   run kernel tests under the interpreter and write each launch's kernel, argument types, constexpr
              values and launch options (num_warps, num_stages) to a JSON file
     compile  compile each distinct variant with the installed Triton for the target (default cuda:90, the H100 /
              H200): every MLIR pass and ptxas run on the CPU; nothing is launched
 
-    python benchmarks/triton_compile_check.py record out/launches.json tests/kernels -q
-    python benchmarks/triton_compile_check.py compile out/launches.json --arch 90
+    python tests/kernels/triton_compile_check.py record out/launches.json tests/kernels -q
+    python tests/kernels/triton_compile_check.py compile out/launches.json --arch 90
 
-tests/kernels/test_gpu_compile.py runs both in subprocesses. To check the Triton version of the GPU machine, run
+test_gpu_compile.py (beside this file) runs both in subprocesses, in CPU CI. To check the Triton version of the GPU machine, run
 ``compile`` in a virtual environment with that Triton (e.g. ``pip install triton==3.6.0``).
 """
 
@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository root: hf_rocketkv is imported from there
 
 TORCH_TO_TRITON = {
     "torch.float32": "fp32", "torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float64": "fp64",

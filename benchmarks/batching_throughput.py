@@ -1,7 +1,8 @@
-"""GPU check of the continuous-batching engine (serving/batching.py) on Llama-3.1-8B shapes with random bf16 weights.
+"""Throughput and latency of the continuous-batching engine (serving/batching.py): Llama-3.1-8B shapes, random bf16
+weights, a fixed workload and Poisson arrivals.
 
-    PYTHONPATH=. python3 benchmarks/batching_check.py [--out DIR] [--requests 32] [--prompt-len 8192]
-                                                      [--new-tokens 512] [--quick]
+    python -m benchmarks.batching_throughput [--out DIR] [--requests 32] [--prompt-len 8192] [--new-tokens 512]
+    python -m benchmarks.batching_throughput --quick          # tiny model on the CPU: the script's logic
 
 One engine serves every step, as a server would: before it starts, ``BatchingEngine.warm_up`` captures the decode
 graph of every bucket for max_tokens up to max(--new-tokens, --mixed-new-tokens) (``startup_capture_s``), so no
@@ -28,7 +29,7 @@ shapes, memory and timings are real. Model load is excluded from every timing.
 ``--quick``: a tiny model (``TINY``), 4 requests x 96 tokens x 8 new, on the CPU without a GPU (< 60 s), to check
 the script's logic. Expected runtime on one H100 with the defaults: ~4-6 minutes (model build ~30 s, fixed ~1-2
 min, mixed 3 rates ~2-3 min); scale down with --requests / --prompt-len / --new-tokens / --mixed-requests / --rates.
-Writes ``batching_check.json`` under --out (default $OUT, else ./out).
+Writes ``batching_throughput.json`` under --out (default $OUT, else ./out).
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ import os
 import platform
 import random
 import statistics
-import sys
 import threading
 import time
 import traceback
@@ -63,7 +63,7 @@ GIB = 1 << 30
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=os.environ.get("OUT", "out"), help="folder of batching_check.json")
+    parser.add_argument("--out", default=os.environ.get("OUT", "out"), help="folder of batching_throughput.json")
     parser.add_argument("--quick", action="store_true", help="tiny model, tiny workload (CPU without a GPU)")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=8192)
@@ -222,7 +222,7 @@ def engine_stats(before, after) -> dict:
     }
 
 
-class Session:
+class EngineRun:
     """The one engine of the run and its sink, which forwards each event to the running step's Recorder."""
 
     def __init__(self, model, pool, config, args, warm_tokens: int):
@@ -331,7 +331,7 @@ class TransformersEngine:
         self.manager.stop(block=True, timeout=120)
 
 
-class TransformersSession(Session):
+class TransformersEngineRun(EngineRun):
     """The same steps on transformers' continuous batching (``--engine transformers``)."""
 
     def start(self, warm_up: bool = True) -> dict | None:
@@ -366,22 +366,22 @@ def _buckets(max_running: int) -> tuple[int, ...]:
     return tuple(buckets + [max_running])
 
 
-def step_warmup(session: Session, args, vocab) -> dict:
+def step_warmup(engine_run: EngineRun, args, vocab) -> dict:
     rng = random.Random(args.seed + 1)
-    startup = session.start()  # the decode graphs of every bucket, before any request
+    startup = engine_run.start()  # the decode graphs of every bucket, before any request
 
     def body(engine, recorder):
         for i in range(2):
             recorder.submit(engine, greedy_request(f"warm{i}", random_prompt(rng, 64 + 32 * i, vocab), 4))
         assert recorder.wait(2, 600), "warm-up requests did not finish"
 
-    result = session.run(body)
+    result = engine_run.run(body)
     result["startup_capture_s"] = startup["seconds"]
     result["startup_capture"] = startup
     return result
 
 
-def step_fixed(session: Session, args, vocab, device) -> dict:
+def step_fixed(engine_run: EngineRun, args, vocab, device) -> dict:
     rng = random.Random(args.seed + 2)
     prompts = [random_prompt(rng, args.prompt_len, vocab) for _ in range(args.requests)]
     if device.type == "cuda":
@@ -392,21 +392,21 @@ def step_fixed(session: Session, args, vocab, device) -> dict:
             recorder.submit(engine, greedy_request(f"fixed{i}", prompt, args.new_tokens))
         assert recorder.wait(len(prompts), 3600), "the fixed workload did not finish"
 
-    result = session.run(body)
+    result = engine_run.run(body)
     result["workload"] = {"requests": args.requests, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
     if device.type == "cuda":
         result["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
     return result
 
 
-def step_fixed_frozen(session: Session, args, vocab, device) -> dict:
+def step_fixed_frozen(engine_run: EngineRun, args, vocab, device) -> dict:
     """The fixed workload again after ``gc.collect(); gc.freeze()``: the heap built so far (model, pool, graphs)
     is never traversed by a collection again."""
     import gc
 
     gc.collect()
     gc.freeze()
-    result = step_fixed(session, args, vocab, device)
+    result = step_fixed(engine_run, args, vocab, device)
     result["gc_frozen_objects"] = gc.get_freeze_count()
     return result
 
@@ -422,15 +422,14 @@ ENGINE_TIMED = tuple(("hf_rocketkv.serving.batching", f"BatchingEngine.{name}") 
 )
 
 
-def step_fixed_host_times(session: Session, args, vocab, device) -> dict:
+def step_fixed_host_times(engine_run: EngineRun, args, vocab, device) -> dict:
     """The fixed workload with the engine's methods wrapped by host timers: where an iteration's host time goes
     (``_sample_rows`` includes the wait for the step's tokens; what is outside ``_step_logits`` the GPU waits for)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from prefill_host_time import Timers, patched
+    from benchmarks.prefill_host_time import Timers, patched
 
     timers = Timers()
     with patched(timers, ENGINE_TIMED) as skipped:
-        result = step_fixed(session, args, vocab, device)
+        result = step_fixed(engine_run, args, vocab, device)
     iterations = max(1, timers.calls.get("BatchingEngine._iteration", 0))
     result["host_ms_per_iteration"] = {name: round(1e3 * s / iterations, 4)
                                        for name, s in sorted(timers.seconds.items(), key=lambda kv: -kv[1])}
@@ -440,7 +439,7 @@ def step_fixed_host_times(session: Session, args, vocab, device) -> dict:
     return result
 
 
-def step_mixed(session: Session, args, vocab, rate: float) -> dict:
+def step_mixed(engine_run: EngineRun, args, vocab, rate: float) -> dict:
     rng = random.Random(args.seed + int(rate * 1000))
     low, high = math.log(args.mixed_min_prompt), math.log(args.mixed_max_prompt)
     lengths = [int(math.exp(rng.uniform(low, high))) for _ in range(args.mixed_requests)]
@@ -457,17 +456,16 @@ def step_mixed(session: Session, args, vocab, rate: float) -> dict:
             time.sleep(rng.expovariate(rate))
         assert recorder.wait(sent, 3600), "the mixed workload did not finish"
 
-    result = session.run(body)
+    result = engine_run.run(body)
     result["workload"] = {"rate_per_s": rate, "prompt_lens": [min(lengths), statistics.median(lengths),
                                                               max(lengths)], "new_tokens": args.mixed_new_tokens}
     result["tokens_per_s_per_gpu"] = result["tokens_per_s"]
     return result
 
 
-def step_profile_prefill(session: Session, args, vocab, device, out: Path) -> dict:
+def step_profile_prefill(engine_run: EngineRun, args, vocab, device, out: Path) -> dict:
     """One request's prefill in the engine thread, under torch.profiler (it records every thread's ops)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from profile_prefix_hit import gpu_gaps, profiled, summarize, write_report
+    from benchmarks.profile_prefix_hit import gpu_gaps, profiled, summarize, write_report
 
     rng = random.Random(args.seed + 3)
     prompts = [random_prompt(rng, args.prompt_len, vocab) for _ in range(2)]
@@ -476,7 +474,7 @@ def step_profile_prefill(session: Session, args, vocab, device, out: Path) -> di
         def body(engine, recorder):
             recorder.submit(engine, greedy_request(f"profiled{i}", prompts[i], 1))
             assert recorder.wait(1, 600), "the profiled request did not finish"
-        return session.run(body)
+        return engine_run.run(body)
 
     isolated = [one(0)["prefill_s_per_request"] for _ in range(3)]  # same shapes before the profile, unprofiled
     result = {}
@@ -506,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 if device.type == "cuda" else platform.processor() or "cpu"}}
     steps: dict = {}
     report["steps"] = steps
-    path = out / "batching_check.json"
+    path = out / "batching_throughput.json"
 
     def save():
         path.write_text(json.dumps(report, indent=2, default=str))
@@ -539,18 +537,18 @@ def main(argv: list[str] | None = None) -> int:
         print(report["setup_error"])
         return 1
     save()
-    session_class = Session if args.engine == "rocketkv" else TransformersSession
-    session = session_class(model, pool, config, args, warm_tokens=new_tokens)
-    plan = [("warmup", lambda: step_warmup(session, args, vocab))]
+    run_class = EngineRun if args.engine == "rocketkv" else TransformersEngineRun
+    engine_run = run_class(model, pool, config, args, warm_tokens=new_tokens)
+    plan = [("warmup", lambda: step_warmup(engine_run, args, vocab))]
     if not args.skip_fixed:
-        plan.append(("fixed", lambda: step_fixed(session, args, vocab, device)))
+        plan.append(("fixed", lambda: step_fixed(engine_run, args, vocab, device)))
     if args.freeze_gc:
-        plan.append(("fixed_gc_frozen", lambda: step_fixed_frozen(session, args, vocab, device)))
+        plan.append(("fixed_gc_frozen", lambda: step_fixed_frozen(engine_run, args, vocab, device)))
     if args.time_host:
-        plan.append(("fixed_host_times", lambda: step_fixed_host_times(session, args, vocab, device)))
+        plan.append(("fixed_host_times", lambda: step_fixed_host_times(engine_run, args, vocab, device)))
     if args.profile_prefill:
-        plan.append(("profile_prefill", lambda: step_profile_prefill(session, args, vocab, device, out)))
-    plan += [(f"mixed_rate_{rate:g}", lambda rate=rate: step_mixed(session, args, vocab, rate)) for rate in rates]
+        plan.append(("profile_prefill", lambda: step_profile_prefill(engine_run, args, vocab, device, out)))
+    plan += [(f"mixed_rate_{rate:g}", lambda rate=rate: step_mixed(engine_run, args, vocab, rate)) for rate in rates]
     try:
         for name, step in plan:
             started = time.perf_counter()
@@ -564,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
             shown = {k: v for k, v in steps[name].items() if k != "errors" and not k.startswith("top_")}
             print(name, json.dumps(shown, default=str), flush=True)
     finally:
-        session.close()
+        engine_run.close()
     print(f"wrote {path}")
     return 0 if all("error" not in s for s in steps.values()) else 1
 

@@ -1,6 +1,6 @@
-"""Cold vs warm process: first generate() time with and without saved compile artifacts (issue 12, item 3).
+"""Cold vs warm process: first generate() time with and without saved compile artifacts.
 
-    PYTHONPATH=. python benchmarks/warm_start_check.py --out $OUT [--regions] [--layers 32]
+    python -m benchmarks.warm_start_time --out $OUT [--regions] [--layers 32]
 
 Three fresh processes on the same random Llama-3.1-8B-shaped model (batch 1, 4k prompt, 32 new tokens): (1) cold, with
 an empty cache folder, which also warms up and saves the artifacts (hf_rocketkv.warmup); (2) warm: a new process that
@@ -64,7 +64,7 @@ def main() -> None:
             entry["process_s"] = time.perf_counter() - t0
             results.append(entry)
             print(json.dumps(entry), flush=True)
-            (out / "warm_start_check.json").write_text(json.dumps(results, indent=1))
+            (out / "warm_start_time.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
