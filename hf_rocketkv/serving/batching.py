@@ -52,7 +52,6 @@ from ..integration.batch_graphs import BatchedDecodeGraphs, GraphCaptureFailed
 from ..integration.decode_graphs import on_device
 from ..integration.generate import get_config
 from ..integration.rope import fused_rope
-from ..kernels.host_copy import device_tensor
 from ..memory import KVBlockPool
 from ..memory import PoolExhaustedError
 from .engine import EngineEvent, EngineLoad, EngineRequest, EventSink
@@ -126,6 +125,14 @@ class _TokensToHost:
         if self.event is not None:
             self.event.synchronize()
         return self.values.tolist()
+
+
+def _device_ids(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as a long tensor on ``device`` without waiting for it: on CUDA through pinned memory and an
+    asynchronous copy (a copy from pageable memory would first wait for the stream, a sync on every step)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.long, device=device)
+    return torch.tensor(values, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
 
 
 @dataclass(eq=False)
@@ -778,7 +785,7 @@ class BatchingEngine:
             ids = last_tokens.new_zeros(bucket, 1)
             ids[:rows, 0] = last_tokens
         else:
-            ids = device_tensor(last_tokens + [0] * (bucket - rows), torch.long, self.device).view(bucket, 1)
+            ids = _device_ids(last_tokens + [0] * (bucket - rows), self.device).view(bucket, 1)
         positions = self.batch.next_positions(bucket)
         with fused_rope(self.model, self.config.fused_rope):
             logits = self._graphed_step(ids, positions)
