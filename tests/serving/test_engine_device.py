@@ -19,7 +19,7 @@ from tests.serving.test_batching import CFG, Events, make_pool, prompt_of, reque
 @pytest.fixture
 def entered(monkeypatch):
     """(thread name, device) of every on_device scope the serving engines enter."""
-    from hf_rocketkv.serving import batching, sequential
+    from hf_rocketkv.serving import batching, threaded
 
     seen = []
 
@@ -28,7 +28,7 @@ def entered(monkeypatch):
         return contextlib.nullcontext()
 
     monkeypatch.setattr(batching, "on_device", recording)
-    monkeypatch.setattr(sequential, "on_device", recording)
+    monkeypatch.setattr(threaded, "on_device", recording)  # the sequential engine's thread
     return seen
 
 
