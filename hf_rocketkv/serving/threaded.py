@@ -31,11 +31,12 @@ class ThreadedEngine:
     gives:
 
         _loop()                the thread's body, run with grad off and ``device`` current
-        _enqueue(request)      (lock held) queue a new request or raise; returns its registry entry (None: not
+        _enqueue(request)      (lock held) queue a new request or raise (``_refuse_when_closed``,
+                               ``_refuse_duplicate``, in the engine's order); returns its registry entry (None: not
                                registered here, e.g. held for a lockstep inbox)
         _drop_waiting(id)      (lock held) remove a request that has not started; returns its entry or None
-        _close(drain)          refuse new requests; unless ``drain``, cancel everything admitted; returns the
-                               requests dropped before they started (each gets its final event from ``stop``)
+        _close(drain)          refuse new requests (``_closed``); unless ``drain``, cancel everything admitted;
+                               returns the requests dropped before they started (``stop`` sends their final events)
         _queue_load()          (lock held) ``(running, waiting, max_queue)``
     """
 
