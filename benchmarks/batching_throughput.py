@@ -412,7 +412,8 @@ def step_fixed_frozen(engine_run: EngineRun, args, vocab, device) -> dict:
 
 
 ENGINE_TIMED = tuple(("hf_rocketkv.serving.batching", f"BatchingEngine.{name}") for name in (
-    "_iteration", "_finish_cancelled", "_prefill", "_decode", "_step_logits", "_sample_rows", "_accept", "_end_row")) + (
+    "_iteration", "_finish_cancelled", "_prefill", "_accept", "_end_row")) + tuple(
+    ("hf_rocketkv.serving.decode_step", f"BatchDecoder.{name}") for name in ("step", "step_logits", "_sample_rows")) + (
     ("hf_rocketkv.serving.scheduler", "Scheduler.next_step"),
     ("hf_rocketkv.integration.batch_graphs", "BatchedDecodeGraphs.run"),
     ("hf_rocketkv.cache.batch_view", "BatchedDecodeCache.prepare"),
@@ -424,7 +425,7 @@ ENGINE_TIMED = tuple(("hf_rocketkv.serving.batching", f"BatchingEngine.{name}") 
 
 def step_fixed_host_times(engine_run: EngineRun, args, vocab, device) -> dict:
     """The fixed workload with the engine's methods wrapped by host timers: where an iteration's host time goes
-    (``_sample_rows`` includes the wait for the step's tokens; what is outside ``_step_logits`` the GPU waits for)."""
+    (``_sample_rows`` includes the wait for the step's tokens; what is outside ``step_logits`` the GPU waits for)."""
     from benchmarks.prefill_host_time import Timers, patched
 
     timers = Timers()

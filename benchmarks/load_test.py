@@ -226,7 +226,7 @@ def serve_in_process(args):
     from hf_rocketkv.models import load_model_and_tokenizer
     from hf_rocketkv.serving import GenerationManager, create_app
     from hf_rocketkv.serving.background import ServerThread
-    from hf_rocketkv.serving.cli import load_config
+    from hf_rocketkv.cli.serve import load_config
 
     config = load_config(args.config)
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)

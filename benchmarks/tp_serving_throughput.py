@@ -101,7 +101,7 @@ def run(args) -> dict:
     if args.rocketkv_json:
         config = config.replace(**json.loads(args.rocketkv_json))
     # --pool-gib per GPU, as hf-rocketkv serve: under TP each rank's pages hold its shard of the KV heads
-    from hf_rocketkv.serving.cli import shard_kv_heads
+    from hf_rocketkv.cli.serve import shard_kv_heads
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     pool = KVBlockPool(model, max_gpu_bytes=int(args.pool_gib * GIB), page_size=args.page_size,

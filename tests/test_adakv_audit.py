@@ -81,7 +81,7 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("engine", ["auto", "sequential"])
 def test_serve_adakv_with_a_pool_names_the_config_and_the_flag(tiny_dir, tmp_path, capsys, monkeypatch, engine):
-    from hf_rocketkv.serving import cli
+    from hf_rocketkv.cli import serve as cli
 
     def refuse(*args, **kwargs):
         raise AssertionError("serve_main accepted the config and started serving")

@@ -219,7 +219,7 @@ def dispatch(args, extra: list[str], argv: list[str]) -> int:
     if args.command == "bench":
         return cmd_bench(args, extra)
     if args.command == "serve":
-        from ..serving.cli import serve_main
+        from .serve import serve_main
 
         return serve_main(argv[argv.index("serve") + 1 :])
     run = load_run(args)

@@ -8,9 +8,9 @@
     Lockstep            tensor parallel serving: rank 0's engine takes requests, every rank steps with it
     generate_batch      prompts in, results in input order
     create_app          the OpenAI-compatible FastAPI app (optional extra: pip install hf_rocketkv[serve])
-    serve_main          ``hf-rocketkv serve`` (argparse entry, returns an exit status)
 
-FastAPI, uvicorn and prometheus-client are imported only by ``create_app`` / ``serve_main`` / ``ServerThread``.
+FastAPI, uvicorn and prometheus-client are imported only by ``create_app`` / ``ServerThread``. The ``hf-rocketkv serve``
+command is the face floor's (``hf_rocketkv/cli/serve.py``).
 """
 
 from .batch import generate_batch
@@ -49,18 +49,13 @@ __all__ = [
     "UnknownRequest",
     "create_app",
     "generate_batch",
-    "serve_main",
 ]
 
 
 def __getattr__(name: str):
-    """``create_app`` and ``serve_main`` load lazily: their modules need the optional serve extra."""
+    """``create_app`` loads lazily: its module needs the optional serve extra."""
     if name == "create_app":
         from .server import create_app
 
         return create_app
-    if name == "serve_main":
-        from .cli import serve_main
-
-        return serve_main
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 
 from ..config import RocketKVConfig
 from ..memory import PoolExhaustedError
-from .batching import DEFAULT_WARMUP_MAX_TOKENS
 from .channel import OutputChannel
 from .engine import Engine, EngineEvent, EngineRequest
 from .errors import EngineStopped, InvalidRequest, Overloaded, UnknownRequest
@@ -36,6 +35,7 @@ from .prompts import encode_chat, encode_text
 from .sampling import SamplingParams
 from .scheduler import BatchingConfig
 from .sequential import DEFAULT_MAX_QUEUE, SequentialEngine
+from .warm_up import DEFAULT_WARMUP_MAX_TOKENS
 
 ENGINE_CHOICES = ("auto", "batching", "sequential")
 

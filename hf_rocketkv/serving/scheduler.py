@@ -34,7 +34,7 @@ class BatchingConfig:
     before ``submit`` refuses (the server answers 429). overlap_decode: launch each decode step before reading the
     previous step's tokens (from those tokens on the device), so the host's per-step work (reading, stop checks,
     events) overlaps the device's next step instead of leaving it idle; False: every step is read before the next
-    one is launched (the executor's docstring, serving/batching.py, has the details)."""
+    one is launched (serving/decode_step.py has the details)."""
 
     max_running: int = 64
     buckets: tuple[int, ...] = DEFAULT_BUCKETS

@@ -8,31 +8,30 @@ the cache is dropped and the pages are released *before* the final event is sent
 Why one thread: torch.compile's CUDA-graph trees and other compiled state are thread-local, and generate() is not
 safe to run concurrently on one model, so the thread that owns the model runs every forward.
 
-The continuous-batching engine (admission by ``pool.can_admit``, prefill interleaved with a bucketed compiled decode
-step) implements the same ``Engine`` interface (engine.py).
+The continuous-batching engine (batching.py: admission by pool reservations, prefills interleaved with a bucketed
+decode step) implements the same ``Engine`` interface (engine.py); both share their thread and request registry
+(threaded.py).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
-from ..integration import compat
 from ..cache import RocketKVCache
 from ..config import RocketKVConfig
-from ..integration.decode_graphs import on_device
+from ..integration import compat
 from ..integration.generate import get_config
-from .engine import EngineEvent, EngineLoad, EngineRequest, EventSink
-from .errors import EngineStopped
+from .engine import EngineEvent, EngineRequest
 from .generate_hooks import CancelCriteria, SamplingLogitsProcessor, TokenStreamer
 from .lockstep import check_lockstep_for
 from .outputs import FinishReason
 from .request_queue import RequestQueue
 from .sampler import new_generator
+from .threaded import ThreadedEngine
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +39,11 @@ DEFAULT_MAX_QUEUE = 64
 CacheFactory = Callable[[RocketKVConfig], RocketKVCache]
 
 
-class SequentialEngine:
+class SequentialEngine(ThreadedEngine):
     """Runs admitted requests one after another (FIFO) with ``model.generate`` on its own thread.
+
+    Owns the bounded queue of waiting requests and the one running request; the thread, the registry and the
+    interface methods are ``ThreadedEngine``'s (serving/threaded.py).
 
     Args:
         model: a causal LM whose attention is ``rocketkv`` (``hf_rocketkv.enable(model)``).
@@ -51,6 +53,10 @@ class SequentialEngine:
         max_queue: requests that may wait (the running one not counted); one more raises ``Overloaded``.
         cache_factory: builds a request's cache from ``config`` (default ``RocketKVCache(config)``).
     """
+
+    _thread_name = "hf-rocketkv-engine"
+    _log_name = "hf_rocketkv engine"
+    _logger = logger
 
     def __init__(
         self,
@@ -73,69 +79,36 @@ class SequentialEngine:
         self.device = next(model.parameters()).device
         self.pad_token_id = _pad_token_id(model)
         self._queue = RequestQueue(max_queue)
-        self._requests: dict[str, EngineRequest] = {}  # admitted and not finished: waiting or running
+        super().__init__()  # _requests: admitted and not finished (waiting or running), each an EngineRequest
         self._running: EngineRequest | None = None
-        self._lock = threading.Lock()
-        self._sink: EventSink | None = None
-        self._thread: threading.Thread | None = None
 
-    # ------------------------------------------------------------------------------------------------ interface
-    def start(self, sink: EventSink) -> None:
-        if self._thread is not None:
-            raise RuntimeError("SequentialEngine.start: already started")
-        self._sink = sink
-        self._thread = threading.Thread(target=self._run, name="hf-rocketkv-engine", daemon=True)
-        self._thread.start()
+    # ------------------------------------------------------------------------------------------------ queue hooks
+    def _enqueue(self, request: EngineRequest) -> EngineRequest:
+        self._refuse_duplicate(request)
+        self._queue.put(request)  # Overloaded, or EngineStopped once the queue is closed
+        return request
 
-    def submit(self, request: EngineRequest) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            raise EngineStopped("the engine is not running (never started, stopped, or its thread ended)")
-        with self._lock:
-            if request.request_id in self._requests:
-                raise ValueError(f"request id {request.request_id!r} is already admitted")
-            self._queue.put(request)  # Overloaded / EngineStopped propagate; nothing is recorded then
-            self._requests[request.request_id] = request
+    def _drop_waiting(self, request_id: str) -> EngineRequest | None:
+        return self._queue.remove(request_id)
 
-    def cancel(self, request_id: str) -> None:
-        with self._lock:
-            request = self._requests.get(request_id)
-            if request is None:
-                return  # finished already, or never admitted: nothing to do
-            request.cancelled.set()  # a running request stops at its next step boundary
-            dropped = self._queue.remove(request_id)
-            if dropped is not None:
-                del self._requests[request_id]
-        if dropped is not None:  # it never ran: it ends here, on the caller's thread
-            self._emit(EngineEvent(request_id, finish_reason=FinishReason.CANCELLED))
+    def _queue_load(self) -> tuple[int, int, int]:
+        return (1 if self._running is not None else 0), len(self._queue), self._queue.max_size
 
-    def load(self) -> EngineLoad:
-        with self._lock:
-            running = 1 if self._running is not None else 0
-        alive = self._thread is not None and self._thread.is_alive() and not self._queue.closed
-        return EngineLoad(running=running, waiting=len(self._queue), alive=alive, max_queue=self._queue.max_size)
-
-    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
-        """Admit nothing new; ``drain``: finish every admitted request; else cancel them all. Joins the thread."""
+    def _close(self, drain: bool) -> list[EngineRequest]:
+        self._closed = True
         self._queue.close()
-        if not drain:
-            with self._lock:
-                dropped = self._queue.drain()
-                for request in dropped:
-                    request.cancelled.set()
-                    self._requests.pop(request.request_id, None)
-                if self._running is not None:
-                    self._running.cancelled.set()
+        if drain:
+            return []
+        with self._lock:
+            dropped = self._queue.drain()
             for request in dropped:
-                self._emit(EngineEvent(request.request_id, finish_reason=FinishReason.CANCELLED))
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+                request.cancelled.set()
+                self._requests.pop(request.request_id, None)
+            if self._running is not None:
+                self._running.cancelled.set()
+        return dropped
 
     # ------------------------------------------------------------------------------------------------ engine thread
-    def _run(self) -> None:
-        torch.set_grad_enabled(False)  # grad mode is thread-local: this thread never builds autograd graphs
-        with on_device(self.device):  # this thread's current CUDA device: the model's GPU
-            self._loop()
-
     def _loop(self) -> None:
         while True:
             with self._lock:
@@ -200,13 +173,6 @@ class SequentialEngine:
             stopping_criteria=StoppingCriteriaList([CancelCriteria(request.cancelled)]),
             streamer=streamer,
         )
-
-    def _emit(self, event: EngineEvent) -> None:
-        """Send to the sink; a failing sink is logged and never reaches generate() or the engine thread."""
-        try:
-            self._sink(event)
-        except Exception:  # noqa: BLE001
-            logger.exception("hf_rocketkv engine: the event sink failed on %s", event)
 
 
 def _finish_reason(request: EngineRequest, streamer: TokenStreamer) -> FinishReason:

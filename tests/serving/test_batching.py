@@ -149,21 +149,6 @@ def test_stop_token_ends_a_row_and_the_others_go_on(engines, oracle):
     assert events.tokens("b") == oracle(prompts[1], 10)
 
 
-def test_padded_bucket_rows_change_nothing(engines, oracle, tiny_pair):
-    """3, 5, 6 and 7 rows decode padded to 4 / 8 rows vs exactly sized batches: the same tokens (and the oracle's)."""
-    prompts = [prompt_of(20 + 3 * i, seed=50 + i) for i in range(7)]
-    lengths = [6, 9, 4, 11, 7, 5, 8]
-    runs = []
-    for buckets in [(1, 2, 4, 8), tuple(range(1, 9))]:
-        engine, events, _ = engines(buckets=buckets, prefills_per_step=3)
-        for i, (prompt, n) in enumerate(zip(prompts, lengths)):
-            engine.submit(request(f"p{i}", prompt, n))
-        events.wait_finals(len(prompts))
-        runs.append([events.tokens(f"p{i}") for i in range(len(prompts))])
-    assert runs[0] == runs[1]
-    assert runs[0] == [oracle(p, n) for p, n in zip(prompts, lengths)]
-
-
 # ------------------------------------------------------------------------------------------------ sampling
 def test_seeded_sampling_equals_the_request_alone(engines, tiny_pair):
     """Each row samples with its own generator: the same tokens as SequentialEngine, whatever runs beside it."""
@@ -253,34 +238,6 @@ def test_cancel_while_decoding_frees_pages_within_one_step(engines):
     assert pool.free_pages() == free
 
 
-def test_prompt_that_never_fits_the_pool_ends_with_an_error(engines, oracle, tiny_pair):
-    pool = make_pool(tiny_pair[0], page_size=8, mib=0.05)  # a few dozen pages
-    engine, events, _ = engines(pool=pool)
-    free = pool.free_pages()
-    huge = prompt_of(pool.total_pages() * 8, seed=3)
-    small = prompt_of(20, seed=4)
-    engine.submit(request("huge", huge, 4))
-    engine.submit(request("small", small, 4))
-    events.wait_finals(2)
-    final = events.finals("huge")[0]
-    assert final.finish_reason is FinishReason.ERROR
-    assert "can never be admitted" in final.error and "pages" in final.error
-    assert events.tokens("small") == oracle(small, 4)
-    assert pool.free_pages() == free
-
-
-def test_requests_wait_for_pages_then_run(engines, oracle, tiny_pair):
-    """A pool that holds about two requests at once: the rest wait at the head of the queue, none is refused."""
-    pool = make_pool(tiny_pair[0], page_size=8, mib=0.06)
-    engine, events, _ = engines(pool=pool)
-    prompts = [prompt_of(40, seed=20 + i) for i in range(5)]
-    for i, prompt in enumerate(prompts):
-        engine.submit(request(f"w{i}", prompt, 6))
-    events.wait_finals(5)
-    for i, prompt in enumerate(prompts):
-        assert events.tokens(f"w{i}") == oracle(prompt, 6)
-
-
 def test_stop_drain_finishes_and_no_drain_cancels(engines):
     engine, events, pool = engines()
     for i in range(3):
@@ -312,57 +269,6 @@ def test_engine_refuses_what_it_cannot_serve(tiny_pair):
     pool = make_pool(tiny_pair[0])
     with pytest.raises(NotImplementedError, match="multi_turn"):
         BatchingEngine(tiny_pair[0], CFG.replace(multi_turn="keep_all"), pool)
-
-
-# ------------------------------------------------------------------------------------------------ decode graphs
-def test_graphed_decode_steps_equal_eager_ones(engines, oracle, tiny_pair):
-    """One graph per bucket (a CPU stand-in for capture/replay): the first step of a bucket runs eagerly, the second
-    captures, later ones replay on the static buffers; the tokens are those of each request alone."""
-    from hf_rocketkv.integration.batch_graphs import BatchedDecodeGraphs
-    from tests.test_decode_graphs import StandInBackend
-
-    backend = StandInBackend()
-    graphs = BatchedDecodeGraphs(tiny_pair[0], backend=backend, devices=("cpu",))
-    pool = make_pool(tiny_pair[0])
-    engine = BatchingEngine(tiny_pair[0], CFG, pool, BatchingConfig(max_running=8, buckets=(1, 2, 4, 8),
-                                                                     prefills_per_step=2), decode_graphs=graphs)
-    events = Events()
-    engine.start(events)
-    try:
-        prompts = [prompt_of(n, seed=200 + n) for n, _ in PROMPTS]
-        for i, (prompt, (_, n)) in enumerate(zip(prompts, PROMPTS)):
-            engine.submit(request(f"g{i}", prompt, n + 6))
-        events.wait_finals(len(PROMPTS))
-    finally:
-        engine.stop(timeout=60)
-    for i, (prompt, (_, n)) in enumerate(zip(prompts, PROMPTS)):
-        assert events.tokens(f"g{i}") == oracle(prompt, n + 6), f"request {i}"
-    assert 1 <= backend.captures <= 4 and backend.replays > backend.captures
-    assert sum(step.replays for step in graphs.graphs.values()) == backend.replays
-    assert pool.free_pages() == pool.total_pages()
-
-
-def test_a_failing_capture_falls_back_to_eager_steps(engines, oracle, tiny_pair):
-    from hf_rocketkv.integration.batch_graphs import BatchedDecodeGraphs
-    from tests.test_decode_graphs import StandInBackend
-
-    class Failing(StandInBackend):
-        def capture(self, run):
-            raise RuntimeError("operation not permitted when stream is capturing")
-
-    graphs = BatchedDecodeGraphs(tiny_pair[0], backend=Failing(), devices=("cpu",))
-    engine = BatchingEngine(tiny_pair[0], CFG, make_pool(tiny_pair[0]),
-                            BatchingConfig(max_running=4, buckets=(1, 2, 4)), decode_graphs=graphs)
-    events = Events()
-    engine.start(events)
-    try:
-        prompt = prompt_of(30, seed=5)
-        engine.submit(request("f", prompt, 8))
-        events.wait_finals(1)
-    finally:
-        engine.stop(timeout=60)
-    assert events.tokens("f") == oracle(prompt, 8)
-    assert engine.graphs is None  # eager from the failed capture on
 
 
 # ------------------------------------------------------------------------------------------------ wiring

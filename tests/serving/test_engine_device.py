@@ -19,7 +19,7 @@ from tests.serving.test_batching import CFG, Events, make_pool, prompt_of, reque
 @pytest.fixture
 def entered(monkeypatch):
     """(thread name, device) of every on_device scope the serving engines enter."""
-    from hf_rocketkv.serving import batching, sequential
+    from hf_rocketkv.serving import threaded, warm_up
 
     seen = []
 
@@ -27,8 +27,8 @@ def entered(monkeypatch):
         seen.append((threading.current_thread().name, torch.device(device)))
         return contextlib.nullcontext()
 
-    monkeypatch.setattr(batching, "on_device", recording)
-    monkeypatch.setattr(sequential, "on_device", recording)
+    monkeypatch.setattr(warm_up, "on_device", recording)  # BatchingEngine.warm_up, on the caller's thread
+    monkeypatch.setattr(threaded, "on_device", recording)  # every engine thread
     return seen
 
 

@@ -167,7 +167,7 @@ def test_a_follower_takes_no_requests(tiny_pair, one_rank_group):
     engine = BatchingEngine(tiny_pair[0], CFG, make_pool(tiny_pair[0]), BatchingConfig(max_running=2),
                             lockstep=lockstep)
     with pytest.raises(RuntimeError, match="only the leader takes requests"):
-        engine._submit_to_outbox(request("x", prompt_of(20, seed=1), 2))
+        engine._inboxes.submit(request("x", prompt_of(20, seed=1), 2))
     leader_engine = BatchingEngine(tiny_pair[0], CFG, make_pool(tiny_pair[0]), BatchingConfig(max_running=2),
                                    lockstep=Lockstep())
     with pytest.raises(RuntimeError, match="for the other ranks"):

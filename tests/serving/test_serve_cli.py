@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_rocketkv.serving.cli import load_config, serve_main
+from hf_rocketkv.cli.serve import load_config, serve_main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -62,7 +62,7 @@ def test_bad_config_values_and_port_in_use(tmp_path, capsys):
 
 
 def test_warmup_max_tokens_defaults_to_the_chat_default():
-    from hf_rocketkv.serving.cli import build_parser, warmup_max_tokens
+    from hf_rocketkv.cli.serve import build_parser, warmup_max_tokens
 
     parser = build_parser()
     assert warmup_max_tokens(parser.parse_args([])) == 4096
@@ -73,7 +73,7 @@ def test_warmup_max_tokens_defaults_to_the_chat_default():
 
 def test_compile_regions_flag_compiles_norms_and_mlps_only_when_asked():
     from hf_rocketkv.integration.regions import region_modules
-    from hf_rocketkv.serving.cli import build_parser, prepare_model
+    from hf_rocketkv.cli.serve import build_parser, prepare_model
     from tests.helpers import make_models
 
     parser = build_parser()
@@ -132,7 +132,7 @@ def test_import_without_the_serve_extra():
             from hf_rocketkv.serving import create_app
         except ServeDependencyError as err:
             print("create_app:", err)
-        from hf_rocketkv.serving.cli import serve_main
+        from hf_rocketkv.cli.serve import serve_main
         print("exit", serve_main([]))
     """)
     assert result.returncode == 0, result.stderr
@@ -157,7 +157,7 @@ def test_serve_main_end_to_end(tmp_path, engine_args):
     char_tokenizer().save_pretrained(tmp_path / "tiny")
     config = tmp_path / "c.yaml"
     compressing_config().to_yaml(config)
-    command = [sys.executable, "-c", "import sys; from hf_rocketkv.serving.cli import serve_main; "
+    command = [sys.executable, "-c", "import sys; from hf_rocketkv.cli.serve import serve_main; "
                "sys.exit(serve_main(sys.argv[1:]))", "--model", str(tmp_path / "tiny"), "--config", str(config),
                "--port", "0", "--served-model-name", "tiny", "--log-level", "warning", "--threads", "1", *engine_args]
     process = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True,

@@ -67,7 +67,7 @@ def tiny_dir(tmp_path_factory):
 
 
 def test_serve_invalid_yaml_is_one_line_with_its_position(tmp_path, capsys):
-    from hf_rocketkv.serving.cli import serve_main
+    from hf_rocketkv.cli.serve import serve_main
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("sparse_attention_config:\n  topk: 8\n  prompt_budget: [1, 2\n")  # unclosed flow sequence
@@ -87,7 +87,7 @@ def test_serve_invalid_yaml_is_one_line_with_its_position(tmp_path, capsys):
 @pytest.fixture
 def no_serving(monkeypatch):
     """serve_main never starts uvicorn here: reaching the server (the config was accepted) fails the test at once."""
-    from hf_rocketkv.serving import cli
+    from hf_rocketkv.cli import serve as cli
 
     def refuse(*args, **kwargs):
         raise AssertionError("serve_main accepted the config and started serving")
@@ -96,7 +96,7 @@ def no_serving(monkeypatch):
 
 
 def test_serve_unknown_top_level_key_beside_the_section_exits_2(tmp_path, capsys, no_serving):
-    from hf_rocketkv.serving.cli import serve_main
+    from hf_rocketkv.cli.serve import serve_main
 
     extra = tmp_path / "extra.yaml"
     extra.write_text("sparse_attention_config:\n  topk: 8\nsparse_attention_confg:\n  topk: 4\n")
@@ -112,7 +112,7 @@ def test_serve_unknown_top_level_key_beside_the_section_exits_2(tmp_path, capsys
                                           (dict(decode_budget=16, decode_interval=8, decode_window=4),
                                            "decode_budget")])
 def test_serve_config_refused_by_the_engine_exits_2(tiny_dir, tmp_path, capsys, no_serving, fields, name):
-    from hf_rocketkv.serving.cli import serve_main
+    from hf_rocketkv.cli.serve import serve_main
 
     config = tmp_path / "c.yaml"
     compressing_config(**fields).to_yaml(config)

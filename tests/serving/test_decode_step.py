@@ -1,5 +1,6 @@
-"""BatchingEngine with overlapped decode steps (``BatchingConfig.overlap_decode``): step N+1 is launched before step
-N's tokens are read. Oracle: the same engine with overlap off (every step read before the next one), and each
+"""The batching engine's decode step (serving/decode_step.py): overlapped steps (``BatchingConfig.overlap_decode``:
+step N+1 is launched before step N's tokens are read), padding rows, and steps through one graph per bucket.
+Oracle: the same engine with overlap off (every step read before the next one), exactly sized batches, and each
 request alone through model.generate."""
 
 from __future__ import annotations
@@ -7,14 +8,17 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from hf_rocketkv.serving import FinishReason, SamplingParams
-from hf_rocketkv.serving import batching as batching_module
+from hf_rocketkv.serving import decode_step as decode_step_module
 from hf_rocketkv.serving.batching import BatchingEngine
+from hf_rocketkv.serving.decode_step import BatchDecoder
 from hf_rocketkv.serving.engine import EngineRequest
 from hf_rocketkv.serving.scheduler import BatchingConfig
 from tests.serving.helpers import ForwardGate, wait_until
-from tests.serving.test_batching import CFG, Events, make_pool, oracle, prompt_of, request  # noqa: F401 (fixture)
+from tests.serving.test_batching import (CFG, PROMPTS, Events, engines, make_pool, oracle,  # noqa: F401 (fixtures)
+                                         prompt_of, request)
 
 
 @pytest.fixture
@@ -83,7 +87,7 @@ def test_overlap_launches_the_next_step_before_reading_the_previous_one(run_engi
     """The order of launches (L) and reads (R): alternating without overlap; with it, a launch comes before the read
     of the step before it, and no step is read twice or left unread."""
     log = []
-    launch, read = BatchingEngine._launch, batching_module._TokensToHost.read
+    launch, read = BatchDecoder._launch, decode_step_module._TokensToHost.read
 
     def logged_launch(self, rows, in_flight):
         log.append("L")
@@ -93,8 +97,8 @@ def test_overlap_launches_the_next_step_before_reading_the_previous_one(run_engi
         log.append("R")
         return read(self)
 
-    monkeypatch.setattr(BatchingEngine, "_launch", logged_launch)
-    monkeypatch.setattr(batching_module._TokensToHost, "read", logged_read)
+    monkeypatch.setattr(BatchDecoder, "_launch", logged_launch)
+    monkeypatch.setattr(decode_step_module._TokensToHost, "read", logged_read)
     requests = [request(f"r{i}", prompt_of(20 + i, seed=i), 10) for i in range(3)]
     orders = {}
     for overlap in (False, True):
@@ -130,3 +134,79 @@ def test_a_cancel_with_a_step_in_flight_ends_the_row_and_frees_its_pages(run_eng
 def test_overlap_decode_must_be_a_bool():
     with pytest.raises(ValueError, match="overlap_decode"):
         BatchingConfig(overlap_decode="yes")
+
+
+# ------------------------------------------------------------------------------------------------ the step's inputs
+def test_the_step_ids_copy_equals_the_plain_constructor():
+    """``_device_ids`` (pinned and non-blocking on CUDA, so the step never waits for the device): the same tensor as
+    ``torch.tensor``."""
+    for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
+        ids = decode_step_module._device_ids([5, 0, 7], torch.device(device))
+        assert ids.dtype == torch.long and ids.device.type == device and ids.tolist() == [5, 0, 7]
+
+
+# ------------------------------------------------------------------------------------------------ padding
+def test_padded_bucket_rows_change_nothing(engines, oracle, tiny_pair):
+    """3, 5, 6 and 7 rows decode padded to 4 / 8 rows vs exactly sized batches: the same tokens (and the oracle's)."""
+    prompts = [prompt_of(20 + 3 * i, seed=50 + i) for i in range(7)]
+    lengths = [6, 9, 4, 11, 7, 5, 8]
+    runs = []
+    for buckets in [(1, 2, 4, 8), tuple(range(1, 9))]:
+        engine, events, _ = engines(buckets=buckets, prefills_per_step=3)
+        for i, (prompt, n) in enumerate(zip(prompts, lengths)):
+            engine.submit(request(f"p{i}", prompt, n))
+        events.wait_finals(len(prompts))
+        runs.append([events.tokens(f"p{i}") for i in range(len(prompts))])
+    assert runs[0] == runs[1]
+    assert runs[0] == [oracle(p, n) for p, n in zip(prompts, lengths)]
+
+
+# ------------------------------------------------------------------------------------------------ decode graphs
+def test_graphed_decode_steps_equal_eager_ones(engines, oracle, tiny_pair):
+    """One graph per bucket (a CPU stand-in for capture/replay): the first step of a bucket runs eagerly, the second
+    captures, later ones replay on the static buffers; the tokens are those of each request alone."""
+    from hf_rocketkv.integration.batch_graphs import BatchedDecodeGraphs
+    from tests.test_decode_graphs import StandInBackend
+
+    backend = StandInBackend()
+    graphs = BatchedDecodeGraphs(tiny_pair[0], backend=backend, devices=("cpu",))
+    pool = make_pool(tiny_pair[0])
+    engine = BatchingEngine(tiny_pair[0], CFG, pool, BatchingConfig(max_running=8, buckets=(1, 2, 4, 8),
+                                                                     prefills_per_step=2), decode_graphs=graphs)
+    events = Events()
+    engine.start(events)
+    try:
+        prompts = [prompt_of(n, seed=200 + n) for n, _ in PROMPTS]
+        for i, (prompt, (_, n)) in enumerate(zip(prompts, PROMPTS)):
+            engine.submit(request(f"g{i}", prompt, n + 6))
+        events.wait_finals(len(PROMPTS))
+    finally:
+        engine.stop(timeout=60)
+    for i, (prompt, (_, n)) in enumerate(zip(prompts, PROMPTS)):
+        assert events.tokens(f"g{i}") == oracle(prompt, n + 6), f"request {i}"
+    assert 1 <= backend.captures <= 4 and backend.replays > backend.captures
+    assert sum(step.replays for step in graphs.graphs.values()) == backend.replays
+    assert pool.free_pages() == pool.total_pages()
+
+
+def test_a_failing_capture_falls_back_to_eager_steps(engines, oracle, tiny_pair):
+    from hf_rocketkv.integration.batch_graphs import BatchedDecodeGraphs
+    from tests.test_decode_graphs import StandInBackend
+
+    class Failing(StandInBackend):
+        def capture(self, run):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphs = BatchedDecodeGraphs(tiny_pair[0], backend=Failing(), devices=("cpu",))
+    engine = BatchingEngine(tiny_pair[0], CFG, make_pool(tiny_pair[0]),
+                            BatchingConfig(max_running=4, buckets=(1, 2, 4)), decode_graphs=graphs)
+    events = Events()
+    engine.start(events)
+    try:
+        prompt = prompt_of(30, seed=5)
+        engine.submit(request("f", prompt, 8))
+        events.wait_finals(1)
+    finally:
+        engine.stop(timeout=60)
+    assert events.tokens("f") == oracle(prompt, 8)
+    assert engine.graphs is None  # eager from the failed capture on

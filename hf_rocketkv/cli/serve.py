@@ -194,8 +194,8 @@ def build_manager(args: argparse.Namespace, config):
 
     from ..memory import KVBlockPool
     from ..models import load_model_and_tokenizer
-    from .manager import GenerationManager, build_engine
-    from .scheduler import BatchingConfig
+    from ..serving.manager import GenerationManager, build_engine
+    from ..serving.scheduler import BatchingConfig
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -216,7 +216,7 @@ def build_manager(args: argparse.Namespace, config):
                               overlap_decode=args.overlap_decode)
     engine = args.engine
     if tensor_parallel:
-        from .lockstep import Lockstep
+        from ..serving.lockstep import Lockstep
 
         max_model_len = args.max_model_len or model.config.get_text_config().max_position_embeddings
         engine = build_engine("batching", model, config, pool, args.max_queue, batching, warmup_max_tokens(args),
@@ -259,7 +259,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         return int(exit_.code or 0)
     sock = None
     try:
-        from .deps import require_serve_deps
+        from ..serving.deps import require_serve_deps
 
         require_serve_deps()
         check_args(args)
@@ -289,7 +289,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: --config {args.config}: {err}", file=sys.stderr)
         return 2
     if sock is None:  # a follower rank: step with rank 0 until it stops
-        from .lockstep import LockstepDiverged
+        from ..serving.lockstep import LockstepDiverged
 
         # Ctrl-C reaches every rank under torchrun; rank 0 decides when to stop and ends every engine with its last
         # inbox: a follower that left at once would leave rank 0's last steps waiting in their collectives
@@ -327,7 +327,7 @@ def leave_distributed(code: int) -> int:
 def _run(manager, model_name: str, sock: socket.socket, args: argparse.Namespace) -> None:
     import uvicorn
 
-    from .server import create_app
+    from ..serving.server import create_app
 
     app = create_app(manager, model_name, default_max_tokens=args.default_max_tokens, aliases=(str(args.model),))
     host, port = sock.getsockname()[:2]

@@ -159,7 +159,7 @@ def test_a_failing_capture_at_warm_up_falls_back_to_eager_steps(make_engine, ora
 
 def test_a_failing_step_at_warm_up_leaves_the_pool_all_free(make_engine, oracle):
     engine, _, pool = make_engine()
-    real = engine._graphed_step
+    real = engine._decoder._graphed_step
     calls = []
 
     def broken(ids, positions):
@@ -168,10 +168,10 @@ def test_a_failing_step_at_warm_up_leaves_the_pool_all_free(make_engine, oracle)
             raise RuntimeError("injected")
         return real(ids, positions)
 
-    engine._graphed_step = broken
+    engine._decoder._graphed_step = broken
     with pytest.raises(RuntimeError, match="injected"):
         engine.warm_up(max_new_tokens=WARM_TOKENS)
-    engine._graphed_step = real
+    engine._decoder._graphed_step = real
     assert pool.free_pages() == pool.total_pages()
     assert engine.batch.joined == 0
     workload = WORKLOAD[:3]

@@ -1,0 +1,78 @@
+"""A batching engine request's pool pages, from admission to release.
+
+The scheduler admits the head of the queue only when the pool can set the request's cold prefill peak aside
+(``pool.reserve``: its prompt pages and its view for all ``max_tokens``, so a decoding request never runs out of
+pages). At prefill those pages go to the admission of the request's own pool-backed ``RocketKVCache`` (under the
+pool's lock, so nobody takes them in between); when the request ends, its cache is closed and whatever the
+reservation still holds goes back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache import RocketKVCache, request_pages
+from ..integration import compat
+from ..memory import PoolExhaustedError
+from .engine import EngineRequest
+from .running import RunningRequest
+
+
+class PoolAdmission:
+    """Sets a request's pages aside (``admit``), prefills its prompt into a cache that takes them (``prefill``) and
+    gives them back (``release``). Holds the model, config, pool and device it was given; the state of each request
+    is on its ``RunningRequest`` (``reservation``, ``cache``, ``error``)."""
+
+    def __init__(self, model, config, pool, device: torch.device):
+        self.model = model
+        self.config = config
+        self.pool = pool
+        self.device = device
+
+    def admit(self, running: RunningRequest) -> bool:
+        """The scheduler's admission callback (engine lock held): set the request's cold prefill peak aside, or say
+        "not now"; a request that can never fit is admitted only to end with an error at once."""
+        request = running.request
+        need = self.pages(request).peak_pages
+        usable = self.pool.total_pages()
+        if need > usable:
+            running.error = (
+                f"the prompt ({request.prompt_len} tokens) with max_tokens={request.max_new_tokens} needs {need} "
+                f"KV pool pages at its prefill peak, more than the pool's {usable} usable pages "
+                f"(KVBlockPool max_gpu_bytes / page_size={self.pool.page_size}): it can never be admitted; "
+                f"send a shorter prompt or fewer max_tokens, or give the pool more memory")
+            return True
+        try:
+            running.reservation = self.pool.reserve(need, f"admitting request {request.request_id}")
+        except PoolExhaustedError:
+            return False  # not now: pages come back as running requests finish
+        return True
+
+    def pages(self, request: EngineRequest):
+        """The request's pool pages at its cold prefill peak and once compressed (``hf_rocketkv.cache``'s
+        ``request_pages``)."""
+        return request_pages(self.config, self.pool, request.prompt_len, request.max_new_tokens)
+
+    def prefill(self, running: RunningRequest) -> torch.Tensor:
+        """The request's prompt through the model with its own pool-backed cache; returns the last logits [1, V]."""
+        request = running.request
+        cache = RocketKVCache(self.config, pool=self.pool, cache_salt=running.cache_salt)
+        running.cache = cache
+        ids = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)
+        reservation, running.reservation = running.reservation, None  # the admission takes these pages
+        # a prefix hit: columns [0, start) come from the pool
+        with cache.prefill(ids, max_new_tokens=request.max_new_tokens, reservation=reservation,
+                           max_length=request.prompt_len + request.max_new_tokens) as start:
+            positions = torch.arange(start, request.prompt_len, device=self.device)[None]
+            out = self.model(input_ids=ids[:, start:], attention_mask=torch.ones_like(ids), position_ids=positions,
+                             use_cache=True, logits_to_keep=1, **compat.cache_kwargs(cache))
+        return out.logits[:, -1].float()
+
+    def release(self, running: RunningRequest) -> None:
+        """Close the request's cache (its pages go back) and give back what its reservation still holds."""
+        if running.cache is not None:
+            running.cache.close()
+            running.cache = None
+        if running.reservation is not None:
+            self.pool.unreserve(running.reservation)
+            running.reservation = None

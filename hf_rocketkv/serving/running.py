@@ -1,0 +1,35 @@
+"""RunningRequest: one request admitted by the batching engine, as its engine thread follows it to its end."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from ..cache import RocketKVCache
+from .engine import EngineRequest
+
+
+@dataclass(eq=False)  # identity: the scheduler finds a request's row with list.index
+class RunningRequest:
+    """What the batching engine holds for one request between ``submit`` and its final event: the pool pages set
+    aside at admission, its cache once prefilled, its sampling generator, and the tokens it has produced."""
+
+    request: EngineRequest
+    reservation: object = None  # the pool pages set aside at admission (given to the cache's admission at prefill)
+    cache_salt: str | None = None  # the prefix-index salt of its cache (set only for the warm-up request)
+    error: str | None = None  # set at admission: the request can never be served (ends with "error" at prefill)
+    cache: RocketKVCache | None = None
+    generator: torch.Generator | None = None
+    tokens: int = 0
+    last_token: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def cancelled(self) -> threading.Event:
+        """The cancel flag the engine reads (under lockstep, this rank's own copy)."""
+        return self.request.cancelled
