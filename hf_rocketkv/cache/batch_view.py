@@ -50,7 +50,8 @@ from transformers import Cache
 
 from ..memory import KVBlockPool
 from ..memory.errors import PoolExhaustedError
-from .cache import RocketKVCache, check_layers_consistent
+from .cache import RocketKVCache
+from .consistency import check_layers_consistent
 from .layer import GenerationHints, RocketKVLayer
 from .paged_store import PagedStore
 

@@ -29,15 +29,12 @@ or with ``multi_turn="keep_all"`` the whole history, then the new real tokens), 
 the survivors into a fresh view.
 
 The layer knows nothing of transformers' attention registry; the attention function drives it. It finds the layer
-through the key tensor ``update()`` returned (``layer_of``): the layer tags the key tensor it returns with a weak
+through the key tensor ``update()`` returned (``seam.layer_of``): the layer tags the key tensor it returns with a weak
 reference to itself (its dense buffer, or a per-layer handle once compressed), so each attention call reaches
 exactly the layer that stored its keys, with no process-global state (see docs/seam.md).
 """
 
 from __future__ import annotations
-
-import weakref
-from dataclasses import dataclass, field
 
 import torch
 
@@ -48,61 +45,16 @@ from ..kernels.host_copy import device_tensor, filled
 from ..policies import KeptSlots, Stage1Inputs, derive_budgets, get_stage1_policy
 from ..policies.decode_compression import move_kept
 from ..selection.stage2_pages import per_head
+from .consistency import INTERRUPTED_FORWARD, UNCONSUMED_KEYS
+from .hints import GenerationHints
 from .history import History, real_tokens_left_aligned
 from .op_graphs import OpGraph, buffers_key
 from .paged_store import PagedStore, ceil_div, private_store, write_tokens
+from .seam import layer_of, tag
 
+__all__ = ["CROP_UNSUPPORTED", "INTERRUPTED_FORWARD", "PER_HEAD_LATER_TURN", "UNCONSUMED_KEYS",
+           "UNDECLARED_PER_HEAD_COUNTS", "GenerationHints", "RocketKVLayer", "last_real_queries", "layer_of"]
 
-@dataclass
-class GenerationHints:
-    """What generate() tells the cache before prefill (set by hf_rocketkv's generate integration)."""
-
-    max_length: int | None = None  # logical tokens the cache will have seen at most (prompt + new tokens)
-    defer_compression: bool = False  # chunked prefill: run stage 1 at the first decode step, not after each chunk
-    prefilling: bool = False  # generate()'s prefill is running (chunks must not be compiled: their shapes change)
-    guards_checked: bool = False  # this generate() call's first compiled decode step has run with every guard
-    # device types on which generate() may defer its stop check by a step (deferred_stop_check); CUDA only, as
-    # the check needs device events (tests add "cpu" together with a CPU stand-in for torch.Event)
-    deferred_stop_devices: tuple[str, ...] = ("cuda",)
-    # a decode step is being captured or replayed as a CUDA graph (integration/decode_graphs.py): Python runs once at
-    # capture and never at replay, so the step's runner does the host bookkeeping, not the traced code
-    in_graph: bool = False
-    # this request's captured decode step (integration/decode_graphs.py) and where graphs are used
-    graphed_step: object = None
-    graph_warmed_up: bool = False
-    graph_devices: tuple[str, ...] = ("cuda",)
-    graph_backend: object = None  # None: torch.cuda graphs (tests put a CPU stand-in here)
-    # GPU index -> GraphPool (memory pool and capture stream) that every layer's eager-step OpGraphs on that GPU
-    # capture into (cache/op_graphs.py), made at the first capture: one per request and GPU, so the layers' scratch
-    # tensors share memory instead of a pool each
-    op_graph_pool: dict = field(default_factory=dict)
-    # batch_buckets: generate() padded the caller's rows (real) up to a bucket (padded) with copies of row 0;
-    # prefill runs the real rows only and copies row 0's cache (integration/batch_buckets.py)
-    batch_padding: tuple[int, int] | None = None
-    # the padding offsets of the latest prefill forward's mask (integration/attention.py padding_of_forward):
-    # (weak reference to the mask, kv length, offsets on the device, offsets on the host), read once per forward
-    padding_memo: tuple | None = None
-    # whether that mask is plain lower-right causal (integration/attention.py lower_right_causal): (weak reference to
-    # the mask, answer), compared once per forward
-    causal_memo: tuple | None = None
-
-    def forget_graph(self) -> None:
-        """Drop the captured decode step (its buffers change when a new turn is prefilled)."""
-        self.graphed_step = None
-        self.graph_warmed_up = False
-
-
-INTERRUPTED_FORWARD = (
-    "RocketKVCache: its layers have seen different numbers of tokens ({detail}): an earlier forward on this cache "
-    "was interrupted (an exception), which leaves it inconsistent. Start again with a fresh RocketKVCache."
-)
-
-UNCONSUMED_KEYS = (
-    "RocketKVCache: a layer stored keys that no 'rocketkv' attention call consumed. Either the model's attention is "
-    "not 'rocketkv' (enable it with `hf_rocketkv.enable(model)` or `from_pretrained(..., attn_implementation="
-    "'rocketkv')`), or an earlier forward on this cache was interrupted by an exception, which leaves it "
-    "inconsistent: start again with a fresh RocketKVCache."
-)
 
 CROP_UNSUPPORTED = (
     "RocketKVCache cannot be cropped beyond its last decoded tokens: stage 1 evicts tokens for good, so "
@@ -122,20 +74,6 @@ UNDECLARED_PER_HEAD_COUNTS = (
     "`per_head_budgets = True`: the cache lays out per-KV-head lengths ([B, Hkv]) only for policies that declare it "
     "(it fixes the layout before any selection runs). Set the class attribute per_head_budgets = True."
 )
-
-
-OWNER_ATTRIBUTE = "_hf_rocketkv_layer"  # on the key tensor update() returns: weakref.ref(its RocketKVLayer)
-
-
-def layer_of(key: torch.Tensor) -> "RocketKVLayer | None":
-    """The RocketKVLayer whose ``update()`` returned ``key``, or None (another cache, or no cache).
-
-    A weak reference, so the layer and its buffers are freed as soon as the cache is (no reference cycle through
-    the tensor). Traceable by torch.compile: reading it adds no graph break and a fresh cache per request adds no
-    recompilation.
-    """
-    ref = getattr(key, OWNER_ATTRIBUTE, None)
-    return ref() if ref is not None else None
 
 
 def last_real_queries(queries: torch.Tensor, valid: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -436,11 +374,8 @@ class RocketKVLayer(CacheLayerMixin):
         self._tag_keys()  # a new dense buffer every forward but a prefix hit's first (eager: prefill never compiles)
 
     def _tag_keys(self) -> None:
-        """Let the attention function find this layer from the key tensor update() returns (``layer_of``). Called
-        wherever that tensor is (re)allocated, always in eager code, so compiled decode steps find it tagged."""
-        tensor = self.key_handle if self.compressed else self._keys
-        if getattr(tensor, OWNER_ATTRIBUTE, None) is None:
-            setattr(tensor, OWNER_ATTRIBUTE, weakref.ref(self))
+        """Let the attention function find this layer from the key tensor update() returns (``seam.layer_of``)."""
+        tag(self.key_handle if self.compressed else self._keys, self)
 
     def attention_ran(self) -> None:
         """Called by the ``rocketkv`` attention function once it has found this layer."""
