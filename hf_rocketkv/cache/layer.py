@@ -47,9 +47,11 @@ from ..policies.decode_compression import move_kept
 from ..selection.stage2_pages import per_head
 from .consistency import INTERRUPTED_FORWARD, UNCONSUMED_KEYS
 from .hints import GenerationHints
-from .history import History, real_tokens_left_aligned
+from .capacity import (fit_slots, grow_view, headroom, pad_slots, private_history, private_view, round_up, slack_of,
+                       slots_for)
+from .history import History, grow_history, real_tokens_left_aligned
 from .op_graphs import OpGraph, buffers_key
-from .paged_store import PagedStore, ceil_div, private_store, write_tokens
+from .paged_store import PagedStore, write_tokens
 from .seam import layer_of, tag
 
 __all__ = ["CROP_UNSUPPORTED", "INTERRUPTED_FORWARD", "PER_HEAD_LATER_TURN", "UNCONSUMED_KEYS",
@@ -89,27 +91,6 @@ def last_real_queries(queries: torch.Tensor, valid: torch.Tensor, window: int) -
     index = rank.topk(w, dim=1).indices.flip(1)  # ascending: placeholders first, then the last real ones in order
     gathered = queries.gather(2, index[:, None, :, None].expand(-1, queries.shape[1], -1, queries.shape[3]))
     return gathered, valid.sum(dim=1).clamp(max=w)
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def _fit_dim2(tensor: torch.Tensor, size: int, fill) -> torch.Tensor:
-    """``tensor`` with dim 2 cut or extended (by ``fill``) to ``size``."""
-    if tensor.shape[2] >= size:
-        return tensor[:, :, :size].contiguous()
-    return _pad_dim2(tensor, size, fill)
-
-
-def _pad_dim2(tensor: torch.Tensor, size: int, fill) -> torch.Tensor:
-    """``tensor`` with dim 2 extended to ``size`` by ``fill`` (slots or KT pages that hold no token)."""
-    missing = size - tensor.shape[2]
-    if missing == 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[2] = missing
-    return torch.cat([tensor, tensor.new_full(shape, fill)], dim=2)
 
 
 class RocketKVLayer(CacheLayerMixin):
@@ -340,7 +321,7 @@ class RocketKVLayer(CacheLayerMixin):
         if query_length > 1 and self.compressed and self.history is None and self.per_head_lengths:
             # refused before any state changes, so the cache stays usable for decode steps
             raise NotImplementedError(PER_HEAD_LATER_TURN.format(name=self.policy.name))
-        if self._host_bookkeeping():
+        if self.host_bookkeeping():
             self.awaiting_attention = True  # cleared by the attention function; RocketKVCache.update checks it
             self.host_seen += query_length
         if query_length == 1 and self.compressed and self.eager_graphs():
@@ -389,7 +370,7 @@ class RocketKVLayer(CacheLayerMixin):
         generate()'s max_length; in eager mode the store grows when a caller runs past it. ``graphed`` (eager steps,
         ``eager_graphs()``): the ``seen`` increment and the append through this layer's "append" OpGraph.
         """
-        if self._host_bookkeeping():  # compiled/graphed steps: their runner counts on the host
+        if self.host_bookkeeping():  # compiled/graphed steps: their runner counts on the host
             self.maybe_compress_decode()
             self._ensure_capacity(1)
             self.note_decode_step()
@@ -507,7 +488,7 @@ class RocketKVLayer(CacheLayerMixin):
         self.host_generated = compression.budget
         self.host_decoded = 0  # crop cannot undo a compression
 
-    def _host_bookkeeping(self) -> bool:
+    def host_bookkeeping(self) -> bool:
         """Whether this code runs eagerly, once per step (not traced by torch.compile, not a CUDA-graph step)."""
         return not (torch.compiler.is_compiling() or self.hints.in_graph)
 
@@ -531,8 +512,8 @@ class RocketKVLayer(CacheLayerMixin):
         stored = lengths.tolist()
         counts = [len(c) for c in columns]
         width = self._working_width(max(s + m for s, m in zip(stored, counts)), keys.shape[2])
-        keys, values = _pad_dim2(keys, width, 0), _pad_dim2(values, width, 0)
-        positions = _pad_dim2(positions, width, -1)
+        keys, values = pad_slots(keys, width, 0), pad_slots(values, width, 0)
+        positions = pad_slots(positions, width, -1)
         first_column = int(self.seen) - n
         for b, (length, taken) in enumerate(zip(stored, columns)):
             m = len(taken)
@@ -559,82 +540,25 @@ class RocketKVLayer(CacheLayerMixin):
         history pages too (the working set's slots are the history's slots)."""
         history = self.history
         needed = max(s + m for s, m in zip(stored, counts))
-        self._grow_history(needed - history.host_max_length)
+        grow_history(self, needed - history.host_max_length)
         write_tokens(history.store, self._keys, self._values, stored, [s + m for s, m in zip(stored, counts)])
-        history.positions = _fit_dim2(self.positions, history.store.capacity, -1)
+        history.positions = fit_slots(self.positions, history.store.capacity, -1)
         history.lengths = self.lengths.clone()
         history.host_max_length = needed
-        history.slack = self._slack_of(history.store, self.lengths.tolist())
-
-    def _grow_history(self, extra: int) -> None:
-        """Make room for ``extra`` more tokens in every row of the keep_all history (eager): a private store is
-        reallocated and copied; a pool-backed one takes more pages (reserved before the forward by generate())."""
-        history = self.history
-        if history.room() >= extra:
-            return
-        capacity = _round_up(history.host_max_length + extra + self._headroom(), self.config.page_size)
-        if self.pages is not None:
-            history.store = self.pages.history_store(self, capacity).widened(self._slots_for(capacity))
-        else:
-            keys, values = history.store.gather()
-            history.store = self._private_history(keys.shape[0], self._slots_for(capacity))
-            history.store.write(keys, values)
-        history.positions = _fit_dim2(history.positions, history.store.capacity, -1)
-        history.slack = self._slack_of(history.store, history.lengths.tolist())
-        self._mark_static()
-
-    @staticmethod
-    def _slack_of(store: PagedStore, lengths: list[int]) -> int:
-        """How many fewer tokens the tightest row can take than the store's capacity minus its longest row."""
-        rooms = [c - n for c, n in zip(store.row_capacity(), lengths)]
-        return store.capacity - max(lengths) - min(rooms)
-
-    def _private_history(self, batch: int, capacity: int) -> PagedStore:
-        page = self.config.page_size
-        return private_store(batch, ceil_div(capacity, page), self.num_kv_heads, page, self.head_dim, self.dtype,
-                             self.device)
+        history.slack = slack_of(history.store, self.lengths.tolist())
 
     def _working_width(self, needed: int, current: int) -> int:
         """Slots of a later turn's working set: the current width when the new tokens fit, else grown to the
         tokens to come (the same widths an in-place store had, so width-dependent policies see the same shapes)."""
         if needed <= current:
             return current
-        return _round_up(needed + self._headroom(), self.config.page_size)
+        return round_up(needed + headroom(self), self.config.page_size)
 
     def _ensure_capacity(self, extra: int) -> None:
-        """Grow the compressed view (eager mode) so that every row can take ``extra`` more tokens: a private store
-        is reallocated; a pool-backed one gets more pages from the pool."""
+        """Room for ``extra`` more tokens in every row (eager): keep_all's history, then the view (``capacity.py``)."""
         if self.history is not None:
-            self._grow_history(extra)
-        if self.capacity - self.host_max_length - self.host_slack >= extra:
-            return
-        needed = self.host_max_length + extra
-        new_capacity = _round_up(needed + self._headroom(), self.config.page_size)
-        keys, values = self.store.gather()
-        kt = self.store.gather_kt()
-        if self.pages is not None:
-            self.store = self.pages.grow_view(self, new_capacity).widened(self._slots_for(new_capacity))
-        else:
-            self.store = self._private_view(keys.shape[0], self._slots_for(new_capacity))
-        self.store.write(keys, values, kt)
-        self.positions = _pad_dim2(self.positions, self.store.capacity, -1)
-        self.host_slack = 0 if self.pages is None else self.pages.slack(self)
-        self._mark_static()
-
-    def _slots_for(self, needed: int) -> int:
-        """Slots per row of a store that must hold ``needed`` tokens: the capacity bucket that holds them
-        (``RocketKVConfig.capacity_buckets``; exact when bucketing is off), in whole KT pages. Buckets keep a
-        compiled decode step's shapes the same across prompt lengths and max_new_tokens."""
-        return self.config.bucket_capacity(needed, self.config.page_size)
-
-    def _headroom(self) -> int:
-        """Slots for tokens still to come: from generate()'s max_length when known (the tokens it will still feed
-        back; 0 when it generates one token), else the config's headroom (a stale hint of an earlier call too)."""
-        # a first prefill is eager and counts its tokens on the host: no read of the device counter (a sync)
-        seen = self.host_seen if not self.compressed and self._host_bookkeeping() else self.get_seq_length()
-        if self.hints.max_length is not None and self.hints.max_length >= seen:
-            return self.config.decode_headroom(self.hints.max_length - seen)
-        return self.config.decode_headroom(self.config.capacity_headroom)
+            grow_history(self, extra)
+        grow_view(self, extra)
 
     # ------------------------------------------------------------------------------------------ stage 1
     def observe_prefill(
@@ -796,16 +720,16 @@ class RocketKVLayer(CacheLayerMixin):
         if self.pages is not None:
             store, fixed = self.pages.prompt_store(self)
             if keep_all:  # the history is read by decode steps: bucket its table width too
-                store = store.widened(self._slots_for(store.capacity))
+                store = store.widened(slots_for(self, store.capacity))
         else:
-            needed = _round_up(max(counts) + self._headroom(), self.config.page_size)
-            store = self._private_history(keys.shape[0], self._slots_for(needed))
+            needed = round_up(max(counts) + headroom(self), self.config.page_size)
+            store = private_history(self, keys.shape[0], slots_for(self, needed))
             fixed = [0] * len(counts)
         write_tokens(store, keys, values, fixed, counts)
         if keep_all:
             lengths = device_tensor(counts, torch.long, self.device)
-            self.history = History(store, _fit_dim2(positions, store.capacity, -1), lengths, max(counts), fixed,
-                                   self._slack_of(store, counts))
+            self.history = History(store, fit_slots(positions, store.capacity, -1), lengths, max(counts), fixed,
+                                   slack_of(store, counts))
 
     def _checked_layout(self, kept: list[KeptSlots]) -> list[KeptSlots]:
         """The policy's selection, refused when a policy that does not declare ``per_head_budgets`` gave a row's
@@ -851,12 +775,12 @@ class RocketKVLayer(CacheLayerMixin):
         batch, heads, _, dim = self._keys.shape
         head_counts = [row.counts.to(self.device, torch.long) for row in kept] if self.per_head_lengths else None
         counts = [row.slots.shape[1] for row in kept]  # the longest head of each row (host ints: no sync)
-        needed = _round_up(max(max(counts), 1) + self._headroom(), self.config.page_size)
+        needed = round_up(max(max(counts), 1) + headroom(self), self.config.page_size)
         if self.pages is not None:  # the pool's pages hold what the request needs; only the table is bucketed
             store = self.pages.view_store(self, counts, needed - max(max(counts), 1))
-            store = store.widened(self._slots_for(store.capacity))
+            store = store.widened(slots_for(self, store.capacity))
         else:
-            store = self._private_view(batch, self._slots_for(needed))
+            store = private_view(self, batch, slots_for(self, needed))
         positions = torch.empty((batch, heads, store.capacity), dtype=torch.int32, device=self.device)
         for b, row in enumerate(kept):  # one launch per row on the Triton backend (kernels/compact.py)
             self.ops.paged_compact_row(
@@ -880,14 +804,7 @@ class RocketKVLayer(CacheLayerMixin):
             self.key_handle = torch.empty((batch, heads, 0, dim), dtype=self.dtype, device=self.device)
             self.value_handle = torch.empty_like(self.key_handle)
         self.compressed = True
-        self._mark_static()
-
-    def _private_view(self, batch: int, capacity: int) -> PagedStore:
-        """A store of this layer's own for ``capacity`` slots per row (pages of one KT page each, so the capacity is
-        exactly what the layer asked for)."""
-        page = self.config.page_size
-        return private_store(batch, ceil_div(capacity, page), self.num_kv_heads, page, self.head_dim, self.dtype,
-                             self.device, page, self.config.kt_torch_dtype)
+        self.mark_static()
 
     @staticmethod
     def stack_rows(parts: list["RocketKVLayer"], new_layer) -> "RocketKVLayer":
@@ -914,11 +831,11 @@ class RocketKVLayer(CacheLayerMixin):
             capacity = max(part.capacity for part in parts)
             gathered = [part.store.gather() for part in parts]
             kts = [part.store.gather_kt() for part in parts]
-            layer.store = layer._private_view(sum(part.batch_size for part in parts), capacity)
-            layer.store.write(torch.cat([_pad_dim2(k, capacity, 0) for k, _ in gathered]),
-                              torch.cat([_pad_dim2(v, capacity, 0) for _, v in gathered]),
-                              torch.cat([_pad_dim2(kt, capacity // first.config.page_size, 0) for kt in kts]))
-        layer.positions = torch.cat([_pad_dim2(part.positions, layer.store.capacity, -1) for part in parts])
+            layer.store = private_view(layer, sum(part.batch_size for part in parts), capacity)
+            layer.store.write(torch.cat([pad_slots(k, capacity, 0) for k, _ in gathered]),
+                              torch.cat([pad_slots(v, capacity, 0) for _, v in gathered]),
+                              torch.cat([pad_slots(kt, capacity // first.config.page_size, 0) for kt in kts]))
+        layer.positions = torch.cat([pad_slots(part.positions, layer.store.capacity, -1) for part in parts])
         layer.lengths = torch.cat([part.lengths for part in parts])
         layer.seen = first.seen.clone()
         layer.host_seen = first.host_seen
@@ -935,7 +852,7 @@ class RocketKVLayer(CacheLayerMixin):
                                        device=layer.device)
         layer.value_handle = torch.empty_like(layer.key_handle)
         layer.compressed = layer.is_initialized = True
-        layer._mark_static()
+        layer.mark_static()
         return layer
 
     @staticmethod
@@ -947,15 +864,15 @@ class RocketKVLayer(CacheLayerMixin):
             store = layer.pages.history_store(layer, 0).widened(max(h.store.capacity for h in parts))
         else:
             capacity = max(h.store.capacity for h in parts)
-            store = layer._private_history(len(counts), capacity)
+            store = private_history(layer, len(counts), capacity)
             gathered = [h.store.gather() for h in parts]
-            store.write(torch.cat([_pad_dim2(k, capacity, 0) for k, _ in gathered]),
-                        torch.cat([_pad_dim2(v, capacity, 0) for _, v in gathered]))
-        positions = torch.cat([_fit_dim2(h.positions, store.capacity, -1) for h in parts])
+            store.write(torch.cat([pad_slots(k, capacity, 0) for k, _ in gathered]),
+                        torch.cat([pad_slots(v, capacity, 0) for _, v in gathered]))
+        positions = torch.cat([fit_slots(h.positions, store.capacity, -1) for h in parts])
         fixed = [f for h in parts for f in h.fixed]
-        return History(store, positions, lengths, max(counts), fixed, layer._slack_of(store, counts))
+        return History(store, positions, lengths, max(counts), fixed, slack_of(store, counts))
 
-    def _mark_static(self) -> None:
+    def mark_static(self) -> None:
         """Fixed addresses for CUDA graphs: decode mutates these tensors in place and never reallocates them."""
         if torch.compiler.is_compiling():
             return
@@ -997,7 +914,7 @@ class RocketKVLayer(CacheLayerMixin):
                         "RocketKVCache with a pool cannot change its batch size after prefill "
                         "(batch_repeat_interleave / batch_select_indices); expand the inputs before prefill"
                     )
-                self.store = self._private_view(index.shape[0], self.store.capacity)
+                self.store = private_view(self, index.shape[0], self.store.capacity)
                 batch = index.shape[0]
                 self.key_handle = torch.empty((batch, self.num_kv_heads, 0, self.head_dim), dtype=self.dtype,
                                               device=self.device)
@@ -1005,7 +922,7 @@ class RocketKVLayer(CacheLayerMixin):
             self.store.write(keys, values, kt)
             if self.history is not None:
                 self._index_history(index, in_place)
-            self._mark_static()
+            self.mark_static()
         else:
             self._tag_keys()
 
@@ -1020,7 +937,7 @@ class RocketKVLayer(CacheLayerMixin):
             history.positions.copy_(positions)
             history.lengths.copy_(lengths)
         else:
-            history.store = self._private_history(index.shape[0], history.store.capacity)
+            history.store = private_history(self, index.shape[0], history.store.capacity)
             history.positions, history.lengths = positions, lengths
             history.fixed = [0] * index.shape[0]
         counts = history.lengths.tolist()
