@@ -42,9 +42,6 @@ MULTI_TURN_MODES = ("evict", "keep_all")
 BUCKET_FIELDS = ("capacity_buckets", "batch_buckets")
 # decode_runner="torch_compile" with batch_buckets=None: the batch sizes serving engines capture CUDA graphs for
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-# requests larger than the largest capacity bucket: slots per row are rounded up to the ladder 256, 384, 512, 768,
-# 1024, 1536, ... (powers of two and 1.5x powers of two), so such a store is at most 1.5x what the request needs
-CAPACITY_LADDER_START = 256
 YAML_SECTION = "sparse_attention_config"
 YAML_ALGORITHM = "rocket"
 
@@ -434,18 +431,6 @@ class RocketKVConfig:
             return (self.prompt_budget + self.decode_budget + self.decode_interval,)
         return (self.prompt_budget + self.capacity_headroom,)
 
-    def bucket_capacity(self, needed: int, page_size: int) -> int:
-        """Slots per row for a store that must hold ``needed``: the smallest capacity bucket >= needed; above the
-        largest, the ladder 256, 384, 512, 768, 1024, ... (so even those requests share graphs); ``needed`` itself
-        when bucketing is off. Then whole pages of ``page_size``. A compiled decode step sees the same shapes for
-        every request of one bucket."""
-        needed = max(needed, 1)
-        buckets = self.effective_capacity_buckets
-        bucket = needed
-        if buckets:
-            bucket = next((size for size in buckets if size >= needed), None) or _ladder_bucket(needed)
-        return -(-bucket // page_size) * page_size
-
     def replace(self, **changes: Any) -> "RocketKVConfig":
         """A validated copy with some fields changed."""
         return dataclasses.replace(self, **changes)
@@ -510,17 +495,6 @@ class RocketKVConfig:
         if path is not None:
             Path(path).write_text(text)
         return text
-
-
-def _ladder_bucket(needed: int) -> int:
-    """The smallest of 256, 384, 512, 768, 1024, 1536, ... (2^k and 3 * 2^(k-1)) that is >= ``needed``."""
-    size = CAPACITY_LADDER_START
-    while size < needed:
-        half_step = size * 3 // 2
-        if half_step >= needed:
-            return half_step
-        size *= 2
-    return size
 
 
 def _suggestions(unknown: list[str], known: set[str]) -> str:
