@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from .policies.decode_compression import DecodeCompression
 from .policies.registry import STAGE1_POLICY_NAMES, is_stage1_policy
 from .policies.stage2 import STAGE2_NAMES, STAGE2_SCORES, fit_forced_pages, forced_page_counts
 
@@ -389,18 +388,12 @@ class RocketKVConfig:
         stage-2 sinks, so that the sink pages hold them. 0 with stage2="none", which attends every kept token."""
         return self.stage2_sink_tokens if self.stage2 == "kt_pages" else 0
 
-    @property
-    def decode_compression(self) -> DecodeCompression | None:
-        """The decode-time compression settings (``policies.decode_compression``), None when decode_budget is None."""
-        if self.decode_budget is None:
-            return None
-        return DecodeCompression(self.decode_budget, self.decode_interval, self.decode_window, self.decode_kernel_size)
-
     def decode_headroom(self, new_tokens: int) -> int:
         """Slots to reserve beyond the kept prompt for ``new_tokens`` generated tokens: all of them, or at most
         ``decode_budget + decode_interval`` with decode-time compression (independent of max_new_tokens)."""
-        compression = self.decode_compression
-        return new_tokens if compression is None else min(new_tokens, compression.max_generated)
+        if self.decode_budget is None:
+            return new_tokens
+        return min(new_tokens, self.decode_budget + self.decode_interval)
 
     @property
     def kt_torch_dtype(self) -> torch.dtype:

@@ -18,9 +18,7 @@ Tensors (B batch, Hkv KV heads, C capacity, PP tokens per page, KP = config.page
                      [B, Hkv]              per row and KV head when the policy gives heads their own budgets
                                            (``per_head_budgets``: AdaKV); a row's capacity then covers its
                                            longest head, shorter heads leave their slots past lengths[b, h] empty
-With decode-time compression (``config.decode_budget``; ``compress_decode``):
-    gen_start        [B] / [B, Hkv]        int64 first generated slot of each row (= lengths after stage 1)
-    decode_queries   [B, Hq, w, D]         the last w decode queries (post-RoPE), oldest first; w = decode_window
+With decode-time compression (``config.decode_budget``), ``generated`` holds its state (``generated_tokens.py``).
 ``keys``, ``values`` and ``kt`` read as contiguous ``[B, Hkv, C, D]`` / ``[B, Hkv, C/KP, 2, D]`` copies (gathered
 from the pages) for introspection and tests; the hot paths use the pages.
 
@@ -43,9 +41,9 @@ from ..config import RocketKVConfig
 from ..kernels.dispatch import RocketOps, get_ops
 from ..kernels.host_copy import device_tensor, filled
 from ..policies import KeptSlots, Stage1Inputs, derive_budgets, get_stage1_policy
-from ..policies.decode_compression import move_kept
 from ..selection.stage2_pages import per_head
 from .consistency import INTERRUPTED_FORWARD, UNCONSUMED_KEYS
+from .generated_tokens import GeneratedTokens, decode_compression
 from .hints import GenerationHints
 from .capacity import (fit_slots, grow_view, headroom, pad_slots, private_history, private_view, round_up, slack_of,
                        slots_for)
@@ -156,11 +154,7 @@ class RocketKVLayer(CacheLayerMixin):
         self.policy = self._make_policy(None)  # rebuilt with the backend's window-scores twin once the device is known
         self.policy_state = None
         self.observed_columns = 0  # queries seen by observe_prefill since the dense store began
-        # decode-time compression (config.decode_budget): set up after each stage 1 (``_start_decode_region``)
-        self.decode_compression = config.decode_compression
-        self.gen_start: torch.Tensor | None = None
-        self.decode_queries: torch.Tensor | None = None
-        self.host_generated = 0  # generated tokens stored since stage 1 or the last compression (same in every row)
+        self.generated = GeneratedTokens(decode_compression(config))  # decode-time compression (decode_budget)
 
     # ------------------------------------------------------------------------------------------ contiguous views
     @property
@@ -285,7 +279,7 @@ class RocketKVLayer(CacheLayerMixin):
         """Bytes this layer holds: its pages (a pool's: the pages its rows hold), positions, lengths, and the
         contiguous dense store / working set and pending queries when present."""
         tensors = (self._keys, self._values, self.positions, self.lengths, self.pending_queries, self.row_start,
-                   self.gen_start, self.decode_queries)
+                   *self.generated.tensors())
         held = sum(t.numel() * t.element_size() for t in tensors if t is not None)
         held += self.store.nbytes() if self.store is not None else 0
         if self.history is not None:
@@ -411,82 +405,30 @@ class RocketKVLayer(CacheLayerMixin):
         launches stay eager, so both stay on the plain path), and not under torch.compile, a whole-step graph or
         anyone else's capture."""
         return (self.EAGER_GRAPHS and self.config.eager_layer_graphs and self.ops.name == "triton"
-                and self.history is None and self.decode_compression is None and self.store.k.is_cuda
+                and self.history is None and self.generated.settings is None and self.store.k.is_cuda
                 and not torch.compiler.is_compiling() and not self.hints.in_graph
                 and not torch.cuda.is_current_stream_capturing())
 
     def note_decode_step(self) -> None:
         self.host_max_length += 1
         self.host_decoded += 1
-        self.host_generated += 1
+        self.generated.host_generated += 1
         if self.history is not None:
             self.history.host_max_length += 1
 
     # ------------------------------------------------------------------------------------------ decode compression
-    def _start_decode_region(self, num_q_heads: int | None = None) -> None:
-        """After a stage 1: generated tokens start at each row's current length; the query ring buffer is allocated
-        once (fixed address, written in place by every decode step). ``num_q_heads``: known from the prefill
-        queries, else from an earlier buffer (a later turn)."""
-        self.host_generated = 0
-        compression = self.decode_compression
-        if compression is None:
-            return
-        self.gen_start = self.lengths.clone()
-        if num_q_heads is None:
-            held = self.decode_queries if self.decode_queries is not None else self.pending_queries
-            num_q_heads = held.shape[1]
-        batch = self.lengths.shape[0]
-        shape = (batch, num_q_heads, compression.window, self.head_dim)
-        if self.decode_queries is None or tuple(self.decode_queries.shape) != shape:
-            self.decode_queries = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        else:
-            self.decode_queries.zero_()
-
     def record_decode_query(self, query: torch.Tensor) -> None:
-        """Decode attention: push this step's query ``[B, Hq, 1, D]`` into the ring buffer (shift by one, in place;
-        fixed shapes, so it runs inside compiled and graphed steps)."""
-        if self.decode_queries is None:
-            return
-        self.decode_queries.copy_(torch.cat([self.decode_queries[:, :, 1:], query.to(self.dtype)], dim=2))
+        """Decode attention: push this step's query ``[B, Hq, 1, D]`` into decode-time compression's ring buffer."""
+        self.generated.record(query)
 
     def maybe_compress_decode(self) -> bool:
-        """Host side, before a one-token decode step stores its token: compress the generated tokens when
-        ``decode_budget + decode_interval`` of them are stored. Returns whether it ran. Called by ``_append_one`` in
-        eager steps and by the compiled / graphed runners between their steps (``count_decode_step``)."""
-        compression = self.decode_compression
-        if compression is None or not self.compressed or self.working:
-            return False
-        if not compression.due(self.host_generated):
-            return False
-        self.compress_decode()
-        return True
+        """Before a decode step stores its token (eager steps, and the compiled / graphed runners between steps):
+        compress the generated tokens when due; whether it ran."""
+        return self.generated.maybe_compress(self)
 
     def compress_decode(self) -> None:
-        """Keep ``decode_budget`` generated tokens per row and KV head (``policies.decode_compression``): the newest
-        ``decode_window`` and the best-scoring others, moved to slots ``gen_start ..`` in ascending order with their
-        positions; emptied slots are cleared and the KT of every page is rebuilt from the kept keys. In place in the
-        layer's pages (fixed addresses: captured decode graphs stay valid; a pool's view pages are the request's
-        own, so nothing is allocated or freed).
-
-        Shapes: keys/values gathered ``[B, Hkv, C, D]``; kept slots ``[B, Hkv, M]``; positions ``[B, Hkv, C]``.
-        """
-        compression = self.decode_compression
-        keys, values = self.store.gather()
-        slots, lengths = compression.select(self.decode_queries, keys, self.lengths, self.gen_start, self.scaling)
-        for tensor in (keys, values, self.positions):
-            move_kept(tensor, slots, self.gen_start)
-        stored = per_head(lengths, keys.shape[0], keys.shape[1])  # [B, Hkv]
-        empty = torch.arange(keys.shape[2], device=self.device) >= stored[..., None]  # [B, Hkv, C]
-        keys.masked_fill_(empty[..., None], 0)
-        values.masked_fill_(empty[..., None], 0)
-        self.positions.masked_fill_(empty, -1)
-        self.lengths.copy_(lengths)
-        kt = self.ops.build_kt(keys, self.lengths, self.config.page_size, self.config.kt_torch_dtype)
-        self.store.write(keys, values, kt)
-        removed = self.host_generated - compression.budget
-        self.host_max_length -= removed
-        self.host_generated = compression.budget
-        self.host_decoded = 0  # crop cannot undo a compression
+        """Keep ``decode_budget`` generated tokens per row and KV head, in place (``GeneratedTokens.compress``)."""
+        self.generated.compress(self)
 
     def host_bookkeeping(self) -> bool:
         """Whether this code runs eagerly, once per step (not traced by torch.compile, not a CUDA-graph step)."""
@@ -799,7 +741,7 @@ class RocketKVLayer(CacheLayerMixin):
         rooms = [c - n for c, n in zip(store.row_capacity(), counts)]
         self.host_slack = store.capacity - self.host_max_length - min(rooms)
         self.host_decoded = 0
-        self._start_decode_region()
+        self.generated.start(self, self.pending_queries)
         if not self.compressed:
             self.key_handle = torch.empty((batch, heads, 0, dim), dtype=self.dtype, device=self.device)
             self.value_handle = torch.empty_like(self.key_handle)
@@ -840,8 +782,7 @@ class RocketKVLayer(CacheLayerMixin):
         layer.seen = first.seen.clone()
         layer.host_seen = first.host_seen
         layer.host_max_length = max(part.host_max_length for part in parts)
-        layer._start_decode_region(num_q_heads=first.decode_queries.shape[1] if first.decode_queries is not None
-                                   else None)
+        layer.generated.start(layer, first.generated.decode_queries)
         # every row of a stacked private store is as wide as the store; pool-backed rows keep their own pages
         layer.host_slack = 0 if layer.pages is None else layer.store.capacity - layer.host_max_length - min(
             part.decode_room() for part in parts)
@@ -879,7 +820,7 @@ class RocketKVLayer(CacheLayerMixin):
         self._tag_keys()
         store, history = self.store, self.history
         tensors = [store.k, store.v, store.kt, store.k_scale, store.v_scale, store.table, self.positions, self.lengths,
-                   self.seen, self.key_handle, self.value_handle, self.gen_start, self.decode_queries]
+                   self.seen, self.key_handle, self.value_handle, *self.generated.tensors()]
         if history is not None:
             tensors += [history.store.k, history.store.v, history.store.k_scale, history.store.v_scale,
                         history.store.table, history.positions, history.lengths]
@@ -894,16 +835,17 @@ class RocketKVLayer(CacheLayerMixin):
         a private view takes a new store when the batch size changes."""
         index = index.to(self.device)
         self.host_row_start = self.host_window_len = None  # rows reordered: the host mirrors are stale
-        for name in ("_keys", "_values", "positions", "lengths", "pending_queries", "pending_valid", "row_start",
-                     "gen_start", "decode_queries"):
-            tensor = getattr(self, name)
+        rows = [(self, name) for name in ("_keys", "_values", "positions", "lengths", "pending_queries",
+                                          "pending_valid", "row_start")]
+        for owner, name in rows + [(self.generated, name) for name in ("gen_start", "decode_queries")]:
+            tensor = getattr(owner, name)
             if tensor is None:
                 continue
             selected = tensor.index_select(0, index.to(tensor.device))
             if in_place and self.compressed and tensor.shape == selected.shape:
                 tensor.copy_(selected)  # keep the buffers' addresses
             else:
-                setattr(self, name, selected)
+                setattr(owner, name, selected)
         if self.compressed:
             keys, values = self.store.gather()
             kt = self.store.gather_kt()
@@ -985,7 +927,8 @@ class RocketKVLayer(CacheLayerMixin):
         self.host_seen -= count
         self.host_max_length -= count
         self.host_decoded -= count
-        self.host_generated -= count  # (decode_queries keeps the removed steps' queries: only the scoring sees them)
+        # (decode_queries keeps the removed steps' queries: only the scoring sees them)
+        self.generated.host_generated -= count
         history = self.history
         if history is not None:  # the decoded tokens leave the history too (their K/V past the length is never read)
             rows = torch.arange(history.lengths.shape[0], device=self.device)
