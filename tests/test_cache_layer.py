@@ -79,7 +79,7 @@ def test_compress_keeps_stage1_slots_and_builds_kt(row_start):
         assert torch.equal(layer.values[b, :, :12], values[b].gather(1, idx))
     assert torch.equal(layer.kt, ref_build_kt(layer.keys, layer.lengths, cfg.page_size, torch.float32))
     assert layer.get_seq_length() == 40  # logical length is unchanged by eviction
-    assert layer.pending_queries is None
+    assert layer.stage1.pending_queries is None
 
 
 def test_short_prompt_kept_whole_padding_dropped():
@@ -357,8 +357,8 @@ def test_padded_later_turn_stores_and_attends_only_real_tokens():
             torch.testing.assert_close(out[b, i], dense[0, :, 0], rtol=1e-5, atol=1e-5)
     assert torch.isfinite(out).all()  # padding queries get a finite (unused) output
     layer.observe_prefill(query, None, D**-0.5, valid=valid)
-    assert layer.pending_valid.tolist() == [4, 2]  # window_size 4; row 1 has only 2 real queries
-    assert torch.equal(layer.pending_queries[1, :, -2:], query[1][:, [0, 4]])
+    assert layer.stage1.pending_valid.tolist() == [4, 2]  # window_size 4; row 1 has only 2 real queries
+    assert torch.equal(layer.stage1.pending_queries[1, :, -2:], query[1][:, [0, 4]])
 
 
 def test_padding_offsets_from_mask():

@@ -39,18 +39,18 @@ import torch
 from transformers import CacheLayerMixin
 from ..config import RocketKVConfig
 from ..kernels.dispatch import RocketOps, get_ops
-from ..kernels.host_copy import device_tensor, filled
-from ..policies import KeptSlots, Stage1Inputs, derive_budgets, get_stage1_policy
+from ..kernels.host_copy import device_tensor
 from ..selection.stage2_pages import per_head
 from .consistency import INTERRUPTED_FORWARD, UNCONSUMED_KEYS
 from .generated_tokens import GeneratedTokens, decode_compression
 from .hints import GenerationHints
 from .capacity import (fit_slots, grow_view, headroom, pad_slots, private_history, private_view, round_up, slack_of,
                        slots_for)
-from .history import History, grow_history, real_tokens_left_aligned
+from .history import History, grow_history
 from .op_graphs import OpGraph, buffers_key
 from .paged_store import PagedStore, write_tokens
 from .seam import layer_of, tag
+from .stage1 import UNDECLARED_PER_HEAD_COUNTS, Stage1, last_real_queries, make_policy
 
 __all__ = ["CROP_UNSUPPORTED", "INTERRUPTED_FORWARD", "PER_HEAD_LATER_TURN", "UNCONSUMED_KEYS",
            "UNDECLARED_PER_HEAD_COUNTS", "GenerationHints", "RocketKVLayer", "last_real_queries", "layer_of"]
@@ -68,28 +68,6 @@ PER_HEAD_LATER_TURN = (
     "different lengths, which is not implemented. Use multi_turn='keep_all' (each later turn re-runs stage 1 over "
     "the whole conversation, stored per row) or a uniform policy (snapkv, streaming, knorm, h2o, random)."
 )
-
-UNDECLARED_PER_HEAD_COUNTS = (
-    "stage-1 policy {name!r} returned different kept counts for the KV heads of a row but does not declare "
-    "`per_head_budgets = True`: the cache lays out per-KV-head lengths ([B, Hkv]) only for policies that declare it "
-    "(it fixes the layout before any selection runs). Set the class attribute per_head_budgets = True."
-)
-
-
-def last_real_queries(queries: torch.Tensor, valid: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's last ``window`` real queries, right-aligned: ``([B, H, w, D], count [B])``, w = min(window, n).
-
-    ``queries`` [B, H, n, D], ``valid`` bool [B, n]. Row b's real queries sit in the last ``count[b]`` entries in
-    their original order; the entries before them are placeholders (``count`` tells stage 1 to ignore them).
-    """
-    n = queries.shape[2]
-    w = min(window, n)
-    order = torch.arange(n, device=valid.device)
-    rank = torch.where(valid, order, torch.full_like(order, -1).expand_as(valid))  # padding ranks below every token
-    index = rank.topk(w, dim=1).indices.flip(1)  # ascending: placeholders first, then the last real ones in order
-    gathered = queries.gather(2, index[:, None, :, None].expand(-1, queries.shape[1], -1, queries.shape[3]))
-    return gathered, valid.sum(dim=1).clamp(max=w)
-
 
 class RocketKVLayer(CacheLayerMixin):
     # Decode is static-shape (fixed capacity, state in tensors, no host sync), so generate() may compile it;
@@ -138,22 +116,13 @@ class RocketKVLayer(CacheLayerMixin):
         # set by update(), cleared by the attention function: still set at the next update means the attention that
         # should have consumed these keys never ran (not "rocketkv", or an interrupted forward)
         self.awaiting_attention = False
-        # until stage 1 runs: the padding offset of each row, the latest window of queries and, per row, how many of
-        # them are real tokens (a later turn's left padding sits inside its first forward)
-        self.row_start: torch.Tensor | None = None
-        self.pending_queries: torch.Tensor | None = None
-        self.pending_valid: torch.Tensor | None = None  # [B] real queries in pending_queries (right-aligned)
-        # host mirrors of row_start and pending_valid when known without reading the device (a prefill without
-        # padding, or padding read once per forward): stage 1 then never syncs per layer; None = unknown
-        self.host_row_start: list[int] | None = None
-        self.host_window_len: list[int] | None = None
         # a later turn's new tokens, stored by the attention function once it knows which are padding
         self.pending_keys: torch.Tensor | None = None
         self.pending_values: torch.Tensor | None = None
-        # stage 1 is delegated to a policy (hf_rocketkv/policies); the layer stores its per-prefill state, if any
-        self.policy = self._make_policy(None)  # rebuilt with the backend's window-scores twin once the device is known
-        self.policy_state = None
-        self.observed_columns = 0  # queries seen by observe_prefill since the dense store began
+        self.scaling: float | None = None  # the attention's softmax scale, from the latest observe_prefill
+        # stage 1 is delegated to a policy (hf_rocketkv/policies); its per-prefill state lives in ``stage1``
+        self.policy = make_policy(config, None)  # rebuilt with the backend's window-scores twin once on a device
+        self.stage1 = Stage1()
         self.generated = GeneratedTokens(decode_compression(config))  # decode-time compression (decode_budget)
 
     # ------------------------------------------------------------------------------------------ contiguous views
@@ -192,13 +161,18 @@ class RocketKVLayer(CacheLayerMixin):
         """A later turn's contiguous working set is in use (between storing its tokens and stage 1)."""
         return self.compressed and self._keys is not None
 
+    @property
+    def row_start(self) -> torch.Tensor | None:
+        """``[B]`` int64 padding offset of each row until stage 1 runs (``Stage1.row_start``; read by pool_pages)."""
+        return self.stage1.row_start
+
     # ------------------------------------------------------------------------------------------ lifecycle
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Sizes come from the first K/V seen, so tensor-parallel shards and device maps need nothing special."""
         self.dtype, self.device = key_states.dtype, key_states.device
         self.num_kv_heads, self.head_dim = key_states.shape[1], key_states.shape[3]
         self.ops = get_ops(self.config.backend, self.device)
-        self.policy = self._make_policy(self.ops.window_scores)
+        self.policy = make_policy(self.config, self.ops.window_scores)
         self.seen = torch.zeros((), dtype=torch.long, device=self.device)
         if self.pages is not None:
             self.pages.check_layer(self, key_states)
@@ -278,7 +252,7 @@ class RocketKVLayer(CacheLayerMixin):
     def memory_bytes(self) -> int:
         """Bytes this layer holds: its pages (a pool's: the pages its rows hold), positions, lengths, and the
         contiguous dense store / working set and pending queries when present."""
-        tensors = (self._keys, self._values, self.positions, self.lengths, self.pending_queries, self.row_start,
+        tensors = (self._keys, self._values, self.positions, self.lengths, *self.stage1.tensors(),
                    *self.generated.tensors())
         held = sum(t.numel() * t.element_size() for t in tensors if t is not None)
         held += self.store.nbytes() if self.store is not None else 0
@@ -503,250 +477,22 @@ class RocketKVLayer(CacheLayerMixin):
         grow_view(self, extra)
 
     # ------------------------------------------------------------------------------------------ stage 1
-    def observe_prefill(
-        self,
-        query_states: torch.Tensor,
-        row_start: torch.Tensor | None,
-        scaling: float,
-        valid: torch.Tensor | None = None,
-        host_row_start: list[int] | None = None,
-    ) -> None:
-        """Remember each row's last ``window_size`` real queries (stage 1's window) and its padding offset; feed the
-        policy's accumulation hook.
-
-        ``valid`` bool ``[B, n]`` marks the real tokens among this forward's queries (None = all): padding never
-        enters the window, so a row's window is the one it would have alone. Chunks of a chunked prefill add to the
-        window of the earlier ones. The padding offset comes from the latest chunk: its mask covers every column so
-        far, while an earlier chunk may lie entirely inside a row's left padding (such a chunk's offset is its own
-        length, which is still right for that chunk: every query and key in it is padding).
-
-        ``host_row_start``: ``row_start`` as Python ints when the caller has them (read once per forward), so that
-        stage 1 needs no host sync in this layer.
-        """
+    def observe_prefill(self, query_states: torch.Tensor, row_start: torch.Tensor | None, scaling: float,
+                        valid: torch.Tensor | None = None, host_row_start: list[int] | None = None) -> None:
+        """Remember each row's last ``window_size`` real queries ``[B, Hq, n, D]`` (``valid`` bool ``[B, n]``: the
+        real ones, None = all) and its padding offset ``row_start`` ``[B]`` (``host_row_start``: the same as Python
+        ints); feed the policy's accumulation hook (``Stage1.observe``)."""
         self.scaling = scaling
-        window = self.config.window_size
-        batch, n = query_states.shape[0], query_states.shape[2]
-        if valid is not None and self.compressed and hasattr(self.policy, "accumulate"):
-            raise NotImplementedError(
-                f"stage-1 policy {self.policy.name!r} accumulates attention over every query, which is not implemented "
-                f"for a batched later turn with padding between the turns: run those rows separately, or use a "
-                f"window-based policy (snapkv, streaming, knorm, random)."
-            )
-        chunk_queries = query_states.detach()
-        all_real = valid is None
-        if self.counters is not None and self.layer_idx == 0:
-            # prefill is eager: a sync is fine here (once per forward, and none without padding)
-            self.counters.computed_tokens += batch * n if all_real else int(valid.sum())
-        held_count = self.host_window_len if self.pending_queries is not None else [0] * batch
-        if all_real:
-            queries = chunk_queries[:, :, n - min(window, n):]  # every query is real: the last w, no ranking
-            count = torch.full((batch,), queries.shape[2], dtype=torch.long, device=query_states.device)
-        else:
-            queries, count = last_real_queries(chunk_queries, valid, window)
-        if self.pending_queries is not None:
-            held = self.pending_queries.shape[2]
-            device = query_states.device
-            held_valid = torch.arange(held, device=device)[None, :] >= (held - self.pending_valid)[:, None]
-            now_valid = torch.arange(queries.shape[2], device=device)[None, :] >= (queries.shape[2] - count)[:, None]
-            queries, count = last_real_queries(
-                torch.cat([self.pending_queries, queries], dim=2), torch.cat([held_valid, now_valid], dim=1), window
-            )
-        self.pending_queries, self.pending_valid = queries, count
-        real_counts = [n] * batch if all_real else self._host_real_queries(host_row_start, n)
-        self.host_window_len = ([min(window, held + real) for held, real in zip(held_count, real_counts)]
-                                if held_count is not None and real_counts is not None else None)
-        if row_start is not None or self.row_start is None:
-            self.row_start = row_start if row_start is not None else torch.zeros(batch, dtype=torch.long, device=self.device)
-            self.host_row_start = host_row_start if row_start is not None else [0] * batch
-        self._accumulate(chunk_queries, scaling)
-
-    def _host_real_queries(self, host_row_start: list[int] | None, n: int) -> list[int] | None:
-        """Real (non-padding) queries per row among a first prefill's latest ``n``, from the host padding offsets:
-        the queries are the dense store's last ``n`` columns, real from the row's offset on (None: unknown)."""
-        if host_row_start is None or self.compressed:
-            return None
-        first_query = self._keys.shape[2] - n
-        return [n - min(n, max(0, start - first_query)) for start in host_row_start]
-
-    def _accumulate(self, queries: torch.Tensor, scaling: float) -> None:
-        """Policies that score with every prefill query (H2O) accumulate here, once per forward."""
-        if not self.compressed:
-            self.observed_columns += queries.shape[2]
-        new_state = getattr(self.policy, "new_state", None)
-        if new_state is None:
-            return
-        if self.policy_state is None:
-            self.policy_state = new_state(self._keys.shape[0], self._keys.shape[1], self.device)
-            if self.policy_state is None:
-                return
-        start, end = self._stage1_bounds()
-        self.policy.accumulate(self.policy_state, queries, self._keys, start, end, scaling)
-
-    def _stage1_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's valid slots ``[start, end)``: after the padding while dense, ``[0, lengths)`` once compressed."""
-        if self.compressed:
-            return torch.zeros_like(self.lengths), self.lengths
-        return self.row_start, torch.full_like(self.row_start, self._keys.shape[2])
-
-    def _make_policy(self, window_scores_fn):
-        """The stage-1 policy of this layer's config. ``window_scores_fn`` is the backend's plain function (the Triton
-        twin on CUDA), never a bound method of the layer: the policy must not point back at the layer, so a dropped
-        cache frees its buffers at once instead of waiting for the garbage collector.
-
-        Stage 2's sink pages are the first pages of the compacted store, so the policy keeps each row's first
-        ``stage2_sink_tokens`` prompt tokens (``config.stage1_keep_first``); a later turn's stage 1 then keeps the
-        store's first slots, which hold those same tokens."""
-        return get_stage1_policy(
-            self.config.stage1,
-            kernel_size=self.config.kernel_size,
-            sink_tokens=self.config.sink_tokens,
-            window_scores_fn=window_scores_fn,
-            keep_first=self.config.stage1_keep_first,
-        )
+        self.stage1.observe(self, query_states, row_start, scaling, valid, host_row_start)
 
     def finish_prefill(self) -> None:
         """Run the stage 1 that chunked prefill deferred (no-op when already compressed or never prefilled)."""
-        if not self.compressed and self.pending_queries is not None:
+        if not self.compressed and self.stage1.pending_queries is not None:
             self.compress()
 
     def compress(self) -> None:
-        """Stage 1: keep each row's best ``prompt_budget`` tokens per KV head (chosen by the configured policy),
-        write them into a fresh paged view, build the KT, release the rest."""
-        start, end = self._stage1_bounds()
-        columns = self.positions if self.compressed else None
-        if not self.compressed:
-            self._check_accumulation_covers_prompt()
-            if self.config.token_budget is not None:
-                self._resolve_token_budget()
-        inputs = Stage1Inputs(
-            self.pending_queries,
-            self._keys,
-            start,
-            end,
-            budget=self.config.prompt_budget,
-            scaling=self.scaling,
-            window_len=self.pending_valid,
-            state=self.policy_state,
-            host_rows=self._host_stage1_rows(),
-        )
-        kept = self._checked_layout(self.policy.select(inputs))
-        if not self.compressed:
-            self._store_prompt()
-        self._compact(kept, columns)
-        self.pending_queries = self.pending_valid = None
-        self.row_start = None
-        self.host_row_start = self.host_window_len = None
-        self.policy_state = None  # a later turn accumulates afresh
-        self.observed_columns = 0
-        if self.pages is not None:
-            self.pages.after_compaction(self)
-
-    def _host_stage1_rows(self) -> tuple[tuple[int, int, int], ...] | None:
-        """Stage 1's ``(start, end, w_b)`` per row from the host mirrors (a first prefill whose padding and window
-        counts are known on the host); None when some are only on the device (the policy reads them back)."""
-        if self.compressed or self.host_row_start is None or self.host_window_len is None:
-            return None
-        end = self._keys.shape[2]
-        return tuple((start, end, w) for start, w in zip(self.host_row_start, self.host_window_len))
-
-    def _store_prompt(self) -> None:
-        """A request's first stage 1: the prompt's real tokens go, whole, into the pages that keep them: the pool's
-        prompt pages (shareable prefix pages; keep_all's history) and, without a pool, keep_all's private history.
-        Pages a prefix hit shares with other requests are never written."""
-        keep_all = self.config.multi_turn == "keep_all"
-        pool_prompt = self.pages is not None and self.pages.wants_prompt_pages()
-        if not (keep_all or pool_prompt):
-            return
-        starts = self.host_row_start if self.host_row_start is not None else self.row_start.tolist()
-        keys, values, positions, counts = real_tokens_left_aligned(self._keys, self._values, starts)
-        if self.pages is not None:
-            store, fixed = self.pages.prompt_store(self)
-            if keep_all:  # the history is read by decode steps: bucket its table width too
-                store = store.widened(slots_for(self, store.capacity))
-        else:
-            needed = round_up(max(counts) + headroom(self), self.config.page_size)
-            store = private_history(self, keys.shape[0], slots_for(self, needed))
-            fixed = [0] * len(counts)
-        write_tokens(store, keys, values, fixed, counts)
-        if keep_all:
-            lengths = device_tensor(counts, torch.long, self.device)
-            self.history = History(store, fit_slots(positions, store.capacity, -1), lengths, max(counts), fixed,
-                                   slack_of(store, counts))
-
-    def _checked_layout(self, kept: list[KeptSlots]) -> list[KeptSlots]:
-        """The policy's selection, refused when a policy that does not declare ``per_head_budgets`` gave a row's
-        heads different counts (the layout, one length per row, was fixed by that declaration)."""
-        if not self.per_head_lengths and not all(row.uniform for row in kept):
-            raise ValueError(UNDECLARED_PER_HEAD_COUNTS.format(name=self.policy.name))
-        return kept
-
-    def _check_accumulation_covers_prompt(self) -> None:
-        """An accumulating policy (H2O) scores with every prompt query: refuse a store that was partly written
-        without passing through the attention (e.g. a prefix stored with ``Cache.update``), instead of scoring
-        with part of the prompt."""
-        if self.policy_state is not None and self.observed_columns != self._keys.shape[2]:
-            raise ValueError(
-                f"stage-1 policy {self.policy.name!r} accumulates attention over every prompt query, but only "
-                f"{self.observed_columns} of the {self._keys.shape[2]} stored columns passed through the rocketkv "
-                f"attention (the rest were written to the cache directly). Prefill the whole prompt through the model."
-            )
-
-    def _resolve_token_budget(self) -> None:
-        """token_budget mode: derive this request's prompt_budget, topk, page_size and topr, once, before its first
-        stage 1 (later turns keep them: the KT pages are laid out with this page size).
-
-        The prompt length is the dense store's width, i.e. the longest row of the padded batch: every layer and every
-        row group of a row-group prefill sees the same width, so they all derive the same page size. prompt_budget
-        is raised to window_size when the formula gives less (the observation window is always kept).
-        """
-        prompt_len = self._keys.shape[2]
-        max_new = max(self.hints.max_length - prompt_len, 0) if self.hints.max_length is not None else 0
-        derived = derive_budgets(prompt_len, max_new, self.config.token_budget, self._keys.shape[3])
-        self.config = self.config.replace(
-            prompt_budget=max(derived.prompt_budget, self.config.window_size),
-            topk=derived.topk,
-            page_size=derived.page_size,
-            topr=derived.topr,
-        )
-
-    def _compact(self, kept: list[KeptSlots], columns: torch.Tensor | None) -> None:
-        """Gather the kept slots of every row, write them into a fresh paged view with their KT and positions
-        (``ops.paged_compact_row``: one launch per row on the Triton backend); the dense store (or the working set)
-        and the previous view are released. Per-head budgets (``per_head_lengths``): each row is as wide as its
-        longest head, head h keeps ``counts[h]`` slots and ``lengths`` becomes ``[B, Hkv]``."""
-        batch, heads, _, dim = self._keys.shape
-        head_counts = [row.counts.to(self.device, torch.long) for row in kept] if self.per_head_lengths else None
-        counts = [row.slots.shape[1] for row in kept]  # the longest head of each row (host ints: no sync)
-        needed = round_up(max(max(counts), 1) + headroom(self), self.config.page_size)
-        if self.pages is not None:  # the pool's pages hold what the request needs; only the table is bucketed
-            store = self.pages.view_store(self, counts, needed - max(max(counts), 1))
-            store = store.widened(slots_for(self, store.capacity))
-        else:
-            store = private_view(self, batch, slots_for(self, needed))
-        positions = torch.empty((batch, heads, store.capacity), dtype=torch.int32, device=self.device)
-        for b, row in enumerate(kept):  # one launch per row on the Triton backend (kernels/compact.py)
-            self.ops.paged_compact_row(
-                self._keys[b], self._values[b], row.slots, columns[b] if columns is not None else None, store.k,
-                store.v, store.kt, store.table[b], store.row_pages[b], positions[b], self.config.page_size,
-                k_scale=store.k_scale, v_scale=store.v_scale,
-                counts=head_counts[b] if head_counts is not None else None,
-            )
-        if head_counts is not None:
-            self.lengths = torch.stack(head_counts)  # [B, Hkv]
-        else:
-            self.lengths = filled(batch, counts, torch.long, self.device)  # no pageable copy (a sync) per layer
-        self.store, self.positions = store, positions
-        self._keys = self._values = None
-        self.host_max_length = max(counts)
-        rooms = [c - n for c, n in zip(store.row_capacity(), counts)]
-        self.host_slack = store.capacity - self.host_max_length - min(rooms)
-        self.host_decoded = 0
-        self.generated.start(self, self.pending_queries)
-        if not self.compressed:
-            self.key_handle = torch.empty((batch, heads, 0, dim), dtype=self.dtype, device=self.device)
-            self.value_handle = torch.empty_like(self.key_handle)
-        self.compressed = True
-        self.mark_static()
+        """Stage 1: keep each row's best ``prompt_budget`` tokens per KV head in a fresh view, release the rest."""
+        self.stage1.run(self)
 
     @staticmethod
     def stack_rows(parts: list["RocketKVLayer"], new_layer) -> "RocketKVLayer":
@@ -834,9 +580,9 @@ class RocketKVLayer(CacheLayerMixin):
         from their pages, indexed and written back (beam search reorders every step: in place, fixed addresses);
         a private view takes a new store when the batch size changes."""
         index = index.to(self.device)
-        self.host_row_start = self.host_window_len = None  # rows reordered: the host mirrors are stale
-        rows = [(self, name) for name in ("_keys", "_values", "positions", "lengths", "pending_queries",
-                                          "pending_valid", "row_start")]
+        self.stage1.host_row_start = self.stage1.host_window_len = None  # rows reordered: the mirrors are stale
+        rows = [(self, name) for name in ("_keys", "_values", "positions", "lengths")]
+        rows += [(self.stage1, name) for name in ("pending_queries", "pending_valid", "row_start")]
         for owner, name in rows + [(self.generated, name) for name in ("gen_start", "decode_queries")]:
             tensor = getattr(owner, name)
             if tensor is None:
