@@ -39,18 +39,19 @@ import torch
 from transformers import CacheLayerMixin
 from ..config import RocketKVConfig
 from ..kernels.dispatch import RocketOps, get_ops
-from ..kernels.host_copy import device_tensor
 from ..selection.stage2_pages import per_head
+from . import working_set
+from .capacity import fit_slots, grow_view, pad_slots, private_history, private_view, slack_of
 from .consistency import INTERRUPTED_FORWARD, UNCONSUMED_KEYS
+from .dense_store import append_dense, start_dense
 from .generated_tokens import GeneratedTokens, decode_compression
 from .hints import GenerationHints
-from .capacity import (fit_slots, grow_view, headroom, pad_slots, private_history, private_view, round_up, slack_of,
-                       slots_for)
 from .history import History, grow_history
 from .op_graphs import OpGraph, buffers_key
 from .paged_store import PagedStore, write_tokens
 from .seam import layer_of, tag
 from .stage1 import UNDECLARED_PER_HEAD_COUNTS, Stage1, last_real_queries, make_policy
+from .working_set import PER_HEAD_LATER_TURN
 
 __all__ = ["CROP_UNSUPPORTED", "INTERRUPTED_FORWARD", "PER_HEAD_LATER_TURN", "UNCONSUMED_KEYS",
            "UNDECLARED_PER_HEAD_COUNTS", "GenerationHints", "RocketKVLayer", "last_real_queries", "layer_of"]
@@ -60,13 +61,6 @@ CROP_UNSUPPORTED = (
     "RocketKVCache cannot be cropped beyond its last decoded tokens: stage 1 evicts tokens for good, so "
     "assisted/speculative decoding (which rolls the cache back over verified candidates) is not supported. Use "
     "plain greedy, sampling or beam search."
-)
-
-PER_HEAD_LATER_TURN = (
-    "RocketKVCache: stage-1 policy {name!r} gives each KV head its own number of kept tokens, so a later turn (several "
-    "new tokens on a compressed cache) with RocketKVConfig.multi_turn='evict' would re-run stage 1 over KV heads of "
-    "different lengths, which is not implemented. Use multi_turn='keep_all' (each later turn re-runs stage 1 over "
-    "the whole conversation, stored per row) or a uniform policy (snapkv, streaming, knorm, h2o, random)."
 )
 
 class RocketKVLayer(CacheLayerMixin):
@@ -176,16 +170,7 @@ class RocketKVLayer(CacheLayerMixin):
         self.seen = torch.zeros((), dtype=torch.long, device=self.device)
         if self.pages is not None:
             self.pages.check_layer(self, key_states)
-        if self.prefix_tokens:
-            # a prefix hit: the dense store starts with the hit tokens, gathered from the pool's pages, and leaves
-            # room for this forward's tokens (update() copies them in)
-            self.dense_room = key_states.shape[2]
-            self._keys, self._values = self.pages.prefix_keys(self, key_states, room=self.dense_room)
-            self.seen.fill_(self.prefix_tokens)
-        else:
-            self._keys = key_states.new_empty((key_states.shape[0], key_states.shape[1], 0, key_states.shape[3]))
-            self._values = value_states.new_empty((value_states.shape[0], value_states.shape[1], 0,
-                                                   value_states.shape[3]))
+        start_dense(self, key_states, value_states)
         self.is_initialized = True
 
     def reset(self) -> None:
@@ -297,30 +282,13 @@ class RocketKVLayer(CacheLayerMixin):
             return self.key_handle, self.value_handle
         self.seen.add_(query_length)
         if not self.compressed:
-            self._store_dense(key_states, value_states)
+            append_dense(self, key_states, value_states)
             return self._keys, self._values
         if query_length == 1:
             self._append_one(key_states, value_states)
         else:
             self.pending_keys, self.pending_values = key_states, value_states
         return self.key_handle, self.value_handle
-
-    def _store_dense(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Append a prefill forward's K/V ``[B, Hkv, n, D]`` to the dense store: into the room a prefix hit's store
-        left for them, else by concatenation (a new buffer, tagged for ``layer_of``)."""
-        n = key_states.shape[2]
-        if self.dense_room:
-            if n != self.dense_room:
-                raise RuntimeError(f"a prefix hit's dense store has room for {self.dense_room} tokens, got {n}")
-            self._keys[:, :, -n:].copy_(key_states)
-            self._values[:, :, -n:].copy_(value_states)
-            self.dense_room = 0
-        elif self._keys.shape[2] == 0:
-            self._keys, self._values = key_states, value_states
-        else:
-            self._keys = torch.cat([self._keys, key_states], dim=-2)
-            self._values = torch.cat([self._values, value_states], dim=-2)
-        self._tag_keys()  # a new dense buffer every forward but a prefix hit's first (eager: prefill never compiles)
 
     def _tag_keys(self) -> None:
         """Let the attention function find this layer from the key tensor update() returns (``seam.layer_of``)."""
@@ -408,67 +376,11 @@ class RocketKVLayer(CacheLayerMixin):
         """Whether this code runs eagerly, once per step (not traced by torch.compile, not a CUDA-graph step)."""
         return not (torch.compiler.is_compiling() or self.hints.in_graph)
 
+    # ------------------------------------------------------------------------------------------ later turn
     def store_new_tokens(self, valid: torch.Tensor | None) -> None:
-        """Store the later turn's tokens staged by ``update``, skipping padding, in a contiguous working set.
-
-        ``valid`` bool ``[B, n]`` marks the real new tokens (None = all real). The working set starts from the
-        stored tokens (the view; with ``multi_turn="keep_all"``, every token of the conversation so far); row b then
-        takes its ``m_b`` real tokens, in order, at slots ``lengths[b] .. lengths[b] + m_b - 1``, so attention and
-        stage 1 see exactly what a run of that row alone sees. Stage 1 compacts it into a fresh view.
-        """
-        key_states, value_states = self.pending_keys, self.pending_values
-        self.pending_keys = self.pending_values = None
-        batch, _, n, _ = key_states.shape
-        columns = [torch.arange(n, device=self.device)] * batch if valid is None else [
-            row.nonzero()[:, 0] for row in valid
-        ]
-        keys, values, positions, lengths = self._working_source()
-        # a sync, but this is a multi-token forward: the mirror may be stale after compiled decode steps driven
-        # outside generate() (user-compiled loops), and a stale one would under-size the store
-        stored = lengths.tolist()
-        counts = [len(c) for c in columns]
-        width = self._working_width(max(s + m for s, m in zip(stored, counts)), keys.shape[2])
-        keys, values = pad_slots(keys, width, 0), pad_slots(values, width, 0)
-        positions = pad_slots(positions, width, -1)
-        first_column = int(self.seen) - n
-        for b, (length, taken) in enumerate(zip(stored, columns)):
-            m = len(taken)
-            keys[b, :, length : length + m] = key_states[b, :, taken]
-            values[b, :, length : length + m] = value_states[b, :, taken]
-            positions[b, :, length : length + m] = (first_column + taken).to(torch.int32)
-        self._keys, self._values, self.positions = keys, values, positions  # positions: of the working set now
-        self.lengths = lengths + device_tensor(counts, lengths.dtype, self.device)
-        self.host_max_length = max(s + m for s, m in zip(stored, counts))
-        if self.history is not None:
-            self._extend_history(stored, counts)
-
-    def _working_source(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What a later turn starts from: (keys, values [B, Hkv, W, D], positions [B, Hkv, W], lengths [B]), as
-        fresh contiguous tensors. The view, trimmed to its capacity; keep_all: the whole history."""
-        if self.history is not None:
-            keys, values = self.history.store.gather()
-            return keys, values, self.history.positions.clone(), self.history.lengths.clone()
-        keys, values = self.store.gather()
-        return keys, values, self.positions.clone(), self.lengths.clone()
-
-    def _extend_history(self, stored: list[int], counts: list[int]) -> None:
-        """keep_all: a later turn's real tokens, just placed in the working set after each row's history, join the
-        history pages too (the working set's slots are the history's slots)."""
-        history = self.history
-        needed = max(s + m for s, m in zip(stored, counts))
-        grow_history(self, needed - history.host_max_length)
-        write_tokens(history.store, self._keys, self._values, stored, [s + m for s, m in zip(stored, counts)])
-        history.positions = fit_slots(self.positions, history.store.capacity, -1)
-        history.lengths = self.lengths.clone()
-        history.host_max_length = needed
-        history.slack = slack_of(history.store, self.lengths.tolist())
-
-    def _working_width(self, needed: int, current: int) -> int:
-        """Slots of a later turn's working set: the current width when the new tokens fit, else grown to the
-        tokens to come (the same widths an in-place store had, so width-dependent policies see the same shapes)."""
-        if needed <= current:
-            return current
-        return round_up(needed + headroom(self), self.config.page_size)
+        """The later turn's tokens staged by ``update``, padding skipped (``valid`` bool ``[B, n]``), into the
+        working set (``working_set.py``)."""
+        working_set.store_new_tokens(self, valid)
 
     def _ensure_capacity(self, extra: int) -> None:
         """Room for ``extra`` more tokens in every row (eager): keep_all's history, then the view (``capacity.py``)."""
