@@ -24,8 +24,9 @@ from transformers import Cache
 from ..config import RocketKVConfig
 from ..memory import KVBlockPool, PrefixKeys
 from .consistency import check_layers_consistent
-from .layer import CROP_UNSUPPORTED, GenerationHints, RocketKVLayer
+from .layer import GenerationHints, RocketKVLayer
 from .pool_pages import PoolPages, release_rows_later
+from .row_index import CROP_UNSUPPORTED
 from .stats import CacheStats, RequestCounters
 
 

@@ -14,6 +14,7 @@ import torch
 
 from ..policies.decode_compression import DecodeCompression, move_kept
 from ..selection.stage2_pages import per_head
+from .row_index import select_rows
 
 
 def decode_compression(config) -> DecodeCompression | None:
@@ -28,6 +29,8 @@ def decode_compression(config) -> DecodeCompression | None:
 class GeneratedTokens:
     """One layer's generated-token state (module docstring). ``settings``: the DecodeCompression, None when off
     (then only ``host_generated`` is kept). Methods take the layer they serve; this object holds no reference to it."""
+
+    ROW_TENSORS = ("gen_start", "decode_queries")
 
     def __init__(self, settings: DecodeCompression | None) -> None:
         self.settings = settings
@@ -95,6 +98,10 @@ class GeneratedTokens:
         layer.host_max_length -= removed
         self.host_generated = settings.budget
         layer.host_decoded = 0  # crop cannot undo a compression
+
+    def select_rows(self, index: torch.Tensor, in_place: bool) -> None:
+        """Rows ``index`` of the per-row state (beam reorder, batch select)."""
+        select_rows(self, self.ROW_TENSORS, index, in_place)
 
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
         """The device tensors this state holds (memory accounting, static addresses)."""

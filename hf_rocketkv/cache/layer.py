@@ -40,15 +40,16 @@ from transformers import CacheLayerMixin
 from ..config import RocketKVConfig
 from ..kernels.dispatch import RocketOps, get_ops
 from ..selection.stage2_pages import per_head
-from . import working_set
-from .capacity import fit_slots, grow_view, pad_slots, private_history, private_view, slack_of
+from . import row_index, row_stacking, working_set
+from .capacity import grow_view
 from .consistency import INTERRUPTED_FORWARD, UNCONSUMED_KEYS
 from .dense_store import append_dense, start_dense
 from .generated_tokens import GeneratedTokens, decode_compression
 from .hints import GenerationHints
 from .history import History, grow_history
 from .op_graphs import OpGraph, buffers_key
-from .paged_store import PagedStore, write_tokens
+from .paged_store import PagedStore
+from .row_index import CROP_UNSUPPORTED
 from .seam import layer_of, tag
 from .stage1 import UNDECLARED_PER_HEAD_COUNTS, Stage1, last_real_queries, make_policy
 from .working_set import PER_HEAD_LATER_TURN
@@ -56,12 +57,6 @@ from .working_set import PER_HEAD_LATER_TURN
 __all__ = ["CROP_UNSUPPORTED", "INTERRUPTED_FORWARD", "PER_HEAD_LATER_TURN", "UNCONSUMED_KEYS",
            "UNDECLARED_PER_HEAD_COUNTS", "GenerationHints", "RocketKVLayer", "last_real_queries", "layer_of"]
 
-
-CROP_UNSUPPORTED = (
-    "RocketKVCache cannot be cropped beyond its last decoded tokens: stage 1 evicts tokens for good, so "
-    "assisted/speculative decoding (which rolls the cache back over verified candidates) is not supported. Use "
-    "plain greedy, sampling or beam search."
-)
 
 class RocketKVLayer(CacheLayerMixin):
     # Decode is static-shape (fixed capacity, state in tensors, no host sync), so generate() may compile it;
@@ -406,71 +401,6 @@ class RocketKVLayer(CacheLayerMixin):
         """Stage 1: keep each row's best ``prompt_budget`` tokens per KV head in a fresh view, release the rest."""
         self.stage1.run(self)
 
-    @staticmethod
-    def stack_rows(parts: list["RocketKVLayer"], new_layer) -> "RocketKVLayer":
-        """One compressed layer holding the rows of ``parts`` in order (row-group prefill, then batched decode).
-
-        ``new_layer()`` makes the empty layer to fill: the adopting cache's own layer factory, so the stacked layer
-        keeps its kind (stage-1 policy) and shares that cache's hints and pages. The parts saw the same input
-        columns (one padded batch), so they share ``seen``; capacities may differ (rows shorter than the budget
-        keep fewer tokens), so every part is padded with empty slots to the largest. Private stores are copied
-        into one store; pool-backed views only concatenate their tables.
-        """
-        first = parts[0]
-        if not all(part.compressed for part in parts):
-            raise RuntimeError("RocketKVLayer.stack_rows needs compressed layers (stage 1 done on every row group)")
-        layer = new_layer()
-        layer.config = first.config  # the parts' effective config (token_budget mode derives it per request)
-        layer.dtype, layer.device, layer.ops, layer.scaling = first.dtype, first.device, first.ops, first.scaling
-        layer.num_kv_heads, layer.head_dim = first.num_kv_heads, first.head_dim
-        layer.policy = first.policy
-        if layer.pages is not None:
-            layer.store = layer.pages.stacked_view(layer, [part.store for part in parts]).widened(
-                max(part.capacity for part in parts))  # the parts' (bucketed) table width
-        else:
-            capacity = max(part.capacity for part in parts)
-            gathered = [part.store.gather() for part in parts]
-            kts = [part.store.gather_kt() for part in parts]
-            layer.store = private_view(layer, sum(part.batch_size for part in parts), capacity)
-            layer.store.write(torch.cat([pad_slots(k, capacity, 0) for k, _ in gathered]),
-                              torch.cat([pad_slots(v, capacity, 0) for _, v in gathered]),
-                              torch.cat([pad_slots(kt, capacity // first.config.page_size, 0) for kt in kts]))
-        layer.positions = torch.cat([pad_slots(part.positions, layer.store.capacity, -1) for part in parts])
-        layer.lengths = torch.cat([part.lengths for part in parts])
-        layer.seen = first.seen.clone()
-        layer.host_seen = first.host_seen
-        layer.host_max_length = max(part.host_max_length for part in parts)
-        layer.generated.start(layer, first.generated.decode_queries)
-        # every row of a stacked private store is as wide as the store; pool-backed rows keep their own pages
-        layer.host_slack = 0 if layer.pages is None else layer.store.capacity - layer.host_max_length - min(
-            part.decode_room() for part in parts)
-        if first.history is not None:
-            layer.history = RocketKVLayer._stack_histories(layer, [part.history for part in parts])
-        batch = layer.lengths.shape[0]
-        layer.key_handle = torch.empty((batch, layer.num_kv_heads, 0, layer.head_dim), dtype=layer.dtype,
-                                       device=layer.device)
-        layer.value_handle = torch.empty_like(layer.key_handle)
-        layer.compressed = layer.is_initialized = True
-        layer.mark_static()
-        return layer
-
-    @staticmethod
-    def _stack_histories(layer: "RocketKVLayer", parts: list[History]) -> History:
-        """keep_all: the row groups' histories as one (private stores copied, pool-backed ones re-tabled)."""
-        lengths = torch.cat([h.lengths for h in parts])
-        counts = lengths.tolist()
-        if layer.pages is not None:
-            store = layer.pages.history_store(layer, 0).widened(max(h.store.capacity for h in parts))
-        else:
-            capacity = max(h.store.capacity for h in parts)
-            store = private_history(layer, len(counts), capacity)
-            gathered = [h.store.gather() for h in parts]
-            store.write(torch.cat([pad_slots(k, capacity, 0) for k, _ in gathered]),
-                        torch.cat([pad_slots(v, capacity, 0) for _, v in gathered]))
-        positions = torch.cat([fit_slots(h.positions, store.capacity, -1) for h in parts])
-        fixed = [f for h in parts for f in h.fixed]
-        return History(store, positions, lengths, max(counts), fixed, slack_of(store, counts))
-
     def mark_static(self) -> None:
         """Fixed addresses for CUDA graphs: decode mutates these tensors in place and never reallocates them."""
         if torch.compiler.is_compiling():
@@ -486,114 +416,28 @@ class RocketKVLayer(CacheLayerMixin):
             if tensor is not None:
                 torch._dynamo.mark_static_address(tensor)
 
-    # ------------------------------------------------------------------------------------------ generate hooks
-    def _index_batch(self, index: torch.Tensor, in_place: bool = False) -> None:
-        """Rows ``index`` of every per-row tensor. Dense: plain indexing. Compressed: the view's rows are gathered
-        from their pages, indexed and written back (beam search reorders every step: in place, fixed addresses);
-        a private view takes a new store when the batch size changes."""
-        index = index.to(self.device)
-        self.stage1.host_row_start = self.stage1.host_window_len = None  # rows reordered: the mirrors are stale
-        rows = [(self, name) for name in ("_keys", "_values", "positions", "lengths")]
-        rows += [(self.stage1, name) for name in ("pending_queries", "pending_valid", "row_start")]
-        for owner, name in rows + [(self.generated, name) for name in ("gen_start", "decode_queries")]:
-            tensor = getattr(owner, name)
-            if tensor is None:
-                continue
-            selected = tensor.index_select(0, index.to(tensor.device))
-            if in_place and self.compressed and tensor.shape == selected.shape:
-                tensor.copy_(selected)  # keep the buffers' addresses
-            else:
-                setattr(owner, name, selected)
-        if self.compressed:
-            keys, values = self.store.gather()
-            kt = self.store.gather_kt()
-            keys, values, kt = keys.index_select(0, index), values.index_select(0, index), kt.index_select(0, index)
-            if not (in_place and index.shape[0] == self.store.batch):
-                if self.pages is not None:
-                    raise NotImplementedError(
-                        "RocketKVCache with a pool cannot change its batch size after prefill "
-                        "(batch_repeat_interleave / batch_select_indices); expand the inputs before prefill"
-                    )
-                self.store = private_view(self, index.shape[0], self.store.capacity)
-                batch = index.shape[0]
-                self.key_handle = torch.empty((batch, self.num_kv_heads, 0, self.head_dim), dtype=self.dtype,
-                                              device=self.device)
-                self.value_handle = torch.empty_like(self.key_handle)
-            self.store.write(keys, values, kt)
-            if self.history is not None:
-                self._index_history(index, in_place)
-            self.mark_static()
-        else:
-            self._tag_keys()
-
-    def _index_history(self, index: torch.Tensor, in_place: bool) -> None:
-        """keep_all: rows ``index`` of the history. Slots in pages a prefix shares (``fixed``) are never rewritten:
-        beams of one prompt hold the same prompt there."""
-        history = self.history
-        keys, values = history.store.gather()
-        keys, values = keys.index_select(0, index), values.index_select(0, index)
-        positions, lengths = history.positions.index_select(0, index), history.lengths.index_select(0, index)
-        if in_place and index.shape[0] == history.store.batch:
-            history.positions.copy_(positions)
-            history.lengths.copy_(lengths)
-        else:
-            history.store = private_history(self, index.shape[0], history.store.capacity)
-            history.positions, history.lengths = positions, lengths
-            history.fixed = [0] * index.shape[0]
-        counts = history.lengths.tolist()
-        write_tokens(history.store, keys, values, [min(f, n) for f, n in zip(history.fixed, counts)], counts)
+    # ------------------------------------------------------------------------------------------ rows
+    @staticmethod
+    def stack_rows(parts: list["RocketKVLayer"], new_layer) -> "RocketKVLayer":
+        """One compressed layer holding the rows of ``parts`` in order; ``new_layer()`` makes the layer to fill."""
+        return row_stacking.stack_rows(parts, new_layer)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
-            self._index_batch(beam_idx, in_place=True)
+            row_index.index_rows(self, beam_idx, in_place=True)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
-            self._index_batch(torch.arange(self.batch_size, device=self.device).repeat_interleave(repeats))
+            row_index.index_rows(self, torch.arange(self.batch_size, device=self.device).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
-            self._index_batch(indices)
+            row_index.index_rows(self, indices)
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last ``-tokens_to_remove`` decoded tokens, restoring the state before those decode steps.
-
-        generate()'s deferred stop check (``deferred_stop_check``) runs one decode step past an EOS stop and undoes it
-        with ``crop(-1)``; ``crop(0)`` is a no-op. Evicted prompt tokens cannot come back, so a positive value (the
-        legacy absolute length), more tokens than were decoded since stage 1, or a dense layer raise.
-        """
-        if tokens_to_remove > 0:
-            raise NotImplementedError(CROP_UNSUPPORTED)
-        if tokens_to_remove == 0 or not self.is_initialized:
-            return
-        count = -tokens_to_remove
-        if not self.compressed or count > self.host_decoded:
-            raise NotImplementedError(CROP_UNSUPPORTED)
-        keys, values = self.store.gather()
-        rows = torch.arange(keys.shape[0], device=self.device)[:, None]
-        heads = torch.arange(keys.shape[1], device=self.device)[None, :]
-        for _ in range(count):
-            self.lengths.sub_(1)
-            slot = per_head(self.lengths, keys.shape[0], keys.shape[1])  # [B, Hkv]
-            keys[rows, heads, slot] = 0
-            values[rows, heads, slot] = 0
-            self.positions[rows, heads, slot] = -1
-        # a page's min/max cannot be un-folded: rebuild the summaries of what is left (written into the same pages)
-        kt = self.ops.build_kt(keys, self.lengths, self.config.page_size, self.config.kt_torch_dtype)
-        self.store.write(keys, values, kt)
-        self.seen.sub_(count)
-        self.host_seen -= count
-        self.host_max_length -= count
-        self.host_decoded -= count
-        # (decode_queries keeps the removed steps' queries: only the scoring sees them)
-        self.generated.host_generated -= count
-        history = self.history
-        if history is not None:  # the decoded tokens leave the history too (their K/V past the length is never read)
-            rows = torch.arange(history.lengths.shape[0], device=self.device)
-            for _ in range(count):
-                history.lengths.sub_(1)
-                history.positions[rows, :, history.lengths] = -1
-            history.host_max_length -= count
+        """Remove the last ``-tokens_to_remove`` decoded tokens (``crop(-1)``: the deferred stop check's extra step);
+        anything else raises (``row_index.crop``)."""
+        row_index.crop(self, tokens_to_remove)
 
     def offload(self):
         raise NotImplementedError("RocketKVCache does not support offloading=True")

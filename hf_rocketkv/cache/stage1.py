@@ -17,6 +17,7 @@ import torch
 
 from ..policies import KeptSlots, Stage1Inputs, derive_budgets, get_stage1_policy
 from .compaction import compact, store_prompt
+from .row_index import select_rows
 
 UNDECLARED_PER_HEAD_COUNTS = (
     "stage-1 policy {name!r} returned different kept counts for the KV heads of a row but does not declare "
@@ -60,6 +61,8 @@ def make_policy(config, window_scores_fn):
 class Stage1:
     """One layer's stage-1 state (module docstring) and its run. Methods take the layer they serve (this object
     holds no reference to it, so a dropped cache frees its buffers at once)."""
+
+    ROW_TENSORS = ("pending_queries", "pending_valid", "row_start")
 
     def __init__(self) -> None:
         self.row_start: torch.Tensor | None = None
@@ -210,6 +213,11 @@ class Stage1:
             )
 
     # ------------------------------------------------------------------------------------------ rows, memory
+    def select_rows(self, index: torch.Tensor, in_place: bool) -> None:
+        """Rows ``index`` of the per-row state (beam reorder, batch select); the host mirrors become unknown."""
+        self.host_row_start = self.host_window_len = None  # rows reordered: the host mirrors are stale
+        select_rows(self, self.ROW_TENSORS, index, in_place)
+
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
         """The device tensors this state holds (``RocketKVLayer.memory_bytes``)."""
         return self.pending_queries, self.row_start
