@@ -1,4 +1,4 @@
-"""RocketKVLayer: one decoder layer's KV store, in two states.
+"""RocketKVLayer: one decoder layer's KV store behind transformers' cache-layer contract, in two states.
 
 dense       from the first prompt token until stage 1 runs. Slot s holds column s of the input (left padding
             included), exactly like a DynamicLayer, so prefill attention (chunked or not) is plain causal
@@ -18,18 +18,13 @@ Tensors (B batch, Hkv KV heads, C capacity, PP tokens per page, KP = config.page
                      [B, Hkv]              per row and KV head when the policy gives heads their own budgets
                                            (``per_head_budgets``: AdaKV); a row's capacity then covers its
                                            longest head, shorter heads leave their slots past lengths[b, h] empty
-With decode-time compression (``config.decode_budget``), ``generated`` holds its state (``generated_tokens.py``).
 ``keys``, ``values`` and ``kt`` read as contiguous ``[B, Hkv, C, D]`` / ``[B, Hkv, C/KP, 2, D]`` copies (gathered
 from the pages) for introspection and tests; the hot paths use the pages.
 
-A later turn (several new tokens on a compressed layer) works on a contiguous copy (the "working set": kept tokens,
-or with ``multi_turn="keep_all"`` the whole history, then the new real tokens), runs stage 1 over it and compacts
-the survivors into a fresh view.
-
-The layer knows nothing of transformers' attention registry; the attention function drives it. It finds the layer
-through the key tensor ``update()`` returned (``seam.layer_of``): the layer tags the key tensor it returns with a weak
-reference to itself (its dense buffer, or a per-layer handle once compressed), so each attention call reaches
-exactly the layer that stored its keys, with no process-global state (see docs/seam.md).
+The layer keeps transformers' layer contract and the shared state above; the jobs are modules of their own
+(``dense_store``, ``stage1`` + ``compaction``, ``working_set``, ``decode_append``, ``stage2``, ``generated_tokens``,
+``capacity`` + ``history``, ``row_index``, ``row_stacking``). The attention function finds the layer through the
+key tensor ``update()`` returned (``seam.layer_of``; docs/seam.md).
 """
 
 from __future__ import annotations
@@ -40,14 +35,13 @@ from transformers import CacheLayerMixin
 from ..config import RocketKVConfig
 from ..kernels.dispatch import RocketOps, get_ops
 from ..selection.stage2_pages import per_head
-from . import row_index, row_stacking, working_set
-from .capacity import grow_view
+from . import decode_append, row_index, row_stacking, stage2, working_set
 from .consistency import INTERRUPTED_FORWARD, UNCONSUMED_KEYS
 from .dense_store import append_dense, start_dense
 from .generated_tokens import GeneratedTokens, decode_compression
 from .hints import GenerationHints
-from .history import History, grow_history
-from .op_graphs import OpGraph, buffers_key
+from .history import History
+from .op_graphs import OpGraph
 from .paged_store import PagedStore
 from .row_index import CROP_UNSUPPORTED
 from .seam import layer_of, tag
@@ -64,6 +58,8 @@ class RocketKVLayer(CacheLayerMixin):
     is_compileable = True
     is_sliding = False
     is_croppable = False
+    # Layers whose eager decode steps may use CUDA graphs (BatchedDecodeLayer: no, its rows change between steps)
+    EAGER_GRAPHS = True
 
     def __init__(self, config: RocketKVConfig, hints: GenerationHints, pages=None, layer_idx: int | None = None,
                  counters=None):
@@ -77,14 +73,11 @@ class RocketKVLayer(CacheLayerMixin):
         self.pages = pages
         self.layer_idx = layer_idx
         self.counters = counters
-        self._keys: torch.Tensor | None = None  # contiguous: the dense store, or a later turn's working set
-        self._values: torch.Tensor | None = None
+        self._keys = self._values = None  # contiguous [B, Hkv, T, D]: the dense store, or a later turn's working set
         self.store: PagedStore | None = None  # the compressed view, in pages
         self.history: History | None = None  # multi_turn="keep_all": every token of the conversation (history.py)
         self.prefix_tokens = 0  # a prefix hit: columns [0, prefix_tokens) come from pool pages (set before prefill)
-        # a prefix hit's dense store is allocated with room for the first forward's tokens after the prefix (so they
-        # are copied in, not concatenated to a copy of 32k prefix columns): how many columns at its end are unwritten
-        self.dense_room = 0
+        self.dense_room = 0  # a prefix hit's dense store: columns at its end left for the first forward (dense_store)
         self.positions: torch.Tensor | None = None
         self.lengths: torch.Tensor | None = None
         self.compressed = False
@@ -96,21 +89,17 @@ class RocketKVLayer(CacheLayerMixin):
         self.host_decoded = 0  # one-token decode steps appended since stage 1 last ran (what crop may remove)
         self.host_seen = 0  # host count of the tokens eager updates stored: tells an interrupted forward apart
         self.ops: RocketOps | None = None
+        self.scaling: float | None = None  # the attention's softmax scale, from the latest observe_prefill
         # per-layer tensors update() returns once compressed: the attention function finds the layer through them
         # (the page tensors may be a pool's, shared by every cache); they hold no data
-        self.key_handle: torch.Tensor | None = None
-        self.value_handle: torch.Tensor | None = None
-        # eager decode steps: the append and the stage-2 launches as CUDA graphs (op_graphs.py, eager_graphs())
-        self.op_graphs = {"append": OpGraph(), "attention": OpGraph()}
+        self.key_handle = self.value_handle = None
+        self.op_graphs = {"append": OpGraph(), "attention": OpGraph()}  # eager decode steps as CUDA graphs
         # set by update(), cleared by the attention function: still set at the next update means the attention that
         # should have consumed these keys never ran (not "rocketkv", or an interrupted forward)
         self.awaiting_attention = False
         # a later turn's new tokens, stored by the attention function once it knows which are padding
-        self.pending_keys: torch.Tensor | None = None
-        self.pending_values: torch.Tensor | None = None
-        self.scaling: float | None = None  # the attention's softmax scale, from the latest observe_prefill
-        # stage 1 is delegated to a policy (hf_rocketkv/policies); its per-prefill state lives in ``stage1``
-        self.policy = make_policy(config, None)  # rebuilt with the backend's window-scores twin once on a device
+        self.pending_keys = self.pending_values = None
+        self.policy = make_policy(config, None)  # the stage-1 policy; rebuilt with the backend's twin on a device
         self.stage1 = Stage1()
         self.generated = GeneratedTokens(decode_compression(config))  # decode-time compression (decode_budget)
 
@@ -256,13 +245,9 @@ class RocketKVLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------------------------------ update
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Store the new tokens; returns the K/V a dense attention would use while dense, per-layer handles once
-        compressed (the compressed attention paths read the layer itself).
-
-        The returned keys carry a weak reference to this layer (``layer_of``), which is how the ``rocketkv``
-        attention function finds the layer of its own call. A later turn's tokens (several on a compressed layer)
-        are only staged here: the attention function stores them once the mask has told it which are padding.
-        """
+        """Store the new tokens ``[B, Hkv, n, D]``; returns the K/V a dense attention would use while dense,
+        per-layer handles once compressed, tagged for ``layer_of``. A later turn's tokens (several on a compressed
+        layer) are only staged here: the attention function stores them once the mask says which are padding."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         query_length = key_states.shape[2]
@@ -273,14 +258,14 @@ class RocketKVLayer(CacheLayerMixin):
             self.awaiting_attention = True  # cleared by the attention function; RocketKVCache.update checks it
             self.host_seen += query_length
         if query_length == 1 and self.compressed and self.eager_graphs():
-            self._append_one(key_states, value_states, graphed=True)  # counts ``seen`` inside the graph
+            decode_append.append_one(self, key_states, value_states, graphed=True)  # counts ``seen`` inside the graph
             return self.key_handle, self.value_handle
         self.seen.add_(query_length)
         if not self.compressed:
             append_dense(self, key_states, value_states)
             return self._keys, self._values
         if query_length == 1:
-            self._append_one(key_states, value_states)
+            decode_append.append_one(self, key_states, value_states)
         else:
             self.pending_keys, self.pending_values = key_states, value_states
         return self.key_handle, self.value_handle
@@ -293,48 +278,9 @@ class RocketKVLayer(CacheLayerMixin):
         """Called by the ``rocketkv`` attention function once it has found this layer."""
         self.awaiting_attention = False
 
-    def _append_one(self, key_states: torch.Tensor, value_states: torch.Tensor, graphed: bool = False) -> None:
-        """Decode: write slot lengths[b] of every row in place through the block table and fold the key into its
-        KT page.
-
-        No host sync and no shape change, so a compiled decode step replays as one CUDA graph. Capacity comes from
-        generate()'s max_length; in eager mode the store grows when a caller runs past it. ``graphed`` (eager steps,
-        ``eager_graphs()``): the ``seen`` increment and the append through this layer's "append" OpGraph.
-        """
-        if self.host_bookkeeping():  # compiled/graphed steps: their runner counts on the host
-            self.maybe_compress_decode()
-            self._ensure_capacity(1)
-            self.note_decode_step()
-        store, history = self.store, self.history
-        if graphed:
-            key = buffers_key(store.k, store.v, store.kt, store.table, self.positions, self.lengths, self.seen,
-                              store.k_scale, store.v_scale)
-            self.op_graphs["append"](key, self._count_and_append, key_states[:, :, 0], value_states[:, :, 0],
-                                     hints=self.hints)
-            return
-        self._append_token(key_states[:, :, 0], value_states[:, :, 0])
-        if history is not None:  # keep_all: the full history too
-            self.ops.paged_append_kv(
-                history.store.k, history.store.v, history.store.table, history.positions, history.lengths,
-                self.seen, key_states[:, :, 0], value_states[:, :, 0],
-                k_scale=history.store.k_scale, v_scale=history.store.v_scale,
-            )
-
-    def _append_token(self, key_new: torch.Tensor, value_new: torch.Tensor) -> None:
-        """The token ``[B, Hkv, D]`` into slot lengths[b] of every row and its key into the KT page."""
-        store = self.store
-        self.ops.paged_append_token(
-            store.k, store.v, store.kt, store.table, self.positions, self.lengths, self.seen, key_new, value_new,
-            self.config.page_size, k_scale=store.k_scale, v_scale=store.v_scale,
-        )
-
-    def _count_and_append(self, key_new: torch.Tensor, value_new: torch.Tensor) -> None:
-        """The launches of a graphed eager append: ``seen`` += 1, then ``_append_token``."""
-        self.seen.add_(1)
-        self._append_token(key_new, value_new)
-
-    # Layers whose eager decode steps may use CUDA graphs (BatchedDecodeLayer: no, its rows change between steps)
-    EAGER_GRAPHS = True
+    def host_bookkeeping(self) -> bool:
+        """Whether this code runs eagerly, once per step (not traced by torch.compile, not a CUDA-graph step)."""
+        return not (torch.compiler.is_compiling() or self.hints.in_graph)
 
     def eager_graphs(self) -> bool:
         """Whether this eager decode step runs its RocketKV launches through this layer's OpGraphs: CUDA, the
@@ -347,59 +293,12 @@ class RocketKVLayer(CacheLayerMixin):
                 and not torch.cuda.is_current_stream_capturing())
 
     def note_decode_step(self) -> None:
+        """Host mirrors after one decode step stored its token (eager here; compiled / graphed runners call it)."""
         self.host_max_length += 1
         self.host_decoded += 1
         self.generated.host_generated += 1
         if self.history is not None:
             self.history.host_max_length += 1
-
-    # ------------------------------------------------------------------------------------------ decode compression
-    def record_decode_query(self, query: torch.Tensor) -> None:
-        """Decode attention: push this step's query ``[B, Hq, 1, D]`` into decode-time compression's ring buffer."""
-        self.generated.record(query)
-
-    def maybe_compress_decode(self) -> bool:
-        """Before a decode step stores its token (eager steps, and the compiled / graphed runners between steps):
-        compress the generated tokens when due; whether it ran."""
-        return self.generated.maybe_compress(self)
-
-    def compress_decode(self) -> None:
-        """Keep ``decode_budget`` generated tokens per row and KV head, in place (``GeneratedTokens.compress``)."""
-        self.generated.compress(self)
-
-    def host_bookkeeping(self) -> bool:
-        """Whether this code runs eagerly, once per step (not traced by torch.compile, not a CUDA-graph step)."""
-        return not (torch.compiler.is_compiling() or self.hints.in_graph)
-
-    # ------------------------------------------------------------------------------------------ later turn
-    def store_new_tokens(self, valid: torch.Tensor | None) -> None:
-        """The later turn's tokens staged by ``update``, padding skipped (``valid`` bool ``[B, n]``), into the
-        working set (``working_set.py``)."""
-        working_set.store_new_tokens(self, valid)
-
-    def _ensure_capacity(self, extra: int) -> None:
-        """Room for ``extra`` more tokens in every row (eager): keep_all's history, then the view (``capacity.py``)."""
-        if self.history is not None:
-            grow_history(self, extra)
-        grow_view(self, extra)
-
-    # ------------------------------------------------------------------------------------------ stage 1
-    def observe_prefill(self, query_states: torch.Tensor, row_start: torch.Tensor | None, scaling: float,
-                        valid: torch.Tensor | None = None, host_row_start: list[int] | None = None) -> None:
-        """Remember each row's last ``window_size`` real queries ``[B, Hq, n, D]`` (``valid`` bool ``[B, n]``: the
-        real ones, None = all) and its padding offset ``row_start`` ``[B]`` (``host_row_start``: the same as Python
-        ints); feed the policy's accumulation hook (``Stage1.observe``)."""
-        self.scaling = scaling
-        self.stage1.observe(self, query_states, row_start, scaling, valid, host_row_start)
-
-    def finish_prefill(self) -> None:
-        """Run the stage 1 that chunked prefill deferred (no-op when already compressed or never prefilled)."""
-        if not self.compressed and self.stage1.pending_queries is not None:
-            self.compress()
-
-    def compress(self) -> None:
-        """Stage 1: keep each row's best ``prompt_budget`` tokens per KV head in a fresh view, release the rest."""
-        self.stage1.run(self)
 
     def mark_static(self) -> None:
         """Fixed addresses for CUDA graphs: decode mutates these tensors in place and never reallocates them."""
@@ -415,6 +314,53 @@ class RocketKVLayer(CacheLayerMixin):
         for tensor in tensors:
             if tensor is not None:
                 torch._dynamo.mark_static_address(tensor)
+
+    # ------------------------------------------------------------------------------------------ stage 1
+    def observe_prefill(self, query_states: torch.Tensor, row_start: torch.Tensor | None, scaling: float,
+                        valid: torch.Tensor | None = None, host_row_start: list[int] | None = None) -> None:
+        """Remember each row's last ``window_size`` real queries ``[B, Hq, n, D]`` (``valid`` bool ``[B, n]``: the real
+        ones, None = all) and its padding offset ``row_start`` ``[B]`` (``host_row_start``: the same as Python ints);
+        feed the policy's accumulation hook (``Stage1.observe``)."""
+        self.scaling = scaling
+        self.stage1.observe(self, query_states, row_start, scaling, valid, host_row_start)
+
+    def finish_prefill(self) -> None:
+        """Run the stage 1 that chunked prefill deferred (no-op when already compressed or never prefilled)."""
+        if not self.compressed and self.stage1.pending_queries is not None:
+            self.compress()
+
+    def compress(self) -> None:
+        """Stage 1: keep each row's best ``prompt_budget`` tokens per KV head in a fresh view, release the rest."""
+        self.stage1.run(self)
+
+    # ------------------------------------------------------------------------------------------ later turn
+    def store_new_tokens(self, valid: torch.Tensor | None) -> None:
+        """The later turn's tokens staged by ``update``, padding skipped (``valid`` bool ``[B, n]``), into the
+        working set (``working_set.py``)."""
+        working_set.store_new_tokens(self, valid)
+
+    def attend_later_turn(self, query: torch.Tensor, scaling: float,
+                          valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Exact attention of a later turn's queries ``[B, Hq, n, D]`` over the working set -> ``[B, n, Hq, D]``."""
+        return working_set.attend_working_set(self, query, scaling, valid)
+
+    # ------------------------------------------------------------------------------------------ decode
+    def attend_decode(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Stage 2 of a decode step (``stage2.py``): ``query`` ``[B, Hq, 1, D]`` -> ``[B, 1, Hq, D]``."""
+        return stage2.decode_attention(self, query, scaling)
+
+    def record_decode_query(self, query: torch.Tensor) -> None:
+        """Decode attention: push this step's query ``[B, Hq, 1, D]`` into decode-time compression's ring buffer."""
+        self.generated.record(query)
+
+    def maybe_compress_decode(self) -> bool:
+        """Before a decode step stores its token (eager steps, and the compiled / graphed runners between steps):
+        compress the generated tokens when due; whether it ran."""
+        return self.generated.maybe_compress(self)
+
+    def compress_decode(self) -> None:
+        """Keep ``decode_budget`` generated tokens per row and KV head, in place (``GeneratedTokens.compress``)."""
+        self.generated.compress(self)
 
     # ------------------------------------------------------------------------------------------ rows
     @staticmethod

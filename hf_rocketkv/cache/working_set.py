@@ -1,5 +1,5 @@
 """A later turn on a compressed layer: its real new tokens stored after each row's kept tokens (or keep_all's whole
-history) in a contiguous working set.
+history) in a contiguous working set, and the exact attention of its queries over that set.
 
 Working set (B batch, Hkv KV heads, W slots, D head_dim): ``layer._keys`` / ``_values`` ``[B, Hkv, W, D]``,
 ``layer.positions`` ``[B, Hkv, W]`` int32 (input columns, -1 empty), ``layer.lengths`` ``[B]``: row b's stored tokens
@@ -9,6 +9,7 @@ then its ``m_b`` real new ones. Stage 1 then compacts it into a fresh view (``ca
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..kernels.host_copy import device_tensor
 from .capacity import fit_slots, headroom, pad_slots, round_up, slack_of
@@ -58,6 +59,24 @@ def store_new_tokens(layer, valid: torch.Tensor | None) -> None:
     layer.host_max_length = max(s + m for s, m in zip(stored, counts))
     if layer.history is not None:
         _extend_history(layer, stored, counts)
+
+
+def attend_working_set(layer, query: torch.Tensor, scaling: float, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """``RocketKVLayer.attend_later_turn``: ``query`` ``[B, Hq, n, D]`` of n new tokens (stored already) ->
+    ``[B, n, Hq, D]``: each real one sees every kept token and the real new tokens up to itself. ``valid`` bool
+    ``[B, n]`` marks the real tokens (None: all)."""
+    n = query.shape[2]
+    keys, values = layer.keys, layer.values  # the later turn's contiguous working set (store_new_tokens)
+    slot = torch.arange(keys.shape[2], device=query.device)
+    # Row b stored its m_b real new tokens last, in order; the r-th real one (r = 0, 1, ...) sits at slot
+    # lengths - m_b + r and sees every slot up to it. A padding query sees the real tokens before it: its output is
+    # never used, and it always has at least one visible slot, so it is not NaN.
+    real = torch.ones(query.shape[0], n, dtype=torch.long, device=query.device) if valid is None else valid.long()
+    seen_real = real.cumsum(dim=1)  # [B, n] real new tokens up to and including each query
+    limit = ((layer.lengths - real.sum(dim=1))[:, None] + seen_real - 1).clamp(min=0)  # [B, n]
+    mask = slot[None, None, :] <= limit[:, :, None]
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask[:, None], scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous()
 
 
 def _working_source(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
