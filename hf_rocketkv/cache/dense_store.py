@@ -10,7 +10,8 @@ import torch
 def start_dense(layer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
     """At ``layer``'s first update (``[B, Hkv, n, D]``): an empty store ``[B, Hkv, 0, D]``, or a prefix hit's
     ``[B, Hkv, prefix_tokens + n, D]``: the hit tokens, gathered from the pool's pages, then room for this forward's
-    tokens (``append_dense`` copies them in)."""
+    tokens, which ``append_dense`` copies in (not concatenated to a copy of 32k prefix columns); ``dense_room`` says
+    how many columns at its end are unwritten."""
     if layer.prefix_tokens:
         layer.dense_room = key_states.shape[2]
         layer._keys, layer._values = layer.pages.prefix_keys(layer, key_states, room=layer.dense_room)
