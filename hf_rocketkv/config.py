@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from .policies.decode_compression import DecodeCompression
 from .policies.registry import STAGE1_POLICY_NAMES, is_stage1_policy
 from .policies.stage2 import STAGE2_NAMES, STAGE2_SCORES, fit_forced_pages, forced_page_counts
 
@@ -42,9 +41,6 @@ MULTI_TURN_MODES = ("evict", "keep_all")
 BUCKET_FIELDS = ("capacity_buckets", "batch_buckets")
 # decode_runner="torch_compile" with batch_buckets=None: the batch sizes serving engines capture CUDA graphs for
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-# requests larger than the largest capacity bucket: slots per row are rounded up to the ladder 256, 384, 512, 768,
-# 1024, 1536, ... (powers of two and 1.5x powers of two), so such a store is at most 1.5x what the request needs
-CAPACITY_LADDER_START = 256
 YAML_SECTION = "sparse_attention_config"
 YAML_ALGORITHM = "rocket"
 
@@ -392,18 +388,12 @@ class RocketKVConfig:
         stage-2 sinks, so that the sink pages hold them. 0 with stage2="none", which attends every kept token."""
         return self.stage2_sink_tokens if self.stage2 == "kt_pages" else 0
 
-    @property
-    def decode_compression(self) -> DecodeCompression | None:
-        """The decode-time compression settings (``policies.decode_compression``), None when decode_budget is None."""
-        if self.decode_budget is None:
-            return None
-        return DecodeCompression(self.decode_budget, self.decode_interval, self.decode_window, self.decode_kernel_size)
-
     def decode_headroom(self, new_tokens: int) -> int:
         """Slots to reserve beyond the kept prompt for ``new_tokens`` generated tokens: all of them, or at most
         ``decode_budget + decode_interval`` with decode-time compression (independent of max_new_tokens)."""
-        compression = self.decode_compression
-        return new_tokens if compression is None else min(new_tokens, compression.max_generated)
+        if self.decode_budget is None:
+            return new_tokens
+        return min(new_tokens, self.decode_budget + self.decode_interval)
 
     @property
     def kt_torch_dtype(self) -> torch.dtype:
@@ -433,18 +423,6 @@ class RocketKVConfig:
         if self.decode_budget is not None:
             return (self.prompt_budget + self.decode_budget + self.decode_interval,)
         return (self.prompt_budget + self.capacity_headroom,)
-
-    def bucket_capacity(self, needed: int, page_size: int) -> int:
-        """Slots per row for a store that must hold ``needed``: the smallest capacity bucket >= needed; above the
-        largest, the ladder 256, 384, 512, 768, 1024, ... (so even those requests share graphs); ``needed`` itself
-        when bucketing is off. Then whole pages of ``page_size``. A compiled decode step sees the same shapes for
-        every request of one bucket."""
-        needed = max(needed, 1)
-        buckets = self.effective_capacity_buckets
-        bucket = needed
-        if buckets:
-            bucket = next((size for size in buckets if size >= needed), None) or _ladder_bucket(needed)
-        return -(-bucket // page_size) * page_size
 
     def replace(self, **changes: Any) -> "RocketKVConfig":
         """A validated copy with some fields changed."""
@@ -510,17 +488,6 @@ class RocketKVConfig:
         if path is not None:
             Path(path).write_text(text)
         return text
-
-
-def _ladder_bucket(needed: int) -> int:
-    """The smallest of 256, 384, 512, 768, 1024, 1536, ... (2^k and 3 * 2^(k-1)) that is >= ``needed``."""
-    size = CAPACITY_LADDER_START
-    while size < needed:
-        half_step = size * 3 // 2
-        if half_step >= needed:
-            return half_step
-        size *= 2
-    return size
 
 
 def _suggestions(unknown: list[str], known: set[str]) -> str:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from hf_rocketkv import RocketKVCache, RocketKVConfig, RocketKVLayer
 from hf_rocketkv.cache.layer import UNCONSUMED_KEYS, GenerationHints, layer_of
-from hf_rocketkv.integration.attention import continuation_attention, decode_attention, padding_offsets
+from hf_rocketkv.integration.attention import padding_offsets
 from hf_rocketkv.selection.stage1_snapkv import snapkv_keep_slots
 from hf_rocketkv.selection.stage2_pages import build_kt
 
@@ -79,7 +79,7 @@ def test_compress_keeps_stage1_slots_and_builds_kt(row_start):
         assert torch.equal(layer.values[b, :, :12], values[b].gather(1, idx))
     assert torch.equal(layer.kt, ref_build_kt(layer.keys, layer.lengths, cfg.page_size, torch.float32))
     assert layer.get_seq_length() == 40  # logical length is unchanged by eviction
-    assert layer.pending_queries is None
+    assert layer.stage1.pending_queries is None
 
 
 def test_short_prompt_kept_whole_padding_dropped():
@@ -265,7 +265,7 @@ def compressed_layer(topk, batch=2, seed=0, decode_steps=3):
 def test_decode_attention_all_pages_equals_dense_over_stored_tokens():
     layer = compressed_layer(topk=1000)
     query = torch.randn(2, HKV * G, 1, D)
-    out = decode_attention(layer, query, D**-0.5)
+    out = layer.attend_decode(query, D**-0.5)
     assert out.shape == (2, 1, HKV * G, D)
     for b in range(2):
         n = int(layer.lengths[b])
@@ -299,13 +299,13 @@ def test_decode_attention_sparse_matches_dense_over_the_selected_pages():
     """Stage 2 with 2 of 4-5 pages: exact attention over exactly the pages an independent float64 oracle selects."""
     layer = compressed_layer(topk=2)
     query = torch.randn(2, HKV * G, 1, D)
-    out = decode_attention(layer, query, D**-0.5)
+    out = layer.attend_decode(query, D**-0.5)
     q = query.reshape(2, HKV, G, D)
     page_idx, page_valid = brute_force_pages(q, layer.kt, layer.lengths.tolist(), 4, layer.config.topr, 2)
     assert torch.all(page_valid.sum(-1) == 2)
     ref = ref_sparse_attention(q, layer.keys, layer.values, page_idx, page_valid, layer.lengths, 4, D**-0.5)
     torch.testing.assert_close(out.transpose(1, 2).reshape(2, HKV, G, D).double(), ref, rtol=1e-5, atol=1e-5)
-    dense = decode_attention(compressed_layer(topk=1000), query, D**-0.5)
+    dense = compressed_layer(topk=1000).attend_decode(query, D**-0.5)
     assert not torch.allclose(out, dense, atol=1e-3), "topk=2 of 4-5 pages should differ from dense attention"
 
 
@@ -316,7 +316,7 @@ def test_continuation_attention_is_causal_over_kept_and_new():
     layer.update(torch.randn(2, HKV, n, D), torch.randn(2, HKV, n, D))
     layer.store_new_tokens(None)
     query = torch.randn(2, HKV * G, n, D)
-    out = continuation_attention(layer, query, D**-0.5)
+    out = layer.attend_later_turn(query, D**-0.5)
     assert out.shape == (2, n, HKV * G, D)
     for b in range(2):
         for i in range(n):
@@ -345,7 +345,7 @@ def test_padded_later_turn_stores_and_attends_only_real_tokens():
     assert layer.positions[1, 0, before[1] : before[1] + 2].tolist() == [first_column, first_column + 4]
     assert torch.equal(layer.kt, build_kt(layer.keys, layer.lengths, 4, torch.float32))
     query = torch.randn(2, HKV * G, n, D)
-    out = continuation_attention(layer, query, D**-0.5, valid)
+    out = layer.attend_later_turn(query, D**-0.5, valid)
     for b in range(2):
         real = valid[b].nonzero()[:, 0].tolist()
         for r, i in enumerate(real):
@@ -357,8 +357,8 @@ def test_padded_later_turn_stores_and_attends_only_real_tokens():
             torch.testing.assert_close(out[b, i], dense[0, :, 0], rtol=1e-5, atol=1e-5)
     assert torch.isfinite(out).all()  # padding queries get a finite (unused) output
     layer.observe_prefill(query, None, D**-0.5, valid=valid)
-    assert layer.pending_valid.tolist() == [4, 2]  # window_size 4; row 1 has only 2 real queries
-    assert torch.equal(layer.pending_queries[1, :, -2:], query[1][:, [0, 4]])
+    assert layer.stage1.pending_valid.tolist() == [4, 2]  # window_size 4; row 1 has only 2 real queries
+    assert torch.equal(layer.stage1.pending_queries[1, :, -2:], query[1][:, [0, 4]])
 
 
 def test_padding_offsets_from_mask():

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hf_rocketkv import KVBlockPool, RocketKVCache, RocketKVConfig
+from hf_rocketkv.cache.generated_tokens import decode_compression
 from hf_rocketkv.cli import apply_overrides
 from hf_rocketkv.integration.attention import rocketkv_attention
 
@@ -191,7 +192,7 @@ def test_a_budget_never_reached_gives_the_uncompressed_tokens(decode_budget):
     cache = RocketKVCache(config)
     out = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=45)
     assert torch.equal(out, plain)
-    assert cache.layers[0].host_generated == 44
+    assert cache.layers[0].generated.host_generated == 44
 
 
 def test_compression_actually_evicts_in_generate():
@@ -200,7 +201,7 @@ def test_compression_actually_evicts_in_generate():
     cache = RocketKVCache(config)
     greedy(rocket, random_ids(1, 40), past_key_values=cache, max_new_tokens=30)
     for layer in cache.layers:
-        generated = layer.positions[0, :, int(layer.gen_start[0]) : int(layer.lengths[0])]
+        generated = layer.positions[0, :, int(layer.generated.gen_start[0]) : int(layer.lengths[0])]
         assert generated.shape[1] <= 12 and bool((generated[:, -4:] == torch.arange(65, 69)).all())
 
 
@@ -223,7 +224,7 @@ def test_graphed_and_compiled_runners_equal_eager(runner):
     assert backend.captures == (1 if runner == "cuda_graphs" else 0)
     for la, lb in zip(cache.layers, eager_cache.layers):
         assert torch.equal(la.lengths, lb.lengths) and torch.equal(la.positions, lb.positions)
-        assert torch.equal(la.kt, lb.kt) and la.host_generated == lb.host_generated
+        assert torch.equal(la.kt, lb.kt) and la.generated.host_generated == lb.generated.host_generated
         assert la.capacity == 24 + 8 + 4
 
 
@@ -256,7 +257,7 @@ def test_beam_search_and_a_later_turn_keep_working():
     first = greedy(rocket, random_ids(1, 40), past_key_values=cache, max_new_tokens=20)
     greedy(rocket, torch.cat([first, random_ids(1, 9, seed=5)], 1), past_key_values=cache, max_new_tokens=20)
     layer = cache.layers[0]
-    assert layer.capacity <= 24 + 8 + 4 + 4 and int(layer.lengths[0]) - int(layer.gen_start[0]) <= 12
+    assert layer.capacity <= 24 + 8 + 4 + 4 and int(layer.lengths[0]) - int(layer.generated.gen_start[0]) <= 12
     beams = greedy(rocket, random_ids(1, 40), past_key_values=RocketKVCache(config), max_new_tokens=20, num_beams=2)
     assert beams.shape == (1, 60)
 
@@ -280,10 +281,10 @@ def test_yaml_and_cli_accept_the_fields():
     config = RocketKVConfig.from_yaml(
         "sparse_attention_config:\n  algorithm: rocket\n  decode_budget: 512\n  decode_interval: 128\n"
     )
-    assert config.decode_compression.max_generated == 640
+    assert decode_compression(config).max_generated == 640
     assert RocketKVConfig.from_yaml(config.to_yaml()) == config
     assert apply_overrides(RocketKVConfig(), ["decode_budget=256"]).decode_budget == 256
-    assert apply_overrides(config, ["decode_budget=null"]).decode_compression is None
+    assert decode_compression(apply_overrides(config, ["decode_budget=null"])) is None
     with pytest.raises(ValueError, match="decode_budget"):
         RocketKVConfig.from_dict({"decode_budget": -1})
 
@@ -298,4 +299,4 @@ def test_row_group_prefill_equals_one_forward():
     cache = RocketKVCache(config.replace(prefill_batch_size=1))
     out = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=25)
     assert torch.equal(out, want)
-    assert cache.layers[0].decode_queries.shape == (2, 4, 4, 16)
+    assert cache.layers[0].generated.decode_queries.shape == (2, 4, 4, 16)

@@ -170,7 +170,7 @@ def test_sampling_with_compression_draws_from_the_compressed_model(llama_pair):
 def test_greedy_with_page_selection_attends_exactly_the_oracle_pages(llama_pair, monkeypatch):
     """A budget where pages really are selected (3 of ~7 per step): at every decode step of every layer, the
     attention output equals dense float64 attention over exactly the pages an independent brute-force oracle picks."""
-    from hf_rocketkv.integration import attention
+    from hf_rocketkv import RocketKVLayer
 
     from .test_cache_layer import brute_force_pages
     from .test_stage2 import ref_sparse_attention
@@ -178,7 +178,7 @@ def test_greedy_with_page_selection_attends_exactly_the_oracle_pages(llama_pair,
     rocket, _ = llama_pair
     config = compressing_config(kt_cache_dtype="float32")
     checked = []
-    original = attention.decode_attention
+    original = RocketKVLayer.attend_decode
 
     def checked_decode(layer, query, scaling):
         out = original(layer, query, scaling)
@@ -194,7 +194,7 @@ def test_greedy_with_page_selection_attends_exactly_the_oracle_pages(llama_pair,
         checked.append(int(layer.lengths.max()))
         return out
 
-    monkeypatch.setattr(attention, "decode_attention", checked_decode)
+    monkeypatch.setattr(RocketKVLayer, "attend_decode", checked_decode)
     greedy(rocket, random_ids(2, 60), past_key_values=RocketKVCache(config), max_new_tokens=6)
     assert len(checked) == 5 * rocket.config.num_hidden_layers and max(checked) > 4 * config.topk
 

@@ -146,7 +146,7 @@ def graphs_on_cpu(monkeypatch):
 
     def eager_graphs(layer):
         return (layer.EAGER_GRAPHS and layer.config.eager_layer_graphs and layer.history is None
-                and layer.decode_compression is None and not layer.hints.in_graph)
+                and layer.generated.settings is None and not layer.hints.in_graph)
 
     monkeypatch.setattr(op_graphs, "capture", capture)
     monkeypatch.setattr(op_graphs, "request_pool", lambda hints: None)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_rocketkv.integration import attention
+from hf_rocketkv import RocketKVLayer
 from hf_rocketkv.selection.stage2_pages import num_pages, page_scores
 
 RECORDED_STEPS = 3
@@ -18,7 +18,7 @@ RECORDED_STEPS = 3
 
 def record_steps(model, cache, input_ids, attention_mask, new_tokens: int, pad: int) -> dict:
     steps: list[list] = []
-    original = attention.decode_attention
+    original = RocketKVLayer.attend_decode
 
     def recording(layer, query, scaling):
         if len(steps) < RECORDED_STEPS * len(cache.layers):
@@ -42,7 +42,7 @@ def record_steps(model, cache, input_ids, attention_mask, new_tokens: int, pad: 
             steps.append(dict(layer=cache.layers.index(layer), pages=chosen, margins=margins))
         return original(layer, query, scaling)
 
-    attention.decode_attention = recording
+    RocketKVLayer.attend_decode = recording
     try:
         with torch.no_grad():
             out = model.generate(
@@ -52,7 +52,7 @@ def record_steps(model, cache, input_ids, attention_mask, new_tokens: int, pad: 
                 disable_compile=True,  # eager decode steps (on a GPU too): the recording runs at every step
             )
     finally:
-        attention.decode_attention = original
+        RocketKVLayer.attend_decode = original
     kept = []
     for i, layer in enumerate(cache.layers):
         positions = cache.kept_positions(i)

@@ -3,10 +3,10 @@
 Public API (what serving/, eval/, bench/ and the CLI import; integration/ may use the modules directly):
     RocketKVCache       transformers ``Cache`` of RocketKV layers (cache.py)
     RocketKVLayer       one decoder layer's KV store (layer.py)
-    GenerationHints     what generate() tells a cache before prefill (layer.py)
+    GenerationHints     what generate() tells a cache before prefill (hints.py)
     BatchedDecodeCache  one decode batch over the rows of several pool-backed caches (batch_view.py)
     CacheStats          ``cache.stats``: tokens reused and computed, bytes moved (stats.py)
-    layer_of            the layer whose ``update()`` returned a key tensor (the attention function's seam)
+    layer_of            the layer whose ``update()`` returned a key tensor (the attention function's seam, seam.py)
     request_pages       a request's pool pages at its prefill peak and once compressed (page_budget.py)
     check_pool_policy   refuse a config a pool cannot account for (per-head budgets)
 """

@@ -50,7 +50,8 @@ from transformers import Cache
 
 from ..memory import KVBlockPool
 from ..memory.errors import PoolExhaustedError
-from .cache import RocketKVCache, check_layers_consistent
+from .cache import RocketKVCache
+from .consistency import check_layers_consistent
 from .layer import GenerationHints, RocketKVLayer
 from .paged_store import PagedStore
 
@@ -121,7 +122,7 @@ class BatchedDecodeLayer(RocketKVLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append one token per row through the rows' tables (no host sync); returns the bucket's handles."""
-        if self._host_bookkeeping():
+        if self.host_bookkeeping():
             self.awaiting_attention = True  # cleared by the attention function (BatchedDecodeCache checks it)
             self.host_seen += 1
         self.seen.add_(1)

@@ -23,8 +23,10 @@ from transformers import Cache
 
 from ..config import RocketKVConfig
 from ..memory import KVBlockPool, PrefixKeys
-from .layer import CROP_UNSUPPORTED, INTERRUPTED_FORWARD, UNCONSUMED_KEYS, GenerationHints, RocketKVLayer
+from .consistency import check_layers_consistent
+from .layer import GenerationHints, RocketKVLayer
 from .pool_pages import PoolPages, release_rows_later
+from .row_index import CROP_UNSUPPORTED
 from .stats import CacheStats, RequestCounters
 
 
@@ -344,31 +346,6 @@ class RocketKVCache(Cache):
 
     def __repr__(self) -> str:
         return f"RocketKVCache(layers={len(self.layers)}, seen={self.get_seq_length()}, config={self.config})"
-
-
-def check_layers_consistent(layers: list, layer_idx: int, query_length: int) -> None:
-    """Raise if an earlier forward left these layers half-updated, or their keys were never consumed.
-
-    Each layer counts on the host the tokens it stored (eager updates; compiled steps skip every layer alike), so at
-    layer 0 all layers agree, and at layer i > 0 layer i is exactly this forward's tokens behind layer 0. Shared by
-    ``RocketKVCache`` and ``BatchedDecodeCache`` (one batch of several requests' rows).
-    """
-    for index in (layer_idx - 1, layer_idx):
-        if 0 <= index < len(layers) and layers[index].awaiting_attention:
-            raise RuntimeError(UNCONSUMED_KEYS)
-    if not layers:
-        return
-    reference = layers[0].host_seen
-    if layer_idx == 0:
-        counts = [layer.host_seen for layer in layers]
-        if len(set(counts)) > 1:
-            raise RuntimeError(INTERRUPTED_FORWARD.format(detail=f"per layer: {counts}"))
-        return
-    seen = layers[layer_idx].host_seen if layer_idx < len(layers) else 0
-    if seen + query_length != reference:
-        raise RuntimeError(
-            INTERRUPTED_FORWARD.format(detail=f"layer {layer_idx}: {seen}, layer 0: {reference - query_length}")
-        )
 
 
 LENT_ROWS = (

@@ -1,5 +1,6 @@
 """keep_all multi-turn (``RocketKVConfig(multi_turn="keep_all")``, RocketKV-MT): every token of the conversation
-stays in pages, so each later turn re-runs stage 1 over all of it.
+stays in pages, so each later turn re-runs stage 1 over all of it. This file holds the history's record, its growth
+and the prompt's real tokens left-aligned for it.
 
 A row's history holds its real tokens in order (prompt, then every token fed back: generated ones, later turns),
 padding never: slot s of row b is the row's s-th real token, ``positions[b, :, s]`` its input column. The view
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .capacity import fit_slots, headroom, private_history, round_up, slack_of, slots_for
 from .paged_store import PagedStore
 
 
@@ -35,6 +37,24 @@ class History:
     def room(self) -> int:
         """Tokens every row can still take without growing (host mirror)."""
         return self.store.capacity - self.host_max_length - self.slack
+
+
+def grow_history(layer, extra: int) -> None:
+    """Make room for ``extra`` more tokens in every row of ``layer``'s keep_all history (eager): a private store is
+    reallocated and copied; a pool-backed one takes more pages (reserved before the forward by generate())."""
+    history = layer.history
+    if history.room() >= extra:
+        return
+    capacity = round_up(history.host_max_length + extra + headroom(layer), layer.config.page_size)
+    if layer.pages is not None:
+        history.store = layer.pages.history_store(layer, capacity).widened(slots_for(layer, capacity))
+    else:
+        keys, values = history.store.gather()
+        history.store = private_history(layer, keys.shape[0], slots_for(layer, capacity))
+        history.store.write(keys, values)
+    history.positions = fit_slots(history.positions, history.store.capacity, -1)
+    history.slack = slack_of(history.store, history.lengths.tolist())
+    layer.mark_static()
 
 
 def real_tokens_left_aligned(

@@ -1,4 +1,4 @@
-"""RocketKVLayer: one decoder layer's KV store, in two states.
+"""RocketKVLayer: one decoder layer's KV store behind transformers' cache-layer contract, in two states.
 
 dense       from the first prompt token until stage 1 runs. Slot s holds column s of the input (left padding
             included), exactly like a DynamicLayer, so prefill attention (chunked or not) is plain causal
@@ -18,160 +18,38 @@ Tensors (B batch, Hkv KV heads, C capacity, PP tokens per page, KP = config.page
                      [B, Hkv]              per row and KV head when the policy gives heads their own budgets
                                            (``per_head_budgets``: AdaKV); a row's capacity then covers its
                                            longest head, shorter heads leave their slots past lengths[b, h] empty
-With decode-time compression (``config.decode_budget``; ``compress_decode``):
-    gen_start        [B] / [B, Hkv]        int64 first generated slot of each row (= lengths after stage 1)
-    decode_queries   [B, Hq, w, D]         the last w decode queries (post-RoPE), oldest first; w = decode_window
 ``keys``, ``values`` and ``kt`` read as contiguous ``[B, Hkv, C, D]`` / ``[B, Hkv, C/KP, 2, D]`` copies (gathered
 from the pages) for introspection and tests; the hot paths use the pages.
 
-A later turn (several new tokens on a compressed layer) works on a contiguous copy (the "working set": kept tokens,
-or with ``multi_turn="keep_all"`` the whole history, then the new real tokens), runs stage 1 over it and compacts
-the survivors into a fresh view.
-
-The layer knows nothing of transformers' attention registry; the attention function drives it. It finds the layer
-through the key tensor ``update()`` returned (``layer_of``): the layer tags the key tensor it returns with a weak
-reference to itself (its dense buffer, or a per-layer handle once compressed), so each attention call reaches
-exactly the layer that stored its keys, with no process-global state (see docs/seam.md).
+The layer keeps transformers' layer contract and the shared state above; the jobs are modules of their own
+(``dense_store``, ``stage1`` + ``compaction``, ``working_set``, ``decode_append``, ``stage2``, ``generated_tokens``,
+``capacity`` + ``history``, ``row_index``, ``row_stacking``). The attention function finds the layer through the
+key tensor ``update()`` returned (``seam.layer_of``; docs/seam.md).
 """
 
 from __future__ import annotations
-
-import weakref
-from dataclasses import dataclass, field
 
 import torch
 
 from transformers import CacheLayerMixin
 from ..config import RocketKVConfig
 from ..kernels.dispatch import RocketOps, get_ops
-from ..kernels.host_copy import device_tensor, filled
-from ..policies import KeptSlots, Stage1Inputs, derive_budgets, get_stage1_policy
-from ..policies.decode_compression import move_kept
 from ..selection.stage2_pages import per_head
-from .history import History, real_tokens_left_aligned
-from .op_graphs import OpGraph, buffers_key
-from .paged_store import PagedStore, ceil_div, private_store, write_tokens
+from . import decode_append, row_index, row_stacking, stage2, working_set
+from .consistency import INTERRUPTED_FORWARD, UNCONSUMED_KEYS
+from .dense_store import append_dense, start_dense
+from .generated_tokens import GeneratedTokens, decode_compression
+from .hints import GenerationHints
+from .history import History
+from .op_graphs import OpGraph
+from .paged_store import PagedStore
+from .row_index import CROP_UNSUPPORTED
+from .seam import layer_of, tag
+from .stage1 import UNDECLARED_PER_HEAD_COUNTS, Stage1, last_real_queries, make_policy
+from .working_set import PER_HEAD_LATER_TURN
 
-
-@dataclass
-class GenerationHints:
-    """What generate() tells the cache before prefill (set by hf_rocketkv's generate integration)."""
-
-    max_length: int | None = None  # logical tokens the cache will have seen at most (prompt + new tokens)
-    defer_compression: bool = False  # chunked prefill: run stage 1 at the first decode step, not after each chunk
-    prefilling: bool = False  # generate()'s prefill is running (chunks must not be compiled: their shapes change)
-    guards_checked: bool = False  # this generate() call's first compiled decode step has run with every guard
-    # device types on which generate() may defer its stop check by a step (deferred_stop_check); CUDA only, as
-    # the check needs device events (tests add "cpu" together with a CPU stand-in for torch.Event)
-    deferred_stop_devices: tuple[str, ...] = ("cuda",)
-    # a decode step is being captured or replayed as a CUDA graph (integration/decode_graphs.py): Python runs once at
-    # capture and never at replay, so the step's runner does the host bookkeeping, not the traced code
-    in_graph: bool = False
-    # this request's captured decode step (integration/decode_graphs.py) and where graphs are used
-    graphed_step: object = None
-    graph_warmed_up: bool = False
-    graph_devices: tuple[str, ...] = ("cuda",)
-    graph_backend: object = None  # None: torch.cuda graphs (tests put a CPU stand-in here)
-    # GPU index -> GraphPool (memory pool and capture stream) that every layer's eager-step OpGraphs on that GPU
-    # capture into (cache/op_graphs.py), made at the first capture: one per request and GPU, so the layers' scratch
-    # tensors share memory instead of a pool each
-    op_graph_pool: dict = field(default_factory=dict)
-    # batch_buckets: generate() padded the caller's rows (real) up to a bucket (padded) with copies of row 0;
-    # prefill runs the real rows only and copies row 0's cache (integration/batch_buckets.py)
-    batch_padding: tuple[int, int] | None = None
-    # the padding offsets of the latest prefill forward's mask (integration/attention.py padding_of_forward):
-    # (weak reference to the mask, kv length, offsets on the device, offsets on the host), read once per forward
-    padding_memo: tuple | None = None
-    # whether that mask is plain lower-right causal (integration/attention.py lower_right_causal): (weak reference to
-    # the mask, answer), compared once per forward
-    causal_memo: tuple | None = None
-
-    def forget_graph(self) -> None:
-        """Drop the captured decode step (its buffers change when a new turn is prefilled)."""
-        self.graphed_step = None
-        self.graph_warmed_up = False
-
-
-INTERRUPTED_FORWARD = (
-    "RocketKVCache: its layers have seen different numbers of tokens ({detail}): an earlier forward on this cache "
-    "was interrupted (an exception), which leaves it inconsistent. Start again with a fresh RocketKVCache."
-)
-
-UNCONSUMED_KEYS = (
-    "RocketKVCache: a layer stored keys that no 'rocketkv' attention call consumed. Either the model's attention is "
-    "not 'rocketkv' (enable it with `hf_rocketkv.enable(model)` or `from_pretrained(..., attn_implementation="
-    "'rocketkv')`), or an earlier forward on this cache was interrupted by an exception, which leaves it "
-    "inconsistent: start again with a fresh RocketKVCache."
-)
-
-CROP_UNSUPPORTED = (
-    "RocketKVCache cannot be cropped beyond its last decoded tokens: stage 1 evicts tokens for good, so "
-    "assisted/speculative decoding (which rolls the cache back over verified candidates) is not supported. Use "
-    "plain greedy, sampling or beam search."
-)
-
-PER_HEAD_LATER_TURN = (
-    "RocketKVCache: stage-1 policy {name!r} gives each KV head its own number of kept tokens, so a later turn (several "
-    "new tokens on a compressed cache) with RocketKVConfig.multi_turn='evict' would re-run stage 1 over KV heads of "
-    "different lengths, which is not implemented. Use multi_turn='keep_all' (each later turn re-runs stage 1 over "
-    "the whole conversation, stored per row) or a uniform policy (snapkv, streaming, knorm, h2o, random)."
-)
-
-UNDECLARED_PER_HEAD_COUNTS = (
-    "stage-1 policy {name!r} returned different kept counts for the KV heads of a row but does not declare "
-    "`per_head_budgets = True`: the cache lays out per-KV-head lengths ([B, Hkv]) only for policies that declare it "
-    "(it fixes the layout before any selection runs). Set the class attribute per_head_budgets = True."
-)
-
-
-OWNER_ATTRIBUTE = "_hf_rocketkv_layer"  # on the key tensor update() returns: weakref.ref(its RocketKVLayer)
-
-
-def layer_of(key: torch.Tensor) -> "RocketKVLayer | None":
-    """The RocketKVLayer whose ``update()`` returned ``key``, or None (another cache, or no cache).
-
-    A weak reference, so the layer and its buffers are freed as soon as the cache is (no reference cycle through
-    the tensor). Traceable by torch.compile: reading it adds no graph break and a fresh cache per request adds no
-    recompilation.
-    """
-    ref = getattr(key, OWNER_ATTRIBUTE, None)
-    return ref() if ref is not None else None
-
-
-def last_real_queries(queries: torch.Tensor, valid: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's last ``window`` real queries, right-aligned: ``([B, H, w, D], count [B])``, w = min(window, n).
-
-    ``queries`` [B, H, n, D], ``valid`` bool [B, n]. Row b's real queries sit in the last ``count[b]`` entries in
-    their original order; the entries before them are placeholders (``count`` tells stage 1 to ignore them).
-    """
-    n = queries.shape[2]
-    w = min(window, n)
-    order = torch.arange(n, device=valid.device)
-    rank = torch.where(valid, order, torch.full_like(order, -1).expand_as(valid))  # padding ranks below every token
-    index = rank.topk(w, dim=1).indices.flip(1)  # ascending: placeholders first, then the last real ones in order
-    gathered = queries.gather(2, index[:, None, :, None].expand(-1, queries.shape[1], -1, queries.shape[3]))
-    return gathered, valid.sum(dim=1).clamp(max=w)
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def _fit_dim2(tensor: torch.Tensor, size: int, fill) -> torch.Tensor:
-    """``tensor`` with dim 2 cut or extended (by ``fill``) to ``size``."""
-    if tensor.shape[2] >= size:
-        return tensor[:, :, :size].contiguous()
-    return _pad_dim2(tensor, size, fill)
-
-
-def _pad_dim2(tensor: torch.Tensor, size: int, fill) -> torch.Tensor:
-    """``tensor`` with dim 2 extended to ``size`` by ``fill`` (slots or KT pages that hold no token)."""
-    missing = size - tensor.shape[2]
-    if missing == 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[2] = missing
-    return torch.cat([tensor, tensor.new_full(shape, fill)], dim=2)
+__all__ = ["CROP_UNSUPPORTED", "INTERRUPTED_FORWARD", "PER_HEAD_LATER_TURN", "UNCONSUMED_KEYS",
+           "UNDECLARED_PER_HEAD_COUNTS", "GenerationHints", "RocketKVLayer", "last_real_queries", "layer_of"]
 
 
 class RocketKVLayer(CacheLayerMixin):
@@ -180,6 +58,8 @@ class RocketKVLayer(CacheLayerMixin):
     is_compileable = True
     is_sliding = False
     is_croppable = False
+    # Layers whose eager decode steps may use CUDA graphs (BatchedDecodeLayer: no, its rows change between steps)
+    EAGER_GRAPHS = True
 
     def __init__(self, config: RocketKVConfig, hints: GenerationHints, pages=None, layer_idx: int | None = None,
                  counters=None):
@@ -193,14 +73,11 @@ class RocketKVLayer(CacheLayerMixin):
         self.pages = pages
         self.layer_idx = layer_idx
         self.counters = counters
-        self._keys: torch.Tensor | None = None  # contiguous: the dense store, or a later turn's working set
-        self._values: torch.Tensor | None = None
+        self._keys = self._values = None  # contiguous [B, Hkv, T, D]: the dense store, or a later turn's working set
         self.store: PagedStore | None = None  # the compressed view, in pages
         self.history: History | None = None  # multi_turn="keep_all": every token of the conversation (history.py)
         self.prefix_tokens = 0  # a prefix hit: columns [0, prefix_tokens) come from pool pages (set before prefill)
-        # a prefix hit's dense store is allocated with room for the first forward's tokens after the prefix (so they
-        # are copied in, not concatenated to a copy of 32k prefix columns): how many columns at its end are unwritten
-        self.dense_room = 0
+        self.dense_room = 0  # a prefix hit's dense store: columns at its end left for the first forward (dense_store)
         self.positions: torch.Tensor | None = None
         self.lengths: torch.Tensor | None = None
         self.compressed = False
@@ -212,36 +89,19 @@ class RocketKVLayer(CacheLayerMixin):
         self.host_decoded = 0  # one-token decode steps appended since stage 1 last ran (what crop may remove)
         self.host_seen = 0  # host count of the tokens eager updates stored: tells an interrupted forward apart
         self.ops: RocketOps | None = None
+        self.scaling: float | None = None  # the attention's softmax scale, from the latest observe_prefill
         # per-layer tensors update() returns once compressed: the attention function finds the layer through them
         # (the page tensors may be a pool's, shared by every cache); they hold no data
-        self.key_handle: torch.Tensor | None = None
-        self.value_handle: torch.Tensor | None = None
-        # eager decode steps: the append and the stage-2 launches as CUDA graphs (op_graphs.py, eager_graphs())
-        self.op_graphs = {"append": OpGraph(), "attention": OpGraph()}
+        self.key_handle = self.value_handle = None
+        self.op_graphs = {"append": OpGraph(), "attention": OpGraph()}  # eager decode steps as CUDA graphs
         # set by update(), cleared by the attention function: still set at the next update means the attention that
         # should have consumed these keys never ran (not "rocketkv", or an interrupted forward)
         self.awaiting_attention = False
-        # until stage 1 runs: the padding offset of each row, the latest window of queries and, per row, how many of
-        # them are real tokens (a later turn's left padding sits inside its first forward)
-        self.row_start: torch.Tensor | None = None
-        self.pending_queries: torch.Tensor | None = None
-        self.pending_valid: torch.Tensor | None = None  # [B] real queries in pending_queries (right-aligned)
-        # host mirrors of row_start and pending_valid when known without reading the device (a prefill without
-        # padding, or padding read once per forward): stage 1 then never syncs per layer; None = unknown
-        self.host_row_start: list[int] | None = None
-        self.host_window_len: list[int] | None = None
         # a later turn's new tokens, stored by the attention function once it knows which are padding
-        self.pending_keys: torch.Tensor | None = None
-        self.pending_values: torch.Tensor | None = None
-        # stage 1 is delegated to a policy (hf_rocketkv/policies); the layer stores its per-prefill state, if any
-        self.policy = self._make_policy(None)  # rebuilt with the backend's window-scores twin once the device is known
-        self.policy_state = None
-        self.observed_columns = 0  # queries seen by observe_prefill since the dense store began
-        # decode-time compression (config.decode_budget): set up after each stage 1 (``_start_decode_region``)
-        self.decode_compression = config.decode_compression
-        self.gen_start: torch.Tensor | None = None
-        self.decode_queries: torch.Tensor | None = None
-        self.host_generated = 0  # generated tokens stored since stage 1 or the last compression (same in every row)
+        self.pending_keys = self.pending_values = None
+        self.policy = make_policy(config, None)  # the stage-1 policy; rebuilt with the backend's twin on a device
+        self.stage1 = Stage1()
+        self.generated = GeneratedTokens(decode_compression(config))  # decode-time compression (decode_budget)
 
     # ------------------------------------------------------------------------------------------ contiguous views
     @property
@@ -279,26 +139,22 @@ class RocketKVLayer(CacheLayerMixin):
         """A later turn's contiguous working set is in use (between storing its tokens and stage 1)."""
         return self.compressed and self._keys is not None
 
+    @property
+    def row_start(self) -> torch.Tensor | None:
+        """``[B]`` int64 padding offset of each row until stage 1 runs (``Stage1.row_start``; read by pool_pages)."""
+        return self.stage1.row_start
+
     # ------------------------------------------------------------------------------------------ lifecycle
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Sizes come from the first K/V seen, so tensor-parallel shards and device maps need nothing special."""
         self.dtype, self.device = key_states.dtype, key_states.device
         self.num_kv_heads, self.head_dim = key_states.shape[1], key_states.shape[3]
         self.ops = get_ops(self.config.backend, self.device)
-        self.policy = self._make_policy(self.ops.window_scores)
+        self.policy = make_policy(self.config, self.ops.window_scores)
         self.seen = torch.zeros((), dtype=torch.long, device=self.device)
         if self.pages is not None:
             self.pages.check_layer(self, key_states)
-        if self.prefix_tokens:
-            # a prefix hit: the dense store starts with the hit tokens, gathered from the pool's pages, and leaves
-            # room for this forward's tokens (update() copies them in)
-            self.dense_room = key_states.shape[2]
-            self._keys, self._values = self.pages.prefix_keys(self, key_states, room=self.dense_room)
-            self.seen.fill_(self.prefix_tokens)
-        else:
-            self._keys = key_states.new_empty((key_states.shape[0], key_states.shape[1], 0, key_states.shape[3]))
-            self._values = value_states.new_empty((value_states.shape[0], value_states.shape[1], 0,
-                                                   value_states.shape[3]))
+        start_dense(self, key_states, value_states)
         self.is_initialized = True
 
     def reset(self) -> None:
@@ -365,8 +221,8 @@ class RocketKVLayer(CacheLayerMixin):
     def memory_bytes(self) -> int:
         """Bytes this layer holds: its pages (a pool's: the pages its rows hold), positions, lengths, and the
         contiguous dense store / working set and pending queries when present."""
-        tensors = (self._keys, self._values, self.positions, self.lengths, self.pending_queries, self.row_start,
-                   self.gen_start, self.decode_queries)
+        tensors = (self._keys, self._values, self.positions, self.lengths, *self.stage1.tensors(),
+                   *self.generated.tensors())
         held = sum(t.numel() * t.element_size() for t in tensors if t is not None)
         held += self.store.nbytes() if self.store is not None else 0
         if self.history is not None:
@@ -389,105 +245,42 @@ class RocketKVLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------------------------------ update
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Store the new tokens; returns the K/V a dense attention would use while dense, per-layer handles once
-        compressed (the compressed attention paths read the layer itself).
-
-        The returned keys carry a weak reference to this layer (``layer_of``), which is how the ``rocketkv``
-        attention function finds the layer of its own call. A later turn's tokens (several on a compressed layer)
-        are only staged here: the attention function stores them once the mask has told it which are padding.
-        """
+        """Store the new tokens ``[B, Hkv, n, D]``; returns the K/V a dense attention would use while dense,
+        per-layer handles once compressed, tagged for ``layer_of``. A later turn's tokens (several on a compressed
+        layer) are only staged here: the attention function stores them once the mask says which are padding."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         query_length = key_states.shape[2]
         if query_length > 1 and self.compressed and self.history is None and self.per_head_lengths:
             # refused before any state changes, so the cache stays usable for decode steps
             raise NotImplementedError(PER_HEAD_LATER_TURN.format(name=self.policy.name))
-        if self._host_bookkeeping():
+        if self.host_bookkeeping():
             self.awaiting_attention = True  # cleared by the attention function; RocketKVCache.update checks it
             self.host_seen += query_length
         if query_length == 1 and self.compressed and self.eager_graphs():
-            self._append_one(key_states, value_states, graphed=True)  # counts ``seen`` inside the graph
+            decode_append.append_one(self, key_states, value_states, graphed=True)  # counts ``seen`` inside the graph
             return self.key_handle, self.value_handle
         self.seen.add_(query_length)
         if not self.compressed:
-            self._store_dense(key_states, value_states)
+            append_dense(self, key_states, value_states)
             return self._keys, self._values
         if query_length == 1:
-            self._append_one(key_states, value_states)
+            decode_append.append_one(self, key_states, value_states)
         else:
             self.pending_keys, self.pending_values = key_states, value_states
         return self.key_handle, self.value_handle
 
-    def _store_dense(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Append a prefill forward's K/V ``[B, Hkv, n, D]`` to the dense store: into the room a prefix hit's store
-        left for them, else by concatenation (a new buffer, tagged for ``layer_of``)."""
-        n = key_states.shape[2]
-        if self.dense_room:
-            if n != self.dense_room:
-                raise RuntimeError(f"a prefix hit's dense store has room for {self.dense_room} tokens, got {n}")
-            self._keys[:, :, -n:].copy_(key_states)
-            self._values[:, :, -n:].copy_(value_states)
-            self.dense_room = 0
-        elif self._keys.shape[2] == 0:
-            self._keys, self._values = key_states, value_states
-        else:
-            self._keys = torch.cat([self._keys, key_states], dim=-2)
-            self._values = torch.cat([self._values, value_states], dim=-2)
-        self._tag_keys()  # a new dense buffer every forward but a prefix hit's first (eager: prefill never compiles)
-
     def _tag_keys(self) -> None:
-        """Let the attention function find this layer from the key tensor update() returns (``layer_of``). Called
-        wherever that tensor is (re)allocated, always in eager code, so compiled decode steps find it tagged."""
-        tensor = self.key_handle if self.compressed else self._keys
-        if getattr(tensor, OWNER_ATTRIBUTE, None) is None:
-            setattr(tensor, OWNER_ATTRIBUTE, weakref.ref(self))
+        """Let the attention function find this layer from the key tensor update() returns (``seam.layer_of``)."""
+        tag(self.key_handle if self.compressed else self._keys, self)
 
     def attention_ran(self) -> None:
         """Called by the ``rocketkv`` attention function once it has found this layer."""
         self.awaiting_attention = False
 
-    def _append_one(self, key_states: torch.Tensor, value_states: torch.Tensor, graphed: bool = False) -> None:
-        """Decode: write slot lengths[b] of every row in place through the block table and fold the key into its
-        KT page.
-
-        No host sync and no shape change, so a compiled decode step replays as one CUDA graph. Capacity comes from
-        generate()'s max_length; in eager mode the store grows when a caller runs past it. ``graphed`` (eager steps,
-        ``eager_graphs()``): the ``seen`` increment and the append through this layer's "append" OpGraph.
-        """
-        if self._host_bookkeeping():  # compiled/graphed steps: their runner counts on the host
-            self.maybe_compress_decode()
-            self._ensure_capacity(1)
-            self.note_decode_step()
-        store, history = self.store, self.history
-        if graphed:
-            key = buffers_key(store.k, store.v, store.kt, store.table, self.positions, self.lengths, self.seen,
-                              store.k_scale, store.v_scale)
-            self.op_graphs["append"](key, self._count_and_append, key_states[:, :, 0], value_states[:, :, 0],
-                                     hints=self.hints)
-            return
-        self._append_token(key_states[:, :, 0], value_states[:, :, 0])
-        if history is not None:  # keep_all: the full history too
-            self.ops.paged_append_kv(
-                history.store.k, history.store.v, history.store.table, history.positions, history.lengths,
-                self.seen, key_states[:, :, 0], value_states[:, :, 0],
-                k_scale=history.store.k_scale, v_scale=history.store.v_scale,
-            )
-
-    def _append_token(self, key_new: torch.Tensor, value_new: torch.Tensor) -> None:
-        """The token ``[B, Hkv, D]`` into slot lengths[b] of every row and its key into the KT page."""
-        store = self.store
-        self.ops.paged_append_token(
-            store.k, store.v, store.kt, store.table, self.positions, self.lengths, self.seen, key_new, value_new,
-            self.config.page_size, k_scale=store.k_scale, v_scale=store.v_scale,
-        )
-
-    def _count_and_append(self, key_new: torch.Tensor, value_new: torch.Tensor) -> None:
-        """The launches of a graphed eager append: ``seen`` += 1, then ``_append_token``."""
-        self.seen.add_(1)
-        self._append_token(key_new, value_new)
-
-    # Layers whose eager decode steps may use CUDA graphs (BatchedDecodeLayer: no, its rows change between steps)
-    EAGER_GRAPHS = True
+    def host_bookkeeping(self) -> bool:
+        """Whether this code runs eagerly, once per step (not traced by torch.compile, not a CUDA-graph step)."""
+        return not (torch.compiler.is_compiling() or self.hints.in_graph)
 
     def eager_graphs(self) -> bool:
         """Whether this eager decode step runs its RocketKV launches through this layer's OpGraphs: CUDA, the
@@ -495,539 +288,26 @@ class RocketKVLayer(CacheLayerMixin):
         launches stay eager, so both stay on the plain path), and not under torch.compile, a whole-step graph or
         anyone else's capture."""
         return (self.EAGER_GRAPHS and self.config.eager_layer_graphs and self.ops.name == "triton"
-                and self.history is None and self.decode_compression is None and self.store.k.is_cuda
+                and self.history is None and self.generated.settings is None and self.store.k.is_cuda
                 and not torch.compiler.is_compiling() and not self.hints.in_graph
                 and not torch.cuda.is_current_stream_capturing())
 
     def note_decode_step(self) -> None:
+        """Host mirrors after one decode step stored its token (eager here; compiled / graphed runners call it)."""
         self.host_max_length += 1
         self.host_decoded += 1
-        self.host_generated += 1
+        self.generated.host_generated += 1
         if self.history is not None:
             self.history.host_max_length += 1
 
-    # ------------------------------------------------------------------------------------------ decode compression
-    def _start_decode_region(self, num_q_heads: int | None = None) -> None:
-        """After a stage 1: generated tokens start at each row's current length; the query ring buffer is allocated
-        once (fixed address, written in place by every decode step). ``num_q_heads``: known from the prefill
-        queries, else from an earlier buffer (a later turn)."""
-        self.host_generated = 0
-        compression = self.decode_compression
-        if compression is None:
-            return
-        self.gen_start = self.lengths.clone()
-        if num_q_heads is None:
-            held = self.decode_queries if self.decode_queries is not None else self.pending_queries
-            num_q_heads = held.shape[1]
-        batch = self.lengths.shape[0]
-        shape = (batch, num_q_heads, compression.window, self.head_dim)
-        if self.decode_queries is None or tuple(self.decode_queries.shape) != shape:
-            self.decode_queries = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        else:
-            self.decode_queries.zero_()
-
-    def record_decode_query(self, query: torch.Tensor) -> None:
-        """Decode attention: push this step's query ``[B, Hq, 1, D]`` into the ring buffer (shift by one, in place;
-        fixed shapes, so it runs inside compiled and graphed steps)."""
-        if self.decode_queries is None:
-            return
-        self.decode_queries.copy_(torch.cat([self.decode_queries[:, :, 1:], query.to(self.dtype)], dim=2))
-
-    def maybe_compress_decode(self) -> bool:
-        """Host side, before a one-token decode step stores its token: compress the generated tokens when
-        ``decode_budget + decode_interval`` of them are stored. Returns whether it ran. Called by ``_append_one`` in
-        eager steps and by the compiled / graphed runners between their steps (``count_decode_step``)."""
-        compression = self.decode_compression
-        if compression is None or not self.compressed or self.working:
-            return False
-        if not compression.due(self.host_generated):
-            return False
-        self.compress_decode()
-        return True
-
-    def compress_decode(self) -> None:
-        """Keep ``decode_budget`` generated tokens per row and KV head (``policies.decode_compression``): the newest
-        ``decode_window`` and the best-scoring others, moved to slots ``gen_start ..`` in ascending order with their
-        positions; emptied slots are cleared and the KT of every page is rebuilt from the kept keys. In place in the
-        layer's pages (fixed addresses: captured decode graphs stay valid; a pool's view pages are the request's
-        own, so nothing is allocated or freed).
-
-        Shapes: keys/values gathered ``[B, Hkv, C, D]``; kept slots ``[B, Hkv, M]``; positions ``[B, Hkv, C]``.
-        """
-        compression = self.decode_compression
-        keys, values = self.store.gather()
-        slots, lengths = compression.select(self.decode_queries, keys, self.lengths, self.gen_start, self.scaling)
-        for tensor in (keys, values, self.positions):
-            move_kept(tensor, slots, self.gen_start)
-        stored = per_head(lengths, keys.shape[0], keys.shape[1])  # [B, Hkv]
-        empty = torch.arange(keys.shape[2], device=self.device) >= stored[..., None]  # [B, Hkv, C]
-        keys.masked_fill_(empty[..., None], 0)
-        values.masked_fill_(empty[..., None], 0)
-        self.positions.masked_fill_(empty, -1)
-        self.lengths.copy_(lengths)
-        kt = self.ops.build_kt(keys, self.lengths, self.config.page_size, self.config.kt_torch_dtype)
-        self.store.write(keys, values, kt)
-        removed = self.host_generated - compression.budget
-        self.host_max_length -= removed
-        self.host_generated = compression.budget
-        self.host_decoded = 0  # crop cannot undo a compression
-
-    def _host_bookkeeping(self) -> bool:
-        """Whether this code runs eagerly, once per step (not traced by torch.compile, not a CUDA-graph step)."""
-        return not (torch.compiler.is_compiling() or self.hints.in_graph)
-
-    def store_new_tokens(self, valid: torch.Tensor | None) -> None:
-        """Store the later turn's tokens staged by ``update``, skipping padding, in a contiguous working set.
-
-        ``valid`` bool ``[B, n]`` marks the real new tokens (None = all real). The working set starts from the
-        stored tokens (the view; with ``multi_turn="keep_all"``, every token of the conversation so far); row b then
-        takes its ``m_b`` real tokens, in order, at slots ``lengths[b] .. lengths[b] + m_b - 1``, so attention and
-        stage 1 see exactly what a run of that row alone sees. Stage 1 compacts it into a fresh view.
-        """
-        key_states, value_states = self.pending_keys, self.pending_values
-        self.pending_keys = self.pending_values = None
-        batch, _, n, _ = key_states.shape
-        columns = [torch.arange(n, device=self.device)] * batch if valid is None else [
-            row.nonzero()[:, 0] for row in valid
-        ]
-        keys, values, positions, lengths = self._working_source()
-        # a sync, but this is a multi-token forward: the mirror may be stale after compiled decode steps driven
-        # outside generate() (user-compiled loops), and a stale one would under-size the store
-        stored = lengths.tolist()
-        counts = [len(c) for c in columns]
-        width = self._working_width(max(s + m for s, m in zip(stored, counts)), keys.shape[2])
-        keys, values = _pad_dim2(keys, width, 0), _pad_dim2(values, width, 0)
-        positions = _pad_dim2(positions, width, -1)
-        first_column = int(self.seen) - n
-        for b, (length, taken) in enumerate(zip(stored, columns)):
-            m = len(taken)
-            keys[b, :, length : length + m] = key_states[b, :, taken]
-            values[b, :, length : length + m] = value_states[b, :, taken]
-            positions[b, :, length : length + m] = (first_column + taken).to(torch.int32)
-        self._keys, self._values, self.positions = keys, values, positions  # positions: of the working set now
-        self.lengths = lengths + device_tensor(counts, lengths.dtype, self.device)
-        self.host_max_length = max(s + m for s, m in zip(stored, counts))
-        if self.history is not None:
-            self._extend_history(stored, counts)
-
-    def _working_source(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What a later turn starts from: (keys, values [B, Hkv, W, D], positions [B, Hkv, W], lengths [B]), as
-        fresh contiguous tensors. The view, trimmed to its capacity; keep_all: the whole history."""
-        if self.history is not None:
-            keys, values = self.history.store.gather()
-            return keys, values, self.history.positions.clone(), self.history.lengths.clone()
-        keys, values = self.store.gather()
-        return keys, values, self.positions.clone(), self.lengths.clone()
-
-    def _extend_history(self, stored: list[int], counts: list[int]) -> None:
-        """keep_all: a later turn's real tokens, just placed in the working set after each row's history, join the
-        history pages too (the working set's slots are the history's slots)."""
-        history = self.history
-        needed = max(s + m for s, m in zip(stored, counts))
-        self._grow_history(needed - history.host_max_length)
-        write_tokens(history.store, self._keys, self._values, stored, [s + m for s, m in zip(stored, counts)])
-        history.positions = _fit_dim2(self.positions, history.store.capacity, -1)
-        history.lengths = self.lengths.clone()
-        history.host_max_length = needed
-        history.slack = self._slack_of(history.store, self.lengths.tolist())
-
-    def _grow_history(self, extra: int) -> None:
-        """Make room for ``extra`` more tokens in every row of the keep_all history (eager): a private store is
-        reallocated and copied; a pool-backed one takes more pages (reserved before the forward by generate())."""
-        history = self.history
-        if history.room() >= extra:
-            return
-        capacity = _round_up(history.host_max_length + extra + self._headroom(), self.config.page_size)
-        if self.pages is not None:
-            history.store = self.pages.history_store(self, capacity).widened(self._slots_for(capacity))
-        else:
-            keys, values = history.store.gather()
-            history.store = self._private_history(keys.shape[0], self._slots_for(capacity))
-            history.store.write(keys, values)
-        history.positions = _fit_dim2(history.positions, history.store.capacity, -1)
-        history.slack = self._slack_of(history.store, history.lengths.tolist())
-        self._mark_static()
-
-    @staticmethod
-    def _slack_of(store: PagedStore, lengths: list[int]) -> int:
-        """How many fewer tokens the tightest row can take than the store's capacity minus its longest row."""
-        rooms = [c - n for c, n in zip(store.row_capacity(), lengths)]
-        return store.capacity - max(lengths) - min(rooms)
-
-    def _private_history(self, batch: int, capacity: int) -> PagedStore:
-        page = self.config.page_size
-        return private_store(batch, ceil_div(capacity, page), self.num_kv_heads, page, self.head_dim, self.dtype,
-                             self.device)
-
-    def _working_width(self, needed: int, current: int) -> int:
-        """Slots of a later turn's working set: the current width when the new tokens fit, else grown to the
-        tokens to come (the same widths an in-place store had, so width-dependent policies see the same shapes)."""
-        if needed <= current:
-            return current
-        return _round_up(needed + self._headroom(), self.config.page_size)
-
-    def _ensure_capacity(self, extra: int) -> None:
-        """Grow the compressed view (eager mode) so that every row can take ``extra`` more tokens: a private store
-        is reallocated; a pool-backed one gets more pages from the pool."""
-        if self.history is not None:
-            self._grow_history(extra)
-        if self.capacity - self.host_max_length - self.host_slack >= extra:
-            return
-        needed = self.host_max_length + extra
-        new_capacity = _round_up(needed + self._headroom(), self.config.page_size)
-        keys, values = self.store.gather()
-        kt = self.store.gather_kt()
-        if self.pages is not None:
-            self.store = self.pages.grow_view(self, new_capacity).widened(self._slots_for(new_capacity))
-        else:
-            self.store = self._private_view(keys.shape[0], self._slots_for(new_capacity))
-        self.store.write(keys, values, kt)
-        self.positions = _pad_dim2(self.positions, self.store.capacity, -1)
-        self.host_slack = 0 if self.pages is None else self.pages.slack(self)
-        self._mark_static()
-
-    def _slots_for(self, needed: int) -> int:
-        """Slots per row of a store that must hold ``needed`` tokens: the capacity bucket that holds them
-        (``RocketKVConfig.capacity_buckets``; exact when bucketing is off), in whole KT pages. Buckets keep a
-        compiled decode step's shapes the same across prompt lengths and max_new_tokens."""
-        return self.config.bucket_capacity(needed, self.config.page_size)
-
-    def _headroom(self) -> int:
-        """Slots for tokens still to come: from generate()'s max_length when known (the tokens it will still feed
-        back; 0 when it generates one token), else the config's headroom (a stale hint of an earlier call too)."""
-        # a first prefill is eager and counts its tokens on the host: no read of the device counter (a sync)
-        seen = self.host_seen if not self.compressed and self._host_bookkeeping() else self.get_seq_length()
-        if self.hints.max_length is not None and self.hints.max_length >= seen:
-            return self.config.decode_headroom(self.hints.max_length - seen)
-        return self.config.decode_headroom(self.config.capacity_headroom)
-
-    # ------------------------------------------------------------------------------------------ stage 1
-    def observe_prefill(
-        self,
-        query_states: torch.Tensor,
-        row_start: torch.Tensor | None,
-        scaling: float,
-        valid: torch.Tensor | None = None,
-        host_row_start: list[int] | None = None,
-    ) -> None:
-        """Remember each row's last ``window_size`` real queries (stage 1's window) and its padding offset; feed the
-        policy's accumulation hook.
-
-        ``valid`` bool ``[B, n]`` marks the real tokens among this forward's queries (None = all): padding never
-        enters the window, so a row's window is the one it would have alone. Chunks of a chunked prefill add to the
-        window of the earlier ones. The padding offset comes from the latest chunk: its mask covers every column so
-        far, while an earlier chunk may lie entirely inside a row's left padding (such a chunk's offset is its own
-        length, which is still right for that chunk: every query and key in it is padding).
-
-        ``host_row_start``: ``row_start`` as Python ints when the caller has them (read once per forward), so that
-        stage 1 needs no host sync in this layer.
-        """
-        self.scaling = scaling
-        window = self.config.window_size
-        batch, n = query_states.shape[0], query_states.shape[2]
-        if valid is not None and self.compressed and hasattr(self.policy, "accumulate"):
-            raise NotImplementedError(
-                f"stage-1 policy {self.policy.name!r} accumulates attention over every query, which is not implemented "
-                f"for a batched later turn with padding between the turns: run those rows separately, or use a "
-                f"window-based policy (snapkv, streaming, knorm, random)."
-            )
-        chunk_queries = query_states.detach()
-        all_real = valid is None
-        if self.counters is not None and self.layer_idx == 0:
-            # prefill is eager: a sync is fine here (once per forward, and none without padding)
-            self.counters.computed_tokens += batch * n if all_real else int(valid.sum())
-        held_count = self.host_window_len if self.pending_queries is not None else [0] * batch
-        if all_real:
-            queries = chunk_queries[:, :, n - min(window, n):]  # every query is real: the last w, no ranking
-            count = torch.full((batch,), queries.shape[2], dtype=torch.long, device=query_states.device)
-        else:
-            queries, count = last_real_queries(chunk_queries, valid, window)
-        if self.pending_queries is not None:
-            held = self.pending_queries.shape[2]
-            device = query_states.device
-            held_valid = torch.arange(held, device=device)[None, :] >= (held - self.pending_valid)[:, None]
-            now_valid = torch.arange(queries.shape[2], device=device)[None, :] >= (queries.shape[2] - count)[:, None]
-            queries, count = last_real_queries(
-                torch.cat([self.pending_queries, queries], dim=2), torch.cat([held_valid, now_valid], dim=1), window
-            )
-        self.pending_queries, self.pending_valid = queries, count
-        real_counts = [n] * batch if all_real else self._host_real_queries(host_row_start, n)
-        self.host_window_len = ([min(window, held + real) for held, real in zip(held_count, real_counts)]
-                                if held_count is not None and real_counts is not None else None)
-        if row_start is not None or self.row_start is None:
-            self.row_start = row_start if row_start is not None else torch.zeros(batch, dtype=torch.long, device=self.device)
-            self.host_row_start = host_row_start if row_start is not None else [0] * batch
-        self._accumulate(chunk_queries, scaling)
-
-    def _host_real_queries(self, host_row_start: list[int] | None, n: int) -> list[int] | None:
-        """Real (non-padding) queries per row among a first prefill's latest ``n``, from the host padding offsets:
-        the queries are the dense store's last ``n`` columns, real from the row's offset on (None: unknown)."""
-        if host_row_start is None or self.compressed:
-            return None
-        first_query = self._keys.shape[2] - n
-        return [n - min(n, max(0, start - first_query)) for start in host_row_start]
-
-    def _accumulate(self, queries: torch.Tensor, scaling: float) -> None:
-        """Policies that score with every prefill query (H2O) accumulate here, once per forward."""
-        if not self.compressed:
-            self.observed_columns += queries.shape[2]
-        new_state = getattr(self.policy, "new_state", None)
-        if new_state is None:
-            return
-        if self.policy_state is None:
-            self.policy_state = new_state(self._keys.shape[0], self._keys.shape[1], self.device)
-            if self.policy_state is None:
-                return
-        start, end = self._stage1_bounds()
-        self.policy.accumulate(self.policy_state, queries, self._keys, start, end, scaling)
-
-    def _stage1_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's valid slots ``[start, end)``: after the padding while dense, ``[0, lengths)`` once compressed."""
-        if self.compressed:
-            return torch.zeros_like(self.lengths), self.lengths
-        return self.row_start, torch.full_like(self.row_start, self._keys.shape[2])
-
-    def _make_policy(self, window_scores_fn):
-        """The stage-1 policy of this layer's config. ``window_scores_fn`` is the backend's plain function (the Triton
-        twin on CUDA), never a bound method of the layer: the policy must not point back at the layer, so a dropped
-        cache frees its buffers at once instead of waiting for the garbage collector.
-
-        Stage 2's sink pages are the first pages of the compacted store, so the policy keeps each row's first
-        ``stage2_sink_tokens`` prompt tokens (``config.stage1_keep_first``); a later turn's stage 1 then keeps the
-        store's first slots, which hold those same tokens."""
-        return get_stage1_policy(
-            self.config.stage1,
-            kernel_size=self.config.kernel_size,
-            sink_tokens=self.config.sink_tokens,
-            window_scores_fn=window_scores_fn,
-            keep_first=self.config.stage1_keep_first,
-        )
-
-    def finish_prefill(self) -> None:
-        """Run the stage 1 that chunked prefill deferred (no-op when already compressed or never prefilled)."""
-        if not self.compressed and self.pending_queries is not None:
-            self.compress()
-
-    def compress(self) -> None:
-        """Stage 1: keep each row's best ``prompt_budget`` tokens per KV head (chosen by the configured policy),
-        write them into a fresh paged view, build the KT, release the rest."""
-        start, end = self._stage1_bounds()
-        columns = self.positions if self.compressed else None
-        if not self.compressed:
-            self._check_accumulation_covers_prompt()
-            if self.config.token_budget is not None:
-                self._resolve_token_budget()
-        inputs = Stage1Inputs(
-            self.pending_queries,
-            self._keys,
-            start,
-            end,
-            budget=self.config.prompt_budget,
-            scaling=self.scaling,
-            window_len=self.pending_valid,
-            state=self.policy_state,
-            host_rows=self._host_stage1_rows(),
-        )
-        kept = self._checked_layout(self.policy.select(inputs))
-        if not self.compressed:
-            self._store_prompt()
-        self._compact(kept, columns)
-        self.pending_queries = self.pending_valid = None
-        self.row_start = None
-        self.host_row_start = self.host_window_len = None
-        self.policy_state = None  # a later turn accumulates afresh
-        self.observed_columns = 0
-        if self.pages is not None:
-            self.pages.after_compaction(self)
-
-    def _host_stage1_rows(self) -> tuple[tuple[int, int, int], ...] | None:
-        """Stage 1's ``(start, end, w_b)`` per row from the host mirrors (a first prefill whose padding and window
-        counts are known on the host); None when some are only on the device (the policy reads them back)."""
-        if self.compressed or self.host_row_start is None or self.host_window_len is None:
-            return None
-        end = self._keys.shape[2]
-        return tuple((start, end, w) for start, w in zip(self.host_row_start, self.host_window_len))
-
-    def _store_prompt(self) -> None:
-        """A request's first stage 1: the prompt's real tokens go, whole, into the pages that keep them: the pool's
-        prompt pages (shareable prefix pages; keep_all's history) and, without a pool, keep_all's private history.
-        Pages a prefix hit shares with other requests are never written."""
-        keep_all = self.config.multi_turn == "keep_all"
-        pool_prompt = self.pages is not None and self.pages.wants_prompt_pages()
-        if not (keep_all or pool_prompt):
-            return
-        starts = self.host_row_start if self.host_row_start is not None else self.row_start.tolist()
-        keys, values, positions, counts = real_tokens_left_aligned(self._keys, self._values, starts)
-        if self.pages is not None:
-            store, fixed = self.pages.prompt_store(self)
-            if keep_all:  # the history is read by decode steps: bucket its table width too
-                store = store.widened(self._slots_for(store.capacity))
-        else:
-            needed = _round_up(max(counts) + self._headroom(), self.config.page_size)
-            store = self._private_history(keys.shape[0], self._slots_for(needed))
-            fixed = [0] * len(counts)
-        write_tokens(store, keys, values, fixed, counts)
-        if keep_all:
-            lengths = device_tensor(counts, torch.long, self.device)
-            self.history = History(store, _fit_dim2(positions, store.capacity, -1), lengths, max(counts), fixed,
-                                   self._slack_of(store, counts))
-
-    def _checked_layout(self, kept: list[KeptSlots]) -> list[KeptSlots]:
-        """The policy's selection, refused when a policy that does not declare ``per_head_budgets`` gave a row's
-        heads different counts (the layout, one length per row, was fixed by that declaration)."""
-        if not self.per_head_lengths and not all(row.uniform for row in kept):
-            raise ValueError(UNDECLARED_PER_HEAD_COUNTS.format(name=self.policy.name))
-        return kept
-
-    def _check_accumulation_covers_prompt(self) -> None:
-        """An accumulating policy (H2O) scores with every prompt query: refuse a store that was partly written
-        without passing through the attention (e.g. a prefix stored with ``Cache.update``), instead of scoring
-        with part of the prompt."""
-        if self.policy_state is not None and self.observed_columns != self._keys.shape[2]:
-            raise ValueError(
-                f"stage-1 policy {self.policy.name!r} accumulates attention over every prompt query, but only "
-                f"{self.observed_columns} of the {self._keys.shape[2]} stored columns passed through the rocketkv "
-                f"attention (the rest were written to the cache directly). Prefill the whole prompt through the model."
-            )
-
-    def _resolve_token_budget(self) -> None:
-        """token_budget mode: derive this request's prompt_budget, topk, page_size and topr, once, before its first
-        stage 1 (later turns keep them: the KT pages are laid out with this page size).
-
-        The prompt length is the dense store's width, i.e. the longest row of the padded batch: every layer and every
-        row group of a row-group prefill sees the same width, so they all derive the same page size. prompt_budget
-        is raised to window_size when the formula gives less (the observation window is always kept).
-        """
-        prompt_len = self._keys.shape[2]
-        max_new = max(self.hints.max_length - prompt_len, 0) if self.hints.max_length is not None else 0
-        derived = derive_budgets(prompt_len, max_new, self.config.token_budget, self._keys.shape[3])
-        self.config = self.config.replace(
-            prompt_budget=max(derived.prompt_budget, self.config.window_size),
-            topk=derived.topk,
-            page_size=derived.page_size,
-            topr=derived.topr,
-        )
-
-    def _compact(self, kept: list[KeptSlots], columns: torch.Tensor | None) -> None:
-        """Gather the kept slots of every row, write them into a fresh paged view with their KT and positions
-        (``ops.paged_compact_row``: one launch per row on the Triton backend); the dense store (or the working set)
-        and the previous view are released. Per-head budgets (``per_head_lengths``): each row is as wide as its
-        longest head, head h keeps ``counts[h]`` slots and ``lengths`` becomes ``[B, Hkv]``."""
-        batch, heads, _, dim = self._keys.shape
-        head_counts = [row.counts.to(self.device, torch.long) for row in kept] if self.per_head_lengths else None
-        counts = [row.slots.shape[1] for row in kept]  # the longest head of each row (host ints: no sync)
-        needed = _round_up(max(max(counts), 1) + self._headroom(), self.config.page_size)
-        if self.pages is not None:  # the pool's pages hold what the request needs; only the table is bucketed
-            store = self.pages.view_store(self, counts, needed - max(max(counts), 1))
-            store = store.widened(self._slots_for(store.capacity))
-        else:
-            store = self._private_view(batch, self._slots_for(needed))
-        positions = torch.empty((batch, heads, store.capacity), dtype=torch.int32, device=self.device)
-        for b, row in enumerate(kept):  # one launch per row on the Triton backend (kernels/compact.py)
-            self.ops.paged_compact_row(
-                self._keys[b], self._values[b], row.slots, columns[b] if columns is not None else None, store.k,
-                store.v, store.kt, store.table[b], store.row_pages[b], positions[b], self.config.page_size,
-                k_scale=store.k_scale, v_scale=store.v_scale,
-                counts=head_counts[b] if head_counts is not None else None,
-            )
-        if head_counts is not None:
-            self.lengths = torch.stack(head_counts)  # [B, Hkv]
-        else:
-            self.lengths = filled(batch, counts, torch.long, self.device)  # no pageable copy (a sync) per layer
-        self.store, self.positions = store, positions
-        self._keys = self._values = None
-        self.host_max_length = max(counts)
-        rooms = [c - n for c, n in zip(store.row_capacity(), counts)]
-        self.host_slack = store.capacity - self.host_max_length - min(rooms)
-        self.host_decoded = 0
-        self._start_decode_region()
-        if not self.compressed:
-            self.key_handle = torch.empty((batch, heads, 0, dim), dtype=self.dtype, device=self.device)
-            self.value_handle = torch.empty_like(self.key_handle)
-        self.compressed = True
-        self._mark_static()
-
-    def _private_view(self, batch: int, capacity: int) -> PagedStore:
-        """A store of this layer's own for ``capacity`` slots per row (pages of one KT page each, so the capacity is
-        exactly what the layer asked for)."""
-        page = self.config.page_size
-        return private_store(batch, ceil_div(capacity, page), self.num_kv_heads, page, self.head_dim, self.dtype,
-                             self.device, page, self.config.kt_torch_dtype)
-
-    @staticmethod
-    def stack_rows(parts: list["RocketKVLayer"], new_layer) -> "RocketKVLayer":
-        """One compressed layer holding the rows of ``parts`` in order (row-group prefill, then batched decode).
-
-        ``new_layer()`` makes the empty layer to fill: the adopting cache's own layer factory, so the stacked layer
-        keeps its kind (stage-1 policy) and shares that cache's hints and pages. The parts saw the same input
-        columns (one padded batch), so they share ``seen``; capacities may differ (rows shorter than the budget
-        keep fewer tokens), so every part is padded with empty slots to the largest. Private stores are copied
-        into one store; pool-backed views only concatenate their tables.
-        """
-        first = parts[0]
-        if not all(part.compressed for part in parts):
-            raise RuntimeError("RocketKVLayer.stack_rows needs compressed layers (stage 1 done on every row group)")
-        layer = new_layer()
-        layer.config = first.config  # the parts' effective config (token_budget mode derives it per request)
-        layer.dtype, layer.device, layer.ops, layer.scaling = first.dtype, first.device, first.ops, first.scaling
-        layer.num_kv_heads, layer.head_dim = first.num_kv_heads, first.head_dim
-        layer.policy = first.policy
-        if layer.pages is not None:
-            layer.store = layer.pages.stacked_view(layer, [part.store for part in parts]).widened(
-                max(part.capacity for part in parts))  # the parts' (bucketed) table width
-        else:
-            capacity = max(part.capacity for part in parts)
-            gathered = [part.store.gather() for part in parts]
-            kts = [part.store.gather_kt() for part in parts]
-            layer.store = layer._private_view(sum(part.batch_size for part in parts), capacity)
-            layer.store.write(torch.cat([_pad_dim2(k, capacity, 0) for k, _ in gathered]),
-                              torch.cat([_pad_dim2(v, capacity, 0) for _, v in gathered]),
-                              torch.cat([_pad_dim2(kt, capacity // first.config.page_size, 0) for kt in kts]))
-        layer.positions = torch.cat([_pad_dim2(part.positions, layer.store.capacity, -1) for part in parts])
-        layer.lengths = torch.cat([part.lengths for part in parts])
-        layer.seen = first.seen.clone()
-        layer.host_seen = first.host_seen
-        layer.host_max_length = max(part.host_max_length for part in parts)
-        layer._start_decode_region(num_q_heads=first.decode_queries.shape[1] if first.decode_queries is not None
-                                   else None)
-        # every row of a stacked private store is as wide as the store; pool-backed rows keep their own pages
-        layer.host_slack = 0 if layer.pages is None else layer.store.capacity - layer.host_max_length - min(
-            part.decode_room() for part in parts)
-        if first.history is not None:
-            layer.history = RocketKVLayer._stack_histories(layer, [part.history for part in parts])
-        batch = layer.lengths.shape[0]
-        layer.key_handle = torch.empty((batch, layer.num_kv_heads, 0, layer.head_dim), dtype=layer.dtype,
-                                       device=layer.device)
-        layer.value_handle = torch.empty_like(layer.key_handle)
-        layer.compressed = layer.is_initialized = True
-        layer._mark_static()
-        return layer
-
-    @staticmethod
-    def _stack_histories(layer: "RocketKVLayer", parts: list[History]) -> History:
-        """keep_all: the row groups' histories as one (private stores copied, pool-backed ones re-tabled)."""
-        lengths = torch.cat([h.lengths for h in parts])
-        counts = lengths.tolist()
-        if layer.pages is not None:
-            store = layer.pages.history_store(layer, 0).widened(max(h.store.capacity for h in parts))
-        else:
-            capacity = max(h.store.capacity for h in parts)
-            store = layer._private_history(len(counts), capacity)
-            gathered = [h.store.gather() for h in parts]
-            store.write(torch.cat([_pad_dim2(k, capacity, 0) for k, _ in gathered]),
-                        torch.cat([_pad_dim2(v, capacity, 0) for _, v in gathered]))
-        positions = torch.cat([_fit_dim2(h.positions, store.capacity, -1) for h in parts])
-        fixed = [f for h in parts for f in h.fixed]
-        return History(store, positions, lengths, max(counts), fixed, layer._slack_of(store, counts))
-
-    def _mark_static(self) -> None:
+    def mark_static(self) -> None:
         """Fixed addresses for CUDA graphs: decode mutates these tensors in place and never reallocates them."""
         if torch.compiler.is_compiling():
             return
         self._tag_keys()
         store, history = self.store, self.history
         tensors = [store.k, store.v, store.kt, store.k_scale, store.v_scale, store.table, self.positions, self.lengths,
-                   self.seen, self.key_handle, self.value_handle, self.gen_start, self.decode_queries]
+                   self.seen, self.key_handle, self.value_handle, *self.generated.tensors()]
         if history is not None:
             tensors += [history.store.k, history.store.v, history.store.k_scale, history.store.v_scale,
                         history.store.table, history.positions, history.lengths]
@@ -1035,112 +315,75 @@ class RocketKVLayer(CacheLayerMixin):
             if tensor is not None:
                 torch._dynamo.mark_static_address(tensor)
 
-    # ------------------------------------------------------------------------------------------ generate hooks
-    def _index_batch(self, index: torch.Tensor, in_place: bool = False) -> None:
-        """Rows ``index`` of every per-row tensor. Dense: plain indexing. Compressed: the view's rows are gathered
-        from their pages, indexed and written back (beam search reorders every step: in place, fixed addresses);
-        a private view takes a new store when the batch size changes."""
-        index = index.to(self.device)
-        self.host_row_start = self.host_window_len = None  # rows reordered: the host mirrors are stale
-        for name in ("_keys", "_values", "positions", "lengths", "pending_queries", "pending_valid", "row_start",
-                     "gen_start", "decode_queries"):
-            tensor = getattr(self, name)
-            if tensor is None:
-                continue
-            selected = tensor.index_select(0, index.to(tensor.device))
-            if in_place and self.compressed and tensor.shape == selected.shape:
-                tensor.copy_(selected)  # keep the buffers' addresses
-            else:
-                setattr(self, name, selected)
-        if self.compressed:
-            keys, values = self.store.gather()
-            kt = self.store.gather_kt()
-            keys, values, kt = keys.index_select(0, index), values.index_select(0, index), kt.index_select(0, index)
-            if not (in_place and index.shape[0] == self.store.batch):
-                if self.pages is not None:
-                    raise NotImplementedError(
-                        "RocketKVCache with a pool cannot change its batch size after prefill "
-                        "(batch_repeat_interleave / batch_select_indices); expand the inputs before prefill"
-                    )
-                self.store = self._private_view(index.shape[0], self.store.capacity)
-                batch = index.shape[0]
-                self.key_handle = torch.empty((batch, self.num_kv_heads, 0, self.head_dim), dtype=self.dtype,
-                                              device=self.device)
-                self.value_handle = torch.empty_like(self.key_handle)
-            self.store.write(keys, values, kt)
-            if self.history is not None:
-                self._index_history(index, in_place)
-            self._mark_static()
-        else:
-            self._tag_keys()
+    # ------------------------------------------------------------------------------------------ stage 1
+    def observe_prefill(self, query_states: torch.Tensor, row_start: torch.Tensor | None, scaling: float,
+                        valid: torch.Tensor | None = None, host_row_start: list[int] | None = None) -> None:
+        """Remember each row's last ``window_size`` real queries ``[B, Hq, n, D]`` (``valid`` bool ``[B, n]``: the real
+        ones, None = all) and its padding offset ``row_start`` ``[B]`` (``host_row_start``: the same as Python ints);
+        feed the policy's accumulation hook (``Stage1.observe``)."""
+        self.scaling = scaling
+        self.stage1.observe(self, query_states, row_start, scaling, valid, host_row_start)
 
-    def _index_history(self, index: torch.Tensor, in_place: bool) -> None:
-        """keep_all: rows ``index`` of the history. Slots in pages a prefix shares (``fixed``) are never rewritten:
-        beams of one prompt hold the same prompt there."""
-        history = self.history
-        keys, values = history.store.gather()
-        keys, values = keys.index_select(0, index), values.index_select(0, index)
-        positions, lengths = history.positions.index_select(0, index), history.lengths.index_select(0, index)
-        if in_place and index.shape[0] == history.store.batch:
-            history.positions.copy_(positions)
-            history.lengths.copy_(lengths)
-        else:
-            history.store = self._private_history(index.shape[0], history.store.capacity)
-            history.positions, history.lengths = positions, lengths
-            history.fixed = [0] * index.shape[0]
-        counts = history.lengths.tolist()
-        write_tokens(history.store, keys, values, [min(f, n) for f, n in zip(history.fixed, counts)], counts)
+    def finish_prefill(self) -> None:
+        """Run the stage 1 that chunked prefill deferred (no-op when already compressed or never prefilled)."""
+        if not self.compressed and self.stage1.pending_queries is not None:
+            self.compress()
+
+    def compress(self) -> None:
+        """Stage 1: keep each row's best ``prompt_budget`` tokens per KV head in a fresh view, release the rest."""
+        self.stage1.run(self)
+
+    # ------------------------------------------------------------------------------------------ later turn
+    def store_new_tokens(self, valid: torch.Tensor | None) -> None:
+        """The later turn's tokens staged by ``update``, padding skipped (``valid`` bool ``[B, n]``), into the
+        working set (``working_set.py``)."""
+        working_set.store_new_tokens(self, valid)
+
+    def attend_later_turn(self, query: torch.Tensor, scaling: float,
+                          valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Exact attention of a later turn's queries ``[B, Hq, n, D]`` over the working set -> ``[B, n, Hq, D]``."""
+        return working_set.attend_working_set(self, query, scaling, valid)
+
+    # ------------------------------------------------------------------------------------------ decode
+    def attend_decode(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Stage 2 of a decode step (``stage2.py``): ``query`` ``[B, Hq, 1, D]`` -> ``[B, 1, Hq, D]``."""
+        return stage2.decode_attention(self, query, scaling)
+
+    def record_decode_query(self, query: torch.Tensor) -> None:
+        """Decode attention: push this step's query ``[B, Hq, 1, D]`` into decode-time compression's ring buffer."""
+        self.generated.record(query)
+
+    def maybe_compress_decode(self) -> bool:
+        """Before a decode step stores its token (eager steps, and the compiled / graphed runners between steps):
+        compress the generated tokens when due; whether it ran."""
+        return self.generated.maybe_compress(self)
+
+    def compress_decode(self) -> None:
+        """Keep ``decode_budget`` generated tokens per row and KV head, in place (``GeneratedTokens.compress``)."""
+        self.generated.compress(self)
+
+    # ------------------------------------------------------------------------------------------ rows
+    @staticmethod
+    def stack_rows(parts: list["RocketKVLayer"], new_layer) -> "RocketKVLayer":
+        """One compressed layer holding the rows of ``parts`` in order; ``new_layer()`` makes the layer to fill."""
+        return row_stacking.stack_rows(parts, new_layer)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
-            self._index_batch(beam_idx, in_place=True)
+            row_index.index_rows(self, beam_idx, in_place=True)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
-            self._index_batch(torch.arange(self.batch_size, device=self.device).repeat_interleave(repeats))
+            row_index.index_rows(self, torch.arange(self.batch_size, device=self.device).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
-            self._index_batch(indices)
+            row_index.index_rows(self, indices)
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last ``-tokens_to_remove`` decoded tokens, restoring the state before those decode steps.
-
-        generate()'s deferred stop check (``deferred_stop_check``) runs one decode step past an EOS stop and undoes it
-        with ``crop(-1)``; ``crop(0)`` is a no-op. Evicted prompt tokens cannot come back, so a positive value (the
-        legacy absolute length), more tokens than were decoded since stage 1, or a dense layer raise.
-        """
-        if tokens_to_remove > 0:
-            raise NotImplementedError(CROP_UNSUPPORTED)
-        if tokens_to_remove == 0 or not self.is_initialized:
-            return
-        count = -tokens_to_remove
-        if not self.compressed or count > self.host_decoded:
-            raise NotImplementedError(CROP_UNSUPPORTED)
-        keys, values = self.store.gather()
-        rows = torch.arange(keys.shape[0], device=self.device)[:, None]
-        heads = torch.arange(keys.shape[1], device=self.device)[None, :]
-        for _ in range(count):
-            self.lengths.sub_(1)
-            slot = per_head(self.lengths, keys.shape[0], keys.shape[1])  # [B, Hkv]
-            keys[rows, heads, slot] = 0
-            values[rows, heads, slot] = 0
-            self.positions[rows, heads, slot] = -1
-        # a page's min/max cannot be un-folded: rebuild the summaries of what is left (written into the same pages)
-        kt = self.ops.build_kt(keys, self.lengths, self.config.page_size, self.config.kt_torch_dtype)
-        self.store.write(keys, values, kt)
-        self.seen.sub_(count)
-        self.host_seen -= count
-        self.host_max_length -= count
-        self.host_decoded -= count
-        self.host_generated -= count  # (decode_queries keeps the removed steps' queries: only the scoring sees them)
-        history = self.history
-        if history is not None:  # the decoded tokens leave the history too (their K/V past the length is never read)
-            rows = torch.arange(history.lengths.shape[0], device=self.device)
-            for _ in range(count):
-                history.lengths.sub_(1)
-                history.positions[rows, :, history.lengths] = -1
-            history.host_max_length -= count
+        """Remove the last ``-tokens_to_remove`` decoded tokens (``crop(-1)``: the deferred stop check's extra step);
+        anything else raises (``row_index.crop``)."""
+        row_index.crop(self, tokens_to_remove)
 
     def offload(self):
         raise NotImplementedError("RocketKVCache does not support offloading=True")

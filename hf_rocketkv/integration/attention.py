@@ -1,10 +1,12 @@
 """The ``rocketkv`` attention function registered with transformers' AttentionInterface.
 
-generate -> attention module -> ``cache.update`` (stores the tokens) -> ``rocketkv_attention`` (this file):
-    dense layer (prefill)  exact causal attention over the whole prompt, then stage 1 evicts (cache layer)
-    compressed, 1 query    stage 2: score KT pages, take the top-k, exact attention over their tokens
-    compressed, n queries  a later turn: store the new real tokens, exact attention over the kept tokens + the new
-                           ones, then stage 1 again
+generate -> attention module -> ``cache.update`` (stores the tokens) -> ``rocketkv_attention`` (this file), which
+routes by the layer's state and keeps what faces transformers (the mask, sdpa, the kwargs it refuses):
+    dense layer (prefill)  exact causal attention over the whole prompt here, then stage 1 evicts (cache layer)
+    compressed, 1 query    stage 2, the layer's ``attend_decode`` (cache/stage2.py): score KT pages, take the
+                           top-k, exact attention over their tokens
+    compressed, n queries  a later turn: the layer stores the new real tokens and attends over the kept tokens + the
+                           new ones (``attend_later_turn``, cache/working_set.py), then stage 1 again
 The layer of this call is found from ``key`` itself: it is the buffer the layer's ``update()`` returned, tagged
 with a weak reference to that layer (``layer_of``; docs/seam.md). Without a RocketKVCache (a plain forward with the
 model's own DynamicCache, ``use_cache=False``) it is exactly transformers' sdpa attention.
@@ -20,11 +22,13 @@ from torch.backends.cuda import SDPAParams, can_use_flash_attention
 from torch.nn.attention.bias import causal_lower_right
 
 from ..cache.layer import RocketKVLayer, layer_of
-from ..cache.op_graphs import buffers_key
 from .compat import sdpa_attention_forward
-from ..policies.stage2 import every_page
 
 UNSUPPORTED_KWARGS = ("sliding_window", "softcap", "s_aux")
+
+# stage 2 of a decode step, as ``decode_attention(layer, query, scaling)``: the name hf_rocketkv/bench/decode.py and
+# benchmarks/bench_prefix_reuse.py import (the work is the layer's: ``RocketKVLayer.attend_decode``, cache/stage2.py)
+decode_attention = RocketKVLayer.attend_decode
 
 
 def rocketkv_attention(
@@ -57,10 +61,10 @@ def rocketkv_attention(
             layer.compress()
         return out, None
     if query.shape[2] == 1:
-        return decode_attention(layer, query, scaling), None
+        return layer.attend_decode(query, scaling), None
     valid = new_token_validity(attention_mask, query.shape[2])
     layer.store_new_tokens(valid)
-    out = continuation_attention(layer, query, scaling, valid)
+    out = layer.attend_later_turn(query, scaling, valid)
     layer.observe_prefill(query, None, scaling, valid=valid)
     if not layer.hints.defer_compression:
         layer.compress()
@@ -224,63 +228,3 @@ def new_token_validity(attention_mask: torch.Tensor | None, n: int) -> torch.Ten
             "tokenizer.padding_side='left'."
         )
     return None if bool(valid.all()) else valid
-
-
-def decode_attention(layer: RocketKVLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Stage 2 for one new token per row: top-k KT pages per KV head, exact attention over their tokens, both read
-    from the layer's pages through its block table. Eager steps on CUDA run both through the layer's "attention"
-    OpGraph (``RocketKVLayer.eager_graphs``, ``cache/op_graphs.py``)."""
-    batch, num_q_heads, _, head_dim = query.shape
-    num_kv_heads = layer.num_kv_heads
-    q = query.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # a view for decode layouts
-    if layer.eager_graphs():
-        store = layer.store
-        key = buffers_key(store.kt, store.k, store.v, store.table, layer.lengths, store.k_scale, store.v_scale)
-        out = layer.op_graphs["attention"](key + (scaling,), lambda q_: stage2_attention(layer, q_, scaling), q,
-                                           hints=layer.hints)
-    else:
-        out = stage2_attention(layer, q, scaling)
-    layer.record_decode_query(query)  # decode-time compression's scoring window (no-op when it is off)
-    # [B, Hkv, G, D] -> [B, 1, Hq, D]: the size-1 axes make this transpose a contiguous view
-    return out.reshape(batch, num_q_heads, 1, head_dim).transpose(1, 2)
-
-
-def stage2_attention(layer: RocketKVLayer, q: torch.Tensor, scaling: float) -> torch.Tensor:
-    """The launches of a decode step's stage 2: ``q`` [B, Hkv, G, D] -> attention output [B, Hkv, G, D]."""
-    num_kv_heads = layer.num_kv_heads
-    config, ops, store = layer.config, layer.ops, layer.store
-    if config.stage2 == "none":  # stage 1 only: every kept page, no scoring
-        page_idx, page_valid = every_page(layer.lengths, num_kv_heads, store.capacity // config.page_size,
-                                          config.page_size)
-    else:
-        # top_pages derives the page counts from the token counts itself (no num_pages launches) and, in Triton,
-        # selects from the scoring pass's logits without writing the page probabilities; the sink and recent pages
-        # (stage2_sink_tokens / stage2_recent_tokens, Python ints) are forced in, inside the topk
-        sink_pages, recent_pages = config.stage2_forced_pages
-        page_idx, page_valid = ops.paged_top_pages(q, store.kt, store.table, layer.lengths, config.page_size,
-                                                   config.topr, config.topk, sink_pages=sink_pages,
-                                                   recent_pages=recent_pages,
-                                                   per_head_bound=config.stage2_per_head_bound)
-    return ops.paged_sparse_decode_attention(
-        q, store.k, store.v, store.table, page_idx, page_valid, layer.lengths, config.page_size, scaling,
-        k_scale=store.k_scale, v_scale=store.v_scale
-    )
-
-
-def continuation_attention(
-    layer: RocketKVLayer, query: torch.Tensor, scaling: float, valid: torch.Tensor | None = None
-) -> torch.Tensor:
-    """n new tokens on a compressed layer (stored already): each real one sees every kept token and the real new
-    tokens up to itself. ``valid`` bool [B, n] marks the real tokens (None: all)."""
-    n = query.shape[2]
-    keys, values = layer.keys, layer.values  # the later turn's contiguous working set (RocketKVLayer.store_new_tokens)
-    slot = torch.arange(keys.shape[2], device=query.device)
-    # Row b stored its m_b real new tokens last, in order; the r-th real one (r = 0, 1, ...) sits at slot
-    # lengths - m_b + r and sees every slot up to it. A padding query sees the real tokens before it: its output is
-    # never used, and it always has at least one visible slot, so it is not NaN.
-    real = torch.ones(query.shape[0], n, dtype=torch.long, device=query.device) if valid is None else valid.long()
-    seen_real = real.cumsum(dim=1)  # [B, n] real new tokens up to and including each query
-    limit = ((layer.lengths - real.sum(dim=1))[:, None] + seen_real - 1).clamp(min=0)  # [B, n]
-    mask = slot[None, None, :] <= limit[:, :, None]
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask[:, None], scale=scaling, enable_gqa=True)
-    return out.transpose(1, 2).contiguous()

@@ -23,7 +23,7 @@ def test_a_prefill_launches_one_compaction_kernel_per_layer_and_few_others():
     per_function = report["per_function"]
     layers = report["layers"]
     assert per_function.get("kernels.compact.paged_compact_row_triton") == layers  # one row: one launch per layer
-    assert "cache.layer.RocketKVLayer._compact" not in per_function  # no zero fills, gathers or copies of its own
+    assert "cache.compaction.compact" not in per_function  # no zero fills, gathers or copies of its own
     assert "kernels.paged.scatter_pages" not in per_function
     ours = {where: n for where, n in per_function.items() if not where.startswith(NOT_ROCKETKV)}
     assert sum(ours.values()) / layers <= ROCKETKV_LAUNCHES_PER_LAYER, ours

@@ -23,8 +23,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from hf_rocketkv import KVBlockPool, RocketKVCache
-from hf_rocketkv.integration import attention as rocket_attention
+from hf_rocketkv import KVBlockPool, RocketKVCache, RocketKVLayer
 from hf_rocketkv.policies import AdaKVPolicy, KeptSlots, ScorerPolicy
 from tests.helpers import compressing_config, greedy, left_pad, make_models, random_ids
 from tests.test_generate import teacher_forced_logits
@@ -278,14 +277,14 @@ def test_decode_compression_keeps_each_heads_prompt_and_bounds_its_generated_tok
     assert any(c[0] != c[1] for c in prompt_counts)
 
     generated_per_step = {layer_idx: [] for layer_idx in range(layers)}
-    original = rocket_attention.decode_attention
+    original = RocketKVLayer.attend_decode
 
     def recording(layer, query, scaling):
         kept = layer.kept_tokens()[0].tolist()
         generated_per_step[layer.layer_idx].append([n - c for n, c in zip(kept, prompt_counts[layer.layer_idx])])
         return original(layer, query, scaling)
 
-    monkeypatch.setattr(rocket_attention, "decode_attention", recording)
+    monkeypatch.setattr(RocketKVLayer, "attend_decode", recording)
     cache = RocketKVCache(config)
     greedy(rocket, ids, max_new_tokens=new, past_key_values=cache)
 

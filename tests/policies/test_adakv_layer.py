@@ -15,7 +15,6 @@ import torch
 
 from hf_rocketkv import RocketKVConfig, RocketKVLayer
 from hf_rocketkv.cache.layer import GenerationHints
-from hf_rocketkv.integration.attention import decode_attention
 from hf_rocketkv.policies import AdaKVPolicy, ScorerPolicy
 from hf_rocketkv.policies.decode_compression import decode_keep_slots
 
@@ -147,7 +146,7 @@ def test_decode_attends_each_heads_own_tokens(stage2):
                 slot = int(before[b, h]) + step
                 assert torch.equal(layer.keys[b, h, slot], k[b, h, 0]) and int(layer.positions[b, h, slot]) == 30 + step
         query = torch.randn(2, HKV * G, 1, D, generator=g)
-        out = decode_attention(layer, query, D**-0.5)
+        out = layer.attend_decode(query, D**-0.5)
         q = query.reshape(2, HKV, G, D)
         torch.testing.assert_close(out.transpose(1, 2).reshape(q.shape).double(), per_head_attention(layer, q, D**-0.5),
                                    rtol=1e-5, atol=1e-5)
@@ -177,7 +176,7 @@ def test_sparse_decode_picks_the_oracle_pages_of_each_head():
     layer = prefilled(adakv_config(topk=2, topr=4), case(3))
     layer.update(torch.randn(2, HKV, 1, D), torch.randn(2, HKV, 1, D))
     query = torch.randn(2, HKV * G, 1, D, generator=torch.Generator().manual_seed(9))
-    out = decode_attention(layer, query, D**-0.5)
+    out = layer.attend_decode(query, D**-0.5)
     q = query.reshape(2, HKV, G, D)
     page_idx, valid = brute_force_pages_per_head(q, layer.kt, layer.lengths, 2, 4, 2)
     assert bool((valid.sum(-1) == 2).all())
@@ -227,7 +226,7 @@ def test_decode_compression_in_the_layer_keeps_each_heads_prompt():
     counts = layer.lengths.clone()
     for step in range(12):
         layer.update(torch.randn(2, HKV, 1, D), torch.randn(2, HKV, 1, D))
-        decode_attention(layer, torch.randn(2, HKV * G, 1, D), D**-0.5)
+        layer.attend_decode(torch.randn(2, HKV * G, 1, D), D**-0.5)
         generated = layer.lengths - counts
         assert bool((generated == generated[0, 0]).all()) and int(generated[0, 0]) <= 4 + 3
         for b in range(2):
@@ -255,7 +254,7 @@ def test_triton_backend_equals_torch_backend():
         outs = []
         for layer in layers:
             layer.update(k, v)
-            outs.append(decode_attention(layer, query, dim**-0.5))
+            outs.append(layer.attend_decode(query, dim**-0.5))
         torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
     torch_layer, triton_layer = layers
     for name in ("lengths", "positions", "keys", "values", "kt"):

@@ -95,9 +95,9 @@ def test_layer_h2o_accumulates_every_prefill_chunk(cuts):
     case = dense_case(4)
     layer = RocketKVLayer(layer_config(stage1="h2o"), GenerationHints(max_length=34))
     prefill_chunks(layer, case, cuts)
-    assert layer.policy_state.queries_seen == 30
+    assert layer.stage1.policy_state.queries_seen == 30
     layer.compress()
-    assert layer.policy_state is None
+    assert layer.stage1.policy_state is None
     for b, heads in enumerate(kept_positions(layer)):
         reference = oracle.prefix_of(case, b, oracle.h2o_scores(case, b))
         for h, slots in enumerate(heads):
@@ -129,7 +129,7 @@ def test_layer_later_turn_with_h2o_uses_that_turns_queries():
     layer.update(new_keys, new_keys)  # a later turn of 5 tokens on the compressed layer (staged by update)
     layer.store_new_tokens(None)  # stored by the attention function once it knows the padding (none here)
     layer.observe_prefill(torch.randn(2, HKV * G, 5, D), None, D**-0.5)
-    assert layer.policy_state.queries_seen == 5
+    assert layer.stage1.policy_state.queries_seen == 5
     layer.compress()
     assert layer.lengths.tolist() == [10, 10]
     for heads in kept_positions(layer):

@@ -1,0 +1,41 @@
+"""The check that every layer of a cache saw the same forwards: keys that no ``rocketkv`` attention call consumed, or
+an earlier forward interrupted half-way, are refused before a new forward writes anything."""
+
+from __future__ import annotations
+
+INTERRUPTED_FORWARD = (
+    "RocketKVCache: its layers have seen different numbers of tokens ({detail}): an earlier forward on this cache "
+    "was interrupted (an exception), which leaves it inconsistent. Start again with a fresh RocketKVCache."
+)
+
+UNCONSUMED_KEYS = (
+    "RocketKVCache: a layer stored keys that no 'rocketkv' attention call consumed. Either the model's attention is "
+    "not 'rocketkv' (enable it with `hf_rocketkv.enable(model)` or `from_pretrained(..., attn_implementation="
+    "'rocketkv')`), or an earlier forward on this cache was interrupted by an exception, which leaves it "
+    "inconsistent: start again with a fresh RocketKVCache."
+)
+
+
+def check_layers_consistent(layers: list, layer_idx: int, query_length: int) -> None:
+    """Raise if an earlier forward left these layers half-updated, or their keys were never consumed.
+
+    Each layer counts on the host the tokens it stored (eager updates; compiled steps skip every layer alike), so at
+    layer 0 all layers agree, and at layer i > 0 layer i is exactly this forward's tokens behind layer 0. Shared by
+    ``RocketKVCache`` and ``BatchedDecodeCache`` (one batch of several requests' rows).
+    """
+    for index in (layer_idx - 1, layer_idx):
+        if 0 <= index < len(layers) and layers[index].awaiting_attention:
+            raise RuntimeError(UNCONSUMED_KEYS)
+    if not layers:
+        return
+    reference = layers[0].host_seen
+    if layer_idx == 0:
+        counts = [layer.host_seen for layer in layers]
+        if len(set(counts)) > 1:
+            raise RuntimeError(INTERRUPTED_FORWARD.format(detail=f"per layer: {counts}"))
+        return
+    seen = layers[layer_idx].host_seen if layer_idx < len(layers) else 0
+    if seen + query_length != reference:
+        raise RuntimeError(
+            INTERRUPTED_FORWARD.format(detail=f"layer {layer_idx}: {seen}, layer 0: {reference - query_length}")
+        )

@@ -1,0 +1,55 @@
+"""Stage 2 of a decode step on a compressed layer: score its KT pages, take the top-k per KV head, exact attention
+over their tokens, all read from the layer's pages through its block table.
+
+Shapes (B batch, Hq query heads, Hkv KV heads, G = Hq / Hkv, D head_dim): the step's query ``[B, Hq, 1, D]`` is
+viewed as ``q`` ``[B, Hkv, G, D]`` (query head h reads KV head ``h // G``); the output ``[B, Hkv, G, D]`` is returned
+to the attention function as ``[B, 1, Hq, D]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..policies.stage2 import every_page
+from .op_graphs import buffers_key
+
+
+def decode_attention(layer, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``RocketKVLayer.attend_decode``: stage 2 for one new token per row, ``query`` ``[B, Hq, 1, D]`` ->
+    ``[B, 1, Hq, D]``. Eager steps on CUDA run the launches through the layer's "attention" OpGraph
+    (``RocketKVLayer.eager_graphs``, ``cache/op_graphs.py``); the query then joins decode-time compression's window."""
+    batch, num_q_heads, _, head_dim = query.shape
+    num_kv_heads = layer.num_kv_heads
+    q = query.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # a view for decode layouts
+    if layer.eager_graphs():
+        store = layer.store
+        key = buffers_key(store.kt, store.k, store.v, store.table, layer.lengths, store.k_scale, store.v_scale)
+        out = layer.op_graphs["attention"](key + (scaling,), lambda q_: stage2_attention(layer, q_, scaling), q,
+                                           hints=layer.hints)
+    else:
+        out = stage2_attention(layer, q, scaling)
+    layer.record_decode_query(query)  # decode-time compression's scoring window (no-op when it is off)
+    # [B, Hkv, G, D] -> [B, 1, Hq, D]: the size-1 axes make this transpose a contiguous view
+    return out.reshape(batch, num_q_heads, 1, head_dim).transpose(1, 2)
+
+
+def stage2_attention(layer, q: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The launches of a decode step's stage 2: ``q`` [B, Hkv, G, D] -> attention output [B, Hkv, G, D]."""
+    num_kv_heads = layer.num_kv_heads
+    config, ops, store = layer.config, layer.ops, layer.store
+    if config.stage2 == "none":  # stage 1 only: every kept page, no scoring
+        page_idx, page_valid = every_page(layer.lengths, num_kv_heads, store.capacity // config.page_size,
+                                          config.page_size)
+    else:
+        # top_pages derives the page counts from the token counts itself (no num_pages launches) and, in Triton,
+        # selects from the scoring pass's logits without writing the page probabilities; the sink and recent pages
+        # (stage2_sink_tokens / stage2_recent_tokens, Python ints) are forced in, inside the topk
+        sink_pages, recent_pages = config.stage2_forced_pages
+        page_idx, page_valid = ops.paged_top_pages(q, store.kt, store.table, layer.lengths, config.page_size,
+                                                   config.topr, config.topk, sink_pages=sink_pages,
+                                                   recent_pages=recent_pages,
+                                                   per_head_bound=config.stage2_per_head_bound)
+    return ops.paged_sparse_decode_attention(
+        q, store.k, store.v, store.table, page_idx, page_valid, layer.lengths, config.page_size, scaling,
+        k_scale=store.k_scale, v_scale=store.v_scale
+    )
