@@ -47,8 +47,8 @@ from typing import Any
 
 import torch
 
+from ..argparse_helpers import ShortErrorParser, int_at_least
 from ..integration import compat
-from ..cli.parser import ShortErrorParser, int_at_least
 
 LLAMA_31_8B = dict(
     hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ..cli.parser import ShortErrorParser, int_at_least
+from ..argparse_helpers import ShortErrorParser, int_at_least
 from .decode import LLAMA_31_8B, TINY, build_model, rocket_config, rocket_for_row, run_generate
 
 WORKLOAD_CACHES = ("dynamic", "static-compile", "rocketkv-graphs", "rocketkv-compile")
