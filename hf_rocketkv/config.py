@@ -416,10 +416,6 @@ class RocketKVConfig:
             return self.batch_buckets
         return DEFAULT_BATCH_BUCKETS if self.decode_runner == "torch_compile" else ()
 
-    def batch_bucket(self, batch: int) -> int:
-        """The padded batch size for ``batch`` rows: the smallest bucket that holds them, else ``batch`` itself."""
-        return next((size for size in self.effective_batch_buckets if size >= batch), batch)
-
     @property
     def effective_capacity_buckets(self) -> tuple[int, ...]:
         """The decode capacities (slots per row) stores are rounded up to: ``capacity_buckets``, or the decode

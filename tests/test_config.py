@@ -9,6 +9,7 @@ import torch
 import yaml
 
 from hf_rocketkv import RocketKVConfig
+from hf_rocketkv.integration.batch_buckets import batch_bucket
 from hf_rocketkv.kernels.dispatch import get_ops
 
 INT_FIELDS = ("window_size", "kernel_size", "prompt_budget", "topk", "topr", "page_size", "capacity_headroom")
@@ -85,17 +86,17 @@ def test_buckets_are_none_or_strictly_ascending_positive_ints(field, value):
 def test_bucket_defaults_follow_the_decode_runner_and_lists_become_tuples():
     graphs = RocketKVConfig(prompt_budget=100, capacity_headroom=28)
     assert graphs.effective_capacity_buckets == () and graphs.effective_batch_buckets == ()
-    assert graphs.bucket_capacity(37, 4) == 40 and graphs.batch_bucket(3) == 3  # exact: nothing to compile
+    assert graphs.bucket_capacity(37, 4) == 40 and batch_bucket(graphs, 3) == 3  # exact: nothing to compile
     compiled = graphs.replace(decode_runner="torch_compile")
     assert compiled.effective_capacity_buckets == (128,)  # prompt_budget + capacity_headroom: one graph
     assert [compiled.bucket_capacity(n, 4) for n in (1, 37, 128, 129, 300, 385)] == [128, 128, 128, 256, 384, 512]
-    assert [compiled.batch_bucket(n) for n in (1, 3, 5, 100, 128, 129)] == [1, 4, 8, 128, 128, 129]
+    assert [batch_bucket(compiled, n) for n in (1, 3, 5, 100, 128, 129)] == [1, 4, 8, 128, 128, 129]
     explicit = RocketKVConfig(capacity_buckets=[30, 64], batch_buckets=[2, 6])
     assert explicit.capacity_buckets == (30, 64) and explicit.batch_buckets == (2, 6)
     assert [explicit.bucket_capacity(n, 8) for n in (3, 31, 65)] == [32, 64, 256]  # whole pages; then the ladder
-    assert [explicit.batch_bucket(n) for n in (1, 3, 7)] == [2, 6, 7]
+    assert [batch_bucket(explicit, n) for n in (1, 3, 7)] == [2, 6, 7]
     off = compiled.replace(capacity_buckets=(), batch_buckets=())
-    assert off.bucket_capacity(37, 4) == 40 and off.batch_bucket(3) == 3
+    assert off.bucket_capacity(37, 4) == 40 and batch_bucket(off, 3) == 3
     assert RocketKVConfig.from_yaml(explicit.to_yaml()) == explicit
     assert RocketKVConfig.from_dict(explicit.to_dict()) == explicit
 

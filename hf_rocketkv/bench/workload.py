@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from ..argparse_helpers import ShortErrorParser, int_at_least
+from ..integration import batch_buckets
 from .decode import LLAMA_31_8B, TINY, build_model, rocket_config, rocket_for_row, run_generate
 
 WORKLOAD_CACHES = ("dynamic", "static-compile", "rocketkv-graphs", "rocketkv-compile")
@@ -106,7 +107,7 @@ def run_cache(model, cache: str, calls, rocket, device, vocab: int, budget_s: fl
 
 def batch_bucket(cache: str, rocket, batch: int) -> int:
     """The batch size a call's decode runs at: its bucket for RocketKV rows (rocketkv-compile pads), else itself."""
-    return rocket_for_row(rocket, cache).batch_bucket(batch) if cache.startswith("rocketkv") else batch
+    return batch_buckets.batch_bucket(rocket_for_row(rocket, cache), batch) if cache.startswith("rocketkv") else batch
 
 
 def after_warm_up(records: list[dict]) -> list[dict]:
