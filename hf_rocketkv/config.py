@@ -13,6 +13,9 @@ The YAML shape is the one TensorRT-LLM users already write for ``trtllm-serve``/
       kt_cache_dtype: float8_e5m2
       # hf_rocketkv's own keys
       backend: auto
+
+The package's ground floor: it owns the names its fields accept and the page arithmetic it validates with, and
+policies/ imports them from here (never the other way). Every field is described in docs/configuration.md.
 """
 
 from __future__ import annotations
@@ -25,8 +28,6 @@ from typing import Any
 import torch
 
 from .policies.decode_compression import DecodeCompression
-from .policies.registry import STAGE1_POLICY_NAMES, is_stage1_policy
-from .policies.stage2 import STAGE2_NAMES, STAGE2_SCORES, fit_forced_pages, forced_page_counts
 
 KT_CACHE_DTYPES: dict[str, torch.dtype] = {
     "float8_e5m2": torch.float8_e5m2,
@@ -47,6 +48,13 @@ DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 CAPACITY_LADDER_START = 256
 YAML_SECTION = "sparse_attention_config"
 YAML_ALGORITHM = "rocket"
+# stage1 by name (a policy object is accepted too); policies/registry.py builds the policy of each name
+STAGE1_POLICY_NAMES = ("snapkv", "streaming", "knorm", "h2o", "adakv", "random")
+# stage2: "kt_pages" (RocketKV's page top-k) or "none" (every kept token attended: stage 1 only)
+STAGE2_NAMES = ("kt_pages", "none")
+# how a query head scores a KT page: "group_sign" (RocketKV, TensorRT-LLM: the group-summed query's sign picks Kmax
+# or Kmin per channel) or "head_bound" (each head by its own sign: Quest's bound of its largest logit on the page)
+STAGE2_SCORES = ("group_sign", "head_bound")
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -55,6 +63,30 @@ def _is_power_of_two(n: int) -> bool:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def is_stage1_policy(obj: object) -> bool:
+    """An object (not a name) usable as a stage-1 policy: it has a ``name`` and a callable ``select``."""
+    if isinstance(obj, str):
+        return False
+    return isinstance(getattr(obj, "name", None), str) and callable(getattr(obj, "select", None))
+
+
+def forced_page_counts(sink_tokens: int, recent_tokens: int, page_size: int) -> tuple[int, int]:
+    """``(sink_pages, recent_pages)`` for the token counts: ``(ceil(s / P), 1 + ceil(r / P))``; the recent count
+    always includes the newest page (RocketKV's rule), so ``r = 0`` gives ``(.., 1)``."""
+    return _ceil_div(sink_tokens, page_size), 1 + _ceil_div(recent_tokens, page_size)
+
+
+def fit_forced_pages(sink_pages: int, recent_pages: int, topk: int) -> tuple[int, int]:
+    """Forced counts trimmed to fit ``topk`` (token-budget mode derives ``topk`` per request, after validation):
+    recent pages first (at least the newest page), then sinks with what is left."""
+    recent = min(recent_pages, topk)
+    return min(sink_pages, topk - recent), recent
 
 
 @dataclass(frozen=True)
