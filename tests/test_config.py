@@ -279,3 +279,29 @@ def test_stage2_score_must_be_a_known_rule(value):
 def test_stage2_score_head_bound_is_a_flag_of_the_ops():
     assert RocketKVConfig().stage2_score == "group_sign" and not RocketKVConfig().stage2_per_head_bound
     assert RocketKVConfig(stage2_score="head_bound").stage2_per_head_bound
+
+
+def test_every_field_has_a_row_in_the_reference_with_its_default_and_choices():
+    """docs/configuration.md is the field reference (the class docstring points there): every field has a row whose
+    default is the dataclass default and whose allowed values name every choice the validation accepts."""
+    import dataclasses
+    from pathlib import Path
+
+    from hf_rocketkv import config as config_module
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    rows = {}
+    for line in text.splitlines():
+        match = re.match(r"\| `(\w+)` \| ([^|]+) \| ([^|]+) \|", line)
+        if match:
+            rows.setdefault(match.group(1), (match.group(2).strip().strip("`"), match.group(3)))
+    for field in dataclasses.fields(RocketKVConfig):
+        assert field.name in rows, f"docs/configuration.md has no row for {field.name}"
+        assert rows[field.name][0] == str(field.default), (field.name, rows[field.name][0], field.default)
+    choices = {"backend": config_module.BACKENDS, "decode_guard_checks": config_module.DECODE_GUARD_CHECKS,
+               "decode_runner": config_module.DECODE_RUNNERS, "kt_cache_dtype": tuple(config_module.KT_CACHE_DTYPES),
+               "stage1": config_module.STAGE1_POLICY_NAMES, "stage2": config_module.STAGE2_NAMES,
+               "stage2_score": config_module.STAGE2_SCORES, "multi_turn": config_module.MULTI_TURN_MODES}
+    for name, allowed in choices.items():
+        missing = [value for value in allowed if f"`{value}`" not in rows[name][1]]
+        assert not missing, f"docs/configuration.md: {name}'s allowed values lack {missing}"
