@@ -155,7 +155,7 @@ def build_model(model_kwargs: dict, layers: int | None, dtype: torch.dtype, devi
     config = LlamaConfig(**kwargs, pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa")
     torch.manual_seed(seed)
     with torch.device(device):
-        model = LlamaForCausalLM._from_config(config, dtype=dtype)
+        model = compat.model_from_config(LlamaForCausalLM, config, dtype=dtype)
     return model.eval()
 
 
