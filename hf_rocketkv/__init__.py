@@ -11,9 +11,6 @@ store) -> selection/ (stage 1 and stage 2, PyTorch reference) -> kernels/ (dispa
 transformers symbol used is listed in integration/compat.py; the seam is described in docs/seam.md.
 """
 
-# policies/ first: it imports the names config.py owns, while config.py still reads policies.decode_compression;
-# entered from policies/, each module finds what it imports already defined
-from . import policies  # noqa: F401  isort: skip
 from .cache import RocketKVCache, RocketKVLayer
 from .config import RocketKVConfig
 from .integration.generate import get_config, set_config

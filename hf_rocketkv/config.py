@@ -27,27 +27,7 @@ from typing import Any
 
 import torch
 
-from .policies.decode_compression import DecodeCompression
-
-KT_CACHE_DTYPES: dict[str, torch.dtype] = {
-    "float8_e5m2": torch.float8_e5m2,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-}
-BACKENDS = ("auto", "torch", "triton")
-DECODE_GUARD_CHECKS = ("first_step", "every_step")
-DECODE_RUNNERS = ("cuda_graphs", "torch_compile")
-MULTI_TURN_MODES = ("evict", "keep_all")
-# Bucket fields (tuples; a YAML/JSON list is turned into one): None picks the runner's default below.
-BUCKET_FIELDS = ("capacity_buckets", "batch_buckets")
-# decode_runner="torch_compile" with batch_buckets=None: the batch sizes serving engines capture CUDA graphs for
-DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-# requests larger than the largest capacity bucket: slots per row are rounded up to the ladder 256, 384, 512, 768,
-# 1024, 1536, ... (powers of two and 1.5x powers of two), so such a store is at most 1.5x what the request needs
-CAPACITY_LADDER_START = 256
-YAML_SECTION = "sparse_attention_config"
-YAML_ALGORITHM = "rocket"
+# Defined before any import of the package: policies/, which imports them from here, may be loading this module.
 # stage1 by name (a policy object is accepted too); policies/registry.py builds the policy of each name
 STAGE1_POLICY_NAMES = ("snapkv", "streaming", "knorm", "h2o", "adakv", "random")
 # stage2: "kt_pages" (RocketKV's page top-k) or "none" (every kept token attended: stage 1 only)
@@ -55,14 +35,6 @@ STAGE2_NAMES = ("kt_pages", "none")
 # how a query head scores a KT page: "group_sign" (RocketKV, TensorRT-LLM: the group-summed query's sign picks Kmax
 # or Kmin per channel) or "head_bound" (each head by its own sign: Quest's bound of its largest logit on the page)
 STAGE2_SCORES = ("group_sign", "head_bound")
-
-
-def _is_power_of_two(n: int) -> bool:
-    return n >= 1 and (n & (n - 1)) == 0
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -87,6 +59,37 @@ def fit_forced_pages(sink_pages: int, recent_pages: int, topk: int) -> tuple[int
     recent pages first (at least the newest page), then sinks with what is left."""
     recent = min(recent_pages, topk)
     return min(sink_pages, topk - recent), recent
+
+
+from .policies.decode_compression import DecodeCompression
+
+KT_CACHE_DTYPES: dict[str, torch.dtype] = {
+    "float8_e5m2": torch.float8_e5m2,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+BACKENDS = ("auto", "torch", "triton")
+DECODE_GUARD_CHECKS = ("first_step", "every_step")
+DECODE_RUNNERS = ("cuda_graphs", "torch_compile")
+MULTI_TURN_MODES = ("evict", "keep_all")
+# Bucket fields (tuples; a YAML/JSON list is turned into one): None picks the runner's default below.
+BUCKET_FIELDS = ("capacity_buckets", "batch_buckets")
+# decode_runner="torch_compile" with batch_buckets=None: the batch sizes serving engines capture CUDA graphs for
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# requests larger than the largest capacity bucket: slots per row are rounded up to the ladder 256, 384, 512, 768,
+# 1024, 1536, ... (powers of two and 1.5x powers of two), so such a store is at most 1.5x what the request needs
+CAPACITY_LADDER_START = 256
+YAML_SECTION = "sparse_attention_config"
+YAML_ALGORITHM = "rocket"
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n >= 1 and (n & (n - 1)) == 0
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -356,8 +359,7 @@ def _check_runtime(config: RocketKVConfig) -> None:
     for name in ("deferred_stop_check", "eager_layer_graphs", "fused_rope"):
         if not isinstance(getattr(config, name), bool):
             raise ValueError(f"RocketKVConfig.{name} must be True or False, got {getattr(config, name)!r}")
-    rows = config.prefill_batch_size
-    if rows is not None and (not _is_int(rows) or rows < 1):
+    if (rows := config.prefill_batch_size) is not None and (not _is_int(rows) or rows < 1):
         raise ValueError(f"RocketKVConfig.prefill_batch_size must be None (whole batch) or an integer >= 1, "
                          f"got {rows!r}")
 
@@ -395,11 +397,10 @@ def _check_stage2_fields(config: RocketKVConfig) -> None:
         return  # no page selection, or topk and page_size are derived per request (then fit_forced_pages)
     sink, recent = forced_page_counts(config.stage2_sink_tokens, config.stage2_recent_tokens, config.page_size)
     if sink + recent > config.topk:
-        raise ValueError(
-            f"RocketKVConfig: the forced stage-2 pages must fit in topk={config.topk}: stage2_sink_tokens="
-            f"{config.stage2_sink_tokens} -> {sink} page(s) + stage2_recent_tokens={config.stage2_recent_tokens} -> "
-            f"{recent} page(s) (the newest page + ceil(r / page_size={config.page_size})) = {sink + recent}; lower "
-            f"them or raise topk")
+        raise ValueError(f"RocketKVConfig: the forced stage-2 pages must fit in topk={config.topk}: stage2_sink_tokens="
+                         f"{config.stage2_sink_tokens} -> {sink} page(s) + stage2_recent_tokens="
+                         f"{config.stage2_recent_tokens} -> {recent} page(s) (the newest page + ceil(r / page_size="
+                         f"{config.page_size})) = {sink + recent}; lower them or raise topk")
 
 
 def _check_multi_turn(config: RocketKVConfig) -> None:

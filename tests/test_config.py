@@ -305,3 +305,28 @@ def test_every_field_has_a_row_in_the_reference_with_its_default_and_choices():
     for name, allowed in choices.items():
         missing = [value for value in allowed if f"`{value}`" not in rows[name][1]]
         assert not missing, f"docs/configuration.md: {name}'s allowed values lack {missing}"
+
+
+def test_the_config_and_the_policies_load_in_either_order_in_a_fresh_process():
+    """policies/ imports the names config.py owns: each loads first without the other failing, even when the
+    package's __init__ (which imports everything in its own order) is bypassed, as tests/memory does."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    for first, second in (("config", "policies"), ("policies", "config"), ("policies.stage2", "config")):
+        script = (
+            "import sys, types\n"
+            f"sys.path.insert(0, {str(root)!r})\n"
+            "stub = types.ModuleType('hf_rocketkv')\n"
+            f"stub.__path__ = [{str(root / 'hf_rocketkv')!r}]\n"
+            "sys.modules['hf_rocketkv'] = stub\n"
+            f"import hf_rocketkv.{first}, hf_rocketkv.{second}\n"
+            "from hf_rocketkv.config import RocketKVConfig\n"
+            "from hf_rocketkv.policies import STAGE1_POLICY_NAMES, get_stage1_policy\n"
+            "assert RocketKVConfig(stage1='h2o', stage2_sink_tokens=4).stage2_forced_pages == (1, 1)\n"
+            "assert get_stage1_policy(STAGE1_POLICY_NAMES[0]).name == 'snapkv'\n"
+        )
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (first, done.stderr[-2000:])
