@@ -92,11 +92,10 @@ def compat_table_names() -> frozenset[str]:
 def transformers_private_attributes() -> frozenset[str]:
     """Single-underscore names that transformers' own classes define (torch's ``nn.Module`` and ``object`` left out),
     on the classes the package meets: models, configs, generation, caches, tokenizers; plus compat's table."""
-    config_class = getattr(transformers, "PreTrainedConfig", None) or transformers.PretrainedConfig
-    classes = (transformers.PreTrainedModel, transformers.GenerationMixin, config_class, transformers.GenerationConfig,
-               transformers.CompileConfig, transformers.PreTrainedTokenizerBase, transformers.Cache,
-               transformers.CacheLayerMixin, transformers.DynamicCache, transformers.DynamicLayer,
-               transformers.StaticCache, transformers.LlamaConfig, transformers.LlamaForCausalLM)
+    class_names = ("PreTrainedModel", "GenerationMixin", "PreTrainedConfig", "PretrainedConfig", "GenerationConfig",
+                   "CompileConfig", "PreTrainedTokenizerBase", "Cache", "CacheLayerMixin", "DynamicCache",
+                   "DynamicLayer", "StaticCache", "LlamaConfig", "LlamaForCausalLM")
+    classes = [getattr(transformers, name) for name in class_names if hasattr(transformers, name)]  # any 5.x
     names = set()
     for cls in classes:
         for klass in cls.__mro__:
