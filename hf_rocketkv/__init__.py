@@ -11,8 +11,7 @@ store) -> selection/ (stage 1 and stage 2, PyTorch reference) -> kernels/ (dispa
 transformers symbol used is listed in integration/compat.py; the seam is described in docs/seam.md.
 """
 
-from .cache.cache import RocketKVCache
-from .cache.layer import RocketKVLayer
+from .cache import RocketKVCache, RocketKVLayer
 from .config import RocketKVConfig
 from .integration.generate import get_config, set_config
 from .integration.names import ATTN_NAME

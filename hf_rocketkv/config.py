@@ -13,6 +13,9 @@ The YAML shape is the one TensorRT-LLM users already write for ``trtllm-serve``/
       kt_cache_dtype: float8_e5m2
       # hf_rocketkv's own keys
       backend: auto
+
+The package's ground floor: it owns the names its fields accept and the page arithmetic it validates with, and
+policies/ imports them from here (never the other way). Every field is described in docs/configuration.md.
 """
 
 from __future__ import annotations
@@ -24,8 +27,39 @@ from typing import Any
 
 import torch
 
-from .policies.registry import STAGE1_POLICY_NAMES, is_stage1_policy
-from .policies.stage2 import STAGE2_NAMES, STAGE2_SCORES, fit_forced_pages, forced_page_counts
+# The names the config's fields accept, and the arithmetic it validates with: policies/ imports them from here.
+# stage1 by name (a policy object is accepted too); policies/registry.py builds the policy of each name
+STAGE1_POLICY_NAMES = ("snapkv", "streaming", "knorm", "h2o", "adakv", "random")
+# stage2: "kt_pages" (RocketKV's page top-k) or "none" (every kept token attended: stage 1 only)
+STAGE2_NAMES = ("kt_pages", "none")
+# how a query head scores a KT page: "group_sign" (RocketKV, TensorRT-LLM: the group-summed query's sign picks Kmax
+# or Kmin per channel) or "head_bound" (each head by its own sign: Quest's bound of its largest logit on the page)
+STAGE2_SCORES = ("group_sign", "head_bound")
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def is_stage1_policy(obj: object) -> bool:
+    """An object (not a name) usable as a stage-1 policy: it has a ``name`` and a callable ``select``."""
+    if isinstance(obj, str):
+        return False
+    return isinstance(getattr(obj, "name", None), str) and callable(getattr(obj, "select", None))
+
+
+def forced_page_counts(sink_tokens: int, recent_tokens: int, page_size: int) -> tuple[int, int]:
+    """``(sink_pages, recent_pages)`` for the token counts: ``(ceil(s / P), 1 + ceil(r / P))``; the recent count
+    always includes the newest page (RocketKV's rule), so ``r = 0`` gives ``(.., 1)``."""
+    return _ceil_div(sink_tokens, page_size), 1 + _ceil_div(recent_tokens, page_size)
+
+
+def fit_forced_pages(sink_pages: int, recent_pages: int, topk: int) -> tuple[int, int]:
+    """Forced counts trimmed to fit ``topk`` (token-budget mode derives ``topk`` per request, after validation):
+    recent pages first (at least the newest page), then sinks with what is left."""
+    recent = min(recent_pages, topk)
+    return min(sink_pages, topk - recent), recent
+
 
 KT_CACHE_DTYPES: dict[str, torch.dtype] = {
     "float8_e5m2": torch.float8_e5m2,
@@ -55,120 +89,12 @@ def _is_int(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class RocketKVConfig:
-    """RocketKV settings (TensorRT-LLM ``RocketSparseAttentionConfig`` fields and defaults, plus our own).
+    """RocketKV settings: TensorRT-LLM's ``RocketSparseAttentionConfig`` fields and defaults, plus our own.
 
     Immutable (a frozen dataclass): a cache keeps the config it was given, so change one with
-    ``config.replace(field=value)``, which validates the copy.
-
-    Stage 1 (after prefill, permanent eviction, per layer and KV head):
-        window_size:   the last ``window_size`` prompt queries score the prefix; the last ``window_size``
-                       prompt tokens are always kept.
-        kernel_size:   odd width of the max-pooling over the group-summed window scores (stride 1).
-        prompt_budget: prompt tokens kept per KV head. Prompts of at most ``prompt_budget`` tokens are kept whole.
-
-    Stage 2 (every decode step, per layer and KV head):
-        topk:          KT pages attended per KV head (all pages when there are fewer). The page that holds the
-                       newest token is always one of them.
-        topr:          query channels used to score pages (top by |q| summed over the GQA group);
-                       ``topr >= head_dim`` means all channels.
-        page_size:     tokens per KT page (power of two).
-        kt_cache_dtype: dtype of the per-page min/max key summaries ("float8_e5m2", "bfloat16", "float16",
-                       "float32"). As in TensorRT-LLM, the query is cast to this dtype for scoring.
-
-    hf_rocketkv's own:
-        backend:       "auto" (Triton on CUDA, PyTorch elsewhere), "torch" (reference path, any device) or
-                       "triton" (CUDA, or CPU under TRITON_INTERPRET=1).
-        capacity_headroom: tokens preallocated per layer for decode beyond the kept prompt when generate() does
-                       not say how many new tokens to expect; the store grows by this much whenever it fills up
-                       (eager mode). Multiple of ``page_size`` after rounding up.
-        prefill_batch_size: rows per prefill forward in generate() (None: the whole batch in one forward, as
-                       transformers does). Each group of rows is prefilled and compressed by stage 1 before the
-                       next one starts, so prefill activations and the full-prompt K/V scale with this, not with
-                       the batch; the groups' compressed caches are then stacked for a batched decode.
-        decode_guard_checks: "every_step" (torch.compile's default) or "first_step" (the guards run on the first
-                       compiled decode step of each generate() call; later steps only tell apart compiled graphs,
-                       saving ~0.5 ms of CPU per token on an 8B model). torch's stance switch is process-global, so
-                       "first_step" serialises compiled RocketKV steps across threads and, while one runs, compiled
-                       code of other threads skips its guards too: use it only where one generate() runs at a time.
-        decode_runner: how generate() runs the decode steps it would compile (CUDA; or CPU with compile_config's
-                       ``_compile_all_devices``): "cuda_graphs" captures each request's eager decode step as a CUDA
-                       graph on its second step and replays it (no torch.compile: no cold-start compile, no
-                       recompiles for new prompt lengths, batch sizes or max_new_tokens, no guards per step);
-                       "torch_compile" is transformers' torch.compile of the whole forward.
-        deferred_stop_check: on CUDA, let generate() read its "all sequences finished" flag one step late
-                       (transformers' DeferredStopCheck, which it enables on MPS only), so the next decode step is
-                       queued while the current one runs instead of the GPU idling during generate()'s host work.
-                       Same tokens; one extra forward, undone, when generation stops on EOS.
-        eager_layer_graphs: on CUDA, a decode step that runs eagerly (generate(disable_compile=True), a model
-                       called directly; not the compiled or whole-step-graph runners) replays each layer's RocketKV
-                       launches (the append; page scores, selection and sparse attention) as two small CUDA graphs
-                       captured on the second step (``cache/op_graphs.py``): the same launches on the same buffers,
-                       bit for bit, at a fraction of the host time. Not with multi_turn="keep_all" or decode_budget.
-        fused_rope:    on CUDA, a bf16/fp16 decode step inside a RocketKV call applies the rotary embedding to the
-                       new query and key in one launch instead of transformers' ten (``integration/rope.py``), bit
-                       for bit the same values; prefill, fp32, torch.compile'd forwards and models whose
-                       ``apply_rotary_pos_emb`` takes other parameters keep transformers' function.
-        capacity_buckets: decode slots per row after stage 1 are rounded up to the smallest of these sizes that
-                       holds the kept prompt + max_new_tokens (then to whole pages), so a compiled decode step sees
-                       the same shapes for every prompt length and max_new_tokens within a bucket: one bucket
-                       (e.g. ``(4096,)``) is one configured maximum, one graph. A request needing more than the
-                       largest bucket gets the next size of the ladder 256, 384, 512, 768, 1024, ... (one more
-                       graph). ``()``: exact sizes. None: the runner's default, exact for "cuda_graphs" (it captures
-                       per request), ``(prompt_budget + capacity_headroom,)`` for "torch_compile". Memory: the padded
-                       slots are allocated (K, V, KT, positions) by a store of its own; with a pool only the block
-                       table widens (docs/configuration.md).
-        batch_buckets: generate() pads a fresh request's batch with copies of its first row up to the smallest of
-                       these sizes that holds it, and strips them from the output and the cache, so a compiled
-                       decode step compiles once per bucket, not per batch size. Prefill runs the real rows only.
-                       ``()``: no padding. None: the runner's default, none for "cuda_graphs" (no compile to save),
-                       (1, 2, 4, 8, 16, 32, 64, 128) for "torch_compile". Larger batches run unpadded.
-
-    Policies (docs/policies.md):
-        stage1:        which prompt tokens stage 1 keeps: "snapkv" (RocketKV's, the default), "streaming" (sinks +
-                       recent), "knorm" (low key norm), "h2o" (attention accumulated over every prompt query), "adakv"
-                       (head-adaptive budgets: the same total per row, allotted across KV heads; not with a pool, and
-                       a later turn needs multi_turn="keep_all"), "random", or a
-                       policy object (``hf_rocketkv.policies``; Python only: YAML holds names).
-        sink_tokens:   tokens at the start of each row that stage1="streaming" always keeps.
-    Multi-turn (docs/memory.md):
-        multi_turn:    "evict" (default): a later turn re-runs stage 1 over the tokens kept so far plus the new ones,
-                       so what an earlier stage 1 evicted is gone for good. "keep_all" (RocketKV-MT): the cache also
-                       keeps every token of the conversation (prompt, generated tokens, later turns) in pages (the
-                       pool's with ``RocketKVCache(cfg, pool=pool)``), and each later turn re-runs stage 1 over all of
-                       it with that turn's window, so a fact evicted for one question can come back for the next.
-
-        token_budget:  the paper's single knob (arXiv 2502.14051 §3.6): K+V token pairs read per KV head per decode
-                       step. When set, prompt_budget, topk, page_size and topr are derived per request from the
-                       prompt length at the end of prefill (``policies.token_budget.derive_budgets``) and the values
-                       given for them are ignored. None: use them as given.
-
-    Stage-2 options (docs/policies.md, "Stage 2: sinks and a recent window"):
-        stage2:        "kt_pages" (RocketKV's page top-k, the default) or "none" (attend every kept token: stage 1
-                       only, no page selection).
-        stage2_sink_tokens: the first s tokens are attended at every decode step: the first ceil(s / page_size)
-                       pages of the compacted store are forced into the top-k (counted in it), and stage 1 keeps
-                       the prompt's first s tokens so that those pages hold them. 0: none forced.
-        stage2_recent_tokens: the newest r tokens are attended at every decode step: the newest 1 + ceil(r /
-                       page_size) pages (the newest page always; 0 gives RocketKV's rule) are forced into the top-k.
-                       Forced sink + recent pages must fit in ``topk`` (checked here; in token-budget mode, where
-                       topk is derived per request, the recent pages are kept first and the sinks get what is left).
-        stage2_score:  how a query head scores a page from its min/max keys: "group_sign" (RocketKV and
-                       TensorRT-LLM, the default: the sign of the group-summed query picks Kmax or Kmin per channel
-                       for every head of the group) or "head_bound" (each head by its own sign, Quest's upper
-                       bound of the head's largest logit on the page; the same with one query head per KV head).
-
-    Decode-time compression (docs/policies.md, "Decode-time compression"): bounds the generated tokens a layer stores,
-    so a long answer does not grow the cache without bound.
-        decode_budget: None (off, the default): every generated token is stored. An integer M: when M +
-                       decode_interval generated tokens are stored, each layer re-scores its generated tokens with its
-                       last decode_window decode queries and keeps M of them per KV head (the newest decode_window
-                       plus the best-scoring others); prompt tokens kept by stage 1 are never touched. A layer's
-                       store then holds at most prompt_budget + decode_budget + decode_interval tokens, whatever
-                       max_new_tokens is. Works with both decode runners (the compaction runs between two
-                       compiled / graphed steps, on the host side) and with a pool; not with multi_turn="keep_all".
-        decode_interval: generated tokens added between two compressions (>= 1).
-        decode_window: decode queries that score, and newest generated tokens always kept (1 .. decode_budget).
-        decode_kernel_size: odd width of the max-pooling over the generated tokens' scores (1: none).
+    ``config.replace(field=value)``, which validates the copy. docs/configuration.md describes every field: what it
+    does, its default and the values allowed; an invalid value raises ``ValueError`` naming the field, the value and
+    what is allowed.
     """
 
     window_size: int = 32
@@ -186,20 +112,20 @@ class RocketKVConfig:
     deferred_stop_check: bool = True
     eager_layer_graphs: bool = True
     fused_rope: bool = True
-    capacity_buckets: tuple[int, ...] | None = None  # validated in _validate_buckets
+    capacity_buckets: tuple[int, ...] | None = None  # validated in _check_buckets
     batch_buckets: tuple[int, ...] | None = None
-    # policies (validated in _validate_policy_fields)
+    # policies (validated in _check_policy_fields)
     stage1: Any = "snapkv"  # a name from STAGE1_POLICY_NAMES or a policy object
     sink_tokens: int = 4
     token_budget: int | None = None
-    # stage-2 options (validated in _validate_stage2_fields)
+    # stage-2 options (validated in _check_stage2_fields)
     stage2: str = "kt_pages"
     stage2_sink_tokens: int = 0
     stage2_recent_tokens: int = 0
     stage2_score: str = "group_sign"
-    # multi-turn (validated in _validate_multi_turn)
+    # multi-turn (validated in _check_multi_turn)
     multi_turn: str = "evict"
-    # decode-time compression (validated in _validate_decode_compression)
+    # decode-time compression (validated in _check_decode_compression)
     decode_budget: int | None = None
     decode_interval: int = 64
     decode_window: int = 32
@@ -214,153 +140,10 @@ class RocketKVConfig:
 
     # ------------------------------------------------------------------------------------------------ validation
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the field, the value and what is allowed."""
-        for name in ("window_size", "kernel_size", "prompt_budget", "topk", "topr", "page_size", "capacity_headroom"):
-            value = getattr(self, name)
-            if not _is_int(value):
-                raise ValueError(f"RocketKVConfig.{name} must be an integer, got {value!r} ({type(value).__name__})")
-        if self.window_size < 1:
-            raise ValueError(f"RocketKVConfig.window_size must be >= 1, got {self.window_size}")
-        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
-            raise ValueError(
-                f"RocketKVConfig.kernel_size must be an odd integer >= 1 (max-pooling keeps the length), "
-                f"got {self.kernel_size}"
-            )
-        if self.prompt_budget < self.window_size:
-            raise ValueError(
-                f"RocketKVConfig.prompt_budget must be >= window_size ({self.window_size}): the observation window "
-                f"is always kept; got prompt_budget={self.prompt_budget}"
-            )
-        if self.topk < 1:
-            raise ValueError(f"RocketKVConfig.topk (pages per KV head) must be >= 1, got {self.topk}")
-        if self.topr < 1:
-            raise ValueError(f"RocketKVConfig.topr (query channels) must be >= 1, got {self.topr}")
-        if not _is_power_of_two(self.page_size):
-            raise ValueError(f"RocketKVConfig.page_size must be a power of 2 (1, 2, 4, 8, ...), got {self.page_size}")
-        if self.kt_cache_dtype not in KT_CACHE_DTYPES:
-            raise ValueError(
-                f"RocketKVConfig.kt_cache_dtype must be one of {sorted(KT_CACHE_DTYPES)}, got {self.kt_cache_dtype!r}"
-            )
-        if self.backend not in BACKENDS:
-            raise ValueError(f"RocketKVConfig.backend must be one of {list(BACKENDS)}, got {self.backend!r}")
-        if self.capacity_headroom < 1:
-            raise ValueError(f"RocketKVConfig.capacity_headroom must be >= 1, got {self.capacity_headroom}")
-        if self.decode_guard_checks not in DECODE_GUARD_CHECKS:
-            raise ValueError(
-                f"RocketKVConfig.decode_guard_checks must be one of {list(DECODE_GUARD_CHECKS)}, "
-                f"got {self.decode_guard_checks!r}"
-            )
-        if self.decode_runner not in DECODE_RUNNERS:
-            raise ValueError(
-                f"RocketKVConfig.decode_runner must be one of {list(DECODE_RUNNERS)}, got {self.decode_runner!r}"
-            )
-        for name in ("deferred_stop_check", "eager_layer_graphs", "fused_rope"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"RocketKVConfig.{name} must be True or False, got {getattr(self, name)!r}")
-        if self.prefill_batch_size is not None and (not _is_int(self.prefill_batch_size) or self.prefill_batch_size < 1):
-            raise ValueError(
-                f"RocketKVConfig.prefill_batch_size must be None (whole batch) or an integer >= 1, "
-                f"got {self.prefill_batch_size!r}"
-            )
-        self._validate_policy_fields()
-        self._validate_stage2_fields()
-        self._validate_multi_turn()
-        self._validate_buckets()
-        self._validate_decode_compression()
-
-    def _validate_buckets(self) -> None:
-        """capacity_buckets, batch_buckets: None, or a strictly ascending tuple of integers >= 1 (may be empty)."""
-        for name in BUCKET_FIELDS:
-            value = getattr(self, name)
-            if value is None:
-                continue
-            allowed = (
-                f"None (the decode runner's default) or a strictly ascending tuple of integers >= 1, e.g. "
-                f"{DEFAULT_BATCH_BUCKETS if name == 'batch_buckets' else (2048, 4096)} (() turns it off)"
-            )
-            if not isinstance(value, tuple) or not all(_is_int(v) for v in value):
-                raise ValueError(f"RocketKVConfig.{name} must be {allowed}, got {value!r}")
-            if any(v < 1 for v in value) or any(a >= b for a, b in zip(value, value[1:])):
-                raise ValueError(f"RocketKVConfig.{name} must be {allowed}, got {value!r}")
-
-    def _validate_multi_turn(self) -> None:
-        """multi_turn (a block of its own: keep_all multi-turn)."""
-        if self.multi_turn not in MULTI_TURN_MODES:
-            raise ValueError(
-                f"RocketKVConfig.multi_turn must be one of {list(MULTI_TURN_MODES)} (\"evict\": later turns re-run "
-                f"stage 1 over the kept tokens; \"keep_all\": over the whole conversation), got {self.multi_turn!r}"
-            )
-
-    def _validate_decode_compression(self) -> None:
-        """decode_budget, decode_interval, decode_window, decode_kernel_size (decode-time compression's block)."""
-        for name in ("decode_budget", "decode_interval", "decode_window", "decode_kernel_size"):
-            value = getattr(self, name)
-            if name == "decode_budget" and value is None:
-                continue
-            if not _is_int(value) or value < 1:
-                what = "None (off) or an integer >= 1" if name == "decode_budget" else "an integer >= 1"
-                raise ValueError(f"RocketKVConfig.{name} must be {what}, got {value!r}")
-        if self.decode_budget is None:
-            return
-        if self.decode_window > self.decode_budget:
-            raise ValueError(
-                f"RocketKVConfig.decode_window ({self.decode_window}) must be <= decode_budget ({self.decode_budget}): "
-                f"the newest decode_window generated tokens are always kept"
-            )
-        if self.decode_kernel_size % 2 == 0:
-            raise ValueError(
-                f"RocketKVConfig.decode_kernel_size must be odd (same-length max-pooling), got {self.decode_kernel_size}"
-            )
-        if self.multi_turn == "keep_all":
-            raise ValueError(
-                f"RocketKVConfig.decode_budget={self.decode_budget} bounds the generated tokens a layer stores, but "
-                f"multi_turn='keep_all' keeps every token of the conversation: the two do not combine. Use "
-                f"multi_turn='evict' with decode_budget, or decode_budget=None with keep_all."
-            )
-
-    def _validate_policy_fields(self) -> None:
-        """stage1, sink_tokens, token_budget (a block of its own: the policy framework's fields)."""
-        if isinstance(self.stage1, str):
-            if self.stage1 not in STAGE1_POLICY_NAMES:
-                raise ValueError(
-                    f"RocketKVConfig.stage1 must be one of {list(STAGE1_POLICY_NAMES)} or a policy object, "
-                    f"got {self.stage1!r}"
-                )
-        elif not is_stage1_policy(self.stage1):
-            raise ValueError(
-                f"RocketKVConfig.stage1 must be one of {list(STAGE1_POLICY_NAMES)} or a policy object with a `name` "
-                f"and a select(inputs) method (hf_rocketkv.policies), got {type(self.stage1).__name__}"
-            )
-        if not _is_int(self.sink_tokens) or self.sink_tokens < 0:
-            raise ValueError(f"RocketKVConfig.sink_tokens must be an integer >= 0, got {self.sink_tokens!r}")
-        if self.token_budget is not None and (not _is_int(self.token_budget) or self.token_budget < 2):
-            raise ValueError(
-                f"RocketKVConfig.token_budget must be None (budgets as given) or an integer >= 2 (K+V pairs read per "
-                f"KV head per decode step, half for page scoring, half for exact attention), got {self.token_budget!r}"
-            )
-
-    def _validate_stage2_fields(self) -> None:
-        """stage2, stage2_sink_tokens, stage2_recent_tokens (the stage-2 options' block)."""
-        if self.stage2 not in STAGE2_NAMES:
-            raise ValueError(f"RocketKVConfig.stage2 must be one of {list(STAGE2_NAMES)}, got {self.stage2!r}")
-        if self.stage2_score not in STAGE2_SCORES:
-            raise ValueError(
-                f"RocketKVConfig.stage2_score must be one of {list(STAGE2_SCORES)}, got {self.stage2_score!r}"
-            )
-        for name in ("stage2_sink_tokens", "stage2_recent_tokens"):
-            value = getattr(self, name)
-            if not _is_int(value) or value < 0:
-                raise ValueError(f"RocketKVConfig.{name} must be an integer >= 0, got {value!r}")
-        if self.stage2 != "kt_pages" or self.token_budget is not None:
-            return  # no page selection, or topk and page_size are derived per request (then fit_forced_pages)
-        sink, recent = forced_page_counts(self.stage2_sink_tokens, self.stage2_recent_tokens, self.page_size)
-        if sink + recent > self.topk:
-            raise ValueError(
-                f"RocketKVConfig: the forced stage-2 pages must fit in topk={self.topk}: stage2_sink_tokens="
-                f"{self.stage2_sink_tokens} -> {sink} page(s) + stage2_recent_tokens={self.stage2_recent_tokens} -> "
-                f"{recent} page(s) (the newest page + ceil(r / page_size={self.page_size})) = {sink + recent}; lower "
-                f"them or raise topk"
-            )
+        """Raise ``ValueError`` naming the field, the value and what is allowed (the first failing check below)."""
+        for check in (_check_budgets, _check_runtime, _check_policy_fields, _check_stage2_fields, _check_multi_turn,
+                      _check_buckets, _check_decode_compression):
+            check(self)
 
     # ------------------------------------------------------------------------------------------------ derived
     @property
@@ -405,10 +188,6 @@ class RocketKVConfig:
         if self.batch_buckets is not None:
             return self.batch_buckets
         return DEFAULT_BATCH_BUCKETS if self.decode_runner == "torch_compile" else ()
-
-    def batch_bucket(self, batch: int) -> int:
-        """The padded batch size for ``batch`` rows: the smallest bucket that holds them, else ``batch`` itself."""
-        return next((size for size in self.effective_batch_buckets if size >= batch), batch)
 
     @property
     def effective_capacity_buckets(self) -> tuple[int, ...]:
@@ -463,10 +242,9 @@ class RocketKVConfig:
 
     def to_yaml_dict(self) -> dict[str, Any]:
         if not isinstance(self.stage1, str):
-            raise ValueError(
-                f"RocketKVConfig.stage1 is a policy object ({type(self.stage1).__name__}); YAML holds policy names "
-                f"only, one of {list(STAGE1_POLICY_NAMES)}. Keep the object in Python, or use a name."
-            )
+            raise ValueError(f"RocketKVConfig.stage1 is a policy object ({type(self.stage1).__name__}); YAML holds "
+                             f"policy names only, one of {list(STAGE1_POLICY_NAMES)}. Keep the object in Python, or "
+                             f"use a name.")
         return {YAML_SECTION: {"algorithm": YAML_ALGORITHM, **self.to_dict()}}
 
     @classmethod
@@ -505,3 +283,133 @@ def _looks_like_path(value: str | Path) -> bool:
     if "\n" in value:
         return False
     return Path(value).is_file() or Path(value).suffix in {".yaml", ".yml"}
+
+
+def _check_budgets(config: RocketKVConfig) -> None:
+    """Stage 1's and stage 2's budgets and kt_cache_dtype (capacity_headroom's type too; its range: _check_runtime)."""
+    for name in ("window_size", "kernel_size", "prompt_budget", "topk", "topr", "page_size", "capacity_headroom"):
+        value = getattr(config, name)
+        if not _is_int(value):
+            raise ValueError(f"RocketKVConfig.{name} must be an integer, got {value!r} ({type(value).__name__})")
+    if config.window_size < 1:
+        raise ValueError(f"RocketKVConfig.window_size must be >= 1, got {config.window_size}")
+    if config.kernel_size < 1 or config.kernel_size % 2 == 0:
+        raise ValueError(f"RocketKVConfig.kernel_size must be an odd integer >= 1 (max-pooling keeps the length), "
+                         f"got {config.kernel_size}")
+    if config.prompt_budget < config.window_size:
+        raise ValueError(f"RocketKVConfig.prompt_budget must be >= window_size ({config.window_size}): the observation "
+                         f"window is always kept; got prompt_budget={config.prompt_budget}")
+    if config.topk < 1:
+        raise ValueError(f"RocketKVConfig.topk (pages per KV head) must be >= 1, got {config.topk}")
+    if config.topr < 1:
+        raise ValueError(f"RocketKVConfig.topr (query channels) must be >= 1, got {config.topr}")
+    if not _is_power_of_two(config.page_size):
+        raise ValueError(f"RocketKVConfig.page_size must be a power of 2 (1, 2, 4, 8, ...), got {config.page_size}")
+    if config.kt_cache_dtype not in KT_CACHE_DTYPES:
+        raise ValueError(f"RocketKVConfig.kt_cache_dtype must be one of {sorted(KT_CACHE_DTYPES)}, "
+                         f"got {config.kt_cache_dtype!r}")
+
+
+def _check_runtime(config: RocketKVConfig) -> None:
+    """How the cache and generate() run (backend, headroom, runners, switches, prefill rows), not what is kept."""
+    if config.backend not in BACKENDS:
+        raise ValueError(f"RocketKVConfig.backend must be one of {list(BACKENDS)}, got {config.backend!r}")
+    if config.capacity_headroom < 1:
+        raise ValueError(f"RocketKVConfig.capacity_headroom must be >= 1, got {config.capacity_headroom}")
+    if config.decode_guard_checks not in DECODE_GUARD_CHECKS:
+        raise ValueError(f"RocketKVConfig.decode_guard_checks must be one of {list(DECODE_GUARD_CHECKS)}, "
+                         f"got {config.decode_guard_checks!r}")
+    if config.decode_runner not in DECODE_RUNNERS:
+        raise ValueError(f"RocketKVConfig.decode_runner must be one of {list(DECODE_RUNNERS)}, "
+                         f"got {config.decode_runner!r}")
+    for name in ("deferred_stop_check", "eager_layer_graphs", "fused_rope"):
+        if not isinstance(getattr(config, name), bool):
+            raise ValueError(f"RocketKVConfig.{name} must be True or False, got {getattr(config, name)!r}")
+    if (rows := config.prefill_batch_size) is not None and (not _is_int(rows) or rows < 1):
+        raise ValueError(f"RocketKVConfig.prefill_batch_size must be None (whole batch) or an integer >= 1, "
+                         f"got {rows!r}")
+
+
+def _check_policy_fields(config: RocketKVConfig) -> None:
+    """stage1, sink_tokens, token_budget (a block of its own: the policy framework's fields)."""
+    if isinstance(config.stage1, str):
+        if config.stage1 not in STAGE1_POLICY_NAMES:
+            raise ValueError(f"RocketKVConfig.stage1 must be one of {list(STAGE1_POLICY_NAMES)} or a policy object, "
+                             f"got {config.stage1!r}")
+    elif not is_stage1_policy(config.stage1):
+        raise ValueError(f"RocketKVConfig.stage1 must be one of {list(STAGE1_POLICY_NAMES)} or a policy object with "
+                         f"a `name` and a select(inputs) method (hf_rocketkv.policies), "
+                         f"got {type(config.stage1).__name__}")
+    if not _is_int(config.sink_tokens) or config.sink_tokens < 0:
+        raise ValueError(f"RocketKVConfig.sink_tokens must be an integer >= 0, got {config.sink_tokens!r}")
+    if config.token_budget is not None and (not _is_int(config.token_budget) or config.token_budget < 2):
+        raise ValueError(f"RocketKVConfig.token_budget must be None (budgets as given) or an integer >= 2 (K+V pairs "
+                         f"read per KV head per decode step, half for page scoring, half for exact attention), "
+                         f"got {config.token_budget!r}")
+
+
+def _check_stage2_fields(config: RocketKVConfig) -> None:
+    """stage2, stage2_score, stage2_sink_tokens, stage2_recent_tokens (the stage-2 options' block)."""
+    if config.stage2 not in STAGE2_NAMES:
+        raise ValueError(f"RocketKVConfig.stage2 must be one of {list(STAGE2_NAMES)}, got {config.stage2!r}")
+    if config.stage2_score not in STAGE2_SCORES:
+        raise ValueError(f"RocketKVConfig.stage2_score must be one of {list(STAGE2_SCORES)}, "
+                         f"got {config.stage2_score!r}")
+    for name in ("stage2_sink_tokens", "stage2_recent_tokens"):
+        value = getattr(config, name)
+        if not _is_int(value) or value < 0:
+            raise ValueError(f"RocketKVConfig.{name} must be an integer >= 0, got {value!r}")
+    if config.stage2 != "kt_pages" or config.token_budget is not None:
+        return  # no page selection, or topk and page_size are derived per request (then fit_forced_pages)
+    sink, recent = forced_page_counts(config.stage2_sink_tokens, config.stage2_recent_tokens, config.page_size)
+    if sink + recent > config.topk:
+        raise ValueError(f"RocketKVConfig: the forced stage-2 pages must fit in topk={config.topk}: stage2_sink_tokens="
+                         f"{config.stage2_sink_tokens} -> {sink} page(s) + stage2_recent_tokens="
+                         f"{config.stage2_recent_tokens} -> {recent} page(s) (the newest page + ceil(r / page_size="
+                         f"{config.page_size})) = {sink + recent}; lower them or raise topk")
+
+
+def _check_multi_turn(config: RocketKVConfig) -> None:
+    """multi_turn (a block of its own: keep_all multi-turn)."""
+    if config.multi_turn not in MULTI_TURN_MODES:
+        raise ValueError(f"RocketKVConfig.multi_turn must be one of {list(MULTI_TURN_MODES)} (\"evict\": later turns "
+                         f"re-run stage 1 over the kept tokens; \"keep_all\": over the whole conversation), "
+                         f"got {config.multi_turn!r}")
+
+
+def _check_buckets(config: RocketKVConfig) -> None:
+    """capacity_buckets, batch_buckets: None, or a strictly ascending tuple of integers >= 1 (may be empty)."""
+    for name in BUCKET_FIELDS:
+        value = getattr(config, name)
+        if value is None:
+            continue
+        allowed = (f"None (the decode runner's default) or a strictly ascending tuple of integers >= 1, e.g. "
+                   f"{DEFAULT_BATCH_BUCKETS if name == 'batch_buckets' else (2048, 4096)} (() turns it off)")
+        if not isinstance(value, tuple) or not all(_is_int(v) for v in value):
+            raise ValueError(f"RocketKVConfig.{name} must be {allowed}, got {value!r}")
+        if any(v < 1 for v in value) or any(a >= b for a, b in zip(value, value[1:])):
+            raise ValueError(f"RocketKVConfig.{name} must be {allowed}, got {value!r}")
+
+
+def _check_decode_compression(config: RocketKVConfig) -> None:
+    """decode_budget, decode_interval, decode_window, decode_kernel_size (decode-time compression's block)."""
+    for name in ("decode_budget", "decode_interval", "decode_window", "decode_kernel_size"):
+        value = getattr(config, name)
+        if name == "decode_budget" and value is None:
+            continue
+        if not _is_int(value) or value < 1:
+            what = "None (off) or an integer >= 1" if name == "decode_budget" else "an integer >= 1"
+            raise ValueError(f"RocketKVConfig.{name} must be {what}, got {value!r}")
+    if config.decode_budget is None:
+        return
+    if config.decode_window > config.decode_budget:
+        raise ValueError(f"RocketKVConfig.decode_window ({config.decode_window}) must be <= decode_budget "
+                         f"({config.decode_budget}): the newest decode_window generated tokens are always kept")
+    if config.decode_kernel_size % 2 == 0:
+        raise ValueError(f"RocketKVConfig.decode_kernel_size must be odd (same-length max-pooling), "
+                         f"got {config.decode_kernel_size}")
+    if config.multi_turn == "keep_all":
+        raise ValueError(
+            f"RocketKVConfig.decode_budget={config.decode_budget} bounds the generated tokens a layer stores, but "
+            f"multi_turn='keep_all' keeps every token of the conversation: the two do not combine. Use "
+            f"multi_turn='evict' with decode_budget, or decode_budget=None with keep_all.")

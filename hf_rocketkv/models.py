@@ -112,14 +112,14 @@ def check_architecture(config, label: str = "model") -> None:
     Decided from the config alone (before any weight is read); the attention function checks the same at the first
     forward for models loaded another way.
     """
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from .integration import compat
 
     model_type = getattr(config, "model_type", None)
     what = f"{label}: architecture {model_type!r}"
     fix = f"RocketKV serves decoder-only models with full causal attention on every layer ({SUPPORTED_FAMILIES})"
     architectures = getattr(config, "architectures", None) or []
     causal_named = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures)
-    if getattr(config, "is_encoder_decoder", False) or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if getattr(config, "is_encoder_decoder", False) or model_type not in compat.causal_lm_model_types():
         raise ModelSourceError(f"{what} is not a decoder-only causal language model. {fix}.")
     if architectures and not causal_named:
         raise ModelSourceError(f"{what} ({', '.join(architectures)}) is not a causal language model. {fix}.")

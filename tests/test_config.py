@@ -9,6 +9,7 @@ import torch
 import yaml
 
 from hf_rocketkv import RocketKVConfig
+from hf_rocketkv.integration.batch_buckets import batch_bucket
 from hf_rocketkv.kernels.dispatch import get_ops
 
 INT_FIELDS = ("window_size", "kernel_size", "prompt_budget", "topk", "topr", "page_size", "capacity_headroom")
@@ -85,15 +86,15 @@ def test_buckets_are_none_or_strictly_ascending_positive_ints(field, value):
 def test_bucket_defaults_follow_the_decode_runner_and_lists_become_tuples():
     graphs = RocketKVConfig(prompt_budget=100, capacity_headroom=28)
     assert graphs.effective_capacity_buckets == () and graphs.effective_batch_buckets == ()
-    assert graphs.batch_bucket(3) == 3  # exact: nothing to compile
+    assert batch_bucket(graphs, 3) == 3  # exact: nothing to compile
     compiled = graphs.replace(decode_runner="torch_compile")
     assert compiled.effective_capacity_buckets == (128,)  # prompt_budget + capacity_headroom: one graph
-    assert [compiled.batch_bucket(n) for n in (1, 3, 5, 100, 128, 129)] == [1, 4, 8, 128, 128, 129]
+    assert [batch_bucket(compiled, n) for n in (1, 3, 5, 100, 128, 129)] == [1, 4, 8, 128, 128, 129]
     explicit = RocketKVConfig(capacity_buckets=[30, 64], batch_buckets=[2, 6])
     assert explicit.capacity_buckets == (30, 64) and explicit.batch_buckets == (2, 6)
-    assert [explicit.batch_bucket(n) for n in (1, 3, 7)] == [2, 6, 7]
+    assert [batch_bucket(explicit, n) for n in (1, 3, 7)] == [2, 6, 7]
     off = compiled.replace(capacity_buckets=(), batch_buckets=())
-    assert off.batch_bucket(3) == 3
+    assert batch_bucket(off, 3) == 3
     assert RocketKVConfig.from_yaml(explicit.to_yaml()) == explicit
     assert RocketKVConfig.from_dict(explicit.to_dict()) == explicit
 
@@ -276,3 +277,54 @@ def test_stage2_score_must_be_a_known_rule(value):
 def test_stage2_score_head_bound_is_a_flag_of_the_ops():
     assert RocketKVConfig().stage2_score == "group_sign" and not RocketKVConfig().stage2_per_head_bound
     assert RocketKVConfig(stage2_score="head_bound").stage2_per_head_bound
+
+
+def test_every_field_has_a_row_in_the_reference_with_its_default_and_choices():
+    """docs/configuration.md is the field reference (the class docstring points there): every field has a row whose
+    default is the dataclass default and whose allowed values name every choice the validation accepts."""
+    import dataclasses
+    from pathlib import Path
+
+    from hf_rocketkv import config as config_module
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    rows = {}
+    for line in text.splitlines():
+        match = re.match(r"\| `(\w+)` \| ([^|]+) \| ([^|]+) \|", line)
+        if match:
+            rows.setdefault(match.group(1), (match.group(2).strip().strip("`"), match.group(3)))
+    for field in dataclasses.fields(RocketKVConfig):
+        assert field.name in rows, f"docs/configuration.md has no row for {field.name}"
+        assert rows[field.name][0] == str(field.default), (field.name, rows[field.name][0], field.default)
+    choices = {"backend": config_module.BACKENDS, "decode_guard_checks": config_module.DECODE_GUARD_CHECKS,
+               "decode_runner": config_module.DECODE_RUNNERS, "kt_cache_dtype": tuple(config_module.KT_CACHE_DTYPES),
+               "stage1": config_module.STAGE1_POLICY_NAMES, "stage2": config_module.STAGE2_NAMES,
+               "stage2_score": config_module.STAGE2_SCORES, "multi_turn": config_module.MULTI_TURN_MODES}
+    for name, allowed in choices.items():
+        missing = [value for value in allowed if f"`{value}`" not in rows[name][1]]
+        assert not missing, f"docs/configuration.md: {name}'s allowed values lack {missing}"
+
+
+def test_the_config_and_the_policies_load_in_either_order_in_a_fresh_process():
+    """policies/ imports the names config.py owns: each loads first without the other failing, even when the
+    package's __init__ (which imports everything in its own order) is bypassed, as tests/memory does."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    for first, second in (("config", "policies"), ("policies", "config"), ("policies.stage2", "config")):
+        script = (
+            "import sys, types\n"
+            f"sys.path.insert(0, {str(root)!r})\n"
+            "stub = types.ModuleType('hf_rocketkv')\n"
+            f"stub.__path__ = [{str(root / 'hf_rocketkv')!r}]\n"
+            "sys.modules['hf_rocketkv'] = stub\n"
+            f"import hf_rocketkv.{first}, hf_rocketkv.{second}\n"
+            "from hf_rocketkv.config import RocketKVConfig\n"
+            "from hf_rocketkv.policies import STAGE1_POLICY_NAMES, get_stage1_policy\n"
+            "assert RocketKVConfig(stage1='h2o', stage2_sink_tokens=4).stage2_forced_pages == (1, 1)\n"
+            "assert get_stage1_policy(STAGE1_POLICY_NAMES[0]).name == 'snapkv'\n"
+        )
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (first, done.stderr[-2000:])

@@ -47,8 +47,8 @@ from typing import Any
 
 import torch
 
+from ..argparse_helpers import ShortErrorParser, int_at_least
 from ..integration import compat
-from ..cli.parser import ShortErrorParser, int_at_least
 
 LLAMA_31_8B = dict(
     hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
@@ -155,7 +155,7 @@ def build_model(model_kwargs: dict, layers: int | None, dtype: torch.dtype, devi
     config = LlamaConfig(**kwargs, pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa")
     torch.manual_seed(seed)
     with torch.device(device):
-        model = LlamaForCausalLM._from_config(config, dtype=dtype)
+        model = compat.model_from_config(LlamaForCausalLM, config, dtype=dtype)
     return model.eval()
 
 
@@ -362,24 +362,17 @@ def attention_step(cache_name: str, past, model) -> tuple[tuple[float, float | N
     if cache_name.endswith(("-pool", "-pool-fp8")):
         return (None, None), None  # pool pages: the generate() rows above time them; the private layout is timed here
     keys, values = layer.keys, layer.values
-    batch, kv_heads, _, head_dim = keys.shape
+    batch, _, _, head_dim = keys.shape
     q = torch.randn(batch, cfg.num_attention_heads, 1, head_dim, device=keys.device, dtype=keys.dtype)
     elem = keys.element_size()
     q_out_bytes = 2 * q.numel() * elem
     if cache_name.startswith("rocketkv"):
+        from ..cache import decode_read_bytes
         from ..integration.attention import decode_attention
-        from ..kernels.sparse_decode_attention import selected_slots
-        from ..selection.stage2_pages import num_pages, per_head
 
         scaling = head_dim**-0.5
         ms = _time_ms(lambda: decode_attention(layer, q, scaling), keys.device)
-        config = layer.config
-        n_pages = num_pages(layer.lengths, config.page_size)  # [B] or, per-head budgets (AdaKV), [B, Hkv]
-        kt_bytes = int(per_head(n_pages, batch, kv_heads).sum()) * layer.kt.shape[-1] * 2 * layer.kt.element_size()
-        qg = q.reshape(batch, kv_heads, -1, head_dim)
-        idx, valid = layer.ops.select_pages(layer.ops.page_scores(qg, layer.kt, n_pages, config.topr), n_pages, config.topk)
-        tokens = int(selected_slots(idx, valid, layer.lengths, config.page_size, keys.shape[2])[1].sum())
-        return ms, kt_bytes + tokens * head_dim * 2 * elem + q_out_bytes
+        return ms, decode_read_bytes(layer, q) + q_out_bytes
     if cache_name == "static-compile":
         # the static cache attends over its whole buffer with a mask (what the compiled step reads)
         length = int(past.get_seq_length())

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from ..cli.parser import ShortErrorParser, int_at_least
+from ..argparse_helpers import ShortErrorParser, int_at_least
+from ..integration import batch_buckets
 from .decode import LLAMA_31_8B, TINY, build_model, rocket_config, rocket_for_row, run_generate
 
 WORKLOAD_CACHES = ("dynamic", "static-compile", "rocketkv-graphs", "rocketkv-compile")
@@ -74,9 +75,7 @@ def compiled_graphs() -> int:
 
 
 def run_cache(model, cache: str, calls, rocket, device, vocab: int, budget_s: float) -> list[dict]:
-    import torch._dynamo
-
-    torch._dynamo.reset()
+    torch.compiler.reset()  # the public spelling of torch._dynamo.reset: every compiled graph dropped
     records, started = [], time.perf_counter()
     for index, (batch, length, new) in enumerate(calls):
         if time.perf_counter() - started > budget_s:
@@ -106,7 +105,7 @@ def run_cache(model, cache: str, calls, rocket, device, vocab: int, budget_s: fl
 
 def batch_bucket(cache: str, rocket, batch: int) -> int:
     """The batch size a call's decode runs at: its bucket for RocketKV rows (rocketkv-compile pads), else itself."""
-    return rocket_for_row(rocket, cache).batch_bucket(batch) if cache.startswith("rocketkv") else batch
+    return batch_buckets.batch_bucket(rocket_for_row(rocket, cache), batch) if cache.startswith("rocketkv") else batch
 
 
 def after_warm_up(records: list[dict]) -> list[dict]:

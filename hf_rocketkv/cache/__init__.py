@@ -9,13 +9,15 @@ Public API (what serving/, eval/, bench/ and the CLI import; integration/ may us
     layer_of            the layer whose ``update()`` returned a key tensor (the attention function's seam, seam.py)
     request_pages       a request's pool pages at its prefill peak and once compressed (page_budget.py)
     check_pool_policy   refuse a config a pool cannot account for (per-head budgets)
+    decode_read_bytes   bytes one decode step reads from a layer (read_accounting.py; benchmarks' GB/s)
 """
 
 from .batch_view import BatchedDecodeCache
 from .cache import RocketKVCache
 from .layer import GenerationHints, RocketKVLayer, layer_of
 from .page_budget import check_pool_policy, request_pages
+from .read_accounting import decode_read_bytes
 from .stats import CacheStats
 
 __all__ = ["BatchedDecodeCache", "CacheStats", "GenerationHints", "RocketKVCache", "RocketKVLayer", "check_pool_policy",
-           "layer_of", "request_pages"]
+           "decode_read_bytes", "layer_of", "request_pages"]

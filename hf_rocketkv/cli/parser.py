@@ -1,7 +1,8 @@
 """The argument parser of ``hf-rocketkv``: every flag, its help, and range checks that fail at parse time.
 
 argparse prints the whole usage block before an error; this parser prints two lines instead (the error, then where
-to read the options), so every mistake on the command line reads like every other CLI error.
+to read the options), so every mistake on the command line reads like every other CLI error. The parser class and the
+range-checked argument types live in ``argparse_helpers.py``, below both the CLI and the benchmarks that share them.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..argparse_helpers import ShortErrorParser, fraction, int_at_least
 from ..models import DEFAULT_MODEL
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -17,40 +19,6 @@ DEFAULT_PREFILL_CHUNK = 512
 
 def bundled_configs() -> list[str]:
     return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
-
-
-class ShortErrorParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are two lines and exit status 2 (argparse's default prints the usage too)."""
-
-    def error(self, message: str):  # noqa: D401 - argparse's hook
-        self.exit(2, f"{self.prog}: error: {message}\nSee '{self.prog} --help' for the options.\n")
-
-
-def int_at_least(low: int):
-    """argparse type: an integer >= ``low``, with an error that says so."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
-        return value
-
-    parse.__name__ = f"integer >= {low}"
-    return parse
-
-
-def fraction(text: str) -> float:
-    """argparse type: a number in [0, 1] (needle depths)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {value}")
-    return value
 
 
 def common_options() -> argparse.ArgumentParser:

@@ -46,6 +46,12 @@ class BatchPadding:
         return rows // self.padded * self.real if rows % self.padded == 0 else rows
 
 
+def batch_bucket(config, batch: int) -> int:
+    """The padded batch size for ``batch`` rows under ``config`` (a RocketKVConfig): the smallest of its
+    ``effective_batch_buckets`` that holds them, else ``batch`` itself (larger batches run unpadded)."""
+    return next((size for size in config.effective_batch_buckets if size >= batch), batch)
+
+
 def plan_padding(call: compat.Call, config, new_cache) -> tuple[BatchPadding, dict] | None:
     """The padding of this generate() call and the arguments to run it with, or None (run as it is).
 
@@ -58,7 +64,7 @@ def plan_padding(call: compat.Call, config, new_cache) -> tuple[BatchPadding, di
     if not rows or any(arguments.get(name) is not None for name in ROW_AWARE_ARGUMENTS):
         return None
     batch = next(iter(rows.values())).shape[0]
-    padded = config.batch_bucket(batch)
+    padded = batch_bucket(config, batch)
     if padded == batch or not _same_batch(kwargs, rows, batch) or not decode_may_compile(call):
         return None
     cache = compat.cache_from(kwargs)

@@ -23,9 +23,24 @@ which registration sets to ``require`` (a changed transformers then fails at the
 | GenerationMixin.generate (public, but patched)      | wrapped     | batch-size buckets: pad a RocketKV request's rows,    |
 |                                                     |             | strip them from the output (``batch_buckets``)        |
 | CompileConfig._compile_all_devices                  | read        | whether generate() compiles decode off CUDA (tests)   |
+|                                                     |             | (``compiles_on_every_device``)                        |
+| PretrainedConfig._attn_implementation               | read        | the attention a model runs: whether generate() is     |
+|                                                     |             | RocketKV's, and the name in misuse errors             |
+|                                                     |             | (``attn_implementation``)                             |
+| PreTrainedModel._from_config                        | called      | random weights built directly in a dtype: the decode  |
+|                                                     |             | benchmark's model (``model_from_config``)             |
+| models.auto.modeling_auto.                          | read        | the model types with a causal-LM class, checked from  |
+|   MODEL_FOR_CAUSAL_LM_MAPPING_NAMES                 |             | the config before any weight loads                    |
+|                                                     |             | (``causal_lm_model_types``)                           |
 | models.*.modeling_*.apply_rotary_pos_emb            | wrapped     | one fused launch for a decode step's RoPE inside      |
 |                                                     | (optional)  | RocketKV calls (``integration/rope.py``); a model     |
 |                                                     |             | whose function takes other parameters keeps its own   |
+
+Outside this module the package reaches these names only through the wrappers ``install`` sets up and the accessor
+functions below (``sdpa_attention_forward``, ``compiles_on_every_device``, ``attn_implementation``,
+``model_from_config``, ``causal_lm_model_types``): tests/test_private_names.py fails, naming file and line, when any
+other file spells a private transformers name or imports a private transformers module. torch's and Triton's private
+names are listed in ``private_names.py`` beside this module.
 
 Public extension points used as such (not listed above): ``AttentionInterface.register``,
 ``AttentionMaskInterface.register``, passing a ``Cache`` instance as ``cache`` (``past_key_values`` before
@@ -344,6 +359,26 @@ def _generate_handler(hooks: GenerateHooks):
 def compiles_on_every_device(compile_config) -> bool:
     """``CompileConfig._compile_all_devices``: generate() compiles decode off CUDA too (tests force it on CPU)."""
     return bool(getattr(compile_config, "_compile_all_devices", False))
+
+
+def attn_implementation(model) -> str | None:
+    """``model.config._attn_implementation``: the name of the attention function the model runs (None if unset).
+    transformers keeps it private; ``set_attn_implementation`` is its public writer, and there is no public reader."""
+    return getattr(model.config, "_attn_implementation", None)
+
+
+def model_from_config(model_class, config, **kwargs):
+    """``model_class._from_config(config, **kwargs)``: a model with freshly initialised weights, built directly in the
+    ``dtype=`` given (no checkpoint), as the Auto classes' public ``from_config`` does for them."""
+    return model_class._from_config(config, **kwargs)
+
+
+def causal_lm_model_types():
+    """The ``model_type`` names transformers has a causal-LM class for (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``'s keys):
+    what ``AutoModelForCausalLM`` can build, known from the config alone."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.keys()
 
 
 def _prepare_cache_handler(hooks: GenerateHooks):

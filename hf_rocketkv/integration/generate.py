@@ -41,7 +41,7 @@ ASSISTED_GENERATION = "assisted_generation"  # GenerationMode.ASSISTED_GENERATIO
 
 
 def uses_rocketkv(model) -> bool:
-    return getattr(model.config, "_attn_implementation", None) == ATTN_NAME
+    return compat.attn_implementation(model) == ATTN_NAME
 
 
 def get_config(model) -> RocketKVConfig:
@@ -155,7 +155,7 @@ def check_generate_request(model, generation_config, cache, generation_mode) -> 
     if isinstance(cache, RocketKVCache) and not rocket:
         raise ValueError(
             f"{compat.CACHE_ARG} is a RocketKVCache but the model's attn_implementation is "
-            f"'{model.config._attn_implementation}'. Call `hf_rocketkv.enable(model)` or load it with "
+            f"'{compat.attn_implementation(model)}'. Call `hf_rocketkv.enable(model)` or load it with "
             f"`from_pretrained(..., attn_implementation='{ATTN_NAME}')`."
         )
     if cache is not None and not isinstance(cache, RocketKVCache):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+# the names and the object test live in config.py, which validates ``stage1`` with them; re-exported here
+from ..config import STAGE1_POLICY_NAMES, is_stage1_policy
 from .adakv import AdaKVPolicy
 from .base import Stage1Policy
 from .h2o import H2OPolicy
@@ -13,7 +15,7 @@ from .random_policy import RandomPolicy
 from .snapkv import SnapKVPolicy
 from .streaming import StreamingPolicy
 
-STAGE1_POLICY_NAMES = ("snapkv", "streaming", "knorm", "h2o", "adakv", "random")
+__all__ = ["STAGE1_POLICY_NAMES", "get_stage1_policy", "is_stage1_policy"]
 
 
 def get_stage1_policy(
@@ -68,10 +70,3 @@ def _named_or_object(spec, kernel_size: int, sink_tokens: int, window_scores_fn:
             f"select(inputs) -> list[KeptSlots] method, got {type(spec).__name__}"
         )
     return spec
-
-
-def is_stage1_policy(obj: object) -> bool:
-    """An object (not a name) usable as a stage-1 policy: it has a ``name`` and a callable ``select``."""
-    if isinstance(obj, str):
-        return False
-    return isinstance(getattr(obj, "name", None), str) and callable(getattr(obj, "select", None))

@@ -11,38 +11,18 @@ read budget (the forced pages are part of the ``topk``):
                               before it to hold at least the r newest tokens
     stage2 = "none"           no page selection: attend every kept token (stage 1 only)
 
-P is ``page_size``. The counts are plain Python ints (static under torch.compile); the kernels' ``select_pages``
-/ ``top_pages`` take them as ``sink_pages`` / ``recent_pages`` (docs/kernels.md, "Page selection").
+P is ``page_size``. The counts (``forced_page_counts``, ``fit_forced_pages``) are plain Python ints (static under
+torch.compile); the kernels' ``select_pages`` / ``top_pages`` take them as ``sink_pages`` / ``recent_pages``
+(docs/kernels.md, "Page selection"). They and the option names live in config.py, which validates with them.
 """
 
 from __future__ import annotations
 
 import torch
 
-STAGE2_NAMES = ("kt_pages", "none")
-# How a query head scores a KT page (``stage2_pages.page_scores``): "group_sign" (RocketKV and TensorRT-LLM: the
-# group-summed query sign picks Kmax or Kmin per channel, shared by the group's heads) or "head_bound" (each head
-# by its own sign: Quest's upper bound of that head's largest logit on the page)
-STAGE2_SCORES = ("group_sign", "head_bound")
+from ..config import STAGE2_NAMES, STAGE2_SCORES, fit_forced_pages, forced_page_counts
 
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def forced_page_counts(sink_tokens: int, recent_tokens: int, page_size: int) -> tuple[int, int]:
-    """``(sink_pages, recent_pages)`` for the token counts: ``(ceil(s / P), 1 + ceil(r / P))``.
-
-    The recent count always includes the newest page (RocketKV's rule), so ``r = 0`` gives ``(.., 1)``.
-    """
-    return _ceil_div(sink_tokens, page_size), 1 + _ceil_div(recent_tokens, page_size)
-
-
-def fit_forced_pages(sink_pages: int, recent_pages: int, topk: int) -> tuple[int, int]:
-    """Forced counts trimmed to fit ``topk`` (token-budget mode derives ``topk`` per request, after validation):
-    recent pages first (at least the newest page), then sinks with what is left."""
-    recent = min(recent_pages, topk)
-    return min(sink_pages, topk - recent), recent
+__all__ = ["STAGE2_NAMES", "STAGE2_SCORES", "every_page", "fit_forced_pages", "forced_page_counts"]
 
 
 def every_page(lengths: torch.Tensor, num_kv_heads: int, num_pages: int, page_size: int):
