@@ -241,14 +241,12 @@ def main() -> None:
             layer = cache.layers[0]
             q = torch.randn(1, model.config.num_attention_heads, 1, layer.head_dim, device=device, dtype=dtype)
             k = torch.randn(1, layer.num_kv_heads, 1, layer.head_dim, device=device, dtype=dtype)
-            from hf_rocketkv.integration.attention import decode_attention
-
             def step():
                 store = layer.store
                 layer.ops.paged_append_token(store.k, store.v, store.kt, store.table, layer.positions, layer.lengths,
                                              layer.seen, k[:, :, 0], k[:, :, 0], layer.config.page_size)
                 layer.lengths.sub_(1)  # the same state every call
-                return decode_attention(layer, q, layer.head_dim**-0.5)
+                return layer.attend_decode(q, layer.head_dim**-0.5)
 
             eager_ms, graph_ms = _time_ms(step, device)
             rows[label] = dict(eager_ms=eager_ms, graph_ms=graph_ms, kept=int(layer.lengths.max()),

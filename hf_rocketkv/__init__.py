@@ -6,9 +6,10 @@
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="rocketkv")
     out = model.generate(ids, past_key_values=RocketKVCache(RocketKVConfig(prompt_budget=256, topk=16)))
 
-Data flow: generate -> integration/attention.py (the registered attention function) -> cache/layer.py (paged
-store) -> selection/ (stage 1 and stage 2, PyTorch reference) -> kernels/ (dispatch to Triton twins). Every private
-transformers symbol used is listed in integration/compat.py; the seam is described in docs/seam.md.
+Data flow: generate -> integration/attention.py (the registered attention function) -> cache/layer.py (the layer
+contract) -> cache/stage1.py after prefill, cache/stage2.py per decode step -> policies/ and selection/ (the math,
+PyTorch reference) -> kernels/ (Triton twins); pages from memory/ (KVBlockPool). docs/design.md has every floor and
+module. Every private transformers symbol used is listed in integration/compat.py; the seam is docs/seam.md.
 """
 
 from .cache import RocketKVCache, RocketKVLayer

@@ -368,10 +368,9 @@ def attention_step(cache_name: str, past, model) -> tuple[tuple[float, float | N
     q_out_bytes = 2 * q.numel() * elem
     if cache_name.startswith("rocketkv"):
         from ..cache import decode_read_bytes
-        from ..integration.attention import decode_attention
 
         scaling = head_dim**-0.5
-        ms = _time_ms(lambda: decode_attention(layer, q, scaling), keys.device)
+        ms = _time_ms(lambda: layer.attend_decode(q, scaling), keys.device)
         return ms, decode_read_bytes(layer, q) + q_out_bytes
     if cache_name == "static-compile":
         # the static cache attends over its whole buffer with a mask (what the compiled step reads)

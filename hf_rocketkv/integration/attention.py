@@ -26,10 +26,6 @@ from .compat import sdpa_attention_forward
 
 UNSUPPORTED_KWARGS = ("sliding_window", "softcap", "s_aux")
 
-# stage 2 of a decode step, as ``decode_attention(layer, query, scaling)``: the name hf_rocketkv/bench/decode.py and
-# benchmarks/bench_prefix_reuse.py import (the work is the layer's: ``RocketKVLayer.attend_decode``, cache/stage2.py)
-decode_attention = RocketKVLayer.attend_decode
-
 
 def rocketkv_attention(
     module: torch.nn.Module,

@@ -1,4 +1,4 @@
-"""The continuous-batching decode step as one CUDA graph per bucket (``serving/batching.py``).
+"""The continuous-batching decode step as one CUDA graph per bucket (``serving/decode_step.py`` runs it).
 
 A ``BatchedDecodeCache`` keeps its per-row buffers (block table, lengths, positions, logical lengths) at fixed
 addresses, and a step over ``bucket`` rows reads the first ``bucket`` entries of each: the same tensors every step,

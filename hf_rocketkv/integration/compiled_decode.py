@@ -52,7 +52,7 @@ def run_compiled_step(compiled, cache: RocketKVCache, args: tuple, kwargs: dict)
 def count_decode_step(cache: RocketKVCache, args: tuple, kwargs: dict) -> None:
     """Advance every compressed layer's host mirror of its longest row by one token, or raise if it is full.
 
-    Compiled steps skip the eager bookkeeping in ``RocketKVLayer._append_one``; this keeps the mirror exact, so a
+    Compiled steps skip the eager bookkeeping of ``cache/decode_append.py``'s ``append_one``; this keeps the mirror exact, so a
     later eager forward on this cache (a next turn) grows the store from the true length.
     """
     ids = kwargs.get("input_ids", args[0] if args else None)
