@@ -6,12 +6,12 @@ import struct
 
 import pytest
 
+from hf_rocketkv.cache.page_budget import hit_cap_tokens
 from hf_rocketkv.memory.hashing import (
     ROOT_SEED,
     MultimodalItem,
     PrefixKeys,
     as_token_list,
-    hit_cap_tokens,
     page_hashes,
     root_hash,
 )
