@@ -111,7 +111,6 @@ class KVBlockPool:
         self.page_size, self.kt_page_size = page_size, kt_page_size
         self.scale_granularity = scale_granularity
         self.prefix_reuse = prefix_reuse
-        self.device = torch.device(device) if device is not None else None
 
         planned = LayerShape(self.geometry.num_kv_heads, self.geometry.head_dim, page_size, kt_page_size,
                              self.dtype, self.kt_dtype, scale_granularity)
@@ -131,21 +130,22 @@ class KVBlockPool:
         self._planner = Planner(self._core, self._index, self._offload, self.spec)
         facts = PoolFacts(self.fingerprint, fields, self.dtype, self.kt_dtype, page_size, kt_page_size,
                           scale_granularity, num_layers)
-        self._files = PrefixFiles(facts, self._core, self._index, self._offload, self.device, model)
+        self._files = PrefixFiles(facts, self._core, self._index, self._offload,
+                                  torch.device(device) if device is not None else None, model)
 
     def __repr__(self) -> str:
         return (f"KVBlockPool({self.geometry.architecture}, pages={self.num_pages}x{self.page_size} tokens, "
                 f"dtype={dtype_name(self.dtype)}, free={self._core.available()}, host_slots={self.host_slots})")
 
-    @property
-    def default_priority(self) -> int:
-        """Retention priority of cached prompt pages registered without one."""
-        return self._index.default_priority
-
-    @property
-    def offload_min_priority(self) -> int:
-        """Cached pages below this priority are dropped instead of offloaded."""
-        return self._offload.offload_min_priority
+    # settings kept by the part that uses them
+    default_priority = property(lambda self: self._index.default_priority,
+                                lambda self, value: setattr(self._index, "default_priority", value),
+                                doc="Retention priority of cached prompt pages registered without one.")
+    offload_min_priority = property(lambda self: self._offload.offload_min_priority,
+                                    lambda self, value: setattr(self._offload, "offload_min_priority", value),
+                                    doc="Cached pages below this priority are dropped instead of offloaded.")
+    device = property(lambda self: self._files.device, lambda self, value: setattr(self._files, "device", value),
+                      doc="Where ``load_prefix`` allocates layers that have not stored anything yet.")
 
     @property
     def _host(self):
