@@ -51,8 +51,8 @@ import torch
 import hf_rocketkv
 from hf_rocketkv.bench.decode import LLAMA_31_8B, TINY, build_model
 from hf_rocketkv.config import RocketKVConfig
-from hf_rocketkv.memory import KVBlockPool
-from hf_rocketkv.memory.accounting import row_pages
+from hf_rocketkv.cache import request_pages
+from hf_rocketkv.memory import KVBlockPool, PoolSpec
 from hf_rocketkv.serving.batching import BatchingEngine
 from hf_rocketkv.serving.engine import EngineEvent, EngineRequest
 from hf_rocketkv.serving.sampling import SamplingParams
@@ -139,7 +139,8 @@ def percentile(values: list[float], q: float) -> float | None:
 # ------------------------------------------------------------------------------------------------ the pool
 def pool_pages_for(args, config: RocketKVConfig, max_prompt: int, new_tokens: int) -> int:
     """Every running request's steady pages (its longest prompt) + one prefill peak, +10%."""
-    longest = row_pages(max_prompt, new_tokens, args.page_size, config.prompt_budget)
+    spec = PoolSpec(args.page_size, config.page_size, config.kt_cache_dtype)  # the pool is sized from this
+    longest = request_pages(config, spec, max_prompt, new_tokens, keep_all=False)
     steady = longest.steady_pages * args.max_running
     return int((steady + longest.peak_pages) * 1.1) + 4
 

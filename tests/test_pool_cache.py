@@ -320,16 +320,16 @@ def test_finalizer_inside_a_pool_call_only_queues(model, monkeypatch):
     held = cache.stats.pages_held
     victim = [cache]
     del cache
-    original = pool._take_pages
+    original = pool._core.take_pages
 
     def take(count):
         if victim:
             victim.clear()
-            gc.collect()  # the finalizer fires here, inside admit -> _take_pages, under the lock
+            gc.collect()  # the finalizer fires here, inside admit -> take_pages, under the lock
             assert pool.pending_releases() == 1  # queued, not released
         return original(count)
 
-    monkeypatch.setattr(pool, "_take_pages", take)
+    monkeypatch.setattr(pool._core, "take_pages", take)
     free_before = pool.free_pages()
     _, other = run(model, random_ids(1, 40, seed=28), CFG, pool=pool)
     assert not victim and pool.pending_releases() == 0  # released at a later call of that request

@@ -35,7 +35,7 @@ from ..kernels.host_copy import device_tensor
 from ..memory import Admission, BlockTable, KVBlockPool, PrefixKeys, Reservation
 from ..memory.errors import PoolExhaustedError
 from ..memory.fp8 import FP8_DTYPE, dequantize_fp8
-from .page_budget import request_pages
+from .page_budget import decode_tokens, request_pages, row_demand
 from .paged_store import PagedStore, ceil_div
 from .stats import RequestCounters
 
@@ -169,7 +169,7 @@ class PoolPages:
         batch, width = input_ids.shape
         mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
         # decode-time compression bounds the generated tokens a view holds: reserve that, not max_new_tokens
-        max_new_tokens = self.config.decode_headroom(max_new_tokens)
+        max_new_tokens = decode_tokens(self.config, max_new_tokens)
         self.max_new_tokens = max_new_tokens
         if not self.rows:
             pads = (width - mask.sum(dim=1)).tolist()  # left padding (right padding is refused by the attention)
@@ -248,12 +248,12 @@ class PoolPages:
         """A later turn: a fresh view per row for min(total, prompt_budget) + max_new_tokens tokens, and keep_all's
         history room for the new tokens and the tokens to come, all at once or PoolExhaustedError."""
         p = self.page_tokens
-        budget = self.config.prompt_budget
         views = [BlockTable("view") for _ in self.rows]
-        requests = [(table, ceil_div(min(total, budget) + max_new_tokens, p)) for table, total in zip(views, totals)]
+        requests = [(table, row_demand(self.config, total, max_new_tokens, p, self.keep_all).view_pages(p))
+                    for table, total in zip(views, totals)]
         extensions = []
         if self.keep_all:  # every row as wide as the longest (what the layers' growth asks for)
-            pages = ceil_div(max(totals) + max_new_tokens, p)
+            pages = row_demand(self.config, max(totals), max_new_tokens, p, keep_all=True).prompt_table_pages(p)
             for row in self.rows:
                 missing = pages - row.history_pages
                 if missing > 0:

@@ -1,17 +1,16 @@
-"""How many pool pages a RocketKV request takes: at its prefill peak and once compressed.
+"""How many pool pages a request takes, from plain per-row numbers: at its prefill peak and once prefill is over.
 
-Notation (one row): p = pool page_size, P = prompt tokens, N = max_new_tokens, B = RocketKVConfig.prompt_budget,
-kept = min(P, B) tokens per KV head after stage 1.
+A row asks for (``RowDemand``; the numbers come from the caller's policy, e.g. ``cache/page_budget.py`` for a
+RocketKVConfig): P = prompt tokens, T = tokens the prompt table holds (P, or more when it is kept and grows),
+V = tokens the view table holds, and whether the prompt table is kept after prefill. With p = pool page_size:
 
-    prompt table  ceil(P / p)               the dense, pre-eviction prompt (reused prefixes live here)
-                  ceil((P + N) / p)         keep_all (RocketKV-MT): the conversation stays, generated tokens too
-    view table    ceil((kept + N) / p)      stage-1 survivors + every decode token, allocated up front so decode
-                                            never allocates (fixed shapes for the compiled decode step)
+    prompt table  ceil(T / p)               the dense prompt, in positional order (reused prefixes live here)
+    view table    ceil(V / p)               the request's private working set, allocated whole at admission
 
     prefix reuse on   prefill_peak = prompt + view   steady_state = view              (prompt pages become cached)
-    keep_all          prefill_peak = prompt + view   steady_state = prompt + view
-    prefix reuse off  prefill_peak = max(prompt, view)  (stage 1 compacts in place, the tail pages go back)
-                      steady_state = view
+    prompt kept       prefill_peak = prompt + view   steady_state = prompt + view
+    prefix reuse off  prefill_peak = max(prompt, view)  (the prompt table is compacted in place, its tail goes back)
+                      steady_state = view           view table pages: 0
 
 With token ids, a prefix hit of H pages needs H fewer new prompt pages, but a hit page that sits at ref 0 (cached,
 so counted as free) leaves the free count when taken, and a hit page on the host needs a device page to come back
@@ -23,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from .errors import check_int
+
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
@@ -32,24 +33,57 @@ def ceil_div(a: int, b: int) -> int:
 class RowPages:
     """Table sizes of one row (before prefix hits)."""
 
-    prompt_pages: int  # pages of the prompt table (keep_all: prompt + new tokens)
+    prompt_pages: int  # pages of the prompt table
     view_pages: int  # pages of the view table (0 with reuse off: the prompt table is compacted in place)
     peak_pages: int  # pages held at the prefill peak, cold
     steady_pages: int  # pages held after prefill
 
 
-def row_pages(prompt_len: int, max_new_tokens: int, page_size: int, prompt_budget: int, *,
-              prefix_reuse: bool = True, keep_all: bool = False) -> RowPages:
-    kept = min(prompt_len, prompt_budget)
-    view = ceil_div(kept + max_new_tokens, page_size)
-    if keep_all:
-        prompt = ceil_div(prompt_len + max_new_tokens, page_size)
-        return RowPages(prompt, view, prompt + view, prompt + view)
-    prompt = ceil_div(prompt_len, page_size)
-    if not prefix_reuse:
-        in_place = max(prompt, view)
-        return RowPages(in_place, 0, in_place, view)
-    return RowPages(prompt, view, prompt + view, view)
+@dataclass(frozen=True)
+class RowDemand:
+    """What one row asks of the pool, in tokens: the pool's whole view of a request's policy.
+
+    prompt_tokens        P: the prompt (its full pages are hashed and may be prefix hits)
+    new_tokens           tokens generated after the prompt (recorded in the ``Admission``)
+    view_tokens          V: tokens the view table must hold (survivors of compression + generated tokens)
+    hit_cap_tokens       the most prompt tokens a prefix hit may cover (rounded down to whole pages)
+    prompt_table_tokens  T: tokens the prompt table must hold (default: P)
+    keep_prompt          the prompt table stays held after prefill (a multi-turn history)
+    """
+
+    prompt_tokens: int
+    new_tokens: int
+    view_tokens: int
+    hit_cap_tokens: int
+    prompt_table_tokens: int | None = None
+    keep_prompt: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_tokens", "new_tokens", "view_tokens", "hit_cap_tokens"):
+            check_int(getattr(self, name), f"RowDemand.{name}", 0)
+        if self.prompt_table_tokens is None:
+            object.__setattr__(self, "prompt_table_tokens", self.prompt_tokens)
+        check_int(self.prompt_table_tokens, "RowDemand.prompt_table_tokens", self.prompt_tokens)
+        if self.hit_cap_tokens > self.prompt_tokens:
+            raise ValueError(f"RowDemand.hit_cap_tokens={self.hit_cap_tokens} exceeds prompt_tokens={self.prompt_tokens}")
+        if not isinstance(self.keep_prompt, bool):
+            raise ValueError(f"RowDemand.keep_prompt must be True or False, got {self.keep_prompt!r}")
+
+    def prompt_table_pages(self, page_size: int) -> int:
+        return ceil_div(self.prompt_table_tokens, page_size)
+
+    def view_pages(self, page_size: int) -> int:
+        return ceil_div(self.view_tokens, page_size)
+
+    def pages(self, page_size: int, prefix_reuse: bool = True) -> RowPages:
+        """The row's tables in pages of ``page_size`` tokens (module docstring)."""
+        prompt, view = self.prompt_table_pages(page_size), self.view_pages(page_size)
+        if self.keep_prompt:
+            return RowPages(prompt, view, prompt + view, prompt + view)
+        if not prefix_reuse:
+            in_place = max(prompt, view)
+            return RowPages(in_place, 0, in_place, view)
+        return RowPages(prompt, view, prompt + view, view)
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,11 @@ from .hashing import PrefixKeys
 class Admission:
     """One row's tables and what its prefix hit covered.
 
-    prompt          prompt table: ``hit_pages`` reused pages, then fresh ones, positional (keep_all: room for the
-                    new tokens too; prefix reuse off: ``max(prompt, view)`` pages, compacted in place)
+    prompt          prompt table: ``hit_pages`` reused pages, then fresh ones, positional, room for
+                    ``RowDemand.prompt_table_tokens`` (keep_all: the new tokens too; prefix reuse off:
+                    ``max(prompt, view)`` pages, compacted in place)
     page_size       the pool's tokens per page
-    view            view table: ``ceil((min(P, prompt_budget) + N) / page_size)`` fresh pages (empty when reuse is off)
+    view            view table: ``ceil(RowDemand.view_tokens / page_size)`` fresh pages (empty when reuse is off)
     page_hashes     chained hashes of the prompt's full pages (empty without token ids or with reuse off)
     reused_tokens   prompt tokens whose K/V came from the prefix index (``hit_pages * page_size``)
     computed_tokens prompt tokens the model must compute (``prompt_len - reused_tokens``)

@@ -40,17 +40,18 @@ class DeferredReleases:
             count += 1
 
 
-def weakly_bound(method: Callable[[], None]) -> Callable[[], None]:
+def weakly_bound(method: Callable[..., None]) -> Callable[..., None]:
     """``method`` (a bound method) as a callable that does not keep its object alive: a no-op once the object is
-    gone. An object that stores its own bound method (the pool's lock calling ``pool._drain_deferred``) would
-    otherwise be a reference cycle, freed only by the cyclic garbage collector: a dropped pool would keep its
-    device pages until the next full collection."""
+    gone. An object that stores its own bound method (the pool's lock calling ``PageCore._drain_deferred``), or a
+    method of an object that holds it (the core's eviction hook into offload), would otherwise be a reference cycle,
+    freed only by the cyclic garbage collector: a dropped pool would keep its device pages until the next full
+    collection."""
     ref = weakref.WeakMethod(method)
 
-    def call() -> None:
+    def call(*args: Any) -> None:
         bound = ref()
         if bound is not None:
-            bound()
+            bound(*args)
 
     return call
 

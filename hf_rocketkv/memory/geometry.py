@@ -47,6 +47,17 @@ def parse_dtype(value: Any, field: str, allowed: dict[str, torch.dtype]) -> torc
     return allowed[name]
 
 
+def storage_dtype(value: Any, geometry: ModelGeometry) -> torch.dtype:
+    """KVBlockPool's ``dtype`` argument as a K/V storage dtype; None: the model's (which it must name)."""
+    if value is None:
+        if geometry.dtype is None:
+            raise ValueError(
+                f"KVBlockPool.dtype is None and the model/config names no dtype; pass dtype= one of {sorted(KV_DTYPES)}"
+            )
+        value = geometry.dtype
+    return parse_dtype(value, "KVBlockPool.dtype", KV_DTYPES)
+
+
 @dataclass(frozen=True)
 class ModelGeometry:
     """The model facts that shape a KV page and identify whose KV it is.

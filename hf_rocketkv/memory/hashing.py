@@ -132,14 +132,3 @@ def page_hashes(root: bytes, token_ids: Sequence[int], page_size: int, keys: Pre
         hashes.append(parent)
     return hashes
 
-
-def hit_cap_tokens(prompt_len: int, page_size: int, window_size: int | None, prompt_budget: int | None) -> int:
-    """The most prompt tokens a prefix hit may cover (page aligned).
-
-    Stage 1 scores the prompt with the queries of its last ``window_size`` tokens and queries are never cached, so
-    when stage 1 will evict (``prompt_len > prompt_budget``) those tokens are always recomputed; otherwise only the
-    last token is (its logits start generation). Without a RocketKV config only the last-token rule applies.
-    """
-    evicts = window_size is not None and prompt_budget is not None and prompt_len > prompt_budget
-    recompute = window_size if evicts else 1
-    return max(0, (prompt_len - recompute) // page_size * page_size)

@@ -112,3 +112,20 @@ class RecordLayout:
                 )
             records[:, seg.offset : seg.offset + seg.nbytes] = tensor.reshape(n, -1).contiguous().view(torch.uint8).reshape(n, -1)
         return records
+
+
+def pool_sizes(planned: LayerShape, num_layers: int, max_gpu_bytes: int, host_bytes: int) -> tuple[int, int, int, int]:
+    """``(bytes_per_page, num_pages, slot_bytes, num_slots)`` of a pool whose layers all have the ``planned`` shape:
+    a device page counts every layer's tensors; a host slot holds one page record (segments aligned)."""
+    bytes_per_page = planned.bytes_per_page() * num_layers
+    num_pages = max_gpu_bytes // bytes_per_page
+    if num_pages < 1:
+        raise ValueError(
+            f"KVBlockPool.max_gpu_bytes={max_gpu_bytes} holds no page: one page of {planned.page_size} tokens takes "
+            f"{bytes_per_page} bytes over {num_layers} layers"
+        )
+    slot_bytes = RecordLayout([planned] * num_layers).record_bytes
+    num_slots = host_bytes // slot_bytes
+    if host_bytes and num_slots < 1:
+        raise ValueError(f"KVBlockPool.host_bytes={host_bytes} holds no page: one host slot takes {slot_bytes} bytes")
+    return bytes_per_page, num_pages, slot_bytes, num_slots

@@ -97,3 +97,33 @@ def page_bytes_of(pool: KVBlockPool, page: int) -> bytes:
             parts.append(tensor[page].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
                          if tensor[page].dim() else tensor[page:page + 1].view(torch.uint8).numpy().tobytes())
     return b"".join(parts)
+
+
+def snapshot(pool: KVBlockPool):
+    """Everything observable about the pool's state."""
+    return (
+        pool.free_page_ids("device"),
+        pool.free_page_ids("host"),
+        [pool.page_info(i) for i in range(pool.total_pages())],
+        [pool.page_info(i, "host") for i in range(pool.host_slots)],
+        pool.stats(),
+    )
+
+
+PREFIX_CFG = rocket_config(prompt_budget=32, window_size=8)  # the prefix tests' config (pool pages of 8 tokens)
+
+
+def warm(pool, ids, keys=None, priority=None):
+    """Admit, 'compute', index and release a prompt: its full pages become cached. Returns its prompt pages."""
+    adm = pool.admit(len(ids), 0, PREFIX_CFG, token_ids=ids, keys=keys)
+    pool.commit_prompt(adm, priority=priority)
+    pages = adm.prompt.pages
+    pool.release(adm)
+    return pages
+
+
+def reused(pool, ids, keys=None):
+    adm = pool.admit(len(ids), 0, PREFIX_CFG, token_ids=ids, keys=keys)
+    tokens = adm.reused_tokens
+    pool.release(adm)
+    return tokens

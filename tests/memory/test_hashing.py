@@ -1,5 +1,6 @@
 """Prefix hashing: canonical bytes (checked against a from-the-spec re-implementation), chaining, extra keys,
-stability across processes, and the hit cap rule."""
+stability across processes (the hit cap, RocketKV's rule, is tested with cache/page_budget.py in
+tests/test_pool_page_budget.py)."""
 
 import hashlib
 import struct
@@ -11,7 +12,6 @@ from hf_rocketkv.memory.hashing import (
     MultimodalItem,
     PrefixKeys,
     as_token_list,
-    hit_cap_tokens,
     page_hashes,
     root_hash,
 )
@@ -70,22 +70,6 @@ def test_extra_keys_change_page_zero():
     assert late[:2] == plain[:2] and late[2] != plain[2]
     assert page_hashes(ROOT, ids, 4, PrefixKeys(cache_salt="s")) != page_hashes(ROOT, ids, 4, PrefixKeys(cache_salt="t"))
     assert root_hash("a" * 64) != root_hash("b" * 64)
-
-
-@pytest.mark.parametrize(
-    "prompt_len, page, window, budget, expected",
-    [
-        (100, 8, 16, 32, 80),  # evicts: keep the last 16 tokens out -> floor(84 / 8) * 8
-        (96, 8, 16, 32, 80),  # exact multiple of the page size
-        (32, 8, 16, 32, 24),  # no eviction (P <= budget): only the last token -> floor(31 / 8) * 8
-        (33, 8, 16, 32, 16),  # one token over the budget: the window rule applies
-        (8, 8, 16, 32, 0),  # a one-page prompt can never hit (its last token must be computed)
-        (9, 8, None, None, 8),  # no RocketKV config: last-token rule
-        (10, 16, 4, 4, 0),
-    ],
-)
-def test_hit_cap(prompt_len, page, window, budget, expected):
-    assert hit_cap_tokens(prompt_len, page, window, budget) == expected
 
 
 def test_token_id_validation():

@@ -1,5 +1,6 @@
-"""memory/ stays below the cache floors (no transformers, no cache classes; from the kernels only the fp8 arithmetic,
-kernels/fp8.py, which imports nothing of the package), and one pool serves several threads."""
+"""memory/ stays below the cache floors (no transformers, no cache classes, no config, not even for type hints; from
+the kernels only the fp8 arithmetic, kernels/fp8.py, which imports nothing of the package), knows no RocketKV field,
+and one pool serves several threads."""
 
 import ast
 import threading
@@ -10,7 +11,10 @@ from hf_rocketkv.memory import PoolExhaustedError
 from .helpers import make_pool, rocket_config
 
 MEMORY = Path(__file__).resolve().parents[2] / "hf_rocketkv" / "memory"
-FORBIDDEN = ("transformers", "hf_rocketkv.cache", "hf_rocketkv.integration")
+FORBIDDEN = ("transformers", "hf_rocketkv.cache", "hf_rocketkv.integration", "hf_rocketkv.config")
+# RocketKVConfig's fields and policies: their arithmetic belongs to cache/page_budget.py
+ROCKETKV_NAMES = {"RocketKVConfig", "prompt_budget", "window_size", "kt_cache_dtype", "multi_turn",
+                  "per_head_budgets", "decode_headroom", "check_pool_policy", "stage1"}
 
 
 def _imports(tree):
@@ -39,7 +43,26 @@ def test_memory_imports_nothing_from_the_floors_above():
             if module == "hf_rocketkv.kernels.fp8":  # the fp8 arithmetic, a leaf below both memory and the kernels
                 continue
             if module.startswith("hf_rocketkv.") and not module.startswith("hf_rocketkv.memory"):
-                assert module == "hf_rocketkv.config" and type_only, f"{path.name} imports {module} at run time"
+                raise AssertionError(f"{path.name} imports {module} ({'type hints' if type_only else 'run time'})")
+
+
+def test_memory_code_names_no_rocketkv_field():
+    """Names, attributes and non-docstring strings of memory/'s code (docstrings may say what a caller passes)."""
+    for path in sorted(MEMORY.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and node.body
+                      and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name):
+                name = node.id
+            elif isinstance(node, ast.Attribute):
+                name = node.attr
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                name = next((field for field in ROCKETKV_NAMES if field in node.value), None)
+            else:
+                continue
+            assert name not in ROCKETKV_NAMES, f"{path.name}:{node.lineno} names {name}"
 
 
 def test_the_fp8_arithmetic_imports_nothing_of_the_package():

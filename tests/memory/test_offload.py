@@ -1,9 +1,10 @@
-"""Host offload: bit-exact round trips of every byte of a page (K, V, KT, fp8 scales), host eviction, counters."""
+"""Eviction and host offload (offload.py): the exact eviction order, held hit pages never evicted, bit-exact round
+trips of every byte of a page (K, V, KT, fp8 scales), host eviction, counters."""
 
 import pytest
 import torch
 
-from .helpers import fill_pages, make_pool, page_bytes, page_bytes_of, rocket_config
+from .helpers import fill_pages, make_pool, page_bytes, page_bytes_of, reused, rocket_config, warm
 
 CFG = rocket_config(prompt_budget=32, window_size=8)
 
@@ -118,3 +119,43 @@ def test_onload_when_device_is_full_offloads_others_first():
     assert len(pool.resident_prefix(b)) > 0 and pool.resident_prefix(b)[0].tier in ("device", "host")
     pool.release(adm)
     assert pool.free_pages() == 10
+
+
+def test_exact_eviction_order_priority_then_lru_tail_first():
+    pool = make_pool(40)
+    chains = {}
+    for name, start, priority in (("a", 0, None), ("b", 100, 80), ("c", 200, 10), ("d", 300, None)):
+        chains[name] = warm(pool, list(range(start, start + 28)), priority=priority)[:3]  # 3 full pages + partial
+    a, b, c, d = (chains[n] for n in "abcd")
+    rev = lambda pages: list(reversed(pages))  # noqa: E731
+    cached_order = [p for p in pool.free_page_ids() if pool.page_info(p).hash is not None]
+    assert cached_order == rev(c) + rev(a) + rev(d) + rev(b)
+    # a hit on chain a (cap: floor((28 - 1) / 8) = 3 pages, budget not exceeded) refreshes a: it moves behind d
+    assert reused(pool, list(range(0, 28))) == 24
+    cached_order = [p for p in pool.free_page_ids() if pool.page_info(p).hash is not None]
+    assert cached_order == rev(c) + rev(d) + rev(a) + rev(b)
+    assert [pool.page_info(p).priority for p in cached_order] == [10] * 3 + [35] * 6 + [80] * 3
+    # allocation takes unhashed pages first, then evicts exactly in that order
+    table = pool.new_table("view")
+    uncached = pool.free_pages() - len(cached_order)
+    pool.allocate(table, uncached)
+    for expected in cached_order:
+        pool.allocate(table, 1)
+        assert table.pages[-1] == expected and pool.page_info(expected).hash is None
+    assert pool.stats().evictions == 12
+    pool.release(table)
+
+
+def test_hit_pages_are_not_evicted_while_held():
+    pool = make_pool(16)
+    ids = list(range(48))  # 6 full pages, cap 5
+    pages = warm(pool, ids)
+    adm = pool.admit(48, 0, CFG, token_ids=ids)
+    assert adm.prompt.pages[:5] == pages[:5]
+    filler = pool.new_table("view")
+    pool.allocate(filler, pool.free_pages())  # takes every free page, evicting the one cached page left (page 5)
+    assert all(pool.page_info(p).hash is not None and pool.page_info(p).ref == 1 for p in pages[:5])
+    assert pool.page_info(pages[5]).hash is None
+    pool.release(filler)
+    pool.release(adm)
+    assert reused(pool, ids) == 40

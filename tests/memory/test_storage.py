@@ -1,5 +1,5 @@
 """Device storage: lazy per-layer allocation from the K/V actually seen, reference token writes/reads (bf16 exact,
-fp8 within the documented bound), page records, geometry parsing."""
+fp8 within the documented bound), page records, pages per byte budget, geometry parsing."""
 
 import types
 
@@ -134,3 +134,15 @@ def test_geometry_from_configs_and_models():
         KVBlockPool(model_config(), max_gpu_bytes=1 << 16, host_bytes=10, page_size=8, dtype="bfloat16")
     with pytest.raises(ValueError, match="KVBlockPool.default_priority must be an integer in"):
         KVBlockPool(model_config(), max_gpu_bytes=1 << 16, dtype="bfloat16", default_priority=101)
+
+
+@pytest.mark.parametrize("dtype, granularity", [(torch.bfloat16, "page"), (torch.float32, "page"),
+                                                (torch.float8_e4m3fn, "page"), (torch.float8_e4m3fn, "head")])
+def test_num_pages_from_bytes(dtype, granularity):
+    per_page = page_bytes(dtype, 8, scale_granularity=granularity)
+    pool = KVBlockPool(model_config(), max_gpu_bytes=10 * per_page + per_page - 1, page_size=8, dtype=dtype,
+                       scale_granularity=granularity)
+    assert pool.bytes_per_page == per_page and pool.total_pages() == 10 == pool.free_pages()
+    with pytest.raises(ValueError, match=rf"max_gpu_bytes={per_page - 1} holds no page.*{per_page} bytes"):
+        KVBlockPool(model_config(), max_gpu_bytes=per_page - 1, page_size=8, dtype=dtype,
+                    scale_granularity=granularity)

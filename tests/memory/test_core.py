@@ -1,4 +1,5 @@
-"""Reservations (free pages set aside, counted not held) and releases queued from finalizers (``release_later``)."""
+"""The pool's core (core.py, deferred.py, block_table.py): low-level allocation that is all or nothing, releases
+queued from finalizers (``release_later``) and drained by the lock, tail-first truncation, block table tensors."""
 
 from __future__ import annotations
 
@@ -7,41 +8,12 @@ import threading
 import weakref
 
 import pytest
+import torch
 
-from hf_rocketkv.memory import BlockTable, PoolExhaustedError, Reservation
+from hf_rocketkv.memory import BlockTable, PoolExhaustedError
 from hf_rocketkv.memory.deferred import DrainingLock, weakly_bound
 
-from .helpers import make_pool, rocket_config
-
-
-def test_reservation_sets_pages_aside_without_holding_them():
-    pool = make_pool(num_pages=16)
-    cfg = rocket_config()
-    table = BlockTable("view")
-    pool.allocate(table, 4)
-    pool.register(table, pool.hash_pages(list(range(16)))[:2])  # two pages that will be cached once released
-    pool.release(table)
-    assert pool.cached_pages() == 2
-    res = pool.reserve(10)
-    assert isinstance(res, Reservation) and res.count == 10
-    assert pool.free_pages() == 6 and pool.reserved_pages() == 10 and pool.used_pages() == 0
-    assert pool.cached_pages() == 2  # nothing evicted: a reservation holds no page
-    with pytest.raises(PoolExhaustedError, match="needs 7 pages but only 6 of 16"):
-        pool.allocate(BlockTable("view"), 7)
-    with pytest.raises(PoolExhaustedError):
-        pool.reserve(7)
-    # an admission naming the reservation may use it; what it takes comes off the reservation
-    adm = pool.admit_batch([16], 8, cfg, reservation=res)[0]
-    taken = len(adm.prompt) + len(adm.view)
-    assert res.count == 10 - taken and pool.reserved_pages() == 10 - taken
-    assert pool.free_pages() == 16 - taken - res.count
-    pool.release(adm)
-    pool.add_to_reservation(res, taken)
-    assert res.count == 10 and pool.free_pages() == 6
-    pool.unreserve(res, 3)
-    assert res.count == 7 and pool.free_pages() == 9
-    pool.unreserve(res)
-    assert res.count == 0 and pool.free_pages() == 16 and pool.reserved_pages() == 0
+from .helpers import make_pool, snapshot
 
 
 def test_release_later_is_processed_at_the_next_call_and_never_inside_one():
@@ -116,3 +88,42 @@ def test_weakly_bound_calls_the_method_while_its_object_lives():
     assert ref() is None
     with lock:  # the object is gone: nothing to call
         pass
+
+
+def test_low_level_allocate_refusal_changes_nothing():
+    pool = make_pool(4)
+    table = pool.new_table("view")
+    pool.allocate(table, 3)
+    before = snapshot(pool)
+    with pytest.raises(PoolExhaustedError, match="needs 2 pages but only 1 of 4"):
+        pool.allocate(table, 2)
+    assert snapshot(pool) == before and len(table) == 3
+    capped = pool.new_table("view", max_pages=0)
+    with pytest.raises(ValueError, match="exceed its max_pages=0"):
+        pool.allocate(capped, 1)
+    assert snapshot(pool) == before
+
+
+def test_truncate_returns_tail_pages():
+    pool = make_pool(16)
+    table = pool.new_table("prompt")
+    pool.allocate(table, 6)
+    pages = table.pages
+    pool.truncate(table, 2)
+    assert table.pages == pages[:2] and pool.free_pages() == 14
+    assert pool.free_page_ids()[:4] == list(pages[2:])  # unhashed pages are reused first (hot)
+    pool.release(table)
+
+
+def test_block_table_tensor_is_padded_and_fixed():
+    pool = make_pool(16)
+    table = pool.new_table("view", max_pages=6)
+    pool.allocate(table, 2)
+    tensor = table.as_tensor("cpu")
+    assert tensor.dtype == torch.int32 and tensor.tolist() == list(table.pages) + [-1] * 4
+    pool.allocate(table, 3)
+    assert table.as_tensor() is tensor and tensor.tolist() == list(table.pages) + [-1]
+    pool.release(table)
+    assert tensor.tolist() == [-1] * 6
+    with pytest.raises(ValueError, match="BlockTable.kind"):
+        pool.new_table("decode")

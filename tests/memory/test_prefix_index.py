@@ -1,29 +1,13 @@
-"""Prefix reuse: hits and misses, salt isolation, exact eviction order, reset, duplicates, block tables."""
+"""The prefix index (prefix_index.py): hits and misses, the hit cap, salt isolation, duplicates, partial commits,
+reset, registering generated pages."""
 
 import pytest
-import torch
 
 from hf_rocketkv.memory import PoolStateError, PrefixKeys
 
-from .helpers import make_pool, rocket_config
+from .helpers import make_pool, reused, rocket_config, warm
 
 CFG = rocket_config(prompt_budget=32, window_size=8)  # pool pages of 8 tokens
-
-
-def warm(pool, ids, keys=None, priority=None):
-    """Admit, 'compute', index and release a prompt: its full pages become cached. Returns its prompt pages."""
-    adm = pool.admit(len(ids), 0, CFG, token_ids=ids, keys=keys)
-    pool.commit_prompt(adm, priority=priority)
-    pages = adm.prompt.pages
-    pool.release(adm)
-    return pages
-
-
-def reused(pool, ids, keys=None):
-    adm = pool.admit(len(ids), 0, CFG, token_ids=ids, keys=keys)
-    tokens = adm.reused_tokens
-    pool.release(adm)
-    return tokens
 
 
 def test_hit_miss_and_partial_hit():
@@ -64,46 +48,6 @@ def test_salt_isolation_paired():
     assert reused(pool, ids, salt_a) == 32 and reused(pool, ids, salt_b) == 0
     adapter = PrefixKeys(cache_salt="tenant-a", adapter="lora-1")
     assert reused(pool, ids, adapter) == 0
-
-
-def test_exact_eviction_order_priority_then_lru_tail_first():
-    pool = make_pool(40)
-    chains = {}
-    for name, start, priority in (("a", 0, None), ("b", 100, 80), ("c", 200, 10), ("d", 300, None)):
-        chains[name] = warm(pool, list(range(start, start + 28)), priority=priority)[:3]  # 3 full pages + partial
-    a, b, c, d = (chains[n] for n in "abcd")
-    rev = lambda pages: list(reversed(pages))  # noqa: E731
-    cached_order = [p for p in pool.free_page_ids() if pool.page_info(p).hash is not None]
-    assert cached_order == rev(c) + rev(a) + rev(d) + rev(b)
-    # a hit on chain a (cap: floor((28 - 1) / 8) = 3 pages, budget not exceeded) refreshes a: it moves behind d
-    assert reused(pool, list(range(0, 28))) == 24
-    cached_order = [p for p in pool.free_page_ids() if pool.page_info(p).hash is not None]
-    assert cached_order == rev(c) + rev(d) + rev(a) + rev(b)
-    assert [pool.page_info(p).priority for p in cached_order] == [10] * 3 + [35] * 6 + [80] * 3
-    # allocation takes unhashed pages first, then evicts exactly in that order
-    table = pool.new_table("view")
-    uncached = pool.free_pages() - len(cached_order)
-    pool.allocate(table, uncached)
-    for expected in cached_order:
-        pool.allocate(table, 1)
-        assert table.pages[-1] == expected and pool.page_info(expected).hash is None
-    assert pool.stats().evictions == 12
-    pool.release(table)
-
-
-def test_hit_pages_are_not_evicted_while_held():
-    pool = make_pool(16)
-    ids = list(range(48))  # 6 full pages, cap 5
-    pages = warm(pool, ids)
-    adm = pool.admit(48, 0, CFG, token_ids=ids)
-    assert adm.prompt.pages[:5] == pages[:5]
-    filler = pool.new_table("view")
-    pool.allocate(filler, pool.free_pages())  # takes every free page, evicting the one cached page left (page 5)
-    assert all(pool.page_info(p).hash is not None and pool.page_info(p).ref == 1 for p in pages[:5])
-    assert pool.page_info(pages[5]).hash is None
-    pool.release(filler)
-    pool.release(adm)
-    assert reused(pool, ids) == 40
 
 
 def test_duplicate_registration_keeps_one_indexed_copy():
@@ -167,26 +111,3 @@ def test_keep_all_and_registering_generated_pages():
     assert reused(pool, turn2) == 24 and pool.resident_prefix(turn2)[-1].depth == 3  # generated pages hit too
 
 
-def test_truncate_returns_tail_pages():
-    pool = make_pool(16)
-    table = pool.new_table("prompt")
-    pool.allocate(table, 6)
-    pages = table.pages
-    pool.truncate(table, 2)
-    assert table.pages == pages[:2] and pool.free_pages() == 14
-    assert pool.free_page_ids()[:4] == list(pages[2:])  # unhashed pages are reused first (hot)
-    pool.release(table)
-
-
-def test_block_table_tensor_is_padded_and_fixed():
-    pool = make_pool(16)
-    table = pool.new_table("view", max_pages=6)
-    pool.allocate(table, 2)
-    tensor = table.as_tensor("cpu")
-    assert tensor.dtype == torch.int32 and tensor.tolist() == list(table.pages) + [-1] * 4
-    pool.allocate(table, 3)
-    assert table.as_tensor() is tensor and tensor.tolist() == list(table.pages) + [-1]
-    pool.release(table)
-    assert tensor.tolist() == [-1] * 6
-    with pytest.raises(ValueError, match="BlockTable.kind"):
-        pool.new_table("decode")

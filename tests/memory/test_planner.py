@@ -1,40 +1,18 @@
-"""Accounting: page counts from the formulas, equal to what admission really takes; refusals change nothing."""
+"""The planner (planner.py, accounting.py): page counts from the formulas, equal to what admission really takes;
+refusals change nothing; config and input errors name the field; reservations set free pages aside."""
 
 import pytest
 import torch
 
-from hf_rocketkv.memory import KVBlockPool, PoolExhaustedError
+from hf_rocketkv.memory import BlockTable, KVBlockPool, PoolExhaustedError, Reservation
 
-from .helpers import fill_pages, make_pool, model_config, page_bytes, rocket_config
+from .helpers import fill_pages, make_pool, model_config, rocket_config, snapshot
 
 CFG = rocket_config(prompt_budget=32, window_size=8)
 
 
 def ceil(a, b):
     return -(-a // b)
-
-
-def snapshot(pool: KVBlockPool):
-    """Everything observable about the pool's state."""
-    return (
-        pool.free_page_ids("device"),
-        pool.free_page_ids("host"),
-        [pool.page_info(i) for i in range(pool.total_pages())],
-        [pool.page_info(i, "host") for i in range(pool.host_slots)],
-        pool.stats(),
-    )
-
-
-@pytest.mark.parametrize("dtype, granularity", [(torch.bfloat16, "page"), (torch.float32, "page"),
-                                                (torch.float8_e4m3fn, "page"), (torch.float8_e4m3fn, "head")])
-def test_num_pages_from_bytes(dtype, granularity):
-    per_page = page_bytes(dtype, 8, scale_granularity=granularity)
-    pool = KVBlockPool(model_config(), max_gpu_bytes=10 * per_page + per_page - 1, page_size=8, dtype=dtype,
-                       scale_granularity=granularity)
-    assert pool.bytes_per_page == per_page and pool.total_pages() == 10 == pool.free_pages()
-    with pytest.raises(ValueError, match=rf"max_gpu_bytes={per_page - 1} holds no page.*{per_page} bytes"):
-        KVBlockPool(model_config(), max_gpu_bytes=per_page - 1, page_size=8, dtype=dtype,
-                    scale_granularity=granularity)
 
 
 @pytest.mark.parametrize(
@@ -149,20 +127,6 @@ def test_refused_batch_with_device_and_host_hits_changes_nothing():
     assert snapshot(pool) == before
 
 
-def test_low_level_allocate_refusal_changes_nothing():
-    pool = make_pool(4)
-    table = pool.new_table("view")
-    pool.allocate(table, 3)
-    before = snapshot(pool)
-    with pytest.raises(PoolExhaustedError, match="needs 2 pages but only 1 of 4"):
-        pool.allocate(table, 2)
-    assert snapshot(pool) == before and len(table) == 3
-    capped = pool.new_table("view", max_pages=0)
-    with pytest.raises(ValueError, match="exceed its max_pages=0"):
-        pool.allocate(capped, 1)
-    assert snapshot(pool) == before
-
-
 def test_config_and_input_errors_name_the_field():
     with pytest.raises(ValueError, match=r"KVBlockPool.page_size \(tokens per pool page\) must be a multiple of "
                                          r"KVBlockPool.kt_page_size \(tokens per KT page\): got page_size=6"):
@@ -186,3 +150,33 @@ def test_config_and_input_errors_name_the_field():
     with pytest.raises(ValueError, match="KVBlockPool.dtype is None and the model/config names no dtype"):
         KVBlockPool(model_config(), max_gpu_bytes=1 << 20)
     assert KVBlockPool(model_config(dtype="float16"), max_gpu_bytes=1 << 20).dtype == torch.float16
+
+
+def test_reservation_sets_pages_aside_without_holding_them():
+    pool = make_pool(num_pages=16)
+    cfg = rocket_config()
+    table = BlockTable("view")
+    pool.allocate(table, 4)
+    pool.register(table, pool.hash_pages(list(range(16)))[:2])  # two pages that will be cached once released
+    pool.release(table)
+    assert pool.cached_pages() == 2
+    res = pool.reserve(10)
+    assert isinstance(res, Reservation) and res.count == 10
+    assert pool.free_pages() == 6 and pool.reserved_pages() == 10 and pool.used_pages() == 0
+    assert pool.cached_pages() == 2  # nothing evicted: a reservation holds no page
+    with pytest.raises(PoolExhaustedError, match="needs 7 pages but only 6 of 16"):
+        pool.allocate(BlockTable("view"), 7)
+    with pytest.raises(PoolExhaustedError):
+        pool.reserve(7)
+    # an admission naming the reservation may use it; what it takes comes off the reservation
+    adm = pool.admit_batch([16], 8, cfg, reservation=res)[0]
+    taken = len(adm.prompt) + len(adm.view)
+    assert res.count == 10 - taken and pool.reserved_pages() == 10 - taken
+    assert pool.free_pages() == 16 - taken - res.count
+    pool.release(adm)
+    pool.add_to_reservation(res, taken)
+    assert res.count == 10 and pool.free_pages() == 6
+    pool.unreserve(res, 3)
+    assert res.count == 7 and pool.free_pages() == 9
+    pool.unreserve(res)
+    assert res.count == 0 and pool.free_pages() == 16 and pool.reserved_pages() == 0
