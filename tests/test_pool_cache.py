@@ -492,3 +492,28 @@ def test_two_threads_share_one_pool(model):
     assert not errors, errors
     assert all(torch.equal(got, want) for got, want in zip(results, alone))
     assert pool.free_pages() == pool.total_pages()
+
+
+def test_manual_decode_past_the_admitted_view_grows_it_from_the_pool(model):
+    """A caller driving forwards itself may decode past the tokens its admission planned: the view takes more pool
+    pages (eager growth) and every step's logits equal those of the private store, which grows by reallocation."""
+    ids = random_ids(1, 60, seed=60)
+    pool = make_pool(model, CFG)
+    caches = {"private": RocketKVCache(CFG), "pool": RocketKVCache(CFG, pool=pool)}
+    logits = {}
+    for name, cache in caches.items():
+        steps = []
+        with torch.no_grad():
+            with cache.prefill(ids, max_new_tokens=2, max_length=ids.shape[1] + 2):  # room for 2 new tokens
+                out = model(ids, past_key_values=cache, use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+            for step in range(PAGE * 3):  # several pool pages past the admitted view
+                position = torch.tensor([[ids.shape[1] + step]])
+                out = model(token, position_ids=position, past_key_values=cache, use_cache=True)
+                steps.append(out.logits[0, -1])
+                token = out.logits[:, -1:].argmax(-1)
+        logits[name] = torch.stack(steps)
+    assert torch.equal(logits["pool"], logits["private"])
+    assert caches["pool"].layers[0].capacity >= ids.shape[1] // 2 + PAGE * 3
+    caches["pool"].close()
+    assert pool.free_pages() == pool.total_pages()

@@ -114,5 +114,7 @@ def grow_view(layer, extra: int) -> None:
         layer.store = private_view(layer, keys.shape[0], slots_for(layer, new_capacity))
     layer.store.write(keys, values, kt)
     layer.positions = pad_slots(layer.positions, layer.store.capacity, -1)
-    layer.host_slack = 0 if layer.pages is None else layer.pages.slack(layer)
+    # a pool-backed view's rows may hold different page counts (only the short ones took pages): eager growth may
+    # read the lengths back (a sync)
+    layer.host_slack = 0 if layer.pages is None else slack_of(layer.store, layer.lengths.tolist())
     layer.mark_static()
