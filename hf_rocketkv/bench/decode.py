@@ -1,7 +1,7 @@
 """Decode benchmark: Llama-3.1-8B-shaped model with RANDOM weights, DynamicCache vs StaticCache+compile vs RocketKV.
 
-    python benchmarks/bench_decode.py                      # the full grid on one GPU (bf16)
-    python benchmarks/bench_decode.py --quick              # tiny CPU smoke run (seconds)
+    python -m hf_rocketkv.bench.decode                    # the full grid on one GPU (bf16)
+    python -m hf_rocketkv.bench.decode --quick            # tiny CPU smoke run (seconds)
     hf-rocketkv bench --config default --batch 1 4 --context 8192 32768 --layers 8
 
 Rows (``--caches``), all in one process on the same model:

@@ -162,7 +162,7 @@ if triton is not None:
                 pool_page = tl.load(table_ptr + b * s_ab + (slot // page_tokens) * s_ap, mask=ok, other=-1).to(tl.int64)
                 # a slot without a page (-1) is masked in the loads and logits through `present`, never by folding
                 # it back into `ok`: that form (ok = ok & ..., then tl.where(ok, pool_page, 0)) crashes Triton 3.6's
-                # TritonGPURemoveLayoutConversions pass on sm_90 (benchmarks/triton_compile_check.py reproduces it)
+                # TritonGPURemoveLayoutConversions pass on sm_90 (tests/kernels/triton_compile_check.py reproduces it)
                 present = pool_page >= 0
                 pool_page = tl.maximum(pool_page, 0)
                 k_off = pool_page * s_kb + (slot % page_tokens) * s_kc
@@ -270,7 +270,7 @@ if triton is not None:
         """Launcher; ``num_splits`` (None = heuristic, 1 = one kernel, no reduce) and the tile knobs exist for tests
         and benchmarks. Default tile: 128 gathered tokens x head_dim, 4 warps for bf16/fp16 K/V (see the comment at
         the choice); 64 tokens, 8 warps for fp32 and fp8 K/V (on an H100, 2026-11-22, 4 warps or 32-token tiles
-        timed within noise of that; benchmarks/results/h100_2026-11-22.md). 2 pipeline stages: on an
+        timed within noise of that; results/h100_2026-11-22.md). 2 pipeline stages: on an
         H100 (2026-11-23, benchmarks/tune_decode_kernels.py, paged, 256 tokens per head) 8.0 / 19.0 / 42.4 us at
         batch 1 / 32 / 64 against 11.5 / 27.2 / 55.9 with 3 (the page-id loads feed the K/V gathers, so a deeper
         pipeline only costs registers and shared memory). ``table`` [B, MP] int32:
