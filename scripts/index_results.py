@@ -30,6 +30,8 @@ EVAL_FILES = ("results.json", "sweep.json", "kvpress_results.json")
 
 # what a result measures, by the name of the run (device, date and run-order tags like "s4_" removed): first match
 WHAT = [
+    (r"^split_", "the default decode (rocketkv-graphs) before the package split (commit 0386f3e) and after it, "
+                 "side by side on one GPU in one device call: decode ms/token, prefill s, peak GiB"),
     (r"_tests|^kernel_tests", "pytest log of GPU tests on that machine"),
     (r"^gpu_kernel_check", "Triton ops against their PyTorch references at Llama-3.1-8B shapes, and per-op times "
                            "at 2k-100k tokens (now tests/gpu/test_kernels_large_shapes_gpu.py and "
