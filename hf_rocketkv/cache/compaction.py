@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.host_copy import device_tensor, filled
+from ..host_copy import device_tensor, filled
 from ..policies import KeptSlots
 from .capacity import fit_slots, headroom, private_history, private_view, round_up, slack_of, slots_for
 from .history import History, real_tokens_left_aligned
@@ -76,8 +76,7 @@ def compact(layer, kept: list[KeptSlots], columns: torch.Tensor | None, queries:
     layer.store, layer.positions = store, positions
     layer._keys = layer._values = None
     layer.host_max_length = max(counts)
-    rooms = [c - n for c, n in zip(store.row_capacity(), counts)]
-    layer.host_slack = store.capacity - layer.host_max_length - min(rooms)
+    layer.host_slack = slack_of(store, counts)
     layer.host_decoded = 0
     layer.generated.start(layer, queries)
     if not layer.compressed:

@@ -14,8 +14,8 @@ P prompt tokens and N new tokens, in pool pages of p tokens (docs/memory.md, "Ac
 per-head budgets (``check_pool_policy``). Importing this module (``import hf_rocketkv`` does, through
 ``hf_rocketkv.cache``) registers both with ``memory.as_budget``, so ``pool.pages_needed(P, N, cfg)``,
 ``pool.can_admit``, ``pool.admit``, ``pool.admit_batch`` and ``pool.check_config`` take a RocketKVConfig. Any other
-object goes through the same conversion, as before the pool took plain numbers: one with the config's fields works,
-one without is refused naming the fields it lacks.
+object goes through the same conversion: one with the config's fields works, one without is refused naming the
+fields it lacks.
 """
 
 from __future__ import annotations

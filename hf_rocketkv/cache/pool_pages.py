@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels.host_copy import device_tensor
+from ..host_copy import device_tensor
 from ..memory import Admission, BlockTable, KVBlockPool, PrefixKeys, Reservation
 from ..memory.errors import PoolExhaustedError
 from ..memory.fp8 import FP8_DTYPE, dequantize_fp8

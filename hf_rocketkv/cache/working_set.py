@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels.host_copy import device_tensor
+from ..host_copy import device_tensor
 from .capacity import fit_slots, headroom, pad_slots, round_up, slack_of
 from .history import grow_history
 from .paged_store import write_tokens

@@ -67,7 +67,7 @@ from typing import Any, Callable, Protocol
 import torch
 import transformers
 from transformers import AttentionInterface, AttentionMaskInterface, GenerationMixin, PreTrainedModel
-from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: F401  (re-exported for cache/)
+from transformers.cache_utils import Cache
 
 TRANSFORMERS_VERSION: str = transformers.__version__
 VERIFIED_VERSIONS: tuple[str, ...] = ("5.17.0", "5.23.0", "5.24.0")

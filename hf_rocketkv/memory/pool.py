@@ -26,6 +26,8 @@ the pool's copy stream, ordered by events (``copy_events.py``).
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -110,7 +112,6 @@ class KVBlockPool:
         self.kt_dtype = parse_dtype(kt_dtype, "KVBlockPool.kt_dtype", KT_DTYPES)
         self.page_size, self.kt_page_size = page_size, kt_page_size
         self.scale_granularity = scale_granularity
-        self.prefix_reuse = prefix_reuse
 
         planned = LayerShape(self.geometry.num_kv_heads, self.geometry.head_dim, page_size, kt_page_size,
                              self.dtype, self.kt_dtype, scale_granularity)
@@ -132,6 +133,17 @@ class KVBlockPool:
                           scale_granularity, num_layers)
         self._files = PrefixFiles(facts, self._core, self._index, self._offload,
                                   torch.device(device) if device is not None else None, model)
+
+    @property
+    def prefix_reuse(self) -> bool:
+        """Whether prompt pages are hashed and kept for reuse (``pool.spec.prefix_reuse``). Settable: admissions
+        planned afterwards follow the new mode (pages already cached stay in the index)."""
+        return self.spec.prefix_reuse
+
+    @prefix_reuse.setter
+    def prefix_reuse(self, value: bool) -> None:
+        with self._lock:
+            self.spec = self._planner.spec = dataclasses.replace(self.spec, prefix_reuse=value)
 
     def __repr__(self) -> str:
         return (f"KVBlockPool({self.geometry.architecture}, pages={self.num_pages}x{self.page_size} tokens, "

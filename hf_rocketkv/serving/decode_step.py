@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..host_copy import device_tensor
 from ..integration import compat
 from ..integration.batch_graphs import BatchedDecodeGraphs, GraphCaptureFailed
 from ..integration.rope import fused_rope
@@ -71,14 +72,6 @@ class _StepInFlight:
     host: _TokensToHost
     failed: dict[int, Exception]
     started: float
-
-
-def _device_ids(values: list[int], device: torch.device) -> torch.Tensor:
-    """``values`` as a long tensor on ``device`` without waiting for it: on CUDA through pinned memory and an
-    asynchronous copy (a copy from pageable memory would first wait for the stream, a sync on every step)."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=torch.long, device=device)
-    return torch.tensor(values, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
 
 
 class BatchDecoder:
@@ -138,7 +131,7 @@ class BatchDecoder:
             ids = last_tokens.new_zeros(bucket, 1)
             ids[:rows, 0] = last_tokens
         else:
-            ids = _device_ids(last_tokens + [0] * (bucket - rows), engine.device).view(bucket, 1)
+            ids = device_tensor(last_tokens + [0] * (bucket - rows), torch.long, engine.device).view(bucket, 1)
         positions = batch.next_positions(bucket)
         with fused_rope(engine.model, engine.config.fused_rope):
             logits = self._graphed_step(ids, positions)

@@ -1,6 +1,6 @@
 """Continuous batching, the bookkeeping half: which request waits, which is prefilled next, which rows decode.
 
-No model and no tensors here (the executor, batching.py, does the work); that keeps the policy small and testable
+No model and no tensors here (the engine, batching.py and decode_step.py, does the work); that keeps the policy small and testable
 by random request sequences (tests/serving/test_scheduler.py).
 
     waiting (FIFO, bounded) --admit--> prefill (a few per step) --> decoding rows [0, n) --> finished (row freed)

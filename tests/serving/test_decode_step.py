@@ -138,10 +138,10 @@ def test_overlap_decode_must_be_a_bool():
 
 # ------------------------------------------------------------------------------------------------ the step's inputs
 def test_the_step_ids_copy_equals_the_plain_constructor():
-    """``_device_ids`` (pinned and non-blocking on CUDA, so the step never waits for the device): the same tensor as
-    ``torch.tensor``."""
+    """``host_copy.device_tensor``, which the step's ids go through (pinned and non-blocking on CUDA, so the step never
+    waits for the device): the same tensor as ``torch.tensor``."""
     for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
-        ids = decode_step_module._device_ids([5, 0, 7], torch.device(device))
+        ids = decode_step_module.device_tensor([5, 0, 7], torch.long, torch.device(device))
         assert ids.dtype == torch.long and ids.device.type == device and ids.tolist() == [5, 0, 7]
 
 
