@@ -6,7 +6,7 @@ before any test module is imported. It only matters for ``backend="triton"``: "a
 reference on CPU.
 
 Also: one torch thread per pytest-xdist worker, quiet transformers logging, and the fixtures of the integration tests
-(tiny models come from tests/helpers.py).
+(tiny models come from tests/support/tiny_models.py).
 """
 
 import os
@@ -30,7 +30,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 @pytest.fixture
 def llama_pair():
     """``(rocket, sdpa)``: one tiny random Llama (4 query / 2 KV heads, head_dim 16, 2 layers) on both attentions."""
-    from tests.helpers import make_models
+    from tests.support.tiny_models import make_models
 
     return make_models("llama")
 

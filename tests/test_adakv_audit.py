@@ -28,7 +28,7 @@ from transformers import CompileConfig
 
 from hf_rocketkv import RocketKVCache, RocketKVConfig
 from hf_rocketkv.policies.decode_compression import decode_keep_slots
-from tests.helpers import PAD, compressing_config, greedy, left_pad, make_models, random_ids
+from tests.support.tiny_models import PAD, compressing_config, greedy, left_pad, make_models, random_ids
 from tests.test_generate import _CpuEvent
 
 REPO = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ import torch
 
 from hf_rocketkv import KVBlockPool, RocketKVCache
 from hf_rocketkv.cache.batch_view import BatchedDecodeCache, BatchedDecodeLayer
-from tests.helpers import compressing_config, greedy, make_models, random_ids
+from tests.support.tiny_models import compressing_config, greedy, make_models, random_ids
 
 CFG = compressing_config(kt_cache_dtype="float32")
 STEPS = 6

@@ -25,7 +25,7 @@ from transformers import CompileConfig, DynamicCache, GenerationMixin, PreTraine
 import hf_rocketkv
 from hf_rocketkv.integration import compat
 
-from .helpers import make_models, random_ids
+from tests.support.tiny_models import make_models, random_ids
 
 PACKAGE = Path(hf_rocketkv.__file__).parent
 ROOT = PACKAGE.parent
@@ -147,7 +147,7 @@ REFERENCE_SCRIPT = textwrap.dedent(
     if {import_rocketkv}:
         import hf_rocketkv  # noqa: F401
     from transformers import CompileConfig, DynamicCache, StaticCache
-    from tests.helpers import make_models, random_ids, left_pad
+    from tests.support.tiny_models import make_models, random_ids, left_pad
 
     _, sdpa = make_models("llama")
     ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (30, 22)])

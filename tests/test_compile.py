@@ -14,7 +14,7 @@ from transformers import CompileConfig
 import hf_rocketkv
 from hf_rocketkv import RocketKVCache
 
-from .helpers import compressing_config, greedy, left_pad, make_models, random_ids
+from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
 
 
 def _compile_config() -> CompileConfig:

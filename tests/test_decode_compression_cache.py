@@ -19,7 +19,7 @@ from hf_rocketkv.cache.generated_tokens import decode_compression
 from hf_rocketkv.cli import apply_overrides
 from hf_rocketkv.integration.attention import rocketkv_attention
 
-from .helpers import compressing_config, greedy, left_pad, make_models, random_ids
+from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
 from .test_decode_graphs import StandInBackend, _compile_config, graphed_cache
 
 

@@ -15,7 +15,7 @@ from transformers import CompileConfig
 
 from hf_rocketkv import RocketKVCache
 
-from .helpers import compressing_config, greedy, left_pad, make_models, random_ids
+from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
 
 
 class StandInGraph:

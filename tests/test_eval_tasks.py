@@ -23,7 +23,7 @@ from hf_rocketkv.eval.tasks import TASKS, get_task
 from hf_rocketkv.eval.tasks.base import encode_prompt, fill_paragraphs, insert_at_depths, span_token_positions
 from hf_rocketkv.policies import KeepFirst, KnormPolicy
 
-from .helpers import compressing_config, greedy, make_models, random_ids
+from tests.support.tiny_models import compressing_config, greedy, make_models, random_ids
 
 SYNTHETIC = ["passkey", "niah_multikey", "niah_multivalue", "variable_tracking", "common_words"]
 

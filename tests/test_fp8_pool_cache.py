@@ -20,7 +20,7 @@ import torch
 from hf_rocketkv import KVBlockPool, RocketKVCache
 from hf_rocketkv.memory.fp8 import FP8_DTYPE, dequantize_fp8, quantize_pages
 
-from .helpers import compressing_config, greedy, left_pad, make_models, random_ids
+from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
 
 PAGE = 8  # pool page size (tokens); the KT page is the config's 4
 CFG = compressing_config(kt_cache_dtype="float32")  # budget 24, window 8, KT page 4, topk 3

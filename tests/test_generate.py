@@ -12,7 +12,7 @@ import hf_rocketkv
 from hf_rocketkv import RocketKVCache
 from hf_rocketkv.integration import generate as generate_glue
 
-from .helpers import (
+from tests.support.tiny_models import (
     compressing_config,
     dynamic_cache_bytes,
     greedy,

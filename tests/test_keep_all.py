@@ -13,7 +13,7 @@ import torch
 
 from hf_rocketkv import KVBlockPool, RocketKVCache
 
-from .helpers import compressing_config, greedy, left_pad, make_models, random_ids
+from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
 from .test_pool_cache import kept
 
 CFG = compressing_config(kt_cache_dtype="float32")  # budget 24, window 8

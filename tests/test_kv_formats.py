@@ -80,7 +80,7 @@ def test_rocketkv_on_fp8_pool_pages_through_the_eval_path(name, granularity):
     stay within 5% of them, and the cache needs the model and the tokens to size its pool."""
     from hf_rocketkv.eval.decode import prefill, shared_prefix, step
     from hf_rocketkv.kernels.paged import scale_granularity
-    from tests.helpers import compressing_config, make_models, random_ids
+    from tests.support.tiny_models import compressing_config, make_models, random_ids
 
     model, _ = make_models("llama")
     base = compressing_config(kt_cache_dtype="float32")

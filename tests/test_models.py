@@ -8,7 +8,7 @@ import torch
 
 from hf_rocketkv import RocketKVCache
 
-from .helpers import compressing_config, greedy, keep_all_config, left_pad, make_models, random_ids
+from tests.support.tiny_models import compressing_config, greedy, keep_all_config, left_pad, make_models, random_ids
 
 ARCH_LAYOUTS = [
     ("llama", dict()),  # 4 query heads, 2 KV heads

@@ -22,7 +22,7 @@ from hf_rocketkv.cache.batch_view import BatchedDecodeLayer
 from hf_rocketkv.cache.layer import RocketKVLayer
 from hf_rocketkv.cache.op_graphs import OpGraph, buffers_key
 
-from .helpers import greedy, make_models, random_ids
+from tests.support.tiny_models import greedy, make_models, random_ids
 
 
 class StandInGraph:

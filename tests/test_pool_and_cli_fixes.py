@@ -24,7 +24,7 @@ from hf_rocketkv import KVBlockPool, RocketKVCache
 from hf_rocketkv.integration.compat import cache_kwargs
 from hf_rocketkv.memory import PoolExhaustedError
 
-from .helpers import compressing_config, greedy, make_models, random_ids
+from tests.support.tiny_models import compressing_config, greedy, make_models, random_ids
 
 PAGE = 8  # pool page size (tokens)
 EVICT = compressing_config(kt_cache_dtype="float32")  # prompt_budget 24, window 8, KT page 4; multi_turn="evict"

@@ -18,7 +18,7 @@ from packaging.version import Version
 from hf_rocketkv import KVBlockPool, RocketKVCache
 from hf_rocketkv.memory import PoolExhaustedError, PrefixKeys
 
-from .helpers import compressing_config, greedy, left_pad, make_models, random_ids
+from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
 
 PAGE = 8  # pool page size (tokens); the KT page is the config's 4
 

@@ -13,7 +13,7 @@ import hf_rocketkv
 from hf_rocketkv.cache import decode_read_bytes
 from hf_rocketkv.integration import compat
 
-from .helpers import make_models, random_ids
+from tests.support.tiny_models import make_models, random_ids
 
 
 def _layer_after_generate(**config):

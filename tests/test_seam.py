@@ -20,7 +20,7 @@ import torch._dynamo.utils as dynamo_utils
 from hf_rocketkv import RocketKVCache
 from hf_rocketkv.cache.layer import RocketKVLayer
 
-from .helpers import compressing_config, greedy, make_models, random_ids
+from tests.support.tiny_models import compressing_config, greedy, make_models, random_ids
 
 DECODE_STEPS = 52  # >= 50 interleaved decode steps
 

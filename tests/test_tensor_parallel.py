@@ -14,7 +14,7 @@ import pytest
 
 from hf_rocketkv import RocketKVCache, RocketKVConfig
 
-from .helpers import PAD, greedy, left_pad, make_models, random_ids
+from tests.support.tiny_models import PAD, greedy, left_pad, make_models, random_ids
 
 WORKER = Path(__file__).with_name("tp_worker.py")
 ROCKET = dict(prompt_budget=24, window_size=8, kernel_size=5, topk=3, topr=8, page_size=4,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import make_models
+from tests.support.tiny_models import make_models
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = ["-m", "benchmarks.tp_speed"]  # run from the repository root

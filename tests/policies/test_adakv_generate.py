@@ -25,7 +25,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from hf_rocketkv import KVBlockPool, RocketKVCache, RocketKVLayer
 from hf_rocketkv.policies import AdaKVPolicy, KeptSlots, ScorerPolicy
-from tests.helpers import compressing_config, greedy, left_pad, make_models, random_ids
+from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
 from tests.test_generate import teacher_forced_logits
 
 from . import oracle

@@ -12,7 +12,7 @@ from transformers import DynamicCache
 from hf_rocketkv import RocketKVCache, RocketKVConfig, RocketKVLayer
 from hf_rocketkv.cache.layer import GenerationHints
 from hf_rocketkv.policies import KeepFirst, KeptSlots, KnormPolicy, ScorerPolicy, SnapKVPolicy, derive_budgets
-from tests.helpers import compressing_config, greedy, left_pad, make_models, random_ids
+from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
 
 from . import oracle
 

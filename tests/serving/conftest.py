@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_rocketkv import RocketKVCache
-from tests.helpers import compressing_config, greedy, make_models
+from tests.support.tiny_models import compressing_config, greedy, make_models
 from tests.serving.helpers import char_tokenizer
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
-from tests.helpers import EOS, PAD, VOCAB
+from tests.support.tiny_models import EOS, PAD, VOCAB
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

@@ -44,7 +44,7 @@ def main() -> None:
     from hf_rocketkv.serving.batching import BatchingEngine
     from hf_rocketkv.serving.engine import EngineRequest
     from hf_rocketkv.serving.scheduler import BatchingConfig
-    from tests.helpers import compressing_config, greedy, random_ids
+    from tests.support.tiny_models import compressing_config, greedy, random_ids
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, distributed_config=DistributedConfig(tp_plan="auto"),
                                                  attn_implementation=hf_rocketkv.ATTN_NAME, dtype=torch.float32).eval()
@@ -131,7 +131,7 @@ def batch_main(model_dir: str, output_path: str) -> None:
     import hf_rocketkv
     from hf_rocketkv import KVBlockPool, RocketKVCache, generate_batch
     from hf_rocketkv.serving import InvalidRequest, SamplingParams
-    from tests.helpers import compressing_config, greedy, random_ids
+    from tests.support.tiny_models import compressing_config, greedy, random_ids
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, distributed_config=DistributedConfig(tp_plan="auto"),
                                                  attn_implementation=hf_rocketkv.ATTN_NAME, dtype=torch.float32).eval()

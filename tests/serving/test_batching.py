@@ -17,7 +17,7 @@ from hf_rocketkv.serving import EngineStopped, FinishReason, SamplingParams, Seq
 from hf_rocketkv.serving.batching import BatchingEngine
 from hf_rocketkv.serving.engine import EngineRequest
 from hf_rocketkv.serving.scheduler import BatchingConfig
-from tests.helpers import compressing_config, random_ids
+from tests.support.tiny_models import compressing_config, random_ids
 from tests.serving.conftest import oracle_tokens
 from tests.serving.helpers import ForwardGate, wait_until
 

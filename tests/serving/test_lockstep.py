@@ -187,7 +187,7 @@ def test_resolve_seed_draws_only_for_unseeded_sampling():
 # ------------------------------------------------------------------------------------------------ two ranks
 @pytest.mark.slow
 def test_two_ranks_step_together_and_equal_generate_under_tp(tmp_path):
-    from tests.helpers import make_models
+    from tests.support.tiny_models import make_models
 
     rocket, _ = make_models("llama", hidden_size=128, num_attention_heads=8, num_key_value_heads=4, head_dim=16)
     model_dir = tmp_path / "model"
@@ -224,7 +224,7 @@ def test_two_ranks_step_together_and_equal_generate_under_tp(tmp_path):
 def test_lockstep_check_script_on_cpu(tmp_path):
     """benchmarks.tp_serving_throughput's logic on a tiny checkpoint: one process, then 2 ranks (gloo), then the table;
     the ranks' event digests must agree and every workload must finish."""
-    from tests.helpers import make_models
+    from tests.support.tiny_models import make_models
 
     rocket, _ = make_models("llama", hidden_size=128, num_attention_heads=8, num_key_value_heads=4, head_dim=16)
     rocket.save_pretrained(tmp_path / "model")
@@ -309,7 +309,7 @@ def test_engines_on_a_sharded_model_need_lockstep(tiny_pair, monkeypatch):
 def test_generate_batch_on_every_rank_under_tp(tmp_path):
     """generate_batch on a sharded model, called on both ranks (torchrun, gloo): every rank gets rank 0's results
     (greedy ones equal model.generate under the same TP), and an invalid prompt raises on every rank."""
-    from tests.helpers import make_models
+    from tests.support.tiny_models import make_models
 
     rocket, _ = make_models("llama", hidden_size=128, num_attention_heads=8, num_key_value_heads=4, head_dim=16)
     rocket.save_pretrained(tmp_path / "model")

@@ -24,7 +24,7 @@ from hf_rocketkv.serving import (
     UnknownRequest,
     generate_batch,
 )
-from tests.helpers import EOS, random_ids
+from tests.support.tiny_models import EOS, random_ids
 from tests.serving.conftest import oracle_tokens
 from tests.serving.helpers import ForwardGate, wait_until
 

@@ -74,7 +74,7 @@ def test_warmup_max_tokens_defaults_to_the_chat_default():
 def test_compile_regions_flag_compiles_norms_and_mlps_only_when_asked():
     from hf_rocketkv.integration.regions import region_modules
     from hf_rocketkv.cli.serve import build_parser, prepare_model
-    from tests.helpers import make_models
+    from tests.support.tiny_models import make_models
 
     parser = build_parser()
     model, _ = make_models("llama")
@@ -149,7 +149,7 @@ def test_serve_main_end_to_end(tmp_path, engine_args):
     with the sequential engine (no pool), the batching one, and the batching one on fp8 pages."""
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
-    from tests.helpers import compressing_config, make_models
+    from tests.support.tiny_models import compressing_config, make_models
     from tests.serving.helpers import char_tokenizer
 
     model, _ = make_models("llama")
@@ -222,7 +222,7 @@ def test_serve_under_torchrun_rank0_serves_every_rank_steps(tmp_path):
     prove the lockstep; the greedy text must equal the same request through one process (the model's oracle)."""
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
-    from tests.helpers import compressing_config, make_models
+    from tests.support.tiny_models import compressing_config, make_models
     from tests.serving.helpers import char_tokenizer
 
     model, _ = make_models("llama", hidden_size=128, num_attention_heads=8, num_key_value_heads=4, head_dim=16)

@@ -227,7 +227,7 @@ BAD_REQUESTS = [
 def bad_request_server(tiny_pair, tokenizer):
     from hf_rocketkv.serving import GenerationManager, create_app
     from hf_rocketkv.serving.background import ServerThread
-    from tests.helpers import compressing_config
+    from tests.support.tiny_models import compressing_config
 
     manager = GenerationManager(tiny_pair[0], tokenizer, compressing_config())
     with ServerThread(create_app(manager, "tiny")) as server:

@@ -19,7 +19,7 @@ from transformers import GenerationConfig
 from hf_rocketkv import KVBlockPool
 from hf_rocketkv.serving import SamplingParams, generate_batch
 from hf_rocketkv.serving.batching import BatchingEngine
-from tests.helpers import EOS, compressing_config, make_models, random_ids
+from tests.support.tiny_models import EOS, compressing_config, make_models, random_ids
 from tests.serving.conftest import oracle_tokens
 from tests.serving.helpers import char_tokenizer
 

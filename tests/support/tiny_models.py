@@ -1,8 +1,8 @@
-"""Helpers shared by the integration tests: tiny random models (Llama, Mistral, Qwen2, Qwen3), RocketKV configs and
-generate helpers. Imported as ``from .helpers import ...``; the pytest fixtures built on them live in conftest.py.
+"""Tiny random models (Llama, Mistral, Qwen2, Qwen3) on both attentions, RocketKV configs and generate helpers.
 
 Everything runs on CPU with the PyTorch reference backend (``backend="torch"``). Models are built from configs with
-random weights (a fixed seed), so nothing is downloaded.
+random weights (a fixed seed), so nothing is downloaded. The fixtures built on them live in
+tests/conftest.py.
 """
 
 from __future__ import annotations

@@ -1,0 +1,7 @@
+"""Helpers shared by more than one test folder: plain functions and classes, imported package-absolute
+(``from tests.support.tiny_models import make_models``). Fixtures live in the conftest.py nearest to the tests that
+use them; helpers of one folder live in that folder (tests/memory/helpers.py, tests/serving/helpers.py, ...).
+
+- tiny_models.py: tiny random models (Llama, Mistral, Qwen2, Qwen3), RocketKV configs, generate helpers, a
+  character tokenizer for them and CPU pools sized for them.
+"""
