@@ -14,7 +14,7 @@ from hf_rocketkv.integration.attention import padding_offsets
 from hf_rocketkv.selection.stage1_snapkv import snapkv_keep_slots
 from hf_rocketkv.selection.stage2_pages import build_kt
 
-from .test_stage2 import ref_build_kt, ref_page_scores, ref_sparse_attention
+from tests.support.stage2_oracle import brute_force_pages, ref_build_kt, ref_sparse_attention
 
 HKV, G, D = 2, 3, 16
 
@@ -274,25 +274,6 @@ def test_decode_attention_all_pages_equals_dense_over_stored_tokens():
             enable_gqa=True,
         )
         torch.testing.assert_close(out[b : b + 1], dense.transpose(1, 2), rtol=1e-5, atol=1e-5)
-
-
-def brute_force_pages(q, kt, lengths, page_size, topr, topk):
-    """Independent oracle of stage 2's choice: float64 page scores by loops (``ref_page_scores``), then per (row,
-    KV head) the newest page plus the best-scoring others, ``min(topk, pages)`` in all. Returns (page_idx, valid)."""
-    batch, heads = q.shape[:2]
-    n_pages = [-(-int(n) // page_size) for n in lengths]
-    probs = ref_page_scores(q, kt, torch.tensor(n_pages), topr)
-    k = min(topk, kt.shape[2])
-    page_idx = torch.zeros(batch, heads, k, dtype=torch.long)
-    valid = torch.zeros(batch, heads, k, dtype=torch.bool)
-    for b in range(batch):
-        for h in range(heads):
-            newest = n_pages[b] - 1
-            others = sorted(range(newest), key=lambda j: (-probs[b, h, j].item(), j))
-            chosen = ([newest] + others)[: min(k, n_pages[b])]
-            page_idx[b, h, : len(chosen)] = torch.tensor(chosen)
-            valid[b, h, : len(chosen)] = True
-    return page_idx, valid
 
 
 def test_decode_attention_sparse_matches_dense_over_the_selected_pages():

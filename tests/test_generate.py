@@ -172,8 +172,7 @@ def test_greedy_with_page_selection_attends_exactly_the_oracle_pages(llama_pair,
     attention output equals dense float64 attention over exactly the pages an independent brute-force oracle picks."""
     from hf_rocketkv import RocketKVLayer
 
-    from .test_cache_layer import brute_force_pages
-    from .test_stage2 import ref_sparse_attention
+    from tests.support.stage2_oracle import brute_force_pages, ref_sparse_attention
 
     rocket, _ = llama_pair
     config = compressing_config(kt_cache_dtype="float32")

@@ -18,7 +18,7 @@ from hf_rocketkv import RocketKVConfig, RocketKVLayer
 from hf_rocketkv.cache.layer import GenerationHints
 from hf_rocketkv.selection.stage2_pages import num_pages, page_scores, select_pages
 
-from .test_stage2 import ref_build_kt, ref_page_scores
+from tests.support.stage2_oracle import ref_build_kt, ref_page_scores
 
 SETTINGS = settings(
     max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]

@@ -18,7 +18,7 @@ from hf_rocketkv.cache.layer import GenerationHints
 from hf_rocketkv.policies import AdaKVPolicy, ScorerPolicy
 from hf_rocketkv.policies.decode_compression import decode_keep_slots
 
-from ..test_stage2 import ref_page_scores, ref_sparse_attention
+from tests.support.stage2_oracle import ref_page_scores, ref_sparse_attention
 from . import oracle
 from .test_policy_cache import Ragged
 

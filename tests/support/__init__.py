@@ -4,4 +4,6 @@ use them; helpers of one folder live in that folder (tests/memory/helpers.py, te
 
 - tiny_models.py: tiny random models (Llama, Mistral, Qwen2, Qwen3), RocketKV configs, generate helpers, a
   character tokenizer for them and CPU pools sized for them.
+- stage2_oracle.py: brute-force float64 references of stage 2 (KT pages, page scores, the pages to choose, sparse
+  attention).
 """
