@@ -14,6 +14,7 @@ from transformers import CompileConfig
 import hf_rocketkv
 from hf_rocketkv import RocketKVCache
 
+from tests.support.decode_runners import eager_compile_config
 from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
 
 
@@ -175,12 +176,6 @@ def test_compiled_decode_with_a_pool_equals_eager_without_recompiles():
 
 
 # ------------------------------------------------------------------------------------------------ buckets
-def _eager_backend_config() -> CompileConfig:
-    """generate()'s compiled-decode path on CPU, traced by dynamo (fullgraph) without inductor: fast, and every new
-    graph is counted in dynamo's counters."""
-    config = CompileConfig(fullgraph=True, mode="default", dynamic=False, backend="eager")
-    config._compile_all_devices = True
-    return config
 
 
 def _graphs() -> int:
@@ -207,7 +202,7 @@ def test_prompt_lengths_and_max_new_tokens_in_one_capacity_bucket_compile_nothin
         eager = greedy(rocket, ids, max_new_tokens=new, past_key_values=RocketKVCache(_unbucketed(config)),
                        disable_compile=True)
         cache = RocketKVCache(config)
-        out = greedy(rocket, ids, max_new_tokens=new, past_key_values=cache, compile_config=_eager_backend_config())
+        out = greedy(rocket, ids, max_new_tokens=new, past_key_values=cache, compile_config=eager_compile_config())
         assert torch.equal(out, eager), (length, new)
         capacities.add(cache.layers[0].capacity)
         assert _graphs() == 1, (step, length, new, dict(dynamo_utils.counters["stats"]))
@@ -227,7 +222,7 @@ def test_a_request_above_the_largest_capacity_bucket_gets_a_ladder_size():
         eager = greedy(rocket, ids, max_new_tokens=new, past_key_values=RocketKVCache(_unbucketed(config)),
                        disable_compile=True)
         cache = RocketKVCache(config)
-        out = greedy(rocket, ids, max_new_tokens=new, past_key_values=cache, compile_config=_eager_backend_config())
+        out = greedy(rocket, ids, max_new_tokens=new, past_key_values=cache, compile_config=eager_compile_config())
         assert torch.equal(out, eager)
         assert cache.layers[0].capacity == capacity and _graphs() == graphs, (new, cache.layers[0].capacity)
 
@@ -252,7 +247,7 @@ def test_batch_sizes_of_one_bucket_share_a_graph_and_padding_changes_no_token():
                        disable_compile=True)
         cache = RocketKVCache(config)
         out = greedy(rocket, ids, attention_mask=mask, max_new_tokens=7, past_key_values=cache,
-                     compile_config=_eager_backend_config())
+                     compile_config=eager_compile_config())
         assert torch.equal(out, eager), batch
         assert _graphs() == graphs, (batch, dict(dynamo_utils.counters["stats"]))
         assert cache.batch_size == batch and cache.token_ids.shape[0] == batch
@@ -277,7 +272,7 @@ def test_padded_generate_output_and_returned_cache_hold_the_callers_rows():
     eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=5, disable_compile=True,
                    past_key_values=RocketKVCache(_unbucketed(config)), return_dict_in_generate=True,
                    output_scores=True)
-    out = greedy(rocket, ids, attention_mask=mask, max_new_tokens=5, compile_config=_eager_backend_config(),
+    out = greedy(rocket, ids, attention_mask=mask, max_new_tokens=5, compile_config=eager_compile_config(),
                  return_dict_in_generate=True, output_scores=True)
     assert torch.equal(out.sequences, eager.sequences)
     assert len(out.scores) == 5 and all(s.shape[0] == 3 for s in out.scores)
@@ -313,13 +308,13 @@ def test_batch_padding_only_where_decode_compiles_and_never_for_other_caches():
     with mock.patch("hf_rocketkv.integration.generate.prefill_real_rows", spy):
         greedy(rocket, ids, attention_mask=mask, max_new_tokens=3, past_key_values=RocketKVCache(config),
                disable_compile=True)
-        greedy(rocket, ids, attention_mask=mask, max_new_tokens=3, compile_config=_eager_backend_config(),
+        greedy(rocket, ids, attention_mask=mask, max_new_tokens=3, compile_config=eager_compile_config(),
                past_key_values=RocketKVCache(config.replace(decode_runner="cuda_graphs")))
         assert seen == []
-        greedy(rocket, ids, attention_mask=mask, max_new_tokens=3, compile_config=_eager_backend_config(),
+        greedy(rocket, ids, attention_mask=mask, max_new_tokens=3, compile_config=eager_compile_config(),
                past_key_values=RocketKVCache(config.replace(batch_buckets=(8,))))
         assert seen == [(3, 8)]
-    out = greedy(sdpa, ids, attention_mask=mask, max_new_tokens=3, compile_config=_eager_backend_config())
+    out = greedy(sdpa, ids, attention_mask=mask, max_new_tokens=3, compile_config=eager_compile_config())
     assert out.shape[0] == 3
 
 
@@ -340,7 +335,7 @@ def test_pool_backed_caches_widen_only_the_table_and_share_one_graph():
         eager = greedy(rocket, ids, max_new_tokens=6, past_key_values=RocketKVCache(_unbucketed(config)),
                        disable_compile=True)
         cache = RocketKVCache(config, pool=pool)
-        out = greedy(rocket, ids, max_new_tokens=6, past_key_values=cache, compile_config=_eager_backend_config())
+        out = greedy(rocket, ids, max_new_tokens=6, past_key_values=cache, compile_config=eager_compile_config())
         assert torch.equal(out, eager), length
         store = cache.layers[0].store
         assert store.capacity == 88 and sum(store.row_pages) * 8 < 88  # 24 + 60 in pool pages of 8; pages: needed
@@ -362,7 +357,7 @@ def test_keep_all_history_is_bucketed_too():
         eager = greedy(rocket, ids, max_new_tokens=6, past_key_values=RocketKVCache(_unbucketed(config)),
                        disable_compile=True)
         cache = RocketKVCache(config)
-        out = greedy(rocket, ids, max_new_tokens=6, past_key_values=cache, compile_config=_eager_backend_config())
+        out = greedy(rocket, ids, max_new_tokens=6, past_key_values=cache, compile_config=eager_compile_config())
         assert torch.equal(out, eager), length
         assert cache.layers[0].history.store.capacity == 24 + 256  # prompt_budget + capacity_headroom: 40 and 71 fit
         assert _graphs() == 1, (length, dict(dynamo_utils.counters["stats"]))
@@ -386,7 +381,7 @@ def test_compiled_decode_with_adakv_per_head_lengths_compiles_once_across_reques
                        disable_compile=True)
         cache = RocketKVCache(config)
         out = greedy(rocket, ids, attention_mask=mask, max_new_tokens=6, past_key_values=cache,
-                     compile_config=_eager_backend_config())
+                     compile_config=eager_compile_config())
         assert torch.equal(out, eager), seeds
         assert cache.layers[0].lengths.dim() == 2 and torch.equal(cache.layers[0].lengths, eager_cache.layers[0].lengths)
         longest.add(int(eager_cache.layers[0].lengths.max()))

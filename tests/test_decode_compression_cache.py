@@ -20,7 +20,7 @@ from hf_rocketkv.cli import apply_overrides
 from hf_rocketkv.integration.attention import rocketkv_attention
 
 from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
-from .test_decode_graphs import StandInBackend, _compile_config, graphed_cache
+from tests.support.decode_runners import StandInBackend, eager_compile_config, graphed_cache
 
 
 class FakeAttention(torch.nn.Module):
@@ -219,7 +219,7 @@ def test_graphed_and_compiled_runners_equal_eager(runner):
     backend = StandInBackend()
     cache = graphed_cache(config, backend)
     out = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=24,
-                 compile_config=_compile_config())
+                 compile_config=eager_compile_config())
     assert torch.equal(out, eager)
     assert backend.captures == (1 if runner == "cuda_graphs" else 0)
     for la, lb in zip(cache.layers, eager_cache.layers):

@@ -1,9 +1,9 @@
 """Decode steps captured as graphs (integration/decode_graphs.py), on CPU with a stand-in for torch.cuda graphs.
 
-The stand-in keeps what matters of a CUDA graph: capture records the call without running it, replay re-runs it on
-the SAME static input buffers with the cache's host bookkeeping switched off (at a real replay no Python runs). So if
-the runner forgot to copy an input, to count a step on the host or to reset a graph between turns, tokens or cache
-state would differ from the eager run, which is the oracle here.
+The stand-in (tests/support/decode_runners.py) keeps what matters of a CUDA graph: capture records the call without
+running it, replay re-runs it on the SAME static input buffers with the cache's host bookkeeping switched off (at a
+real replay no Python runs). So if the runner forgot to copy an input, to count a step on the host or to reset a
+graph between turns, tokens or cache state would differ from the eager run, which is the oracle here.
 """
 
 from __future__ import annotations
@@ -11,55 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo.utils as dynamo_utils
-from transformers import CompileConfig
 
 from hf_rocketkv import RocketKVCache
 
+from tests.support.decode_runners import StandInBackend, eager_compile_config, graphed_cache
 from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
-
-
-class StandInGraph:
-    def __init__(self, run):
-        self.run = run
-        self.output = None
-
-
-class StandInBackend:
-    """Capture = remember; replay = run on the static buffers and write the result into the static output."""
-
-    def __init__(self):
-        self.captures = 0
-        self.replays = 0
-
-    def warm_up(self, run):
-        return run()
-
-    def capture(self, run):
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
-        self.captures += 1
-        graph = StandInGraph(run)
-        graph.output = CausalLMOutputWithPast()
-        return graph, graph.output
-
-    def replay(self, graph):
-        self.replays += 1
-        out = graph.run()
-        for key, value in out.items():
-            graph.output[key] = value
-
-
-def _compile_config():
-    config = CompileConfig(fullgraph=True, mode="default", dynamic=False, backend="eager")
-    config._compile_all_devices = True  # take generate()'s compiled-decode path on CPU
-    return config
-
-
-def graphed_cache(config, backend):
-    cache = RocketKVCache(config)
-    cache.hints.graph_devices = ("cpu",)
-    cache.hints.graph_backend = backend
-    return cache
 
 
 def _same_state(a, b):
@@ -81,7 +37,7 @@ def test_graphed_decode_equals_eager_with_one_capture_and_no_dynamo(batch):
     dynamo_utils.counters.clear()
     cache = graphed_cache(config, backend)
     out = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12,
-                 compile_config=_compile_config())
+                 compile_config=eager_compile_config())
     assert torch.equal(out, eager)
     assert backend.captures == 1 and backend.replays == 10  # 11 decode steps: 1 warm-up, 1 capture + replay, 9
     assert dynamo_utils.counters["stats"]["unique_graphs"] == 0  # nothing compiled
@@ -96,7 +52,7 @@ def test_new_prompt_lengths_and_lengths_of_answer_just_capture_again():
         ids = random_ids(1, length, seed=length)
         eager = greedy(rocket, ids, past_key_values=RocketKVCache(config), max_new_tokens=new, disable_compile=True)
         out = greedy(rocket, ids, past_key_values=graphed_cache(config, backend), max_new_tokens=new,
-                     compile_config=_compile_config())
+                     compile_config=eager_compile_config())
         assert torch.equal(out, eager), (length, new)
     assert backend.captures == 3  # one per request, whatever its shapes
 
@@ -108,7 +64,7 @@ def test_next_turn_recaptures_on_the_new_buffers():
     caches = [RocketKVCache(config), graphed_cache(config, backend)]
     outs = []
     for cache in caches:
-        kwargs = dict(disable_compile=True) if cache is caches[0] else dict(compile_config=_compile_config())
+        kwargs = dict(disable_compile=True) if cache is caches[0] else dict(compile_config=eager_compile_config())
         first = greedy(rocket, random_ids(1, 50), past_key_values=cache, max_new_tokens=8, **kwargs)
         second = greedy(rocket, torch.cat([first, random_ids(1, 9, seed=3)], 1), past_key_values=cache,
                         max_new_tokens=8, **kwargs)
@@ -125,7 +81,7 @@ def test_torch_compile_runner_is_still_available():
     ids = random_ids(1, 40)
     eager = greedy(rocket, ids, past_key_values=RocketKVCache(config), max_new_tokens=5, disable_compile=True)
     out = greedy(rocket, ids, past_key_values=graphed_cache(config, backend), max_new_tokens=5,
-                 compile_config=_compile_config())
+                 compile_config=eager_compile_config())
     assert torch.equal(out, eager) and backend.captures == 0
     with pytest.raises(ValueError, match="decode_runner"):
         compressing_config(decode_runner="graphs")
@@ -147,7 +103,7 @@ def test_compile_regions_keeps_tokens_and_compiles_one_graph_per_module_kind():
     assert len(region_modules(rocket)) == 3 * 3 + 1  # 2 norms + 1 MLP per layer, and the final norm
     backend = StandInBackend()
     out = greedy(rocket, ids, past_key_values=graphed_cache(config, backend), max_new_tokens=6,
-                 compile_config=_compile_config())
+                 compile_config=eager_compile_config())
     assert torch.equal(out, eager) and backend.captures == 1
     graphs = dynamo_utils.counters["stats"]["unique_graphs"]
     assert 0 < graphs <= 6, graphs  # per module kind and input shape (prefill, decode), not per layer
@@ -172,7 +128,7 @@ def test_every_graphed_step_runs_with_the_inputs_device_current(monkeypatch):
     rocket, _ = make_models("llama")
     ids = random_ids(1, 40, seed=3)
     greedy(rocket, ids, past_key_values=graphed_cache(compressing_config(), StandInBackend()), max_new_tokens=5,
-           compile_config=_compile_config())
+           compile_config=eager_compile_config())
     assert entered == [torch.device("cpu")] * 4  # every decode step after the prefill
 
 
@@ -208,7 +164,7 @@ def test_the_captured_step_holds_no_reference_to_its_cache():
     cyclic garbage collector runs. (The stand-in graph itself keeps the step's closure; a CUDA graph keeps none.)"""
     rocket, _ = make_models("llama")
     cache = graphed_cache(compressing_config(), StandInBackend())
-    out = greedy(rocket, random_ids(1, 50), past_key_values=cache, max_new_tokens=6, compile_config=_compile_config())
+    out = greedy(rocket, random_ids(1, 50), past_key_values=cache, max_new_tokens=6, compile_config=eager_compile_config())
     step = cache.hints.graphed_step
     assert step is not None and step.replays > 0 and len(step.cache_fields) == 1  # past_key_values or cache
     assert not _reaches(step, cache, skip=[step.graph])

@@ -196,7 +196,7 @@ def test_compiled_decode_on_fp8_pages_equals_eager(granularity):
     would break the graph) gives the eager fp8 run's tokens, and a second request replays the same graph."""
     from torch._dynamo import utils as dynamo_utils
 
-    from .test_compile import _eager_backend_config
+    from tests.support.decode_runners import eager_compile_config
 
     torch._dynamo.reset()
     model, _ = make_models("llama", num_hidden_layers=1)
@@ -215,7 +215,7 @@ def test_compiled_decode_on_fp8_pages_equals_eager(granularity):
     for expected in eager:
         cache = RocketKVCache(CFG.replace(decode_runner="torch_compile"), pool=pool)
         compiled = greedy(model, ids, attention_mask=mask, max_new_tokens=6, past_key_values=cache,
-                          compile_config=_eager_backend_config())
+                          compile_config=eager_compile_config())
         assert torch.equal(compiled, expected)
         cache.close()
     assert cache.stats.reused_tokens > 0

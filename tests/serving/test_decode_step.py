@@ -166,7 +166,7 @@ def test_graphed_decode_steps_equal_eager_ones(engines, oracle, tiny_pair):
     """One graph per bucket (a CPU stand-in for capture/replay): the first step of a bucket runs eagerly, the second
     captures, later ones replay on the static buffers; the tokens are those of each request alone."""
     from hf_rocketkv.integration.batch_graphs import BatchedDecodeGraphs
-    from tests.test_decode_graphs import StandInBackend
+    from tests.support.decode_runners import StandInBackend
 
     backend = StandInBackend()
     graphs = BatchedDecodeGraphs(tiny_pair[0], backend=backend, devices=("cpu",))
@@ -191,7 +191,7 @@ def test_graphed_decode_steps_equal_eager_ones(engines, oracle, tiny_pair):
 
 def test_a_failing_capture_falls_back_to_eager_steps(engines, oracle, tiny_pair):
     from hf_rocketkv.integration.batch_graphs import BatchedDecodeGraphs
-    from tests.test_decode_graphs import StandInBackend
+    from tests.support.decode_runners import StandInBackend
 
     class Failing(StandInBackend):
         def capture(self, run):

@@ -17,7 +17,7 @@ from hf_rocketkv.serving.batching import BatchingEngine
 from hf_rocketkv.serving.scheduler import BatchingConfig
 from tests.serving.conftest import oracle_tokens
 from tests.serving.test_batching import CFG, Events, make_pool, prompt_of, request
-from tests.test_decode_graphs import StandInBackend
+from tests.support.decode_runners import StandInBackend
 
 BUCKETS = (1, 2, 4, 8)
 WARM_TOKENS = 12
