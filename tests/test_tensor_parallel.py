@@ -5,15 +5,14 @@ its shard of KV heads and compresses independently. Tokens must equal a single-p
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from hf_rocketkv import RocketKVCache, RocketKVConfig
 
+from tests.support.repo import TORCHRUN, subprocess_env
 from tests.support.tiny_models import PAD, greedy, left_pad, make_models, random_ids
 
 WORKER = Path(__file__).with_name("tp_worker.py")
@@ -37,10 +36,8 @@ def test_tensor_parallel_generate_matches_single_process(tmp_path):
     (tmp_path / "in.json").write_text(json.dumps(spec))
     output = tmp_path / "out.json"
 
-    repo = str(Path(__file__).resolve().parents[1])  # the worker imports hf_rocketkv from this checkout
-    python_path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": python_path}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
+    env = subprocess_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")  # the worker imports this checkout
+    command = [*TORCHRUN, str(WORKER),
                str(model_dir), str(tmp_path / "in.json"), str(output)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, _failure(result, output)
@@ -83,10 +80,8 @@ def test_tensor_parallel_steps_match_single_process(tmp_path):
                 rocketkv=ROCKET, record_steps=True)
     (tmp_path / "in.json").write_text(json.dumps(spec))
     output = tmp_path / "out.json"
-    repo = str(Path(__file__).resolve().parents[1])
-    python_path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": python_path}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
+    env = subprocess_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")  # the worker imports this checkout
+    command = [*TORCHRUN, str(WORKER),
                str(model_dir), str(tmp_path / "in.json"), str(output)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, _failure(result, output)

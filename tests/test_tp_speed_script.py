@@ -4,16 +4,14 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests.support.repo import ROOT, TORCHRUN, subprocess_env
 from tests.support.tiny_models import make_models
 
-REPO = Path(__file__).resolve().parents[1]
 SCRIPT = ["-m", "benchmarks.tp_speed"]  # run from the repository root
 # the tiny model's prompt (64 tokens) must exceed prompt_budget, so stage 1 compresses as it would at 100k
 ROCKET = dict(prompt_budget=24, window_size=8, kernel_size=5, topk=3, topr=8, page_size=4,
@@ -23,10 +21,9 @@ WORKLOAD = ["--batch", "2", "--context", "64", "--new-tokens", "4", "--repeats",
 
 
 def _run(command: list[str]) -> subprocess.CompletedProcess:
-    python_path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": python_path,
-           "CUDA_VISIBLE_DEVICES": ""}  # the CPU path even where a GPU is present
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, cwd=REPO)
+    env = subprocess_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+                         CUDA_VISIBLE_DEVICES="")  # the CPU path even where a GPU is present
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result
 
@@ -39,8 +36,7 @@ def test_tp_speed_run_and_compare_on_cpu(tmp_path):
     single, tp = tmp_path / "single.json", tmp_path / "tp.json"
 
     _run([sys.executable, *SCRIPT, "run", "--dir", str(model_dir), "--out", str(single), *WORKLOAD])
-    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *SCRIPT, "run",
-          "--dir", str(model_dir), "--out", str(tp), *WORKLOAD])
+    _run([*TORCHRUN, *SCRIPT, "run", "--dir", str(model_dir), "--out", str(tp), *WORKLOAD])
 
     for path, world in ((single, 1), (tp, 2)):
         record = json.loads(path.read_text())

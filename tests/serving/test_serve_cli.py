@@ -9,20 +9,13 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from hf_rocketkv.cli.serve import load_config, serve_main
+from tests.support.repo import ROOT, TORCHRUN, subprocess_env
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def subprocess_env() -> dict[str, str]:
-    """This environment, with the repository first on PYTHONPATH (so the subprocess imports this checkout)."""
-    paths = [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -113,7 +106,7 @@ def test_missing_serve_extra_names_the_install_command(monkeypatch):
 
 
 def run_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=subprocess_env())
 
 
@@ -160,7 +153,7 @@ def test_serve_main_end_to_end(tmp_path, engine_args):
     command = [sys.executable, "-c", "import sys; from hf_rocketkv.cli.serve import serve_main; "
                "sys.exit(serve_main(sys.argv[1:]))", "--model", str(tmp_path / "tiny"), "--config", str(config),
                "--port", "0", "--served-model-name", "tiny", "--log-level", "warning", "--threads", "1", *engine_args]
-    process = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True,
+    process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True,
                                env=subprocess_env())
     try:
         url = server_address(process, timeout=120)
@@ -232,10 +225,9 @@ def test_serve_under_torchrun_rank0_serves_every_rank_steps(tmp_path):
     compressing_config(kt_cache_dtype="float32").to_yaml(config)
     common = ["--model", str(tmp_path / "tiny"), "--config", str(config), "--served-model-name", "tiny",
               "--log-level", "warning", "--threads", "1", "--pool-gib", "0.01", "--dtype", "float32"]
-    env = {**subprocess_env(), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-               "hf_rocketkv.cli", "serve", "--port", "0", *common]
-    process = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True, env=env,
+    env = subprocess_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    command = [*TORCHRUN, "-m", "hf_rocketkv.cli", "serve", "--port", "0", *common]
+    process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True, env=env,
                                start_new_session=True)
     prompt = "lockstep " * 5
     try:
@@ -281,7 +273,7 @@ def test_serve_under_torchrun_rank0_serves_every_rank_steps(tmp_path):
                              do_sample=False, eos_token_id=None, pad_token_id=0)
         print(repr(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)))
     """)]
-    result = subprocess.run(single, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    result = subprocess.run(single, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == repr(texts[0])
 

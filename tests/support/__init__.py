@@ -7,4 +7,5 @@ use them; helpers of one folder live in that folder (tests/memory/helpers.py, te
 - stage2_oracle.py: brute-force float64 references of stage 2 (KT pages, page scores, the pages to choose, sparse
   attention).
 - decode_runners.py: generate()'s compiled-decode path on a CPU and a stand-in for CUDA graph capture.
+- repo.py: the repository root, and the environment and torchrun command of a subprocess that runs this checkout.
 """
