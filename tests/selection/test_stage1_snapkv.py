@@ -1,4 +1,5 @@
-"""Stage 1 (SnapKV-style eviction after prefill) against a brute-force reference written from spec §2.
+"""Stage 1 (SnapKV-style eviction after prefill, selection/stage1_snapkv.py) against a brute-force reference
+written from spec §2, alone and inside a model's prefill.
 
 The reference uses plain Python loops over batch rows, KV heads, query heads of the group and window queries, and
 float64 arithmetic. Max-pooling creates plateaus of exactly equal scores, so the kept prefix is compared "up to

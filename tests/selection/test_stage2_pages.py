@@ -1,9 +1,11 @@
-"""Stage 2 (KT page summaries, page scoring, top-k pages, sparse attention) against brute-force references (spec §3).
+"""Stage 2 (selection/stage2_pages.py: KT page summaries, page scoring, top-k pages; and the PyTorch sparse attention)
+against brute-force references (spec §3).
 
 The references (tests/support/stage2_oracle.py) loop over batch rows, KV heads, pages, channels and query heads in
 float64. Scoring follows the TensorRT-LLM variant the package implements: temperature 1/sqrt(D), top-r channels by
 |q| summed over the GQA group, max/min picked per channel by the sign of the group-summed q, softmax over the row's
-valid pages, mean over the group, and q rounded to the KT dtype before scoring.
+valid pages, mean over the group, and q rounded to the KT dtype before scoring. Fixed cases, then random shapes
+(hypothesis).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hf_rocketkv.kernels.sparse_decode_attention import sparse_decode_attention_torch
 from hf_rocketkv.selection.stage2_pages import (
@@ -395,3 +399,61 @@ def test_sparse_decode_attention_all_pages_equals_full_attention(group, dim, pag
         n = int(lengths[b])
         dense = F.scaled_dot_product_attention(q[b], keys[b, :, :n], values[b, :, :n], scale=scaling)
         torch.testing.assert_close(got[b], dense, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ random shapes
+# random batch, KV heads, GQA ratio 1-8, head dim, page size, ragged row lengths (partial last pages): page scores
+# equal the float64 oracle, and the selected pages are the newest page plus the best others (hypothesis)
+SETTINGS = settings(
+    max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+@st.composite
+def selection_case(draw):
+    batch = draw(st.integers(1, 3))
+    heads = draw(st.integers(1, 3))
+    group = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    dim = draw(st.sampled_from([4, 8, 16]))
+    page = draw(st.sampled_from([1, 2, 4, 8]))
+    pages = draw(st.integers(1, 6))
+    lengths = draw(st.lists(st.integers(1, pages * page), min_size=batch, max_size=batch))  # ragged, partial pages
+    topr = draw(st.integers(1, dim + 2))
+    topk = draw(st.integers(1, pages + 1))
+    seed = draw(st.integers(0, 2**16))
+    return batch, heads, group, dim, page, pages, lengths, topr, topk, seed
+
+
+@SETTINGS
+@given(selection_case())
+def test_page_scores_and_selection_match_brute_force(case):
+    batch, heads, group, dim, page, pages, lengths, topr, topk, seed = case
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(batch, heads, pages * page, dim, generator=g)
+    lengths_t = torch.tensor(lengths)
+    kt = ref_build_kt(keys, lengths_t, page, torch.float32)
+    q = torch.randn(batch, heads, group, dim, generator=g)
+    n_pages = num_pages(lengths_t, page)
+
+    probs = page_scores(q, kt, n_pages, topr)
+    expected = ref_page_scores(q, kt, n_pages, topr)
+    channel_margin = q.double().abs().sum(2).sort(-1, descending=True).values
+    if topr < dim and bool((channel_margin[..., topr - 1] - channel_margin[..., topr]).abs().min() < 1e-6):
+        return  # a tie at the top-r channel boundary: either channel set is right
+    torch.testing.assert_close(probs.double(), expected, rtol=1e-5, atol=1e-6)
+
+    page_idx, valid = select_pages(probs, n_pages, topk)
+    k = min(topk, pages)
+    assert page_idx.shape == (batch, heads, k)
+    for b in range(batch):
+        n = int(n_pages[b])
+        for h in range(heads):
+            chosen = {int(p) for p, ok in zip(page_idx[b, h], valid[b, h]) if ok}
+            assert len(chosen) == min(k, n) and all(0 <= p < n for p in chosen)
+            assert n - 1 in chosen  # the newest page is always attended
+            others = sorted(range(n - 1), key=lambda j: (-float(expected[b, h, j]), j))
+            best = set(others[: min(k, n) - 1])
+            worst_taken = min((float(expected[b, h, j]) for j in chosen - {n - 1}), default=None)
+            best_left = max((float(expected[b, h, j]) for j in set(others) - chosen), default=None)
+            if worst_taken is not None and best_left is not None:
+                assert worst_taken >= best_left - 1e-6, (chosen, best)  # no better page left out (up to ties)

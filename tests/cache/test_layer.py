@@ -1,5 +1,9 @@
-"""RocketKVLayer / RocketKVCache driven directly (no model): dense prefill store, stage-1 compaction, decode
-appends with incremental KT, capacity growth, beam reordering, later turns, and the attention paths over the store.
+"""RocketKVLayer / RocketKVCache (cache/layer.py, cache/cache.py) driven directly, without a model: dense prefill
+store, stage-1 compaction, decode appends with incremental KT, capacity growth, beam reordering, later turns, the
+attention paths over the store, and the layer's bookkeeping over random request sequences (hypothesis).
+
+Oracles: values recomputed here from what was fed, dense attention over the stored tokens, and the float64 stage-2
+references of tests/support/stage2_oracle.py.
 """
 
 from __future__ import annotations
@@ -7,6 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hf_rocketkv import RocketKVCache, RocketKVConfig, RocketKVLayer
 from hf_rocketkv.cache.layer import UNCONSUMED_KEYS, GenerationHints, layer_of
@@ -352,3 +358,123 @@ def test_padding_offsets_from_mask():
     right[..., 4:] = False
     with pytest.raises(ValueError, match="left"):
         padding_offsets(right, 6)
+
+
+# ------------------------------------------------------------------------------------------------ random requests
+# a layer driven through random prefills (left-padded, optionally chunked), decode steps and later turns with padding
+# between the turns; after every step lengths, positions, KT and host mirrors agree with what was fed (hypothesis)
+SETTINGS = settings(
+    max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+@st.composite
+def layer_script(draw):
+    heads = draw(st.integers(1, 3))
+    group = draw(st.sampled_from([1, 2, 4, 8]))
+    page = draw(st.sampled_from([1, 2, 4]))
+    window = draw(st.integers(1, 4))
+    budget = draw(st.integers(window, 12))
+    batch = draw(st.integers(1, 3))
+    prompt = draw(st.integers(1, 20))
+    pads = draw(st.lists(st.integers(0, prompt - 1), min_size=batch, max_size=batch))
+    chunks = draw(st.sampled_from([None, 3, 5]))
+    steps = draw(
+        st.lists(
+            st.one_of(
+                st.tuples(st.just("decode"), st.integers(1, 4)),
+                st.tuples(st.just("turn"), st.lists(st.integers(1, 6), min_size=batch, max_size=batch)),
+            ),
+            max_size=4,
+        )
+    )
+    seed = draw(st.integers(0, 2**16))
+    return heads, group, page, window, budget, batch, prompt, pads, chunks, steps, seed
+
+
+class Shadow:
+    """The oracle's own record of what each row has stored: (column, key) in slot order, per row and KV head."""
+
+    def __init__(self, batch):
+        self.rows = [[] for _ in range(batch)]
+
+
+def _check(layer: RocketKVLayer, seen: int, shadow_counts: list[int]) -> None:
+    cfg = layer.config
+    lengths = layer.lengths.tolist()
+    assert lengths == shadow_counts
+    assert layer.host_max_length == max(lengths)
+    assert layer.host_seen == seen == int(layer.seen)
+    assert layer.capacity % cfg.page_size == 0 and layer.capacity >= max(lengths)
+    for b, n in enumerate(lengths):
+        columns = layer.positions[b, :, :n]
+        if n > 1:
+            assert bool((columns[:, 1:] > columns[:, :-1]).all())  # ascending, unique
+        assert bool((columns >= 0).all()) and bool((columns < seen).all())
+        assert bool((layer.positions[b, :, n:] == -1).all())
+    torch.testing.assert_close(
+        layer.kt.float(), ref_build_kt(layer.keys, layer.lengths, cfg.page_size, torch.float32), rtol=0, atol=0
+    )
+
+
+@SETTINGS
+@given(layer_script())
+def test_layer_bookkeeping_over_random_request_sequences(script):
+    heads, group, page, window, budget, batch, prompt, pads, chunks, steps, seed = script
+    g = torch.Generator().manual_seed(seed)
+    dim = 8
+    config = RocketKVConfig(
+        prompt_budget=budget, window_size=window, kernel_size=3, topk=2, topr=dim, page_size=page,
+        kt_cache_dtype="float32", backend="torch", capacity_headroom=4,
+    )
+    layer = RocketKVLayer(config, GenerationHints())
+
+    def qkv(n):
+        return (torch.randn(batch, heads, n, dim, generator=g), torch.randn(batch, heads, n, dim, generator=g),
+                torch.randn(batch, heads * group, n, dim, generator=g))
+
+    # prefill, left-padded, in chunks or at once
+    start = torch.tensor(pads)
+    fed = 0
+    for size in ([prompt] if chunks is None else [min(chunks, prompt - i) for i in range(0, prompt, chunks)]):
+        k, v, q = qkv(size)
+        layer.update(k, v)
+        fed += size
+        column = torch.arange(fed - size, fed)
+        layer.observe_prefill(q, start, dim**-0.5, valid=column[None, :] >= start[:, None])
+    layer.compress()
+    counts = [min(prompt - p, budget) for p in pads]
+    seen = prompt
+    _check(layer, seen, counts)
+
+    for kind, arg in steps:
+        if kind == "decode":
+            for _ in range(arg):
+                k, v, _ = qkv(1)
+                layer.update(k, v)
+                seen += 1
+                counts = [c + 1 for c in counts]
+                _check(layer, seen, counts)
+        else:  # a later turn: row b adds arg[b] real tokens, padding between the turns (one forward)
+            n = max(arg) + 1
+            valid = torch.zeros(batch, n, dtype=torch.bool)
+            valid[:, 0] = True  # the previous turn's last token, fed back now
+            for b, m in enumerate(arg):
+                valid[b, n - m :] = True
+            k, v, q = qkv(n)
+            layer.update(k, v)
+            layer.store_new_tokens(valid)
+            seen += n
+            counts = [c + int(valid[b].sum()) for b, c in enumerate(counts)]
+            _check(layer, seen, counts)
+            layer.observe_prefill(q, None, dim**-0.5, valid=valid)
+            layer.compress()
+            counts = [min(c, budget) for c in counts]
+            _check(layer, seen, counts)
+            for b in range(batch):
+                stored = set(layer.positions[b, 0, : counts[b]].tolist())
+                real_new = {seen - n + j for j in range(n) if valid[b, j]}
+                padding = {seen - n + j for j in range(n) if not valid[b, j]}
+                assert not stored & padding  # padding is never stored
+                last_real = sorted(real_new)[-min(window, len(real_new)) :]
+                assert set(last_real) <= stored  # the turn's window (its last real tokens) is always kept
