@@ -103,7 +103,7 @@ for name in "$@"; do
                      step "$name" 120 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_launch.py ;;
     op_graph_tests)  # eager decode through per-layer CUDA graphs equals plain eager launches, bit for bit (cache/op_graphs.py)
                      need_pytest
-                     step "$name" 240 $PY -m pytest -q -p no:cacheprovider tests/test_op_graphs.py ;;
+                     step "$name" 240 $PY -m pytest -q -p no:cacheprovider tests/cache/test_op_graphs.py ;;
     graph_pool_tests) # the CUDA-graph runner on pool pages (pages back without the garbage collector) and the graphs' tests
                      need_pytest
                      step "$name" 180 $PY -m pytest -q -p no:cacheprovider tests/test_decode_graphs.py ;;

@@ -27,6 +27,14 @@ hf_logging.set_verbosity_error()
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 
+@pytest.fixture(scope="module")
+def model():
+    """One tiny random Llama on ``rocketkv`` attention (``make_models("llama")[0]``), shared by a module's tests."""
+    from tests.support.tiny_models import make_models
+
+    return make_models("llama")[0]
+
+
 @pytest.fixture
 def llama_pair():
     """``(rocket, sdpa)``: one tiny random Llama (4 query / 2 KV heads, head_dim 16, 2 layers) on both attentions."""

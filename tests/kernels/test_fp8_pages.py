@@ -541,7 +541,7 @@ def test_triton_append_drops_fp8_writes_without_a_page(granularity):
 
 
 class _HostReads(TorchDispatchMode):
-    """Counts the ops that make the host wait for a tensor's value (as tests/test_host_syncs.py)."""
+    """Counts the ops that make the host wait for a tensor's value (as tests/cache/test_host_syncs.py)."""
 
     READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
              torch.ops.aten.equal.default}

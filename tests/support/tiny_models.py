@@ -22,7 +22,7 @@ from transformers import (
 )
 
 import hf_rocketkv
-from hf_rocketkv import RocketKVConfig
+from hf_rocketkv import KVBlockPool, RocketKVConfig
 
 PAD, BOS, EOS = 0, 1, 2
 VOCAB = 128
@@ -120,6 +120,16 @@ def compressing_config(**overrides) -> RocketKVConfig:
     )
     kwargs.update(overrides)
     return RocketKVConfig(**kwargs)
+
+
+def cpu_pool(model_or_config, config: RocketKVConfig, max_bytes: int = 4 << 20, page_size: int = 8,
+             dtype=torch.float32, **kwargs) -> KVBlockPool:
+    """A KVBlockPool on the CPU for a tiny model: ``max_bytes`` of ``dtype`` pages of ``page_size`` tokens, its KT slab
+    matching ``config`` (KT page size and dtype). ``model_or_config`` as KVBlockPool takes it: a model's weights
+    enter the prefix fingerprint, a config's do not."""
+    kwargs.setdefault("device", "cpu")
+    return KVBlockPool(model_or_config, max_gpu_bytes=max_bytes, page_size=page_size, dtype=dtype,
+                       kt_page_size=config.page_size, kt_dtype=config.kt_cache_dtype, **kwargs)
 
 
 def dynamic_cache_bytes(cache) -> int:

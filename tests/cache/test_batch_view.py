@@ -9,22 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_rocketkv import KVBlockPool, RocketKVCache
+from hf_rocketkv import RocketKVCache
 from hf_rocketkv.cache.batch_view import BatchedDecodeCache, BatchedDecodeLayer
-from tests.support.tiny_models import compressing_config, greedy, make_models, random_ids
+from tests.support.tiny_models import compressing_config, cpu_pool, greedy, random_ids
 
 CFG = compressing_config(kt_cache_dtype="float32")
 STEPS = 6
-
-
-@pytest.fixture(scope="module")
-def model():
-    return make_models("llama", seed=0)[0]
-
-
-def new_pool(model, page_size=8):
-    return KVBlockPool(model, max_gpu_bytes=2 << 20, page_size=page_size, dtype=torch.float32, device="cpu",
-                       kt_page_size=CFG.page_size, kt_dtype=CFG.kt_cache_dtype)
 
 
 def prefill(model, pool, prompt, new_tokens):
@@ -42,7 +32,7 @@ def prefill(model, pool, prompt, new_tokens):
 
 
 def test_rows_decode_together_and_leave_the_caches_generate_leaves(model):
-    pool = new_pool(model)
+    pool = cpu_pool(model, CFG, 2 << 20)
     prompts = [random_ids(1, n, seed=n)[0] for n in (30, 13, 41)]  # one within the budget, two compressed
     alone = []
     for prompt in prompts:
@@ -87,7 +77,7 @@ def test_rows_decode_together_and_leave_the_caches_generate_leaves(model):
 
 def test_moves_and_padding_keep_rows_apart(model):
     """A row that left is filled by the last one (move); the padding rows write only the scratch page."""
-    pool = new_pool(model, page_size=16)
+    pool = cpu_pool(model, CFG, 2 << 20, page_size=16)
     prompts = [random_ids(1, n, seed=100 + n)[0] for n in (27, 35)]
     batch = BatchedDecodeCache(pool, max_rows=2)
     caches = []
@@ -117,7 +107,7 @@ def test_moves_and_padding_keep_rows_apart(model):
 
 
 def test_checks(model):
-    pool = new_pool(model)
+    pool = cpu_pool(model, CFG, 2 << 20)
     batch = BatchedDecodeCache(pool, max_rows=2)
     cache, _ = prefill(model, pool, random_ids(1, 30, seed=1)[0], 2)
     batch.join(0, cache)
@@ -148,7 +138,7 @@ def test_prepare_rebuilds_views_only_when_the_layout_changes(model, monkeypatch)
     """Steps of an unchanged batch keep the layers' views (no per-layer work) but still empty the padding rows; a
     join, a leave or a new bucket rebuilds them. Padding rows decode from length 0 at every step (their lengths
     would otherwise grow by one per step)."""
-    pool = new_pool(model, page_size=16)
+    pool = cpu_pool(model, CFG, 2 << 20, page_size=16)
     batch = BatchedDecodeCache(pool, max_rows=4)
     calls = []
     real_select = BatchedDecodeLayer.select

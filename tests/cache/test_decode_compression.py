@@ -1,4 +1,5 @@
-"""Decode-time compression wired into the cache (RocketKVConfig.decode_budget; docs/policies.md).
+"""Decode-time compression wired into the cache (cache/generated_tokens.py, RocketKVConfig.decode_budget;
+docs/policies.md).
 
 The oracle is a float64 re-implementation written from the definition: it keeps the full history of every key,
 value and decode query, and at each compression re-scores the generated tokens it holds with the last ``window``

@@ -1,5 +1,6 @@
-"""RocketKVConfig(multi_turn="keep_all") (RocketKV-MT): the whole conversation stays in pages and every later turn
-re-runs stage 1 over all of it, so tokens an earlier turn evicted can come back.
+"""The keep_all history (cache/history.py; RocketKVConfig(multi_turn="keep_all"), RocketKV-MT): the whole
+conversation stays in pages and every later turn re-runs stage 1 over all of it, so tokens an earlier turn evicted
+can come back.
 
 Oracle of a later turn: a cold run of the concatenated conversation with the same config. They agree exactly when
 every token of the history was computed by a prefill (turn 1 generates one token, which is fed back only in turn 2)
@@ -11,24 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_rocketkv import KVBlockPool, RocketKVCache
+from hf_rocketkv import RocketKVCache
 
-from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
-from .test_pool_cache import kept
+from tests.support.tiny_models import compressing_config, cpu_pool, greedy, left_pad, random_ids
+from tests.cache.helpers import kept
 
 CFG = compressing_config(kt_cache_dtype="float32")  # budget 24, window 8
 KEEP_ALL = CFG.replace(multi_turn="keep_all")
-
-
-@pytest.fixture(scope="module")
-def model():
-    rocket, _ = make_models("llama")
-    return rocket
-
-
-def pool_for(model, cfg):
-    return KVBlockPool(model.config, max_gpu_bytes=4 << 20, page_size=8, dtype=torch.float32, device="cpu",
-                       kt_page_size=cfg.page_size, kt_dtype=cfg.kt_cache_dtype)
 
 
 def two_turns(model, cfg, pool=None, first_new=1, prompt=None, extra=None):
@@ -43,7 +33,7 @@ def two_turns(model, cfg, pool=None, first_new=1, prompt=None, extra=None):
 
 @pytest.mark.parametrize("with_pool", [False, True])
 def test_evicted_tokens_come_back_and_turn_two_equals_a_cold_run(model, with_pool):
-    pool = pool_for(model, KEEP_ALL) if with_pool else None
+    pool = cpu_pool(model.config, KEEP_ALL) if with_pool else None
     cache, turn1, conversation, out2 = two_turns(model, KEEP_ALL, pool)
     prompt_len = 60
     turn2 = kept(cache)
@@ -74,7 +64,7 @@ def test_evict_mode_never_brings_tokens_back(model):
 def test_history_holds_every_fed_token_through_decode_and_turns(model, with_pool):
     """Padded batch, several decode steps, two later turns: the history of every layer holds each row's real tokens
     (prompt, fed-back generated tokens, later turns) with their input columns; pool == private tokens."""
-    pool = pool_for(model, KEEP_ALL) if with_pool else None
+    pool = cpu_pool(model.config, KEEP_ALL) if with_pool else None
     ids, mask = left_pad([random_ids(1, 50, seed=5)[0], random_ids(1, 33, seed=6)[0]])
     cache = RocketKVCache(KEEP_ALL, pool=pool)
     private = RocketKVCache(KEEP_ALL)
@@ -106,7 +96,7 @@ def test_keep_all_with_row_groups_and_pool(model):
     ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (44, 60, 35)])
     cfg = KEEP_ALL.replace(prefill_batch_size=2)
     want = greedy(model, ids, attention_mask=mask, max_new_tokens=4, past_key_values=RocketKVCache(cfg))
-    pool = pool_for(model, cfg)
+    pool = cpu_pool(model.config, cfg)
     cache = RocketKVCache(cfg, pool=pool)
     got = greedy(model, ids, attention_mask=mask, max_new_tokens=4, past_key_values=cache)
     assert torch.equal(got, want)
@@ -121,7 +111,7 @@ def test_keep_all_beam_search(model, with_pool):
     kwargs = dict(num_beams=3, num_return_sequences=1, max_new_tokens=5, do_sample=False, eos_token_id=None,
                   pad_token_id=0)
     want = model.generate(ids, past_key_values=RocketKVCache(CFG), **kwargs)
-    pool = pool_for(model, KEEP_ALL) if with_pool else None
+    pool = cpu_pool(model.config, KEEP_ALL) if with_pool else None
     cache = RocketKVCache(KEEP_ALL, pool=pool)
     got = model.generate(ids, past_key_values=cache, **kwargs)
     assert torch.equal(got, want)  # within one turn keep_all decodes exactly like evict mode

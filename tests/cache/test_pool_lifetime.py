@@ -1,4 +1,5 @@
-"""No leaked or double-held pages under random request sequences (hypothesis state machine on a tiny model).
+"""The lifetime of a cache's pool pages (cache/pool_pages.py): no leaked or double-held pages under random request
+sequences (hypothesis state machine on a tiny model).
 
 Requests start (generate on a fresh pool-backed cache, sharing prefixes often), continue (a later turn), finish
 (close), are reset, or are dropped and garbage collected, in any order, with keep_all or evict caches. After every

@@ -1,4 +1,5 @@
-"""RocketKVCache(cfg, pool=KVBlockPool(...)): pages from a shared pool, prefix reuse, accounting, lifetime.
+"""RocketKVCache(cfg, pool=KVBlockPool(...)) (cache/pool_pages.py): pages from a shared pool, prefix reuse,
+accounting, lifetime.
 
 Everything runs a tiny random Llama in float32 on CPU, where a prefix hit must give exactly the cold run's tokens and
 stage-1 kept sets. Oracles: the same request without a pool (the private paged store, itself checked against the
@@ -18,30 +19,15 @@ from packaging.version import Version
 from hf_rocketkv import KVBlockPool, RocketKVCache
 from hf_rocketkv.memory import PoolExhaustedError, PrefixKeys
 
-from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
+from tests.cache.helpers import kept
+from tests.support.tiny_models import compressing_config, cpu_pool, greedy, left_pad, random_ids
 
 PAGE = 8  # pool page size (tokens); the KT page is the config's 4
 
 
-@pytest.fixture(scope="module")
-def model():
-    rocket, _ = make_models("llama")
-    return rocket
-
-
 def make_pool(model, cfg, max_bytes=4 << 20, page_size=PAGE, **kwargs) -> KVBlockPool:
-    return KVBlockPool(model.config, max_gpu_bytes=max_bytes, page_size=page_size, dtype=torch.float32,
-                       device="cpu", kt_page_size=cfg.page_size, kt_dtype=cfg.kt_cache_dtype, **kwargs)
-
-
-def kept(cache: RocketKVCache) -> list[list[list[list[int]]]]:
-    """Kept input columns per (layer, row, KV head), in slot order."""
-    out = []
-    for layer in cache.layers:
-        lengths = layer.lengths.tolist()
-        out.append([[layer.positions[b, h, :n].tolist() for h in range(layer.num_kv_heads)]
-                    for b, n in enumerate(lengths)])
-    return out
+    """A float32 pool keyed by the model's config (no weights in the prefix fingerprint)."""
+    return cpu_pool(model.config, cfg, max_bytes, page_size, **kwargs)
 
 
 def run(model, ids, cfg, pool=None, new=6, mask=None, **cache_kwargs):

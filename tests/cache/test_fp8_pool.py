@@ -1,4 +1,5 @@
-"""RocketKVCache on a KVBlockPool of fp8 (e4m3) pages: half the bytes per page, read back in the model's dtype.
+"""RocketKVCache on a KVBlockPool of fp8 (e4m3) pages (cache/pool_pages.py over memory/fp8.py): half the bytes per
+page, read back in the model's dtype.
 
 Oracles, none of them the code under test:
 - the same request on a float32 pool (the exact pages), whose compacted pages, quantized page by page with
@@ -20,22 +21,15 @@ import torch
 from hf_rocketkv import KVBlockPool, RocketKVCache
 from hf_rocketkv.memory.fp8 import FP8_DTYPE, dequantize_fp8, quantize_pages
 
-from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
+from tests.support.tiny_models import compressing_config, cpu_pool, greedy, left_pad, make_models, random_ids
 
 PAGE = 8  # pool page size (tokens); the KT page is the config's 4
 CFG = compressing_config(kt_cache_dtype="float32")  # budget 24, window 8, KT page 4, topk 3
 
 
-@pytest.fixture(scope="module")
-def model():
-    rocket, _ = make_models("llama")
-    return rocket
-
-
 def make_pool(model, cfg, dtype, granularity="page", max_bytes=4 << 20, **kwargs) -> KVBlockPool:
-    return KVBlockPool(model.config, max_gpu_bytes=max_bytes, page_size=PAGE, dtype=dtype, device="cpu",
-                       kt_page_size=cfg.page_size, kt_dtype=cfg.kt_cache_dtype, scale_granularity=granularity,
-                       **kwargs)
+    """A pool of ``dtype`` pages (fp8: one scale per ``granularity``), keyed by the model's config."""
+    return cpu_pool(model.config, cfg, max_bytes, PAGE, dtype, scale_granularity=granularity, **kwargs)
 
 
 def run(model, ids, cfg, pool, new=4, mask=None, **cache_kwargs):

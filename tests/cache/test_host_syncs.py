@@ -1,5 +1,6 @@
-"""A prefill reads nothing back from the device per layer (issues 13 and 14: on an H100 the ~22 host-device syncs
-per layer of a pool-backed prefill cost ~120 ms of an 8k prefill and most of a prefix hit's time to first token).
+"""A prefill reads nothing back from the device per layer (the cache's prefill path: stage 1, compaction, pool pages).
+On an H100, ~22 host-device syncs per layer of a pool-backed prefill would cost ~120 ms of an 8k prefill and most of a
+prefix hit's time to first token.
 
 On CPU a "sync" is any read of a tensor's value by the host: ``item`` / ``bool`` / ``int`` (``aten::
 _local_scalar_dense``), ``nonzero``, ``equal`` (counted by a dispatch mode) and ``tolist`` (counted by a wrapper).
@@ -17,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_rocketkv import KVBlockPool, RocketKVCache
 
-from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
+from tests.support.tiny_models import compressing_config, cpu_pool, greedy, left_pad, make_models, random_ids
 
 READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default, torch.ops.aten.equal.default}
 
@@ -71,15 +72,11 @@ def reads_of_prefill(model, ids, mask, pool: KVBlockPool | None) -> HostReads:
     return reads
 
 
-def pool_of(model) -> KVBlockPool:
-    return KVBlockPool(model.config, max_gpu_bytes=8 << 20, page_size=8, dtype=torch.float32, device="cpu",
-                       kt_page_size=CFG.page_size, kt_dtype=CFG.kt_cache_dtype)
-
-
 @pytest.mark.parametrize("with_pool", [False, True], ids=["private", "pool"])
 def test_cold_prefill_reads_do_not_grow_with_layers(models, with_pool):
     ids = random_ids(1, 70, seed=3)
-    counts = {layers: reads_of_prefill(model, ids, torch.ones_like(ids), pool_of(model) if with_pool else None)
+    counts = {layers: reads_of_prefill(model, ids, torch.ones_like(ids),
+                                       cpu_pool(model.config, CFG, 8 << 20) if with_pool else None)
               for layers, model in models.items()}
     assert counts[4].counts == counts[2].counts, (counts[2].counts, counts[4].counts)
 
@@ -88,7 +85,7 @@ def test_prefix_hit_reads_do_not_grow_with_layers(models):
     prefix = random_ids(1, 64, seed=4)
     counts = {}
     for layers, model in models.items():
-        pool = pool_of(model)
+        pool = cpu_pool(model.config, CFG, 8 << 20)
         reads_of_prefill(model, torch.cat([prefix, random_ids(1, 9, seed=5)], 1), None, pool)  # fills the pool
         ids = torch.cat([prefix, random_ids(1, 11, seed=6)], 1)
         cache = RocketKVCache(CFG, pool=pool)

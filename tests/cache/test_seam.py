@@ -1,4 +1,5 @@
-"""The seam between transformers and RocketKV: each attention call reaches the cache layer of its own forward.
+"""The seam between transformers and RocketKV (cache/seam.py): each attention call reaches the cache layer of its own
+forward.
 
 The layer is found from the key tensor ``update()`` returned (docs/seam.md), so there is no process-global state to
 race on or to leave behind. These tests try to break that: two generate() calls on one model in two threads, forced

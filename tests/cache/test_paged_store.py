@@ -1,5 +1,6 @@
-"""``paged_store.write_tokens`` against a slot-by-slot oracle: every written slot lands in its row's page at its
-offset, nothing else in the pool changes (shared prefix pages, the rest of partial pages, other rows' pages)."""
+"""``write_tokens`` of cache/paged_store.py against a slot-by-slot oracle: every written slot lands in its row's page
+at its offset, nothing else in the pool changes (shared prefix pages, the rest of partial pages, other rows'
+pages)."""
 
 from __future__ import annotations
 
