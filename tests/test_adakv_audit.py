@@ -29,7 +29,7 @@ from transformers import CompileConfig
 from hf_rocketkv import RocketKVCache, RocketKVConfig
 from hf_rocketkv.policies.decode_compression import decode_keep_slots
 from tests.support.tiny_models import PAD, compressing_config, greedy, left_pad, make_models, random_ids
-from tests.test_generate import _CpuEvent
+from tests.integration.test_generate import _CpuEvent
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,7 +52,7 @@ def test_tensor_parallel_adakv_equals_one_process_or_is_refused(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             str(REPO / "tests" / "tp_worker.py"), str(tmp_path / "model"), str(tmp_path / "in.json"),
+                             str(REPO / "tests" / "integration" / "tp_worker.py"), str(tmp_path / "model"), str(tmp_path / "in.json"),
                              str(output)], env=env, capture_output=True, text=True, timeout=400)
     if result.returncode != 0:  # a refusal is acceptable if it says why
         assert "stage1" in result.stderr and not output.exists(), result.stderr[-3000:]

@@ -25,8 +25,14 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from hf_rocketkv import KVBlockPool, RocketKVCache, RocketKVLayer
 from hf_rocketkv.policies import AdaKVPolicy, KeptSlots, ScorerPolicy
-from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
-from tests.test_generate import teacher_forced_logits
+from tests.support.tiny_models import (
+    compressing_config,
+    greedy,
+    left_pad,
+    make_models,
+    random_ids,
+    teacher_forced_logits,
+)
 
 from . import oracle
 

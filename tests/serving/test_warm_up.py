@@ -1,5 +1,5 @@
 """BatchingEngine.warm_up: every bucket's decode graph captured before serving, on the tiny random Llama (CPU, with
-the CPU stand-in capture backend of tests/test_decode_graphs.py).
+the CPU stand-in capture backend of tests/integration/test_decode_graphs.py).
 
 Oracle: each request alone through model.generate with its own RocketKVCache (``oracle_tokens``, on a second copy of
 the model), as in test_batching.py.

@@ -22,7 +22,7 @@ from transformers import (
 )
 
 import hf_rocketkv
-from hf_rocketkv import KVBlockPool, RocketKVConfig
+from hf_rocketkv import KVBlockPool, RocketKVCache, RocketKVConfig
 
 PAD, BOS, EOS = 0, 1, 2
 VOCAB = 128
@@ -140,3 +140,16 @@ def dynamic_cache_bytes(cache) -> int:
             if t is not None:
                 total += t.numel() * t.element_size()
     return total
+
+
+def teacher_forced_logits(model, ids, tokens, config):
+    """Independent replay: prefill ``ids`` with a fresh RocketKVCache, then feed ``tokens`` [B, n] one at a time with
+    plain forwards; returns the logits before each token, [B, n, V] (the last entry predicts nothing we check)."""
+    cache = RocketKVCache(config)
+    steps = []
+    with torch.no_grad():
+        logits = model(ids, past_key_values=cache).logits[:, -1]
+        for i in range(tokens.shape[1]):
+            steps.append(logits)
+            logits = model(tokens[:, i : i + 1], past_key_values=cache).logits[:, -1]
+    return torch.stack(steps, dim=1)

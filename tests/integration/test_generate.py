@@ -1,5 +1,6 @@
-"""generate()/pipeline() integration on a tiny random Llama: equivalence with sdpa when nothing is evicted,
-compression engaged, padding, beams, chunked prefill, multi-turn, automatic cache creation and the misuse errors.
+"""generate()/pipeline() integration (integration/generate.py) on a tiny random Llama: equivalence with sdpa when
+nothing is evicted, compression engaged, padding, beams, chunked prefill, multi-turn, automatic cache creation, the
+deferred stop check and the misuse errors.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from tests.support.tiny_models import (
     left_pad,
     make_models,
     random_ids,
+    teacher_forced_logits,
 )
 
 
@@ -118,19 +120,6 @@ def test_right_padding_rejected(llama_pair):
     mask[1, -5:] = 0
     with pytest.raises(ValueError, match="left"):
         greedy(rocket, ids, attention_mask=mask, past_key_values=RocketKVCache(compressing_config()))
-
-
-def teacher_forced_logits(model, ids, tokens, config):
-    """Independent replay: prefill ``ids`` with a fresh RocketKVCache, then feed ``tokens`` [B, n] one at a time with
-    plain forwards; returns the logits before each token, [B, n, V] (the last entry predicts nothing we check)."""
-    cache = RocketKVCache(config)
-    steps = []
-    with torch.no_grad():
-        logits = model(ids, past_key_values=cache).logits[:, -1]
-        for i in range(tokens.shape[1]):
-            steps.append(logits)
-            logits = model(tokens[:, i : i + 1], past_key_values=cache).logits[:, -1]
-    return torch.stack(steps, dim=1)
 
 
 def test_sampling_with_compression_draws_from_the_compressed_model(llama_pair):

@@ -1,5 +1,5 @@
-"""The same integration checks on every supported architecture (tiny random Llama, Mistral, Qwen2, Qwen3 with
-q/k norm), GQA layouts from MHA to MQA, and the clear error for sliding-window layers."""
+"""The architectures the integration supports: the same integration checks on every one (tiny random Llama, Mistral,
+Qwen2, Qwen3 with q/k norm), GQA layouts from MHA to MQA, and the clear error for sliding-window layers."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Static-shape decode under torch.compile (inductor on CPU; generate compiles decode steps by itself).
+"""Static-shape decode under torch.compile (integration/compiled_decode.py, its batch and capacity buckets; inductor
+on CPU; generate compiles decode steps by itself).
 
 transformers compiles decode steps for caches whose ``is_compileable`` is True: on CUDA by default, elsewhere only
 with ``compile_config._compile_all_devices``. These tests force that path on CPU so CI guards it: same tokens as
@@ -290,7 +291,7 @@ def test_padded_generate_output_and_returned_cache_hold_the_callers_rows():
 
 def test_batch_padding_only_where_decode_compiles_and_never_for_other_caches():
     """No padding for eager decode (disable_compile) or the cuda_graphs runner's default; explicit buckets pad; an sdpa
-    model's generate() is not touched (tests/test_compat.py compares whole processes)."""
+    model's generate() is not touched (tests/integration/test_compat.py compares whole processes)."""
     from hf_rocketkv.integration import batch_buckets
 
     rocket, sdpa = make_models("llama", num_hidden_layers=1)

@@ -1,4 +1,5 @@
-"""Private names of transformers, torch and Triton: where the package may spell them.
+"""Private names of transformers, torch and Triton: where the package may spell them (integration/private_names.py
+holds the table of torch and Triton names).
 
 - transformers: only ``integration/compat.py`` (listed in its docstring's table; the rest of the package calls its
   accessors). Any other package file that reads a private attribute of transformers' classes

@@ -164,7 +164,8 @@ def test_the_captured_step_holds_no_reference_to_its_cache():
     cyclic garbage collector runs. (The stand-in graph itself keeps the step's closure; a CUDA graph keeps none.)"""
     rocket, _ = make_models("llama")
     cache = graphed_cache(compressing_config(), StandInBackend())
-    out = greedy(rocket, random_ids(1, 50), past_key_values=cache, max_new_tokens=6, compile_config=eager_compile_config())
+    out = greedy(rocket, random_ids(1, 50), past_key_values=cache, max_new_tokens=6,
+                 compile_config=eager_compile_config())
     step = cache.hints.graphed_step
     assert step is not None and step.replays > 0 and len(step.cache_fields) == 1  # past_key_values or cache
     assert not _reaches(step, cache, skip=[step.graph])

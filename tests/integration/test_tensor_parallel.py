@@ -1,6 +1,6 @@
-"""Tensor parallelism (integration notes §5): ``torchrun --nproc_per_node=2`` (gloo, CPU) runs tests/tp_worker.py on
-a tiny Llama loaded with ``tp_plan="auto"`` and ``attn_implementation="rocketkv"``; each rank's RocketKVCache holds
-its shard of KV heads and compresses independently. Tokens must equal a single-process run."""
+"""Tensor parallelism (integration notes §5): ``torchrun --nproc_per_node=2`` (gloo, CPU) runs tp_worker.py (beside
+this file) on a tiny Llama loaded with ``tp_plan="auto"`` and ``attn_implementation="rocketkv"``; each rank's
+RocketKVCache holds its shard of KV heads and compresses independently. Tokens must equal a single-process run."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def test_tensor_parallel_steps_match_single_process(tmp_path):
     decode steps' logits agree within 1e-4 relative."""
     import torch
 
-    from .tp_steps import record_steps
+    from tests.integration.tp_steps import record_steps
 
     rocket, _ = make_models("llama", hidden_size=128, num_attention_heads=8, num_key_value_heads=4, head_dim=16)
     model_dir = tmp_path / "model"

@@ -1,6 +1,7 @@
-"""Tensor-parallel worker for tests/test_tensor_parallel.py (run under ``torchrun --nproc_per_node=2``, gloo, CPU).
+"""Tensor-parallel worker for tests/integration/test_tensor_parallel.py (run under ``torchrun --nproc_per_node=2``,
+gloo, CPU).
 
-    torchrun --nproc_per_node=2 tests/tp_worker.py MODEL_DIR INPUT_JSON OUTPUT_JSON
+    torchrun --nproc_per_node=2 tests/integration/tp_worker.py MODEL_DIR INPUT_JSON OUTPUT_JSON
 
 Loads the tiny checkpoint in MODEL_DIR with ``tp_plan="auto"`` and ``attn_implementation="rocketkv"``, generates
 greedily with a compressing RocketKVCache built from the config in INPUT_JSON, and has rank 0 write the tokens
