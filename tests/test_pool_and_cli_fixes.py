@@ -222,7 +222,7 @@ def test_warmup_cli_refuses_an_unknown_device_before_loading(tmp_path, capsys, n
 
 @pytest.fixture(scope="module")
 def short_model_dir(tmp_path_factory, smollm2_tokenizer):
-    """A tiny random Llama with only 64 positions, saved with the SmolLM2 tokenizer (as tests/test_cli.py does)."""
+    """A tiny random Llama with only 64 positions, saved with the SmolLM2 tokenizer (as tests/cli/test_main.py does)."""
     folder = tmp_path_factory.mktemp("tiny_64_positions")
     smollm2_tokenizer.save_pretrained(folder)
     config = LlamaConfig(

@@ -1,4 +1,6 @@
-"""``hf-rocketkv serve`` (serve_main) and the optional serve extra."""
+"""``hf-rocketkv serve`` (cli/serve.py, serve_main): usage errors, configs it refuses, the optional serve extra, and
+whole servers in a subprocess (one process, and two ranks under torchrun).
+"""
 
 from __future__ import annotations
 

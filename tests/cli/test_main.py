@@ -1,7 +1,8 @@
-"""The hf-rocketkv command: generate report, eval outputs, every documented user error, bench delegation.
+"""The hf-rocketkv command (cli/main.py and the parser, checks and report beside it): generate report, eval outputs,
+warmup, bench delegation, every documented user error.
 
 Runs ``hf_rocketkv.cli.main(argv)`` in-process on a tiny random Llama saved to a tmp folder with the SmolLM2
-tokenizer (so chat templates and real text work), on CPU. The table of user errors in docs/cli.md is parsed here:
+tokenizer (tests/cli/conftest.py), on CPU. The table of user errors in docs/cli.md is parsed here:
 each row is one test case, so the table and the behaviour cannot drift apart.
 """
 
@@ -15,14 +16,11 @@ import types
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import BertConfig, Gemma2Config, LlamaConfig, LlamaForCausalLM
+from transformers import BertConfig, Gemma2Config, LlamaConfig
 
 from hf_rocketkv.cli import CONFIG_DIR, compact_list, main
-from hf_rocketkv.cli.threads import cgroup_cpu_quota, choose_threads, default_threads, physical_cores
 from hf_rocketkv.eval.settings import load_run_config
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support.repo import ROOT
 
 TINY_YAML = """\
 sparse_attention_config:
@@ -40,35 +38,6 @@ eval:
   depths: [0.5]
   samples: 1
 """
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory, smollm2_tokenizer):
-    folder = tmp_path_factory.mktemp("tiny_smollm2_vocab")
-    smollm2_tokenizer.save_pretrained(folder)
-    config = LlamaConfig(
-        vocab_size=len(smollm2_tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        bos_token_id=smollm2_tokenizer.bos_token_id,
-        eos_token_id=smollm2_tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(autouse=True)
-def keep_torch_threads(monkeypatch):
-    """main() sets torch's thread count for the whole process; with OMP_NUM_THREADS set it leaves it alone, so the
-    pytest worker keeps its own setting (tests that pass --threads still set it)."""
-    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
 
 @pytest.fixture
@@ -197,30 +166,6 @@ def test_bundled_configs_parse():
     pages2 = load_run_config(CONFIG_DIR / "fidelity-pages2.yaml").rocket  # the same 256 tokens read as the default
     assert pages2.topk * pages2.page_size == default.rocket.topk * default.rocket.page_size == 256
     assert (pages2.prompt_budget, pages2.page_size, pages2.stage2_forced_pages) == (2048, 2, (2, 17))
-
-
-def test_long_document_has_its_answer_deep_inside():
-    from hf_rocketkv.data import DATA_DIR, LONG_DOCUMENT
-
-    text = LONG_DOCUMENT.text
-    assert text.count(LONG_DOCUMENT.answer) == 1
-    assert 0.6 < text.index(LONG_DOCUMENT.answer) / len(text) < 0.9
-    assert "Execution model" in text and "Objects, values and types" in text
-    assert (DATA_DIR / "LICENSE-PSF.txt").read_text().startswith("PYTHON SOFTWARE FOUNDATION LICENSE VERSION 2")
-    assert "Changes made" in (DATA_DIR / "NOTICE.txt").read_text()
-
-
-@pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="the committed text came from CPython 3.11's pydoc_data")
-def test_long_document_is_reproducible():
-    import importlib.util
-
-    from hf_rocketkv.data import LONG_DOCUMENT
-
-    spec = importlib.util.spec_from_file_location("make_long_document", ROOT / "scripts" / "make_long_document.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    assert script.with_sentence(script.chapters_text()) == LONG_DOCUMENT.text
-    assert LONG_DOCUMENT.answer in script.SENTENCE
 
 
 def test_bench_delegates_and_passes_unknown_args(monkeypatch):
@@ -362,38 +307,6 @@ def test_help_exits_zero(capsys):
     out = capsys.readouterr().out
     assert "--dtype" in out and "checkpoint's" in out  # --dtype has a help text
     assert "--threads" in out and "--prefill-chunk-size" in out and "--debug" in out
-
-
-# ------------------------------------------------------------------------------------------------ threads
-def test_default_threads_follow_idle_cores(monkeypatch):
-    monkeypatch.setattr("hf_rocketkv.cli.threads.usable_cpus", lambda: 8)
-    monkeypatch.setattr("hf_rocketkv.cli.threads.physical_cores", lambda: 4)
-    monkeypatch.setattr("os.cpu_count", lambda: 8)
-    assert default_threads(load_average=0.0).count == 4  # physical cores, not hyper-threads
-    assert default_threads(load_average=5.0).count == 3  # 3 CPUs idle
-    assert default_threads(load_average=7.6).count == 1  # never below 1
-    assert default_threads(load_average=40.0).count == 1
-    assert "load average 5.0" in default_threads(load_average=5.0).reason
-
-
-def test_choose_threads_precedence():
-    assert choose_threads(3) == choose_threads(3, {"OMP_NUM_THREADS": "2"})
-    assert choose_threads(3).count == 3 and choose_threads(3).reason == "--threads"
-    assert choose_threads(None, {"OMP_NUM_THREADS": "2"}) is None  # torch already follows the variable
-    assert choose_threads(None, {}).count >= 1
-
-
-def test_cpu_topology_files(tmp_path):
-    cpuinfo = tmp_path / "cpuinfo"
-    blocks = [f"processor\t: {i}\nphysical id\t: 0\ncore id\t\t: {i % 2}\n" for i in range(4)]  # 2 cores x 2 threads
-    cpuinfo.write_text("\n".join(blocks))
-    assert physical_cores(cpuinfo) == 2
-    assert physical_cores(tmp_path / "missing") is None
-    quota = tmp_path / "cpu.max"
-    quota.write_text("150000 100000\n")
-    assert cgroup_cpu_quota(quota) == 2
-    quota.write_text("max 100000\n")
-    assert cgroup_cpu_quota(quota) is None
 
 
 # ------------------------------------------------------------------------------------------------ the main job
