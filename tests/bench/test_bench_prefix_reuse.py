@@ -1,9 +1,10 @@
 """benchmarks.bench_prefix_reuse --quick on CPU: step 8 (batch x shared prefix memory) runs with no earlier step's
 pool alive, so its peak is the weights, its own pool and the generate() call only.
 
-On the H100 its 70.0 GiB peak held step 4's 24 GiB pool: the loop that closed the earlier caches left the last one
-in a local variable through the new pool's allocation (a closed cache still holds its pool), and the pool itself
-was in a reference cycle, freed only by a full garbage collection.
+What it guards against: a loop that closes the earlier caches but keeps the last one in a local variable through the
+new pool's allocation (a closed cache still holds its pool), or a pool in a reference cycle (freed only by a full
+garbage collection), keeps an earlier step's pool alive; on an H100 that put step 4's 24 GiB pool into step 8's
+70.0 GiB peak.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Smoke runs of the benchmarks on a tiny CPU model (their numbers only mean something on a GPU)."""
+"""``hf-rocketkv bench --workload`` (hf_rocketkv/bench/workload.py): a quick run on a tiny CPU model (its numbers only
+mean something on a GPU), the calls it plans, and the recompiles it counts per batch bucket."""
 
 from __future__ import annotations
 
@@ -17,22 +18,6 @@ def test_workload_bench_quick(tmp_path):
         assert summary["calls_ok"] == 3 and summary["decode_ms_per_token"] > 0
         assert [c["context"] for c in saved["caches"][cache]["calls"]] == [c[1] for c in report["calls"]]
     assert "| rocketkv-graphs |" in report["markdown"]
-
-
-def test_decode_bench_pool_rows_quick(tmp_path):
-    """The pool rows (model-dtype and fp8 pool pages) beside the private-page row: each ran, each pool sized for
-    its run's prefill peak and every page back in it after the row (the next row's pool would not fit otherwise)."""
-    from hf_rocketkv.bench import decode
-
-    caches = ["rocketkv-graphs", "rocketkv-graphs-pool", "rocketkv-graphs-pool-fp8"]
-    report = decode.run(["--quick", "--batch", "2", "--context", "96", "--caches", *caches, "--no-plot",
-                         "--out", str(tmp_path)])
-    rows = {r["cache"]: r for r in report["rows"]}
-    assert set(rows) == set(caches)
-    for cache in caches:
-        assert rows[cache]["status"] == "ok" and rows[cache]["decode_ms_per_token"] > 0, rows[cache]
-        assert rows[cache]["new_tokens"] == 6
-    assert rows["rocketkv-graphs"]["attn_ms"] is not None and rows["rocketkv-graphs-pool"]["attn_ms"] is None
 
 
 def test_workload_plan_varies_lengths_and_batches():

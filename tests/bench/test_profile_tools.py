@@ -6,11 +6,10 @@ from __future__ import annotations
 import importlib
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support.repo import ROOT
 
 
 @pytest.fixture(scope="module")
