@@ -301,3 +301,13 @@ def test_row_group_prefill_equals_one_forward():
     out = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=25)
     assert torch.equal(out, want)
     assert cache.layers[0].generated.decode_queries.shape == (2, 4, 4, 16)
+
+
+def test_adakv_decode_budget_tokens_do_not_depend_on_capacity_buckets():
+    rocket, _ = make_models("llama", num_hidden_layers=1)
+    ids, mask = left_pad([random_ids(1, 30 + 7 * r, seed=r)[0] for r in range(3)])
+    config = compressing_config(kt_cache_dtype="float32", stage1="adakv", decode_budget=12, decode_interval=4,
+                                decode_window=4, decode_runner="torch_compile", batch_buckets=())
+    outs = [greedy(rocket, ids, attention_mask=mask, max_new_tokens=20, disable_compile=True,
+                   past_key_values=RocketKVCache(c)) for c in (config, config.replace(capacity_buckets=()))]
+    assert torch.equal(outs[0], outs[1])

@@ -1,20 +1,24 @@
 """cache/page_budget.py, RocketKV's page arithmetic: a RocketKVConfig becomes the pool's plain per-row numbers
 (``RowDemand``) by the formulas of docs/memory.md ("Accounting", "Hit cap"), recomputed here from the documentation,
 not from the code; the pool's admission methods take the config through ``memory.as_budget`` and give the same
-answers as the equivalent plain numbers; the config checks refuse with their messages."""
+answers as the equivalent plain numbers; the config checks refuse with their messages. For keep_all, a real
+generate() on a tiny Llama takes exactly the pages the formulas give at its peak and holds them after."""
 
 from __future__ import annotations
 
 import types
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_rocketkv import RocketKVConfig
+from hf_rocketkv import RocketKVCache, RocketKVConfig
 from hf_rocketkv.cache import check_pool_policy, request_pages
 from hf_rocketkv.cache.page_budget import decode_tokens, hit_cap_tokens, row_demand
-from hf_rocketkv.memory import KVBlockPool, PoolSpec, RowDemand, as_budget
+from hf_rocketkv.integration.compat import cache_kwargs
+from hf_rocketkv.memory import KVBlockPool, PoolExhaustedError, PoolSpec, RowDemand, as_budget
+from tests.support.tiny_models import compressing_config, cpu_pool, greedy, random_ids
 
 MODEL = types.SimpleNamespace(num_hidden_layers=2, num_key_value_heads=2, num_attention_heads=4, head_dim=8,
                               architectures=["TinyForCausalLM"])
@@ -163,3 +167,95 @@ def test_rocketkv_conversion_is_registered_with_the_memory_floor():
                                                     row_demand(config(32, 8), 20, 5, 8)]
     assert as_budget(config(32, 8, multi_turn="keep_all"), spec).rows([10], [3], None)[0].keep_prompt
     assert not as_budget(config(32, 8, multi_turn="keep_all"), spec).rows([10], [3], False)[0].keep_prompt
+
+
+# ------------------------------------------------------------------------------------------------ a real generate()
+# keep_all taken from the config when ``keep_all`` is not passed, checked against the formulas above and against the
+# free pages a real keep_all generate() leaves
+PAGE = 8  # pool page size (tokens)
+EVICT = compressing_config(kt_cache_dtype="float32")  # prompt_budget 24, window 8, KT page 4; multi_turn="evict"
+KEEP_ALL = EVICT.replace(multi_turn="keep_all")
+PROMPT = 60  # longer than the budget (24): keep_all and evict plans differ
+
+
+def make_pool(model_or_config, pages: int | None = None, **kwargs) -> KVBlockPool:
+    """A float32 pool of ``pages`` pages (default: plenty), KT slab matching the configs (float32, page 4)."""
+    probe = cpu_pool(model_or_config, EVICT, 8 << 20, PAGE, **kwargs)
+    if pages is None:
+        return probe
+    return cpu_pool(model_or_config, EVICT, pages * probe.bytes_per_page, PAGE, **kwargs)
+
+
+def documented_pages(prompt_len: int, new: int, budget: int, keep_all: bool) -> tuple[int, int]:
+    """``(prefill_peak, steady_state)`` of a cold row, from the table in docs/memory.md (prefix reuse on)."""
+    row = documented(prompt_len, new, PAGE, budget, EVICT.window_size, keep_all, reuse=True)
+    return row["peak_pages"], row["steady_pages"]
+
+
+def generate_tracking_free_pages(model, pool, cfg, ids, max_new_tokens):
+    """Greedy generate on a pool-backed cache; returns (tokens, smallest free_pages() seen, free_pages() after)."""
+    seen = [pool.free_pages()]
+
+    def record(*_):
+        seen.append(pool.free_pages())
+
+    hooks = []
+    for layer in model.model.layers:
+        hooks.append(layer.register_forward_pre_hook(record))
+        hooks.append(layer.register_forward_hook(record))
+    cache = RocketKVCache(cfg, pool=pool)
+    try:
+        out = greedy(model, ids, max_new_tokens=max_new_tokens, **cache_kwargs(cache))
+        after = pool.free_pages()
+    finally:
+        for hook in hooks:
+            hook.remove()
+        cache.close()
+    return out, min(seen + [after]), after
+
+
+def test_pages_needed_and_can_admit_read_keep_all_from_the_config(model):
+    pool = make_pool(model.config, device="cpu")
+    new = 8
+    from_config = pool.pages_needed(PROMPT, new, KEEP_ALL)
+    explicit = pool.pages_needed(PROMPT, new, KEEP_ALL, keep_all=True)
+    evict = pool.pages_needed(PROMPT, new, EVICT)
+    assert from_config == explicit
+    assert (from_config.prefill_peak, from_config.steady_state) == documented_pages(PROMPT, new, 24, keep_all=True)
+    assert (evict.prefill_peak, evict.steady_state) == documented_pages(PROMPT, new, 24, keep_all=False)
+    assert from_config != evict  # the formulas differ for a prompt beyond the budget
+    # an explicit keep_all=False still wins over the config
+    assert pool.pages_needed(PROMPT, new, KEEP_ALL, keep_all=False) == evict
+
+    # can_admit follows the same default: a pool between the two peaks admits evict but not keep_all
+    peak_all, _ = documented_pages(PROMPT, new, 24, keep_all=True)
+    peak_evict, _ = documented_pages(PROMPT, new, 24, keep_all=False)
+    assert peak_evict < peak_all
+    between = make_pool(model.config, pages=peak_all - 1, device="cpu")
+    assert between.can_admit(PROMPT, new, EVICT)
+    assert not between.can_admit(PROMPT, new, KEEP_ALL)
+    assert between.can_admit(PROMPT, new, KEEP_ALL) == between.can_admit(PROMPT, new, KEEP_ALL, keep_all=True)
+
+
+def test_keep_all_prefill_peak_matches_a_real_generate_and_sizes_the_pool(model):
+    ids = random_ids(1, PROMPT, seed=41)
+    n = 9  # generate(max_new_tokens=n) stores n - 1 new tokens (docs/memory.md)
+    big = make_pool(model.config, device="cpu")
+    total = big.free_pages()
+    cold, lowest, after = generate_tracking_free_pages(model, big, KEEP_ALL, ids, n)
+    observed_peak, observed_held = total - lowest, total - after
+    assert observed_peak > 0 and observed_held == observed_peak  # keep_all keeps its prompt table
+
+    reported = big.pages_needed(PROMPT, n - 1, KEEP_ALL)
+    assert reported.prefill_peak == observed_peak
+    assert reported.steady_state == observed_held
+
+    exact = make_pool(model.config, pages=observed_peak, device="cpu")
+    assert exact.can_admit(PROMPT, n - 1, KEEP_ALL)
+    got, lowest_exact, _ = generate_tracking_free_pages(model, exact, KEEP_ALL, ids, n)
+    assert lowest_exact == 0 and torch.equal(got, cold)
+
+    short = make_pool(model.config, pages=observed_peak - 1, device="cpu")
+    assert not short.can_admit(PROMPT, n - 1, KEEP_ALL)
+    with pytest.raises(PoolExhaustedError):
+        generate_tracking_free_pages(model, short, KEEP_ALL, ids, n)

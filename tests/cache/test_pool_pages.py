@@ -17,6 +17,7 @@ import transformers
 from packaging.version import Version
 
 from hf_rocketkv import KVBlockPool, RocketKVCache
+from hf_rocketkv.integration.compat import cache_kwargs
 from hf_rocketkv.memory import PoolExhaustedError, PrefixKeys
 
 from tests.cache.helpers import kept
@@ -213,6 +214,30 @@ def test_prefix_file_round_trip_serves_a_hit(model, tmp_path):
     fresh.load_prefix(path)
     got, cache = run(model, ids, CFG, pool=fresh)
     assert cache.stats.reused_tokens == 48 and torch.equal(got, cold)
+
+
+def test_load_prefix_on_a_fresh_pool_built_from_the_model(model, tmp_path):
+    ids = random_ids(1, 60, seed=42)
+    plain = greedy(model, ids, max_new_tokens=6, **cache_kwargs(RocketKVCache(CFG)))  # the same config, no pool
+
+    source = cpu_pool(model, CFG, 8 << 20, device=None)  # built from the model, no device=
+    cache = RocketKVCache(CFG, pool=source)
+    cold = greedy(model, ids, max_new_tokens=6, **cache_kwargs(cache))
+    assert cache.stats.reused_tokens == 0
+    cache.close()
+    assert torch.equal(cold, plain)
+    path = tmp_path / "prefix.safetensors"
+    saved = source.save_prefix(path, ids[0])
+    assert saved > 0 and saved % PAGE == 0
+
+    fresh = cpu_pool(model, CFG, 8 << 20, device=None)  # a new pool from the same model, still no device=
+    loaded = fresh.load_prefix(path)
+    assert loaded.num_tokens == saved and loaded.pages_loaded == saved // PAGE
+    warm_cache = RocketKVCache(CFG, pool=fresh)
+    warm = greedy(model, ids, max_new_tokens=6, **cache_kwargs(warm_cache))
+    assert warm_cache.stats.reused_tokens > 0
+    warm_cache.close()
+    assert torch.equal(warm, cold)
 
 
 # ------------------------------------------------------------------------------------------------ accounting

@@ -37,6 +37,12 @@ def tiny_model_dir(tmp_path_factory, smollm2_tokenizer):
     return save_tiny_llama(tmp_path_factory.mktemp("tiny_smollm2_vocab"), smollm2_tokenizer, 4096)
 
 
+@pytest.fixture(scope="module")
+def short_model_dir(tmp_path_factory, smollm2_tokenizer):
+    """The tiny Llama with only 64 positions."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_64_positions"), smollm2_tokenizer, 64)
+
+
 @pytest.fixture(autouse=True)
 def restore_process_state(monkeypatch):
     """main() sets torch's thread count for the whole process (with OMP_NUM_THREADS set it leaves it alone, so the

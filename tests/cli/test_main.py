@@ -8,6 +8,7 @@ each row is one test case, so the table and the behaviour cannot drift apart.
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import shlex
@@ -307,6 +308,104 @@ def test_help_exits_zero(capsys):
     out = capsys.readouterr().out
     assert "--dtype" in out and "checkpoint's" in out  # --dtype has a help text
     assert "--threads" in out and "--prefill-chunk-size" in out and "--debug" in out
+
+
+# ------------------------------------------------------------------------------------------------ short usage errors
+def run_cli(argv, capsys):
+    """``hf-rocketkv ARGV`` in-process: (exit status, stderr). A parser's SystemExit gives its code; an exception
+    escaping main() is what a user would see as a traceback, so the test fails with it."""
+    from hf_rocketkv.cli import main
+
+    try:
+        rc = main(argv)
+    except SystemExit as stop:
+        rc = stop.code
+    except Exception as err:  # noqa: BLE001
+        pytest.fail(f"hf-rocketkv {' '.join(argv)} raised {type(err).__name__}: {err} (a traceback for the user)")
+    return rc, capsys.readouterr().err
+
+
+def assert_short_usage_error(rc, err):
+    lines = err.strip().splitlines()
+    assert rc == 2, err
+    assert 1 <= len(lines) <= 3, err
+    assert "Traceback" not in err
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Fail if the warmup command gets as far as loading a model (or warming one up)."""
+    import hf_rocketkv.integration.warmup as warmup_module
+
+    cli_main = importlib.import_module("hf_rocketkv.cli.main")  # the module (the package exports a main function)
+
+    def refuse_load(*_args, **_kwargs):
+        raise AssertionError("a model was loaded: the argument error should have come first")
+
+    def refuse_warmup(*_args, **_kwargs):
+        raise AssertionError("warmup() ran: the argument error should have come first")
+
+    monkeypatch.setattr(cli_main, "load_model", refuse_load)
+    monkeypatch.setattr(warmup_module, "warmup", refuse_warmup)
+
+
+def test_warmup_cli_refuses_a_file_as_cache_dir(tmp_path, capsys, no_model_loading):
+    afile = tmp_path / "not_a_folder"
+    afile.write_text("x")
+    rc, err = run_cli(["warmup", "--cache-dir", str(afile)], capsys)
+    assert_short_usage_error(rc, err)
+    assert "--cache-dir" in err
+    assert afile.is_file() and afile.read_text() == "x"  # left alone
+
+
+def test_warmup_cli_refuses_an_unknown_device_before_loading(tmp_path, capsys, no_model_loading):
+    rc, err = run_cli(["warmup", "--cache-dir", str(tmp_path / "c"), "--device", "gpu"], capsys)
+    assert_short_usage_error(rc, err)
+    assert "--device" in err
+
+
+def test_warmup_cli_refuses_context_beyond_the_models_positions(short_model_dir, tmp_path, capsys, monkeypatch):
+    import hf_rocketkv.integration.warmup as warmup_module
+
+    def refuse_warmup(*_args, **_kwargs):
+        raise AssertionError("warmup() ran with more tokens than the model has positions")
+
+    monkeypatch.setattr(warmup_module, "warmup", refuse_warmup)
+    argv = ["warmup", "--model", str(short_model_dir), "--cache-dir", str(tmp_path / "c"), "--context", "60",
+            "--new-tokens", "8", "--set", "prompt_budget=32", "--set", "topk=4", "--threads", "1"]
+    rc, err = run_cli(argv, capsys)  # 60 + 8 > 64
+    assert_short_usage_error(rc, err)
+    assert "--context" in err and "64" in err
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["bench", "--bogus"], "--bogus"),
+    (["bench", "--batch", "0", "--quick"], "--batch"),
+    (["bench", "--workload", "--batches", "0", "--quick"], "--batches"),
+], ids=["unknown-option", "batch-0", "workload-batches-0"])
+def test_bench_argument_errors_are_short(argv, option, capsys, monkeypatch):
+    import hf_rocketkv.bench.decode as decode
+    import hf_rocketkv.bench.workload as workload
+
+    def refuse_build(*_args, **_kwargs):
+        raise AssertionError("the benchmark built a model: the bad argument was accepted")
+
+    monkeypatch.setattr(decode, "build_model", refuse_build)
+    monkeypatch.setattr(workload, "build_model", refuse_build)
+    rc, err = run_cli(argv, capsys)
+    assert_short_usage_error(rc, err)
+    assert option in err  # the offending option is named
+
+
+def test_eval_cli_reports_an_fp8_pool_method_with_adakv_before_loading_the_model(tmp_path, capsys):
+    from hf_rocketkv.cli.main import main
+
+    argv = ["eval", "--model", str(tmp_path / "no-model-here"), "--task", "passkey", "--methods", "full",
+            "rocketkv_fp8kv", "--lengths", "96", "--samples", "1", "--set", "stage1=adakv",
+            "--output", str(tmp_path / "out"), "--no-progress"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "stage1" in err and "rocketkv_fp8kv" in err, err  # not the missing --model: methods are checked first
 
 
 # ------------------------------------------------------------------------------------------------ the main job

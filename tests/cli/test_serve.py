@@ -17,6 +17,7 @@ import torch
 
 from hf_rocketkv.cli.serve import load_config, serve_main
 from tests.support.repo import ROOT, TORCHRUN, subprocess_env
+from tests.support.tiny_models import char_tokenizer, compressing_config, make_models
 
 
 
@@ -144,9 +145,6 @@ def test_serve_main_end_to_end(tmp_path, engine_args):
     with the sequential engine (no pool), the batching one, and the batching one on fp8 pages."""
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
-    from tests.support.tiny_models import compressing_config, make_models
-    from tests.serving.helpers import char_tokenizer
-
     model, _ = make_models("llama")
     model.save_pretrained(tmp_path / "tiny")
     char_tokenizer().save_pretrained(tmp_path / "tiny")
@@ -217,9 +215,6 @@ def test_serve_under_torchrun_rank0_serves_every_rank_steps(tmp_path):
     prove the lockstep; the greedy text must equal the same request through one process (the model's oracle)."""
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
-    from tests.support.tiny_models import compressing_config, make_models
-    from tests.serving.helpers import char_tokenizer
-
     model, _ = make_models("llama", hidden_size=128, num_attention_heads=8, num_key_value_heads=4, head_dim=16)
     model.save_pretrained(tmp_path / "tiny")
     char_tokenizer().save_pretrained(tmp_path / "tiny")
@@ -289,3 +284,86 @@ def test_serve_under_torchrun_rank0_serves_every_rank_steps(tmp_path):
     shard = KVBlockPool(model.config, max_gpu_bytes=int(0.01 * 2**30), dtype=torch.float32,
                         kt_page_size=cfg.page_size, kt_dtype=cfg.kt_cache_dtype, num_kv_heads=2).total_pages()
     assert total_pages == shard and shard >= 2 * one_gpu - 1
+
+
+# ------------------------------------------------------------------------------------------------ configs refused
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A saved tiny random Llama with the character tokenizer (as the end-to-end tests save one)."""
+    folder = tmp_path_factory.mktemp("tiny_serve") / "tiny"
+    model, _ = make_models("llama")
+    model.save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def no_serving(monkeypatch):
+    """serve_main never starts uvicorn here: reaching the server (the config was accepted) fails the test at once."""
+    from hf_rocketkv.cli import serve as cli
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("serve_main accepted the config and started serving")
+
+    monkeypatch.setattr(cli, "_run", refuse)
+
+
+def test_serve_invalid_yaml_is_one_line_with_its_position(tmp_path, capsys):
+    from hf_rocketkv.cli.serve import serve_main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sparse_attention_config:\n  topk: 8\n  prompt_budget: [1, 2\n")  # unclosed flow sequence
+    import yaml
+
+    try:  # the oracle: PyYAML's own mark for this text (1-based in the message)
+        yaml.safe_load(bad.read_text())
+    except yaml.YAMLError as err:
+        mark = err.problem_mark
+    assert serve_main(["--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err
+    assert "invalid YAML" in lines[0] and f"line {mark.line + 1}" in lines[0] and f"column {mark.column + 1}" in lines[0]
+
+
+def test_serve_unknown_top_level_key_beside_the_section_exits_2(tmp_path, capsys, no_serving):
+    from hf_rocketkv.cli.serve import serve_main
+
+    extra = tmp_path / "extra.yaml"
+    extra.write_text("sparse_attention_config:\n  topk: 8\nsparse_attention_confg:\n  topk: 4\n")
+    # a --model that does not exist: the config is refused before any model loads (a key left unread would let the
+    # command go on to the missing model)
+    missing = tmp_path / "nothing-here"
+    assert serve_main(["--config", str(extra), "--model", str(missing), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "sparse_attention_confg" in err and 1 <= len(err.strip().splitlines()) <= 3 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("fields, name", [(dict(multi_turn="keep_all"), "multi_turn"),
+                                          (dict(decode_budget=16, decode_interval=8, decode_window=4),
+                                           "decode_budget")])
+def test_serve_config_refused_by_the_engine_exits_2(tiny_dir, tmp_path, capsys, no_serving, fields, name):
+    from hf_rocketkv.cli.serve import serve_main
+
+    config = tmp_path / "c.yaml"
+    compressing_config(**fields).to_yaml(config)
+    argv = ["--model", str(tiny_dir), "--config", str(config), "--pool-gib", "0.01", "--port", "0",
+            "--warmup-max-tokens", "0", "--log-level", "warning"]
+    assert serve_main(argv) == 2  # not the engine's NotImplementedError escaping serve_main (a traceback)
+    err = capsys.readouterr().err
+    assert name in err and 1 <= len(err.strip().splitlines()) <= 3 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("engine", ["auto", "sequential"])
+def test_serve_adakv_with_a_pool_names_the_config_and_the_flag(tiny_dir, tmp_path, capsys, no_serving, engine):
+    from hf_rocketkv.cli import serve as cli
+
+    config = tmp_path / "adakv.yaml"
+    compressing_config(stage1="adakv").to_yaml(config)
+    argv = ["--model", str(tiny_dir), "--config", str(config), "--pool-gib", "0.01", "--port", "0",
+            "--warmup-max-tokens", "0", "--log-level", "warning", "--engine", engine]
+    assert cli.serve_main(argv) == 2
+    err = capsys.readouterr().err
+    assert 1 <= len(err.strip().splitlines()) <= 3 and "Traceback" not in err
+    assert "stage1" in err and "--pool-gib" in err, err
+    assert "cannot load --model" not in err, err  # the model loaded fine: the config is what is refused

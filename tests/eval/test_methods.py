@@ -109,3 +109,26 @@ def _filled(positions: torch.Tensor) -> torch.Tensor:
     """``positions`` [B, Hkv, C] without its trailing all-empty (-1) slots."""
     used = int((positions >= 0).any(dim=(0, 1)).nonzero().max()) + 1
     return positions[..., :used]
+
+
+@pytest.mark.parametrize("method, base", [("rocketkv_fp8kv", dict(stage1="adakv")),
+                                          ("rocketkv_fp8kv_head", dict(stage1="adakv")),
+                                          ("rocketkv_fp8kv@stage1=adakv", dict())])
+def test_eval_pool_methods_refuse_per_head_budgets_when_built(method, base):
+    """``build_methods`` is eval's up-front check (before the model loads); the fp8 pool of these methods refuses
+    per-head budgets only when the method's first cache is made, after the model loaded and other methods ran."""
+    from hf_rocketkv.eval.methods import build_methods
+
+    with pytest.raises(ValueError, match="stage1"):
+        build_methods(["full", method], compressing_config(**base))
+
+
+def test_adakv_methods_build_now_that_the_cache_runs_them():
+    """Session 14 refused ``KIND:adakv`` (the cache could not store per-head counts); session 15 runs them."""
+    from hf_rocketkv.eval.methods import build_method, build_methods
+
+    base = compressing_config(prompt_budget=64, topk=4, page_size=4, window_size=8)
+    for kind in ("rocketkv", "evict", "evict_read", "rocketkv_plain"):
+        method = build_method(f"{kind}:adakv", base)
+        assert method.config.stage1 == "adakv" and method.config.per_head_budgets
+    assert [m.name for m in build_methods(["full", "rocketkv:adakv"], base)] == ["full", "rocketkv:adakv"]

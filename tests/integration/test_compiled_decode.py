@@ -389,3 +389,20 @@ def test_compiled_decode_with_adakv_per_head_lengths_compiles_once_across_reques
         capacities.add(cache.layers[0].capacity)
         assert _graphs() == 1, (seeds, dict(dynamo_utils.counters["stats"]))
     assert len(longest) > 1 and capacities == {24 + 40}  # the heads' counts changed, the bucket did not
+
+
+@pytest.mark.slow
+def test_beam_search_with_batch_buckets_and_compiled_decode_equals_eager():
+    torch._dynamo.reset()
+    rocket, _ = make_models("llama", num_hidden_layers=1)
+    ids, mask = left_pad([random_ids(1, 30 + 7 * r, seed=r)[0] for r in range(3)])
+    config = compressing_config(kt_cache_dtype="float32", stage1="adakv", decode_runner="torch_compile")
+    compile_config = CompileConfig(fullgraph=True, mode="default", dynamic=False, backend="eager")
+    compile_config._compile_all_devices = True
+    eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=4, num_beams=2, disable_compile=True,
+                   past_key_values=RocketKVCache(config.replace(capacity_buckets=(), batch_buckets=())))
+    cache = RocketKVCache(config)
+    out = greedy(rocket, ids, attention_mask=mask, max_new_tokens=4, num_beams=2, past_key_values=cache,
+                 compile_config=compile_config)
+    assert torch.equal(out, eager)
+    assert cache.layers[0].lengths.shape == (6, 2)  # padding rows stripped (3 rows x 2 beams), per-head lengths

@@ -683,3 +683,29 @@ def test_deferred_stop_check_crop_path_equals_the_plain_check(llama_pair, monkey
     (deferred_cache, deferred_crops), (plain_cache, plain_crops) = caches
     assert -1 in deferred_crops and not plain_crops  # the extra step really was taken and undone
     _assert_same_state(deferred_cache, plain_cache)
+
+
+@pytest.mark.parametrize("extra", [{}, dict(multi_turn="keep_all")])
+def test_deferred_stop_check_crop_with_per_head_lengths(monkeypatch, extra):
+    import transformers.generation.utils as generation_utils
+
+    rocket, _ = make_models("llama")
+    ids, mask = left_pad([random_ids(1, 40, seed=21)[0], random_ids(1, 33, seed=22)[0]])
+    probe = greedy(rocket, ids, attention_mask=mask, max_new_tokens=12,
+                   past_key_values=RocketKVCache(compressing_config(stage1="adakv", **extra)))
+    eos = int(probe[0, 40 + 5])
+    monkeypatch.setattr(generation_utils.torch, "Event", _CpuEvent)
+    runs = []
+    for deferred in (True, False):
+        cache = RocketKVCache(compressing_config(stage1="adakv", deferred_stop_check=deferred, **extra))
+        cache.hints.deferred_stop_devices = ("cuda", "cpu")
+        crops, crop = [], cache.crop
+        monkeypatch.setattr(cache, "crop", lambda n, _c=crop, _l=crops: (_l.append(n), _c(n))[1])
+        out = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12, eos_token_id=eos)
+        runs.append((out, cache, crops))
+    (out, cache, crops), (plain_out, plain, plain_crops) = runs
+    assert torch.equal(out, plain_out) and -1 in crops and not plain_crops
+    for got, want in zip(cache.layers, plain.layers):
+        assert got.lengths.dim() == 2 and torch.equal(got.lengths, want.lengths)
+        assert torch.equal(got.positions, want.positions) and got.host_max_length == want.host_max_length
+        assert int(got.seen) == int(want.seen)

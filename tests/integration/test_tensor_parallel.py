@@ -1,6 +1,8 @@
 """Tensor parallelism (integration notes §5): ``torchrun --nproc_per_node=2`` (gloo, CPU) runs tp_worker.py (beside
 this file) on a tiny Llama loaded with ``tp_plan="auto"`` and ``attn_implementation="rocketkv"``; each rank's
-RocketKVCache holds its shard of KV heads and compresses independently. Tokens must equal a single-process run."""
+RocketKVCache holds its shard of KV heads and compresses independently. Tokens must equal a single-process run; with
+AdaKV's per-head budgets (which rank every KV head of a row together) each rank keeps what one process keeps for its
+heads, or the run is refused naming stage1."""
 
 from __future__ import annotations
 
@@ -119,3 +121,33 @@ def test_tensor_parallel_steps_match_single_process(tmp_path):
     assert kept_equal == kept_total, f"stage-1 kept positions differ in {kept_total - kept_equal} of {kept_total}"
     assert pages_total > 0
     print(f"TP step check: {kept_total} kept sets equal; pages equal {pages_equal}/{pages_total}, ties {ties}")
+
+
+@pytest.mark.slow
+def test_tensor_parallel_adakv_equals_one_process_or_is_refused(tmp_path):
+    """AdaKV's allocation ranks the scores of every KV head of a row, so a rank that holds half of the heads cannot
+    make it alone (stage 1 and stage 2 are otherwise per KV head, docs/serving.md): each rank must keep what one
+    process keeps for its heads, or the run must be refused with a message naming stage1."""
+    rocket = dict(prompt_budget=24, window_size=8, kernel_size=5, topk=3, topr=8, page_size=4,
+                  kt_cache_dtype="float32", backend="torch", stage1="adakv")
+    model, _ = make_models("llama", hidden_size=128, num_attention_heads=8, num_key_value_heads=4, head_dim=16)
+    model.save_pretrained(tmp_path / "model")
+    ids, mask = left_pad([random_ids(1, 48, seed=1)[0], random_ids(1, 40, seed=2)[0]])
+    spec = dict(input_ids=ids.tolist(), attention_mask=mask.tolist(), max_new_tokens=4, pad_token_id=PAD,
+                rocketkv=rocket)
+    (tmp_path / "in.json").write_text(json.dumps(spec))
+    output = tmp_path / "out.json"
+    env = subprocess_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    result = subprocess.run([*TORCHRUN, str(WORKER), str(tmp_path / "model"), str(tmp_path / "in.json"), str(output)],
+                            env=env, capture_output=True, text=True, timeout=400)
+    if result.returncode != 0:  # a refusal is acceptable if it says why
+        assert "stage1" in result.stderr and not output.exists(), result.stderr[-3000:]
+        return
+    cache = RocketKVCache(RocketKVConfig(**rocket))
+    expected = greedy(model, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4)
+    single = [cache.kept_tokens(i) for i in range(len(cache.layers))]  # [B, 4] per layer
+    for rank in json.loads(output.read_text())["ranks"]:
+        heads = slice(2 * rank["rank"], 2 * rank["rank"] + 2)
+        for layer_idx, kept in enumerate(rank["kept_tokens"]):
+            assert kept == single[layer_idx][:, heads].tolist(), (rank["rank"], layer_idx)
+        assert rank["tokens"] == expected.tolist()

@@ -417,3 +417,13 @@ def test_row_group_prefill_equals_one_batch(prefill_batch_size):
         assert torch.equal(cache.kept_tokens(layer_idx), want_cache.kept_tokens(layer_idx))
         width = min(cache.kept_positions(layer_idx).shape[-1], want_cache.kept_positions(layer_idx).shape[-1])
         assert torch.equal(cache.kept_positions(layer_idx)[..., :width], want_cache.kept_positions(layer_idx)[..., :width])
+
+
+def test_token_budget_with_adakv_keeps_the_derived_total_per_row():
+    rocket, _ = make_models("llama")
+    cache = RocketKVCache(compressing_config(stage1="adakv", token_budget=32))
+    greedy(rocket, random_ids(2, 60), max_new_tokens=5, past_key_values=cache)
+    derived = cache.layers[0].config.prompt_budget
+    for layer_idx in range(len(cache.layers)):
+        kept = cache.kept_tokens(layer_idx)
+        assert kept.shape == (2, 2) and kept.sum(dim=1).tolist() == [2 * (derived + 4)] * 2

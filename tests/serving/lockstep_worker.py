@@ -165,10 +165,10 @@ def batch_main(model_dir: str, output_path: str) -> None:
 
 
 def _leave() -> None:
-    """Every rank leaves without interpreter finalization, as tests/integration/tp_worker.py does: the model's DTensor shards keep
-    the gloo group alive past destroy_process_group(), and gloo's threads meeting a half torn-down interpreter abort
-    now and then ("terminate called without an active exception", SIGABRT, pytorch/pytorch#179291) after all the
-    work is done and the report written. os._exit after flushing makes the exit status report the run."""
+    """Every rank leaves without interpreter finalization, as tests/integration/tp_worker.py does: the model's DTensor
+    shards keep the gloo group alive past destroy_process_group(), and gloo's threads meeting a half torn-down
+    interpreter abort now and then ("terminate called without an active exception", SIGABRT, pytorch/pytorch#179291)
+    after all the work is done and the report written. os._exit after flushing makes the exit status report the run."""
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()

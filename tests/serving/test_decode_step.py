@@ -16,9 +16,7 @@ from hf_rocketkv.serving.batching import BatchingEngine
 from hf_rocketkv.serving.decode_step import BatchDecoder
 from hf_rocketkv.serving.engine import EngineRequest
 from hf_rocketkv.serving.scheduler import BatchingConfig
-from tests.serving.helpers import ForwardGate, wait_until
-from tests.serving.test_batching import (CFG, PROMPTS, Events, engines, make_pool, oracle,  # noqa: F401 (fixtures)
-                                         prompt_of, request)
+from tests.serving.helpers import CFG, PROMPTS, Events, ForwardGate, make_pool, prompt_of, request, wait_until
 
 
 @pytest.fixture

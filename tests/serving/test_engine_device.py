@@ -13,7 +13,7 @@ import torch
 from hf_rocketkv.serving import SequentialEngine
 from hf_rocketkv.serving.batching import BatchingEngine
 from hf_rocketkv.serving.scheduler import BatchingConfig
-from tests.serving.test_batching import CFG, Events, make_pool, prompt_of, request
+from tests.serving.helpers import CFG, Events, make_pool, prompt_of, request
 
 
 @pytest.fixture

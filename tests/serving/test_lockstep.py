@@ -25,10 +25,8 @@ from hf_rocketkv.serving import EngineStopped, FinishReason, Lockstep, Overloade
 from hf_rocketkv.serving.batching import BatchingEngine
 from hf_rocketkv.serving.lockstep import Inbox, resolve_seed
 from hf_rocketkv.serving.scheduler import BatchingConfig
-from tests.serving.helpers import ForwardGate, wait_until
+from tests.serving.helpers import CFG, Events, ForwardGate, make_pool, prompt_of, request, wait_until
 from tests.support.repo import ROOT, TORCHRUN, subprocess_env
-from tests.serving.test_batching import (  # noqa: F401 (engines, oracle: fixtures)
-    CFG, Events, engines, make_pool, oracle, prompt_of, request)
 
 WORKER = Path(__file__).with_name("lockstep_worker.py")
 

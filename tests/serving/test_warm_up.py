@@ -1,5 +1,5 @@
-"""BatchingEngine.warm_up: every bucket's decode graph captured before serving, on the tiny random Llama (CPU, with
-the CPU stand-in capture backend of tests/integration/test_decode_graphs.py).
+"""BatchingEngine.warm_up (serving/warm_up.py): every bucket's decode graph captured before serving, on the tiny
+random Llama (CPU, with the stand-in capture backend of tests/support/decode_runners.py).
 
 Oracle: each request alone through model.generate with its own RocketKVCache (``oracle_tokens``, on a second copy of
 the model), as in test_batching.py.
@@ -15,8 +15,7 @@ from hf_rocketkv.integration.batch_graphs import BatchedDecodeGraphs
 from hf_rocketkv.memory.errors import PoolExhaustedError
 from hf_rocketkv.serving.batching import BatchingEngine
 from hf_rocketkv.serving.scheduler import BatchingConfig
-from tests.serving.conftest import oracle_tokens
-from tests.serving.test_batching import CFG, Events, make_pool, prompt_of, request
+from tests.serving.helpers import CFG, Events, make_pool, oracle_tokens, prompt_of, request
 from tests.support.decode_runners import StandInBackend
 
 BUCKETS = (1, 2, 4, 8)

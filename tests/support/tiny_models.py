@@ -153,3 +153,25 @@ def teacher_forced_logits(model, ids, tokens, config):
             steps.append(logits)
             logits = model(tokens[:, i : i + 1], past_key_values=cache).logits[:, -1]
     return torch.stack(steps, dim=1)
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def char_tokenizer():
+    """One token per ASCII character (ids 3..127), <pad>=0, <s>=1, </s>=2, with a tiny chat template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": PAD, "<s>": 1, "</s>": EOS}
+    vocab.update({chr(i): i for i in range(3, VOCAB)})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                        pad_token="<pad>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
