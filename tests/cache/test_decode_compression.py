@@ -19,9 +19,8 @@ from hf_rocketkv import KVBlockPool, RocketKVCache, RocketKVConfig
 from hf_rocketkv.cache.generated_tokens import decode_compression
 from hf_rocketkv.cli import apply_overrides
 from hf_rocketkv.integration.attention import rocketkv_attention
-
-from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
 from tests.support.decode_runners import StandInBackend, eager_compile_config, graphed_cache
+from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
 
 
 class FakeAttention(torch.nn.Module):

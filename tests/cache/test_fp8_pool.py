@@ -20,7 +20,6 @@ import torch
 
 from hf_rocketkv import KVBlockPool, RocketKVCache
 from hf_rocketkv.memory.fp8 import FP8_DTYPE, dequantize_fp8, quantize_pages
-
 from tests.support.tiny_models import compressing_config, cpu_pool, greedy, left_pad, make_models, random_ids
 
 PAGE = 8  # pool page size (tokens); the KT page is the config's 4

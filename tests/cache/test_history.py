@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from hf_rocketkv import RocketKVCache
-
-from tests.support.tiny_models import compressing_config, cpu_pool, greedy, left_pad, random_ids
 from tests.cache.helpers import kept
+from tests.support.tiny_models import compressing_config, cpu_pool, greedy, left_pad, random_ids
 
 CFG = compressing_config(kt_cache_dtype="float32")  # budget 24, window 8
 KEEP_ALL = CFG.replace(multi_turn="keep_all")

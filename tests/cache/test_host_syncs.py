@@ -17,7 +17,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_rocketkv import KVBlockPool, RocketKVCache
-
 from tests.support.tiny_models import compressing_config, cpu_pool, greedy, left_pad, make_models, random_ids
 
 READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default, torch.ops.aten.equal.default}

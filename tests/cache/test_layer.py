@@ -19,7 +19,6 @@ from hf_rocketkv.cache.layer import UNCONSUMED_KEYS, GenerationHints, layer_of
 from hf_rocketkv.integration.attention import padding_offsets
 from hf_rocketkv.selection.stage1_snapkv import snapkv_keep_slots
 from hf_rocketkv.selection.stage2_pages import build_kt
-
 from tests.support.stage2_oracle import brute_force_pages, ref_build_kt, ref_sparse_attention
 
 HKV, G, D = 2, 3, 16

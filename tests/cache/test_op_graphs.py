@@ -21,7 +21,6 @@ from hf_rocketkv.cache import op_graphs
 from hf_rocketkv.cache.batch_view import BatchedDecodeLayer
 from hf_rocketkv.cache.layer import RocketKVLayer
 from hf_rocketkv.cache.op_graphs import OpGraph, buffers_key
-
 from tests.support.tiny_models import greedy, make_models, random_ids
 
 

@@ -21,7 +21,6 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from hf_rocketkv import KVBlockPool, RocketKVCache
 from hf_rocketkv.memory import PoolExhaustedError
-
 from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
 
 CFG = compressing_config(kt_cache_dtype="float32")

@@ -19,7 +19,6 @@ from packaging.version import Version
 from hf_rocketkv import KVBlockPool, RocketKVCache
 from hf_rocketkv.integration.compat import cache_kwargs
 from hf_rocketkv.memory import PoolExhaustedError, PrefixKeys
-
 from tests.cache.helpers import kept
 from tests.support.tiny_models import compressing_config, cpu_pool, greedy, left_pad, random_ids
 

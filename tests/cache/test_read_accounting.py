@@ -12,7 +12,6 @@ import torch
 import hf_rocketkv
 from hf_rocketkv.cache import decode_read_bytes
 from hf_rocketkv.integration import compat
-
 from tests.support.tiny_models import make_models, random_ids
 
 

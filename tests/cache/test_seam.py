@@ -20,7 +20,6 @@ import torch._dynamo.utils as dynamo_utils
 
 from hf_rocketkv import RocketKVCache
 from hf_rocketkv.cache.layer import RocketKVLayer
-
 from tests.support.tiny_models import compressing_config, greedy, make_models, random_ids
 
 DECODE_STEPS = 52  # >= 50 interleaved decode steps
@@ -28,7 +27,8 @@ DECODE_STEPS = 52  # >= 50 interleaved decode steps
 
 def _interleave_updates(monkeypatch, barrier: threading.Barrier) -> None:
     """Every RocketKVLayer.update waits for the other thread's update of the same step before returning, so thread
-    B always stores its keys between thread A's update and A's attention call (what broke the old global pointer)."""
+    B always stores its keys between thread A's update and A's attention call (what a process-global pointer to the
+    current layer would get wrong)."""
     original = RocketKVLayer.update
 
     def update(self, *args, **kwargs):

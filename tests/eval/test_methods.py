@@ -124,7 +124,8 @@ def test_eval_pool_methods_refuse_per_head_budgets_when_built(method, base):
 
 
 def test_adakv_methods_build_now_that_the_cache_runs_them():
-    """Session 14 refused ``KIND:adakv`` (the cache could not store per-head counts); session 15 runs them."""
+    """``KIND:adakv`` methods build for every kind: the cache stores per-head counts, so AdaKV's per-head budgets
+    run in it."""
     from hf_rocketkv.eval.methods import build_method, build_methods
 
     base = compressing_config(prompt_budget=64, topk=4, page_size=4, window_size=8)

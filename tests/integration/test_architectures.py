@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from hf_rocketkv import RocketKVCache
-
 from tests.support.tiny_models import compressing_config, greedy, keep_all_config, left_pad, make_models, random_ids
 
 ARCH_LAYOUTS = [

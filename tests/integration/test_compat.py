@@ -24,7 +24,6 @@ from transformers import CompileConfig, DynamicCache, GenerationMixin, PreTraine
 
 import hf_rocketkv
 from hf_rocketkv.integration import compat
-
 from tests.support.tiny_models import make_models, random_ids
 
 PACKAGE = Path(hf_rocketkv.__file__).parent

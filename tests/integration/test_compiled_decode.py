@@ -14,7 +14,6 @@ from transformers import CompileConfig
 
 import hf_rocketkv
 from hf_rocketkv import RocketKVCache
-
 from tests.support.decode_runners import eager_compile_config
 from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
 

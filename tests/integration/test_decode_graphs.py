@@ -13,7 +13,6 @@ import torch
 import torch._dynamo.utils as dynamo_utils
 
 from hf_rocketkv import RocketKVCache
-
 from tests.support.decode_runners import StandInBackend, eager_compile_config, graphed_cache
 from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
 

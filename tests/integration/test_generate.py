@@ -12,7 +12,6 @@ from transformers import DynamicCache, pipeline
 import hf_rocketkv
 from hf_rocketkv import RocketKVCache
 from hf_rocketkv.integration import generate as generate_glue
-
 from tests.support.tiny_models import (
     compressing_config,
     dynamic_cache_bytes,
@@ -384,7 +383,7 @@ def test_chunked_prefill_padded_batch(llama_pair):
 
 
 def test_chunked_prefill_padding_longer_than_first_chunk(llama_pair):
-    """Regression: the padding offset used to come from the first chunk only (a padding column was kept)."""
+    """The padding offset comes from every chunk, not the first one only (which would keep a padding column)."""
     rocket, _ = llama_pair
     ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (48, 30)])  # row 1 has 18 pads
     config = compressing_config()
@@ -574,75 +573,6 @@ def test_deferred_stop_check_enabled_for_rocketkv_on_cuda_only():
     assert not DeferredStopCheck.is_supported(cuda, DynamicCache(), True, False)  # others: transformers' rule
 
 
-# ------------------------------------------------------------------------------------------------ defects (issue 10)
-
-
-def _turn_two_inputs(first_out, first_mask, new_rows):
-    """A batched second turn: each row's new tokens left-padded to the longest (padding sits between the turns)."""
-    segment, segment_mask = left_pad(new_rows)
-    ids = torch.cat([first_out, segment], dim=1)
-    ones = torch.ones(first_out.shape[0], first_out.shape[1] - first_mask.shape[1], dtype=first_mask.dtype)
-    mask = torch.cat([first_mask, ones, segment_mask], dim=1)
-    return ids, mask
-
-
-@pytest.mark.parametrize("new_lengths", [(9, 3), (2, 14), (1, 6)])  # fewer than, more than, around the window (8)
-def test_batched_multi_turn_with_padding_equals_each_row_alone(llama_pair, new_lengths):
-    rocket, _ = llama_pair
-    config = compressing_config()
-    prompts = [random_ids(1, n, seed=n)[0] for n in (44, 31)]
-    turn2 = [random_ids(1, n, seed=100 + n)[0] for n in new_lengths]
-    ids, mask = left_pad(prompts)
-    cache = RocketKVCache(config)
-    first = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=5)
-    ids2, mask2 = _turn_two_inputs(first, mask, turn2)
-    second = greedy(rocket, ids2, attention_mask=mask2, past_key_values=cache, max_new_tokens=6)
-    for b in range(2):
-        alone_cache = RocketKVCache(config)
-        alone1 = greedy(rocket, prompts[b][None], past_key_values=alone_cache, max_new_tokens=5)
-        alone2 = greedy(rocket, torch.cat([alone1, turn2[b][None]], 1), past_key_values=alone_cache, max_new_tokens=6)
-        assert torch.equal(second[b, ids2.shape[1] :], alone2[0, -6:]), f"row {b}"
-        kept = cache.kept_positions(0)[b, 0, : cache.layers[0].lengths[b]]
-        pad_columns = set(range(first.shape[1], first.shape[1] + max(new_lengths) - new_lengths[b]))
-        assert not pad_columns & set(kept.tolist()), f"row {b} stored a padding column"
-
-
-def test_chunked_prefill_then_one_token_then_next_turn(llama_pair):
-    """max_new_tokens=1 means no decode step: the ids a later turn must start with come from the prefill itself."""
-    rocket, _ = llama_pair
-    config = compressing_config()
-    ids = random_ids(1, 56)
-    follow = random_ids(1, 10, seed=4)
-    results = []
-    for chunk in (16, None):
-        cache = RocketKVCache(config)
-        out = greedy(rocket, ids, past_key_values=cache, prefill_chunk_size=chunk, max_new_tokens=1)
-        results.append(greedy(rocket, torch.cat([out, follow], 1), past_key_values=cache, max_new_tokens=4))
-    assert torch.equal(results[0], results[1])
-
-
-def test_streaming_cache_keeps_its_policy_with_row_group_prefill(llama_pair):
-    """Regression: row-group prefill built plain RocketKVCache parts, silently turning StreamingLLM into SnapKV."""
-    from hf_rocketkv.eval.streaming import StreamingCache
-
-    rocket, _ = llama_pair
-    rows = [random_ids(1, n, seed=n)[0] for n in (50, 41, 20)]
-    ids, mask = left_pad(rows)
-    budget, sinks = 24, 4
-    for rows_per_group in (None, 1, 2):
-        cache = StreamingCache(compressing_config(prefill_batch_size=rows_per_group), sink_tokens=sinks)
-        greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=1)
-        for b, row in enumerate(rows):
-            pad = ids.shape[1] - len(row)
-            n = len(row)
-            expected = list(range(pad, pad + n)) if n <= budget else (
-                list(range(pad, pad + sinks)) + list(range(pad + n - (budget - sinks), pad + n))
-            )
-            for layer_idx in range(rocket.config.num_hidden_layers):
-                kept = cache.kept_positions(layer_idx)[b, :, : len(expected)]
-                assert kept.tolist() == [expected] * kept.shape[0], f"{rows_per_group=} row {b}"
-
-
 class _CpuEvent:
     """torch.Event stand-in on CPU (no device queue: every operation has already happened)."""
 
@@ -709,3 +639,73 @@ def test_deferred_stop_check_crop_with_per_head_lengths(monkeypatch, extra):
         assert got.lengths.dim() == 2 and torch.equal(got.lengths, want.lengths)
         assert torch.equal(got.positions, want.positions) and got.host_max_length == want.host_max_length
         assert int(got.seen) == int(want.seen)
+
+
+# ------------------------------------------------------------------------------------------------ batched turns, mixed paths
+
+
+def _turn_two_inputs(first_out, first_mask, new_rows):
+    """A batched second turn: each row's new tokens left-padded to the longest (padding sits between the turns)."""
+    segment, segment_mask = left_pad(new_rows)
+    ids = torch.cat([first_out, segment], dim=1)
+    ones = torch.ones(first_out.shape[0], first_out.shape[1] - first_mask.shape[1], dtype=first_mask.dtype)
+    mask = torch.cat([first_mask, ones, segment_mask], dim=1)
+    return ids, mask
+
+
+@pytest.mark.parametrize("new_lengths", [(9, 3), (2, 14), (1, 6)])  # fewer than, more than, around the window (8)
+def test_batched_multi_turn_with_padding_equals_each_row_alone(llama_pair, new_lengths):
+    rocket, _ = llama_pair
+    config = compressing_config()
+    prompts = [random_ids(1, n, seed=n)[0] for n in (44, 31)]
+    turn2 = [random_ids(1, n, seed=100 + n)[0] for n in new_lengths]
+    ids, mask = left_pad(prompts)
+    cache = RocketKVCache(config)
+    first = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=5)
+    ids2, mask2 = _turn_two_inputs(first, mask, turn2)
+    second = greedy(rocket, ids2, attention_mask=mask2, past_key_values=cache, max_new_tokens=6)
+    for b in range(2):
+        alone_cache = RocketKVCache(config)
+        alone1 = greedy(rocket, prompts[b][None], past_key_values=alone_cache, max_new_tokens=5)
+        alone2 = greedy(rocket, torch.cat([alone1, turn2[b][None]], 1), past_key_values=alone_cache, max_new_tokens=6)
+        assert torch.equal(second[b, ids2.shape[1] :], alone2[0, -6:]), f"row {b}"
+        kept = cache.kept_positions(0)[b, 0, : cache.layers[0].lengths[b]]
+        pad_columns = set(range(first.shape[1], first.shape[1] + max(new_lengths) - new_lengths[b]))
+        assert not pad_columns & set(kept.tolist()), f"row {b} stored a padding column"
+
+
+def test_chunked_prefill_then_one_token_then_next_turn(llama_pair):
+    """max_new_tokens=1 means no decode step: the ids a later turn must start with come from the prefill itself."""
+    rocket, _ = llama_pair
+    config = compressing_config()
+    ids = random_ids(1, 56)
+    follow = random_ids(1, 10, seed=4)
+    results = []
+    for chunk in (16, None):
+        cache = RocketKVCache(config)
+        out = greedy(rocket, ids, past_key_values=cache, prefill_chunk_size=chunk, max_new_tokens=1)
+        results.append(greedy(rocket, torch.cat([out, follow], 1), past_key_values=cache, max_new_tokens=4))
+    assert torch.equal(results[0], results[1])
+
+
+def test_streaming_cache_keeps_its_policy_with_row_group_prefill(llama_pair):
+    """Row-group prefill builds its parts with the cache's own policy (plain RocketKVCache parts would silently turn
+    StreamingLLM into SnapKV)."""
+    from hf_rocketkv.eval.streaming import StreamingCache
+
+    rocket, _ = llama_pair
+    rows = [random_ids(1, n, seed=n)[0] for n in (50, 41, 20)]
+    ids, mask = left_pad(rows)
+    budget, sinks = 24, 4
+    for rows_per_group in (None, 1, 2):
+        cache = StreamingCache(compressing_config(prefill_batch_size=rows_per_group), sink_tokens=sinks)
+        greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=1)
+        for b, row in enumerate(rows):
+            pad = ids.shape[1] - len(row)
+            n = len(row)
+            expected = list(range(pad, pad + n)) if n <= budget else (
+                list(range(pad, pad + sinks)) + list(range(pad + n - (budget - sinks), pad + n))
+            )
+            for layer_idx in range(rocket.config.num_hidden_layers):
+                kept = cache.kept_positions(layer_idx)[b, :, : len(expected)]
+                assert kept.tolist() == [expected] * kept.shape[0], f"{rows_per_group=} row {b}"

@@ -23,7 +23,6 @@ from transformers import DynamicCache
 from hf_rocketkv import RocketKVCache
 from hf_rocketkv.integration.compat import cache_kwargs
 from hf_rocketkv.integration import rope
-
 from tests.support.tiny_models import ARCHS, compressing_config, greedy, left_pad, make_models, random_ids
 
 pytest.importorskip("triton")

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from hf_rocketkv import RocketKVCache, RocketKVConfig
-
 from tests.support.repo import TORCHRUN, subprocess_env
 from tests.support.tiny_models import PAD, greedy, left_pad, make_models, random_ids
 

@@ -25,6 +25,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from hf_rocketkv import KVBlockPool, RocketKVCache, RocketKVLayer
 from hf_rocketkv.policies import AdaKVPolicy, KeptSlots, ScorerPolicy
+from tests.policies import oracle
+from tests.policies.helpers import prompt_keys
 from tests.support.tiny_models import (
     compressing_config,
     greedy,
@@ -33,8 +35,6 @@ from tests.support.tiny_models import (
     random_ids,
     teacher_forced_logits,
 )
-
-from . import oracle
 
 HKV, PROMPT, BUDGET, WINDOW = 2, 40, 24, 8
 PREFIX = PROMPT - WINDOW  # selectable prefix slots 0..31 of an unpadded 40-token prompt
@@ -69,14 +69,6 @@ def strided_slots(s: int, e: int, w: int, h: int, budget: int) -> list[int]:
     if e - s <= budget:
         return list(range(s, e))
     return [j for j in range(s, e - w) if (j - s) % (h + 2) == 0] + list(range(e - w, e))
-
-
-def prompt_keys(sdpa, ids) -> list[torch.Tensor]:
-    """Post-RoPE prompt keys of every layer, from a plain sdpa forward with a DynamicCache."""
-    cache = DynamicCache()
-    with torch.no_grad():
-        sdpa(ids, past_key_values=cache, use_cache=True)
-    return [layer.keys for layer in cache.layers]
 
 
 def held(cache, layer_idx: int, b: int = 0) -> list[list[int]]:

@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_rocketkv.policies.decode_compression import DecodeCompression, decode_keep_slots, move_kept
-
-from .oracle import assert_top_up_to_ties, max_pool, softmax64
+from tests.policies.oracle import assert_top_up_to_ties, max_pool, softmax64
 
 
 def oracle_scores(queries, keys, length: int, b: int, scaling: float) -> list[list[float]]:

@@ -19,7 +19,6 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from hf_rocketkv import RocketKVCache
 from hf_rocketkv.selection.stage1_snapkv import pooled_prefix_scores, snapkv_keep_slots, window_scores
-
 from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
 
 # ------------------------------------------------------------------------------------------------ brute force
