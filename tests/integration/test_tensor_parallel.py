@@ -26,6 +26,16 @@ def _failure(result: subprocess.CompletedProcess, output: Path) -> str:
     return f"report written: {output.exists()}\n" + result.stdout[-3000:] + result.stderr[-5000:]
 
 
+def run_workers(tmp_path: Path, spec: dict, timeout: float = 240) -> tuple[subprocess.CompletedProcess, Path]:
+    """tp_worker.py on two ranks over the checkpoint in ``tmp_path / "model"`` with ``spec`` as its input; returns
+    the finished process and the path of the report rank 0 writes."""
+    (tmp_path / "in.json").write_text(json.dumps(spec))
+    output = tmp_path / "out.json"
+    env = subprocess_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")  # the worker imports this checkout
+    command = [*TORCHRUN, str(WORKER), str(tmp_path / "model"), str(tmp_path / "in.json"), str(output)]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout), output
+
+
 @pytest.mark.slow
 def test_tensor_parallel_generate_matches_single_process(tmp_path):
     rocket, _ = make_models("llama", hidden_size=128, num_attention_heads=8, num_key_value_heads=4, head_dim=16)
@@ -34,13 +44,7 @@ def test_tensor_parallel_generate_matches_single_process(tmp_path):
     ids, mask = left_pad([random_ids(1, 48, seed=1)[0], random_ids(1, 40, seed=2)[0]])
     spec = dict(input_ids=ids.tolist(), attention_mask=mask.tolist(), max_new_tokens=NEW_TOKENS, pad_token_id=PAD,
                 rocketkv=ROCKET)
-    (tmp_path / "in.json").write_text(json.dumps(spec))
-    output = tmp_path / "out.json"
-
-    env = subprocess_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")  # the worker imports this checkout
-    command = [*TORCHRUN, str(WORKER),
-               str(model_dir), str(tmp_path / "in.json"), str(output)]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    result, output = run_workers(tmp_path, spec)
     assert result.returncode == 0, _failure(result, output)
     report = json.loads(output.read_text())
     assert report["world_size"] == 2
@@ -79,12 +83,7 @@ def test_tensor_parallel_steps_match_single_process(tmp_path):
     ids, mask = left_pad([random_ids(1, 64, seed=3)[0], random_ids(1, 50, seed=4)[0]])
     spec = dict(input_ids=ids.tolist(), attention_mask=mask.tolist(), max_new_tokens=6, pad_token_id=PAD,
                 rocketkv=ROCKET, record_steps=True)
-    (tmp_path / "in.json").write_text(json.dumps(spec))
-    output = tmp_path / "out.json"
-    env = subprocess_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")  # the worker imports this checkout
-    command = [*TORCHRUN, str(WORKER),
-               str(model_dir), str(tmp_path / "in.json"), str(output)]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    result, output = run_workers(tmp_path, spec)
     assert result.returncode == 0, _failure(result, output)
     ranks = json.loads(output.read_text())["ranks"]
 
@@ -134,11 +133,7 @@ def test_tensor_parallel_adakv_equals_one_process_or_is_refused(tmp_path):
     ids, mask = left_pad([random_ids(1, 48, seed=1)[0], random_ids(1, 40, seed=2)[0]])
     spec = dict(input_ids=ids.tolist(), attention_mask=mask.tolist(), max_new_tokens=4, pad_token_id=PAD,
                 rocketkv=rocket)
-    (tmp_path / "in.json").write_text(json.dumps(spec))
-    output = tmp_path / "out.json"
-    env = subprocess_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    result = subprocess.run([*TORCHRUN, str(WORKER), str(tmp_path / "model"), str(tmp_path / "in.json"), str(output)],
-                            env=env, capture_output=True, text=True, timeout=400)
+    result, output = run_workers(tmp_path, spec, timeout=400)
     if result.returncode != 0:  # a refusal is acceptable if it says why
         assert "stage1" in result.stderr and not output.exists(), result.stderr[-3000:]
         return
