@@ -1,6 +1,6 @@
-"""generate_batch (serving/batch.py): many prompts through a manager, results in input order, the engine chosen by
-the pool, budgets the batching engine cannot serve refused up front (the sequential engine runs them), and a
-transformers GenerationConfig's length, EOS ids and stop strings followed.
+"""generate_batch (serving/batch.py): many prompts through a manager, results in input order, budgets the batching
+engine cannot serve refused up front (the sequential engine runs them), and a transformers GenerationConfig's
+length, EOS ids and stop strings followed.
 
 Oracle: model.generate on each prompt alone with a fresh RocketKVCache of the same config (``oracle_tokens``, on a
 second copy of the model).
@@ -99,8 +99,6 @@ def test_generate_batch_returns_input_order(tiny_pair, cfg, tokenizer):
 
 
 def test_generate_batch_follows_generation_config(tiny_pair, cfg):
-    from transformers import GenerationConfig
-
     batch = prompts(2)
     results = generate_batch(tiny_pair[0], batch, GenerationConfig(max_new_tokens=4, do_sample=False), config=cfg)
     for prompt, result in zip(batch, results):
