@@ -1,8 +1,10 @@
-"""Tiny random models (Llama, Mistral, Qwen2, Qwen3) on both attentions, RocketKV configs and generate helpers.
+"""Tiny random models (Llama, Mistral, Qwen2, Qwen3) on both attentions, RocketKV configs, generate helpers, CPU
+pools sized for the models and a character tokenizer matching their 128-token vocabulary (so HTTP and CLI tests run
+on a model that takes milliseconds per token).
 
 Everything runs on CPU with the PyTorch reference backend (``backend="torch"``). Models are built from configs with
-random weights (a fixed seed), so nothing is downloaded. The fixtures built on them live in
-tests/conftest.py.
+random weights (a fixed seed), so nothing is downloaded. The fixtures built on them (``model``, ``llama_pair``) live
+in tests/conftest.py.
 """
 
 from __future__ import annotations
