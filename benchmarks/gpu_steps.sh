@@ -45,7 +45,7 @@ for name in "$@"; do
                         --no-plot --out "$OUT/decode_pool_b32_8k" ;;
     rope_tests)      # the fused decode RoPE against transformers' formula, bit for bit, and whole generations on/off
                      need_pytest
-                     step "$name" 300 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_rope.py tests/test_fused_rope.py ;;
+                     step "$name" 300 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_rope.py tests/integration/test_rope.py ;;
     adakv_tests)     # AdaKV's per-head lengths: compaction kernel (compiled), layer vs oracles, Triton vs torch, generate
                      need_pytest
                      step "$name" 400 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_compact.py \
@@ -103,16 +103,16 @@ for name in "$@"; do
                      step "$name" 120 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_launch.py ;;
     op_graph_tests)  # eager decode through per-layer CUDA graphs equals plain eager launches, bit for bit (cache/op_graphs.py)
                      need_pytest
-                     step "$name" 240 $PY -m pytest -q -p no:cacheprovider tests/test_op_graphs.py ;;
+                     step "$name" 240 $PY -m pytest -q -p no:cacheprovider tests/cache/test_op_graphs.py ;;
     graph_pool_tests) # the CUDA-graph runner on pool pages (pages back without the garbage collector) and the graphs' tests
                      need_pytest
-                     step "$name" 180 $PY -m pytest -q -p no:cacheprovider tests/test_decode_graphs.py ;;
+                     step "$name" 180 $PY -m pytest -q -p no:cacheprovider tests/integration/test_decode_graphs.py ;;
     compact_tests)   # stage 1's compaction kernel against its twin and the slot-by-slot oracle, on this GPU
                      need_pytest
                      step "$name" 120 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_compact.py ;;
     attention_tests) # the prefill attention's lower-right causal path (flash / mem-efficient on CUDA) against its oracle
                      need_pytest
-                     step "$name" 120 $PY -m pytest -q -p no:cacheprovider tests/test_dense_attention.py ;;
+                     step "$name" 120 $PY -m pytest -q -p no:cacheprovider tests/integration/test_attention.py ;;
     profile_prefix_hit) step "$name" 150 $PY -m benchmarks.profile_prefix_hit --out "$OUT/profile_prefix_hit" ;;
     profile_prefill) step "$name" 150 $PY -m benchmarks.profile_prefill --out "$OUT/profile_prefill" ;;
     sync_sites)      step "$name" 120 $PY -m benchmarks.sync_sites --layers 2 --out "$OUT/sync_sites" ;;
@@ -208,7 +208,7 @@ for name in "$@"; do
                      done ;;
     engine_device_tests) # needs 2 GPUs: the engines on a model on cuda:1 (their threads' current CUDA device)
                      need_pytest
-                     step "$name" 180 $PY -m pytest -q -p no:cacheprovider tests/serving/test_engine_device.py tests/test_decode_graphs.py ;;
+                     step "$name" 180 $PY -m pytest -q -p no:cacheprovider tests/serving/test_engine_device.py tests/integration/test_decode_graphs.py ;;
     lockstep_serve)  # the batching engine in lockstep on 2 GPUs against 1 GPU: throughput, same events on both ranks
                      [ -d /tmp/tps8 ] || step "${name}_save" 80 $PY -m benchmarks.random_checkpoint --layers 8 --dtype bfloat16 --dir /tmp/tps8
                      step "${name}_single" 200 env CUDA_VISIBLE_DEVICES=0 $PY -m benchmarks.tp_serving_throughput --dir /tmp/tps8 \

@@ -7,8 +7,8 @@ are bound by the launches RocketKV adds to the model's).
 Counts run on the CPU with the tiny model: every aten op that launches a kernel on a GPU (views, empty allocations
 and metadata ops excluded) and every Triton kernel launch is attributed to the innermost ``hf_rocketkv`` function on
 the Python stack (``model`` when none: the model's own ops). The counts do not depend on the device, only on the
-code path, so they are a CPU-measurable proxy for the host time of a GPU prefill; ``tests/kernels/test_launch_counts.py``
-keeps the per-layer count of stage 1's compaction from growing back.
+code path, so they are a CPU-measurable proxy for the host time of a GPU prefill;
+``tests/kernels/test_launch_counts.py`` keeps the per-layer count of stage 1's compaction from growing back.
 """
 
 from __future__ import annotations

@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
 
         dist.barrier()
         sys.stdout.flush()
-        os._exit(0)  # as tests/tp_worker.py: no gloo / NCCL teardown races at interpreter exit
+        os._exit(0)  # as tests/integration/tp_worker.py: no gloo / NCCL teardown races at interpreter exit
     return 0
 
 

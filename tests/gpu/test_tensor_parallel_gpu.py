@@ -3,10 +3,10 @@
 A random checkpoint with Llama-3.1-8B shapes (4 layers) is loaded once with ``tp_plan="auto"`` across two GPUs
 (tests/gpu/tp_worker_gpu.py under torchrun) and once on one GPU in this process; both run greedy generate() with the
 same compressing RocketKVCache (Triton backend, float32 KT) on the same 8,192-token prompt. Token equality is no test
-on a random model (near-tied logits amplify reduction-order noise), so the steps are compared (tests/tp_steps.py):
-each rank's stage-1 kept positions for its KV heads must equal the single GPU's for the same heads, its stage-2
-selected pages too (except at score ties within 1e-6), and the first decode steps' logits must agree within 1e-4
-relative.
+on a random model (near-tied logits amplify reduction-order noise), so the steps are compared
+(tests/integration/tp_steps.py): each rank's stage-1 kept positions for its KV heads must equal the single GPU's for
+the same heads, its stage-2 selected pages too (except at score ties within 1e-6), and the first decode steps' logits
+must agree within 1e-4 relative.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def test_tensor_parallel_steps_match_one_gpu(tmp_path):
     from transformers import AutoModelForCausalLM
 
     import hf_rocketkv
-    from tests.tp_steps import record_steps
+    from tests.integration.tp_steps import record_steps
 
     model_dir = tmp_path / "model"
     _save_checkpoint(model_dir)

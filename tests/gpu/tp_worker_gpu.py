@@ -3,8 +3,9 @@
     torchrun --nproc_per_node=2 -m tests.gpu.tp_worker_gpu MODEL_DIR OUTPUT_JSON CONTEXT NEW_TOKENS
 
 Loads the checkpoint with ``tp_plan="auto"`` in float32 (each rank holds half of the KV heads), runs one greedy
-generate() with a compressing RocketKVCache on the Triton backend and records its steps (tests/tp_steps.py: kept
-positions per layer, row and KV head; pages selected at the first decode steps with their score margins; logits).
+generate() with a compressing RocketKVCache on the Triton backend and records its steps
+(tests/integration/tp_steps.py: kept positions per layer, row and KV head; pages selected at the first decode steps
+with their score margins; logits).
 Rank 0 writes every rank's record to OUTPUT_JSON.
 """
 
@@ -33,7 +34,7 @@ def main() -> None:
 
     import hf_rocketkv
     from hf_rocketkv import RocketKVCache
-    from tests.tp_steps import record_steps
+    from tests.integration.tp_steps import record_steps
 
     model_dir, output_path, context, new_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     model = AutoModelForCausalLM.from_pretrained(model_dir, distributed_config=DistributedConfig(tp_plan="auto"),

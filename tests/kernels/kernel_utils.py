@@ -1,4 +1,4 @@
-"""Helpers shared by the kernel tests (imported by name: pytest puts this folder on sys.path)."""
+"""Helpers shared by the kernel tests (imported as ``tests.kernels.kernel_utils``)."""
 
 import zlib
 
@@ -34,3 +34,32 @@ def selected_slots(page_idx, page_valid, lengths, b: int, h: int, kt_page: int) 
     slots = [int(p) * kt_page + t for p, ok in zip(page_idx[b, h].tolist(), page_valid[b, h].tolist()) if ok
              for t in range(kt_page)]
     return [s for s in slots if s < int(lengths[b, h])]
+
+
+def page_table(pages_per_row, num_pages, g):
+    """Rows own ``pages_per_row[b]`` distinct random pages of a pool of ``num_pages``; -1 pads to the widest."""
+    order = torch.randperm(num_pages, generator=g).tolist()
+    width = max(pages_per_row)
+    rows, used = [], 0
+    for count in pages_per_row:
+        rows.append(order[used : used + count] + [-1] * (width - count))
+        used += count
+    assert used <= num_pages
+    return torch.tensor(rows, dtype=torch.int32, device=DEVICE)
+
+
+def query_without_channel_ties(shape, dtype, kt_dtype, topr, g):
+    """A query whose group-summed |q| (after rounding to the KT dtype) has no tie at the top-r boundary.
+
+    Ties there make the channel set ambiguous (torch.topk leaves their order unspecified), so they are redrawn.
+    """
+    for _ in range(50):
+        # magnitudes spread over many binades keep fp8-rounded sums distinct
+        q = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-3, 4, shape, generator=g).float())
+        q = q.to(dtype)
+        if topr >= shape[-1]:
+            return q.to(DEVICE)
+        a = q.to(kt_dtype).float().abs().sum(dim=2).sort(dim=-1, descending=True).values
+        if bool((a[..., topr - 1] > a[..., topr]).all()):
+            return q.to(DEVICE)
+    raise AssertionError("could not draw a tie-free query")

@@ -7,18 +7,18 @@ reference bit for bit (KT rounding included) for every dtype, KT dtype, page siz
 
 import pytest
 import torch
-from kernel_utils import DEVICE, gen, ops, randn
 
 from hf_rocketkv import RocketKVConfig, RocketKVLayer
 from hf_rocketkv.cache.layer import GenerationHints
 from hf_rocketkv.kernels.append_token import append_token_torch
 from hf_rocketkv.selection import stage2_pages as ref
+from tests.kernels.kernel_utils import DEVICE, gen, ops, randn
 
 pytestmark = pytest.mark.gpu  # compiled for the GPU where one is present (pytest -m gpu); interpreted on CPU
 
 
 def old_append(keys, values, positions, kt, lengths, seen, key_new, value_new, page_size):
-    """RocketKVLayer._append_one's writes before append_token existed ([B] lengths only)."""
+    """A decode append written op by op, the reference of the fused append_token ([B] lengths only)."""
     rows = torch.arange(keys.shape[0], device=keys.device)
     slot = lengths
     keys[rows, :, slot] = key_new
@@ -121,7 +121,7 @@ def test_append_token_drops_writes_past_capacity():
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_layer_decode_state_equals_old_path(backend):
-    """RocketKVLayer.update (which now calls ops.append_token) leaves the state the old multi-op path leaves."""
+    """RocketKVLayer.update (one ops.append_token call) leaves the state the op-by-op append leaves."""
     cfg = RocketKVConfig(prompt_budget=10, window_size=4, kernel_size=3, topk=2, topr=16, page_size=4,
                          kt_cache_dtype="float8_e5m2", backend=backend)
     layer = RocketKVLayer(cfg, GenerationHints(max_length=30 + 6))

@@ -3,9 +3,9 @@ against a slot-by-slot oracle, bit for bit, and pages the row does not own are n
 
 import pytest
 import torch
-from kernel_utils import DEVICE, gen, ops, randn
 
 from hf_rocketkv.kernels.paged import paged_compact_row_torch
+from tests.kernels.kernel_utils import DEVICE, gen, ops, randn
 
 pytestmark = pytest.mark.gpu  # compiled for the GPU where one is present (pytest -m gpu); interpreted on CPU
 

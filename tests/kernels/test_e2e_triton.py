@@ -5,11 +5,11 @@ Also checks that the decode ops trace into one torch.compile graph (fullgraph=Tr
 
 import pytest
 import torch
-from kernel_utils import DEVICE, ops
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_rocketkv
 from hf_rocketkv import RocketKVCache, RocketKVConfig
+from tests.kernels.kernel_utils import DEVICE, ops
 
 pytestmark = pytest.mark.gpu  # compiled for the GPU where one is present (pytest -m gpu); interpreted on CPU
 

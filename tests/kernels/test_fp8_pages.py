@@ -13,8 +13,6 @@ import collections
 
 import pytest
 import torch
-from kernel_utils import DEVICE, OUT_ATOL, gen, ops, randn, selected_slots
-from test_paged_ops import _table
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_rocketkv.kernels.append_token import fp8_append_torch, paged_append_kv_torch, paged_append_token_torch
@@ -28,6 +26,7 @@ from hf_rocketkv.memory.layout import LayerShape
 from hf_rocketkv.memory.page_io import read_tokens, write_tokens
 from hf_rocketkv.memory.storage import LayerStorage
 from hf_rocketkv.selection import stage2_pages as ref
+from tests.kernels.kernel_utils import DEVICE, OUT_ATOL, gen, ops, page_table, randn, selected_slots
 
 pytestmark = pytest.mark.gpu  # compiled for the GPU where one is present (pytest -m gpu); interpreted on CPU
 
@@ -114,7 +113,7 @@ def _fp8_step(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 def _error_case(granularity="page"):
     g = gen("fp8-errors", granularity)
     layer = _pool(6, 2, 8, 4, 16, granularity, g)
-    table = _table([2, 1], 6, g)
+    table = page_table([2, 1], 6, g)
     lengths = torch.tensor([3, 5], device=DEVICE)
     return layer, table, lengths
 
@@ -234,7 +233,7 @@ def test_sparse_decode_attention_reads_dequantized_pages(granularity, group, hea
     g = gen("fp8-sda", granularity, group, head_dim, kv_heads, page_tokens, kt_page, q_dtype)
     num_pages = 14
     layer = _pool(num_pages, kv_heads, page_tokens, kt_page, head_dim, granularity, g)
-    table = _table([5, 2, 4], num_pages, g)
+    table = page_table([5, 2, 4], num_pages, g)
     # full rows, a partial last page, a row a third full; KV heads of different magnitudes
     lengths = torch.tensor([5 * page_tokens, 2 * page_tokens - 3, 4 * page_tokens // 3], device=DEVICE)
     _fill_rows(layer, table, lengths, g, key_scale=torch.logspace(0, -2, kv_heads))
@@ -316,7 +315,7 @@ def test_append_rule_fresh_grow_and_keep(granularity, backend):
     heads, page_tokens, kt_page, dim = 2, 8, 4, 16
     g = gen("fp8-rule", granularity)
     layer = _pool(8, heads, page_tokens, kt_page, dim, granularity, g)
-    table = _table([2, 1, 1], 8, g)
+    table = page_table([2, 1, 1], 8, g)
     lengths = torch.tensor([page_tokens, 3, 5], device=DEVICE)
     _fill_rows(layer, table, lengths, g, key_scale=torch.tensor([1.0, 0.5]))
     before = _clone(layer)
@@ -459,7 +458,7 @@ def test_append_sequence_equals_write_tokens_token_by_token(granularity, kv_head
     g = gen("fp8-sequence", granularity, kv_heads, head_dim, page_tokens, kt_page)
     num_pages = 12
     layer = _pool(num_pages, kv_heads, page_tokens, kt_page, head_dim, granularity, g)
-    table = _table([3, 3, 4], num_pages, g)
+    table = page_table([3, 3, 4], num_pages, g)
     lengths = torch.tensor([0, page_tokens + page_tokens // 2, 2 * page_tokens], device=DEVICE)
     _fill_rows(layer, table, lengths, g)
     steps = page_tokens + 1
@@ -502,7 +501,7 @@ def test_append_kv_and_per_head_lengths_with_head_scales(backend):
     heads, page_tokens, dim = 3, 8, 64
     g = gen("fp8-per-head", backend)
     layer = _pool(10, heads, page_tokens, 4, dim, "head", g)
-    table = _table([3, 2], 10, g)
+    table = page_table([3, 2], 10, g)
     lengths = torch.tensor([[0, 5, 8], [7, 9, 12]], device=DEVICE)
     for h in range(heads):
         _fill_rows(_head_view(layer, h), table, lengths[:, h], g)
@@ -528,7 +527,7 @@ def test_triton_append_drops_fp8_writes_without_a_page(granularity):
     (pages and scales untouched) and its token is still counted; the twin refuses."""
     g = gen("fp8-drop", granularity)
     layer = _pool(4, 2, 8, 4, 16, granularity, g)
-    table = _table([2, 1], 4, g)  # row 0: past its table at 16; row 1: its next slot's page is -1
+    table = page_table([2, 1], 4, g)  # row 0: past its table at 16; row 1: its next slot's page is -1
     lengths = torch.tensor([16, 8], device=DEVICE)
     _fill_rows(layer, table, lengths, g)
     state = _clone(layer)
@@ -541,7 +540,7 @@ def test_triton_append_drops_fp8_writes_without_a_page(granularity):
 
 
 class _HostReads(TorchDispatchMode):
-    """Counts the ops that make the host wait for a tensor's value (as tests/test_host_syncs.py)."""
+    """Counts the ops that make the host wait for a tensor's value (as tests/cache/test_host_syncs.py)."""
 
     READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
              torch.ops.aten.equal.default}
@@ -562,7 +561,7 @@ def test_append_rule_reads_nothing_back_and_compiles_fullgraph(granularity):
     one graph (torch.compile(fullgraph=True)) that writes what eager writes."""
     g = gen("fp8-compile", granularity)
     layer = _pool(6, 2, 8, 4, 16, granularity, g)
-    table = _table([2, 2], 6, g)
+    table = page_table([2, 2], 6, g)
     lengths = torch.tensor([8, 5], device=DEVICE)
     _fill_rows(layer, table, lengths, g)
     key = torch.randn((2, 2, 16), generator=g).to(DEVICE) * 5
@@ -594,7 +593,7 @@ def test_registered_append_compiles_fullgraph():
     torch.compile(fullgraph=True): no graph break, the twin's writes."""
     g = gen("fp8-compile-op")
     layer = _pool(6, 2, 8, 4, 16, "head", g)
-    table = _table([2, 2], 6, g)
+    table = page_table([2, 2], 6, g)
     lengths = torch.tensor([7, 8], device=DEVICE)
     _fill_rows(layer, table, lengths, g)
     key = torch.randn((2, 2, 16), generator=g).to(DEVICE)

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from kernel_utils import DEVICE, gen, ops, randn
 
 from hf_rocketkv.kernels.page_scores import page_scores_launch
 from hf_rocketkv.selection import stage2_pages as ref
+from tests.kernels.kernel_utils import DEVICE, gen, ops, query_without_channel_ties, randn
 
 pytestmark = pytest.mark.gpu  # compiled for the GPU where one is present (pytest -m gpu); interpreted on CPU
 
@@ -22,29 +22,12 @@ CASES = [
 ]
 
 
-def _query_without_channel_ties(shape, dtype, kt_dtype, topr, g):
-    """A query whose group-summed |q| (after rounding to the KT dtype) has no tie at the top-r boundary.
-
-    Ties there make the channel set ambiguous (torch.topk leaves their order unspecified), so they are redrawn.
-    """
-    for _ in range(50):
-        # magnitudes spread over many binades keep fp8-rounded sums distinct
-        q = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-3, 4, shape, generator=g).float())
-        q = q.to(dtype)
-        if topr >= shape[-1]:
-            return q.to(DEVICE)
-        a = q.to(kt_dtype).float().abs().sum(dim=2).sort(dim=-1, descending=True).values
-        if bool((a[..., topr - 1] > a[..., topr]).all()):
-            return q.to(DEVICE)
-    raise AssertionError("could not draw a tie-free query")
-
-
 @pytest.mark.parametrize("per_head_bound", [False, True])
 @pytest.mark.parametrize("group,head_dim,topr,kt_dtype,q_dtype,splits", CASES)
 def test_page_scores_matches_reference(group, head_dim, topr, kt_dtype, q_dtype, splits, per_head_bound):
     g = gen("page_scores", group, head_dim, topr, kt_dtype, q_dtype, splits)
     batch, kv_heads, num_pages = 3, 2, 150
-    q = _query_without_channel_ties((batch, kv_heads, group, head_dim), q_dtype, kt_dtype, topr, g)
+    q = query_without_channel_ties((batch, kv_heads, group, head_dim), q_dtype, kt_dtype, topr, g)
     kt = randn((batch, kv_heads, num_pages, 2, head_dim), torch.float32, g, scale=2.0).sort(dim=3).values.to(kt_dtype)
     n_pages = torch.tensor([0, 1, 137], device=DEVICE)  # no page, one page, most pages
     got = page_scores_launch(q, kt, n_pages, topr, num_splits=splits, per_head_bound=per_head_bound)

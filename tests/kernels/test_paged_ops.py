@@ -7,8 +7,6 @@ and the pages no row owns hold large garbage values, so reading a page of anothe
 
 import pytest
 import torch
-from kernel_utils import DEVICE, OUT_ATOL, gen, ops, randn, selected_slots
-from test_page_scores import _query_without_channel_ties
 
 from hf_rocketkv.kernels.append_token import paged_append_kv_torch, paged_append_token_torch
 from hf_rocketkv.kernels.dispatch import TORCH_OPS
@@ -18,20 +16,18 @@ from hf_rocketkv.kernels.sparse_decode_attention import (
     sparse_decode_attention_launch,
 )
 from hf_rocketkv.selection import stage2_pages as ref
+from tests.kernels.kernel_utils import (
+    DEVICE,
+    OUT_ATOL,
+    gen,
+    ops,
+    page_table,
+    query_without_channel_ties,
+    randn,
+    selected_slots,
+)
 
 pytestmark = pytest.mark.gpu  # compiled for the GPU where one is present (pytest -m gpu); interpreted on CPU
-
-
-def _table(pages_per_row, num_pages, g):
-    """Rows own ``pages_per_row[b]`` distinct random pages of a pool of ``num_pages``; -1 pads to the widest."""
-    order = torch.randperm(num_pages, generator=g).tolist()
-    width = max(pages_per_row)
-    rows, used = [], 0
-    for count in pages_per_row:
-        rows.append(order[used : used + count] + [-1] * (width - count))
-        used += count
-    assert used <= num_pages
-    return torch.tensor(rows, dtype=torch.int32, device=DEVICE)
 
 
 def _store(table, num_pages, kv_heads, page_tokens, kt_page, head_dim, dtype, kt_dtype, lengths, g):
@@ -83,7 +79,7 @@ def test_paged_append_token_kernel_equals_twin_and_contiguous_reference(
     kv_heads, page_tokens, kt_page, head_dim, dtype, kt_dtype, per_head
 ):
     g = gen("paged-append", kv_heads, page_tokens, kt_page, head_dim, dtype, per_head)
-    table = _table([3, 1, 4], 12, g)
+    table = page_table([3, 1, 4], 12, g)
     capacity_per_row = torch.tensor([3, 1, 4], device=DEVICE) * page_tokens
     steps = 3
     if per_head:
@@ -120,7 +116,7 @@ def test_paged_append_token_kernel_equals_twin_and_contiguous_reference(
 
 def test_paged_append_kv_writes_no_kt():
     g = gen("paged-append-kv")
-    table = _table([2, 2], 6, g)
+    table = page_table([2, 2], 6, g)
     lengths = torch.tensor([3, 8], device=DEVICE)
     base = _store(table, 6, 2, 8, 4, 16, torch.float32, torch.float32, lengths, g)
     want = _append_steps(paged_append_kv_torch, [t.clone() for t in base], 2, torch.float32, gen("kv"), 4, False)
@@ -135,7 +131,7 @@ def test_paged_append_drops_writes_without_a_page():
     """A row whose next slot has no page (-1) or lies past the table: the kernel writes nothing anywhere and still
     counts the token; the reference refuses."""
     g = gen("paged-append-full")
-    table = _table([2, 1], 4, g)  # row 1: one page, then -1
+    table = page_table([2, 1], 4, g)  # row 1: one page, then -1
     lengths = torch.tensor([16, 8], device=DEVICE)  # row 0: past the table; row 1: its next slot has no page
     state = _store(table, 4, 2, 8, 4, 16, torch.float32, torch.float32, torch.tensor([16, 8], device=DEVICE), g)
     before = [t.clone() for t in state]
@@ -153,7 +149,7 @@ def test_paged_append_token_with_one_logical_length_per_row():
     own input column; the Triton kernel equals the reference, and each row equals a one-row append with its own 0-d
     count."""
     g = gen("paged-append-seen-rows")
-    table = _table([2, 1, 3], 8, g)
+    table = page_table([2, 1, 3], 8, g)
     lengths = torch.tensor([5, 2, 17], device=DEVICE)
     base = _store(table, 8, 2, 8, 4, 16, torch.float32, torch.float32, lengths, g)
     base[6] = torch.tensor([40, 7, 300], device=DEVICE)  # per-row logical lengths
@@ -171,10 +167,10 @@ def test_paged_append_token_with_one_logical_length_per_row():
 
 
 def _selection_inputs(g, group, head_dim, kv_heads, page_tokens, kt_page, kt_dtype, q_dtype, topr):
-    table = _table([5, 2, 4], 14, g)
+    table = page_table([5, 2, 4], 14, g)
     lengths = torch.tensor([5 * page_tokens, 2 * page_tokens - 3, 4 * page_tokens // 3], device=DEVICE)
     state = _store(table, 14, kv_heads, page_tokens, kt_page, head_dim, q_dtype, kt_dtype, lengths, g)
-    q = _query_without_channel_ties((3, kv_heads, group, head_dim), q_dtype, kt_dtype, topr, g)
+    q = query_without_channel_ties((3, kv_heads, group, head_dim), q_dtype, kt_dtype, topr, g)
     return q, state
 
 
@@ -295,7 +291,7 @@ def test_scatter_pages_with_host_page_counts_equals_the_masked_write(dtype):
 def test_registered_paged_ops_run_through_the_dispatcher():
     """The triton_op registrations (what torch.compile traces) give the launchers' results."""
     g = gen("paged-registered")
-    table = _table([2, 3], 7, g)
+    table = page_table([2, 3], 7, g)
     lengths = torch.tensor([9, 17], device=DEVICE)
     base = _store(table, 7, 2, 8, 4, 16, torch.float32, torch.float32, lengths, g)
     direct = _append_steps(ops().paged_append_token, [t.clone() for t in base], 2, torch.float32, gen("r"), 4)
@@ -350,7 +346,7 @@ def test_append_entry_without_scales_compiles_fullgraph():
     """``ops().paged_append_token(...)`` with the scales left out (float pages), traced by torch.compile: the entry
     hands the op explicit Nones, no graph break, the eager entry's writes."""
     g = gen("paged-append-compile")
-    table = _table([2, 3], 7, g)
+    table = page_table([2, 3], 7, g)
     lengths = torch.tensor([9, 17], device=DEVICE)
     base = _store(table, 7, 2, 8, 4, 16, torch.float32, torch.float32, lengths, g)
     eager = _append_steps(ops().paged_append_token, [t.clone() for t in base], 1, torch.float32, gen("c"), 4)

@@ -7,8 +7,9 @@ rounding, fp16 subnormals and large magnitudes, where any difference in where a 
 
 import pytest
 import torch
-from kernel_utils import DEVICE, gen
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from tests.kernels.kernel_utils import DEVICE, gen
 
 pytest.importorskip("triton")
 

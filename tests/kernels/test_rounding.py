@@ -10,7 +10,8 @@ the helpers under test.
 
 import pytest
 import torch
-from kernel_utils import DEVICE, gen
+
+from tests.kernels.kernel_utils import DEVICE, gen
 
 triton = pytest.importorskip("triton")
 tl = triton.language

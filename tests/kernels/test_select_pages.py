@@ -10,11 +10,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kernel_utils import DEVICE, gen, ops, randn
 
 from hf_rocketkv.kernels.select_pages import select_pages_launch, select_plan, top_pages_launch
 from hf_rocketkv.kernels.page_scores import page_scores_launch
 from hf_rocketkv.selection import stage2_pages as ref
+from tests.kernels.kernel_utils import DEVICE, gen, ops, randn
 
 pytestmark = pytest.mark.gpu  # compiled for the GPU where one is present (pytest -m gpu); interpreted on CPU
 
@@ -107,7 +107,7 @@ def test_select_pages_bitonic_network_path(num_pages, chunk):
 
 
 def test_select_pages_many_pages_no_torch_fallback():
-    """Any page count runs on the kernels (the old torch.topk hand-over above 8,192 pages is gone)."""
+    """Any page count runs on the kernels (no hand-over to torch.topk above 8,192 pages)."""
     plan = select_plan(100_000, 64, chunk=1024)
     assert plan["num_chunks"] == 98 and plan["levels"] == [13, 2, 1] and plan["fanins"] == [8, 8, 2]
     assert select_plan(2100, 64, chunk=1024)["fanins"] == [4]  # 3 chunk lists: one merge of 4 x 64 keys, not 8 x 64

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from kernel_utils import DEVICE, OUT_ATOL, gen, ops, randn
 
 from hf_rocketkv.kernels.sparse_decode_attention import sparse_decode_attention_launch, sparse_decode_attention_torch
+from tests.kernels.kernel_utils import DEVICE, OUT_ATOL, gen, ops, randn
 
 pytestmark = pytest.mark.gpu  # compiled for the GPU where one is present (pytest -m gpu); interpreted on CPU
 

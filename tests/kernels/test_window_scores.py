@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from kernel_utils import DEVICE, gen, ops, randn
 
 from hf_rocketkv.selection.stage1_snapkv import window_scores
+from tests.kernels.kernel_utils import DEVICE, gen, ops, randn
 
 pytestmark = pytest.mark.gpu  # compiled for the GPU where one is present (pytest -m gpu); interpreted on CPU
 

@@ -12,8 +12,7 @@ import torch
 
 from hf_rocketkv.memory import BlockTable, PoolExhaustedError
 from hf_rocketkv.memory.deferred import DrainingLock, weakly_bound
-
-from .helpers import make_pool, snapshot
+from tests.memory.helpers import make_pool, snapshot
 
 
 def test_release_later_is_processed_at_the_next_call_and_never_inside_one():

@@ -11,8 +11,7 @@ from pathlib import Path
 
 from hf_rocketkv.memory import PrefixKeys
 from hf_rocketkv.memory.hashing import MultimodalItem, page_hashes, root_hash
-
-from .helpers import fill_pages, make_pool, page_bytes_of, rocket_config
+from tests.memory.helpers import fill_pages, make_pool, page_bytes_of, rocket_config
 
 REPO = Path(__file__).resolve().parents[2]
 IDS = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3] * 3  # 48 tokens: 6 pages of 8

@@ -1,6 +1,6 @@
 """Prefix hashing: canonical bytes (checked against a from-the-spec re-implementation), chaining, extra keys,
 stability across processes (the hit cap, RocketKV's rule, is tested with cache/page_budget.py in
-tests/test_pool_page_budget.py)."""
+tests/cache/test_page_budget.py)."""
 
 import hashlib
 import struct

@@ -7,8 +7,7 @@ import threading
 from pathlib import Path
 
 from hf_rocketkv.memory import PoolExhaustedError
-
-from .helpers import make_pool, rocket_config
+from tests.memory.helpers import make_pool, rocket_config
 
 MEMORY = Path(__file__).resolve().parents[2] / "hf_rocketkv" / "memory"
 FORBIDDEN = ("transformers", "hf_rocketkv.cache", "hf_rocketkv.integration", "hf_rocketkv.config")

@@ -4,7 +4,7 @@ trips of every byte of a page (K, V, KT, fp8 scales), host eviction, counters.""
 import pytest
 import torch
 
-from .helpers import fill_pages, make_pool, page_bytes, page_bytes_of, reused, rocket_config, warm
+from tests.memory.helpers import fill_pages, make_pool, page_bytes, page_bytes_of, reused, rocket_config, warm
 
 CFG = rocket_config(prompt_budget=32, window_size=8)
 

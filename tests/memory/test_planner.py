@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from hf_rocketkv.memory import BlockTable, KVBlockPool, PoolExhaustedError, Reservation
-
-from .helpers import fill_pages, make_pool, model_config, rocket_config, snapshot
+from tests.memory.helpers import fill_pages, make_pool, model_config, rocket_config, snapshot
 
 CFG = rocket_config(prompt_budget=32, window_size=8)
 

@@ -19,8 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hf_rocketkv.memory import PoolExhaustedError, PoolStateError, PrefixKeys, RowDemand
-
-from .helpers import make_pool
+from tests.memory.helpers import make_pool
 
 PAGES, PAGE = 32, 8
 DEFAULT_PRIORITY = 35

@@ -10,8 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hf_rocketkv.memory import PoolExhaustedError, PoolStateError, PrefixKeys
-
-from .helpers import fill_pages, make_pool, page_bytes_of, rocket_config
+from tests.memory.helpers import fill_pages, make_pool, page_bytes_of, rocket_config
 
 CFG = rocket_config(prompt_budget=16, window_size=4)
 BASES = [[1000 + i for i in range(48)], [2000 + i for i in range(48)], [1000 + i for i in range(20)] + [7] * 28]

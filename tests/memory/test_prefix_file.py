@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from hf_rocketkv.memory import LOADED_PREFIX_PRIORITY, PoolExhaustedError, PrefixFileError, PrefixKeys
-
-from .helpers import HEAD_DIM, fill_pages, make_pool, model_config, page_bytes_of, rocket_config
+from tests.memory.helpers import HEAD_DIM, fill_pages, make_pool, model_config, page_bytes_of, rocket_config
 
 CFG = rocket_config(prompt_budget=32, window_size=8)
 IDS = list(range(11, 11 + 45))  # 5 full pages of 8 and a partial one

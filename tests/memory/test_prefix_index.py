@@ -4,8 +4,7 @@ reset, registering generated pages."""
 import pytest
 
 from hf_rocketkv.memory import PoolStateError, PrefixKeys
-
-from .helpers import make_pool, reused, rocket_config, warm
+from tests.memory.helpers import make_pool, reused, rocket_config, warm
 
 CFG = rocket_config(prompt_budget=32, window_size=8)  # pool pages of 8 tokens
 

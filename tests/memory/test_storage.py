@@ -10,8 +10,7 @@ from hf_rocketkv.memory import KVBlockPool
 from hf_rocketkv.memory.fp8 import FP8_MAX
 from hf_rocketkv.memory.layout import RecordLayout
 from hf_rocketkv.memory.page_io import read_tokens, write_tokens
-
-from .helpers import HEAD_DIM, KV_HEADS, fill_pages, make_pool, model_config, page_bytes
+from tests.memory.helpers import HEAD_DIM, KV_HEADS, fill_pages, make_pool, model_config, page_bytes
 
 
 def test_layers_allocate_lazily_from_the_first_key_states():

@@ -25,10 +25,16 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from hf_rocketkv import KVBlockPool, RocketKVCache, RocketKVLayer
 from hf_rocketkv.policies import AdaKVPolicy, KeptSlots, ScorerPolicy
-from tests.helpers import compressing_config, greedy, left_pad, make_models, random_ids
-from tests.test_generate import teacher_forced_logits
-
-from . import oracle
+from tests.policies import oracle
+from tests.policies.helpers import prompt_keys
+from tests.support.tiny_models import (
+    compressing_config,
+    greedy,
+    left_pad,
+    make_models,
+    random_ids,
+    teacher_forced_logits,
+)
 
 HKV, PROMPT, BUDGET, WINDOW = 2, 40, 24, 8
 PREFIX = PROMPT - WINDOW  # selectable prefix slots 0..31 of an unpadded 40-token prompt
@@ -63,14 +69,6 @@ def strided_slots(s: int, e: int, w: int, h: int, budget: int) -> list[int]:
     if e - s <= budget:
         return list(range(s, e))
     return [j for j in range(s, e - w) if (j - s) % (h + 2) == 0] + list(range(e - w, e))
-
-
-def prompt_keys(sdpa, ids) -> list[torch.Tensor]:
-    """Post-RoPE prompt keys of every layer, from a plain sdpa forward with a DynamicCache."""
-    cache = DynamicCache()
-    with torch.no_grad():
-        sdpa(ids, past_key_values=cache, use_cache=True)
-    return [layer.keys for layer in cache.layers]
 
 
 def held(cache, layer_idx: int, b: int = 0) -> list[list[int]]:
@@ -411,3 +409,13 @@ def test_row_group_prefill_equals_one_batch(prefill_batch_size):
         assert torch.equal(cache.kept_tokens(layer_idx), want_cache.kept_tokens(layer_idx))
         width = min(cache.kept_positions(layer_idx).shape[-1], want_cache.kept_positions(layer_idx).shape[-1])
         assert torch.equal(cache.kept_positions(layer_idx)[..., :width], want_cache.kept_positions(layer_idx)[..., :width])
+
+
+def test_token_budget_with_adakv_keeps_the_derived_total_per_row():
+    rocket, _ = make_models("llama")
+    cache = RocketKVCache(compressing_config(stage1="adakv", token_budget=32))
+    greedy(rocket, random_ids(2, 60), max_new_tokens=5, past_key_values=cache)
+    derived = cache.layers[0].config.prompt_budget
+    for layer_idx in range(len(cache.layers)):
+        kept = cache.kept_tokens(layer_idx)
+        assert kept.shape == (2, 2) and kept.sum(dim=1).tolist() == [2 * (derived + 4)] * 2

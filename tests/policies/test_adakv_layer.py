@@ -17,10 +17,9 @@ from hf_rocketkv import RocketKVConfig, RocketKVLayer
 from hf_rocketkv.cache.layer import GenerationHints
 from hf_rocketkv.policies import AdaKVPolicy, ScorerPolicy
 from hf_rocketkv.policies.decode_compression import decode_keep_slots
-
-from ..test_stage2 import ref_page_scores, ref_sparse_attention
-from . import oracle
-from .test_policy_cache import Ragged
+from tests.policies import oracle
+from tests.policies.helpers import Ragged
+from tests.support.stage2_oracle import ref_page_scores, ref_sparse_attention
 
 HKV, G, D = 2, 2, 8
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the Triton test: compiled on a GPU

@@ -1,5 +1,7 @@
 """Decode-time compression's selection against a brute-force float64 oracle written from its definition
-(hf_rocketkv/policies/decode_compression.py): plain loops over rows, KV heads, query heads and window queries."""
+(hf_rocketkv/policies/decode_compression.py): plain loops over rows, KV heads, query heads and window queries; the
+kept slots do not depend on the store's capacity (slots past every length are never selectable, even where
+max-pooled scores tie)."""
 
 from __future__ import annotations
 
@@ -8,10 +10,10 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from hf_rocketkv.policies.decode_compression import DecodeCompression, decode_keep_slots, move_kept
-
-from .oracle import assert_top_up_to_ties, max_pool, softmax64
+from tests.policies.oracle import assert_top_up_to_ties, max_pool, softmax64
 
 
 def oracle_scores(queries, keys, length: int, b: int, scaling: float) -> list[list[float]]:
@@ -117,3 +119,18 @@ def test_decode_compression_validates():
     small = DecodeCompression(budget=8, interval=4, window=2)
     assert small.due(12) and not small.due(11)
     assert math.isclose(DecodeCompression(budget=64).max_generated, 128)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_decode_keep_slots_do_not_depend_on_the_capacity(per_head):
+    """Slots past every length are never selectable, so padding the store must not change the kept slots. With the
+    max-pooling (kernel 7) neighbouring slots tie and ``topk`` picks among ties by the tensor's size."""
+    torch.manual_seed(0)
+    queries, keys = torch.randn(1, 2, 4, 16), torch.randn(1, 1, 40, 16)
+    lengths, gen_start = torch.tensor([40]), torch.tensor([24])
+    if per_head:
+        queries, keys = torch.randn(1, 4, 4, 16), torch.randn(1, 2, 40, 16)
+        lengths, gen_start = torch.tensor([[40, 33]]), torch.tensor([[24, 17]])
+    exact, _ = decode_keep_slots(queries, keys, lengths, gen_start, 12, 0.25, 7)
+    padded, _ = decode_keep_slots(queries, F.pad(keys, (0, 0, 0, 216)), lengths, gen_start, 12, 0.25, 7)
+    assert torch.equal(exact, padded), (exact.tolist(), padded.tolist())

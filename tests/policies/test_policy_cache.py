@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from hf_rocketkv import RocketKVCache, RocketKVConfig, RocketKVLayer
 from hf_rocketkv.cache.layer import GenerationHints
-from hf_rocketkv.policies import KeepFirst, KeptSlots, KnormPolicy, ScorerPolicy, SnapKVPolicy, derive_budgets
-from tests.helpers import compressing_config, greedy, left_pad, make_models, random_ids
-
-from . import oracle
+from hf_rocketkv.policies import KeepFirst, KnormPolicy, ScorerPolicy, SnapKVPolicy, derive_budgets
+from tests.policies import oracle
+from tests.policies.helpers import Ragged, prompt_keys
+from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
 
 HKV, G, D = 2, 2, 8
 
@@ -149,20 +148,6 @@ def test_adakv_runs_in_the_cache_with_per_head_lengths():
     assert all(cache.kept_tokens(i).sum().item() == HKV * 24 + HKV for i in range(len(cache.layers)))
 
 
-class Ragged:
-    """Keeps slots 0 .. budget-1, one fewer in KV head 0, without declaring per_head_budgets."""
-
-    name = "ragged"
-
-    def select(self, inputs):
-        heads = inputs.num_kv_heads
-        slots = torch.arange(inputs.budget).expand(heads, inputs.budget).clone()
-        slots[0, -1] = -1
-        counts = torch.full((heads,), inputs.budget)
-        counts[0] -= 1
-        return [KeptSlots(slots, counts) for _ in range(inputs.keys.shape[0])]
-
-
 def test_a_custom_policy_with_undeclared_per_head_counts_is_refused_at_stage_1():
     layer = RocketKVLayer(layer_config(stage1=Ragged()), GenerationHints(max_length=34))
     prefill_chunks(layer, dense_case(0), [30])
@@ -283,12 +268,6 @@ def test_adakv_with_stage2_sinks_keeps_them_in_every_head():
 
 
 # ------------------------------------------------------------------------------------------------ generate
-def prompt_keys(sdpa, ids) -> list[torch.Tensor]:
-    """Post-RoPE prompt keys of every layer, from a plain sdpa forward with a DynamicCache."""
-    cache = DynamicCache()
-    with torch.no_grad():
-        sdpa(ids, past_key_values=cache, use_cache=True)
-    return [layer.keys for layer in cache.layers]
 
 
 @pytest.mark.parametrize(

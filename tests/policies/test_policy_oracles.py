@@ -20,9 +20,8 @@ from hf_rocketkv.policies import (
     StreamingPolicy,
 )
 from hf_rocketkv.selection.stage1_snapkv import snapkv_keep_slots
-
-from . import oracle
-from .oracle import assert_top_up_to_ties, assert_uniform_selection, random_case
+from tests.policies import oracle
+from tests.policies.oracle import assert_top_up_to_ties, assert_uniform_selection, random_case
 
 SEEDS = range(16)
 

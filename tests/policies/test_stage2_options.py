@@ -28,10 +28,9 @@ from hf_rocketkv.policies import (
 )
 from hf_rocketkv.kernels.paged import gather_pages
 from hf_rocketkv.selection import stage2_pages
-from tests.helpers import compressing_config, greedy, make_models, random_ids
-
-from . import oracle
-from .oracle import assert_top_up_to_ties, random_case
+from tests.policies import oracle
+from tests.policies.oracle import assert_top_up_to_ties, random_case
+from tests.support.tiny_models import compressing_config, greedy, make_models, random_ids
 
 SEEDS = range(10)
 

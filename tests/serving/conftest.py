@@ -1,14 +1,15 @@
-"""Fixtures of the serving tests: tiny random models (milliseconds per token) with a character tokenizer, managers
-and HTTP servers that are always stopped, and the plain model.generate oracle."""
+"""Fixtures of the serving tests: tiny random models (milliseconds per token) with a character tokenizer, batching
+engines, managers and HTTP servers that are always stopped, and the memoised model.generate oracle (the plain
+functions they build on are in tests/serving/helpers.py)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
-from hf_rocketkv import RocketKVCache
-from tests.helpers import compressing_config, greedy, make_models
-from tests.serving.helpers import char_tokenizer
+from hf_rocketkv.serving.batching import BatchingEngine
+from hf_rocketkv.serving.scheduler import BatchingConfig
+from tests.serving.helpers import CFG, Events, make_pool, oracle_tokens
+from tests.support.tiny_models import char_tokenizer, compressing_config, make_models
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +69,35 @@ def serve(make_manager):
         server.stop()
 
 
-def oracle_tokens(model, prompt_ids, config, max_new_tokens: int, eos_token_id=None) -> list[int]:
-    """What model.generate produces alone for one prompt with a fresh RocketKVCache (greedy)."""
-    ids = torch.tensor([list(prompt_ids)])
-    out = greedy(model, ids, max_new_tokens, past_key_values=RocketKVCache(config), eos_token_id=eos_token_id)
-    return out[0, ids.shape[1]:].tolist()
+@pytest.fixture(scope="module")
+def oracle(tiny_pair):
+    """``oracle(prompt, n)``: greedy tokens of the prompt alone (memoised: the random tests reuse prompts)."""
+    memo = {}
+
+    def run(prompt, n, config=CFG):
+        key = (tuple(prompt), n, config)
+        if key not in memo:
+            memo[key] = oracle_tokens(tiny_pair[1], prompt, config, n)
+        return memo[key]
+
+    return run
+
+
+@pytest.fixture
+def engines(tiny_pair):
+    """``make(pool=None, config=CFG, lockstep=None, **batching) -> (engine, events, pool)``: started engines, all
+    stopped at teardown."""
+    made = []
+
+    def make(pool=None, config=CFG, lockstep=None, **batching):
+        pool = pool if pool is not None else make_pool(tiny_pair[0], config=config)
+        batching = {"max_running": 8, "buckets": (1, 2, 4, 8), **batching}
+        engine = BatchingEngine(tiny_pair[0], config, pool, BatchingConfig(**batching), lockstep=lockstep)
+        events = Events()
+        engine.start(events)
+        made.append(engine)
+        return engine, events, pool
+
+    yield make
+    for engine in made:
+        engine.stop(drain=False, timeout=60)

@@ -1,6 +1,6 @@
-"""Helpers of the serving tests: a character-level tokenizer matching the tiny random models' 128-token vocabulary
-(so HTTP tests run on a model that takes milliseconds per token), gates and slow-downs hooked on a model's forward,
-and the openai client against a server on 127.0.0.1.
+"""Helpers of the serving tests: the plain model.generate oracle, the batching engine's request builders and event
+sink, small CPU pools, gates and slow-downs hooked on a model's forward. The fixtures built on them (tiny models,
+engines, managers, servers) live in tests/serving/conftest.py.
 """
 
 from __future__ import annotations
@@ -8,28 +8,12 @@ from __future__ import annotations
 import threading
 import time
 
-from tests.helpers import EOS, PAD, VOCAB
+import torch
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
-
-
-def char_tokenizer():
-    """One token per ASCII character (ids 3..127), <pad>=0, <s>=1, </s>=2, with a tiny chat template."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": PAD, "<s>": 1, "</s>": EOS}
-    vocab.update({chr(i): i for i in range(3, VOCAB)})
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
-                                        pad_token="<pad>")
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
+from hf_rocketkv import KVBlockPool, RocketKVCache
+from hf_rocketkv.serving import SamplingParams
+from hf_rocketkv.serving.engine import EngineRequest
+from tests.support.tiny_models import compressing_config, cpu_pool, greedy, random_ids
 
 
 class ForwardGate:
@@ -70,3 +54,62 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.01) -> bool
             return True
         time.sleep(interval)
     return predicate()
+
+
+def oracle_tokens(model, prompt_ids, config, max_new_tokens: int, eos_token_id=None) -> list[int]:
+    """What model.generate produces alone for one prompt with a fresh RocketKVCache (greedy)."""
+    ids = torch.tensor([list(prompt_ids)])
+    out = greedy(model, ids, max_new_tokens, past_key_values=RocketKVCache(config), eos_token_id=eos_token_id)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def prompts(count: int, base: int = 28) -> list[list[int]]:
+    """Prompts of different lengths, all over the compression budget (24)."""
+    return [random_ids(1, base + 3 * i, seed=10 + i)[0].tolist() for i in range(count)]
+
+
+# the batching engine's config: prompts over 24 tokens are compressed; decode reads 3 pages
+CFG = compressing_config(kt_cache_dtype="float32")
+
+
+class Events:
+    """A thread-safe sink: every event, and a condition to wait for final events."""
+
+    def __init__(self):
+        self.events = []
+        self.cond = threading.Condition()
+
+    def __call__(self, event) -> None:
+        with self.cond:
+            self.events.append(event)
+            self.cond.notify_all()
+
+    def finals(self, request_id=None):
+        with self.cond:
+            return [e for e in self.events if e.finish_reason is not None
+                    and (request_id is None or e.request_id == request_id)]
+
+    def tokens(self, request_id) -> list[int]:
+        with self.cond:
+            return [t for e in self.events if e.request_id == request_id for t in e.token_ids]
+
+    def wait_finals(self, count: int, timeout: float = 60) -> None:
+        with self.cond:
+            assert self.cond.wait_for(lambda: len([e for e in self.events if e.finish_reason]) >= count, timeout)
+
+
+def make_pool(model, page_size: int = 8, mib: float = 1.0, config=CFG) -> KVBlockPool:
+    """A float32 pool of ``mib`` MiB for the served model (its weights in the prefix fingerprint)."""
+    return cpu_pool(model, config, int(mib * 2**20), page_size)
+
+
+def request(rid: str, prompt, max_tokens: int, **params) -> EngineRequest:
+    sampling = SamplingParams(max_tokens=max_tokens, **params) if params else SamplingParams.greedy(max_tokens)
+    return EngineRequest(rid, tuple(prompt), sampling, frozenset(sampling.stop_token_ids))
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    return random_ids(1, length, seed=seed)[0].tolist()
+
+
+PROMPTS = [(30, 9), (17, 3), (45, 12), (5, 6), (26, 1), (33, 8)]  # (prompt length, max_tokens): some under the budget

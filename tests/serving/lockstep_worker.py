@@ -44,7 +44,7 @@ def main() -> None:
     from hf_rocketkv.serving.batching import BatchingEngine
     from hf_rocketkv.serving.engine import EngineRequest
     from hf_rocketkv.serving.scheduler import BatchingConfig
-    from tests.helpers import compressing_config, greedy, random_ids
+    from tests.support.tiny_models import compressing_config, greedy, random_ids
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, distributed_config=DistributedConfig(tp_plan="auto"),
                                                  attn_implementation=hf_rocketkv.ATTN_NAME, dtype=torch.float32).eval()
@@ -131,7 +131,7 @@ def batch_main(model_dir: str, output_path: str) -> None:
     import hf_rocketkv
     from hf_rocketkv import KVBlockPool, RocketKVCache, generate_batch
     from hf_rocketkv.serving import InvalidRequest, SamplingParams
-    from tests.helpers import compressing_config, greedy, random_ids
+    from tests.support.tiny_models import compressing_config, greedy, random_ids
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, distributed_config=DistributedConfig(tp_plan="auto"),
                                                  attn_implementation=hf_rocketkv.ATTN_NAME, dtype=torch.float32).eval()
@@ -165,10 +165,10 @@ def batch_main(model_dir: str, output_path: str) -> None:
 
 
 def _leave() -> None:
-    """Every rank leaves without interpreter finalization, as tests/tp_worker.py does: the model's DTensor shards keep
-    the gloo group alive past destroy_process_group(), and gloo's threads meeting a half torn-down interpreter abort
-    now and then ("terminate called without an active exception", SIGABRT, pytorch/pytorch#179291) after all the
-    work is done and the report written. os._exit after flushing makes the exit status report the run."""
+    """Every rank leaves without interpreter finalization, as tests/integration/tp_worker.py does: the model's DTensor
+    shards keep the gloo group alive past destroy_process_group(), and gloo's threads meeting a half torn-down
+    interpreter abort now and then ("terminate called without an active exception", SIGABRT, pytorch/pytorch#179291)
+    after all the work is done and the report written. os._exit after flushing makes the exit status report the run."""
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()

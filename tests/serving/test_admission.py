@@ -5,7 +5,7 @@ model.generate."""
 from __future__ import annotations
 
 from hf_rocketkv.serving import FinishReason
-from tests.serving.test_batching import engines, make_pool, oracle, prompt_of, request  # noqa: F401 (fixtures)
+from tests.serving.helpers import make_pool, prompt_of, request
 
 
 def test_prompt_that_never_fits_the_pool_ends_with_an_error(engines, oracle, tiny_pair):

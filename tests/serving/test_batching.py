@@ -1,4 +1,5 @@
-"""BatchingEngine: continuous batching over the KV block pool, on a tiny random Llama (CPU, float32, GQA).
+"""BatchingEngine (serving/batching.py): continuous batching over the KV block pool, on a tiny random Llama (CPU,
+float32, GQA); what it cannot serve is refused when it is built.
 
 Oracle: each request alone, through model.generate with its own RocketKVCache of the same config (a second copy of
 the model, so the oracle never shares a module with the engine thread), or through SequentialEngine for sampling.
@@ -7,98 +8,14 @@ the model, so the oracle never shares a module with the engine thread), or throu
 from __future__ import annotations
 
 import random
-import threading
 
 import pytest
-import torch
 
-from hf_rocketkv import KVBlockPool
 from hf_rocketkv.serving import EngineStopped, FinishReason, SamplingParams, SequentialEngine
 from hf_rocketkv.serving.batching import BatchingEngine
 from hf_rocketkv.serving.engine import EngineRequest
-from hf_rocketkv.serving.scheduler import BatchingConfig
-from tests.helpers import compressing_config, random_ids
-from tests.serving.conftest import oracle_tokens
-from tests.serving.helpers import ForwardGate, wait_until
-
-CFG = compressing_config(kt_cache_dtype="float32")  # prompts over 24 tokens are compressed; decode reads 3 pages
-
-
-class Events:
-    """A thread-safe sink: every event, and a condition to wait for final events."""
-
-    def __init__(self):
-        self.events = []
-        self.cond = threading.Condition()
-
-    def __call__(self, event) -> None:
-        with self.cond:
-            self.events.append(event)
-            self.cond.notify_all()
-
-    def finals(self, request_id=None):
-        with self.cond:
-            return [e for e in self.events if e.finish_reason is not None
-                    and (request_id is None or e.request_id == request_id)]
-
-    def tokens(self, request_id) -> list[int]:
-        with self.cond:
-            return [t for e in self.events if e.request_id == request_id for t in e.token_ids]
-
-    def wait_finals(self, count: int, timeout: float = 60) -> None:
-        with self.cond:
-            assert self.cond.wait_for(lambda: len([e for e in self.events if e.finish_reason]) >= count, timeout)
-
-
-@pytest.fixture(scope="module")
-def oracle(tiny_pair):
-    """``oracle(prompt, n)``: greedy tokens of the prompt alone (memoised: the random tests reuse prompts)."""
-    memo = {}
-
-    def run(prompt, n, config=CFG):
-        key = (tuple(prompt), n, config)
-        if key not in memo:
-            memo[key] = oracle_tokens(tiny_pair[1], prompt, config, n)
-        return memo[key]
-
-    return run
-
-
-def make_pool(model, page_size: int = 8, mib: float = 1.0, config=CFG) -> KVBlockPool:
-    return KVBlockPool(model, max_gpu_bytes=int(mib * 2**20), page_size=page_size, dtype=torch.float32,
-                       device="cpu", kt_page_size=config.page_size, kt_dtype=config.kt_cache_dtype)
-
-
-@pytest.fixture
-def engines(tiny_pair):
-    """``make(pool=None, config=CFG, lockstep=None, **batching) -> (engine, events, pool)``: started engines, all
-    stopped at teardown."""
-    made = []
-
-    def make(pool=None, config=CFG, lockstep=None, **batching):
-        pool = pool if pool is not None else make_pool(tiny_pair[0], config=config)
-        batching = {"max_running": 8, "buckets": (1, 2, 4, 8), **batching}
-        engine = BatchingEngine(tiny_pair[0], config, pool, BatchingConfig(**batching), lockstep=lockstep)
-        events = Events()
-        engine.start(events)
-        made.append(engine)
-        return engine, events, pool
-
-    yield make
-    for engine in made:
-        engine.stop(drain=False, timeout=60)
-
-
-def request(rid: str, prompt, max_tokens: int, **params) -> EngineRequest:
-    sampling = SamplingParams(max_tokens=max_tokens, **params) if params else SamplingParams.greedy(max_tokens)
-    return EngineRequest(rid, tuple(prompt), sampling, frozenset(sampling.stop_token_ids))
-
-
-def prompt_of(length: int, seed: int) -> list[int]:
-    return random_ids(1, length, seed=seed)[0].tolist()
-
-
-PROMPTS = [(30, 9), (17, 3), (45, 12), (5, 6), (26, 1), (33, 8)]  # (prompt length, max_tokens): some under the budget
+from tests.serving.helpers import CFG, PROMPTS, Events, ForwardGate, make_pool, prompt_of, request, wait_until
+from tests.support.tiny_models import compressing_config
 
 
 # ------------------------------------------------------------------------------------------------ greedy
@@ -344,3 +261,12 @@ def test_an_unexpected_failure_still_ends_every_request_once(engines, oracle):
     engine.submit(request("c", prompt, 5))
     events.wait_finals(3)
     assert events.tokens("c") == oracle(prompt, 5)
+
+
+@pytest.mark.parametrize("fields, name", [(dict(decode_budget=16, decode_interval=8, decode_window=4), "decode_budget"),
+                                          (dict(token_budget=64), "token_budget")])
+def test_batching_engine_refuses_unsupported_budget_fields_at_construction(tiny_pair, fields, name):
+    config = compressing_config(**fields)
+    with pytest.raises(NotImplementedError) as err:
+        BatchingEngine(tiny_pair[0], config, make_pool(tiny_pair[0], config=config))
+    assert name in str(err.value)

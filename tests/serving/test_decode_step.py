@@ -16,9 +16,7 @@ from hf_rocketkv.serving.batching import BatchingEngine
 from hf_rocketkv.serving.decode_step import BatchDecoder
 from hf_rocketkv.serving.engine import EngineRequest
 from hf_rocketkv.serving.scheduler import BatchingConfig
-from tests.serving.helpers import ForwardGate, wait_until
-from tests.serving.test_batching import (CFG, PROMPTS, Events, engines, make_pool, oracle,  # noqa: F401 (fixtures)
-                                         prompt_of, request)
+from tests.serving.helpers import CFG, PROMPTS, Events, ForwardGate, make_pool, prompt_of, request, wait_until
 
 
 @pytest.fixture
@@ -166,7 +164,7 @@ def test_graphed_decode_steps_equal_eager_ones(engines, oracle, tiny_pair):
     """One graph per bucket (a CPU stand-in for capture/replay): the first step of a bucket runs eagerly, the second
     captures, later ones replay on the static buffers; the tokens are those of each request alone."""
     from hf_rocketkv.integration.batch_graphs import BatchedDecodeGraphs
-    from tests.test_decode_graphs import StandInBackend
+    from tests.support.decode_runners import StandInBackend
 
     backend = StandInBackend()
     graphs = BatchedDecodeGraphs(tiny_pair[0], backend=backend, devices=("cpu",))
@@ -191,7 +189,7 @@ def test_graphed_decode_steps_equal_eager_ones(engines, oracle, tiny_pair):
 
 def test_a_failing_capture_falls_back_to_eager_steps(engines, oracle, tiny_pair):
     from hf_rocketkv.integration.batch_graphs import BatchedDecodeGraphs
-    from tests.test_decode_graphs import StandInBackend
+    from tests.support.decode_runners import StandInBackend
 
     class Failing(StandInBackend):
         def capture(self, run):

@@ -13,7 +13,7 @@ import torch
 from hf_rocketkv.serving import SequentialEngine
 from hf_rocketkv.serving.batching import BatchingEngine
 from hf_rocketkv.serving.scheduler import BatchingConfig
-from tests.serving.test_batching import CFG, Events, make_pool, prompt_of, request
+from tests.serving.helpers import CFG, Events, make_pool, prompt_of, request
 
 
 @pytest.fixture
@@ -62,7 +62,7 @@ def test_engines_serve_a_model_on_the_second_gpu():
     """A model on cuda:1 with the Triton kernels and CUDA graphs: the batching engine's tokens equal generate()'s on
     the same GPU (greedy, float32)."""
     from hf_rocketkv import KVBlockPool, RocketKVCache
-    from tests.helpers import greedy, make_models
+    from tests.support.tiny_models import greedy, make_models
 
     model, _ = make_models("llama", hidden_size=128, num_attention_heads=8, num_key_value_heads=4, head_dim=16)
     model = model.to("cuda:1")

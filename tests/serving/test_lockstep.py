@@ -11,7 +11,6 @@ must emit the same events, and the greedy tokens must equal model.generate of ea
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -26,9 +25,8 @@ from hf_rocketkv.serving import EngineStopped, FinishReason, Lockstep, Overloade
 from hf_rocketkv.serving.batching import BatchingEngine
 from hf_rocketkv.serving.lockstep import Inbox, resolve_seed
 from hf_rocketkv.serving.scheduler import BatchingConfig
-from tests.serving.helpers import ForwardGate, wait_until
-from tests.serving.test_batching import (  # noqa: F401 (engines, oracle: fixtures)
-    CFG, Events, engines, make_pool, oracle, prompt_of, request)
+from tests.serving.helpers import CFG, Events, ForwardGate, make_pool, prompt_of, request, wait_until
+from tests.support.repo import ROOT, TORCHRUN, subprocess_env
 
 WORKER = Path(__file__).with_name("lockstep_worker.py")
 
@@ -187,16 +185,14 @@ def test_resolve_seed_draws_only_for_unseeded_sampling():
 # ------------------------------------------------------------------------------------------------ two ranks
 @pytest.mark.slow
 def test_two_ranks_step_together_and_equal_generate_under_tp(tmp_path):
-    from tests.helpers import make_models
+    from tests.support.tiny_models import make_models
 
     rocket, _ = make_models("llama", hidden_size=128, num_attention_heads=8, num_key_value_heads=4, head_dim=16)
     model_dir = tmp_path / "model"
     rocket.save_pretrained(model_dir)
     output = tmp_path / "out.json"
-    repo = str(Path(__file__).resolve().parents[2])
-    python_path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": python_path}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
+    env = subprocess_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    command = [*TORCHRUN, str(WORKER),
                str(model_dir), str(output)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
@@ -224,23 +220,20 @@ def test_two_ranks_step_together_and_equal_generate_under_tp(tmp_path):
 def test_lockstep_check_script_on_cpu(tmp_path):
     """benchmarks.tp_serving_throughput's logic on a tiny checkpoint: one process, then 2 ranks (gloo), then the table;
     the ranks' event digests must agree and every workload must finish."""
-    from tests.helpers import make_models
+    from tests.support.tiny_models import make_models
 
     rocket, _ = make_models("llama", hidden_size=128, num_attention_heads=8, num_key_value_heads=4, head_dim=16)
     rocket.save_pretrained(tmp_path / "model")
-    repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH")) if p)}
+    env = subprocess_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     script = ["-m", "benchmarks.tp_serving_throughput"]
     small = ["--dir", str(tmp_path / "model"), "--requests", "3", "--prompt-len", "64", "--new-tokens", "5",
              "--mixed-requests", "3", "--rate", "20", "--min-prompt", "30", "--max-prompt", "90", "--max-running", "4",
              "--page-size", "8", "--pool-gib", "0.01", "--rocketkv-json",
              json.dumps(dict(prompt_budget=24, window_size=8, kernel_size=5, topk=3, topr=8, page_size=4,
                              kt_cache_dtype="float32"))]
-    runs = {"single": [sys.executable, *script], "tp": [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                       "--nproc_per_node=2", *script]}
+    runs = {"single": [sys.executable, *script], "tp": [*TORCHRUN, *script]}
     for name, command in runs.items():
-        result = subprocess.run([*command, *small, "--out", str(tmp_path / f"{name}.json")], env=env, cwd=repo,
+        result = subprocess.run([*command, *small, "--out", str(tmp_path / f"{name}.json")], env=env, cwd=ROOT,
                                 capture_output=True, text=True, timeout=240)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     tp = json.loads((tmp_path / "tp.json").read_text())
@@ -250,7 +243,7 @@ def test_lockstep_check_script_on_cpu(tmp_path):
         assert tp["results"][workload]["finished"] == {"length": 3}
         assert tp["results"][workload]["output_tokens"] == 15
     table = subprocess.run([sys.executable, *script, "--compare", str(tmp_path / "single.json"),
-                            str(tmp_path / "tp.json")], env=env, cwd=repo, capture_output=True, text=True, timeout=60)
+                            str(tmp_path / "tp.json")], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert table.returncode == 0 and "| fixed | tokens_per_s |" in table.stdout
     assert "same events on every rank: True" in table.stdout
 
@@ -309,14 +302,12 @@ def test_engines_on_a_sharded_model_need_lockstep(tiny_pair, monkeypatch):
 def test_generate_batch_on_every_rank_under_tp(tmp_path):
     """generate_batch on a sharded model, called on both ranks (torchrun, gloo): every rank gets rank 0's results
     (greedy ones equal model.generate under the same TP), and an invalid prompt raises on every rank."""
-    from tests.helpers import make_models
+    from tests.support.tiny_models import make_models
 
     rocket, _ = make_models("llama", hidden_size=128, num_attention_heads=8, num_key_value_heads=4, head_dim=16)
     rocket.save_pretrained(tmp_path / "model")
-    repo = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
+    env = subprocess_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    command = [*TORCHRUN, str(WORKER),
                str(tmp_path / "model"), str(tmp_path / "out.json"), "generate_batch"]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]

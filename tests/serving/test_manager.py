@@ -1,4 +1,5 @@
-"""GenerationManager + SequentialEngine without HTTP, on a tiny random Llama (CPU, milliseconds per token).
+"""GenerationManager + SequentialEngine (serving/manager.py, serving/sequential.py) without HTTP, on a tiny random
+Llama (CPU, milliseconds per token).
 
 Oracle: model.generate alone on an identical copy of the model with a fresh RocketKVCache of the same config.
 """
@@ -22,16 +23,9 @@ from hf_rocketkv.serving import (
     SamplingParams,
     SequentialEngine,
     UnknownRequest,
-    generate_batch,
 )
-from tests.helpers import EOS, random_ids
-from tests.serving.conftest import oracle_tokens
-from tests.serving.helpers import ForwardGate, wait_until
-
-
-def prompts(count: int, base: int = 28) -> list[list[int]]:
-    """Prompts of different lengths, all over the compression budget (24)."""
-    return [random_ids(1, base + 3 * i, seed=10 + i)[0].tolist() for i in range(count)]
+from tests.serving.helpers import ForwardGate, oracle_tokens, prompts, wait_until
+from tests.support.tiny_models import EOS
 
 
 def collect(manager, request_id):
@@ -301,30 +295,6 @@ def test_invalid_requests_name_the_field(make_manager, prompt, params, param):
         manager.add_request(prompt, params)
     assert err.value.param == param
     assert manager.metrics().requests_total == 0
-
-
-def test_generate_batch_returns_input_order(tiny_pair, cfg, tokenizer):
-    batch = prompts(3)
-    params = [SamplingParams.greedy(n, ignore_eos=True) for n in (5, 3, 4)]
-    results = generate_batch(tiny_pair[0], batch, config=cfg, sampling=params, tokenizer=tokenizer)
-    for prompt, n, result in zip(batch, (5, 3, 4), results):
-        expected = oracle_tokens(tiny_pair[1], prompt, cfg, n)
-        assert list(result.token_ids) == expected
-        assert result.text == tokenizer.decode(expected, skip_special_tokens=True)
-    text = generate_batch(tiny_pair[0], ["Hello there, how are you today? Fine."], config=cfg, tokenizer=tokenizer,
-                          sampling=SamplingParams.greedy(3, ignore_eos=True))
-    assert len(text[0].token_ids) == 3
-    with pytest.raises(InvalidRequest, match=r"prompts\[1\]"):
-        generate_batch(tiny_pair[0], [batch[0], [999]], config=cfg)
-
-
-def test_generate_batch_follows_generation_config(tiny_pair, cfg):
-    from transformers import GenerationConfig
-
-    batch = prompts(2)
-    results = generate_batch(tiny_pair[0], batch, GenerationConfig(max_new_tokens=4, do_sample=False), config=cfg)
-    for prompt, result in zip(batch, results):
-        assert list(result.token_ids) == oracle_tokens(tiny_pair[1], prompt, cfg, 4, eos_token_id=EOS)
 
 
 def test_metrics_count_requests_and_latencies(make_manager):

@@ -1,5 +1,6 @@
-"""The OpenAI-compatible server on 127.0.0.1 (a free port), driven by the real ``openai`` client and raw httpx, on a
-tiny random Llama with a character tokenizer. Oracle: model.generate alone with the same cache config (greedy)."""
+"""The OpenAI-compatible server (serving/server.py) on 127.0.0.1 (a free port), driven by the real ``openai`` client
+and raw httpx, on a tiny random Llama with a character tokenizer: completions and chat, model ids and aliases,
+disconnects, errors, overload, metrics. Oracle: model.generate alone with the same cache config (greedy)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,12 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from hf_rocketkv import KVBlockPool  # noqa: E402
-from tests.serving.conftest import oracle_tokens  # noqa: E402
-from tests.serving.helpers import ForwardGate, wait_until  # noqa: E402
+from tests.serving.helpers import ForwardGate, make_pool, oracle_tokens, wait_until  # noqa: E402
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -148,13 +146,8 @@ def test_models_health_and_stopped_server(serve, tokenizer):
 
 
 # ------------------------------------------------------------------------------------------------ disconnects
-def pool_for(model, cfg):
-    return KVBlockPool(model, max_gpu_bytes=1 << 20, page_size=16, kt_page_size=cfg.page_size,
-                       kt_dtype=cfg.kt_cache_dtype, dtype=torch.float32)
-
-
 def test_client_disconnect_mid_stream_cancels_and_frees_pages(serve, tiny_pair, tokenizer, cfg):
-    pool = pool_for(tiny_pair[0], cfg)
+    pool = make_pool(tiny_pair[0], page_size=16, config=cfg)
     server, manager = serve(tokenizer=tokenizer, pool=pool)
     gate = ForwardGate(tiny_pair[0], delay=0.01)
     try:
@@ -227,7 +220,7 @@ BAD_REQUESTS = [
 def bad_request_server(tiny_pair, tokenizer):
     from hf_rocketkv.serving import GenerationManager, create_app
     from hf_rocketkv.serving.background import ServerThread
-    from tests.helpers import compressing_config
+    from tests.support.tiny_models import compressing_config
 
     manager = GenerationManager(tiny_pair[0], tokenizer, compressing_config())
     with ServerThread(create_app(manager, "tiny")) as server:
@@ -321,7 +314,7 @@ def test_a_failing_request_gets_500_and_the_server_goes_on(serve, tiny_pair, tok
 def test_metrics_endpoint(serve, tiny_pair, tokenizer, cfg):
     from prometheus_client.parser import text_string_to_metric_families
 
-    pool = pool_for(tiny_pair[0], cfg)
+    pool = make_pool(tiny_pair[0], page_size=16, config=cfg)
     server, _ = serve(tokenizer=tokenizer, pool=pool)
     api = client(server)
     for prompt in PROMPTS[:3]:
@@ -339,3 +332,36 @@ def test_metrics_endpoint(serve, tiny_pair, tokenizer, cfg):
     assert get("hf_rocketkv_time_to_first_token_seconds_count") == 3
     assert get("hf_rocketkv_time_to_first_token_seconds_bucket", le="+Inf") == 3
     assert get("hf_rocketkv_tokens_per_second_count") == 3
+
+
+def test_model_alias_and_models_by_id(make_manager, tokenizer):
+    pytest.importorskip("fastapi")
+    openai = pytest.importorskip("openai")
+    httpx = pytest.importorskip("httpx")
+    from hf_rocketkv.serving import create_app
+    from hf_rocketkv.serving.background import ServerThread
+
+    manager = make_manager(tokenizer=tokenizer)
+    alias = "/data/models/org/tiny-llama"  # what --model was: a folder path, slashes included
+    with ServerThread(create_app(manager, "tiny", aliases=(alias,))) as server:
+        api = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        texts = []
+        for model in ("tiny", alias):
+            out = api.completions.create(model=model, prompt="hello there", max_tokens=3, temperature=0,
+                                         extra_body={"ignore_eos": True})
+            assert out.model == "tiny" and out.usage.completion_tokens == 3
+            texts.append(out.choices[0].text)
+            assert api.models.retrieve(model).id == "tiny"
+            raw = httpx.get(server.url + "/v1/models/" + model, timeout=30)
+            assert raw.status_code == 200 and raw.json()["id"] == "tiny" and raw.json()["object"] == "model"
+        assert texts[0] == texts[1]  # the same model behind both ids
+        with pytest.raises(openai.BadRequestError) as bad:
+            api.completions.create(model="tiny-other", prompt="hi", max_tokens=2)
+        assert bad.value.status_code == 400 and bad.value.body["code"] == "model_not_found"
+        with pytest.raises(openai.NotFoundError):
+            api.models.retrieve("org/other")
+        for unknown in ("other", "org/other", alias + "x"):
+            missing = httpx.get(server.url + "/v1/models/" + unknown, timeout=30)
+            assert missing.status_code == 404
+            error = missing.json()["error"]
+            assert set(error) >= {"message", "type", "param", "code"} and error["code"] == "model_not_found"

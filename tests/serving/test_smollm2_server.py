@@ -20,16 +20,6 @@ STORY = ("The lighthouse keeper climbed the spiral stairs every evening at dusk,
 N = 8
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    from hf_rocketkv.models import load_model_and_tokenizer
-
-    try:
-        return load_model_and_tokenizer()
-    except FileNotFoundError as err:
-        pytest.skip(f"default model not installed: {err}")
-
-
 def alone(model, ids) -> list[int]:
     with torch.no_grad():
         out = model.generate(ids, past_key_values=RocketKVCache(CONFIG), max_new_tokens=N, do_sample=False)

@@ -1,8 +1,8 @@
-"""BatchingEngine.warm_up: every bucket's decode graph captured before serving, on the tiny random Llama (CPU, with
-the CPU stand-in capture backend of tests/test_decode_graphs.py).
+"""BatchingEngine.warm_up (serving/warm_up.py): every bucket's decode graph captured before serving, on the tiny
+random Llama (CPU, with the stand-in capture backend of tests/support/decode_runners.py).
 
-Oracle: each request alone through model.generate with its own RocketKVCache (``oracle_tokens``, on a second copy of
-the model), as in test_batching.py.
+Oracle: each request alone through model.generate with its own RocketKVCache (the ``oracle`` fixture of
+tests/serving/conftest.py, on a second copy of the model).
 """
 
 from __future__ import annotations
@@ -15,27 +15,13 @@ from hf_rocketkv.integration.batch_graphs import BatchedDecodeGraphs
 from hf_rocketkv.memory.errors import PoolExhaustedError
 from hf_rocketkv.serving.batching import BatchingEngine
 from hf_rocketkv.serving.scheduler import BatchingConfig
-from tests.serving.conftest import oracle_tokens
-from tests.serving.test_batching import CFG, Events, make_pool, prompt_of, request
-from tests.test_decode_graphs import StandInBackend
+from tests.serving.helpers import CFG, Events, make_pool, prompt_of, request
+from tests.support.decode_runners import StandInBackend
 
 BUCKETS = (1, 2, 4, 8)
 WARM_TOKENS = 12
 # (prompt length, max_tokens <= WARM_TOKENS): under, at and over prompt_budget (24), up to far over it
 WORKLOAD = [(5, 12), (17, 3), (24, 12), (25, 1), (30, 7), (45, 12), (80, 10), (33, 12), (26, 5)]
-
-
-@pytest.fixture(scope="module")
-def oracle(tiny_pair):
-    memo = {}
-
-    def run(prompt, n):
-        key = (tuple(prompt), n)
-        if key not in memo:
-            memo[key] = oracle_tokens(tiny_pair[1], prompt, CFG, n)
-        return memo[key]
-
-    return run
 
 
 @pytest.fixture

@@ -1,0 +1,178 @@
+"""BatchedDecodeCache (cache/batch_view.py): rows of several pool-backed RocketKVCaches decoding as one batch.
+
+Oracle: each prompt alone through model.generate with its own pool-backed RocketKVCache; after ``leave`` a request's
+cache must hold exactly what that generate() left (lengths, kept positions, logical length, K/V in its pages).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_rocketkv import RocketKVCache
+from hf_rocketkv.cache.batch_view import BatchedDecodeCache, BatchedDecodeLayer
+from tests.support.tiny_models import compressing_config, cpu_pool, greedy, random_ids
+
+CFG = compressing_config(kt_cache_dtype="float32")
+STEPS = 6
+
+
+def prefill(model, pool, prompt, new_tokens):
+    """A prompt through the model with its own cache, as BatchingEngine prefills; returns (cache, first token)."""
+    cache = RocketKVCache(CFG, pool=pool)
+    ids = prompt[None]
+    cache.hints.max_length = len(prompt) + new_tokens
+    cache.begin_prefill(ids, None, max_new_tokens=new_tokens)
+    start = cache.get_seq_length()
+    with torch.no_grad():
+        out = model(input_ids=ids[:, start:], attention_mask=torch.ones_like(ids),
+                    position_ids=torch.arange(start, len(prompt))[None], past_key_values=cache, use_cache=True,
+                    logits_to_keep=1)
+    return cache, int(out.logits[0, -1].argmax())
+
+
+def test_rows_decode_together_and_leave_the_caches_generate_leaves(model):
+    pool = cpu_pool(model, CFG, 2 << 20)
+    prompts = [random_ids(1, n, seed=n)[0] for n in (30, 13, 41)]  # one within the budget, two compressed
+    alone = []
+    for prompt in prompts:
+        cache = RocketKVCache(CFG, pool=pool)
+        out = greedy(model, prompt[None], STEPS + 1, past_key_values=cache)
+        alone.append((out[0, len(prompt):].tolist(), cache))
+    batch = BatchedDecodeCache(pool, max_rows=4)
+    tokens, caches = [], []
+    for row, prompt in enumerate(prompts):
+        cache, first = prefill(model, pool, prompt, STEPS + 1)
+        batch.join(row, cache)
+        caches.append(cache)
+        tokens.append([first])
+    assert batch.ensure_scratch()
+    for _ in range(STEPS):
+        batch.prepare(3, 4)  # one padding row
+        ids = torch.tensor([[t[-1]] for t in tokens] + [[5]])
+        with torch.no_grad():
+            out = model(input_ids=ids, position_ids=batch.next_positions(), past_key_values=batch, use_cache=True)
+        batch.stepped()
+        for row in range(3):
+            tokens[row].append(int(out.logits[row, -1].argmax()))
+    for row, (want_tokens, want) in enumerate(alone):
+        assert tokens[row] == want_tokens
+        got = batch.leave(row)
+        assert got is caches[row] and got.lent_to is None
+        assert got.get_seq_length() == want.get_seq_length()
+        for mine, theirs in zip(got.layers, want.layers):
+            assert torch.equal(mine.lengths, theirs.lengths)
+            assert torch.equal(mine.positions, theirs.positions)
+            # K/V computed by other kernels than generate()'s (the prefill's mask, batched decode projections) may
+            # round differently by a few ULPs; which tokens are kept, where, and the sampled tokens are the same
+            for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+            torch.testing.assert_close(mine.kt, theirs.kt, rtol=0, atol=1e-5)
+            assert (mine.host_seen, mine.host_max_length) == (theirs.host_seen, theirs.host_max_length)
+    for cache in caches + [cache for _, cache in alone]:
+        cache.close()
+    batch.close()
+    assert pool.free_pages() == pool.total_pages()
+
+
+def test_moves_and_padding_keep_rows_apart(model):
+    """A row that left is filled by the last one (move); the padding rows write only the scratch page."""
+    pool = cpu_pool(model, CFG, 2 << 20, page_size=16)
+    prompts = [random_ids(1, n, seed=100 + n)[0] for n in (27, 35)]
+    batch = BatchedDecodeCache(pool, max_rows=2)
+    caches = []
+    for row, prompt in enumerate(prompts):
+        cache, _ = prefill(model, pool, prompt, 4)
+        batch.join(row, cache)
+        caches.append(cache)
+    before = [c.layers[0].store.gather()[0].clone() for c in caches]
+    batch.leave(0)
+    batch.move(1, 0)
+    assert batch.caches[0] is caches[1] and batch.caches[1] is None
+    assert batch.ensure_scratch()
+    batch.prepare(1, 2)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[7], [9]]), position_ids=batch.next_positions(), past_key_values=batch,
+              use_cache=True)
+    batch.stepped()
+    batch.leave(0)
+    kept = caches[1].layers[0].lengths.item() - 1
+    after = caches[1].layers[0].store.gather()[0]
+    assert torch.equal(after[:, :, :kept], before[1][:, :, :kept])  # the old tokens are untouched
+    assert torch.equal(caches[0].layers[0].store.gather()[0], before[0])  # the row that left: untouched
+    for cache in caches:
+        cache.close()
+    batch.close()
+    assert pool.free_pages() == pool.total_pages()
+
+
+def test_checks(model):
+    pool = cpu_pool(model, CFG, 2 << 20)
+    batch = BatchedDecodeCache(pool, max_rows=2)
+    cache, _ = prefill(model, pool, random_ids(1, 30, seed=1)[0], 2)
+    batch.join(0, cache)
+    with pytest.raises(RuntimeError, match="BatchedDecodeCache"):  # lent: its own lengths are stale
+        cache.close()
+    with pytest.raises(RuntimeError, match="scratch page"):
+        batch.prepare(1, 2)
+    batch.prepare(1, 1)
+    with pytest.raises(ValueError, match="prepared for 1 rows"):
+        model(input_ids=torch.tensor([[3], [4]]), position_ids=torch.tensor([[30], [0]]), past_key_values=batch)
+    with pytest.raises(ValueError, match="one token per row"):
+        model(input_ids=torch.tensor([[3, 4]]), position_ids=torch.tensor([[30, 31]]), past_key_values=batch)
+    with pytest.raises(RuntimeError, match="position_ids"):
+        batch.get_seq_length()
+    for _ in range(batch.room[0]):  # the admitted view: kept + max_new_tokens, rounded up to whole pool pages
+        batch.prepare(1, 1)
+        with torch.no_grad():
+            model(input_ids=torch.tensor([[3]]), position_ids=batch.next_positions(), past_key_values=batch)
+        batch.stepped()
+    with pytest.raises(RuntimeError, match="no room"):
+        batch.prepare(1, 1)
+    batch.leave(0).close()
+    batch.close()
+    assert pool.free_pages() == pool.total_pages()
+
+
+def test_prepare_rebuilds_views_only_when_the_layout_changes(model, monkeypatch):
+    """Steps of an unchanged batch keep the layers' views (no per-layer work) but still empty the padding rows; a
+    join, a leave or a new bucket rebuilds them. Padding rows decode from length 0 at every step (their lengths
+    would otherwise grow by one per step)."""
+    pool = cpu_pool(model, CFG, 2 << 20, page_size=16)
+    batch = BatchedDecodeCache(pool, max_rows=4)
+    calls = []
+    real_select = BatchedDecodeLayer.select
+    monkeypatch.setattr(BatchedDecodeLayer, "select", lambda self, *a: (calls.append(a[0]), real_select(self, *a)))
+    caches = []
+    for row, n in enumerate((27, 35)):
+        cache, _ = prefill(model, pool, random_ids(1, n, seed=200 + n)[0], 8)
+        batch.join(row, cache)
+        caches.append(cache)
+    layers = len(batch.layers)
+    assert batch.ensure_scratch()
+
+    def step(rows, bucket):
+        batch.prepare(rows, bucket)
+        with torch.no_grad():
+            model(input_ids=torch.full((bucket, 1), 7), position_ids=batch.next_positions(), past_key_values=batch,
+                  use_cache=True)
+        batch.stepped()
+
+    step(2, 4)
+    assert len(calls) == layers
+    for _ in range(3):
+        step(2, 4)
+    assert len(calls) == layers  # unchanged layout: views kept
+    batch.prepare(2, 4)
+    for layer in batch.layers:  # padding rows emptied before each step, in every layer
+        assert layer.lengths_buf[2:4].tolist() == [0, 0] and layer.seen_buf[2:4].tolist() == [0, 0]
+    step(2, 2)  # a new bucket
+    assert len(calls) == 2 * layers
+    batch.leave(1)
+    step(1, 4)  # a row left
+    assert len(calls) == 3 * layers
+    batch.leave(0)
+    for cache in caches:
+        cache.close()
+    batch.close()
+    assert pool.free_pages() == pool.total_pages()

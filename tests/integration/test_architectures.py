@@ -1,0 +1,67 @@
+"""The architectures the integration supports: the same integration checks on every one (tiny random Llama, Mistral,
+Qwen2, Qwen3 with q/k norm), GQA layouts from MHA to MQA, and the clear error for sliding-window layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_rocketkv import RocketKVCache
+from tests.support.tiny_models import compressing_config, greedy, keep_all_config, left_pad, make_models, random_ids
+
+ARCH_LAYOUTS = [
+    ("llama", dict()),  # 4 query heads, 2 KV heads
+    ("llama", dict(num_attention_heads=4, num_key_value_heads=4)),  # MHA
+    ("llama", dict(num_attention_heads=8, num_key_value_heads=1, hidden_size=128)),  # MQA, G = 8
+    ("mistral", dict()),
+    ("qwen2", dict()),
+    ("qwen3", dict()),
+    ("qwen3", dict(num_attention_heads=6, num_key_value_heads=2, head_dim=32, hidden_size=96)),  # G = 3, D = 32
+]
+IDS = [f"{arch}-{'-'.join(f'{k}{v}' for k, v in kw.items()) or 'base'}" for arch, kw in ARCH_LAYOUTS]
+
+
+@pytest.mark.parametrize("arch,overrides", ARCH_LAYOUTS, ids=IDS)
+def test_keep_all_equals_sdpa(arch, overrides):
+    rocket, sdpa = make_models(arch, **overrides)
+    ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (37, 25)])
+    out = greedy(rocket, ids, attention_mask=mask, past_key_values=RocketKVCache(keep_all_config()), max_new_tokens=10)
+    assert torch.equal(out, greedy(sdpa, ids, attention_mask=mask, max_new_tokens=10))
+    kwargs = dict(num_beams=2, max_new_tokens=6)
+    beams = greedy(rocket, ids[:1], past_key_values=RocketKVCache(keep_all_config()), **kwargs)
+    assert torch.equal(beams, greedy(sdpa, ids[:1], **kwargs))
+
+
+@pytest.mark.parametrize("arch,overrides", ARCH_LAYOUTS, ids=IDS)
+def test_compression_engaged_and_padding_invariant(arch, overrides):
+    rocket, _ = make_models(arch, **overrides)
+    kv_heads = rocket.config.num_key_value_heads
+    rows = [random_ids(1, n, seed=n)[0] for n in (50, 33)]
+    ids, mask = left_pad(rows)
+    config = compressing_config()
+    cache = RocketKVCache(config)
+    batch = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8)
+    for layer_idx in range(rocket.config.num_hidden_layers):
+        assert cache.kept_tokens(layer_idx).tolist() == [[24 + 7] * kv_heads] * 2
+        assert cache.layers[layer_idx].keys.shape[1] == kv_heads
+    for b, row in enumerate(rows):
+        alone = greedy(rocket, row[None], past_key_values=RocketKVCache(config), max_new_tokens=8)
+        assert torch.equal(batch[b, ids.shape[1] :], alone[0, len(row) :])
+
+
+@pytest.mark.parametrize("arch,overrides,layer", [
+    ("mistral", dict(sliding_window=16), 0),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1), 1),
+])
+def test_sliding_window_layers_not_implemented(arch, overrides, layer):
+    rocket, _ = make_models(arch, **overrides)
+    ids = random_ids(1, 30)
+    with pytest.raises(NotImplementedError, match="sliding_window") as info:
+        with torch.no_grad():
+            rocket(ids, past_key_values=RocketKVCache(compressing_config()))  # the first forward
+    assert f"layer {layer}" in str(info.value)
+    with pytest.raises(NotImplementedError, match="sliding"):
+        greedy(rocket, ids)  # generate() with its automatic cache
+    # the same model without sliding windows works
+    plain, _ = make_models(arch)
+    greedy(plain, ids, past_key_values=RocketKVCache(compressing_config()), max_new_tokens=2)
