@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from .rounding import round_like_cast
+
 
 def num_pages(lengths: torch.Tensor, page_size: int) -> torch.Tensor:
     """Pages in use per row (or per row and KV head): ceil(lengths / page_size), same shape as ``lengths``."""
@@ -93,7 +95,7 @@ def page_scores(
     logit on the page (with G = 1 both rules agree).
     """
     head_dim = q.shape[-1]
-    q = q.to(kt.dtype).float()
+    q = round_like_cast(q.float(), kt.dtype)  # = q.to(kt.dtype).float(), also under torch.compile
     minmax = kt.float()  # [B, Hkv, NP, 2, D]
     channels = top_channels(q, topr)
     if channels is not None:
