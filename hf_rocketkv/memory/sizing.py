@@ -2,9 +2,10 @@
 
 The rule (``pool_bytes``) is a plain function of the device type, the free bytes and a fraction:
 
-    CUDA          fraction x free device memory (``torch.cuda.mem_get_info``), fraction 0.9 by default (vLLM's
-                  ``gpu_memory_utilization`` default): measured after the model is loaded, so the weights are already
-                  counted out and the other 10% is left for activations, CUDA graphs and other processes.
+    CUDA          fraction x free device memory (``torch.cuda.mem_get_info``), fraction 0.9 by default (TensorRT-LLM's
+                  ``free_gpu_memory_fraction``; vLLM's ``gpu_memory_utilization`` is a share of the whole GPU, weights
+                  included): measured after the model is loaded, so the weights are already counted out and the other
+                  10% is left for activations, CUDA graphs and other processes.
     CPU (other)   fraction x available RAM (MemAvailable in /proc/meminfo, within a cgroup memory limit; psutil's
                   ``available`` where there is no /proc), fraction 0.25 by default, and the default capped at
                   ``HOST_DEFAULT_CAP`` (2 GiB): the pages are filled when first used, so they take real RAM from
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-DEVICE_FRACTION = 0.9  # CUDA: of the free device memory, as vLLM's gpu_memory_utilization default
+DEVICE_FRACTION = 0.9  # CUDA: of the free device memory, as TensorRT-LLM's free_gpu_memory_fraction default
 HOST_FRACTION = 0.25  # CPU: of the available RAM
 HOST_DEFAULT_CAP = 2 << 30  # CPU: the default fraction never takes more than this
 GIB = 1 << 30
