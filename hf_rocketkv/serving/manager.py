@@ -23,6 +23,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from ..cache import check_pool_policy
 from ..config import RocketKVConfig
 from ..memory import PoolExhaustedError
 from .channel import OutputChannel
@@ -70,6 +71,28 @@ def build_engine(engine: Engine | str | None, model, config, pool, max_queue: in
     built = BatchingEngine(model, config, pool, batching, lockstep=lockstep)
     warm_up_batching(built, warmup_max_tokens, max_model_len)
     return built
+
+
+def batching_refusal(config: RocketKVConfig) -> str | None:
+    """Why ``BatchingEngine`` cannot serve ``config``, as one short phrase naming the field (the first such field),
+    or None when it can. The engine refuses the same configs when it is built (``NotImplementedError`` or
+    ``ValueError`` naming the field); this answers before any model or pool exists (``hf-rocketkv serve`` falls back
+    to the sequential engine on it)."""
+    if config.multi_turn != "evict":
+        return f"multi_turn={config.multi_turn!r} (the batching engine serves one turn per request)"
+    if config.decode_budget is not None:
+        return (f"decode_budget={config.decode_budget} (the batched decode step does not compress generated "
+                f"tokens)")
+    if config.token_budget is not None:
+        return (f"token_budget={config.token_budget} (it derives page_size per request; the batching engine's pool "
+                f"fixes it)")
+    try:
+        check_pool_policy(config)
+    except ValueError:
+        name = getattr(config.stage1, "name", config.stage1)
+        return (f"stage1={name!r} (each KV head keeps its own number of tokens, which the batching engine's pool "
+                f"pages cannot account for)")
+    return None
 
 
 def warm_up_batching(engine, max_tokens: int, max_model_len: int | None = None) -> dict | None:
