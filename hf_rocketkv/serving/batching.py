@@ -136,6 +136,12 @@ class BatchingEngine(ThreadedEngine):
             return
         super().cancel(request_id)
 
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Raise ``InvalidRequest`` (``context_length_exceeded``, naming prompt or max_tokens) when a request of this
+        size could never be admitted, even into an empty pool. The manager calls it before ``submit``; a request
+        submitted anyway ends with ``error`` at admission."""
+        self._admission.check_fits(prompt_len, max_new_tokens)
+
     @property
     def steps(self) -> int:
         """Decode forwards run so far."""

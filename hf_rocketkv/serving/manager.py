@@ -300,6 +300,9 @@ class GenerationManager:
                 f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context of "
                 f"{self.max_model_len} tokens; ask for at most {self.max_model_len - prompt_len} tokens",
                 "max_tokens", "context_length_exceeded")
+        check_fits = getattr(self.engine, "check_fits", None)  # the batching engine: the pool's pages
+        if check_fits is not None:
+            check_fits(prompt_len, params.max_tokens)
         if params.stop and self.tokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer; this manager has none (use stop_token_ids)", "stop")
         bad_ids = [t for t in params.stop_token_ids if t >= self.vocab_size]
