@@ -371,3 +371,30 @@ def test_findings_stay_fixed(fuzz_server, endpoint, body, status, param):
     if status == 400:
         assert response.json()["error"]["param"] == param, response.text
     check_idle_and_canary(server, manager, pool, canary)
+
+
+def test_a_body_over_the_limit_is_refused_unread(fuzz_server):
+    """Found while soaking (tests/serving/test_soak.py): a body of any size was read whole and tokenized before the
+    prompt was found longer than the context (a 4 MiB prompt took 14 s of CPU to be refused). Now a body over
+    ``max_body_bytes(context)`` is a 413 in the error shape, declared (Content-Length) or streamed (chunked)."""
+    from hf_rocketkv.serving.server import max_body_bytes
+
+    server, manager, pool, canary = fuzz_server
+    limit = max_body_bytes(CONTEXT)
+    big = json.dumps({"model": MODEL, "prompt": "x" * limit}).encode()
+
+    def chunked():
+        for start in range(0, len(big), 1 << 16):
+            yield big[start:start + (1 << 16)]
+
+    for content in (big, chunked()):
+        response = httpx.post(server.url + "/v1/completions", content=content, timeout=60,
+                              headers={"content-type": "application/json"})
+        assert response.status_code == 413, response.text
+        error = response.json()["error"]
+        assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "request_too_large", None)
+    just_under = json.dumps({"model": MODEL, "prompt": "x" * (limit - 100)}).encode()  # read, then too long
+    response = httpx.post(server.url + "/v1/completions", content=just_under, timeout=60,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+    check_idle_and_canary(server, manager, pool, canary)
