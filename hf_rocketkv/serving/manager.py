@@ -329,9 +329,8 @@ class GenerationManager:
                 output = record.processor.on_tokens(event.token_ids)
                 if output.finished:
                     record.request.cancelled.set()  # a stop string: the engine stops within one step
+                    self._observe(record)
                 record.channel.push(output)
-            if output.finished:
-                self._observe(record)
         if event.finish_reason is not None:
             self._finish(record, event.finish_reason, event.error)
 
@@ -339,9 +338,10 @@ class GenerationManager:
         with record.lock:
             if record.processor.finished:
                 return
-            record.channel.push(record.processor.on_finish(reason, error))
+            output = record.processor.on_finish(reason, error)
+            self._observe(record)  # counted before its consumer can see the end (then reads the metrics)
+            record.channel.push(output)
             abandoned = record.abandoned
-        self._observe(record)
         if abandoned:
             self._forget(record.request.request_id)
 
