@@ -28,6 +28,7 @@ import anyio  # noqa: E402
 from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.responses import JSONResponse, Response  # noqa: E402
 from starlette.concurrency import run_in_threadpool  # noqa: E402
+from starlette.requests import ClientDisconnect  # noqa: E402
 from starlette.responses import StreamingResponse  # noqa: E402
 
 from .errors import EngineStopped, InvalidRequest, Overloaded  # noqa: E402
@@ -153,11 +154,14 @@ async def _json_body(request, limit: int) -> Any:
     size, chunks = int(declared) if declared.isdigit() else 0, []
     if size <= limit:
         size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                break
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    break
+                chunks.append(chunk)
+        except ClientDisconnect:  # gone before its body ended: nobody reads the answer, and nothing failed here
+            raise InvalidRequest("the client disconnected before its body ended", None, "client_disconnected")
     if size > limit:
         raise InvalidRequest(f"the request body has more than {limit} bytes, more than any prompt this server's "
                              f"context holds", None, "request_too_large", status=413)
