@@ -398,3 +398,24 @@ def test_a_body_over_the_limit_is_refused_unread(fuzz_server):
                           headers={"content-type": "application/json"})
     assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
     check_idle_and_canary(server, manager, pool, canary)
+
+
+def test_half_a_body_then_gone_is_no_server_error(fuzz_server, caplog):
+    """Found while soaking: a client that sent half its body and closed the socket made the server log "request
+    failed" with a ClientDisconnect traceback at ERROR level, one per such client (a hostile client floods the log
+    with the server's own errors). Now it is refused quietly, and nothing is admitted."""
+    import logging
+    import socket
+
+    server, manager, pool, canary = fuzz_server
+    caplog.set_level(logging.WARNING)
+    admitted = manager.metrics().requests_total
+    body = json.dumps(CANARY).encode()
+    for _ in range(3):
+        with socket.create_connection((server.host, server.port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body) + body[: len(body) // 2])
+    check_idle_and_canary(server, manager, pool, canary)
+    assert manager.metrics().requests_total == admitted + 1  # the canary only
+    errors = [r for r in caplog.records if r.name.startswith("hf_rocketkv") and r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
