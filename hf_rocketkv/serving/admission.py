@@ -33,7 +33,7 @@ class PoolAdmission:
     def admit(self, running: RunningRequest) -> bool:
         """The scheduler's admission callback (engine lock held): set the request's cold prefill peak aside, or say
         "not now"; a request that can never fit is admitted only to end with an error at once (the manager refuses
-        those when they are added: ``check_fits``)."""
+        those when they are added: ``check_pool_fits``)."""
         request = running.request
         need = self.pages(request).peak_pages
         usable = self.pool.total_pages()
@@ -49,31 +49,6 @@ class PoolAdmission:
         except PoolExhaustedError:
             return False  # not now: pages come back as running requests finish
         return True
-
-    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
-        """Raise ``InvalidRequest`` (code ``context_length_exceeded``) for a request whose cold prefill peak exceeds
-        the whole pool, so it is refused when it is added (the server answers 400) instead of admitted to fail:
-        ``param`` is "prompt" when even max_tokens=1 does not fit, else "max_tokens" with the most that fits."""
-        total = self.pool.total_pages()
-
-        def need(tokens: int) -> int:
-            return request_pages(self.config, self.pool, prompt_len, tokens).peak_pages
-
-        if need(max_new_tokens) <= total:
-            return
-        if need(1) > total:
-            raise InvalidRequest(
-                f"the prompt ({prompt_len} tokens) needs {need(1)} KV pool pages at its prefill peak, more than the "
-                f"pool's {total} pages (of {self.pool.page_size} tokens): it can never be served; send a shorter "
-                f"prompt", "prompt", "context_length_exceeded")
-        low, high = 1, max_new_tokens - 1  # need(low) fits, need(high + 1) does not
-        while low < high:
-            middle = (low + high + 1) // 2
-            low, high = (middle, high) if need(middle) <= total else (low, middle - 1)
-        raise InvalidRequest(
-            f"the prompt ({prompt_len} tokens) with max_tokens={max_new_tokens} needs {need(max_new_tokens)} KV pool "
-            f"pages at its prefill peak, more than the pool's {total} pages (of {self.pool.page_size} tokens): it "
-            f"can never be served; ask for at most {low} tokens", "max_tokens", "context_length_exceeded")
 
     def pages(self, request: EngineRequest):
         """The request's pool pages at its cold prefill peak and once compressed (``hf_rocketkv.cache``'s
@@ -103,3 +78,30 @@ class PoolAdmission:
         if running.reservation is not None:
             self.pool.unreserve(running.reservation)
             running.reservation = None
+
+
+def check_pool_fits(config, pool, prompt_len: int, max_new_tokens: int) -> None:
+    """Raise ``InvalidRequest`` (code ``context_length_exceeded``) for a request whose cold prefill peak exceeds the
+    whole pool: it can never be admitted (prefix hits do not help: they are pages of the same pool), so it is refused
+    when it is added (the server answers 400) instead of admitted to fail. ``param`` is "prompt" when even
+    max_tokens=1 does not fit, else "max_tokens", with the most that fits in the message."""
+    total = pool.total_pages()
+
+    def need(tokens: int) -> int:
+        return request_pages(config, pool, prompt_len, tokens).peak_pages
+
+    if need(max_new_tokens) <= total:
+        return
+    if need(1) > total:
+        raise InvalidRequest(
+            f"the prompt ({prompt_len} tokens) needs {need(1)} KV pool pages at its prefill peak, more than the "
+            f"pool's {total} pages (of {pool.page_size} tokens): it can never be served; send a shorter prompt",
+            "prompt", "context_length_exceeded")
+    low, high = 1, max_new_tokens - 1  # need(low) fits, need(high + 1) does not
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if need(middle) <= total else (low, middle - 1)
+    raise InvalidRequest(
+        f"the prompt ({prompt_len} tokens) with max_tokens={max_new_tokens} needs {need(max_new_tokens)} KV pool "
+        f"pages at its prefill peak, more than the pool's {total} pages (of {pool.page_size} tokens): it can never "
+        f"be served; ask for at most {low} tokens", "max_tokens", "context_length_exceeded")

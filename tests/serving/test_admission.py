@@ -40,7 +40,8 @@ def test_requests_wait_for_pages_then_run(engines, oracle, tiny_pair):
         assert events.tokens(f"w{i}") == oracle(prompt, 6)
 
 
-def test_the_manager_refuses_what_never_fits_the_pool(make_manager, oracle, tiny_pair):
+@pytest.mark.parametrize("engine", ["batching", "sequential"])
+def test_the_manager_refuses_what_never_fits_the_pool(make_manager, oracle, tiny_pair, engine):
     """Found by fuzzing the server (tests/serving/test_fuzz.py): a request that fits the context but never the pool
     was admitted to end with ``error``, and the server answered 500 (a server error for a client's request). Now
     ``add_request`` refuses it (400 over HTTP), naming the prompt, or max_tokens and the most that fits."""
@@ -48,7 +49,7 @@ def test_the_manager_refuses_what_never_fits_the_pool(make_manager, oracle, tiny
     from tests.serving.helpers import CFG
 
     pool = make_pool(tiny_pair[0], page_size=8, mib=0.05)
-    manager = make_manager(config=CFG, pool=pool)
+    manager = make_manager(config=CFG, pool=pool, engine=engine)
     total = pool.total_pages()
     with pytest.raises(InvalidRequest) as err:
         manager.add_request(prompt_of(total * 8, seed=3), SamplingParams.greedy(1))
