@@ -15,6 +15,7 @@ from ..cache import RocketKVCache, request_pages
 from ..integration import compat
 from ..memory import PoolExhaustedError
 from .engine import EngineRequest
+from .errors import InvalidRequest
 from .running import RunningRequest
 
 
@@ -31,7 +32,8 @@ class PoolAdmission:
 
     def admit(self, running: RunningRequest) -> bool:
         """The scheduler's admission callback (engine lock held): set the request's cold prefill peak aside, or say
-        "not now"; a request that can never fit is admitted only to end with an error at once."""
+        "not now"; a request that can never fit is admitted only to end with an error at once (the manager refuses
+        those when they are added: ``check_pool_fits``)."""
         request = running.request
         need = self.pages(request).peak_pages
         usable = self.pool.total_pages()
@@ -76,3 +78,30 @@ class PoolAdmission:
         if running.reservation is not None:
             self.pool.unreserve(running.reservation)
             running.reservation = None
+
+
+def check_pool_fits(config, pool, prompt_len: int, max_new_tokens: int) -> None:
+    """Raise ``InvalidRequest`` (code ``context_length_exceeded``) for a request whose cold prefill peak exceeds the
+    whole pool: it can never be admitted (prefix hits do not help: they are pages of the same pool), so it is refused
+    when it is added (the server answers 400) instead of admitted to fail. ``param`` is "prompt" when even
+    max_tokens=1 does not fit, else "max_tokens", with the most that fits in the message."""
+    total = pool.total_pages()
+
+    def need(tokens: int) -> int:
+        return request_pages(config, pool, prompt_len, tokens).peak_pages
+
+    if need(max_new_tokens) <= total:
+        return
+    if need(1) > total:
+        raise InvalidRequest(
+            f"the prompt ({prompt_len} tokens) needs {need(1)} KV pool pages at its prefill peak, more than the "
+            f"pool's {total} pages (of {pool.page_size} tokens): it can never be served; send a shorter prompt",
+            "prompt", "context_length_exceeded")
+    low, high = 1, max_new_tokens - 1  # need(low) fits, need(high + 1) does not
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if need(middle) <= total else (low, middle - 1)
+    raise InvalidRequest(
+        f"the prompt ({prompt_len} tokens) with max_tokens={max_new_tokens} needs {need(max_new_tokens)} KV pool "
+        f"pages at its prefill peak, more than the pool's {total} pages (of {pool.page_size} tokens): it can never "
+        f"be served; ask for at most {low} tokens", "max_tokens", "context_length_exceeded")

@@ -36,7 +36,7 @@ from ..config import RocketKVConfig
 from ..integration.batch_graphs import BatchedDecodeGraphs
 from ..integration.generate import get_config
 from ..memory import KVBlockPool
-from .admission import PoolAdmission
+from .admission import PoolAdmission, check_pool_fits
 from .decode_step import BatchDecoder
 from .engine import EngineEvent, EngineRequest, EventSink
 from .errors import Overloaded
@@ -135,6 +135,12 @@ class BatchingEngine(ThreadedEngine):
             self._inboxes.cancel(request_id)
             return
         super().cancel(request_id)
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Raise ``InvalidRequest`` (``context_length_exceeded``, naming prompt or max_tokens) when a request of this
+        size could never be admitted, even into an empty pool. The manager calls it before ``submit``; a request
+        submitted anyway ends with ``error`` at admission."""
+        check_pool_fits(self.config, self.pool, prompt_len, max_new_tokens)
 
     @property
     def steps(self) -> int:

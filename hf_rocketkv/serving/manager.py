@@ -323,6 +323,9 @@ class GenerationManager:
                 f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context of "
                 f"{self.max_model_len} tokens; ask for at most {self.max_model_len - prompt_len} tokens",
                 "max_tokens", "context_length_exceeded")
+        check_fits = getattr(self.engine, "check_fits", None)  # the batching engine: the pool's pages
+        if check_fits is not None:
+            check_fits(prompt_len, params.max_tokens)
         if params.stop and self.tokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer; this manager has none (use stop_token_ids)", "stop")
         bad_ids = [t for t in params.stop_token_ids if t >= self.vocab_size]
@@ -349,9 +352,8 @@ class GenerationManager:
                 output = record.processor.on_tokens(event.token_ids)
                 if output.finished:
                     record.request.cancelled.set()  # a stop string: the engine stops within one step
+                    self._observe(record)
                 record.channel.push(output)
-            if output.finished:
-                self._observe(record)
         if event.finish_reason is not None:
             self._finish(record, event.finish_reason, event.error)
 
@@ -359,9 +361,10 @@ class GenerationManager:
         with record.lock:
             if record.processor.finished:
                 return
-            record.channel.push(record.processor.on_finish(reason, error))
+            output = record.processor.on_finish(reason, error)
+            self._observe(record)  # counted before its consumer can see the end (then reads the metrics)
+            record.channel.push(output)
             abandoned = record.abandoned
-        self._observe(record)
         if abandoned:
             self._forget(record.request.request_id)
 

@@ -14,6 +14,7 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 def encode_text(tokenizer, text: str) -> list[int]:
     if tokenizer is None:
         raise InvalidRequest("this manager has no tokenizer: pass the prompt as token ids", "prompt")
+    check_unicode(text, "prompt")
     return list(tokenizer(text, add_special_tokens=True)["input_ids"])
 
 
@@ -25,6 +26,7 @@ def encode_chat(tokenizer, messages: Sequence[dict[str, Any]]) -> list[int]:
         raise InvalidRequest("the model's tokenizer has no chat template; use /v1/completions", "messages")
     check_messages(messages)
     text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    check_unicode(text, "messages")
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -45,3 +47,13 @@ def check_messages(messages: Any) -> None:
         if extra:
             raise InvalidRequest(f"messages[{i}] has unsupported field(s) {extra}; allowed: role, content, name",
                                  f"messages[{i}]")
+
+
+def check_unicode(text: str, param: str) -> None:
+    """Text a tokenizer can encode: JSON's ``"\\ud800"`` escape gives Python a lone surrogate, which is no Unicode
+    character (UTF-8 cannot encode it, and the tokenizer raised TypeError: the server answered 500)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InvalidRequest(f"{param} is not valid Unicode: a lone surrogate (U+{ord(text[err.start]):04X}) at "
+                             f"character {err.start}", param) from None

@@ -28,6 +28,7 @@ import anyio  # noqa: E402
 from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.responses import JSONResponse, Response  # noqa: E402
 from starlette.concurrency import run_in_threadpool  # noqa: E402
+from starlette.requests import ClientDisconnect  # noqa: E402
 from starlette.responses import StreamingResponse  # noqa: E402
 
 from .errors import EngineStopped, InvalidRequest, Overloaded  # noqa: E402
@@ -50,6 +51,13 @@ logger = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.2  # how often a non-streaming request checks that its client is still there
 
 
+def max_body_bytes(max_model_len: int) -> int:
+    """The largest request body read: 64 bytes per token of the context (a JSON-escaped character takes up to 6
+    bytes, a token a few characters) plus 64 KiB for the other fields. A larger one is refused with 413 unread,
+    instead of being read whole and tokenized only to be refused as longer than the context."""
+    return 64 * max_model_len + (64 << 10)
+
+
 def create_app(manager, model_name: str, *, default_max_tokens: int = CHAT_DEFAULT_MAX_TOKENS,
                aliases: tuple[str, ...] = ()):
     """The FastAPI app serving ``manager`` under the model id ``model_name``.
@@ -65,6 +73,7 @@ def create_app(manager, model_name: str, *, default_max_tokens: int = CHAT_DEFAU
     app.state.model_ids = frozenset((model_name, *aliases))
     app.state.created = int(time.time())
     app.state.default_max_tokens = default_max_tokens
+    app.state.max_body_bytes = max_body_bytes(manager.max_model_len)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -108,7 +117,8 @@ async def _guard(handler: Callable):
     try:
         return await handler()
     except InvalidRequest as err:
-        return JSONResponse(error_body(err.message, "invalid_request_error", err.param, err.code), status_code=400)
+        return JSONResponse(error_body(err.message, "invalid_request_error", err.param, err.code),
+                            status_code=err.status)
     except Overloaded as err:
         return JSONResponse(error_body(str(err), "rate_limit_error", None, "overloaded"), status_code=429,
                             headers={"Retry-After": "1"})
@@ -123,7 +133,7 @@ async def _guard(handler: Callable):
 # ------------------------------------------------------------------------------------------------ generation
 async def _generate(request, app, chat: bool):
     manager, model_name = app.state.manager, app.state.model_name
-    body = await _json_body(request)
+    body = await _json_body(request, app.state.max_body_bytes)
     parsed = parse_chat_request(body) if chat else parse_completion_request(body)
     if parsed.model not in app.state.model_ids:
         raise InvalidRequest(f"model {parsed.model!r} does not exist; this server serves {model_name!r}", "model",
@@ -138,9 +148,25 @@ async def _generate(request, app, chat: bool):
     return await _complete(request, manager, request_id, reply)
 
 
-async def _json_body(request) -> Any:
+async def _json_body(request, limit: int) -> Any:
+    """The body as JSON; one over ``limit`` bytes is refused (413) before it is read whole or tokenized."""
+    declared = request.headers.get("content-length", "")
+    size, chunks = int(declared) if declared.isdigit() else 0, []
+    if size <= limit:
+        size = 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    break
+                chunks.append(chunk)
+        except ClientDisconnect:  # gone before its body ended: nobody reads the answer, and nothing failed here
+            raise InvalidRequest("the client disconnected before its body ended", None, "client_disconnected")
+    if size > limit:
+        raise InvalidRequest(f"the request body has more than {limit} bytes, more than any prompt this server's "
+                             f"context holds", None, "request_too_large", status=413)
     try:
-        return await request.json()
+        return json.loads(b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise InvalidRequest(f"the request body is not valid JSON: {err}", None, "invalid_json") from err
 

@@ -103,3 +103,21 @@ def test_request_queue_bound_order_removal_and_close():
     assert queue.get() is None  # closed and empty: no blocking
     with pytest.raises(ValueError, match="max_queue"):
         RequestQueue(0)
+
+
+@pytest.mark.parametrize("text", ["a\ud800b", "\udfff", "ok \ud83d"])
+def test_a_lone_surrogate_is_an_invalid_prompt(text):
+    """Found by fuzzing the server (tests/serving/test_fuzz.py): JSON's "\\ud800" escape is a lone surrogate in
+    Python, which the tokenizer refused with a TypeError (the server answered 500). Now a 400 naming the field."""
+    from hf_rocketkv.serving import InvalidRequest
+    from hf_rocketkv.serving.prompts import encode_chat, encode_text
+    from tests.support.tiny_models import char_tokenizer
+
+    tokenizer = char_tokenizer()
+    with pytest.raises(InvalidRequest, match="lone surrogate") as err:
+        encode_text(tokenizer, text)
+    assert err.value.param == "prompt"
+    with pytest.raises(InvalidRequest, match="lone surrogate") as err:
+        encode_chat(tokenizer, [{"role": "user", "content": text}])
+    assert err.value.param == "messages"
+    assert encode_text(tokenizer, "a\U0001f680b") == tokenizer("a\U0001f680b").input_ids  # a real pair is fine
