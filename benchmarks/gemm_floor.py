@@ -14,6 +14,8 @@ is not counted: the decode runners replay graphs too), at batch 1 and batch 64, 
 - ``cublaslt``: ``torch.backends.cuda.preferred_blas_library("cublaslt")``;
 - ``inductor_max_autotune``: ``torch.compile(F.linear, mode="max-autotune-no-cudagraphs")`` per shape (inductor picks
   among its Triton templates and cuBLAS by timing);
+- ``cublas+fused_qkv_gate_up`` / ``inductor_max_autotune+fused_qkv_gate_up``: the same weights with q, k, v
+  concatenated into one GEMM and gate, up into one (compared with ``cublas`` on the first layer's outputs);
 - ``triton_gemv``: a plain split-N Triton GEMV written here (one program per block of output features, the row of
   ``x`` reused from registers; batch 1 only).
 
@@ -188,6 +190,24 @@ def per_shape(linear, weights, inputs, timer, repeats: int, peak: float | None) 
     return out
 
 
+def fuse_projections(weights: list[torch.Tensor], per_layer: int) -> list[torch.Tensor]:
+    """The same step with q, k, v as one weight and gate, up as one (what a fused-projection model would hold)."""
+    fused = []
+    for start in range(0, len(weights) - 1, per_layer):
+        q, k, v, o, gate, up, down = weights[start:start + per_layer]
+        fused += [torch.cat([q, k, v]), o, torch.cat([gate, up]), down]
+    return fused + weights[-1:]
+
+
+def unfuse_first_layer(outputs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The first layer's seven projection outputs from a fused step's outputs."""
+    q, k, v, o, gate, up, down = weights[:7]
+    qkv, o_out, gate_up, down_out = outputs[:4]
+    q_out, k_out, v_out = qkv.split([q.shape[0], k.shape[0], v.shape[0]], dim=1)
+    gate_out, up_out = gate_up.split([gate.shape[0], up.shape[0]], dim=1)
+    return [q_out, k_out, v_out, o_out, gate_out, up_out, down_out]
+
+
 def float64_error(linear, weights, inputs) -> float:
     """Largest |linear - float64 reference| over the first layer's GEMMs."""
     worst = 0.0
@@ -238,6 +258,22 @@ def measure(args) -> dict:
                 teardown()
             rows.append(row)
             print(json.dumps(row), flush=True)
+        if device.type == "cuda":  # the fused layout with the two variants that matter
+            fused = fuse_projections(weights, len(shapes))
+            for variant in ("cublas", "inductor_max_autotune"):
+                linear = variants(device)[variant][0]
+                row = {"batch": batch, "variant": variant + "+fused_qkv_gate_up"}
+                outputs = run_step(linear, fused, inputs)
+                ms = statistics.median(timer(lambda linear=linear: run_step(linear, fused, inputs), args.repeats))
+                row.update(ms_per_step=ms, gb_per_s=weight_bytes / ms / 1e6)
+                if peak:
+                    row["fraction_of_peak"] = row["gb_per_s"] / peak
+                first = unfuse_first_layer(outputs, weights)
+                row["max_abs_diff_vs_cublas_first_layer"] = max(
+                    (a.float() - b.float()).abs().max().item() for a, b in zip(first, baseline[:7]))
+                row["bit_identical_to_cublas_first_layer"] = all(torch.equal(a, b) for a, b in zip(first, baseline))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     return {"device": name, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "commit": args.commit or commit or "unknown", "torch": torch.__version__,
