@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 TRIGGER = "transformers.modeling_utils"
 PACKAGE = __name__.split(".")[0]
@@ -45,7 +45,7 @@ def _package_busy(finished: str | None = None) -> bool:
 class _Loader:
     """A module's own loader, plus a call to the finder once the module has executed."""
 
-    def __init__(self, loader, finder: "_Finder"):
+    def __init__(self, loader, finder: _Finder):
         self._loader = loader
         self._finder = finder
 
