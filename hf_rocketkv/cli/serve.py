@@ -22,16 +22,14 @@ import sys
 from pathlib import Path
 
 from ..models import DEFAULT_MODEL
+from .checks import UsageError
+from .serve_options import add_options, app_options, check_options
 
 PROG = "hf-rocketkv serve"
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 CONFIG_SECTION = "sparse_attention_config"
 OTHER_SECTIONS = ("eval",)  # sections of other commands that a shared config file may hold
 GRACEFUL_SHUTDOWN_S = 10  # in-flight requests' time to finish after Ctrl-C / SIGTERM
-
-
-class UsageError(ValueError):
-    """A command-line or config mistake: one short message, exit status 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -84,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_options(parser)  # --api-key, --chat-template, --set (cli/serve_options.py)
     return parser
 
 
@@ -261,9 +260,9 @@ def serve_main(argv: list[str] | None = None) -> int:
     try:
         from ..serving.deps import require_serve_deps
 
-        require_serve_deps()
+        require_serve_deps(load=False)  # looked for, not imported: the server module imports them
         check_args(args)
-        config = load_config(args.config)
+        config = check_options(args, load_config(args.config))  # device, model path, key, template; --set applied
         if args.pool_gib is not None:
             from ..cache import check_pool_policy
 
@@ -329,7 +328,8 @@ def _run(manager, model_name: str, sock: socket.socket, args: argparse.Namespace
 
     from ..serving.server import create_app
 
-    app = create_app(manager, model_name, default_max_tokens=args.default_max_tokens, aliases=(str(args.model),))
+    app = create_app(manager, model_name, default_max_tokens=args.default_max_tokens, aliases=(str(args.model),),
+                     **app_options(args))
     host, port = sock.getsockname()[:2]
     print(f"{PROG}: serving {model_name!r} on http://{host}:{port}/v1", file=sys.stderr)
     config = uvicorn.Config(app, log_level=args.log_level, lifespan="off",

@@ -98,10 +98,10 @@ def test_missing_serve_extra_names_the_install_command(monkeypatch):
 
     real = importlib.import_module
 
-    def fake(name, *args):
+    def fake(name, *args, **kwargs):  # importlib's own function: the package's lazy names call it too
         if name == "uvicorn":
             raise ImportError("No module named 'uvicorn'")
-        return real(name, *args)
+        return real(name, *args, **kwargs)
 
     monkeypatch.setattr(deps.importlib, "import_module", fake)
     with pytest.raises(ImportError, match=r"uvicorn.*pip install hf_rocketkv\[serve\]"):
