@@ -27,7 +27,7 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it (imported on first use)
 _PUBLIC = {
-    "KVBlockPool": ".memory",
+    "KVBlockPool": ".cache.page_budget",  # memory's class, loaded with the cache, which teaches it RocketKVConfig
     "RocketKVCache": ".cache",
     "RocketKVConfig": ".config",
     "RocketKVLayer": ".cache",
