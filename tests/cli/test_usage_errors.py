@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from hf_rocketkv.cli import main
-from tests.support.repo import ROOT
+from tests.support.repo import subprocess_env
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 GOOD_ROW = json.dumps({"context": "The sky is blue.", "input": "What colour is the sky?", "answers": ["blue"]})
@@ -193,8 +193,28 @@ def test_mistakes_are_found_before_transformers_is_imported(files):
         print("loaded:", sorted(m for m in ("transformers", "torch", "fastapi") if m in sys.modules))
     """
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=files, capture_output=True, text=True,
-                          timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, check=False)
+                          timeout=120, env=subprocess_env(), check=False)
     assert done.returncode == 0, done.stderr
     statuses = done.stdout.splitlines()[:-1]
     assert [line.split(" ", 1)[0] for line in statuses] == ["2"] * 10 + ["0"] * 3, done.stdout
     assert done.stdout.splitlines()[-1] == "loaded: []", done.stdout
+
+
+def test_an_internal_error_is_one_line_and_exit_1_with_the_traceback_under_debug(files, monkeypatch, capsys):
+    """Not a mistake in the command line: exit status 1, one line naming the error (its first line only) and how to
+    see the traceback; ``--debug`` shows it."""
+    cli_main = importlib.import_module("hf_rocketkv.cli.main")
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("the kernel broke\nand a second line of detail")
+
+    monkeypatch.setattr(cli_main, "load_model", broken)
+    monkeypatch.chdir(files)
+    assert main(["generate", "--prompt", "hi"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == ("hf-rocketkv generate: error: RuntimeError: the kernel broke (an internal error, not a mistake in "
+                   "the command line; run it again with --debug for the traceback)")
+    assert main(["generate", "--prompt", "hi", "--debug"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.strip().splitlines()[-1].endswith("(an internal error, not a mistake in the "
+                                                                        "command line; the traceback is above)")

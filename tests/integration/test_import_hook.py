@@ -36,7 +36,7 @@ CHECK_REGISTERED = """
 
 def run_python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=240, env=subprocess_env())
+                          timeout=240, env=subprocess_env(), check=False)
 
 
 def test_import_loads_nothing_heavy():

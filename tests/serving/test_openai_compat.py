@@ -9,6 +9,8 @@ hooks on the embedding and the LM head, to spell 🚀 (4 bytes) over and over: m
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 pytest.importorskip("fastapi")
@@ -180,7 +182,7 @@ def rocket_server():
     model, _ = make_models("llama", vocab_size=len(tokenizer))
     cycle = tokenizer("!" + ROCKET, add_special_tokens=False).input_ids  # "!" then the emoji's 4 bytes
     assert len(cycle) == 5 and tokenizer.decode(cycle[1:3]).endswith("\ufffd")
-    following = {a: b for a, b in zip(cycle, cycle[1:])} | {cycle[-1]: cycle[1]}
+    following = dict(itertools.pairwise(cycle)) | {cycle[-1]: cycle[1]}
     seen = {}
 
     def record(_module, args, _output):
