@@ -1,7 +1,7 @@
 """RocketKVCache: transformers ``Cache`` container of RocketKVLayer objects, created lazily per layer.
 
     cache = RocketKVCache(RocketKVConfig(prompt_budget=256, topk=16))
-    model.generate(ids, past_key_values=cache, max_new_tokens=64)
+    model.generate(ids, cache=cache, max_new_tokens=64)
     cache.kept_tokens(0)      # LongTensor [batch, kv_heads] physically stored in layer 0
     cache.get_seq_length()    # logical tokens seen (prompt + fed-back generated tokens)
     cache.memory_bytes()      # K/V + KT + index tensors actually allocated

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from ..models import DEFAULT_MODEL, first_line
 from .checks import UsageError, check_device
+from .serve_options import add_options, app_options, check_options
 from .threads import choose_threads
 
 PROG = "hf-rocketkv serve"
@@ -97,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="torch CPU threads (default: as hf-rocketkv generate, the physical cores this process "
                              "may use, fewer when the machine is busy; OMP_NUM_THREADS is respected)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_options(parser)  # --api-key, --chat-template, --set (cli/serve_options.py)
     return parser
 
 
@@ -393,10 +395,10 @@ def serve_main(argv: list[str] | None = None) -> int:
     try:  # everything that can be checked before the model loads, cheapest first
         from ..serving.deps import require_serve_deps
 
-        require_serve_deps()
+        require_serve_deps(load=False)  # looked for, not imported: the server module imports them
         check_args(args)
         check_serve_device(args.device)
-        config = load_config(args.config)
+        config = check_options(args, load_config(args.config))  # device, model path, key, template; --set applied
         plan = plan_engine(args, config)
         check_model(args.model)
         if is_leader_rank():  # under torchrun only rank 0 listens
@@ -480,7 +482,8 @@ def _run(manager, model_name: str, sock: socket.socket, args: argparse.Namespace
 
     from ..serving.server import create_app
 
-    app = create_app(manager, model_name, default_max_tokens=args.default_max_tokens, aliases=(str(args.model),))
+    app = create_app(manager, model_name, default_max_tokens=args.default_max_tokens, aliases=(str(args.model),),
+                     **app_options(args))
     host, port = sock.getsockname()[:2]
     print(f"{PROG}: serving {model_name!r} on http://{host}:{port}/v1", file=sys.stderr)
     config = uvicorn.Config(app, log_level=args.log_level, lifespan="off",

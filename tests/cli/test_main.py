@@ -174,13 +174,22 @@ def test_bench_delegates_and_passes_unknown_args(monkeypatch):
     fake = types.ModuleType("hf_rocketkv.bench.decode")
     fake.main = lambda argv: seen.setdefault("argv", argv) and 0
     monkeypatch.setitem(sys.modules, "hf_rocketkv.bench.decode", fake)
-    assert main(["bench", "--config", "smollm2-cpu", "--batch", "8", "--help"]) == 0
-    assert seen["argv"] == ["--config", str(CONFIG_DIR / "smollm2-cpu.yaml"), "--batch", "8", "--help"]
+    assert main(["bench", "--config", "smollm2-cpu", "--batch", "8", "--quick"]) == 0
+    assert seen["argv"] == ["--config", str(CONFIG_DIR / "smollm2-cpu.yaml"), "--batch", "8", "--quick"]
+
+
+@pytest.mark.parametrize("extra, shown", [([], "--memory-fraction"), (["--workload"], "--min-context")])
+def test_bench_help_comes_without_the_benchmark(extra, shown, monkeypatch, capsys):
+    """The benchmark's own options (bench/options.py), printed without importing it (and torch)."""
+    for name in ("hf_rocketkv.bench.decode", "hf_rocketkv.bench.workload"):
+        monkeypatch.setitem(sys.modules, name, None)  # importing it would raise
+    assert main(["bench", *extra, "--help"]) == 0
+    assert shown in capsys.readouterr().out
 
 
 def test_bench_without_the_module_says_so(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "hf_rocketkv.bench.decode", None)  # import raises ModuleNotFoundError
-    assert main(["bench", "--lengths", "1024"]) == 2
+    assert main(["bench", "--quick", "--no-plot"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("hf-rocketkv bench: error: ") and "hf_rocketkv/bench/decode.py" in err
 

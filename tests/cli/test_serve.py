@@ -97,10 +97,10 @@ def test_missing_serve_extra_names_the_install_command(monkeypatch):
 
     real = importlib.import_module
 
-    def fake(name, *args):
+    def fake(name, *args, **kwargs):  # importlib's own function: the package's lazy names call it too
         if name == "uvicorn":
             raise ImportError("No module named 'uvicorn'")
-        return real(name, *args)
+        return real(name, *args, **kwargs)
 
     monkeypatch.setattr(deps.importlib, "import_module", fake)
     with pytest.raises(ImportError, match=r"uvicorn.*pip install hf_rocketkv\[serve\]"):
@@ -162,6 +162,69 @@ def test_serve_main_end_to_end(tmp_path, engine_args):
         body = {"model": "tiny", "prompt": "hello world " * 4, "max_tokens": 5, "ignore_eos": True}
         response = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            code = process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            code = process.wait()
+        process.stderr.close()
+    assert code == 0
+
+
+CHAT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
+
+
+def test_serve_options_are_checked_and_applied(tmp_path, monkeypatch):
+    """--set overrides the config after --config is read; --chat-template is a file or the template itself;
+    --api-key falls back to HF_ROCKETKV_API_KEY; what create_app gets."""
+    from hf_rocketkv.cli.serve import build_parser
+    from hf_rocketkv.cli.serve_options import app_options, check_options
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    parser = build_parser()
+    monkeypatch.delenv("HF_ROCKETKV_API_KEY", raising=False)
+    args = parser.parse_args(["--model", str(tmp_path / "m"), "--set", "topk=8", "--set", "prompt_budget=512",
+                              "--chat-template", str(template), "--api-key", "k1"])
+    config = check_options(args, load_config("smollm2-cpu"))
+    assert (config.topk, config.prompt_budget, config.page_size) == (8, 512, 4)  # the rest from smollm2-cpu
+    assert app_options(args) == {"api_key": "k1", "chat_template": CHAT_TEMPLATE}
+    monkeypatch.setenv("HF_ROCKETKV_API_KEY", "from-env")
+    args = parser.parse_args(["--model", str(tmp_path / "m"), "--chat-template", "{{ messages[0]['content'] }}"])
+    assert check_options(args, load_config(None)).topk == 64  # no --set: the config as read
+    assert app_options(args) == {"api_key": "from-env", "chat_template": "{{ messages[0]['content'] }}"}
+
+
+@pytest.mark.slow
+def test_serve_main_with_key_template_and_set(tmp_path):
+    """The real command with --api-key, --chat-template and --set, driven by the openai client: the wrong key is
+    refused (401), the right one gets a chat reply whose prompt went through the given template."""
+    httpx = pytest.importorskip("httpx")
+    openai = pytest.importorskip("openai")
+    model, _ = make_models("llama")
+    tokenizer = char_tokenizer()
+    model.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    (tmp_path / "chat.jinja").write_text(CHAT_TEMPLATE)
+    command = [sys.executable, "-m", "hf_rocketkv.cli", "serve", "--model", str(tmp_path / "tiny"), "--port", "0",
+               "--served-model-name", "tiny", "--log-level", "warning", "--threads", "1", "--api-key", "sk-1",
+               "--chat-template", str(tmp_path / "chat.jinja"), "--set", "prompt_budget=24", "--set", "window_size=8",
+               "--set", "kernel_size=5", "--set", "topk=3", "--set", "kt_cache_dtype=bfloat16"]
+    process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True, env=subprocess_env())
+    try:
+        url = server_address(process, timeout=120)
+        assert wait_for_health(httpx, url)  # /health needs no key
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="sk-2", max_retries=0).models.list()
+        api = openai.OpenAI(base_url=url + "/v1", api_key="sk-1", max_retries=0, timeout=60)
+        messages = [{"role": "user", "content": "hello"}]
+        reply = api.chat.completions.create(model="tiny", messages=messages, max_tokens=3,
+                                            extra_body={"ignore_eos": True})
+        assert reply.usage.prompt_tokens == len("[user] hello\n[assistant]") and reply.usage.completion_tokens == 3
     finally:
         process.send_signal(signal.SIGINT)
         try:
