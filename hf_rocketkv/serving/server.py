@@ -262,7 +262,7 @@ def _prompt_ids(manager, parsed: ParsedRequest, chat_template: str | None = None
 async def _tokenize(request, app):
     """vLLM's /tokenize: ``{"prompt"}`` or ``{"messages"}`` to ``{"count", "max_model_len", "tokens",
     "token_strs"}``."""
-    parsed = parse_tokenize_request(await _json_body(request))
+    parsed = parse_tokenize_request(await _json_body(request, app.state.max_body_bytes))
     _check_model(app, parsed.model)
     manager = app.state.manager
     ids = await run_in_threadpool(tokenize_ids, manager.tokenizer, parsed, app.state.chat_template)
@@ -274,7 +274,7 @@ async def _tokenize(request, app):
 
 async def _detokenize(request, app):
     """vLLM's /detokenize: ``{"tokens"}`` to ``{"prompt"}`` (the text, special tokens included, as vLLM gives it)."""
-    parsed = parse_detokenize_request(await _json_body(request))
+    parsed = parse_detokenize_request(await _json_body(request, app.state.max_body_bytes))
     _check_model(app, parsed.model)
     tokenizer = app.state.manager.tokenizer
     if tokenizer is None:

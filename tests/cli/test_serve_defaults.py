@@ -92,7 +92,7 @@ BAD_ARGUMENTS = [
     (["--device", "tpu"], "--device tpu: not a torch device"),
     (["--device", "cuda"], "--device cuda: CUDA is not available"),
     (["--device", "cuda:1"], "--device cuda:1: CUDA is not available"),
-    (["--device", "meta"], "--device meta: serve runs models on cpu, cuda or cuda:N"),
+    (["--device", "meta"], "--device meta: meta tensors hold no data"),
     (["--config", "nope.yaml"], "--config nope.yaml: no such file"),
     (["--config", "broken.yaml"], "--config broken.yaml: invalid YAML at line 2"),
     (["--config", "typo.yaml"], "prompt_budgte"),

@@ -6,7 +6,8 @@ never fit the pool), a context of 256 tokens so that no generated request runs l
 app's own schema (``app.openapi()``), whose routes take raw bodies and so carry no request schema: for the routes
 docs/serving.md documents, this file adds the request bodies and responses it describes (``DOCUMENTED``), in both
 generation modes: positive (valid bodies: 200, or 400 ``context_length_exceeded`` when the prompt and max_tokens do
-not fit the context or the pool) and negative (bodies that break the documented schema: 400 with the error shape).
+not fit the context or the pool) and negative (bodies that break the documented schema: 400 with the error shape,
+404 ``model_not_found`` for a model the server does not serve).
 A route the schema gains later without an entry here is still fuzzed from its served schema (no 5xx, errors in the
 documented shape).
 
@@ -170,8 +171,35 @@ def generation(request: dict, whole: dict) -> dict:
                           "default": {"description": "an error", "content": json_content(ERROR)}}}
 
 
+TOKENIZE_REQUEST = {  # a prompt or chat messages, never both (vLLM's /tokenize)
+    "type": "object", "additionalProperties": False,
+    "properties": {"model": {"enum": [MODEL, ALIAS]}, "prompt": {"type": "string", "maxLength": 200},
+                   "messages": {"type": "array", "items": MESSAGE, "minItems": 1, "maxItems": 4},
+                   "add_special_tokens": {"type": "boolean"}, "add_generation_prompt": {"type": "boolean"},
+                   "return_token_strs": {"type": "boolean"}},
+    "oneOf": [{"required": ["prompt"], "not": {"required": ["messages"]}},
+              {"required": ["messages"], "not": {"required": ["prompt"]}}],
+}
+TOKENIZE = {"type": "object", "required": ["count", "max_model_len", "tokens", "token_strs"],
+            "properties": {"count": {"type": "integer", "minimum": 0}, "max_model_len": {"const": CONTEXT},
+                           "tokens": {"type": "array", "items": TOKEN_ID},
+                           "token_strs": {"anyOf": [NULL, {"type": "array", "items": {"type": "string"}}]}}}
+DETOKENIZE_REQUEST = {"type": "object", "required": ["tokens"], "additionalProperties": False,
+                      "properties": {"model": {"enum": [MODEL, ALIAS]},
+                                     "tokens": {"type": "array", "items": TOKEN_ID, "maxItems": 64}}}
+DETOKENIZE = {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}
+
+
+def tokens_route(request: dict, response: dict) -> dict:
+    return {"requestBody": {"required": True, "content": json_content(request)},
+            "responses": {"200": {"description": "the token ids or the text", "content": json_content(response)},
+                          "default": {"description": "an error", "content": json_content(ERROR)}}}
+
+
 # what docs/serving.md documents of each route: request body and responses (path -> method -> operation fields)
 DOCUMENTED = {
+    "/tokenize": {"post": tokens_route(TOKENIZE_REQUEST, TOKENIZE)},
+    "/detokenize": {"post": tokens_route(DETOKENIZE_REQUEST, DETOKENIZE)},
     "/v1/completions": {"post": generation(COMPLETION_REQUEST, COMPLETION)},
     "/v1/chat/completions": {"post": generation(CHAT_REQUEST, CHAT)},
     "/v1/models": {"get": {"responses": {"200": {"description": "the served model", "content": json_content({
@@ -268,9 +296,14 @@ def check_response(case, response, path: str, mode: GenerationMode) -> None:
         body = response.json()
         assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
         assert body["error"]["message"], body
+    if path in ("/tokenize", "/detokenize") and mode is GenerationMode.POSITIVE:
+        assert status == 200, f"a valid body was refused: {case.body!r}: {response.text}"
     if path not in CHUNK_SCHEMAS:
         return
     if mode is GenerationMode.NEGATIVE:
+        if status == 404:  # a model the server does not serve: 404 model_not_found, as OpenAI and vLLM answer
+            assert response.json()["error"]["code"] == "model_not_found", response.text
+            return
         assert status == 400, f"a body against the documented schema was accepted ({status}): {case.body!r}"
         return
     if status == 400:  # a valid body refused: only because it does not fit the context or the pool
