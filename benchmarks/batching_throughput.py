@@ -413,7 +413,7 @@ def step_fixed_frozen(engine_run: EngineRun, args, vocab, device) -> dict:
 
 
 ENGINE_TIMED = tuple(("hf_rocketkv.serving.batching", f"BatchingEngine.{name}") for name in (
-    "_iteration", "_finish_cancelled", "_prefill", "_accept", "_end_row")) + tuple(
+    "_iteration", "_finish_cancelled", "_prefill_chunk", "_accept", "_end_row")) + tuple(
     ("hf_rocketkv.serving.decode_step", f"BatchDecoder.{name}") for name in ("step", "step_logits", "_sample_rows")) + (
     ("hf_rocketkv.serving.scheduler", "Scheduler.next_step"),
     ("hf_rocketkv.integration.batch_graphs", "BatchedDecodeGraphs.run"),
