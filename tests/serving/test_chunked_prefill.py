@@ -156,6 +156,37 @@ def test_cancel_mid_prefill_returns_every_page(chunked, oracle, tiny_pair):
     assert pool.free_pages() == pool.total_pages()
 
 
+def test_a_chunk_that_fails_ends_its_request_only(chunked, oracle, tiny_pair):
+    """A forward failing at the second chunk of a long prompt ends that request with an error (its prefill left, its
+    pages back); the running request and a later one get their tokens alone."""
+    engine, events, pool = chunked()
+    chunks = []
+
+    def fail_at_second_chunk(kind, tokens):
+        if kind == "prefill" and tokens == CHUNK:
+            chunks.append(tokens)
+            if len(chunks) == 2:
+                raise RuntimeError("injected chunk failure")
+
+    runner, after = prompt_of(21, seed=15), prompt_of(40, seed=16)
+    engine.submit(request("runner", runner, 30))
+    assert wait_until(lambda: len(events.tokens("runner")) >= 1, timeout=30)
+    log = ForwardLog(tiny_pair[0], fail_at_second_chunk)
+    try:
+        engine.submit(request("long", prompt_of(100, seed=17), 5))
+        assert wait_until(lambda: events.finals("long"), timeout=30)
+    finally:
+        log.remove()
+    final = events.finals("long")[0]
+    assert final.finish_reason is FinishReason.ERROR and "injected chunk failure" in final.error
+    assert not events.tokens("long")
+    engine.submit(request("after", after, 4))
+    events.wait_finals(3)
+    assert events.tokens("runner") == oracle(runner, 30)
+    assert events.tokens("after") == oracle(after, 4)
+    assert pool.free_pages() == pool.total_pages()
+
+
 def test_stop_without_drain_cancels_requests_mid_prefill(chunked, tiny_pair):
     engine, events, pool = chunked()
     started = threading.Event()
