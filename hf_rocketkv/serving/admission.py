@@ -2,9 +2,10 @@
 
 The scheduler admits the head of the queue only when the pool can set the request's cold prefill peak aside
 (``pool.reserve``: its prompt pages and its view for all ``max_tokens``, so a decoding request never runs out of
-pages). At prefill those pages go to the admission of the request's own pool-backed ``RocketKVCache`` (under the
-pool's lock, so nobody takes them in between); when the request ends, its cache is closed and whatever the
-reservation still holds goes back.
+pages). At its first prefill chunk those pages go to the admission of the request's own pool-backed
+``RocketKVCache`` (under the pool's lock, so nobody takes them in between; chunked_prefill.py runs the chunks); when
+the request ends, an unfinished prefill is left, its cache is closed and whatever the reservation still holds goes
+back.
 """
 
 from __future__ import annotations
@@ -12,17 +13,18 @@ from __future__ import annotations
 import torch
 
 from ..cache import RocketKVCache, request_pages
-from ..integration import compat
 from ..memory import PoolExhaustedError
+from .chunked_prefill import ChunkedPrefill
 from .engine import EngineRequest
 from .errors import InvalidRequest
 from .running import RunningRequest
 
 
 class PoolAdmission:
-    """Sets a request's pages aside (``admit``), prefills its prompt into a cache that takes them (``prefill``) and
-    gives them back (``release``). Holds the model, config, pool and device it was given; the state of each request
-    is on its ``RunningRequest`` (``reservation``, ``cache``, ``error``)."""
+    """Sets a request's pages aside (``admit``), starts the prefill of its prompt into a cache that takes them
+    (``start_prefill``, chunk by chunk; ``prefill``: in one forward) and gives them back (``release``). Holds the
+    model, config, pool and device it was given; the state of each request is on its ``RunningRequest``
+    (``reservation``, ``cache``, ``prefill``, ``error``)."""
 
     def __init__(self, model, config, pool, device: torch.device):
         self.model = model
@@ -55,23 +57,28 @@ class PoolAdmission:
         ``request_pages``)."""
         return request_pages(self.config, self.pool, request.prompt_len, request.max_new_tokens)
 
-    def prefill(self, running: RunningRequest) -> torch.Tensor:
-        """The request's prompt through the model with its own pool-backed cache; returns the last logits [1, V]."""
+    def start_prefill(self, running: RunningRequest, chunk_tokens: int) -> ChunkedPrefill:
+        """Give the request its own pool-backed cache and enter its prefill (the reserved pages go to the cache's
+        admission, a prefix hit is looked up); its chunks then run through ``running.prefill.run``."""
         request = running.request
         cache = RocketKVCache(self.config, pool=self.pool, cache_salt=running.cache_salt)
         running.cache = cache
-        ids = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)
         reservation, running.reservation = running.reservation, None  # the admission takes these pages
-        # a prefix hit: columns [0, start) come from the pool
-        with cache.prefill(ids, max_new_tokens=request.max_new_tokens, reservation=reservation,
-                           max_length=request.prompt_len + request.max_new_tokens) as start:
-            positions = torch.arange(start, request.prompt_len, device=self.device)[None]
-            out = self.model(input_ids=ids[:, start:], attention_mask=torch.ones_like(ids), position_ids=positions,
-                             use_cache=True, logits_to_keep=1, **compat.cache_kwargs(cache))
-        return out.logits[:, -1].float()
+        running.prefill = ChunkedPrefill(self.model, cache, request.prompt_ids, request.max_new_tokens, reservation,
+                                         chunk_tokens, self.device)
+        return running.prefill
+
+    def prefill(self, running: RunningRequest) -> torch.Tensor:
+        """The request's whole prompt through the model in one forward with its own pool-backed cache; returns the
+        last logits [1, V]."""
+        prefill = self.start_prefill(running, running.request.prompt_len)
+        return prefill.run(prefill.left)
 
     def release(self, running: RunningRequest) -> None:
-        """Close the request's cache (its pages go back) and give back what its reservation still holds."""
+        """Leave an unfinished prefill, close the request's cache (its pages go back) and give back what its
+        reservation still holds."""
+        if running.prefill is not None:
+            running.prefill.abort()
         if running.cache is not None:
             running.cache.close()
             running.cache = None
