@@ -29,7 +29,7 @@ from typing import Callable, Generic, Hashable, TypeVar
 Request = TypeVar("Request")
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-DEFAULT_PREFILL_CHUNK_TOKENS = 2048
+DEFAULT_PREFILL_CHUNK_TOKENS = 8192  # prompts up to 8k in one forward: the throughput of one-forward prefill (docs/serving.md)
 
 
 @dataclass(frozen=True)
