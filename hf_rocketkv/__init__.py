@@ -12,7 +12,7 @@ PyTorch reference) -> kernels/ (Triton twins); pages from memory/ (KVBlockPool).
 module. Every private transformers symbol used is listed in integration/compat.py; the seam is docs/seam.md.
 """
 
-from .cache import RocketKVCache, RocketKVLayer
+from .cache import RocketKVCache, RocketKVLayer, SlidingWindowLayer
 from .config import RocketKVConfig
 from .integration.generate import get_config, set_config
 from .integration.names import ATTN_NAME
@@ -29,6 +29,7 @@ __all__ = [
     "RocketKVCache",
     "RocketKVConfig",
     "RocketKVLayer",
+    "SlidingWindowLayer",
     "compile_regions",
     "enable",
     "generate_batch",
