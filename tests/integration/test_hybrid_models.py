@@ -69,6 +69,17 @@ def test_plain_forwards_with_model_config_equal_the_oracle(pair):
     torch.testing.assert_close(step, expected, rtol=1e-4, atol=1e-4)
 
 
+def test_forward_without_a_rocketkv_cache_keeps_the_models_logits(pair):
+    """use_cache=False: no RocketKV layer, yet soft-capping and sinks still apply (sdpa would drop them)."""
+    arch, rocket, oracle = pair
+    ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (26, 19)])
+    with torch.no_grad():
+        logits = rocket(ids, attention_mask=mask, use_cache=False).logits
+        expected = oracle(ids, attention_mask=mask, use_cache=False).logits
+    real = mask.bool()
+    torch.testing.assert_close(logits[real], expected[real], rtol=1e-4, atol=1e-4)
+
+
 def test_plain_forward_without_layer_types_is_refused(pair):
     arch, rocket, _ = pair
     with pytest.raises(ValueError, match=r"sliding_window=8.*RocketKVCache\(config, model_config=model.config\)"):
