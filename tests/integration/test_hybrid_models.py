@@ -55,6 +55,19 @@ def test_padded_batch_and_chunked_prefill_equal_the_oracle(pair):
     assert torch.equal(chunked, expected)
 
 
+def test_beam_search_and_row_groups_equal_the_oracle(pair):
+    arch, rocket, oracle = pair
+    ids = random_ids(1, 30, seed=7)
+    kwargs = dict(num_beams=2, max_new_tokens=6)
+    beams = greedy(rocket, ids, past_key_values=RocketKVCache(keep_all_config()), **kwargs)
+    assert torch.equal(beams, greedy(oracle, ids, **kwargs))
+    ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (31, 17, 24)])
+    groups = greedy(rocket, ids, attention_mask=mask, max_new_tokens=6,
+                    past_key_values=RocketKVCache(compressing_config(prefill_batch_size=1)))
+    one = greedy(rocket, ids, attention_mask=mask, max_new_tokens=6, past_key_values=RocketKVCache(compressing_config()))
+    assert torch.equal(groups, one)
+
+
 def test_plain_forwards_with_model_config_equal_the_oracle(pair):
     arch, rocket, oracle = pair
     ids = random_ids(1, 30, seed=5)
