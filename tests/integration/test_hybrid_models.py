@@ -68,6 +68,16 @@ def test_beam_search_and_row_groups_equal_the_oracle(pair):
     assert torch.equal(groups, one)
 
 
+def test_a_later_turn_equals_the_oracle(pair):
+    """A conversation continued on the same cache: the second turn's tokens are the oracle's on the whole text."""
+    arch, rocket, oracle = pair
+    cache = RocketKVCache(keep_all_config())
+    first = greedy(rocket, random_ids(1, 20, seed=11), past_key_values=cache, max_new_tokens=5)
+    turn = torch.cat([first, random_ids(1, 9, seed=12)], dim=1)
+    second = greedy(rocket, turn, past_key_values=cache, max_new_tokens=6)
+    assert torch.equal(second, greedy(oracle, turn, max_new_tokens=6))
+
+
 def test_plain_forwards_with_model_config_equal_the_oracle(pair):
     arch, rocket, oracle = pair
     ids = random_ids(1, 30, seed=5)
