@@ -31,6 +31,7 @@ _PUBLIC = {
     "RocketKVCache": ".cache",
     "RocketKVConfig": ".config",
     "RocketKVLayer": ".cache",
+    "SlidingWindowLayer": ".cache",
     "compile_regions": ".integration.regions",
     "enable": ".integration.registration",
     "generate_batch": ".serving.batch",

@@ -182,17 +182,25 @@ def check_serve_device(value: str | None) -> None:
                              f"out to run on the CPU")
 
 
-def check_model(value: str) -> None:
-    """The model's path (or the embedded default's wheel), before anything loads; its config, architecture and
-    weights are checked by the loader before any weight is read."""
-    from ..models import DefaultModelMissing, ModelSourceError, model_source
+def check_model(value: str) -> bool:
+    """The model's path (or the embedded default's wheel) and its config, before anything loads; returns whether the
+    model has sliding-window layers (the engine plan depends on it). Its architecture and weights are checked by the
+    loader before any weight is read."""
+    from ..models import DefaultModelMissing, ModelSourceError, check_architecture, has_sliding_layers, load_config
+    from ..models import model_source
 
     try:
-        model_source(value)
+        source = model_source(value)
+        config = load_config(source)
+        check_architecture(config, source.label)
+        return has_sliding_layers(config)
     except ModelSourceError as err:  # its message starts with the path
         raise UsageError(f"--model {err}") from None
     except DefaultModelMissing as err:
         raise UsageError(f"--model {value}: {err}") from None
+
+
+SLIDING_REFUSAL = "sliding-window layers (a KV block pool holds RocketKV layers only, not yet their windows)"
 
 
 @dataclass(frozen=True)
@@ -205,29 +213,34 @@ class EnginePlan:
     note: str | None = None
 
 
-def plan_engine(args: argparse.Namespace, config) -> EnginePlan:
+def plan_engine(args: argparse.Namespace, config, sliding: bool = False) -> EnginePlan:
     """The engine for these flags and this config, decided before the model loads: ``auto`` is the batching engine
-    over a pool, or the sequential engine for a config the batching engine cannot serve (one line says which field
-    and why); ``--engine batching`` (and torchrun) refuses such a config. The sequential engine has a pool only with
-    ``--pool-gib`` (accounting: admission and the free-pages metric)."""
+    over a pool, or the sequential engine for a config or a model the batching engine cannot serve (one line says
+    which field and why: a model with sliding-window layers, ``sliding``, has no pool yet); ``--engine batching``
+    (and torchrun) refuses those. The sequential engine has a pool only with ``--pool-gib`` (accounting: admission
+    and the free-pages metric)."""
     from ..serving.manager import batching_refusal
 
     refusal = batching_refusal(config)
-    where = f"--config {args.config}"
+    where = f"--config {args.config} sets"
+    if sliding and refusal is None:
+        where, refusal = f"--model {args.model} has", SLIDING_REFUSAL
+    if sliding and args.pool_gib is not None:
+        raise UsageError(f"--pool-gib: --model {args.model} has {SLIDING_REFUSAL}; leave --pool-gib out")
     world = world_size()
     if args.engine == "batching" or world > 1:
         if refusal is not None:
             asked = "--engine batching" if world == 1 else f"under torchrun (WORLD_SIZE={world}) the batching engine"
             fix = "use --engine sequential or leave --engine out" if world == 1 else "serve it without torchrun"
-            raise UsageError(f"{asked}: {where} sets {refusal}; {fix}")
+            raise UsageError(f"{asked}: {where} {refusal}; {fix}")
         return EnginePlan("batching", True)
     if args.engine == "auto" and refusal is None:
         return EnginePlan("batching", True)
     note = None
     why = "--engine sequential"
     if args.engine == "auto":
-        note = f"sequential engine, one request at a time: {where} sets {refusal}"
-        why = f"{where} sets {refusal.split(' (')[0]}"
+        note = f"sequential engine, one request at a time: {where} {refusal}"
+        why = f"{where} {refusal.split(' (')[0]}"
     pool = args.pool_gib is not None
     if pool:
         from ..cache import check_pool_policy
@@ -235,7 +248,7 @@ def plan_engine(args: argparse.Namespace, config) -> EnginePlan:
         try:  # the config is what is refused (KVBlockPool.check_config would say the same after the model loads)
             check_pool_policy(config)
         except ValueError as err:
-            raise UsageError(f"{where} with --pool-gib: {err}") from None
+            raise UsageError(f"--config {args.config} with --pool-gib: {err}") from None
     if args.kv_cache_dtype != "auto" and not pool:
         raise UsageError(f"--kv-cache-dtype {args.kv_cache_dtype} sets the KV pool's page dtype, and the sequential "
                          f"engine ({why}) has a pool only with --pool-gib: give --pool-gib too")
@@ -399,8 +412,8 @@ def serve_main(argv: list[str] | None = None) -> int:
         check_args(args)
         check_serve_device(args.device)
         config = check_options(args, load_config(args.config))  # device, model path, key, template; --set applied
-        plan = plan_engine(args, config)
-        check_model(args.model)
+        sliding = check_model(args.model)
+        plan = plan_engine(args, config, sliding)
         if is_leader_rank():  # under torchrun only rank 0 listens
             sock = bind_socket(args.host, args.port)
     except (UsageError, ImportError) as err:

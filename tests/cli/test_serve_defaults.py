@@ -36,10 +36,11 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture
 def files(tiny_dir, tmp_path, monkeypatch):
     """A folder of wrong inputs (the working directory of the test) beside the tiny model's."""
-    from transformers import Gemma2Config, LlamaConfig
+    from transformers import Gemma2Config, Llama4TextConfig, LlamaConfig
 
     small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128)
     Gemma2Config(**small, num_key_value_heads=2, head_dim=8).save_pretrained(tmp_path / "gemma2")
+    Llama4TextConfig(**small, num_key_value_heads=2, head_dim=8).save_pretrained(tmp_path / "llama4")
     LlamaConfig(**small, num_key_value_heads=2).save_pretrained(tmp_path / "llama-no-weights")
     (tmp_path / "empty-folder").mkdir()
     (tmp_path / "notes.txt").write_text("some notes\n")
@@ -104,7 +105,9 @@ BAD_ARGUMENTS = [
     (["--model", "notes.txt"], "--model notes.txt: a file, but not a .gguf file"),
     (["--model", "empty-folder"], "--model empty-folder: not a checkpoint folder"),
     (["--model", "broken.gguf"], "--model broken.gguf: cannot read its config"),
-    (["--model", "gemma2"], "--model gemma2: architecture 'gemma2' has sliding-window"),
+    (["--model", "llama4"], "--model llama4: architecture 'llama4_text': layer_types has 'chunked_attention'"),
+    (["--model", "gemma2", "--engine", "batching"], "--engine batching: --model gemma2 has sliding-window layers"),
+    (["--model", "gemma2", "--pool-gib", "1"], "--pool-gib: --model gemma2 has sliding-window layers"),
     (["--model", "llama-no-weights"], "--model llama-no-weights: no weights in this folder"),
 ]
 
@@ -152,6 +155,15 @@ def test_the_engine_plan(argv, fields, expected):
     else:
         assert plan.note.startswith("sequential engine, one request at a time: --config c.yaml sets " + field)
         assert "\n" not in plan.note
+
+
+def test_a_sliding_window_model_runs_on_the_sequential_engine():
+    """A model with sliding-window layers has no pool yet: auto plans the sequential engine and says why."""
+    plan = cli.plan_engine(parse("--model", "gemma2"), compressing_config(), sliding=True)
+    assert (plan.name, plan.pool) == ("sequential", False)
+    assert plan.note.startswith("sequential engine, one request at a time: --model gemma2 has sliding-window layers")
+    config_first = cli.plan_engine(parse("--model", "gemma2"), compressing_config(multi_turn="keep_all"), sliding=True)
+    assert "multi_turn='keep_all'" in config_first.note
 
 
 # ------------------------------------------------------------------------------------------------ threads
