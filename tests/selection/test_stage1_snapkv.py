@@ -1,5 +1,5 @@
-"""Stage 1 (SnapKV-style eviction after prefill, selection/stage1_snapkv.py) against a brute-force reference
-written from spec §2, alone and inside a model's prefill.
+"""Stage 1 (SnapKV-style eviction after prefill, selection/stage1_snapkv.py and the policy the cache runs,
+policies/snapkv.py) against a brute-force reference written from spec §2, alone and inside a model's prefill.
 
 The reference uses plain Python loops over batch rows, KV heads, query heads of the group and window queries, and
 float64 arithmetic. Max-pooling creates plateaus of exactly equal scores, so the kept prefix is compared "up to
@@ -18,6 +18,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from hf_rocketkv import RocketKVCache
+from hf_rocketkv.policies import SnapKVPolicy, Stage1Inputs
 from hf_rocketkv.selection.stage1_snapkv import pooled_prefix_scores, snapkv_keep_slots, window_scores
 from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
 
@@ -168,6 +169,21 @@ def test_keep_slots_match_reference(index, seed):
     assert len(kept) == batch
     for b in range(batch):
         check_row(kept[b], q[b], keys[b], int(start[b]), int(end[b]), window, budget, kernel, scaling)
+
+
+@pytest.mark.parametrize("index", range(len(SHAPES)))
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_snapkv_policy_keeps_the_reference_slots(index, seed):
+    """The same brute-force reference for ``SnapKVPolicy`` (policies/snapkv.py), the stage-1 selection the cache
+    runs (``snapkv_keep_slots`` above is its standalone twin, no longer called by the package)."""
+    batch, kv, group, dim, slots, window, budget, kernel, lengths = SHAPES[index]
+    q, keys, start, end = random_case(1000 * seed + index, batch, kv, group, dim, slots, window, lengths, pad_value=50.0)
+    scaling = dim**-0.5
+    kept = SnapKVPolicy(kernel_size=kernel).select(Stage1Inputs(q, keys, start, end, budget=budget, scaling=scaling))
+    assert len(kept) == batch
+    for b in range(batch):
+        assert kept[b].counts.tolist() == [kept[b].slots.shape[1]] * kv
+        check_row(kept[b].slots, q[b], keys[b], int(start[b]), int(end[b]), window, budget, kernel, scaling)
 
 
 def test_prompt_at_budget_is_kept_whole_even_with_scores():
