@@ -47,9 +47,9 @@ def test_workload_summary_times():
     """Medians over the calls after the first (wall time, ms/token), TTFT over every call that ran, the first call
     alone, failed calls left out."""
     calls = [(10.0, 1.0, 50.0, 2.0), (2.0, 0.2, 10.0, 3.0), (3.0, 0.4, 12.0, 2.5), None, (4.0, 0.3, 14.0, 1.0)]
-    records = [dict(call=i, batch=1, status="oom") if c is None else
-               dict(call=i, batch=1, status="ok", graphs_compiled=0, wall_s=c[0], prefill_s=c[1],
-                    decode_ms_per_token=c[2], peak_gib=c[3]) for i, c in enumerate(calls)]
+    records = [{"call": i, "batch": 1, "status": "oom"} if c is None else
+               {"call": i, "batch": 1, "status": "ok", "graphs_compiled": 0, "wall_s": c[0], "prefill_s": c[1],
+                "decode_ms_per_token": c[2], "peak_gib": c[3]} for i, c in enumerate(calls)]
     got = workload.summarise("dynamic", records)
     assert got["calls_ok"] == 4 and got["first_call_s"] == 10.0
     assert got["warm_call_s"] == 3.0  # median of 2, 3, 4

@@ -11,7 +11,12 @@ import pytest
 import torch
 
 from hf_rocketkv import RocketKVCache
-from tests.support.tiny_models import compressing_config, keep_all_config, make_models, random_ids
+from tests.support.tiny_models import (
+    compressing_config,
+    keep_all_config,
+    make_models,
+    random_ids,
+)
 
 PROMPT = 40
 
