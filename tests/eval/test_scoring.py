@@ -27,6 +27,20 @@ def test_scoring_functions():
         score("bleu", "a", ["a"])
 
 
+def test_scores_where_found_and_missing_do_not_mirror():
+    """Cases whose score changes if found and missing references swap, or precision and recall do (the cases above
+    score 0.5 and recall 1 either way): expected values by hand."""
+    assert string_match_all("AAA, BBB and CCC", ["AAA", "BBB", "CCC", "DDD"]) == 0.75  # 3 of 4
+    assert string_match_all("nothing here", ["AAA", "BBB", "CCC", "DDD"]) == 0.0
+    # pred [red], ref [red, fox]: precision 1, recall 1/2, F1 = 2 * 1 * 0.5 / 1.5 = 2/3
+    assert qa_f1("red", ["red fox"]) == pytest.approx(2 / 3)
+    # pred [big, red, fox, runs], ref [red, fox]: precision 1/2, recall 1, F1 = 2/3
+    assert qa_f1("big red fox runs", ["red fox"]) == pytest.approx(2 / 3)
+    # the best reference counts wherever it is: a first reference with nothing in common does not end the search
+    assert qa_f1("red fox", ["blue whale", "red fox"]) == 1.0
+    assert qa_f1("red fox", ["blue whale", "red", "fox red"]) == 1.0
+
+
 # ------------------------------------------------------------------------------------------------ fidelity metrics
 # Hand-made next-token distributions over 3 tokens at 3 positions (full cache P, method Q). Worked out by hand:
 #   position 0: KL = 0.5 ln(0.5/0.8) + 2 * 0.25 ln(0.25/0.1) = 0.5 ln(1.5625); argmax 0 and 0 (agree)
