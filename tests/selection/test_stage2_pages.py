@@ -321,9 +321,12 @@ def test_select_pages_lower_page_wins_ties():
     assert idx[0, 0].tolist() == [5, 1, 2] and valid.all()
 
 
-@pytest.mark.parametrize("kwargs", [dict(topk=2, sink_pages=2, recent_pages=1), dict(topk=0), dict(topk=3, sink_pages=-1)])
-def test_select_pages_rejects_bad_forcing(kwargs):
-    with pytest.raises(ValueError, match="select_pages: (sink_pages|topk)"):
+@pytest.mark.parametrize("kwargs, name", [
+    ({"topk": 2, "sink_pages": 2, "recent_pages": 1}, "sink_pages \\+ recent_pages"), ({"topk": 0}, "topk"),
+    ({"topk": 3, "sink_pages": -1}, "sink_pages"), ({"topk": 3, "recent_pages": -1}, "recent_pages"),
+])
+def test_select_pages_rejects_bad_forcing(kwargs, name):
+    with pytest.raises(ValueError, match=f"select_pages: {name} must be"):
         select_pages(torch.rand(1, 1, 4), torch.tensor([4]), **kwargs)
 
 
@@ -377,6 +380,11 @@ def test_top_pages_defaults_are_the_decode_rule(seed):
     group_sign = ref_page_scores(q, kt, n_pages, 8)
     assert _newest_plus_best(head_bound, n_pages, 5) != _newest_plus_best(group_sign, n_pages, 5), (
         "the case must tell the two scoring rules apart")
+
+
+def test_select_pages_names_misshaped_page_counts():
+    with pytest.raises(ValueError, match=r"^n_pages must have shape"):
+        select_pages(torch.rand(1, 2, 4), torch.tensor([4, 4, 4]), 2)
 
 
 def test_update_kt_names_a_misshaped_slot():
