@@ -382,6 +382,19 @@ def test_top_pages_defaults_are_the_decode_rule(seed):
         "the case must tell the two scoring rules apart")
 
 
+def test_page_scores_of_a_head_without_pages_are_zero():
+    """Pages past a head's count get probability 0, also when the head has no page at all (a softmax over nothing,
+    NaN before it is zeroed); the other head's row is a distribution over its pages in use."""
+    g = gen(17)
+    q = torch.randn(1, 2, 2, 8, generator=g)
+    kt = build_kt(torch.randn(1, 2, 16, 8, generator=g), torch.tensor([[13, 0]]), 4, torch.float32)
+    probs = page_scores(q, kt, torch.tensor([[4, 0]]), 8)
+    assert torch.equal(probs[0, 1], torch.zeros(4))
+    assert float(probs[0, 0].sum()) == pytest.approx(1.0) and bool((probs[0, 0] > 0).all())
+    with pytest.raises(ValueError, match=r"^n_pages must have shape"):
+        page_scores(q, kt, torch.tensor([4, 4, 4]), 8)
+
+
 def test_select_pages_names_misshaped_page_counts():
     with pytest.raises(ValueError, match=r"^n_pages must have shape"):
         select_pages(torch.rand(1, 2, 4), torch.tensor([4, 4, 4]), 2)
