@@ -105,6 +105,19 @@ def test_snapkv_pooling_never_sees_the_window_or_the_padding():
     assert kept[1].slots.tolist() == [[4, 5, 6, 7, 8, 10, 11, 12, 13, 14, 18, 19]]
 
 
+def test_snapkv_scores_only_rows_over_the_budget():
+    """A row of at most ``budget`` tokens is kept whole and scores -inf at every slot, also with left padding (3
+    slots here, so start + end exceeds the budget); the row one token over it is pooled over its prefix."""
+    raw = torch.rand(2, 1, 16)
+    policy = SnapKVPolicy(kernel_size=3, scores_fn=lambda *args: raw.clone())
+    inputs = Stage1Inputs(torch.zeros(2, 1, 4, 8), torch.zeros(2, 1, 16, 8), torch.tensor([3, 3]),
+                          torch.tensor([13, 14]), budget=10, scaling=1.0)
+    pooled = policy.score(inputs)
+    assert bool(torch.isneginf(pooled[0]).all())  # 10 tokens, budget 10
+    assert bool(torch.isfinite(pooled[1, :, 3:10]).all())  # 11 tokens: the prefix 3-9 before the window of 4
+    assert bool(torch.isneginf(pooled[1, :, :3]).all()) and bool(torch.isneginf(pooled[1, :, 10:]).all())
+
+
 def test_snapkv_window_len_equals_a_shorter_window():
     """A row with window_len n scores exactly as that row alone with only its last n window queries."""
     case = random_case(3, max_batch=1, with_window_len=False, dense=True)
