@@ -102,6 +102,8 @@ def run(args) -> None:
     import kvpress
     import transformers
 
+    from hf_rocketkv.eval.scoring import fidelity_metrics
+
     torch.set_num_threads(args.threads)
     samples = json.loads(Path(args.samples_file).read_text())
     model = load_smollm2()
@@ -113,12 +115,10 @@ def run(args) -> None:
         target = torch.tensor(sample["continuation_ids"])
         for name, kept_budget, press in presses(context):
             got, kept = log_probs(model, sample["context_ids"], sample["continuation_ids"], press)
-            kl = (reference.exp() * (reference - got)).sum(-1)
+            metrics = fidelity_metrics(reference, got, target)  # the eval's own metrics
             records.append({
                 "method": name, "index": sample["index"], "kept_budget": kept_budget, "kept_stored": kept,
-                "top1_agreement": float((got.argmax(-1) == reference.argmax(-1)).float().mean()),
-                "mean_kl": float(kl.mean()),
-                "next_token_accuracy": float((got.argmax(-1) == target).float().mean()),
+                **{key: metrics[key] for key in ("top1_agreement", "mean_kl", "next_token_accuracy")},
             })
             print(json.dumps(records[-1]), flush=True)
     rows = {}

@@ -239,16 +239,37 @@ def run_generate(model, cache: str, ids: torch.Tensor, new_tokens: int, rocket, 
     if profiler is not None:
         print(f"--- profile: {cache} batch {ids.shape[0]} context {ids.shape[1]} (prefill + {new_tokens} tokens)")
         print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
-    times = clock.seconds()
-    steps = [b - a for a, b in zip(times, times[1:])]
-    steady = steps[DROP_FIRST_STEPS:] if len(steps) > DROP_FIRST_STEPS + 2 else steps
     result = dict(
-        prefill_s=times[0] if times else None,
-        decode_ms_per_token=statistics.median(steady) * 1e3 if steady else None,
-        new_tokens=len(times),
+        step_timings(clock.seconds()),
         peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
     )
     return result, compat.output_cache(out)
+
+
+def step_timings(times: list[float]) -> dict:
+    """The timing columns of one run from ``times``, each generated token's time in seconds since the call
+    (``StepClock.seconds``): ``prefill_s`` the first token's (prefill and its sampling: TTFT), ``decode_ms_per_token``
+    the median gap between consecutive tokens in ms, without the first ``DROP_FIRST_STEPS`` gaps when more than
+    ``DROP_FIRST_STEPS + 2`` remain (None with one token), ``new_tokens`` the tokens timed."""
+    steps = [b - a for a, b in zip(times, times[1:])]
+    steady = steps[DROP_FIRST_STEPS:] if len(steps) > DROP_FIRST_STEPS + 2 else steps
+    return dict(
+        prefill_s=times[0] if times else None,
+        decode_ms_per_token=statistics.median(steady) * 1e3 if steady else None,
+        new_tokens=len(times),
+    )
+
+
+def fill_rates(row: Row) -> None:
+    """The row's columns derived from its timings: ``tokens_per_s`` (the batch's rows each get a token per decode
+    step: batch / step time) and the attention step's read bandwidth ``attn_GBps`` / ``attn_graph_GBps``
+    (``attn_bytes`` per eager / CUDA-graph step time, 1 GB = 1e9 bytes). Columns without a timing stay None."""
+    if row.decode_ms_per_token:
+        row.tokens_per_s = row.batch * 1e3 / row.decode_ms_per_token
+    if row.attn_ms:
+        row.attn_GBps = row.attn_bytes / (row.attn_ms * 1e-3) / 1e9
+    if row.attn_graph_ms:
+        row.attn_graph_GBps = row.attn_bytes / (row.attn_graph_ms * 1e-3) / 1e9
 
 
 def rocket_for_row(rocket, cache: str):
@@ -407,13 +428,8 @@ def run(argv: list[str] | None = None) -> dict:
                                                 args.cudnn_for_static)
                     for key, value in result.items():
                         setattr(row, key, value)
-                    if row.decode_ms_per_token:
-                        row.tokens_per_s = batch * 1e3 / row.decode_ms_per_token
                     (row.attn_ms, row.attn_graph_ms), row.attn_bytes = attention_step(cache, past, model)
-                    if row.attn_ms:
-                        row.attn_GBps = row.attn_bytes / (row.attn_ms * 1e-3) / 1e9
-                    if row.attn_graph_ms:
-                        row.attn_graph_GBps = row.attn_bytes / (row.attn_graph_ms * 1e-3) / 1e9
+                    fill_rates(row)
                 except torch.cuda.OutOfMemoryError:
                     row.status = "out of memory"
                 except Exception as err:  # noqa: BLE001 - one bad point must not lose the others

@@ -23,7 +23,7 @@ from transformers import Cache
 
 from ..config import RocketKVConfig
 from ..memory import KVBlockPool, PrefixKeys
-from .consistency import check_layers_consistent
+from .consistency import check_batch, check_layers_consistent
 from .layer import GenerationHints, RocketKVLayer
 from .layer_kinds import describe, sliding_windows
 from .pool_pages import PoolPages, release_rows_later
@@ -264,10 +264,12 @@ class RocketKVCache(Cache):
         Also checks that earlier keys were consumed by a ``rocketkv`` attention call: the previous layer's in this
         forward (so a RocketKVCache on a model whose attention is not ``rocketkv`` fails at the second layer instead
         of silently running dense attention) and this layer's own from the previous forward (the last layer, one-layer
-        models, and a forward that an exception interrupted between a layer's update and its attention).
+        models, and a forward that an exception interrupted between a layer's update and its attention), and that the
+        keys have the batch the layer holds (``check_batch``: a ValueError before anything is written).
         """
         if not (torch.compiler.is_compiling() or self.hints.in_graph):
             self._check_consistent(layer_idx, key_states.shape[2])
+            check_batch(self.layers, layer_idx, key_states.shape[0])
             self._ensure_layers(layer_idx + 1)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 

@@ -15,6 +15,24 @@ UNCONSUMED_KEYS = (
     "inconsistent: start again with a fresh RocketKVCache."
 )
 
+BATCH_MISMATCH = (
+    "RocketKVCache holds {cache} row(s) (batch size {cache}) but this forward's input has batch size {got}: every "
+    "forward on a cache must have the batch it was prefilled with. Decode all {cache} row(s) together, pick rows "
+    "first (`cache.batch_select_indices(...)`), or use a fresh RocketKVCache for a different batch."
+)
+
+
+def check_batch(layers: list, layer_idx: int, batch: int) -> None:
+    """Raise a ValueError if ``layer_idx`` already holds rows and ``batch`` (the new keys' rows) differs.
+
+    Host ints only (tensor shapes): no device sync. Called before the forward writes anything, so the cache stays
+    usable with the right batch.
+    """
+    if layer_idx < len(layers) and layers[layer_idx].is_initialized:
+        held = layers[layer_idx].batch_size
+        if batch != held:
+            raise ValueError(BATCH_MISMATCH.format(cache=held, got=batch))
+
 
 def check_layers_consistent(layers: list, layer_idx: int, query_length: int) -> None:
     """Raise if an earlier forward left these layers half-updated, or their keys were never consumed.

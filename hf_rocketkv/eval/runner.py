@@ -18,7 +18,7 @@ from ..config import RocketKVConfig
 from . import decode
 from .methods import Method, build_methods
 from .report import summarize, write_report
-from .scoring import score
+from .scoring import fidelity_metrics, score
 from .settings import EvalSettings
 from .tasks import get_task
 from .tasks.base import FidelitySample, Sample, encode_prompt, span_token_positions
@@ -117,9 +117,6 @@ def run_fidelity_sample(model, sample: FidelitySample, methods: list[Method], pr
         log_probs = torch.stack(steps).cpu()  # [P, V]
         if reference is None:
             reference = log_probs
-        kl = (reference.exp() * (reference - log_probs)).sum(-1)  # KL(full || method) per position
-        agree = (log_probs.argmax(-1) == reference.argmax(-1)).float()
-        correct = (log_probs.argmax(-1) == target).float()
         # decode step j (1 <= j < P) feeds continuation token j - 1 onto the kept tokens: kept + j stored
         reads = [method.read_tokens(round(sum(kept) / len(kept)) + j) for j in range(1, len(target))] or [0]
         if method in methods:
@@ -130,10 +127,7 @@ def run_fidelity_sample(model, sample: FidelitySample, methods: list[Method], pr
                     "method": method.name,
                     "context_tokens": start,
                     "positions": len(target),
-                    "top1_agreement": float(agree.mean()),
-                    "mean_kl": float(kl.mean()),
-                    "max_kl": float(kl.max()),
-                    "next_token_accuracy": float(correct.mean()),
+                    **fidelity_metrics(reference, log_probs, target),  # top-1, KL(full || method), accuracy
                     "kept_tokens_mean": sum(kept) / len(kept),
                     "read_tokens_mean": sum(reads) / len(reads),  # per layer and KV head, over the decode steps
                     "read_tokens_max": max(reads),

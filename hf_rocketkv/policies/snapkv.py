@@ -61,7 +61,8 @@ class SnapKVPolicy:
 
     def score(self, inputs: Stage1Inputs) -> torch.Tensor:
         """Max-pooled window scores ``[B, Hkv, N]``: each row's prefix ``[start, end - w_b)`` is pooled on its own
-        (pooling never looks across the prefix edges); other slots are -inf."""
+        (pooling never looks across the prefix edges); other slots are -inf, and so is every slot of a row of at most
+        ``budget`` tokens (kept whole, never scored)."""
         raw = self.raw_scores(inputs)
         pooled = torch.full_like(raw, float("-inf"))
         for b, (s, e, w) in enumerate(inputs.rows()):

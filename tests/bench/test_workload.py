@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from hf_rocketkv.bench import workload
 
 
@@ -39,3 +41,20 @@ def test_workload_counts_recompiles_after_the_first_call_of_each_batch_bucket():
     assert [r["call"] for r in workload.after_warm_up(records)] == [2, 3, 4]
     summary = workload.summarise("rocketkv-compile", records)
     assert summary["recompiles_after_first"] == 3 and summary["recompiles_after_warm_up"] == 2
+
+
+def test_workload_summary_times():
+    """Medians over the calls after the first (wall time, ms/token), TTFT over every call that ran, the first call
+    alone, failed calls left out."""
+    calls = [(10.0, 1.0, 50.0, 2.0), (2.0, 0.2, 10.0, 3.0), (3.0, 0.4, 12.0, 2.5), None, (4.0, 0.3, 14.0, 1.0)]
+    records = [{"call": i, "batch": 1, "status": "oom"} if c is None else
+               {"call": i, "batch": 1, "status": "ok", "graphs_compiled": 0, "wall_s": c[0], "prefill_s": c[1],
+                "decode_ms_per_token": c[2], "peak_gib": c[3]} for i, c in enumerate(calls)]
+    got = workload.summarise("dynamic", records)
+    assert got["calls_ok"] == 4 and got["first_call_s"] == 10.0
+    assert got["warm_call_s"] == 3.0  # median of 2, 3, 4
+    assert got["ttft_s"] == pytest.approx(0.35)  # median of 1.0, 0.2, 0.4, 0.3
+    assert got["decode_ms_per_token"] == 12.0  # median of 10, 12, 14 (the first call's 50 left out)
+    assert got["peak_gib"] == 3.0
+    one = workload.summarise("dynamic", records[:1])
+    assert one["warm_call_s"] is None and one["decode_ms_per_token"] == 50.0  # no later call: the first one's

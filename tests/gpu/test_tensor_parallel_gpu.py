@@ -5,8 +5,15 @@ A random checkpoint with Llama-3.1-8B shapes (4 layers) is loaded once with ``tp
 same compressing RocketKVCache (Triton backend, float32 KT) on the same 8,192-token prompt. Token equality is no test
 on a random model (near-tied logits amplify reduction-order noise), so the steps are compared
 (tests/integration/tp_steps.py): each rank's stage-1 kept positions for its KV heads must equal the single GPU's for
-the same heads, its stage-2 selected pages too (except at score ties within 1e-6), and the first decode steps' logits
-must agree within 1e-4 relative.
+the same heads, its stage-2 selected pages too except where pages of equal scores swap (the tie rule of tp_steps.py:
+within 1,024 float32 ulps, 1.2e-4, of the scores' own size), and the first decode steps' logits must agree within 1e-4
+relative.
+
+Size for one 80 GB card (H100) per process, float32: the single-GPU run holds the 4 layers' weights (4 x 218M
+parameters, 3.5 GB) plus the untied embedding and LM head (2 x 525M, 4.2 GB), 7.7 GB in all; prefilling 8,192 tokens
+adds the MLP's three [8192, 14336] activations (1.4 GB), the [8192, 4096] hidden states and the KV cache (4 x 67 MB),
+about 10 GB at peak; each tensor-parallel rank holds half of the layers' weights and activations. The bf16
+checkpoint is built on GPU 0 (3.9 GB) and freed before either run. The test prints each run's measured peak.
 """
 
 from __future__ import annotations
@@ -27,7 +34,6 @@ from .tp_worker_gpu import ROCKET, prompt
 REPO = Path(__file__).resolve().parents[2]
 LAYERS, CONTEXT, NEW_TOKENS = 4, 8192, 6
 LOGITS_REL = 1e-4
-TIE = 1e-6
 
 
 def _save_checkpoint(folder: Path) -> None:
@@ -42,7 +48,7 @@ def test_tensor_parallel_steps_match_one_gpu(tmp_path):
     from transformers import AutoModelForCausalLM
 
     import hf_rocketkv
-    from tests.integration.tp_steps import record_steps
+    from tests.integration.tp_steps import pages_differ_beyond_ties, record_steps
 
     model_dir = tmp_path / "model"
     _save_checkpoint(model_dir)
@@ -58,7 +64,9 @@ def test_tensor_parallel_steps_match_one_gpu(tmp_path):
     single = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=hf_rocketkv.ATTN_NAME,
                                                   dtype=torch.float32, device_map="cuda").eval()
     ids = prompt(CONTEXT, single.config.vocab_size).to("cuda")
+    torch.cuda.reset_peak_memory_stats()
     expected = record_steps(single, RocketKVCache(ROCKET), ids, torch.ones_like(ids), NEW_TOKENS, 0)
+    single_peak = torch.cuda.max_memory_allocated() / 2**30
 
     world = len(ranks)
     heads = len(expected["kept"][0][0]) // world
@@ -74,13 +82,15 @@ def test_tensor_parallel_steps_match_one_gpu(tmp_path):
             for b in range(len(want_step["pages"])):
                 for h in range(heads):
                     pages_total += 1
-                    same = got_step["pages"][b][h] == want_step["pages"][b][r * heads + h]
-                    tied = want_step["margins"][b][r * heads + h] < TIE
-                    ties += (not same) and tied
-                    assert same or tied, f"rank {r} layer {got_step['layer']} row {b} head {h}: pages differ"
+                    got_pages, want_pages = got_step["pages"][b][h], want_step["pages"][b][r * heads + h]
+                    why = pages_differ_beyond_ties(got_pages, want_pages, want_step["scores"][b][r * heads + h])
+                    ties += got_pages != want_pages
+                    assert why is None, f"rank {r} layer {got_step['layer']} row {b} head {h}: {why}"
         for step, (got, want) in enumerate(zip(rank["logits"], expected["logits"])):
             got_t, want_t = torch.tensor(got), torch.tensor(want)
             err = float((got_t - want_t).abs().max() / want_t.abs().max())
             assert err < LOGITS_REL, f"rank {r} step {step}: logits {err:.2e} from one GPU's"
     assert pages_total > 0
-    print(f"tensor parallel on {world} GPUs: pages compared {pages_total}, mismatches at ties {ties}")
+    peaks = " / ".join(f"{rank['peak_gib']:.1f}" for rank in ranks)
+    print(f"tensor parallel on {world} GPUs: pages compared {pages_total}, swaps at ties {ties}; peak GiB one GPU "
+          f"{single_peak:.1f}, per rank {peaks}")

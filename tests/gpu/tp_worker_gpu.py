@@ -5,7 +5,7 @@
 Loads the checkpoint with ``tp_plan="auto"`` in float32 (each rank holds half of the KV heads), runs one greedy
 generate() with a compressing RocketKVCache on the Triton backend and records its steps
 (tests/integration/tp_steps.py: kept positions per layer, row and KV head; pages selected at the first decode steps
-with their score margins; logits).
+with the scores of every page in use; logits) and its peak GPU memory.
 Rank 0 writes every rank's record to OUTPUT_JSON.
 """
 
@@ -42,7 +42,9 @@ def main() -> None:
                                                  dtype=torch.float32).eval()
     device = next(model.parameters()).device
     ids = prompt(context, model.config.vocab_size).to(device)
+    torch.cuda.reset_peak_memory_stats(device)
     record = record_steps(model, RocketKVCache(ROCKET), ids, torch.ones_like(ids), new_tokens, 0)
+    record["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     record["rank"] = dist.get_rank()
     records = [None] * dist.get_world_size()
     dist.all_gather_object(records, record)

@@ -1,9 +1,20 @@
-"""Step-level records of one generate() call, shared by the tensor-parallel worker and its single-process oracle.
+"""Step-level records of one generate() call, shared by the tensor-parallel workers and their single-process oracle,
+and the tie rule that compares them.
 
 ``record_steps(model, cache, input_ids, attention_mask, new_tokens, pad)`` runs greedy generate and returns, in
 float32: the kept positions of every (layer, row, KV head) after stage 1, for the first decode steps the pages
-stage 2 selected per (layer, row, KV head) with the score gap around the top-k boundary (so a mismatch can be told
-from a tie), and the logits of those steps.
+stage 2 selected per (layer, row, KV head) (with the cache's forced sink and recent pages) and the scores of every
+page in use (so a mismatch can be told from a tie), and the logits of those steps.
+
+``pages_differ_beyond_ties(got, want, scores, dtype)`` is the tie rule. Two runs that compute the same scores with
+another reduction order (tensor-parallel shards and an all-reduce against one process) may swap pages whose scores
+are equal up to rounding, and nothing else: every page one run took and the other left out must score within
+``TIE_ULPS`` units of ``dtype``'s epsilon, relative to the larger of the two scores, of a page taken in its place.
+The margin is relative because page scores are softmax probabilities whose size falls with the number of pages
+(1/NP on a flat row: ~2e-3 at 512 pages, ~1e-9 for a page far below the top): a fixed absolute margin excuses any
+swap among small scores (a bug) and no swap among large ones. 1,024 float32 ulps is 1.2e-4 relative, the tolerance
+the tests hold the logits to; a page score's relative error is the absolute error of its pre-softmax logit, which
+the logits' observed 2e-6 to 6e-6 relative agreement on GPUs (docs/serving.md) keeps well inside it.
 """
 
 from __future__ import annotations
@@ -14,6 +25,32 @@ from hf_rocketkv import RocketKVLayer
 from hf_rocketkv.selection.stage2_pages import num_pages, page_scores
 
 RECORDED_STEPS = 3
+TIE_ULPS = 1024
+
+
+def tie_tolerance(dtype: torch.dtype = torch.float32, ulps: int = TIE_ULPS) -> float:
+    """The relative score gap still counted as a tie: ``ulps`` units of ``dtype``'s machine epsilon."""
+    return ulps * torch.finfo(dtype).eps
+
+
+def pages_differ_beyond_ties(got: list[int], want: list[int], scores: list[float],
+                             dtype: torch.dtype = torch.float32, ulps: int = TIE_ULPS) -> str | None:
+    """None when page set ``got`` equals ``want`` up to ties, else why not.
+
+    ``scores`` are the reference run's page scores (index = page id). A tie swap replaces a page ``a`` of ``want``
+    by a page ``b`` of ``got`` with ``scores[a] - scores[b] <= tol * max(|scores[a]|, |scores[b]|)``,
+    ``tol = tie_tolerance(dtype, ulps)``; both sets must hold as many pages."""
+    only_want, only_got = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    if len(got) != len(want) or len(only_want) != len(only_got):
+        return f"{len(got)} pages against {len(want)}"
+    tol = tie_tolerance(dtype, ulps)
+    for a in only_want:
+        for b in only_got:
+            gap, scale = scores[a] - scores[b], max(abs(scores[a]), abs(scores[b]))
+            if gap > tol * scale:
+                return (f"page {a} (score {scores[a]:.9g}) swapped for page {b} (score {scores[b]:.9g}): relative "
+                        f"gap {gap / scale:.3g} > {tol:.3g}")
+    return None
 
 
 def record_steps(model, cache, input_ids, attention_mask, new_tokens: int, pad: int) -> dict:
@@ -25,21 +62,16 @@ def record_steps(model, cache, input_ids, attention_mask, new_tokens: int, pad: 
             batch, heads, _, dim = query.shape
             q = query.reshape(batch, layer.keys.shape[1], heads // layer.keys.shape[1], dim)
             config = layer.config
+            sink_pages, recent_pages = config.stage2_forced_pages
             n_pages = num_pages(layer.lengths, config.page_size)
-            probs = page_scores(q, layer.kt, n_pages, config.topr)
+            probs = page_scores(q, layer.kt, n_pages, config.topr, config.stage2_per_head_bound)
             page_idx, valid = layer.ops.top_pages(q, layer.kt, layer.lengths, config.page_size, config.topr,
-                                                  config.topk)
+                                                  config.topk, sink_pages=sink_pages, recent_pages=recent_pages,
+                                                  per_head_bound=config.stage2_per_head_bound)
             chosen = [[sorted(int(p) for p, ok in zip(page_idx[b, h], valid[b, h]) if ok)
                        for h in range(q.shape[1])] for b in range(batch)]
-            margins = []
-            for b in range(batch):
-                row = []
-                for h in range(q.shape[1]):
-                    scores = probs[b, h, : int(n_pages[b])].sort(descending=True).values
-                    k = min(config.topk, scores.numel())
-                    row.append(float(scores[k - 2] - scores[k - 1]) if 1 < k < scores.numel() else 1.0)
-                margins.append(row)
-            steps.append(dict(layer=cache.layers.index(layer), pages=chosen, margins=margins))
+            scores = [[probs[b, h, : int(n_pages[b])].tolist() for h in range(q.shape[1])] for b in range(batch)]
+            steps.append(dict(layer=cache.layers.index(layer), pages=chosen, scores=scores))
         return original(layer, query, scaling)
 
     RocketKVLayer.attend_decode = recording

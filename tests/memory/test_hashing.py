@@ -104,3 +104,43 @@ def test_tensor_token_ids_are_checked_on_the_tensor(dtype):
         PrefixKeys(cache_salt=b"bytes")
     with pytest.raises(ValueError, match="MultimodalItem.length"):
         MultimodalItem("d", 0, 0)
+
+
+# ------------------------------------------------------------------------------------------------ every token counts
+@pytest.mark.parametrize("page_size", [1, 3, 4, 8, 16])
+def test_every_token_of_every_page_is_in_its_hash(page_size):
+    """Editing the token at ANY position p (first, middle, last of a page; small and 63-bit edits) changes the hash
+    of page p // page_size and of every later page, and of no earlier page; a token of the trailing partial page
+    changes no hash. (A hash that skipped a page's last token passed the earlier tests, which edit token 2 only.)"""
+    pages, tail = 4, page_size - 1
+    ids = [1000 + 7 * i for i in range(pages * page_size + tail)]
+    base = page_hashes(ROOT, ids, page_size)
+    assert len(base) == pages and len(set(base)) == pages
+    for position in range(len(ids)):
+        for edit in (lambda x: x + 1, lambda x: x ^ (1 << 40), lambda x: x ^ (1 << 62), lambda x: 0):
+            edited = list(ids)
+            edited[position] = edit(edited[position])
+            other = page_hashes(ROOT, edited, page_size)
+            page = position // page_size
+            assert other[:page] == base[:page], (position, "an earlier page changed")
+            assert all(a != b for a, b in zip(other[page:], base[page:])), (position, "a later page kept its hash")
+
+
+@pytest.mark.parametrize("page_size", [2, 4, 8])
+def test_page_boundaries_are_in_the_hash(page_size):
+    """Tokens are hashed by position: swapping the last token of a page with the first of the next, or swapping two
+    tokens inside a page, changes that page's hash; a page's hash does not depend on the page after it."""
+    ids = list(range(50, 50 + 4 * page_size))
+    base = page_hashes(ROOT, ids, page_size)
+    for page in range(3):
+        last, first_next = (page + 1) * page_size - 1, (page + 1) * page_size
+        swapped = list(ids)
+        swapped[last], swapped[first_next] = swapped[first_next], swapped[last]
+        other = page_hashes(ROOT, swapped, page_size)
+        assert other[:page] == base[:page] and all(a != b for a, b in zip(other[page:], base[page:]))
+        inside = list(ids)
+        inside[last - 1], inside[last] = inside[last], inside[last - 1]
+        assert page_hashes(ROOT, inside, page_size)[page] != base[page]
+    # the same tokens split at another boundary (a page size twice as large) hash differently page for page
+    assert page_hashes(ROOT, ids, 2 * page_size)[0] not in base
+    assert page_hashes(ROOT, ids[:page_size], page_size) == base[:1]

@@ -110,3 +110,15 @@ def test_keep_all_and_registering_generated_pages():
     assert reused(pool, turn2) == 24 and pool.resident_prefix(turn2)[-1].depth == 3  # generated pages hit too
 
 
+
+
+def test_a_prompt_reuses_exactly_the_pages_before_its_first_edited_token():
+    """Through the pool's lookup: editing the token at any position p of a cached 64-token prompt (8 pages of 8, hit
+    cap 7 pages) reuses the min(p // 8, 7) pages before it, never the page holding p."""
+    pool = make_pool(64)
+    ids = list(range(100, 164))
+    warm(pool, ids)
+    for position in range(len(ids)):
+        edited = list(ids)
+        edited[position] += 1000
+        assert reused(pool, edited) == 8 * min(position // 8, 7), position

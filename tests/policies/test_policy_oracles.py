@@ -17,6 +17,7 @@ from hf_rocketkv.policies import (
     RandomPolicy,
     ScorerPolicy,
     SnapKVPolicy,
+    Stage1Inputs,
     StreamingPolicy,
 )
 from hf_rocketkv.selection.stage1_snapkv import snapkv_keep_slots
@@ -50,6 +51,71 @@ def test_snapkv_matches_oracle(seed):
     kernel = kernel_for(seed)
     kept = SnapKVPolicy(kernel_size=kernel).select(case.inputs())
     assert_uniform_selection(case, kept, lambda c, b: oracle.snapkv_prefix_scores(c, b, kernel))
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_snapkv_pooled_scores_equal_the_oracle_at_every_prefix_slot(seed):
+    """The scores the package selects by (``SnapKVPolicy.score``: the cache's stage 1) against the oracle's pooled
+    prefix scores, slot by slot, not only through a top-k: window attention over the prefix summed over the window
+    and the GQA group, max-pooled over the row's prefix ``[start, end - w_b)`` only (kernels up to wider than the
+    prefix), -inf everywhere else. A pooling that lets the window's scores leak into the prefix edge changes the
+    last ``kernel // 2`` prefix values even when the top-k set survives."""
+    case = random_case(seed, max_slots=48)
+    kernel = random.Random(seed).choice([3, 5, 7, 9, 15, 63])
+    inputs = case.inputs()
+    scores = SnapKVPolicy(kernel_size=kernel).score(inputs).double()
+    for b in range(len(case.start)):
+        if not case.selects(b):
+            continue
+        s, e, w = case.start[b], case.end[b], case.window_of(b)
+        expected = torch.tensor(oracle.snapkv_prefix_scores(case, b, kernel), dtype=torch.float64)
+        torch.testing.assert_close(scores[b, :, s : e - w], expected, rtol=1e-5, atol=1e-6)
+        assert torch.all(scores[b, :, :s] == float("-inf")) and torch.all(scores[b, :, e - w :] == float("-inf"))
+
+
+def hand_made_scores(raw, starts):
+    """A ``scores_fn`` returning fixed raw window scores: row b of ``raw`` ``[B, Hkv, N]`` for the row starting at
+    ``starts[b]`` (the policy scores rows of each window length in a call of their own)."""
+    return lambda q_window, keys, start, end, scaling: raw[[starts.index(s) for s in start.tolist()]].clone()
+
+
+def test_snapkv_pooling_never_sees_the_window_or_the_padding():
+    """Hand-made raw scores (one KV head), pooled by hand with kernel 5 (reach 2), each row over its prefix only.
+
+    Row 0: prefix 0-15 at 0.1 with peaks 0.4 at slot 0 and 1.0 at slot 7; window 16-19 (4 queries) at 9.0.
+    Row 1: left padding 0-2 at 7.0 (garbage no pooling may read), prefix 3-17 at 0.1 with peaks 0.5 at slots 6 and
+    12; window 18-19 (``window_len`` 2) at 9.0.
+    Pooled: row 0 is 0.4 at 0-2, 1.0 at 5-9, 0.1 at 3-4 and 10-15 (14, 15 beside the window included); row 1 is 0.5
+    at 4-8 and 10-14, 0.1 at 3, 9 and 15-17 (3 beside the padding, 16-17 beside the window included). Budget 12:
+    row 0 keeps its 8 raised slots and its window, row 1 its 10 and its window. A pooling that reads the window or
+    the padding raises the edge slots to 9.0 / 7.0 and keeps them instead."""
+    raw = torch.full((2, 1, 20), 0.1)
+    raw[0, 0, 0], raw[0, 0, 7], raw[0, 0, 16:] = 0.4, 1.0, 9.0
+    raw[1, 0, :3], raw[1, 0, 6], raw[1, 0, 12], raw[1, 0, 18:] = 7.0, 0.5, 0.5, 9.0
+    policy = SnapKVPolicy(kernel_size=5, scores_fn=hand_made_scores(raw, [0, 3]))
+    inputs = Stage1Inputs(torch.zeros(2, 1, 4, 8), torch.zeros(2, 1, 20, 8), torch.tensor([0, 3]),
+                          torch.tensor([20, 20]), budget=12, scaling=1.0, window_len=torch.tensor([4, 2]))
+    inf = float("-inf")
+    row0 = [0.4] * 3 + [0.1] * 2 + [1.0] * 5 + [0.1] * 6 + [inf] * 4
+    row1 = [inf] * 3 + [0.1] + [0.5] * 5 + [0.1] + [0.5] * 5 + [0.1] * 3 + [inf] * 2
+    pooled = policy.score(inputs)
+    torch.testing.assert_close(pooled[:, 0], torch.tensor([row0, row1]))
+    kept = policy.select(inputs)
+    assert kept[0].slots.tolist() == [[0, 1, 2, 5, 6, 7, 8, 9, 16, 17, 18, 19]]
+    assert kept[1].slots.tolist() == [[4, 5, 6, 7, 8, 10, 11, 12, 13, 14, 18, 19]]
+
+
+def test_snapkv_scores_only_rows_over_the_budget():
+    """A row of at most ``budget`` tokens is kept whole and scores -inf at every slot, also with left padding (3
+    slots here, so start + end exceeds the budget); the row one token over it is pooled over its prefix."""
+    raw = torch.rand(2, 1, 16)
+    policy = SnapKVPolicy(kernel_size=3, scores_fn=lambda *args: raw.clone())
+    inputs = Stage1Inputs(torch.zeros(2, 1, 4, 8), torch.zeros(2, 1, 16, 8), torch.tensor([3, 3]),
+                          torch.tensor([13, 14]), budget=10, scaling=1.0)
+    pooled = policy.score(inputs)
+    assert bool(torch.isneginf(pooled[0]).all())  # 10 tokens, budget 10
+    assert bool(torch.isfinite(pooled[1, :, 3:10]).all())  # 11 tokens: the prefix 3-9 before the window of 4
+    assert bool(torch.isneginf(pooled[1, :, :3]).all()) and bool(torch.isneginf(pooled[1, :, 10:]).all())
 
 
 def test_snapkv_window_len_equals_a_shorter_window():

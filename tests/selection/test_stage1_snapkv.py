@@ -1,5 +1,5 @@
-"""Stage 1 (SnapKV-style eviction after prefill, selection/stage1_snapkv.py) against a brute-force reference
-written from spec §2, alone and inside a model's prefill.
+"""Stage 1 (SnapKV-style eviction after prefill, selection/stage1_snapkv.py and the policy the cache runs,
+policies/snapkv.py) against a brute-force reference written from spec §2, alone and inside a model's prefill.
 
 The reference uses plain Python loops over batch rows, KV heads, query heads of the group and window queries, and
 float64 arithmetic. Max-pooling creates plateaus of exactly equal scores, so the kept prefix is compared "up to
@@ -18,6 +18,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from hf_rocketkv import RocketKVCache
+from hf_rocketkv.policies import SnapKVPolicy, Stage1Inputs
 from hf_rocketkv.selection.stage1_snapkv import pooled_prefix_scores, snapkv_keep_slots, window_scores
 from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
 
@@ -139,8 +140,8 @@ def test_window_scores_match_reference(index):
     got = window_scores(q, keys, start, end, scaling)
     assert got.dtype == torch.float32 and got.shape == (batch, kv, slots)
     for b in range(batch):
-        if lengths[b] < window:
-            continue  # the window would reach into padding; such rows are never scored (kept whole)
+        # a row shorter than the window (the last case: 3 tokens, window 4) has a window query in its padding: it
+        # sees no key and adds nothing (the reference's empty softmax)
         ref = ref_window_scores_row(q[b], keys[b], int(start[b]), int(end[b]), scaling)
         torch.testing.assert_close(got[b].double(), ref, rtol=1e-5, atol=1e-6)
         assert torch.all(got[b, :, : int(start[b])] == 0), "padding slots must get no probability mass"
@@ -156,6 +157,34 @@ def test_pooling_is_same_length_max(kernel_size):
         assert got[h].tolist() == pytest.approx(ref_max_pool(scores[h].tolist(), kernel_size))
 
 
+def test_pooling_of_an_empty_prefix_is_empty():
+    """A prefix of no slots (a row whose valid tokens are all window) pools to no scores, not an error."""
+    got = pooled_prefix_scores(torch.zeros(3, 0), 5)
+    assert got.shape == (3, 0)
+
+
+@pytest.mark.parametrize("window_len", [[6, 2], [3, 6], [1, 9], [4, 4]])
+def test_window_len_rows_select_as_each_row_alone(window_len):
+    """Rows with fewer real window queries (``window_len``) keep what each row keeps alone with only its last
+    ``window_len[b]`` queries and that many window slots, the documented oracle (a length above w counts as w)."""
+    batch, kv, group, dim, slots, window, budget, kernel, lengths = SHAPES[2]
+    q, keys, start, end = random_case(77, batch, kv, group, dim, slots, window, lengths, pad_value=50.0)
+    kwargs = {"prompt_budget": budget, "kernel_size": kernel, "scaling": dim**-0.5}
+    kept = snapkv_keep_slots(q, keys, start, end, window_size=window, window_len=torch.tensor(window_len), **kwargs)
+    for b, n in enumerate(window_len):
+        n = min(n, window)
+        alone = snapkv_keep_slots(q[b : b + 1, :, window - n :], keys[b : b + 1], start[b : b + 1], end[b : b + 1],
+                                  window_size=n, **kwargs)
+        assert torch.equal(kept[b], alone[0]), (b, n)
+
+
+def test_a_row_without_a_real_window_query_is_refused():
+    q, keys, start, end = random_case(3, *SHAPES[2][:6], SHAPES[2][8])
+    with pytest.raises(ValueError, match=r"at least one real query.*\[4, 0\]"):
+        snapkv_keep_slots(q, keys, start, end, window_size=6, prompt_budget=18, kernel_size=7, scaling=0.25,
+                          window_len=torch.tensor([4, 0]))
+
+
 @pytest.mark.parametrize("index", range(len(SHAPES)))
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_keep_slots_match_reference(index, seed):
@@ -168,6 +197,21 @@ def test_keep_slots_match_reference(index, seed):
     assert len(kept) == batch
     for b in range(batch):
         check_row(kept[b], q[b], keys[b], int(start[b]), int(end[b]), window, budget, kernel, scaling)
+
+
+@pytest.mark.parametrize("index", range(len(SHAPES)))
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_snapkv_policy_keeps_the_reference_slots(index, seed):
+    """The same brute-force reference for ``SnapKVPolicy`` (policies/snapkv.py), the stage-1 selection the cache
+    runs (``snapkv_keep_slots`` above is its standalone twin, no longer called by the package)."""
+    batch, kv, group, dim, slots, window, budget, kernel, lengths = SHAPES[index]
+    q, keys, start, end = random_case(1000 * seed + index, batch, kv, group, dim, slots, window, lengths, pad_value=50.0)
+    scaling = dim**-0.5
+    kept = SnapKVPolicy(kernel_size=kernel).select(Stage1Inputs(q, keys, start, end, budget=budget, scaling=scaling))
+    assert len(kept) == batch
+    for b in range(batch):
+        assert kept[b].counts.tolist() == [kept[b].slots.shape[1]] * kv
+        check_row(kept[b].slots, q[b], keys[b], int(start[b]), int(end[b]), window, budget, kernel, scaling)
 
 
 def test_prompt_at_budget_is_kept_whole_even_with_scores():

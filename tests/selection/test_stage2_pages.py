@@ -25,7 +25,7 @@ from hf_rocketkv.selection.stage2_pages import (
     top_pages,
     update_kt,
 )
-from tests.support.stage2_oracle import ref_build_kt, ref_page_scores, ref_sparse_attention
+from tests.support.stage2_oracle import brute_force_pages, ref_build_kt, ref_page_scores, ref_sparse_attention
 
 KT_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e5m2]
 
@@ -321,9 +321,12 @@ def test_select_pages_lower_page_wins_ties():
     assert idx[0, 0].tolist() == [5, 1, 2] and valid.all()
 
 
-@pytest.mark.parametrize("kwargs", [dict(topk=2, sink_pages=2, recent_pages=1), dict(topk=0), dict(topk=3, sink_pages=-1)])
-def test_select_pages_rejects_bad_forcing(kwargs):
-    with pytest.raises(ValueError, match="select_pages: (sink_pages|topk)"):
+@pytest.mark.parametrize("kwargs, name", [
+    ({"topk": 2, "sink_pages": 2, "recent_pages": 1}, "sink_pages \\+ recent_pages"), ({"topk": 0}, "topk"),
+    ({"topk": 3, "sink_pages": -1}, "sink_pages"), ({"topk": 3, "recent_pages": -1}, "recent_pages"),
+])
+def test_select_pages_rejects_bad_forcing(kwargs, name):
+    with pytest.raises(ValueError, match=f"select_pages: {name} must be"):
         select_pages(torch.rand(1, 1, 4), torch.tensor([4]), **kwargs)
 
 
@@ -337,6 +340,70 @@ def test_top_pages_is_scores_then_select():
         n_pages = num_pages(lengths, 4)
         want = select_pages(page_scores(q, kt, n_pages, 8), n_pages, 3, sink_pages=1, recent_pages=1)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def _chosen_sets(page_idx, valid):
+    return [[{int(p) for p, ok in zip(page_idx[b, h], valid[b, h]) if ok} for h in range(page_idx.shape[1])]
+            for b in range(page_idx.shape[0])]
+
+
+def _newest_plus_best(probs, n_pages, topk):
+    """The decode rule by loops over float64 scores: the newest page, then the best others (lower id on ties)."""
+    chosen = []
+    for b in range(probs.shape[0]):
+        n = int(n_pages[b])
+        row = []
+        for h in range(probs.shape[1]):
+            others = sorted(range(n - 1), key=lambda j: (-float(probs[b, h, j]), j))
+            row.append(set(([n - 1] + others)[: min(topk, n)]))
+        chosen.append(row)
+    return chosen
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_top_pages_defaults_are_the_decode_rule(seed):
+    """Called with its defaults (no sink page, the newest page forced), top_pages picks what the brute-force oracle
+    of RocketKV's decode rule picks; with ``per_head_bound`` it ranks by the oracle's head-bound scores."""
+    g = gen(300 + seed)
+    q = torch.randn(2, 2, 4, 16, generator=g)
+    keys = torch.randn(2, 2, 48, 16, generator=g)
+    lengths = torch.tensor([45, 23])
+    kt = ref_build_kt(keys, lengths, 4, torch.float32)
+    if not has_channel_gap(q, 8):
+        pytest.skip("a tie at the top-r channel boundary")
+    assert _chosen_sets(*top_pages(q, kt, lengths, 4, 8, 5)) == _chosen_sets(*brute_force_pages(q, kt, lengths, 4,
+                                                                                              8, 5))
+    n_pages = num_pages(lengths, 4)
+    head_bound = ref_page_scores(q, kt, n_pages, 8, per_head_bound=True)
+    assert _chosen_sets(*top_pages(q, kt, lengths, 4, 8, 5, per_head_bound=True)) == _newest_plus_best(
+        head_bound, n_pages, 5)
+    group_sign = ref_page_scores(q, kt, n_pages, 8)
+    assert _newest_plus_best(head_bound, n_pages, 5) != _newest_plus_best(group_sign, n_pages, 5), (
+        "the case must tell the two scoring rules apart")
+
+
+def test_page_scores_of_a_head_without_pages_are_zero():
+    """Pages past a head's count get probability 0, also when the head has no page at all (a softmax over nothing,
+    NaN before it is zeroed); the other head's row is a distribution over its pages in use."""
+    g = gen(17)
+    q = torch.randn(1, 2, 2, 8, generator=g)
+    kt = build_kt(torch.randn(1, 2, 16, 8, generator=g), torch.tensor([[13, 0]]), 4, torch.float32)
+    probs = page_scores(q, kt, torch.tensor([[4, 0]]), 8)
+    assert torch.equal(probs[0, 1], torch.zeros(4))
+    assert float(probs[0, 0].sum()) == pytest.approx(1.0) and bool((probs[0, 0] > 0).all())
+    with pytest.raises(ValueError, match=r"^n_pages must have shape"):
+        page_scores(q, kt, torch.tensor([4, 4, 4]), 8)
+
+
+def test_select_pages_names_misshaped_page_counts():
+    with pytest.raises(ValueError, match=r"^n_pages must have shape"):
+        select_pages(torch.rand(1, 2, 4), torch.tensor([4, 4, 4]), 2)
+
+
+def test_update_kt_names_a_misshaped_slot():
+    kt = torch.zeros(2, 3, 4, 2, 8)
+    with pytest.raises(ValueError, match=r"^slot must have shape"):
+        update_kt(kt, torch.zeros(2, 3, 8), torch.zeros(5, dtype=torch.long), 4)
 
 
 def test_per_head_counts_in_kt_and_scores_equal_single_heads():

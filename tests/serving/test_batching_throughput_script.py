@@ -45,3 +45,27 @@ def test_fp8_pool_pages_serve_the_workload(tmp_path):
     assert report["setup"]["pool_dtype"] == "float8_e4m3fn"
     mixed = report["steps"]["mixed_rate_4"]
     assert mixed["finished"] == {"length": 4} and mixed["output_tokens"] == 4 * 6, mixed
+
+
+def test_summary_arithmetic_on_synthetic_token_times():
+    """Recorder.summary from hand-made arrival times: tokens/s = every output token / wall time, TTFT = first token
+    - submit, a user's rate = (tokens - 1) / (last - first token), percentiles by nearest rank."""
+    from types import SimpleNamespace
+
+    from hf_rocketkv.serving.outputs import FinishReason
+
+    recorder = batching_throughput.Recorder()
+    recorder.submitted = {"a": 0.0, "b": 1.0, "c": 2.0}
+    recorder.token_times = {"a": [0.5, 1.5, 2.5, 3.5, 4.5],  # TTFT 0.5, 4 gaps in 4 s: 1 token/s
+                            "b": [1.25, 1.75, 2.25],  # TTFT 0.25, 2 gaps in 1 s: 2 tokens/s
+                            "c": [4.0]}  # TTFT 2.0, one token: no rate
+    recorder.finals = {rid: SimpleNamespace(finish_reason=FinishReason.LENGTH, error=None) for rid in "ab"}
+    recorder.finals["c"] = SimpleNamespace(finish_reason=FinishReason.ERROR, error="boom")
+    got = recorder.summary(start=0.0, end=4.5)
+    assert got["output_tokens"] == 9 and got["wall_s"] == 4.5
+    assert got["tokens_per_s"] == pytest.approx(2.0)
+    assert got["finished"] == {"length": 2, "error": 1} and got["errors"] == ["boom"]
+    assert got["ttft_p50_s"] == 0.5 and got["ttft_p99_s"] == 2.0  # of 0.25, 0.5, 2.0
+    assert got["per_user_tokens_per_s_p50"] == pytest.approx(1.0) and got["per_user_tokens_per_s_p10"] == 1.0
+    assert batching_throughput.percentile([4, 1, 3, 2], 50) == 2 and batching_throughput.percentile([4, 1, 3, 2], 75) == 3
+    assert batching_throughput.percentile([], 50) is None
