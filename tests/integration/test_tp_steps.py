@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.integration.tp_steps import TIE_ULPS, pages_differ_beyond_ties, tie_tolerance
+from tests.integration.tp_steps import TIE_ULPS, pages_differ_beyond_ties, score_noise, tie_tolerance
 
 F32_EPS = 2.0**-23  # float32's machine epsilon (IEEE 754 binary32: 23 fraction bits)
 
@@ -59,3 +59,28 @@ def test_every_swapped_pair_must_tie():
 
 def test_another_page_count_is_no_tie():
     assert "2 pages against 3" in pages_differ_beyond_ties([0, 1], [0, 1, 2], [0.5, 0.5, 0.5])
+
+
+def test_a_swap_the_other_runs_scores_explain_is_a_tie():
+    # the reference ranks page 1 over page 2 by 1e-3 relative; the other run's scores are 6e-4 off on each and rank
+    # page 2 first, so it took page 2: within twice their disagreement (the most a flip can need), a tie
+    want = [0.9, 0.5, 0.4995, 0.1]
+    got = [0.9, 0.5 - 3e-4, 0.4995 + 3e-4, 0.1]
+    assert score_noise(got, want) == pytest.approx(3e-4)
+    assert pages_differ_beyond_ties([0, 2], [0, 1], want) is not None  # rounding alone cannot explain it
+    assert pages_differ_beyond_ties([0, 2], [0, 1], want, got_scores=got) is None
+
+
+def test_a_swap_beyond_twice_the_disagreement_is_no_tie():
+    # the other run's scores agree to 1e-5 but it took a page 0.1 below: its selection did not follow its scores
+    want = [0.9, 0.5, 0.4, 0.1]
+    got = [0.9 + 1e-5, 0.5, 0.4 - 1e-5, 0.1]
+    why = pages_differ_beyond_ties([0, 2], [0, 1], want, got_scores=got)
+    assert why is not None and "twice the runs' score disagreement" in why
+
+
+def test_score_noise_is_the_largest_disagreement_and_needs_every_page():
+    assert score_noise([0.5, 0.25, 0.25], [0.5, 0.2, 0.3]) == pytest.approx(0.05)
+    assert score_noise([], []) == 0.0
+    with pytest.raises(ValueError, match="2 page scores against 3"):
+        score_noise([0.5, 0.5], [0.3, 0.3, 0.4])
