@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--max-running", type=int, default=32, help="BatchingConfig.max_running")
     parser.add_argument("--prefills-per-step", type=int, default=1)
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=BatchingConfig.prefill_chunk_tokens,
+                        help="BatchingConfig.prefill_chunk_tokens: the most prompt tokens in one prefill forward")
+    parser.add_argument("--prefill-token-budget", type=int, default=BatchingConfig.prefill_token_budget,
+                        help="BatchingConfig.prefill_token_budget: prompt tokens prefilled per decode step")
     parser.add_argument("--page-size", type=int, default=16, help="pool page size (tokens)")
     parser.add_argument("--pool-gib", type=float, default=None, help="pool size (default: sized for the workload)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
@@ -242,7 +246,8 @@ class EngineRun:
         args = self.args
         batching = BatchingConfig(max_running=args.max_running, prefills_per_step=args.prefills_per_step,
                                   max_queue=4096, buckets=_buckets(args.max_running),
-                                  overlap_decode=args.overlap_decode)
+                                  overlap_decode=args.overlap_decode, prefill_chunk_tokens=args.prefill_chunk_tokens,
+                                  prefill_token_budget=args.prefill_token_budget)
         engine = BatchingEngine(self.model, self.config, self.pool, batching,
                                 decode_graphs=None if args.decode == "graphs" else False)
         report = engine.warm_up(max_new_tokens=self.warm_tokens) if warm_up else None
@@ -413,7 +418,7 @@ def step_fixed_frozen(engine_run: EngineRun, args, vocab, device) -> dict:
 
 
 ENGINE_TIMED = tuple(("hf_rocketkv.serving.batching", f"BatchingEngine.{name}") for name in (
-    "_iteration", "_finish_cancelled", "_prefill", "_accept", "_end_row")) + tuple(
+    "_iteration", "_finish_cancelled", "_prefill_chunk", "_accept", "_end_row")) + tuple(
     ("hf_rocketkv.serving.decode_step", f"BatchDecoder.{name}") for name in ("step", "step_logits", "_sample_rows")) + (
     ("hf_rocketkv.serving.scheduler", "Scheduler.next_step"),
     ("hf_rocketkv.integration.batch_graphs", "BatchedDecodeGraphs.run"),

@@ -17,7 +17,7 @@ from hf_rocketkv.models import load_model_and_tokenizer
 def generate(model, batch, config: RocketKVConfig) -> tuple[torch.Tensor, float | None]:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    out = model.generate(**batch, past_key_values=RocketKVCache(config), max_new_tokens=24, do_sample=False)
+    out = model.generate(**batch, cache=RocketKVCache(config), max_new_tokens=24, do_sample=False)
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
     return out, peak
 

@@ -26,7 +26,7 @@ def main() -> None:
 
     cache = RocketKVCache(RocketKVConfig(prompt_budget=512, topk=32, page_size=4))
     start = time.perf_counter()
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=16, do_sample=False)
+    out = model.generate(ids, cache=cache, max_new_tokens=16, do_sample=False)
     seconds = time.perf_counter() - start
 
     config = model.config

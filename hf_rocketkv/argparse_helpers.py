@@ -9,6 +9,7 @@ arrow up. Standard library only.
 from __future__ import annotations
 
 import argparse
+import math
 
 
 class ShortErrorParser(argparse.ArgumentParser):
@@ -43,3 +44,21 @@ def fraction(text: str) -> float:
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {value}")
     return value
+
+
+def number_in(low: float, high: float | None, low_open: bool = False):
+    """argparse type: a number in ``[low, high]`` (``(low, high]`` with ``low_open``; no upper bound when ``high`` is
+    None), with an error that names the range."""
+    bounds = f"{'(' if low_open else '['}{low:g}, {'inf)' if high is None else f'{high:g}]'}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number in {bounds}, got {text!r}") from None
+        if math.isnan(value) or value < low or (low_open and value == low) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be a number in {bounds}, got {text}")
+        return value
+
+    parse.__name__ = f"number in {bounds}"
+    return parse

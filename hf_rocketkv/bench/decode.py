@@ -47,8 +47,8 @@ from typing import Any
 
 import torch
 
-from ..argparse_helpers import ShortErrorParser, int_at_least
 from ..integration import compat
+from .options import CACHES, DEFAULT_CACHES, decode_parser, parse
 
 LLAMA_31_8B = dict(
     hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
@@ -58,11 +58,7 @@ TINY = dict(
     hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512,
     vocab_size=1024, max_position_embeddings=4096,
 )
-CACHES = ("dynamic", "static-compile", "rocketkv", "rocketkv-graphs", "rocketkv-compile", "rocketkv-graphs-pool",
-          "rocketkv-graphs-pool-fp8", "rocketkv-rope-off", "rocketkv-graphs-rope-off", "rocketkv-adakv",
-          "rocketkv-graphs-adakv")
 POOL_PAGE_SIZE = 16  # tokens per pool page in the pool rows (KVBlockPool's default)
-DEFAULT_CACHES = ("dynamic", "static-compile", "rocketkv")
 DROP_FIRST_STEPS = 3  # decode steps left out of the median (compilation, CUDA-graph capture, allocator warm-up)
 
 
@@ -88,31 +84,8 @@ class Row:
 
 # ------------------------------------------------------------------------------------------------ setup
 def build_parser() -> argparse.ArgumentParser:
-    p = ShortErrorParser(prog="hf-rocketkv bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default=None, help="RocketKV YAML (sparse_attention_config); default RocketKVConfig()")
-    p.add_argument("--batch", nargs="+", type=int_at_least(1), default=None, help="batch sizes (default 1 4 16)")
-    p.add_argument("--context", nargs="+", type=int_at_least(1), default=None, help="prompt tokens (default 8192 32768 100000)")
-    p.add_argument("--new-tokens", type=int_at_least(1), default=None, help="tokens generated per run (default 32)")
-    p.add_argument("--caches", nargs="+", choices=CACHES, default=None, help=f"rows (default {' '.join(DEFAULT_CACHES)})")
-    p.add_argument("--layers", type=int_at_least(1), default=None, help="override num_hidden_layers (fewer = faster)")
-    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--device", default=None, help="default cuda if available, else cpu")
-    p.add_argument("--out", default="out/bench_decode", help="folder for decode_bench.json / .png")
-    p.add_argument("--quick", action="store_true", help="tiny model on CPU, tiny grid: a smoke run of this script")
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--memory-fraction", type=float, default=0.92, help="skip points estimated above this share")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cudnn-for-static", action="store_true",
-                   help="let the static-compile rows use cuDNN attention (it plans once, at CUDA-graph capture)")
-    p.add_argument("--prefill-batch-size", type=int, default=None,
-                   help="RocketKVConfig.prefill_batch_size for the rocketkv rows: prefill that many rows per forward")
-    p.add_argument("--profile", action="store_true", help="print torch.profiler's top ops of every generate call")
-    p.add_argument(
-        "--allow-cudnn-sdpa", action="store_true",
-        help="keep PyTorch's cuDNN attention backend (off by default: torch 2.11 re-plans it for every new KV length, "
-        "~37 ms of CPU per call in eager DynamicCache decode on an H100, which would make the baseline meaningless)",
-    )
-    return p
+    """The options (bench/options.py: read and checked without torch)."""
+    return decode_parser()
 
 
 def resolve(args) -> dict[str, Any]:
@@ -406,7 +379,7 @@ def attention_step(cache_name: str, past, model) -> tuple[tuple[float, float | N
 
 # ------------------------------------------------------------------------------------------------ main
 def run(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
+    args = parse(build_parser(), argv)
     setup = resolve(args)
     device, dtype = setup["device"], setup["dtype"]
     import hf_rocketkv  # noqa: F401  registers the rocketkv attention

@@ -29,33 +29,14 @@ from pathlib import Path
 
 import torch
 
-from ..argparse_helpers import ShortErrorParser, int_at_least
 from ..integration import batch_buckets
 from .decode import LLAMA_31_8B, TINY, build_model, rocket_config, rocket_for_row, run_generate
-
-WORKLOAD_CACHES = ("dynamic", "static-compile", "rocketkv-graphs", "rocketkv-compile")
+from .options import WORKLOAD_CACHES, parse, workload_parser  # noqa: F401  (the rows, by name)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ShortErrorParser(prog="hf-rocketkv bench --workload", description=__doc__.split("\n\n")[0])
-    p.add_argument("--workload", action="store_true", help="(selects this benchmark)")
-    p.add_argument("--config", default=None, help="RocketKV YAML (default RocketKVConfig())")
-    p.add_argument("--calls", type=int_at_least(1), default=8, help="generate() calls per cache type")
-    p.add_argument("--batches", type=int_at_least(1), nargs="+", default=[1, 4], help="batch sizes, used in turn")
-    p.add_argument("--min-context", type=int_at_least(1), default=1024)
-    p.add_argument("--max-context", type=int_at_least(1), default=16384)
-    p.add_argument("--new-tokens", type=int_at_least(1), nargs="+", default=[64, 128], help="max_new_tokens, used in turn")
-    p.add_argument("--caches", nargs="+", choices=WORKLOAD_CACHES, default=list(WORKLOAD_CACHES))
-    p.add_argument("--budget-s", type=float, default=240.0, help="per cache type: skip its remaining calls after this")
-    p.add_argument("--layers", type=int_at_least(1), default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="tiny model on CPU, short prompts")
-    p.add_argument("--out", default=None, help="folder for workload.json")
-    p.add_argument("--prefill-batch-size", type=int, default=None)
-    p.add_argument("--allow-cudnn-sdpa", action="store_true",
-                   help="keep PyTorch's cuDNN attention (off by default, as in the decode benchmark: torch 2.11 "
-                   "re-plans it for every new KV length, ~37 ms of CPU per eager DynamicCache step)")
-    return p
+    """The options (bench/options.py: read and checked without torch)."""
+    return workload_parser()
 
 
 def plan_calls(args) -> list[tuple[int, int, int]]:
@@ -154,7 +135,7 @@ def markdown(summaries: list[dict]) -> str:
 
 
 def run(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
+    args = parse(build_parser(), argv)
     device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
     if device.type == "cuda" and not args.allow_cudnn_sdpa:
         torch.backends.cuda.enable_cudnn_sdp(False)

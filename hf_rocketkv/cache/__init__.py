@@ -10,14 +10,18 @@ Public API (what serving/, eval/, bench/ and the CLI import; integration/ may us
     request_pages       a request's pool pages at its prefill peak and once compressed (page_budget.py)
     check_pool_policy   refuse a config a pool cannot account for (per-head budgets)
     decode_read_bytes   bytes one decode step reads from a layer (read_accounting.py; benchmarks' GB/s)
+    SlidingWindowLayer  a sliding-window layer's store: its last tokens, dense (sliding_layer.py)
+    sliding_windows     each layer's sliding window read from a model config, None = full attention (layer_kinds.py)
 """
 
 from .batch_view import BatchedDecodeCache
 from .cache import RocketKVCache
 from .layer import GenerationHints, RocketKVLayer, layer_of
+from .layer_kinds import sliding_windows
 from .page_budget import check_pool_policy, request_pages
 from .read_accounting import decode_read_bytes
+from .sliding_layer import SlidingWindowLayer
 from .stats import CacheStats
 
-__all__ = ["BatchedDecodeCache", "CacheStats", "GenerationHints", "RocketKVCache", "RocketKVLayer", "check_pool_policy",
-           "decode_read_bytes", "layer_of", "request_pages"]
+__all__ = ["BatchedDecodeCache", "CacheStats", "GenerationHints", "RocketKVCache", "RocketKVLayer", "SlidingWindowLayer",
+           "check_pool_policy", "decode_read_bytes", "layer_of", "request_pages", "sliding_windows"]

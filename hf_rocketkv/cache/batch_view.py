@@ -83,7 +83,7 @@ class BatchedDecodeLayer(RocketKVLayer):
         self.config = source.config  # the effective config (stage-2 options, KT page size)
         self.dtype, self.device, self.ops = source.dtype, source.device, source.ops
         self.num_kv_heads, self.head_dim = source.num_kv_heads, source.head_dim
-        self.policy = source.policy
+        self.policy, self.features = source.policy, source.features  # soft-capping / sinks (stage 2's logits)
         self.storage = pool.layer(self.layer_idx)
         self.page_tokens = self.storage.k.shape[2]
         self.table_buf = torch.full((max_rows, width), -1, dtype=torch.int32, device=self.device)

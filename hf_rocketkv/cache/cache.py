@@ -1,7 +1,7 @@
 """RocketKVCache: transformers ``Cache`` container of RocketKVLayer objects, created lazily per layer.
 
     cache = RocketKVCache(RocketKVConfig(prompt_budget=256, topk=16))
-    model.generate(ids, past_key_values=cache, max_new_tokens=64)
+    model.generate(ids, cache=cache, max_new_tokens=64)
     cache.kept_tokens(0)      # LongTensor [batch, kv_heads] physically stored in layer 0
     cache.get_seq_length()    # logical tokens seen (prompt + fed-back generated tokens)
     cache.memory_bytes()      # K/V + KT + index tensors actually allocated
@@ -25,8 +25,10 @@ from ..config import RocketKVConfig
 from ..memory import KVBlockPool, PrefixKeys
 from .consistency import check_batch, check_layers_consistent
 from .layer import GenerationHints, RocketKVLayer
+from .layer_kinds import describe, sliding_windows
 from .pool_pages import PoolPages, release_rows_later
 from .row_index import CROP_UNSUPPORTED
+from .sliding_layer import SlidingWindowLayer
 from .stats import CacheStats, RequestCounters
 
 
@@ -46,6 +48,10 @@ class RocketKVCache(Cache):
             from the server's trusted side. Pool only.
         prefix_keys: other inputs that decide the prompt's K/V besides its ids (``PrefixKeys(adapter=...,
             multimodal=...)``), one for every row or a list with one per row; ``cache_salt`` overrides their salt.
+        model_config: the model's transformers config, for models with sliding-window layers (Gemma 2 and 3, Cohere
+            2, gpt-oss, Mistral with a window): its ``layer_types`` / ``sliding_window`` give each sliding layer a
+            ``SlidingWindowLayer`` (``configure_layers``). generate() passes it itself; plain forwards on such a model
+            need it. None: every layer is a RocketKV layer.
     """
 
     # Run at every construction. The integration installs its check of the private transformers symbols it relies on
@@ -55,7 +61,7 @@ class RocketKVCache(Cache):
 
     def __init__(self, config: RocketKVConfig | None = None, pool: KVBlockPool | None = None,
                  cache_salt: str | None = None, prefix_keys: PrefixKeys | list[PrefixKeys] | None = None,
-                 **overrides):
+                 model_config=None, **overrides):
         if RocketKVCache.compatibility_check is not None:
             RocketKVCache.compatibility_check()
         config = config if config is not None else RocketKVConfig()
@@ -78,12 +84,40 @@ class RocketKVCache(Cache):
             raise ValueError("RocketKVCache: cache_salt and prefix_keys key the pool's prefix index; pass pool= too")
         super().__init__(layer_class_to_replicate=functools.partial(
             RocketKVLayer, self.config, self.hints, self.pages, counters=self.counters))
+        self.layer_windows: tuple[int | None, ...] | None = None  # per layer: its sliding window, None = RocketKV
+        if model_config is not None:
+            self.configure_layers(model_config)
+
+    def configure_layers(self, model_config) -> "RocketKVCache":
+        """Read which layers of the model slide from its config (``layer_types``, ``sliding_window``;
+        ``cache/layer_kinds.py``): those get a ``SlidingWindowLayer`` (their last ``sliding_window`` tokens, dense,
+        nothing scored), the full-attention layers RocketKV layers. Idempotent; generate() calls it. Raises
+        ValueError for layer types RocketKV cannot serve and NotImplementedError where sliding layers are not
+        supported yet (a pool). Returns the cache."""
+        windows = sliding_windows(model_config)
+        if windows == self.layer_windows:
+            return self
+        if any(w is not None for w in windows):
+            if self.pool is not None:
+                raise NotImplementedError(HYBRID_POOL.format(layers=describe(windows)))
+        if any(layer.is_initialized for layer in self.layers):
+            raise ValueError("RocketKVCache.configure_layers needs a cache that has stored nothing yet")
+        self.layer_windows = windows
+        self.layers = []
+        return self
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        """Whether the model's config gave some layers a sliding window (``configure_layers``)."""
+        return self.layer_windows is not None and any(w is not None for w in self.layer_windows)
 
     def empty_like(self) -> "RocketKVCache":
         """A new, empty cache of the same kind and configuration (the stage-1 policy included): row-group prefill
         builds one per group. It has no pool of its own: a pool-backed cache hands each group its rows
         (``share_rows``)."""
-        return type(self)(self.config)
+        part = type(self)(self.config)
+        part.layer_windows = self.layer_windows
+        return part
 
     def share_rows(self, part: "RocketKVCache", rows: slice) -> None:
         """Row-group prefill: ``part`` (an ``empty_like()`` cache) prefills ``rows`` of this cache's admitted batch
@@ -95,7 +129,14 @@ class RocketKVCache(Cache):
         part.layer_class_to_replicate = functools.partial(RocketKVLayer, part.config, part.hints, part.pages,
                                                           counters=part.counters)
 
-    def _new_layer(self, layer_idx: int) -> RocketKVLayer:
+    def _new_layer(self, layer_idx: int) -> RocketKVLayer | SlidingWindowLayer:
+        windows = self.layer_windows
+        if windows is not None:
+            if layer_idx >= len(windows):
+                raise ValueError(f"RocketKVCache: the model config it was configured with has {len(windows)} layers, "
+                                 f"the model updates layer {layer_idx}")
+            if windows[layer_idx] is not None:
+                return SlidingWindowLayer(windows[layer_idx], self.hints, layer_idx)
         return self.layer_class_to_replicate(layer_idx=layer_idx)
 
     def _ensure_layers(self, count: int) -> None:
@@ -300,7 +341,8 @@ class RocketKVCache(Cache):
         if any(layer.is_initialized for layer in self.layers):
             raise ValueError("adopt_row_groups needs an empty RocketKVCache")
         self.layers = [
-            RocketKVLayer.stack_rows([part.layers[i] for part in parts], functools.partial(self._new_layer, i))
+            type(parts[0].layers[i]).stack_rows([part.layers[i] for part in parts],
+                                                functools.partial(self._new_layer, i))
             for i in range(len(parts[0].layers))
         ]
         for part in parts:
@@ -323,6 +365,9 @@ class RocketKVCache(Cache):
     def kept_positions(self, layer_idx: int) -> torch.Tensor:
         """Input column of every stored token, ``[batch, kv_heads, capacity]`` int32, -1 for empty slots."""
         layer = self.layers[layer_idx]
+        if layer.is_sliding:
+            raise ValueError(f"layer {layer_idx} is a sliding-window layer: it keeps its last columns, nothing is "
+                             f"selected")
         if not layer.compressed:
             raise ValueError(f"layer {layer_idx} is not compressed yet (stage 1 runs at the end of prefill)")
         return layer.positions
@@ -332,12 +377,15 @@ class RocketKVCache(Cache):
         """generate() compiles decode steps for compileable caches (on CUDA, or with compile_config's
         ``_compile_all_devices``). It asks once before prefill (for decode) and again inside a chunked prefill (for
         the chunks): the answer is False only while generate()'s prefill runs, so chunks run eagerly (their shapes
-        change every chunk) and decode is compiled after a chunked prefill too."""
-        return not self.hints.prefilling
+        change every chunk) and decode is compiled after a chunked prefill too. A cache with sliding-window layers
+        always answers False: their stores grow until the window is full, so decode runs eagerly."""
+        return not self.hints.prefilling and not self.has_sliding_layers
 
     @property
     def is_compressed(self) -> bool:
-        return len(self.layers) > 0 and all(layer.compressed for layer in self.layers)
+        """Stage 1 has run on every RocketKV layer (sliding-window layers have no stage 1)."""
+        rocket = [layer for layer in self.layers if not layer.is_sliding]
+        return len(rocket) > 0 and all(layer.compressed for layer in rocket)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Undo the last ``-tokens_to_remove`` decode steps (see ``RocketKVLayer.crop``); anything else raises."""
@@ -349,6 +397,12 @@ class RocketKVCache(Cache):
     def __repr__(self) -> str:
         return f"RocketKVCache(layers={len(self.layers)}, seen={self.get_seq_length()}, config={self.config})"
 
+
+HYBRID_POOL = (
+    "RocketKVCache(pool=...): this model has sliding-window layers ({layers}), which a KVBlockPool does not hold "
+    "yet (its pages, prefix reuse and the batching engine serve RocketKV layers only). Use RocketKVCache(config) "
+    "without a pool (generate(), or the sequential engine)."
+)
 
 LENT_ROWS = (
     "RocketKVCache: this request's decode state is held by a {holder} (continuous batching decodes its row with "

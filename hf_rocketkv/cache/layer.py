@@ -34,6 +34,8 @@ import torch
 from transformers import CacheLayerMixin
 from ..config import RocketKVConfig
 from ..kernels.dispatch import RocketOps, get_ops
+from ..selection.logit_features import PLAIN, LogitFeatures
+from ..selection.stage1_snapkv import scores_with
 from ..selection.stage2_pages import per_head
 from . import decode_append, row_index, row_stacking, stage2, working_set
 from .consistency import INTERRUPTED_FORWARD, UNCONSUMED_KEYS
@@ -90,6 +92,7 @@ class RocketKVLayer(CacheLayerMixin):
         self.host_seen = 0  # host count of the tokens eager updates stored: tells an interrupted forward apart
         self.ops: RocketOps | None = None
         self.scaling: float | None = None  # the attention's softmax scale, from the latest observe_prefill
+        self.features: LogitFeatures = PLAIN  # soft-capping / sinks of the model's attention (``use_features``)
         # per-layer tensors update() returns once compressed: the attention function finds the layer through them
         # (the page tensors may be a pool's, shared by every cache); they hold no data
         self.key_handle = self.value_handle = None
@@ -324,6 +327,20 @@ class RocketKVLayer(CacheLayerMixin):
         self.scaling = scaling
         self.stage1.observe(self, query_states, row_start, scaling, valid, host_row_start)
 
+    def use_features(self, features: LogitFeatures) -> None:
+        """The attention's logits are soft-capped and/or have sinks (``features``, seen at the first prefill): stage 1
+        scores, stage 2 page scores and every exact attention of this layer use them. No Triton kernel takes them, so
+        the layer runs the PyTorch reference ops (on any device); policies that score with their own logits are
+        refused."""
+        if features.plain or features.same_as(self.features):
+            return
+        refused = features_refusal(self.config, self.policy, features)
+        if refused:
+            raise NotImplementedError(refused)
+        self.features = features
+        self.ops = get_ops("torch", self.device)
+        self.policy = make_policy(self.config, scores_with(features))
+
     def finish_prefill(self) -> None:
         """Run the stage 1 that chunked prefill deferred (no-op when already compressed or never prefilled)."""
         if not self.compressed and self.stage1.pending_queries is not None:
@@ -389,3 +406,19 @@ class RocketKVLayer(CacheLayerMixin):
         raise NotImplementedError("RocketKVCache does not support offloading=True")
 
     prefetch = offload
+
+
+def features_refusal(config: RocketKVConfig, policy, features: LogitFeatures) -> str | None:
+    """Why a layer whose logits have ``features`` cannot run with ``config`` (None: it can): the scorers that
+    compute attention logits of their own (H2O's accumulation, decode-time compression) do not apply soft-capping
+    or sinks, so they would rank tokens by other logits than the model attends with."""
+    what = " and ".join(name for name, on in (("logit soft-capping", features.softcap is not None),
+                                               ("attention sinks", features.sinks is not None)) if on)
+    if hasattr(policy, "accumulate"):
+        return (f"RocketKVConfig.stage1={policy.name!r} scores with attention logits of its own, without this model's "
+                f"{what}. Use stage1='snapkv' (its window scores use the model's logits), 'streaming', 'knorm' "
+                f"or 'random'.")
+    if config.decode_budget is not None:
+        return (f"RocketKVConfig.decode_budget (decode-time compression) scores generated tokens with logits of its "
+                f"own, without this model's {what}. Leave decode_budget=None for this model.")
+    return None

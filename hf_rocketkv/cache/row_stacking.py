@@ -30,7 +30,7 @@ def stack_rows(parts: list, new_layer):
     layer.config = first.config  # the parts' effective config (token_budget mode derives it per request)
     layer.dtype, layer.device, layer.ops, layer.scaling = first.dtype, first.device, first.ops, first.scaling
     layer.num_kv_heads, layer.head_dim = first.num_kv_heads, first.head_dim
-    layer.policy = first.policy
+    layer.policy, layer.features = first.policy, first.features
     if layer.pages is not None:
         layer.store = layer.pages.stacked_view(layer, [part.store for part in parts]).widened(
             max(part.capacity for part in parts))  # the parts' (bucketed) table width

@@ -9,9 +9,9 @@ then its ``m_b`` real new ones. Stage 1 then compacts it into a fresh view (``ca
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..host_copy import device_tensor
+from ..selection.logit_features import masked_attention
 from .capacity import fit_slots, headroom, pad_slots, round_up, slack_of
 from .history import grow_history
 from .paged_store import write_tokens
@@ -75,8 +75,7 @@ def attend_working_set(layer, query: torch.Tensor, scaling: float, valid: torch.
     seen_real = real.cumsum(dim=1)  # [B, n] real new tokens up to and including each query
     limit = ((layer.lengths - real.sum(dim=1))[:, None] + seen_real - 1).clamp(min=0)  # [B, n]
     mask = slot[None, None, :] <= limit[:, :, None]
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask[:, None], scale=scaling, enable_gqa=True)
-    return out.transpose(1, 2).contiguous()
+    return masked_attention(query, keys, values, mask[:, None], scaling, layer.features)
 
 
 def _working_source(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

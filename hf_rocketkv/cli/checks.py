@@ -6,6 +6,7 @@ one to three lines and exits with status 2.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from .parser import CONFIG_DIR, bundled_configs
@@ -86,37 +87,72 @@ def prompt_text(prompt_file: str | None, prompt: str | None) -> str:
     return "\n\n".join(parts)
 
 
-def check_device(value: str | None) -> None:
-    """``--device`` names a torch device this machine has."""
+# device types torch.device() parses (its error message lists them); checked here without importing torch
+DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu", "hpu", "mtia", "ipu", "xla", "lazy", "meta", "mkldnn", "opengl", "opencl",
+                "ideep", "hip", "ve", "fpga", "maia", "vulkan", "privateuseone")
+DEVICE = re.compile(r"(?P<type>[a-z_]+)(?::(?P<index>\d+))?")
+
+
+def check_device(value: str | None, flag: str = "--device") -> None:
+    """``--device`` names a torch device this machine has (the spelling is checked before torch is imported)."""
     if value is None:
+        return
+    match = DEVICE.fullmatch(value.strip())
+    if match is None or match.group("type") not in DEVICE_TYPES:
+        raise UsageError(f"{flag} {value}: not a torch device; use cpu, cuda or cuda:N")
+    kind, index = match.group("type"), match.group("index")
+    if kind == "meta":
+        raise UsageError(f"{flag} {value}: meta tensors hold no data, so nothing can run there; use cpu or cuda")
+    if kind == "cpu":
         return
     import torch
 
-    try:
-        device = torch.device(value)
-    except (RuntimeError, ValueError):
-        raise UsageError(f"--device {value}: not a torch device; use cpu, cuda or cuda:N") from None
-    if device.type == "cuda":
+    if kind == "cuda":
         if not torch.cuda.is_available():
-            raise UsageError(f"--device {value}: CUDA is not available on this machine (torch {torch.__version__}); "
-                             f"leave --device out to run on the CPU")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise UsageError(f"--device {value}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    elif device.type == "mps" and not torch.backends.mps.is_available():
-        raise UsageError(f"--device {value}: MPS is not available on this machine; leave --device out")
+            raise UsageError(f"{flag} {value}: CUDA is not available on this machine (torch {torch.__version__}); "
+                             f"leave {flag} out to run on the CPU")
+        if index is not None and int(index) >= torch.cuda.device_count():
+            raise UsageError(f"{flag} {value}: this machine has {torch.cuda.device_count()} CUDA device(s) "
+                             f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+    elif kind == "mps" and not torch.backends.mps.is_available():
+        raise UsageError(f"{flag} {value}: MPS is not available on this machine; leave {flag} out")
+    else:
+        backend = getattr(torch, kind, None)
+        available = getattr(backend, "is_available", None)
+        if available is None or not available():
+            raise UsageError(f"{flag} {value}: no {kind} device is available here; use cpu or cuda")
+
+
+def check_model(value: str | None) -> None:
+    """``--model`` is the default name, a ``.gguf`` file or a checkpoint folder (files only: the config and the
+    architecture are read when the model loads, still before any weight)."""
+    from ..models import DefaultModelMissing, ModelSourceError, model_source
+
+    try:
+        model_source(value)
+    except ModelSourceError as err:  # its message starts with the path
+        raise UsageError(f"--model {err}") from err
+    except DefaultModelMissing as err:
+        raise UsageError(f"--model {value}: {err}") from err
+
+
+def check_folder(flag: str, value: str, what: str) -> None:
+    """``value`` is a folder or does not exist yet (it is created); ``what`` says what goes in it."""
+    path = Path(value).expanduser()
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{flag} {value}: a file, not a folder; pass a folder {what}")
 
 
 def check_output_folder(value: str) -> None:
     """``--output`` is a folder or does not exist yet (it is created)."""
-    path = Path(value).expanduser()
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"--output {value}: a file, not a folder; pass a folder to write the results into")
+    check_folder("--output", value, "to write the results into")
 
 
-def check_task_files(specs: list[str], samples: int) -> None:
-    """Tasks that read a user JSONL file (``longbench:PATH``, ``ruler:PATH``): the rows they will read parse."""
+def check_task_files(specs: list[str]) -> None:
+    """Tasks that read a user JSONL file (``longbench:PATH``, ``ruler:PATH``): every line of the file is checked (JSON,
+    an object, the fields the task reads), not only the rows a run will read."""
     from ..eval.tasks import get_task
-    from ..eval.tasks.jsonl import read_jsonl, require
+    from ..eval.tasks.jsonl import validate_jsonl
 
     for spec in specs:
         try:
@@ -129,10 +165,8 @@ def check_task_files(specs: list[str], samples: int) -> None:
         if not Path(path).is_file():
             raise UsageError(f"--task {spec}: no such file; pass a JSONL file with one JSON object per line")
         try:
-            rows = read_jsonl(path, samples)
-            if not rows:
-                raise ValueError("no rows: the file is empty")
-            for number, row in enumerate(rows, 1):
-                require(row, task.required_fields, path, number)
+            validate_jsonl(path, task.fields)
         except ValueError as err:
             raise UsageError(f"--task {spec}: {err}") from None
+        except OSError as err:
+            raise UsageError(f"--task {spec}: cannot be read ({err.strerror})") from None

@@ -24,11 +24,12 @@ import sys
 import traceback
 from pathlib import Path
 
-from ..models import DefaultModelMissing, ModelSourceError
 from .checks import (
     UsageError,
     apply_overrides,
     check_device,
+    check_folder,
+    check_model,
     check_output_folder,
     check_task_files,
     prompt_text,
@@ -38,6 +39,7 @@ from .parser import build_parser
 from .threads import choose_threads
 
 EXIT_USAGE = 2
+EXIT_FAILURE = 1
 
 
 # ------------------------------------------------------------------------------------------------ model
@@ -45,7 +47,7 @@ def load_model(args, threads_note: list[str]):
     """Set torch's CPU threads, then load the model (path, config and architecture are checked before weights)."""
     import torch
 
-    from ..models import load_model_and_tokenizer
+    from ..models import DefaultModelMissing, ModelSourceError, load_model_and_tokenizer
 
     choice = choose_threads(args.threads)
     if choice is not None:
@@ -64,6 +66,9 @@ def load_model(args, threads_note: list[str]):
 
 # ------------------------------------------------------------------------------------------------ commands
 def cmd_generate(args, run) -> int:
+    text = prompt_text(args.prompt_file, args.prompt)
+    check_device(args.device)
+    check_model(args.model)
     import torch
 
     from ..cache import RocketKVCache
@@ -71,8 +76,6 @@ def cmd_generate(args, run) -> int:
     from .report import generate_report
     from .runs import timed_generate
 
-    text = prompt_text(args.prompt_file, args.prompt)
-    check_device(args.device)
     threads: list[str] = []
     model, tokenizer = load_model(args, threads)
     ids = encode_prompt(tokenizer, text, args.chat)
@@ -132,17 +135,18 @@ def eval_settings(args, run):
         build_methods(settings.methods, run.rocket, settings.sink_tokens)
     except ValueError as err:
         raise UsageError(str(err)) from err
-    check_task_files(settings.tasks, settings.samples)
+    check_task_files(settings.tasks)
     return settings
 
 
 def cmd_eval(args, run, argv) -> int:
-    from ..eval.report import markdown
-    from ..eval.runner import run_eval
-
     settings = eval_settings(args, run)
     check_output_folder(args.output)
     check_device(args.device)
+    check_model(args.model)
+    from ..eval.report import markdown
+    from ..eval.runner import run_eval
+
     model, tokenizer = load_model(args, [])
     results = run_eval(
         model,
@@ -163,12 +167,14 @@ def cmd_warmup(args, run) -> int:
     """Point the compile caches at --cache-dir first (before anything compiles), then load, warm up and save."""
     import json
 
+    check_device(args.device)
+    check_model(args.model)
+    check_folder("--cache-dir", args.cache_dir, "for the compile artifacts (created if missing)")
     from ..integration.warmup import positions_exceeded, use_compile_cache, warmup
 
-    check_device(args.device)
     try:
         found = use_compile_cache(args.cache_dir)
-    except OSError as err:  # a file, or a folder we may not create
+    except OSError as err:  # a folder we may not create
         raise UsageError(f"--cache-dir {args.cache_dir}: cannot use it as a folder ({err.strerror}); pass a folder "
                          f"path (created if missing)") from err
     model, _ = load_model(args, [])
@@ -179,28 +185,85 @@ def cmd_warmup(args, run) -> int:
     result = warmup(model, run.rocket, cache_dir=args.cache_dir, batch_sizes=args.batch, prompt_tokens=args.context,
                     new_tokens=args.new_tokens, regions=args.regions)
     print(json.dumps({**found, **result}))
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        print(warmup_note(device.type, result), file=sys.stderr)
     return 0
 
 
+def warmup_note(device: str, result: dict) -> str:
+    """One line on what warmup did off CUDA: generate() compiles decode and RocketKV's Triton kernels run on CUDA
+    only, so there the calls run eagerly and little or nothing is saved."""
+    calls = len(result["timings"])
+    seconds = sum(t["seconds"] for t in result["timings"])
+    saved = (f"saved {result['artifact_bytes']} bytes of torch.compile artifacts (--regions)"
+             if result["artifact_bytes"] else "saved no compile artifacts")
+    return (f"hf-rocketkv warmup: on {device} there is nothing to warm up for decode (generate() compiles and "
+            f"graphs decode, and RocketKV's Triton kernels run, on CUDA only): ran {calls} eager generate() call(s) "
+            f"in {seconds:.1f} s and {saved} in {result['cache_dir']}; run warmup on the GPU machine you deploy to")
+
+
+BENCH_MISSING = ("the decode benchmark (hf_rocketkv/bench/decode.py) is not part of this installation; use "
+                 "`hf-rocketkv generate` for a single timed run")
+
+
 def cmd_bench(args, extra: list[str]) -> int:
-    """The decode benchmark, or with ``--workload`` the workload benchmark (hf_rocketkv.bench.workload)."""
+    """The decode benchmark, or with ``--workload`` the workload benchmark (hf_rocketkv.bench.workload). Its
+    arguments (``--help`` too: the benchmark's parser prints it), device, config and output folder are checked before
+    the benchmark (and torch) is imported."""
     name = "hf_rocketkv.bench.workload" if "--workload" in extra else "hf_rocketkv.bench.decode"
+    config = resolve_config_path(args.config)
+    forwarded = (["--config", str(config)] if config is not None else []) + extra
+    try:
+        from ..bench import options
+    except ModuleNotFoundError as err:
+        if err.name not in ("hf_rocketkv.bench", "hf_rocketkv.bench.options"):
+            raise
+        raise UsageError(BENCH_MISSING) from err
+    check_bench_args(options, forwarded, config)
     try:
         module = importlib.import_module(name)
     except ModuleNotFoundError as err:
         if err.name in ("hf_rocketkv.bench", name):
-            raise UsageError(
-                "the decode benchmark (hf_rocketkv/bench/decode.py) is not part of this installation; "
-                "use `hf-rocketkv generate` for a single timed run"
-            ) from err
+            raise UsageError(BENCH_MISSING) from err
         raise
     bench_main = getattr(module, "main", None)
     if bench_main is None:
         raise UsageError(f"{name} has no main(argv)")
-    config = resolve_config_path(args.config)
-    forwarded = (["--config", str(config)] if config is not None else []) + extra
-    result = bench_main(forwarded)
+    try:
+        result = bench_main(forwarded)
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
     return int(result) if isinstance(result, int) else 0
+
+
+def check_bench_args(options, forwarded: list[str], config) -> None:
+    """The benchmark's arguments parsed by its own parser (bench/options.py, no torch), then its device, config and
+    output folder: a mistake is reported before the benchmark (and torch) is imported."""
+    parser = options.workload_parser() if "--workload" in forwarded else options.decode_parser()
+    try:
+        parsed = options.parse(parser, forwarded)
+    except SystemExit as exit_:  # --help, or a mistake already printed in two lines
+        raise BenchArgumentsRefused(int(exit_.code or 0)) from None
+    check_device(getattr(parsed, "device", None))
+    if config is not None:
+        from ..eval.settings import load_run_config
+
+        try:
+            load_run_config(config)
+        except ValueError as err:
+            raise UsageError(str(err)) from err
+    if parsed.out is not None:
+        check_folder("--out", parsed.out, "for the benchmark's results (created if missing)")
+
+
+class BenchArgumentsRefused(Exception):
+    """The benchmark's parser exited (it printed its help, or refused the arguments and said why); ``code`` is its
+    exit status."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
 
 
 def load_run(args):
@@ -217,7 +280,10 @@ def load_run(args):
 
 def dispatch(args, extra: list[str], argv: list[str]) -> int:
     if args.command == "bench":
-        return cmd_bench(args, extra)
+        try:
+            return cmd_bench(args, extra)
+        except BenchArgumentsRefused as refused:
+            return refused.code
     if args.command == "serve":
         from .serve import serve_main
 
@@ -254,14 +320,26 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
-    except Exception as err:
-        if not is_out_of_memory(err):
-            raise  # a bug, not a usage error: the traceback is what a bug report needs
+    except Exception as err:  # noqa: BLE001 - the user sees one line; --debug shows the traceback
         if debug:
             traceback.print_exc()
-        print(f"{prog}: error: out of memory; try a smaller --set prompt_budget, fewer --max-new-tokens, a shorter "
-              f"prompt or a smaller --prefill-chunk-size", file=sys.stderr)
-        return 1
+        if is_out_of_memory(err):
+            print(f"{prog}: error: out of memory; try a smaller --set prompt_budget, fewer --max-new-tokens, a "
+                  f"shorter prompt or a smaller --prefill-chunk-size", file=sys.stderr)
+        else:
+            hint = ("the traceback is above" if debug else "run it again with --debug for the traceback"
+                    if hasattr(args, "debug") else "please report it")
+            print(f"{prog}: error: {type(err).__name__}: {first_line(err)} (an internal error, not a mistake in the "
+                  f"command line; {hint})", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+def first_line(err: BaseException) -> str:
+    """The first non-empty line of an exception's message (library errors can run to dozens of lines)."""
+    for line in str(err).splitlines():
+        if line.strip():
+            return line.strip()[:300]
+    return "(no message)"
 
 
 def is_out_of_memory(err: BaseException) -> bool:

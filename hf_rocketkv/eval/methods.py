@@ -57,13 +57,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from transformers import DynamicCache
-
-from ..cache import RocketKVCache, check_pool_policy
-from ..config import RocketKVConfig
-from ..policies import STAGE1_POLICY_NAMES, KeepFirst
-from .kv_formats import RoundTripCache, fp8_pool
+from ..config import STAGE1_POLICY_NAMES, RocketKVConfig
 from .streaming import streaming_config
+
+# Methods are named, built and checked without torch or transformers (the command line checks them before anything
+# heavy loads); the caches they make import what they need in new_cache().
 
 ALL_PAGES = 1 << 30  # a topk larger than any page count: every stored token is attended
 KEEP_ALL = 1 << 30  # a prompt_budget larger than any prompt: stage 1 keeps everything
@@ -97,12 +95,20 @@ class Method:
 
     def new_cache(self, model=None, tokens: int | None = None):
         """A fresh cache; ``model`` and ``tokens`` (prompt + new tokens) size the fp8 pool of ``rocketkv_fp8kv*``."""
+        from ..cache import RocketKVCache
+
         if self.config is None:
+            from transformers import DynamicCache
+
+            from .kv_formats import RoundTripCache
+
             return DynamicCache() if self.kv_format is None else RoundTripCache(self.kv_format)
         if self.kv_format is None:
             return RocketKVCache(self.config)
         if model is None or tokens is None:
             raise ValueError(f"method {self.name!r} runs on a KVBlockPool: new_cache needs the model and the tokens")
+        from .kv_formats import fp8_pool
+
         return RocketKVCache(self.config, pool=fp8_pool(model, self.config, self.kv_format, tokens))
 
     def read_tokens(self, stored: int) -> int:
@@ -132,7 +138,12 @@ def _policy_label(config: RocketKVConfig) -> str:
     """The stage-1 policy's name, with the first tokens it keeps whether a ``KeepFirst`` object or the cache layer
     (``stage1_keep_first``) forces them: the layer keeps the larger count."""
     stage1 = config.stage1
-    tokens = max(stage1.tokens if isinstance(stage1, KeepFirst) else 0, config.stage1_keep_first)
+    keep_first = 0
+    if not isinstance(stage1, str):  # a policy object: the policies are loaded already
+        from ..policies import KeepFirst
+
+        keep_first = stage1.tokens if isinstance(stage1, KeepFirst) else 0
+    tokens = max(keep_first, config.stage1_keep_first)
     return _policy_name(stage1) + (f"+keep_first={tokens}" if tokens else "")
 
 
@@ -213,6 +224,8 @@ def _build_method(name: str, base: RocketKVConfig, sink_tokens: int = 4) -> Meth
     if name == "rocketkv":
         return Method(name, "rocketkv", base, base.prompt_budget, read)
     if name in ROCKETKV_POOL_METHODS:
+        from ..cache import check_pool_policy
+
         try:  # refused by the pool at the first cache: say so before any model runs
             check_pool_policy(base)
         except ValueError as err:

@@ -7,8 +7,12 @@ eval/methods.py).
 
 from __future__ import annotations
 
-from ..cache import RocketKVCache
+from typing import TYPE_CHECKING
+
 from ..config import RocketKVConfig
+
+if TYPE_CHECKING:
+    from ..cache import RocketKVCache
 
 
 def streaming_config(config: RocketKVConfig | None = None, sink_tokens: int = 4) -> RocketKVConfig:
@@ -21,4 +25,6 @@ def StreamingCache(  # noqa: N802 (kept under its old class name)
     config: RocketKVConfig | None = None, sink_tokens: int = 4, **overrides
 ) -> RocketKVCache:
     """A ``RocketKVCache`` whose stage 1 is the streaming policy."""
+    from ..cache import RocketKVCache
+
     return RocketKVCache(streaming_config(config, sink_tokens), **overrides)

@@ -7,6 +7,11 @@ routes by the layer's state and keeps what faces transformers (the mask, sdpa, t
                            top-k, exact attention over their tokens
     compressed, n queries  a later turn: the layer stores the new real tokens and attends over the kept tokens + the
                            new ones (``attend_later_turn``, cache/working_set.py), then stage 1 again
+    sliding layer          exact attention over the stored window + the new tokens with transformers' own sliding
+                           mask (``SlidingWindowLayer``: nothing to select, it keeps only what the model can see)
+Soft-capped logits (Gemma 2's ``softcap``) and learned sinks (gpt-oss' ``s_aux``) reach every path as a
+``LogitFeatures``: the exact attentions apply them (``selection/logit_features.py``), and a RocketKV layer scores its
+stage 1 and stage 2 with them (``RocketKVLayer.use_features``).
 The layer of this call is found from ``key`` itself: it is the buffer the layer's ``update()`` returned, tagged
 with a weak reference to that layer (``layer_of``; docs/seam.md). Without a RocketKVCache (a plain forward with the
 model's own DynamicCache, ``use_cache=False``) it is exactly transformers' sdpa attention.
@@ -22,9 +27,11 @@ from torch.backends.cuda import SDPAParams, can_use_flash_attention
 from torch.nn.attention.bias import causal_lower_right
 
 from ..cache.layer import RocketKVLayer, layer_of
+from ..cache.sliding_layer import SlidingWindowLayer
+from ..selection.logit_features import PLAIN, LogitFeatures, allowed_of, attention_reference
 from .compat import sdpa_attention_forward
 
-UNSUPPORTED_KWARGS = ("sliding_window", "softcap", "s_aux")
+FEATURE_KWARGS = ("softcap", "s_aux")  # what transformers passes for soft-capping (Gemma 2) and sinks (gpt-oss)
 
 
 def rocketkv_attention(
@@ -38,17 +45,25 @@ def rocketkv_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     layer = layer_of(key)
+    features = logit_features(kwargs)
     if layer is None:
+        if not features.plain:  # transformers' sdpa takes neither soft-capping nor sinks
+            scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+            return attention_reference(query, key, value, allowed_of(attention_mask), scaling, features), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if not (torch.compiler.is_compiling() or layer.hints.in_graph):
         layer.attention_ran()
-        check_supported(module, kwargs)
+        check_supported(module, kwargs, layer, key, features)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
 
+    if isinstance(layer, SlidingWindowLayer):
+        return window_attention(module, query, key, value, attention_mask, scaling, features, **kwargs), None
     if not layer.compressed:
         check_all_heads_here(layer, module, key)
+        layer.use_features(features)
         start, host_start = padding_of_forward(layer, attention_mask, key.shape[2])
-        out = dense_attention(layer, module, query, key, value, attention_mask, scaling, host_start, **kwargs)
+        out = dense_attention(layer, module, query, key, value, attention_mask, scaling, host_start, features,
+                              **kwargs)
         first_query = key.shape[2] - query.shape[2]
         all_real = host_start is not None and max(host_start) <= first_query  # no query is padding: no mask needed
         valid = None if all_real else real_queries(start, key.shape[2], query.shape[2])
@@ -83,17 +98,55 @@ def check_all_heads_here(layer: RocketKVLayer, module: torch.nn.Module, key: tor
         )
 
 
-def check_supported(module: torch.nn.Module, kwargs: dict) -> None:
-    """Raise at the first forward for attention RocketKV cannot serve, instead of silently running dense."""
-    for name in UNSUPPORTED_KWARGS:
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(
-                f"RocketKV does not support attention with `{name}` ({type(module).__name__}, layer "
-                f"{module.layer_idx}): sliding-window/hybrid layers, logit soft-capping and attention sinks are not "
-                f"implemented. Use a model with full causal attention on every layer (Llama, Mistral, Qwen2, Qwen3)."
-            )
+def logit_features(kwargs: dict) -> LogitFeatures:
+    """The soft-capping and sinks of this attention call (``PLAIN`` when it has neither, as Llama-style models)."""
+    softcap, sinks = (kwargs.get(name) for name in FEATURE_KWARGS)
+    if softcap is None and sinks is None:
+        return PLAIN
+    return LogitFeatures(softcap=softcap, sinks=sinks)
+
+
+def check_supported(module: torch.nn.Module, kwargs: dict, layer, key: torch.Tensor,
+                    features: LogitFeatures) -> None:
+    """Raise at the first forward for attention RocketKV cannot serve, instead of silently running something else:
+    non-causal attention, a layer whose sliding window is not the one its cache layer keeps (a cache that was not
+    told the model's layer types), other logit features than the layer was prefilled with, and sliding windows or
+    logit features under tensor parallelism."""
+    name, index = type(module).__name__, getattr(module, "layer_idx", "?")
     if getattr(module, "is_causal", True) is False:
-        raise NotImplementedError(f"RocketKV serves causal self-attention only; {type(module).__name__} is not causal")
+        raise NotImplementedError(f"RocketKV serves causal self-attention only; {name} is not causal")
+    window = kwargs.get("sliding_window")
+    kept = layer.window if isinstance(layer, SlidingWindowLayer) else None
+    if window != kept:
+        held = f"a sliding-window layer of {kept} tokens" if kept is not None else "a full-attention RocketKV layer"
+        raise ValueError(
+            f"{name} (layer {index}) attends with sliding_window={window}, but its RocketKVCache holds {held} there: "
+            f"the cache was not given this model's layer types. generate() gives them itself; for plain forwards use "
+            f"RocketKVCache(config, model_config=model.config)."
+        )
+    if window is not None or not features.plain:
+        total = getattr(module.config, "num_key_value_heads", None) or module.config.num_attention_heads
+        if key.shape[1] != total:
+            what = "sliding-window layers" if window is not None else "soft-capped logits or attention sinks"
+            raise NotImplementedError(
+                f"RocketKV does not support {what} under tensor parallelism yet ({name}, layer {index}: this process "
+                f"holds {key.shape[1]} of {total} KV heads). Run the model on one device."
+            )
+    if isinstance(layer, RocketKVLayer) and layer.compressed and not features.same_as(layer.features):
+        raise ValueError(f"{name} (layer {index}): the attention's soft-capping / sinks differ from those the layer "
+                         f"was prefilled with; one RocketKVCache serves one model")
+
+
+def window_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float, features: LogitFeatures,
+                     **kwargs) -> torch.Tensor:
+    """A sliding layer's attention, ``[B, Lq, Hq, D]``: the stored window and the new tokens under transformers'
+    sliding mask (built from the layer's ``get_mask_sizes``, exactly as for its own cache), through transformers'
+    sdpa, or the reference with soft-capping / sinks."""
+    if not features.plain:
+        return attention_reference(query, key, value, allowed_of(attention_mask), scaling, features)
+    out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    return out
 
 
 def dense_attention(
@@ -105,16 +158,21 @@ def dense_attention(
     attention_mask: torch.Tensor | None,
     scaling: float,
     host_start: list[int] | None,
+    features: LogitFeatures = PLAIN,
     **kwargs,
 ) -> torch.Tensor:
     """Exact attention of a dense (prefill) forward, ``[B, Lq, Hq, D]``.
 
+    With soft-capping or sinks (``features``): the reference with transformers' mask (``attention_reference``).
+    Otherwise:
     transformers' sdpa path, except where flash attention can run and the mask is plain causal with the queries at
     the end (no padding, ``Lq <= Lk``: a prefix hit's new tokens, a chunk of a chunked prefill). There transformers
     materialises the mask and, as SDPA takes no mask together with grouped-query heads, copies every key and value
     once per query head (``repeat_kv``: 0.5 GiB per layer for 32k keys at 8B shapes); flash attention's lower-right
     causal mode with native GQA needs neither. Where flash cannot run (CPU, float32) the lower-right path would fall
     back to a materialised mask and the math kernel, no faster: transformers' path stays."""
+    if not features.plain:
+        return attention_reference(query, key, value, allowed_of(attention_mask), scaling, features)
     if flash_attention_runs(query, key) and lower_right_causal(
         layer, attention_mask, host_start, query.shape[2], key.shape[2]
     ):

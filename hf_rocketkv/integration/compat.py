@@ -61,6 +61,7 @@ import functools
 import inspect
 import sys
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -126,7 +127,7 @@ def _cache_argument_name() -> str:
 
 # Computed once at import: the installed transformers does not change while the process runs.
 CACHE_ARG: str = _cache_argument_name()
-CACHE_ARGS: tuple[str, ...] = tuple(dict.fromkeys((CACHE_ARG, LEGACY_CACHE_ARG)))  # either may reach generate()
+CACHE_ARGS: tuple[str, ...] = tuple(dict.fromkeys((CACHE_ARG, LEGACY_CACHE_ARG)))  # either may reach the hooks
 
 
 def cache_from(mapping: dict):
@@ -331,19 +332,44 @@ class GenerateHooks(Protocol):
     def deferred_stop_supported(self, call: Call) -> bool: ...
 
 
-def _wrap(original: Callable, handle: Callable[[Call, tuple, dict], Any]) -> Callable:
+def _wrap(original: Callable, handle: Callable[[Call, tuple, dict], Any], renames_cache: bool = False) -> Callable:
     """A wrapper that binds its arguments by signature and lets ``handle`` decide; marked so it is never wrapped
-    twice. ``handle`` gets the original positional and keyword arguments too, to pass them on untouched."""
+    twice. ``handle`` gets the original positional and keyword arguments too, to pass them on untouched.
+    ``renames_cache`` (generate()): the cache, passed as ``cache=`` or ``past_key_values=``, reaches the original
+    under the installed version's name (``_current_cache_name``)."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
+        if renames_cache and (LEGACY_CACHE_ARG in kwargs or "cache" in kwargs):
+            kwargs = _current_cache_name(kwargs, args)
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         return handle(Call(original, bound), args, kwargs)
 
     setattr(wrapper, WRAPPED_MARK, True)
     return wrapper
+
+
+def _current_cache_name(kwargs: dict, args: tuple) -> dict:
+    """``kwargs`` with the cache under the installed transformers' name, so generate() takes either on every
+    supported version: ``past_key_values=`` becomes ``cache=`` from 5.24 on, and ``cache=`` (a ``Cache``) becomes
+    ``past_key_values=`` before; unchanged when both are given (transformers reports it). From 5.24 on transformers
+    deprecates ``past_key_values``; its own warning would name this module (its decorator points one frame up, at the
+    wrapper), so the same warning is issued here for the line that called generate()."""
+    if LEGACY_CACHE_ARG in kwargs and "cache" in kwargs:
+        return kwargs
+    renamed = dict(kwargs)
+    if CACHE_ARG == LEGACY_CACHE_ARG:
+        if isinstance(kwargs.get("cache"), Cache):
+            renamed[LEGACY_CACHE_ARG] = renamed.pop("cache")
+        return renamed
+    if LEGACY_CACHE_ARG in kwargs:
+        owner = type(args[0]).__name__ if args else "GenerationMixin"
+        warnings.warn(f"`{LEGACY_CACHE_ARG}` is deprecated and will be removed in version 6.0.0 for "
+                      f"`{owner}.generate`. Use `{CACHE_ARG}` instead.", FutureWarning, stacklevel=3)  # the caller
+        renamed[CACHE_ARG] = renamed.pop(LEGACY_CACHE_ARG)
+    return renamed
 
 
 def _generate_handler(hooks: GenerateHooks):
@@ -457,7 +483,7 @@ def _install_method(owner: type, name: str, symbol: PrivateSymbol, handler, stat
     function = current.__func__ if isinstance(current, staticmethod) else current
     if getattr(function, WRAPPED_MARK, False) or check_symbol(symbol) is not None:
         return  # already installed, or transformers changed it (require() reports it at RocketKV's first use)
-    wrapper = _wrap(function, handler)
+    wrapper = _wrap(function, handler, renames_cache=symbol is GENERATE)
     setattr(owner, name, staticmethod(wrapper) if static else wrapper)
 
 

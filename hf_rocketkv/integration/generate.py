@@ -94,6 +94,7 @@ class RocketKVGenerateHooks:
         if cache is None:
             cache = RocketKVCache(get_config(model))
             model_kwargs[compat.CACHE_ARG] = cache
+        configure_layers(cache, model)
         cache.hints.max_length = call.arguments["max_cache_length"]
         cache.hints.defer_compression = generation_config.prefill_chunk_size is not None
         return result
@@ -144,6 +145,8 @@ class RocketKVGenerateHooks:
         (``RocketKVLayer.crop``). transformers enables it on MPS only; the tokens are the same either way.
         """
         cache: RocketKVCache = call.arguments["cache"]
+        if cache.has_sliding_layers:  # a sliding layer cannot undo the extra step once its window is full
+            return call()
         if cache.config.deferred_stop_check and call.arguments["device"].type in cache.hints.deferred_stop_devices:
             return not call.arguments["is_assistant"]
         return call()
@@ -174,6 +177,23 @@ def check_generate_request(model, generation_config, cache, generation_mode) -> 
         raise ValueError(
             f"cache_implementation={generation_config.cache_implementation!r} cannot be combined with "
             f"attn_implementation='{ATTN_NAME}': RocketKV brings its own cache. Leave cache_implementation unset."
+        )
+
+
+def configure_layers(cache: RocketKVCache, model) -> None:
+    """Give the cache the model's layer types (``RocketKVCache.configure_layers``: sliding-window layers keep their
+    window) before anything is stored, and refuse what sliding-window models cannot run yet: the compiled decode
+    (their stores grow until the window is full, so their decode steps run eagerly)."""
+    if cache.get_seq_length() == 0 and not any(layer.is_initialized for layer in cache.layers):
+        cache.configure_layers(model.config)
+    if not cache.has_sliding_layers:
+        return
+    config = cache.config
+    if config.decode_runner == "torch_compile" or config.batch_buckets:
+        field = "decode_runner='torch_compile'" if config.decode_runner == "torch_compile" else "batch_buckets"
+        raise NotImplementedError(
+            f"RocketKVConfig.{field}: this model has sliding-window layers, whose decode steps RocketKV runs "
+            f"eagerly (no compiled or CUDA-graph decode yet). Leave decode_runner and batch_buckets at their defaults."
         )
 
 

@@ -104,10 +104,19 @@ def gather_pages(pages: torch.Tensor, table: torch.Tensor, scale: torch.Tensor |
         page_scale = page_scale.reshape(*page_scale.shape, *([1] * (gathered.dim() - page_scale.dim())))
         gathered = gathered.to(SCALE_DTYPE) * page_scale
     shape = (batch, max_pages) + (1,) * (gathered.dim() - 2)
-    gathered = torch.where(present.view(shape), gathered,
-                           torch.zeros((), dtype=gathered.dtype, device=gathered.device))
+    gathered = _zero_missing(gathered, present.view(shape))
     gathered = gathered.movedim(2, 1)  # [B, Hkv, MP, S, *rest]
     return gathered.reshape(batch, gathered.shape[1], max_pages * pages.shape[2], *pages.shape[3:])
+
+
+def _zero_missing(gathered: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
+    """``gathered`` with the slots of missing pages set to zero. fp8 (KT pages) is selected on its byte view: the
+    same bits (0x00 is +0 in every fp8 format), and inductor's CPU code generator cannot promote a where's bool
+    condition with a float8 operand."""
+    if gathered.is_floating_point() and gathered.element_size() == 1:  # a float8 format
+        raw = gathered.view(torch.uint8)
+        return torch.where(present, raw, torch.zeros((), dtype=torch.uint8, device=raw.device)).view(gathered.dtype)
+    return torch.where(present, gathered, torch.zeros((), dtype=gathered.dtype, device=gathered.device))
 
 
 def scatter_pages(pages: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,

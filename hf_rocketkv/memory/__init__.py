@@ -15,6 +15,8 @@ Public API (docs/memory.md):
     PrefixKeys, MultimodalItem   what besides token ids keys a prefix page (salt, adapter, multimodal inputs)
     Reservation       free pages set aside (row-group prefill admits group by group out of one)
     PoolStats, PageInfo          snapshots
+    PoolSize, auto_pool_size, pool_bytes   a pool's size when none is given (sizing.py): a fraction of the free
+                      device memory (CUDA) or of the available RAM
     PoolExhaustedError, PoolStateError, PrefixFileError
     FP8_DTYPE, quantize_pages, quantize_fp8, dequantize_fp8, fp8_scales   the fp8 storage format and its reference
 """
@@ -31,6 +33,7 @@ from .page_meta import DEFAULT_PRIORITY, LOADED_PREFIX_PRIORITY, PageInfo
 from .pool import KVBlockPool
 from .prefix_file import LoadedPrefix
 from .reservation import Reservation
+from .sizing import PoolSize, auto_pool_size, pool_bytes
 from .stats import PoolStats
 from .storage import LayerStorage
 
@@ -49,6 +52,7 @@ __all__ = [
     "PageInfo",
     "PagesNeeded",
     "PoolExhaustedError",
+    "PoolSize",
     "PoolSpec",
     "PoolStateError",
     "PoolStats",
@@ -59,8 +63,10 @@ __all__ = [
     "RowDemand",
     "RowPages",
     "as_budget",
+    "auto_pool_size",
     "dequantize_fp8",
     "fp8_scales",
+    "pool_bytes",
     "quantize_fp8",
     "quantize_pages",
 ]

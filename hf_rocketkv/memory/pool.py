@@ -1,6 +1,7 @@
 """KVBlockPool: fixed-size KV pages shared by every request, with exact accounting, prefix reuse and host offload.
 
     pool = KVBlockPool(model, max_gpu_bytes=40 << 30, host_bytes=64 << 30, page_size=16, dtype=torch.bfloat16)
+    pool = KVBlockPool(model)                  # sized from free memory: 0.9 of CUDA's free, 0.25 of RAM (sizing.py)
     pool.pages_needed(32768, 256, cfg)         # PagesNeeded(prefill_peak=..., steady_state=..., ...)
     adm = pool.admit(32768, 256, cfg, token_ids=ids)   # every page or none
     storage = pool.layer(layer_idx, key_states)        # the layer's page tensors (allocated on first use)
@@ -16,6 +17,7 @@ hashing scheme and the life of a request):
     offload.py       HostOffload: eviction, the host tier, onload (copies: host_tier.py, copy_events.py)
     prefix_file.py   PrefixFiles: save_prefix / load_prefix and the file format
     budget.py        as_budget: how ``cfg`` becomes per-row numbers (``RowDemand``); the pool reads no config field
+    sizing.py        the pool's size when none is given: a fraction of the free device memory or of the RAM
 
 Thread safety: one re-entrant lock per pool (``pool._lock``, ``core.py``): every public method holds it for its
 whole run, except that ``save_prefix`` writes and ``load_prefix`` reads the file outside it. A garbage-collector
@@ -51,6 +53,7 @@ from .planner import Planner
 from .prefix_file import LoadedPrefix, PoolFacts, PrefixFiles
 from .prefix_index import PrefixIndex
 from .reservation import Reservation
+from .sizing import PoolSize, auto_pool_size, model_device
 from .stats import PoolStats
 from .storage import LayerStorage, PageStorage
 
@@ -65,7 +68,10 @@ class KVBlockPool:
             config, or any object with ``num_hidden_layers``, ``num_key_value_heads`` (or ``num_attention_heads``)
             and ``head_dim`` (or ``hidden_size``); ``get_text_config()`` is used when present.
         max_gpu_bytes: device bytes for pages; ``num_pages = max_gpu_bytes // bytes_per_page`` where a page counts
-            K + V + KT (+ fp8 scales) of every layer. Transient copy staging is outside this budget.
+            K + V + KT (+ fp8 scales) of every layer. Transient copy staging is outside this budget. None (the
+            default): sized now from the memory free where the pages will live (``device``, else the model's
+            device, else the current CUDA device, else the CPU; ``memory/sizing.py``): 0.9 of the free CUDA memory,
+            or 0.25 of the available RAM capped at 2 GiB; ``pool.sizing`` says how (None when bytes were given).
         host_bytes: host bytes for offloaded pages (0: none): ``host_bytes // slot_bytes`` slots, pinned.
         page_size: tokens per pool page, a multiple of ``kt_page_size``.
         dtype: K/V storage dtype ("bfloat16", "float16", "float32", "float8_e4m3fn"); None: the model's dtype.
@@ -87,7 +93,7 @@ class KVBlockPool:
     def __init__(
         self,
         model_or_config: Any,
-        max_gpu_bytes: int,
+        max_gpu_bytes: int | None = None,
         host_bytes: int = 0,
         page_size: int = 16,
         dtype: torch.dtype | str | None = None,
@@ -103,11 +109,15 @@ class KVBlockPool:
         transfer_chunk_pages: int = 64,
         fingerprint_samples: int = 4,
     ):
+        self.geometry, model = model_geometry(model_or_config, num_kv_heads)
+        self.sizing: PoolSize | None = None
+        if max_gpu_bytes is None:
+            self.sizing = auto_pool_size(model_device(model, device))
+            max_gpu_bytes = self.sizing.bytes
         check_pool_options(page_size, kt_page_size, host_bytes, max_gpu_bytes, scale_granularity, prefix_reuse,
                            transfer_chunk_pages, fingerprint_samples)
         default_priority = check_priority(default_priority, "KVBlockPool.default_priority")
         offload_min_priority = check_priority(offload_min_priority, "KVBlockPool.offload_min_priority")
-        self.geometry, model = model_geometry(model_or_config, num_kv_heads)
         self.dtype = storage_dtype(dtype, self.geometry)
         self.kt_dtype = parse_dtype(kt_dtype, "KVBlockPool.kt_dtype", KT_DTYPES)
         self.page_size, self.kt_page_size = page_size, kt_page_size

@@ -11,8 +11,12 @@ Shapes (B batch, Hq query heads, Hkv KV heads, G = Hq // Hkv, N stored slots, D 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+
+from .logit_features import PLAIN, LogitFeatures, soft_cap, softmax_with_sinks
 
 
 def window_scores(
@@ -23,17 +27,37 @@ def window_scores(
     Returns fp32 ``[B, Hkv, N]``; slots outside ``[start, end)`` and keys after a query (causality inside the
     window) get probability 0. The softmax runs in fp32 (as SnapKV and TensorRT-LLM do).
     """
+    return featured_window_scores(q_window, keys, start, end, scaling, PLAIN)
+
+
+def featured_window_scores(
+    q_window: torch.Tensor, keys: torch.Tensor, start: torch.Tensor, end: torch.Tensor, scaling: float,
+    features: LogitFeatures,
+) -> torch.Tensor:
+    """``window_scores`` with the logits the model attends with: soft-capped before the mask (``features.softcap``),
+    and the softmax's denominator enlarged by each query head's sink (``features.sinks``), as the model's own
+    attention probabilities are."""
     batch, num_q_heads, w, head_dim = q_window.shape
     num_kv_heads, num_slots = keys.shape[1], keys.shape[2]
     group = num_q_heads // num_kv_heads
     q = q_window.reshape(batch, num_kv_heads, group, w, head_dim).float()
-    logits = torch.einsum("bhgwd,bhnd->bhgwn", q, keys.float()) * scaling
+    logits = soft_cap(torch.einsum("bhgwd,bhnd->bhgwn", q, keys.float()) * scaling, features.softcap)
     slot = torch.arange(num_slots, device=keys.device)
     query_slot = end[:, None] - w + torch.arange(w, device=keys.device)[None, :]  # [B, w]
     visible = (slot[None, None, :] <= query_slot[:, :, None]) & (slot[None, None, :] >= start[:, None, None])
     logits = logits.masked_fill(~visible[:, None, None, :, :], float("-inf"))
-    probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # a row with no valid key (all padding) -> zeros
+    sinks = features.grouped_sinks(num_kv_heads)
+    # a row with no valid key (all padding) -> zeros
+    probs = softmax_with_sinks(logits, sinks[None, :, :, None, None] if sinks is not None else None)
     return probs.sum(dim=(2, 3))
+
+
+def scores_with(features: LogitFeatures):
+    """A scorer with ``window_scores``' signature for a layer whose logits have ``features`` (the reference: no
+    Triton kernel takes soft-capping or sinks)."""
+    if features.plain:
+        return window_scores
+    return functools.partial(featured_window_scores, features=features)
 
 
 def pooled_prefix_scores(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from .rounding import round_like_cast
+
 
 def num_pages(lengths: torch.Tensor, page_size: int) -> torch.Tensor:
     """Pages in use per row (or per row and KV head): ceil(lengths / page_size), same shape as ``lengths``."""
@@ -93,7 +95,12 @@ def page_scores(
     logit on the page (with G = 1 both rules agree).
     """
     head_dim = q.shape[-1]
-    q = q.to(kt.dtype).float()
+    return page_probs(page_logits(q, kt, topr, per_head_bound) * head_dim**-0.5, n_pages)
+
+
+def page_logits(q: torch.Tensor, kt: torch.Tensor, topr: int, per_head_bound: bool = False) -> torch.Tensor:
+    """Unscaled page logits ``[B, Hkv, G, NP]`` fp32 (``page_scores`` without temperature, mask and softmax)."""
+    q = round_like_cast(q.float(), kt.dtype)  # = q.to(kt.dtype).float(), also under torch.compile
     minmax = kt.float()  # [B, Hkv, NP, 2, D]
     channels = top_channels(q, topr)
     if channels is not None:
@@ -101,16 +108,31 @@ def page_scores(
         idx = channels[:, :, None, None, :].expand(-1, -1, minmax.shape[2], 2, -1)
         minmax = minmax.gather(-1, idx)
     if per_head_bound:  # max(q Kmax, q Kmin) = max(q, 0) Kmax + min(q, 0) Kmin, as Kmax >= Kmin
-        logits = (torch.einsum("bhgr,bhpr->bhgp", q.clamp(min=0), minmax[:, :, :, 1])
-                  + torch.einsum("bhgr,bhpr->bhgp", q.clamp(max=0), minmax[:, :, :, 0])) * head_dim**-0.5
-    else:
-        use_max = (q.sum(dim=2) > 0)[:, :, None, :]  # [B, Hkv, 1, r]
-        picked = torch.where(use_max, minmax[:, :, :, 1], minmax[:, :, :, 0])  # [B, Hkv, NP, r]
-        logits = torch.einsum("bhgr,bhpr->bhgp", q, picked) * head_dim**-0.5
-    page = torch.arange(kt.shape[2], device=kt.device)
-    in_use = (page < per_head(n_pages, *q.shape[:2], "n_pages")[..., None])[:, :, None, :]  # [B, Hkv, 1, NP]
+        return (torch.einsum("bhgr,bhpr->bhgp", q.clamp(min=0), minmax[:, :, :, 1])
+                + torch.einsum("bhgr,bhpr->bhgp", q.clamp(max=0), minmax[:, :, :, 0]))
+    use_max = (q.sum(dim=2) > 0)[:, :, None, :]  # [B, Hkv, 1, r]
+    picked = torch.where(use_max, minmax[:, :, :, 1], minmax[:, :, :, 0])  # [B, Hkv, NP, r]
+    return torch.einsum("bhgr,bhpr->bhgp", q, picked)
+
+
+def page_probs(logits: torch.Tensor, n_pages: torch.Tensor) -> torch.Tensor:
+    """Softmax of scaled page logits ``[B, Hkv, G, NP]`` over the row's pages in use, mean over the group ->
+    ``[B, Hkv, NP]`` fp32 (pages >= n_pages get 0)."""
+    page = torch.arange(logits.shape[-1], device=logits.device)
+    in_use = (page < per_head(n_pages, *logits.shape[:2], "n_pages")[..., None])[:, :, None, :]  # [B, Hkv, 1, NP]
     probs = torch.softmax(logits.masked_fill(~in_use, float("-inf")), dim=-1).nan_to_num_(0.0)
     return probs.mean(dim=2)
+
+
+def capped_page_scores(
+    q: torch.Tensor, kt: torch.Tensor, n_pages: torch.Tensor, topr: int, per_head_bound: bool, scaling: float,
+    softcap: float,
+) -> torch.Tensor:
+    """``page_scores`` for a layer that soft-caps its logits: the page logits at the model's own ``scaling``,
+    soft-capped (``tanh(x / softcap) * softcap``) as the model caps the logits it attends with, then the same
+    softmax over pages and group mean."""
+    logits = page_logits(q, kt, topr, per_head_bound) * scaling
+    return page_probs(torch.tanh(logits / softcap) * softcap, n_pages)
 
 
 def check_forcing(topk: int, sink_pages: int, recent_pages: int) -> None:

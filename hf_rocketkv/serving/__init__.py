@@ -9,21 +9,39 @@
     generate_batch      prompts in, results in input order
     create_app          the OpenAI-compatible FastAPI app (optional extra: pip install hf_rocketkv[serve])
 
-FastAPI, uvicorn and prometheus-client are imported only by ``create_app`` / ``ServerThread``. The ``hf-rocketkv serve``
-command is the face floor's (``hf_rocketkv/cli/serve.py``).
+Every name loads its module on first use; FastAPI, uvicorn and prometheus-client are imported only by
+``create_app`` / ``ServerThread``. The ``hf-rocketkv serve`` command is the face floor's (``hf_rocketkv/cli/serve.py``).
 """
 
-from .batch import generate_batch
-from .batching import BatchingEngine
-from .engine import Engine, EngineEvent, EngineLoad, EngineRequest
-from .errors import EngineStopped, InvalidRequest, Overloaded, ServeDependencyError, UnknownRequest
-from .lockstep import Lockstep
-from .manager import GenerationManager
-from .metrics import HistogramSnapshot, ManagerMetrics
-from .outputs import FinishReason, GenerationOutput, GenerationResult, RequestTimings
-from .sampling import SamplingParams
-from .scheduler import BatchingConfig
-from .sequential import SequentialEngine
+import importlib
+
+# public name -> the module that defines it: imported on first use, so that ``hf_rocketkv.serving.deps`` (the serve
+# command's first check) and the errors load without torch or transformers
+_PUBLIC = {
+    "BatchingConfig": ".scheduler",
+    "BatchingEngine": ".batching",
+    "Engine": ".engine",
+    "EngineEvent": ".engine",
+    "EngineLoad": ".engine",
+    "EngineRequest": ".engine",
+    "EngineStopped": ".errors",
+    "FinishReason": ".outputs",
+    "GenerationManager": ".manager",
+    "GenerationOutput": ".outputs",
+    "GenerationResult": ".outputs",
+    "HistogramSnapshot": ".metrics",
+    "InvalidRequest": ".errors",
+    "Lockstep": ".lockstep",
+    "ManagerMetrics": ".metrics",
+    "Overloaded": ".errors",
+    "RequestTimings": ".outputs",
+    "SamplingParams": ".sampling",
+    "SequentialEngine": ".sequential",
+    "ServeDependencyError": ".errors",
+    "UnknownRequest": ".errors",
+    "create_app": ".server",  # needs the optional serve extra
+    "generate_batch": ".batch",
+}
 
 __all__ = [
     "BatchingConfig",
@@ -53,9 +71,12 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """``create_app`` loads lazily: its module needs the optional serve extra."""
-    if name == "create_app":
-        from .server import create_app
+    if name not in _PUBLIC:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name], __name__), name)
+    globals()[name] = value
+    return value
 
-        return create_app
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -2,9 +2,10 @@
 
 The scheduler admits the head of the queue only when the pool can set the request's cold prefill peak aside
 (``pool.reserve``: its prompt pages and its view for all ``max_tokens``, so a decoding request never runs out of
-pages). At prefill those pages go to the admission of the request's own pool-backed ``RocketKVCache`` (under the
-pool's lock, so nobody takes them in between); when the request ends, its cache is closed and whatever the
-reservation still holds goes back.
+pages). At its first prefill chunk those pages go to the admission of the request's own pool-backed
+``RocketKVCache`` (under the pool's lock, so nobody takes them in between; chunked_prefill.py runs the chunks); when
+the request ends, an unfinished prefill is left, its cache is closed and whatever the reservation still holds goes
+back.
 """
 
 from __future__ import annotations
@@ -12,16 +13,18 @@ from __future__ import annotations
 import torch
 
 from ..cache import RocketKVCache, request_pages
-from ..integration import compat
 from ..memory import PoolExhaustedError
+from .chunked_prefill import ChunkedPrefill
 from .engine import EngineRequest
+from .errors import InvalidRequest
 from .running import RunningRequest
 
 
 class PoolAdmission:
-    """Sets a request's pages aside (``admit``), prefills its prompt into a cache that takes them (``prefill``) and
-    gives them back (``release``). Holds the model, config, pool and device it was given; the state of each request
-    is on its ``RunningRequest`` (``reservation``, ``cache``, ``error``)."""
+    """Sets a request's pages aside (``admit``), starts the prefill of its prompt into a cache that takes them
+    (``start_prefill``, chunk by chunk; ``prefill``: in one forward) and gives them back (``release``). Holds the
+    model, config, pool and device it was given; the state of each request is on its ``RunningRequest``
+    (``reservation``, ``cache``, ``prefill``, ``error``)."""
 
     def __init__(self, model, config, pool, device: torch.device):
         self.model = model
@@ -31,7 +34,8 @@ class PoolAdmission:
 
     def admit(self, running: RunningRequest) -> bool:
         """The scheduler's admission callback (engine lock held): set the request's cold prefill peak aside, or say
-        "not now"; a request that can never fit is admitted only to end with an error at once."""
+        "not now"; a request that can never fit is admitted only to end with an error at once (the manager refuses
+        those when they are added: ``check_pool_fits``)."""
         request = running.request
         need = self.pages(request).peak_pages
         usable = self.pool.total_pages()
@@ -53,26 +57,58 @@ class PoolAdmission:
         ``request_pages``)."""
         return request_pages(self.config, self.pool, request.prompt_len, request.max_new_tokens)
 
-    def prefill(self, running: RunningRequest) -> torch.Tensor:
-        """The request's prompt through the model with its own pool-backed cache; returns the last logits [1, V]."""
+    def start_prefill(self, running: RunningRequest, chunk_tokens: int) -> ChunkedPrefill:
+        """Give the request its own pool-backed cache and enter its prefill (the reserved pages go to the cache's
+        admission, a prefix hit is looked up); its chunks then run through ``running.prefill.run``."""
         request = running.request
         cache = RocketKVCache(self.config, pool=self.pool, cache_salt=running.cache_salt)
         running.cache = cache
-        ids = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)
         reservation, running.reservation = running.reservation, None  # the admission takes these pages
-        # a prefix hit: columns [0, start) come from the pool
-        with cache.prefill(ids, max_new_tokens=request.max_new_tokens, reservation=reservation,
-                           max_length=request.prompt_len + request.max_new_tokens) as start:
-            positions = torch.arange(start, request.prompt_len, device=self.device)[None]
-            out = self.model(input_ids=ids[:, start:], attention_mask=torch.ones_like(ids), position_ids=positions,
-                             use_cache=True, logits_to_keep=1, **compat.cache_kwargs(cache))
-        return out.logits[:, -1].float()
+        running.prefill = ChunkedPrefill(self.model, cache, request.prompt_ids, request.max_new_tokens, reservation,
+                                         chunk_tokens, self.device)
+        return running.prefill
+
+    def prefill(self, running: RunningRequest) -> torch.Tensor:
+        """The request's whole prompt through the model in one forward with its own pool-backed cache; returns the
+        last logits [1, V]."""
+        prefill = self.start_prefill(running, running.request.prompt_len)
+        return prefill.run(prefill.left)
 
     def release(self, running: RunningRequest) -> None:
-        """Close the request's cache (its pages go back) and give back what its reservation still holds."""
+        """Leave an unfinished prefill, close the request's cache (its pages go back) and give back what its
+        reservation still holds."""
+        if running.prefill is not None:
+            running.prefill.abort()
         if running.cache is not None:
             running.cache.close()
             running.cache = None
         if running.reservation is not None:
             self.pool.unreserve(running.reservation)
             running.reservation = None
+
+
+def check_pool_fits(config, pool, prompt_len: int, max_new_tokens: int) -> None:
+    """Raise ``InvalidRequest`` (code ``context_length_exceeded``) for a request whose cold prefill peak exceeds the
+    whole pool: it can never be admitted (prefix hits do not help: they are pages of the same pool), so it is refused
+    when it is added (the server answers 400) instead of admitted to fail. ``param`` is "prompt" when even
+    max_tokens=1 does not fit, else "max_tokens", with the most that fits in the message."""
+    total = pool.total_pages()
+
+    def need(tokens: int) -> int:
+        return request_pages(config, pool, prompt_len, tokens).peak_pages
+
+    if need(max_new_tokens) <= total:
+        return
+    if need(1) > total:
+        raise InvalidRequest(
+            f"the prompt ({prompt_len} tokens) needs {need(1)} KV pool pages at its prefill peak, more than the "
+            f"pool's {total} pages (of {pool.page_size} tokens): it can never be served; send a shorter prompt",
+            "prompt", "context_length_exceeded")
+    low, high = 1, max_new_tokens - 1  # need(low) fits, need(high + 1) does not
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if need(middle) <= total else (low, middle - 1)
+    raise InvalidRequest(
+        f"the prompt ({prompt_len} tokens) with max_tokens={max_new_tokens} needs {need(max_new_tokens)} KV pool "
+        f"pages at its prefill peak, more than the pool's {total} pages (of {pool.page_size} tokens): it can never "
+        f"be served; ask for at most {low} tokens", "max_tokens", "context_length_exceeded")

@@ -7,17 +7,21 @@ One engine thread owns the model. Each iteration of its loop:
     2. admission (``Scheduler.next_step``): the head of the FIFO is admitted when the pool can set its cold prefill
        peak aside (``pool.reserve``: the prompt pages and the view for all ``max_tokens``, so a decoding request never
        runs out of pages); a prompt that can never fit the pool ends with ``error``
-    3. prefill up to ``prefills_per_step`` admitted requests, each with its own ``RocketKVCache(cfg, pool=pool)`` of
-       batch 1 (prefix reuse through the pool, stage 1 as generate() runs it); sample its first token
-    4. one batched decode step over every decoding row (decode_step.py: overlapped with the host's reading of the
+    3. one batched decode step over every decoding row (decode_step.py: overlapped with the host's reading of the
        previous step's tokens, on CUDA through one captured graph per bucket); rows end on a stop id, ``max_tokens``
        or their cancel flag and release their pages at once (the last row moves into a freed row, so the batch stays
        packed)
+    4. the prefill chunks the scheduler planned within its token budget (``prefill_chunk_tokens`` per forward,
+       ``prefill_token_budget`` per decode step): each admitted request has its own ``RocketKVCache(cfg,
+       pool=pool)`` of batch 1, entered at its first chunk (prefix reuse through the pool) and prefilled chunk by
+       chunk across iterations (chunked_prefill.py); at its last chunk stage 1 runs, its first token is sampled and
+       it joins the decoding rows, so a long prompt never stalls them for more than one chunk
 
 This module holds the engine itself: its iteration, the prefills and the endings of requests. Its parts have files of
 their own: the thread, request registry and interface methods (threaded.py, shared with SequentialEngine), a
-request's pool pages from admission to release (admission.py), the decode step (decode_step.py), the graph capture
-before serving (warm_up.py) and, under tensor parallelism, the inboxes every rank applies in lockstep (inboxes.py).
+request's pool pages from admission to release (admission.py), a prompt's chunks (chunked_prefill.py), the decode
+step (decode_step.py), the graph capture before serving (warm_up.py) and, under tensor parallelism, the inboxes every
+rank applies in lockstep (inboxes.py).
 
 A request's events are its tokens as they are sampled, then one final event sent after its pages are back in the
 pool. Failures: a prefill or sampling error ends that request only; an error in the batched decode forward cannot be
@@ -36,7 +40,7 @@ from ..config import RocketKVConfig
 from ..integration.batch_graphs import BatchedDecodeGraphs
 from ..integration.generate import get_config
 from ..memory import KVBlockPool
-from .admission import PoolAdmission
+from .admission import PoolAdmission, check_pool_fits
 from .decode_step import BatchDecoder
 from .engine import EngineEvent, EngineRequest, EventSink
 from .errors import Overloaded
@@ -61,14 +65,16 @@ STEP_HISTORY = 65536  # decode step times kept in BatchingStats.step_ms
 class BatchingStats:
     """Counters of the engine thread (``BatchingEngine.stats()`` returns a copy), for benchmarks and tests.
 
-    decode_seconds / prefill_seconds: host wall time of the decode steps / prefills, each ending with the host
-    reading the sampled tokens (so the device work is included)."""
+    decode_seconds / prefill_seconds: host wall time of the decode steps / prefills (every chunk of a request's
+    prefill summed), each ending with the host reading the sampled tokens (so the device work is included; a chunk
+    before the last reads nothing, its device work is counted where the next read waits for it)."""
 
     decode_steps: int = 0
     decode_rows: int = 0  # real rows summed over decode steps (decode_rows / decode_steps = mean batch)
     padded_rows: int = 0  # padding rows summed over decode steps
     decode_seconds: float = 0.0
-    prefills: int = 0
+    prefills: int = 0  # requests whose prefill finished (their first token sampled)
+    prefill_chunks: int = 0  # prefill forwards (a prompt of one chunk counts one)
     prefill_seconds: float = 0.0
     # the latest decode steps' wall times in ms, oldest first (bounded: a server runs for days)
     step_ms: deque = field(default_factory=lambda: deque(maxlen=STEP_HISTORY))
@@ -89,7 +95,8 @@ class BatchingEngine(ThreadedEngine):
             ``multi_turn="keep_all"`` and ``token_budget`` are refused (one turn per request; the pool fixes the
             KT page size).
         pool: the ``KVBlockPool`` every request's pages come from (required: admission is its accounting).
-        batching: ``BatchingConfig`` (max_running, decode buckets, prefills_per_step, max_queue).
+        batching: ``BatchingConfig`` (max_running, decode buckets, prefills_per_step, max_queue, prefill chunk
+            and token budget, overlap_decode).
         decode_graphs: how the decode step runs: None (default) captures one CUDA graph per bucket when
             ``config.decode_runner == "cuda_graphs"`` and the model is on CUDA, else eager; False: always eager; or a
             ``BatchedDecodeGraphs`` (integration/batch_graphs.py; tests pass one with a CPU stand-in backend).
@@ -118,7 +125,8 @@ class BatchingEngine(ThreadedEngine):
             decode_graphs = BatchedDecodeGraphs(model) if self.config.decode_runner == "cuda_graphs" else False
         self._admission = PoolAdmission(model, self.config, pool, self.device)
         self._scheduler: Scheduler[RunningRequest] = Scheduler(self.batching, self._admission.admit,
-                                                               key=lambda r: r.request_id)
+                                                               key=lambda r: r.request_id,
+                                                               prompt_left=lambda r: r.prompt_left)
         super().__init__()  # _requests: submitted, not finished, each a RunningRequest
         self._stats = BatchingStats()
         self._decoder = BatchDecoder(self, decode_graphs or None, self._stats)
@@ -135,6 +143,12 @@ class BatchingEngine(ThreadedEngine):
             self._inboxes.cancel(request_id)
             return
         super().cancel(request_id)
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Raise ``InvalidRequest`` (``context_length_exceeded``, naming prompt or max_tokens) when a request of this
+        size could never be admitted, even into an empty pool. The manager calls it before ``submit``; a request
+        submitted anyway ends with ``error`` at admission."""
+        check_pool_fits(self.config, self.pool, prompt_len, max_new_tokens)
 
     @property
     def steps(self) -> int:
@@ -262,20 +276,20 @@ class BatchingEngine(ThreadedEngine):
             step = self._scheduler.next_step()
         for src, dst in step.moves:
             self.batch.move(src, dst)
-        if step.prefill and self._decoder.in_flight is not None:
-            self._decoder.drain()  # the running rows' tokens go out before a prefill delays the next step
-        for running in step.prefill:
-            self._prefill(running)
-        self._finish_cancelled()  # a flag set during prefill ends that request before it decodes
         if self._scheduler.rows:
-            self._decoder.step()
-        elif not step.prefill:
+            self._decoder.step()  # launched before the chunks: the running rows never wait for a whole prompt
+        for running, tokens in step.prefill:
+            if running in self._scheduler.prefilling:  # not ended by an earlier chunk of this step
+                self._prefill_chunk(running, tokens)
+        if not self._scheduler.rows and not step.prefill:
             # the head waits for pages that nobody running will free (another user of the pool holds them)
             with self._lock:
                 self._wakeup.wait(0.01)
 
     # ------------------------------------------------------------------------------------------------ prefill
-    def _prefill(self, running: RunningRequest) -> None:
+    def _prefill_chunk(self, running: RunningRequest, tokens: int) -> None:
+        """The next ``tokens`` of a request's prompt (its first chunk enters its cache's prefill); after the last
+        one, its first token is sampled and it joins the decoding rows."""
         request = running.request
         if running.error is not None:
             self._finish(running, FinishReason.ERROR, running.error)
@@ -285,7 +299,14 @@ class BatchingEngine(ThreadedEngine):
             return
         started = time.perf_counter()
         try:
-            logits = self._admission.prefill(running)
+            prefill = running.prefill
+            if prefill is None:
+                prefill = self._admission.start_prefill(running, self.batching.prefill_chunk_tokens)
+            logits = prefill.run(tokens)
+            self._stats.prefill_chunks += 1
+            if logits is None:
+                self._stats.prefill_seconds += time.perf_counter() - started
+                return
             if not request.params.is_greedy:
                 running.generator = new_generator(request.params.seed, self.device)
             token = int(sample_tokens(logits, request.params, running.generator)[0])
@@ -296,6 +317,7 @@ class BatchingEngine(ThreadedEngine):
                            exc_info=True)
             self._finish(running, FinishReason.ERROR, f"{type(err).__name__}: {err}")
             return
+        self._decoder.drain()  # the batch changes: its tokens out first, and no step in flight holds it
         if self._accept(running, token):
             with self._lock:
                 row = self._scheduler.prefilled(running)
@@ -321,12 +343,15 @@ class BatchingEngine(ThreadedEngine):
         return False
 
     def _finish_cancelled(self) -> None:
-        """Every request whose flag is set ends now: decoding rows leave, waiting ones are dropped (a flag set
-        without ``cancel()``, e.g. a stop string or a manager's stop, never waits for the head of the queue)."""
+        """Every request whose flag is set ends now: decoding rows leave, requests being prefilled leave their
+        prefill, waiting ones are dropped (a flag set without ``cancel()``, e.g. a stop string or a manager's stop,
+        never waits for the head of the queue)."""
         if self._decoder.in_flight is not None and any(r.request.cancelled.is_set() for r in self._scheduler.rows):
             self._decoder.drain()  # no row leaves the batch while a step that holds it runs
         for running in [r for r in self._scheduler.rows if r.request.cancelled.is_set()]:
             self._end_row(running, FinishReason.CANCELLED)
+        for running in [r for r in self._scheduler.prefilling if r.request.cancelled.is_set()]:
+            self._finish(running, FinishReason.CANCELLED)  # mid-prefill: the prefill is left, its pages go back
         with self._lock:
             dropped = [r for r in self._scheduler.waiting if r.request.cancelled.is_set()]
             for running in dropped:
@@ -361,6 +386,7 @@ class BatchingEngine(ThreadedEngine):
         except Exception:  # noqa: BLE001 - the final event must still be sent
             logger.exception("hf_rocketkv batching engine: releasing request %s failed", running.request_id)
         with self._lock:
+            self._scheduler.prefill_ended(running)
             self._requests.pop(running.request_id, None)
         self._emit(EngineEvent(running.request_id, finish_reason=reason, error=error))
 
@@ -389,7 +415,7 @@ class BatchingEngine(ThreadedEngine):
 
     def _fail_orphans(self, message: str) -> None:
         """After an unexpected failure: every admitted request that is neither waiting nor decoding (its prefill
-        was interrupted) still gets its one final event."""
+        was interrupted, or is under way and may be half-updated) still gets its one final event."""
         with self._lock:
             placed = {id(r) for r in self._scheduler.waiting} | {id(r) for r in self._scheduler.rows}
             orphans = [r for r in self._requests.values() if id(r) not in placed]

@@ -3,8 +3,10 @@
 Decoding each new token alone is wrong for byte-level BPE (a character split over two tokens decodes as U+FFFD) and
 for SentencePiece (a token's leading space depends on what precedes it). So every step decodes a short window twice:
 the tokens already turned into text (``prefix``) and the same window plus the new tokens (``full``); the delta is
-what ``full`` adds. A delta ending in U+FFFD is held back until the character completes (or the request ends). The
-window starts on the last few prompt tokens, so the first generated token is decoded in context.
+what ``full`` adds. A delta ending in U+FFFD is held back until the character completes; when the request ends first
+(max_tokens cut a character in two), the bytes of that half character are dropped, so no text, streamed or whole,
+ever ends in half a UTF-8 character. The window starts on the last few prompt tokens, so the first generated token is
+decoded in context.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ class IncrementalDetokenizer:
         return self._advance(final=False)
 
     def flush(self) -> str:
-        """The text still held back (an incomplete character at the very end), at the end of the request."""
-        return self._advance(final=True)
+        """The text still held back at the end of the request, less a character left incomplete by the last tokens
+        (its bytes decode as U+FFFD)."""
+        return self._advance(final=True).rstrip(REPLACEMENT_CHAR)
 
     def _advance(self, final: bool) -> str:
         if self._read == len(self._ids):

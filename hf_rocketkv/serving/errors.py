@@ -17,11 +17,12 @@ class InvalidRequest(ValueError):
     machine-readable reason (``"invalid_value"``, ``"context_length_exceeded"``, ``"model_not_found"``, ...).
     """
 
-    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value"):
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value", status: int = 400):
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code
+        self.status = status  # the HTTP status the server answers with (413: a request body over the limit)
 
 
 class Overloaded(RuntimeError):

@@ -23,6 +23,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from ..cache import check_pool_policy
 from ..config import RocketKVConfig
 from ..memory import PoolExhaustedError
 from .channel import OutputChannel
@@ -70,6 +71,28 @@ def build_engine(engine: Engine | str | None, model, config, pool, max_queue: in
     built = BatchingEngine(model, config, pool, batching, lockstep=lockstep)
     warm_up_batching(built, warmup_max_tokens, max_model_len)
     return built
+
+
+def batching_refusal(config: RocketKVConfig) -> str | None:
+    """Why ``BatchingEngine`` cannot serve ``config``, as one short phrase naming the field (the first such field),
+    or None when it can. The engine refuses the same configs when it is built (``NotImplementedError`` or
+    ``ValueError`` naming the field); this answers before any model or pool exists (``hf-rocketkv serve`` falls back
+    to the sequential engine on it)."""
+    if config.multi_turn != "evict":
+        return f"multi_turn={config.multi_turn!r} (the batching engine serves one turn per request)"
+    if config.decode_budget is not None:
+        return (f"decode_budget={config.decode_budget} (the batched decode step does not compress generated "
+                f"tokens)")
+    if config.token_budget is not None:
+        return (f"token_budget={config.token_budget} (it derives page_size per request; the batching engine's pool "
+                f"fixes it)")
+    try:
+        check_pool_policy(config)
+    except ValueError:
+        name = getattr(config.stage1, "name", config.stage1)
+        return (f"stage1={name!r} (each KV head keeps its own number of tokens, which the batching engine's pool "
+                f"pages cannot account for)")
+    return None
 
 
 def warm_up_batching(engine, max_tokens: int, max_model_len: int | None = None) -> dict | None:
@@ -300,6 +323,9 @@ class GenerationManager:
                 f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context of "
                 f"{self.max_model_len} tokens; ask for at most {self.max_model_len - prompt_len} tokens",
                 "max_tokens", "context_length_exceeded")
+        check_fits = getattr(self.engine, "check_fits", None)  # the batching engine: the pool's pages
+        if check_fits is not None:
+            check_fits(prompt_len, params.max_tokens)
         if params.stop and self.tokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer; this manager has none (use stop_token_ids)", "stop")
         bad_ids = [t for t in params.stop_token_ids if t >= self.vocab_size]
@@ -326,9 +352,8 @@ class GenerationManager:
                 output = record.processor.on_tokens(event.token_ids)
                 if output.finished:
                     record.request.cancelled.set()  # a stop string: the engine stops within one step
+                    self._observe(record)
                 record.channel.push(output)
-            if output.finished:
-                self._observe(record)
         if event.finish_reason is not None:
             self._finish(record, event.finish_reason, event.error)
 
@@ -336,9 +361,10 @@ class GenerationManager:
         with record.lock:
             if record.processor.finished:
                 return
-            record.channel.push(record.processor.on_finish(reason, error))
+            output = record.processor.on_finish(reason, error)
+            self._observe(record)  # counted before its consumer can see the end (then reads the metrics)
+            record.channel.push(output)
             abandoned = record.abandoned
-        self._observe(record)
         if abandoned:
             self._forget(record.request.request_id)
 

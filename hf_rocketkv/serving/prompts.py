@@ -14,18 +14,37 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 def encode_text(tokenizer, text: str) -> list[int]:
     if tokenizer is None:
         raise InvalidRequest("this manager has no tokenizer: pass the prompt as token ids", "prompt")
+    check_unicode(text, "prompt")
     return list(tokenizer(text, add_special_tokens=True)["input_ids"])
 
 
-def encode_chat(tokenizer, messages: Sequence[dict[str, Any]]) -> list[int]:
-    """Token ids of ``messages`` ([{"role": ..., "content": str}]) through the chat template, ready for the reply."""
+def encode_chat(tokenizer, messages: Sequence[dict[str, Any]], *, chat_template: str | None = None,
+                add_generation_prompt: bool = True, add_special_tokens: bool = False) -> list[int]:
+    """Token ids of ``messages`` ([{"role": ..., "content": str}]) through the chat template (``chat_template``, else
+    the tokenizer's), ready for the reply (``add_generation_prompt``)."""
     if tokenizer is None:
         raise InvalidRequest("this manager has no tokenizer, so it cannot apply a chat template", "messages")
-    if not getattr(tokenizer, "chat_template", None):
-        raise InvalidRequest("the model's tokenizer has no chat template; use /v1/completions", "messages")
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequest("the model's tokenizer has no chat template; use /v1/completions (or start the server "
+                             "with --chat-template)", "messages")
     check_messages(messages)
-    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         chat_template=chat_template)
+    check_unicode(text, "messages")
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def tokenize_ids(tokenizer, request, chat_template: str | None = None) -> list[int]:
+    """The ids of a /tokenize request (``protocol.TokenizeRequest``): its prompt, or its messages through the chat
+    template."""
+    if request.messages is not None:
+        return encode_chat(tokenizer, request.messages, chat_template=chat_template,
+                           add_generation_prompt=request.add_generation_prompt,
+                           add_special_tokens=request.add_special_tokens)
+    if tokenizer is None:
+        raise InvalidRequest("this server has no tokenizer", "prompt")
+    check_unicode(request.prompt, "prompt")
+    return list(tokenizer(request.prompt, add_special_tokens=request.add_special_tokens)["input_ids"])
 
 
 def check_messages(messages: Any) -> None:
@@ -45,3 +64,13 @@ def check_messages(messages: Any) -> None:
         if extra:
             raise InvalidRequest(f"messages[{i}] has unsupported field(s) {extra}; allowed: role, content, name",
                                  f"messages[{i}]")
+
+
+def check_unicode(text: str, param: str) -> None:
+    """Text a tokenizer can encode: JSON's ``"\\ud800"`` escape gives Python a lone surrogate, which is no Unicode
+    character (UTF-8 cannot encode it, and the tokenizer raised TypeError: the server answered 500)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InvalidRequest(f"{param} is not valid Unicode: a lone surrogate (U+{ord(text[err.start]):04X}) at "
+                             f"character {err.start}", param) from None

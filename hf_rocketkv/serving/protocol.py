@@ -29,6 +29,10 @@ CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
     "parallel_tool_calls",
 }
+# vLLM's /tokenize (a prompt, or chat messages through the template) and /detokenize
+TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                             "return_token_strs"})
+DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 
 
 @dataclass(frozen=True)
@@ -191,6 +195,64 @@ def _text_parts(parts: list[Any], index: int) -> str:
 
 def _show(values: tuple) -> str:
     return " or ".join("null" if v is None else repr(v) for v in values)
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    """A validated /tokenize body: ``prompt`` or ``messages``, with vLLM's defaults (special tokens added to a prompt
+    and not to messages, whose template brings its own; the assistant turn opened after messages)."""
+
+    model: str | None
+    prompt: str | None
+    messages: list[dict[str, str]] | None
+    add_special_tokens: bool
+    add_generation_prompt: bool
+    return_token_strs: bool
+
+
+@dataclass(frozen=True)
+class DetokenizeRequest:
+    model: str | None
+    tokens: list[int]
+
+
+def parse_tokenize_request(body: Any) -> TokenizeRequest:
+    body = _check_body(body, TOKENIZE_FIELDS)
+    model = _optional_model(body)
+    has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
+    if has_prompt == has_messages:
+        raise InvalidRequest("give either prompt (a string) or messages (a list of {role, content}), not both",
+                             "messages" if has_messages else "prompt")
+    if has_prompt and not isinstance(body["prompt"], str):
+        raise InvalidRequest("prompt must be a string", "prompt")
+    flags = {name: _flag(body, name, default) for name, default in (
+        ("add_special_tokens", has_prompt), ("add_generation_prompt", True), ("return_token_strs", False))}
+    return TokenizeRequest(model=model, prompt=body.get("prompt"),
+                           messages=_chat_messages(body["messages"]) if has_messages else None, **flags)
+
+
+def parse_detokenize_request(body: Any) -> DetokenizeRequest:
+    body = _check_body(body, DETOKENIZE_FIELDS)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise InvalidRequest("tokens is required: a list of token ids", "tokens")
+    return DetokenizeRequest(model=_optional_model(body), tokens=tokens)
+
+
+def _optional_model(body: dict[str, Any]) -> str | None:
+    model = body.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise InvalidRequest("model must be a string (see GET /v1/models) or left out", "model")
+    return model
+
+
+def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"{name} must be true or false, got {value!r}", name)
+    return value
 
 
 # ------------------------------------------------------------------------------------------------ responses

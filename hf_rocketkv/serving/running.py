@@ -8,19 +8,22 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import RocketKVCache
+from .chunked_prefill import ChunkedPrefill
 from .engine import EngineRequest
 
 
 @dataclass(eq=False)  # identity: the scheduler finds a request's row with list.index
 class RunningRequest:
     """What the batching engine holds for one request between ``submit`` and its final event: the pool pages set
-    aside at admission, its cache once prefilled, its sampling generator, and the tokens it has produced."""
+    aside at admission, its cache and chunked prefill from its first prefill chunk on, its sampling generator, and
+    the tokens it has produced."""
 
     request: EngineRequest
     reservation: object = None  # the pool pages set aside at admission (given to the cache's admission at prefill)
     cache_salt: str | None = None  # the prefix-index salt of its cache (set only for the warm-up request)
     error: str | None = None  # set at admission: the request can never be served (ends with "error" at prefill)
     cache: RocketKVCache | None = None
+    prefill: ChunkedPrefill | None = None  # its prompt's prefill, from the first chunk on (done: joined the rows)
     generator: torch.Generator | None = None
     tokens: int = 0
     last_token: int = 0
@@ -28,6 +31,11 @@ class RunningRequest:
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def prompt_left(self) -> int:
+        """Prompt tokens still to prefill (the whole prompt before the first chunk, which may find a prefix hit)."""
+        return self.prefill.left if self.prefill is not None else self.request.prompt_len
 
     @property
     def cancelled(self) -> threading.Event:

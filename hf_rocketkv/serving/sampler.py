@@ -12,6 +12,8 @@ import torch
 
 from .sampling import SamplingParams
 
+MIN_TEMPERATURE = float(torch.finfo(torch.float32).tiny)  # the smallest temperature the scores are divided by
+
 
 def new_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
     """A generator on ``device``, seeded with ``seed`` or (None) with fresh OS entropy; global RNG untouched."""
@@ -28,8 +30,14 @@ def sampling_distribution(logits: torch.Tensor, params: SamplingParams) -> torch
 
     Order: temperature, then top-k (ties with the k-th logit are kept), then top-p (the smallest prefix of tokens by
     descending probability whose mass reaches top_p; the most likely token is always kept), then renormalise.
+
+    Any temperature in (0, 2] and top_p in (0, 1] gives a distribution: the scores are shifted so that the largest is
+    0 before the division (a tiny temperature sends the others to -inf, never the top one to inf or NaN), the
+    temperature is at least float32's smallest normal number (a smaller one, or one that rounds to 0 in float32,
+    draws among the tied top tokens, as that one does), and the top token survives any top_p.
     """
-    scores = logits.float() / params.temperature
+    scores = logits.float()
+    scores = (scores - scores.amax(dim=-1, keepdim=True)) / max(params.temperature, MIN_TEMPERATURE)
     vocab = scores.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
@@ -39,6 +47,7 @@ def sampling_distribution(logits: torch.Tensor, params: SamplingParams) -> torch
         probs = torch.softmax(sorted_scores, dim=-1)
         mass_before = torch.cumsum(probs, dim=-1) - probs
         drop_sorted = mass_before >= params.top_p  # the tokens before already reach top_p
+        drop_sorted[..., 0] = False  # the most likely token, even when top_p rounds to 0 in float32
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
     return torch.softmax(scores, dim=-1)

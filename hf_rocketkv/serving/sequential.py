@@ -25,6 +25,7 @@ from ..cache import RocketKVCache
 from ..config import RocketKVConfig
 from ..integration import compat
 from ..integration.generate import get_config
+from .admission import check_pool_fits
 from .engine import EngineEvent, EngineRequest
 from .generate_hooks import CancelCriteria, SamplingLogitsProcessor, TokenStreamer
 from .lockstep import check_lockstep_for
@@ -83,6 +84,12 @@ class SequentialEngine(ThreadedEngine):
         self._running: EngineRequest | None = None
 
     # ------------------------------------------------------------------------------------------------ queue hooks
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        """With a pool: ``InvalidRequest`` for a request the pool could never hold, even empty
+        (``admission.check_pool_fits``); the manager calls it before ``submit``."""
+        if self.pool is not None:
+            check_pool_fits(self.config, self.pool, prompt_len, max_new_tokens)
+
     def _enqueue(self, request: EngineRequest) -> EngineRequest:
         self._refuse_duplicate(request)
         self._queue.put(request)  # Overloaded, or EngineStopped once the queue is closed

@@ -3,10 +3,13 @@
     app = create_app(manager, "smollm2")        # then: uvicorn.run(app, host="127.0.0.1", port=8000)
 
     POST /v1/completions, /v1/chat/completions   streaming (SSE ``data: {...}`` chunks, ``data: [DONE]``) or not
+    POST /tokenize, /detokenize                  vLLM's: text or messages to token ids, token ids to text
     GET  /v1/models, /health, /metrics           model list; 200/503; Prometheus text
 
-Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``: 400 invalid request (unknown model,
-prompt longer than the context, bad or unsupported parameters), 429 queue full (the request was not admitted),
+Every error, on every route, is OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``: 400 invalid
+request (prompt longer than the context, bad or unsupported parameters), 401 a missing or wrong API key (with
+``api_key``: every route but /health and /metrics wants ``Authorization: Bearer KEY``), 404 an unknown model
+(``model_not_found``) or route, 405 a route asked with another method, 429 queue full (the request was not admitted),
 503 stopped, 500 a failure inside the request. A client that disconnects gets its request cancelled (the engine
 stops it within one step and frees its cache and pages). The app keeps its state on itself (``app.state``).
 """
@@ -26,13 +29,16 @@ require_serve_deps()  # a clear "pip install hf_rocketkv[serve]" instead of a ba
 
 import anyio  # noqa: E402
 from fastapi import FastAPI, Request  # noqa: E402
+from fastapi.exceptions import RequestValidationError  # noqa: E402
 from fastapi.responses import JSONResponse, Response  # noqa: E402
 from starlette.concurrency import run_in_threadpool  # noqa: E402
+from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa: E402
+from starlette.requests import ClientDisconnect  # noqa: E402
 from starlette.responses import StreamingResponse  # noqa: E402
 
 from .errors import EngineStopped, InvalidRequest, Overloaded  # noqa: E402
 from .outputs import FinishReason  # noqa: E402
-from .prompts import encode_chat, encode_text  # noqa: E402
+from .prompts import encode_chat, encode_text, tokenize_ids  # noqa: E402
 from .protocol import (  # noqa: E402
     CHAT_DEFAULT_MAX_TOKENS,
     ParsedRequest,
@@ -42,6 +48,8 @@ from .protocol import (  # noqa: E402
     error_body,
     parse_chat_request,
     parse_completion_request,
+    parse_detokenize_request,
+    parse_tokenize_request,
     usage,
 )
 
@@ -50,21 +58,40 @@ logger = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.2  # how often a non-streaming request checks that its client is still there
 
 
+OPEN_PATHS = ("/health", "/metrics")  # answered without the API key (probes, Prometheus), as vLLM does
+
+
+def max_body_bytes(max_model_len: int) -> int:
+    """The largest request body read: 64 bytes per token of the context (a JSON-escaped character takes up to 6
+    bytes, a token a few characters) plus 64 KiB for the other fields. A larger one is refused with 413 unread,
+    instead of being read whole and tokenized only to be refused as longer than the context."""
+    return 64 * max_model_len + (64 << 10)
+
+
 def create_app(manager, model_name: str, *, default_max_tokens: int = CHAT_DEFAULT_MAX_TOKENS,
-               aliases: tuple[str, ...] = ()):
+               aliases: tuple[str, ...] = (), api_key: str | None = None, chat_template: str | None = None):
     """The FastAPI app serving ``manager`` under the model id ``model_name``.
 
     ``default_max_tokens``: max_tokens of a chat request that gives none (capped by the rest of the context).
-    Completions without max_tokens get OpenAI's 16.
+    Completions without max_tokens get OpenAI's 16. ``api_key``: every route but /health and /metrics wants
+    ``Authorization: Bearer <api_key>`` (401 otherwise). ``chat_template``: a Jinja chat template used instead of the
+    tokenizer's own (chat completions, /tokenize with messages).
     """
     if not isinstance(default_max_tokens, int) or isinstance(default_max_tokens, bool) or default_max_tokens < 1:
         raise ValueError(f"default_max_tokens must be an integer >= 1, got {default_max_tokens!r}")
+    if api_key is not None and (not isinstance(api_key, str) or not api_key):
+        raise ValueError("api_key must be a non-empty string, or None for no key")
     app = FastAPI(title="hf_rocketkv", description="RocketKV KV-cache compression, OpenAI-compatible API")
     app.state.manager = manager
     app.state.model_name = model_name
     app.state.model_ids = frozenset((model_name, *aliases))
     app.state.created = int(time.time())
     app.state.default_max_tokens = default_max_tokens
+    app.state.max_body_bytes = max_body_bytes(manager.max_model_len)
+    app.state.chat_template = chat_template
+    _openai_errors(app)
+    if api_key is not None:
+        _require_api_key(app, api_key)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -86,6 +113,14 @@ def create_app(manager, model_name: str, *, default_max_tokens: int = CHAT_DEFAU
                                            "model_not_found"), status_code=404)
         return {"id": model_name, "object": "model", "created": app.state.created, "owned_by": "hf_rocketkv"}
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await _guard(lambda: _tokenize(request, app))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await _guard(lambda: _detokenize(request, app))
+
     @app.get("/health")
     async def health():
         if manager.healthy():
@@ -103,12 +138,63 @@ def create_app(manager, model_name: str, *, default_max_tokens: int = CHAT_DEFAU
 
 
 # ------------------------------------------------------------------------------------------------ errors
+HTTP_ERROR_CODES = {401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
+                    413: "request_too_large", 415: "unsupported_media_type"}
+
+
+def _openai_errors(app) -> None:
+    """Starlette's own errors (unknown route 404, wrong method 405, FastAPI's validation 422) in OpenAI's shape too,
+    instead of FastAPI's ``{"detail": ...}``."""
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}; see GET /v1/models, POST /v1/completions, " \
+                      f"/v1/chat/completions, /tokenize, /detokenize"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        return JSONResponse(error_body(message, "invalid_request_error", None,
+                                       HTTP_ERROR_CODES.get(exc.status_code, "http_error")),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        where = ".".join(str(part) for part in first.get("loc", ()) if part != "body") or None
+        message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
+        return JSONResponse(error_body(message, "invalid_request_error", where, "invalid_value"), status_code=422)
+
+
+def _require_api_key(app, api_key: str) -> None:
+    """Every route but OPEN_PATHS answers 401 without ``Authorization: Bearer <api_key>`` (compared in constant
+    time)."""
+    import hmac
+
+    expected = f"Bearer {api_key}".encode()
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        if request.url.path in OPEN_PATHS:
+            return await call_next(request)
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            return JSONResponse(error_body("a valid API key is required: send the header 'Authorization: Bearer "
+                                           "<key>' (the key given to --api-key)", "invalid_request_error", None,
+                                           "invalid_api_key"),
+                                status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
+
+
 async def _guard(handler: Callable):
     """Run an endpoint; every failure becomes an OpenAI-shaped error response, never an unhandled exception."""
     try:
         return await handler()
     except InvalidRequest as err:
-        return JSONResponse(error_body(err.message, "invalid_request_error", err.param, err.code), status_code=400)
+        return JSONResponse(error_body(err.message, "invalid_request_error", err.param, err.code),
+                            status_code=err.status)
     except Overloaded as err:
         return JSONResponse(error_body(str(err), "rate_limit_error", None, "overloaded"), status_code=429,
                             headers={"Retry-After": "1"})
@@ -123,12 +209,10 @@ async def _guard(handler: Callable):
 # ------------------------------------------------------------------------------------------------ generation
 async def _generate(request, app, chat: bool):
     manager, model_name = app.state.manager, app.state.model_name
-    body = await _json_body(request)
+    body = await _json_body(request, app.state.max_body_bytes)
     parsed = parse_chat_request(body) if chat else parse_completion_request(body)
-    if parsed.model not in app.state.model_ids:
-        raise InvalidRequest(f"model {parsed.model!r} does not exist; this server serves {model_name!r}", "model",
-                             "model_not_found")
-    prompt_ids = await run_in_threadpool(_prompt_ids, manager, parsed)  # tokenizing a long prompt takes a while
+    _check_model(app, parsed.model)
+    prompt_ids = await run_in_threadpool(_prompt_ids, manager, parsed, app.state.chat_template)  # long prompts: slow
     params = parsed.sampling_params(len(prompt_ids), manager.max_model_len, app.state.default_max_tokens)
     request_id = manager.add_request(prompt_ids, params)
     prefix = "chatcmpl-" if chat else "cmpl-"
@@ -138,19 +222,68 @@ async def _generate(request, app, chat: bool):
     return await _complete(request, manager, request_id, reply)
 
 
-async def _json_body(request) -> Any:
+async def _json_body(request, limit: int) -> Any:
+    """The body as JSON; one over ``limit`` bytes is refused (413) before it is read whole or tokenized."""
+    declared = request.headers.get("content-length", "")
+    size, chunks = int(declared) if declared.isdigit() else 0, []
+    if size <= limit:
+        size = 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    break
+                chunks.append(chunk)
+        except ClientDisconnect:  # gone before its body ended: nobody reads the answer, and nothing failed here
+            raise InvalidRequest("the client disconnected before its body ended", None, "client_disconnected")
+    if size > limit:
+        raise InvalidRequest(f"the request body has more than {limit} bytes, more than any prompt this server's "
+                             f"context holds", None, "request_too_large", status=413)
     try:
-        return await request.json()
+        return json.loads(b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise InvalidRequest(f"the request body is not valid JSON: {err}", None, "invalid_json") from err
 
 
-def _prompt_ids(manager, parsed: ParsedRequest) -> list[int]:
+def _check_model(app, model: str | None) -> None:
+    if model is not None and model not in app.state.model_ids:
+        raise InvalidRequest(f"model {model!r} does not exist; this server serves {app.state.model_name!r}", "model",
+                             "model_not_found", status=404)  # as OpenAI and vLLM answer an unknown model
+
+
+def _prompt_ids(manager, parsed: ParsedRequest, chat_template: str | None = None) -> list[int]:
     if parsed.messages is not None:
-        return encode_chat(manager.tokenizer, parsed.messages)
+        return encode_chat(manager.tokenizer, parsed.messages, chat_template=chat_template)
     if isinstance(parsed.prompt, str):
         return encode_text(manager.tokenizer, parsed.prompt)
     return list(parsed.prompt)
+
+
+async def _tokenize(request, app):
+    """vLLM's /tokenize: ``{"prompt"}`` or ``{"messages"}`` to ``{"count", "max_model_len", "tokens",
+    "token_strs"}``."""
+    parsed = parse_tokenize_request(await _json_body(request, app.state.max_body_bytes))
+    _check_model(app, parsed.model)
+    manager = app.state.manager
+    ids = await run_in_threadpool(tokenize_ids, manager.tokenizer, parsed, app.state.chat_template)
+    strings = None
+    if parsed.return_token_strs:
+        strings = manager.tokenizer.convert_ids_to_tokens(ids)
+    return {"count": len(ids), "max_model_len": manager.max_model_len, "tokens": ids, "token_strs": strings}
+
+
+async def _detokenize(request, app):
+    """vLLM's /detokenize: ``{"tokens"}`` to ``{"prompt"}`` (the text, special tokens included, as vLLM gives it)."""
+    parsed = parse_detokenize_request(await _json_body(request, app.state.max_body_bytes))
+    _check_model(app, parsed.model)
+    tokenizer = app.state.manager.tokenizer
+    if tokenizer is None:
+        raise InvalidRequest("this server has no tokenizer", "tokens")
+    vocab = len(tokenizer)
+    bad = [t for t in parsed.tokens if not 0 <= t < vocab]
+    if bad:
+        raise InvalidRequest(f"token id(s) {bad[:5]} outside the vocabulary [0, {vocab})", "tokens")
+    return {"prompt": tokenizer.decode(parsed.tokens)}
 
 
 class _Reply:

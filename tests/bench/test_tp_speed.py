@@ -44,10 +44,13 @@ def test_tp_speed_run_and_compare_on_cpu(tmp_path):
         assert record["device"] == "cpu"
         assert (record["batch"], record["context"], record["new_tokens"], record["repeats"]) == (2, 64, 4, 1)
         assert record["rocketkv"]["prompt_budget"] == 24 and record["rocketkv"]["backend"] == "torch"
-        for key in ("warm_up_s", "ttft_s", "full_s", "decode_ms_per_token", "decode_ms_per_token_steady",
-                    "tokens_per_s"):
+        for key in ("warm_up_s", "ttft_s", "full_s", "decode_ms_per_token_steady"):
             assert record[key] > 0, key
-        assert record["full_s"] > record["ttft_s"]
+        # the end-to-end decode figure is the difference of two timed calls: on a busy 2-core machine with 4 new
+        # tokens it can come out below zero, so its arithmetic is checked rather than its sign
+        (ttft,), (full,) = record["ttft_s_all"], record["full_s_all"]
+        assert record["decode_ms_per_token"] == pytest.approx((full - ttft) / (4 - 1) * 1e3)
+        assert record["tokens_per_s"] == pytest.approx(2 * 1e3 / record["decode_ms_per_token"])
         assert len(record["ttft_s_all"]) == len(record["full_s_all"]) == len(record["decode_ms_per_token_all"]) == 1
         assert record["peak_gib_per_rank"] == [None] * world  # no CUDA allocator on the CPU
         assert record["recompilations_after_warmup"] == 0  # reported; nothing compiles on the CPU

@@ -17,7 +17,7 @@ import types
 from pathlib import Path
 
 import pytest
-from transformers import BertConfig, Gemma2Config, LlamaConfig
+from transformers import BertConfig, LlamaConfig, Llama4TextConfig
 
 from hf_rocketkv.cli import CONFIG_DIR, compact_list, main
 from hf_rocketkv.eval.settings import load_run_config
@@ -174,13 +174,22 @@ def test_bench_delegates_and_passes_unknown_args(monkeypatch):
     fake = types.ModuleType("hf_rocketkv.bench.decode")
     fake.main = lambda argv: seen.setdefault("argv", argv) and 0
     monkeypatch.setitem(sys.modules, "hf_rocketkv.bench.decode", fake)
-    assert main(["bench", "--config", "smollm2-cpu", "--batch", "8", "--help"]) == 0
-    assert seen["argv"] == ["--config", str(CONFIG_DIR / "smollm2-cpu.yaml"), "--batch", "8", "--help"]
+    assert main(["bench", "--config", "smollm2-cpu", "--batch", "8", "--quick"]) == 0
+    assert seen["argv"] == ["--config", str(CONFIG_DIR / "smollm2-cpu.yaml"), "--batch", "8", "--quick"]
+
+
+@pytest.mark.parametrize("extra, shown", [([], "--memory-fraction"), (["--workload"], "--min-context")])
+def test_bench_help_comes_without_the_benchmark(extra, shown, monkeypatch, capsys):
+    """The benchmark's own options (bench/options.py), printed without importing it (and torch)."""
+    for name in ("hf_rocketkv.bench.decode", "hf_rocketkv.bench.workload"):
+        monkeypatch.setitem(sys.modules, name, None)  # importing it would raise
+    assert main(["bench", *extra, "--help"]) == 0
+    assert shown in capsys.readouterr().out
 
 
 def test_bench_without_the_module_says_so(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "hf_rocketkv.bench.decode", None)  # import raises ModuleNotFoundError
-    assert main(["bench", "--lengths", "1024"]) == 2
+    assert main(["bench", "--quick", "--no-plot"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("hf-rocketkv bench: error: ") and "hf_rocketkv/bench/decode.py" in err
 
@@ -222,7 +231,8 @@ def documented_errors() -> list[tuple[str, str, str]]:
 def make_error_fixtures(folder: Path) -> None:
     """The files the rows of the docs/cli.md error table name (listed under that table)."""
     small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128)
-    Gemma2Config(**small, num_key_value_heads=2, head_dim=8).save_pretrained(folder / "gemma2")
+    Llama4TextConfig(**small, num_key_value_heads=2, head_dim=8, architectures=["Llama4ForCausalLM"]).save_pretrained(
+        folder / "llama4")
     BertConfig(**small, architectures=["BertForMaskedLM"]).save_pretrained(folder / "bert")
     LlamaConfig(**small, num_key_value_heads=2).save_pretrained(folder / "llama-no-weights")
     (folder / "empty-folder").mkdir()
@@ -268,11 +278,13 @@ def test_documented_error(mistake, command, expected, error_fixtures, monkeypatc
     assert not (error_fixtures / "out").exists()  # nothing was run
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "mistral-window", "qwen2-window", "gemma2",
+                                  "gemma3", "cohere2", "gpt_oss"])
 def test_supported_architectures_pass_the_config_check(name):
     """No false rejection: the families the integration tests run (Qwen2 as shipped: sliding window configured but
-    switched off)."""
-    from transformers import MistralConfig, Qwen2Config, Qwen3Config
+    switched off; the sliding-window families of tests/integration/test_hybrid_models.py)."""
+    from transformers import (Cohere2Config, Gemma2Config, Gemma3TextConfig, GptOssConfig, MistralConfig, Qwen2Config,
+                              Qwen3Config)
 
     from hf_rocketkv.models import check_architecture
 
@@ -281,8 +293,25 @@ def test_supported_architectures_pass_the_config_check(name):
         "mistral": MistralConfig(sliding_window=None, architectures=["MistralForCausalLM"]),
         "qwen2": Qwen2Config(use_sliding_window=False, sliding_window=131072, architectures=["Qwen2ForCausalLM"]),
         "qwen3": Qwen3Config(use_sliding_window=False, sliding_window=32768),
+        "mistral-window": MistralConfig(sliding_window=4096, architectures=["MistralForCausalLM"]),
+        "qwen2-window": Qwen2Config(use_sliding_window=True, sliding_window=4096, max_window_layers=2),
+        "gemma2": Gemma2Config(architectures=["Gemma2ForCausalLM"]),
+        "gemma3": Gemma3TextConfig(architectures=["Gemma3ForCausalLM"]),
+        "cohere2": Cohere2Config(architectures=["Cohere2ForCausalLM"]),
+        "gpt_oss": GptOssConfig(architectures=["GptOssForCausalLM"]),
     }
     check_architecture(configs[name], name)
+
+
+def test_sliding_window_model_under_tensor_parallelism_is_refused_before_its_weights(tmp_path):
+    from transformers import Gemma2Config
+
+    from hf_rocketkv.models import ModelSourceError, load_model_and_tokenizer
+
+    Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=8, vocab_size=128).save_pretrained(tmp_path / "gemma2")  # no weights: they are never read
+    with pytest.raises(ModelSourceError, match="sliding-window layers do not run under tensor parallelism"):
+        load_model_and_tokenizer(str(tmp_path / "gemma2"), tp_plan="auto")
 
 
 def test_default_model_not_installed(monkeypatch, capsys):

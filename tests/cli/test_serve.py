@@ -27,8 +27,7 @@ from tests.support.tiny_models import char_tokenizer, compressing_config, make_m
     (["--port", "70000"], "--port must be in [0, 65535]"),
     (["--max-queue", "0"], "--max-queue must be >= 1"),
     (["--pool-gib", "-1"], "--pool-gib must be > 0"),
-    (["--engine", "batching"], "--engine batching needs --pool-gib"),
-    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 sets the pool's page dtype: give --pool-gib too"),
+    (["--engine", "sequential", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 sets the KV pool's page dtype"),
     (["--kv-cache-dtype", "int4"], "invalid choice"),
     (["--engine", "fast"], "invalid choice"),
     (["--max-running", "0"], "--max-running must be in [1, 128]"),
@@ -98,10 +97,10 @@ def test_missing_serve_extra_names_the_install_command(monkeypatch):
 
     real = importlib.import_module
 
-    def fake(name, *args):
+    def fake(name, *args, **kwargs):  # importlib's own function: the package's lazy names call it too
         if name == "uvicorn":
             raise ImportError("No module named 'uvicorn'")
-        return real(name, *args)
+        return real(name, *args, **kwargs)
 
     monkeypatch.setattr(deps.importlib, "import_module", fake)
     with pytest.raises(ImportError, match=r"uvicorn.*pip install hf_rocketkv\[serve\]"):
@@ -138,11 +137,13 @@ def test_import_without_the_serve_extra():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine_args", [[], ["--engine", "batching", "--pool-gib", "0.01"],
+@pytest.mark.parametrize("engine_args", [["--kv-memory-fraction", "0.001"], ["--engine", "sequential"],
+                                         ["--engine", "batching", "--pool-gib", "0.01"],
                                          ["--engine", "batching", "--pool-gib", "0.01", "--kv-cache-dtype", "fp8"]])
 def test_serve_main_end_to_end(tmp_path, engine_args):
     """The real command in a subprocess on a saved tiny model: it prints its address, answers, exits 0 on SIGINT;
-    with the sequential engine (no pool), the batching one, and the batching one on fp8 pages."""
+    with the default engine (batching over a pool sized from the free RAM, a small fraction of it here), the
+    sequential engine (no pool), the batching one over --pool-gib, and the batching one on fp8 pages."""
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
     model, _ = make_models("llama")
@@ -161,6 +162,69 @@ def test_serve_main_end_to_end(tmp_path, engine_args):
         body = {"model": "tiny", "prompt": "hello world " * 4, "max_tokens": 5, "ignore_eos": True}
         response = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            code = process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            code = process.wait()
+        process.stderr.close()
+    assert code == 0
+
+
+CHAT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
+
+
+def test_serve_options_are_checked_and_applied(tmp_path, monkeypatch):
+    """--set overrides the config after --config is read; --chat-template is a file or the template itself;
+    --api-key falls back to HF_ROCKETKV_API_KEY; what create_app gets."""
+    from hf_rocketkv.cli.serve import build_parser
+    from hf_rocketkv.cli.serve_options import app_options, check_options
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    parser = build_parser()
+    monkeypatch.delenv("HF_ROCKETKV_API_KEY", raising=False)
+    args = parser.parse_args(["--model", str(tmp_path / "m"), "--set", "topk=8", "--set", "prompt_budget=512",
+                              "--chat-template", str(template), "--api-key", "k1"])
+    config = check_options(args, load_config("smollm2-cpu"))
+    assert (config.topk, config.prompt_budget, config.page_size) == (8, 512, 4)  # the rest from smollm2-cpu
+    assert app_options(args) == {"api_key": "k1", "chat_template": CHAT_TEMPLATE}
+    monkeypatch.setenv("HF_ROCKETKV_API_KEY", "from-env")
+    args = parser.parse_args(["--model", str(tmp_path / "m"), "--chat-template", "{{ messages[0]['content'] }}"])
+    assert check_options(args, load_config(None)).topk == 64  # no --set: the config as read
+    assert app_options(args) == {"api_key": "from-env", "chat_template": "{{ messages[0]['content'] }}"}
+
+
+@pytest.mark.slow
+def test_serve_main_with_key_template_and_set(tmp_path):
+    """The real command with --api-key, --chat-template and --set, driven by the openai client: the wrong key is
+    refused (401), the right one gets a chat reply whose prompt went through the given template."""
+    httpx = pytest.importorskip("httpx")
+    openai = pytest.importorskip("openai")
+    model, _ = make_models("llama")
+    tokenizer = char_tokenizer()
+    model.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    (tmp_path / "chat.jinja").write_text(CHAT_TEMPLATE)
+    command = [sys.executable, "-m", "hf_rocketkv.cli", "serve", "--model", str(tmp_path / "tiny"), "--port", "0",
+               "--served-model-name", "tiny", "--log-level", "warning", "--threads", "1", "--api-key", "sk-1",
+               "--chat-template", str(tmp_path / "chat.jinja"), "--set", "prompt_budget=24", "--set", "window_size=8",
+               "--set", "kernel_size=5", "--set", "topk=3", "--set", "kt_cache_dtype=bfloat16"]
+    process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True, env=subprocess_env())
+    try:
+        url = server_address(process, timeout=120)
+        assert wait_for_health(httpx, url)  # /health needs no key
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="sk-2", max_retries=0).models.list()
+        api = openai.OpenAI(base_url=url + "/v1", api_key="sk-1", max_retries=0, timeout=60)
+        messages = [{"role": "user", "content": "hello"}]
+        reply = api.chat.completions.create(model="tiny", messages=messages, max_tokens=3,
+                                            extra_body={"ignore_eos": True})
+        assert reply.usage.prompt_tokens == len("[user] hello\n[assistant]") and reply.usage.completion_tokens == 3
     finally:
         process.send_signal(signal.SIGINT)
         try:
@@ -342,16 +406,19 @@ def test_serve_unknown_top_level_key_beside_the_section_exits_2(tmp_path, capsys
 @pytest.mark.parametrize("fields, name", [(dict(multi_turn="keep_all"), "multi_turn"),
                                           (dict(decode_budget=16, decode_interval=8, decode_window=4),
                                            "decode_budget")])
-def test_serve_config_refused_by_the_engine_exits_2(tiny_dir, tmp_path, capsys, no_serving, fields, name):
+def test_serve_config_refused_by_the_batching_engine_exits_2(tiny_dir, tmp_path, capsys, no_serving, fields, name):
+    """``--engine batching`` with a config it cannot serve: one line naming the field, before the model loads (the
+    default engine falls back to the sequential one instead: tests/cli/test_serve_defaults.py)."""
     from hf_rocketkv.cli.serve import serve_main
 
     config = tmp_path / "c.yaml"
     compressing_config(**fields).to_yaml(config)
     argv = ["--model", str(tiny_dir), "--config", str(config), "--pool-gib", "0.01", "--port", "0",
-            "--warmup-max-tokens", "0", "--log-level", "warning"]
+            "--warmup-max-tokens", "0", "--log-level", "warning", "--engine", "batching"]
     assert serve_main(argv) == 2  # not the engine's NotImplementedError escaping serve_main (a traceback)
     err = capsys.readouterr().err
-    assert name in err and 1 <= len(err.strip().splitlines()) <= 3 and "Traceback" not in err
+    assert name in err and "--engine batching" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
 @pytest.mark.parametrize("engine", ["auto", "sequential"])
@@ -366,4 +433,4 @@ def test_serve_adakv_with_a_pool_names_the_config_and_the_flag(tiny_dir, tmp_pat
     err = capsys.readouterr().err
     assert 1 <= len(err.strip().splitlines()) <= 3 and "Traceback" not in err
     assert "stage1" in err and "--pool-gib" in err, err
-    assert "cannot load --model" not in err, err  # the model loaded fine: the config is what is refused
+    assert "cannot load --model" not in err, err  # the config is what is refused, before the model loads

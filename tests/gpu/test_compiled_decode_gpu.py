@@ -75,3 +75,30 @@ def test_deferred_stop_check_gives_the_per_step_tokens_and_cache(model, batch):
     assert torch.equal(d_out, out), "the deferred stop check changed the tokens of an EOS-stopped request"
     assert d_length == length, "the extra step after EOS was not undone (sequence length)"
     assert torch.equal(d_kept, kept) and torch.equal(d_lengths, lengths), "the cache kept other tokens after EOS"
+
+
+@pytest.fixture(scope="module")
+def float32_model():
+    return llama_8b_layers(LAYERS, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("kt_dtype", ["float8_e5m2", "bfloat16", "float16", "float32"])
+def test_torch_compile_runner_with_every_kt_dtype_gives_eager_tokens(float32_model, kt_dtype, backend):
+    """decode_runner="torch_compile" (inductor over the whole forward) with each KT dtype and both backends, on a
+    float32 model (so the comparison is not about bf16 fusion): the eager tokens, one graph, and none more for a
+    second request of the same shapes."""
+    model = float32_model
+    ids, mask = _prompt(2)
+    ids, mask = ids[:, -2048:].contiguous(), mask[:, -2048:].contiguous()
+    config = ROCKET.replace(prompt_budget=1024, kt_cache_dtype=kt_dtype, backend=backend,
+                            decode_runner="torch_compile")
+    eager = _generate(model, ids, mask, config, disable_compile=True, max_new_tokens=16)
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    for attempt in ("first request", "second request of the same shapes"):
+        out = _generate(model, ids, mask, config, max_new_tokens=16)
+        assert torch.equal(out, eager), (
+            f"{attempt}: {(out == eager).float().mean().item():.4f} of the tokens equal eager decode's")
+        assert dynamo_utils.counters["stats"]["unique_graphs"] == 1, dict(dynamo_utils.counters["stats"])
+

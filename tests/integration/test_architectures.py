@@ -1,5 +1,5 @@
 """The architectures the integration supports: the same integration checks on every one (tiny random Llama, Mistral,
-Qwen2, Qwen3 with q/k norm), GQA layouts from MHA to MQA, and the clear error for sliding-window layers."""
+Qwen2, Qwen3 with q/k norm), GQA layouts from MHA to MQA, and Mistral / Qwen2 with sliding windows."""
 
 from __future__ import annotations
 
@@ -49,19 +49,19 @@ def test_compression_engaged_and_padding_invariant(arch, overrides):
         assert torch.equal(batch[b, ids.shape[1] :], alone[0, len(row) :])
 
 
-@pytest.mark.parametrize("arch,overrides,layer", [
-    ("mistral", dict(sliding_window=16), 0),
-    ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1), 1),
+@pytest.mark.parametrize("arch,overrides", [
+    ("mistral", dict(sliding_window=16)),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)),
 ])
-def test_sliding_window_layers_not_implemented(arch, overrides, layer):
-    rocket, _ = make_models(arch, **overrides)
-    ids = random_ids(1, 30)
-    with pytest.raises(NotImplementedError, match="sliding_window") as info:
-        with torch.no_grad():
-            rocket(ids, past_key_values=RocketKVCache(compressing_config()))  # the first forward
-    assert f"layer {layer}" in str(info.value)
-    with pytest.raises(NotImplementedError, match="sliding"):
-        greedy(rocket, ids)  # generate() with its automatic cache
-    # the same model without sliding windows works
-    plain, _ = make_models(arch)
-    greedy(plain, ids, past_key_values=RocketKVCache(compressing_config()), max_new_tokens=2)
+def test_sliding_window_configs_equal_sdpa(arch, overrides):
+    """Mistral with a window (every layer slides) and Qwen2 with use_sliding_window (layers from max_window_layers on
+    slide): the same tokens as transformers' own sliding-window cache, with and without compression of the
+    full-attention layers (tests/integration/test_hybrid_models.py has the other hybrid families)."""
+    rocket, sdpa = make_models(arch, **overrides)
+    ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (45, 30)])
+    out = greedy(rocket, ids, attention_mask=mask, past_key_values=RocketKVCache(keep_all_config()), max_new_tokens=10)
+    assert torch.equal(out, greedy(sdpa, ids, attention_mask=mask, max_new_tokens=10))
+    cache = RocketKVCache(compressing_config())
+    greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4)
+    assert [layer.is_sliding for layer in cache.layers] == [arch == "mistral", True]
+    assert [layer.keys.shape[2] for layer in cache.layers if layer.is_sliding] == [15] * (1 + (arch == "mistral"))

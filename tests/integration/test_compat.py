@@ -50,11 +50,10 @@ def test_cache_argument_name_is_the_models_own():
 
 @pytest.mark.parametrize("name", ["cache", "past_key_values"])
 def test_generate_takes_the_cache_under_either_name(name, recwarn):
-    """From 5.24 on, ``cache=`` and the deprecated ``past_key_values=`` both reach RocketKV (before 5.24 only
-    ``past_key_values`` exists); the tokens equal a run without a cache argument (a fresh cache per call), and
+    """``cache=`` and ``past_key_values=`` both reach RocketKV on every supported version (the generate() wrapper
+    passes the cache under the installed name: ``cache`` from 5.24 on, where ``past_key_values`` is deprecated;
+    ``past_key_values`` before); the tokens equal a run without a cache argument (a fresh cache per call), and
     hf_rocketkv's own forwards never use the deprecated name."""
-    if name not in compat.CACHE_ARGS:
-        pytest.skip(f"transformers {transformers.__version__} has no generate({name}=...)")
     rocket, _ = make_models("llama")
     ids = random_ids(2, 40)
     config = hf_rocketkv.RocketKVConfig(prompt_budget=16, topk=2, page_size=4, window_size=4, kernel_size=3)
@@ -66,11 +65,30 @@ def test_generate_takes_the_cache_under_either_name(name, recwarn):
         default = rocket.generate(ids, **kwargs)
     assert cache.get_seq_length() == 40 + 5  # this very cache served the call
     assert torch.equal(named, default)
-    deprecated = [str(w.message) for w in recwarn if "past_key_values" in str(w.message)]
-    if name == compat.CACHE_ARG:
+    deprecated = [w for w in recwarn if "past_key_values" in str(w.message)]
+    if name != "past_key_values" or compat.CACHE_ARG == "past_key_values":
         assert not deprecated, deprecated  # nothing inside hf_rocketkv uses the old name
-    else:  # the caller's own deprecated generate() argument, and nothing else (no forward inside)
-        assert deprecated and all(".generate" in message for message in deprecated), deprecated
+    else:  # the caller's own deprecated generate() argument, and nothing else (no forward inside), told at its line
+        assert deprecated and all(".generate" in str(w.message) for w in deprecated), deprecated
+        assert {w.filename for w in deprecated} == {__file__}
+    inside = [(w.filename, str(w.message)) for w in recwarn if w.filename.startswith(str(PACKAGE))]
+    assert not inside, inside  # no warning comes from inside the package
+
+
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+def test_other_models_get_the_cache_under_either_name_without_a_warning_from_the_package(name, recwarn):
+    """An sdpa model with a DynamicCache passes through the same generate() wrapper: it takes the cache under either
+    name too, and transformers' deprecation of ``past_key_values`` (5.24 on) names the caller's line, as it does
+    without hf_rocketkv, not the wrapper's."""
+    _, sdpa = make_models("llama")
+    ids = random_ids(1, 12)
+    cache = DynamicCache()
+    with torch.no_grad():
+        sdpa.generate(ids, **{name: cache}, max_new_tokens=3, do_sample=False)
+    assert cache.get_seq_length() == 12 + 2
+    assert not [w for w in recwarn if w.filename.startswith(str(PACKAGE))], [str(w.message) for w in recwarn]
+    told = {w.filename for w in recwarn if "past_key_values" in str(w.message)}
+    assert told == ({__file__} if name == "past_key_values" != compat.CACHE_ARG else set())
 
 
 def test_every_private_symbol_is_present_with_the_parameters_we_bind():

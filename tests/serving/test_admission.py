@@ -4,6 +4,10 @@ model.generate."""
 
 from __future__ import annotations
 
+import re
+
+import pytest
+
 from hf_rocketkv.serving import FinishReason
 from tests.serving.helpers import make_pool, prompt_of, request
 
@@ -34,3 +38,31 @@ def test_requests_wait_for_pages_then_run(engines, oracle, tiny_pair):
     events.wait_finals(5)
     for i, prompt in enumerate(prompts):
         assert events.tokens(f"w{i}") == oracle(prompt, 6)
+
+
+@pytest.mark.parametrize("engine", ["batching", "sequential"])
+def test_the_manager_refuses_what_never_fits_the_pool(make_manager, oracle, tiny_pair, engine):
+    """Found by fuzzing the server (tests/serving/test_fuzz.py): a request that fits the context but never the pool
+    was admitted to end with ``error``, and the server answered 500 (a server error for a client's request). Now
+    ``add_request`` refuses it (400 over HTTP), naming the prompt, or max_tokens and the most that fits."""
+    from hf_rocketkv.serving import InvalidRequest, SamplingParams
+    from tests.serving.helpers import CFG
+
+    pool = make_pool(tiny_pair[0], page_size=8, mib=0.05)
+    manager = make_manager(config=CFG, pool=pool, engine=engine)
+    total = pool.total_pages()
+    with pytest.raises(InvalidRequest) as err:
+        manager.add_request(prompt_of(total * 8, seed=3), SamplingParams.greedy(1))
+    assert (err.value.param, err.value.code) == ("prompt", "context_length_exceeded")
+    assert f"pool's {total} pages" in err.value.message
+    prompt = prompt_of(20, seed=4)
+    with pytest.raises(InvalidRequest) as err:
+        manager.add_request(prompt, SamplingParams.greedy(total * 8))
+    assert (err.value.param, err.value.code) == ("max_tokens", "context_length_exceeded")
+    most = int(re.search(r"at most (\d+) tokens", err.value.message).group(1))
+    with pytest.raises(InvalidRequest):
+        manager.add_request(prompt, SamplingParams.greedy(most + 1))
+    result = manager.result(manager.add_request(prompt, SamplingParams.greedy(most, ignore_eos=True)))
+    assert list(result.token_ids) == oracle(prompt, most)
+    metrics = manager.metrics()
+    assert metrics.requests_total == 1 and metrics.free_pages == total

@@ -270,3 +270,23 @@ def test_batching_engine_refuses_unsupported_budget_fields_at_construction(tiny_
     with pytest.raises(NotImplementedError) as err:
         BatchingEngine(tiny_pair[0], config, make_pool(tiny_pair[0], config=config))
     assert name in str(err.value)
+
+
+@pytest.mark.parametrize("fields, name", [({}, None), (dict(multi_turn="keep_all"), "multi_turn"),
+                                          (dict(decode_budget=16, decode_interval=8, decode_window=4), "decode_budget"),
+                                          (dict(token_budget=64), "token_budget"), (dict(stage1="adakv"), "stage1")])
+def test_batching_refusal_names_what_the_engine_refuses(tiny_pair, fields, name):
+    """``batching_refusal`` (what ``hf-rocketkv serve`` decides on before the model loads) answers exactly for the
+    configs the engine refuses when built, naming the same field."""
+    from hf_rocketkv.serving.manager import batching_refusal
+
+    config = compressing_config(**fields)
+    reason = batching_refusal(config)
+    pool = make_pool(tiny_pair[0], config=config)
+    if name is None:
+        assert reason is None
+        BatchingEngine(tiny_pair[0], config, pool)  # built (never started: no thread to stop)
+        return
+    assert reason.startswith(f"{name}=") and "(" in reason and len(reason) < 140
+    with pytest.raises((NotImplementedError, ValueError), match=name):
+        BatchingEngine(tiny_pair[0], config, pool)

@@ -263,10 +263,12 @@ def test_a_follower_applies_inboxes_and_ends_with_the_leader(tiny_pair, oracle, 
 
     prompt = tuple(prompt_of(30, seed=40))
     submit = Submission("x", prompt, SamplingParams.greedy(3), frozenset())
-    # the states a leader would send: before the submit, then with "x" prefilled and decoding, then done
+    # the states a leader would send: before the submit, then with "x" prefilled (iteration 1: its prompt and first
+    # token) and decoding (iterations 2-4: a step launched, launched again while the first is read, the last read),
+    # then done
     inboxes = [Inbox([submit], state=engine_state(0, [], []))]
-    inboxes += [Inbox(state=engine_state(i, ["x"], [])) for i in (1, 2)]
-    inboxes += [Inbox(exit=True, state=engine_state(3, [], []))]
+    inboxes += [Inbox(state=engine_state(i, ["x"], [])) for i in (1, 2, 3)]
+    inboxes += [Inbox(exit=True, state=engine_state(4, [], []))]
     engine, pool = _follower(tiny_pair, inboxes)
     events = Events()
     free = pool.free_pages()

@@ -306,3 +306,24 @@ def test_metrics_count_requests_and_latencies(make_manager):
     assert m.time_to_first_token.count == 3 and m.tokens_per_second.count == 3
     assert m.prompt_tokens_total == sum(len(p) for p in prompts(3))
     assert (m.free_pages, m.total_pages) == (None, None)
+
+
+def test_a_request_is_counted_before_its_consumer_sees_its_end(make_manager, tokenizer):
+    """Found by the soak test (tests/serving/test_soak.py): the final output reached its consumer before the metrics
+    counted the request, so a client reading /metrics right after its response could miss it (and this file's
+    metrics test could fail by a hair). Made deterministic here by a slow recorder: the end waits for the count."""
+    import time
+
+    manager = make_manager(tokenizer=tokenizer)
+    finished = manager._recorder.finished
+
+    def slow_finished(*args):
+        time.sleep(0.3)
+        finished(*args)
+
+    manager._recorder.finished = slow_finished
+    prompt = prompts(1)[0]
+    text = manager.result(manager.add_request(prompt, SamplingParams.greedy(30, ignore_eos=True))).text
+    assert manager.metrics().finished["length"] == 1  # the engine's final event
+    cut = manager.result(manager.add_request(prompt, SamplingParams.greedy(30, ignore_eos=True, stop=[text[9:11]])))
+    assert cut.finish_reason is FinishReason.STOP and manager.metrics().finished["stop"] == 1  # a stop string

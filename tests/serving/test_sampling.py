@@ -93,3 +93,24 @@ def test_greedy_is_argmax_and_needs_no_generator():
     assert torch.equal(sample_tokens(logits, SamplingParams.greedy(), None), logits.argmax(-1))
     with pytest.raises(ValueError, match="batch, vocab"):
         sample_tokens(logits[0], SamplingParams.greedy(), None)
+
+
+@pytest.mark.parametrize("temperature, top_p", [
+    (5e-324, 1.0), (1e-40, 1.0), (1e-30, 0.5), (1.0, 5e-324), (1.0, 1e-50), (2.0, 1e-45),
+])
+def test_extreme_valid_values_still_give_a_distribution(temperature, top_p):
+    """Found by fuzzing the server (tests/serving/test_fuzz.py): a temperature or top_p that SamplingParams accepts
+    but float32 cannot divide by or compare with (5e-324 rounds to 0) made the draw raise ("probability tensor
+    contains inf, nan"), and the server answered 500. Now: the top token, alone (tiny temperature or top_p)."""
+    logits = torch.tensor([[2.0, 1.0, 3.5, 0.0, 3.25], [0.1, 0.2, 0.3, 0.4, 0.0]])
+    params = SamplingParams(temperature=temperature, top_p=top_p)
+    probs = sampling_distribution(logits, params)
+    assert torch.isfinite(probs).all()
+    torch.testing.assert_close(probs, torch.nn.functional.one_hot(logits.argmax(-1), 5).float())
+    assert sample_tokens(logits, params, new_generator(0, "cpu")).tolist() == [2, 3]
+
+
+def test_a_tiny_temperature_draws_among_tied_top_tokens():
+    logits = torch.tensor([[1.0, 4.0, 4.0, -2.0]])
+    probs = sampling_distribution(logits, SamplingParams(temperature=1e-300))
+    torch.testing.assert_close(probs, torch.tensor([[0.0, 0.5, 0.5, 0.0]]))

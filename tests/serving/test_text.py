@@ -25,13 +25,18 @@ def test_incremental_detokenization_equals_full_decode(smollm2_tokenizer):
     assert sum(1 for p in pieces if p) > len(TEXT) // 4  # and it really streams
 
 
-def test_incomplete_character_is_flushed_at_the_end(smollm2_tokenizer):
+def test_an_incomplete_character_at_the_end_is_dropped(smollm2_tokenizer):
+    """max_tokens can cut a character in two: the text ends before it instead of in U+FFFD (half its bytes)."""
     tok = smollm2_tokenizer
     ids = tok("🚀", add_special_tokens=False).input_ids
-    assert len(ids) > 1
+    assert len(ids) > 1 and tok.decode(ids[:-1]).endswith("\ufffd")
     detok = IncrementalDetokenizer(tok)
     assert detok.add(ids[:-1]) == ""
-    assert detok.flush() == tok.decode(ids[:-1])
+    assert detok.flush() == ""
+    whole = tok("Café 🚀", add_special_tokens=False).input_ids
+    detok = IncrementalDetokenizer(tok)
+    pieces = [detok.add([t]) for t in whole[:-1]] + [detok.flush()]
+    assert "".join(pieces) == "Café "
 
 
 def test_stop_string_matcher():
@@ -103,3 +108,21 @@ def test_request_queue_bound_order_removal_and_close():
     assert queue.get() is None  # closed and empty: no blocking
     with pytest.raises(ValueError, match="max_queue"):
         RequestQueue(0)
+
+
+@pytest.mark.parametrize("text", ["a\ud800b", "\udfff", "ok \ud83d"])
+def test_a_lone_surrogate_is_an_invalid_prompt(text):
+    """Found by fuzzing the server (tests/serving/test_fuzz.py): JSON's "\\ud800" escape is a lone surrogate in
+    Python, which the tokenizer refused with a TypeError (the server answered 500). Now a 400 naming the field."""
+    from hf_rocketkv.serving import InvalidRequest
+    from hf_rocketkv.serving.prompts import encode_chat, encode_text
+    from tests.support.tiny_models import char_tokenizer
+
+    tokenizer = char_tokenizer()
+    with pytest.raises(InvalidRequest, match="lone surrogate") as err:
+        encode_text(tokenizer, text)
+    assert err.value.param == "prompt"
+    with pytest.raises(InvalidRequest, match="lone surrogate") as err:
+        encode_chat(tokenizer, [{"role": "user", "content": text}])
+    assert err.value.param == "messages"
+    assert encode_text(tokenizer, "a\U0001f680b") == tokenizer("a\U0001f680b").input_ids  # a real pair is fine

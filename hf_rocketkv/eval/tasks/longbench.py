@@ -8,9 +8,10 @@ Scores: substring match (any answer in the prediction) as the headline, LongBenc
 from __future__ import annotations
 
 from pathlib import Path
+from typing import ClassVar
 
 from .base import Sample, Task, encode_prompt
-from .jsonl import read_jsonl, require
+from .jsonl import ANSWERS, TEXT, read_jsonl, require
 
 TEMPLATE = "{context}\n\nAnswer the question based on the text above. Be concise.\n\nQuestion: {input}"
 
@@ -25,7 +26,9 @@ def truncate_middle(tokenizer, text: str, max_tokens: int) -> str:
 
 class LongBenchTask(Task):
     name = "longbench"
-    required_fields = ("context", "input", "answers")  # checked by the CLI before the model loads, and here
+    # every line is checked by the CLI before the model loads (jsonl.validate_jsonl), the rows read again here
+    fields: ClassVar[dict[str, str]] = {"context": TEXT, "input": TEXT, "answers": ANSWERS}
+    required_fields = tuple(fields)
     max_new_tokens = 32
 
     def __init__(self, path: str):

@@ -8,14 +8,17 @@ after the chat template's generation prompt. Metric as in RULER: ``string_match_
 from __future__ import annotations
 
 from pathlib import Path
+from typing import ClassVar
 
 from .base import Sample, Task
-from .jsonl import read_jsonl, require
+from .jsonl import ANSWERS, TEXT, read_jsonl, require
 
 
 class RulerJsonlTask(Task):
     name = "ruler"
-    required_fields = ("input", "outputs")  # checked by the CLI before the model loads, and here
+    # every line is checked by the CLI before the model loads (jsonl.validate_jsonl), the rows read again here
+    fields: ClassVar[dict[str, str]] = {"input": TEXT, "outputs": ANSWERS}
+    required_fields = tuple(fields)
     max_new_tokens = 64
 
     def __init__(self, path: str):

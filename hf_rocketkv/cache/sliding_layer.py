@@ -1,0 +1,186 @@
+"""SlidingWindowLayer: the cache layer of a sliding-window attention layer inside a RocketKVCache.
+
+A sliding layer attends only to its last ``window`` tokens, so there is nothing for RocketKV to choose: it keeps
+exactly what the model can still see, dense, in a store of its own, and is never scored. The contract is the one of
+transformers' ``DynamicSlidingWindowLayer`` at every step, so the masks transformers builds from
+``get_mask_sizes`` are the ones the model's own cache gets:
+
+    update(k, v)         returns the stored tokens followed by the new ones (what the forward's queries may see,
+                         the mask hiding what lies outside each query's window and the padding), then keeps the
+                         last ``window - 1`` of them: the next query is the window's last token
+    get_mask_sizes(n)    ``(stored + n, seen - stored)``: the mask's columns start at the first stored token
+    get_seq_length()     logical tokens seen (positions continue from here)
+
+Tensors (B batch, Hkv KV heads, D head_dim): ``keys`` / ``values`` ``[B, Hkv, min(seen, window - 1), D]``, input
+columns in order (left padding included, as transformers stores it; the mask hides it). The attention function finds
+the layer through the key tensor ``update`` returned (``seam.tag``) and runs exact attention with transformers' mask
+(``integration/attention.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import CacheLayerMixin
+
+from .hints import GenerationHints
+from .seam import tag
+
+SLIDING_CROP = (
+    "RocketKVCache: a sliding-window layer (window {window}) has already dropped the tokens before its window, so "
+    "its last {tokens} token(s) cannot be removed once {seen} tokens were seen. Assisted decoding and rollbacks "
+    "past the window are not supported on sliding-window models."
+)
+
+
+class SlidingWindowLayer(CacheLayerMixin):
+    """The last ``window - 1`` tokens of every row, dense (see the module docstring)."""
+
+    is_compileable = False
+    is_sliding = True
+    is_croppable = False
+    compressed = False  # never compressed: the RocketKV layers' state, read by the cache
+    history = None
+    per_head_lengths = False
+
+    def __init__(self, window: int, hints: GenerationHints | None = None, layer_idx: int | None = None):
+        super().__init__()
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"SlidingWindowLayer: window must be a positive integer (the model config's "
+                             f"sliding_window), got {window!r}")
+        self.window = window
+        self.hints = hints if hints is not None else GenerationHints()
+        self.layer_idx = layer_idx
+        self.keys = self.values = None
+        self.seen_tokens = 0  # logical tokens seen
+        self.host_seen = 0  # what RocketKVCache's consistency check compares across layers
+        self.awaiting_attention = False  # set by update, cleared by the attention function
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.num_kv_heads, self.head_dim = key_states.shape[1], key_states.shape[3]
+        self.keys = key_states[:, :, :0].clone()
+        self.values = value_states[:, :, :0].clone()
+        self.is_initialized = True
+
+    def reset(self) -> None:
+        self.__init__(self.window, self.hints, self.layer_idx)
+
+    # ------------------------------------------------------------------------------------------ sizes
+    @property
+    def stored(self) -> int:
+        """Tokens held per row: ``min(seen, window - 1)``."""
+        return min(self.seen_tokens, self.window - 1)
+
+    def get_seq_length(self) -> int:
+        return self.seen_tokens
+
+    @property
+    def seen(self) -> torch.Tensor:
+        """Logical tokens seen as a 0-d int64 tensor (``RocketKVCache.seq_length_tensor``)."""
+        device = self.device if self.is_initialized else None
+        return torch.tensor(self.seen_tokens, dtype=torch.long, device=device)
+
+    def get_max_length(self) -> int:
+        return self.window
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """The columns of this forward's keys: the stored tokens, then the new ones; the first stored token is
+        logical position ``seen - stored``."""
+        return self.stored + query_length, self.seen_tokens - self.stored
+
+    @property
+    def batch_size(self) -> int:
+        if not self.is_initialized:
+            raise AttributeError("batch_size")  # Cache.batch_size skips layers without it
+        return self.keys.shape[0]
+
+    def kept_tokens(self) -> torch.Tensor:
+        """Tokens stored, ``[B, Hkv]`` (columns of the window, left padding included)."""
+        if not self.is_initialized:
+            return torch.zeros(0, 0, dtype=torch.long)
+        return torch.full(self.keys.shape[:2], self.keys.shape[2], dtype=torch.long)
+
+    def memory_bytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return sum(t.untyped_storage().nbytes() for t in (self.keys, self.values))
+
+    # ------------------------------------------------------------------------------------------ update
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Store ``[B, Hkv, n, D]`` new tokens; returns the stored ones followed by them (tagged for ``layer_of``)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        query_length = key_states.shape[2]
+        if not torch.compiler.is_compiling():
+            self.awaiting_attention = True
+            self.host_seen += query_length
+        self.seen_tokens += query_length
+        keys = torch.cat([self.keys, key_states], dim=2)
+        values = torch.cat([self.values, value_states], dim=2)
+        self.keys, self.values = self._last(keys), self._last(values)
+        tag(keys, self)
+        return keys, values
+
+    def _last(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The last ``window - 1`` columns, copied when they are a small part of ``tensor`` (a prompt), so that the
+        prompt's memory goes once its forward ends; a decode step's window is already the whole tensor."""
+        keep = self.window - 1
+        if tensor.shape[2] <= keep:
+            return tensor
+        last = tensor[:, :, tensor.shape[2] - keep:]
+        return last.clone() if tensor.shape[2] > keep + 1 else last
+
+    def attention_ran(self) -> None:
+        self.awaiting_attention = False
+
+    def finish_prefill(self) -> None:
+        """Nothing deferred: a sliding layer has no stage 1."""
+
+    # ------------------------------------------------------------------------------------------ rows
+    def _index_rows(self, index: torch.Tensor) -> None:
+        if self.is_initialized:
+            self.keys = self.keys.index_select(0, index.to(self.keys.device))
+            self.values = self.values.index_select(0, index.to(self.values.device))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._index_rows(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._index_rows(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._index_rows(torch.arange(self.batch_size, device=self.device).repeat_interleave(repeats))
+
+    @staticmethod
+    def stack_rows(parts: list["SlidingWindowLayer"], new_layer) -> "SlidingWindowLayer":
+        """One layer holding the rows of ``parts`` in order (row-group prefill): the parts saw the same input columns
+        (one padded batch), so their stores have the same width."""
+        first = parts[0]
+        if len({part.seen_tokens for part in parts}) != 1:
+            raise RuntimeError("SlidingWindowLayer.stack_rows needs parts that saw the same input columns")
+        layer = new_layer()
+        layer.lazy_initialization(first.keys, first.values)
+        layer.keys = torch.cat([part.keys for part in parts])
+        layer.values = torch.cat([part.values for part in parts])
+        layer.seen_tokens, layer.host_seen = first.seen_tokens, first.host_seen
+        return layer
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens while the layer still holds every token it saw (fewer than
+        ``window`` seen); past that, the tokens before the window are gone and it raises."""
+        if tokens_to_remove > 0:
+            raise NotImplementedError("RocketKVCache.crop takes a negative count of tokens to remove")
+        count = -tokens_to_remove
+        if count == 0 or not self.is_initialized:
+            return
+        if self.seen_tokens >= self.window or count > self.seen_tokens:
+            raise NotImplementedError(SLIDING_CROP.format(window=self.window, tokens=count, seen=self.seen_tokens))
+        self.keys, self.values = self.keys[:, :, :-count], self.values[:, :, :-count]
+        self.seen_tokens -= count
+        self.host_seen -= count
+
+    def offload(self):
+        raise NotImplementedError("RocketKVCache does not support offloading=True")
+
+    prefetch = offload

@@ -1,0 +1,87 @@
+"""The options of ``hf-rocketkv serve`` that shape its OpenAI face, and the checks of serve's inputs before the model
+loads: ``--api-key``, ``--chat-template``, ``--set FIELD=VALUE``, and the device and model path.
+
+``cli/serve.py`` calls three functions: ``add_options(parser)`` when it builds its parser, ``check_options(args,
+config)`` after reading the config (it returns the config with ``--set`` applied, and raises UsageError), and
+``app_options(args)`` for ``create_app``'s keyword arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from .checks import UsageError, apply_overrides, check_device, check_model
+
+API_KEY_ENV = "HF_ROCKETKV_API_KEY"
+
+
+def add_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on every route but /health and /metrics (401 "
+                             f"otherwise); default: the {API_KEY_ENV} environment variable, else no key")
+    parser.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template (a file, or the template itself) used instead of the tokenizer's "
+                             "own for chat completions and /tokenize")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override a sparse_attention_config field after --config is read, repeatable: "
+                             "--set prompt_budget=512 --set topk=32")
+
+
+def check_options(args: argparse.Namespace, config):
+    """The device, the model path, the API key and the chat template checked, ``--set`` applied; returns the config.
+    ``args.api_key`` and ``args.chat_template`` become the key and the template's text."""
+    check_device(args.device)
+    check_model(args.model)
+    args.api_key = api_key(args.api_key)
+    args.chat_template = chat_template(args.chat_template)
+    try:
+        return apply_overrides(config, args.set)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
+def app_options(args: argparse.Namespace) -> dict:
+    """``create_app``'s keyword arguments from the checked options."""
+    return {"api_key": args.api_key, "chat_template": args.chat_template}
+
+
+def api_key(value: str | None) -> str | None:
+    if value is None:
+        value = os.environ.get(API_KEY_ENV) or None
+        if value is None:
+            return None
+    if not value.strip() or any(c.isspace() for c in value):
+        raise UsageError("--api-key: the key must be non-empty and hold no spaces (clients send it as "
+                         "'Authorization: Bearer KEY')")
+    return value
+
+
+def chat_template(value: str | None) -> str | None:
+    """The template's text: ``value`` is a file, or the template itself (it holds ``{{`` or ``{%``); it must compile."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if "{{" in value or "{%" in value:
+        text, source = value, "--chat-template"
+    elif path.is_file():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise UsageError(f"--chat-template {value}: cannot be read as UTF-8 text ({err})") from None
+        source = f"--chat-template {value}"
+    else:
+        raise UsageError(f"--chat-template {value}: no such file; pass a Jinja template file, or the template itself "
+                         f"(text with {{{{ ... }}}} or {{% ... %}})")
+    if not text.strip():
+        raise UsageError(f"{source}: the template is empty")
+    import jinja2
+    import jinja2.ext
+    import jinja2.sandbox
+
+    try:  # the environment transformers renders chat templates in
+        jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=[jinja2.ext.loopcontrols]).parse(text)
+    except jinja2.TemplateSyntaxError as err:
+        raise UsageError(f"{source}: not a valid Jinja template (line {err.lineno}: {err.message})") from None
+    return text

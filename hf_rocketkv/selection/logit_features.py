@@ -1,0 +1,157 @@
+"""Attention logits beyond ``q k^T * scaling``: soft-capping (Gemma 2) and learned sinks (gpt-oss), and the exact
+attention with them (reference PyTorch path; no Triton kernel takes them).
+
+Pure functions over tensors: they know nothing of caches or transformers.
+
+- soft-capping with cap ``c``: ``logits = tanh(logits / c) * c`` on the scaled logits, before the mask and the
+  softmax (transformers' eager attention of Gemma 2).
+- sinks: one learned logit per query head (``s_aux``, ``[Hq]``), a column that joins the softmax and is dropped
+  after it: it only enlarges the denominator, ``p_j = exp(l_j) / (sum_i exp(l_i) + exp(sink))`` (transformers' eager
+  attention of gpt-oss).
+
+Shapes (B batch, Hq query heads, Hkv KV heads, G = Hq / Hkv, n queries, N keys, D head_dim): grouped logits are
+``[B, Hkv, G, ..., N]`` and query head ``h`` is KV head ``h // G``'s group member ``h % G`` (transformers'
+``repeat_kv`` order), so sinks ``[Hq]`` are viewed as ``[Hkv, G]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True, eq=False)
+class LogitFeatures:
+    """What a layer's attention adds to its logits. ``softcap``: the cap ``c`` (None: none); ``sinks``: the learned
+    sink logit of each query head, ``[Hq]`` (None: none)."""
+
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.softcap is not None and not (isinstance(self.softcap, (int, float)) and self.softcap > 0):
+            raise ValueError(f"LogitFeatures.softcap must be a positive number or None, got {self.softcap!r}")
+        if self.sinks is not None and (not isinstance(self.sinks, torch.Tensor) or self.sinks.dim() != 1):
+            got = list(self.sinks.shape) if isinstance(self.sinks, torch.Tensor) else type(self.sinks).__name__
+            raise ValueError(f"LogitFeatures.sinks must be a 1-D tensor [num_attention_heads] or None, got {got}")
+
+    @property
+    def plain(self) -> bool:
+        """No soft-capping and no sinks: plain scaled dot-product attention."""
+        return self.softcap is None and self.sinks is None
+
+    def grouped_sinks(self, num_kv_heads: int) -> torch.Tensor | None:
+        """The sinks as fp32 ``[Hkv, G]`` (None without sinks)."""
+        if self.sinks is None:
+            return None
+        return self.sinks.float().reshape(num_kv_heads, -1)
+
+    def same_as(self, other: "LogitFeatures") -> bool:
+        """Whether ``other`` describes the same logits (the same cap, the very same sinks tensor)."""
+        return self.softcap == other.softcap and self.sinks is other.sinks
+
+
+PLAIN = LogitFeatures()
+
+
+def soft_cap(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``tanh(logits / softcap) * softcap`` (``logits`` unchanged for None). Apply it before masking: a masked
+    logit of -inf would become ``-softcap``, a finite value."""
+    if softcap is None:
+        return logits
+    return torch.tanh(logits / softcap) * softcap
+
+
+def softmax_with_sinks(logits: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last axis (fp32), with one sink logit per row joining the denominator.
+
+    ``logits`` fp32 ``[..., N]`` (masked entries -inf); ``sinks`` broadcastable to ``logits[..., :1]`` or None.
+    A row whose every logit is masked gets zeros (no NaN), with or without a sink.
+    """
+    if sinks is None:
+        return torch.softmax(logits, dim=-1).nan_to_num_(0.0)
+    sink = sinks.to(logits.dtype).expand(*logits.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)
+    return probs[..., :-1]
+
+
+def allowed_of(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A transformers attention mask as bool (True = may attend): bool masks as they are, additive float masks
+    where they are 0."""
+    if mask is None or mask.dtype == torch.bool:
+        return mask
+    return mask == 0
+
+
+def attention_reference(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    allowed: torch.Tensor | None,
+    scaling: float,
+    features: LogitFeatures = PLAIN,
+) -> torch.Tensor:
+    """Exact attention of ``query`` ``[B, Hq, n, D]`` over ``key`` / ``value`` ``[B, Hkv, N, D]`` -> ``[B, n, Hq, D]``
+    in the query's dtype, computed in fp32.
+
+    ``allowed`` bool, broadcastable to ``[B, 1 or Hq, n, N]`` (True = may attend); None = lower-right causal (query
+    j sees keys ``<= N - n + j``; with ``n == N`` the usual causal mask, with ``n == 1`` every key). The logits are
+    ``q k^T * scaling``, soft-capped by ``features.softcap``, masked, then softmax with ``features.sinks``.
+    """
+    batch, num_q_heads, n, head_dim = query.shape
+    num_kv_heads, num_keys = key.shape[1], key.shape[2]
+    group = num_q_heads // num_kv_heads
+    q = query.float().reshape(batch, num_kv_heads, group, n, head_dim)
+    logits = soft_cap(torch.einsum("bhgnd,bhkd->bhgnk", q, key.float()) * scaling, features.softcap)
+    if allowed is None:
+        column = torch.arange(num_keys, device=query.device)
+        last = num_keys - n + torch.arange(n, device=query.device)
+        allowed = column[None, :] <= last[:, None]
+    allowed = allowed.expand(batch, num_q_heads, n, num_keys).reshape(batch, num_kv_heads, group, n, num_keys)
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    sinks = features.grouped_sinks(num_kv_heads)
+    probs = softmax_with_sinks(logits, sinks[None, :, :, None, None] if sinks is not None else None)
+    out = torch.einsum("bhgnk,bhkd->bhgnd", probs, value.float())
+    return out.reshape(batch, num_q_heads, n, head_dim).transpose(1, 2).to(query.dtype).contiguous()
+
+
+def masked_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    allowed: torch.Tensor,
+    scaling: float,
+    features: LogitFeatures = PLAIN,
+) -> torch.Tensor:
+    """``attention_reference`` where features need it, PyTorch's SDPA (grouped-query heads) where they do not:
+    ``[B, Hq, n, D]`` x ``[B, Hkv, N, D]`` with ``allowed`` bool ``[B, 1, n, N]`` -> ``[B, n, Hq, D]``."""
+    if not features.plain:
+        return attention_reference(query, key, value, allowed, scaling, features)
+    gqa = query.shape[1] != key.shape[1]
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous()
+
+
+def sparse_attention_reference(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slots: torch.Tensor,
+    valid: torch.Tensor,
+    scaling: float,
+    features: LogitFeatures = PLAIN,
+) -> torch.Tensor:
+    """Exact attention of one decode query per group over selected slots: ``q`` ``[B, Hkv, G, D]``, ``keys`` /
+    ``values`` ``[B, Hkv, C, D]``, ``slots`` / ``valid`` ``[B, Hkv, S]`` (slots in range; ``valid`` False = not a
+    token) -> ``[B, Hkv, G, D]`` in q's dtype. Logits soft-capped, softmax with the sinks, in fp32."""
+    head_dim = q.shape[-1]
+    index = slots[..., None].expand(-1, -1, -1, head_dim)
+    k = keys.gather(2, index).float()
+    v = values.gather(2, index).float()
+    logits = soft_cap(torch.einsum("bhgd,bhnd->bhgn", q.float(), k) * scaling, features.softcap)
+    logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
+    sinks = features.grouped_sinks(q.shape[1])
+    probs = softmax_with_sinks(logits, sinks[None, :, :, None] if sinks is not None else None)
+    return torch.einsum("bhgn,bhnd->bhgd", probs, v).to(q.dtype)

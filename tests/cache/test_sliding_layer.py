@@ -1,0 +1,114 @@
+"""SlidingWindowLayer against its oracle, transformers' DynamicSlidingWindowLayer (the same updates: prompts, chunks,
+decode steps; the same returned keys, mask sizes and lengths), its memory bound, crop and row operations, and the
+layer kinds read from model configs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    Cohere2Config,
+    Gemma3TextConfig,
+    GptOssConfig,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+)
+from transformers.cache_utils import DynamicSlidingWindowLayer  # the oracle (public class, not exported at the top)
+
+from hf_rocketkv.cache import SlidingWindowLayer, sliding_windows
+
+H, D = 2, 4
+
+
+def chunk(batch: int, n: int, start: int) -> torch.Tensor:
+    """Keys whose every value is its logical position (so a wrong column is visible)."""
+    return (torch.arange(start, start + n, dtype=torch.float32)[None, None, :, None]
+            .expand(batch, H, n, D).clone())
+
+
+@pytest.mark.parametrize("window", [1, 2, 5, 8])
+@pytest.mark.parametrize("steps", [[13, 1, 1, 1, 1], [3, 1, 1, 1, 1, 1, 1], [4, 4, 4, 1, 1], [7, 1, 9, 1]],
+                         ids=["prompt", "short-prompt", "chunks", "later-turn"])
+def test_same_as_dynamic_sliding_window_layer(window, steps):
+    mine, oracle = SlidingWindowLayer(window), DynamicSlidingWindowLayer(sliding_window=window)
+    seen = 0
+    for n in steps:
+        if window > 1:  # transformers keeps every column when window - 1 == 0 (its slice -0:), so sizes differ there
+            assert mine.get_mask_sizes(n) == oracle.get_mask_sizes(n)
+        keys = chunk(2, n, seen)
+        got_k, got_v = mine.update(keys, -keys)
+        want_k, want_v = oracle.update(keys, -keys)
+        seen += n
+        if window > 1:
+            assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+            assert torch.equal(mine.keys, oracle.keys)
+        assert mine.get_seq_length() == oracle.get_seq_length() == seen
+        assert mine.keys.shape[2] == min(seen, window - 1)
+        assert mine.kept_tokens().tolist() == [[min(seen, window - 1)] * H] * 2
+
+
+def test_memory_is_bounded_by_the_window():
+    layer = SlidingWindowLayer(6)
+    layer.update(chunk(1, 500, 0), chunk(1, 500, 0))
+    for step in range(200):
+        layer.update(chunk(1, 1, 500 + step), chunk(1, 1, 500 + step))
+        # the storage behind the stored view, not only the view: the prompt's 500 columns are gone
+        assert layer.memory_bytes() <= 2 * 6 * H * D * 4
+    assert layer.get_seq_length() == 700 and layer.keys[0, 0, :, 0].tolist() == [695, 696, 697, 698, 699]
+
+
+def test_crop_inside_the_window_and_refused_past_it():
+    layer = SlidingWindowLayer(8)
+    layer.update(chunk(1, 5, 0), chunk(1, 5, 0))
+    layer.update(chunk(1, 1, 5), chunk(1, 1, 5))
+    layer.crop(-1)
+    assert layer.get_seq_length() == 5 and layer.keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4]
+    layer.update(chunk(1, 4, 5), chunk(1, 4, 5))  # 9 seen: the first columns are gone
+    with pytest.raises(NotImplementedError, match="window 8.*cannot be removed once 9 tokens were seen"):
+        layer.crop(-1)
+
+
+def test_rows_reorder_select_and_stack():
+    layer = SlidingWindowLayer(4)
+    keys = chunk(3, 6, 0) + torch.arange(3.0)[:, None, None, None] * 100
+    layer.update(keys, keys)
+    layer.reorder_cache(torch.tensor([2, 0, 1]))
+    assert layer.keys[:, 0, 0, 0].tolist() == [203, 3, 103]
+    layer.batch_select_indices(torch.tensor([1]))
+    assert layer.keys.shape[0] == 1 and layer.keys[0, 0, 0, 0].item() == 3
+    other = SlidingWindowLayer(4)
+    other.update(keys[:1], keys[:1])
+    stacked = SlidingWindowLayer.stack_rows([layer, other], lambda: SlidingWindowLayer(4))
+    assert stacked.keys.shape[0] == 2 and stacked.get_seq_length() == 6
+
+
+@pytest.mark.parametrize("window", [0, -3, 2.5, True, None])
+def test_bad_window_names_the_field(window):
+    with pytest.raises(ValueError, match="window must be a positive integer.*sliding_window"):
+        SlidingWindowLayer(window)
+
+
+def test_sliding_windows_from_model_configs():
+    assert sliding_windows(LlamaConfig(num_hidden_layers=3)) == (None, None, None)
+    assert sliding_windows(MistralConfig(num_hidden_layers=3, sliding_window=16)) == (16, 16, 16)
+    assert sliding_windows(MistralConfig(num_hidden_layers=2, sliding_window=None)) == (None, None)
+    qwen = Qwen2Config(num_hidden_layers=3, use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    assert sliding_windows(qwen) == (None, 16, 16)
+    assert sliding_windows(Gemma3TextConfig(num_hidden_layers=7, sliding_window=32)) == (32,) * 5 + (None, 32)
+    assert sliding_windows(Cohere2Config(num_hidden_layers=4, sliding_window=64)) == (64, 64, 64, None)
+    assert sliding_windows(GptOssConfig(num_hidden_layers=2)) == (128, None)
+
+
+def test_layer_types_rocketkv_cannot_serve_name_the_field():
+    config = LlamaConfig(num_hidden_layers=2)
+    config.layer_types = ["full_attention", "chunked_attention"]
+    with pytest.raises(ValueError, match="layer_types has 'chunked_attention' layers"):
+        sliding_windows(config)
+    config.layer_types = ["full_attention"]
+    with pytest.raises(ValueError, match="layer_types lists 1 layers, num_hidden_layers is 2"):
+        sliding_windows(config)
+    config.layer_types = ["sliding_attention", "full_attention"]
+    config.sliding_window = 0
+    with pytest.raises(ValueError, match="sliding_window must be a positive integer"):
+        sliding_windows(config)

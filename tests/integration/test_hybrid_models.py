@@ -1,0 +1,200 @@
+"""Models with sliding-window layers, soft-capping and sinks on one RocketKVCache (Gemma 2, Gemma 3, Cohere 2, gpt-oss,
+Mistral with a window), against the oracle: the same weights on transformers' eager attention and its own cache.
+
+- budget above the prompt and every page attended: greedy tokens equal the oracle's (one row, a padded batch,
+  chunked prefill, plain forwards with ``model_config``);
+- compression on: the sliding layers keep their window (``window - 1`` stored between forwards, as transformers'
+  ``DynamicSlidingWindowLayer``), the full-attention layers are compressed to the budget, and a padded batch gives
+  every row the tokens it gets alone;
+- a sliding layer's memory stays bounded by its window over a long prompt and many decode steps;
+- what is not supported yet is refused with one clear line.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_rocketkv import RocketKVCache, SlidingWindowLayer
+from tests.support.hybrid_models import HYBRID_ARCHS, WINDOW, make_hybrid_models
+from tests.support.tiny_models import compressing_config, cpu_pool, greedy, keep_all_config, left_pad, random_ids
+
+ARCHS = list(HYBRID_ARCHS)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def pair(request):
+    return request.param, *make_hybrid_models(request.param)
+
+
+def sliding_indices(model) -> list[int]:
+    windows = [getattr(layer.self_attn, "sliding_window", None) for layer in model.model.layers]
+    if getattr(model.config, "layer_types", None) is None:  # Mistral: the window is the config's, on every layer
+        return list(range(len(windows)))
+    return [i for i, w in enumerate(windows) if w is not None]
+
+
+def test_keep_all_equals_the_oracle(pair):
+    arch, rocket, oracle = pair
+    ids = random_ids(1, 40, seed=3)
+    out = greedy(rocket, ids, past_key_values=RocketKVCache(keep_all_config()), max_new_tokens=16)
+    assert torch.equal(out, greedy(oracle, ids, max_new_tokens=16))
+    # no cache passed: generate() makes one from the model's config
+    assert torch.equal(greedy(rocket, ids, max_new_tokens=16), out)
+
+
+def test_padded_batch_and_chunked_prefill_equal_the_oracle(pair):
+    arch, rocket, oracle = pair
+    ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (37, 21)])
+    expected = greedy(oracle, ids, attention_mask=mask, max_new_tokens=10)
+    batch = greedy(rocket, ids, attention_mask=mask, past_key_values=RocketKVCache(keep_all_config()),
+                   max_new_tokens=10)
+    assert torch.equal(batch, expected)
+    chunked = greedy(rocket, ids, attention_mask=mask, past_key_values=RocketKVCache(keep_all_config()),
+                     max_new_tokens=10, prefill_chunk_size=6)
+    assert torch.equal(chunked, expected)
+
+
+def test_beam_search_and_row_groups_equal_the_oracle(pair):
+    arch, rocket, oracle = pair
+    ids = random_ids(1, 30, seed=7)
+    kwargs = dict(num_beams=2, max_new_tokens=6)
+    beams = greedy(rocket, ids, past_key_values=RocketKVCache(keep_all_config()), **kwargs)
+    assert torch.equal(beams, greedy(oracle, ids, **kwargs))
+    ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (31, 17, 24)])
+    groups = greedy(rocket, ids, attention_mask=mask, max_new_tokens=6,
+                    past_key_values=RocketKVCache(compressing_config(prefill_batch_size=1)))
+    one = greedy(rocket, ids, attention_mask=mask, max_new_tokens=6, past_key_values=RocketKVCache(compressing_config()))
+    assert torch.equal(groups, one)
+
+
+def test_a_later_turn_equals_the_oracle(pair):
+    """A conversation continued on the same cache: the second turn's tokens are the oracle's on the whole text."""
+    arch, rocket, oracle = pair
+    cache = RocketKVCache(keep_all_config())
+    first = greedy(rocket, random_ids(1, 20, seed=11), past_key_values=cache, max_new_tokens=5)
+    turn = torch.cat([first, random_ids(1, 9, seed=12)], dim=1)
+    second = greedy(rocket, turn, past_key_values=cache, max_new_tokens=6)
+    assert torch.equal(second, greedy(oracle, turn, max_new_tokens=6))
+
+
+def test_plain_forwards_with_model_config_equal_the_oracle(pair):
+    arch, rocket, oracle = pair
+    ids = random_ids(1, 30, seed=5)
+    cache = RocketKVCache(keep_all_config(), model_config=rocket.config)
+    reference = oracle(ids).logits[:, -1]
+    with torch.no_grad():
+        logits = rocket(ids, past_key_values=cache).logits[:, -1]
+        torch.testing.assert_close(logits, reference.detach(), rtol=1e-4, atol=1e-4)
+        token = logits.argmax(-1, keepdim=True)
+        step = rocket(token, past_key_values=cache).logits[:, -1]
+        expected = oracle(torch.cat([ids, token], dim=1)).logits[:, -1]
+    torch.testing.assert_close(step, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_forward_without_a_rocketkv_cache_keeps_the_models_logits(pair):
+    """use_cache=False: no RocketKV layer, yet soft-capping and sinks still apply (sdpa would drop them)."""
+    arch, rocket, oracle = pair
+    ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (26, 19)])
+    with torch.no_grad():
+        logits = rocket(ids, attention_mask=mask, use_cache=False).logits
+        expected = oracle(ids, attention_mask=mask, use_cache=False).logits
+    real = mask.bool()
+    torch.testing.assert_close(logits[real], expected[real], rtol=1e-4, atol=1e-4)
+
+
+def test_plain_forward_without_layer_types_is_refused(pair):
+    arch, rocket, _ = pair
+    with pytest.raises(ValueError, match=r"sliding_window=8.*RocketKVCache\(config, model_config=model.config\)"):
+        with torch.no_grad():
+            rocket(random_ids(1, 12), past_key_values=RocketKVCache(keep_all_config()))
+
+
+def test_compression_keeps_windows_and_compresses_global_layers(pair):
+    arch, rocket, _ = pair
+    kv_heads = rocket.config.num_key_value_heads
+    sliding = sliding_indices(rocket)
+    rows = [random_ids(1, n, seed=n)[0] for n in (50, 33)]
+    ids, mask = left_pad(rows)
+    config = compressing_config()
+    cache = RocketKVCache(config)
+    batch = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8)
+    for index, layer in enumerate(cache.layers):
+        if index in sliding:
+            assert isinstance(layer, SlidingWindowLayer) and layer.window == WINDOW
+            assert layer.keys.shape == (2, kv_heads, WINDOW - 1, 16)
+            assert cache.kept_tokens(index).tolist() == [[WINDOW - 1] * kv_heads] * 2
+        else:
+            assert layer.compressed
+            assert cache.kept_tokens(index).tolist() == [[24 + 7] * kv_heads] * 2
+    assert cache.get_seq_length() == ids.shape[1] + 7
+    for b, row in enumerate(rows):  # padding never changes a row's tokens
+        alone = greedy(rocket, row[None], past_key_values=RocketKVCache(config), max_new_tokens=8)
+        assert torch.equal(batch[b, ids.shape[1]:], alone[0, len(row):])
+
+
+def test_compressed_chunked_prefill_equals_one_forward(pair):
+    arch, rocket, _ = pair
+    ids = random_ids(1, 45, seed=9)
+    one = greedy(rocket, ids, past_key_values=RocketKVCache(compressing_config()), max_new_tokens=8)
+    chunked = greedy(rocket, ids, past_key_values=RocketKVCache(compressing_config()), max_new_tokens=8,
+                     prefill_chunk_size=10)
+    assert torch.equal(one, chunked)
+
+
+def test_sliding_memory_is_bounded_by_the_window():
+    rocket, _ = make_hybrid_models("gemma3")
+    cache = RocketKVCache(compressing_config())
+    greedy(rocket, random_ids(1, 120, seed=2), past_key_values=cache, max_new_tokens=40)
+    for layer in cache.layers:
+        if isinstance(layer, SlidingWindowLayer):
+            assert layer.get_seq_length() == 120 + 39
+            assert layer.keys.shape[2] == WINDOW - 1
+            # the storage behind the window, not only its view: the prompt's tensors are gone
+            assert layer.memory_bytes() <= 2 * WINDOW * 2 * 16 * 4
+
+
+# ------------------------------------------------------------------------------------------------ refusals
+def test_pool_is_refused_for_sliding_models():
+    rocket, _ = make_hybrid_models("gemma3")
+    config = compressing_config(kt_cache_dtype="float32")
+    pool = cpu_pool(rocket.config, config)
+    with pytest.raises(NotImplementedError, match="sliding-window layers .*KVBlockPool.*without a pool"):
+        RocketKVCache(config, pool=pool, model_config=rocket.config)
+    with pytest.raises(NotImplementedError, match="sliding-window layers"):
+        greedy(rocket, random_ids(1, 12), past_key_values=RocketKVCache(config, pool=pool), max_new_tokens=2)
+
+
+def test_compiled_decode_settings_are_refused():
+    rocket, _ = make_hybrid_models("gpt_oss")
+    ids = random_ids(1, 12)
+    for overrides in (dict(decode_runner="torch_compile"), dict(batch_buckets=(1, 2))):
+        with pytest.raises(NotImplementedError, match="sliding-window layers.*eagerly"):
+            greedy(rocket, ids, past_key_values=RocketKVCache(keep_all_config(**overrides)), max_new_tokens=2)
+    cache = RocketKVCache(keep_all_config(), model_config=rocket.config)
+    assert not cache.is_compileable
+
+
+@pytest.mark.parametrize("arch,overrides,message", [
+    ("gemma2", dict(stage1="h2o"), "stage1='h2o' scores with attention logits of its own, without this model's "
+                                   "logit soft-capping"),
+    ("gpt_oss", dict(decode_budget=32), "decode_budget .* without this model's attention sinks"),
+])
+def test_scorers_without_the_models_logits_are_refused(arch, overrides, message):
+    rocket, _ = make_hybrid_models(arch)
+    with pytest.raises(NotImplementedError, match=message):
+        greedy(rocket, random_ids(1, 30), past_key_values=RocketKVCache(compressing_config(**overrides)),
+               max_new_tokens=2)
+
+
+def test_tensor_parallel_shards_are_refused():
+    """A process that holds only some KV heads (tensor parallelism) of a sliding layer is refused."""
+    from hf_rocketkv.integration.attention import check_supported
+    from hf_rocketkv.selection.logit_features import PLAIN
+
+    rocket, _ = make_hybrid_models("gemma3")
+    module = rocket.model.layers[0].self_attn
+    layer = SlidingWindowLayer(WINDOW)
+    key = torch.zeros(1, 1, 4, 16)  # one of the two KV heads
+    with pytest.raises(NotImplementedError, match="sliding-window layers under tensor parallelism"):
+        check_supported(module, {"sliding_window": WINDOW}, layer, key, PLAIN)

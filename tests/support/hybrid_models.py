@@ -1,0 +1,72 @@
+"""Tiny random models with sliding-window layers, soft-capping and sinks (Gemma 2, Gemma 3, Cohere 2, gpt-oss with
+tiny experts, Mistral with a window), each beside its oracle: the same weights on transformers' own eager attention
+and cache (``DynamicCache`` with ``DynamicSlidingWindowLayer`` for the sliding layers).
+
+fp32 on the CPU, hidden 64, 4 layers, 4 query heads over 2 KV heads, head_dim 16, window 8, random weights from a
+fixed seed (a larger init spread than the default, so greedy tokens vary); gpt-oss' sinks are drawn at random too
+(they are created uninitialised).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import (
+    Cohere2Config,
+    Cohere2ForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+)
+
+import hf_rocketkv
+from tests.support.tiny_models import BASE_CONFIG
+
+WINDOW = 8
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+HYBRID_ARCHS = {
+    # Gemma 2: alternating sliding / global layers, logits soft-capped at 5 (small, so the cap bites)
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM, dict(attn_logit_softcapping=5.0, query_pre_attn_scalar=16,
+                                                     final_logit_softcapping=None)),
+    # Gemma 3: several sliding layers per global one, q/k norms, per-layer-type RoPE
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, dict(layer_types=[SLIDING, SLIDING, FULL, SLIDING],
+                                                         query_pre_attn_scalar=16)),
+    "cohere2": (Cohere2Config, Cohere2ForCausalLM, dict(layer_types=[SLIDING, SLIDING, SLIDING, FULL])),
+    # gpt-oss: alternating layers, learned sinks, MoE with tiny experts, YaRN RoPE
+    "gpt_oss": (GptOssConfig, GptOssForCausalLM, dict(num_local_experts=4, num_experts_per_tok=2,
+                                                      intermediate_size=32)),
+    # Mistral with a window: every layer slides
+    "mistral": (MistralConfig, MistralForCausalLM, dict()),
+}
+
+
+def hybrid_config(arch: str, **overrides):
+    config_cls, _, extra = HYBRID_ARCHS[arch]
+    kwargs = {**BASE_CONFIG, "num_hidden_layers": 4, "sliding_window": WINDOW, "initializer_range": 0.2, **extra,
+              **overrides}
+    return config_cls(**kwargs)
+
+
+def make_hybrid_models(arch: str, seed: int = 0, **overrides):
+    """``(rocket, oracle)``: one random tiny model of ``arch`` on ``rocketkv`` attention and the same weights on
+    transformers' eager attention."""
+    _, model_cls, _ = HYBRID_ARCHS[arch]
+    config = hybrid_config(arch, **overrides)
+    torch.manual_seed(seed)
+    oracle = model_cls(copy.deepcopy(config)).eval()
+    oracle.set_attn_implementation("eager")
+    with torch.no_grad():
+        for module in oracle.modules():
+            if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+                module.sinks.normal_(0.0, 1.0)
+    rocket = model_cls(copy.deepcopy(config)).eval()
+    rocket.load_state_dict(oracle.state_dict())
+    hf_rocketkv.enable(rocket)
+    return rocket, oracle
