@@ -21,6 +21,7 @@ from hf_rocketkv.selection.stage2_pages import (
     build_kt,
     num_pages,
     page_scores,
+    per_head,
     select_pages,
     top_pages,
     update_kt,
@@ -398,6 +399,14 @@ def test_page_scores_of_a_head_without_pages_are_zero():
 def test_select_pages_names_misshaped_page_counts():
     with pytest.raises(ValueError, match=r"^n_pages must have shape"):
         select_pages(torch.rand(1, 2, 4), torch.tensor([4, 4, 4]), 2)
+
+
+def test_per_head_refuses_counts_of_another_shape():
+    """[B] or [B, Hkv] only: a 2-D count tensor of another shape, or a 1-D one of another length, is refused."""
+    assert per_head(torch.tensor([3, 5]), 2, 3).tolist() == [[3, 3, 3], [5, 5, 5]]
+    for counts in (torch.zeros(2, 4), torch.zeros(3, 3), torch.zeros(3), torch.zeros(2, 3, 1)):
+        with pytest.raises(ValueError, match=r"^lengths must have shape"):
+            per_head(counts, 2, 3)
 
 
 def test_update_kt_names_a_misshaped_slot():
