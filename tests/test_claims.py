@@ -35,7 +35,6 @@ NOT_MEASURED = {
     ("docs/configuration.md", "holds at most 1.5x the slots needed"): "the capacity ladder's configured bound",
     ("docs/memory.md", "`min(0.25 x available, 2 GiB)`"): "the CPU pool's configured cap",
     ("docs/memory.md", "70.2 GiB free on cuda:0`), None when bytes"): "an example of pool.sizing.describe()'s text",
-    ("docs/cli.md", "7 ms of imports"): "measured by hand (machine, date and load stated there); no results file yet",
 }
 
 
