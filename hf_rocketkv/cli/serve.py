@@ -83,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "batching, or sequential for a config the batching engine cannot serve (said at start)")
     parser.add_argument("--max-running", type=int, default=64,
                         help="batching engine: requests decoding at once (default 64, at most 128)")
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=None,
+                        help="batching engine: the most prompt tokens of one prefill forward; longer prompts are "
+                             "prefilled in chunks while the running requests decode (default 8192)")
+    parser.add_argument("--prefill-token-budget", type=int, default=None,
+                        help="batching engine: prompt tokens earned per decode step while requests decode; lower it "
+                             "to keep their decode rate while long prompts arrive, at the cost of those prompts' "
+                             "first token (default 8192; docs/serving.md, Chunked prefill)")
     parser.add_argument("--warmup-max-tokens", type=int, default=None,
                         help="batching engine on CUDA: capture every decode graph at startup for requests of up to "
                              "this many max_tokens (default: --default-max-tokens; 0: capture lazily while serving)")
@@ -157,6 +164,10 @@ def check_args(args: argparse.Namespace) -> None:
             raise UsageError("--kv-memory-fraction and --pool-gib both size the KV pool: give one of them")
     if not 1 <= args.max_running <= 128:
         raise UsageError(f"--max-running must be in [1, 128], got {args.max_running}")
+    for flag in ("prefill_chunk_tokens", "prefill_token_budget"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if args.warmup_max_tokens is not None and args.warmup_max_tokens < 0:
         raise UsageError(f"--warmup-max-tokens must be >= 0 (0: no startup capture), got {args.warmup_max_tokens}")
     if args.threads is not None and args.threads < 1:
@@ -350,15 +361,24 @@ def build_pool(args: argparse.Namespace, model, config, plan: EnginePlan):
     return pool, line
 
 
+def batching_config(args: argparse.Namespace):
+    """The batching engine's ``BatchingConfig`` from the flags (chunked-prefill settings left at their defaults
+    unless given)."""
+    from ..serving.scheduler import BatchingConfig
+
+    chunking = {flag: getattr(args, flag) for flag in ("prefill_chunk_tokens", "prefill_token_budget")
+                if getattr(args, flag) is not None}
+    return BatchingConfig(max_running=args.max_running, max_queue=args.max_queue, overlap_decode=args.overlap_decode,
+                          **chunking)
+
+
 def build_manager(args: argparse.Namespace, config, plan: EnginePlan, model, tokenizer, pool):
     """Start a GenerationManager over the plan's engine. Under torchrun: on rank 0 a manager over a lockstep
     engine; on the other ranks the started follower engine (``BatchingEngine``)."""
     from ..serving.manager import GenerationManager, build_engine
-    from ..serving.scheduler import BatchingConfig
 
     prepare_model(model, args)
-    batching = BatchingConfig(max_running=args.max_running, max_queue=args.max_queue,
-                              overlap_decode=args.overlap_decode)
+    batching = batching_config(args)
     if world_size() > 1:
         from ..serving.lockstep import Lockstep
 

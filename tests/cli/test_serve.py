@@ -66,6 +66,20 @@ def test_warmup_max_tokens_defaults_to_the_chat_default():
     assert warmup_max_tokens(parser.parse_args(["--warmup-max-tokens", "64"])) == 64
 
 
+def test_chunked_prefill_flags_reach_the_batching_config():
+    from hf_rocketkv.cli.serve import batching_config, build_parser
+    from hf_rocketkv.serving.scheduler import BatchingConfig
+
+    parser = build_parser()
+    default = batching_config(parser.parse_args([]))
+    assert (default.prefill_chunk_tokens, default.prefill_token_budget) == (
+        BatchingConfig.prefill_chunk_tokens, BatchingConfig.prefill_token_budget)
+    chosen = batching_config(parser.parse_args(["--prefill-chunk-tokens", "2048", "--prefill-token-budget", "32",
+                                                "--max-running", "8", "--max-queue", "5"]))
+    assert (chosen.prefill_chunk_tokens, chosen.prefill_token_budget) == (2048, 32)
+    assert (chosen.max_running, chosen.max_queue) == (8, 5)
+
+
 def test_compile_regions_flag_compiles_norms_and_mlps_only_when_asked():
     from hf_rocketkv.integration.regions import region_modules
     from hf_rocketkv.cli.serve import build_parser, prepare_model
