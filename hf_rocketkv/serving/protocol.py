@@ -68,7 +68,7 @@ class ParsedRequest:
 def parse_completion_request(body: Any) -> ParsedRequest:
     body = _check_body(body, COMPLETION_FIELDS)
     for name, allowed in (("echo", (None, False)), ("best_of", (None, 1)), ("suffix", (None, ""))):
-        if body.get(name) not in allowed:
+        if not _one_of(body.get(name), allowed):
             raise InvalidRequest(f"{name}={body[name]!r} is not supported (allowed: {_show(allowed)})", name,
                                  "unsupported_value")
     if body.get("logprobs") is not None:
@@ -79,9 +79,9 @@ def parse_completion_request(body: Any) -> ParsedRequest:
 
 def parse_chat_request(body: Any) -> ParsedRequest:
     body = _check_body(body, CHAT_FIELDS)
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
+    if not _one_of(body.get("logprobs"), (None, False)) or body.get("top_logprobs") is not None:
         raise InvalidRequest("logprobs / top_logprobs are not supported", "logprobs", "unsupported_value")
-    if body.get("tools") or body.get("tool_choice") not in (None, "none"):
+    if not _one_of(body.get("tools"), (None, [])) or not _one_of(body.get("tool_choice"), (None, "none")):
         raise InvalidRequest("tools and tool_choice are not supported", "tools", "unsupported_value")
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
@@ -103,17 +103,23 @@ def _check_body(body: Any, allowed: frozenset[str]) -> dict[str, Any]:
     return body
 
 
+def _one_of(value: Any, allowed: tuple) -> bool:
+    """``value in allowed`` with JSON's types kept apart: Python counts ``False == 0`` and ``True == 1``, JSON does
+    not (``"n": true`` or ``"presence_penalty": false`` is a wrong type, not the number 1 or 0)."""
+    return any(value is option or (type(value) is type(option) and value == option) for option in allowed)
+
+
 def _common(body: dict[str, Any]) -> dict[str, Any]:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("model is required (a string: see GET /v1/models)", "model")
-    if body.get("n") not in (None, 1):
+    if not _one_of(body.get("n"), (None, 1)):
         raise InvalidRequest(f"n must be 1 (one choice per request), got {body['n']!r}", "n", "unsupported_value")
     for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
+        if not _one_of(body.get(name), (None, 0, 0.0)):
             raise InvalidRequest(f"{name} is not supported (allowed: 0 or null), got {body[name]!r}", name,
                                  "unsupported_value")
-    if body.get("logit_bias"):
+    if not _one_of(body.get("logit_bias"), (None, {})):
         raise InvalidRequest("logit_bias is not supported (allowed: null or {})", "logit_bias", "unsupported_value")
     stream = body.get("stream", False)
     if stream is None:
