@@ -28,6 +28,17 @@ def compact_list(values: list[int]) -> str:
     return ", ".join(out)
 
 
+def over_full_note(rocket_bytes: int, full_bytes: int, prompt_tokens: int, config) -> str:
+    """Why a RocketKV cache can hold more bytes than the full cache: a prompt within ``prompt_budget`` keeps every
+    token, and the KT summaries and preallocated decode slots come on top."""
+    if rocket_bytes <= full_bytes:
+        return ""
+    if prompt_tokens <= config.prompt_budget:
+        return (f" (the prompt fits prompt_budget={config.prompt_budget}: nothing was evicted, and the KT page "
+                f"summaries and preallocated decode slots come on top; compression starts above the budget)")
+    return " (the KT page summaries and preallocated decode slots come on top of the kept tokens)"
+
+
 def full_cache_bytes(layers: int, kv_heads: int, head_dim: int, tokens: int, element_size: int) -> int:
     """Bytes of a full (DynamicCache) K/V store holding ``tokens`` tokens: K and V, every layer and KV head."""
     return 2 * layers * kv_heads * head_dim * tokens * element_size
@@ -91,7 +102,7 @@ def generate_report(
         f"per KV head (+ KT page summaries)",
         f"KV cache: {human_bytes(rocket_bytes)} (RocketKVCache.memory_bytes(): KT and preallocated slots included) "
         f"vs {human_bytes(full_bytes)} for the full cache (2*{len(layers)}*{kv_heads}*{head_dim}*{seen}*{elem} B) "
-        f"= {100 * rocket_bytes / full_bytes:.1f}%",
+        f"= {100 * rocket_bytes / full_bytes:.1f}%" + over_full_note(rocket_bytes, full_bytes, prompt_tokens, cfg),
         f"RocketKV:   {speed(rocket)}",
         f"full cache: {speed(full)}" + ("" if full is not None else " (not run: --no-compare)"),
         answers_line(rocket, full, tokenizer),

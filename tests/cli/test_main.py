@@ -77,6 +77,9 @@ def test_generate_no_compare(tiny_model_dir, tiny_yaml, capsys):
     argv = ["generate", "--model", str(tiny_model_dir), "--config", str(tiny_yaml), "--prompt", "Hello there"]
     assert main(argv + ["--max-new-tokens", "2", "--no-compare", "--no-progress", "--threads", "1"]) == 0
     captured = capsys.readouterr()
+    # a prompt within prompt_budget: more bytes than the full cache, and the report says why
+    percent = float(re.search(r"= ([\d.]+)%", captured.out.split("KV cache: ")[1]).group(1))
+    assert percent > 100 and "the prompt fits prompt_budget=48: nothing was evicted" in captured.out
     assert "full cache: -" in captured.out and "not compared (--no-compare)" in captured.out
     assert "1 thread(s), --threads" in captured.out
     assert "prefill" not in captured.err
