@@ -576,7 +576,9 @@ def _run(manager, model_name: str, sock: socket.socket, args: argparse.Namespace
     failed: list[BaseException] = []
     if pending is not None:
         def on_failure(err: BaseException) -> None:
-            print(f"{PROG}: error: the engine failed to start: {first_line(err)}", file=sys.stderr, flush=True)
+            hint = ("; lower --kv-memory-fraction or --pool-gib, or --warmup-max-tokens"
+                    if isinstance(err, (MemoryError, torch_out_of_memory())) else "")
+            print(f"{PROG}: error: the engine failed to start: {first_line(err)}{hint}", file=sys.stderr, flush=True)
             failed.append(err)
             server.should_exit = True
 
