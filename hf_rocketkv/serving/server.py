@@ -177,16 +177,26 @@ def _openai_errors(app) -> None:
 def _answer_while_starting(app) -> None:
     """While ``app.state.manager`` is a ``Starting`` (serving/startup.py), every route but /health and the model list
     answers 503 with the reason (nothing could run yet)."""
+    app.add_middleware(_StartingGate)
 
-    @app.middleware("http")
-    async def starting(request: Request, call_next):
-        current = app.state.manager
-        path = request.url.path
+
+class _StartingGate:
+    """ASGI middleware of ``_answer_while_starting``. A plain ASGI one, not ``@app.middleware("http")``: that wraps
+    the request's receive channel, and an endpoint would no longer see its client disconnect."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        current = scope["app"].state.manager if scope["type"] == "http" else None
+        path = scope.get("path", "")
         if not isinstance(current, Starting) or path == "/health" or path.startswith("/v1/models"):
-            return await call_next(request)
-        return JSONResponse(error_body(f"the server is starting ({current.reason}): retry once /health answers 200",
-                                       "service_unavailable", None, "starting"),
-                            status_code=503, headers={"Retry-After": "5"})
+            await self.app(scope, receive, send)
+            return
+        response = JSONResponse(error_body(f"the server is starting ({current.reason}): retry once /health answers "
+                                           f"200", "service_unavailable", None, "starting"),
+                                status_code=503, headers={"Retry-After": "5"})
+        await response(scope, receive, send)
 
 
 def _require_api_key(app, api_key: str) -> None:
