@@ -154,9 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "memory, as `hf-rocketkv serve` does)")
     warm.add_argument("--max-running", type=int_at_least(1), default=64,
                       help="with --engine: the server's --max-running (its decode buckets)")
-    warm.add_argument("--warmup-max-tokens", type=int_at_least(0), default=512,
-                      help="with --engine: the largest max_tokens whose decode tables are covered (the server's "
-                      "--warmup-max-tokens)")
+    warm.add_argument("--warmup-max-tokens", type=int_at_least(0), default=4096,
+                      help="with --engine: the largest max_tokens whose decode tables are covered; the server's "
+                      "--warmup-max-tokens (default 4096, as the server's, whose default is its --default-max-tokens)")
     sub.add_parser(
         "serve", add_help=False,
         help="OpenAI-compatible server (hf_rocketkv.serving; needs `pip install hf_rocketkv[serve]`); "
