@@ -19,7 +19,16 @@ Steps (each in its own try/except: one failure never loses the others' results):
   mixed      Poisson arrivals at each --rates (requests/s), prompt lengths log-uniform in [--mixed-min-prompt,
              --mixed-max-prompt], --mixed-new-tokens new tokens, at most --mixed-requests requests or --mixed-time-s
              seconds of arrivals per rate: tokens/s per GPU (all output tokens / wall time), per user (median of each
-             request's (tokens - 1) / (last token - first token)), TTFT p50/p99, finished / errors
+             request's (tokens - 1) / (last token - first token)), TTFT p50/p99, inter-token latency p50/p99 (the
+             gaps between a request's successive tokens, all requests pooled), finished / errors; with
+             --step-deadline-s, requests unfinished then are cancelled and counted (``unfinished_at_deadline``)
+
+``--engine both``: every step on hf_rocketkv's engine, then the warm-up and the mixed rates on transformers' continuous
+batching in the same process (the model back on sdpa, our engine and pool freed), the same arrivals and prompts per
+rate (``transformers_steps``), and ``mixed_curve.png`` (tokens/s per GPU against tokens/s per user, one line per
+engine; points in ``curve``). Each rate is bounded by --step-deadline-s (default 30 with both; arrivals stop at half
+of it). On one H100: ``python -m benchmarks.batching_throughput --engine both --skip-fixed --out $OUT`` ~4-5 min
+(model build ~30 s, our warm-up ~30 s, 3 rates x at most 30 s per engine, transformers' warm-up).
 
 The pool is sized for the workload: every running request's view (min(prompt, prompt_budget) + new tokens) plus
 the prefill peak of the longest prompt, +10% (``--pool-gib`` overrides). Nothing is downloaded; the model is built
@@ -35,6 +44,7 @@ Writes ``batching_throughput.json`` under --out (default $OUT, else ./out).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -50,11 +60,11 @@ import torch
 
 import hf_rocketkv
 from hf_rocketkv.bench.decode import LLAMA_31_8B, TINY, build_model
-from hf_rocketkv.config import RocketKVConfig
 from hf_rocketkv.cache import request_pages
+from hf_rocketkv.config import RocketKVConfig
 from hf_rocketkv.memory import KVBlockPool, PoolSpec
 from hf_rocketkv.serving.batching import BatchingEngine
-from hf_rocketkv.serving.engine import EngineEvent, EngineRequest
+from hf_rocketkv.serving.engine import EngineRequest
 from hf_rocketkv.serving.sampling import SamplingParams
 from hf_rocketkv.serving.scheduler import BatchingConfig
 
@@ -100,9 +110,15 @@ def build_parser() -> argparse.ArgumentParser:
                              "engine under torch.profiler; its top ops in profile_prefill/ under --out")
     parser.add_argument("--no-overlap-decode", dest="overlap_decode", action="store_false",
                         help="BatchingConfig.overlap_decode=False: read each step's tokens before the next launch")
-    parser.add_argument("--engine", default="rocketkv", choices=["rocketkv", "transformers"],
+    parser.add_argument("--engine", default="rocketkv", choices=["rocketkv", "transformers", "both"],
                         help="rocketkv: hf_rocketkv's BatchingEngine on a KVBlockPool; transformers: transformers' own "
-                             "continuous batching (ContinuousBatchingManager, dense paged cache) on the same workloads")
+                             "continuous batching (ContinuousBatchingManager, dense paged cache) on the same workloads; "
+                             "both: every step on rocketkv, then the mixed rates on transformers' with the same "
+                             "arrivals and prompts (transformers_steps), and mixed_curve.png of both")
+    parser.add_argument("--step-deadline-s", type=float, default=None,
+                        help="a mixed rate's wall-time limit: requests unfinished then are cancelled and counted "
+                             "(default: none; 30 with --engine both, whose transformers side is slow, and arrivals "
+                             "then stop at half of it)")
     parser.add_argument("--skip-fixed", action="store_true", help="no fixed workload (only warm-up and mixed)")
     parser.add_argument("--compile-regions", action="store_true",
                         help="hf_rocketkv.compile_regions(model) before the engine starts (fused norms and MLPs)")
@@ -167,6 +183,7 @@ class Recorder:
         self.submitted: dict[str, float] = {}
         self.token_times: dict[str, list[float]] = {}
         self.finals: dict[str, object] = {}
+        self.unfinished_at_deadline = 0
 
     def __call__(self, event) -> None:
         now = time.perf_counter()
@@ -189,6 +206,7 @@ class Recorder:
     def summary(self, start: float, end: float) -> dict:
         ttft = [times[0] - self.submitted[rid] for rid, times in self.token_times.items()]
         per_user = [(len(t) - 1) / (t[-1] - t[0]) for t in self.token_times.values() if len(t) > 1 and t[-1] > t[0]]
+        gaps = [later - earlier for t in self.token_times.values() for earlier, later in itertools.pairwise(t)]
         tokens = sum(len(t) for t in self.token_times.values())
         reasons: dict[str, int] = {}
         errors = []
@@ -203,6 +221,9 @@ class Recorder:
             "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
             "per_user_tokens_per_s_p50": percentile(per_user, 50),
             "per_user_tokens_per_s_p10": percentile(per_user, 10),
+            # inter-token latency: the gaps between a request's successive tokens, every request's pooled
+            "itl_p50_s": percentile(gaps, 50), "itl_p99_s": percentile(gaps, 99),
+            "unfinished_at_deadline": self.unfinished_at_deadline,
         }
 
 
@@ -289,79 +310,6 @@ class EngineRun:
     def close(self) -> None:
         if self.engine is not None:
             self.engine.stop(drain=False, timeout=120)
-
-
-class TransformersEngine:
-    """transformers' continuous batching (``model.init_continuous_batching``) behind the two calls the steps use,
-    ``submit(EngineRequest)`` and the events of each new token: requests stream, a reader thread turns each output
-    into the tokens it added. Greedy; EOS is not ignored (transformers has no such switch; random weights almost
-    never emit it within a few hundred tokens, and the report counts the tokens really produced)."""
-
-    def __init__(self, model, max_new_tokens: int, sink):
-        from transformers import GenerationConfig
-
-        from hf_rocketkv.serving.outputs import FinishReason
-
-        self.finished_reason = FinishReason.LENGTH
-        config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, eos_token_id=2)
-        self.manager = model.init_continuous_batching(generation_config=config)
-        self.manager.start()
-        self.sink = sink
-        self.seen: dict[str, int] = {}
-        self.running = True
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def submit(self, request: EngineRequest) -> None:
-        self.seen[request.request_id] = 0
-        self.manager.add_request(list(request.prompt_ids), request_id=request.request_id,
-                                 max_new_tokens=request.params.max_tokens, streaming=True)
-
-    def cancel(self, request_id: str) -> None:
-        self.manager.cancel_request(request_id)
-
-    def _read(self) -> None:
-        while self.running:
-            output = self.manager.get_result(timeout=0.1)
-            if output is None:
-                continue
-            rid = output.request_id
-            done = self.seen.get(rid, 0)
-            new = list(output.generated_tokens[done:])
-            self.seen[rid] = done + len(new)
-            finished = output.is_finished() or output.error is not None
-            self.sink(EngineEvent(rid, tuple(new), self.finished_reason if finished else None, output.error))
-
-    def stop(self) -> None:
-        self.running = False
-        self.manager.stop(block=True, timeout=120)
-
-
-class TransformersEngineRun(EngineRun):
-    """The same steps on transformers' continuous batching (``--engine transformers``)."""
-
-    def start(self, warm_up: bool = True) -> dict | None:
-        started = time.perf_counter()
-        self.engine = TransformersEngine(self.model, self.warm_tokens, self._sink)
-        return {"seconds": time.perf_counter() - started}
-
-    def run(self, body) -> dict:
-        if self.engine is None:
-            self.start()
-        recorder = Recorder()
-        self.recorder = recorder
-        try:
-            start = time.perf_counter()
-            body(self.engine, recorder)
-            end = time.perf_counter()
-        finally:
-            self._cancel_unfinished(recorder)
-            self.recorder = None
-        return recorder.summary(start, end)
-
-    def close(self) -> None:
-        if self.engine is not None:
-            self.engine.stop()
 
 
 def _buckets(max_running: int) -> tuple[int, ...]:
@@ -461,7 +409,11 @@ def step_mixed(engine_run: EngineRun, args, vocab, rate: float) -> dict:
                                                    args.mixed_new_tokens))
             sent += 1
             time.sleep(rng.expovariate(rate))
-        assert recorder.wait(sent, 3600), "the mixed workload did not finish"
+        if args.step_deadline_s:  # what is left then is cancelled (EngineRun.run): counted, not waited for
+            if not recorder.wait(sent, max(0.0, args.step_deadline_s - (time.perf_counter() - start))):
+                recorder.unfinished_at_deadline = sent - len(recorder.finals)
+        else:
+            assert recorder.wait(sent, 3600), "the mixed workload did not finish"
 
     result = engine_run.run(body)
     result["workload"] = {"rate_per_s": rate, "prompt_lens": [min(lengths), statistics.median(lengths),
@@ -472,7 +424,12 @@ def step_mixed(engine_run: EngineRun, args, vocab, rate: float) -> dict:
 
 def step_profile_prefill(engine_run: EngineRun, args, vocab, device, out: Path) -> dict:
     """One request's prefill in the engine thread, under torch.profiler (it records every thread's ops)."""
-    from benchmarks.profile_prefix_hit import gpu_gaps, profiled, summarize, write_report
+    from benchmarks.profile_prefix_hit import (
+        gpu_gaps,
+        profiled,
+        summarize,
+        write_report,
+    )
 
     rng = random.Random(args.seed + 3)
     prompts = [random_prompt(rng, args.prompt_len, vocab) for _ in range(2)]
@@ -504,9 +461,14 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.quick:
         apply_quick(args)
+    both = args.engine == "both"
+    if both:
+        args.engine = "rocketkv"  # first; the transformers side follows (run_transformers_side)
+        args.step_deadline_s = args.step_deadline_s if args.step_deadline_s is not None else 30.0
+        args.mixed_time_s = min(args.mixed_time_s, args.step_deadline_s / 2)  # arrivals end half-way
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report: dict = {"args": vars(args), "env": {"torch": torch.__version__, "python": platform.python_version(),
+    report: dict = {"args": {**vars(args), "engine": "both" if both else args.engine}, "env": {"torch": torch.__version__, "python": platform.python_version(),
                                                 "device": torch.cuda.get_device_name(device)
                                                 if device.type == "cuda" else platform.processor() or "cpu"}}
     steps: dict = {}
@@ -544,6 +506,12 @@ def main(argv: list[str] | None = None) -> int:
         print(report["setup_error"])
         return 1
     save()
+    from benchmarks.transformers_cb import (
+        TransformersEngineRun,
+        plot_both,
+        run_transformers_side,
+    )
+
     run_class = EngineRun if args.engine == "rocketkv" else TransformersEngineRun
     engine_run = run_class(model, pool, config, args, warm_tokens=new_tokens)
     plan = [("warmup", lambda: step_warmup(engine_run, args, vocab))]
@@ -570,6 +538,12 @@ def main(argv: list[str] | None = None) -> int:
             print(name, json.dumps(shown, default=str), flush=True)
     finally:
         engine_run.close()
+    if both:
+        del engine_run, pool
+        report["transformers_steps"] = run_transformers_side(model, config, args, vocab, rates, new_tokens, save)
+        report["curve"] = plot_both(report, out / "mixed_curve.png")
+        save()
+        steps = {**steps, **{f"transformers/{k}": v for k, v in report["transformers_steps"].items()}}
     print(f"wrote {path}")
     return 0 if all("error" not in s for s in steps.values()) else 1
 

@@ -3,6 +3,18 @@
     python -m benchmarks.first_call --out $OUT                 # H100: ~1.5 min (32 x 8k / 512 new)
     python -m benchmarks.first_call --quick --out out          # CPU: the script's logic
 
+Warm start across processes (docs/serving.md, "Warm start"), two fresh processes on one folder:
+
+    python -m benchmarks.first_call --compile-cache $DIR --warm-up-only --out $OUT   # 1: warm_up_engine into DIR
+    python -m benchmarks.first_call --compile-cache $DIR --out $OUT                  # 2: first against second
+
+``--compile-cache DIR`` calls ``hf_rocketkv.use_compile_cache(DIR)`` before the model is built; ``--warm-up-only``
+builds the same model and pool, runs ``hf_rocketkv.warm_up_engine`` (every bucket, then one batch of
+``--requests`` prompts of ``--prompt-len`` with 4 new tokens) and writes ``first_call_warm_up.json``. Each call's row
+reports the Triton cache entries it added (``triton_cache_added``: kernels and launchers compiled, 0 when
+everything came from the folder) and the kernels it loaded (``triton_kernels_loaded``: compiled or read from disk,
+Triton's ``jit_cache_hook``).
+
 Llama-3.1-8B shapes, random bf16 weights (``hf_rocketkv.bench.decode.build_model``; model build excluded),
 ``generate_batch(model, prompts, pool=KVBlockPool(model, max_gpu_bytes=...), sampling=SamplingParams.greedy(
 max_tokens, ignore_eos=True))``: call 1 and call 2 take different random prompts of the same shape. Each call's wall
@@ -69,6 +81,65 @@ class StackSampler:
         return [(name, round(count * self.interval, 2)) for name, count in self.counts.most_common(n)]
 
 
+class TritonWatch:
+    """Kernels Triton loads (its in-memory cache missed: compiled or read from disk) and entries its disk cache
+    gains (compiled) while the block runs."""
+
+    def __init__(self):
+        self.loaded: list[str] = []
+        self.folder = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+
+    def _entries(self) -> set[str]:
+        return set(os.listdir(self.folder)) if self.folder.is_dir() else set()
+
+    def __enter__(self):
+        self.before = self._entries()
+        try:
+            from triton import knobs
+
+            knobs.runtime.jit_cache_hook = self._hook
+        except (ImportError, AttributeError):
+            pass
+        return self
+
+    def _hook(self, **kw) -> None:  # returns None: Triton goes on compiling or loading
+        self.loaded.append(str(kw.get("repr", kw.get("fn", "")))[:120])
+
+    def __exit__(self, *exc) -> None:
+        self.added = len(self._entries() - self.before)
+        try:
+            from triton import knobs
+
+            knobs.runtime.jit_cache_hook = None
+        except (ImportError, AttributeError):
+            pass
+
+
+def warm_up_only(model, pool, args, shapes, build_s: float, out: Path) -> None:
+    """Process 1 of the warm-start recipe: the engine's kernels compiled into --compile-cache."""
+    with TritonWatch() as watch:
+        report = hf_rocketkv.warm_up_engine(model, pool=pool, batch_sizes=(args.requests,),
+                                            prompt_tokens=args.prompt_len, new_tokens=4, max_tokens=args.new_tokens)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+    row = {**header(args, model, build_s), "warm_up_engine": report, "triton_cache_added": watch.added,
+           "triton_kernels_loaded": len(watch.loaded)}
+    (out / "first_call_warm_up.json").write_text(json.dumps(row, indent=2, default=str))
+    print(f"warm_up_engine: {report['seconds']:.2f} s, {watch.added} Triton cache entries added -> "
+          f"{out / 'first_call_warm_up.json'}")
+
+
+def header(args, model, build_s: float) -> dict:
+    return {
+        "device": torch.cuda.get_device_name() if model.device.type == "cuda" else "cpu",
+        "date": time.strftime("%Y-%m-%d"), "commit": os.environ.get("COMMIT", "unknown"), "label": args.label,
+        "workload": {"requests": args.requests, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                     "pool_gib": args.pool_gib}, "model_build_s": round(build_s, 2),
+        "compile_cache": args.compile_cache, "compile_cache_found": args.compile_cache_found,
+        "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR"),
+    }
+
+
 def timed_call(model, batch, pool, params, profile: bool) -> tuple[float, list | None]:
     sampler = StackSampler() if profile else None
     if model.device.type == "cuda":
@@ -97,7 +168,15 @@ def main() -> None:
     parser.add_argument("--pool-gib", type=float, default=30.0)
     parser.add_argument("--no-profile", dest="profile", action="store_false")
     parser.add_argument("--label", default="")
+    parser.add_argument("--compile-cache", default=None, metavar="DIR",
+                        help="hf_rocketkv.use_compile_cache(DIR) before the model is built")
+    parser.add_argument("--warm-up-only", action="store_true",
+                        help="run hf_rocketkv.warm_up_engine into --compile-cache instead of the two calls")
     args = parser.parse_args()
+    if args.warm_up_only and not args.compile_cache:
+        parser.error("--warm-up-only needs --compile-cache DIR (the folder the next process starts from)")
+    # before torch.cuda or Triton compile anything
+    args.compile_cache_found = hf_rocketkv.use_compile_cache(args.compile_cache) if args.compile_cache else None
     device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
     if args.quick:
         args.requests, args.prompt_len, args.new_tokens, args.pool_gib = 4, 96, 8, 0.05
@@ -108,29 +187,31 @@ def main() -> None:
     hf_rocketkv.enable(model)
     build_s = time.perf_counter() - started
     pool = KVBlockPool(model, max_gpu_bytes=int(args.pool_gib * GIB))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.warm_up_only:
+        warm_up_only(model, pool, args, shapes, build_s, out)
+        return
     params = SamplingParams.greedy(args.new_tokens, ignore_eos=True)
     out_tokens = args.requests * args.new_tokens
     rows = []
     for call in (1, 2):
         batch = prompts(args.requests, args.prompt_len, shapes["vocab_size"], seed=call)
-        seconds, top = timed_call(model, batch, pool, params, profile=args.profile and call == 1)
+        with TritonWatch() as watch:
+            seconds, top = timed_call(model, batch, pool, params, profile=args.profile and call == 1)
         rows.append({"call": call, "seconds": round(seconds, 3), "output_tok_s": round(out_tokens / seconds, 1),
-                         "stack_top": top})
-        print(f"call {call}: {seconds:.2f} s = {out_tokens / seconds:.0f} tok/s", flush=True)
+                     "triton_cache_added": watch.added, "triton_kernels_loaded": len(watch.loaded),
+                     "triton_kernels": watch.loaded[:80], "stack_top": top})
+        print(f"call {call}: {seconds:.2f} s = {out_tokens / seconds:.0f} tok/s, {watch.added} Triton cache entries "
+              f"added, {len(watch.loaded)} kernels loaded", flush=True)
     report = {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "date": time.strftime("%Y-%m-%d"), "commit": os.environ.get("COMMIT", "unknown"), "label": args.label,
-        "workload": {"requests": args.requests, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                      "pool_gib": args.pool_gib}, "model_build_s": round(build_s, 2),
-        "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR"), "calls": rows,
+        **header(args, model, build_s), "calls": rows,
         "first_over_second": round(rows[0]["seconds"] / rows[1]["seconds"], 3),
         "peak_gib": round(torch.cuda.max_memory_allocated() / GIB, 2) if device.type == "cuda" else None,
         "hf_rocketkv": hf_rocketkv.__version__ if hasattr(hf_rocketkv, "__version__") else None,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     name = f"first_call{('_' + args.label) if args.label else ''}.json"
-    (out / name).write_text(json.dumps(report, indent=2))
+    (out / name).write_text(json.dumps(report, indent=2, default=str))
     print(f"first/second = {report['first_over_second']}  -> {out / name}")
 
 

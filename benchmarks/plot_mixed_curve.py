@@ -16,7 +16,11 @@ from pathlib import Path
 
 def curve(path: Path) -> list[tuple[float, float, float]]:
     """``(rate, per-user tokens/s p50, tokens/s per GPU)`` of every ``mixed_rate_*`` step of a batching_throughput.json."""
-    steps = json.loads(path.read_text())["steps"]
+    return points_of(json.loads(path.read_text())["steps"])
+
+
+def points_of(steps: dict) -> list[tuple[float, float, float]]:
+    """``(rate, per-user tokens/s p50, tokens/s per GPU)`` of every ``mixed_rate_*`` step of a report's steps."""
     points = []
     for name, step in steps.items():
         if name.startswith("mixed_rate_") and step.get("tokens_per_s") is not None:
@@ -31,15 +35,22 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
+    plot({label: curve(Path(path)) for label, _, path in (run.partition("=") for run in args.runs)}, args.title,
+         Path(args.out))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def plot(curves: dict[str, list[tuple[float, float, float]]], title: str, out: Path) -> None:
+    """One line per label, each point annotated with its arrival rate; log-log axes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for run in args.runs:
-        label, _, path = run.partition("=")
-        points = curve(Path(path))
+    for label, points in curves.items():
+        points = [p for p in points if p[1] is not None and p[2]]
         ax.plot([p[1] for p in points], [p[2] for p in points], marker="o", label=label)
         for rate, user, gpu in points:
             ax.annotate(f"{rate:g}/s", (user, gpu), textcoords="offset points", xytext=(4, 4), fontsize=8)
@@ -47,14 +58,13 @@ def main(argv=None) -> int:
     ax.set_yscale("log")
     ax.set_xlabel("output tokens/s per user (median)")
     ax.set_ylabel("output tokens/s per GPU")
-    ax.set_title(args.title, fontsize=10)
+    ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=9)
     fig.tight_layout()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out, dpi=120)
-    print(f"wrote {args.out}")
-    return 0
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

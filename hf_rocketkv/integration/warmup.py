@@ -11,7 +11,9 @@ torch.compile (``compile_regions`` or ``decode_runner="torch_compile"``) builds 
 ``use_compile_cache`` points Triton's and inductor's on-disk caches at the folder (environment variables, read when
 they first compile: so call it at start-up, before the first generate()) and loads torch's mega-cache
 (``torch.compiler.load_cache_artifacts``) written by ``warmup``. These are start-up settings of the process, never
-touched on a request path.
+touched on a request path. ``warmup`` runs generate(); the batching engine's kernels (``generate_batch``,
+``hf-rocketkv serve``) are warmed by ``hf_rocketkv.warm_up_engine`` (serving/warm_start.py; ``hf-rocketkv warmup
+--engine``) into the same folder.
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ _PUBLIC = {
     "UnknownRequest": ".errors",
     "create_app": ".server",  # needs the optional serve extra
     "generate_batch": ".batch",
+    "warm_up_engine": ".warm_start",
 }
 
 __all__ = [
@@ -67,6 +68,7 @@ __all__ = [
     "UnknownRequest",
     "create_app",
     "generate_batch",
+    "warm_up_engine",
 ]
 
 

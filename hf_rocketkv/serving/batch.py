@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from ..config import RocketKVConfig
 from .errors import InvalidRequest
 from .lockstep import Lockstep, tensor_parallel_size
-from .manager import GenerationManager, build_engine
+from .manager import GenerationManager, build_engine, check_rocketkv_attention
 from .outputs import GenerationResult
 from .sampling import SamplingParams
 
@@ -21,9 +21,9 @@ def sampling_from_generation_config(generation_config) -> SamplingParams:
     """SamplingParams equivalent to a transformers GenerationConfig's length, sampling and EOS settings."""
     max_tokens = generation_config.max_new_tokens or 16
     eos = generation_config.eos_token_id
-    extra = dict(stop_token_ids=tuple(eos if isinstance(eos, (list, tuple)) else [eos]) if eos is not None else (),
-                 stop=tuple([generation_config.stop_strings] if isinstance(generation_config.stop_strings, str)
-                            else generation_config.stop_strings or ()))
+    stop = generation_config.stop_strings
+    extra = {"stop_token_ids": tuple(eos if isinstance(eos, (list, tuple)) else [eos]) if eos is not None else (),
+             "stop": tuple([stop] if isinstance(stop, str) else stop or ())}
     if not generation_config.do_sample:
         return SamplingParams.greedy(max_tokens, **extra)
     return SamplingParams(
@@ -53,13 +53,15 @@ def generate_batch(model, prompts: Sequence[str | Sequence[int]], generation_con
         engine: an Engine to use, or ``"auto"`` (default: batching with a pool, else sequential), ``"batching"``,
             ``"sequential"`` (see ``GenerationManager``).
 
-    An invalid prompt raises ``InvalidRequest`` naming its index (requests added before it are cancelled).
+    A model whose attention is not ``rocketkv`` raises ``ValueError`` before any prompt runs (``hf_rocketkv.enable(
+    model)`` first). An invalid prompt raises ``InvalidRequest`` naming its index (requests added before it are cancelled).
 
     Tensor parallel (a model loaded with ``tp_plan="auto"`` under torchrun): call it on every rank with the same
     arguments, as ``model.generate``; it needs ``pool`` (a pool per rank). Rank 0's engine takes the requests and the
     other ranks step with it in lockstep (serving/lockstep.py); every rank returns rank 0's results (and raises its
     error, if any).
     """
+    check_rocketkv_attention(model)
     prompts = list(prompts)
     if isinstance(sampling, SamplingParams) or sampling is None:
         params = sampling or sampling_from_generation_config(generation_config or model.generation_config)

@@ -25,6 +25,9 @@ from dataclasses import dataclass, field
 
 from ..cache import check_pool_policy
 from ..config import RocketKVConfig
+from ..integration.compat import attn_implementation
+from ..integration.generate import uses_rocketkv
+from ..integration.names import ATTN_NAME
 from ..memory import PoolExhaustedError
 from .channel import OutputChannel
 from .engine import Engine, EngineEvent, EngineRequest
@@ -57,6 +60,7 @@ def build_engine(engine: Engine | str | None, model, config, pool, max_queue: in
     name = engine or "auto"
     if name not in ENGINE_CHOICES:
         raise ValueError(f"engine must be an Engine or one of {list(ENGINE_CHOICES)}, got {name!r}")
+    check_rocketkv_attention(model)
     if name == "auto":
         name = "batching" if pool is not None else "sequential"
     if name == "sequential":
@@ -71,6 +75,18 @@ def build_engine(engine: Engine | str | None, model, config, pool, max_queue: in
     built = BatchingEngine(model, config, pool, batching, lockstep=lockstep)
     warm_up_batching(built, warmup_max_tokens, max_model_len)
     return built
+
+
+def check_rocketkv_attention(model) -> None:
+    """ValueError, before any request runs, when ``model`` does not run ``rocketkv`` attention: both engines keep
+    every request's KV in a ``RocketKVCache``, which only that attention fills (otherwise every request would end in
+    an error)."""
+    if not uses_rocketkv(model):
+        raise ValueError(
+            f"model: its attn_implementation is {attn_implementation(model)!r}, not {ATTN_NAME!r}; the engines keep "
+            f"each request's KV in a RocketKVCache, which only {ATTN_NAME!r} attention fills. Call "
+            f"`hf_rocketkv.enable(model)` first, or load it with `from_pretrained(..., attn_implementation="
+            f"{ATTN_NAME!r})`")
 
 
 def batching_refusal(config: RocketKVConfig) -> str | None:
@@ -271,7 +287,7 @@ class GenerationManager:
             for record in list(self._records.values()):
                 self._finish(record, FinishReason.CANCELLED, "the manager stopped before this request finished")
 
-    def __enter__(self) -> "GenerationManager":
+    def __enter__(self) -> GenerationManager:  # noqa: PYI034 - typing.Self needs Python 3.11
         return self
 
     def __exit__(self, *exc) -> None:

@@ -4,7 +4,8 @@
 
     POST /v1/completions, /v1/chat/completions   streaming (SSE ``data: {...}`` chunks, ``data: [DONE]``) or not
     POST /tokenize, /detokenize                  vLLM's: text or messages to token ids, token ids to text
-    GET  /v1/models, /health, /metrics           model list; 200/503; Prometheus text
+    GET  /v1/models, /health, /metrics           model list; 200/503 (503 with the reason while starting:
+                                                 serving/startup.py); Prometheus text
 
 Every error, on every route, is OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``: 400 invalid
 request (prompt longer than the context, bad or unsupported parameters), 401 a missing or wrong API key (with
@@ -27,19 +28,19 @@ from .deps import require_serve_deps
 
 require_serve_deps()  # a clear "pip install hf_rocketkv[serve]" instead of a bare ModuleNotFoundError
 
-import anyio  # noqa: E402
-from fastapi import FastAPI, Request  # noqa: E402
-from fastapi.exceptions import RequestValidationError  # noqa: E402
-from fastapi.responses import JSONResponse, Response  # noqa: E402
-from starlette.concurrency import run_in_threadpool  # noqa: E402
-from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa: E402
-from starlette.requests import ClientDisconnect  # noqa: E402
-from starlette.responses import StreamingResponse  # noqa: E402
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import StreamingResponse
 
-from .errors import EngineStopped, InvalidRequest, Overloaded  # noqa: E402
-from .outputs import FinishReason  # noqa: E402
-from .prompts import encode_chat, encode_text, tokenize_ids  # noqa: E402
-from .protocol import (  # noqa: E402
+from .errors import EngineStopped, InvalidRequest, Overloaded
+from .outputs import FinishReason
+from .prompts import encode_chat, encode_text, tokenize_ids
+from .protocol import (
     CHAT_DEFAULT_MAX_TOKENS,
     ParsedRequest,
     chat_body,
@@ -52,6 +53,7 @@ from .protocol import (  # noqa: E402
     parse_tokenize_request,
     usage,
 )
+from .startup import Starting
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +92,7 @@ def create_app(manager, model_name: str, *, default_max_tokens: int = CHAT_DEFAU
     app.state.max_body_bytes = max_body_bytes(manager.max_model_len)
     app.state.chat_template = chat_template
     _openai_errors(app)
+    _answer_while_starting(app)
     if api_key is not None:
         _require_api_key(app, api_key)
 
@@ -123,7 +126,10 @@ def create_app(manager, model_name: str, *, default_max_tokens: int = CHAT_DEFAU
 
     @app.get("/health")
     async def health():
-        if manager.healthy():
+        current = app.state.manager
+        if isinstance(current, Starting):
+            return JSONResponse(current.health(), status_code=503)
+        if current.healthy():
             return {"status": "ok"}
         return JSONResponse({"status": "unavailable"}, status_code=503)
 
@@ -131,7 +137,7 @@ def create_app(manager, model_name: str, *, default_max_tokens: int = CHAT_DEFAU
     async def metrics():
         from .prometheus import render
 
-        body, content_type = render(manager)
+        body, content_type = render(app.state.manager)
         return Response(body, media_type=content_type)
 
     return app
@@ -168,6 +174,31 @@ def _openai_errors(app) -> None:
         return JSONResponse(error_body(message, "invalid_request_error", where, "invalid_value"), status_code=422)
 
 
+def _answer_while_starting(app) -> None:
+    """While ``app.state.manager`` is a ``Starting`` (serving/startup.py), every route but /health and the model list
+    answers 503 with the reason (nothing could run yet)."""
+    app.add_middleware(_StartingGate)
+
+
+class _StartingGate:
+    """ASGI middleware of ``_answer_while_starting``. A plain ASGI one, not ``@app.middleware("http")``: that wraps
+    the request's receive channel, and an endpoint would no longer see its client disconnect."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        current = scope["app"].state.manager if scope["type"] == "http" else None
+        path = scope.get("path", "")
+        if not isinstance(current, Starting) or path == "/health" or path.startswith("/v1/models"):
+            await self.app(scope, receive, send)
+            return
+        response = JSONResponse(error_body(f"the server is starting ({current.reason}): retry once /health answers "
+                                           f"200", "service_unavailable", None, "starting"),
+                                status_code=503, headers={"Retry-After": "5"})
+        await response(scope, receive, send)
+
+
 def _require_api_key(app, api_key: str) -> None:
     """Every route but OPEN_PATHS answers 401 without ``Authorization: Bearer <api_key>`` (compared in constant
     time)."""
@@ -200,7 +231,7 @@ async def _guard(handler: Callable):
                             headers={"Retry-After": "1"})
     except EngineStopped as err:
         return JSONResponse(error_body(str(err), "service_unavailable", None, "engine_stopped"), status_code=503)
-    except Exception as err:  # noqa: BLE001 - a bug in one request must not take the server down
+    except Exception as err:  # a bug in one request must not take the server down
         logger.exception("hf_rocketkv server: request failed")
         return JSONResponse(error_body(f"internal error: {type(err).__name__}: {err}", "server_error", None,
                                        "internal_error"), status_code=500)

@@ -17,7 +17,7 @@ import types
 from pathlib import Path
 
 import pytest
-from transformers import BertConfig, LlamaConfig, Llama4TextConfig
+from transformers import BertConfig, Llama4TextConfig, LlamaConfig
 
 from hf_rocketkv.cli import CONFIG_DIR, compact_list, main
 from hf_rocketkv.eval.settings import load_run_config
@@ -233,7 +233,8 @@ def documented_errors() -> list[tuple[str, str, str]]:
 
 def make_error_fixtures(folder: Path) -> None:
     """The files the rows of the docs/cli.md error table name (listed under that table)."""
-    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128)
+    small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "vocab_size": 128}
     Llama4TextConfig(**small, num_key_value_heads=2, head_dim=8, architectures=["Llama4ForCausalLM"]).save_pretrained(
         folder / "llama4")
     BertConfig(**small, architectures=["BertForMaskedLM"]).save_pretrained(folder / "bert")
@@ -277,7 +278,7 @@ def test_documented_error(mistake, command, expected, error_fixtures, monkeypatc
     assert rc == 2, err
     assert "Traceback" not in err and 1 <= len(err.splitlines()) <= 3, err
     pattern = ".*?".join(re.escape(part) for part in expected.split("…"))
-    assert re.fullmatch(pattern, err, flags=re.S), f"\ndocumented: {expected}\nprinted:    {err}"
+    assert re.fullmatch(pattern, err, flags=re.DOTALL), f"\ndocumented: {expected}\nprinted:    {err}"
     assert not (error_fixtures / "out").exists()  # nothing was run
 
 
@@ -286,8 +287,15 @@ def test_documented_error(mistake, command, expected, error_fixtures, monkeypatc
 def test_supported_architectures_pass_the_config_check(name):
     """No false rejection: the families the integration tests run (Qwen2 as shipped: sliding window configured but
     switched off; the sliding-window families of tests/integration/test_hybrid_models.py)."""
-    from transformers import (Cohere2Config, Gemma2Config, Gemma3TextConfig, GptOssConfig, MistralConfig, Qwen2Config,
-                              Qwen3Config)
+    from transformers import (
+        Cohere2Config,
+        Gemma2Config,
+        Gemma3TextConfig,
+        GptOssConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     from hf_rocketkv.models import check_architecture
 
@@ -416,8 +424,7 @@ def test_warmup_cli_refuses_context_beyond_the_models_positions(short_model_dir,
     (["bench", "--workload", "--batches", "0", "--quick"], "--batches"),
 ], ids=["unknown-option", "batch-0", "workload-batches-0"])
 def test_bench_argument_errors_are_short(argv, option, capsys, monkeypatch):
-    import hf_rocketkv.bench.decode as decode
-    import hf_rocketkv.bench.workload as workload
+    from hf_rocketkv.bench import decode, workload
 
     def refuse_build(*_args, **_kwargs):
         raise AssertionError("the benchmark built a model: the bad argument was accepted")
@@ -444,7 +451,7 @@ def test_eval_cli_reports_an_fp8_pool_method_with_adakv_before_loading_the_model
 def readme_main_job() -> list[str]:
     """The ``hf-rocketkv generate`` command of README.md's set-up section, as argv."""
     text = (ROOT / "README.md").read_text(encoding="utf-8")
-    block = re.search(r"```bash\n(hf-rocketkv generate .*?)\n```", text, flags=re.S).group(1)
+    block = re.search(r"```bash\n(hf-rocketkv generate .*?)\n```", text, flags=re.DOTALL).group(1)
     return shlex.split(block.replace("\\\n", " "))
 
 
@@ -481,6 +488,33 @@ def test_serve_is_a_subcommand(capsys):
 
     assert main(["serve", "--port", "-3"]) == 2
     assert "--port" in capsys.readouterr().err
+
+
+def test_warmup_engine_runs_the_batching_engine_over_a_pool(tmp_path, capsys):
+    """--engine: the batching engine's buckets up to --max-running (1, 2) and one batch per --batch size ran (CPU:
+    eagerly); the JSON line reports them."""
+    import json
+    import os
+
+    from hf_rocketkv.cli import main
+
+    before = {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
+    try:
+        assert main(["warmup", "--cache-dir", str(tmp_path / "c"), "--context", "40", "--new-tokens", "2",
+                     "--batch", "1", "2", "--engine", "--pool-gib", "0.05", "--max-running", "2",
+                     "--warmup-max-tokens", "4", "--set", "prompt_budget=32", "--set", "topk=4"]) == 0
+        line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert line["engine"]["startup_capture"]["buckets"] == [1, 2]
+        assert [b["batch"] for b in line["engine"]["batches"]] == [1, 2]
+        assert main(["warmup", "--cache-dir", str(tmp_path / "c"), "--batch", "4", "--engine",
+                     "--max-running", "2"]) == 2
+        assert "--batch 4 exceeds --max-running 2" in capsys.readouterr().err
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def test_warmup_saves_and_a_new_process_loads(tmp_path):

@@ -448,3 +448,21 @@ def test_serve_adakv_with_a_pool_names_the_config_and_the_flag(tiny_dir, tmp_pat
     assert 1 <= len(err.strip().splitlines()) <= 3 and "Traceback" not in err
     assert "stage1" in err and "--pool-gib" in err, err
     assert "cannot load --model" not in err, err  # the config is what is refused, before the model loads
+
+
+def test_compile_cache_flag_points_the_caches_at_the_folder(tmp_path, monkeypatch):
+    """--compile-cache DIR: Triton's and inductor's caches in DIR before the model loads; a file is a usage error."""
+    from hf_rocketkv.cli.checks import UsageError
+    from hf_rocketkv.cli.serve import build_parser
+    from hf_rocketkv.cli.serve_options import use_compile_cache_flag
+
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    parser = build_parser()
+    assert use_compile_cache_flag(parser.parse_args([])) is None
+    line = use_compile_cache_flag(parser.parse_args(["--compile-cache", str(tmp_path / "cc")]))
+    assert line.startswith(f"compile cache {tmp_path / 'cc'}")
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "cc" / "triton")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UsageError, match="--compile-cache"):
+        use_compile_cache_flag(parser.parse_args(["--compile-cache", str(tmp_path / "file")]))

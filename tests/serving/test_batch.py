@@ -103,3 +103,32 @@ def test_generate_batch_follows_generation_config(tiny_pair, cfg):
     results = generate_batch(tiny_pair[0], batch, GenerationConfig(max_new_tokens=4, do_sample=False), config=cfg)
     for prompt, result in zip(batch, results):
         assert list(result.token_ids) == oracle_tokens(tiny_pair[1], prompt, cfg, 4, eos_token_id=EOS)
+
+
+@pytest.mark.parametrize("engine", ["auto", "sequential"])
+def test_generate_batch_refuses_a_model_without_rocketkv_attention_up_front(engine):
+    """A model on sdpa: one ValueError naming the attention and the fix, before any prompt runs (not N results
+    ending in "error"); the same model after hf_rocketkv.enable generates."""
+    import hf_rocketkv
+    from tests.support.tiny_models import make_models
+
+    _, sdpa = make_models("llama", seed=0)
+    config = compressing_config()
+    pool = make_pool(sdpa, config=config) if engine == "auto" else None
+    prompts = [random_ids(1, 30, seed=s)[0].tolist() for s in (1, 2)]
+    with pytest.raises(ValueError, match=r"attn_implementation is 'sdpa'.*hf_rocketkv.enable\(model\)"):
+        generate_batch(sdpa, prompts, config=config, pool=pool, engine=engine,
+                       sampling=SamplingParams.greedy(3, ignore_eos=True))
+    hf_rocketkv.enable(sdpa)
+    results = generate_batch(sdpa, prompts, config=config, pool=pool, engine=engine,
+                             sampling=SamplingParams.greedy(3, ignore_eos=True))
+    assert [len(r.token_ids) for r in results] == [3, 3]
+
+
+def test_manager_refuses_a_model_without_rocketkv_attention():
+    from hf_rocketkv.serving import GenerationManager
+    from tests.support.tiny_models import make_models
+
+    _, sdpa = make_models("llama", seed=0)
+    with pytest.raises(ValueError, match="model: its attn_implementation is 'sdpa'"):
+        GenerationManager(sdpa, None, compressing_config(), engine="sequential")

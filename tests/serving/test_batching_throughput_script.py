@@ -35,6 +35,20 @@ def test_both_engines_serve_the_same_mixed_workload(tmp_path):
 
 
 @pytest.mark.slow
+def test_engine_both_runs_the_same_arrivals_on_each_and_plots_both(tmp_path):
+    """--engine both: our steps, then transformers' on the same mixed arrivals (same prompt lengths), one curve
+    point per engine and rate, and the plot."""
+    report = _run("both", tmp_path)
+    ours, theirs = report["steps"]["mixed_rate_4"], report["transformers_steps"]["mixed_rate_4"]
+    assert ours["workload"] == theirs["workload"]
+    for mixed in (ours, theirs):
+        assert mixed["finished"] == {"length": 4} and mixed["output_tokens"] == 4 * 6, mixed
+        assert mixed["itl_p50_s"] is not None and mixed["itl_p99_s"] >= mixed["itl_p50_s"]
+    assert [len(points) for points in report["curve"].values()] == [1, 1]
+    assert report["args"]["engine"] == "both" and (tmp_path / "mixed_curve.png").stat().st_size > 0
+
+
+@pytest.mark.slow
 def test_fp8_pool_pages_serve_the_workload(tmp_path):
     """--kv-cache-dtype fp8: the engine serves the same workload on e4m3 pool pages (every request finished)."""
     out = tmp_path / "fp8"
@@ -67,5 +81,8 @@ def test_summary_arithmetic_on_synthetic_token_times():
     assert got["finished"] == {"length": 2, "error": 1} and got["errors"] == ["boom"]
     assert got["ttft_p50_s"] == 0.5 and got["ttft_p99_s"] == 2.0  # of 0.25, 0.5, 2.0
     assert got["per_user_tokens_per_s_p50"] == pytest.approx(1.0) and got["per_user_tokens_per_s_p10"] == 1.0
+    # inter-token gaps pooled: a's 1, 1, 1, 1 and b's 0.5, 0.5 -> nearest rank 3 of 6 is 1.0, the 25th 0.5
+    assert got["itl_p50_s"] == 1.0 and got["itl_p99_s"] == 1.0
+    assert batching_throughput.percentile([1.0, 1.0, 1.0, 1.0, 0.5, 0.5], 25) == 0.5
     assert batching_throughput.percentile([4, 1, 3, 2], 50) == 2 and batching_throughput.percentile([4, 1, 3, 2], 75) == 3
     assert batching_throughput.percentile([], 50) is None
