@@ -11,9 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.paged import gather_pages
-from ..kernels.sparse_decode_attention import selected_slots
 from ..policies.stage2 import every_page
-from ..selection.logit_features import sparse_attention_reference
 from ..selection.stage2_pages import capped_page_scores, num_pages, select_pages
 from .op_graphs import buffers_key
 
@@ -62,10 +60,11 @@ def stage2_attention(layer, q: torch.Tensor, scaling: float) -> torch.Tensor:
 
 
 def featured_stage2_attention(layer, q: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Stage 2 of a layer whose logits are soft-capped and/or have sinks (``layer.features``), in PyTorch: page
-    scores from soft-capped page logits at the model's scale (``capped_page_scores``; without a cap the usual
-    ``page_scores``), the same top-k page selection, then exact attention over the selected tokens with the cap and
-    the sinks (``sparse_attention_reference``). ``q`` [B, Hkv, G, D] -> [B, Hkv, G, D]."""
+    """Stage 2 of a layer whose logits are soft-capped and/or have sinks (``layer.features``): page scores from
+    soft-capped page logits at the model's scale (``capped_page_scores``, PyTorch; without a cap the backend's own
+    ``paged_top_pages``), the same top-k page selection, then exact attention over the selected tokens with the cap
+    and the sinks through the backend's ``paged_sparse_decode_attention`` (the Triton kernel on CUDA).
+    ``q`` [B, Hkv, G, D] -> [B, Hkv, G, D]."""
     config, store, features = layer.config, layer.store, layer.features
     page_size, lengths = config.page_size, layer.lengths
     if config.stage2 == "none":
@@ -80,7 +79,6 @@ def featured_stage2_attention(layer, q: torch.Tensor, scaling: float) -> torch.T
         probs = capped_page_scores(q, gather_pages(store.kt, store.table), n_pages, config.topr,
                                    config.stage2_per_head_bound, scaling, features.softcap)
         page_idx, page_valid = select_pages(probs, n_pages, config.topk, *config.stage2_forced_pages)
-    keys = gather_pages(store.k, store.table, store.k_scale)
-    values = gather_pages(store.v, store.table, store.v_scale)
-    slots, valid = selected_slots(page_idx, page_valid, lengths, page_size, keys.shape[2])
-    return sparse_attention_reference(q, keys, values, slots, valid, scaling, features)
+    return layer.ops.paged_sparse_decode_attention(
+        q, store.k, store.v, store.table, page_idx, page_valid, lengths, page_size, scaling,
+        k_scale=store.k_scale, v_scale=store.v_scale, softcap=features.softcap, sinks=features.sinks)

@@ -198,3 +198,19 @@ def test_tensor_parallel_shards_are_refused():
     key = torch.zeros(1, 1, 4, 16)  # one of the two KV heads
     with pytest.raises(NotImplementedError, match="sliding-window layers under tensor parallelism"):
         check_supported(module, {"sliding_window": WINDOW}, layer, key, PLAIN)
+
+
+# ------------------------------------------------------------------------------------------------ Triton backend
+@pytest.mark.parametrize("arch", ["gpt_oss", "gemma2"])
+def test_triton_backend_gives_the_oracles_and_the_twins_tokens(arch):
+    """Stage 2's attention through the Triton kernel with sinks (gpt-oss) or soft-capping (Gemma 2), interpreted on
+    CPU: every page read gives the oracle's tokens; with eviction and page selection, the torch twin's tokens."""
+    rocket, oracle = make_hybrid_models(arch)
+    ids = random_ids(1, 40, seed=3)
+    out = greedy(rocket, ids, past_key_values=RocketKVCache(keep_all_config(backend="triton")), max_new_tokens=6)
+    assert torch.equal(out, greedy(oracle, ids, max_new_tokens=6))
+    config = dict(kt_cache_dtype="float32")
+    triton = greedy(rocket, ids, past_key_values=RocketKVCache(compressing_config(backend="triton", **config)),
+                    max_new_tokens=6)
+    torch_ = greedy(rocket, ids, past_key_values=RocketKVCache(compressing_config(**config)), max_new_tokens=6)
+    assert torch.equal(triton, torch_)
