@@ -57,6 +57,8 @@ def rocketkv_attention(
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
 
     if isinstance(layer, SlidingWindowLayer):
+        if layer.ring and query.shape[2] == 1:  # a decode step over the ring: transformers' mask in slot order
+            attention_mask = layer.ring_mask(attention_mask)
         return window_attention(module, query, key, value, attention_mask, scaling, features, **kwargs), None
     if not layer.compressed:
         check_all_heads_here(layer, module, key)
