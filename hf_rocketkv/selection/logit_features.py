@@ -132,15 +132,16 @@ def featured_attention(
     """``attention_reference``'s result, in memory bounded by the query block rather than the whole
     ``n x N`` logits (a 32k-token prefill of gpt-oss-20b shapes would need 256 GiB of fp32 logits at once).
 
-    Sinks without a cap run through PyTorch's SDPA (``sink_attention``); soft-capped logits through the reference,
-    ``block_bytes`` of fp32 logits per block of queries. Same shapes and arguments as ``attention_reference``."""
+    Sinks without a cap run through PyTorch's SDPA (``sink_attention``), ``block_bytes`` of mask per block of
+    queries; soft-capped logits through the reference, ``block_bytes`` of fp32 logits per block of queries. Same
+    shapes and arguments as ``attention_reference``."""
     batch, num_q_heads, n, _ = query.shape
     num_keys = key.shape[2]
-    block = max(1, min(n, block_bytes // max(1, 4 * batch * num_q_heads * num_keys)))
     if features.softcap is None and features.sinks is not None:
-        run = sink_attention
+        run, per_query = sink_attention, 4 * batch * num_keys  # SDPA's mask (bool, then additive): no logits
     else:
-        run = attention_reference
+        run, per_query = attention_reference, 4 * batch * num_q_heads * num_keys  # fp32 logits
+    block = max(1, min(n, block_bytes // per_query))
     if block >= n:
         return run(query, key, value, allowed, scaling, features)
     if allowed is None:  # lower-right causal, made explicit so that each block keeps its own rows of it

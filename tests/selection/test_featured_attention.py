@@ -65,7 +65,7 @@ CASES = [
     (4, 4, 1, 10, 32, None, True, "padding", None),  # one decode query
     (6, 2, 11, 11, 16, 3.0, True, None, 4 * 2 * 6 * 11 * 3),  # cap + sinks, blocks of 3 queries
     (4, 1, 7, 13, 48, 2.0, False, "padding", 4 * 2 * 4 * 13 * 2),  # cap only, blocks of 2, padded
-    (4, 2, 10, 10, 24, None, True, "padding", 4 * 2 * 4 * 10 * 4),  # sinks in blocks of 4, 3 empty queries
+    (4, 2, 10, 10, 24, None, True, "padding", 4 * 2 * 10 * 4),  # sinks in blocks of 4, 3 empty queries
     (2, 2, 6, 6, 8, 1.0, True, "padding", None),  # cap + sinks in one block, 3 empty queries
 ]
 
