@@ -214,7 +214,11 @@ class SlidingWindowLayer(CacheLayerMixin):
             self.values = self.values.index_select(0, index.to(self.values.device))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._index_rows(beam_idx)
+        """Beam search: rows reordered in place, so that a captured decode step keeps its buffers."""
+        if self.is_initialized:
+            index = beam_idx.to(self.keys.device)
+            self.keys.copy_(self.keys.index_select(0, index))
+            self.values.copy_(self.values.index_select(0, index))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._index_rows(indices)

@@ -71,6 +71,11 @@ def test_graphed_compressed_padded_batch_equals_eager(pair):
             assert torch.equal(graphed_layer.keys, eager_layer.keys)
         else:
             assert torch.equal(graphed_layer.lengths, eager_layer.lengths)
+    # chunked prefill, then graphed decode
+    chunked = greedy(rocket, ids, attention_mask=mask, past_key_values=RocketKVCache(config), max_new_tokens=12,
+                     disable_compile=True, prefill_chunk_size=10)
+    out, _, backend = _graphed(rocket, ids, config, 12, attention_mask=mask, prefill_chunk_size=10)
+    assert torch.equal(out, chunked) and backend.captures == 1
 
 
 def test_a_later_turn_after_graphed_decode_equals_the_oracle():
@@ -84,3 +89,16 @@ def test_a_later_turn_after_graphed_decode_equals_the_oracle():
     second = greedy(rocket, ids, past_key_values=cache, max_new_tokens=9, compile_config=eager_compile_config())
     assert torch.equal(second, greedy(oracle, ids, max_new_tokens=9))
     assert backend.captures == 2
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "gemma3"])
+def test_beam_search_with_the_graph_runner_equals_the_oracle(arch):
+    """Beam search reorders the rows between decode steps (in place on the ring); generate() runs its steps
+    eagerly, graph runner or not."""
+    rocket, oracle = make_hybrid_models(arch)
+    ids = random_ids(1, 30, seed=7)
+    kwargs = {"num_beams": 2, "max_new_tokens": 10}
+    backend = StandInBackend()
+    beams = greedy(rocket, ids, past_key_values=graphed_cache(keep_all_config(), backend),
+                   compile_config=eager_compile_config(), **kwargs)
+    assert torch.equal(beams, greedy(oracle, ids, **kwargs))
