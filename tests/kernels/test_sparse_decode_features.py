@@ -63,9 +63,9 @@ CASES = [
 
 
 def _inputs(dtype, group, head_dim, page_size, g, per_head=False):
-    batch, kv_heads, capacity = 3, 2, 10 * page_size
+    batch, kv_heads, capacity = 3, 2, 12 * page_size
     num_pages = capacity // page_size
-    k = min(5, num_pages)
+    k = min(8, num_pages)
     q = randn((batch, kv_heads, group, head_dim), dtype, g, scale=2.0)  # large logits: the cap matters
     keys = randn((batch, kv_heads, capacity, head_dim), dtype, g)
     values = randn((batch, kv_heads, capacity, head_dim), dtype, g)
@@ -92,7 +92,9 @@ def test_kernel_and_twin_match_float64_oracle(dtype, group, head_dim, page_size,
     scaling = head_dim**-0.5
     want = oracle(*args, page_size, scaling, softcap, sinks)
     twin = sparse_decode_attention_torch(*args, page_size, scaling, softcap, sinks)
-    got = sparse_decode_attention_launch(*args, page_size, scaling, num_splits=splits, softcap=softcap, sinks=sinks)
+    # 16-token tiles, so that the requested splits happen on these small selections (up to 8 pages x page_size)
+    got = sparse_decode_attention_launch(*args, page_size, scaling, num_splits=splits, block_n=16, softcap=softcap,
+                                         sinks=sinks)
     atol = OUT_ATOL[dtype]
     for out in (twin, got):
         assert out.dtype == dtype and out.shape == want.shape
@@ -106,16 +108,16 @@ def test_sink_only_changes_the_denominator(splits):
     g = gen("sda-sink-limits", splits)
     args = _inputs(torch.float32, 4, 32, 4, g)
     scaling = 32**-0.5
-    plain = sparse_decode_attention_launch(*args, 4, scaling, num_splits=splits)
-    low = sparse_decode_attention_launch(*args, 4, scaling, num_splits=splits,
+    plain = sparse_decode_attention_launch(*args, 4, scaling, num_splits=splits, block_n=16)
+    low = sparse_decode_attention_launch(*args, 4, scaling, num_splits=splits, block_n=16,
                                          sinks=torch.full((8,), -1e4, device=DEVICE))
-    high = sparse_decode_attention_launch(*args, 4, scaling, num_splits=splits,
+    high = sparse_decode_attention_launch(*args, 4, scaling, num_splits=splits, block_n=16,
                                           sinks=torch.full((8,), 1e4, device=DEVICE))
     torch.testing.assert_close(low, plain, atol=1e-6, rtol=0)
     assert torch.isfinite(high).all() and high.abs().max() < 1e-6
 
 
-@pytest.mark.parametrize("softcap,with_sinks,splits", [(3.0, True, None), (None, True, 2), (0.75, False, 1)])
+@pytest.mark.parametrize("softcap,with_sinks,splits", [(3.0, True, 3), (None, True, 2), (0.75, False, 1)])
 def test_paged_op_matches_oracle_per_head_lengths(softcap, with_sinks, splits):
     """The registered paged op (pool pages through a block table, lengths per row and KV head) and its twin."""
     g = gen("paged-sda-features", softcap, with_sinks, splits)
@@ -140,7 +142,9 @@ def test_paged_op_matches_oracle_per_head_lengths(softcap, with_sinks, splits):
                                              scaling, softcap=softcap, sinks=sinks)
     registered = ops().paged_sparse_decode_attention.op(q, k_pages, v_pages, table, page_idx, page_valid, lengths,
                                                         kt_page, scaling, None, None, softcap, sinks)
-    for out in (twin, op, registered):
+    launch = sparse_decode_attention_launch(q, k_pages, v_pages, page_idx, page_valid, lengths, kt_page, scaling,
+                                            num_splits=splits, block_n=16, table=table, softcap=softcap, sinks=sinks)
+    for out in (twin, op, registered, launch):
         torch.testing.assert_close(out.double().cpu(), want, atol=OUT_ATOL[torch.bfloat16], rtol=0)
 
 
