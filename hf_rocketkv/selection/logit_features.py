@@ -185,8 +185,10 @@ def sink_attention(
         allowed = (column[None, :] <= last[:, None])[None, None]
     allowed = allowed.expand(*allowed.shape[:-1], num_keys)
     allowed = torch.cat([allowed, allowed.new_ones(*allowed.shape[:-1], 1)], dim=-1)  # the sink: always seen
-    gqa = num_q_heads != num_kv_heads
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scaling, enable_gqa=gqa)
+    if num_q_heads != num_kv_heads:  # one K/V head per query head: SDPA's memory-efficient kernel takes a mask
+        k = k.repeat_interleave(num_q_heads // num_kv_heads, dim=1)  # but not every PyTorch build's takes GQA too,
+        v = v.repeat_interleave(num_q_heads // num_kv_heads, dim=1)  # and the math fallback holds n x N logits
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scaling)
     return out.transpose(1, 2).contiguous()
 
 
