@@ -208,8 +208,11 @@ def test_triton_backend_gives_the_oracles_and_the_twins_tokens(arch):
     CPU: every page read gives the oracle's tokens; with eviction and page selection, the torch twin's tokens."""
     rocket, oracle = make_hybrid_models(arch)
     ids = random_ids(1, 40, seed=3)
-    out = greedy(rocket, ids, past_key_values=RocketKVCache(keep_all_config(backend="triton")), max_new_tokens=6)
+    cache = RocketKVCache(keep_all_config(backend="triton"))
+    out = greedy(rocket, ids, past_key_values=cache, max_new_tokens=6)
     assert torch.equal(out, greedy(oracle, ids, max_new_tokens=6))
+    featured = [layer for layer in cache.layers if not layer.is_sliding]
+    assert featured and all(not layer.features.plain and layer.ops.name == "triton" for layer in featured)
     config = dict(kt_cache_dtype="float32")
     triton = greedy(rocket, ids, past_key_values=RocketKVCache(compressing_config(backend="triton", **config)),
                     max_new_tokens=6)
