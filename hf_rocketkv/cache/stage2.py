@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.paged import gather_pages
 from ..policies.stage2 import every_page
-from ..selection.stage2_pages import capped_page_scores, num_pages, select_pages
 from .op_graphs import buffers_key
 
 
@@ -60,25 +58,21 @@ def stage2_attention(layer, q: torch.Tensor, scaling: float) -> torch.Tensor:
 
 
 def featured_stage2_attention(layer, q: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Stage 2 of a layer whose logits are soft-capped and/or have sinks (``layer.features``): page scores from
-    soft-capped page logits at the model's scale (``capped_page_scores``, PyTorch; without a cap the backend's own
-    ``paged_top_pages``), the same top-k page selection, then exact attention over the selected tokens with the cap
-    and the sinks through the backend's ``paged_sparse_decode_attention`` (the Triton kernel on CUDA).
+    """Stage 2 of a layer whose logits are soft-capped and/or have sinks (``layer.features``), through the
+    backend's ops (Triton kernels on CUDA): ``paged_top_pages`` from soft-capped page logits at the model's scale
+    (``stage2_pages.capped_page_scores``; without a cap the plain ones: sinks are a per-head constant), then exact
+    attention over the selected tokens with the cap and the sinks (``paged_sparse_decode_attention``).
     ``q`` [B, Hkv, G, D] -> [B, Hkv, G, D]."""
     config, store, features = layer.config, layer.store, layer.features
     page_size, lengths = config.page_size, layer.lengths
     if config.stage2 == "none":
         page_idx, page_valid = every_page(lengths, layer.num_kv_heads, store.capacity // page_size, page_size)
-    elif features.softcap is None:  # sinks only: the page logits are the plain ones
+    else:  # sinks only: the plain page logits; a cap: capped page logits at the model's scale
         sink_pages, recent_pages = config.stage2_forced_pages
+        capped = {} if features.softcap is None else {"softcap": features.softcap, "scaling": scaling}
         page_idx, page_valid = layer.ops.paged_top_pages(
             q, store.kt, store.table, lengths, page_size, config.topr, config.topk, sink_pages=sink_pages,
-            recent_pages=recent_pages, per_head_bound=config.stage2_per_head_bound)
-    else:
-        n_pages = num_pages(lengths, page_size)
-        probs = capped_page_scores(q, gather_pages(store.kt, store.table), n_pages, config.topr,
-                                   config.stage2_per_head_bound, scaling, features.softcap)
-        page_idx, page_valid = select_pages(probs, n_pages, config.topk, *config.stage2_forced_pages)
+            recent_pages=recent_pages, per_head_bound=config.stage2_per_head_bound, **capped)
     return layer.ops.paged_sparse_decode_attention(
         q, store.k, store.v, store.table, page_idx, page_valid, lengths, page_size, scaling,
         k_scale=store.k_scale, v_scale=store.v_scale, softcap=features.softcap, sinks=features.sinks)

@@ -138,6 +138,7 @@ try:
         next_pow2,
         num_sms,
         scale_strides,
+        tanh_f32,
     )
     from .launch import TritonLaunch
 except ImportError:  # triton is optional: the reference above works without it
@@ -145,12 +146,6 @@ except ImportError:  # triton is optional: the reference above works without it
 
 if triton is not None:
     LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
-
-    @triton.jit
-    def _tanh(x):
-        # tanh in fp32 from exp2 (no libdevice call, the same code on every Triton): 1 - 2 / (e^2x + 1) saturates
-        # to +-1 without overflow to NaN
-        return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
 
     @triton.jit
     def _sparse_decode_split_kernel(
@@ -243,7 +238,7 @@ if triton is not None:
             # scale_log2: scaling * log2(e), or scaling / softcap with SOFTCAP (then tanh, times softcap * log2(e))
             s = s.to(tl.float32) * scale_log2
             if SOFTCAP:
-                s = _tanh(s) * cap_log2
+                s = tanh_f32(s) * cap_log2
             if PAGED:
                 s = tl.where((ok & present)[None, :], s, float("-inf"))
             else:
