@@ -19,8 +19,9 @@ Rows, one process, the same model and prompt (batch 1):
     rocketkv         RocketKVCache(RocketKVConfig()) defaults (budget 2048, topk 64 pages of 4, fp8 KT) through the
                      default decode runner (each request's decode step captured as a CUDA graph)
     rocketkv-eager   the same, every decode step eager (generate(disable_compile=True)): what the graphs save
-The dense rows prefill in chunks of ``--dense-prefill-chunk`` tokens (generate's prefill_chunk_size): transformers'
-eager attention of gpt-oss would otherwise hold 64 x 32k x 32k logits at once (1024: ~13 GiB of them per chunk).
+The dense rows of gpt-oss prefill in chunks of ``--dense-prefill-chunk`` tokens (generate's prefill_chunk_size; with
+the static cache generate compiles the chunk's forward too): transformers' eager attention would otherwise hold
+64 x 32k x 32k logits at once (1024: ~13 GiB of them per chunk). Gemma 3's dense rows (sdpa) prefill in one forward.
 RocketKV prefills in one forward (sinks through PyTorch's SDPA, ``selection/logit_features.sink_attention``).
 
 Columns: ``ttft_s`` (generate's first token: prefill, stage 1 and the first sampling), ``decode_ms_per_token``
@@ -134,7 +135,7 @@ def run_row(model, dense_attention: str, cache_kind: str, ids: torch.Tensor, new
         kwargs["disable_compile"] = cache_kind == "rocketkv-eager"
     else:
         model.set_attn_implementation(dense_attention)
-        if chunk is not None:
+        if chunk is not None and dense_attention == "eager":  # sdpa prefills 32k in one forward
             kwargs["prefill_chunk_size"] = chunk
             row["prefill_chunk"] = chunk
         if cache_kind == "static-compile":

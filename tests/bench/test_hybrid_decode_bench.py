@@ -25,7 +25,8 @@ def test_quick_run_writes_every_row_and_the_ratios(tmp_path):
         # the prompt (96) is evicted to the budget (32) on the global layers only
         assert rows["rocketkv"]["kv_bytes_global"] < rows["dynamic"]["kv_bytes_global"]
         assert rows["rocketkv"]["kv_bytes_sliding"] > 0 and rows["dynamic"]["kv_bytes_sliding"] > 0
-        assert rows["dynamic"]["prefill_chunk"] == 32 and "prefill_chunk" not in rows["rocketkv"]
+        assert rows["dynamic"].get("prefill_chunk") == (32 if name == "gpt-oss-20b" else None)
+        assert "prefill_chunk" not in rows["rocketkv"]
         ratios = model["ratios"]
         assert ratios["kv_bytes_fraction_of_dynamic"] == rows["rocketkv"]["kv_bytes"] / rows["dynamic"]["kv_bytes"]
         assert ratios["decode_speedup_vs_dynamic"] > 0 and "decode_speedup_vs_static-compile" not in ratios
