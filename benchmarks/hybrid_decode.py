@@ -118,7 +118,7 @@ def kv_bytes(cache) -> dict:
 
 
 def run_row(model, dense_attention: str, cache_kind: str, ids: torch.Tensor, new_tokens: int, chunk: int | None,
-            rocket: RocketKVConfig) -> dict:
+            rocket: RocketKVConfig, rocket_chunk: int | None = None) -> dict:
     device = ids.device
     row = dict(cache=cache_kind, context=ids.shape[1], batch=ids.shape[0])
     if cache_kind == "static-compile" and device.type != "cuda":
@@ -133,6 +133,9 @@ def run_row(model, dense_attention: str, cache_kind: str, ids: torch.Tensor, new
         cache = RocketKVCache(rocket)
         kwargs.update(compat.cache_kwargs(cache))
         kwargs["disable_compile"] = cache_kind == "rocketkv-eager"
+        if rocket_chunk is not None:  # RocketKV's chunked prefill: stage 1 once the last chunk is in
+            kwargs["prefill_chunk_size"] = rocket_chunk
+            row["prefill_chunk"] = rocket_chunk
     else:
         model.set_attn_implementation(dense_attention)
         if chunk is not None and dense_attention == "eager":  # sdpa prefills 32k in one forward
@@ -196,8 +199,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=32 + DROP_FIRST_STEPS + 1,
                         help=f"generated tokens per row ({DROP_FIRST_STEPS} warm-up gaps are left out of the median)")
     parser.add_argument("--layers", type=int, default=None, help="keep only the first N layers of each model")
-    parser.add_argument("--dense-prefill-chunk", type=int, default=1024,
-                        help="prefill_chunk_size of the dense rows (0: one forward)")
+    parser.add_argument("--dense-prefill-chunk", type=int, default=None,
+                        help="prefill_chunk_size of gpt-oss' eager dense rows (default: the power of two that keeps "
+                             "one chunk's logits near 4 GiB, 1024 at 32k, 256 at 100k; 0: one forward)")
+    parser.add_argument("--rocketkv-prefill-chunk", type=int, default=None,
+                        help="prefill_chunk_size of the RocketKV rows (default: one forward; e.g. 8192 at 100k, "
+                             "where transformers' sliding-window mask of one forward is 10 GB)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, fp32, CPU: checks the logic in seconds")
     parser.add_argument("--out", default="out/hybrid_decode")
     args = parser.parse_args(argv)
@@ -206,7 +213,10 @@ def main(argv=None) -> dict:
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     context = 96 if args.quick else args.context
     rocket = RocketKVConfig(prompt_budget=32, window_size=8, topk=4) if args.quick else RocketKVConfig()
-    chunk = args.dense_prefill_chunk or None
+    if args.dense_prefill_chunk is None:  # 64 query heads x chunk x context bf16 logits near 4 GiB
+        chunk = 1 << max(5, (4 * 2**30 // (64 * context * 2)).bit_length() - 1)
+    else:
+        chunk = args.dense_prefill_chunk or None
     if args.quick and chunk is not None:
         chunk = 32
     report = dict(
@@ -223,7 +233,8 @@ def main(argv=None) -> dict:
         ids = torch.randint(3, model.config.vocab_size, (1, context), generator=generator).to(device)
         rows = []
         for kind in args.caches:
-            row = run_row(model, dense_attention, kind, ids, args.new_tokens, chunk, rocket)
+            row = run_row(model, dense_attention, kind, ids, args.new_tokens, chunk, rocket,
+                          args.rocketkv_prefill_chunk)
             print(json.dumps(dict(model=name, **row)), flush=True)
             rows.append(row)
             gc.collect()
