@@ -331,7 +331,7 @@ class RocketKVLayer(CacheLayerMixin):
         """The attention's logits are soft-capped and/or have sinks (``features``, seen at the first prefill): stage 1
         scores, stage 2 page scores and every exact attention of this layer use them. Stage 1's window scores with
         them are PyTorch ops (``scores_with``); stage 2 keeps the backend's ops, whose sparse-decode attention takes
-        the cap and the sinks (``cache/stage2.featured_stage2_attention``). Policies that score with their own
+        the cap and the sinks (``cache/stage2.stage2_attention``). Policies that score with their own
         logits are refused."""
         if features.plain or features.same_as(self.features):
             return
