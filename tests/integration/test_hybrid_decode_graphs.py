@@ -13,6 +13,7 @@ import torch
 import torch._dynamo.utils as dynamo_utils
 
 from hf_rocketkv import RocketKVCache, SlidingWindowLayer
+from tests.cache.test_host_syncs import HostReads
 from tests.support.decode_runners import (
     StandInBackend,
     eager_compile_config,
@@ -102,3 +103,31 @@ def test_beam_search_with_the_graph_runner_equals_the_oracle(arch):
     beams = greedy(rocket, ids, past_key_values=graphed_cache(keep_all_config(), backend),
                    compile_config=eager_compile_config(), **kwargs)
     assert torch.equal(beams, greedy(oracle, ids, **kwargs))
+
+
+class SyncCountingBackend(StandInBackend):
+    """The stand-in, counting the host reads of the device (``tests/cache/test_host_syncs.HostReads``) while a
+    captured step replays: a real CUDA graph can hold none of them."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = HostReads()
+
+    def replay(self, graph):
+        with self.reads:
+            super().replay(graph)
+
+
+@pytest.mark.parametrize("arch", list(HYBRID_ARCHS))
+def test_a_replayed_hybrid_step_reads_nothing_back_from_the_device(arch):
+    """Sliding rings, soft-capping and sinks included: every op of a replayed decode step stays on the device. The
+    Triton backend (interpreted here), as on a GPU: the PyTorch twin of the append checks its slots on the host
+    where it may (``append_token._can_sync``: never while a CUDA graph is captured)."""
+    rocket, _ = make_hybrid_models(arch)
+    ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (37, 12)])
+    backend = SyncCountingBackend()
+    cache = graphed_cache(compressing_config(kt_cache_dtype="float32", backend="triton"), backend)
+    greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8,
+           compile_config=eager_compile_config())
+    assert backend.replays == 6
+    assert backend.reads.total == 0, dict(backend.reads.counts)
