@@ -377,9 +377,10 @@ class RocketKVCache(Cache):
         """generate() compiles decode steps for compileable caches (on CUDA, or with compile_config's
         ``_compile_all_devices``). It asks once before prefill (for decode) and again inside a chunked prefill (for
         the chunks): the answer is False only while generate()'s prefill runs, so chunks run eagerly (their shapes
-        change every chunk) and decode is compiled after a chunked prefill too. A cache with sliding-window layers
-        always answers False: their stores grow until the window is full, so decode runs eagerly."""
-        return not self.hints.prefilling and not self.has_sliding_layers
+        change every chunk) and decode is compiled after a chunked prefill too. Sliding-window layers decode into a
+        ring of fixed size (``SlidingWindowLayer``), so hybrid models answer the same (their decode steps are
+        captured as CUDA graphs; ``decode_runner="torch_compile"`` is refused for them at generate())."""
+        return not self.hints.prefilling
 
     @property
     def is_compressed(self) -> bool:

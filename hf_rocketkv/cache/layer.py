@@ -329,16 +329,16 @@ class RocketKVLayer(CacheLayerMixin):
 
     def use_features(self, features: LogitFeatures) -> None:
         """The attention's logits are soft-capped and/or have sinks (``features``, seen at the first prefill): stage 1
-        scores, stage 2 page scores and every exact attention of this layer use them. No Triton kernel takes them, so
-        the layer runs the PyTorch reference ops (on any device); policies that score with their own logits are
-        refused."""
+        scores, stage 2 page scores and every exact attention of this layer use them. Stage 1's window scores with
+        them are PyTorch ops (``scores_with``); stage 2 keeps the backend's ops, whose sparse-decode attention takes
+        the cap and the sinks (``cache/stage2.stage2_attention``). Policies that score with their own
+        logits are refused."""
         if features.plain or features.same_as(self.features):
             return
         refused = features_refusal(self.config, self.policy, features)
         if refused:
             raise NotImplementedError(refused)
         self.features = features
-        self.ops = get_ops("torch", self.device)
         self.policy = make_policy(self.config, scores_with(features))
 
     def finish_prefill(self) -> None:

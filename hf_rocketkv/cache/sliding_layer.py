@@ -15,6 +15,16 @@ Tensors (B batch, Hkv KV heads, D head_dim): ``keys`` / ``values`` ``[B, Hkv, mi
 columns in order (left padding included, as transformers stores it; the mask hides it). The attention function finds
 the layer through the key tensor ``update`` returned (``seam.tag``) and runs exact attention with transformers' mask
 (``integration/attention.py``).
+
+Decode steps (one new token) use a ring instead, so that a step has fixed shapes, fixed addresses and no host sync
+(CUDA-graph decode captures it; ``integration/decode_graphs.py``): ``keys`` / ``values`` become ``[B, Hkv, window,
+D]`` buffers where logical position ``p`` lives in slot ``p % window``, and ``position`` (a device counter) says
+where the next token goes. ``get_mask_sizes(1)`` is then ``(window, max(0, seen - window + 1))``, the sizes of
+transformers' own static sliding layer, so transformers' mask has ``window`` columns whatever was seen, column ``c``
+being position ``offset + c``; ``ring_mask`` reorders it into slot order (slot ``s`` is column
+``(s - offset) % window``). A forward of several tokens (a later turn) turns the ring back into the ordered columns
+first. Between forwards the ring holds ``min(seen, window)`` tokens, of which the next query can see the last
+``window - 1`` (``stored``).
 """
 
 from __future__ import annotations
@@ -51,6 +61,8 @@ class SlidingWindowLayer(CacheLayerMixin):
         self.hints = hints if hints is not None else GenerationHints()
         self.layer_idx = layer_idx
         self.keys = self.values = None
+        self.ring = False  # decode layout (see the module docstring)
+        self.position = None  # ring only: tokens seen, a 0-d int64 device tensor (a graphed step advances it)
         self.seen_tokens = 0  # logical tokens seen
         self.host_seen = 0  # what RocketKVCache's consistency check compares across layers
         self.awaiting_attention = False  # set by update, cleared by the attention function
@@ -85,7 +97,10 @@ class SlidingWindowLayer(CacheLayerMixin):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """The columns of this forward's keys: the stored tokens, then the new ones; the first stored token is
-        logical position ``seen - stored``."""
+        logical position ``seen - stored``. One new token (decode): the ring's ``window`` columns, the first being
+        position ``max(0, seen - window + 1)``."""
+        if query_length == 1:
+            return self.window, max(0, self.seen_tokens - self.window + 1)
         return self.stored + query_length, self.seen_tokens - self.stored
 
     @property
@@ -95,10 +110,10 @@ class SlidingWindowLayer(CacheLayerMixin):
         return self.keys.shape[0]
 
     def kept_tokens(self) -> torch.Tensor:
-        """Tokens stored, ``[B, Hkv]`` (columns of the window, left padding included)."""
+        """Tokens the next query can see, ``[B, Hkv]`` (columns of the window, left padding included)."""
         if not self.is_initialized:
             return torch.zeros(0, 0, dtype=torch.long)
-        return torch.full(self.keys.shape[:2], self.keys.shape[2], dtype=torch.long)
+        return torch.full(self.keys.shape[:2], self.stored, dtype=torch.long)
 
     def memory_bytes(self) -> int:
         if not self.is_initialized:
@@ -111,6 +126,9 @@ class SlidingWindowLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         query_length = key_states.shape[2]
+        if query_length == 1:
+            return self._update_ring(key_states, value_states)
+        self._to_ordered()
         if not torch.compiler.is_compiling():
             self.awaiting_attention = True
             self.host_seen += query_length
@@ -120,6 +138,59 @@ class SlidingWindowLayer(CacheLayerMixin):
         self.keys, self.values = self._last(keys), self._last(values)
         tag(keys, self)
         return keys, values
+
+    def _update_ring(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """One new token per row into slot ``position % window`` (in place, no host sync); returns the ring."""
+        if not self.ring:
+            self._to_ring()
+        if not (self.hints.in_graph or torch.compiler.is_compiling()):  # a graphed step: count_decode_step counts
+            self.awaiting_attention = True
+            self.host_seen += 1
+            self.seen_tokens += 1
+        slot = torch.remainder(self.position, self.window).reshape(1)
+        self.keys.index_copy_(2, slot, key_states)
+        self.values.index_copy_(2, slot, value_states)
+        self.position.add_(1)
+        tag(self.keys, self)
+        return self.keys, self.values
+
+    def count_graphed_step(self) -> None:
+        """The host side of a decode step whose device side a CUDA graph replays (``update`` did not run)."""
+        self.host_seen += 1
+        self.seen_tokens += 1
+
+    def ring_mask(self, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """A decode step's mask over the ring, ``[B or 1, 1, 1, window]`` in slot order: transformers' mask
+        (``window`` columns from ``get_mask_sizes(1)``) reordered, or, without one, the causal window alone.
+        Device arithmetic only (graph-safe); call it after ``update``."""
+        newest = self.position - 1  # the new token's position
+        offset = (newest - self.window + 1).clamp(min=0)
+        column = torch.remainder(torch.arange(self.window, device=self.position.device) - offset, self.window)
+        if attention_mask is None:
+            return (column <= newest - offset)[None, None, None, :]
+        return attention_mask.index_select(-1, column)
+
+    def _to_ring(self) -> None:
+        """The ordered columns (positions ``seen - stored`` ... ``seen - 1``) into a ring of ``window`` slots."""
+        stored = self.keys.shape[2]
+        batch, heads, _, dim = self.keys.shape
+        slots = torch.remainder(torch.arange(stored, device=self.device) + self.seen_tokens - stored, self.window)
+        ring_k = self.keys.new_zeros(batch, heads, self.window, dim)
+        ring_v = self.values.new_zeros(batch, heads, self.window, self.values.shape[3])
+        self.keys = ring_k.index_copy_(2, slots, self.keys)
+        self.values = ring_v.index_copy_(2, slots, self.values)
+        self.position = torch.tensor(self.seen_tokens, dtype=torch.long, device=self.device)
+        self.ring = True
+
+    def _to_ordered(self) -> None:
+        """The ring back into ordered columns: the last ``stored`` positions."""
+        if not self.ring:
+            return
+        stored = self.stored
+        slots = torch.remainder(torch.arange(stored, device=self.device) + self.seen_tokens - stored, self.window)
+        self.keys = self.keys.index_select(2, slots)
+        self.values = self.values.index_select(2, slots)
+        self.position, self.ring = None, False
 
     def _last(self, tensor: torch.Tensor) -> torch.Tensor:
         """The last ``window - 1`` columns, copied when they are a small part of ``tensor`` (a prompt), so that the
@@ -143,7 +214,11 @@ class SlidingWindowLayer(CacheLayerMixin):
             self.values = self.values.index_select(0, index.to(self.values.device))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._index_rows(beam_idx)
+        """Beam search: rows reordered in place, so that a captured decode step keeps its buffers."""
+        if self.is_initialized:
+            index = beam_idx.to(self.keys.device)
+            self.keys.copy_(self.keys.index_select(0, index))
+            self.values.copy_(self.values.index_select(0, index))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._index_rows(indices)
@@ -157,6 +232,8 @@ class SlidingWindowLayer(CacheLayerMixin):
         """One layer holding the rows of ``parts`` in order (row-group prefill): the parts saw the same input columns
         (one padded batch), so their stores have the same width."""
         first = parts[0]
+        for part in parts:
+            part._to_ordered()
         if len({part.seen_tokens for part in parts}) != 1:
             raise RuntimeError("SlidingWindowLayer.stack_rows needs parts that saw the same input columns")
         layer = new_layer()
@@ -174,6 +251,7 @@ class SlidingWindowLayer(CacheLayerMixin):
         count = -tokens_to_remove
         if count == 0 or not self.is_initialized:
             return
+        self._to_ordered()
         if self.seen_tokens >= self.window or count > self.seen_tokens:
             raise NotImplementedError(SLIDING_CROP.format(window=self.window, tokens=count, seen=self.seen_tokens))
         self.keys, self.values = self.keys[:, :, :-count], self.values[:, :, :-count]

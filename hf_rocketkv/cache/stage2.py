@@ -10,11 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.paged import gather_pages
-from ..kernels.sparse_decode_attention import selected_slots
 from ..policies.stage2 import every_page
-from ..selection.logit_features import sparse_attention_reference
-from ..selection.stage2_pages import capped_page_scores, num_pages, select_pages
 from .op_graphs import buffers_key
 
 
@@ -38,11 +34,16 @@ def decode_attention(layer, query: torch.Tensor, scaling: float) -> torch.Tensor
 
 
 def stage2_attention(layer, q: torch.Tensor, scaling: float) -> torch.Tensor:
-    """The launches of a decode step's stage 2: ``q`` [B, Hkv, G, D] -> attention output [B, Hkv, G, D]."""
-    if not layer.features.plain:
-        return featured_stage2_attention(layer, q, scaling)
+    """The launches of a decode step's stage 2: ``q`` [B, Hkv, G, D] -> attention output [B, Hkv, G, D].
+
+    A layer whose logits are soft-capped and/or have sinks (``layer.features``) passes them to the same ops: the
+    page selection scores soft-capped page logits at the model's scale (``stage2_pages.capped_page_scores``; sinks,
+    a per-head constant, leave the page scores alone) and the attention over the selected tokens applies the cap
+    and the sinks."""
     num_kv_heads = layer.num_kv_heads
-    config, ops, store = layer.config, layer.ops, layer.store
+    config, ops, store, features = layer.config, layer.ops, layer.store, layer.features
+    capped = {} if features.softcap is None else {"softcap": features.softcap, "scaling": scaling}
+    featured = {} if features.plain else {"softcap": features.softcap, "sinks": features.sinks}
     if config.stage2 == "none":  # stage 1 only: every kept page, no scoring
         page_idx, page_valid = every_page(layer.lengths, num_kv_heads, store.capacity // config.page_size,
                                           config.page_size)
@@ -54,33 +55,8 @@ def stage2_attention(layer, q: torch.Tensor, scaling: float) -> torch.Tensor:
         page_idx, page_valid = ops.paged_top_pages(q, store.kt, store.table, layer.lengths, config.page_size,
                                                    config.topr, config.topk, sink_pages=sink_pages,
                                                    recent_pages=recent_pages,
-                                                   per_head_bound=config.stage2_per_head_bound)
+                                                   per_head_bound=config.stage2_per_head_bound, **capped)
     return ops.paged_sparse_decode_attention(
         q, store.k, store.v, store.table, page_idx, page_valid, layer.lengths, config.page_size, scaling,
-        k_scale=store.k_scale, v_scale=store.v_scale
+        k_scale=store.k_scale, v_scale=store.v_scale, **featured
     )
-
-
-def featured_stage2_attention(layer, q: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Stage 2 of a layer whose logits are soft-capped and/or have sinks (``layer.features``), in PyTorch: page
-    scores from soft-capped page logits at the model's scale (``capped_page_scores``; without a cap the usual
-    ``page_scores``), the same top-k page selection, then exact attention over the selected tokens with the cap and
-    the sinks (``sparse_attention_reference``). ``q`` [B, Hkv, G, D] -> [B, Hkv, G, D]."""
-    config, store, features = layer.config, layer.store, layer.features
-    page_size, lengths = config.page_size, layer.lengths
-    if config.stage2 == "none":
-        page_idx, page_valid = every_page(lengths, layer.num_kv_heads, store.capacity // page_size, page_size)
-    elif features.softcap is None:  # sinks only: the page logits are the plain ones
-        sink_pages, recent_pages = config.stage2_forced_pages
-        page_idx, page_valid = layer.ops.paged_top_pages(
-            q, store.kt, store.table, lengths, page_size, config.topr, config.topk, sink_pages=sink_pages,
-            recent_pages=recent_pages, per_head_bound=config.stage2_per_head_bound)
-    else:
-        n_pages = num_pages(lengths, page_size)
-        probs = capped_page_scores(q, gather_pages(store.kt, store.table), n_pages, config.topr,
-                                   config.stage2_per_head_bound, scaling, features.softcap)
-        page_idx, page_valid = select_pages(probs, n_pages, config.topk, *config.stage2_forced_pages)
-    keys = gather_pages(store.k, store.table, store.k_scale)
-    values = gather_pages(store.v, store.table, store.v_scale)
-    slots, valid = selected_slots(page_idx, page_valid, lengths, page_size, keys.shape[2])
-    return sparse_attention_reference(q, keys, values, slots, valid, scaling, features)

@@ -28,7 +28,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from ..cache.layer import RocketKVLayer, layer_of
 from ..cache.sliding_layer import SlidingWindowLayer
-from ..selection.logit_features import PLAIN, LogitFeatures, allowed_of, attention_reference
+from ..selection.logit_features import PLAIN, LogitFeatures, allowed_of, featured_attention
 from .compat import sdpa_attention_forward
 
 FEATURE_KWARGS = ("softcap", "s_aux")  # what transformers passes for soft-capping (Gemma 2) and sinks (gpt-oss)
@@ -49,7 +49,7 @@ def rocketkv_attention(
     if layer is None:
         if not features.plain:  # transformers' sdpa takes neither soft-capping nor sinks
             scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-            return attention_reference(query, key, value, allowed_of(attention_mask), scaling, features), None
+            return featured_attention(query, key, value, allowed_of(attention_mask), scaling, features), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if not (torch.compiler.is_compiling() or layer.hints.in_graph):
         layer.attention_ran()
@@ -57,6 +57,8 @@ def rocketkv_attention(
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
 
     if isinstance(layer, SlidingWindowLayer):
+        if layer.ring and query.shape[2] == 1:  # a decode step over the ring: transformers' mask in slot order
+            attention_mask = layer.ring_mask(attention_mask)
         return window_attention(module, query, key, value, attention_mask, scaling, features, **kwargs), None
     if not layer.compressed:
         check_all_heads_here(layer, module, key)
@@ -144,7 +146,7 @@ def window_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     sliding mask (built from the layer's ``get_mask_sizes``, exactly as for its own cache), through transformers'
     sdpa, or the reference with soft-capping / sinks."""
     if not features.plain:
-        return attention_reference(query, key, value, allowed_of(attention_mask), scaling, features)
+        return featured_attention(query, key, value, allowed_of(attention_mask), scaling, features)
     out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     return out
 
@@ -163,7 +165,7 @@ def dense_attention(
 ) -> torch.Tensor:
     """Exact attention of a dense (prefill) forward, ``[B, Lq, Hq, D]``.
 
-    With soft-capping or sinks (``features``): the reference with transformers' mask (``attention_reference``).
+    With soft-capping or sinks (``features``): ``featured_attention`` with transformers' mask.
     Otherwise:
     transformers' sdpa path, except where flash attention can run and the mask is plain causal with the queries at
     the end (no padding, ``Lq <= Lk``: a prefix hit's new tokens, a chunk of a chunked prefill). There transformers
@@ -172,7 +174,7 @@ def dense_attention(
     causal mode with native GQA needs neither. Where flash cannot run (CPU, float32) the lower-right path would fall
     back to a materialised mask and the math kernel, no faster: transformers' path stays."""
     if not features.plain:
-        return attention_reference(query, key, value, allowed_of(attention_mask), scaling, features)
+        return featured_attention(query, key, value, allowed_of(attention_mask), scaling, features)
     if flash_attention_runs(query, key) and lower_right_causal(
         layer, attention_mask, host_start, query.shape[2], key.shape[2]
     ):

@@ -59,6 +59,9 @@ def count_decode_step(cache: RocketKVCache, args: tuple, kwargs: dict) -> None:
     if ids is not None and ids.shape[-1] != 1:
         return  # not a one-token decode step: the eager path handles (and grows) it
     for layer_idx, layer in enumerate(cache.layers):
+        if layer.is_sliding:  # its ring has a fixed size: nothing can fill up
+            layer.count_graphed_step()
+            continue
         if not layer.compressed:
             continue
         layer.maybe_compress_decode()  # decode-time compression runs here, eagerly, between two device steps

@@ -182,8 +182,8 @@ def check_generate_request(model, generation_config, cache, generation_mode) -> 
 
 def configure_layers(cache: RocketKVCache, model) -> None:
     """Give the cache the model's layer types (``RocketKVCache.configure_layers``: sliding-window layers keep their
-    window) before anything is stored, and refuse what sliding-window models cannot run yet: the compiled decode
-    (their stores grow until the window is full, so their decode steps run eagerly)."""
+    window) before anything is stored, and refuse what sliding-window models cannot run yet: torch.compile'd decode
+    and batch buckets (their decode steps run as CUDA graphs, ``decode_runner="cuda_graphs"``, or eagerly)."""
     if cache.get_seq_length() == 0 and not any(layer.is_initialized for layer in cache.layers):
         cache.configure_layers(model.config)
     if not cache.has_sliding_layers:
@@ -192,8 +192,9 @@ def configure_layers(cache: RocketKVCache, model) -> None:
     if config.decode_runner == "torch_compile" or config.batch_buckets:
         field = "decode_runner='torch_compile'" if config.decode_runner == "torch_compile" else "batch_buckets"
         raise NotImplementedError(
-            f"RocketKVConfig.{field}: this model has sliding-window layers, whose decode steps RocketKV runs "
-            f"eagerly (no compiled or CUDA-graph decode yet). Leave decode_runner and batch_buckets at their defaults."
+            f"RocketKVConfig.{field}: this model has sliding-window layers, whose decode steps RocketKV runs as CUDA "
+            f"graphs or eagerly (no torch.compile'd decode yet). Leave decode_runner and batch_buckets at their "
+            f"defaults."
         )
 
 

@@ -97,6 +97,14 @@ def cdiv(a: int, b: int) -> int:
 
 
 @triton.jit
+def tanh_f32(x):
+    """tanh of fp32 ``x`` from exp2 (no libdevice call, the same code on every Triton): ``1 - 2 / (e^2x + 1)``, which
+    is +-1 in fp32 beyond |x| = 15, where ``x`` is clamped so that exp2 never overflows (logit soft-capping)."""
+    x = tl.minimum(tl.maximum(x, -15.0), 15.0)
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+
+
+@triton.jit
 def _rtne_drop_bits(x, DROP: tl.constexpr):
     """fp32 ``x`` rounded to nearest even after clearing its DROP low mantissa bits (exact for finite normals)."""
     bits = x.to(tl.int32, bitcast=True)

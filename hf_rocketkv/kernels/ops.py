@@ -19,9 +19,11 @@ class RocketOps:
     update_kt(kt, key_new, slot, page_size) -> None (in place)
     page_scores(q, kt, n_pages, topr, per_head_bound=False) -> probs [B, Hkv, NP]
     select_pages(probs, n_pages, topk, sink_pages=0, recent_pages=1) -> (page_idx, page_valid)
-    sparse_decode_attention(q, keys, values, page_idx, page_valid, lengths, page_size, scaling) -> [B, Hkv, G, D]
+    sparse_decode_attention(q, keys, values, page_idx, page_valid, lengths, page_size, scaling, softcap=None,
+                            sinks=None) -> [B, Hkv, G, D]
     append_token(keys, values, positions, kt, lengths, seen, key_new, value_new, page_size) -> None (in place)
-    top_pages(q, kt, lengths, page_size, topr, topk, sink_pages=0, recent_pages=1, per_head_bound=False)
+    top_pages(q, kt, lengths, page_size, topr, topk, sink_pages=0, recent_pages=1, per_head_bound=False,
+              softcap=None, scaling=None)
         -> (page_idx, page_valid)
 
     Paged decode (what RocketKVLayer uses; layout in kernels/paged.py):
@@ -31,10 +33,14 @@ class RocketOps:
                     v_scale=None) -> None (no KT)
     paged_page_scores(q, kt_pages, table, n_pages, topr, per_head_bound=False) -> probs [B, Hkv, MP * R]
     paged_top_pages(q, kt_pages, table, lengths, kt_page_size, topr, topk, sink_pages=0, recent_pages=1,
-                    per_head_bound=False)
+                    per_head_bound=False, softcap=None, scaling=None)
         -> (page_idx, page_valid)
     paged_sparse_decode_attention(q, k_pages, v_pages, table, page_idx, page_valid, lengths, kt_page_size,
-                                  scaling, k_scale=None, v_scale=None) -> [B, Hkv, G, D]
+                                  scaling, k_scale=None, v_scale=None, softcap=None, sinks=None) -> [B, Hkv, G, D]
+
+    softcap / sinks (logit features, ``selection/logit_features.py``): the scaled logits soft-capped as
+    ``tanh(x / softcap) * softcap`` (top_pages: at the model's ``scaling`` instead of 1/sqrt(D)), and one sink logit
+    per query head ``[Hq]`` in each softmax denominator.
 
     Stage 1's compaction (prefill, eager; one call per row):
     paged_compact_row(keys, values, slots, columns, k_pages, v_pages, kt_pages, table, row_pages, positions,

@@ -50,6 +50,7 @@ from ._triton_common import (
     next_pow2,
     num_sms,
     round_to,
+    tanh_f32,
 )
 
 LOG2E = 1.4426950408889634
@@ -106,10 +107,10 @@ def _page_logits_kernel(
     s_cb, s_ch,
     s_ab, s_ap,
     num_kv_heads, group, num_pages, head_dim, pages_per_prog, num_splits, kt_per_page,
-    scale_log2,
+    scale_log2, cap_log2,
     TOPR: tl.constexpr, USE_TOPR: tl.constexpr, KT_DT: tl.constexpr, DOT_DT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, FUSED: tl.constexpr,
-    COUNT_DIV: tl.constexpr, PAGED: tl.constexpr, HEAD_BOUND: tl.constexpr,
+    COUNT_DIV: tl.constexpr, PAGED: tl.constexpr, HEAD_BOUND: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -163,7 +164,10 @@ def _page_logits_kernel(
             s = _dot_t(qd_pos, kmax, DOT_DT) + _dot_t(qd_neg, kmin, DOT_DT)
         else:
             s = _dot_t(qd, tl.where(use_max[None, :], kmax, kmin), DOT_DT)
-        s = tl.where(p_ok[None, :], (s * scale_log2).to(tl.float32), float("-inf"))
+        s = (s * scale_log2).to(tl.float32)
+        if SOFTCAP:  # scale_log2 = scaling / softcap: tanh, then softcap * log2(e) (Gemma 2's capped logits)
+            s = tanh_f32(s) * cap_log2
+        s = tl.where(p_ok[None, :], s, float("-inf"))
         tl.store(logit_base + pages[None, :], s, mask=g_ok[:, None] & p_ok[None, :])
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
@@ -246,13 +250,16 @@ def kt_pages_per_row(kt: torch.Tensor, table: torch.Tensor | None) -> int:
 def page_logits_launch(
     q: torch.Tensor, kt: torch.Tensor, counts: torch.Tensor, count_div: int, topr: int, num_splits: int | None,
     probs: torch.Tensor | None = None, table: torch.Tensor | None = None, num_warps: int = 4, num_stages: int = 2,
-    per_head_bound: bool = False, block_p: int | None = None,
+    per_head_bound: bool = False, block_p: int | None = None, softcap: float | None = None,
+    scaling: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """Pass 1 of the page scoring: logits (log2 units, ``[B*Hkv*BLOCK_G, NP]`` fp32) and per-split softmax
     statistics (``[B*Hkv, S, 2, BLOCK_G]``: max, sum). ``counts`` are pages in use (count_div 1) or tokens
     (count_div = page_size). With ``probs`` given and one split the kernel also writes the probabilities (fused
     schedule) and the statistics are not written. ``table`` [B, MP] int32: ``kt`` is paged ``[N, Hkv, R, 2, D]``
-    (None: contiguous ``[B, Hkv, NP, 2, D]``). Returns (logits, stats, S, BLOCK_G)."""
+    (None: contiguous ``[B, Hkv, NP, 2, D]``). ``softcap`` (with the model's ``scaling``): the logits are
+    ``tanh(x * scaling / softcap) * softcap`` instead of ``x / sqrt(D)`` (``stage2_pages.capped_page_scores``).
+    Returns (logits, stats, S, BLOCK_G)."""
     batch, num_kv_heads, group, head_dim = q.shape
     num_pages = kt_pages_per_row(kt, table)
     s_cb, s_ch = count_strides(counts, batch, num_kv_heads, "n_pages" if count_div == 1 else "lengths")
@@ -271,10 +278,10 @@ def page_logits_launch(
         q, kt, counts, logits, stats, probs if fused else logits, table if paged else counts,
         *q.stride(), *kt.stride(), s_cb, s_ch, *(table.stride() if paged else (0, 0)),
         num_kv_heads, group, num_pages, head_dim, pages_per_prog, num_splits, kt.shape[2],
-        head_dim**-0.5 * LOG2E,
+        head_dim**-0.5 * LOG2E if softcap is None else scaling / softcap, (softcap or 0.0) * LOG2E,
         TOPR=min(topr, head_dim), USE_TOPR=topr < head_dim, KT_DT=dtype_code(kt.dtype), DOT_DT=_dot_code(kt.dtype),
         BLOCK_G=block_g, BLOCK_P=block_p, BLOCK_D=block_d, FUSED=fused, COUNT_DIV=count_div, PAGED=paged,
-        HEAD_BOUND=per_head_bound, num_warps=num_warps, num_stages=num_stages,
+        HEAD_BOUND=per_head_bound, SOFTCAP=softcap is not None, num_warps=num_warps, num_stages=num_stages,
     )
     return logits, stats, num_splits, block_g
 

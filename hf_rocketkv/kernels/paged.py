@@ -185,12 +185,14 @@ def paged_top_pages_torch(
     sink_pages: int = 0,
     recent_pages: int = 1,
     per_head_bound: bool = False,
+    softcap: float | None = None,
+    scaling: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``stage2_pages.top_pages`` over a paged KT: (page_idx, page_valid) ``[B, Hkv, min(topk, MP * R)]``, page
     indices counted in KT pages of the row (slot // kt_page_size)."""
     check_table(table, q.shape[0])
     return top_pages(q, gather_pages(kt_pages, table), lengths, kt_page_size, topr, topk, sink_pages, recent_pages,
-                     per_head_bound)
+                     per_head_bound, softcap, scaling)
 
 
 def check_counts(counts: torch.Tensor | None, heads: int) -> None:

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from .launch import TritonLaunch
 
-from ..selection.stage2_pages import check_forcing
+from ..selection.stage2_pages import check_forcing, check_softcap
 from ._triton_common import cdiv, count_strides, interpreting, load_count, next_pow2
 from .page_scores import kt_pages_per_row, page_logits_launch
 
@@ -289,17 +289,21 @@ def top_pages_launch(
     q: torch.Tensor, kt: torch.Tensor, lengths: torch.Tensor, page_size: int, topr: int, topk: int,
     sink_pages: int = 0, recent_pages: int = 1, score_splits: int | None = None, chunk: int | None = None,
     merge_block: int | None = None, num_warps: int | None = None, use_tl_sort: bool | None = None,
-    table: torch.Tensor | None = None, per_head_bound: bool = False,
+    table: torch.Tensor | None = None, per_head_bound: bool = False, softcap: float | None = None,
+    scaling: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher of the fused decode selection; the knobs exist for tests and benchmarks. ``table`` [B, MP] int32:
-    ``kt`` is paged ``[N, Hkv, R, 2, D]`` (kernels/paged.py); None: contiguous ``[B, Hkv, NP, 2, D]``."""
+    ``kt`` is paged ``[N, Hkv, R, 2, D]`` (kernels/paged.py); None: contiguous ``[B, Hkv, NP, 2, D]``.
+    ``softcap`` / ``scaling``: page logits soft-capped at the model's scale (``stage2_pages.top_pages``)."""
     check_forcing(topk, sink_pages, recent_pages)
+    check_softcap(softcap, scaling)
     batch, num_kv_heads, group, _ = q.shape
     num_pages = kt_pages_per_row(kt, table)
     if batch * num_kv_heads * num_pages == 0:
         return _select(lengths, page_size, topk, sink_pages, recent_pages, (batch, num_kv_heads, num_pages), q.device)
     logits, stats, splits, logit_g = page_logits_launch(q, kt, lengths, page_size, topr, score_splits, table=table,
-                                                        per_head_bound=per_head_bound)
+                                                        per_head_bound=per_head_bound, softcap=softcap,
+                                                        scaling=scaling)
     return _select(lengths, page_size, topk, sink_pages, recent_pages, (batch, num_kv_heads, num_pages), q.device,
                    logits=(logits, stats, splits, logit_g, group), chunk=chunk, merge_block=merge_block,
                    num_warps=num_warps, use_tl_sort=use_tl_sort)
@@ -307,17 +311,19 @@ def top_pages_launch(
 
 def top_pages_triton(
     q: torch.Tensor, kt: torch.Tensor, lengths: torch.Tensor, page_size: int, topr: int, topk: int,
-    sink_pages: int = 0, recent_pages: int = 1, per_head_bound: bool = False,
+    sink_pages: int = 0, recent_pages: int = 1, per_head_bound: bool = False, softcap: float | None = None,
+    scaling: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``stage2_pages.top_pages``."""
     return top_pages_launch(q, kt, lengths, page_size, topr, topk, sink_pages, recent_pages,
-                            per_head_bound=per_head_bound)
+                            per_head_bound=per_head_bound, softcap=softcap, scaling=scaling)
 
 
 def paged_top_pages_triton(
     q: torch.Tensor, kt_pages: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, kt_page_size: int,
     topr: int, topk: int, sink_pages: int = 0, recent_pages: int = 1, per_head_bound: bool = False,
+    softcap: float | None = None, scaling: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``paged.paged_top_pages_torch`` (the decode step's selection over a paged KT)."""
     return top_pages_launch(q, kt_pages, lengths, kt_page_size, topr, topk, sink_pages, recent_pages, table=table,
-                            per_head_bound=per_head_bound)
+                            per_head_bound=per_head_bound, softcap=softcap, scaling=scaling)

@@ -17,12 +17,20 @@ pool page) or [N, Hkv] (per page and KV head); every read dequantizes, k = float
 kernel loads each selected token's scale with the same mask as its K/V row and widens the tile to fp32.
 
 The G query heads of one KV head share its pages, so every selected K/V row is read once per group.
+
+Logit features (every op here takes them as trailing optional arguments; ``selection/logit_features.py`` states
+them): ``softcap`` c soft-caps the scaled logits, ``l = tanh(q.k * scaling / c) * c`` (Gemma 2); ``sinks`` fp32-able
+``[Hq]`` (query head ``h * G + g``, transformers' order) joins each head's softmax denominator and is dropped after
+it, ``p_j = exp(l_j) / (sum_i exp(l_i) + exp(sink))`` (gpt-oss ``s_aux``). The kernel applies the cap to each logit
+tile and the sink once per head at the end: in the one-split case on the running (max, sum), with splits in the
+reduce kernel as one more log-sum-exp term whose output is zero.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..selection.logit_features import soft_cap, softmax_with_sinks
 from ..selection.stage2_pages import per_head
 from .paged import check_fp8_scales, check_table, gather_pages
 
@@ -47,17 +55,41 @@ def sparse_decode_attention_torch(
     lengths: torch.Tensor,
     page_size: int,
     scaling: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference: gather the selected tokens, fp32 softmax, weighted sum of their values."""
+    """Reference: gather the selected tokens, fp32 (soft-capped) logits, softmax (with the sinks in the
+    denominator), weighted sum of their values."""
     head_dim = q.shape[-1]
     slots, valid = selected_slots(page_idx, page_valid, lengths, page_size, keys.shape[2])
     gather_idx = slots[..., None].expand(-1, -1, -1, head_dim)
     k = keys.gather(2, gather_idx).float()
     v = values.gather(2, gather_idx).float()
-    logits = torch.einsum("bhgd,bhnd->bhgn", q.float(), k) * scaling
+    logits = soft_cap(torch.einsum("bhgd,bhnd->bhgn", q.float(), k) * scaling, checked_softcap(softcap))
     logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
-    probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)
+    grouped = grouped_sinks(sinks, q.shape[1], q.shape[2])
+    probs = softmax_with_sinks(logits, grouped[None, :, :, None] if grouped is not None else None)
     return torch.einsum("bhgn,bhnd->bhgd", probs, v).to(q.dtype)
+
+
+def checked_softcap(softcap: float | None) -> float | None:
+    """``softcap`` as a float (None: no cap); ValueError unless positive."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0:
+        raise ValueError(f"sparse_decode_attention: softcap must be a positive number or None, got {softcap!r}")
+    return float(softcap)
+
+
+def grouped_sinks(sinks: torch.Tensor | None, num_kv_heads: int, group: int) -> torch.Tensor | None:
+    """``sinks`` ``[Hq]`` as fp32 ``[Hkv, G]`` (None: none); ValueError for another shape."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor) or sinks.shape != (num_kv_heads * group,):
+        got = list(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(f"sparse_decode_attention: sinks must be a 1-D tensor of {num_kv_heads * group} query "
+                         f"heads (Hkv * G) or None, got {got}")
+    return sinks.float().reshape(num_kv_heads, group)
 
 
 def paged_sparse_decode_attention_torch(
@@ -72,13 +104,16 @@ def paged_sparse_decode_attention_torch(
     scaling: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference (paged): gather the rows' pages (fp8: dequantized with their scales, float32), then
     ``sparse_decode_attention_torch``."""
     check_table(table, q.shape[0])
     check_fp8_scales(k_pages, v_pages, k_scale, v_scale, "paged_sparse_decode_attention")
     keys, values = gather_pages(k_pages, table, k_scale), gather_pages(v_pages, table, v_scale)
-    return sparse_decode_attention_torch(q, keys, values, page_idx, page_valid, lengths, kt_page_size, scaling)
+    return sparse_decode_attention_torch(q, keys, values, page_idx, page_valid, lengths, kt_page_size, scaling,
+                                         softcap, sinks)
 
 
 # ---------------------------------------------------------------------------------------------------- Triton twin
@@ -93,19 +128,29 @@ def paged_sparse_decode_attention_torch(
 try:
     import triton
     import triton.language as tl
-    from .launch import TritonLaunch
 
-    from ._triton_common import (cast_to, cdiv, count_strides, dtype_code, interpreting, next_pow2, num_sms,
-                                 scale_strides)
+    from ._triton_common import (
+        cast_to,
+        cdiv,
+        count_strides,
+        dtype_code,
+        interpreting,
+        next_pow2,
+        num_sms,
+        scale_strides,
+        tanh_f32,
+    )
+    from .launch import TritonLaunch
 except ImportError:  # triton is optional: the reference above works without it
     triton = None
 
 if triton is not None:
+    LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
     @triton.jit
     def _sparse_decode_split_kernel(
         q_ptr, k_ptr, v_ptr, idx_ptr, valid_ptr, len_ptr, out_ptr, part_o_ptr, part_lse_ptr, table_ptr,
-        ks_ptr, vs_ptr,
+        ks_ptr, vs_ptr, sink_ptr,
         s_qb, s_qh, s_qg, s_qd,
         s_kb, s_kh, s_kc, s_kd,
         s_vb, s_vh, s_vc, s_vd,
@@ -116,10 +161,10 @@ if triton is not None:
         s_ab, s_ap,
         s_ksn, s_ksh, s_vsn, s_vsh,
         num_kv_heads, group, head_dim, num_sel, tokens_per_split, num_splits, page_tokens, capacity,
-        scale_log2,
+        scale_log2, cap_log2,
         P: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         QK_FP32: tl.constexpr, PV_FP32: tl.constexpr, OUT_DT: tl.constexpr, DIRECT: tl.constexpr,
-        PAGED: tl.constexpr, KV_FP8: tl.constexpr,
+        PAGED: tl.constexpr, KV_FP8: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
     ):
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -190,10 +235,14 @@ if triton is not None:
                 s = tl.dot(q, tl.trans(k.to(q_ptr.dtype.element_ty))) * k_sc[None, :]
             else:
                 s = tl.dot(q, tl.trans(k))
+            # scale_log2: scaling * log2(e), or scaling / softcap with SOFTCAP (then tanh, times softcap * log2(e))
+            s = s.to(tl.float32) * scale_log2
+            if SOFTCAP:
+                s = tanh_f32(s) * cap_log2
             if PAGED:
-                s = tl.where((ok & present)[None, :], (s * scale_log2).to(tl.float32), float("-inf"))
+                s = tl.where((ok & present)[None, :], s, float("-inf"))
             else:
-                s = tl.where(ok[None, :], (s * scale_log2).to(tl.float32), float("-inf"))
+                s = tl.where(ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
             alpha = tl.exp2(m_i - m_safe)
@@ -210,6 +259,14 @@ if triton is not None:
             else:  # probabilities rounded to V's half type, fp32 accumulation (as flash attention does)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
+        if SINKS:  # noqa: SIM102 - nested constexpr branches, the form every Triton version compiles
+            if DIRECT:  # the sink joins the denominator (log2 units); with splits the reduce kernel adds it
+                sink = tl.load(sink_ptr + h * group + g, mask=g_ok, other=float("-inf")).to(tl.float32) * LOG2E
+                m_fin = tl.maximum(m_i, sink)
+                m_fin = tl.where(m_fin > float("-inf"), m_fin, 0.0)
+                rescale = tl.exp2(m_i - m_fin)
+                l_i = l_i * rescale + tl.exp2(sink - m_fin)
+                acc = acc * rescale[:, None]
         inv = tl.where(l_i > 0, 1.0 / tl.maximum(l_i, 1e-30), 0.0)
         o = acc * inv[:, None]
         if DIRECT:
@@ -225,10 +282,11 @@ if triton is not None:
 
     @triton.jit
     def _sparse_decode_reduce_kernel(
-        part_o_ptr, part_lse_ptr, out_ptr,
+        part_o_ptr, part_lse_ptr, out_ptr, sink_ptr,
         s_ob, s_oh, s_og, s_od,
         num_kv_heads, group, head_dim, num_splits,
         BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, OUT_DT: tl.constexpr,
+        SINKS: tl.constexpr,
     ):
         pid = tl.program_id(0)
         bh = pid // group
@@ -241,9 +299,16 @@ if triton is not None:
         row = (bh * num_splits + sp).to(tl.int64) * BLOCK_G + gi
         lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))
         m = tl.max(lse, axis=0)
+        if SINKS:  # one more log-sum-exp term whose output is zero: it only enlarges the denominator
+            sink = tl.load(sink_ptr + h * group + gi).to(tl.float32) * LOG2E
+            m = tl.maximum(m, sink)
         m_safe = tl.where(m > float("-inf"), m, 0.0)
         w = tl.exp2(lse - m_safe)
-        w = w / tl.maximum(tl.sum(w, axis=0), 1e-30)
+        total = tl.sum(w, axis=0)
+        if SINKS:
+            total += tl.exp2(sink - m_safe)
+        # a head without tokens: every w is 0 and so is its output (the sink alone attends nothing)
+        w = w / tl.maximum(total, 1e-30)
         o = tl.load(part_o_ptr + row[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
         o = tl.sum(o * w[:, None], axis=0)
         tl.store(out_ptr + b * s_ob + h * s_oh + gi * s_og + d * s_od, cast_to(o, OUT_DT), mask=d < head_dim)
@@ -266,6 +331,8 @@ if triton is not None:
         table: torch.Tensor | None = None,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Launcher; ``num_splits`` (None = heuristic, 1 = one kernel, no reduce) and the tile knobs exist for tests
         and benchmarks. Default tile: 128 gathered tokens x head_dim, 4 warps for bf16/fp16 K/V (see the comment at
@@ -279,8 +346,17 @@ if triton is not None:
 
         fp8: the tiles are widened to fp32 and scaled. fp32 queries and the interpreter take fp32 dots (K and V
         dequantized before them); half queries (on the GPU) take q's half type: K in e4m3 is exact in it and the
-        logits are scaled per token after the dot, V is dequantized then rounded to q's type, probabilities too."""
+        logits are scaled per token after the dot, V is dequantized then rounded to q's type, probabilities too.
+
+        ``softcap`` / ``sinks``: the logit features of the module docstring (None: none)."""
         batch, num_kv_heads, group, head_dim = q.shape
+        softcap = checked_softcap(softcap)
+        if sinks is not None:
+            grouped_sinks(sinks, num_kv_heads, group)  # shape check only: the kernels read [Hq] as it is
+            if sinks.device != q.device:
+                raise ValueError(f"sparse_decode_attention: sinks must be on the query's device {q.device}, got "
+                                 f"{sinks.device}")
+            sinks = sinks.contiguous()
         paged = table is not None
         if paged:
             check_table(table, batch)
@@ -333,21 +409,25 @@ if triton is not None:
         _sparse_decode_split_launch[(rows, num_splits)](
             q, keys, values, page_idx, page_valid, lengths, out, part_o, part_lse, table if paged else lengths,
             k_scale if fp8 else q, v_scale if fp8 else q,  # unused pointers without fp8
+            sinks if sinks is not None else q,  # unused without sinks
             *q.stride(), *keys.stride(), *values.stride(), *page_idx.stride(), *page_valid.stride(), *out.stride(),
             *count_strides(lengths, batch, num_kv_heads, "lengths"), *(table.stride() if paged else (0, 0)),
             *scale_strides(k_scale if fp8 else None), *scale_strides(v_scale if fp8 else None),
             num_kv_heads, group, head_dim, num_sel, tokens_per_split, num_splits, keys.shape[2], capacity,
-            scaling * 1.4426950408889634,
+            scaling * 1.4426950408889634 if softcap is None else scaling / softcap,
+            (softcap or 0.0) * 1.4426950408889634,
             P=page_size, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
             QK_FP32=qk_fp32, PV_FP32=pv_fp32, OUT_DT=dtype_code(q.dtype), DIRECT=direct, PAGED=paged, KV_FP8=fp8,
+            SOFTCAP=softcap is not None, SINKS=sinks is not None,
             num_warps=num_warps, num_stages=num_stages,
         )
         if not direct:
             _sparse_decode_reduce_launch[(rows * group,)](
-                part_o, part_lse, out,
+                part_o, part_lse, out, sinks if sinks is not None else part_lse,
                 *out.stride(),
                 num_kv_heads, group, head_dim, num_splits,
                 BLOCK_G=block_g, BLOCK_S=next_pow2(num_splits), BLOCK_D=block_d, OUT_DT=dtype_code(q.dtype),
+                SINKS=sinks is not None,
                 num_warps=4 if block_d >= 128 else 2,
             )
         return out
@@ -361,9 +441,12 @@ if triton is not None:
         lengths: torch.Tensor,
         page_size: int,
         scaling: float,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Same contract as ``sparse_decode_attention_torch`` (registered as a triton_op in ``triton_ops``)."""
-        return sparse_decode_attention_launch(q, keys, values, page_idx, page_valid, lengths, page_size, scaling)
+        return sparse_decode_attention_launch(q, keys, values, page_idx, page_valid, lengths, page_size, scaling,
+                                              softcap=softcap, sinks=sinks)
 
     def paged_sparse_decode_attention_triton(
         q: torch.Tensor,
@@ -377,8 +460,11 @@ if triton is not None:
         scaling: float,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Same contract as ``paged_sparse_decode_attention_torch`` (registered as a triton_op; fp8 pages read and
         dequantized in the kernel)."""
         return sparse_decode_attention_launch(q, k_pages, v_pages, page_idx, page_valid, lengths, kt_page_size,
-                                              scaling, table=table, k_scale=k_scale, v_scale=v_scale)
+                                              scaling, table=table, k_scale=k_scale, v_scale=v_scale,
+                                              softcap=softcap, sinks=sinks)

@@ -1,5 +1,5 @@
 """Attention logits beyond ``q k^T * scaling``: soft-capping (Gemma 2) and learned sinks (gpt-oss), and the exact
-attention with them (reference PyTorch path; no Triton kernel takes them).
+attention with them (PyTorch paths; the decode kernels take them too: ``kernels/sparse_decode_attention.py``).
 
 Pure functions over tensors: they know nothing of caches or transformers.
 
@@ -48,7 +48,7 @@ class LogitFeatures:
             return None
         return self.sinks.float().reshape(num_kv_heads, -1)
 
-    def same_as(self, other: "LogitFeatures") -> bool:
+    def same_as(self, other: LogitFeatures) -> bool:
         """Whether ``other`` describes the same logits (the same cap, the very same sinks tensor)."""
         return self.softcap == other.softcap and self.sinks is other.sinks
 
@@ -117,6 +117,81 @@ def attention_reference(
     return out.reshape(batch, num_q_heads, n, head_dim).transpose(1, 2).to(query.dtype).contiguous()
 
 
+QUERY_BLOCK_BYTES = 1 << 30  # featured_attention: fp32 logits of one query block stay under this
+
+
+def featured_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    allowed: torch.Tensor | None,
+    scaling: float,
+    features: LogitFeatures,
+    block_bytes: int = QUERY_BLOCK_BYTES,
+) -> torch.Tensor:
+    """``attention_reference``'s result, in memory bounded by the query block rather than the whole
+    ``n x N`` logits (a 32k-token prefill of gpt-oss-20b shapes would need 256 GiB of fp32 logits at once).
+
+    Sinks without a cap run through PyTorch's SDPA (``sink_attention``), ``block_bytes`` of mask per block of
+    queries; soft-capped logits through the reference, ``block_bytes`` of fp32 logits per block of queries. Same
+    shapes and arguments as ``attention_reference``."""
+    batch, num_q_heads, n, _ = query.shape
+    num_keys = key.shape[2]
+    if features.softcap is None and features.sinks is not None:
+        run, per_query = sink_attention, 4 * batch * num_keys  # SDPA's mask (bool, then additive): no logits
+    else:
+        run, per_query = attention_reference, 4 * batch * num_q_heads * num_keys  # fp32 logits
+    block = max(1, min(n, block_bytes // per_query))
+    if block >= n:
+        return run(query, key, value, allowed, scaling, features)
+    if allowed is None:  # lower-right causal, made explicit so that each block keeps its own rows of it
+        column = torch.arange(num_keys, device=query.device)
+        last = num_keys - n + torch.arange(n, device=query.device)
+        allowed = (column[None, :] <= last[:, None])[None, None]
+    parts = []
+    for start in range(0, n, block):
+        end = min(n, start + block)
+        rows = allowed[..., start:end, :] if allowed.shape[-2] == n else allowed
+        parts.append(run(query[:, :, start:end], key, value, rows, scaling, features))
+    return torch.cat(parts, dim=1)
+
+
+def sink_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    allowed: torch.Tensor | None,
+    scaling: float,
+    features: LogitFeatures,
+) -> torch.Tensor:
+    """Attention with per-head sinks (no cap) through PyTorch's SDPA: one more channel and one more key carry the
+    sink. Query head ``h`` gets the channel value ``sink_h / scaling``, every real key 0 there, and an extra key is 0
+    everywhere but 1 in that channel, with a zero value: its logit is ``sink_h`` for every query, so it joins each
+    softmax denominator and adds nothing to the output, exactly the sink. Channels are zero-padded to a multiple
+    of 8 (what the fused SDPA kernels take). Same shapes and arguments as ``attention_reference``."""
+    batch, num_q_heads, n, head_dim = query.shape
+    num_kv_heads, num_keys = key.shape[1], key.shape[2]
+    width = (head_dim + 1 + 7) // 8 * 8
+    sink_channel = (features.sinks.to(query.dtype) / scaling)[None, :, None, None].expand(batch, -1, n, 1)
+    q = F.pad(torch.cat([query, sink_channel], dim=-1), (0, width - head_dim - 1))
+    k = F.pad(key, (0, width - head_dim))
+    sink_key = k.new_zeros(batch, num_kv_heads, 1, width)
+    sink_key[..., head_dim] = 1
+    k = torch.cat([k, sink_key], dim=2)
+    v = torch.cat([value, value.new_zeros(batch, num_kv_heads, 1, head_dim)], dim=2)
+    if allowed is None:
+        column = torch.arange(num_keys, device=query.device)
+        last = num_keys - n + torch.arange(n, device=query.device)
+        allowed = (column[None, :] <= last[:, None])[None, None]
+    allowed = allowed.expand(*allowed.shape[:-1], num_keys)
+    allowed = torch.cat([allowed, allowed.new_ones(*allowed.shape[:-1], 1)], dim=-1)  # the sink: always seen
+    if num_q_heads != num_kv_heads:  # one K/V head per query head: SDPA's memory-efficient kernel takes a mask
+        k = k.repeat_interleave(num_q_heads // num_kv_heads, dim=1)  # but not every PyTorch build's takes GQA too,
+        v = v.repeat_interleave(num_q_heads // num_kv_heads, dim=1)  # and the math fallback holds n x N logits
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scaling)
+    return out.transpose(1, 2).contiguous()
+
+
 def masked_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -125,10 +200,10 @@ def masked_attention(
     scaling: float,
     features: LogitFeatures = PLAIN,
 ) -> torch.Tensor:
-    """``attention_reference`` where features need it, PyTorch's SDPA (grouped-query heads) where they do not:
+    """``featured_attention`` where features need it, PyTorch's SDPA (grouped-query heads) where they do not:
     ``[B, Hq, n, D]`` x ``[B, Hkv, N, D]`` with ``allowed`` bool ``[B, 1, n, N]`` -> ``[B, n, Hq, D]``."""
     if not features.plain:
-        return attention_reference(query, key, value, allowed, scaling, features)
+        return featured_attention(query, key, value, allowed, scaling, features)
     gqa = query.shape[1] != key.shape[1]
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2).contiguous()

@@ -135,6 +135,17 @@ def capped_page_scores(
     return page_probs(torch.tanh(logits / softcap) * softcap, n_pages)
 
 
+def check_softcap(softcap: float | None, scaling: float | None) -> None:
+    """``top_pages``' soft-capping arguments: None, or a positive cap with the model's positive ``scaling``."""
+    if softcap is None:
+        return
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0:
+        raise ValueError(f"top_pages: softcap must be a positive number or None, got {softcap!r}")
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not scaling > 0:
+        raise ValueError(f"top_pages: scaling (the model's logit scale) must be a positive number with softcap, "
+                         f"got {scaling!r}")
+
+
 def check_forcing(topk: int, sink_pages: int, recent_pages: int) -> None:
     """Validate ``select_pages``' integer arguments (host-side only: no device sync)."""
     if topk < 1:
@@ -201,10 +212,16 @@ def top_pages(
     sink_pages: int = 0,
     recent_pages: int = 1,
     per_head_bound: bool = False,
+    softcap: float | None = None,
+    scaling: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode step's page selection from the token counts: ``select_pages(page_scores(q, kt, num_pages(lengths),
     topr, per_head_bound), ...)``. ``lengths`` [B] or [B, Hkv] tokens stored; returns (page_idx, page_valid)
-    [B, Hkv, K]."""
+    [B, Hkv, K]. ``softcap`` (with the model's ``scaling``): the scores are ``capped_page_scores``."""
+    check_softcap(softcap, scaling)
     n_pages = num_pages(lengths, page_size)
-    probs = page_scores(q, kt, n_pages, topr, per_head_bound)
+    if softcap is not None:
+        probs = capped_page_scores(q, kt, n_pages, topr, per_head_bound, scaling, softcap)
+    else:
+        probs = page_scores(q, kt, n_pages, topr, per_head_bound)
     return select_pages(probs, n_pages, topk, sink_pages, recent_pages)

@@ -1,6 +1,6 @@
 """SlidingWindowLayer against its oracle, transformers' DynamicSlidingWindowLayer (the same updates: prompts, chunks,
-decode steps; the same returned keys, mask sizes and lengths), its memory bound, crop and row operations, and the
-layer kinds read from model configs."""
+decode steps; the same returned keys, mask sizes and lengths for prompts, the same visible keys through the decode
+ring), its memory bound, crop and row operations, and the layer kinds read from model configs."""
 
 from __future__ import annotations
 
@@ -27,24 +27,46 @@ def chunk(batch: int, n: int, start: int) -> torch.Tensor:
             .expand(batch, H, n, D).clone())
 
 
+def visible(keys: torch.Tensor, allowed: torch.Tensor, query_pos: int, offset: int, window: int) -> list[float]:
+    """The positions (key values) the query at ``query_pos`` may see among ``keys``' columns, ``allowed`` bool per
+    column or None (transformers' sliding causal rule from the columns' positions ``offset + c``)."""
+    if allowed is None:
+        cols = torch.arange(keys.shape[2]) + offset
+        allowed = (cols <= query_pos) & (cols > query_pos - window)
+    return sorted(keys[0, 0, allowed, 0].tolist())
+
+
 @pytest.mark.parametrize("window", [1, 2, 5, 8])
 @pytest.mark.parametrize("steps", [[13, 1, 1, 1, 1], [3, 1, 1, 1, 1, 1, 1], [4, 4, 4, 1, 1], [7, 1, 9, 1]],
                          ids=["prompt", "short-prompt", "chunks", "later-turn"])
 def test_same_as_dynamic_sliding_window_layer(window, steps):
+    """Forwards of several tokens: the very keys, mask sizes and stored columns of the oracle. Decode steps: the
+    ring's ``window`` columns (transformers' static sliding sizes), and through ``ring_mask`` exactly the keys the
+    oracle's query sees."""
     mine, oracle = SlidingWindowLayer(window), DynamicSlidingWindowLayer(sliding_window=window)
     seen = 0
     for n in steps:
-        if window > 1:  # transformers keeps every column when window - 1 == 0 (its slice -0:), so sizes differ there
-            assert mine.get_mask_sizes(n) == oracle.get_mask_sizes(n)
+        sizes, want_sizes = mine.get_mask_sizes(n), oracle.get_mask_sizes(n)
         keys = chunk(2, n, seen)
         got_k, got_v = mine.update(keys, -keys)
         want_k, want_v = oracle.update(keys, -keys)
-        seen += n
-        if window > 1:
+        if n == 1:
+            assert mine.ring and sizes == (window, max(0, seen - window + 1))
+            assert got_k.shape[2] == window and torch.equal(got_v, -got_k)
+            columns = torch.arange(window) + sizes[1]
+            mask = ((columns <= seen) & (columns > seen - window))[None, None, None, :]  # transformers' sliding rule
+            slots = mine.ring_mask(mask)[0, 0, 0]
+            if window > 1:  # (transformers' window-1 layer keeps every column, see below)
+                assert visible(got_k, slots, seen, 0, window) == visible(want_k, None, seen, want_sizes[1], window)
+            assert visible(got_k, mine.ring_mask(None)[0, 0, 0], seen, 0, window) == list(
+                map(float, range(max(0, seen - window + 1), seen + 1)))
+        elif window > 1:  # transformers keeps every column when window - 1 == 0 (its slice -0:), so sizes differ there
+            assert not mine.ring and sizes == want_sizes
             assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
             assert torch.equal(mine.keys, oracle.keys)
+        seen += n
         assert mine.get_seq_length() == oracle.get_seq_length() == seen
-        assert mine.keys.shape[2] == min(seen, window - 1)
+        assert mine.stored == min(seen, window - 1)
         assert mine.kept_tokens().tolist() == [[min(seen, window - 1)] * H] * 2
 
 
@@ -55,7 +77,9 @@ def test_memory_is_bounded_by_the_window():
         layer.update(chunk(1, 1, 500 + step), chunk(1, 1, 500 + step))
         # the storage behind the stored view, not only the view: the prompt's 500 columns are gone
         assert layer.memory_bytes() <= 2 * 6 * H * D * 4
-    assert layer.get_seq_length() == 700 and layer.keys[0, 0, :, 0].tolist() == [695, 696, 697, 698, 699]
+    assert layer.get_seq_length() == 700 and sorted(layer.keys[0, 0, :, 0].tolist()) == list(range(694, 700))
+    layer.update(chunk(1, 2, 700), chunk(1, 2, 700))  # a later turn: the ring back into ordered columns
+    assert not layer.ring and layer.keys[0, 0, :, 0].tolist() == list(range(697, 702))
 
 
 def test_crop_inside_the_window_and_refused_past_it():

@@ -3,8 +3,9 @@ Mistral with a window), against the oracle: the same weights on transformers' ea
 
 - budget above the prompt and every page attended: greedy tokens equal the oracle's (one row, a padded batch,
   chunked prefill, plain forwards with ``model_config``);
-- compression on: the sliding layers keep their window (``window - 1`` stored between forwards, as transformers'
-  ``DynamicSlidingWindowLayer``), the full-attention layers are compressed to the budget, and a padded batch gives
+- compression on: the sliding layers keep their window (``window - 1`` visible to the next query between forwards,
+  as transformers' ``DynamicSlidingWindowLayer``; decode steps write a ring of ``window`` slots), the full-attention
+  layers are compressed to the budget, and a padded batch gives
   every row the tokens it gets alone;
 - a sliding layer's memory stays bounded by its window over a long prompt and many decode steps;
 - what is not supported yet is refused with one clear line.
@@ -122,8 +123,8 @@ def test_compression_keeps_windows_and_compresses_global_layers(pair):
     for index, layer in enumerate(cache.layers):
         if index in sliding:
             assert isinstance(layer, SlidingWindowLayer) and layer.window == WINDOW
-            assert layer.keys.shape == (2, kv_heads, WINDOW - 1, 16)
-            assert cache.kept_tokens(index).tolist() == [[WINDOW - 1] * kv_heads] * 2
+            assert layer.ring and layer.keys.shape == (2, kv_heads, WINDOW, 16)  # decode's ring of window slots
+            assert cache.kept_tokens(index).tolist() == [[WINDOW - 1] * kv_heads] * 2  # what the next query sees
         else:
             assert layer.compressed
             assert cache.kept_tokens(index).tolist() == [[24 + 7] * kv_heads] * 2
@@ -149,9 +150,9 @@ def test_sliding_memory_is_bounded_by_the_window():
     for layer in cache.layers:
         if isinstance(layer, SlidingWindowLayer):
             assert layer.get_seq_length() == 120 + 39
-            assert layer.keys.shape[2] == WINDOW - 1
+            assert layer.keys.shape[2] == WINDOW and layer.stored == WINDOW - 1
             # the storage behind the window, not only its view: the prompt's tensors are gone
-            assert layer.memory_bytes() <= 2 * WINDOW * 2 * 16 * 4
+            assert layer.memory_bytes() == 2 * WINDOW * 2 * 16 * 4
 
 
 # ------------------------------------------------------------------------------------------------ refusals
@@ -169,10 +170,10 @@ def test_compiled_decode_settings_are_refused():
     rocket, _ = make_hybrid_models("gpt_oss")
     ids = random_ids(1, 12)
     for overrides in (dict(decode_runner="torch_compile"), dict(batch_buckets=(1, 2))):
-        with pytest.raises(NotImplementedError, match="sliding-window layers.*eagerly"):
+        with pytest.raises(NotImplementedError, match="sliding-window layers.*no torch.compile'd decode"):
             greedy(rocket, ids, past_key_values=RocketKVCache(keep_all_config(**overrides)), max_new_tokens=2)
     cache = RocketKVCache(keep_all_config(), model_config=rocket.config)
-    assert not cache.is_compileable
+    assert cache.is_compileable  # decode steps are captured as CUDA graphs
 
 
 @pytest.mark.parametrize("arch,overrides,message", [
@@ -198,3 +199,22 @@ def test_tensor_parallel_shards_are_refused():
     key = torch.zeros(1, 1, 4, 16)  # one of the two KV heads
     with pytest.raises(NotImplementedError, match="sliding-window layers under tensor parallelism"):
         check_supported(module, {"sliding_window": WINDOW}, layer, key, PLAIN)
+
+
+# ------------------------------------------------------------------------------------------------ Triton backend
+@pytest.mark.parametrize("arch", ["gpt_oss", "gemma2"])
+def test_triton_backend_gives_the_oracles_and_the_twins_tokens(arch):
+    """Stage 2's attention through the Triton kernel with sinks (gpt-oss) or soft-capping (Gemma 2), interpreted on
+    CPU: every page read gives the oracle's tokens; with eviction and page selection, the torch twin's tokens."""
+    rocket, oracle = make_hybrid_models(arch)
+    ids = random_ids(1, 40, seed=3)
+    cache = RocketKVCache(keep_all_config(backend="triton"))
+    out = greedy(rocket, ids, past_key_values=cache, max_new_tokens=6)
+    assert torch.equal(out, greedy(oracle, ids, max_new_tokens=6))
+    featured = [layer for layer in cache.layers if not layer.is_sliding]
+    assert featured and all(not layer.features.plain and layer.ops.name == "triton" for layer in featured)
+    config = dict(kt_cache_dtype="float32")
+    triton = greedy(rocket, ids, past_key_values=RocketKVCache(compressing_config(backend="triton", **config)),
+                    max_new_tokens=6)
+    torch_ = greedy(rocket, ids, past_key_values=RocketKVCache(compressing_config(**config)), max_new_tokens=6)
+    assert torch.equal(triton, torch_)

@@ -1,0 +1,71 @@
+"""Hybrid models (sliding-window + global layers, gpt-oss' sinks, Gemma 2's soft-capping) on a GPU with the default
+decode runner (``decode_runner="cuda_graphs"``): the Triton kernels take the sinks and the cap, the sliding layers
+decode into their ring, and the captured decode step replays.
+
+- graphed decode is bit-identical to eager decode (the same kernels), bf16, with eviction on the global layers;
+- every page read (keep-all), fp32: graphed decode gives the tokens of transformers' own eager attention and cache.
+
+Tiny random configs of tests/support/hybrid_models.py (4 layers, window 8) moved to the GPU: about a minute on one
+H100, most of it the Triton kernels' first compilations.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_rocketkv import RocketKVCache, RocketKVConfig, SlidingWindowLayer
+from tests.support.hybrid_models import make_hybrid_models
+
+from .gpu_models import CUDA, greedy
+
+ARCHS = ["gpt_oss", "gemma3", "gemma2"]
+PROMPT, NEW_TOKENS = 200, 24
+REPLAYS = NEW_TOKENS - 2  # the first decode step runs eagerly (warm-up), the second captures, every later replays
+COMPRESSING = RocketKVConfig(prompt_budget=64, window_size=8, kernel_size=5, topk=6, topr=8, page_size=4,
+                             backend="triton")
+KEEP_ALL = RocketKVConfig(prompt_budget=1024, window_size=8, kernel_size=5, topk=4096, topr=16, page_size=4,
+                          kt_cache_dtype="float32", backend="triton")
+
+
+def _prompt(vocab: int, batch: int = 1) -> torch.Tensor:
+    generator = torch.Generator("cuda").manual_seed(batch)
+    return torch.randint(3, vocab, (batch, PROMPT), device=CUDA, generator=generator)
+
+
+def _run(model, ids, config, compiled):
+    cache = RocketKVCache(config)
+    tokens = greedy(model, ids, cache, NEW_TOKENS, compiled)
+    step = cache.hints.graphed_step
+    return tokens, (step.replays if step is not None else None), cache
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_graphed_decode_is_bit_identical_to_eager(arch, batch):
+    rocket, _ = make_hybrid_models(arch)
+    rocket = rocket.to(CUDA, torch.bfloat16)
+    ids = _prompt(rocket.config.vocab_size, batch)
+    eager, eager_replays, _ = _run(rocket, ids, COMPRESSING, compiled=False)
+    assert eager_replays is None
+    tokens, replays, cache = _run(rocket, ids, COMPRESSING, compiled=True)
+    assert replays == REPLAYS, f"{arch}: the decode steps did not replay one CUDA graph ({replays} replays)"
+    assert torch.equal(tokens, eager), f"{arch}: {(tokens == eager).float().mean().item():.3f} of tokens equal"
+    assert any(isinstance(layer, SlidingWindowLayer) and layer.ring for layer in cache.layers)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_graphed_keep_all_decode_equals_transformers_eager(arch):
+    rocket, oracle = make_hybrid_models(arch)
+    rocket, oracle = rocket.to(CUDA), oracle.to(CUDA)
+    if arch == "gpt_oss":  # fp32 experts: batched matmuls (grouped_mm is a bf16 kernel on CUDA), graph-safe
+        for model in (rocket, oracle):
+            model.set_experts_implementation("batched_mm")
+    ids = _prompt(rocket.config.vocab_size)
+    tokens, replays, _ = _run(rocket, ids, KEEP_ALL, compiled=True)
+    assert replays == REPLAYS
+    with torch.no_grad():
+        want = oracle.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                               min_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0,
+                               disable_compile=True)[:, PROMPT:]
+    assert torch.equal(tokens, want), f"{arch}: {(tokens == want).float().mean().item():.3f} of tokens equal"
