@@ -35,6 +35,10 @@ class RocketOps:
         -> (page_idx, page_valid)
     paged_sparse_decode_attention(q, k_pages, v_pages, table, page_idx, page_valid, lengths, kt_page_size,
                                   scaling, k_scale=None, v_scale=None) -> [B, Hkv, G, D]
+    paged_fused_decode(q, kt_pages, k_pages, v_pages, table, lengths, kt_page_size, topr, topk, scaling,
+                       sink_pages=0, recent_pages=1, per_head_bound=False, k_scale=None, v_scale=None)
+        -> [B, Hkv, G, D]: paged_top_pages then paged_sparse_decode_attention in one op (kernels/fused_decode.py;
+        the Triton op serves rows of up to FUSED_MAX_PAGES KT pages, fused_decode_supported says which)
 
     Stage 1's compaction (prefill, eager; one call per row):
     paged_compact_row(keys, values, slots, columns, k_pages, v_pages, kt_pages, table, row_pages, positions,
@@ -72,4 +76,5 @@ class RocketOps:
     paged_page_scores: Callable
     paged_top_pages: Callable
     paged_sparse_decode_attention: Callable
+    paged_fused_decode: Callable
     paged_compact_row: Callable
