@@ -276,6 +276,46 @@ def test_generate_with_the_fused_stage2_gives_the_split_tokens(kt_dtype, monkeyp
     out_split, _ = _generate(model, ids, mask, config.replace(backend="triton", stage2_kernel="split"))
     assert chosen and not any(chosen)
     chosen.clear()
-    out_fused, cache = _generate(model, ids, mask, config.replace(backend="triton", stage2_kernel="fused"))
+    out_fused, _ = _generate(model, ids, mask, config.replace(backend="triton", stage2_kernel="fused"))
     assert chosen and all(chosen)
     assert torch.equal(out_fused, out_split) and torch.equal(out_fused, out_torch)
+
+
+def _gpu_case():
+    g = gen("fused-gpu")
+    q, kt_pages, k_pages, v_pages, table, lengths, _ = _case(g, 3, 2, 4, 64, 16, 4, torch.bfloat16,
+                                                             torch.float8_e5m2, 64, per_head=True)
+    return (q, kt_pages, k_pages, v_pages, table, lengths, 4, 64, 3, 0.125, 0, 1, False, None, None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_fused_decode_replays_in_a_cuda_graph():
+    """Captured once (no host sync, static shapes), replayed over changed inputs: the eager op's output."""
+    args = _gpu_case()
+    q = args[0]
+    static_q = q.clone()
+
+    def call():
+        return ops().paged_fused_decode(static_q, *args[1:])
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    static_q.copy_(-q)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ops().paged_fused_decode(-q, *args[1:]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="the interpreter cannot run a triton_op on the fake tensors torch.compile traces with")
+def test_fused_decode_compiles_fullgraph():
+    args = _gpu_case()
+    torch._dynamo.reset()
+    compiled = torch.compile(ops().paged_fused_decode, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(*args), ops().paged_fused_decode(*args))
