@@ -17,6 +17,8 @@ step    whole decode steps of the random-weight Llama-3.1-8B through generate() 
         Points: batch 1 x 32k, 32 x 8k, 64 x 8k prompts (stage 1 keeps 2,048 tokens of each row, so the decode
         step's stage-2 work is the op part's).
 
+sweep   (with the time left) the fused op's knobs: splits x token tile x warps at batch 1, 32, 64 (private layout).
+
 Points not started within --budget-s seconds are skipped (recorded as such), so the run ends in time.
 """
 
@@ -45,6 +47,7 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--budget-s", type=float, default=170.0, help="no new point starts after this many seconds")
     parser.add_argument("--skip-step", action="store_true", help="the op part only")
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--sweep", action="store_true", help="with --quick: also the fused op's knob sweep")
     return parser.parse_args(argv)
 
 
@@ -61,7 +64,7 @@ from hf_rocketkv.selection import stage2_pages as s2  # noqa: E402
 
 class Report:
     def __init__(self, out: Path, env: dict):
-        self.path, self.data = out / "fused_decode.json", dict(env, op=[], step=[], skipped=[])
+        self.path, self.data = out / "fused_decode.json", dict(env, op=[], step=[], sweep=[], skipped=[])
         out.mkdir(parents=True, exist_ok=True)
 
     def add(self, part: str, row: dict) -> None:
@@ -191,6 +194,31 @@ def op_part(report: Report, device: torch.device, quick: bool, deadline: float) 
         report.add("op", row)
 
 
+def sweep_part(report: Report, device: torch.device, quick: bool, deadline: float) -> None:
+    """The fused op's launch knobs (splits of the select-and-attend kernel, its token tile, its warps) on the
+    private layout, for tuning ``fused_splits`` and the tile defaults; each variant checked against the default."""
+    from hf_rocketkv.kernels.fused_decode import fused_decode_launch
+
+    for batch in ((1, 2) if quick else (1, 32, 64)):
+        st = layer_state(batch, "private", quick, device)
+        args = (st["q"], st["kt"], st["k"], st["v"], st["table"], st["lengths"], st["kt_page"], st["topr"],
+                st["topk"], st["scaling"])
+        want = fused_decode_launch(*args).float()
+        splits = (2, 4, 8, 16) if batch == 1 else (1, 2)
+        for num_splits in splits:
+            for block_n in (32, 64, 128):
+                for num_warps in (4, 8):
+                    if time.perf_counter() > deadline:
+                        report.data["skipped"].append(f"sweep b{batch}: over --budget-s")
+                        return
+                    def fn(args=args, num_splits=num_splits, block_n=block_n, num_warps=num_warps):
+                        return fused_decode_launch(*args, num_splits=num_splits, block_n=block_n,
+                                                   num_warps=num_warps)
+                    diff = (fn().float() - want).abs().max().item()
+                    report.add("sweep", {"batch": batch, "num_splits": num_splits, "block_n": block_n,
+                                         "num_warps": num_warps, "us": time_us(fn, device), "max_abs_diff": diff})
+
+
 # ------------------------------------------------------------------------------------------------ step part
 def step_part(report: Report, device: torch.device, quick: bool, new_tokens: int, deadline: float) -> None:
     from hf_rocketkv.bench.decode import LLAMA_31_8B, TINY, build_model, warm_up
@@ -278,6 +306,8 @@ def main(args: argparse.Namespace) -> int:
     op_part(report, device, args.quick, start + args.budget_s)
     if not args.skip_step:
         step_part(report, device, args.quick, args.new_tokens, start + args.budget_s)
+    if not args.quick or args.sweep:  # with the time left
+        sweep_part(report, device, args.quick, start + args.budget_s)
     report.data["seconds"] = time.perf_counter() - start
     report.path.write_text(json.dumps(report.data, indent=1))
     print(f"wrote {report.path} in {report.data['seconds']:.0f} s")

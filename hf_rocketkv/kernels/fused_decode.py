@@ -120,17 +120,55 @@ if triton is not None:
             tl.store(rank_base + pages, tl.where(pages < num_pages, value, -1), mask=pages < NPB)
 
     @triton.jit
-    def _kth_largest(value, k):
-        """The largest t with ``#(value >= t) >= k`` (``value`` int32 >= -1, at least k of them >= 0): the k-th
-        largest value, by a radix-16 search from the top digit (8 rounds of 16 counts, no sort)."""
-        t = tl.program_id(0).to(tl.int64) * 0  # a scalar int64 0 (a tensor, so the rounds below can add to it)
-        digit = tl.arange(0, 16).to(tl.int64)
-        v = value.to(tl.int64)
-        for r in tl.static_range(8):
-            cand = t + (digit << (28 - 4 * r))
-            count = tl.sum((v[None, :] >= cand[:, None]).to(tl.int32), axis=1)
-            t = t + ((tl.sum((count >= k).to(tl.int64), axis=0) - 1) << (28 - 4 * r))
+    def _radix_round(t, rank_base, k, SHIFT: tl.constexpr, TOP: tl.constexpr, NPB: tl.constexpr,
+                     CH: tl.constexpr):
+        """t + d * 2**SHIFT for the largest digit d <= TOP with at least k rank values at or above it: the 16
+        candidates counted at once, the values read chunk by chunk (CH at a time) so that registers do not grow
+        with the row's pages."""
+        digit = tl.arange(0, 16)
+        cand = t + (tl.minimum(digit, TOP) << SHIFT)
+        counts = tl.zeros((16, CH), tl.int32)
+        for c0 in range(0, NPB, CH):
+            value = tl.load(rank_base + c0 + tl.arange(0, CH))
+            counts += (value[None, :] >= cand[:, None]).to(tl.int32)
+        reach = (tl.sum(counts, axis=1) >= k) & (digit <= TOP)
+        return t + ((tl.sum(reach.to(tl.int32), axis=0) - 1) << SHIFT)
+
+    @triton.jit
+    def _kth_largest(rank_base, k, NPB: tl.constexpr, CH: tl.constexpr):
+        """The largest t with ``#(value >= t) >= k`` over the row's rank values (``rank_base[:NPB]``, int32 >= -1,
+        at least k of them >= 0): the k-th largest value, by a radix search from the top, 3 bits then 7 rounds of
+        4 (t + 15 * 2**shift stays below 2**31 in int32), no sort. Each round's constants are bound as arguments of
+        ``_radix_round``: a constexpr rebound inside the loop does not compile on the GPU (Triton 3.6)."""
+        t = _radix_round(tl.program_id(0) * 0, rank_base, k, 28, 7, NPB, CH)
+        for r in tl.static_range(7):
+            t = _radix_round(t, rank_base, k, 24 - 4 * r, 15, NPB, CH)
         return t
+
+    @triton.jit
+    def _list_selected(rank_base, list_base, t, k, n, NPB: tl.constexpr, CH: tl.constexpr, KB: tl.constexpr):
+        """Writes the selected pages in use to ``list_base`` in ascending order (-1 after them) and returns their
+        number: every page whose rank value is above t, then the pages at t in ascending page order until k are
+        taken (exactly ``select_pages``' set: the rank values order like its keys, ties to the lower page)."""
+        above = tl.zeros((CH,), tl.int32)
+        for c0 in range(0, NPB, CH):
+            above += (tl.load(rank_base + c0 + tl.arange(0, CH)) > t).to(tl.int32)
+        tie_budget = k - tl.sum(above, axis=0)
+        tie_base = tl.sum(above, axis=0) * 0
+        sel_base = tie_base
+        for c0 in range(0, NPB, CH):
+            pages = c0 + tl.arange(0, CH)
+            value = tl.load(rank_base + pages)
+            tie = (value == t).to(tl.int32)
+            tie_rank = tie_base + tl.cumsum(tie, axis=0) - tie
+            sel = (((value > t) | ((tie != 0) & (tie_rank < tie_budget))) & (pages < n)).to(tl.int32)
+            place = sel_base + tl.cumsum(sel, axis=0) - sel
+            tl.store(list_base + place, pages, mask=sel != 0)
+            tie_base += tl.sum(tie, axis=0)
+            sel_base += tl.sum(sel, axis=0)
+        e = tl.arange(0, KB)
+        tl.store(list_base + e, tl.full((KB,), -1, tl.int32), mask=e >= sel_base)
+        return sel_base
 
     @triton.jit
     def _fused_select_attend_kernel(
@@ -164,20 +202,9 @@ if triton is not None:
         _rank_values(logits_ptr, stats_ptr, rank_base, bh, n, group, num_pages, score_splits, sink_pages,
                      recent_pages, LOGIT_G, BLOCK_GS, BLOCK_S, NPB, CH)
         tl.debug_barrier()  # the rank values written above are read back by other threads of this program
-        pages = tl.arange(0, NPB)
-        value = tl.load(rank_base + pages)
-        t = _kth_largest(value, k_out)
-        above = value.to(tl.int64) > t
-        tie = (value.to(tl.int64) == t).to(tl.int32)
-        tie_rank = tl.cumsum(tie, axis=0) - tie
-        chosen = above | ((tie != 0) & (tie_rank < k_out - tl.sum(above.to(tl.int32), axis=0)))
-        sel = (chosen & (pages < n)).to(tl.int32)
-        place = tl.cumsum(sel, axis=0) - sel
-        num_sel = tl.sum(sel, axis=0)
         list_base = list_ptr + prog * KB
-        tl.store(list_base + place, pages, mask=sel != 0)
-        e = tl.arange(0, KB)
-        tl.store(list_base + e, tl.full((KB,), -1, tl.int32), mask=e >= num_sel)
+        t = _kth_largest(rank_base, k_out, NPB, CH)
+        num_sel = _list_selected(rank_base, list_base, t, k_out, n, NPB, CH, KB)
         tl.debug_barrier()  # the list is read back below by other threads of this program
 
         # --- exact attention over this split's share of the list (tokens of pages [split * pps, ...))
