@@ -319,3 +319,18 @@ def test_fused_decode_compiles_fullgraph():
     torch._dynamo.reset()
     compiled = torch.compile(ops().paged_fused_decode, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(*args), ops().paged_fused_decode(*args))
+
+
+def test_fused_decode_reads_nothing_back_from_the_device():
+    """No host read of a tensor's value (item, nonzero, tolist...): launch shapes come from tensor shapes only, so
+    the op can be captured in a CUDA graph."""
+    from tests.cache.test_host_syncs import HostReads
+
+    args = _gpu_case()
+    ops().paged_fused_decode(*args)  # compiled (GPU) or traced (interpreter) outside the count
+    with HostReads() as reads:
+        ops().paged_fused_decode(*args)
+    assert not reads.counts, dict(reads.counts)
+    with HostReads() as reads:  # the counter sees a read
+        args[5].max().item()
+    assert reads.total == 1
