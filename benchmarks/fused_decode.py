@@ -7,8 +7,8 @@ Two parts, both written to ``fused_decode.json`` under --out after every point:
 
 op      one Llama-3.1-8B layer's stage 2 (8 KV heads, 4 query heads each, head_dim 128, bf16 K/V, fp8 KT, page 4,
         topk 64, topr 128) over the state stage 1 leaves (2,048 kept tokens + 16 generated per row, rows up to 37
-        tokens shorter), at batch 1, 32 and 64, on the cache's private layout (one page per row) and on 16-token
-        pool pages (bf16, and fp8 with per-page scales): microseconds per call as CUDA-graph replays, Triton
+        tokens shorter), at batch 1, 32 and 64, on the cache's private layout (pages of one KT page, an identity
+        table) and on 16-token pool pages (bf16, and fp8 with per-page scales): microseconds per call as CUDA-graph replays, Triton
         launches per call, and the largest |fused - split| over the outputs (the kernels' tests check each against
         PyTorch; this checks them against each other on the GPU's own compiler).
 step    whole decode steps of the random-weight Llama-3.1-8B through generate() and the default runner
@@ -79,7 +79,7 @@ def layer_state(batch: int, layout: str, quick: bool, device: torch.device, seed
     g = torch.Generator().manual_seed(seed)
     heads, group, dim, kt_page = (2, 4, 32, 4) if quick else (8, 4, 128, 4)
     kept, slots = (64 + 4, 96) if quick else (2048 + 16, 2048 + 256)
-    page_tokens = slots if layout == "private" else 16
+    page_tokens = kt_page if layout == "private" else 16  # a cache without a pool: one KT page per page
     per_row = slots // page_tokens
     num_pool = batch * per_row
     lengths = torch.tensor([kept - int(x) for x in torch.randint(0, 38 if not quick else 5, (batch,), generator=g)])
