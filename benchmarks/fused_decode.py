@@ -17,7 +17,8 @@ step    whole decode steps of the random-weight Llama-3.1-8B through generate() 
         Points: batch 1 x 32k, 32 x 8k, 64 x 8k prompts (stage 1 keeps 2,048 tokens of each row, so the decode
         step's stage-2 work is the op part's).
 
-sweep   (with the time left) the fused op's knobs: splits x token tile x warps at batch 1, 32, 64 (private layout).
+sweep   (with the time left) the fused op's knobs: splits x token tile x warps at batch 1, 32, 64 (private layout),
+        and with one split the scoring pass inside the kernel (the default) or as its own launch.
 
 Points not started within --budget-s seconds are skipped (recorded as such), so the run ends in time.
 """
@@ -205,18 +206,20 @@ def sweep_part(report: Report, device: torch.device, quick: bool, deadline: floa
                 st["topk"], st["scaling"])
         want = fused_decode_launch(*args).float()
         splits = (2, 4, 8, 16) if batch == 1 else (1, 2)
-        for num_splits in splits:
-            for block_n in (32, 64, 128):
-                for num_warps in (4, 8):
-                    if time.perf_counter() > deadline:
-                        report.data["skipped"].append(f"sweep b{batch}: over --budget-s")
-                        return
-                    def fn(args=args, num_splits=num_splits, block_n=block_n, num_warps=num_warps):
-                        return fused_decode_launch(*args, num_splits=num_splits, block_n=block_n,
-                                                   num_warps=num_warps)
-                    diff = (fn().float() - want).abs().max().item()
-                    report.add("sweep", {"batch": batch, "num_splits": num_splits, "block_n": block_n,
-                                         "num_warps": num_warps, "us": time_us(fn, device), "max_abs_diff": diff})
+        variants = [(n, bn, w, None) for n in splits for bn in (32, 64, 128) for w in (4, 8)]
+        variants += [(1, bn, w, False) for bn in (64, 128) for w in (4, 8)]  # one split, scoring pass separate
+        for num_splits, block_n, num_warps, one_launch in variants:
+            if time.perf_counter() > deadline:
+                report.data["skipped"].append(f"sweep b{batch}: over --budget-s")
+                return
+
+            def fn(args=args, num_splits=num_splits, block_n=block_n, num_warps=num_warps, one_launch=one_launch):
+                return fused_decode_launch(*args, num_splits=num_splits, block_n=block_n, num_warps=num_warps,
+                                           one_launch=one_launch)
+            diff = (fn().float() - want).abs().max().item()
+            report.add("sweep", {"batch": batch, "num_splits": num_splits, "block_n": block_n, "num_warps": num_warps,
+                                 "one_launch": one_launch is not False and num_splits == 1,
+                                 "us": time_us(fn, device), "max_abs_diff": diff})
 
 
 # ------------------------------------------------------------------------------------------------ step part

@@ -62,7 +62,7 @@ def stage2_attention(layer, q: torch.Tensor, scaling: float) -> torch.Tensor:
         return featured_stage2_attention(layer, q, scaling)
     num_kv_heads = layer.num_kv_heads
     config, ops, store = layer.config, layer.ops, layer.store
-    if fused_stage2(layer):  # scoring, selection and attention in one op (2-3 launches)
+    if fused_stage2(layer):  # scoring, selection and attention in one op (1-3 launches)
         sink_pages, recent_pages = config.stage2_forced_pages
         return ops.paged_fused_decode(q, store.kt, store.k, store.v, store.table, layer.lengths, config.page_size,
                                       config.topr, config.topk, scaling, sink_pages=sink_pages,

@@ -13,19 +13,21 @@ Semantics: exactly ``paged_top_pages`` followed by ``paged_sparse_decode_attenti
 the twin, is that composition): the same page probabilities, the same selection rule (sink / recent pages forced,
 then the best scores, ties to the lower page id) and exact attention over the selected pages' tokens.
 
-Triton schedule (shapes only: no host sync, CUDA-graph safe):
-    1. page_scores' logits pass (``page_logits_launch``: per page and query head, split over pages when a row
+Triton schedule (shapes only: no host sync, CUDA-graph safe), S programs per (row, KV head):
+    1. (S > 1) page_scores' logits pass (``page_logits_launch``: per page and query head, split over pages when a row
        has many) writes the logits and per-split softmax statistics; the softmax over all of a row's pages needs
-       every split's statistics before any page can be ranked, so this is its own launch.
+       every split's statistics before any page can be ranked, so this is its own launch. With S == 1 (the rows
+       alone fill the GPU) the select-and-attend kernel runs the same pass itself first (``_row_logits``: the
+       logits kernel's arithmetic with one split), so the whole stage 2 is one launch.
     2. grid (B*Hkv, S): program (row, KV head, split) forms the group-mean probability of every page of its row
        (the arithmetic of the selection kernel's), packs each into a 31-bit rank value (forced pages highest, then
-       the fp32 bits of the probability, pages not in use 0), finds the K-th largest by a radix-16 search (8 rounds
-       of counts, no sort), takes ties at that value in ascending page order, lists the selected pages in
+       the fp32 bits of the probability, pages not in use 0), finds the K-th largest by a radix search (a 3-bit
+       round, then seven 4-bit rounds counting 16 candidates at once; no sort), takes ties at that value in ascending page order, lists the selected pages in
        ascending order (an exclusive prefix sum gives each its place) and attends over its share of the list:
        pages [s * ceil(K / S), (s + 1) * ceil(K / S)) of it, flash-decoding style. With S == 1 it writes the
        output; otherwise each split writes its normalised partial output and log-sum-exp.
     3. (S > 1 only) the combine: one program per (row, query head) merges the S partials.
-So a step's stage 2 takes 3 launches when it is split over pages (small batches) and 2 otherwise, against 4-6 for
+So a step's stage 2 takes 3 launches when it is split over pages (small batches) and 1 otherwise, against 4-6 for
 ``paged_top_pages`` + ``paged_sparse_decode_attention`` (logits, selection chunks, merge levels, attention, reduce).
 Every split of a row repeats the selection (a few microseconds of arithmetic on the row's logits) so that the
 attention work can be spread over the GPU at batch 1.
@@ -80,10 +82,18 @@ try:
         load_count,
         next_pow2,
         num_sms,
+        round_to,
         scale_strides,
     )
     from .launch import TritonLaunch
-    from .page_scores import page_logits_launch
+    from .page_scores import (
+        LOG2E,
+        _as_dot,
+        _channel_mask,
+        _dot_code,
+        _dot_t,
+        page_logits_launch,
+    )
     from .paged import check_fp8_scales, check_table
 except ImportError:  # triton is optional: the reference above works without it
     triton = None
@@ -91,12 +101,10 @@ except ImportError:  # triton is optional: the reference above works without it
 if triton is not None:
 
     @triton.jit
-    def _rank_values(logits_ptr, stats_ptr, rank_base, bh, n, group, num_pages, score_splits, sink_pages,
-                     recent_pages, LOGIT_G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
-                     NPB: tl.constexpr, CH: tl.constexpr):
-        """Writes each page's 31-bit rank value to ``rank_base[page]`` (-1 past the row's NP pages): 0x7FFFFFFF for
-        a forced page, the fp32 bits of its group-mean probability + 1 for another page in use, 0 for a page not in
-        use. The probability is the selection kernel's (select_pages.py, FROM_LOGITS), operation for operation."""
+    def _softmax_from_stats(stats_ptr, bh, group, score_splits, LOGIT_G: tl.constexpr, BLOCK_G: tl.constexpr,
+                            BLOCK_S: tl.constexpr):
+        """(max, 1 / (sum * G)) of each query head's softmax over the row's pages, from the scoring pass's
+        per-split statistics: the selection kernel's arithmetic (select_pages.py, FROM_LOGITS)."""
         g = tl.arange(0, BLOCK_G)
         g_ok = g < group
         sp = tl.arange(0, BLOCK_S)
@@ -108,6 +116,18 @@ if triton is not None:
         m_safe = tl.where(m > float("-inf"), m, 0.0)
         l_i = tl.sum(l_s * tl.exp2(m_s - m_safe[None, :]), axis=0)
         inv = tl.where(g_ok & (l_i > 0), 1.0 / (tl.maximum(l_i, 1e-30) * group), 0.0)
+        return m_safe, inv
+
+    @triton.jit
+    def _rank_values(logits_ptr, m_safe, inv, rank_base, bh, n, group, num_pages, sink_pages, recent_pages,
+                     LOGIT_G: tl.constexpr, BLOCK_G: tl.constexpr, NPB: tl.constexpr, CH: tl.constexpr):
+        """Writes each page's 31-bit rank value to ``rank_base[page]`` (-1 past the row's NP pages): 0x7FFFFFFF for
+        a forced page, the fp32 bits of its group-mean probability + 1 for another page in use, 0 for a page not in
+        use. The probability is the selection kernel's (select_pages.py, FROM_LOGITS), operation for operation:
+        ``m_safe`` / ``inv`` [BLOCK_G] the softmax statistics of the first BLOCK_G query heads (rows of the
+        logits, LOGIT_G apart per (row, KV head))."""
+        g = tl.arange(0, BLOCK_G)
+        g_ok = g < group
         for c0 in range(0, NPB, CH):
             pages = c0 + tl.arange(0, CH)
             in_use = pages < n
@@ -118,6 +138,54 @@ if triton is not None:
             bits = tl.where(score > 0.0, score.to(tl.int32, bitcast=True), 0)  # NaN, -0.0 and negatives rank as 0
             value = tl.where(forced, 2147483647, tl.where(in_use, bits + 1, 0))
             tl.store(rank_base + pages, tl.where(pages < num_pages, value, -1), mask=pages < NPB)
+
+    @triton.jit
+    def _row_logits(q_ptr, kt_ptr, table_ptr, logits_ptr, bh, b, h, n, s_qb, s_qh, s_qg, s_qd, s_tb, s_th, s_tp,
+                    s_tm, s_td, s_ab, s_ap, group, head_dim, num_pages, kt_per_page, kt_scale_log2,
+                    TOPR: tl.constexpr, USE_TOPR: tl.constexpr, KT_DT: tl.constexpr, DOT_DT: tl.constexpr,
+                    HEAD_BOUND: tl.constexpr, LOGIT_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+        """The scoring pass of one (row, KV head) over all its pages in use, in this program (the one-launch
+        schedule): the arithmetic of page_scores' logits kernel with one split, which writes the logits (log2
+        units) and returns each query head's softmax (max, sum)."""
+        g = tl.arange(0, LOGIT_G)
+        d = tl.arange(0, BLOCK_D)
+        g_ok = g < group
+        d_ok = d < head_dim
+        q_base = q_ptr + b * s_qb + h * s_qh
+        q = tl.load(q_base + g[:, None] * s_qg + d[None, :] * s_qd, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        q = round_to(q.to(tl.float32), KT_DT)
+        if USE_TOPR:
+            a = tl.sum(tl.abs(q), axis=0)
+            a = tl.where(d_ok, a, -1.0)
+            keep = _channel_mask(q_base, s_qg, s_qd, group, head_dim, a, d, TOPR, KT_DT, LOGIT_G, BLOCK_D, 32)
+            q = tl.where(keep[None, :], q, 0.0)
+        use_max = tl.sum(q, axis=0) > 0.0
+        qd = _as_dot(q, DOT_DT)
+        qd_pos = _as_dot(tl.maximum(q, 0.0), DOT_DT)
+        qd_neg = _as_dot(tl.minimum(q, 0.0), DOT_DT)
+        kt_base = kt_ptr + h * s_th + (d * s_td)[None, :]
+        logit_base = logits_ptr + (bh * LOGIT_G + g).to(tl.int64)[:, None] * num_pages
+        m_i = tl.full((LOGIT_G,), float("-inf"), tl.float32)
+        l_i = tl.zeros((LOGIT_G,), tl.float32)
+        for p0 in range(0, n, BLOCK_P):
+            pages = p0 + tl.arange(0, BLOCK_P)
+            p_ok = pages < n
+            pool_page = tl.load(table_ptr + b * s_ab + (pages // kt_per_page) * s_ap, mask=p_ok, other=-1).to(tl.int64)
+            p_ok = p_ok & (pool_page >= 0)
+            kt_page = kt_base + (tl.where(p_ok, pool_page, 0) * s_tb + (pages % kt_per_page) * s_tp)[:, None]
+            kt_mask = p_ok[:, None] & d_ok[None, :]
+            kmin = tl.load(kt_page, mask=kt_mask, other=0.0)
+            kmax = tl.load(kt_page + s_tm, mask=kt_mask, other=0.0)
+            if HEAD_BOUND:
+                s = _dot_t(qd_pos, kmax, DOT_DT) + _dot_t(qd_neg, kmin, DOT_DT)
+            else:
+                s = _dot_t(qd, tl.where(use_max[None, :], kmax, kmin), DOT_DT)
+            s = tl.where(p_ok[None, :], (s * kt_scale_log2).to(tl.float32), float("-inf"))
+            tl.store(logit_base + pages[None, :], s, mask=g_ok[:, None] & p_ok[None, :])
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
+            m_i = m_new
+        return m_i, l_i
 
     @triton.jit
     def _radix_round(t, rank_base, k, SHIFT: tl.constexpr, TOP: tl.constexpr, NPB: tl.constexpr,
@@ -172,21 +240,23 @@ if triton is not None:
 
     @triton.jit
     def _fused_select_attend_kernel(
-        q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, logits_ptr, stats_ptr, rank_ptr, list_ptr,
+        q_ptr, k_ptr, v_ptr, kt_ptr, table_ptr, len_ptr, logits_ptr, stats_ptr, rank_ptr, list_ptr,
         out_ptr, part_o_ptr, part_lse_ptr, ks_ptr, vs_ptr,
         s_qb, s_qh, s_qg, s_qd,
         s_kb, s_kh, s_kc, s_kd,
         s_vb, s_vh, s_vc, s_vd,
+        s_tb, s_th, s_tp, s_tm, s_td,
         s_ob, s_oh, s_og, s_od,
         s_lb, s_lh,
         s_ab, s_ap,
         s_ksn, s_ksh, s_vsn, s_vsh,
         num_kv_heads, group, head_dim, num_pages, k_out, sink_pages, recent_pages, score_splits,
-        pages_per_split, num_splits, page_tokens, scale_log2,
+        pages_per_split, num_splits, page_tokens, kt_per_page, scale_log2, kt_scale_log2,
         P: tl.constexpr, LOGIT_G: tl.constexpr, BLOCK_GS: tl.constexpr, BLOCK_S: tl.constexpr, NPB: tl.constexpr,
         CH: tl.constexpr, KB: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         QK_FP32: tl.constexpr, PV_FP32: tl.constexpr, OUT_DT: tl.constexpr, DIRECT: tl.constexpr,
-        KV_FP8: tl.constexpr,
+        KV_FP8: tl.constexpr, SCORE: tl.constexpr, TOPR: tl.constexpr, USE_TOPR: tl.constexpr,
+        KT_DT: tl.constexpr, DOT_DT: tl.constexpr, HEAD_BOUND: tl.constexpr, BLOCK_P: tl.constexpr,
     ):
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -199,8 +269,22 @@ if triton is not None:
         # --- selection: the row's rank values (through a per-program scratch row), the K-th largest, ties in
         # ascending page order, then the selected pages in use listed in ascending order
         rank_base = rank_ptr + prog * NPB
-        _rank_values(logits_ptr, stats_ptr, rank_base, bh, n, group, num_pages, score_splits, sink_pages,
-                     recent_pages, LOGIT_G, BLOCK_GS, BLOCK_S, NPB, CH)
+        if SCORE:  # one launch (one program per (row, KV head)): the scoring pass first, in this program
+            m_i, l_i = _row_logits(q_ptr, kt_ptr, table_ptr, logits_ptr, bh, b, h, n, s_qb, s_qh, s_qg, s_qd,
+                                   s_tb, s_th, s_tp, s_tm, s_td, s_ab, s_ap, group, head_dim, num_pages,
+                                   kt_per_page, kt_scale_log2, TOPR, USE_TOPR, KT_DT, DOT_DT, HEAD_BOUND, LOGIT_G,
+                                   BLOCK_P, BLOCK_D)
+            tl.debug_barrier()  # the logits written above are read back by other threads of this program
+            g_s = tl.arange(0, LOGIT_G)
+            m_safe = tl.where(m_i > float("-inf"), m_i, 0.0)
+            l_s = l_i * tl.exp2(m_i - m_safe)
+            inv = tl.where((g_s < group) & (l_s > 0), 1.0 / (tl.maximum(l_s, 1e-30) * group), 0.0)
+            _rank_values(logits_ptr, m_safe, inv, rank_base, bh, n, group, num_pages, sink_pages, recent_pages,
+                         LOGIT_G, LOGIT_G, NPB, CH)
+        else:
+            m_safe, inv = _softmax_from_stats(stats_ptr, bh, group, score_splits, LOGIT_G, BLOCK_GS, BLOCK_S)
+            _rank_values(logits_ptr, m_safe, inv, rank_base, bh, n, group, num_pages, sink_pages, recent_pages,
+                         LOGIT_G, BLOCK_GS, NPB, CH)
         tl.debug_barrier()  # the rank values written above are read back by other threads of this program
         list_base = list_ptr + prog * KB
         t = _kth_largest(rank_base, k_out, NPB, CH)
@@ -320,11 +404,14 @@ if triton is not None:
         lengths: torch.Tensor, kt_page_size: int, topr: int, topk: int, scaling: float, sink_pages: int = 0,
         recent_pages: int = 1, per_head_bound: bool = False, k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None, num_splits: int | None = None, block_n: int | None = None,
-        num_warps: int | None = None, score_splits: int | None = None, return_pages: bool = False,
+        num_warps: int | None = None, score_splits: int | None = None, one_launch: bool | None = None,
+        return_pages: bool = False,
     ):
-        """Launcher; ``num_splits`` (None: ``fused_splits``), ``block_n``, ``num_warps`` and ``score_splits`` (the
-        logits pass's) exist for tests and benchmarks. ``return_pages``: also return the selected pages in use of
-        each (row, KV head), ascending, int32 [B, Hkv, KB] padded with -1 (split 0's list; KB = next_pow2(K))."""
+        """Launcher; ``num_splits`` (None: ``fused_splits``), ``block_n``, ``num_warps``, ``score_splits`` (the
+        separate scoring pass's) and ``one_launch`` (None: with one split, the scoring pass inside the
+        select-and-attend kernel; False: always a separate pass) exist for tests and benchmarks. ``return_pages``:
+        also return the selected pages in use of each (row, KV head), ascending, int32 [B, Hkv, KB] padded with -1
+        (split 0's list; KB = next_pow2(K))."""
         check_forcing(topk, sink_pages, recent_pages)
         batch, num_kv_heads, group, head_dim = q.shape
         check_table(table, batch)
@@ -341,18 +428,24 @@ if triton is not None:
             out.zero_()
             empty = torch.full((batch, num_kv_heads, kb), -1, dtype=torch.int32, device=q.device)
             return (out, empty) if return_pages else out
-        logits, stats, s1, logit_g = page_logits_launch(q, kt_pages, lengths, kt_page_size, topr, score_splits,
-                                                        table=table, per_head_bound=per_head_bound)
         splits = num_splits or fused_splits(rows, k_out, kt_page_size, q.device)
         splits = max(1, min(splits, k_out))
         pages_per_split = cdiv(k_out, splits)
         splits = cdiv(k_out, pages_per_split)
+        block_d = next_pow2(head_dim)
+        score = splits == 1 and one_launch is not False
+        if score:  # the scoring pass runs in the select-and-attend kernel: its logits scratch only
+            logit_g, s1 = max(16, next_pow2(group)), 1
+            logits = torch.empty((rows * logit_g, num_pages), dtype=torch.float32, device=q.device)
+            stats = logits  # unused
+        else:
+            logits, stats, s1, logit_g = page_logits_launch(q, kt_pages, lengths, kt_page_size, topr, score_splits,
+                                                            table=table, per_head_bound=per_head_bound)
         npb = next_pow2(num_pages)
         ch = min(npb, 256)
         rank = torch.empty((rows * splits * npb,), dtype=torch.int32, device=q.device)
         page_list = torch.empty((rows * splits * kb,), dtype=torch.int32, device=q.device)
         block_g = max(16, next_pow2(group))
-        block_d = next_pow2(head_dim)
         wide = not fp8 and k_pages.dtype in (torch.bfloat16, torch.float16)
         tokens = pages_per_split * kt_page_size
         block_n = block_n or min((128 if wide else 64) if block_d <= 128 else (64 if wide else 32),
@@ -371,16 +464,18 @@ if triton is not None:
             qk_fp32 = code == 0 or interpreting() or q.dtype != k_pages.dtype
             pv_fp32 = code == 0 or interpreting() or v_pages.dtype != k_pages.dtype
         _fused_select_attend_launch[(rows, splits)](
-            q, k_pages, v_pages, table, lengths, logits, stats, rank, page_list,
+            q, k_pages, v_pages, kt_pages, table, lengths, logits, stats, rank, page_list,
             out, part_o, part_lse, k_scale if fp8 else q, v_scale if fp8 else q,
-            *q.stride(), *k_pages.stride(), *v_pages.stride(), *out.stride(),
+            *q.stride(), *k_pages.stride(), *v_pages.stride(), *kt_pages.stride(), *out.stride(),
             *count_strides(lengths, batch, num_kv_heads, "lengths"), *table.stride(),
             *scale_strides(k_scale if fp8 else None), *scale_strides(v_scale if fp8 else None),
             num_kv_heads, group, head_dim, num_pages, k_out, sink_pages, recent_pages, s1,
-            pages_per_split, splits, k_pages.shape[2], scaling * 1.4426950408889634,
+            pages_per_split, splits, k_pages.shape[2], kt_pages.shape[2], scaling * LOG2E, head_dim**-0.5 * LOG2E,
             P=kt_page_size, LOGIT_G=logit_g, BLOCK_GS=next_pow2(group), BLOCK_S=next_pow2(s1), NPB=npb, CH=ch,
             KB=kb, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, QK_FP32=qk_fp32, PV_FP32=pv_fp32,
-            OUT_DT=dtype_code(q.dtype), DIRECT=direct, KV_FP8=fp8, num_warps=num_warps, num_stages=2,
+            OUT_DT=dtype_code(q.dtype), DIRECT=direct, KV_FP8=fp8, SCORE=score, TOPR=min(topr, head_dim),
+            USE_TOPR=topr < head_dim, KT_DT=dtype_code(kt_pages.dtype), DOT_DT=_dot_code(kt_pages.dtype),
+            HEAD_BOUND=per_head_bound, BLOCK_P=64 if block_d <= 128 else 32, num_warps=num_warps, num_stages=2,
         )
         if not direct:
             _fused_combine_launch[(rows * group,)](

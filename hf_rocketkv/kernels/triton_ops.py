@@ -21,7 +21,7 @@ sparse_decode_attention) derive their launch shapes from tensor shapes only and 
     paged_page_scores        page_scores.py              as page_scores, KT read through the table    decode
     paged_top_pages          select_pages.py             as top_pages, KT read through the table      decode
     paged_sparse_decode_attention  sparse_decode_attention.py  as sparse_decode_attention              decode
-    paged_fused_decode       fused_decode.py             logits pass + select-and-attend (+ a combine when split)  decode
+    paged_fused_decode       fused_decode.py             1 (one program per row and KV head) or 3 (logits, select-and-attend, combine)  decode
     paged_compact_row        compact.py                  1 (in place: a row's pages, KT, positions)   prefill
 
 ``paged_compact_row`` is not registered: stage 1 runs eagerly at the end of a prefill, never inside a compiled or

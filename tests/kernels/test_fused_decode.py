@@ -127,17 +127,20 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("one_launch", [None, False], ids=["default", "separate-scoring"])
 @pytest.mark.parametrize("batch,kv_heads,group,head_dim,page_tokens,kt_page,topr,topk,sink,recent,dtype,kt_dtype,"
                          "per_head,head_bound,splits", CASES)
 def test_fused_decode_equals_twin_and_float64_attention(batch, kv_heads, group, head_dim, page_tokens, kt_page, topr,
                                                         topk, sink, recent, dtype, kt_dtype, per_head, head_bound,
-                                                        splits):
+                                                        splits, one_launch):
+    """``one_launch=None``: with one split (cases with splits 1, or a batch that fills the interpreter's 4 "SMs")
+    the scoring pass runs inside the select-and-attend kernel; False: always its own launch."""
     g = gen("fused", batch, kv_heads, group, head_dim, page_tokens, kt_page, topk, dtype, kt_dtype, per_head)
     q, kt_pages, k_pages, v_pages, table, lengths, _ = _case(g, batch, kv_heads, group, head_dim, page_tokens,
                                                              kt_page, dtype, kt_dtype, topr, per_head)
     scaling = head_dim**-0.5
     args = (q, kt_pages, k_pages, v_pages, table, lengths, kt_page, topr, topk, scaling, sink, recent, head_bound)
-    got, pages = fused_decode_launch(*args, num_splits=splits, return_pages=True)
+    got, pages = fused_decode_launch(*args, num_splits=splits, one_launch=one_launch, return_pages=True)
     twin = paged_fused_decode_torch(*args)
     page_idx, page_valid = paged_top_pages_torch(q, kt_pages, table, lengths, kt_page, topr, topk, sink, recent,
                                                  head_bound)
@@ -236,7 +239,8 @@ def test_fused_decode_random_shapes(seed):
                                                              kt_page, dtype, kt_dtype, topr, per_head=pick([0, 1]))
     args = (q, kt_pages, k_pages, v_pages, table, lengths, kt_page, topr, topk, head_dim**-0.5, sink, recent,
             bool(pick([0, 1])))
-    got, pages = fused_decode_launch(*args, num_splits=pick([None, 1, 2, 4]), return_pages=True)
+    got, pages = fused_decode_launch(*args, num_splits=pick([None, 1, 2, 4]), one_launch=pick([None, False]),
+                                     return_pages=True)
     page_idx, page_valid = paged_top_pages_torch(*args[:2], table, lengths, kt_page, topr, topk, sink, recent, args[-1])
     assert torch.equal(pages.cpu(), _pages_list(page_idx, page_valid, pages.shape[-1]))
     torch.testing.assert_close(got.double().cpu(), paged_fused_decode_torch(*args).double().cpu(),
