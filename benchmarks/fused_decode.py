@@ -3,14 +3,14 @@
     python -m benchmarks.fused_decode --out $OUT               # about 2 minutes on an H100
     python -m benchmarks.fused_decode --quick --out out/fd     # CPU logic check (Triton interpreter, tiny shapes)
 
-Two parts, both written to ``fused_decode.json`` under --out after every point:
+Three parts, written to ``fused_decode.json`` under --out after every point:
 
 op      one Llama-3.1-8B layer's stage 2 (8 KV heads, 4 query heads each, head_dim 128, bf16 K/V, fp8 KT, page 4,
         topk 64, topr 128) over the state stage 1 leaves (2,048 kept tokens + 16 generated per row, rows up to 37
         tokens shorter), at batch 1, 32 and 64, on the cache's private layout (pages of one KT page, an identity
-        table) and on 16-token pool pages (bf16, and fp8 with per-page scales): microseconds per call as CUDA-graph replays, Triton
-        launches per call, and the largest |fused - split| over the outputs (the kernels' tests check each against
-        PyTorch; this checks them against each other on the GPU's own compiler).
+        table) and on 16-token pool pages (bf16, and fp8 with per-page scales): microseconds per call as CUDA-graph
+        replays, Triton launches per call, and the largest |fused - split| over the outputs (the kernels' tests
+        check each against PyTorch; this checks them against each other on the GPU's own compiler).
 step    whole decode steps of the random-weight Llama-3.1-8B through generate() and the default runner
         (decode_runner="cuda_graphs"), per setting: ms/token (median over the steps after the capture) and, from
         a profiler window over a few replays, kernels per step and the device time of RocketKV's Triton kernels.

@@ -22,10 +22,11 @@ Triton schedule (shapes only: no host sync, CUDA-graph safe), S programs per (ro
     2. grid (B*Hkv, S): program (row, KV head, split) forms the group-mean probability of every page of its row
        (the arithmetic of the selection kernel's), packs each into a 31-bit rank value (forced pages highest, then
        the fp32 bits of the probability, pages not in use 0), finds the K-th largest by a radix search (a 3-bit
-       round, then seven 4-bit rounds counting 16 candidates at once; no sort), takes ties at that value in ascending page order, lists the selected pages in
-       ascending order (an exclusive prefix sum gives each its place) and attends over its share of the list:
-       pages [s * ceil(K / S), (s + 1) * ceil(K / S)) of it, flash-decoding style. With S == 1 it writes the
-       output; otherwise each split writes its normalised partial output and log-sum-exp.
+       round, then seven 4-bit rounds counting 16 candidates at once; no sort), takes ties at that value in
+       ascending page order, lists the selected pages in ascending order (an exclusive prefix sum gives each its
+       place) and attends over its share of the list: pages [s * ceil(K / S), (s + 1) * ceil(K / S)) of it,
+       flash-decoding style. With S == 1 it writes the output; otherwise each split writes its normalised partial
+       output and log-sum-exp.
     3. (S > 1 only) the combine: one program per (row, query head) merges the S partials.
 So a step's stage 2 takes 3 launches when it is split over pages (small batches) and 1 otherwise, against 4-6 for
 ``paged_top_pages`` + ``paged_sparse_decode_attention`` (logits, selection chunks, merge levels, attention, reduce).
@@ -270,20 +271,20 @@ if triton is not None:
         # ascending page order, then the selected pages in use listed in ascending order
         rank_base = rank_ptr + prog * NPB
         if SCORE:  # one launch (one program per (row, KV head)): the scoring pass first, in this program
-            m_i, l_i = _row_logits(q_ptr, kt_ptr, table_ptr, logits_ptr, bh, b, h, n, s_qb, s_qh, s_qg, s_qd,
-                                   s_tb, s_th, s_tp, s_tm, s_td, s_ab, s_ap, group, head_dim, num_pages,
-                                   kt_per_page, kt_scale_log2, TOPR, USE_TOPR, KT_DT, DOT_DT, HEAD_BOUND, LOGIT_G,
-                                   BLOCK_P, BLOCK_D)
+            row_max, row_sum = _row_logits(
+                q_ptr, kt_ptr, table_ptr, logits_ptr, bh, b, h, n, s_qb, s_qh, s_qg, s_qd, s_tb, s_th, s_tp, s_tm,
+                s_td, s_ab, s_ap, group, head_dim, num_pages, kt_per_page, kt_scale_log2, TOPR, USE_TOPR, KT_DT,
+                DOT_DT, HEAD_BOUND, LOGIT_G, BLOCK_P, BLOCK_D)
             tl.debug_barrier()  # the logits written above are read back by other threads of this program
             g_s = tl.arange(0, LOGIT_G)
-            m_safe = tl.where(m_i > float("-inf"), m_i, 0.0)
-            l_s = l_i * tl.exp2(m_i - m_safe)
-            inv = tl.where((g_s < group) & (l_s > 0), 1.0 / (tl.maximum(l_s, 1e-30) * group), 0.0)
-            _rank_values(logits_ptr, m_safe, inv, rank_base, bh, n, group, num_pages, sink_pages, recent_pages,
+            p_max = tl.where(row_max > float("-inf"), row_max, 0.0)
+            l_s = row_sum * tl.exp2(row_max - p_max)
+            p_inv = tl.where((g_s < group) & (l_s > 0), 1.0 / (tl.maximum(l_s, 1e-30) * group), 0.0)
+            _rank_values(logits_ptr, p_max, p_inv, rank_base, bh, n, group, num_pages, sink_pages, recent_pages,
                          LOGIT_G, LOGIT_G, NPB, CH)
         else:
-            m_safe, inv = _softmax_from_stats(stats_ptr, bh, group, score_splits, LOGIT_G, BLOCK_GS, BLOCK_S)
-            _rank_values(logits_ptr, m_safe, inv, rank_base, bh, n, group, num_pages, sink_pages, recent_pages,
+            p_max, p_inv = _softmax_from_stats(stats_ptr, bh, group, score_splits, LOGIT_G, BLOCK_GS, BLOCK_S)
+            _rank_values(logits_ptr, p_max, p_inv, rank_base, bh, n, group, num_pages, sink_pages, recent_pages,
                          LOGIT_G, BLOCK_GS, NPB, CH)
         tl.debug_barrier()  # the rank values written above are read back by other threads of this program
         list_base = list_ptr + prog * KB

@@ -1,6 +1,6 @@
-"""The fused stage-2 decode op (kernels/fused_decode.py) against its twin (paged_top_pages + paged_sparse_decode_attention
-in PyTorch), against float64 attention over the twin's selected tokens, and against full float64 attention when topk
-covers every page.
+"""The fused stage-2 decode op (kernels/fused_decode.py) against its twin (paged_top_pages +
+paged_sparse_decode_attention in PyTorch), against float64 attention over the twin's selected tokens, and against
+full float64 attention when topk covers every page.
 
 Stores are random pools read through random block tables (rows own different page counts, pages no row owns hold
 large garbage), with ragged and per-head lengths and partial last pages. Interpreted on CPU, compiled on a GPU.
@@ -110,7 +110,8 @@ def _selected(page_idx, page_valid, lengths, kt_page):
 def _pages_list(page_idx, page_valid, kb):
     """The twin's selected pages in use, ascending, padded with -1 to ``kb`` (the launcher's return_pages form)."""
     rows = []
-    for idx, ok in zip(page_idx.reshape(-1, page_idx.shape[-1]).tolist(), page_valid.reshape(-1, page_idx.shape[-1]).tolist()):
+    width = page_idx.shape[-1]
+    for idx, ok in zip(page_idx.reshape(-1, width).tolist(), page_valid.reshape(-1, width).tolist()):
         chosen = sorted(p for p, v in zip(idx, ok) if v)
         rows.append(chosen + [-1] * (kb - len(chosen)))
     return torch.tensor(rows, dtype=torch.int32).view(*page_idx.shape[:2], kb)
