@@ -206,8 +206,9 @@ def sweep_part(report: Report, device: torch.device, quick: bool, deadline: floa
                 st["topk"], st["scaling"])
         want = fused_decode_launch(*args).float()
         splits = (2, 4, 8, 16) if batch == 1 else (1, 2)
-        variants = [(n, bn, w, None) for n in splits for bn in (32, 64, 128) for w in (4, 8)]
-        variants += [(1, bn, w, False) for bn in (64, 128) for w in (4, 8)]  # one split, scoring pass separate
+        # with one split: the scoring pass inside the kernel (True) or its own launch (False)
+        variants = [(n, bn, w, n == 1 or None) for n in splits for bn in (32, 64, 128) for w in (4, 8)]
+        variants += [(1, bn, w, False) for bn in (64, 128) for w in (4, 8)]
         for num_splits, block_n, num_warps, one_launch in variants:
             if time.perf_counter() > deadline:
                 report.data["skipped"].append(f"sweep b{batch}: over --budget-s")
@@ -218,7 +219,7 @@ def sweep_part(report: Report, device: torch.device, quick: bool, deadline: floa
                                            one_launch=one_launch)
             diff = (fn().float() - want).abs().max().item()
             report.add("sweep", {"batch": batch, "num_splits": num_splits, "block_n": block_n, "num_warps": num_warps,
-                                 "one_launch": one_launch is not False and num_splits == 1,
+                                 "one_launch": one_launch is True,
                                  "us": time_us(fn, device), "max_abs_diff": diff})
 
 

@@ -17,8 +17,9 @@ Triton schedule (shapes only: no host sync, CUDA-graph safe), S programs per (ro
     1. (S > 1) page_scores' logits pass (``page_logits_launch``: per page and query head, split over pages when a row
        has many) writes the logits and per-split softmax statistics; the softmax over all of a row's pages needs
        every split's statistics before any page can be ranked, so this is its own launch. With S == 1 (the rows
-       alone fill the GPU) the select-and-attend kernel runs the same pass itself first (``_row_logits``: the
-       logits kernel's arithmetic with one split), so the whole stage 2 is one launch.
+       alone fill the GPU) and the scoring pass would not split a row's pages either (``page_scores.score_splits``:
+       2 programs per SM from the rows alone), the select-and-attend kernel runs that pass itself first
+       (``_row_logits``: the logits kernel's arithmetic with one split), so the whole stage 2 is one launch.
     2. grid (B*Hkv, S): program (row, KV head, split) forms the group-mean probability of every page of its row
        (the arithmetic of the selection kernel's), packs each into a 31-bit rank value (forced pages highest, then
        the fp32 bits of the probability, pages not in use 0), finds the K-th largest by a radix search (a 3-bit
@@ -28,7 +29,7 @@ Triton schedule (shapes only: no host sync, CUDA-graph safe), S programs per (ro
        flash-decoding style. With S == 1 it writes the output; otherwise each split writes its normalised partial
        output and log-sum-exp.
     3. (S > 1 only) the combine: one program per (row, query head) merges the S partials.
-So a step's stage 2 takes 3 launches when it is split over pages (small batches) and 1 otherwise, against 4-6 for
+So a step's stage 2 takes 3 launches at small batches, 2 in between and 1 at large ones, against 4-6 for
 ``paged_top_pages`` + ``paged_sparse_decode_attention`` (logits, selection chunks, merge levels, attention, reduce).
 Every split of a row repeats the selection (a few microseconds of arithmetic on the row's logits) so that the
 attention work can be spread over the GPU at batch 1.
@@ -95,6 +96,7 @@ try:
         _dot_t,
         page_logits_launch,
     )
+    from .page_scores import score_splits as scoring_splits
     from .paged import check_fp8_scales, check_table
 except ImportError:  # triton is optional: the reference above works without it
     triton = None
@@ -409,8 +411,8 @@ if triton is not None:
         return_pages: bool = False,
     ):
         """Launcher; ``num_splits`` (None: ``fused_splits``), ``block_n``, ``num_warps``, ``score_splits`` (the
-        separate scoring pass's) and ``one_launch`` (None: with one split, the scoring pass inside the
-        select-and-attend kernel; False: always a separate pass) exist for tests and benchmarks. ``return_pages``:
+        separate scoring pass's) and ``one_launch`` (None: the scoring pass inside the select-and-attend kernel
+        when both would run one program per (row, KV head); False: always a separate pass) exist for tests and benchmarks. ``return_pages``:
         also return the selected pages in use of each (row, KV head), ascending, int32 [B, Hkv, KB] padded with -1
         (split 0's list; KB = next_pow2(K))."""
         check_forcing(topk, sink_pages, recent_pages)
@@ -434,7 +436,10 @@ if triton is not None:
         pages_per_split = cdiv(k_out, splits)
         splits = cdiv(k_out, pages_per_split)
         block_d = next_pow2(head_dim)
-        score = splits == 1 and one_launch is not False
+        if one_launch is None:  # the separate pass would split the pages over programs: keep that parallelism
+            block_p = 64 if block_d <= 128 else 32
+            one_launch = scoring_splits(rows, num_pages, block_p, q.device, score_splits)[0] == 1
+        score = splits == 1 and one_launch
         if score:  # the scoring pass runs in the select-and-attend kernel: its logits scratch only
             logit_g, s1 = max(16, next_pow2(group)), 1
             logits = torch.empty((rows * logit_g, num_pages), dtype=torch.float32, device=q.device)

@@ -201,6 +201,38 @@ def test_ties_go_to_the_lower_page_id_as_in_the_selection_rule():
         torch.testing.assert_close(got, paged_fused_decode_torch(*args), atol=2e-5, rtol=0)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="counts for the interpreter's stand-in of 4 SMs")
+@pytest.mark.parametrize("batch,kv_heads,width,launches", [
+    (1, 1, 8, 3),    # 1 row: the attention split over the pages (select-and-attend + combine) after the scoring pass
+    (3, 1, 40, 2),   # 3 rows fill the 4 "SMs" twice over, but 160 pages split the scoring pass: its own launch
+    (3, 1, 4, 1),    # one program per (row, KV head) for both: the scoring pass inside the kernel
+])
+def test_launches_per_call_follow_the_schedule(batch, kv_heads, width, launches):
+    from hf_rocketkv.kernels import launch as launch_module
+
+    g = gen("fused-launches", batch, width)
+    table = torch.arange(batch * width, dtype=torch.int32, device=DEVICE).view(batch, width)
+    kt_pages = randn((batch * width, kv_heads, 4, 2, 16), torch.float32, g)
+    pages = randn((batch * width, kv_heads, 16, 16), torch.float32, g)
+    q = randn((batch, kv_heads, 4, 16), torch.float32, g)
+    lengths = torch.full((batch,), width * 16 - 3, device=DEVICE)
+    args = (q, kt_pages, pages, pages, table, lengths, 4, 16, 16, 0.25)
+    count = [0]
+    original = launch_module.TritonLaunch.__getitem__
+
+    def counting(self, grid):
+        count[0] += 1
+        return original(self, grid)
+
+    launch_module.TritonLaunch.__getitem__ = counting
+    try:
+        got = fused_decode_launch(*args)
+    finally:
+        launch_module.TritonLaunch.__getitem__ = original
+    assert count[0] == launches
+    torch.testing.assert_close(got, paged_fused_decode_torch(*args), atol=2e-5, rtol=0)
+
+
 def test_registered_op_runs_through_the_dispatcher():
     g = gen("fused-op")
     q, kt_pages, k_pages, v_pages, table, lengths, _ = _case(g, 2, 2, 4, 64, 8, 4, torch.float32, torch.float32, 64)
