@@ -31,7 +31,7 @@ from hf_rocketkv.integration.registration import enable
 
 FAMILIES = (  # (family, regex on the kernel name), first match wins
     ("rocketkv triton", re.compile(r"_append_token|_build_kt|_update_kt|_page_logits|_page_probs|_select_|"
-                                   r"_sparse_decode|_window_")),
+                                   r"_sparse_decode|_window_|_fused_select|_fused_combine")),
     ("gemm", re.compile(r"gemm|gemv|cutlass|nvjet|xmma|sm90_|sm80_|cublas", re.I)),
     ("attention (dense)", re.compile(r"flash|fmha|attention|cudnn", re.I)),
     ("copy / index", re.compile(r"copy|index|gather|scatter|cat|fill", re.I)),

@@ -36,6 +36,9 @@ STAGE2_NAMES = ("kt_pages", "none")
 # how a query head scores a KT page: "group_sign" (RocketKV, TensorRT-LLM: the group-summed query's sign picks Kmax
 # or Kmin per channel) or "head_bound" (each head by its own sign: Quest's bound of its largest logit on the page)
 STAGE2_SCORES = ("group_sign", "head_bound")
+# how the Triton backend runs a plain layer's stage 2: "split" (page selection, then sparse attention: two ops),
+# "fused" (one op: kernels/fused_decode.py, fewer launches) or "auto" (the project's measured choice)
+STAGE2_KERNELS = ("auto", "fused", "split")
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -121,6 +124,7 @@ class RocketKVConfig:
     stage2_sink_tokens: int = 0
     stage2_recent_tokens: int = 0
     stage2_score: str = "group_sign"
+    stage2_kernel: str = "auto"
     # multi-turn (validated in _check_multi_turn)
     multi_turn: str = "evict"
     # decode-time compression (validated in _check_decode_compression)
@@ -349,12 +353,16 @@ def _check_policy_fields(config: RocketKVConfig) -> None:
 
 
 def _check_stage2_fields(config: RocketKVConfig) -> None:
-    """stage2, stage2_score, stage2_sink_tokens, stage2_recent_tokens (the stage-2 options' block)."""
+    """stage2, stage2_score, stage2_kernel, stage2_sink_tokens, stage2_recent_tokens (the stage-2 options' block)."""
     if config.stage2 not in STAGE2_NAMES:
         raise ValueError(f"RocketKVConfig.stage2 must be one of {list(STAGE2_NAMES)}, got {config.stage2!r}")
     if config.stage2_score not in STAGE2_SCORES:
         raise ValueError(f"RocketKVConfig.stage2_score must be one of {list(STAGE2_SCORES)}, "
                          f"got {config.stage2_score!r}")
+    if config.stage2_kernel not in STAGE2_KERNELS:
+        raise ValueError(f"RocketKVConfig.stage2_kernel must be one of {list(STAGE2_KERNELS)} (how the Triton backend "
+                         f"runs stage 2: \"fused\" one op, \"split\" selection then attention, \"auto\" the "
+                         f"measured choice), got {config.stage2_kernel!r}")
     for name in ("stage2_sink_tokens", "stage2_recent_tokens"):
         value = getattr(config, name)
         if not _is_int(value) or value < 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.fused_decode import fused_decode_supported
 from ..policies.stage2 import every_page
 from .op_graphs import buffers_key
 
@@ -33,6 +34,25 @@ def decode_attention(layer, query: torch.Tensor, scaling: float) -> torch.Tensor
     return out.reshape(batch, num_q_heads, 1, head_dim).transpose(1, 2)
 
 
+# RocketKVConfig.stage2_kernel="auto": whether the Triton backend runs a plain layer's stage 2 as the fused op
+# (kernels/fused_decode.py). Off until it is measured against the split ops on a GPU (benchmarks/fused_decode.py).
+AUTO_FUSED = False
+
+
+def fused_stage2(layer) -> bool:
+    """Whether ``stage2_attention`` runs the fused op (``ops.paged_fused_decode``) for this plain layer: the one
+    place where the choice is made and where the fused op declines. Host-side facts only (no device sync): the
+    config asks for it (``stage2_kernel`` "fused", or "auto" with ``AUTO_FUSED``), the backend is Triton (the
+    PyTorch backend's reference is the same composition either way), stage 2 selects pages (``stage2="kt_pages"``)
+    and the rows' KT pages fit the fused selection (``fused_decode_supported``); a layer with soft-capping or sinks
+    (``layer.features``) takes the split ops, which apply them."""
+    config, store = layer.config, layer.store
+    wanted = config.stage2_kernel == "fused" or (config.stage2_kernel == "auto" and AUTO_FUSED)
+    if not wanted or layer.ops.name != "triton" or config.stage2 != "kt_pages" or not layer.features.plain:
+        return False
+    return fused_decode_supported(store.kt, store.table) is None
+
+
 def stage2_attention(layer, q: torch.Tensor, scaling: float) -> torch.Tensor:
     """The launches of a decode step's stage 2: ``q`` [B, Hkv, G, D] -> attention output [B, Hkv, G, D].
 
@@ -42,6 +62,12 @@ def stage2_attention(layer, q: torch.Tensor, scaling: float) -> torch.Tensor:
     and the sinks."""
     num_kv_heads = layer.num_kv_heads
     config, ops, store, features = layer.config, layer.ops, layer.store, layer.features
+    if fused_stage2(layer):  # scoring, selection and attention in one op (1-3 launches)
+        sink_pages, recent_pages = config.stage2_forced_pages
+        return ops.paged_fused_decode(q, store.kt, store.k, store.v, store.table, layer.lengths, config.page_size,
+                                      config.topr, config.topk, scaling, sink_pages=sink_pages,
+                                      recent_pages=recent_pages, per_head_bound=config.stage2_per_head_bound,
+                                      k_scale=store.k_scale, v_scale=store.v_scale)
     capped = {} if features.softcap is None else {"softcap": features.softcap, "scaling": scaling}
     featured = {} if features.plain else {"softcap": features.softcap, "sinks": features.sinks}
     if config.stage2 == "none":  # stage 1 only: every kept page, no scoring

@@ -13,6 +13,7 @@ import os
 import torch
 
 from ..selection import stage1_snapkv, stage2_pages
+from .fused_decode import paged_fused_decode_torch
 from .append_token import append_token_torch, paged_append_kv_torch, paged_append_token_torch
 from .ops import RocketOps
 from .paged import paged_compact_row_torch, paged_page_scores_torch, paged_top_pages_torch
@@ -35,6 +36,7 @@ TORCH_OPS = RocketOps(
     paged_page_scores=paged_page_scores_torch,
     paged_top_pages=paged_top_pages_torch,
     paged_sparse_decode_attention=paged_sparse_decode_attention_torch,
+    paged_fused_decode=paged_fused_decode_torch,
     paged_compact_row=paged_compact_row_torch,
 )
 

@@ -37,6 +37,11 @@ class RocketOps:
         -> (page_idx, page_valid)
     paged_sparse_decode_attention(q, k_pages, v_pages, table, page_idx, page_valid, lengths, kt_page_size,
                                   scaling, k_scale=None, v_scale=None, softcap=None, sinks=None) -> [B, Hkv, G, D]
+    paged_fused_decode(q, kt_pages, k_pages, v_pages, table, lengths, kt_page_size, topr, topk, scaling,
+                       sink_pages=0, recent_pages=1, per_head_bound=False, k_scale=None, v_scale=None)
+        -> [B, Hkv, G, D]: paged_top_pages then paged_sparse_decode_attention in one op (kernels/fused_decode.py;
+        the Triton op serves rows of up to FUSED_MAX_PAGES KT pages, fused_decode_supported says which; plain
+        layers only: soft-capped or sink layers take the two ops above)
 
     softcap / sinks (logit features, ``selection/logit_features.py``): the scaled logits soft-capped as
     ``tanh(x / softcap) * softcap`` (top_pages: at the model's ``scaling`` instead of 1/sqrt(D)), and one sink logit
@@ -78,4 +83,5 @@ class RocketOps:
     paged_page_scores: Callable
     paged_top_pages: Callable
     paged_sparse_decode_attention: Callable
+    paged_fused_decode: Callable
     paged_compact_row: Callable

@@ -21,6 +21,7 @@ sparse_decode_attention) derive their launch shapes from tensor shapes only and 
     paged_page_scores        page_scores.py              as page_scores, KT read through the table    decode
     paged_top_pages          select_pages.py             as top_pages, KT read through the table      decode
     paged_sparse_decode_attention  sparse_decode_attention.py  as sparse_decode_attention              decode
+    paged_fused_decode       fused_decode.py             1 (one program per row and KV head) or 3 (logits, select-and-attend, combine)  decode
     paged_compact_row        compact.py                  1 (in place: a row's pages, KT, positions)   prefill
 
 ``paged_compact_row`` is not registered: stage 1 runs eagerly at the end of a prefill, never inside a compiled or
@@ -59,6 +60,7 @@ except ImportError:  # pragma: no cover - a torch without it: eager calls go thr
 from .ops import RocketOps
 from .append_token import append_token_triton, paged_append_kv_triton, paged_append_token_triton
 from .compact import paged_compact_row_triton
+from .fused_decode import paged_fused_decode_triton
 from .kt_build import build_kt_triton
 from .kt_update import update_kt_triton
 from .page_scores import page_scores_triton, paged_page_scores_triton
@@ -114,6 +116,8 @@ paged_sparse_decode_attention = triton_op("hf_rocketkv::paged_sparse_decode_atte
     paged_sparse_decode_attention_triton
 )
 
+paged_fused_decode = triton_op("hf_rocketkv::paged_fused_decode", mutates_args={})(paged_fused_decode_triton)
+
 
 def _defaulted(launcher: Callable) -> tuple[tuple[int, str, object], ...]:
     """(index, name, default) of the launcher's parameters that have a default."""
@@ -159,5 +163,6 @@ TRITON_OPS = RocketOps(
     paged_page_scores=_eager_or_op(paged_page_scores_triton, paged_page_scores),
     paged_top_pages=_eager_or_op(paged_top_pages_triton, paged_top_pages),
     paged_sparse_decode_attention=_eager_or_op(paged_sparse_decode_attention_triton, paged_sparse_decode_attention),
+    paged_fused_decode=_eager_or_op(paged_fused_decode_triton, paged_fused_decode),
     paged_compact_row=paged_compact_row_triton,
 )

@@ -101,7 +101,7 @@ def gpu_choices(launch: dict) -> dict:
     dtype = lambda name: args.get(name, ["", ""])[1]  # noqa: E731
     if kernel in ("_select_chunk_kernel", "_select_merge_kernel") and "TL_SORT" in args:
         return {"TL_SORT": TL_SORT_ON_GPU}
-    if kernel == "_sparse_decode_split_kernel":
+    if kernel in ("_sparse_decode_split_kernel", "_fused_select_attend_kernel"):  # the same attention dtypes
         if dtype("k_ptr") == "torch.float8_e4m3fn":  # fp8 pages: fp32 dots for fp32 queries, else q's half type
             return {"QK_FP32": dtype("q_ptr") == "torch.float32", "PV_FP32": dtype("q_ptr") == "torch.float32"}
         same = dtype("q_ptr") == dtype("k_ptr") == dtype("v_ptr")
