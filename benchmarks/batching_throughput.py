@@ -49,9 +49,10 @@ from pathlib import Path
 import torch
 
 import hf_rocketkv
+from benchmarks.token_sink import TokenRecorder
 from hf_rocketkv.bench.decode import LLAMA_31_8B, TINY, build_model
-from hf_rocketkv.config import RocketKVConfig
 from hf_rocketkv.cache import request_pages
+from hf_rocketkv.config import RocketKVConfig
 from hf_rocketkv.memory import KVBlockPool, PoolSpec
 from hf_rocketkv.serving.batching import BatchingEngine
 from hf_rocketkv.serving.engine import EngineEvent, EngineRequest
@@ -159,32 +160,8 @@ def make_pool(model, args, config: RocketKVConfig, pages: int, device: torch.dev
 
 
 # ------------------------------------------------------------------------------------------------ a run
-class Recorder:
-    """The engine's sink: per request, the submit time, every token's arrival time, the final event."""
-
-    def __init__(self):
-        self.cond = threading.Condition()
-        self.submitted: dict[str, float] = {}
-        self.token_times: dict[str, list[float]] = {}
-        self.finals: dict[str, object] = {}
-
-    def __call__(self, event) -> None:
-        now = time.perf_counter()
-        with self.cond:
-            if event.token_ids:
-                self.token_times.setdefault(event.request_id, []).extend([now] * len(event.token_ids))
-            if event.finish_reason is not None:
-                self.finals[event.request_id] = event
-                self.cond.notify_all()
-
-    def submit(self, engine: BatchingEngine, request: EngineRequest) -> None:
-        with self.cond:
-            self.submitted[request.request_id] = time.perf_counter()
-        engine.submit(request)
-
-    def wait(self, count: int, timeout: float) -> bool:
-        with self.cond:
-            return self.cond.wait_for(lambda: len(self.finals) >= count, timeout)
+class Recorder(TokenRecorder):
+    """The engine's sink (``benchmarks.token_sink``; waiters wake when a request finishes) and the step's summary."""
 
     def summary(self, start: float, end: float) -> dict:
         ttft = [times[0] - self.submitted[rid] for rid, times in self.token_times.items()]
@@ -472,7 +449,12 @@ def step_mixed(engine_run: EngineRun, args, vocab, rate: float) -> dict:
 
 def step_profile_prefill(engine_run: EngineRun, args, vocab, device, out: Path) -> dict:
     """One request's prefill in the engine thread, under torch.profiler (it records every thread's ops)."""
-    from benchmarks.profile_prefix_hit import gpu_gaps, profiled, summarize, write_report
+    from benchmarks.profile_prefix_hit import (
+        gpu_gaps,
+        profiled,
+        summarize,
+        write_report,
+    )
 
     rng = random.Random(args.seed + 3)
     prompts = [random_prompt(rng, args.prompt_len, vocab) for _ in range(2)]
