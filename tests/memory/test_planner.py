@@ -5,7 +5,13 @@ import pytest
 import torch
 
 from hf_rocketkv.memory import BlockTable, KVBlockPool, PoolExhaustedError, Reservation
-from tests.memory.helpers import fill_pages, make_pool, model_config, rocket_config, snapshot
+from tests.memory.helpers import (
+    fill_pages,
+    make_pool,
+    model_config,
+    rocket_config,
+    snapshot,
+)
 
 CFG = rocket_config(prompt_budget=32, window_size=8)
 
@@ -178,4 +184,41 @@ def test_reservation_sets_pages_aside_without_holding_them():
     pool.unreserve(res, 3)
     assert res.count == 7 and pool.free_pages() == 9
     pool.unreserve(res)
+    assert res.count == 0 and pool.free_pages() == 16 and pool.reserved_pages() == 0
+
+
+def test_reservation_boundaries_and_refusals():
+    """A reservation may take every free page and no more; 0 pages is a valid request; a refusal names the
+    counts (needed, free, total) and changes nothing; bad counts are ValueErrors naming ``num_pages``."""
+    pool = make_pool(num_pages=16)
+    empty = pool.reserve(0)
+    assert empty.count == 0 and pool.free_pages() == 16
+    before = snapshot(pool)
+    with pytest.raises(PoolExhaustedError, match=r"^KVBlockPool: reserving pages needs 17 pages but only 16 of 16 "
+                                                 r"are free") as err:
+        pool.reserve(17)
+    assert (err.value.pages_needed, err.value.pages_free, err.value.pages_total) == (17, 16, 16)
+    assert snapshot(pool) == before
+    whole = pool.reserve(16)  # exactly the free pages
+    assert whole.count == 16 and pool.free_pages() == 0
+    pool.unreserve(whole)
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match=rf"^num_pages must be an integer >= 0, got {bad!r}$"):
+            pool.reserve(bad)
+    res = pool.reserve(4)
+    pool.add_to_reservation(res, 0)
+    assert res.count == 4
+    pool.add_to_reservation(res, 12)  # exactly the 12 pages still free
+    assert res.count == 16 and pool.free_pages() == 0
+    pool.unreserve(res, 12)
+    before = snapshot(pool)
+    with pytest.raises(PoolExhaustedError, match=rf"^KVBlockPool: adding to {res.name} needs 13 pages but only 12 of "
+                                                 r"16 are free") as err:
+        pool.add_to_reservation(res, 13)
+    assert (err.value.pages_needed, err.value.pages_free, err.value.pages_total) == (13, 12, 16)
+    assert snapshot(pool) == before and res.count == 4
+    for call in (lambda: pool.add_to_reservation(res, -1), lambda: pool.unreserve(res, -1)):
+        with pytest.raises(ValueError, match=r"^num_pages must be an integer >= 0, got -1$"):
+            call()
+    pool.unreserve(res, 100)  # more than it holds: all of it
     assert res.count == 0 and pool.free_pages() == 16 and pool.reserved_pages() == 0
