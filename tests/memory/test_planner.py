@@ -244,6 +244,7 @@ def test_admission_records_the_request_and_counts_hits_and_misses():
     again = pool.admit(40, 10, CFG, token_ids=ids, keys=salt)
     other = pool.admit(40, 10, CFG, token_ids=ids, keys=PrefixKeys(cache_salt="b"))
     assert (again.hit_pages, other.hit_pages) == (4, 0)
+    assert (again.committed_pages, other.committed_pages) == (4, 0)  # hit pages are in the index already
     assert (pool.stats().hit_pages, pool.stats().missed_pages) == (4, 11)
 
 
@@ -278,3 +279,21 @@ def test_admitted_pages_carry_the_newest_clock():
     second = pool.admit(17, 0, CFG, token_ids=ids)
     assert second.hit_pages == 2
     assert all(pool.page_info(i).last_access > stamp for i in second.prompt.pages + second.view.pages)
+
+
+def test_refusals_say_what_was_asked_and_reservations_count_for_their_owner():
+    """One row of 40 tokens + 10 new: 5 prompt + 6 view pages = 11; two rows: 10 + 12 = 22 (no hit). With 10 of
+    16 pages reserved, 6 are free to others, but an admission naming the reservation may use all 16."""
+    small = make_pool(10)
+    with pytest.raises(PoolExhaustedError, match=r"^KVBlockPool: admitting 5 prompt \+ 6 view pages \(0 hit\) needs 11 "
+                                                 r"pages but only 10 of 10 are free"):
+        small.admit(40, 10, CFG)
+    with pytest.raises(PoolExhaustedError, match=r"^KVBlockPool: admitting 2 row\(s\), 10 prompt \+ 12 view pages "
+                                                 r"\(0 hit\) needs 22 pages but only 10 of 10 are free"):
+        small.admit_batch([40, 40], 10, CFG)
+    pool = make_pool(16)
+    res = pool.reserve(10)
+    with pytest.raises(PoolExhaustedError, match=r"needs 11 pages but only 6 of 16 are free"):
+        pool.admit(40, 10, CFG)
+    adm = pool.admit_batch([40], 10, CFG, reservation=res)[0]
+    assert len(adm.prompt) + len(adm.view) == 11 and res.count == 0 and pool.free_pages() == 5
