@@ -22,7 +22,11 @@ from hf_rocketkv.policies import (
 )
 from hf_rocketkv.selection.stage1_snapkv import snapkv_keep_slots
 from tests.policies import oracle
-from tests.policies.oracle import assert_top_up_to_ties, assert_uniform_selection, random_case
+from tests.policies.oracle import (
+    assert_top_up_to_ties,
+    assert_uniform_selection,
+    random_case,
+)
 
 SEEDS = range(16)
 
@@ -233,10 +237,15 @@ def test_h2o_on_a_compressed_store_scores_with_the_new_queries_only():
 def test_h2o_needs_its_state():
     case = random_case(1, dense=True)
     case.budget, case.start = case.w, [0] * len(case.start)  # every row exceeds the budget: scores are needed
-    with pytest.raises(ValueError, match="accumulation state"):
+    with pytest.raises(ValueError, match=r"^H2OPolicy needs its accumulation state in Stage1Inputs\.state \(new_state\(\), "
+                                         r"then accumulate\(\) once per prefill chunk\), got NoneType$"):
         H2OPolicy().select(case.inputs())
+    with pytest.raises(ValueError, match=r"prefill chunk\), got object$"):
+        H2OPolicy().select(case.inputs(object()))
     state = H2OPolicy().new_state(*case.keys.shape[:2], "cpu")
-    with pytest.raises(ValueError, match="accumulate\\(\\) must see the same store"):
+    batch, heads, slots = case.keys.shape[:3]
+    with pytest.raises(ValueError, match=rf"^H2OPolicy: the accumulated scores cover \({batch}, {heads}, 0\) \(B, Hkv, N\) "
+                                         rf"but keys is \({batch}, {heads}, {slots}\); accumulate\(\) must see the same store"):
         H2OPolicy().select(case.inputs(state))
 
 
