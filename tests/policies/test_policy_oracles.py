@@ -249,6 +249,20 @@ def test_h2o_needs_its_state():
         H2OPolicy().select(case.inputs(state))
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_adakv_forwards_accumulation_to_its_scorer(seed):
+    """AdaKVPolicy(H2OPolicy()): new_state() and accumulate() are the scorer's, so two prefill chunks accumulate the
+    attention of every prompt query (the H2O oracle); AdaKV over SnapKV has no state."""
+    case = random_case(seed, dense=True)
+    slots = case.keys.shape[2]
+    policy = AdaKVPolicy(H2OPolicy(block_size=3))
+    state = accumulate_in_chunks(case, policy, sorted({max(1, slots // 2), slots}))
+    for b in range(len(case.start)):
+        reference = torch.tensor(oracle.h2o_scores(case, b), dtype=torch.float64)
+        assert torch.allclose(state.scores[b].double(), reference, rtol=1e-4, atol=1e-5)
+    assert AdaKVPolicy().new_state(*case.keys.shape[:2], "cpu") is None
+
+
 # ------------------------------------------------------------------------------------------------ adakv
 @pytest.mark.parametrize("seed", SEEDS)
 def test_adakv_matches_oracle(seed):
