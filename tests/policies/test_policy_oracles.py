@@ -20,6 +20,7 @@ from hf_rocketkv.policies import (
     Stage1Inputs,
     StreamingPolicy,
 )
+from hf_rocketkv.policies.adakv import allot_row
 from hf_rocketkv.selection.stage1_snapkv import snapkv_keep_slots
 from tests.policies import oracle
 from tests.policies.oracle import (
@@ -264,6 +265,18 @@ def test_adakv_forwards_accumulation_to_its_scorer(seed):
 
 
 # ------------------------------------------------------------------------------------------------ adakv
+
+
+def test_allot_row_by_hand():
+    """Two heads, prefix slots 0 and 1 (scores h0: 3, 1; h1: 2, 0), window slot 2, 2 slots to allot across heads:
+    the best two are h0's slot 0 (3) and h1's slot 0 (2), so each head keeps slots 0 and 2. Without the forced
+    argument no slot is forced."""
+    kept = allot_row(torch.tensor([[3.0, 1.0], [2.0, 0.0]]), 2, 0, 3, 1)
+    assert kept.slots.tolist() == [[0, 2], [0, 2]] and kept.counts.tolist() == [2, 2]
+    kept = allot_row(torch.tensor([[3.0, 1.0], [2.0, 0.0]]), 3, 0, 3, 1)  # the third best: h0's slot 1 (1)
+    assert kept.slots.tolist() == [[0, 1, 2], [0, 2, -1]] and kept.counts.tolist() == [3, 2]
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 def test_adakv_matches_oracle(seed):
     """Per row: every head keeps its window; the Hkv * (budget - w_b) best prefix scores ACROSS heads are kept."""
