@@ -51,7 +51,6 @@ import os
 import platform
 import random
 import statistics
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -59,6 +58,7 @@ from pathlib import Path
 import torch
 
 import hf_rocketkv
+from benchmarks.token_sink import TokenRecorder
 from hf_rocketkv.bench.decode import LLAMA_31_8B, TINY, build_model
 from hf_rocketkv.cache import request_pages
 from hf_rocketkv.config import RocketKVConfig
@@ -175,33 +175,12 @@ def make_pool(model, args, config: RocketKVConfig, pages: int, device: torch.dev
 
 
 # ------------------------------------------------------------------------------------------------ a run
-class Recorder:
-    """The engine's sink: per request, the submit time, every token's arrival time, the final event."""
+class Recorder(TokenRecorder):
+    """The engine's sink (``benchmarks.token_sink``; waiters wake when a request finishes) and the step's summary."""
 
     def __init__(self):
-        self.cond = threading.Condition()
-        self.submitted: dict[str, float] = {}
-        self.token_times: dict[str, list[float]] = {}
-        self.finals: dict[str, object] = {}
-        self.unfinished_at_deadline = 0
-
-    def __call__(self, event) -> None:
-        now = time.perf_counter()
-        with self.cond:
-            if event.token_ids:
-                self.token_times.setdefault(event.request_id, []).extend([now] * len(event.token_ids))
-            if event.finish_reason is not None:
-                self.finals[event.request_id] = event
-                self.cond.notify_all()
-
-    def submit(self, engine: BatchingEngine, request: EngineRequest) -> None:
-        with self.cond:
-            self.submitted[request.request_id] = time.perf_counter()
-        engine.submit(request)
-
-    def wait(self, count: int, timeout: float) -> bool:
-        with self.cond:
-            return self.cond.wait_for(lambda: len(self.finals) >= count, timeout)
+        super().__init__()
+        self.unfinished_at_deadline = 0  # requests cancelled at --step-deadline-s
 
     def summary(self, start: float, end: float) -> dict:
         ttft = [times[0] - self.submitted[rid] for rid, times in self.token_times.items()]

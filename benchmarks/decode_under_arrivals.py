@@ -31,6 +31,7 @@ command.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -38,7 +39,6 @@ import random
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import traceback
 from datetime import datetime, timezone
@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 
 import hf_rocketkv
+from benchmarks.token_sink import TokenRecorder
 from hf_rocketkv.bench.decode import LLAMA_31_8B, TINY, build_model
 from hf_rocketkv.cache import request_pages
 from hf_rocketkv.config import RocketKVConfig
@@ -136,33 +137,7 @@ def make_pool(model, args, config: RocketKVConfig, device: torch.device) -> KVBl
 
 
 # ------------------------------------------------------------------------------------------------ timing
-class TokenTimes:
-    """The engine's sink: every token's arrival time per request, and the final events."""
-
-    def __init__(self):
-        self.cond = threading.Condition()
-        self.times: dict[str, list[float]] = {}
-        self.finals: dict[str, object] = {}
-
-    def __call__(self, event) -> None:
-        now = time.perf_counter()
-        with self.cond:
-            if event.token_ids:
-                self.times.setdefault(event.request_id, []).extend([now] * len(event.token_ids))
-            if event.finish_reason is not None:
-                self.finals[event.request_id] = event
-            self.cond.notify_all()
-
-    def wait(self, predicate, timeout: float) -> bool:
-        with self.cond:
-            return self.cond.wait_for(lambda: predicate(self), timeout)
-
-    def window(self, rid: str, start: float, end: float) -> list[float]:
-        with self.cond:
-            return [t for t in self.times.get(rid, []) if start <= t <= end]
-
-
-def rates(times: TokenTimes, rids: list[str], start: float, end: float) -> dict:
+def rates(times: TokenRecorder, rids: list[str], start: float, end: float) -> dict:
     """Per-user decode rate of ``rids`` inside [start, end]: tokens each produced in the window / its length (a stall
     counts), the median and the lowest over the requests, and the longest gap between two tokens of one request."""
     per_user, gaps = [], []
@@ -170,7 +145,7 @@ def rates(times: TokenTimes, rids: list[str], start: float, end: float) -> dict:
         stamps = times.window(rid, start, end)
         per_user.append(len(stamps) / (end - start))
         if len(stamps) > 1:
-            gaps.append(max(b - a for a, b in zip(stamps, stamps[1:])))
+            gaps.append(max(b - a for a, b in itertools.pairwise(stamps)))
     return {"per_user_tokens_per_s_p50": statistics.median(per_user) if per_user else None,
             "per_user_tokens_per_s_min": min(per_user) if per_user else None,
             "max_gap_s": max(gaps) if gaps else None, "window_s": end - start}
@@ -193,7 +168,7 @@ def run_setting(model, pool, config, args, label: str, chunk: int | None, budget
     started = time.perf_counter()
     result["warm_up"] = engine.warm_up(max_new_tokens=args.running_max_tokens)
     result["warm_up_s"] = time.perf_counter() - started
-    times = TokenTimes()
+    times = TokenRecorder(wake_on_tokens=True)  # the waits below count tokens
     engine.start(times)
     rng = random.Random(f"{args.seed}-{label}")  # prompts of their own: no prefix hit on an earlier setting's pages
     running = [f"run{i}" for i in range(args.running)]
@@ -202,7 +177,7 @@ def run_setting(model, pool, config, args, label: str, chunk: int | None, budget
         for rid in running:
             engine.submit(greedy(rid, [rng.randrange(3, vocab) for _ in range(args.running_prompt)],
                                  args.running_max_tokens))
-        assert times.wait(lambda t: all(len(t.times.get(r, [])) >= 3 for r in running), 600), \
+        assert times.wait_for(lambda t: all(len(t.token_times.get(r, [])) >= 3 for r in running), 600), \
             "the running requests did not start decoding"
         before = engine.stats()
         start = time.perf_counter()
@@ -215,12 +190,12 @@ def run_setting(model, pool, config, args, label: str, chunk: int | None, budget
         start = time.perf_counter()
         for rid, prompt in zip(long, prompts):
             engine.submit(greedy(rid, prompt, args.long_new_tokens))
-        assert times.wait(lambda t: all(t.times.get(r) or r in t.finals for r in long), 1800), \
+        assert times.wait_for(lambda t: all(t.token_times.get(r) or r in t.finals for r in long), 1800), \
             "the long prompts got no first token"
         end = time.perf_counter()
         after = engine.stats()
         arrivals = rates(times, running, start, end)
-        arrivals["long_ttft_s"] = [times.times[r][0] - start if times.times.get(r) else None for r in long]
+        arrivals["long_ttft_s"] = [times.token_times[r][0] - start if times.token_times.get(r) else None for r in long]
         arrivals["decode_steps"] = after.decode_steps - middle.decode_steps
         arrivals["prefill_chunks"] = after.prefill_chunks - middle.prefill_chunks
         result["arrivals"] = arrivals
@@ -230,7 +205,7 @@ def run_setting(model, pool, config, args, label: str, chunk: int | None, budget
     finally:
         for rid in running + long:
             engine.cancel(rid)
-        times.wait(lambda t: len(t.finals) >= len(running) + len(long), 300)
+        times.wait(len(running) + len(long), 300)
         engine.stop(drain=False, timeout=300)
     result["pages_back"] = pool.free_pages() == pool.total_pages()
     return result

@@ -4,8 +4,20 @@ refusals change nothing; config and input errors name the field; reservations se
 import pytest
 import torch
 
-from hf_rocketkv.memory import BlockTable, KVBlockPool, PoolExhaustedError, Reservation
-from tests.memory.helpers import fill_pages, make_pool, model_config, rocket_config, snapshot
+from hf_rocketkv.memory import (
+    BlockTable,
+    KVBlockPool,
+    PoolExhaustedError,
+    PrefixKeys,
+    Reservation,
+)
+from tests.memory.helpers import (
+    fill_pages,
+    make_pool,
+    model_config,
+    rocket_config,
+    snapshot,
+)
 
 CFG = rocket_config(prompt_budget=32, window_size=8)
 
@@ -179,3 +191,109 @@ def test_reservation_sets_pages_aside_without_holding_them():
     assert res.count == 7 and pool.free_pages() == 9
     pool.unreserve(res)
     assert res.count == 0 and pool.free_pages() == 16 and pool.reserved_pages() == 0
+
+
+def test_reservation_boundaries_and_refusals():
+    """A reservation may take every free page and no more; 0 pages is a valid request; a refusal names the
+    counts (needed, free, total) and changes nothing; bad counts are ValueErrors naming ``num_pages``."""
+    pool = make_pool(num_pages=16)
+    empty = pool.reserve(0)
+    assert empty.count == 0 and pool.free_pages() == 16
+    before = snapshot(pool)
+    with pytest.raises(PoolExhaustedError, match=r"^KVBlockPool: reserving pages needs 17 pages but only 16 of 16 "
+                                                 r"are free") as err:
+        pool.reserve(17)
+    assert (err.value.pages_needed, err.value.pages_free, err.value.pages_total) == (17, 16, 16)
+    assert snapshot(pool) == before
+    whole = pool.reserve(16)  # exactly the free pages
+    assert whole.count == 16 and pool.free_pages() == 0
+    pool.unreserve(whole)
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match=rf"^num_pages must be an integer >= 0, got {bad!r}$"):
+            pool.reserve(bad)
+    res = pool.reserve(4)
+    pool.add_to_reservation(res, 0)
+    assert res.count == 4
+    pool.add_to_reservation(res, 12)  # exactly the 12 pages still free
+    assert res.count == 16 and pool.free_pages() == 0
+    pool.unreserve(res, 12)
+    before = snapshot(pool)
+    with pytest.raises(PoolExhaustedError, match=rf"^KVBlockPool: adding to {res.name} needs 13 pages but only 12 of "
+                                                 r"16 are free") as err:
+        pool.add_to_reservation(res, 13)
+    assert (err.value.pages_needed, err.value.pages_free, err.value.pages_total) == (13, 12, 16)
+    assert snapshot(pool) == before and res.count == 4
+    for call in (lambda: pool.add_to_reservation(res, -1), lambda: pool.unreserve(res, -1)):
+        with pytest.raises(ValueError, match=r"^num_pages must be an integer >= 0, got -1$"):
+            call()
+    pool.unreserve(res, 100)  # more than it holds: all of it
+    assert res.count == 0 and pool.free_pages() == 16 and pool.reserved_pages() == 0
+
+
+def test_admission_records_the_request_and_counts_hits_and_misses():
+    """Page 8, budget 32: a 40-token prompt has 5 full pages (prompt table 5 pages) and a view of 32 + 10 tokens
+    (6 pages); each table has room for exactly its pages. A hit leaves the last window (8 tokens) to recompute, so
+    it covers at most (40 - 8) // 8 = 4 pages. Cold, the 5 full pages are looked up and missed; the same ids and salt
+    again hit 4 and miss 1; the same ids with another salt miss all 5: hits 0 + 4 + 0, misses 5 + 1 + 5."""
+    pool = make_pool(64)
+    ids, salt = list(range(40)), PrefixKeys(cache_salt="a")
+    first = pool.admit(40, 10, CFG, token_ids=ids, keys=salt)
+    assert (first.prompt.max_pages, first.view.max_pages) == (5, 6) == (len(first.prompt), len(first.view))
+    assert (first.max_new_tokens, first.keys, first.hit_pages) == (10, salt, 0)
+    pool.commit_prompt(first)
+    again = pool.admit(40, 10, CFG, token_ids=ids, keys=salt)
+    other = pool.admit(40, 10, CFG, token_ids=ids, keys=PrefixKeys(cache_salt="b"))
+    assert (again.hit_pages, other.hit_pages) == (4, 0)
+    assert (again.committed_pages, other.committed_pages) == (4, 0)  # hit pages are in the index already
+    assert (pool.stats().hit_pages, pool.stats().missed_pages) == (4, 11)
+
+
+def test_can_admit_and_pages_needed_see_ids_keys_and_keep_all():
+    """A request whose prompt pages are held by another one (hits at ref > 0 take no free page; 4 of its 5 can
+    hit, see above) needs 5 - 4 + 6 = 7 pages; cold it needs 5 + 6 = 11. With 8 pages free, only the hit fits, and only under the same salt.
+    keep_all grows the prompt table by the new tokens: ceil(50 / 8) = 7 + 6 = 13 pages, over 12 free."""
+    pool = make_pool(19)
+    ids, salt = list(range(40)), PrefixKeys(cache_salt="a")
+    holder = pool.admit(40, 10, CFG, token_ids=ids, keys=salt)
+    pool.commit_prompt(holder)
+    assert pool.free_pages() == 8
+    assert pool.pages_needed(40, 10, CFG, token_ids=ids, keys=salt).prefill_peak == 7
+    assert pool.pages_needed(40, 10, CFG, token_ids=ids, keys=PrefixKeys(cache_salt="b")).prefill_peak == 11
+    assert pool.can_admit(40, 10, CFG, token_ids=ids, keys=salt)
+    assert not pool.can_admit(40, 10, CFG, token_ids=ids, keys=PrefixKeys(cache_salt="b"))
+    assert not pool.can_admit(40, 10, CFG, keys=salt)  # no ids: nothing to hit
+    fresh = make_pool(12)
+    assert fresh.can_admit(40, 10, CFG) and not fresh.can_admit(40, 10, CFG, keep_all=True)
+    assert not fresh.reclaim_unreachable()  # nothing unreachable holds a page of this pool
+
+
+def test_admitted_pages_carry_the_newest_clock():
+    """Pages taken by an admission are stamped later than anything before it (the pool's logical clock only
+    grows), hits included."""
+    pool = make_pool(16)
+    ids = list(range(17))  # within the budget: hits leave the last token, (17 - 1) // 8 = 2 pages
+    first = pool.admit(17, 0, CFG, token_ids=ids)
+    pool.commit_prompt(first)
+    pool.release(first)
+    stamp = max(pool.page_info(i).last_access for i in range(16))
+    second = pool.admit(17, 0, CFG, token_ids=ids)
+    assert second.hit_pages == 2
+    assert all(pool.page_info(i).last_access > stamp for i in second.prompt.pages + second.view.pages)
+
+
+def test_refusals_say_what_was_asked_and_reservations_count_for_their_owner():
+    """One row of 40 tokens + 10 new: 5 prompt + 6 view pages = 11; two rows: 10 + 12 = 22 (no hit). With 10 of
+    16 pages reserved, 6 are free to others, but an admission naming the reservation may use all 16."""
+    small = make_pool(10)
+    with pytest.raises(PoolExhaustedError, match=r"^KVBlockPool: admitting 5 prompt \+ 6 view pages \(0 hit\) needs 11 "
+                                                 r"pages but only 10 of 10 are free"):
+        small.admit(40, 10, CFG)
+    with pytest.raises(PoolExhaustedError, match=r"^KVBlockPool: admitting 2 row\(s\), 10 prompt \+ 12 view pages "
+                                                 r"\(0 hit\) needs 22 pages but only 10 of 10 are free"):
+        small.admit_batch([40, 40], 10, CFG)
+    pool = make_pool(16)
+    res = pool.reserve(10)
+    with pytest.raises(PoolExhaustedError, match=r"needs 11 pages but only 6 of 16 are free"):
+        pool.admit(40, 10, CFG)
+    adm = pool.admit_batch([40], 10, CFG, reservation=res)[0]
+    assert len(adm.prompt) + len(adm.view) == 11 and res.count == 0 and pool.free_pages() == 5

@@ -20,9 +20,14 @@ from hf_rocketkv.policies import (
     Stage1Inputs,
     StreamingPolicy,
 )
+from hf_rocketkv.policies.adakv import allot_row
 from hf_rocketkv.selection.stage1_snapkv import snapkv_keep_slots
 from tests.policies import oracle
-from tests.policies.oracle import assert_top_up_to_ties, assert_uniform_selection, random_case
+from tests.policies.oracle import (
+    assert_top_up_to_ties,
+    assert_uniform_selection,
+    random_case,
+)
 
 SEEDS = range(16)
 
@@ -233,14 +238,45 @@ def test_h2o_on_a_compressed_store_scores_with_the_new_queries_only():
 def test_h2o_needs_its_state():
     case = random_case(1, dense=True)
     case.budget, case.start = case.w, [0] * len(case.start)  # every row exceeds the budget: scores are needed
-    with pytest.raises(ValueError, match="accumulation state"):
+    with pytest.raises(ValueError, match=r"^H2OPolicy needs its accumulation state in Stage1Inputs\.state \(new_state\(\), "
+                                         r"then accumulate\(\) once per prefill chunk\), got NoneType$"):
         H2OPolicy().select(case.inputs())
+    with pytest.raises(ValueError, match=r"prefill chunk\), got object$"):
+        H2OPolicy().select(case.inputs(object()))
     state = H2OPolicy().new_state(*case.keys.shape[:2], "cpu")
-    with pytest.raises(ValueError, match="accumulate\\(\\) must see the same store"):
+    batch, heads, slots = case.keys.shape[:3]
+    with pytest.raises(ValueError, match=rf"^H2OPolicy: the accumulated scores cover \({batch}, {heads}, 0\) \(B, Hkv, N\) "
+                                         rf"but keys is \({batch}, {heads}, {slots}\); accumulate\(\) must see the same store"):
         H2OPolicy().select(case.inputs(state))
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_adakv_forwards_accumulation_to_its_scorer(seed):
+    """AdaKVPolicy(H2OPolicy()): new_state() and accumulate() are the scorer's, so two prefill chunks accumulate the
+    attention of every prompt query (the H2O oracle); AdaKV over SnapKV has no state."""
+    case = random_case(seed, dense=True)
+    slots = case.keys.shape[2]
+    policy = AdaKVPolicy(H2OPolicy(block_size=3))
+    state = accumulate_in_chunks(case, policy, sorted({max(1, slots // 2), slots}))
+    for b in range(len(case.start)):
+        reference = torch.tensor(oracle.h2o_scores(case, b), dtype=torch.float64)
+        assert torch.allclose(state.scores[b].double(), reference, rtol=1e-4, atol=1e-5)
+    assert AdaKVPolicy().new_state(*case.keys.shape[:2], "cpu") is None
+
+
 # ------------------------------------------------------------------------------------------------ adakv
+
+
+def test_allot_row_by_hand():
+    """Two heads, prefix slots 0 and 1 (scores h0: 3, 1; h1: 2, 0), window slot 2, 2 slots to allot across heads:
+    the best two are h0's slot 0 (3) and h1's slot 0 (2), so each head keeps slots 0 and 2. Without the forced
+    argument no slot is forced."""
+    kept = allot_row(torch.tensor([[3.0, 1.0], [2.0, 0.0]]), 2, 0, 3, 1)
+    assert kept.slots.tolist() == [[0, 2], [0, 2]] and kept.counts.tolist() == [2, 2]
+    kept = allot_row(torch.tensor([[3.0, 1.0], [2.0, 0.0]]), 3, 0, 3, 1)  # the third best: h0's slot 1 (1)
+    assert kept.slots.tolist() == [[0, 1, 2], [0, 2, -1]] and kept.counts.tolist() == [3, 2]
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 def test_adakv_matches_oracle(seed):
     """Per row: every head keeps its window; the Hkv * (budget - w_b) best prefix scores ACROSS heads are kept."""

@@ -75,3 +75,17 @@ def test_derived_budgets_are_usable(prompt_len, max_new, budget, head_dim):
     # the stage-1 share: capacity is about S / c^split (or the generation floor)
     assert d.capacity >= min(2 * max_new, d.total_length)
     assert d.capacity >= math.floor(d.total_length / d.compression**d.split)
+
+
+def test_top_r_is_at_least_one_channel():
+    """S = 1,000,000, t = 2, D = 2: c = 500,000, a = min(0.2 + 0.06 * 18.93, 0.8) = 0.8, capacity =
+    floor(1e6 / 500000^0.8) = floor(1e6 / 36,239) = 27, c2 = 27 / 2 = 13.5, page = ceil(sqrt(13.5)) = 4, and
+    D * page / c2 = 8 / 13.5 = 0.59: int() gives 0 channels, clamped up to 1."""
+    d = derive_budgets(1_000_000, 0, 2, 2)
+    assert d.capacity == 27 and d.prompt_budget == 27
+    assert (d.paper_page_size, d.page_size, d.paper_topr, d.topr) == (4, 4, 1, 1)
+
+
+def test_a_one_channel_head_is_accepted():
+    d = derive_budgets(1000, 0, 64, 1)
+    assert d.topr == 1 and d.paper_topr == 1
