@@ -97,3 +97,19 @@ def test_pyramid_without_the_layer_count_says_how_to_give_it(pair):
     cache = RocketKVCache(compressing_config(budget_schedule="pyramid"))
     with pytest.raises(ValueError, match=r"model_config=model.config"), torch.no_grad():
         rocket(random_ids(1, 30), past_key_values=cache, use_cache=True)
+
+
+def test_triton_backend_runs_the_layer_plan_like_the_reference(pair):
+    """The Triton kernels (interpreted on the CPU) on a pyramid with a dense first layer: each layer stores its share,
+    and the tokens are the PyTorch reference path's."""
+    rocket, _ = pair
+    ids = random_ids(1, 90, seed=6)
+    outs = {}
+    for backend in ("torch", "triton"):
+        config = compressing_config(prompt_budget=40, topk=6, budget_schedule="pyramid", dense_layers=1,
+                                    backend=backend)
+        cache = RocketKVCache(config)
+        outs[backend] = greedy(rocket, ids, past_key_values=cache, max_new_tokens=4)
+        want = [round(x) for x in formula(40, "pyramid", 4)]
+        assert [cache.kept_tokens(i)[0, 0].item() - 3 for i in range(1, 5)] == want  # 3 tokens fed back
+    assert torch.equal(outs["torch"], outs["triton"])
