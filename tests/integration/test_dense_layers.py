@@ -121,3 +121,16 @@ def test_dense_layers_generate_eagerly_on_cpu(pair):
     assert isinstance(cache.layers[0], DenseLayer) and cache.kept_tokens(0).tolist() == [[54, 54]]
     with pytest.raises(ValueError, match="layer 0 is a dense layer"):
         cache.kept_positions(0)
+
+
+def test_chunked_prefill_and_a_later_turn_equal_the_oracle(pair):
+    """Every RocketKV layer keeping everything: a chunked prefill, then a second turn on the same cache, give the
+    oracle's tokens (the dense layers see transformers' causal mask over every stored column)."""
+    rocket, oracle = pair
+    ids = random_ids(1, 37, seed=11)
+    cache = RocketKVCache(keep_all_config(dense_layers=2))
+    first = greedy(rocket, ids, past_key_values=cache, max_new_tokens=6, prefill_chunk_size=8)
+    assert torch.equal(first, greedy(oracle, ids, max_new_tokens=6))
+    turn = torch.cat([first, random_ids(1, 9, seed=12)], dim=1)
+    second = greedy(rocket, turn, past_key_values=cache, max_new_tokens=6)
+    assert torch.equal(second, greedy(oracle, turn, max_new_tokens=6))
