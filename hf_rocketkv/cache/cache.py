@@ -88,8 +88,6 @@ class RocketKVCache(Cache):
                                                self.pages.reservations)
         elif cache_salt is not None or prefix_keys is not None:
             raise ValueError("RocketKVCache: cache_salt and prefix_keys key the pool's prefix index; pass pool= too")
-        if pool is not None:
-            check_pool_layer_plan(self.config)
         super().__init__(layer_class_to_replicate=functools.partial(
             RocketKVLayer, self.config, self.hints, self.pages, counters=self.counters))
         self.layer_windows: tuple[int | None, ...] | None = None  # per layer: its sliding window, None = RocketKV
@@ -427,17 +425,6 @@ HYBRID_POOL = (
     "yet (its pages, prefix reuse and the batching engine serve RocketKV layers only). Use RocketKVCache(config) "
     "without a pool (generate(), or the sequential engine)."
 )
-
-def check_pool_layer_plan(config: RocketKVConfig) -> None:
-    """A KVBlockPool (and the batching engine on it) lays out every layer alike: refuse the per-layer fields."""
-    for name, value, plain in (("dense_layers", config.dense_layers, 0),
-                               ("budget_schedule", config.budget_schedule, "flat")):
-        if value != plain:
-            raise NotImplementedError(
-                f"RocketKVConfig.{name}={value!r}: a KVBlockPool (and the batching engine on it) gives every layer the "
-                f"same budgets and pages; use RocketKVCache(config) without a pool (generate(), the sequential "
-                f"engine), or {name}={plain!r}")
-
 
 LENT_ROWS = (
     "RocketKVCache: this request's decode state is held by a {holder} (continuous batching decodes its row with "

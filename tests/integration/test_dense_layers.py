@@ -16,6 +16,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig
 
 from hf_rocketkv import RocketKVCache
+from hf_rocketkv.cache import check_pool_policy
 from hf_rocketkv.cache.dense_layer import DenseLayer
 from hf_rocketkv.integration.generate import check_layer_plan
 from tests.support.tiny_models import (
@@ -91,8 +92,12 @@ def test_dense_layers_must_leave_a_rocketkv_layer(pair):
 
 def test_pool_refuses_dense_layers(pair):
     rocket, _ = pair
-    with pytest.raises(NotImplementedError, match=r"RocketKVConfig.dense_layers=1: a KVBlockPool"):
-        RocketKVCache(compressing_config(dense_layers=1), pool=cpu_pool(rocket, compressing_config()))
+    for field in ({"dense_layers": 1}, {"budget_schedule": "pyramid"}):
+        name = next(iter(field))
+        with pytest.raises(ValueError, match=rf"RocketKVConfig.{name}=.*: a KVBlockPool"):
+            RocketKVCache(compressing_config(**field), pool=cpu_pool(rocket, compressing_config()))
+        with pytest.raises(ValueError, match=rf"RocketKVConfig.{name}="):  # the serve CLI's check, before a model
+            check_pool_policy(compressing_config(**field))
 
 
 @pytest.mark.parametrize("changes, runner", [
