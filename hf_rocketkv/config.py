@@ -39,6 +39,10 @@ STAGE2_SCORES = ("group_sign", "head_bound")
 # how the Triton backend runs a plain layer's stage 2: "split" (page selection, then sparse attention: two ops),
 # "fused" (one op: kernels/fused_decode.py, fewer launches) or "auto" (the project's measured choice)
 STAGE2_KERNELS = ("auto", "fused", "split")
+# budget_schedule: how prompt_budget and topk are spread over the RocketKV layers (cache/layer_plan.py): "flat" (every
+# layer the same) or "pyramid" (PyramidKV-style: linear from 1.5x at the first RocketKV layer to 0.5x at the last,
+# the same total)
+BUDGET_SCHEDULES = ("flat", "pyramid")
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -125,6 +129,9 @@ class RocketKVConfig:
     stage2_recent_tokens: int = 0
     stage2_score: str = "group_sign"
     stage2_kernel: str = "auto"
+    # per-layer layout (validated in _check_layer_plan)
+    dense_layers: int = 0
+    budget_schedule: str = "flat"
     # multi-turn (validated in _check_multi_turn)
     multi_turn: str = "evict"
     # decode-time compression (validated in _check_decode_compression)
@@ -144,7 +151,7 @@ class RocketKVConfig:
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field, the value and what is allowed (the first failing check below)."""
         for check in (_check_budgets, _check_runtime, _check_policy_fields, _check_stage2_fields, _check_multi_turn,
-                      _check_buckets, _check_decode_compression):
+                      _check_buckets, _check_decode_compression, _check_layer_plan):
             check(self)
 
     # ------------------------------------------------------------------------------------------------ derived
@@ -375,6 +382,21 @@ def _check_stage2_fields(config: RocketKVConfig) -> None:
                          f"{config.stage2_sink_tokens} -> {sink} page(s) + stage2_recent_tokens="
                          f"{config.stage2_recent_tokens} -> {recent} page(s) (the newest page + ceil(r / page_size="
                          f"{config.page_size})) = {sink + recent}; lower them or raise topk")
+
+
+def _check_layer_plan(config: RocketKVConfig) -> None:
+    """dense_layers, budget_schedule (the per-layer layout's block; the layer count is checked against the model's
+    when the cache learns it, cache/layer_plan.py)."""
+    if not _is_int(config.dense_layers) or config.dense_layers < 0:
+        raise ValueError(f"RocketKVConfig.dense_layers must be an integer >= 0 (the first N layers keep and attend "
+                         f"every token), got {config.dense_layers!r}")
+    if config.budget_schedule not in BUDGET_SCHEDULES:
+        raise ValueError(f"RocketKVConfig.budget_schedule must be one of {list(BUDGET_SCHEDULES)}, "
+                         f"got {config.budget_schedule!r}")
+    if config.budget_schedule != "flat" and config.token_budget is not None:
+        raise ValueError(f"RocketKVConfig.budget_schedule={config.budget_schedule!r} spreads prompt_budget and topk over "
+                         f"the layers, but token_budget={config.token_budget} derives them per request: use one of "
+                         f"the two (budget_schedule='flat' with token_budget)")
 
 
 def _check_multi_turn(config: RocketKVConfig) -> None:

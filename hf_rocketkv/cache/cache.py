@@ -24,8 +24,10 @@ from transformers import Cache
 from ..config import RocketKVConfig
 from ..memory import KVBlockPool, PrefixKeys
 from .consistency import check_batch, check_layers_consistent
+from .dense_layer import DenseLayer
 from .layer import GenerationHints, RocketKVLayer
 from .layer_kinds import describe, sliding_windows
+from .layer_plan import check_layer_count, layer_config
 from .pool_pages import PoolPages, release_rows_later
 from .row_index import CROP_UNSUPPORTED
 from .sliding_layer import SlidingWindowLayer
@@ -50,8 +52,12 @@ class RocketKVCache(Cache):
             multimodal=...)``), one for every row or a list with one per row; ``cache_salt`` overrides their salt.
         model_config: the model's transformers config, for models with sliding-window layers (Gemma 2 and 3, Cohere
             2, gpt-oss, Mistral with a window): its ``layer_types`` / ``sliding_window`` give each sliding layer a
-            ``SlidingWindowLayer`` (``configure_layers``). generate() passes it itself; plain forwards on such a model
-            need it. None: every layer is a RocketKV layer.
+            ``SlidingWindowLayer`` (``configure_layers``), and its layer count sizes ``budget_schedule``'s shares.
+            generate() passes it itself; plain forwards on such a model (or with a schedule other than flat) need it.
+            None: every layer is a RocketKV layer.
+
+    ``config.dense_layers`` > 0 makes the first layers ``DenseLayer`` objects (every token kept and attended), and
+    ``config.budget_schedule`` gives each RocketKV layer its share of prompt_budget and topk (``layer_plan.py``).
     """
 
     # Run at every construction. The integration installs its check of the private transformers symbols it relies on
@@ -85,6 +91,7 @@ class RocketKVCache(Cache):
         super().__init__(layer_class_to_replicate=functools.partial(
             RocketKVLayer, self.config, self.hints, self.pages, counters=self.counters))
         self.layer_windows: tuple[int | None, ...] | None = None  # per layer: its sliding window, None = RocketKV
+        self.num_layers: int | None = None  # the model's layer count, once a model config was given
         if model_config is not None:
             self.configure_layers(model_config)
 
@@ -95,6 +102,7 @@ class RocketKVCache(Cache):
         ValueError for layer types RocketKV cannot serve and NotImplementedError where sliding layers are not
         supported yet (a pool). Returns the cache."""
         windows = sliding_windows(model_config)
+        check_layer_count(self.config, len(windows))
         if windows == self.layer_windows:
             return self
         if any(w is not None for w in windows):
@@ -103,6 +111,7 @@ class RocketKVCache(Cache):
         if any(layer.is_initialized for layer in self.layers):
             raise ValueError("RocketKVCache.configure_layers needs a cache that has stored nothing yet")
         self.layer_windows = windows
+        self.num_layers = len(windows)
         self.layers = []
         return self
 
@@ -111,12 +120,17 @@ class RocketKVCache(Cache):
         """Whether the model's config gave some layers a sliding window (``configure_layers``)."""
         return self.layer_windows is not None and any(w is not None for w in self.layer_windows)
 
+    @property
+    def has_dense_layers(self) -> bool:
+        """``config.dense_layers`` > 0: the first layers keep and attend every token (``DenseLayer``)."""
+        return self.config.dense_layers > 0
+
     def empty_like(self) -> "RocketKVCache":
         """A new, empty cache of the same kind and configuration (the stage-1 policy included): row-group prefill
         builds one per group. It has no pool of its own: a pool-backed cache hands each group its rows
         (``share_rows``)."""
         part = type(self)(self.config)
-        part.layer_windows = self.layer_windows
+        part.layer_windows, part.num_layers = self.layer_windows, self.num_layers
         return part
 
     def share_rows(self, part: "RocketKVCache", rows: slice) -> None:
@@ -137,6 +151,12 @@ class RocketKVCache(Cache):
                                  f"the model updates layer {layer_idx}")
             if windows[layer_idx] is not None:
                 return SlidingWindowLayer(windows[layer_idx], self.hints, layer_idx)
+        config = layer_config(self.config, layer_idx, self.num_layers)
+        if config is None:
+            return DenseLayer(self.hints, layer_idx)
+        if config is not self.config:  # its share of a budget schedule
+            make = self.layer_class_to_replicate
+            return make.func(config, *make.args[1:], layer_idx=layer_idx, **make.keywords)
         return self.layer_class_to_replicate(layer_idx=layer_idx)
 
     def _ensure_layers(self, count: int) -> None:
@@ -365,9 +385,10 @@ class RocketKVCache(Cache):
     def kept_positions(self, layer_idx: int) -> torch.Tensor:
         """Input column of every stored token, ``[batch, kv_heads, capacity]`` int32, -1 for empty slots."""
         layer = self.layers[layer_idx]
-        if layer.is_sliding:
-            raise ValueError(f"layer {layer_idx} is a sliding-window layer: it keeps its last columns, nothing is "
-                             f"selected")
+        if layer.is_sliding or getattr(layer, "is_dense", False):
+            what = "a dense layer (dense_layers): it keeps every column" if not layer.is_sliding else (
+                "a sliding-window layer: it keeps its last columns")
+            raise ValueError(f"layer {layer_idx} is {what}, nothing is selected")
         if not layer.compressed:
             raise ValueError(f"layer {layer_idx} is not compressed yet (stage 1 runs at the end of prefill)")
         return layer.positions
@@ -379,13 +400,14 @@ class RocketKVCache(Cache):
         the chunks): the answer is False only while generate()'s prefill runs, so chunks run eagerly (their shapes
         change every chunk) and decode is compiled after a chunked prefill too. Sliding-window layers decode into a
         ring of fixed size (``SlidingWindowLayer``), so hybrid models answer the same (their decode steps are
-        captured as CUDA graphs; ``decode_runner="torch_compile"`` is refused for them at generate())."""
-        return not self.hints.prefilling
+        captured as CUDA graphs; ``decode_runner="torch_compile"`` is refused for them at generate()). A cache with
+        dense layers (``dense_layers``) answers False: their stores grow at every step, so decode runs eagerly."""
+        return not self.hints.prefilling and not self.has_dense_layers
 
     @property
     def is_compressed(self) -> bool:
         """Stage 1 has run on every RocketKV layer (sliding-window layers have no stage 1)."""
-        rocket = [layer for layer in self.layers if not layer.is_sliding]
+        rocket = [layer for layer in self.layers if isinstance(layer, RocketKVLayer)]
         return len(rocket) > 0 and all(layer.compressed for layer in rocket)
 
     def crop(self, tokens_to_remove: int) -> None:

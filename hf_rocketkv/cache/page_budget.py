@@ -78,8 +78,16 @@ def decode_tokens(config: RocketKVConfig, max_new_tokens: int) -> int:
 
 
 def check_pool_policy(cfg: RocketKVConfig) -> None:
-    """Refuse a stage-1 policy a pool cannot account for (``KVBlockPool.check_config``; the serve CLI and the eval
-    harness call it before loading a model): per-head budgets (AdaKV), ValueError naming stage1."""
+    """Refuse a config a pool cannot account for (``KVBlockPool.check_config``; the serve CLI and the eval harness
+    call it before loading a model): per-head budgets (AdaKV), ValueError naming stage1; per-layer layouts
+    (``dense_layers``, ``budget_schedule``: the pool lays out every layer alike), ValueError naming the field."""
+    for name, plain in (("dense_layers", 0), ("budget_schedule", "flat")):
+        value = getattr(cfg, name, plain)
+        if value != plain:
+            raise ValueError(
+                f"RocketKVConfig.{name}={value!r}: a KVBlockPool (and the batching engine on it) gives every layer the "
+                f"same budgets and pages; use RocketKVCache(config) without a pool (generate(), the sequential "
+                f"engine), or {name}={plain!r}")
     if getattr(cfg, "per_head_budgets", False):
         raise ValueError(
             f"RocketKVConfig.stage1={getattr(cfg.stage1, 'name', cfg.stage1)!r} gives each KV head its own number "

@@ -103,8 +103,8 @@ class Method:
             from .kv_formats import RoundTripCache
 
             return DynamicCache() if self.kv_format is None else RoundTripCache(self.kv_format)
-        if self.kv_format is None:
-            return RocketKVCache(self.config)
+        if self.kv_format is None:  # the model's layers: sliding ones, and budget_schedule's shares
+            return RocketKVCache(self.config, model_config=model.config if model is not None else None)
         if model is None or tokens is None:
             raise ValueError(f"method {self.name!r} runs on a KVBlockPool: new_cache needs the model and the tokens")
         from .kv_formats import fp8_pool

@@ -126,10 +126,13 @@ def check_supported(module: torch.nn.Module, kwargs: dict, layer, key: torch.Ten
             f"the cache was not given this model's layer types. generate() gives them itself; for plain forwards use "
             f"RocketKVCache(config, model_config=model.config)."
         )
-    if window is not None or not features.plain:
+    dense = getattr(layer, "is_dense", False)
+    scheduled = isinstance(layer, RocketKVLayer) and layer.config.budget_schedule != "flat"
+    if window is not None or not features.plain or dense or scheduled:
         total = getattr(module.config, "num_key_value_heads", None) or module.config.num_attention_heads
         if key.shape[1] != total:
-            what = "sliding-window layers" if window is not None else "soft-capped logits or attention sinks"
+            what = ("sliding-window layers" if window is not None else "RocketKVConfig.dense_layers" if dense else
+                    "RocketKVConfig.budget_schedule" if scheduled else "soft-capped logits or attention sinks")
             raise NotImplementedError(
                 f"RocketKV does not support {what} under tensor parallelism yet ({name}, layer {index}: this process "
                 f"holds {key.shape[1]} of {total} KV heads). Run the model on one device."

@@ -95,6 +95,7 @@ class RocketKVGenerateHooks:
             cache = RocketKVCache(get_config(model))
             model_kwargs[compat.CACHE_ARG] = cache
         configure_layers(cache, model)
+        check_layer_plan(cache, model, generation_config)
         cache.hints.max_length = call.arguments["max_cache_length"]
         cache.hints.defer_compression = generation_config.prefill_chunk_size is not None
         return result
@@ -196,6 +197,29 @@ def configure_layers(cache: RocketKVCache, model) -> None:
             f"graphs or eagerly (no torch.compile'd decode yet). Leave decode_runner and batch_buckets at their "
             f"defaults."
         )
+
+
+def check_layer_plan(cache: RocketKVCache, model, generation_config) -> None:
+    """Refuse the per-layer fields (``dense_layers``, ``budget_schedule``) where generate() would compile the decode
+    step: torch.compile, batch buckets, or CUDA graphs on a graph device (dense layers grow at every step and the
+    scheduled layers have capacities of their own, which the compiled and captured steps do not handle yet); their
+    decode runs eagerly with ``disable_compile=True``. Names the field instead of falling back silently."""
+    config = cache.config
+    field = ("dense_layers", config.dense_layers) if config.dense_layers else (
+        ("budget_schedule", config.budget_schedule) if config.budget_schedule != "flat" else None)
+    if field is None or getattr(generation_config, "disable_compile", False):
+        return
+    device = next(model.parameters()).device.type
+    runner = None
+    if config.decode_runner == "torch_compile" or config.batch_buckets:
+        runner = "decode_runner='torch_compile'" if config.decode_runner == "torch_compile" else "batch_buckets"
+    elif device in cache.hints.graph_devices:
+        runner = "decode_runner='cuda_graphs'"
+    if runner is not None:
+        raise NotImplementedError(
+            f"RocketKVConfig.{field[0]}={field[1]!r} does not run under the compiled decode ({runner} on "
+            f"{device}) yet: pass generate(..., disable_compile=True) to decode eagerly, or leave {field[0]} at its "
+            f"default.")
 
 
 def check_continuation(cache: RocketKVCache, input_ids: torch.Tensor) -> None:
