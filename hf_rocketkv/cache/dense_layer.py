@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .hints import GenerationHints
+from .seam import tag
 from .sliding_layer import SlidingWindowLayer
 
 
@@ -40,6 +41,25 @@ class DenseLayer(SlidingWindowLayer):
 
     def get_max_length(self) -> int:
         return -1
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """Every column seen and the new ones, from position 0 (transformers' ``DynamicLayer``)."""
+        return self.seen_tokens + query_length, 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append ``[B, Hkv, n, D]`` new tokens, decode steps included (no ring: the store grows, so a dense layer's
+        decode runs eagerly); returns every stored token (tagged for ``layer_of``)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        query_length = key_states.shape[2]
+        if not torch.compiler.is_compiling():
+            self.awaiting_attention = True
+            self.host_seen += query_length
+        self.seen_tokens += query_length
+        self.keys = torch.cat([self.keys, key_states], dim=2)
+        self.values = torch.cat([self.values, value_states], dim=2)
+        tag(self.keys, self)
+        return self.keys, self.values
 
     def _last(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
