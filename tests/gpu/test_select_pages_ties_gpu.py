@@ -82,7 +82,7 @@ def test_top_pages_on_constant_keys_on_gpu(kernels, kt_dtype, num_pages):
     lengths = torch.tensor([num_pages * KT_PAGE, (num_pages - 41) * KT_PAGE - 3])
     # the paged layout: pool pages of 16 tokens (4 KT pages each), each row's pages scattered through the pool
     per_pool_page = 16 // KT_PAGE
-    row_pages = num_pages // per_pool_page
+    row_pages = -(-num_pages // per_pool_page)  # a last pool page partly used when num_pages is not a multiple
     table = torch.randperm(batch * row_pages, generator=g).view(batch, row_pages).to(torch.int32).cuda()
     kt_pages = torch.empty(batch * row_pages, HKV, per_pool_page, 2, D, dtype=kt_dtype, device="cuda")
     for b in range(batch):  # row b's constant summary in every pool page it owns
