@@ -167,3 +167,10 @@ def test_smallest_settings_and_refusals():
         decode_keep_slots(queries, keys, torch.tensor([5, 5]), torch.tensor([1, 1, 1]), 2, 0.5)
     with pytest.raises(ValueError, match=r"^gen_start must have shape \[B\]=\[2\]"):
         move_kept(keys, torch.zeros(2, 2, 2, dtype=torch.long), torch.tensor([1]))
+
+
+def test_default_kernel_is_seven():
+    queries, keys, lengths, gen_start, budget, _ = random_problem(3)
+    args = (queries, keys, torch.tensor(lengths), torch.tensor(gen_start), budget, 0.5)
+    for got, want in zip(decode_keep_slots(*args), decode_keep_slots(*args, 7)):
+        assert torch.equal(got, want)
