@@ -297,3 +297,45 @@ def test_refusals_say_what_was_asked_and_reservations_count_for_their_owner():
         pool.admit(40, 10, CFG)
     adm = pool.admit_batch([40], 10, CFG, reservation=res)[0]
     assert len(adm.prompt) + len(adm.view) == 11 and res.count == 0 and pool.free_pages() == 5
+
+
+def test_row_inputs_of_a_batch():
+    """A batch's ids as a 2-D tensor, one PrefixKeys per row, and each mistake named with its row."""
+    pool = make_pool(64)
+    ids = torch.arange(80).view(2, 40)
+    keys = [PrefixKeys(cache_salt="a"), PrefixKeys(cache_salt="b")]
+    first = pool.admit_batch([40, 40], 0, CFG, token_ids=ids, keys=keys)
+    for adm in first:
+        pool.commit_prompt(adm)
+    # row 0's prefix under row 0's salt hits; row 1's ids under row 0's salt do not
+    needed = pool.pages_needed([40, 40], 0, CFG, token_ids=ids, keys=[keys[0], keys[0]])
+    assert needed.hit_pages == 4
+    with pytest.raises(ValueError, match=r"^prompt_len must name at least one row$"):
+        pool.pages_needed([], 1, CFG)
+    with pytest.raises(ValueError, match=r"^max_new_tokens has 3 entries for 2 rows$"):
+        pool.pages_needed([4, 4], [1, 1, 1], CFG)
+    with pytest.raises(ValueError, match=r"^token_ids has 1 rows, prompt_len has 2$"):
+        pool.pages_needed([4, 4], 1, CFG, token_ids=[[1, 2, 3, 4]])
+    for bad in ([keys[0]], [keys[0], "b"]):
+        with pytest.raises(ValueError, match=r"^keys must be a PrefixKeys or a list of 2 PrefixKeys, got \["):
+            pool.pages_needed([4, 4], 1, CFG, keys=bad)
+    with pytest.raises(ValueError, match=r"token_ids\[1\]"):
+        pool.pages_needed([2, 2], 1, CFG, token_ids=[[1, 2], [1, 2.5]])
+    with pytest.raises(ValueError, match=r"^keep_all must be True or False, got 1$"):
+        pool.pages_needed(4, 1, CFG, keep_all=1)
+
+
+def test_host_hits_take_a_device_page_each():
+    """40 tokens, no new ones: 5 prompt pages, view ceil(32 / 8) = 4. Once its pages sit on the host, the same
+    prompt hits 4 of them there: prefill_peak = 5 - 4 + 4 + 0 free hits + 4 host hits = 9, and new_pages = the 1
+    prompt page not hit + 4 view pages + 4 onload targets = 9."""
+    pool = make_pool(24, host_pages=8)
+    ids = list(range(40))
+    adm = pool.admit(40, 0, CFG, token_ids=ids)
+    fill_pages(pool, adm.prompt.pages, seed=1)
+    pool.commit_prompt(adm)
+    pool.release(adm)
+    pool.evict()
+    needed = pool.pages_needed(40, 0, CFG, token_ids=ids)
+    assert (needed.hit_pages, needed.hit_pages_host, needed.hit_pages_free) == (4, 4, 0)
+    assert (needed.prefill_peak, needed.new_pages) == (9, 9)

@@ -12,7 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_rocketkv.policies.decode_compression import DecodeCompression, decode_keep_slots, move_kept
+from hf_rocketkv.policies.decode_compression import (
+    DecodeCompression,
+    decode_keep_slots,
+    move_kept,
+)
 from tests.policies.oracle import assert_top_up_to_ties, max_pool, softmax64
 
 
@@ -134,3 +138,39 @@ def test_decode_keep_slots_do_not_depend_on_the_capacity(per_head):
     exact, _ = decode_keep_slots(queries, keys, lengths, gen_start, 12, 0.25, 7)
     padded, _ = decode_keep_slots(queries, F.pad(keys, (0, 0, 0, 216)), lengths, gen_start, 12, 0.25, 7)
     assert torch.equal(exact, padded), (exact.tolist(), padded.tolist())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_select_uses_its_kernel_and_the_callers_scaling(seed):
+    """DecodeCompression.select is decode_keep_slots with the settings' budget and kernel (3 here, not the default 7)
+    and the scaling it is given (0.3, not 1 / sqrt(D)), checked against the oracle."""
+    queries, keys, lengths, gen_start, budget, _ = random_problem(seed)
+    w, scaling, kernel = queries.shape[2], 0.3, 3
+    lengths = [max(length, g0 + budget + 1) for length, g0 in zip(lengths, gen_start)]  # every row over the budget
+    policy = DecodeCompression(budget=budget, window=w, kernel_size=kernel)
+    slots, _ = policy.select(queries, keys, torch.tensor(lengths), torch.tensor(gen_start), scaling)
+    for b, (length, g0) in enumerate(zip(lengths, gen_start)):
+        scores = oracle_scores(queries, keys, length, b, scaling)
+        for h in range(keys.shape[1]):
+            pooled = max_pool(scores[h][g0 : length - w], kernel)
+            assert_top_up_to_ties([j - g0 for j in slots[b, h].tolist()[: budget - w]], pooled, budget - w)
+
+
+def test_smallest_settings_and_refusals():
+    assert DecodeCompression(budget=1, interval=1, window=1, kernel_size=1).max_generated == 2
+    assert DecodeCompression(budget=4, window=4).window == 4  # the window may be the whole budget
+    for field, bad in (("budget", 2.5), ("budget", True), ("window", 0), ("kernel_size", 0)):
+        with pytest.raises(ValueError, match=rf"^DecodeCompression\.{field} must be an integer >= 1, got {bad!r}$"):
+            DecodeCompression(**{"budget": 8, field: bad})
+    queries, keys = torch.zeros(2, 2, 1, 4), torch.zeros(2, 2, 8, 4)
+    with pytest.raises(ValueError, match=r"^gen_start must have shape \[B\]=\[2\]"):
+        decode_keep_slots(queries, keys, torch.tensor([5, 5]), torch.tensor([1, 1, 1]), 2, 0.5)
+    with pytest.raises(ValueError, match=r"^gen_start must have shape \[B\]=\[2\]"):
+        move_kept(keys, torch.zeros(2, 2, 2, dtype=torch.long), torch.tensor([1]))
+
+
+def test_default_kernel_is_seven():
+    queries, keys, lengths, gen_start, budget, _ = random_problem(3)
+    args = (queries, keys, torch.tensor(lengths), torch.tensor(gen_start), budget, 0.5)
+    for got, want in zip(decode_keep_slots(*args), decode_keep_slots(*args, 7)):
+        assert torch.equal(got, want)

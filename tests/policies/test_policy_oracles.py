@@ -245,6 +245,11 @@ def test_h2o_needs_its_state():
         H2OPolicy().select(case.inputs(object()))
     state = H2OPolicy().new_state(*case.keys.shape[:2], "cpu")
     batch, heads, slots = case.keys.shape[:3]
+    grown = accumulate_in_chunks(case, H2OPolicy(), [slots])
+    with pytest.raises(ValueError, match=rf"^H2OPolicy\.accumulate: the state already covers {slots} slots but keys has only "
+                                         rf"{slots - 1}; the store must only grow between calls$"):
+        H2OPolicy().accumulate(grown, case.queries[:, :, :1], case.keys[:, :, : slots - 1],
+                               torch.tensor(case.start), torch.full((batch,), slots - 1), case.scaling)
     with pytest.raises(ValueError, match=rf"^H2OPolicy: the accumulated scores cover \({batch}, {heads}, 0\) \(B, Hkv, N\) "
                                          rf"but keys is \({batch}, {heads}, {slots}\); accumulate\(\) must see the same store"):
         H2OPolicy().select(case.inputs(state))

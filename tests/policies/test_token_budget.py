@@ -89,3 +89,17 @@ def test_top_r_is_at_least_one_channel():
 def test_a_one_channel_head_is_accepted():
     d = derive_budgets(1000, 0, 64, 1)
     assert d.topr == 1 and d.paper_topr == 1
+
+
+def test_capacity_floor_of_twice_the_new_tokens():
+    """S = 11,000 (10,000 + 1,000 new), t = 256: c = 42.97, a = 0.2 + 0.06 log2(42.97) = 0.526, S / c^a = 1,524.6 is
+    under min(2 x 1,000, S) = 2,000, so capacity is 2,000 and the prompt keeps 1,000."""
+    d = derive_budgets(10_000, 1_000, 256, 128)
+    assert (d.capacity, d.prompt_budget) == (2000, 1000)
+
+
+def test_a_page_equal_to_the_stage2_compression_is_kept():
+    """S = 22, t = 8, D = 64: c = 2.75, a = 0.2 + 0.06 log2(2.75) = 0.288, capacity = floor(22 / 2.75^0.288) =
+    floor(16.44) = 16, c2 = 16 / 8 = 2, page = ceil(sqrt(2)) = 2, which does not exceed c2: kept (not 1)."""
+    d = derive_budgets(22, 0, 8, 64)
+    assert (d.capacity, d.paper_page_size, d.page_size, d.topr) == (16, 2, 2, 64)
