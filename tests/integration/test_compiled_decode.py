@@ -192,6 +192,50 @@ def test_compiled_decode_with_a_pool_equals_eager_without_recompiles():
     assert not dynamo_utils.counters["recompiles"]
 
 
+@pytest.mark.slow
+def test_triton_backend_decode_step_traces_as_one_graph(monkeypatch):
+    """backend="triton" under torch.compile on CPU: the decode step's registered ops (paged_append_token,
+    paged_top_pages, paged_sparse_decode_attention) trace as one fullgraph, without a graph break, and give eager's
+    tokens. Triton's interpreter cannot run on fake tensors, so while dynamo propagates them the launches are
+    skipped (the ops' outputs are allocated by their launchers); the compiled graph (backend "eager") then calls the
+    registered ops on real tensors, which run the kernels in the interpreter. What this covers is the Python side of
+    the traced step (op schemas, the launchers' host logic, the cache's checks), not inductor's code generation."""
+    from torch._subclasses.fake_tensor import is_fake
+    from transformers import CompileConfig
+
+    from hf_rocketkv.kernels import launch
+
+    original = launch.TritonLaunch.__getitem__
+
+    def launcher(self, grid):
+        run = original(self, grid)
+
+        def call(*args, **kwargs):
+            if any(isinstance(x, torch.Tensor) and is_fake(x) for x in (*args, *kwargs.values())):
+                return None
+            return run(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(launch.TritonLaunch, "__getitem__", launcher)
+    torch._dynamo.reset()
+    rocket, _ = make_models("llama", num_hidden_layers=1)
+    ids, mask = left_pad([random_ids(1, 40, seed=3)[0], random_ids(1, 33, seed=4)[0]])
+    config = compressing_config(kt_cache_dtype="float32", backend="triton", decode_runner="torch_compile")
+    eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=4, past_key_values=RocketKVCache(config),
+                   disable_compile=True)
+    compile_config = CompileConfig(fullgraph=True, dynamic=False, backend="eager")
+    compile_config._compile_all_devices = True
+    dynamo_utils.counters.clear()
+    cache = RocketKVCache(config)
+    compiled = greedy(rocket, ids, attention_mask=mask, max_new_tokens=4, past_key_values=cache,
+                      compile_config=compile_config)
+    assert cache.layers[0].ops.name == "triton"
+    assert torch.equal(compiled, eager)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1, dict(dynamo_utils.counters["stats"])
+    assert not dynamo_utils.counters["graph_break"]
+
+
 # ------------------------------------------------------------------------------------------------ buckets
 
 
