@@ -145,8 +145,6 @@ except ImportError:  # triton is optional: the reference above works without it
     triton = None
 
 if triton is not None:
-    LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
-
     @triton.jit
     def _sparse_decode_split_kernel(
         q_ptr, k_ptr, v_ptr, idx_ptr, valid_ptr, len_ptr, out_ptr, part_o_ptr, part_lse_ptr, table_ptr,
@@ -261,7 +259,9 @@ if triton is not None:
             m_i = m_new
         if SINKS:  # noqa: SIM102 - nested constexpr branches, the form every Triton version compiles
             if DIRECT:  # the sink joins the denominator (log2 units); with splits the reduce kernel adds it
-                sink = tl.load(sink_ptr + h * group + g, mask=g_ok, other=float("-inf")).to(tl.float32) * LOG2E
+                # the sink in log2 units (log2(e) written out: a jit function reads no module global)
+                sink = tl.load(sink_ptr + h * group + g, mask=g_ok, other=float("-inf")).to(tl.float32)
+                sink = sink * 1.4426950408889634
                 m_fin = tl.maximum(m_i, sink)
                 m_fin = tl.where(m_fin > float("-inf"), m_fin, 0.0)
                 rescale = tl.exp2(m_i - m_fin)
@@ -300,7 +300,7 @@ if triton is not None:
         lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))
         m = tl.max(lse, axis=0)
         if SINKS:  # one more log-sum-exp term whose output is zero: it only enlarges the denominator
-            sink = tl.load(sink_ptr + h * group + gi).to(tl.float32) * LOG2E
+            sink = tl.load(sink_ptr + h * group + gi).to(tl.float32) * 1.4426950408889634  # log2(e), literal
             m = tl.maximum(m, sink)
         m_safe = tl.where(m > float("-inf"), m, 0.0)
         w = tl.exp2(lse - m_safe)
