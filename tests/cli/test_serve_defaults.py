@@ -218,10 +218,14 @@ def serve_and_stream(monkeypatch, argv: list[str]) -> dict:
 
     seen = {}
 
-    def run(manager, model_name, sock, args):
+    def run(manager, model_name, sock, args, tokenizer=None):
+        # serve's _run: a PendingManager (warm-up still to run) is finished before requests are served
+        if isinstance(manager, cli.PendingManager):
+            manager = manager.finish()
         seen.update(engine=manager.engine, pool=manager.pool)
         with ServerThread(create_app(manager, "tiny", default_max_tokens=args.default_max_tokens)) as server:
             seen["texts"] = streamed_texts(server.url)
+        return manager, False
 
     monkeypatch.setattr(cli, "_run", run)
     assert cli.serve_main(["--port", "0", "--log-level", "warning", "--threads", "1", *argv]) == 0
