@@ -175,6 +175,19 @@ def make_pool(model, args, config: RocketKVConfig, pages: int, device: torch.dev
 
 
 # ------------------------------------------------------------------------------------------------ a run
+def run_plan(plan: list, steps: dict, after) -> None:
+    """Each ``(name, step)`` of ``plan`` in order: ``steps[name]`` is the step's dict (or ``{"error": traceback}``:
+    one step's failure never loses the others) with its wall time ``step_s``; then ``after(name)`` (save, print)."""
+    for name, step in plan:
+        started = time.perf_counter()
+        try:
+            steps[name] = step()
+        except Exception:  # noqa: BLE001 - recorded, and the next step runs
+            steps[name] = {"error": traceback.format_exc()}
+        steps[name]["step_s"] = time.perf_counter() - started
+        after(name)
+
+
 class Recorder(TokenRecorder):
     """The engine's sink (``benchmarks.token_sink``; waiters wake when a request finishes) and the step's summary."""
 
@@ -503,18 +516,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile_prefill:
         plan.append(("profile_prefill", lambda: step_profile_prefill(engine_run, args, vocab, device, out)))
     plan += [(f"mixed_rate_{rate:g}", lambda rate=rate: step_mixed(engine_run, args, vocab, rate)) for rate in rates]
+    def after(name: str) -> None:
+        report["startup_capture_s"] = steps.get("warmup", {}).get("startup_capture_s")
+        save()
+        shown = {k: v for k, v in steps[name].items() if k != "errors" and not k.startswith("top_")}
+        print(name, json.dumps(shown, default=str), flush=True)
+
     try:
-        for name, step in plan:
-            started = time.perf_counter()
-            try:
-                steps[name] = step()
-            except Exception:  # noqa: BLE001 - one step's failure never loses the others
-                steps[name] = {"error": traceback.format_exc()}
-            steps[name]["step_s"] = time.perf_counter() - started
-            report["startup_capture_s"] = steps.get("warmup", {}).get("startup_capture_s")
-            save()
-            shown = {k: v for k, v in steps[name].items() if k != "errors" and not k.startswith("top_")}
-            print(name, json.dumps(shown, default=str), flush=True)
+        run_plan(plan, steps, after)
     finally:
         engine_run.close()
     if both:

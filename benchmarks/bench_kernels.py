@@ -73,8 +73,8 @@ def _event():
     return torch.cuda.Event(enable_timing=True)
 
 
-def time_graph(fn) -> float:
-    """Median microseconds per call of ``fn`` replayed as a CUDA graph of REPS calls."""
+def time_graph(fn, reps: int = REPS, replays: int = REPLAYS) -> float:
+    """Median microseconds per call of ``fn`` replayed as a CUDA graph of ``reps`` calls (``replays`` samples)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -83,17 +83,17 @@ def time_graph(fn) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(REPS):
+        for _ in range(reps):
             fn()
     graph.replay()
     samples = []
-    for _ in range(REPLAYS):
+    for _ in range(replays):
         start, end = _event(), _event()
         start.record()
         graph.replay()
         end.record()
         end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / REPS)
+        samples.append(start.elapsed_time(end) * 1e3 / reps)
     del graph
     return statistics.median(samples)
 

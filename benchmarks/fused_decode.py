@@ -56,11 +56,12 @@ ARGS = parse() if __name__ == "__main__" else None
 if ARGS is not None and ARGS.quick:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
 
-import torch  # noqa: E402
+import torch
 
-from hf_rocketkv.kernels import launch as launch_module  # noqa: E402
-from hf_rocketkv.kernels.dispatch import get_ops  # noqa: E402
-from hf_rocketkv.selection import stage2_pages as s2  # noqa: E402
+from benchmarks.bench_kernels import time_graph
+from hf_rocketkv.kernels import launch as launch_module
+from hf_rocketkv.kernels.dispatch import get_ops
+from hf_rocketkv.selection import stage2_pages as s2
 
 
 class Report:
@@ -148,31 +149,12 @@ def triton_launches(fn) -> int:
 
 
 def time_us(fn, device: torch.device, reps: int = 20, replays: int = 30) -> float:
-    """Median microseconds per call: a CUDA graph of ``reps`` calls replayed (host clock on CPU, a few calls)."""
+    """Median microseconds per call: a CUDA graph of ``reps`` calls replayed (host clock on CPU, one call)."""
     if device.type != "cuda":
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e6
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    samples = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / reps)
-    return statistics.median(samples)
+    return time_graph(fn, reps, replays)
 
 
 def op_part(report: Report, device: torch.device, quick: bool, deadline: float) -> None:

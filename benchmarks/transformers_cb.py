@@ -10,12 +10,17 @@ from __future__ import annotations
 import gc
 import threading
 import time
-import traceback
 from pathlib import Path
 
 import torch
 
-from benchmarks.batching_throughput import EngineRun, Recorder, step_mixed, step_warmup
+from benchmarks.batching_throughput import (
+    EngineRun,
+    Recorder,
+    run_plan,
+    step_mixed,
+    step_warmup,
+)
 from hf_rocketkv.serving.engine import EngineEvent, EngineRequest
 
 
@@ -103,16 +108,12 @@ def run_transformers_side(model, config, args, vocab: int, rates: list[float], n
     engine_run = TransformersEngineRun(model, None, config, args, warm_tokens=new_tokens)
     plan = [("warmup", lambda: step_warmup(engine_run, args, vocab))]
     plan += [(f"mixed_rate_{rate:g}", lambda rate=rate: step_mixed(engine_run, args, vocab, rate)) for rate in rates]
+    def after(name: str) -> None:
+        print(f"transformers/{name}", {k: v for k, v in steps[name].items() if k != "errors"}, flush=True)
+        save()
+
     try:
-        for name, step in plan:
-            started = time.perf_counter()
-            try:
-                steps[name] = step()
-            except Exception:  # noqa: BLE001 - one step's failure never loses the others
-                steps[name] = {"error": traceback.format_exc()}
-            steps[name]["step_s"] = time.perf_counter() - started
-            print(f"transformers/{name}", {k: v for k, v in steps[name].items() if k != "errors"}, flush=True)
-            save()
+        run_plan(plan, steps, after)
     finally:
         engine_run.close()
     return steps
