@@ -181,6 +181,14 @@ def check_generate_request(model, generation_config, cache, generation_mode) -> 
         )
 
 
+def compiled_decode_field(config: RocketKVConfig) -> str | None:
+    """The setting that makes generate() torch.compile the decode step, as an error message names it
+    (``decode_runner='torch_compile'`` or ``batch_buckets``), or None."""
+    if config.decode_runner == "torch_compile":
+        return "decode_runner='torch_compile'"
+    return "batch_buckets" if config.batch_buckets else None
+
+
 def configure_layers(cache: RocketKVCache, model) -> None:
     """Give the cache the model's layer types (``RocketKVCache.configure_layers``: sliding-window layers keep their
     window) before anything is stored, and refuse what sliding-window models cannot run yet: torch.compile'd decode
@@ -190,8 +198,8 @@ def configure_layers(cache: RocketKVCache, model) -> None:
     if not cache.has_sliding_layers:
         return
     config = cache.config
-    if config.decode_runner == "torch_compile" or config.batch_buckets:
-        field = "decode_runner='torch_compile'" if config.decode_runner == "torch_compile" else "batch_buckets"
+    field = compiled_decode_field(config)
+    if field is not None:
         raise NotImplementedError(
             f"RocketKVConfig.{field}: this model has sliding-window layers, whose decode steps RocketKV runs as CUDA "
             f"graphs or eagerly (no torch.compile'd decode yet). Leave decode_runner and batch_buckets at their "
@@ -210,10 +218,8 @@ def check_layer_plan(cache: RocketKVCache, model, generation_config) -> None:
     if field is None or getattr(generation_config, "disable_compile", False):
         return
     device = next(model.parameters()).device.type
-    runner = None
-    if config.decode_runner == "torch_compile" or config.batch_buckets:
-        runner = "decode_runner='torch_compile'" if config.decode_runner == "torch_compile" else "batch_buckets"
-    elif device in cache.hints.graph_devices:
+    runner = compiled_decode_field(config)
+    if runner is None and device in cache.hints.graph_devices:
         runner = "decode_runner='cuda_graphs'"
     if runner is not None:
         raise NotImplementedError(
