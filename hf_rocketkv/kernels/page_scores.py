@@ -166,7 +166,7 @@ def _page_logits_kernel(
             s = _dot_t(qd, tl.where(use_max[None, :], kmax, kmin), DOT_DT)
         s = (s * scale_log2).to(tl.float32)
         if SOFTCAP:  # scale_log2 = scaling / softcap: tanh, then softcap * log2(e) (Gemma 2's capped logits)
-            s = tanh_f32(s) * cap_log2
+            s = (tanh_f32(s) * cap_log2).to(tl.float32)  # fp64 under inductor otherwise, as above
         s = tl.where(p_ok[None, :], s, float("-inf"))
         tl.store(logit_base + pages[None, :], s, mask=g_ok[:, None] & p_ok[None, :])
         m_new = tl.maximum(m_i, tl.max(s, axis=1))

@@ -234,9 +234,10 @@ if triton is not None:
             else:
                 s = tl.dot(q, tl.trans(k))
             # scale_log2: scaling * log2(e), or scaling / softcap with SOFTCAP (then tanh, times softcap * log2(e))
-            s = s.to(tl.float32) * scale_log2
+            # products with a float argument cast back: torch.compile's inductor passes Python floats as fp64
+            s = (s.to(tl.float32) * scale_log2).to(tl.float32)
             if SOFTCAP:
-                s = tanh_f32(s) * cap_log2
+                s = (tanh_f32(s) * cap_log2).to(tl.float32)
             if PAGED:
                 s = tl.where((ok & present)[None, :], s, float("-inf"))
             else:

@@ -84,7 +84,7 @@ def _window_stats_kernel(
         n_ok = slots < hi
         k = tl.load(k_base + slots.to(tl.int64)[:, None] * s_kn, mask=n_ok[:, None] & (d < head_dim)[None, :],
                     other=0.0)
-        s = _logits(q, k, FP32) * scale_log2
+        s = (_logits(q, k, FP32) * scale_log2).to(tl.float32)  # inductor passes Python floats as fp64
         vis = n_ok[None, :] & (slots[None, :] <= q_slot[:, None])
         s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -139,7 +139,7 @@ def _window_accum_kernel(
         rows = r0 + tl.arange(0, BLOCK_M)
         q, r_ok, i = _load_rows(q_ptr, b, h, rows, d, group, window, head_dim, s_qb, s_qh, s_qw, s_qd, FP32)
         lse = _row_lse(stats_ptr, bh, rows, r_ok, num_chunks, num_rows_pad, BLOCK_M)
-        s = _logits(q, k, FP32) * scale_log2
+        s = (_logits(q, k, FP32) * scale_log2).to(tl.float32)  # inductor passes Python floats as fp64
         vis = n_ok[None, :] & (slots[None, :] <= (end - window + i)[:, None]) & r_ok[:, None]
         p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
         acc += tl.sum(p, axis=0)

@@ -114,7 +114,7 @@ def gpu_choices(launch: dict) -> dict:
     return {}
 
 
-def triton_type(kind: str, value) -> str:
+def triton_type(kind: str, value, float_type: str = "fp32") -> str:
     if kind == "tensor":
         return "*" + TORCH_TO_TRITON[value]
     if kind == "bool":
@@ -122,7 +122,7 @@ def triton_type(kind: str, value) -> str:
     if kind == "int":
         return "i32" if -(2**31) <= value < 2**31 else "i64"
     if kind == "float":
-        return "fp32"
+        return float_type
     raise ValueError(f"cannot type a non-constexpr argument of kind {kind!r}")
 
 
@@ -132,8 +132,17 @@ def as_on_gpu(launch: dict) -> dict:
     return dict(launch, args={**launch["args"], **choices})
 
 
-def source_of(launch: dict):
-    """The kernel's ASTSource: constexpr parameters take the launch's values, the others their types."""
+def float_types(launch: dict) -> tuple[str, ...]:
+    """How the launch's Python floats are typed: fp32 by Triton's launcher; a launch with float arguments is also
+    compiled with them as fp64, as torch.compile's inductor passes them (a loop-carried fp32 value that a float
+    argument turns into fp64 fails only there)."""
+    has_float = any(kind == "float" for kind, _value in launch["args"].values())
+    return ("fp32", "fp64") if has_float else ("fp32",)
+
+
+def source_of(launch: dict, float_type: str = "fp32"):
+    """The kernel's ASTSource: constexpr parameters take the launch's values, the others their types (Python floats
+    as ``float_type``)."""
     from triton.compiler import ASTSource
 
     kernel = getattr(importlib.import_module(launch["module"]), launch["kernel"])
@@ -150,7 +159,7 @@ def source_of(launch: dict):
             signature[name] = "constexpr"
             constexprs[(index,)] = value
         else:
-            signature[name] = triton_type(kind, value)
+            signature[name] = triton_type(kind, value, float_type)
     return ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
 
 
@@ -170,12 +179,12 @@ def compile_all(launches_file: Path, arch: int, out: Path | None) -> int:
             unique.add(key)
             launches.append(launch)
     results, failures = [], 0
-    for launch in launches:
+    for launch, float_type in ((launch, kind) for launch in launches for kind in float_types(launch)):
         start = time.perf_counter()
-        label = f"{launch['kernel']} {launch['options']} " + " ".join(
+        label = f"{launch['kernel']} {launch['options']} floats={float_type} " + " ".join(
             f"{k}={v[1]}" for k, v in launch["args"].items() if v[0] in ("bool", "none") or k.isupper())
         try:
-            triton.compile(source_of(launch), target=target, options=dict(launch["options"]))
+            triton.compile(source_of(launch, float_type), target=target, options=dict(launch["options"]))
             status, error = "ok", None
         except Exception as err:  # noqa: BLE001 - report every variant, not the first failure
             failures += 1
@@ -183,10 +192,10 @@ def compile_all(launches_file: Path, arch: int, out: Path | None) -> int:
         seconds = time.perf_counter() - start
         results.append(dict(launch=label, status=status, error=error, seconds=round(seconds, 2)))
         print(f"{status:4} {seconds:5.1f}s {label}" + (f"\n     {error}" if error else ""), flush=True)
-    summary = dict(triton=triton.__version__, arch=arch, variants=len(launches), failures=failures, results=results)
+    summary = dict(triton=triton.__version__, arch=arch, variants=len(results), failures=failures, results=results)
     if out is not None:
         out.write_text(json.dumps(summary, indent=1))
-    print(f"triton {triton.__version__}, cuda:{arch}: {len(launches) - failures}/{len(launches)} variants compiled")
+    print(f"triton {triton.__version__}, cuda:{arch}: {len(results) - failures}/{len(results)} variants compiled")
     return failures
 
 
