@@ -34,6 +34,7 @@ except ImportError:  # pragma: no cover - an older torch: the launch goes throug
     set_wrap_triton_enabled = None
 
 NORM_DTYPES = {torch.bfloat16: DT_BF16, torch.float16: DT_FP16}
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 MAX_HIDDEN = 32768  # one row in one block of registers (16 warps: 64 fp32 values per thread at the largest)
 
 
@@ -55,12 +56,14 @@ _rms_norm_launch = TritonLaunch(_rms_norm_kernel)
 
 
 def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``rms_norm_triton`` applies: a CUDA tensor (or a CPU one under Triton's interpreter,
+    """Whether ``rms_norm_triton`` applies: a plain CUDA tensor (or a CPU one under Triton's interpreter,
     TRITON_INTERPRET=1), bf16/fp16, a 1-D weight of the last dimension's size in the same dtype and on the same
     device, a contiguous last dimension, at most ``MAX_HIDDEN`` columns. Called on every norm inside RocketKV calls:
     cheap checks first."""
     dtype = x.dtype
     if dtype not in NORM_DTYPES or weight.dtype != dtype or weight.dim() != 1 or x.dim() < 1:
+        return False
+    if type(x) is not torch.Tensor or type(weight) not in PLAIN_TENSORS:  # no subclass (DTensor...): raw pointers
         return False
     hidden = x.shape[-1]
     device = x.device
@@ -99,7 +102,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 
 def _warps(block: int) -> int:
-    """Warps per row: ~8 fp32 values per thread up to 16 warps (a 4096-wide row: 16 per thread over 8 warps)."""
+    """Warps per row: 8 fp32 values per thread up to 16 warps (a 4096-wide row), more per thread beyond."""
     return max(1, min(16, block // 256))
 
 

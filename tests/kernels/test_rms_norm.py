@@ -116,7 +116,8 @@ def test_the_twin_is_transformers_llama_rms_norm_bit_for_bit():
             assert torch.equal(twin.view(torch.int16), want.view(torch.int16))
 
 
-@pytest.mark.parametrize("change", ["fp32", "weight_dtype", "weight_2d", "weight_size", "strided_last", "too_wide"])
+@pytest.mark.parametrize("change", ["fp32", "weight_dtype", "weight_2d", "weight_size", "strided_last", "too_wide",
+                                    "subclass"])
 def test_rms_norm_supported_refuses_what_it_cannot_do(change):
     g = gen("rms_norm-refuse", change)
     hidden = MAX_HIDDEN * 2 if change == "too_wide" else 64
@@ -129,7 +130,13 @@ def test_rms_norm_supported_refuses_what_it_cannot_do(change):
         weight = weight[:-1]
     if change == "strided_last":
         x = torch.cat([x, x], dim=-1)[:, ::2]
+    if change == "subclass":  # a tensor subclass (DTensor, a tracing tensor) may not be plain memory
+        x = x.as_subclass(Subclass)
     assert not rms_norm_supported(x, weight)
+
+
+class Subclass(torch.Tensor):
+    pass
 
 
 def test_rms_norm_launches_directly_not_through_wrap_triton(monkeypatch):
