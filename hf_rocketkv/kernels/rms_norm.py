@@ -46,7 +46,8 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, s_xr, hidden, eps,
     ok = cols < hidden
     h = tl.load(x_ptr + row * s_xr + cols, mask=ok, other=0.0).to(tl.float32)
     variance = tl.sum(h * h, axis=0) / hidden
-    normed = round_to(h * tl.math.rsqrt(variance + eps), DT)  # h.to(input_dtype)
+    inv = tl.math.rsqrt((variance + eps).to(tl.float32))  # fp32 even where a caller passes eps as fp64 (inductor)
+    normed = round_to(h * inv, DT)  # h.to(input_dtype)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     out = round_to(w * normed, DT)  # weight * h: a 16-bit product, exact in fp32 before its rounding
     tl.store(out_ptr + row * hidden + cols, out.to(out_ptr.dtype.element_ty), mask=ok)  # exact: already rounded
