@@ -117,6 +117,7 @@ class RocketKVConfig:
     deferred_stop_check: bool = True
     eager_layer_graphs: bool = True
     fused_rope: bool = True
+    fused_norm: bool = True
     capacity_buckets: tuple[int, ...] | None = None  # validated in _check_buckets
     batch_buckets: tuple[int, ...] | None = None
     # policies (validated in _check_policy_fields)
@@ -333,7 +334,7 @@ def _check_runtime(config: RocketKVConfig) -> None:
     if config.decode_runner not in DECODE_RUNNERS:
         raise ValueError(f"RocketKVConfig.decode_runner must be one of {list(DECODE_RUNNERS)}, "
                          f"got {config.decode_runner!r}")
-    for name in ("deferred_stop_check", "eager_layer_graphs", "fused_rope"):
+    for name in ("deferred_stop_check", "eager_layer_graphs", "fused_rope", "fused_norm"):
         if not isinstance(getattr(config, name), bool):
             raise ValueError(f"RocketKVConfig.{name} must be True or False, got {getattr(config, name)!r}")
     if (rows := config.prefill_batch_size) is not None and (not _is_int(rows) or rows < 1):

@@ -17,6 +17,8 @@ Rows (``--caches``), all in one process on the same model:
     rocketkv-graphs-pool-fp8  the same on fp8 (e4m3) pool pages with per-page scales
     rocketkv-rope-off, rocketkv-graphs-rope-off  rocketkv / rocketkv-graphs with ``fused_rope=False``
                               (transformers' ten-launch RoPE in decode steps), for the side-by-side comparison
+    rocketkv-norm-off, rocketkv-graphs-norm-off  rocketkv / rocketkv-graphs with ``fused_norm=False``
+                              (transformers' RMSNorm modules in decode steps), for the side-by-side comparison
     rocketkv-adakv, rocketkv-graphs-adakv        rocketkv / rocketkv-graphs with ``stage1="adakv"``
 for every batch size x context (prompt tokens). A point that cannot fit in GPU memory is skipped with the estimate
 that says so (weights + KV cache + prefill activations), and an out-of-memory error is recorded, not raised.
@@ -210,7 +212,7 @@ def run_generate(model, cache: str, ids: torch.Tensor, new_tokens: int, rocket, 
         pool = pool_for_row(model, cache, rocket, ids.shape[0], ids.shape[1], new_tokens)
         past = RocketKVCache(rocket_for_row(rocket, cache), pool=pool)
         kwargs.update(compat.cache_kwargs(past))
-        kwargs["disable_compile"] = cache in ("rocketkv", "rocketkv-rope-off", "rocketkv-adakv")
+        kwargs["disable_compile"] = cache in ("rocketkv", "rocketkv-rope-off", "rocketkv-norm-off", "rocketkv-adakv")
     else:
         model.set_attn_implementation("sdpa")
         if cache == "static-compile":
@@ -274,9 +276,12 @@ def fill_rates(row: Row) -> None:
 
 def rocket_for_row(rocket, cache: str):
     """The RocketKVConfig of a benchmark row: rocketkv-graphs / rocketkv-compile pick the decode runner; a
-    ``-rope-off`` row turns ``fused_rope`` off; an ``-adakv`` row sets ``stage1="adakv"`` (per-head budgets)."""
+    ``-rope-off`` row turns ``fused_rope`` off, a ``-norm-off`` row ``fused_norm``; an ``-adakv`` row sets
+    ``stage1="adakv"`` (per-head budgets)."""
     if cache.endswith("-rope-off"):
         rocket = rocket.replace(fused_rope=False)
+    if cache.endswith("-norm-off"):
+        rocket = rocket.replace(fused_norm=False)
     if cache.endswith("-adakv"):
         rocket = rocket.replace(stage1="adakv")
     if cache.startswith("rocketkv-graphs"):

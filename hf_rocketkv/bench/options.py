@@ -12,8 +12,8 @@ import argparse
 from ..argparse_helpers import ShortErrorParser, int_at_least, number_in
 
 CACHES = ("dynamic", "static-compile", "rocketkv", "rocketkv-graphs", "rocketkv-compile", "rocketkv-graphs-pool",
-          "rocketkv-graphs-pool-fp8", "rocketkv-rope-off", "rocketkv-graphs-rope-off", "rocketkv-adakv",
-          "rocketkv-graphs-adakv")
+          "rocketkv-graphs-pool-fp8", "rocketkv-rope-off", "rocketkv-graphs-rope-off", "rocketkv-norm-off",
+          "rocketkv-graphs-norm-off", "rocketkv-adakv", "rocketkv-graphs-adakv")
 DEFAULT_CACHES = ("dynamic", "static-compile", "rocketkv")
 WORKLOAD_CACHES = ("dynamic", "static-compile", "rocketkv-graphs", "rocketkv-compile")
 

@@ -35,6 +35,8 @@ which registration sets to ``require`` (a changed transformers then fails at the
 | models.*.modeling_*.apply_rotary_pos_emb            | wrapped     | one fused launch for a decode step's RoPE inside      |
 |                                                     | (optional)  | RocketKV calls (``integration/rope.py``); a model     |
 |                                                     |             | whose function takes other parameters keeps its own   |
+| models.llama.modeling_llama.LlamaRMSNorm.forward    | wrapped     | one launch per decode-step RMSNorm in RocketKV calls  |
+|   (and classes whose forward has its byte code)     | (optional)  | (``integration/norm.py``): weight, variance_epsilon   |
 
 Outside this module the package reaches these names only through the wrappers ``install`` sets up and the accessor
 functions below (``sdpa_attention_forward``, ``compiles_on_every_device``, ``attn_implementation``,
@@ -305,10 +307,7 @@ class Call:
 
     def __call__(self, **changes):
         """Run the original with the same arguments, ``changes`` replacing some of them by name."""
-        if not changes:
-            return self.original(*self.bound.args, **self.bound.kwargs)
-        bound = inspect.BoundArguments(self.bound.signature, dict(self.bound.arguments))
-        bound.arguments.update(changes)
+        bound = self.with_arguments(**changes).bound if changes else self.bound
         return self.original(*bound.args, **bound.kwargs)
 
 
@@ -502,7 +501,7 @@ def install(hooks: GenerateHooks) -> None:
 # --------------------------------------------------------------------------------------------------- rotary embedding
 ROTARY_NAME = "apply_rotary_pos_emb"
 ROTARY_PARAMS = ("q", "k", "cos", "sin", "unsqueeze_dim")  # exactly these, in this order (Llama-style models)
-_ROTARY_LOCK = threading.Lock()
+_MODELING_LOCK = threading.Lock()  # rotary functions and norm classes
 
 
 def rotary_modules(model) -> list:
@@ -529,7 +528,7 @@ def install_rotary(owner, active: Callable[[], bool], compute: Callable[[Callabl
     """Wrap ``owner.apply_rotary_pos_emb`` once (idempotent, thread-safe). The wrapper calls the original with exactly
     the arguments it received unless ``active()`` (checked first: one ContextVar read) says the call is RocketKV's
     and torch.compile is not tracing it; then ``compute(original, arguments)`` decides, arguments bound by name."""
-    with _ROTARY_LOCK:
+    with _MODELING_LOCK:
         original = getattr(owner, ROTARY_NAME)
         if getattr(original, WRAPPED_MARK, False):
             return
@@ -548,3 +547,54 @@ def install_rotary(owner, active: Callable[[], bool], compute: Callable[[Callabl
 
         setattr(wrapper, WRAPPED_MARK, True)
         setattr(owner, ROTARY_NAME, wrapper)
+
+
+# --------------------------------------------------------------------------------------------------- RMSNorm
+NORM_PARAMS = ("self", "hidden_states")  # LlamaRMSNorm.forward's parameters, exactly
+
+
+def _llama_norm_forward():
+    """``LlamaRMSNorm.forward`` below any wrapper; ``CompatError`` when it is gone or takes other parameters."""
+    try:
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+        names = tuple(inspect.signature(LlamaRMSNorm.forward).parameters)
+    except (ImportError, AttributeError, TypeError, ValueError) as err:
+        names = f"{type(err).__name__}: {err}"
+    if names != NORM_PARAMS:
+        problem = f"models.llama.modeling_llama.LlamaRMSNorm.forward takes {names}, not {NORM_PARAMS}"
+        raise CompatError(describe_problems((problem,)) + " Or set RocketKVConfig(fused_norm=False).")
+    return _unwrapped(LlamaRMSNorm.forward)
+
+
+def llama_norm_classes(model) -> list[type]:
+    """The transformers classes (those defining ``forward``) of ``model``'s modules whose forward has LlamaRMSNorm's
+    byte code (Mistral, Qwen2/3, Phi-3, Granite...; not Gemma's ``1 + weight`` nor OLMo2's order of operations)."""
+    def key(function):
+        code = getattr(_unwrapped(function), "__code__", None)
+        return None if code is None else (code.co_code, code.co_consts, code.co_names, code.co_varnames)
+
+    reference, found = key(_llama_norm_forward()), {}
+    for module in model.modules():
+        owner = next(klass for klass in type(module).__mro__ if "forward" in klass.__dict__)
+        if owner.__module__.startswith("transformers.") and key(owner.__dict__["forward"]) == reference:
+            found[owner] = None
+    return list(found)
+
+
+def install_norm(owner: type, active: Callable[[], bool], compute: Callable[..., Any]) -> None:
+    """Wrap ``owner.forward`` once (thread-safe): the original with its arguments untouched unless ``active()`` and
+    torch.compile is not tracing; then ``compute(run_original, hidden_states, weight, eps)`` decides."""
+    with _MODELING_LOCK:
+        if getattr(original := owner.__dict__["forward"], WRAPPED_MARK, False):
+            return
+
+        @functools.wraps(original)
+        def forward(self, *args, **kwargs):
+            if torch.compiler.is_compiling() or not active():
+                return original(self, *args, **kwargs)
+            bound = (self, args[0]) if len(args) == 1 and not kwargs else \
+                inspect.signature(original).bind(self, *args, **kwargs).args  # not the modeling code's call
+            return compute(lambda: original(self, *args, **kwargs), bound[1], self.weight, self.variance_epsilon)
+
+        setattr(forward, WRAPPED_MARK, True)
+        owner.forward = forward

@@ -6,7 +6,7 @@ alone) lives in ``compat.py`` beside it; this module is what happens when a call
 
 * ``generate``: batch-size buckets (``batch_buckets``): a fresh request's rows are padded up to a bucket with
   copies of row 0 and stripped from the output (``batch_buckets.py``); decode steps apply RoPE in one launch
-  (``fused_rope``, ``rope.py``).
+  (``fused_rope``, ``rope.py``) and each RMSNorm in one launch (``fused_norm``, ``norm.py``).
 * ``prepare_cache``: a model whose attention is ``rocketkv`` gets ``RocketKVCache(config)`` when the caller passed no
   cache; a passed RocketKVCache learns the request's maximum length and whether prefill is chunked; misuse raises.
 * ``prefill``: a RocketKVCache that already holds tokens only accepts a continuation of the same request
@@ -33,7 +33,7 @@ from .batch_buckets import plan_padding, prefill_real_rows, strip_padding
 from .compiled_decode import run_compiled_step
 from .decode_graphs import run_graphed_step, wants_graphs
 from .names import ATTN_NAME
-from .rope import fused_rope
+from .norm import fused_modeling
 from .row_groups import prefill_in_row_groups, wants_row_groups
 
 CONFIG_ATTRIBUTE = "rocketkv"  # model.config.rocketkv: dict of RocketKVConfig fields (saved with the model)
@@ -73,7 +73,7 @@ class RocketKVGenerateHooks:
         cache = compat.cache_from(call.arguments["kwargs"])
         config = cache.config if isinstance(cache, RocketKVCache) else get_config(model)
         rocketkv_cache = isinstance(cache, RocketKVCache) or (cache is None and uses_rocketkv(model))
-        with fused_rope(model, config.fused_rope and rocketkv_cache):
+        with fused_modeling(model, config, rocketkv_cache):
             planned = plan_padding(call, config, lambda: RocketKVCache(config)) if uses_rocketkv(model) else None
             if planned is None:
                 return call()

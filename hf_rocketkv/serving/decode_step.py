@@ -33,7 +33,7 @@ import torch
 from ..host_copy import device_tensor
 from ..integration import compat
 from ..integration.batch_graphs import BatchedDecodeGraphs, GraphCaptureFailed
-from ..integration.rope import fused_rope
+from ..integration.norm import fused_modeling
 from .outputs import FinishReason
 from .running import RunningRequest
 from .sampler import sample_tokens
@@ -133,7 +133,7 @@ class BatchDecoder:
         else:
             ids = device_tensor(last_tokens + [0] * (bucket - rows), torch.long, engine.device).view(bucket, 1)
         positions = batch.next_positions(bucket)
-        with fused_rope(engine.model, engine.config.fused_rope):
+        with fused_modeling(engine.model, engine.config):
             logits = self._graphed_step(ids, positions)
             if logits is None:
                 out = engine.model(input_ids=ids, position_ids=positions, use_cache=True,

@@ -23,6 +23,25 @@ def test_decode_bench_pool_rows_quick(tmp_path):
     assert rows["rocketkv-graphs"]["attn_ms"] is not None and rows["rocketkv-graphs-pool"]["attn_ms"] is None
 
 
+def test_decode_bench_switch_off_rows_quick(tmp_path):
+    """The ``-norm-off`` / ``-rope-off`` rows run with only their fused path off, beside the rows with it on."""
+    from hf_rocketkv import RocketKVConfig
+    from hf_rocketkv.bench import decode
+
+    base = RocketKVConfig()
+    for cache, runner in (("rocketkv-norm-off", base.decode_runner), ("rocketkv-graphs-norm-off", "cuda_graphs")):
+        config = decode.rocket_for_row(base, cache)
+        assert (config.fused_norm, config.fused_rope, config.decode_runner) == (False, True, runner)
+    config = decode.rocket_for_row(base, "rocketkv-graphs-rope-off")
+    assert (config.fused_norm, config.fused_rope) == (True, False)
+    caches = ["rocketkv-norm-off", "rocketkv-graphs-norm-off"]
+    report = decode.run(["--quick", "--batch", "1", "--context", "64", "--caches", *caches, "--no-plot",
+                         "--out", str(tmp_path)])
+    rows = {r["cache"]: r for r in report["rows"]}
+    assert set(rows) == set(caches)
+    assert all(row["status"] == "ok" and row["decode_ms_per_token"] > 0 for row in rows.values()), rows
+
+
 # ------------------------------------------------------------------------------------------------ the arithmetic
 # The numbers docs/benchmarks.md quotes come from these functions; synthetic timings with hand-computed results.
 def test_step_timings_median_of_the_steady_gaps_in_ms():

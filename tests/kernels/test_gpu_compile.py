@@ -20,7 +20,7 @@ RECORDED_TESTS = [  # fast kernel tests covering every kernel (test_e2e_triton a
     "tests/kernels/test_paged_ops.py", "tests/kernels/test_sparse_decode_attention.py",
     "tests/kernels/test_select_pages.py", "tests/kernels/test_page_scores.py", "tests/kernels/test_window_scores.py",
     "tests/kernels/test_append_token.py", "tests/kernels/test_kt.py", "tests/kernels/test_fp8_pages.py",
-    "tests/kernels/test_fused_decode.py",
+    "tests/kernels/test_fused_decode.py", "tests/kernels/test_rms_norm.py",
 ]
 
 
@@ -42,7 +42,7 @@ def test_every_recorded_kernel_variant_compiles_for_sm90(tmp_path):
     kernels = {launch["kernel"] for launch in json.loads(launches.read_text())}
     assert {"_sparse_decode_split_kernel", "_append_token_kernel", "_page_logits_kernel", "_select_chunk_kernel",
             "_window_stats_kernel", "_build_kt_kernel", "_update_kt_kernel", "_fused_select_attend_kernel",
-            "_fused_combine_kernel"} <= kernels
+            "_fused_combine_kernel", "_rms_norm_kernel"} <= kernels
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     compiled = _run("compile", str(launches), "--arch", "90", "--out", str(tmp_path / "compiled.json"), env=env)
     failures = [r for r in json.loads((tmp_path / "compiled.json").read_text())["results"] if r["status"] != "ok"]

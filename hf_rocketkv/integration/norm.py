@@ -1,0 +1,73 @@
+"""Fused RMSNorm in RocketKV's decode steps (``RocketKVConfig.fused_norm``, default True).
+
+transformers' ``LlamaRMSNorm`` is six to seven launches per norm (to fp32, square, mean, add eps and rsqrt, multiply,
+back to the input dtype, multiply by the weight), two per layer and one after the last: 65 per decode step of a
+32-layer model. Inside a RocketKV call (``generate()`` with a RocketKVCache, the batching engine's decode steps) a
+one-token step on CUDA in bf16/fp16 goes through ``kernels/rms_norm.rms_norm_triton`` instead: one launch, the same
+formula rounded at the same places (within one ulp of eager PyTorch: ``tests/kernels/test_rms_norm.py``).
+Everything else runs transformers' own forward with the arguments it received: prefill, fp32, CPU, other caches,
+other threads, a call traced by torch.compile, and inputs that are not ``[B, 1, hidden]`` (Qwen3's per-head
+``q_norm``/``k_norm`` see ``[B, 1, heads, head_dim]``).
+
+Which norms: the classes of the model whose ``forward`` has exactly the byte code of ``LlamaRMSNorm.forward``
+(``compat.llama_norm_classes``: Mistral, Qwen2/3, Phi-3, Granite... copy it verbatim); others, such as Gemma's
+``(1 + weight)`` norm, are never touched. How a call is recognised as RocketKV's: ``fused_norm(model, enabled)`` sets
+a ContextVar for the duration of the call (per thread and per asyncio task, never process-wide), after making sure
+those classes have their ``forward`` wrapped (``compat.install_norm``; once per class).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+from ..kernels.rms_norm import rms_norm_supported, rms_norm_triton
+from . import compat
+from .rope import fused_rope
+
+FUSED_DEVICE_TYPES = ("cuda",)  # the kernel's devices (the CPU tests add "cpu": Triton's interpreter)
+_ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_rocketkv_fused_norm", default=False)
+_INSTALLED_ATTRIBUTE = "_hf_rocketkv_norm_installed"
+
+
+def _compute(run_original, hidden_states, weight, eps):
+    shape = hidden_states.shape
+    if (len(shape) == 3 and shape[1] == 1 and hidden_states.device.type in FUSED_DEVICE_TYPES
+            and rms_norm_supported(hidden_states, weight)):
+        return rms_norm_triton(hidden_states, weight, eps)
+    return run_original()
+
+
+def install_for(model) -> None:
+    """Wrap the forward of every LlamaRMSNorm-formula class ``model`` is made of (idempotent)."""
+    if getattr(model, _INSTALLED_ATTRIBUTE, False):
+        return
+    for owner in compat.llama_norm_classes(model):
+        compat.install_norm(owner, _ACTIVE.get, _compute)
+    object.__setattr__(model, _INSTALLED_ATTRIBUTE, True)  # a plain attribute, not a submodule or buffer
+
+
+@contextlib.contextmanager
+def fused_norm(model, enabled: bool):
+    """Within the block, this thread's decode steps of ``model`` take the fused RMSNorm (when ``enabled``)."""
+    if not enabled:
+        yield
+        return
+    install_for(model)
+    token = _ACTIVE.set(True)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def fused_norm_active() -> bool:
+    return _ACTIVE.get()
+
+
+@contextlib.contextmanager
+def fused_modeling(model, config, enabled: bool = True):
+    """Both fused decode paths of ``config`` (``fused_rope``, ``fused_norm``; a RocketKVConfig) for ``model`` within
+    the block, when ``enabled`` (the call is RocketKV's)."""
+    with fused_rope(model, enabled and config.fused_rope), fused_norm(model, enabled and config.fused_norm):
+        yield

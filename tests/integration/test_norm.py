@@ -1,0 +1,169 @@
+"""The fused decode RMSNorm inside RocketKV calls (``integration/norm.py``, ``RocketKVConfig.fused_norm``).
+
+On CPU the kernel runs under Triton's interpreter; the tests let the wrapper take it on CPU (``FUSED_DEVICE_TYPES``)
+and count its calls, so they prove the path is taken, not only that outputs agree. The oracle is the same generation
+with ``fused_norm=False`` (transformers' own module): the same tokens, and every step's logits within a small
+tolerance (the kernel's sum of squares is reduced in another order than PyTorch's, so a norm's output may differ by
+one ulp), for each architecture the tests know, in bf16 with a padded batch. On a GPU the same tests run on CUDA
+(generate() captures the decode step as a CUDA graph, so the wrapper runs on the warm-up and capture steps only).
+Also: calls that are not RocketKV's (a DynamicCache, a plain forward, another thread, prefill, fp32, Qwen3's 4-D
+per-head norms) never take it, and norms with another formula (Gemma's, OLMo2's) are never wrapped.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from transformers import DynamicCache
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.mistral.modeling_mistral import MistralRMSNorm
+from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+from hf_rocketkv import RocketKVCache, RocketKVConfig
+from hf_rocketkv.integration import compat, norm, rope
+from hf_rocketkv.integration.compat import cache_kwargs
+from tests.support.tiny_models import (
+    ARCHS,
+    compressing_config,
+    greedy,
+    left_pad,
+    make_models,
+    random_ids,
+)
+
+pytest.importorskip("triton")
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.gpu  # the model and kernels run on the GPU where one is present (pytest -m gpu)
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Lets the wrapper take the kernel on CPU (the interpreter) and counts the kernel's calls."""
+    calls = []
+    kernel = norm.rms_norm_triton
+
+    def counting(x, weight, eps):
+        calls.append(tuple(x.shape))
+        return kernel(x, weight, eps)
+
+    monkeypatch.setattr(norm, "FUSED_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(norm, "rms_norm_triton", counting)
+    return calls
+
+
+def norms_per_forward_ok(calls: int, per_forward: int, decode_forwards: int) -> bool:
+    """Every decode forward's norms on CPU; on CUDA the replayed graph skips Python (some forwards)."""
+    if DEVICE.type == "cpu":
+        return calls == per_forward * decode_forwards
+    return calls % per_forward == 0 and per_forward <= calls <= per_forward * decode_forwards
+
+
+def generate(model, ids, mask, cache, new_tokens):
+    out = greedy(model, ids, max_new_tokens=new_tokens, attention_mask=mask, **cache_kwargs(cache),
+                 output_logits=True, return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.logits).float()
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_decode_steps_take_the_fused_norm(arch, counted):
+    model = make_models(arch)[0].to(DEVICE, torch.bfloat16)
+    rows = [random_ids(1, 40, seed=3)[0], random_ids(1, 29, seed=4)[0]]
+    ids, mask = (t.to(DEVICE) for t in left_pad(rows))
+    new_tokens = 6
+    config = compressing_config(kt_cache_dtype="float32")
+    plain_tokens, plain_logits = generate(model, ids, mask, RocketKVCache(config.replace(fused_norm=False)), new_tokens)
+    assert counted == []
+    tokens, logits = generate(model, ids, mask, RocketKVCache(config), new_tokens)
+    layers = model.config.num_hidden_layers
+    # two per layer and the final norm, decode forwards only (prefill never); Qwen3's q_norm / k_norm see 4-D inputs
+    assert norms_per_forward_ok(len(counted), 2 * layers + 1, new_tokens - 1)
+    assert set(counted) == {(2, 1, model.config.hidden_size)}
+    assert torch.equal(tokens, plain_tokens)
+    assert torch.equal(logits[0], plain_logits[0])  # the prefill's logits: transformers' norms
+    torch.testing.assert_close(logits, plain_logits, rtol=0, atol=2.0**-7)  # 4 bf16 ulps at the largest logits (~0.5)
+
+
+def test_the_fused_norm_is_within_an_ulp_of_transformers_module(counted):
+    """One norm module called as the modeling code calls it, and by keyword: the kernel, near transformers' value."""
+    module = LlamaRMSNorm(64, eps=1e-6).to(DEVICE, torch.bfloat16)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16))
+    x = torch.randn((3, 1, 64), generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.bfloat16)
+    with torch.no_grad():
+        want = module(x)
+        with norm.fused_norm(module, True):
+            got, by_keyword = module(x), module(hidden_states=x)
+    assert counted == [(3, 1, 64), (3, 1, 64)]
+    assert torch.equal(got, by_keyword)
+    spacing = torch.finfo(torch.bfloat16).eps * want.float().abs().clamp_min(2.0**-126)
+    assert bool(((got.float() - want.float()).abs() <= 2 * spacing).all())
+
+
+def test_calls_that_are_not_rocketkvs_keep_transformers_norm(counted):
+    model, sdpa = (m.to(DEVICE, torch.bfloat16) for m in make_models("llama"))
+    ids = random_ids(1, 20, seed=5).to(DEVICE)
+    greedy(model, ids, max_new_tokens=3, **cache_kwargs(RocketKVCache(compressing_config())))
+    assert norms_per_forward_ok(len(counted), 2 * model.config.num_hidden_layers + 1, 2)  # installed now
+    counted.clear()
+    greedy(sdpa, ids, max_new_tokens=3, **cache_kwargs(DynamicCache(config=sdpa.config)))  # the same classes
+    with torch.no_grad():
+        model(ids[:, :1], **cache_kwargs(RocketKVCache(compressing_config())))  # a plain forward: not generate()
+    fp32 = make_models("llama")[0].to(DEVICE)
+    greedy(fp32, ids, max_new_tokens=3)  # fp32 (RocketKV): transformers' formula
+    greedy(model, ids, max_new_tokens=3, **cache_kwargs(RocketKVCache(compressing_config(fused_norm=False))))
+    assert counted == []
+
+
+def test_only_the_llama_formula_is_wrapped_gemma_and_olmo2_are_left_alone(counted):
+    norms = torch.nn.ModuleList([GemmaRMSNorm(64), LlamaRMSNorm(64), Olmo2RMSNorm(64), MistralRMSNorm(64),
+                                 LlamaRMSNorm(64)]).to(DEVICE, torch.bfloat16)
+    assert compat.llama_norm_classes(norms) == [LlamaRMSNorm, MistralRMSNorm]
+    gemma_forward, olmo2_forward = GemmaRMSNorm.forward, Olmo2RMSNorm.forward
+    norm.install_for(norms)
+    assert GemmaRMSNorm.forward is gemma_forward and Olmo2RMSNorm.forward is olmo2_forward
+    assert getattr(MistralRMSNorm.forward, compat.WRAPPED_MARK, False)
+    x = torch.randn((2, 1, 64), generator=torch.Generator().manual_seed(2)).to(DEVICE, torch.bfloat16)
+    with torch.no_grad():
+        want = [module(x) for module in norms]
+        with norm.fused_norm(norms, True):
+            got = [module(x) for module in norms]
+    assert len(counted) == 3  # the two Llama norms and the Mistral one
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+
+
+def test_a_changed_llama_norm_signature_fails_naming_the_transformers_version(monkeypatch):
+    def forward(self, hidden_states, residual=None):
+        raise AssertionError("never called here")
+
+    monkeypatch.setattr(LlamaRMSNorm, "forward", forward)
+    with pytest.raises(compat.CompatError, match=f"transformers {compat.TRANSFORMERS_VERSION}.*fused_norm=False"):
+        compat.llama_norm_classes(torch.nn.Sequential(LlamaRMSNorm(8)))
+
+
+def test_the_scope_belongs_to_its_thread_and_fused_modeling_enters_both():
+    model = make_models("llama")[0]
+    seen = []
+    with norm.fused_norm(model, True):
+        assert norm.fused_norm_active()
+        worker = threading.Thread(target=lambda: seen.append(norm.fused_norm_active()))
+        worker.start()
+        worker.join()
+        with norm.fused_norm(model, False):
+            assert norm.fused_norm_active()  # a disabled inner scope changes nothing
+    assert seen == [False] and not norm.fused_norm_active()
+    with norm.fused_modeling(model, RocketKVConfig()):
+        assert norm.fused_norm_active() and rope.fused_rope_active()
+    with norm.fused_modeling(model, RocketKVConfig(fused_rope=False)):
+        assert norm.fused_norm_active() and not rope.fused_rope_active()
+    with norm.fused_modeling(model, RocketKVConfig(), enabled=False):
+        assert not norm.fused_norm_active() and not rope.fused_rope_active()
+
+
+def test_fused_norm_config_is_validated():
+    assert RocketKVConfig().fused_norm is True
+    with pytest.raises(ValueError, match="fused_norm must be True or False, got 1"):
+        RocketKVConfig(fused_norm=1)
