@@ -219,9 +219,10 @@ def run(args) -> None:
 
 def run_study(args, samples: list[dict]) -> None:
     """Every press at the study's two points per window; one results file (``--out`` .json) and its table (.md)."""
+    from importlib.metadata import version
+
     import kvpress  # noqa: F401 - fails early without kvpress
     import transformers
-    from importlib.metadata import version
 
     fidelity_metrics = scoring_module().fidelity_metrics
     torch.set_num_threads(args.threads)
