@@ -23,9 +23,15 @@ KV head (dense layers read everything they hold), the read ratio (full cache's r
 bytes the cache holds after prefill (``memory_bytes``: K/V, KT summaries, positions).
 
 The grid keeps the reads at 1/8 of the full cache's at each context: ``topk * page_size = C / 8`` per RocketKV layer
-for flat, fewer when dense layers take their share. kvpress is not in this environment (it pins transformers<5.3);
-the baselines at equal kept and equal read tokens are the package's own StreamingLLM and SnapKV eviction policies
-(``stage2="none"``), the same rules as kvpress' StreamingLLMPress and SnapKVPress.
+for flat, fewer when dense layers take their share. The baselines run here at equal kept and equal read tokens are
+the package's own StreamingLLM and SnapKV eviction policies (``stage2="none"``), the same rules as kvpress'
+StreamingLLMPress and SnapKVPress. kvpress itself pins transformers<5.3, so it runs in an environment of its own on
+the same windows (benchmarks/kvpress_fidelity.py ``dump-study`` / ``run``); ``merge --kvpress FILE`` puts its
+presses into the summary, the tables and the plot:
+
+    python -m benchmarks.fidelity_study merge out/study_2k.json out/study_4k.json \
+        --kvpress results/cpu_2026-11-27_fidelity_study_kvpress.json \
+        --out results/cpu_2026-11-27_fidelity_study.json --plot results/cpu_2026-11-27_fidelity_study.png
 """
 
 from __future__ import annotations
@@ -197,7 +203,10 @@ def summarize(records: list[dict]) -> list[dict]:
         rows.setdefault((r["context"], r["name"]), []).append(r)
     summary = []
     for (context, name), rs in rows.items():
-        mean = lambda key, rs=rs: sum(r[key] for r in rs) / len(rs)
+        def mean(key, rs=rs):  # None where a record has no such number (kvpress rows: no memory_bytes)
+            values = [r.get(key) for r in rs]
+            return None if None in values else sum(values) / len(values)
+
         top1 = [r["top1_agreement"] for r in rs]
         spread = (sum((t - mean("top1_agreement")) ** 2 for t in top1) / max(len(top1) - 1, 1)) ** 0.5
         row = {"context": context, "name": name, "group": rs[0]["group"], "windows": len(rs),
@@ -221,8 +230,9 @@ def markdown(summary: list[dict], kinds: list[str]) -> str:
         head += "".join(f" top-1 / KL / acc. {k} |" for k in kinds)
         lines += [head, "|" + "---|" * (7 + len(kinds))]
         for s in (s for s in summary if s["context"] == context):
+            nbytes = "-" if s["bytes_after_prefill"] is None else f"{s['bytes_after_prefill'] / 2**20:.2f} MiB"
             row = (f"| {s['name']} | {s['read_tokens_per_step']:.0f} | {s['read_ratio']:.1f}x | "
-                   f"{s['bytes_after_prefill'] / 2**20:.2f} MiB | {s['top1_agreement']:.3f} | {s['mean_kl']:.3f} | "
+                   f"{nbytes} | {s['top1_agreement']:.3f} | {s['mean_kl']:.3f} | "
                    f"{s['next_token_accuracy']:.3f} |")
             for k in kinds:
                 b = s["by_kind"].get(k)
@@ -256,6 +266,7 @@ def plot(summary: list[dict], path: Path) -> None:
                         xytext=(6 if right else -6, 0), textcoords="offset points",
                         ha="left" if right else "right", va="center")
         ax.axvline(8, color="grey", lw=0.8, ls=":")
+        ax.margins(x=0.2)  # room for the labels of the points at the panel's edges
         ax.set_xscale("log", base=2)
         ax.set_xlabel("read compression (full cache's K/V reads per step / the configuration's, all layers)")
         ax.set_ylabel("top-1 agreement with the full cache (mean over windows)")
@@ -268,16 +279,31 @@ def plot(summary: list[dict], path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ main
-def merge(paths: list[str], out: Path, plot_path: str | None) -> None:
-    """One results file from runs that split the grid (e.g. one process per context): records, grids, commands."""
+def kvpress_rows(path: Path) -> tuple[list[dict], dict]:
+    """Summary rows of a ``kvpress_fidelity run`` on the study's windows (the presses, not its full cache) and what
+    ran them. Bytes: '-' (kvpress' DynamicCache is not the package's cache, and AdaKVPress stores every token)."""
+    data = json.loads(Path(path).read_text())
+    records = [dict(r, bytes_after_prefill=None, kept_tokens_mean=r["kept_budget"])
+               for r in data["records"] if r["name"] != "full"]
+    about = {key: data[key] for key in ("kvpress", "transformers", "torch", "date", "commit", "threads", "command")}
+    return summarize(records), {"file": str(path), **about}
+
+
+def merge(paths: list[str], out: Path, plot_path: str | None, kvpress: str | None = None) -> None:
+    """One results file from runs that split the grid (e.g. one process per context): records, grids, commands. A
+    merged file may be one of the runs; ``kvpress``: a kvpress_fidelity results file on the same windows, whose
+    presses join the summary, the tables and the plot."""
     runs = [json.loads(Path(p).read_text()) for p in paths]
     merged = {key: runs[0][key] for key in ("model", "device", "threads", "date", "commit", "python", "torch",
                                            "kvpress", "positions")}
-    merged["commands"] = [run["command"] for run in runs]
+    merged["commands"] = [c for run in runs for c in run.get("commands", [run.get("command")])]
     merged["wall_s"] = sum(run["wall_s"] for run in runs)
     merged["grid"] = {context: points for run in runs for context, points in run["grid"].items()}
     merged["records"] = [r for run in runs for r in run["records"]]
     merged["summary"] = summarize(merged["records"])
+    if kvpress:
+        rows, merged["kvpress"] = kvpress_rows(Path(kvpress))
+        merged["summary"] += rows
     out.write_text(json.dumps(merged, indent=1))
     kinds = sorted({r["kind"] for r in merged["records"]})
     out.with_suffix(".md").write_text(markdown(merged["summary"], kinds))
@@ -292,8 +318,10 @@ def main(argv=None) -> int:
         merger.add_argument("runs", nargs="+")
         merger.add_argument("--out", required=True)
         merger.add_argument("--plot", default=None)
+        merger.add_argument("--kvpress", default=None,
+                            help="kvpress_fidelity's results on the study's windows (run in kvpress' environment)")
         margs = merger.parse_args(argv[1:])
-        merge(margs.runs, Path(margs.out), margs.plot)
+        merge(margs.runs, Path(margs.out), margs.plot, margs.kvpress)
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--contexts", default="2048,4096")
