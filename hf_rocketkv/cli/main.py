@@ -197,11 +197,13 @@ def warm_up_batching_engine(args, model, config) -> dict:
     """``hf-rocketkv warmup --engine``: the batching engine over a pool sized as the server's, through every bucket
     and one batch per --batch size (its kernels land in --cache-dir's Triton folder)."""
     from ..memory import KVBlockPool, PoolExhaustedError, auto_pool_size
+    from ..memory.sizing import model_prefill_reserve
     from ..serving.scheduler import BatchingConfig
     from ..serving.warm_start import warm_up_engine
 
     device = next(model.parameters()).device
-    nbytes = int(args.pool_gib * 2**30) if args.pool_gib is not None else auto_pool_size(device).bytes
+    nbytes = (int(args.pool_gib * 2**30) if args.pool_gib is not None
+              else auto_pool_size(device, reserve=model_prefill_reserve(model)).bytes)
     try:
         pool = KVBlockPool(model, max_gpu_bytes=nbytes, kt_page_size=config.page_size, kt_dtype=config.kt_cache_dtype)
         return warm_up_engine(model, config, pool=pool, batch_sizes=args.batch, prompt_tokens=args.context,

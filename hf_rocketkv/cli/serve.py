@@ -357,12 +357,14 @@ def build_pool(args: argparse.Namespace, model, config, plan: EnginePlan):
     import torch
 
     from ..memory import KVBlockPool, auto_pool_size
+    from ..memory.sizing import model_prefill_reserve
 
     world = world_size()
     if args.pool_gib is not None:
         nbytes, how = int(args.pool_gib * 2**30), "--pool-gib"
     else:
-        size = auto_pool_size(next(model.parameters()).device, args.kv_memory_fraction)
+        size = auto_pool_size(next(model.parameters()).device, args.kv_memory_fraction,
+                              reserve=model_prefill_reserve(model))
         nbytes, how = size.bytes, size.describe()
     try:
         # under tensor parallelism --pool-gib is per GPU: each rank's pages hold its shard's KV heads only

@@ -53,7 +53,7 @@ from .planner import Planner
 from .prefix_file import LoadedPrefix, PoolFacts, PrefixFiles
 from .prefix_index import PrefixIndex
 from .reservation import Reservation
-from .sizing import PoolSize, auto_pool_size, model_device
+from .sizing import PoolSize, auto_pool_size, model_device, model_prefill_reserve
 from .stats import PoolStats
 from .storage import LayerStorage, PageStorage
 
@@ -70,8 +70,9 @@ class KVBlockPool:
         max_gpu_bytes: device bytes for pages; ``num_pages = max_gpu_bytes // bytes_per_page`` where a page counts
             K + V + KT (+ fp8 scales) of every layer. Transient copy staging is outside this budget. None (the
             default): sized now from the memory free where the pages will live (``device``, else the model's
-            device, else the current CUDA device, else the CPU; ``memory/sizing.py``): 0.9 of the free CUDA memory,
-            or 0.25 of the available RAM capped at 2 GiB; ``pool.sizing`` says how (None when bytes were given).
+            device, else the current CUDA device, else the CPU; ``memory/sizing.py``): 0.9 of the free CUDA memory
+            less what a 32k-token prompt's prefill needs outside the pool (``prefill_reserve_bytes``; 5.4 GiB at
+            Llama-3.1-8B shapes), or 0.25 of the available RAM capped at 2 GiB; ``pool.sizing`` says how (None when bytes were given).
         host_bytes: host bytes for offloaded pages (0: none): ``host_bytes // slot_bytes`` slots, pinned.
         page_size: tokens per pool page, a multiple of ``kt_page_size``.
         dtype: K/V storage dtype ("bfloat16", "float16", "float32", "float8_e4m3fn"); None: the model's dtype.
@@ -112,7 +113,7 @@ class KVBlockPool:
         self.geometry, model = model_geometry(model_or_config, num_kv_heads)
         self.sizing: PoolSize | None = None
         if max_gpu_bytes is None:
-            self.sizing = auto_pool_size(model_device(model, device))
+            self.sizing = auto_pool_size(model_device(model, device), reserve=model_prefill_reserve(model_or_config))
             max_gpu_bytes = self.sizing.bytes
         check_pool_options(page_size, kt_page_size, host_bytes, max_gpu_bytes, scale_granularity, prefix_reuse,
                            transfer_chunk_pages, fingerprint_samples)

@@ -2,10 +2,15 @@
 
 The rule (``pool_bytes``) is a plain function of the device type, the free bytes and a fraction:
 
-    CUDA          fraction x free device memory (``torch.cuda.mem_get_info``), fraction 0.9 by default (TensorRT-LLM's
+    CUDA          fraction x (free device memory - prefill reserve), fraction 0.9 by default (TensorRT-LLM's
                   ``free_gpu_memory_fraction``; vLLM's ``gpu_memory_utilization`` is a share of the whole GPU, weights
-                  included): measured after the model is loaded, so the weights are already counted out and the other
-                  10% is left for activations, CUDA graphs and other processes.
+                  included): measured after the model is loaded, so the weights are already counted out. The
+                  prefill reserve (``prefill_reserve_bytes``, given by the pool from the model's config) is what a
+                  prompt of ``PREFILL_RESERVE_TOKENS`` needs outside the pool while it is prefilled: its dense K/V
+                  in every layer until stage 1, and the activations of one ``PREFILL_RESERVE_CHUNK``-token forward.
+                  The other 10% of the rest is left for CUDA graphs, the allocator's fragmentation and other
+                  processes. Without the reserve the default left too little for long prompts (64 x 32k at
+                  Llama-3.1-8B shapes on an H100: out of memory in the first prefill chunk, docs/memory.md).
     CPU (other)   fraction x available RAM (MemAvailable in /proc/meminfo, within a cgroup memory limit; psutil's
                   ``available`` where there is no /proc), fraction 0.25 by default, and the default capped at
                   ``HOST_DEFAULT_CAP`` (2 GiB): the pages are filled when first used, so they take real RAM from
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,6 +32,21 @@ DEVICE_FRACTION = 0.9  # CUDA: of the free device memory, as TensorRT-LLM's free
 HOST_FRACTION = 0.25  # CPU: of the available RAM
 HOST_DEFAULT_CAP = 2 << 30  # CPU: the default fraction never takes more than this
 GIB = 1 << 30
+PREFILL_RESERVE_TOKENS = 32768  # CUDA: the prompt whose prefill the default size leaves room for, outside the pool
+PREFILL_RESERVE_CHUNK = 8192  # tokens per prefill forward counted in the reserve (the batching engine's default chunk)
+
+
+def prefill_reserve_bytes(num_layers: int, num_kv_heads: int, head_dim: int, hidden_size: int,
+                          intermediate_size: int, dtype_bytes: int, tokens: int = PREFILL_RESERVE_TOKENS,
+                          chunk: int = PREFILL_RESERVE_CHUNK) -> int:
+    """Device bytes a prefill of ``tokens`` takes outside the pool: the prompt's dense K and V in every layer
+    (``2 x layers x kv_heads x head_dim x tokens x bytes``, kept until stage 1 writes the survivors into pages) plus
+    one forward of ``chunk`` tokens' activations, counted as ``chunk x (8 x hidden + 4 x intermediate) x bytes`` (the
+    residual stream, normed input, q/k/v, attention output, and the MLP's gate, up and product; an upper bound of what
+    eager transformers holds at once)."""
+    dense_kv = 2 * num_layers * num_kv_heads * head_dim * tokens * dtype_bytes
+    activations = chunk * (8 * hidden_size + 4 * intermediate_size) * dtype_bytes
+    return dense_kv + activations
 
 
 def check_fraction(fraction: float, field: str = "kv_memory_fraction") -> float:
@@ -117,23 +138,47 @@ class PoolSize:
     free: int
     fraction: float
     capped: bool  # the CPU default cap applied
+    reserve: int = 0  # bytes kept out before the fraction (CUDA: a long prompt's prefill, prefill_reserve_bytes)
 
     def describe(self) -> str:
-        """E.g. ``0.25 of 19.6 GiB available RAM, capped at 2 GiB`` or ``0.9 of 70.2 GiB free on cuda:0``."""
+        """E.g. ``0.25 of 19.6 GiB available RAM, capped at 2 GiB``, ``0.9 of 70.2 GiB free on cuda:0`` or
+        ``0.9 of (70.2 GiB free on cuda:0 - 5.5 GiB kept for prefill)``."""
         where = f"free on {self.device}" if self.device.startswith("cuda") else "available RAM"
-        text = f"{self.fraction:g} of {self.free / GIB:.1f} GiB {where}"
+        if self.reserve:
+            text = f"{self.fraction:g} of ({self.free / GIB:.1f} GiB {where} - {self.reserve / GIB:.1f} GiB kept for prefill)"
+        else:
+            text = f"{self.fraction:g} of {self.free / GIB:.1f} GiB {where}"
         return text + (f", capped at {HOST_DEFAULT_CAP / GIB:g} GiB" if self.capped else "")
 
 
-def auto_pool_size(device: torch.device | str, fraction: float | None = None, free: int | None = None) -> PoolSize:
-    """The pool size of the rule for ``device`` (``free``: its free bytes, read now when None)."""
+def auto_pool_size(device: torch.device | str, fraction: float | None = None, free: int | None = None,
+                   reserve: int = 0) -> PoolSize:
+    """The pool size of the rule for ``device`` (``free``: its free bytes, read now when None; ``reserve``: bytes
+    kept out of a CUDA device's free memory before the fraction, ``prefill_reserve_bytes``; ignored elsewhere)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     free = free_bytes(device) if free is None else free
-    size = pool_bytes(device.type, free, fraction)
+    if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
+        raise ValueError(f"reserve must be an integer number of bytes >= 0, got {reserve!r}")
+    reserve = min(reserve, free) if device.type == "cuda" else 0
+    size = pool_bytes(device.type, free - reserve, fraction)
     used = check_fraction(fraction) if fraction is not None else default_fraction(device.type)
-    return PoolSize(size, str(device), free, used, capped=size < int(free * used))
+    return PoolSize(size, str(device), free, used, capped=size < int((free - reserve) * used), reserve=reserve)
+
+
+def model_prefill_reserve(model_or_config: Any) -> int:
+    """``prefill_reserve_bytes`` for a model (or its config): its layers, KV heads, head_dim, hidden and intermediate
+    sizes (4 x hidden when the config names none) and dtype (2 bytes when it names none)."""
+    from .geometry import model_geometry, split_model_and_config
+
+    geometry, _model = model_geometry(model_or_config)
+    config = split_model_and_config(model_or_config)[1]
+    hidden = getattr(config, "hidden_size", None) or geometry.num_kv_heads * geometry.head_dim
+    intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
+    dtype_bytes = geometry.dtype.itemsize if geometry.dtype is not None else 2
+    return prefill_reserve_bytes(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, int(hidden),
+                                 int(intermediate), dtype_bytes)
 
 
 def model_device(model: torch.nn.Module | None, device: torch.device | str | None) -> torch.device:
@@ -149,5 +194,6 @@ def model_device(model: torch.nn.Module | None, device: torch.device | str | Non
     return torch.device("cpu")
 
 
-__all__ = ["DEVICE_FRACTION", "HOST_DEFAULT_CAP", "HOST_FRACTION", "PoolSize", "auto_pool_size", "check_fraction",
-           "default_fraction", "free_bytes", "host_available", "model_device", "pool_bytes"]
+__all__ = ["DEVICE_FRACTION", "HOST_DEFAULT_CAP", "HOST_FRACTION", "PREFILL_RESERVE_CHUNK", "PREFILL_RESERVE_TOKENS",
+           "PoolSize", "auto_pool_size", "check_fraction", "default_fraction", "free_bytes", "host_available",
+           "model_device", "model_prefill_reserve", "pool_bytes", "prefill_reserve_bytes"]

@@ -109,10 +109,36 @@ def test_pool_on_cuda_takes_0_9_of_the_free_device_memory(monkeypatch):
                          hidden_size=64)
     pool = KVBlockPool(config, dtype=torch.bfloat16, device="cuda:0")
     assert seen == [torch.device("cuda", 0)]
-    assert pool.sizing.bytes == int(8 * GIB * 9 / 10) and pool.sizing.device == "cuda:0"
-    assert pool.num_pages == int(8 * GIB * 9 / 10) // page_bytes(config, 16, 4, 2, 1)  # KT fp8 e5m2 by default
+    # the prefill reserve of this config, by hand: dense K/V of 32768 tokens (2 x 2 layers x 2 heads x 16 x 32768 x
+    # 2 bytes: the config names no dtype, counted as half precision) + a chunk of 8192 tokens' activations
+    # (8192 x (8 x 64 + 4 x 11008) x 2; LlamaConfig's default intermediate size)
+    reserve = 2 * 2 * 2 * 16 * 32768 * 2 + 8192 * (8 * 64 + 4 * 11008) * 2
+    assert pool.sizing.reserve == reserve
+    assert pool.sizing.bytes == int((8 * GIB - reserve) * 9 / 10) and pool.sizing.device == "cuda:0"
+    assert pool.num_pages == pool.sizing.bytes // page_bytes(config, 16, 4, 2, 1)  # KT fp8 e5m2 by default
     assert auto_pool_size("cuda:0", fraction=0.5).bytes == 4 * GIB
     assert auto_pool_size("cuda:0").describe() == "0.9 of 8.0 GiB free on cuda:0"
+    assert auto_pool_size("cuda:0", reserve=GIB).bytes == int(7 * GIB * 9 / 10)
+    assert auto_pool_size("cuda:0", reserve=GIB).describe() == "0.9 of (8.0 GiB free on cuda:0 - 1.0 GiB kept for prefill)"
+
+
+def test_prefill_reserve_of_llama_3_1_8b_shapes():
+    """The numbers docs/memory.md states: 4 GiB of dense K/V for a 32k prompt, 1.375 GiB of one 8k chunk's
+    activations (8192 x (8 x 4096 + 4 x 14336) x 2 bytes)."""
+    reserve = sizing.prefill_reserve_bytes(32, 8, 128, 4096, 14336, 2)
+    assert reserve == 4 * GIB + 8192 * 90112 * 2 == int(5.375 * GIB)
+    config = LlamaConfig(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096,
+                         intermediate_size=14336, dtype=torch.bfloat16)
+    assert sizing.model_prefill_reserve(config) == reserve
+
+
+def test_the_reserve_applies_on_cuda_only_and_never_below_zero(monkeypatch):
+    monkeypatch.setattr(sizing, "host_available", lambda: 64 * MIB)
+    assert auto_pool_size("cpu", reserve=GIB).reserve == 0 and auto_pool_size("cpu", reserve=GIB).bytes == 16 * MIB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (GIB, 80 * GIB))
+    assert auto_pool_size("cuda:0", reserve=2 * GIB).bytes == 0
+    with pytest.raises(ValueError, match="reserve must be an integer"):
+        auto_pool_size("cuda:0", reserve=-1)
 
 
 def test_a_pool_too_small_for_a_page_says_so(monkeypatch):
