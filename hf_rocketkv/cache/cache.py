@@ -23,10 +23,10 @@ from transformers import Cache
 
 from ..config import RocketKVConfig
 from ..memory import KVBlockPool, PrefixKeys
+from ..memory.layer_kinds import describe, sliding_windows
 from .consistency import check_batch, check_layers_consistent
 from .dense_layer import DenseLayer
 from .layer import GenerationHints, RocketKVLayer
-from .layer_kinds import describe, sliding_windows
 from .layer_plan import check_layer_count, layer_config
 from .pool_pages import PoolPages, release_rows_later
 from .row_index import CROP_UNSUPPORTED
@@ -97,7 +97,7 @@ class RocketKVCache(Cache):
 
     def configure_layers(self, model_config) -> "RocketKVCache":
         """Read which layers of the model slide from its config (``layer_types``, ``sliding_window``;
-        ``cache/layer_kinds.py``): those get a ``SlidingWindowLayer`` (their last ``sliding_window`` tokens, dense,
+        ``memory/layer_kinds.py``): those get a ``SlidingWindowLayer`` (their last ``sliding_window`` tokens, dense,
         nothing scored), the full-attention layers RocketKV layers. Idempotent; generate() calls it. Raises
         ValueError for layer types RocketKV cannot serve and NotImplementedError where sliding layers are not
         supported yet (a pool). Returns the cache."""
