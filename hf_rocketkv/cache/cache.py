@@ -414,9 +414,12 @@ class RocketKVCache(Cache):
 
     @property
     def is_compressed(self) -> bool:
-        """Stage 1 has run on every RocketKV layer (sliding-window layers have no stage 1)."""
+        """Stage 1 has run on every RocketKV layer (sliding-window layers have no stage 1: a cache whose layers all
+        slide counts as compressed once it has stored its prompt)."""
         rocket = [layer for layer in self.layers if isinstance(layer, RocketKVLayer)]
-        return len(rocket) > 0 and all(layer.compressed for layer in rocket)
+        if not rocket:
+            return any(layer.is_initialized for layer in self.layers)
+        return all(layer.compressed for layer in rocket)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Undo the last ``-tokens_to_remove`` decode steps (see ``RocketKVLayer.crop``); anything else raises."""

@@ -222,6 +222,13 @@ class KVBlockPool:
         with self._lock:
             return self._core.slab.available() if self._core.slab is not None else 0
 
+    def take_slot(self, what: str = "taking a sliding-window slot") -> SlotLease:
+        """One sliding-window slot outside any admission (a batch's padding rows write there), or
+        PoolExhaustedError; give it back with ``release``."""
+        with self._lock:
+            self._planner._check_slots(what, 1)
+            return self._core.slab.take(1)[0]
+
     def free_slot_ids(self) -> list[int]:
         with self._lock:
             return self._core.slab.free_ids() if self._core.slab is not None else []

@@ -113,7 +113,8 @@ def _synthetic_request(engine, max_new_tokens: int, scratch: bool) -> RunningReq
     running.reservation = engine.pool.reserve(
         need, f"BatchingEngine.warm_up's synthetic request ({request.prompt_len} prompt tokens, max_tokens="
               f"{max_new_tokens}{', plus a scratch page for padding rows' if scratch else ''}; warm up fewer "
-              f"max_new_tokens or give the pool more memory)")
+              f"max_new_tokens or give the pool more memory)",
+        slots=(1 + int(scratch)) if engine.pool.has_sliding_layers else 0)
     return running
 
 

@@ -1,0 +1,120 @@
+"""The batching engine on models with sliding-window layers (gpt-oss, Gemma 3, Mistral with a window: tiny random
+configs, CPU float32): requests batched, each request's tokens those of the request alone (model.generate with its
+own RocketKVCache, no pool), ragged prompts, requests joining mid-run, decode graphs (a CPU stand-in), cancel; every
+page and sliding-window slot back in the pool at the end.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_rocketkv.serving import FinishReason, GenerationManager, SamplingParams
+from hf_rocketkv.serving.batching import BatchingEngine
+from hf_rocketkv.serving.scheduler import BatchingConfig
+from tests.serving.helpers import CFG, Events, ForwardGate, oracle_tokens, prompt_of, request, wait_until
+from tests.support.hybrid_models import make_hybrid_models
+from tests.support.tiny_models import cpu_pool
+
+ARCHS = ["gpt_oss", "gemma3", "mistral"]
+PROMPTS = [(30, 9), (17, 3), (45, 12), (5, 6), (26, 1), (33, 8)]  # ragged; some under the budget, some in one window
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def hybrid(request):
+    """``(arch, served, oracle_model)``: two copies of one tiny hybrid model (same weights)."""
+    served, _ = make_hybrid_models(request.param)
+    alone, _ = make_hybrid_models(request.param)
+    return request.param, served, alone
+
+
+def all_back(pool) -> bool:
+    return pool.free_pages() == pool.total_pages() and pool.free_slots() == pool.total_slots()
+
+
+def run_engine(served, pool, submissions, graphs=None, **batching):
+    batching = {"max_running": 8, "buckets": (1, 2, 4, 8), **batching}
+    engine = BatchingEngine(served, CFG, pool, BatchingConfig(**batching), decode_graphs=graphs)
+    events = Events()
+    engine.start(events)
+    try:
+        submissions(engine, events)
+    finally:
+        engine.stop(timeout=60)
+    return engine, events
+
+
+def test_requests_batched_equal_each_alone(hybrid):
+    arch, served, alone = hybrid
+    pool = cpu_pool(served, CFG, 2 << 20, 8, sliding_slots=10)
+    prompts = [prompt_of(n, seed=n) for n, _ in PROMPTS]
+
+    def submit(engine, events):
+        for i, (prompt, (_, n)) in enumerate(zip(prompts, PROMPTS)):
+            engine.submit(request(f"r{i}", prompt, n))
+        events.wait_finals(len(PROMPTS))
+
+    engine, events = run_engine(served, pool, submit)
+    for i, (prompt, (_, n)) in enumerate(zip(prompts, PROMPTS)):
+        assert events.tokens(f"r{i}") == oracle_tokens(alone, prompt, CFG, n), f"{arch} request {i}"
+    assert engine.steps < sum(n for _, n in PROMPTS)  # rows really decoded together
+    assert all_back(pool)
+
+
+def test_requests_joining_mid_run_with_graphs_equal_each_alone(hybrid):
+    from hf_rocketkv.integration.batch_graphs import BatchedDecodeGraphs
+    from tests.support.decode_runners import StandInBackend
+
+    arch, served, alone = hybrid
+    pool = cpu_pool(served, CFG, 2 << 20, 8, sliding_slots=4)  # fewer slots than requests: they wait for one
+    backend = StandInBackend()
+    graphs = BatchedDecodeGraphs(served, backend=backend, devices=("cpu",))
+    prompts = [prompt_of(n, seed=300 + n) for n, _ in PROMPTS]
+
+    def submit(engine, events):
+        gate = ForwardGate(engine.model, delay=0.002)
+        try:
+            for i, (prompt, (_, n)) in enumerate(zip(prompts, PROMPTS)):
+                engine.submit(request(f"g{i}", prompt, n + 4))
+                wait_until(lambda: engine.steps >= 2 * (i + 1), timeout=10)
+            events.wait_finals(len(PROMPTS))
+        finally:
+            gate.remove()
+
+    engine, events = run_engine(served, pool, submit, graphs=graphs, prefills_per_step=2)
+    for i, (prompt, (_, n)) in enumerate(zip(prompts, PROMPTS)):
+        assert events.tokens(f"g{i}") == oracle_tokens(alone, prompt, CFG, n + 4), f"{arch} request {i}"
+    assert backend.captures >= 1 and backend.replays > backend.captures
+    assert all_back(pool)
+
+
+def test_cancel_returns_every_page_and_slot(hybrid):
+    arch, served, alone = hybrid
+    pool = cpu_pool(served, CFG, 2 << 20, 8, sliding_slots=4)
+
+    def submit(engine, events):
+        gate = ForwardGate(engine.model, delay=0.01)
+        try:
+            engine.submit(request("long", prompt_of(30, seed=4), 200))
+            engine.submit(request("other", prompt_of(22, seed=5), 20))
+            assert wait_until(lambda: len(events.tokens("long")) >= 3)
+            assert pool.free_slots() < pool.total_slots()
+            engine.cancel("long")
+            events.wait_finals(2)
+        finally:
+            gate.remove()
+
+    _, events = run_engine(served, pool, submit)
+    assert events.finals("long")[0].finish_reason is FinishReason.CANCELLED
+    assert events.tokens("other") == oracle_tokens(alone, prompt_of(22, seed=5), CFG, 20)
+    assert all_back(pool)
+
+
+def test_the_manager_picks_the_batching_engine_for_a_hybrid_model(hybrid):
+    arch, served, alone = hybrid
+    pool = cpu_pool(served, CFG, 2 << 20, 8)
+    with GenerationManager(served, None, CFG, pool=pool) as manager:
+        assert type(manager.engine).__name__ == "BatchingEngine"
+        prompt = prompt_of(28, seed=9)
+        request_id = manager.add_request(prompt, SamplingParams.greedy(5))
+        assert list(manager.result(request_id, timeout=60).token_ids) == oracle_tokens(alone, prompt, CFG, 5)
+    assert all_back(pool)
