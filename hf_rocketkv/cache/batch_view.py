@@ -353,6 +353,12 @@ class BatchedDecodeCache(Cache):
         self.release_scratch()
 
     @property
+    def table_width(self) -> int:
+        """Pool pages per row of the batch's tables (0 before the first join, or when every layer slides)."""
+        tables = [layer for layer in self.layers if isinstance(layer, BatchedDecodeLayer)]
+        return tables[0].width if tables else 0
+
+    @property
     def joined(self) -> int:
         return sum(cache is not None for cache in self.caches)
 

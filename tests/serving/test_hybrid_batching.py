@@ -118,3 +118,31 @@ def test_the_manager_picks_the_batching_engine_for_a_hybrid_model(hybrid):
         request_id = manager.add_request(prompt, SamplingParams.greedy(5))
         assert list(manager.result(request_id, timeout=60).token_ids) == oracle_tokens(alone, prompt, CFG, 5)
     assert all_back(pool)
+
+
+def test_warm_up_captures_every_bucket_then_requests_equal_each_alone(hybrid):
+    from hf_rocketkv.integration.batch_graphs import BatchedDecodeGraphs
+    from tests.support.decode_runners import StandInBackend
+
+    arch, served, alone = hybrid
+    pool = cpu_pool(served, CFG, 2 << 20, 8, sliding_slots=9)
+    backend = StandInBackend()
+    graphs = BatchedDecodeGraphs(served, backend=backend, devices=("cpu",))
+    engine = BatchingEngine(served, CFG, pool, BatchingConfig(max_running=8, buckets=(1, 2, 4, 8)),
+                            decode_graphs=graphs)
+    report = engine.warm_up(max_new_tokens=8)
+    assert report["captures"] == 4 and all_back(pool)
+    captures = backend.captures
+    events = Events()
+    engine.start(events)
+    try:
+        prompts = [prompt_of(n, seed=500 + n) for n, _ in PROMPTS]
+        for i, (prompt, (_, n)) in enumerate(zip(prompts, PROMPTS)):
+            engine.submit(request(f"w{i}", prompt, n))
+        events.wait_finals(len(PROMPTS))
+    finally:
+        engine.stop(timeout=60)
+    assert backend.captures == captures  # nothing captured while serving
+    for i, (prompt, (_, n)) in enumerate(zip(prompts, PROMPTS)):
+        assert events.tokens(f"w{i}") == oracle_tokens(alone, prompt, CFG, n), f"{arch} request {i}"
+    assert all_back(pool)
