@@ -117,6 +117,26 @@ def test_the_manager_picks_the_batching_engine_for_a_hybrid_model(hybrid):
         prompt = prompt_of(28, seed=9)
         request_id = manager.add_request(prompt, SamplingParams.greedy(5))
         assert list(manager.result(request_id, timeout=60).token_ids) == oracle_tokens(alone, prompt, CFG, 5)
+        metrics = manager.metrics()
+        assert (metrics.free_slots, metrics.total_slots) == (pool.free_slots(), pool.total_slots())
+    assert all_back(pool)
+
+
+def test_chunked_prefills_equal_each_alone(hybrid):
+    """Prompts prefilled in chunks of 8 tokens between decode steps (the sliding layers' ordered store grows a
+    chunk at a time, then moves into the request's slot when it joins)."""
+    arch, served, alone = hybrid
+    pool = cpu_pool(served, CFG, 2 << 20, 8, sliding_slots=8)
+    prompts = [prompt_of(n, seed=700 + n) for n, _ in PROMPTS]
+
+    def submit(engine, events):
+        for i, (prompt, (_, n)) in enumerate(zip(prompts, PROMPTS)):
+            engine.submit(request(f"c{i}", prompt, n))
+        events.wait_finals(len(PROMPTS))
+
+    _, events = run_engine(served, pool, submit, prefill_chunk_tokens=8, prefill_token_budget=8)
+    for i, (prompt, (_, n)) in enumerate(zip(prompts, PROMPTS)):
+        assert events.tokens(f"c{i}") == oracle_tokens(alone, prompt, CFG, n), f"{arch} request {i}"
     assert all_back(pool)
 
 
