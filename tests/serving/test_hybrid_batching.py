@@ -166,3 +166,15 @@ def test_warm_up_captures_every_bucket_then_requests_equal_each_alone(hybrid):
     for i, (prompt, (_, n)) in enumerate(zip(prompts, PROMPTS)):
         assert events.tokens(f"w{i}") == oracle_tokens(alone, prompt, CFG, n), f"{arch} request {i}"
     assert all_back(pool)
+
+
+def test_generate_batch_equals_each_alone(hybrid):
+    from hf_rocketkv.serving import generate_batch
+
+    arch, served, alone = hybrid
+    pool = cpu_pool(served, CFG, 2 << 20, 8)
+    prompts = [prompt_of(n, seed=900 + n) for n in (33, 12, 27)]
+    results = generate_batch(served, prompts, config=CFG, pool=pool, sampling=SamplingParams.greedy(6))
+    for prompt, result in zip(prompts, results):
+        assert list(result.token_ids) == oracle_tokens(alone, prompt, CFG, 6), arch
+    assert all_back(pool)
