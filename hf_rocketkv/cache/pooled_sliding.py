@@ -29,6 +29,7 @@ class PooledSlidingLayer(SlidingWindowLayer):
         self.pages = pages  # the cache's PoolPages: the pool, the rows' slot ids
         self._slots: torch.Tensor | None = None  # [B] int64 slot ids (ring only)
         self._first: int | None = None  # the first slot id when the rows' slots are consecutive
+        self._slab_tensors: tuple[torch.Tensor, torch.Tensor] | None = None  # the pool's (k, v) slab: never moves
         super().__init__(window, hints, layer_idx)
 
     def reset(self) -> None:
@@ -52,8 +53,10 @@ class PooledSlidingLayer(SlidingWindowLayer):
         self._values = value
 
     def _slab(self) -> tuple[torch.Tensor, torch.Tensor]:
-        probe = torch.empty(0, self.num_kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device)
-        return self.pages.pool.sliding_slab(self.layer_idx, probe)
+        if self._slab_tensors is None:
+            probe = torch.empty(0, self.num_kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device)
+            self._slab_tensors = self.pages.pool.sliding_slab(self.layer_idx, probe)
+        return self._slab_tensors
 
     def _ring(self, which: int) -> torch.Tensor:
         slab = self._slab()[which]
