@@ -178,3 +178,39 @@ def test_generate_batch_equals_each_alone(hybrid):
     for prompt, result in zip(prompts, results):
         assert list(result.token_ids) == oracle_tokens(alone, prompt, CFG, 6), arch
     assert all_back(pool)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_arrivals_and_cancels_return_every_slot(hybrid, seed):
+    """Arrivals, cancels, max_tokens and prompt lengths at random, fewer slots than requests: one final event each,
+    each row's tokens those of the request alone (a cancelled one: a prefix of them), every page and slot back."""
+    import random
+
+    arch, served, alone = hybrid
+    rng = random.Random(seed)
+    pool = cpu_pool(served, CFG, 2 << 20, 8, sliding_slots=rng.choice([2, 3, 5]))
+    sent = []
+
+    def submit(engine, events):
+        for i in range(8):
+            prompt, n = prompt_of(rng.randint(3, 40), seed=rng.randint(0, 10**6)), rng.randint(1, 10)
+            engine.submit(request(f"q{i}", prompt, n))
+            sent.append((f"q{i}", prompt, n))
+            if rng.random() < 0.3:
+                victim = rng.choice(sent)[0]
+                wait_until(lambda: len(events.tokens(victim)) >= rng.randint(0, 3), timeout=2)
+                engine.cancel(victim)
+            wait_until(lambda: engine.steps >= rng.randint(0, 2 * i), timeout=2)
+        events.wait_finals(len(sent))
+
+    _, events = run_engine(served, pool, submit, prefills_per_step=rng.choice([1, 2]), max_running=6)
+    for rid, prompt, n in sent:
+        finals = events.finals(rid)
+        assert len(finals) == 1, rid
+        tokens, expected = events.tokens(rid), oracle_tokens(alone, prompt, CFG, n)
+        if finals[0].finish_reason is FinishReason.CANCELLED:
+            assert tokens == expected[: len(tokens)], (arch, rid)
+        else:
+            assert finals[0].finish_reason is FinishReason.LENGTH, (arch, rid, finals[0])
+            assert tokens == expected, (arch, rid)
+    assert all_back(pool)
