@@ -54,6 +54,10 @@ class PooledSlidingLayer(SlidingWindowLayer):
 
     def _slab(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._slab_tensors is None:
+            if self.pages.pool.dtype != self.dtype:
+                raise ValueError(
+                    f"KVBlockPool.dtype is {self.pages.pool.dtype} but the model's keys are {self.dtype}: build the "
+                    f"pool with dtype={self.dtype} (its sliding-window slab holds the model's K/V as they are)")
             probe = torch.empty(0, self.num_kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device)
             self._slab_tensors = self.pages.pool.sliding_slab(self.layer_idx, probe)
         return self._slab_tensors
