@@ -144,3 +144,30 @@ def test_a_pool_built_for_another_model_is_refused(pair):
     wrong = cpu_pool(mistral, config, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="KVBlockPool.dtype is torch.bfloat16"):
         greedy(mistral, random_ids(1, 12), past_key_values=RocketKVCache(config, pool=wrong), max_new_tokens=3)
+
+
+def test_graphed_decode_on_the_pool_equals_eager_and_reads_nothing_back(pair):
+    """Decode steps captured as graphs (the CPU stand-in for torch.cuda graphs, tests/support/decode_runners.py) on
+    a pool-backed cache, the Triton backend (interpreted) as on a GPU: the tokens of eager decode on the same pool,
+    and no op of a replayed step reads the device back (the slot writes and the ring reads are device ops)."""
+    from tests.integration.test_hybrid_decode_graphs import SyncCountingBackend
+    from tests.support.decode_runners import eager_compile_config
+
+    arch, rocket, oracle = pair
+    ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (37, 12)])
+    config = compressing_config(kt_cache_dtype="float32", backend="triton")
+    pool = cpu_pool(rocket, config)
+    eager_cache = RocketKVCache(config, pool=pool)
+    eager = greedy(rocket, ids, attention_mask=mask, past_key_values=eager_cache, max_new_tokens=8,
+                   disable_compile=True)
+    eager_cache.close()
+    backend = SyncCountingBackend()
+    cache = RocketKVCache(config, pool=pool)
+    cache.hints.graph_devices, cache.hints.graph_backend = ("cpu",), backend
+    out = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8,
+                 compile_config=eager_compile_config())
+    assert torch.equal(out, eager)
+    assert backend.replays == 6
+    assert backend.reads.total == 0, dict(backend.reads.counts)
+    cache.close()
+    assert all_back(pool)

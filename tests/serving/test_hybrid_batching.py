@@ -87,6 +87,32 @@ def test_requests_joining_mid_run_with_graphs_equal_each_alone(hybrid):
     assert all_back(pool)
 
 
+def test_a_replayed_batched_step_reads_nothing_back_from_the_device(hybrid):
+    """The Triton backend (interpreted here), as on a GPU: no op of a replayed batched step (the rows' slot writes,
+    the ring reads and masks, the paged layers' kernels) makes the host wait for the device."""
+    from hf_rocketkv.integration.batch_graphs import BatchedDecodeGraphs
+    from tests.integration.test_hybrid_decode_graphs import SyncCountingBackend
+
+    arch, served, alone = hybrid
+    config = CFG.replace(backend="triton")
+    pool = cpu_pool(served, config, 2 << 20, 8, sliding_slots=4)
+    backend = SyncCountingBackend()
+    graphs = BatchedDecodeGraphs(served, backend=backend, devices=("cpu",))
+    engine = BatchingEngine(served, config, pool, BatchingConfig(max_running=4, buckets=(1, 2, 4)),
+                            decode_graphs=graphs)
+    events = Events()
+    engine.start(events)
+    try:
+        for i, n in enumerate((30, 17, 45)):
+            engine.submit(request(f"t{i}", prompt_of(n, seed=n), 8))
+        events.wait_finals(3)
+    finally:
+        engine.stop(timeout=60)
+    assert backend.replays > 0
+    assert backend.reads.total == 0, dict(backend.reads.counts)
+    assert all_back(pool)
+
+
 def test_cancel_returns_every_page_and_slot(hybrid):
     arch, served, alone = hybrid
     pool = cpu_pool(served, CFG, 2 << 20, 8, sliding_slots=4)
