@@ -35,8 +35,8 @@ from .page_meta import DEFAULT_PRIORITY, LOADED_PREFIX_PRIORITY, PageInfo
 from .pool import KVBlockPool
 from .prefix_file import LoadedPrefix
 from .reservation import Reservation
-from .sliding_slab import SlotLease
 from .sizing import PoolSize, auto_pool_size, pool_bytes
+from .sliding_slab import SlotLease
 from .stats import PoolStats
 from .storage import LayerStorage
 

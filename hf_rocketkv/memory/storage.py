@@ -44,7 +44,8 @@ class LayerStorage:
 
 
 class PageStorage:
-    def __init__(self, num_layers: int, num_pages: int, planned: LayerShape, paged_layers: tuple[int, ...] | None = None):
+    def __init__(self, num_layers: int, num_pages: int, planned: LayerShape,
+                 paged_layers: tuple[int, ...] | None = None):
         self.num_layers = num_layers
         self.num_pages = num_pages
         self.planned = planned
