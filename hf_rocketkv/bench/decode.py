@@ -300,12 +300,14 @@ def pool_for_row(model, cache: str, rocket, batch: int, context: int, new_tokens
     dtype = torch.float8_e4m3fn if cache.endswith("-fp8") else None  # None: the model's dtype
     device = next(model.parameters()).device
 
-    def make(nbytes: int) -> KVBlockPool:
+    def make(nbytes: int, **extra) -> KVBlockPool:
         return KVBlockPool(model.config, max_gpu_bytes=nbytes, page_size=POOL_PAGE_SIZE, dtype=dtype,
-                           kt_page_size=rocket.page_size, kt_dtype=rocket.kt_cache_dtype, device=device)
+                           kt_page_size=rocket.page_size, kt_dtype=rocket.kt_cache_dtype, device=device, **extra)
 
     probe = make(1 << 30)  # lazily allocated: only its page bytes and its accounting are read
     needed = probe.pages_needed([context] * batch, new_tokens, rocket)
+    if probe.has_sliding_layers:  # a hybrid model: the rows' sliding-window slots too (docs/memory.md, "Layer kinds")
+        return make(needed.prefill_peak_bytes, sliding_slots=needed.slots)
     return make(needed.prefill_peak * probe.bytes_per_page)
 
 

@@ -11,13 +11,13 @@ Public API (what serving/, eval/, bench/ and the CLI import; integration/ may us
     check_pool_policy   refuse a config a pool cannot account for (per-head budgets)
     decode_read_bytes   bytes one decode step reads from a layer (read_accounting.py; benchmarks' GB/s)
     SlidingWindowLayer  a sliding-window layer's store: its last tokens, dense (sliding_layer.py)
-    sliding_windows     each layer's sliding window read from a model config, None = full attention (layer_kinds.py)
+    sliding_windows     each layer's sliding window from a model config, None = full attention (memory/layer_kinds.py)
 """
 
+from ..memory.layer_kinds import sliding_windows
 from .batch_view import BatchedDecodeCache
 from .cache import RocketKVCache
 from .layer import GenerationHints, RocketKVLayer, layer_of
-from .layer_kinds import sliding_windows
 from .page_budget import check_pool_policy, request_pages
 from .read_accounting import decode_read_bytes
 from .sliding_layer import SlidingWindowLayer

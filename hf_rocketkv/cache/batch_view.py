@@ -50,10 +50,12 @@ from transformers import Cache
 
 from ..memory import KVBlockPool
 from ..memory.errors import PoolExhaustedError
+from .batch_sliding import BatchedSlidingLayer
 from .cache import RocketKVCache
 from .consistency import check_layers_consistent
 from .layer import GenerationHints, RocketKVLayer
 from .paged_store import PagedStore
+from .pooled_sliding import PooledSlidingLayer
 
 
 class BatchedDecodeLayer(RocketKVLayer):
@@ -96,6 +98,39 @@ class BatchedDecodeLayer(RocketKVLayer):
     @property
     def width(self) -> int:
         return self.table_buf.shape[1]
+
+    def copy_in(self, theirs: RocketKVLayer, row: int) -> None:
+        """Row ``row`` takes the request layer's table row, length, positions and logical length."""
+        store = theirs.store
+        pages, width = store.max_pages, theirs.positions.shape[2]
+        if store.page_tokens != self.page_tokens:
+            raise ValueError("BatchedDecodeCache.join: the cache's pages are not this pool's")
+        self.table_buf[row].fill_(-1)
+        self.table_buf[row, :pages] = store.table[0]
+        self.lengths_buf[row] = theirs.lengths[0]
+        self.positions_buf[row].fill_(-1)
+        self.positions_buf[row, :, :width] = theirs.positions[0]
+        self.seen_buf[row] = theirs.seen
+
+    def write_back(self, theirs: RocketKVLayer, row: int, steps: int) -> None:
+        """The row's length, positions, logical length and host counters into the request layer."""
+        width = theirs.positions.shape[2]
+        theirs.lengths.copy_(self.lengths_buf[row : row + 1])
+        theirs.positions[0].copy_(self.positions_buf[row, :, :width])
+        theirs.seen.copy_(self.seen_buf[row])
+        theirs.host_seen += steps
+        theirs.host_max_length += steps
+        theirs.host_decoded += steps
+
+    def move_row(self, src: int, dst: int) -> None:
+        for buf in (self.table_buf, self.lengths_buf, self.positions_buf, self.seen_buf):
+            buf[dst] = buf[src]
+
+    def clear_row(self, row: int) -> None:
+        self.table_buf[row].fill_(-1)
+        self.lengths_buf[row] = 0
+        self.positions_buf[row].fill_(-1)
+        self.seen_buf[row] = 0
 
     def widen(self, width: int) -> None:
         """Tables of ``width`` pages (a row with more view pages than any before joined); contents kept."""
@@ -180,6 +215,7 @@ class BatchedDecodeCache(Cache):
         self._layout = 0
         self._prepared: tuple | None = None
         self.scratch = pool.new_table("view")  # the padding rows' page, held only while padding is needed
+        self.scratch_slot = None  # and their sliding-window slot (a model with sliding layers)
 
     # ------------------------------------------------------------------------------------------ rows
     def join(self, row: int, cache: RocketKVCache) -> None:
@@ -190,7 +226,7 @@ class BatchedDecodeCache(Cache):
             raise ValueError(f"BatchedDecodeCache row {row} is taken (leave it first)")
         if cache.pool is not self.pool:
             raise ValueError("BatchedDecodeCache.join: the cache draws its pages from another pool (or none)")
-        if not cache.is_compressed or cache.layers[0].batch_size != 1:
+        if not cache.is_compressed or cache.batch_size != 1:
             raise ValueError("BatchedDecodeCache.join needs a compressed RocketKVCache of batch 1 (prefill done)")
         if any(layer.history is not None for layer in cache.layers):
             raise NotImplementedError(
@@ -200,15 +236,15 @@ class BatchedDecodeCache(Cache):
         try:
             self._ensure_layers(cache)
             for mine, theirs in zip(self.layers, cache.layers):
-                self._copy_in(mine, theirs, row)
+                mine.copy_in(theirs, row)
         except BaseException:
             cache.give_back()
             raise
-        layer0 = cache.layers[0]
+        paged = [layer for layer in cache.layers if isinstance(layer, RocketKVLayer)]
         self.caches[row] = cache
         self._layout += 1
-        self.row_pages[row] = layer0.store.row_pages[0]
-        self.room[row] = min(layer.decode_room() for layer in cache.layers)
+        self.row_pages[row] = paged[0].store.row_pages[0] if paged else 0
+        self.room[row] = min(layer.decode_room() for layer in paged) if paged else 1 << 62
         self.steps[row] = 0
 
     def leave(self, row: int) -> RocketKVCache:
@@ -217,13 +253,7 @@ class BatchedDecodeCache(Cache):
         cache = self._cache_at(row)
         steps = self.steps[row]
         for mine, theirs in zip(self.layers, cache.layers):
-            width = theirs.positions.shape[2]
-            theirs.lengths.copy_(mine.lengths_buf[row : row + 1])
-            theirs.positions[0].copy_(mine.positions_buf[row, :, :width])
-            theirs.seen.copy_(mine.seen_buf[row])
-            theirs.host_seen += steps
-            theirs.host_max_length += steps
-            theirs.host_decoded += steps
+            mine.write_back(theirs, row, steps)
         cache.give_back()
         self._clear(row)
         return cache
@@ -235,8 +265,7 @@ class BatchedDecodeCache(Cache):
         if self.caches[dst] is not None:
             raise ValueError(f"BatchedDecodeCache.move: row {dst} is taken")
         for layer in self.layers:
-            for buf in (layer.table_buf, layer.lengths_buf, layer.positions_buf, layer.seen_buf):
-                buf[dst] = buf[src]
+            layer.move_row(src, dst)
         for values in (self.caches, self.row_pages, self.room, self.steps):
             values[dst] = values[src]
         self._clear(src)  # (bumps the layout)
@@ -255,16 +284,20 @@ class BatchedDecodeCache(Cache):
                     f"request was admitted for fewer new tokens than it is decoding")
         if any(cache is not None for cache in self.caches[rows:bucket]):
             raise ValueError(f"BatchedDecodeCache.prepare: rows [{rows}, {bucket}) must be free (padding)")
-        if bucket > rows and not len(self.scratch):
+        if bucket > rows and not self._has_scratch():
             raise RuntimeError("BatchedDecodeCache.prepare: padding rows need the scratch page (ensure_scratch)")
         if bucket > rows:  # the last step advanced the padding rows too: back to empty
             self._lengths_all[:, rows:bucket] = 0
             self._seen_all[:, rows:bucket] = 0
         key = (rows, bucket, self.version, self._layout)
         if key != self._prepared:
-            scratch = self.scratch.pages[0] if bucket > rows else -1
+            scratch = self.scratch.pages[0] if bucket > rows and len(self.scratch) else -1
+            slot = self.scratch_slot.index if bucket > rows and self.scratch_slot is not None else None
             row_pages = tuple(self.row_pages[:rows]) + (1,) * (bucket - rows)
             for layer in self.layers:
+                if isinstance(layer, BatchedSlidingLayer):
+                    layer.select(bucket, rows, slot)
+                    continue
                 layer.table_buf[rows:bucket, 0] = scratch  # (their other entries are -1 already: _clear)
                 layer.select(bucket, row_pages)
             self._prepared = key
@@ -281,22 +314,36 @@ class BatchedDecodeCache(Cache):
             self.steps[row] += 1
             self.room[row] -= 1
 
+    def _has_scratch(self) -> bool:
+        paged = bool(self.pool.hybrid.global_layers)
+        return (len(self.scratch) > 0 or not paged) and (self.scratch_slot is not None
+                                                         or not self.pool.has_sliding_layers)
+
     def ensure_scratch(self) -> bool:
-        """Take the padding rows' page from the pool if not held yet. False when the pool has no free page (then
-        decode without padding rows: the exact batch size is just as correct)."""
-        if len(self.scratch):
+        """Take the padding rows' page (and, for a model with sliding layers, their sliding-window slot) from the
+        pool if not held yet. False when the pool has none free (then decode without padding rows: the exact batch
+        size is just as correct)."""
+        if self._has_scratch():
             return True
         try:
-            self.pool.allocate(self.scratch, 1)
+            if self.pool.has_sliding_layers and self.scratch_slot is None:
+                self.scratch_slot = self.pool.take_slot("the padding rows' sliding-window slot")
+            if self.pool.hybrid.global_layers and not len(self.scratch):
+                self.pool.allocate(self.scratch, 1)
         except PoolExhaustedError:
+            self.release_scratch()
             return False
         self._layout += 1  # padding rows name the new page
         return True
 
     def release_scratch(self) -> None:
-        """Give the scratch page back (no padding row may step until ``ensure_scratch`` again)."""
+        """Give the scratch page (and slot) back (no padding row may step until ``ensure_scratch`` again)."""
         if len(self.scratch):
             self.pool.release(self.scratch)
+            self._layout += 1
+        if self.scratch_slot is not None:
+            self.pool.release(self.scratch_slot)
+            self.scratch_slot = None
             self._layout += 1
 
     def close(self) -> None:
@@ -304,6 +351,12 @@ class BatchedDecodeCache(Cache):
         if any(cache is not None for cache in self.caches):
             raise RuntimeError("BatchedDecodeCache.close: rows are still joined (leave them first)")
         self.release_scratch()
+
+    @property
+    def table_width(self) -> int:
+        """Pool pages per row of the batch's tables (0 before the first join, or when every layer slides)."""
+        tables = [layer for layer in self.layers if isinstance(layer, BatchedDecodeLayer)]
+        return tables[0].width if tables else 0
 
     @property
     def joined(self) -> int:
@@ -340,46 +393,37 @@ class BatchedDecodeCache(Cache):
 
     # ------------------------------------------------------------------------------------------ internals
     def _ensure_layers(self, cache: RocketKVCache) -> None:
-        """Layers on the first join; wider tables when this cache's view has more pages than the width."""
-        width = cache.layers[0].store.max_pages
+        """Layers on the first join (a sliding layer of the cache becomes a ``BatchedSlidingLayer``); wider tables
+        when this cache's view has more pages than the width."""
+        paged = [layer for layer in cache.layers if isinstance(layer, RocketKVLayer)]
+        width = paged[0].store.max_pages if paged else 0
         if not self.layers:
             hints = self.hints
             shape, device = (len(cache.layers), self.max_rows), cache.layers[0].device
             self._lengths_all = torch.zeros(shape, dtype=torch.long, device=device)
             self._seen_all = torch.zeros(shape, dtype=torch.long, device=device)
             for index, source in enumerate(cache.layers):
-                layer = BatchedDecodeLayer(source.config, hints, index)
-                layer.init_from(source, self.max_rows, width, self.pool, self._lengths_all[index],
-                                self._seen_all[index])
+                if isinstance(source, PooledSlidingLayer):
+                    layer = BatchedSlidingLayer(source.window, hints, index)
+                    layer.init_from(source, self.max_rows, self.pool, self._seen_all[index])
+                else:
+                    layer = BatchedDecodeLayer(source.config, hints, index)
+                    layer.init_from(source, self.max_rows, width, self.pool, self._lengths_all[index],
+                                    self._seen_all[index])
                 self.layers.append(layer)
             self.version += 1
             return
         if len(cache.layers) != len(self.layers):
             raise ValueError(f"BatchedDecodeCache has {len(self.layers)} layers, the cache {len(cache.layers)}")
-        if width > self.layers[0].width:
-            for layer in self.layers:
+        tables = [layer for layer in self.layers if isinstance(layer, BatchedDecodeLayer)]
+        if tables and width > tables[0].width:
+            for layer in tables:
                 layer.widen(width)
             self.version += 1
 
-    @staticmethod
-    def _copy_in(mine: BatchedDecodeLayer, theirs: RocketKVLayer, row: int) -> None:
-        store = theirs.store
-        pages, width = store.max_pages, theirs.positions.shape[2]
-        if store.page_tokens != mine.page_tokens:
-            raise ValueError("BatchedDecodeCache.join: the cache's pages are not this pool's")
-        mine.table_buf[row].fill_(-1)
-        mine.table_buf[row, :pages] = store.table[0]
-        mine.lengths_buf[row] = theirs.lengths[0]
-        mine.positions_buf[row].fill_(-1)
-        mine.positions_buf[row, :, :width] = theirs.positions[0]
-        mine.seen_buf[row] = theirs.seen
-
     def _clear(self, row: int) -> None:
         for layer in self.layers:
-            layer.table_buf[row].fill_(-1)
-            layer.lengths_buf[row] = 0
-            layer.positions_buf[row].fill_(-1)
-            layer.seen_buf[row] = 0
+            layer.clear_row(row)
         self.caches[row] = None
         self.row_pages[row] = self.room[row] = self.steps[row] = 0
         self._layout += 1

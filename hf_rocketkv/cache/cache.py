@@ -23,12 +23,13 @@ from transformers import Cache
 
 from ..config import RocketKVConfig
 from ..memory import KVBlockPool, PrefixKeys
+from ..memory.layer_kinds import describe, sliding_windows
 from .consistency import check_batch, check_layers_consistent
 from .dense_layer import DenseLayer
 from .layer import GenerationHints, RocketKVLayer
-from .layer_kinds import describe, sliding_windows
 from .layer_plan import check_layer_count, layer_config
 from .pool_pages import PoolPages, release_rows_later
+from .pooled_sliding import PooledSlidingLayer
 from .row_index import CROP_UNSUPPORTED
 from .sliding_layer import SlidingWindowLayer
 from .stats import CacheStats, RequestCounters
@@ -94,20 +95,21 @@ class RocketKVCache(Cache):
         self.num_layers: int | None = None  # the model's layer count, once a model config was given
         if model_config is not None:
             self.configure_layers(model_config)
+        elif pool is not None and pool.has_sliding_layers:  # the pool was built for the model: it knows its layers
+            self.layer_windows, self.num_layers = pool.layer_windows, len(pool.layer_windows)
 
     def configure_layers(self, model_config) -> "RocketKVCache":
         """Read which layers of the model slide from its config (``layer_types``, ``sliding_window``;
-        ``cache/layer_kinds.py``): those get a ``SlidingWindowLayer`` (their last ``sliding_window`` tokens, dense,
+        ``memory/layer_kinds.py``): those get a ``SlidingWindowLayer`` (their last ``sliding_window`` tokens, dense,
         nothing scored), the full-attention layers RocketKV layers. Idempotent; generate() calls it. Raises
-        ValueError for layer types RocketKV cannot serve and NotImplementedError where sliding layers are not
-        supported yet (a pool). Returns the cache."""
+        ValueError for layer types RocketKV cannot serve, or layer kinds other than those the cache's pool was built
+        for. Returns the cache."""
         windows = sliding_windows(model_config)
         check_layer_count(self.config, len(windows))
         if windows == self.layer_windows:
             return self
-        if any(w is not None for w in windows):
-            if self.pool is not None:
-                raise NotImplementedError(HYBRID_POOL.format(layers=describe(windows)))
+        if self.pool is not None and windows != self.pool.layer_windows:
+            raise ValueError(HYBRID_POOL.format(layers=describe(windows), pool=describe(self.pool.layer_windows)))
         if any(layer.is_initialized for layer in self.layers):
             raise ValueError("RocketKVCache.configure_layers needs a cache that has stored nothing yet")
         self.layer_windows = windows
@@ -150,6 +152,8 @@ class RocketKVCache(Cache):
                 raise ValueError(f"RocketKVCache: the model config it was configured with has {len(windows)} layers, "
                                  f"the model updates layer {layer_idx}")
             if windows[layer_idx] is not None:
+                if self.pages is not None:  # its decode ring in the pool's slab, in the rows' slots
+                    return PooledSlidingLayer(windows[layer_idx], self.hints, layer_idx, self.pages)
                 return SlidingWindowLayer(windows[layer_idx], self.hints, layer_idx)
         config = layer_config(self.config, layer_idx, self.num_layers)
         if config is None:
@@ -228,7 +232,7 @@ class RocketKVCache(Cache):
             max_length = self.hints.max_length
             max_new_tokens = (max(0, max_length - input_ids.shape[1]) if max_length is not None
                               else self.config.capacity_headroom)
-        layer0 = self.layers[0] if self.layers else None
+        layer0 = next((layer for layer in self.layers if isinstance(layer, RocketKVLayer)), None)
         self.pages.begin(input_ids, attention_mask, max_new_tokens, layer0,
                          allow_prefix_lookup=self._prefix_lookup_allowed(),
                          rows_per_group=self.config.prefill_batch_size if row_groups else None)
@@ -239,11 +243,14 @@ class RocketKVCache(Cache):
         """Seed the layers with the admitted prefix hit (first turn); returns the hit's input columns (0: none)."""
         if self.pages is None:
             return 0
-        self._ensure_layers(self.pages.num_layers)
+        self._ensure_layers(self.pages.model_layers)
         return self.pages.setup_prefix(self.layers)
 
     def _prefix_lookup_allowed(self) -> bool:
-        """Policies that score with every prompt query (H2O) need every prompt token computed: no prefix hits."""
+        """Policies that score with every prompt query (H2O) need every prompt token computed: no prefix hits. A
+        pool of a model with sliding layers keeps no sliding window at a prefix's end: no prefix hits either."""
+        if self.pool is not None and self.pool.has_sliding_layers:
+            return False
         return not hasattr(RocketKVLayer(self.config, self.hints).policy, "accumulate")
 
     @property
@@ -251,8 +258,9 @@ class RocketKVCache(Cache):
         """What this request reused and computed so far (``cache/stats.py``)."""
         counters = self.counters
         held = self.pages.held_pages() if self.pages is not None else 0
+        slots = self.pages.held_slots() if self.pages is not None else 0
         return CacheStats(counters.reused_tokens, counters.computed_tokens, counters.offloaded_bytes,
-                          counters.onloaded_bytes, held)
+                          counters.onloaded_bytes, held, slots)
 
     def close(self) -> None:
         """Give this request's pool pages back now (they are also given back when the cache is reset or garbage
@@ -406,9 +414,12 @@ class RocketKVCache(Cache):
 
     @property
     def is_compressed(self) -> bool:
-        """Stage 1 has run on every RocketKV layer (sliding-window layers have no stage 1)."""
+        """Stage 1 has run on every RocketKV layer (sliding-window layers have no stage 1: a cache whose layers all
+        slide counts as compressed once it has stored its prompt)."""
         rocket = [layer for layer in self.layers if isinstance(layer, RocketKVLayer)]
-        return len(rocket) > 0 and all(layer.compressed for layer in rocket)
+        if not rocket:
+            return any(layer.is_initialized for layer in self.layers)
+        return all(layer.compressed for layer in rocket)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Undo the last ``-tokens_to_remove`` decode steps (see ``RocketKVLayer.crop``); anything else raises."""
@@ -422,9 +433,8 @@ class RocketKVCache(Cache):
 
 
 HYBRID_POOL = (
-    "RocketKVCache(pool=...): this model has sliding-window layers ({layers}), which a KVBlockPool does not hold "
-    "yet (its pages, prefix reuse and the batching engine serve RocketKV layers only). Use RocketKVCache(config) "
-    "without a pool (generate(), or the sequential engine)."
+    "RocketKVCache(pool=...): the model's layers ({layers}) are not those the KVBlockPool was built for ({pool}); "
+    "build the pool from this model (KVBlockPool(model))"
 )
 
 LENT_ROWS = (

@@ -66,7 +66,10 @@ def request_pages(config: RocketKVConfig, pool: KVBlockPool | PoolSpec, prompt_l
     """One row's pages at its cold prefill peak and once compressed (``RowPages``), in ``pool``'s pages (a pool, or
     anything with its ``page_size`` and ``prefix_reuse``, e.g. a ``PoolSpec`` when the pool is not built yet).
 
-    ``keep_all``: keep the whole conversation (default: ``config.multi_turn == "keep_all"``)."""
+    ``keep_all``: keep the whole conversation (default: ``config.multi_turn == "keep_all"``). A pool of a model
+    whose layers all slide holds no pages (each row takes a sliding-window slot only): no pages."""
+    if isinstance(pool, KVBlockPool) and pool.has_sliding_layers and not pool.hybrid.global_layers:
+        return RowPages(0, 0, 0, 0)
     demand = row_demand(config, prompt_len, max_new_tokens, pool.page_size, keep_all)
     return demand.pages(pool.page_size, pool.prefix_reuse)
 

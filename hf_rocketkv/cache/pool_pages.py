@@ -56,6 +56,11 @@ class RowPages:
             tables += [self.admission.prompt, self.admission.view]
         return tables
 
+    def held(self) -> list:
+        """What this row gives back: its tables and its sliding-window slot (a model with sliding layers)."""
+        slot = self.admission.slot if self.admission is not None else None
+        return self.tables() + ([slot] if slot is not None else [])
+
     @property
     def view_pages(self) -> int:
         return sum(len(t) for t in self.view)
@@ -123,7 +128,7 @@ def copy_pages_into(dest: torch.Tensor, pages: torch.Tensor, n: int) -> None:
 def release_rows_later(pool: KVBlockPool, rows: list[RowPages], extra: list[Reservation]) -> None:
     """Finalizer of a garbage-collected cache: queue its tables; the pool releases them at its next call (never
     here: a finalizer may run inside a pool method)."""
-    pool.release_later([table for row in rows for table in row.tables()] + list(extra))
+    pool.release_later([item for row in rows for item in row.held()] + list(extra))
 
 
 @dataclass
@@ -148,7 +153,9 @@ class PoolPages:
         self.counters = counters
         self.rows: list[RowPages] = rows if rows is not None else []
         self.keep_all = config.multi_turn == "keep_all"
-        self.num_layers = pool.geometry.num_layers
+        self.model_layers = pool.geometry.num_layers
+        self.num_layers = len(pool.hybrid.global_layers)  # the layers whose compaction closes a turn (RocketKV ones)
+        self._slot_ids: tuple[torch.Tensor, list[int]] | None = None
         self.page_tokens = pool.page_size
         self.turn: Turn | None = None
         self.max_new_tokens = 0
@@ -182,6 +189,8 @@ class PoolPages:
             for row, pad in zip(self.rows, pads):
                 row.pad = pad
             return
+        if self.num_layers == 0:  # every layer slides: a later turn keeps the rows' slots, it needs no pages
+            return
         if layer0 is None or not layer0.compressed:
             raise RuntimeError("PoolPages.begin: a later turn needs the cache's compressed layers")
         seen = layer0.get_seq_length()
@@ -201,12 +210,13 @@ class PoolPages:
         extra = max(sum(peak[g:g + rows_per_group]) - sum(steady[g:g + rows_per_group]) for g in groups)
         what = (f"reserving {len(plans)} rows of a row-group prefill (every row's steady pages + the largest "
                 f"group's prompt pages)")
+        slots = len(plans) if self.pool.has_sliding_layers else 0  # every row's sliding slot, taken by its group
         try:
-            reserve = self.pool.reserve(sum(steady) + extra, what)
+            reserve = self.pool.reserve(sum(steady) + extra, what, slots=slots)
         except PoolExhaustedError:  # a finished request in a reference cycle may still hold pages: collect once
             if not self.pool.reclaim_unreachable():
                 raise
-            reserve = self.pool.reserve(sum(steady) + extra, what)
+            reserve = self.pool.reserve(sum(steady) + extra, what, slots=slots)
         self.reservations.append(reserve)
         self.rows[:] = [RowPages() for _ in prompt_lens]
         self.plan = GroupPlan(reserve, prompt_lens, token_ids, peak, steady, len(groups))
@@ -341,8 +351,8 @@ class PoolPages:
                 f"KVBlockPool.dtype is {self.pool.dtype} but the model's keys are {key_states.dtype}: build the pool "
                 f"with dtype={key_states.dtype} (the pages hold the model's K/V as they are)"
             )
-        if layer.layer_idx is None or not 0 <= layer.layer_idx < self.num_layers:
-            raise ValueError(f"layer index {layer.layer_idx} outside the pool's {self.num_layers} layers")
+        if layer.layer_idx is None or not 0 <= layer.layer_idx < self.model_layers:
+            raise ValueError(f"layer index {layer.layer_idx} outside the pool's {self.model_layers} layers")
         self.device = key_states.device
         self.pool.layer(layer.layer_idx, key_states)  # allocates the layer's pages (checks heads and head_dim)
 
@@ -412,6 +422,20 @@ class PoolPages:
                 self._group_done(self.pool.free_pages() - free_before)
         self._view_table = (turn.table, turn.row_pages)
         self.turn = None
+
+    def slot_ids(self, device, batch: int, seen: int) -> tuple[torch.Tensor, list[int]]:
+        """The rows' sliding-window slots ``[B]`` int64 on ``device`` and as a list (a model with sliding layers).
+        A cache whose rows were never admitted (plain forwards of a model whose layers all slide: no stage 1 admits
+        them) is admitted now, ``seen`` tokens per row."""
+        if not self.rows:
+            self.max_new_tokens = self.config.capacity_headroom
+            self._admit([seen] * batch, self.max_new_tokens, None)
+        if self._slot_ids is None or self._slot_ids[0].device != torch.device(device):
+            ids = [row.admission.slot.index for row in self.rows]
+            self._slot_ids = (device_tensor(ids, torch.long, device), ids)
+        if len(self._slot_ids[1]) != batch:
+            raise RuntimeError(f"RocketKVCache: {batch} rows decode, the pool admitted {len(self._slot_ids[1])}")
+        return self._slot_ids
 
     def view_table(self, device) -> tuple[torch.Tensor, tuple[int, ...]]:
         if self._view_table is None:
@@ -486,10 +510,16 @@ class PoolPages:
         tables = {id(table): table for row in self.rows for table in row.tables()}
         return sum(len(table) for table in tables.values())
 
+    def held_slots(self) -> int:
+        """Sliding-window slots this request's rows hold."""
+        return sum(row.admission is not None and row.admission.slot is not None and not row.admission.slot.released
+                   for row in self.rows)
+
     def release_all(self) -> None:
         """Every page of every row back to the pool now (cache.close(), reset())."""
-        tables = [table for row in self.rows for table in row.tables()]
+        tables = [item for row in self.rows for item in row.held()]
         self.rows.clear()  # in place: the finalizer holds these lists
+        self._slot_ids = None
         for reservation in self.reservations:
             self.pool.unreserve(reservation)
         self.reservations.clear()

@@ -5,6 +5,8 @@
     offloaded_bytes  bytes of cached prefix pages the pool moved to host memory to make room for this request
     onloaded_bytes   bytes of prefix pages the pool brought back from host memory for this request's hits
     pages_held       pool pages this request holds now (0 without a pool)
+    slots_held       pool sliding-window slots this request holds now (one per row on a pool of a model with
+                     sliding layers, else 0)
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class CacheStats:
     offloaded_bytes: int
     onloaded_bytes: int
     pages_held: int = 0
+    slots_held: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

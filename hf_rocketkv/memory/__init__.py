@@ -14,6 +14,8 @@ Public API (docs/memory.md):
                       floor registers RocketKVConfig's conversion in cache/page_budget.py)
     PrefixKeys, MultimodalItem   what besides token ids keys a prefix page (salt, adapter, multimodal inputs)
     Reservation       free pages set aside (row-group prefill admits group by group out of one)
+    SlotLease         one row's sliding-window slot (a model with sliding layers: ``Admission.slot``, sliding_slab.py;
+                      how a pool splits its bytes by layer kind: hybrid.py)
     PoolStats, PageInfo          snapshots
     PoolSize, auto_pool_size, pool_bytes   a pool's size when none is given (sizing.py): a fraction of the free
                       device memory (CUDA) or of the available RAM
@@ -34,6 +36,7 @@ from .pool import KVBlockPool
 from .prefix_file import LoadedPrefix
 from .reservation import Reservation
 from .sizing import PoolSize, auto_pool_size, pool_bytes
+from .sliding_slab import SlotLease
 from .stats import PoolStats
 from .storage import LayerStorage
 
@@ -62,6 +65,7 @@ __all__ = [
     "Reservation",
     "RowDemand",
     "RowPages",
+    "SlotLease",
     "as_budget",
     "auto_pool_size",
     "dequantize_fp8",

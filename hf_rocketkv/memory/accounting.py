@@ -16,6 +16,12 @@ With token ids, a prefix hit of H pages needs H fewer new prompt pages, but a hi
 so counted as free) leaves the free count when taken, and a hit page on the host needs a device page to come back
 into: ``prefill_peak = prompt - H + view + H_free + H_host`` (vLLM's rule for evictable hits). A batch sums its rows;
 hit pages shared by several rows are counted once.
+
+Layer kinds (a model with sliding-window layers, ``layer_kinds.py``): a page spans the full-attention layers only
+(``bytes_per_page`` counts K + V + KT of those), so the formulas above count those layers alone; each row also
+takes one sliding-window slot (``sliding_slab.py``: ``window`` tokens of K and V in every sliding layer), from
+admission to release, whatever its prompt length: ``slots = rows``, and a batch fits when its pages and its slots
+both do.
 """
 
 from __future__ import annotations
@@ -101,6 +107,10 @@ class PagesNeeded:
     hit_tokens      prompt tokens covered by hits (``hit_pages * page_size`` per row)
     new_pages       fresh pages allocated (prompt pages not hit + view pages + host onload targets)
     rows            rows counted
+    slots           sliding-window slots taken (one per row on a pool of a model with sliding layers, else 0): held
+                    from admission to release, the same at the peak and in the steady state
+    prefill_peak_bytes, steady_state_bytes
+                    device bytes of the two counts: ``pages x bytes_per_page + slots x bytes_per_slot``
     """
 
     prefill_peak: int
@@ -113,6 +123,9 @@ class PagesNeeded:
     hit_tokens: int = 0
     new_pages: int = 0
     rows: int = 1
+    slots: int = 0
+    prefill_peak_bytes: int = 0
+    steady_state_bytes: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from .block_table import BlockTable
 from .hashing import PrefixKeys
+from .sliding_slab import SlotLease
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Admission:
     reused_tokens   prompt tokens whose K/V came from the prefix index (``hit_pages * page_size``)
     computed_tokens prompt tokens the model must compute (``prompt_len - reused_tokens``)
     onloaded_pages  hit pages brought back from host memory for this admission
+    slot            the row's sliding-window slot (a pool of a model with sliding layers), else None
     """
 
     prompt: BlockTable
@@ -45,6 +47,7 @@ class Admission:
     hit_pages: int = 0
     onloaded_pages: int = 0
     committed_pages: int = field(default=0)  # full prompt pages registered in the index so far (hits included)
+    slot: SlotLease | None = None
 
     @property
     def reused_tokens(self) -> int:

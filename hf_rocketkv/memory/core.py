@@ -27,6 +27,7 @@ from .free_list import UNCACHED, FreeLists, cached_queue
 from .layout import RecordLayout
 from .page_meta import PageInfo, PageMeta, Tier
 from .reservation import Reservation
+from .sliding_slab import SlidingSlab, SlotLease
 from .stats import PoolStats
 from .storage import PageStorage
 
@@ -37,8 +38,9 @@ COUNTERS = ("hit_pages", "missed_pages", "evictions", "dropped_pages", "host_evi
 class PageCore:
     """Page metadata, free lists and reference counts of ``num_pages`` device pages and ``num_slots`` host slots."""
 
-    def __init__(self, storage: PageStorage, num_slots: int = 0):
+    def __init__(self, storage: PageStorage, num_slots: int = 0, slab: SlidingSlab | None = None):
         self.storage = storage
+        self.slab = slab  # the sliding layers' ring slots (hybrid models), counted here like pages
         self.num_pages = storage.num_pages
         self.device_pages = [PageMeta(i, Tier.DEVICE) for i in range(self.num_pages)]
         self.free = FreeLists(self.num_pages)
@@ -78,6 +80,8 @@ class PageCore:
             host_slots=len(self.host_pages),
             host_cached=len(self.host_free) - self.host_free.count(UNCACHED),
             **self.counters,
+            total_slots=self.slab.num_slots if self.slab is not None else 0,
+            free_slots=self.slab.available() if self.slab is not None else 0,
         )
 
     def tier(self, tier: str) -> tuple[list[PageMeta], FreeLists]:
@@ -106,13 +110,19 @@ class PageCore:
         return sum(shape.bytes_per_page() for shape in self.record_layout().layer_shapes)
 
     # ============================================================================================ reservations
-    def set_aside(self, reservation: Reservation, num_pages: int) -> None:
+    def set_aside(self, reservation: Reservation, num_pages: int, slots: int = 0) -> None:
         reservation.count += num_pages
         self.reserved += num_pages
+        if slots:
+            reservation.slots += slots
+            self.slab.reserved += slots
 
-    def give_back(self, reservation: Reservation, num_pages: int) -> None:
+    def give_back(self, reservation: Reservation, num_pages: int, slots: int = 0) -> None:
         reservation.count -= num_pages
         self.reserved -= num_pages
+        if slots:
+            reservation.slots -= slots
+            self.slab.reserved -= slots
 
     # ============================================================================================ taking pages
     def take_pages(self, count: int) -> list[PageMeta]:
@@ -169,9 +179,15 @@ class PageCore:
                 table._extend([m.index for m in self.take_pages(num_pages)])
 
     # ============================================================================================ giving pages back
-    def release(self, obj: BlockTable | Admission) -> None:
-        """Drop the references of a table (or both tables of an admission), tail first; the table becomes empty."""
+    def release(self, obj: BlockTable | Admission | SlotLease) -> None:
+        """Drop the references of a table (or both tables of an admission, and its sliding slot), tail first; the
+        table becomes empty. A ``SlotLease`` goes back to the slab (once)."""
         with self.lock:
+            if isinstance(obj, SlotLease):
+                self.slab.release(obj)
+                return
+            if isinstance(obj, Admission) and obj.slot is not None:
+                self.slab.release(obj.slot)
             tables = (obj.prompt, obj.view) if isinstance(obj, Admission) else (obj,)
             for table in tables:
                 if not isinstance(table, BlockTable):
@@ -224,6 +240,6 @@ class PageCore:
             for item in obj:
                 self._release_queued(item)
         elif isinstance(obj, Reservation):
-            self.give_back(obj, obj.count)
+            self.give_back(obj, obj.count, obj.slots)
         else:
             self.release(obj)

@@ -10,14 +10,16 @@ from .layout import SCALE_GRANULARITIES
 class PoolExhaustedError(RuntimeError):
     """An allocation does not fit. Raised before anything changes: the pool is exactly as it was."""
 
-    def __init__(self, what: str, pages_needed: int, pages_free: int, pages_total: int):
+    def __init__(self, what: str, pages_needed: int, pages_free: int, pages_total: int, unit: str = "pages"):
         self.pages_needed = pages_needed
         self.pages_free = pages_free
         self.pages_total = pages_total
+        self.unit = unit  # "pages", or "sliding-window slots" (one per row of a model with sliding layers)
+        note = " (free includes cached prefix pages that can be evicted)" if unit == "pages" else ""
         super().__init__(
-            f"KVBlockPool: {what} needs {pages_needed} pages but only {pages_free} of {pages_total} are free "
-            f"(free includes cached prefix pages that can be evicted); nothing was allocated. Release finished "
-            f"requests, admit fewer rows or shorter requests, or give the pool more max_gpu_bytes."
+            f"KVBlockPool: {what} needs {pages_needed} {unit} but only {pages_free} of {pages_total} are free"
+            f"{note}; nothing was allocated. Release finished requests, admit fewer rows or shorter requests, or "
+            f"give the pool more max_gpu_bytes."
         )
 
 

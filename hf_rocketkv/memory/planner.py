@@ -12,6 +12,7 @@ The request's policy reaches the planner only as numbers: ``cfg`` goes through `
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +31,12 @@ from .offload import HostOffload
 from .page_meta import PageMeta, Tier
 from .prefix_index import PrefixIndex
 from .reservation import Reservation
+
+NO_PAGES = RowPages(0, 0, 0, 0)
+HYBRID_PREFIX_REUSE = (
+    "KVBlockPool: prefix reuse (token_ids) is not supported for a model with sliding-window layers: a reused prefix "
+    "would also need every sliding layer's window at the prefix's end, which the pool does not keep; admit without "
+    "token_ids")
 
 
 @dataclass
@@ -107,23 +114,42 @@ def row_inputs(prompt_len, max_new_tokens, token_ids, keys) -> list[RowInput]:
 class Planner:
     """Admission plans and reservations over one pool's core, prefix index and host tier."""
 
-    def __init__(self, core: PageCore, index: PrefixIndex, offload: HostOffload, spec: PoolSpec):
+    def __init__(self, core: PageCore, index: PrefixIndex, offload: HostOffload, spec: PoolSpec,
+                 bytes_per_page: int = 0, paged: bool = True):
         self.core = core
         self.index = index
         self.offload = offload
         self.spec = spec
+        self.bytes_per_page = bytes_per_page
+        self.paged = paged  # False: a model whose layers all slide (no page holds anything; rows take slots only)
+
+    def _slots_needed(self, rows: int) -> int:
+        return rows if self.core.slab is not None else 0
 
     # ============================================================================================ reservations
-    def reserve(self, num_pages: int, what: str = "reserving pages") -> Reservation:
-        """Set ``num_pages`` free pages aside, or raise PoolExhaustedError and change nothing."""
+    def reserve(self, num_pages: int, what: str = "reserving pages", slots: int = 0) -> Reservation:
+        """Set ``num_pages`` free pages (and ``slots`` sliding-window slots) aside, or raise PoolExhaustedError and
+        change nothing."""
         core = self.core
         with core.lock:
             check_int(num_pages, "num_pages", 0)
+            check_int(slots, "slots", 0)
             if num_pages > core.available():
                 raise PoolExhaustedError(what, num_pages, core.available(), core.num_pages)
+            self._check_slots(what, slots)
             reservation = Reservation(0)
-            core.set_aside(reservation, num_pages)
+            core.set_aside(reservation, num_pages, slots)
             return reservation
+
+    def _check_slots(self, what: str, slots: int, reservation: Reservation | None = None) -> None:
+        if not slots:
+            return
+        slab = self.core.slab
+        if slab is None:
+            raise ValueError(f"{what}: this pool has no sliding-window slots (its model has no sliding layers)")
+        if slots > slab.available(reservation):
+            raise PoolExhaustedError(what, slots, slab.available(reservation), slab.num_slots,
+                                     unit="sliding-window slots")
 
     def add_to_reservation(self, reservation: Reservation, num_pages: int) -> None:
         """Set ``num_pages`` more free pages aside for ``reservation``."""
@@ -139,12 +165,14 @@ class Planner:
         with self.core.lock:
             count = reservation.count if num_pages is None else min(check_int(num_pages, "num_pages", 0),
                                                                     reservation.count)
-            self.core.give_back(reservation, count)
+            self.core.give_back(reservation, count, reservation.slots if num_pages is None else 0)
 
     # ============================================================================================ plans
     def plan(self, prompt_len, max_new_tokens, cfg: Any, token_ids, keys, keep_all) -> Plan:
         """Check ``cfg`` (``as_budget``), validate the rows, and plan them (call under the lock)."""
         budget = as_budget(cfg, self.spec)
+        if self.core.slab is not None and token_ids is not None:
+            raise NotImplementedError(HYBRID_PREFIX_REUSE)
         if keep_all is not None and not isinstance(keep_all, bool):
             raise ValueError(f"keep_all must be True or False, got {keep_all!r}")
         inputs = row_inputs(prompt_len, max_new_tokens, token_ids, keys)
@@ -157,7 +185,7 @@ class Planner:
         p = self.spec.page_size
         plans = []
         for demand, ids, row_keys in zip(demands, token_ids, keys):
-            pages = demand.pages(p, self.spec.prefix_reuse)
+            pages = demand.pages(p, self.spec.prefix_reuse) if self.paged else NO_PAGES
             hashes = self.index.hash_ids(ids, row_keys) if self.spec.prefix_reuse and ids is not None else []
             hits = self.index.chain(hashes[: demand.hit_cap_tokens // p])
             plans.append(RowPlan(demand, row_keys, pages, hashes, hits))
@@ -176,7 +204,11 @@ class Planner:
             hit_tokens=hit_pages * p,
             new_pages=fresh + len(host_hits),
             rows=len(plans),
+            slots=self._slots_needed(len(plans)),
         )
+        slot_bytes = needed.slots * (self.core.slab.bytes_per_slot if self.core.slab is not None else 0)
+        needed = dataclasses.replace(needed, prefill_peak_bytes=needed.prefill_peak * self.bytes_per_page + slot_bytes,
+                                     steady_state_bytes=needed.steady_state * self.bytes_per_page + slot_bytes)
         return Plan(plans, needed, host_hits)
 
     def pages_needed(self, prompt_len, max_new_tokens, cfg, token_ids=None, keys=None, keep_all=None) -> PagesNeeded:
@@ -185,8 +217,9 @@ class Planner:
 
     def can_admit(self, prompt_len, max_new_tokens, cfg, token_ids=None, keys=None, keep_all=None) -> bool:
         with self.core.lock:
-            return self.plan(prompt_len, max_new_tokens, cfg, token_ids, keys, keep_all).needed.prefill_peak \
-                <= self.core.available()
+            needed = self.plan(prompt_len, max_new_tokens, cfg, token_ids, keys, keep_all).needed
+            slots_free = self.core.slab.available() if self.core.slab is not None else 0
+            return needed.prefill_peak <= self.core.available() and needed.slots <= slots_free
 
     # ============================================================================================ admission
     def admit(self, prompt_len, max_new_tokens, cfg, token_ids=None, keys=None, keep_all=None,
@@ -228,9 +261,10 @@ class Planner:
                 raise PoolExhaustedError(
                     f"admitting {rows}{plan.needed.prompt_pages} prompt + {plan.needed.view_pages} view pages "
                     f"({plan.needed.hit_pages} hit)", need, available, core.num_pages)
+            self._check_slots(f"admitting {plan.needed.rows} row(s)", plan.needed.slots, reservation)
             admissions = self._take(plan)
             if reservation is not None:  # what was taken comes off the reservation first
-                core.give_back(reservation, min(reservation.count, need))
+                core.give_back(reservation, min(reservation.count, need), min(reservation.slots, plan.needed.slots))
             return admissions
 
     def _take(self, plan: Plan) -> list[Admission]:
@@ -265,6 +299,7 @@ class Planner:
                 max_new_tokens=row.demand.new_tokens, page_size=self.spec.page_size, keys=row.keys,
                 page_hashes=tuple(row.hashes), hit_pages=len(hits),
                 onloaded_pages=sum(id(meta) in onloaded for meta in row.hits), committed_pages=len(hits),
+                slot=core.slab.take(1)[0] if core.slab is not None else None,
             ))
         core.events.wait_for(meta for row in plan.rows for meta in row.hits if meta.tier is Tier.DEVICE)
         core.events.wait_for(onloaded.values())

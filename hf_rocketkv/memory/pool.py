@@ -29,7 +29,6 @@ the pool's copy stream, ordered by events (``copy_events.py``).
 from __future__ import annotations
 
 import dataclasses
-
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -44,8 +43,9 @@ from .core import PageCore
 from .deferred import weakly_bound
 from .errors import check_pool_options
 from .fingerprint import fingerprint_fields, fingerprint_of
-from .geometry import KT_DTYPES, dtype_name, model_geometry, parse_dtype, storage_dtype
+from .geometry import KT_DTYPES, dtype_name, model_geometry, parse_dtype, split_model_and_config, storage_dtype
 from .hashing import PrefixKeys, root_hash
+from .hybrid import HybridLayout, refuse_for_hybrid
 from .layout import LayerShape, RecordLayout, pool_sizes
 from .offload import HostOffload
 from .page_meta import DEFAULT_PRIORITY, LOADED_PREFIX_PRIORITY, PageInfo, check_priority
@@ -54,6 +54,7 @@ from .prefix_file import LoadedPrefix, PoolFacts, PrefixFiles
 from .prefix_index import PrefixIndex
 from .reservation import Reservation
 from .sizing import PoolSize, auto_pool_size, model_device, model_prefill_reserve
+from .sliding_slab import SlidingSlab, SlotLease
 from .stats import PoolStats
 from .storage import LayerStorage, PageStorage
 
@@ -86,6 +87,11 @@ class KVBlockPool:
         offload_min_priority: cached pages below this priority are dropped instead of offloaded.
         transfer_chunk_pages: pages per staging chunk of a host copy.
         fingerprint_samples: weight tensors sampled into the fingerprint when a model is given.
+        sliding_slots: a model with sliding-window layers (its config's ``layer_types`` / ``sliding_window``): how
+            many rows may hold a sliding-window slot at once (one slot = ``window`` tokens of K and V in every
+            sliding layer, ``sliding_slab.py``), paid out of ``max_gpu_bytes`` before the pages; None: all of
+            ``max_gpu_bytes`` when every layer slides, else ``min(64, max_gpu_bytes // 2 // bytes_per_slot)``
+            (``hybrid.py``). Pages then span the full-attention layers only.
 
     ``cfg`` of the admission methods is converted by ``budget.as_budget``: a RocketKVConfig (hf_rocketkv.cache
     registers it), or plain numbers (a ``RowDemand``, or a list of them, one per row).
@@ -109,6 +115,7 @@ class KVBlockPool:
         offload_min_priority: int = DEFAULT_PRIORITY,
         transfer_chunk_pages: int = 64,
         fingerprint_samples: int = 4,
+        sliding_slots: int | None = None,
     ):
         self.geometry, model = model_geometry(model_or_config, num_kv_heads)
         self.sizing: PoolSize | None = None
@@ -127,19 +134,29 @@ class KVBlockPool:
         planned = LayerShape(self.geometry.num_kv_heads, self.geometry.head_dim, page_size, kt_page_size,
                              self.dtype, self.kt_dtype, scale_granularity)
         num_layers = self.geometry.num_layers
-        self.bytes_per_page, self.num_pages, slot_bytes, num_slots = pool_sizes(planned, num_layers, max_gpu_bytes,
-                                                                                host_bytes)
-        self._storage = PageStorage(num_layers, self.num_pages, planned)
+        self.hybrid = HybridLayout.of(split_model_and_config(model_or_config)[1], self.geometry, self.dtype,
+                                      max_gpu_bytes, host_bytes, sliding_slots)
+        slab = None
+        if self.hybrid.slab_windows:
+            slab = SlidingSlab(self.hybrid.slab_windows, self.hybrid.num_slots, self.geometry.num_kv_heads,
+                               self.geometry.head_dim, self.dtype)
+        if self.hybrid.global_layers:
+            self.bytes_per_page, self.num_pages, slot_bytes, num_slots = pool_sizes(
+                planned, len(self.hybrid.global_layers), self.hybrid.page_bytes_budget, host_bytes)
+        else:  # every layer slides: no page holds anything
+            self.bytes_per_page, self.num_pages, slot_bytes, num_slots = 0, 0, 0, 0
+        self._storage = PageStorage(num_layers, self.num_pages, planned, self.hybrid.global_layers)
         fields = fingerprint_fields(self.geometry, self.dtype, model, fingerprint_samples)
         self.fingerprint = fingerprint_of(fields)
         self.spec = PoolSpec(page_size, kt_page_size, dtype_name(self.kt_dtype), prefix_reuse)
 
-        self._core = PageCore(self._storage, num_slots)
+        self._core = PageCore(self._storage, num_slots, slab)
         self._lock = self._core.lock
         self._index = PrefixIndex(self._core, root_hash(self.fingerprint), page_size, default_priority)
         self._offload = HostOffload(self._core, self._index, slot_bytes, offload_min_priority, transfer_chunk_pages)
         self._core.evict_hook = weakly_bound(self._offload.evict_pages)  # weak: the core holds no part above it
-        self._planner = Planner(self._core, self._index, self._offload, self.spec)
+        self._planner = Planner(self._core, self._index, self._offload, self.spec, self.bytes_per_page,
+                                paged=bool(self.hybrid.global_layers))
         facts = PoolFacts(self.fingerprint, fields, self.dtype, self.kt_dtype, page_size, kt_page_size,
                           scale_granularity, num_layers)
         self._files = PrefixFiles(facts, self._core, self._index, self._offload,
@@ -158,7 +175,8 @@ class KVBlockPool:
 
     def __repr__(self) -> str:
         return (f"KVBlockPool({self.geometry.architecture}, pages={self.num_pages}x{self.page_size} tokens, "
-                f"dtype={dtype_name(self.dtype)}, free={self._core.available()}, host_slots={self.host_slots})")
+                f"dtype={dtype_name(self.dtype)}, free={self._core.available()}, host_slots={self.host_slots}"
+                + (f", sliding_slots={self.total_slots()}" if self.has_sliding_layers else "") + ")")
 
     # settings kept by the part that uses them
     default_priority = property(lambda self: self._index.default_priority,
@@ -181,6 +199,44 @@ class KVBlockPool:
     # ============================================================================================ occupancy
     def total_pages(self) -> int:
         return self.num_pages
+
+    # sliding-window slots (a model with sliding layers; docs/memory.md, "Layer kinds")
+    @property
+    def has_sliding_layers(self) -> bool:
+        return bool(self.hybrid.slab_windows)
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Per layer: its sliding window, None for a full-attention layer (the model config's layer types)."""
+        return self.hybrid.windows
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """Device bytes of one sliding-window slot (K and V of ``window`` tokens in every sliding layer); 0 without."""
+        return self.hybrid.bytes_per_slot
+
+    def total_slots(self) -> int:
+        return self.hybrid.num_slots
+
+    def free_slots(self) -> int:
+        """Sliding-window slots an admission can take now (free less reserved); 0 without sliding layers."""
+        with self._lock:
+            return self._core.slab.available() if self._core.slab is not None else 0
+
+    def take_slot(self, what: str = "taking a sliding-window slot") -> SlotLease:
+        """One sliding-window slot outside any admission (a batch's padding rows write there), or
+        PoolExhaustedError; give it back with ``release``."""
+        with self._lock:
+            self._planner._check_slots(what, 1)
+            return self._core.slab.take(1)[0]
+
+    def free_slot_ids(self) -> list[int]:
+        with self._lock:
+            return self._core.slab.free_ids() if self._core.slab is not None else []
+
+    def device_bytes(self) -> int:
+        """Device bytes the pool plans for: ``num_pages x bytes_per_page + total_slots x bytes_per_slot``."""
+        return self.num_pages * self.bytes_per_page + self.total_slots() * self.bytes_per_slot
 
     def free_pages(self) -> int:
         """Pages an allocation can take now: unused and cached ones (evicted on demand), less the reserved."""
@@ -238,13 +294,24 @@ class KVBlockPool:
                 )
             return self._storage.bind(layer_idx, key_states.shape[1], key_states.shape[3], key_states.device)
 
+    def sliding_slab(self, layer_idx: int, key_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sliding layer ``layer_idx``'s ring slab ``(k, v)``, each ``[total_slots, Hkv, window, D]`` (allocated on
+        the first call, on ``key_states``' device with its KV-head count); slot ``s`` is row ``s``."""
+        with self._lock:
+            if self._core.slab is None:
+                raise ValueError("KVBlockPool.sliding_slab: this pool's model has no sliding-window layers")
+            return self._core.slab.bind(layer_idx, key_states.shape[1], key_states.shape[3], key_states.device)
+
     def bind_all(self, device: torch.device | str, num_kv_heads: int | None = None) -> None:
-        """Allocate every layer not allocated yet on ``device`` (default: the planned KV-head count)."""
+        """Allocate every layer not allocated yet on ``device`` (default: the planned KV-head count): the pages of
+        the full-attention layers, the slab of the sliding ones."""
         with self._lock:
             heads = num_kv_heads or self._storage.planned.num_kv_heads
-            for layer_idx in range(self.geometry.num_layers):
+            for layer_idx in self.hybrid.global_layers:
                 if not self._storage.is_bound(layer_idx):
                     self._storage.bind(layer_idx, heads, self.geometry.head_dim, torch.device(device))
+            for layer_idx in self.hybrid.slab_windows:
+                self._core.slab.bind(layer_idx, heads, self.geometry.head_dim, torch.device(device))
 
     # ============================================================================================ admission (planner.py)
     def check_config(self, cfg: Any) -> None:
@@ -286,9 +353,10 @@ class KVBlockPool:
         """Run the cyclic garbage collector once (without holding the pool); True if pages came back."""
         return self._planner.reclaim_unreachable()
 
-    def reserve(self, num_pages: int, what: str = "reserving pages") -> Reservation:
-        """Set ``num_pages`` free pages aside, or raise PoolExhaustedError and change nothing."""
-        return self._planner.reserve(num_pages, what)
+    def reserve(self, num_pages: int, what: str = "reserving pages", slots: int = 0) -> Reservation:
+        """Set ``num_pages`` free pages (and ``slots`` sliding-window slots) aside, or raise PoolExhaustedError and
+        change nothing; ``unreserve`` without a count gives both back."""
+        return self._planner.reserve(num_pages, what, slots)
 
     def add_to_reservation(self, reservation: Reservation, num_pages: int) -> None:
         """Set ``num_pages`` more free pages aside for ``reservation`` (e.g. pages its owner just released)."""
@@ -310,8 +378,9 @@ class KVBlockPool:
         """``allocate`` for several tables at once: every table gets its pages, or none does."""
         self._core.allocate_batch(requests, what)
 
-    def release(self, obj: BlockTable | Admission) -> None:
-        """Drop a table's (or an admission's two tables') references, tail first; freed hashed pages stay cached."""
+    def release(self, obj: BlockTable | Admission | SlotLease) -> None:
+        """Drop a table's (or an admission's two tables' and its slot's) references, tail first; freed hashed pages
+        stay cached. A ``SlotLease`` (``Admission.slot``) goes back to the free slots."""
         self._core.release(obj)
 
     def truncate(self, table: BlockTable, num_pages: int) -> None:
@@ -360,11 +429,13 @@ class KVBlockPool:
 
     def save_prefix(self, path: str | Path, token_ids: Any, keys: PrefixKeys | None = None) -> int:
         """Write the longest resident chain of ``token_ids``' full pages to a file; returns its token count."""
+        refuse_for_hybrid(self.hybrid, "prefix files (save_prefix)")
         return self._files.save(path, token_ids, keys)
 
     def load_prefix(self, path: str | Path, cache_salt: str | None = None, priority: int = LOADED_PREFIX_PRIORITY,
                     device: torch.device | str | None = None) -> LoadedPrefix:
         """Insert a prefix file's pages as cached pages, hashed anew under ``cache_salt`` (never read from it)."""
+        refuse_for_hybrid(self.hybrid, "prefix files (load_prefix)")
         return self._files.load(path, cache_salt, priority, device)
 
     def close(self) -> None:

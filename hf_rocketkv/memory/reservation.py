@@ -15,11 +15,14 @@ _ids = itertools.count()
 
 
 class Reservation:
-    """``count`` pages set aside in one pool (changed only by the pool, under its lock)."""
+    """``count`` pages (and ``slots`` sliding-window slots, hybrid models) set aside in one pool (changed only by the
+    pool, under its lock)."""
 
-    def __init__(self, count: int):
+    def __init__(self, count: int, slots: int = 0):
         self.count = count
+        self.slots = slots
         self.name = f"reservation-{next(_ids)}"
 
     def __repr__(self) -> str:
-        return f"Reservation({self.name}, pages={self.count})"
+        slots = f", slots={self.slots}" if self.slots else ""
+        return f"Reservation({self.name}, pages={self.count}{slots})"

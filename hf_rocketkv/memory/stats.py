@@ -23,6 +23,8 @@ class PoolStats:
     host_evictions    host slots whose page was dropped to make room
     offloaded_bytes   bytes copied device -> host (pages x bytes per page)
     onloaded_bytes    bytes copied host -> device
+    total_slots       sliding-window ring slots (a model with sliding layers; 0 otherwise)
+    free_slots        of those, slots an admission can take (free less reserved)
     """
 
     total_pages: int
@@ -39,6 +41,8 @@ class PoolStats:
     host_evictions: int
     offloaded_bytes: int
     onloaded_bytes: int
+    total_slots: int = 0
+    free_slots: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

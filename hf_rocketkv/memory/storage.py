@@ -44,10 +44,13 @@ class LayerStorage:
 
 
 class PageStorage:
-    def __init__(self, num_layers: int, num_pages: int, planned: LayerShape):
+    def __init__(self, num_layers: int, num_pages: int, planned: LayerShape,
+                 paged_layers: tuple[int, ...] | None = None):
         self.num_layers = num_layers
         self.num_pages = num_pages
         self.planned = planned
+        # the layers that hold pages: all of them, or a hybrid model's full-attention layers (hybrid.py)
+        self.paged_layers = tuple(range(num_layers)) if paged_layers is None else tuple(paged_layers)
         self._layers: list[LayerStorage | None] = [None] * num_layers
 
     def _check_layer(self, layer_idx: int) -> None:
@@ -60,7 +63,7 @@ class PageStorage:
 
     @property
     def all_bound(self) -> bool:
-        return all(layer is not None for layer in self._layers)
+        return all(self._layers[i] is not None for i in self.paged_layers)
 
     @property
     def any_bound(self) -> bool:
@@ -69,6 +72,9 @@ class PageStorage:
     def bind(self, layer_idx: int, num_kv_heads: int, head_dim: int, device: torch.device) -> LayerStorage:
         """Allocate layer ``layer_idx`` for ``num_kv_heads`` heads on ``device`` (or check an existing binding)."""
         self._check_layer(layer_idx)
+        if layer_idx not in self.paged_layers:
+            raise ValueError(f"KVBlockPool layer {layer_idx} is a sliding-window layer: it holds no pages (its ring "
+                             f"is in the pool's sliding slab)")
         planned = self.planned
         if head_dim != planned.head_dim:
             raise ValueError(
@@ -115,6 +121,9 @@ class PageStorage:
         return devices.pop()
 
     def record_layout(self) -> RecordLayout:
+        if len(self.paged_layers) != self.num_layers:
+            raise NotImplementedError("KVBlockPool: page records (host offload, prefix files) are not supported for a "
+                                      "model with sliding-window layers")
         if not self.all_bound:
             missing = [i for i, layer in enumerate(self._layers) if layer is None]
             raise ValueError(

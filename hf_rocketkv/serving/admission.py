@@ -2,10 +2,10 @@
 
 The scheduler admits the head of the queue only when the pool can set the request's cold prefill peak aside
 (``pool.reserve``: its prompt pages and its view for all ``max_tokens``, so a decoding request never runs out of
-pages). At its first prefill chunk those pages go to the admission of the request's own pool-backed
-``RocketKVCache`` (under the pool's lock, so nobody takes them in between; chunked_prefill.py runs the chunks); when
-the request ends, an unfinished prefill is left, its cache is closed and whatever the reservation still holds goes
-back.
+pages; for a model with sliding-window layers, its sliding-window slot too). At its first prefill chunk those pages
+go to the admission of the request's own pool-backed ``RocketKVCache`` (under the pool's lock, so nobody takes them
+in between; chunked_prefill.py runs the chunks); when the request ends, an unfinished prefill is left, its cache is
+closed and whatever the reservation still holds goes back.
 """
 
 from __future__ import annotations
@@ -47,7 +47,9 @@ class PoolAdmission:
                 f"send a shorter prompt or fewer max_tokens, or give the pool more memory")
             return True
         try:
-            running.reservation = self.pool.reserve(need, f"admitting request {request.request_id}")
+            # a model with sliding layers: the request's sliding-window slot too (memory/sliding_slab.py)
+            running.reservation = self.pool.reserve(need, f"admitting request {request.request_id}",
+                                                    slots=int(self.pool.has_sliding_layers))
         except PoolExhaustedError:
             return False  # not now: pages come back as running requests finish
         return True

@@ -297,11 +297,14 @@ class GenerationManager:
     def metrics(self) -> ManagerMetrics:
         load = self.engine.load()
         counters = self._recorder.counters()
-        free = total = None
+        free = total = free_slots = total_slots = None
         if self.pool is not None:
             free, total = self.pool.free_pages(), self.pool.total_pages()
+            if self.pool.has_sliding_layers:
+                free_slots, total_slots = self.pool.free_slots(), self.pool.total_slots()
         return ManagerMetrics(
             running=load.running, waiting=load.waiting, max_queue=load.max_queue, free_pages=free, total_pages=total,
+            free_slots=free_slots, total_slots=total_slots,
             time_to_first_token=self._recorder.ttft.snapshot(),
             tokens_per_second=self._recorder.tokens_per_s.snapshot(),
             alive=load.alive and not self._stopped, **counters,

@@ -61,7 +61,8 @@ class Histogram:
 
 @dataclass(frozen=True)
 class ManagerMetrics:
-    """A snapshot of the manager. ``free_pages`` / ``total_pages`` are None without a pool."""
+    """A snapshot of the manager. ``free_pages`` / ``total_pages`` are None without a pool; ``free_slots`` /
+    ``total_slots`` (sliding-window slots, one per request) None without a pool of a model with sliding layers."""
 
     running: int
     waiting: int
@@ -76,6 +77,8 @@ class ManagerMetrics:
     time_to_first_token: HistogramSnapshot
     tokens_per_second: HistogramSnapshot
     alive: bool = True
+    free_slots: int | None = None
+    total_slots: int | None = None
 
 
 class MetricsRecorder:

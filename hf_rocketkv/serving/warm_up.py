@@ -75,7 +75,7 @@ def warm_up(engine, max_new_tokens: int, buckets: tuple[int, ...] | None) -> dic
         "seconds": time.perf_counter() - started,
         "buckets": buckets,
         "captures": graphs.captures - captured_before if graphs is not None else 0,
-        "table_pages": engine.batch.layers[0].width,
+        "table_pages": engine.batch.table_width,
         "max_new_tokens": running.request.max_new_tokens,
     }
     logger.info("hf_rocketkv batching engine: warmed up buckets %s in %.2f s (%d graphs captured, tables of %d "
@@ -109,11 +109,13 @@ def _synthetic_request(engine, max_new_tokens: int, scratch: bool) -> RunningReq
                             frozenset())
     running = RunningRequest(request, cache_salt=WARMUP_CACHE_SALT)
     plan = engine._admission.pages(request)
-    need = max(plan.peak_pages, plan.steady_pages + int(scratch))
+    paged = bool(engine.pool.hybrid.global_layers)  # (a model whose layers all slide has no pages, no scratch page)
+    need = max(plan.peak_pages, plan.steady_pages + int(scratch and paged))
     running.reservation = engine.pool.reserve(
         need, f"BatchingEngine.warm_up's synthetic request ({request.prompt_len} prompt tokens, max_tokens="
               f"{max_new_tokens}{', plus a scratch page for padding rows' if scratch else ''}; warm up fewer "
-              f"max_new_tokens or give the pool more memory)")
+              f"max_new_tokens or give the pool more memory)",
+        slots=(1 + int(scratch)) if engine.pool.has_sliding_layers else 0)
     return running
 
 

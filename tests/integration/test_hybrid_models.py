@@ -13,6 +13,8 @@ Mistral with a window), against the oracle: the same weights on transformers' ea
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -156,14 +158,24 @@ def test_sliding_memory_is_bounded_by_the_window():
 
 
 # ------------------------------------------------------------------------------------------------ refusals
-def test_pool_is_refused_for_sliding_models():
+def test_pool_features_without_sliding_windows_are_refused_naming_them(tmp_path):
+    """A pool serves these models (tests/integration/test_hybrid_pool.py) but not prefix reuse, host offload, prefix
+    files or fp8 pages; a pool built for another model's layers is refused too."""
     rocket, _ = make_hybrid_models("gemma3")
     config = compressing_config(kt_cache_dtype="float32")
+    with pytest.raises(NotImplementedError, match="host offload"):
+        cpu_pool(rocket.config, config, host_bytes=1 << 20)
+    with pytest.raises(NotImplementedError, match="fp8 storage"):
+        cpu_pool(rocket.config, config, dtype=torch.float8_e4m3fn)
     pool = cpu_pool(rocket.config, config)
-    with pytest.raises(NotImplementedError, match="sliding-window layers .*KVBlockPool.*without a pool"):
-        RocketKVCache(config, pool=pool, model_config=rocket.config)
-    with pytest.raises(NotImplementedError, match="sliding-window layers"):
-        greedy(rocket, random_ids(1, 12), past_key_values=RocketKVCache(config, pool=pool), max_new_tokens=2)
+    with pytest.raises(NotImplementedError, match="prefix reuse"):
+        pool.can_admit(16, 2, config, token_ids=list(range(16)))
+    with pytest.raises(NotImplementedError, match="prefix files"):
+        pool.save_prefix(tmp_path / "p.safetensors", list(range(16)))
+    full = types.SimpleNamespace(num_hidden_layers=4, num_key_value_heads=2, num_attention_heads=4, head_dim=16)
+    llama_pool = cpu_pool(full, config)  # a pool for four full-attention layers
+    with pytest.raises(ValueError, match="not those the KVBlockPool was built for"):
+        greedy(rocket, random_ids(1, 12), past_key_values=RocketKVCache(config, pool=llama_pool), max_new_tokens=2)
 
 
 def test_compiled_decode_settings_are_refused():

@@ -62,6 +62,8 @@ def test_pages_needed_as_dict():
                          hit_pages_free=1, hit_pages_host=1, hit_tokens=16, new_pages=8, rows=2)
     assert needed.as_dict() == {"prefill_peak": 9, "steady_state": 4, "prompt_pages": 6, "view_pages": 3,
                                 "hit_pages": 2, "hit_pages_free": 1, "hit_pages_host": 1, "hit_tokens": 16,
-                                "new_pages": 8, "rows": 2}
+                                "new_pages": 8, "rows": 2, "slots": 0, "prefill_peak_bytes": 0,
+                                "steady_state_bytes": 0}
     assert list(needed.as_dict()) == ["prefill_peak", "steady_state", "prompt_pages", "view_pages", "hit_pages",
-                                      "hit_pages_free", "hit_pages_host", "hit_tokens", "new_pages", "rows"]
+                                      "hit_pages_free", "hit_pages_host", "hit_tokens", "new_pages", "rows", "slots",
+                                      "prefill_peak_bytes", "steady_state_bytes"]

@@ -1,0 +1,106 @@
+"""BatchedSlidingLayer: a sliding-window layer of a ``BatchedDecodeCache`` (continuous batching of a hybrid model).
+
+Each request decodes its sliding layers in its own slot of the pool's slab (``PooledSlidingLayer``, ``memory/
+sliding_slab.py``): slot ``s`` holds, at ``[s, :, p % window]``, logical position ``p`` of that request. The batch
+only needs, per row, which slot and how many tokens were seen, in fixed buffers (R = ``max_rows``):
+
+    slots   [R] int64    row r's slot (padding rows: the batch's scratch slot)
+    seen    [R] int64    tokens row r's request has seen: its next position (padding rows: 0)
+
+A step over ``bucket`` rows writes each row's token at ``[slots[r], :, seen[r] % window]`` (one ``index_put_``),
+then reads the rows' rings (``slab.index_select(0, slots)``, ``[bucket, Hkv, window, D]``) under a mask that keeps,
+per row, the slots filled so far (``slot < min(seen, window)`` once the token is written: a ring holds the last
+``window`` positions, so its order does not matter to the softmax). Device ops only, fixed buffers: a CUDA graph per
+bucket captures it (``integration/batch_graphs.py``). No K/V is copied when rows join, move or leave: only the slot
+id and the length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .pooled_sliding import PooledSlidingLayer
+from .seam import tag
+from .sliding_layer import SlidingWindowLayer
+
+
+class BatchedSlidingLayer(SlidingWindowLayer):
+    """One sliding layer of a ``BatchedDecodeCache`` (module docstring)."""
+
+    def __init__(self, window: int, hints, layer_idx: int):
+        super().__init__(window, hints, layer_idx)
+        self.slots_buf: torch.Tensor | None = None  # [R] int64
+        self.seen_buf: torch.Tensor | None = None  # [R] int64 (a row of the batch's [layers, R] tensor)
+        self.k_slab = self.v_slab = None
+
+    def init_from(self, source: PooledSlidingLayer, max_rows: int, pool, seen: torch.Tensor) -> None:
+        self.dtype, self.device = source.dtype, source.device
+        self.num_kv_heads, self.head_dim = source.num_kv_heads, source.head_dim
+        probe = torch.empty(0, self.num_kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device)
+        self.k_slab, self.v_slab = pool.sliding_slab(self.layer_idx, probe)
+        self.slots_buf = torch.zeros(max_rows, dtype=torch.long, device=self.device)
+        self.seen_buf = seen
+        self.ring = self.is_initialized = True
+
+    # ------------------------------------------------------------------------------------------ rows
+    def copy_in(self, theirs: PooledSlidingLayer, row: int) -> None:
+        """Row ``row`` takes the request layer's slot and length (its ring moves into the slot first)."""
+        if not theirs.ring:
+            theirs._to_ring()  # the prefill's ordered columns into the request's slot
+        self.slots_buf[row] = theirs._slots[0]
+        self.seen_buf[row] = theirs.seen_tokens
+
+    def write_back(self, theirs: PooledSlidingLayer, row: int, steps: int) -> None:
+        """The row's decode steps into the request layer (its slot already holds the tokens)."""
+        theirs.position.copy_(self.seen_buf[row])
+        theirs.seen_tokens += steps
+        theirs.host_seen += steps
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.slots_buf[dst] = self.slots_buf[src]
+        self.seen_buf[dst] = self.seen_buf[src]
+
+    def clear_row(self, row: int) -> None:
+        self.seen_buf[row] = 0
+
+    def select(self, bucket: int, rows: int, scratch_slot: int | None) -> None:
+        """Rows ``[rows, bucket)`` are padding: they write into (and read) the scratch slot."""
+        if bucket > rows:
+            self.slots_buf[rows:bucket] = scratch_slot
+        self.row_slots = self.slots_buf[:bucket]
+        self.row_seen = self.seen_buf[:bucket]
+
+    # ------------------------------------------------------------------------------------------ the step
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Each row's token at ``[slot, :, seen % window]``; returns the rows' rings (tagged for the attention)."""
+        if not (self.hints.in_graph or torch.compiler.is_compiling()):
+            self.awaiting_attention = True
+            self.host_seen += 1
+        batch, heads = key_states.shape[:2]
+        slot = torch.remainder(self.row_seen, self.window)
+        head = torch.arange(heads, device=key_states.device)
+        index = (self.row_slots[:, None], head[None, :], slot[:, None].expand(batch, heads))
+        self.k_slab.index_put_(index, key_states[:, :, 0])
+        self.v_slab.index_put_(index, value_states[:, :, 0])
+        self.row_seen.add_(1)
+        keys, values = self.k_slab.index_select(0, self.row_slots), self.v_slab.index_select(0, self.row_slots)
+        tag(keys, self)
+        return keys, values
+
+    def ring_mask(self, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """``[bucket, 1, 1, window]`` bool: the slots each row has filled (transformers' mask is not read: the
+        rows have different lengths)."""
+        filled = torch.arange(self.window, device=self.row_seen.device)[None, :] < self.row_seen[:, None]
+        return filled[:, None, None, :]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.window, 0
+
+    def get_seq_length(self) -> int:
+        raise RuntimeError("BatchedDecodeCache rows have different lengths: pass position_ids")
+
+    def decode_room(self) -> int:
+        return 1 << 62  # a ring never fills
+
+    def reset(self) -> None:
+        raise NotImplementedError("BatchedSlidingLayer.reset: rows leave one at a time (BatchedDecodeCache.leave)")

@@ -1,0 +1,83 @@
+"""HybridLayout: how a pool splits its bytes between pages and sliding-window slots, by layer kind.
+
+A model's layers are full attention (RocketKV layers: pool pages, stage 1 and stage 2) or sliding-window attention
+(``layer_kinds.py``). A page spans the full-attention layers only; each sliding layer gets a ring of ``window``
+tokens per row in the pool's slab (``sliding_slab.py``), one slot per admitted row. The byte budget is paid in that
+order:
+
+    bytes_per_slot = sum over sliding layers of 2 * Hkv * window * D * itemsize
+    num_slots      = sliding_slots, or (None) max_gpu_bytes // bytes_per_slot when every layer slides,
+                     else min(DEFAULT_SLOTS, max_gpu_bytes // 2 // bytes_per_slot)
+    pages          = (max_gpu_bytes - num_slots * bytes_per_slot) // bytes_per_page   (full-attention layers only)
+
+A model without sliding layers gets no slab and all of ``max_gpu_bytes`` for pages, as before.
+
+What a hybrid pool refuses, each with one error naming the feature: host offload (``host_bytes``), prefix files,
+prefix reuse (``token_ids`` at admission): a reused prefix would also need every sliding layer's window at the
+prefix's end, which the pool does not keep; fp8 storage (the slab holds the model's K/V as they are).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import check_int
+from .geometry import FP8_KV_DTYPE, ModelGeometry
+from .layer_kinds import describe, sliding_windows
+from .sliding_slab import SlidingSlab
+
+DEFAULT_SLOTS = 64
+
+HYBRID_REFUSAL = ("KVBlockPool: {feature} is not supported for a model with sliding-window layers ({layers}); a pool "
+                  "of such a model serves its requests without it")
+
+
+@dataclass(frozen=True)
+class HybridLayout:
+    """Layer kinds of a pool's model and the slot budget (module docstring)."""
+
+    windows: tuple[int | None, ...]  # per layer: its window, None for full attention
+    global_layers: tuple[int, ...]
+    slab_windows: dict[int, int]  # sliding layer index -> window
+    num_slots: int
+    bytes_per_slot: int
+    page_bytes_budget: int  # what is left of max_gpu_bytes for pages
+
+    @classmethod
+    def of(cls, config: Any, geometry: ModelGeometry, dtype: torch.dtype, max_gpu_bytes: int, host_bytes: int,
+           sliding_slots: int | None) -> HybridLayout:
+        windows = sliding_windows(config)
+        if len(windows) != geometry.num_layers:
+            windows = (None,) * geometry.num_layers
+        sliding = {i: w for i, w in enumerate(windows) if w is not None}
+        global_layers = tuple(i for i, w in enumerate(windows) if w is None)
+        if not sliding:
+            if sliding_slots is not None:
+                raise ValueError("KVBlockPool.sliding_slots is for a model with sliding-window layers; this model "
+                                 "has none (leave it None)")
+            return cls(windows, global_layers, {}, 0, 0, max_gpu_bytes)
+        layers = describe(windows)
+        if host_bytes:
+            raise NotImplementedError(HYBRID_REFUSAL.format(feature="host offload (host_bytes > 0)", layers=layers))
+        if dtype == FP8_KV_DTYPE:
+            raise NotImplementedError(HYBRID_REFUSAL.format(feature=f"fp8 storage (dtype={dtype})", layers=layers))
+        per_slot = SlidingSlab.slot_bytes(sliding, geometry.num_kv_heads, geometry.head_dim, dtype)
+        if sliding_slots is None:
+            sliding_slots = (max_gpu_bytes // per_slot if not global_layers
+                             else min(DEFAULT_SLOTS, max_gpu_bytes // 2 // per_slot))
+        else:
+            check_int(sliding_slots, "KVBlockPool.sliding_slots", 1)
+        if sliding_slots < 1 or sliding_slots * per_slot > max_gpu_bytes:
+            raise ValueError(
+                f"KVBlockPool.max_gpu_bytes={max_gpu_bytes} does not hold {max(1, sliding_slots)} sliding-window "
+                f"slot(s) of {per_slot} bytes each ({layers}); give the pool more bytes or fewer sliding_slots")
+        return cls(windows, global_layers, sliding, sliding_slots, per_slot, max_gpu_bytes - sliding_slots * per_slot)
+
+
+def refuse_for_hybrid(layout: HybridLayout, feature: str) -> None:
+    """NotImplementedError naming ``feature`` when the pool's model has sliding-window layers."""
+    if layout.slab_windows:
+        raise NotImplementedError(HYBRID_REFUSAL.format(feature=feature, layers=describe(layout.windows)))

@@ -1,0 +1,141 @@
+"""Hybrid models (sliding-window + global layers) on a KVBlockPool on a GPU: the Triton kernels on the global layers'
+pool pages, the sliding layers' rings in the pool's slab, decode steps captured as CUDA graphs (generate()'s per
+request, the batching engine's per bucket).
+
+- generate() on the pool: graphed decode is bit-identical to eager decode (bf16, eviction on), for one row and for a
+  batch whose rows' slots are not consecutive; with every page attended (fp32) its tokens are those of transformers'
+  own eager attention and cache;
+- the batching engine, warmed up (every bucket captured before it starts): each request's tokens are those of the
+  request alone through generate() (fp32, every page attended), nothing is captured while serving, every page and
+  slot comes back.
+
+Tiny random configs of tests/support/hybrid_models.py (4 layers, window 8) moved to the GPU.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from hf_rocketkv import KVBlockPool, RocketKVCache, RocketKVConfig
+from hf_rocketkv.memory import RowDemand
+from hf_rocketkv.serving.batching import BatchingEngine
+from hf_rocketkv.serving.engine import EngineRequest
+from hf_rocketkv.serving.sampling import SamplingParams
+from hf_rocketkv.serving.scheduler import BatchingConfig
+from tests.support.hybrid_models import make_hybrid_models
+
+from .gpu_models import CUDA, greedy
+
+ARCHS = ["gpt_oss", "gemma3"]
+PROMPT, NEW_TOKENS = 200, 24
+REPLAYS = NEW_TOKENS - 2
+COMPRESSING = RocketKVConfig(prompt_budget=64, window_size=8, kernel_size=5, topk=6, topr=8, page_size=4,
+                             backend="triton")
+KEEP_ALL = RocketKVConfig(prompt_budget=1024, window_size=8, kernel_size=5, topk=4096, topr=16, page_size=4,
+                          kt_cache_dtype="float32", backend="triton")
+
+
+def _pool(model, config, dtype, slots=8):
+    return KVBlockPool(model, max_gpu_bytes=64 << 20, page_size=16, dtype=dtype, device=CUDA,
+                       kt_page_size=config.page_size, kt_dtype=config.kt_cache_dtype, sliding_slots=slots)
+
+
+def _prompt(vocab: int, batch: int = 1, length: int = PROMPT) -> torch.Tensor:
+    generator = torch.Generator("cuda").manual_seed(batch + length)
+    return torch.randint(3, vocab, (batch, length), device=CUDA, generator=generator)
+
+
+def _all_back(pool) -> bool:
+    return pool.free_pages() == pool.total_pages() and pool.free_slots() == pool.total_slots()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_graphed_decode_on_the_pool_is_bit_identical_to_eager(arch, batch):
+    rocket, _ = make_hybrid_models(arch)
+    rocket = rocket.to(CUDA, torch.bfloat16)
+    pool = _pool(rocket, COMPRESSING, torch.bfloat16)
+    hole = None
+    if batch > 1:  # slot 0 free, slot 1 held: the batch's slots are 0, 2, 3 (its rings gathered each step)
+        demand = RowDemand(prompt_tokens=4, new_tokens=1, view_tokens=5, hit_cap_tokens=0)
+        first, hole = pool.admit(4, 1, demand), pool.admit(4, 1, demand)
+        pool.release(first)
+    ids = _prompt(rocket.config.vocab_size, batch)
+    runs = []
+    for compiled in (False, True):
+        cache = RocketKVCache(COMPRESSING, pool=pool)
+        runs.append(greedy(rocket, ids, cache, NEW_TOKENS, compiled))
+        step = cache.hints.graphed_step
+        if compiled:
+            assert step is not None and step.replays == REPLAYS, f"{arch}: the decode steps did not replay a graph"
+        cache.close()
+    assert torch.equal(runs[1], runs[0]), f"{arch}: {(runs[1] == runs[0]).float().mean().item():.3f} equal"
+    if hole is not None:
+        pool.release(hole)
+    assert _all_back(pool)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_graphed_keep_all_decode_on_the_pool_equals_transformers_eager(arch):
+    rocket, oracle = make_hybrid_models(arch)
+    rocket, oracle = rocket.to(CUDA), oracle.to(CUDA)
+    pool = _pool(rocket, KEEP_ALL, torch.float32)
+    ids = _prompt(rocket.config.vocab_size)
+    cache = RocketKVCache(KEEP_ALL, pool=pool)
+    tokens = greedy(rocket, ids, cache, NEW_TOKENS, compiled=True)
+    expected = greedy(oracle, ids, None, NEW_TOKENS, compiled=False)
+    assert torch.equal(tokens, expected), f"{arch}: {(tokens == expected).float().mean().item():.3f} equal"
+    cache.close()
+    assert _all_back(pool)
+
+
+class _Collector:
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.tokens: dict[str, list[int]] = {}
+        self.finals: dict[str, object] = {}
+
+    def __call__(self, event) -> None:
+        with self.cond:
+            self.tokens.setdefault(event.request_id, []).extend(event.token_ids)
+            if event.finish_reason is not None:
+                self.finals[event.request_id] = event
+                self.cond.notify_all()
+
+    def wait(self, count: int, timeout: float) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: len(self.finals) >= count, timeout)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_batching_engine_with_graphs_equals_each_request_alone(arch):
+    rocket, _ = make_hybrid_models(arch)
+    alone, _ = make_hybrid_models(arch)
+    rocket, alone = rocket.to(CUDA), alone.to(CUDA)
+    pool = _pool(rocket, KEEP_ALL, torch.float32, slots=6)
+    engine = BatchingEngine(rocket, KEEP_ALL, pool, BatchingConfig(max_running=4, buckets=(1, 2, 4)))
+    assert engine.graphs_in_use
+    engine.warm_up(max_new_tokens=16)
+    captures = engine.graphs.captures
+    assert _all_back(pool)
+    lengths = [37, 120, 9, 64, 200, 15]
+    prompts = [_prompt(rocket.config.vocab_size, 1, n)[0].tolist() for n in lengths]
+    sink = _Collector()
+    engine.start(sink)
+    try:
+        for i, prompt in enumerate(prompts):
+            engine.submit(EngineRequest(f"h{i}", tuple(prompt), SamplingParams.greedy(12, ignore_eos=True),
+                                        frozenset()))
+        assert sink.wait(len(prompts), timeout=300)
+    finally:
+        engine.stop(timeout=60)
+    assert engine.graphs.captures == captures  # every step replayed a graph captured at warm-up
+    for i, prompt in enumerate(prompts):
+        assert sink.finals[f"h{i}"].error is None, sink.finals[f"h{i}"].error
+        ids = torch.tensor([prompt], device=CUDA)
+        expected = greedy(alone, ids, RocketKVCache(KEEP_ALL), 12, compiled=False)[0].tolist()
+        assert sink.tokens[f"h{i}"] == expected, f"{arch} request {i}"
+    assert _all_back(pool)
