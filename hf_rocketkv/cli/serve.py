@@ -356,8 +356,7 @@ def build_pool(args: argparse.Namespace, model, config, plan: EnginePlan):
         return None, None
     import torch
 
-    from ..memory import KVBlockPool, auto_pool_size
-    from ..memory.sizing import model_prefill_reserve
+    from ..memory import KVBlockPool, auto_pool_size, model_prefill_reserve
 
     world = world_size()
     if args.pool_gib is not None:

@@ -35,7 +35,7 @@ from .page_meta import DEFAULT_PRIORITY, LOADED_PREFIX_PRIORITY, PageInfo
 from .pool import KVBlockPool
 from .prefix_file import LoadedPrefix
 from .reservation import Reservation
-from .sizing import PoolSize, auto_pool_size, pool_bytes
+from .sizing import PoolSize, auto_pool_size, model_prefill_reserve, pool_bytes, prefill_reserve_bytes
 from .sliding_slab import SlotLease
 from .stats import PoolStats
 from .storage import LayerStorage
@@ -68,6 +68,8 @@ __all__ = [
     "SlotLease",
     "as_budget",
     "auto_pool_size",
+    "model_prefill_reserve",
+    "prefill_reserve_bytes",
     "dequantize_fp8",
     "fp8_scales",
     "pool_bytes",
