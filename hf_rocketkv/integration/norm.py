@@ -19,15 +19,13 @@ those classes have their ``forward`` wrapped (``compat.install_norm``; once per 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 
 from ..kernels.rms_norm import rms_norm_supported, rms_norm_triton
 from . import compat
+from .fused_switch import FusedSwitch
 from .rope import fused_rope
 
 FUSED_DEVICE_TYPES = ("cuda",)  # the kernel's devices (the CPU tests add "cpu": Triton's interpreter)
-_ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_rocketkv_fused_norm", default=False)
-_INSTALLED_ATTRIBUTE = "_hf_rocketkv_norm_installed"
 
 
 def _compute(run_original, hidden_states, weight, eps):
@@ -38,31 +36,17 @@ def _compute(run_original, hidden_states, weight, eps):
     return run_original()
 
 
-def install_for(model) -> None:
-    """Wrap the forward of every LlamaRMSNorm-formula class ``model`` is made of (idempotent)."""
-    if getattr(model, _INSTALLED_ATTRIBUTE, False):
-        return
-    for owner in compat.llama_norm_classes(model):
-        compat.install_norm(owner, _ACTIVE.get, _compute)
-    object.__setattr__(model, _INSTALLED_ATTRIBUTE, True)  # a plain attribute, not a submodule or buffer
+_SWITCH = FusedSwitch("hf_rocketkv_fused_norm", "_hf_rocketkv_norm_installed", compat.llama_norm_classes,
+                      compat.install_norm, _compute)
+install_for = _SWITCH.install_for  # wrap the forward of every LlamaRMSNorm-formula class a model is made of
 
 
-@contextlib.contextmanager
 def fused_norm(model, enabled: bool):
     """Within the block, this thread's decode steps of ``model`` take the fused RMSNorm (when ``enabled``)."""
-    if not enabled:
-        yield
-        return
-    install_for(model)
-    token = _ACTIVE.set(True)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
+    return _SWITCH.enabled(model, enabled)
 
 
-def fused_norm_active() -> bool:
-    return _ACTIVE.get()
+fused_norm_active = _SWITCH.active
 
 
 @contextlib.contextmanager

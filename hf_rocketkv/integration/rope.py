@@ -14,15 +14,11 @@ call (so it is per thread and per asyncio task, never process-wide), after makin
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-
 from . import compat
+from .fused_switch import FusedSwitch
 from ..kernels.rope import rope_decode_triton, rope_supported
 
 FUSED_DEVICE_TYPES = ("cuda",)  # the kernel's devices (the CPU tests add "cpu": Triton's interpreter)
-_ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_rocketkv_fused_rope", default=False)
-_INSTALLED_ATTRIBUTE = "_hf_rocketkv_rotary_installed"
 
 
 def _compute(original, arguments: dict):
@@ -33,28 +29,14 @@ def _compute(original, arguments: dict):
     return original(**arguments)
 
 
-def install_for(model) -> None:
-    """Wrap the rotary function of every modeling module ``model`` is made of (idempotent)."""
-    if getattr(model, _INSTALLED_ATTRIBUTE, False):
-        return
-    for owner in compat.rotary_modules(model):
-        compat.install_rotary(owner, _ACTIVE.get, _compute)
-    object.__setattr__(model, _INSTALLED_ATTRIBUTE, True)  # a plain attribute, not a submodule or buffer
+_SWITCH = FusedSwitch("hf_rocketkv_fused_rope", "_hf_rocketkv_rotary_installed", compat.rotary_modules,
+                      compat.install_rotary, _compute)
+install_for = _SWITCH.install_for  # wrap the rotary function of every modeling module a model is made of
 
 
-@contextlib.contextmanager
 def fused_rope(model, enabled: bool):
     """Within the block, this thread's decode steps of ``model`` take the fused RoPE (when ``enabled``)."""
-    if not enabled:
-        yield
-        return
-    install_for(model)
-    token = _ACTIVE.set(True)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
+    return _SWITCH.enabled(model, enabled)
 
 
-def fused_rope_active() -> bool:
-    return _ACTIVE.get()
+fused_rope_active = _SWITCH.active
