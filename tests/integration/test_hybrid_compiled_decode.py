@@ -30,6 +30,7 @@ from tests.support.tiny_models import (
 TWO_LAYERS = {
     "gpt_oss": {"num_hidden_layers": 2},  # alternating: sliding, full
     "gemma3": {"num_hidden_layers": 2, "layer_types": [SLIDING, FULL]},
+    "gemma2": {"num_hidden_layers": 2},  # alternating: sliding, full (soft-capped logits)
 }
 
 
@@ -163,3 +164,43 @@ def test_compiled_decode_with_a_pool_equals_eager_without_recompiles():
         cache.close()
     assert dynamo_utils.counters["stats"]["unique_graphs"] == 1, dict(dynamo_utils.counters["stats"])
     assert not dynamo_utils.counters["recompiles"]
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "gemma2"])
+def test_triton_backend_decode_step_with_sinks_or_softcap_traces_as_one_graph(monkeypatch, arch):
+    """backend="triton": the global layers' registered ops with the model's sinks (gpt-oss) or soft-capping
+    (Gemma 2) trace with the sliding rings as one fullgraph and give eager's tokens. As in
+    tests/integration/test_compiled_decode.py, the launches are skipped while dynamo propagates fake tensors (the
+    interpreter cannot run on them); the graph (backend "eager") then runs them on real tensors."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    from hf_rocketkv.kernels import launch
+
+    original = launch.TritonLaunch.__getitem__
+
+    def launcher(self, grid):
+        run = original(self, grid)
+
+        def call(*args, **kwargs):
+            if any(isinstance(x, torch.Tensor) and is_fake(x) for x in (*args, *kwargs.values())):
+                return None
+            return run(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(launch.TritonLaunch, "__getitem__", launcher)
+    torch._dynamo.reset()
+    rocket, _ = make_hybrid_models(arch, **TWO_LAYERS[arch])
+    ids, mask = _batch((30, 21), seed=5)
+    config = _config(backend="triton")
+    eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=4, past_key_values=RocketKVCache(config),
+                   disable_compile=True)
+    dynamo_utils.counters.clear()
+    cache = RocketKVCache(config)
+    compiled = greedy(rocket, ids, attention_mask=mask, max_new_tokens=4, past_key_values=cache,
+                      compile_config=eager_compile_config())
+    featured = [layer for layer in cache.layers if not layer.is_sliding]
+    assert featured and all(layer.ops.name == "triton" and not layer.features.plain for layer in featured)
+    assert torch.equal(compiled, eager)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1, dict(dynamo_utils.counters["stats"])
+    assert not dynamo_utils.counters["graph_break"]
