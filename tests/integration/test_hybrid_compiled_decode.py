@@ -16,7 +16,11 @@ import torch._dynamo.utils as dynamo_utils
 from transformers import CompileConfig
 
 from hf_rocketkv import RocketKVCache, SlidingWindowLayer
-from tests.support.decode_runners import eager_compile_config
+from tests.support.decode_runners import (
+    StandInBackend,
+    eager_compile_config,
+    graphed_cache,
+)
 from tests.support.hybrid_models import FULL, SLIDING, WINDOW, make_hybrid_models
 from tests.support.tiny_models import (
     compressing_config,
@@ -204,3 +208,20 @@ def test_triton_backend_decode_step_with_sinks_or_softcap_traces_as_one_graph(mo
     assert torch.equal(compiled, eager)
     assert dynamo_utils.counters["stats"]["unique_graphs"] == 1, dict(dynamo_utils.counters["stats"])
     assert not dynamo_utils.counters["graph_break"]
+
+
+def test_batch_buckets_under_the_cuda_graph_runner_pad_sliding_rows():
+    """Explicit batch_buckets with the default runner (CUDA graphs; the CPU stand-in captures here): 3 rows run as 4,
+    one capture, eager's tokens, the caller's rows kept."""
+    rocket, _ = make_hybrid_models("gemma3")
+    config = compressing_config(kt_cache_dtype="float32", batch_buckets=(4,))
+    ids, mask = _batch((30, 21, 6), seed=6)
+    eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=8, past_key_values=RocketKVCache(config),
+                   disable_compile=True)
+    backend = StandInBackend()
+    cache = graphed_cache(config, backend)
+    out = greedy(rocket, ids, attention_mask=mask, max_new_tokens=8, past_key_values=cache,
+                 compile_config=eager_compile_config())
+    assert torch.equal(out, eager)
+    assert backend.captures == 1
+    assert all(layer.batch_size == 3 for layer in cache.layers)
