@@ -408,7 +408,7 @@ class RocketKVCache(Cache):
         the chunks): the answer is False only while generate()'s prefill runs, so chunks run eagerly (their shapes
         change every chunk) and decode is compiled after a chunked prefill too. Sliding-window layers decode into a
         ring of fixed size (``SlidingWindowLayer``), so hybrid models answer the same (their decode steps are
-        captured as CUDA graphs; ``decode_runner="torch_compile"`` is refused for them at generate()). A cache with
+        captured as CUDA graphs or compiled with torch.compile, ``decode_runner``). A cache with
         dense layers (``dense_layers``) answers False: their stores grow at every step, so decode runs eagerly."""
         return not self.hints.prefilling and not self.has_dense_layers
 

@@ -17,11 +17,12 @@ the layer through the key tensor ``update`` returned (``seam.tag``) and runs exa
 (``integration/attention.py``).
 
 Decode steps (one new token) use a ring instead, so that a step has fixed shapes, fixed addresses and no host sync
-(CUDA-graph decode captures it; ``integration/decode_graphs.py``): ``keys`` / ``values`` become ``[B, Hkv, window,
-D]`` buffers where logical position ``p`` lives in slot ``p % window``, and ``position`` (a device counter) says
-where the next token goes. ``get_mask_sizes(1)`` is then ``(window, max(0, seen - window + 1))``, the sizes of
-transformers' own static sliding layer, so transformers' mask has ``window`` columns whatever was seen, column ``c``
-being position ``offset + c``; ``ring_mask`` reorders it into slot order (slot ``s`` is column
+(CUDA-graph decode captures it, ``integration/decode_graphs.py``; torch.compile'd decode compiles it, the ring laid
+out on the host before the first compiled step by ``count_graphed_step``): ``keys`` / ``values`` become
+``[B, Hkv, window, D]`` buffers where logical position ``p`` lives in slot ``p % window``, and ``position`` (a
+device counter) says where the next token goes. ``get_mask_sizes(1)`` is then ``(window, max(0, seen - window +
+1))``, the sizes of transformers' own static sliding layer, so transformers' mask has ``window`` columns whatever was
+seen, column ``c`` being position ``offset + c``; ``ring_mask`` reorders it into slot order (slot ``s`` is column
 ``(s - offset) % window``). A forward of several tokens (a later turn) turns the ring back into the ordered columns
 first. Between forwards the ring holds ``min(seen, window)`` tokens, of which the next query can see the last
 ``window - 1`` (``stored``).
@@ -155,7 +156,12 @@ class SlidingWindowLayer(CacheLayerMixin):
         return self.keys, self.values
 
     def count_graphed_step(self) -> None:
-        """The host side of a decode step whose device side a CUDA graph replays (``update`` did not run)."""
+        """The host side of a decode step whose device side a CUDA graph replays or a torch.compile'd step runs
+        (their ``update`` skips it): the ordered columns become the ring first, here on the host and from the count
+        before this step (inside a compiled step the conversion would specialise the graph to the prompt's length),
+        then the step is counted."""
+        if self.is_initialized and not self.ring:
+            self._to_ring()
         self.host_seen += 1
         self.seen_tokens += 1
 
@@ -181,6 +187,7 @@ class SlidingWindowLayer(CacheLayerMixin):
         self.values = ring_v.index_copy_(2, slots, self.values)
         self.position = torch.tensor(self.seen_tokens, dtype=torch.long, device=self.device)
         self.ring = True
+        tag(self.keys, self)  # tagged where allocated, so a compiled step finds it tagged (seam.tag)
 
     def _to_ordered(self) -> None:
         """The ring back into ordered columns: the last ``stored`` positions."""

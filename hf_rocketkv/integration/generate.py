@@ -191,20 +191,10 @@ def compiled_decode_field(config: RocketKVConfig) -> str | None:
 
 def configure_layers(cache: RocketKVCache, model) -> None:
     """Give the cache the model's layer types (``RocketKVCache.configure_layers``: sliding-window layers keep their
-    window) before anything is stored, and refuse what sliding-window models cannot run yet: torch.compile'd decode
-    and batch buckets (their decode steps run as CUDA graphs, ``decode_runner="cuda_graphs"``, or eagerly)."""
+    window) before anything is stored. Their decode steps run under every decode runner: a ring of fixed size,
+    laid out on the host before the first captured or compiled step (``SlidingWindowLayer.count_graphed_step``)."""
     if cache.get_seq_length() == 0 and not any(layer.is_initialized for layer in cache.layers):
         cache.configure_layers(model.config)
-    if not cache.has_sliding_layers:
-        return
-    config = cache.config
-    field = compiled_decode_field(config)
-    if field is not None:
-        raise NotImplementedError(
-            f"RocketKVConfig.{field}: this model has sliding-window layers, whose decode steps RocketKV runs as CUDA "
-            f"graphs or eagerly (no torch.compile'd decode yet). Leave decode_runner and batch_buckets at their "
-            f"defaults."
-        )
 
 
 def check_layer_plan(cache: RocketKVCache, model, generation_config) -> None:
