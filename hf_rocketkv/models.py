@@ -215,9 +215,6 @@ def load_model_and_tokenizer(
     source = model_source(model)
     config = load_config(source)
     check_architecture(config, source.label)
-    if tp_plan is not None and has_sliding_layers(config):
-        raise ModelSourceError(f"{source.label}: its sliding-window layers do not run under tensor parallelism "
-                               f"(tp_plan={tp_plan!r}) yet; load it on one device")
     check_weights_present(source)
     tokenizer = load_tokenizer(source)
     try:

@@ -294,9 +294,13 @@ def world_size() -> int:
 
 
 def shard_kv_heads(model, world: int) -> int | None:
-    """KV heads per rank under ``tp_plan="auto"`` (transformers shards k_proj / v_proj by heads), or None (plan for
-    all of them: an upper bound) when the count does not divide."""
+    """KV heads per rank under ``tp_plan="auto"`` (transformers shards k_proj / v_proj by heads), every KV head where
+    the model's plan leaves the attention whole (gpt-oss: only its embeddings, experts and head are sharded), or
+    None (plan for all of them: an upper bound) when the count does not divide."""
     heads = getattr(model.config.get_text_config(), "num_key_value_heads", None)
+    plan = getattr(model, "tp_plan", None) or {}
+    if plan and not any(name.endswith("k_proj") for name in plan):
+        return heads
     return heads // world if heads and heads % world == 0 else None
 
 
