@@ -8,7 +8,9 @@ page attended (RocketKV is then exact), and a longer prompt that stage 1 evicts 
 
 transformers' plans differ: Gemma 2 and 3 shard q/k/v by heads (each rank holds one of the two KV heads, its sliding
 layers a window of that head), gpt-oss shards only its embeddings and LM head (every rank runs every attention head
-with the full sinks vector, so each rank's cache equals one process's).
+with the full sinks vector, so each rank's cache equals one process's; its MoE experts are replicated, their
+expert-parallel plan is a separate option). A plan that shards gpt-oss' attention and its sinks by heads
+(``SHARDED_SINKS_PLAN``) runs too: each rank's attention then gets its own heads' sinks.
 """
 
 from __future__ import annotations
@@ -27,7 +29,14 @@ EXACT = dict(prompt_budget=512, window_size=8, kernel_size=5, topk=4096, topr=16
 EVICTING = dict(prompt_budget=24, window_size=8, kernel_size=5, topk=3, topr=8, page_size=4,
                 kt_cache_dtype="float32", backend="torch")
 NEW_TOKENS = 8
-KV_HEADS_PER_RANK = {"gpt_oss": 2, "gemma3": 1, "gemma2": 1}  # of 2: gpt-oss' plan leaves attention whole
+KV_HEADS_PER_RANK = {"gpt_oss": 2, "gpt_oss_sharded_sinks": 1, "gemma3": 1, "gemma2": 1}  # of 2
+# gpt-oss with its attention sharded by heads, the sinks with them: each rank's attention gets its own heads' sinks
+# (a fresh local view of the shard at every forward, transformers' "local_params")
+SHARDED_SINKS_PLAN = {
+    "model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.self_attn.sinks": "colwise", "model.layers.*.self_attn": "local_params",
+}
 
 
 def _inputs(short: bool):
@@ -36,15 +45,17 @@ def _inputs(short: bool):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["gpt_oss", "gemma3", "gemma2"])
+@pytest.mark.parametrize("arch", ["gpt_oss", "gpt_oss_sharded_sinks", "gemma3", "gemma2"])
 def test_tensor_parallel_hybrid_generate_matches_single_process(tmp_path, arch):
-    rocket, _ = make_hybrid_models(arch)
+    rocket, _ = make_hybrid_models(arch.removesuffix("_sharded_sinks"))
     model_dir = tmp_path / "model"
     rocket.save_pretrained(model_dir)
     (ids, mask), (long_ids, long_mask) = _inputs(short=True), _inputs(short=False)
     spec = dict(input_ids=ids.tolist(), attention_mask=mask.tolist(), max_new_tokens=NEW_TOKENS, pad_token_id=PAD,
                 rocketkv=EXACT,
                 runs=[dict(input_ids=long_ids.tolist(), attention_mask=long_mask.tolist(), rocketkv=EVICTING)])
+    if arch == "gpt_oss_sharded_sinks":
+        spec["tp_plan"] = SHARDED_SINKS_PLAN
     result, output = run_workers(tmp_path, spec, timeout=400)
     assert result.returncode == 0, _failure(result, output)
     report = json.loads(output.read_text())

@@ -32,7 +32,8 @@ def main() -> None:
     from transformers.distributed import DistributedConfig
 
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, distributed_config=DistributedConfig(tp_plan="auto"), attn_implementation=hf_rocketkv.ATTN_NAME,
+        model_dir, distributed_config=DistributedConfig(tp_plan=spec.get("tp_plan", "auto")),  # a dict: overrides
+        attn_implementation=hf_rocketkv.ATTN_NAME,
         dtype=torch.float32,
     ).eval()
     rank = dist.get_rank()
