@@ -466,3 +466,22 @@ def test_compile_cache_flag_points_the_caches_at_the_folder(tmp_path, monkeypatc
     (tmp_path / "file").write_text("x")
     with pytest.raises(UsageError, match="--compile-cache"):
         use_compile_cache_flag(parser.parse_args(["--compile-cache", str(tmp_path / "file")]))
+
+
+def test_shard_kv_heads_follows_the_models_plan():
+    """--pool-gib under torchrun: each rank's pool holds the KV heads its attention receives: a shard where the plan
+    splits k_proj by heads (Llama, Gemma), every head where it leaves the attention whole (gpt-oss)."""
+    from types import SimpleNamespace
+
+    from transformers import GptOssConfig, LlamaConfig
+
+    from hf_rocketkv.cli.serve import shard_kv_heads
+
+    def model(config, plan):
+        return SimpleNamespace(config=config, tp_plan=plan)
+
+    llama = LlamaConfig(num_attention_heads=8, num_key_value_heads=4)
+    assert shard_kv_heads(model(llama, {"model.layers.*.self_attn.k_proj": "colwise"}), 2) == 2
+    assert shard_kv_heads(model(llama, {"model.layers.*.self_attn.k_proj": "colwise"}), 3) is None
+    oss = GptOssConfig(num_attention_heads=8, num_key_value_heads=4)
+    assert shard_kv_heads(model(oss, {"model.embed_tokens": "embedding_rowwise"}), 2) == 4
