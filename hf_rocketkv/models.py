@@ -179,6 +179,18 @@ def load_tokenizer(source: ModelSource):
     return tokenizer
 
 
+def shard_kv_heads(model, world: int) -> int | None:
+    """KV heads each rank's attention receives under ``tp_plan="auto"`` over ``world`` ranks (what a rank's KV pool
+    is planned for): a shard where the model's plan splits k_proj by heads (Llama, Gemma), every KV head where it
+    leaves the attention whole (gpt-oss: only its embeddings and LM head are sharded), or None (plan for all of
+    them: an upper bound) when the count does not divide."""
+    heads = getattr(model.config.get_text_config(), "num_key_value_heads", None)
+    plan = getattr(model, "tp_plan", None) or {}
+    if plan and not any(name.endswith("k_proj") for name in plan):
+        return heads
+    return heads // world if heads and heads % world == 0 else None
+
+
 def _tensor_parallel_kwargs(tp_plan: str | None) -> dict:
     """from_pretrained's tensor-parallel arguments: ``distributed_config=DistributedConfig(tp_plan=...)``, the form
     transformers asks for since 5.17 (the standalone ``tp_plan=`` argument warns that it goes away)."""
