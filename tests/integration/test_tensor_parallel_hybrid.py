@@ -10,7 +10,8 @@ transformers' plans differ: Gemma 2 and 3 shard q/k/v by heads (each rank holds 
 layers a window of that head), gpt-oss shards only its embeddings and LM head (every rank runs every attention head
 with the full sinks vector, so each rank's cache equals one process's; its MoE experts are replicated, their
 expert-parallel plan is a separate option). A plan that shards gpt-oss' attention and its sinks by heads
-(``SHARDED_SINKS_PLAN``) runs too: each rank's attention then gets its own heads' sinks.
+(``SHARDED_SINKS_PLAN``) runs too: each rank's attention then gets its own heads' sinks; and so does expert
+parallelism (``ep_size=2``: each rank holds half of the MoE experts).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ EXACT = dict(prompt_budget=512, window_size=8, kernel_size=5, topk=4096, topr=16
 EVICTING = dict(prompt_budget=24, window_size=8, kernel_size=5, topk=3, topr=8, page_size=4,
                 kt_cache_dtype="float32", backend="torch")
 NEW_TOKENS = 8
-KV_HEADS_PER_RANK = {"gpt_oss": 2, "gpt_oss_sharded_sinks": 1, "gemma3": 1, "gemma2": 1}  # of 2
+KV_HEADS_PER_RANK = {"gpt_oss": 2, "gpt_oss_sharded_sinks": 1, "gpt_oss_expert_parallel": 2, "gemma3": 1,
+                     "gemma2": 1}  # of 2
 # gpt-oss with its attention sharded by heads, the sinks with them: each rank's attention gets its own heads' sinks
 # (a fresh local view of the shard at every forward, transformers' "local_params")
 SHARDED_SINKS_PLAN = {
@@ -45,9 +47,9 @@ def _inputs(short: bool):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["gpt_oss", "gpt_oss_sharded_sinks", "gemma3", "gemma2"])
+@pytest.mark.parametrize("arch", ["gpt_oss", "gpt_oss_sharded_sinks", "gpt_oss_expert_parallel", "gemma3", "gemma2"])
 def test_tensor_parallel_hybrid_generate_matches_single_process(tmp_path, arch):
-    rocket, _ = make_hybrid_models(arch.removesuffix("_sharded_sinks"))
+    rocket, _ = make_hybrid_models(arch.removesuffix("_sharded_sinks").removesuffix("_expert_parallel"))
     model_dir = tmp_path / "model"
     rocket.save_pretrained(model_dir)
     (ids, mask), (long_ids, long_mask) = _inputs(short=True), _inputs(short=False)
@@ -56,6 +58,8 @@ def test_tensor_parallel_hybrid_generate_matches_single_process(tmp_path, arch):
                 runs=[dict(input_ids=long_ids.tolist(), attention_mask=long_mask.tolist(), rocketkv=EVICTING)])
     if arch == "gpt_oss_sharded_sinks":
         spec["tp_plan"] = SHARDED_SINKS_PLAN
+    if arch == "gpt_oss_expert_parallel":  # its MoE experts split over the ranks (each rank runs its own, all-reduce)
+        spec["distributed"] = dict(ep_size=2, ep_implementation="all_reduce")
     result, output = run_workers(tmp_path, spec, timeout=400)
     assert result.returncode == 0, _failure(result, output)
     report = json.loads(output.read_text())
@@ -75,6 +79,11 @@ def test_tensor_parallel_hybrid_generate_matches_single_process(tmp_path, arch):
         expected.append((tokens.tolist(), kept, [layer.is_sliding for layer in cache.layers]))
 
     heads = KV_HEADS_PER_RANK[arch]
+    if arch in ("gpt_oss", "gpt_oss_expert_parallel"):  # half of the experts' weights live on each rank under EP
+        experts = sum(p.numel() for name, p in single.named_parameters() if ".experts." in name)
+        for rank in report["ranks"]:
+            sharded = sum(p.numel() for p in single.parameters()) - rank["local_parameters"]
+            assert (sharded >= experts // 2) == (arch == "gpt_oss_expert_parallel"), (arch, sharded, experts)
     for rank in report["ranks"]:
         for which, (got, (tokens, kept, sliding)) in enumerate(zip([rank, *rank["runs"]], expected)):
             where = f"rank {rank['rank']}, {'exact' if which == 0 else 'evicting'} run"

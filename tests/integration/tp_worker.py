@@ -32,7 +32,8 @@ def main() -> None:
     from transformers.distributed import DistributedConfig
 
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, distributed_config=DistributedConfig(tp_plan=spec.get("tp_plan", "auto")),  # a dict: overrides
+        model_dir,  # tp_plan: "auto" or a dict of overrides; "distributed": more DistributedConfig fields (ep_size)
+        distributed_config=DistributedConfig(tp_plan=spec.get("tp_plan", "auto"), **spec.get("distributed", {})),
         attn_implementation=hf_rocketkv.ATTN_NAME,
         dtype=torch.float32,
     ).eval()
@@ -49,7 +50,8 @@ def main() -> None:
         gathered = [None] * world
         dist.all_gather_object(gathered, dict(rank=rank, **record))
         _write_and_exit(output_path, rank, world, gathered)
-    report = dict(rank=rank, **generate_report(model, cache, input_ids, attention_mask, spec))
+    local = sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in model.parameters())  # this rank's shard
+    report = dict(rank=rank, local_parameters=local, **generate_report(model, cache, input_ids, attention_mask, spec))
     if spec.get("runs"):  # more generate() calls on the same shards, each with its own inputs and cache config
         report["runs"] = [
             generate_report(model, RocketKVCache(RocketKVConfig(**run["rocketkv"])),
