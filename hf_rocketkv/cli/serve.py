@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..models import DEFAULT_MODEL, first_line
+from ..models import DEFAULT_MODEL, first_line, shard_kv_heads
 from .checks import UsageError, check_device
 from .serve_options import (
     add_options,
@@ -291,13 +291,6 @@ def world_size() -> int:
         return max(1, int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError:
         raise UsageError(f"WORLD_SIZE must be an integer, got {os.environ['WORLD_SIZE']!r}") from None
-
-
-def shard_kv_heads(model, world: int) -> int | None:
-    """KV heads per rank under ``tp_plan="auto"`` (transformers shards k_proj / v_proj by heads), or None (plan for
-    all of them: an upper bound) when the count does not divide."""
-    heads = getattr(model.config.get_text_config(), "num_key_value_heads", None)
-    return heads // world if heads and heads % world == 0 else None
 
 
 def is_leader_rank() -> bool:

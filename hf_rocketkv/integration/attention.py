@@ -46,6 +46,8 @@ def rocketkv_attention(
 ) -> tuple[torch.Tensor, None]:
     layer = layer_of(key)
     features = logit_features(kwargs)
+    if features.sinks is not None:
+        check_sinks_follow_heads(module, features.sinks, query)
     if layer is None:
         if not features.plain:  # transformers' sdpa takes neither soft-capping nor sinks
             scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -112,8 +114,10 @@ def check_supported(module: torch.nn.Module, kwargs: dict, layer, key: torch.Ten
                     features: LogitFeatures) -> None:
     """Raise at the first forward for attention RocketKV cannot serve, instead of silently running something else:
     non-causal attention, a layer whose sliding window is not the one its cache layer keeps (a cache that was not
-    told the model's layer types), other logit features than the layer was prefilled with, and sliding windows or
-    logit features under tensor parallelism."""
+    told the model's layer types), other logit features than the layer was prefilled with, and dense layers or budget
+    schedules under tensor parallelism. Sliding windows, soft-capping and sinks run on a shard of the heads as on all
+    of them: a sliding layer keeps its window of whatever heads it receives, soft-capping is per logit, and the sinks
+    are checked against the query heads of this process (``check_sinks_follow_heads``)."""
     name, index = type(module).__name__, getattr(module, "layer_idx", "?")
     if getattr(module, "is_causal", True) is False:
         raise NotImplementedError(f"RocketKV serves causal self-attention only; {name} is not causal")
@@ -128,11 +132,10 @@ def check_supported(module: torch.nn.Module, kwargs: dict, layer, key: torch.Ten
         )
     dense = getattr(layer, "is_dense", False)
     scheduled = isinstance(layer, RocketKVLayer) and layer.config.budget_schedule != "flat"
-    if window is not None or not features.plain or dense or scheduled:
+    if dense or scheduled:
         total = getattr(module.config, "num_key_value_heads", None) or module.config.num_attention_heads
         if key.shape[1] != total:
-            what = ("sliding-window layers" if window is not None else "RocketKVConfig.dense_layers" if dense else
-                    "RocketKVConfig.budget_schedule" if scheduled else "soft-capped logits or attention sinks")
+            what = "RocketKVConfig.dense_layers" if dense else "RocketKVConfig.budget_schedule"
             raise NotImplementedError(
                 f"RocketKV does not support {what} under tensor parallelism yet ({name}, layer {index}: this process "
                 f"holds {key.shape[1]} of {total} KV heads). Run the model on one device."
@@ -140,6 +143,20 @@ def check_supported(module: torch.nn.Module, kwargs: dict, layer, key: torch.Ten
     if isinstance(layer, RocketKVLayer) and layer.compressed and not features.same_as(layer.features):
         raise ValueError(f"{name} (layer {index}): the attention's soft-capping / sinks differ from those the layer "
                          f"was prefilled with; one RocketKVCache serves one model")
+
+
+def check_sinks_follow_heads(module: torch.nn.Module, sinks: torch.Tensor, query: torch.Tensor) -> None:
+    """Sinks are one logit per query head, viewed as ``[Hkv, G]`` from this process's own head counts: refuse sinks
+    that do not match the query heads this process holds (a tensor-parallel plan that shards the query heads but
+    passes every head's sinks), which would pair heads with other heads' sinks. Host-side shapes only."""
+    if sinks.dim() == 1 and sinks.shape[0] == query.shape[1]:
+        return
+    name, index = type(module).__name__, getattr(module, "layer_idx", "?")
+    raise NotImplementedError(
+        f"{name} (layer {index}) passes attention sinks of shape {list(sinks.shape)} for the {query.shape[1]} query "
+        f"heads this process holds: under tensor parallelism the model's plan must shard its sinks with the heads. "
+        f"Run the model on one device."
+    )
 
 
 def window_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

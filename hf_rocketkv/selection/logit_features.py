@@ -49,11 +49,23 @@ class LogitFeatures:
         return self.sinks.float().reshape(num_kv_heads, -1)
 
     def same_as(self, other: LogitFeatures) -> bool:
-        """Whether ``other`` describes the same logits (the same cap, the very same sinks tensor)."""
-        return self.softcap == other.softcap and self.sinks is other.sinks
+        """Whether ``other`` describes the same logits: the same cap, and the very same sinks tensor or a view of the
+        same memory (a tensor-parallel plan that shards the sinks hands the attention a fresh local view of its
+        shard at every forward). Host-side only (no sync)."""
+        return self.softcap == other.softcap and same_tensor(self.sinks, other.sinks)
 
 
 PLAIN = LogitFeatures()
+
+
+def same_tensor(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """``a is b``, or two views of the same elements (same memory, shape, strides, dtype and device)."""
+    if a is b:
+        return True
+    if a is None or b is None:
+        return False
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+            and a.device == b.device)
 
 
 def soft_cap(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:

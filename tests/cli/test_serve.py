@@ -287,13 +287,21 @@ def test_tensor_parallel_usage_errors(monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_serve_under_torchrun_rank0_serves_every_rank_steps(tmp_path):
+@pytest.mark.parametrize("arch,rank_kv_heads", [("llama", 2), ("gemma3", 1), ("gpt_oss", 2)])
+def test_serve_under_torchrun_rank0_serves_every_rank_steps(tmp_path, arch, rank_kv_heads):
     """``torchrun --nproc_per_node=2 -m hf_rocketkv.cli serve`` (gloo, CPU): rank 0 listens, rank 1 follows in
     lockstep. A rank that did not step would leave rank 0's forward waiting in its all-reduce, so answers at all
-    prove the lockstep; the greedy text must equal the same request through one process (the model's oracle)."""
+    prove the lockstep; the greedy text must equal the same request through one process (the model's oracle).
+    Gemma 3 (sliding layers, 1 of 2 KV heads per rank) and gpt-oss (sinks, sliding layers; its plan keeps the
+    attention whole, so each rank's pool holds both KV heads) run the same way."""
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
-    model, _ = make_models("llama", hidden_size=128, num_attention_heads=8, num_key_value_heads=4, head_dim=16)
+    if arch == "llama":
+        model, _ = make_models("llama", hidden_size=128, num_attention_heads=8, num_key_value_heads=4, head_dim=16)
+    else:
+        from tests.support.hybrid_models import make_hybrid_models
+
+        model, _ = make_hybrid_models(arch)
     model.save_pretrained(tmp_path / "tiny")
     char_tokenizer().save_pretrained(tmp_path / "tiny")
     config = tmp_path / "c.yaml"
@@ -352,16 +360,21 @@ def test_serve_under_torchrun_rank0_serves_every_rank_steps(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == repr(texts[0])
 
-    # --pool-gib is per GPU: each rank's pages hold its 2 of the 4 KV heads, so the pool has twice the pages of a
-    # one-process pool of the same size
+    # --pool-gib is per GPU: each rank's pages hold the KV heads its attention receives (Llama: 2 of 4, so twice the
+    # pages of a one-process pool of the same size; gpt-oss: all of them, so the same pages)
     from hf_rocketkv import KVBlockPool
 
     cfg = compressing_config(kt_cache_dtype="float32")
     one_gpu = KVBlockPool(model.config, max_gpu_bytes=int(0.01 * 2**30), dtype=torch.float32,
                           kt_page_size=cfg.page_size, kt_dtype=cfg.kt_cache_dtype).total_pages()
     shard = KVBlockPool(model.config, max_gpu_bytes=int(0.01 * 2**30), dtype=torch.float32,
-                        kt_page_size=cfg.page_size, kt_dtype=cfg.kt_cache_dtype, num_kv_heads=2).total_pages()
-    assert total_pages == shard and shard >= 2 * one_gpu - 1
+                        kt_page_size=cfg.page_size, kt_dtype=cfg.kt_cache_dtype,
+                        num_kv_heads=rank_kv_heads).total_pages()
+    assert total_pages == shard
+    if rank_kv_heads < model.config.num_key_value_heads:
+        assert shard >= 2 * one_gpu - 1
+    else:
+        assert shard == one_gpu
 
 
 # ------------------------------------------------------------------------------------------------ configs refused
@@ -466,3 +479,22 @@ def test_compile_cache_flag_points_the_caches_at_the_folder(tmp_path, monkeypatc
     (tmp_path / "file").write_text("x")
     with pytest.raises(UsageError, match="--compile-cache"):
         use_compile_cache_flag(parser.parse_args(["--compile-cache", str(tmp_path / "file")]))
+
+
+def test_shard_kv_heads_follows_the_models_plan():
+    """--pool-gib under torchrun: each rank's pool holds the KV heads its attention receives: a shard where the plan
+    splits k_proj by heads (Llama, Gemma), every head where it leaves the attention whole (gpt-oss)."""
+    from types import SimpleNamespace
+
+    from transformers import GptOssConfig, LlamaConfig
+
+    from hf_rocketkv.models import shard_kv_heads
+
+    def model(config, plan):
+        return SimpleNamespace(config=config, tp_plan=plan)
+
+    llama = LlamaConfig(num_attention_heads=8, num_key_value_heads=4)
+    assert shard_kv_heads(model(llama, {"model.layers.*.self_attn.k_proj": "colwise"}), 2) == 2
+    assert shard_kv_heads(model(llama, {"model.layers.*.self_attn.k_proj": "colwise"}), 3) is None
+    oss = GptOssConfig(num_attention_heads=8, num_key_value_heads=4)
+    assert shard_kv_heads(model(oss, {"model.embed_tokens": "embedding_rowwise"}), 2) == 4

@@ -198,17 +198,23 @@ def test_scorers_without_the_models_logits_are_refused(arch, overrides, message)
                max_new_tokens=2)
 
 
-def test_tensor_parallel_shards_are_refused():
-    """A process that holds only some KV heads (tensor parallelism) of a sliding layer is refused."""
-    from hf_rocketkv.integration.attention import check_supported
-    from hf_rocketkv.selection.logit_features import PLAIN
+def test_tensor_parallel_shards_of_sliding_layers_pass_and_unsharded_sinks_are_refused():
+    """A process that holds only some KV heads (tensor parallelism) of a sliding or soft-capped layer is served (its
+    window keeps the heads it receives; tests/integration/test_tensor_parallel_hybrid.py runs it on 2 ranks); sinks
+    of every query head beside a shard of the query heads would pair heads with other heads' sinks: refused."""
+    from hf_rocketkv.integration.attention import check_sinks_follow_heads, check_supported
+    from hf_rocketkv.selection.logit_features import PLAIN, LogitFeatures
 
     rocket, _ = make_hybrid_models("gemma3")
     module = rocket.model.layers[0].self_attn
-    layer = SlidingWindowLayer(WINDOW)
     key = torch.zeros(1, 1, 4, 16)  # one of the two KV heads
-    with pytest.raises(NotImplementedError, match="sliding-window layers under tensor parallelism"):
-        check_supported(module, {"sliding_window": WINDOW}, layer, key, PLAIN)
+    check_supported(module, {"sliding_window": WINDOW}, SlidingWindowLayer(WINDOW), key, PLAIN)
+    check_supported(module, {"sliding_window": WINDOW}, SlidingWindowLayer(WINDOW), key, LogitFeatures(softcap=5.0))
+    oss, _ = make_hybrid_models("gpt_oss")
+    attention = oss.model.layers[0].self_attn
+    check_sinks_follow_heads(attention, attention.sinks[:2], torch.zeros(1, 2, 3, 16))  # a shard's own sinks
+    with pytest.raises(NotImplementedError, match=r"attention sinks of shape \[4\] for the 2 query heads"):
+        check_sinks_follow_heads(attention, attention.sinks, torch.zeros(1, 2, 3, 16))
 
 
 # ------------------------------------------------------------------------------------------------ Triton backend

@@ -4,8 +4,9 @@ gloo, CPU).
     torchrun --nproc_per_node=2 tests/integration/tp_worker.py MODEL_DIR INPUT_JSON OUTPUT_JSON
 
 Loads the tiny checkpoint in MODEL_DIR with ``tp_plan="auto"`` and ``attn_implementation="rocketkv"``, generates
-greedily with a compressing RocketKVCache built from the config in INPUT_JSON, and has rank 0 write the tokens
-plus what every rank's cache held (KV heads per rank, kept tokens, logical length) to OUTPUT_JSON.
+greedily with a compressing RocketKVCache built from the config in INPUT_JSON (then once more for each entry of its
+optional ``runs``, with that entry's inputs and config), and has rank 0 write the tokens plus what every rank's
+cache held (KV heads per rank, which layers slide, kept tokens, logical length) to OUTPUT_JSON.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ def main() -> None:
     from transformers.distributed import DistributedConfig
 
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, distributed_config=DistributedConfig(tp_plan="auto"), attn_implementation=hf_rocketkv.ATTN_NAME,
+        model_dir,  # tp_plan: "auto" or a dict of overrides; "distributed": more DistributedConfig fields (ep_size)
+        distributed_config=DistributedConfig(tp_plan=spec.get("tp_plan", "auto"), **spec.get("distributed", {})),
+        attn_implementation=hf_rocketkv.ATTN_NAME,
         dtype=torch.float32,
     ).eval()
     rank = dist.get_rank()
@@ -47,6 +50,22 @@ def main() -> None:
         gathered = [None] * world
         dist.all_gather_object(gathered, dict(rank=rank, **record))
         _write_and_exit(output_path, rank, world, gathered)
+    local = sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in model.parameters())  # this rank's shard
+    report = dict(rank=rank, local_parameters=local, **generate_report(model, cache, input_ids, attention_mask, spec))
+    if spec.get("runs"):  # more generate() calls on the same shards, each with its own inputs and cache config
+        report["runs"] = [
+            generate_report(model, RocketKVCache(RocketKVConfig(**run["rocketkv"])),
+                            torch.tensor(run["input_ids"], dtype=torch.long),
+                            torch.tensor(run["attention_mask"], dtype=torch.long), {**spec, **run})
+            for run in spec["runs"]
+        ]
+    gathered = [None] * world
+    dist.all_gather_object(gathered, report)
+    _write_and_exit(output_path, rank, world, gathered)
+
+
+def generate_report(model, cache, input_ids, attention_mask, spec: dict) -> dict:
+    """Greedy tokens of one generate() call and what this rank's cache held after it."""
     with torch.no_grad():
         out = model.generate(
             input_ids,
@@ -57,17 +76,14 @@ def main() -> None:
             eos_token_id=None,
             pad_token_id=spec["pad_token_id"],
         )
-    report = {
-        "rank": rank,
+    return {
         "tokens": out.tolist(),
         "kv_heads": [int(layer.keys.shape[1]) for layer in cache.layers],
+        "sliding": [bool(layer.is_sliding) for layer in cache.layers],
         "kept_tokens": [cache.kept_tokens(i).tolist() for i in range(len(cache.layers))],
         "seq_length": cache.get_seq_length(),
         "compressed": cache.is_compressed,
     }
-    gathered = [None] * world
-    dist.all_gather_object(gathered, report)
-    _write_and_exit(output_path, rank, world, gathered)
 
 
 def _write_and_exit(output_path: str, rank: int, world: int, gathered: list) -> None:

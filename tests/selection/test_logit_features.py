@@ -170,3 +170,15 @@ def test_capped_page_scores_against_an_oracle():
 def test_bad_features_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"LogitFeatures.{field}"):
         LogitFeatures(**kwargs)
+
+
+def test_same_as_takes_a_fresh_view_of_the_same_sinks():
+    """A tensor-parallel plan that shards the sinks hands the attention a fresh local view of its shard at every
+    forward: the same features as at prefill. Other memory, or another slice of it, is not."""
+    sinks = torch.randn(4)
+    prefill = LogitFeatures(sinks=sinks[:2])
+    assert prefill.same_as(LogitFeatures(sinks=sinks[:2]))
+    assert not prefill.same_as(LogitFeatures(sinks=sinks[:2].clone()))
+    assert not prefill.same_as(LogitFeatures(sinks=sinks[2:]))
+    assert not prefill.same_as(LogitFeatures(sinks=sinks[:2], softcap=5.0))
+    assert not prefill.same_as(LogitFeatures())

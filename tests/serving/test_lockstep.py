@@ -301,12 +301,19 @@ def test_engines_on_a_sharded_model_need_lockstep(tiny_pair, monkeypatch):
 
 
 @pytest.mark.slow
-def test_generate_batch_on_every_rank_under_tp(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt_oss", "gemma2"])
+def test_generate_batch_on_every_rank_under_tp(tmp_path, arch):
     """generate_batch on a sharded model, called on both ranks (torchrun, gloo): every rank gets rank 0's results
-    (greedy ones equal model.generate under the same TP), and an invalid prompt raises on every rank."""
+    (greedy ones equal model.generate under the same TP), and an invalid prompt raises on every rank. Models with
+    sliding-window layers (Gemma 3), sinks (gpt-oss) or soft-capping (Gemma 2) run on the hybrid pool, each rank's
+    windows holding its shard of KV heads."""
+    from tests.support.hybrid_models import make_hybrid_models
     from tests.support.tiny_models import make_models
 
-    rocket, _ = make_models("llama", hidden_size=128, num_attention_heads=8, num_key_value_heads=4, head_dim=16)
+    if arch == "llama":
+        rocket, _ = make_models("llama", hidden_size=128, num_attention_heads=8, num_key_value_heads=4, head_dim=16)
+    else:
+        rocket, _ = make_hybrid_models(arch)
     rocket.save_pretrained(tmp_path / "model")
     env = subprocess_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     command = [*TORCHRUN, str(WORKER),
