@@ -19,6 +19,8 @@ Rows, one process, the same model and prompt (batch 1):
     rocketkv         RocketKVCache(RocketKVConfig()) defaults (budget 2048, topk 64 pages of 4, fp8 KT) through the
                      default decode runner (each request's decode step captured as a CUDA graph)
     rocketkv-eager   the same, every decode step eager (generate(disable_compile=True)): what the graphs save
+    rocketkv-compile the same with ``decode_runner="torch_compile"`` (the decode step compiled by inductor, one graph
+                     per batch bucket; its compilation is in the row's ``wall_s`` and first gaps, not the median)
 The dense rows of gpt-oss prefill in chunks of ``--dense-prefill-chunk`` tokens (generate's prefill_chunk_size; with
 the static cache generate compiles the chunk's forward too): transformers' eager attention would otherwise hold
 64 x 32k x 32k logits at once (1024: ~13 GiB of them per chunk). Gemma 3's dense rows (sdpa) prefill in one forward.
@@ -50,7 +52,7 @@ from hf_rocketkv import RocketKVCache, RocketKVConfig
 from hf_rocketkv.bench.decode import DROP_FIRST_STEPS, StepClock, step_timings
 from hf_rocketkv.integration import compat
 
-CACHES = ("dynamic", "static-compile", "rocketkv", "rocketkv-eager")
+CACHES = ("dynamic", "static-compile", "rocketkv", "rocketkv-eager", "rocketkv-compile")
 
 
 def gpt_oss_20b(quick: bool) -> tuple:
@@ -130,6 +132,8 @@ def run_row(model, dense_attention: str, cache_kind: str, ids: torch.Tensor, new
     cache = None
     if cache_kind.startswith("rocketkv"):
         hf_rocketkv.enable(model)
+        if cache_kind == "rocketkv-compile":
+            rocket = rocket.replace(decode_runner="torch_compile")
         cache = RocketKVCache(rocket)
         kwargs.update(compat.cache_kwargs(cache))
         kwargs["disable_compile"] = cache_kind == "rocketkv-eager"
@@ -167,7 +171,8 @@ def run_row(model, dense_attention: str, cache_kind: str, ids: torch.Tensor, new
                **kv_bytes(compat.output_cache(out)))
     if cache is not None:
         step = cache.hints.graphed_step
-        row["decode_runner"] = "cuda_graphs" if step is not None and step.replays else "eager"
+        row["decode_runner"] = ("torch_compile" if cache_kind == "rocketkv-compile"
+                                else "cuda_graphs" if step is not None and step.replays else "eager")
     return row
 
 
@@ -194,7 +199,7 @@ def warm_up(model, dense_attention: str, rocket: RocketKVConfig, device: torch.d
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
-    parser.add_argument("--caches", nargs="+", choices=CACHES, default=list(CACHES))
+    parser.add_argument("--caches", nargs="+", choices=CACHES, default=[c for c in CACHES if c != "rocketkv-compile"])
     parser.add_argument("--context", type=int, default=32768, help="prompt tokens (default 32768; try 100000)")
     parser.add_argument("--new-tokens", type=int, default=32 + DROP_FIRST_STEPS + 1,
                         help=f"generated tokens per row ({DROP_FIRST_STEPS} warm-up gaps are left out of the median)")

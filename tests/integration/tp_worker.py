@@ -39,8 +39,9 @@ def main() -> None:
     ).eval()
     rank = dist.get_rank()
     world = dist.get_world_size()
-    input_ids = torch.tensor(spec["input_ids"], dtype=torch.long)
-    attention_mask = torch.tensor(spec["attention_mask"], dtype=torch.long)
+    device = model.device  # the CPU under gloo; each rank's GPU where transformers picked NCCL
+    input_ids = torch.tensor(spec["input_ids"], dtype=torch.long, device=device)
+    attention_mask = torch.tensor(spec["attention_mask"], dtype=torch.long, device=device)
     cache = RocketKVCache(RocketKVConfig(**spec["rocketkv"]))
     if spec.get("record_steps"):
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -55,8 +56,8 @@ def main() -> None:
     if spec.get("runs"):  # more generate() calls on the same shards, each with its own inputs and cache config
         report["runs"] = [
             generate_report(model, RocketKVCache(RocketKVConfig(**run["rocketkv"])),
-                            torch.tensor(run["input_ids"], dtype=torch.long),
-                            torch.tensor(run["attention_mask"], dtype=torch.long), {**spec, **run})
+                            torch.tensor(run["input_ids"], dtype=torch.long, device=device),
+                            torch.tensor(run["attention_mask"], dtype=torch.long, device=device), {**spec, **run})
             for run in spec["runs"]
         ]
     gathered = [None] * world
