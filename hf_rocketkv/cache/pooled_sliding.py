@@ -104,6 +104,7 @@ class PooledSlidingLayer(SlidingWindowLayer):
         self._keys = self._values = None
         self.position = torch.tensor(self.seen_tokens, dtype=torch.long, device=self.device)
         self.ring = True
+        self._mark_ring_static(*self._slab(), self._slots)
 
     def _to_ordered(self) -> None:
         if not self.ring:

@@ -188,6 +188,16 @@ class SlidingWindowLayer(CacheLayerMixin):
         self.position = torch.tensor(self.seen_tokens, dtype=torch.long, device=self.device)
         self.ring = True
         tag(self.keys, self)  # tagged where allocated, so a compiled step finds it tagged (seam.tag)
+        self._mark_ring_static(self.keys, self.values)
+
+    def _mark_ring_static(self, *tensors: torch.Tensor) -> None:
+        """Fixed addresses for a compiled decode step: each step mutates the ring and ``position`` in place, and
+        inductor's CUDA graphs skip a graph that mutates inputs unless their addresses are marked static (it would
+        run the compiled step without graphs). Host-side, where the ring is laid out."""
+        if torch.compiler.is_compiling():
+            return
+        for tensor in (*tensors, self.position):  # no guard: a next request's ring re-records, never recompiles
+            torch._dynamo.mark_static_address(tensor, guard=False)
 
     def _to_ordered(self) -> None:
         """The ring back into ordered columns: the last ``stored`` positions."""
