@@ -40,6 +40,8 @@ def main() -> None:
     rank = dist.get_rank()
     world = dist.get_world_size()
     device = model.device  # the CPU under gloo; each rank's GPU where transformers picked NCCL
+    if device.type == "cuda" and hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("batched_mm")  # float32 experts: grouped_mm is a bf16 kernel on CUDA
     input_ids = torch.tensor(spec["input_ids"], dtype=torch.long, device=device)
     attention_mask = torch.tensor(spec["attention_mask"], dtype=torch.long, device=device)
     cache = RocketKVCache(RocketKVConfig(**spec["rocketkv"]))
@@ -99,7 +101,8 @@ def _write_and_exit(output_path: str, rank: int, world: int, gathered: list) -> 
             json.dump({"world_size": world, "ranks": gathered}, f)
             f.flush()
             os.fsync(f.fileno())
-    dist.barrier()
+    device = torch.cuda.current_device() if dist.get_backend() == "nccl" else None
+    dist.barrier(device_ids=[device] if device is not None else None)  # NCCL: this rank's GPU, not a guessed one
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
