@@ -161,6 +161,25 @@ def test_a_left_padded_batch_after_a_hit_equals_a_cold_run(pair):
     assert all_back(pool)
 
 
+def test_row_groups_each_replay_their_own_hit(pair):
+    """Row-group prefill (``prefill_batch_size=1``): each row looks its prefix up and replays from its own start."""
+    _, rocket, _ = pair
+    config = compressing_config(prefill_batch_size=1)
+    first, _ = shared(70, 0, 70)
+    rows = [torch.cat([first[0, :58], random_ids(1, 12, seed=31)[0]]),
+            torch.cat([first[0, :30], random_ids(1, 35, seed=32)[0]])]
+    ids, mask = left_pad(rows)
+    pool = cpu_pool(rocket, config, page_size=PAGE)
+    run(rocket, config, pool, first)
+    hot = run(rocket, config, pool, ids, mask)
+    cold = run(rocket, config, cpu_pool(rocket, config, page_size=PAGE), ids, mask)
+    assert_same(hot, cold)
+    replay = replay_tokens(pool.layer_windows)
+    assert hot[2].reused_tokens == 56 + 24
+    assert hot[2].computed_tokens == (70 - max(0, 56 - replay)) + (65 - max(0, 24 - replay))
+    assert all_back(pool)
+
+
 def test_hit_pages_are_never_written(pair):
     _, rocket, _ = pair
     config = compressing_config()
