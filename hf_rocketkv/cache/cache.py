@@ -244,7 +244,9 @@ class RocketKVCache(Cache):
             self.setup_prefix()
 
     def setup_prefix(self) -> int:
-        """Seed the layers with the admitted prefix hit (first turn); returns the hit's input columns (0: none)."""
+        """Seed the layers with the admitted prefix hit (first turn); returns the first input column the forwards must
+        compute: the hit's input columns, or on a model with sliding-window layers where the replay that rebuilds
+        their windows starts (``PoolPages.setup_prefix``); 0: none."""
         if self.pages is None:
             return 0
         self._ensure_layers(self.pages.model_layers)

@@ -12,7 +12,9 @@ Life of a request (docs/memory.md):
                        naming pages needed and free before anything is written; a forward without generate() begins
                        implicitly at its first stage 1 (without prefix lookup).
     setup_prefix()     a prefix hit: every layer starts its dense store with the hit tokens (``prefix_keys``) and the
-                       cache's logical length starts after them, so generate() prefills only the rest
+                       cache's logical length starts after them, so generate() prefills only the rest (a model with
+                       sliding-window layers replays the hit's last ``replay_tokens`` first: its sliding layers'
+                       windows are in no page)
     prompt_store()     each layer writes the prompt's new tokens into the prompt pages (shareable, keep_all history)
     view_store()       each layer compacts its stage-1 survivors into the turn's view pages
     after_compaction() once every layer has: full prompt pages join the prefix index (``commit_prompt``), the prompt
