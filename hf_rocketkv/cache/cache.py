@@ -166,7 +166,11 @@ class RocketKVCache(Cache):
     def _ensure_layers(self, count: int) -> None:
         """Create layers up to ``count`` (each knows its index: a pool keeps one set of page tensors per layer)."""
         while len(self.layers) < count:
-            self.layers.append(self._new_layer(len(self.layers)))
+            layer = self._new_layer(len(self.layers))
+            if self.layer_windows is not None and isinstance(layer, RocketKVLayer):
+                # the first full-attention layer counts the tokens prefill computes (layer 0 may slide)
+                layer.counts_tokens = layer.layer_idx == self.layer_windows.index(None)
+            self.layers.append(layer)
 
     # ------------------------------------------------------------------------------------------ prefill
     @contextlib.contextmanager
@@ -240,7 +244,9 @@ class RocketKVCache(Cache):
             self.setup_prefix()
 
     def setup_prefix(self) -> int:
-        """Seed the layers with the admitted prefix hit (first turn); returns the hit's input columns (0: none)."""
+        """Seed the layers with the admitted prefix hit (first turn); returns the first input column the forwards must
+        compute: the hit's input columns, or on a model with sliding-window layers where the replay that rebuilds
+        their windows starts (``PoolPages.setup_prefix``); 0: none."""
         if self.pages is None:
             return 0
         self._ensure_layers(self.pages.model_layers)
@@ -248,8 +254,9 @@ class RocketKVCache(Cache):
 
     def _prefix_lookup_allowed(self) -> bool:
         """Policies that score with every prompt query (H2O) need every prompt token computed: no prefix hits. A
-        pool of a model with sliding layers keeps no sliding window at a prefix's end: no prefix hits either."""
-        if self.pool is not None and self.pool.has_sliding_layers:
+        pool of a model whose layers all slide has no pages: no prefix hits either (a hybrid model's hits replay
+        the sliding layers' windows, ``PoolPages.setup_prefix``)."""
+        if self.pool is not None and self.pool.has_sliding_layers and not self.pool.hybrid.global_layers:
             return False
         return not hasattr(RocketKVLayer(self.config, self.hints).policy, "accumulate")
 

@@ -13,9 +13,10 @@ def start_dense(layer, key_states: torch.Tensor, value_states: torch.Tensor) -> 
     tokens, which ``append_dense`` copies in (not concatenated to a copy of 32k prefix columns); ``dense_room`` says
     how many columns at its end are unwritten."""
     if layer.prefix_tokens:
-        layer.dense_room = key_states.shape[2]
+        # a replayed hit (``seed_prefix(tokens, start)``): the forward's replayed columns are not stored
+        layer.dense_room = key_states.shape[2] - layer.replayed_columns(key_states.shape[2])
         layer._keys, layer._values = layer.pages.prefix_keys(layer, key_states, room=layer.dense_room)
-        layer.seen.fill_(layer.prefix_tokens)
+        layer.seen.fill_(layer.prefix_tokens if layer.replay_pos is None else layer.replay_pos)
     else:
         layer._keys = key_states.new_empty((key_states.shape[0], key_states.shape[1], 0, key_states.shape[3]))
         layer._values = value_states.new_empty((value_states.shape[0], value_states.shape[1], 0,

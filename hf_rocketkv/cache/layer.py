@@ -75,11 +75,16 @@ class RocketKVLayer(CacheLayerMixin):
         self.pages = pages
         self.layer_idx = layer_idx
         self.counters = counters
+        self.counts_tokens = layer_idx == 0  # this layer adds prefill's computed tokens to ``counters``
         self._keys = self._values = None  # contiguous [B, Hkv, T, D]: the dense store, or a later turn's working set
         self.store: PagedStore | None = None  # the compressed view, in pages
         self.history: History | None = None  # multi_turn="keep_all": every token of the conversation (history.py)
         self.prefix_tokens = 0  # a prefix hit: columns [0, prefix_tokens) come from pool pages (set before prefill)
         self.dense_room = 0  # a prefix hit's dense store: columns at its end left for the first forward (dense_store)
+        # a replayed prefix hit (sliding-window models): the next input column while it is below prefix_tokens
+        self.replay_pos: int | None = None
+        self.replayed_now = 0  # of the latest dense forward's queries, those that replayed the hit (attention reads)
+        self.replay_first = 0  # the input column of the latest replaying forward's first query
         self.positions: torch.Tensor | None = None
         self.lengths: torch.Tensor | None = None
         self.compressed = False
@@ -161,15 +166,32 @@ class RocketKVLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def reset(self) -> None:
+        counts = self.counts_tokens
         self.__init__(self.config, self.hints, self.pages, self.layer_idx, self.counters)
+        self.counts_tokens = counts
 
-    def seed_prefix(self, tokens: int) -> None:
+    def seed_prefix(self, tokens: int, start: int | None = None) -> None:
         """Before the first update: input columns ``[0, tokens)`` come from a prefix hit (``self.pages`` gathers
-        them at the first update), so the logical length starts there and generate() prefills only the rest."""
+        them at the first update), so the logical length starts there and generate() prefills only the rest.
+
+        ``start < tokens``: the forwards replay input columns ``[start, tokens)`` first (a model with sliding-window
+        layers rebuilds their windows, ``PoolPages.setup_prefix``). The logical length starts at ``start``; this
+        layer writes nothing for the replayed columns (its hit pages are shared, and the replayed hidden states are
+        not exact) and its attention reads the hit's K/V ``[0, tokens)`` plus what was written after them."""
         if self.is_initialized:
             raise RuntimeError("RocketKVLayer.seed_prefix needs a layer that has stored nothing yet")
+        start = tokens if start is None else start
+        if not 0 <= start <= tokens:
+            raise ValueError(f"RocketKVLayer.seed_prefix: start must lie in [0, {tokens}], got {start}")
         self.prefix_tokens = tokens
-        self.host_seen = tokens
+        self.replay_pos = start if start < tokens else None
+        self.host_seen = start
+
+    def replayed_columns(self, query_length: int) -> int:
+        """How many of a forward's first ``query_length`` columns replay the prefix hit (they are not stored)."""
+        if self.replay_pos is None:
+            return 0
+        return max(0, min(query_length, self.prefix_tokens - self.replay_pos))
 
     @property
     def batch_size(self) -> int:
@@ -185,7 +207,7 @@ class RocketKVLayer(CacheLayerMixin):
         compiled forward without ``position_ids`` neither syncs with the host nor breaks the graph.
         """
         if not self.is_initialized:
-            return self.prefix_tokens
+            return self.prefix_tokens if self.replay_pos is None else self.replay_pos
         if torch.compiler.is_compiling():
             return self.seen
         return int(self.seen)
@@ -195,8 +217,12 @@ class RocketKVLayer(CacheLayerMixin):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if not self.compressed:
-            # dense: the mask covers the stored columns plus the new ones, exactly like a DynamicLayer
-            return (self._keys.shape[2] if self.is_initialized else self.prefix_tokens) + query_length, 0
+            # dense: the mask covers the stored columns plus the new ones, exactly like a DynamicLayer (a replayed
+            # prefix hit: the hit's columns, or the forward's last column when it reaches past them)
+            stored = self._keys.shape[2] if self.is_initialized else self.prefix_tokens
+            if self.replay_pos is not None:
+                return max(stored, self.replay_pos + query_length), 0
+            return stored + query_length, 0
         if query_length == 1:
             # Decode: the attention function builds validity from `lengths` and ignores the mask, so its size only has
             # to stay constant (a growing mask would recompile a compiled decode step every step): one per capacity.
@@ -263,10 +289,18 @@ class RocketKVLayer(CacheLayerMixin):
         if query_length == 1 and self.compressed and self.eager_graphs():
             decode_append.append_one(self, key_states, value_states, graphed=True)  # counts ``seen`` inside the graph
             return self.key_handle, self.value_handle
-        self.seen.add_(query_length)
         if not self.compressed:
+            skip = self.replayed_now = self.replayed_columns(query_length)
+            if skip:  # the replayed columns' K/V are the hit's (already in the store): only the rest is written
+                key_states, value_states = key_states[:, :, skip:], value_states[:, :, skip:]
+                self.replay_first = self.replay_pos  # the forward's first input column (attention counts)
+                self.replay_pos += query_length
+                if self.replay_pos >= self.prefix_tokens:
+                    self.replay_pos = None
+            self.seen.add_(query_length)
             append_dense(self, key_states, value_states)
             return self._keys, self._values
+        self.seen.add_(query_length)
         if query_length == 1:
             decode_append.append_one(self, key_states, value_states)
         else:

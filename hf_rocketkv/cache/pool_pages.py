@@ -12,7 +12,9 @@ Life of a request (docs/memory.md):
                        naming pages needed and free before anything is written; a forward without generate() begins
                        implicitly at its first stage 1 (without prefix lookup).
     setup_prefix()     a prefix hit: every layer starts its dense store with the hit tokens (``prefix_keys``) and the
-                       cache's logical length starts after them, so generate() prefills only the rest
+                       cache's logical length starts after them, so generate() prefills only the rest (a model with
+                       sliding-window layers replays the hit's last ``replay_tokens`` first: its sliding layers'
+                       windows are in no page)
     prompt_store()     each layer writes the prompt's new tokens into the prompt pages (shareable, keep_all history)
     view_store()       each layer compacts its stage-1 survivors into the turn's view pages
     after_compaction() once every layer has: full prompt pages join the prefix index (``commit_prompt``), the prompt
@@ -35,6 +37,7 @@ from ..host_copy import device_tensor
 from ..memory import Admission, BlockTable, KVBlockPool, PrefixKeys, Reservation
 from ..memory.errors import PoolExhaustedError
 from ..memory.fp8 import FP8_DTYPE, dequantize_fp8
+from ..memory.layer_kinds import replay_tokens
 from .page_budget import decode_tokens, request_pages, row_demand
 from .paged_store import PagedStore, ceil_div
 from .stats import RequestCounters
@@ -299,16 +302,23 @@ class PoolPages:
     def setup_prefix(self, layers: list) -> int:
         """Seed every layer with the longest prefix every row of this forward can take from its hit pages: input
         columns ``[0, L)``, ``L = min_b(pad_b + hit_b)`` (a row whose hit is longer recomputes the rest; hit pages are
-        never written). Returns L (0: no reuse)."""
+        never written). Returns the first input column the forwards must compute: L, or on a model with
+        sliding-window layers ``S = max(0, L - R)`` (``R = replay_tokens``): those replay ``[S, L)`` to rebuild the
+        sliding layers' windows, the full-attention layers reading the hit's K/V ``[0, L)`` (``seed_prefix``).
+        0: no reuse."""
         if self.turn is None or not self.turn.first:
             return 0
         tokens = min(row.pad + row.hit_tokens for row in self.rows)
         if tokens <= 0 or not any(row.hit_tokens for row in self.rows):
             return 0
+        start = max(0, tokens - replay_tokens(self.pool.layer_windows)) if self.pool.has_sliding_layers else tokens
         for layer in layers:
-            layer.seed_prefix(tokens)
+            if layer.is_sliding:
+                layer.seed_replay(start)
+            else:
+                layer.seed_prefix(tokens, start)
         self.counters.reused_tokens += sum(max(0, tokens - row.pad) for row in self.rows)
-        return tokens
+        return start
 
     def prefix_keys(self, layer, key_states: torch.Tensor, room: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The dense store ``[B, Hkv, L + room, D]`` of a prefix hit: in its first ``L = layer.prefix_tokens``

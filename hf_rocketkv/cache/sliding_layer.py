@@ -65,6 +65,7 @@ class SlidingWindowLayer(CacheLayerMixin):
         self.ring = False  # decode layout (see the module docstring)
         self.position = None  # ring only: tokens seen, a 0-d int64 device tensor (a graphed step advances it)
         self.seen_tokens = 0  # logical tokens seen
+        self.floor = 0  # the first position the layer may hold (a prefix hit's replay start, ``seed_replay``)
         self.host_seen = 0  # what RocketKVCache's consistency check compares across layers
         self.awaiting_attention = False  # set by update, cleared by the attention function
 
@@ -78,11 +79,19 @@ class SlidingWindowLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.__init__(self.window, self.hints, self.layer_idx)
 
+    def seed_replay(self, start: int) -> None:
+        """Before the first update: a prefix hit replays the prompt from input column ``start`` (``PoolPages.
+        setup_prefix``). The layer starts with an empty window there, as if nothing before ``start`` could be
+        attended; positions stay absolute (the logical length starts at ``start``)."""
+        if self.is_initialized:
+            raise RuntimeError("SlidingWindowLayer.seed_replay needs a layer that has stored nothing yet")
+        self.seen_tokens = self.host_seen = self.floor = start
+
     # ------------------------------------------------------------------------------------------ sizes
     @property
     def stored(self) -> int:
-        """Tokens held per row: ``min(seen, window - 1)``."""
-        return min(self.seen_tokens, self.window - 1)
+        """Tokens held per row: ``min(seen - floor, window - 1)``."""
+        return min(self.seen_tokens - self.floor, self.window - 1)
 
     def get_seq_length(self) -> int:
         return self.seen_tokens
@@ -257,7 +266,7 @@ class SlidingWindowLayer(CacheLayerMixin):
         layer.lazy_initialization(first.keys, first.values)
         layer.keys = torch.cat([part.keys for part in parts])
         layer.values = torch.cat([part.values for part in parts])
-        layer.seen_tokens, layer.host_seen = first.seen_tokens, first.host_seen
+        layer.seen_tokens, layer.host_seen, layer.floor = first.seen_tokens, first.host_seen, first.floor
         return layer
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -269,7 +278,7 @@ class SlidingWindowLayer(CacheLayerMixin):
         if count == 0 or not self.is_initialized:
             return
         self._to_ordered()
-        if self.seen_tokens >= self.window or count > self.seen_tokens:
+        if self.seen_tokens - self.floor >= self.window or count > self.seen_tokens - self.floor:
             raise NotImplementedError(SLIDING_CROP.format(window=self.window, tokens=count, seen=self.seen_tokens))
         self.keys, self.values = self.keys[:, :, :-count], self.values[:, :, :-count]
         self.seen_tokens -= count

@@ -65,12 +65,20 @@ def rocketkv_attention(
     if not layer.compressed:
         check_all_heads_here(layer, module, key)
         layer.use_features(features)
+        replayed = layer.replayed_now  # queries that replay a prefix hit (sliding-window models): not observed
+        if replayed == query.shape[2]:  # all of them (a chunk inside the hit): its keys are the hit's, no more
+            count_replayed(layer, real_query_count(attention_mask, layer.replay_first, query.shape[0], replayed))
+            return dense_attention(layer, module, query, key, value, attention_mask, scaling, None, features,
+                                   **kwargs), None
         start, host_start = padding_of_forward(layer, attention_mask, key.shape[2])
         out = dense_attention(layer, module, query, key, value, attention_mask, scaling, host_start, features,
                               **kwargs)
         first_query = key.shape[2] - query.shape[2]
         all_real = host_start is not None and max(host_start) <= first_query  # no query is padding: no mask needed
         valid = None if all_real else real_queries(start, key.shape[2], query.shape[2])
+        if replayed:
+            count_replayed(layer, query.shape[0] * replayed if valid is None else int(valid[:, :replayed].sum()))
+            query, valid = query[:, :, replayed:], (valid[:, replayed:] if valid is not None else None)
         layer.observe_prefill(query, start, scaling, valid=valid, host_row_start=host_start)
         if not layer.hints.defer_compression:
             layer.compress()
@@ -84,6 +92,23 @@ def rocketkv_attention(
     if not layer.hints.defer_compression:
         layer.compress()
     return out, None
+
+
+def count_replayed(layer: RocketKVLayer, tokens: int) -> None:
+    """Add the real tokens a forward replayed (a prefix hit on a sliding-window model) to the request's computed
+    tokens: stage 1 observes, and counts, only the queries after the hit."""
+    if layer.counters is not None and layer.counts_tokens:
+        layer.counters.computed_tokens += tokens
+
+
+def real_query_count(attention_mask: torch.Tensor | None, first_column: int, batch: int, n: int) -> int:
+    """Real (non-padding) queries of a dense forward whose ``n`` queries sit at input columns ``first_column + j``:
+    a real query sees its own column in the sdpa-style mask ``[B, 1, n, Lk]``."""
+    if attention_mask is None:
+        return batch * n
+    allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+    rows = torch.arange(n, device=allowed.device)
+    return int(allowed[:, 0, rows, first_column + rows].sum())
 
 
 def check_all_heads_here(layer: RocketKVLayer, module: torch.nn.Module, key: torch.Tensor) -> None:

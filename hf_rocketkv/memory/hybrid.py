@@ -12,9 +12,11 @@ order:
 
 A model without sliding layers gets no slab and all of ``max_gpu_bytes`` for pages, as before.
 
-What a hybrid pool refuses, each with one error naming the feature: host offload (``host_bytes``), prefix files,
-prefix reuse (``token_ids`` at admission): a reused prefix would also need every sliding layer's window at the
-prefix's end, which the pool does not keep; fp8 storage (the slab holds the model's K/V as they are).
+Prefix reuse shares the full-attention layers' pages only; a hit rebuilds the sliding layers' windows by running the
+model again over the prefix's last ``sum(windows)`` tokens (``layer_kinds.replay_tokens``, ``cache/pool_pages.py``'s
+``setup_prefix``). A model whose layers all slide has no pages, so no prefix hits (``token_ids`` at admission is
+refused). What a hybrid pool refuses, each with one error naming the feature: host offload (``host_bytes``), prefix
+files, fp8 storage (the slab holds the model's K/V as they are).
 """
 
 from __future__ import annotations

@@ -48,3 +48,14 @@ def describe(windows: tuple[int | None, ...]) -> str:
     if len(sliding) < len(windows):
         parts.append(f"{len(windows) - len(sliding)} full attention")
     return f"{len(windows)} layers: {', '.join(parts)}"
+
+
+def replay_tokens(windows: tuple[int | None, ...]) -> int:
+    """Prompt tokens a prefix hit recomputes on a model with sliding-window layers: the sum of their windows.
+
+    The pool's pages hold the full-attention layers' K/V only, so a hit of ``P`` tokens rebuilds the sliding layers'
+    windows at ``P`` by running the model again over input columns ``[P - R, P)``, each sliding layer starting with
+    an empty window there. A sliding layer of window ``W`` is exact ``W - 1`` positions after its input became exact
+    (full-attention layers read the hit's exact K/V), so after ``sum(W - 1)`` replayed positions every sliding
+    layer's last window is exact; ``R = sum(W)`` bounds that. 0 for a model without sliding layers."""
+    return sum(w for w in windows if w is not None)

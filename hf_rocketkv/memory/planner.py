@@ -33,10 +33,9 @@ from .prefix_index import PrefixIndex
 from .reservation import Reservation
 
 NO_PAGES = RowPages(0, 0, 0, 0)
-HYBRID_PREFIX_REUSE = (
-    "KVBlockPool: prefix reuse (token_ids) is not supported for a model with sliding-window layers: a reused prefix "
-    "would also need every sliding layer's window at the prefix's end, which the pool does not keep; admit without "
-    "token_ids")
+SLIDING_ONLY_PREFIX_REUSE = (
+    "KVBlockPool: prefix reuse (token_ids) needs full-attention layers, whose K/V the pages hold; every layer of "
+    "this model slides, so the pool has no pages to share: admit without token_ids")
 
 
 @dataclass
@@ -171,8 +170,8 @@ class Planner:
     def plan(self, prompt_len, max_new_tokens, cfg: Any, token_ids, keys, keep_all) -> Plan:
         """Check ``cfg`` (``as_budget``), validate the rows, and plan them (call under the lock)."""
         budget = as_budget(cfg, self.spec)
-        if self.core.slab is not None and token_ids is not None:
-            raise NotImplementedError(HYBRID_PREFIX_REUSE)
+        if self.core.slab is not None and not self.core.storage.paged_layers and token_ids is not None:
+            raise NotImplementedError(SLIDING_ONLY_PREFIX_REUSE)
         if keep_all is not None and not isinstance(keep_all, bool):
             raise ValueError(f"keep_all must be True or False, got {keep_all!r}")
         inputs = row_inputs(prompt_len, max_new_tokens, token_ids, keys)

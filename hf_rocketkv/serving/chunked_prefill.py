@@ -48,7 +48,9 @@ class ChunkedPrefill:
         self._mask = torch.ones_like(self.ids)
         self._context = cache.prefill(self.ids, max_new_tokens=max_new_tokens, reservation=reservation,
                                       max_length=self.prompt_len + max_new_tokens)
-        self.position = self._context.__enter__()  # a prefix hit: columns [0, position) come from the pool
+        # the first column to compute: a prefix hit's end (columns before come from the pool), or on a model with
+        # sliding-window layers where the hit's replay starts (docs/memory.md, "Prefix reuse by replay")
+        self.position = self._context.__enter__()
         self._open = True
         cache.hints.defer_compression = self.prompt_len - self.position > chunk_tokens
         self.chunks = 0

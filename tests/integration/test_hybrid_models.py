@@ -159,8 +159,9 @@ def test_sliding_memory_is_bounded_by_the_window():
 
 # ------------------------------------------------------------------------------------------------ refusals
 def test_pool_features_without_sliding_windows_are_refused_naming_them(tmp_path):
-    """A pool serves these models (tests/integration/test_hybrid_pool.py) but not prefix reuse, host offload, prefix
-    files or fp8 pages; a pool built for another model's layers is refused too."""
+    """A pool serves these models (tests/integration/test_hybrid_pool.py) and their prefix reuse
+    (tests/integration/test_hybrid_prefix_reuse.py) but not host offload, prefix files or fp8 pages; a pool built for
+    another model's layers is refused too."""
     rocket, _ = make_hybrid_models("gemma3")
     config = compressing_config(kt_cache_dtype="float32")
     with pytest.raises(NotImplementedError, match="host offload"):
@@ -168,8 +169,7 @@ def test_pool_features_without_sliding_windows_are_refused_naming_them(tmp_path)
     with pytest.raises(NotImplementedError, match="fp8 storage"):
         cpu_pool(rocket.config, config, dtype=torch.float8_e4m3fn)
     pool = cpu_pool(rocket.config, config)
-    with pytest.raises(NotImplementedError, match="prefix reuse"):
-        pool.can_admit(16, 2, config, token_ids=list(range(16)))
+    assert pool.can_admit(16, 2, config, token_ids=list(range(16)))
     with pytest.raises(NotImplementedError, match="prefix files"):
         pool.save_prefix(tmp_path / "p.safetensors", list(range(16)))
     full = types.SimpleNamespace(num_hidden_layers=4, num_key_value_heads=2, num_attention_heads=4, head_dim=16)

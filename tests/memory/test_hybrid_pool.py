@@ -115,8 +115,10 @@ def test_refusals_name_the_feature():
         KVBlockPool(hybrid_config(GEMMA_LIKE), max_gpu_bytes=400_000, page_size=PAGE, kt_page_size=KT_PAGE,
                     dtype=torch.float8_e4m3fn)
     pool = make(GEMMA_LIKE, 400_000, sliding_slots=2)
-    with pytest.raises(NotImplementedError, match="prefix reuse"):
-        pool.admit(16, 1, demand(16, 1), token_ids=list(range(16)))
+    pool.release(pool.admit(16, 1, demand(16, 1), token_ids=list(range(16))))  # prefix reuse: the global layers' pages
+    every_layer_slides = make(["sliding_attention"] * 2, 400_000, sliding_slots=2)
+    with pytest.raises(NotImplementedError, match="every layer of this model slides"):
+        every_layer_slides.admit(16, 1, demand(16, 1), token_ids=list(range(16)))
     with pytest.raises(NotImplementedError, match="prefix files"):
         pool.save_prefix("unused.safetensors", list(range(16)))
     with pytest.raises(NotImplementedError, match="prefix files"):
