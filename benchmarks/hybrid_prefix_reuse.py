@@ -15,7 +15,10 @@ process, RocketKVConfig() defaults, a ``KVBlockPool(model)`` of ``--pool-gib``:
     hit      prefix + suffix B: the prefix's pages are hit (``reused_tokens``), ``computed_tokens`` counted
     cold_b   prefix + suffix B into a second, empty pool: the hit's reference (its first ``--new-tokens`` greedy
              tokens are compared; bf16 sums over other lengths may flip a near tie, so the agreement is reported)
-Columns: ``ttft_s`` (generate() of one token, synchronised), ``reused_tokens``, ``computed_tokens``, ``hit_over_cold``.
+Columns: ``ttft_s`` (generate() of one token, synchronised), ``reused_tokens``, ``computed_tokens``, ``hit_over_cold``,
+``first_logits_vs_cold_b`` (the hit's first-step logits against the cold reference's: largest difference, relative
+to the logits' spread, and the rank of the cold token among the hit's logits). Random bf16 weights give nearly flat
+logits, so greedy tokens flip at rounding; ``--dtype float32 --layers N`` shows the hit's exactness on real shapes.
 Writes ``hybrid_prefix_reuse.json`` under ``--out``.
 """
 
@@ -38,22 +41,32 @@ from hf_rocketkv.integration import compat
 from hf_rocketkv.memory.layer_kinds import replay_tokens, sliding_windows
 
 
-def _generate(model, ids: torch.Tensor, cache: RocketKVCache, new_tokens: int) -> tuple[float, torch.Tensor]:
-    """Seconds of one generate() call (synchronised) and its new tokens."""
+def _generate(model, ids: torch.Tensor, cache: RocketKVCache, new_tokens: int):
+    """Seconds of one generate() call (synchronised), its new tokens ``[1, n]`` and first step's logits ``[V]``."""
     if ids.device.type == "cuda":
         torch.cuda.synchronize(ids.device)
     started = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
-                             **compat.cache_kwargs(cache))
+                             return_dict_in_generate=True, output_logits=True, **compat.cache_kwargs(cache))
     if ids.device.type == "cuda":
         torch.cuda.synchronize(ids.device)
-    return time.perf_counter() - started, out[:, ids.shape[1]:]
+    return time.perf_counter() - started, out.sequences[:, ids.shape[1]:], out.logits[0][0].float()
+
+
+def _logits_gap(hit: torch.Tensor, cold: torch.Tensor) -> dict:
+    """How far the hit's first-step logits are from the cold run's: the largest difference relative to the cold
+    logits' spread, and where the cold run's token ranks among the hit's logits (0: the same greedy token)."""
+    spread = (cold.max() - cold.min()).item()
+    rank = int((hit > hit[cold.argmax()]).sum())
+    top2 = cold.topk(2).values
+    return {"max_abs_diff": (hit - cold).abs().max().item(), "relative_to_spread": (hit - cold).abs().max().item()
+            / spread, "cold_top1_rank_in_hit": rank, "cold_top1_top2_gap": (top2[0] - top2[1]).item()}
 
 
 def run_model(name: str, args, device: torch.device, dtype: torch.dtype, rocket: RocketKVConfig) -> dict:
-    model, _ = build_model(name, args.quick, None, dtype, device)
+    model, _ = build_model(name, args.quick, args.layers, dtype, device)
     hf_rocketkv.enable(model)
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
@@ -65,20 +78,20 @@ def run_model(name: str, args, device: torch.device, dtype: torch.dtype, rocket:
     warm = RocketKVCache(rocket, pool=KVBlockPool(model, max_gpu_bytes=pool_bytes))
     _generate(model, prompt_a[:, : rocket.prompt_budget + 4 * rocket.window_size], warm, 2)  # JIT, cuBLAS
     warm.close()
-    rows = {}
+    rows, logits = {}, {}
     pool = KVBlockPool(model, max_gpu_bytes=pool_bytes)
     for label, ids in (("cold", prompt_a), ("hit", prompt_b)):
         cache = RocketKVCache(rocket, pool=pool)
-        ttft, _ = _generate(model, ids, cache, 1)
-        _, tokens = _generate(model, ids, RocketKVCache(rocket, pool=pool), args.new_tokens) if label == "hit" \
-            else (None, None)
+        ttft, _, _ = _generate(model, ids, cache, 1)
         stats = cache.stats
         rows[label] = {"ttft_s": ttft, "reused_tokens": stats.reused_tokens, "computed_tokens": stats.computed_tokens}
-        if tokens is not None:
-            rows[label]["tokens"] = tokens[0].tolist()
         cache.close()
+    again = RocketKVCache(rocket, pool=pool)  # the prefix is still cached: a second hit, its tokens and logits
+    _, tokens, logits["hit"] = _generate(model, prompt_b, again, args.new_tokens)
+    rows["hit"]["tokens"] = tokens[0].tolist()
+    again.close()
     reference = RocketKVCache(rocket, pool=KVBlockPool(model, max_gpu_bytes=pool_bytes))
-    ttft_b, tokens_b = _generate(model, prompt_b, reference, args.new_tokens)
+    ttft_b, tokens_b, logits["cold_b"] = _generate(model, prompt_b, reference, args.new_tokens)
     reference.close()
     rows["cold_b"] = {"generate_s": ttft_b, "tokens": tokens_b[0].tolist()}
     hit_tokens = rows["hit"]["tokens"]
@@ -89,6 +102,7 @@ def run_model(name: str, args, device: torch.device, dtype: torch.dtype, rocket:
         "replay_tokens": replay_tokens(windows),
         "rows": rows,
         "hit_over_cold": rows["hit"]["ttft_s"] / rows["cold"]["ttft_s"],
+        "first_logits_vs_cold_b": _logits_gap(logits["hit"], logits["cold_b"]),
         "tokens_equal_to_cold_b": sum(a == b for a, b in zip(hit_tokens, rows["cold_b"]["tokens"])) / len(hit_tokens),
     }
     del model
@@ -105,11 +119,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--suffix", type=int, default=256, help="each prompt's own tokens after the prefix")
     parser.add_argument("--new-tokens", type=int, default=16, help="greedy tokens compared with the cold reference")
     parser.add_argument("--pool-gib", type=float, default=8.0)
+    parser.add_argument("--layers", type=int, default=None, help="keep only the first N layers of each model")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                        help="weights and K/V (default bfloat16 on CUDA; float32 shows the hit's exactness)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, fp32, CPU: checks the logic in seconds")
     parser.add_argument("--out", default="out/hybrid_prefix_reuse")
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    dtype = torch.float32 if device.type == "cpu" else getattr(torch, args.dtype or "bfloat16")
     if args.quick:
         args.prefix, args.suffix, args.pool_gib = 200, 24, 0.01
     rocket = RocketKVConfig(prompt_budget=32, window_size=8, topk=4) if args.quick else RocketKVConfig()
@@ -117,7 +134,8 @@ def main(argv=None) -> dict:
         "benchmark": "hybrid_prefix_reuse", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "transformers": __import__("transformers").__version__, "dtype": str(dtype),
-        "prefix": args.prefix, "suffix": args.suffix, "quick": args.quick, "models": {},
+        "prefix": args.prefix, "suffix": args.suffix, "layers_override": args.layers, "quick": args.quick,
+        "models": {},
     }
     for name in args.models:
         report["models"][name] = run_model(name, args, device, dtype, rocket)
