@@ -190,6 +190,11 @@ def model_prefill_reserve(model_or_config: Any, num_kv_heads: int | None = None)
     """``prefill_reserve_bytes`` for a model (or its config): its layers, KV heads (``num_kv_heads`` when given: a
     tensor-parallel shard's), head_dim, hidden and intermediate sizes (4 x hidden when the config names none) and
     dtype (2 bytes when it names none)."""
+    # Under tensor parallelism only the K/V part shrinks to the shard's heads: a rank's dense prompt K/V holds the KV
+    # heads its k_proj/v_proj shard yields. The activations are counted whole on purpose (conservative): transformers'
+    # tp plans shard q/k/v, the attention output and the MLP's gate/up (colwise), but the residual stream, the normed
+    # input and the rowwise o_proj/down_proj outputs are full hidden-size tensors on every rank, and a plan may leave
+    # the attention or the MLP whole (gpt-oss, MoE experts), so dividing them by the ranks could reserve too little.
     geometry, _model = model_geometry(model_or_config, num_kv_heads)
     config = split_model_and_config(model_or_config)[1]
     return geometry_prefill_reserve(geometry, *activation_widths(config, geometry))
