@@ -6,10 +6,11 @@ nothing is scored, evicted or summarised in KT pages. Its attention is transform
 transformers' causal mask (``integration/attention.py``'s window path), so its outputs are the ones the model's own
 cache gives.
 
-It shares the machinery of ``SlidingWindowLayer`` (a window that never closes). Unlike a sliding layer it is a
-full-attention layer for transformers (``is_sliding = False``): the causal mask of the model's full-attention layers
-is built from the first of them, a dense layer when ``dense_layers`` > 0, and covers every stored column; the RocketKV
-layers after it ignore that mask once compressed (they attend by their own lengths).
+It shares the store of ``SlidingWindowLayer`` (``UnscoredLayer``: counts, rows, row-group stacking), not its decode
+ring: a dense layer's store grows. Unlike a sliding layer it is a full-attention layer for transformers
+(``is_sliding = False``): the causal mask of the model's full-attention layers is built from the first of them, a
+dense layer when ``dense_layers`` > 0, and covers every stored column; the RocketKV layers after it ignore that mask
+once compressed (they attend by their own lengths).
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ import torch
 
 from .hints import GenerationHints
 from .seam import tag
-from .sliding_layer import SlidingWindowLayer
+from .unscored_layer import UnscoredLayer
 
 
-class DenseLayer(SlidingWindowLayer):
+class DenseLayer(UnscoredLayer):
     """Every token of every row, dense (see the module docstring)."""
 
     is_sliding = False  # transformers: a full-attention layer
@@ -29,7 +30,7 @@ class DenseLayer(SlidingWindowLayer):
     is_croppable = True
 
     def __init__(self, hints: GenerationHints | None = None, layer_idx: int | None = None):
-        super().__init__(1, hints, layer_idx)
+        super().__init__(hints, layer_idx)
         self.window = None  # never closes: what the attention's sliding_window check compares with (None)
 
     def reset(self) -> None:
@@ -60,9 +61,6 @@ class DenseLayer(SlidingWindowLayer):
         self.values = torch.cat([self.values, value_states], dim=2)
         tag(self.keys, self)
         return self.keys, self.values
-
-    def _last(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens (every token is still stored)."""

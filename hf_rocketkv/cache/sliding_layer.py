@@ -31,10 +31,10 @@ first. Between forwards the ring holds ``min(seen, window)`` tokens, of which th
 from __future__ import annotations
 
 import torch
-from transformers import CacheLayerMixin
 
 from .hints import GenerationHints
 from .seam import tag
+from .unscored_layer import UnscoredLayer
 
 SLIDING_CROP = (
     "RocketKVCache: a sliding-window layer (window {window}) has already dropped the tokens before its window, so "
@@ -43,41 +43,32 @@ SLIDING_CROP = (
 )
 
 
-class SlidingWindowLayer(CacheLayerMixin):
-    """The last ``window - 1`` tokens of every row, dense (see the module docstring)."""
+class SlidingWindowLayer(UnscoredLayer):
+    """The last ``window - 1`` tokens of every row, dense (see the module docstring); what it shares with
+    ``DenseLayer`` is in ``UnscoredLayer``, the decode ring is its own."""
 
-    is_compileable = False
     is_sliding = True
     is_croppable = False
-    compressed = False  # never compressed: the RocketKV layers' state, read by the cache
-    history = None
-    per_head_lengths = False
 
     def __init__(self, window: int, hints: GenerationHints | None = None, layer_idx: int | None = None):
-        super().__init__()
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"SlidingWindowLayer: window must be a positive integer (the model config's "
                              f"sliding_window), got {window!r}")
+        super().__init__(hints, layer_idx)
         self.window = window
-        self.hints = hints if hints is not None else GenerationHints()
-        self.layer_idx = layer_idx
-        self.keys = self.values = None
         self.ring = False  # decode layout (see the module docstring)
         self.position = None  # ring only: tokens seen, a 0-d int64 device tensor (a graphed step advances it)
-        self.seen_tokens = 0  # logical tokens seen
         self.floor = 0  # the first position the layer may hold (a prefix hit's replay start, ``seed_replay``)
-        self.host_seen = 0  # what RocketKVCache's consistency check compares across layers
-        self.awaiting_attention = False  # set by update, cleared by the attention function
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.num_kv_heads, self.head_dim = key_states.shape[1], key_states.shape[3]
-        self.keys = key_states[:, :, :0].clone()
-        self.values = value_states[:, :, :0].clone()
-        self.is_initialized = True
 
     def reset(self) -> None:
         self.__init__(self.window, self.hints, self.layer_idx)
+
+    @staticmethod
+    def stack_rows(parts: list[UnscoredLayer], new_layer) -> UnscoredLayer:
+        """``UnscoredLayer.stack_rows``, keeping the parts' replay start (``floor``)."""
+        layer = UnscoredLayer.stack_rows(parts, new_layer)
+        layer.floor = parts[0].floor
+        return layer
 
     def seed_replay(self, start: int) -> None:
         """Before the first update: a prefix hit replays the prompt from input column ``start`` (``PoolPages.
@@ -93,15 +84,6 @@ class SlidingWindowLayer(CacheLayerMixin):
         """Tokens held per row: ``min(seen - floor, window - 1)``."""
         return min(self.seen_tokens - self.floor, self.window - 1)
 
-    def get_seq_length(self) -> int:
-        return self.seen_tokens
-
-    @property
-    def seen(self) -> torch.Tensor:
-        """Logical tokens seen as a 0-d int64 tensor (``RocketKVCache.seq_length_tensor``)."""
-        device = self.device if self.is_initialized else None
-        return torch.tensor(self.seen_tokens, dtype=torch.long, device=device)
-
     def get_max_length(self) -> int:
         return self.window
 
@@ -112,23 +94,6 @@ class SlidingWindowLayer(CacheLayerMixin):
         if query_length == 1:
             return self.window, max(0, self.seen_tokens - self.window + 1)
         return self.stored + query_length, self.seen_tokens - self.stored
-
-    @property
-    def batch_size(self) -> int:
-        if not self.is_initialized:
-            raise AttributeError("batch_size")  # Cache.batch_size skips layers without it
-        return self.keys.shape[0]
-
-    def kept_tokens(self) -> torch.Tensor:
-        """Tokens the next query can see, ``[B, Hkv]`` (columns of the window, left padding included)."""
-        if not self.is_initialized:
-            return torch.zeros(0, 0, dtype=torch.long)
-        return torch.full(self.keys.shape[:2], self.stored, dtype=torch.long)
-
-    def memory_bytes(self) -> int:
-        if not self.is_initialized:
-            return 0
-        return sum(t.untyped_storage().nbytes() for t in (self.keys, self.values))
 
     # ------------------------------------------------------------------------------------------ update
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -227,48 +192,6 @@ class SlidingWindowLayer(CacheLayerMixin):
         last = tensor[:, :, tensor.shape[2] - keep:]
         return last.clone() if tensor.shape[2] > keep + 1 else last
 
-    def attention_ran(self) -> None:
-        self.awaiting_attention = False
-
-    def finish_prefill(self) -> None:
-        """Nothing deferred: a sliding layer has no stage 1."""
-
-    # ------------------------------------------------------------------------------------------ rows
-    def _index_rows(self, index: torch.Tensor) -> None:
-        if self.is_initialized:
-            self.keys = self.keys.index_select(0, index.to(self.keys.device))
-            self.values = self.values.index_select(0, index.to(self.values.device))
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: rows reordered in place, so that a captured decode step keeps its buffers."""
-        if self.is_initialized:
-            index = beam_idx.to(self.keys.device)
-            self.keys.copy_(self.keys.index_select(0, index))
-            self.values.copy_(self.values.index_select(0, index))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._index_rows(indices)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized:
-            self._index_rows(torch.arange(self.batch_size, device=self.device).repeat_interleave(repeats))
-
-    @staticmethod
-    def stack_rows(parts: list["SlidingWindowLayer"], new_layer) -> "SlidingWindowLayer":
-        """One layer holding the rows of ``parts`` in order (row-group prefill): the parts saw the same input columns
-        (one padded batch), so their stores have the same width."""
-        first = parts[0]
-        for part in parts:
-            part._to_ordered()
-        if len({part.seen_tokens for part in parts}) != 1:
-            raise RuntimeError("SlidingWindowLayer.stack_rows needs parts that saw the same input columns")
-        layer = new_layer()
-        layer.lazy_initialization(first.keys, first.values)
-        layer.keys = torch.cat([part.keys for part in parts])
-        layer.values = torch.cat([part.values for part in parts])
-        layer.seen_tokens, layer.host_seen, layer.floor = first.seen_tokens, first.host_seen, first.floor
-        return layer
-
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens while the layer still holds every token it saw (fewer than
         ``window`` seen); past that, the tokens before the window are gone and it raises."""
@@ -283,8 +206,3 @@ class SlidingWindowLayer(CacheLayerMixin):
         self.keys, self.values = self.keys[:, :, :-count], self.values[:, :, :-count]
         self.seen_tokens -= count
         self.host_seen -= count
-
-    def offload(self):
-        raise NotImplementedError("RocketKVCache does not support offloading=True")
-
-    prefetch = offload

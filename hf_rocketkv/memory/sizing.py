@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from .geometry import ModelGeometry, model_geometry, split_model_and_config
+
 DEVICE_FRACTION = 0.9  # CUDA: of the free device memory, as TensorRT-LLM's free_gpu_memory_fraction default
 HOST_FRACTION = 0.25  # CPU: of the available RAM
 HOST_DEFAULT_CAP = 2 << 30  # CPU: the default fraction never takes more than this
@@ -167,18 +169,35 @@ def auto_pool_size(device: torch.device | str, fraction: float | None = None, fr
     return PoolSize(size, str(device), free, used, capped=size < int((free - reserve) * used), reserve=reserve)
 
 
-def model_prefill_reserve(model_or_config: Any) -> int:
-    """``prefill_reserve_bytes`` for a model (or its config): its layers, KV heads, head_dim, hidden and intermediate
-    sizes (4 x hidden when the config names none) and dtype (2 bytes when it names none)."""
-    from .geometry import model_geometry, split_model_and_config
-
-    geometry, _model = model_geometry(model_or_config)
-    config = split_model_and_config(model_or_config)[1]
+def activation_widths(config: Any, geometry: ModelGeometry) -> tuple[int, int]:
+    """``(hidden, intermediate)`` of a (text) config for ``prefill_reserve_bytes``: its ``hidden_size`` (else the
+    geometry's KV heads x head_dim) and ``intermediate_size`` (else 4 x hidden)."""
     hidden = getattr(config, "hidden_size", None) or geometry.num_kv_heads * geometry.head_dim
     intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
+    return int(hidden), int(intermediate)
+
+
+def geometry_prefill_reserve(geometry: ModelGeometry, hidden_size: int, intermediate_size: int) -> int:
+    """``prefill_reserve_bytes`` of a geometry already read (a pool's ``geometry``, whose KV heads are a
+    tensor-parallel shard's when it was planned for one): its layers, KV heads, head_dim and dtype (2 bytes when it
+    names none), with the activation widths given (``activation_widths``)."""
     dtype_bytes = geometry.dtype.itemsize if geometry.dtype is not None else 2
-    return prefill_reserve_bytes(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, int(hidden),
-                                 int(intermediate), dtype_bytes)
+    return prefill_reserve_bytes(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, hidden_size,
+                                 intermediate_size, dtype_bytes)
+
+
+def model_prefill_reserve(model_or_config: Any, num_kv_heads: int | None = None) -> int:
+    """``prefill_reserve_bytes`` for a model (or its config): its layers, KV heads (``num_kv_heads`` when given: a
+    tensor-parallel shard's), head_dim, hidden and intermediate sizes (4 x hidden when the config names none) and
+    dtype (2 bytes when it names none)."""
+    # Under tensor parallelism only the K/V part shrinks to the shard's heads: a rank's dense prompt K/V holds the KV
+    # heads its k_proj/v_proj shard yields. The activations are counted whole on purpose (conservative): transformers'
+    # tp plans shard q/k/v, the attention output and the MLP's gate/up (colwise), but the residual stream, the normed
+    # input and the rowwise o_proj/down_proj outputs are full hidden-size tensors on every rank, and a plan may leave
+    # the attention or the MLP whole (gpt-oss, MoE experts), so dividing them by the ranks could reserve too little.
+    geometry, _model = model_geometry(model_or_config, num_kv_heads)
+    config = split_model_and_config(model_or_config)[1]
+    return geometry_prefill_reserve(geometry, *activation_widths(config, geometry))
 
 
 def model_device(model: torch.nn.Module | None, device: torch.device | str | None) -> torch.device:
@@ -195,5 +214,6 @@ def model_device(model: torch.nn.Module | None, device: torch.device | str | Non
 
 
 __all__ = ["DEVICE_FRACTION", "HOST_DEFAULT_CAP", "HOST_FRACTION", "PREFILL_RESERVE_CHUNK", "PREFILL_RESERVE_TOKENS",
-           "PoolSize", "auto_pool_size", "check_fraction", "default_fraction", "free_bytes", "host_available",
-           "model_device", "model_prefill_reserve", "pool_bytes", "prefill_reserve_bytes"]
+           "PoolSize", "activation_widths", "auto_pool_size", "check_fraction", "default_fraction", "free_bytes",
+           "geometry_prefill_reserve", "host_available", "model_device", "model_prefill_reserve", "pool_bytes",
+           "prefill_reserve_bytes"]

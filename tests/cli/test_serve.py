@@ -498,3 +498,40 @@ def test_shard_kv_heads_follows_the_models_plan():
     assert shard_kv_heads(model(llama, {"model.layers.*.self_attn.k_proj": "colwise"}), 3) is None
     oss = GptOssConfig(num_attention_heads=8, num_key_value_heads=4)
     assert shard_kv_heads(model(oss, {"model.embed_tokens": "embedding_rowwise"}), 2) == 4
+
+
+def test_a_tensor_parallel_ranks_prefill_reserve_counts_its_shard_of_kv_heads(monkeypatch):
+    """Under torchrun with 2 ranks, serve's automatically sized pool keeps out the prefill reserve of the rank's
+    shard: half the KV heads' dense K/V of a 32k-token prompt, the 8k-token chunk's activations counted whole (the
+    hidden states are not sharded). Written out by hand here, not by the function under test."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    from hf_rocketkv import memory
+    from hf_rocketkv.cli.serve import EnginePlan, build_parser, build_pool
+
+    class Rank(torch.nn.Module):  # a rank's sharded model: its config is the whole model's, its plan splits k_proj
+        def __init__(self):
+            super().__init__()
+            self.config = LlamaConfig(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+                                      hidden_size=128, intermediate_size=256)
+            self.weight = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+            self.tp_plan = {"model.layers.*.self_attn.k_proj": "colwise"}
+
+    reserves = []
+    real = memory.auto_pool_size
+
+    def auto_pool_size(device, fraction=None, free=None, reserve=0):
+        reserves.append(reserve)
+        return real(device, fraction, free, reserve)
+
+    monkeypatch.setattr(memory, "auto_pool_size", auto_pool_size)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    config = SimpleNamespace(page_size=4, kt_cache_dtype="bfloat16")
+    pool, _line = build_pool(build_parser().parse_args([]), Rank(), config, EnginePlan("batching", True))
+    dense_kv = 2 * 2 * (4 // 2) * 16 * 32768 * 2  # K and V x layers x the rank's KV heads x head_dim x tokens x bf16
+    activations = 8192 * (8 * 128 + 4 * 256) * 2  # chunk x (8 x hidden + 4 x intermediate) x bf16, not sharded
+    assert reserves == [dense_kv + activations]
+    assert reserves[0] == 2 * 2 * 4 * 16 * 32768 * 2 // 2 + activations  # the whole model's K/V, halved
+    assert pool.geometry.num_kv_heads == 2

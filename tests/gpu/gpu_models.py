@@ -4,6 +4,8 @@ for the shapes the benchmarks time. Nothing is downloaded."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -39,3 +41,26 @@ def greedy(model, ids: torch.Tensor, cache, new_tokens: int, compiled: bool, **k
                              do_sample=False, eos_token_id=None, pad_token_id=0, disable_compile=not compiled,
                              **kwargs)
     return out[:, ids.shape[1]:]
+
+
+class Collector:
+    """A batching engine's sink: per request, the tokens streamed back and the final event."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.tokens: dict[str, list[int]] = {}
+        self.finals: dict[str, object] = {}
+
+    def __call__(self, event) -> None:
+        with self.cond:
+            self.tokens.setdefault(event.request_id, []).extend(event.token_ids)
+            if event.finish_reason is not None:
+                self.finals[event.request_id] = event
+                self.cond.notify_all()
+
+    def wait(self, requests: int | list[str], timeout: float) -> bool:
+        """Until ``requests`` (those request ids, or that many requests) have finished, or ``timeout`` seconds."""
+        with self.cond:
+            if isinstance(requests, int):
+                return self.cond.wait_for(lambda: len(self.finals) >= requests, timeout)
+            return self.cond.wait_for(lambda: all(rid in self.finals for rid in requests), timeout)

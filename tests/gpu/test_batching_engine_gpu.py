@@ -11,7 +11,6 @@ pages. Llama-3.1-8B layer shapes (4 layers), random bf16 weights, greedy decodin
 from __future__ import annotations
 
 import random
-import threading
 import time
 
 import pytest
@@ -23,32 +22,12 @@ from hf_rocketkv.serving.engine import EngineRequest
 from hf_rocketkv.serving.sampling import SamplingParams
 from hf_rocketkv.serving.scheduler import BatchingConfig
 
-from .gpu_models import CUDA, llama_8b_layers
+from .gpu_models import CUDA, Collector, llama_8b_layers
 
 LAYERS, MAX_RUNNING, NEW_TOKENS = 4, 8, 32
 FIXED = [2048] * 8  # prompt lengths
 MIXED = [300, 4096, 1024, 700, 2500, 1500]
 POOL_BYTES = 2 << 30
-
-
-class Collector:
-    """The engine's sink: per request, the tokens streamed back and the final event."""
-
-    def __init__(self):
-        self.cond = threading.Condition()
-        self.tokens: dict[str, list[int]] = {}
-        self.finals: dict[str, object] = {}
-
-    def __call__(self, event) -> None:
-        with self.cond:
-            self.tokens.setdefault(event.request_id, []).extend(event.token_ids)
-            if event.finish_reason is not None:
-                self.finals[event.request_id] = event
-                self.cond.notify_all()
-
-    def wait(self, request_ids: list[str], timeout: float) -> bool:
-        with self.cond:
-            return self.cond.wait_for(lambda: all(rid in self.finals for rid in request_ids), timeout)
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,6 @@ Tiny random configs of tests/support/hybrid_models.py (4 layers, window 8) moved
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -27,7 +25,7 @@ from hf_rocketkv.serving.sampling import SamplingParams
 from hf_rocketkv.serving.scheduler import BatchingConfig
 from tests.support.hybrid_models import make_hybrid_models
 
-from .gpu_models import CUDA, greedy
+from .gpu_models import CUDA, Collector, greedy
 
 ARCHS = ["gpt_oss", "gemma3"]
 PROMPT, NEW_TOKENS = 200, 24
@@ -99,24 +97,6 @@ def test_graphed_keep_all_decode_on_the_pool_equals_transformers_eager(arch):
     assert _all_back(pool)
 
 
-class _Collector:
-    def __init__(self):
-        self.cond = threading.Condition()
-        self.tokens: dict[str, list[int]] = {}
-        self.finals: dict[str, object] = {}
-
-    def __call__(self, event) -> None:
-        with self.cond:
-            self.tokens.setdefault(event.request_id, []).extend(event.token_ids)
-            if event.finish_reason is not None:
-                self.finals[event.request_id] = event
-                self.cond.notify_all()
-
-    def wait(self, count: int, timeout: float) -> bool:
-        with self.cond:
-            return self.cond.wait_for(lambda: len(self.finals) >= count, timeout)
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_batching_engine_with_graphs_equals_each_request_alone(arch):
     rocket, _ = make_hybrid_models(arch)
@@ -131,7 +111,7 @@ def test_the_batching_engine_with_graphs_equals_each_request_alone(arch):
     assert _all_back(pool)
     lengths = [37, 120, 9, 64, 200, 15]
     prompts = [_prompt(rocket.config.vocab_size, 1, n)[0].tolist() for n in lengths]
-    sink = _Collector()
+    sink = Collector()
     engine.start(sink)
     try:
         for i, prompt in enumerate(prompts):

@@ -14,7 +14,7 @@ from transformers import CompileConfig
 
 import hf_rocketkv
 from hf_rocketkv import RocketKVCache
-from tests.support.decode_runners import eager_compile_config
+from tests.support.decode_runners import eager_compile_config, skip_launches_on_fake_tensors, unique_graphs
 from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
 
 
@@ -40,13 +40,13 @@ def test_compiled_decode_matches_eager_without_recompiles():
     compiled = greedy(rocket, ids, attention_mask=mask, max_new_tokens=6,
                       past_key_values=RocketKVCache(config), compile_config=_compile_config())
     assert torch.equal(compiled, eager)
-    graphs_after_first = dynamo_utils.counters["stats"]["unique_graphs"]
+    graphs_after_first = unique_graphs()
     assert graphs_after_first == 1, dict(dynamo_utils.counters["stats"])  # fullgraph, no recompile per step
 
     again = greedy(rocket, ids, attention_mask=mask, max_new_tokens=6,
                    past_key_values=RocketKVCache(config), compile_config=_compile_config())
     assert torch.equal(again, eager)
-    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs_after_first  # second request: no recompile
+    assert unique_graphs() == graphs_after_first  # second request: no recompile
     assert not dynamo_utils.counters["recompiles"]
 
 
@@ -66,7 +66,7 @@ def test_compiled_decode_with_every_kt_dtype_matches_eager(kt_dtype):
     compiled = greedy(rocket, ids, attention_mask=mask, max_new_tokens=6, past_key_values=RocketKVCache(config),
                       compile_config=_compile_config())
     assert torch.equal(compiled, eager)
-    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1, dict(dynamo_utils.counters["stats"])
+    assert unique_graphs() == 1, dict(dynamo_utils.counters["stats"])
 
 
 def test_cache_is_compileable_except_while_prefilling():
@@ -88,7 +88,7 @@ def test_chunked_prefill_then_compiled_decode_equals_eager():
     dynamo_utils.counters.clear()
     compiled = greedy(rocket, ids, past_key_values=RocketKVCache(config), compile_config=_compile_config(), **kwargs)
     assert torch.equal(compiled, eager)
-    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1, dict(dynamo_utils.counters["stats"])
+    assert unique_graphs() == 1, dict(dynamo_utils.counters["stats"])
 
 
 @pytest.mark.slow
@@ -120,7 +120,7 @@ def test_later_decode_steps_skip_guards_new_buckets_compile_and_new_prompt_lengt
         assert torch.equal(compiled, eager), f"batch {batch}, prompt {length}"
         assert stances == [True] * 4  # 5 decode steps: the first runs every guard
         assert cache.hints.guards_checked
-        graphs.append(dynamo_utils.counters["stats"]["unique_graphs"])
+        graphs.append(unique_graphs())
     assert graphs == [1, 2, 2, 2], graphs  # batch 2 compiled its own graph; new prompt lengths compiled nothing
 
     stances.clear()
@@ -188,7 +188,7 @@ def test_compiled_decode_with_a_pool_equals_eager_without_recompiles():
         assert torch.equal(compiled, eager)
         cache.close()
     assert cache.stats.reused_tokens > 0  # the second request hit the first one's prefix
-    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1, dict(dynamo_utils.counters["stats"])
+    assert unique_graphs() == 1, dict(dynamo_utils.counters["stats"])
     assert not dynamo_utils.counters["recompiles"]
 
 
@@ -200,25 +200,9 @@ def test_triton_backend_decode_step_traces_as_one_graph(monkeypatch):
     skipped (the ops' outputs are allocated by their launchers); the compiled graph (backend "eager") then calls the
     registered ops on real tensors, which run the kernels in the interpreter. What this covers is the Python side of
     the traced step (op schemas, the launchers' host logic, the cache's checks), not inductor's code generation."""
-    from torch._subclasses.fake_tensor import is_fake
     from transformers import CompileConfig
 
-    from hf_rocketkv.kernels import launch
-
-    original = launch.TritonLaunch.__getitem__
-
-    def launcher(self, grid):
-        run = original(self, grid)
-
-        def call(*args, **kwargs):
-            if any(isinstance(x, torch.Tensor) and is_fake(x) for x in (*args, *kwargs.values())):
-                return None
-            return run(*args, **kwargs)
-
-        return call
-
-    monkeypatch.setattr(launch.TritonLaunch, "__getitem__", launcher)
-    torch._dynamo.reset()
+    skip_launches_on_fake_tensors(monkeypatch)
     rocket, _ = make_models("llama", num_hidden_layers=1)
     ids, mask = left_pad([random_ids(1, 40, seed=3)[0], random_ids(1, 33, seed=4)[0]])
     config = compressing_config(kt_cache_dtype="float32", backend="triton", decode_runner="torch_compile")
@@ -232,15 +216,11 @@ def test_triton_backend_decode_step_traces_as_one_graph(monkeypatch):
                       compile_config=compile_config)
     assert cache.layers[0].ops.name == "triton"
     assert torch.equal(compiled, eager)
-    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1, dict(dynamo_utils.counters["stats"])
+    assert unique_graphs() == 1, dict(dynamo_utils.counters["stats"])
     assert not dynamo_utils.counters["graph_break"]
 
 
 # ------------------------------------------------------------------------------------------------ buckets
-
-
-def _graphs() -> int:
-    return dynamo_utils.counters["stats"]["unique_graphs"]
 
 
 def _unbucketed(config):
@@ -266,7 +246,7 @@ def test_prompt_lengths_and_max_new_tokens_in_one_capacity_bucket_compile_nothin
         out = greedy(rocket, ids, max_new_tokens=new, past_key_values=cache, compile_config=eager_compile_config())
         assert torch.equal(out, eager), (length, new)
         capacities.add(cache.layers[0].capacity)
-        assert _graphs() == 1, (step, length, new, dict(dynamo_utils.counters["stats"]))
+        assert unique_graphs() == 1, (step, length, new, dict(dynamo_utils.counters["stats"]))
     assert capacities == {24 + 40}  # prompt_budget + capacity_headroom
 
 
@@ -285,7 +265,7 @@ def test_a_request_above_the_largest_capacity_bucket_gets_a_ladder_size():
         cache = RocketKVCache(config)
         out = greedy(rocket, ids, max_new_tokens=new, past_key_values=cache, compile_config=eager_compile_config())
         assert torch.equal(out, eager)
-        assert cache.layers[0].capacity == capacity and _graphs() == graphs, (new, cache.layers[0].capacity)
+        assert cache.layers[0].capacity == capacity and unique_graphs() == graphs, (new, cache.layers[0].capacity)
 
 
 def _batch(batch: int):
@@ -310,7 +290,7 @@ def test_batch_sizes_of_one_bucket_share_a_graph_and_padding_changes_no_token():
         out = greedy(rocket, ids, attention_mask=mask, max_new_tokens=7, past_key_values=cache,
                      compile_config=eager_compile_config())
         assert torch.equal(out, eager), batch
-        assert _graphs() == graphs, (batch, dict(dynamo_utils.counters["stats"]))
+        assert unique_graphs() == graphs, (batch, dict(dynamo_utils.counters["stats"]))
         assert cache.batch_size == batch and cache.token_ids.shape[0] == batch
         assert torch.equal(cache.kept_tokens(0), eager_cache.kept_tokens(0))
         assert torch.equal(cache.layers[0].lengths, eager_cache.layers[0].lengths)
@@ -400,7 +380,7 @@ def test_pool_backed_caches_widen_only_the_table_and_share_one_graph():
         assert torch.equal(out, eager), length
         store = cache.layers[0].store
         assert store.capacity == 88 and sum(store.row_pages) * 8 < 88  # 24 + 60 in pool pages of 8; pages: needed
-        assert _graphs() == 1, (length, dict(dynamo_utils.counters["stats"]))
+        assert unique_graphs() == 1, (length, dict(dynamo_utils.counters["stats"]))
         cache.close()
 
 
@@ -421,7 +401,7 @@ def test_keep_all_history_is_bucketed_too():
         out = greedy(rocket, ids, max_new_tokens=6, past_key_values=cache, compile_config=eager_compile_config())
         assert torch.equal(out, eager), length
         assert cache.layers[0].history.store.capacity == 24 + 256  # prompt_budget + capacity_headroom: 40 and 71 fit
-        assert _graphs() == 1, (length, dict(dynamo_utils.counters["stats"]))
+        assert unique_graphs() == 1, (length, dict(dynamo_utils.counters["stats"]))
 
 
 @pytest.mark.slow
@@ -447,7 +427,7 @@ def test_compiled_decode_with_adakv_per_head_lengths_compiles_once_across_reques
         assert cache.layers[0].lengths.dim() == 2 and torch.equal(cache.layers[0].lengths, eager_cache.layers[0].lengths)
         longest.add(int(eager_cache.layers[0].lengths.max()))
         capacities.add(cache.layers[0].capacity)
-        assert _graphs() == 1, (seeds, dict(dynamo_utils.counters["stats"]))
+        assert unique_graphs() == 1, (seeds, dict(dynamo_utils.counters["stats"]))
     assert len(longest) > 1 and capacities == {24 + 40}  # the heads' counts changed, the bucket did not
 
 

@@ -20,6 +20,8 @@ from tests.support.decode_runners import (
     StandInBackend,
     eager_compile_config,
     graphed_cache,
+    skip_launches_on_fake_tensors,
+    unique_graphs,
 )
 from tests.support.hybrid_models import FULL, SLIDING, WINDOW, make_hybrid_models
 from tests.support.tiny_models import (
@@ -85,7 +87,7 @@ def test_inductor_decode_equals_eager_and_a_new_prompt_length_does_not_recompile
                           compile_config=inductor_config())
         assert torch.equal(compiled, eager), lengths
         _assert_same_cache(cache, eager_cache)
-        assert dynamo_utils.counters["stats"]["unique_graphs"] == 1, dict(dynamo_utils.counters["stats"])
+        assert unique_graphs() == 1, dict(dynamo_utils.counters["stats"])
     assert not dynamo_utils.counters["recompiles"]
     assert not dynamo_utils.counters["graph_break"]
 
@@ -108,7 +110,7 @@ def test_traced_decode_is_one_graph_for_every_prompt_length(arch):
                           compile_config=eager_compile_config())
         assert torch.equal(compiled, eager), lengths
         _assert_same_cache(cache, eager_cache)
-        graphs.append(dynamo_utils.counters["stats"]["unique_graphs"])
+        graphs.append(unique_graphs())
     assert graphs == [1, 1, 2, 2], graphs  # one graph per batch size
     assert not dynamo_utils.counters["graph_break"]
 
@@ -145,7 +147,7 @@ def test_batch_buckets_pad_sliding_rows():
                           compile_config=eager_compile_config())
         assert torch.equal(compiled, eager), lengths
         assert all(layer.batch_size == len(lengths) for layer in cache.layers)
-    assert dynamo_utils.counters["stats"]["unique_graphs"] == 2, dict(dynamo_utils.counters["stats"])
+    assert unique_graphs() == 2, dict(dynamo_utils.counters["stats"])
     assert WINDOW < 12  # the prompts above run past the window
 
 
@@ -166,7 +168,7 @@ def test_compiled_decode_with_a_pool_equals_eager_without_recompiles():
                           compile_config=eager_compile_config())
         assert torch.equal(compiled, eager), lengths
         cache.close()
-    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1, dict(dynamo_utils.counters["stats"])
+    assert unique_graphs() == 1, dict(dynamo_utils.counters["stats"])
     assert not dynamo_utils.counters["recompiles"]
 
 
@@ -176,24 +178,7 @@ def test_triton_backend_decode_step_with_sinks_or_softcap_traces_as_one_graph(mo
     (Gemma 2) trace with the sliding rings as one fullgraph and give eager's tokens. As in
     tests/integration/test_compiled_decode.py, the launches are skipped while dynamo propagates fake tensors (the
     interpreter cannot run on them); the graph (backend "eager") then runs them on real tensors."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    from hf_rocketkv.kernels import launch
-
-    original = launch.TritonLaunch.__getitem__
-
-    def launcher(self, grid):
-        run = original(self, grid)
-
-        def call(*args, **kwargs):
-            if any(isinstance(x, torch.Tensor) and is_fake(x) for x in (*args, *kwargs.values())):
-                return None
-            return run(*args, **kwargs)
-
-        return call
-
-    monkeypatch.setattr(launch.TritonLaunch, "__getitem__", launcher)
-    torch._dynamo.reset()
+    skip_launches_on_fake_tensors(monkeypatch)
     rocket, _ = make_hybrid_models(arch, **TWO_LAYERS[arch])
     ids, mask = _batch((30, 21), seed=5)
     config = _config(backend="triton")
@@ -206,7 +191,7 @@ def test_triton_backend_decode_step_with_sinks_or_softcap_traces_as_one_graph(mo
     featured = [layer for layer in cache.layers if not layer.is_sliding]
     assert featured and all(layer.ops.name == "triton" and not layer.features.plain for layer in featured)
     assert torch.equal(compiled, eager)
-    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1, dict(dynamo_utils.counters["stats"])
+    assert unique_graphs() == 1, dict(dynamo_utils.counters["stats"])
     assert not dynamo_utils.counters["graph_break"]
 
 

@@ -6,13 +6,11 @@ with ``fused_norm=False`` (transformers' own module): the same tokens, and every
 tolerance (the kernel's sum of squares is reduced in another order than PyTorch's, so a norm's output may differ by
 one ulp), for each architecture the tests know, in bf16 with a padded batch. On a GPU the same tests run on CUDA
 (generate() captures the decode step as a CUDA graph, so the wrapper runs on the warm-up and capture steps only).
-Also: calls that are not RocketKV's (a DynamicCache, a plain forward, another thread, prefill, fp32, Qwen3's 4-D
-per-head norms) never take it, and norms with another formula (Gemma's, OLMo2's) are never wrapped.
+Also: calls that are not RocketKV's (a DynamicCache, a plain forward, another thread: test_fused_switch.py, prefill,
+fp32, Qwen3's 4-D per-head norms) never take it, and norms with another formula (Gemma's, OLMo2's) are never wrapped.
 """
 
 from __future__ import annotations
-
-import threading
 
 import pytest
 import torch
@@ -144,17 +142,9 @@ def test_a_changed_llama_norm_signature_fails_naming_the_transformers_version(mo
         compat.llama_norm_classes(torch.nn.Sequential(LlamaRMSNorm(8)))
 
 
-def test_the_scope_belongs_to_its_thread_and_fused_modeling_enters_both():
+def test_fused_modeling_enters_both():
+    """(The per-thread scope of either switch: tests/integration/test_fused_switch.py.)"""
     model = make_models("llama")[0]
-    seen = []
-    with norm.fused_norm(model, True):
-        assert norm.fused_norm_active()
-        worker = threading.Thread(target=lambda: seen.append(norm.fused_norm_active()))
-        worker.start()
-        worker.join()
-        with norm.fused_norm(model, False):
-            assert norm.fused_norm_active()  # a disabled inner scope changes nothing
-    assert seen == [False] and not norm.fused_norm_active()
     with norm.fused_modeling(model, RocketKVConfig()):
         assert norm.fused_norm_active() and rope.fused_rope_active()
     with norm.fused_modeling(model, RocketKVConfig(fused_rope=False)):

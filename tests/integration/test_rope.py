@@ -13,7 +13,6 @@ function takes other parameters is left alone.
 from __future__ import annotations
 
 import sys
-import threading
 import types
 
 import pytest
@@ -94,19 +93,6 @@ def test_calls_that_are_not_rocketkvs_keep_transformers_rope(counted):
     fp32 = make_models("llama")[0].to(DEVICE)
     greedy(fp32, ids, max_new_tokens=3)  # fp32 (RocketKV): transformers' formula
     assert counted == []
-
-
-def test_the_scope_belongs_to_its_thread():
-    model = make_models("llama")[0]
-    seen = []
-    with rope.fused_rope(model, True):
-        assert rope.fused_rope_active()
-        worker = threading.Thread(target=lambda: seen.append(rope.fused_rope_active()))
-        worker.start()
-        worker.join()
-        with rope.fused_rope(model, False):
-            assert rope.fused_rope_active()  # a disabled inner scope changes nothing
-    assert seen == [False] and not rope.fused_rope_active()
 
 
 def test_a_rotary_function_with_other_parameters_is_left_alone(monkeypatch):

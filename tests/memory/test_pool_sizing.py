@@ -132,6 +132,21 @@ def test_prefill_reserve_of_llama_3_1_8b_shapes():
     assert sizing.model_prefill_reserve(config) == reserve
 
 
+def test_the_pool_reserves_from_its_own_geometry_a_shards_kv_heads_under_num_kv_heads(monkeypatch):
+    """KVBlockPool sizes the reserve from the geometry it holds (``geometry_prefill_reserve``), so a pool planned for
+    a tensor-parallel shard (``num_kv_heads=``) keeps that shard's dense K/V only; ``model_prefill_reserve`` agrees."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8 * GIB, 80 * GIB))
+    config = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         hidden_size=64, intermediate_size=128)
+    activations = 8192 * (8 * 64 + 4 * 128) * 2
+    whole = 2 * 2 * 2 * 16 * 32768 * 2 + activations  # K and V x 2 layers x 2 KV heads x 16 x 32768 tokens x 2 bytes
+    shard = 2 * 2 * 1 * 16 * 32768 * 2 + activations  # ... 1 KV head
+    assert KVBlockPool(config, dtype=torch.bfloat16, device="cuda:0").sizing.reserve == whole == sizing.model_prefill_reserve(config)
+    pool = KVBlockPool(config, dtype=torch.bfloat16, device="cuda:0", num_kv_heads=1)
+    assert pool.sizing.reserve == shard == sizing.model_prefill_reserve(config, num_kv_heads=1)
+    assert sizing.geometry_prefill_reserve(pool.geometry, 64, 128) == shard
+
+
 def test_the_reserve_applies_on_cuda_only_and_never_below_zero(monkeypatch):
     monkeypatch.setattr(sizing, "host_available", lambda: 64 * MIB)
     assert auto_pool_size("cpu", reserve=GIB).reserve == 0 and auto_pool_size("cpu", reserve=GIB).bytes == 16 * MIB

@@ -9,6 +9,9 @@ or another cache state than the eager run.
 
 from __future__ import annotations
 
+import torch
+import torch._dynamo
+import torch._dynamo.utils as dynamo_utils
 from transformers import CompileConfig
 
 from hf_rocketkv import RocketKVCache
@@ -61,3 +64,33 @@ def graphed_cache(config, backend):
     cache.hints.graph_devices = ("cpu",)
     cache.hints.graph_backend = backend
     return cache
+
+
+def unique_graphs() -> int:
+    """Graphs dynamo compiled since its counters were last cleared (``dynamo_utils.counters.clear()``)."""
+    return dynamo_utils.counters["stats"]["unique_graphs"]
+
+
+def skip_launches_on_fake_tensors(monkeypatch) -> None:
+    """Trace backend="triton" decode steps on CPU: Triton's interpreter cannot run on fake tensors, so while dynamo
+    propagates them the kernel launches are skipped (the ops' outputs are allocated by their launchers); the compiled
+    graph (backend "eager") then calls the registered ops on real tensors, which run the kernels in the interpreter.
+    Resets dynamo, so the next compile traces afresh."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    from hf_rocketkv.kernels import launch
+
+    original = launch.TritonLaunch.__getitem__
+
+    def launcher(self, grid):
+        run = original(self, grid)
+
+        def call(*args, **kwargs):
+            if any(isinstance(x, torch.Tensor) and is_fake(x) for x in (*args, *kwargs.values())):
+                return None
+            return run(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(launch.TritonLaunch, "__getitem__", launcher)
+    torch._dynamo.reset()

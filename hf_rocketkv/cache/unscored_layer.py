@@ -1,0 +1,127 @@
+"""UnscoredLayer: what a ``SlidingWindowLayer`` and a ``DenseLayer`` share, a layer of a RocketKVCache that keeps
+its tokens dense and unscored in ``keys`` / ``values`` ``[B, Hkv, stored, D]`` and is never compressed.
+
+The subclasses say how many tokens are held (``stored``), how ``update`` stores new ones and what the masks are
+(``get_mask_sizes``); the sliding layer adds its decode ring (``sliding_layer.py``). This base holds the rest: the
+counts of tokens seen, row selection and reordering, row-group stacking, and the bookkeeping RocketKVCache reads.
+Attention on either runs exact attention with transformers' mask (``integration/attention.py``'s window path).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import CacheLayerMixin
+
+from .hints import GenerationHints
+
+
+class UnscoredLayer(CacheLayerMixin):
+    """Tokens kept dense, nothing scored or compressed (see the module docstring)."""
+
+    is_compileable = False
+    compressed = False  # never compressed: the RocketKV layers' state, read by the cache
+    history = None
+    per_head_lengths = False
+
+    def __init__(self, hints: GenerationHints | None = None, layer_idx: int | None = None):
+        super().__init__()
+        self.hints = hints if hints is not None else GenerationHints()
+        self.layer_idx = layer_idx
+        self.keys = self.values = None
+        self.seen_tokens = 0  # logical tokens seen
+        self.host_seen = 0  # what RocketKVCache's consistency check compares across layers
+        self.awaiting_attention = False  # set by update, cleared by the attention function
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.num_kv_heads, self.head_dim = key_states.shape[1], key_states.shape[3]
+        self.keys = key_states[:, :, :0].clone()
+        self.values = value_states[:, :, :0].clone()
+        self.is_initialized = True
+
+    # ------------------------------------------------------------------------------------------ sizes
+    @property
+    def stored(self) -> int:
+        """Tokens held per row (the subclass says how many)."""
+        raise NotImplementedError
+
+    def get_seq_length(self) -> int:
+        return self.seen_tokens
+
+    @property
+    def seen(self) -> torch.Tensor:
+        """Logical tokens seen as a 0-d int64 tensor (``RocketKVCache.seq_length_tensor``)."""
+        device = self.device if self.is_initialized else None
+        return torch.tensor(self.seen_tokens, dtype=torch.long, device=device)
+
+    @property
+    def batch_size(self) -> int:
+        if not self.is_initialized:
+            raise AttributeError("batch_size")  # Cache.batch_size skips layers without it
+        return self.keys.shape[0]
+
+    def kept_tokens(self) -> torch.Tensor:
+        """Tokens the next query can see, ``[B, Hkv]`` (stored columns, left padding included)."""
+        if not self.is_initialized:
+            return torch.zeros(0, 0, dtype=torch.long)
+        return torch.full(self.keys.shape[:2], self.stored, dtype=torch.long)
+
+    def memory_bytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return sum(t.untyped_storage().nbytes() for t in (self.keys, self.values))
+
+    # ------------------------------------------------------------------------------------------ attention
+    def attention_ran(self) -> None:
+        self.awaiting_attention = False
+
+    def finish_prefill(self) -> None:
+        """Nothing deferred: a dense store has no stage 1."""
+
+    def _to_ordered(self) -> None:
+        """Make ``keys`` / ``values`` the stored columns in order; they always are here (a sliding layer's decode ring
+        is not: it overrides this)."""
+
+    # ------------------------------------------------------------------------------------------ rows
+    def _index_rows(self, index: torch.Tensor) -> None:
+        if self.is_initialized:
+            self.keys = self.keys.index_select(0, index.to(self.keys.device))
+            self.values = self.values.index_select(0, index.to(self.values.device))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: rows reordered in place, so that a captured decode step keeps its buffers."""
+        if self.is_initialized:
+            index = beam_idx.to(self.keys.device)
+            self.keys.copy_(self.keys.index_select(0, index))
+            self.values.copy_(self.values.index_select(0, index))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._index_rows(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._index_rows(torch.arange(self.batch_size, device=self.device).repeat_interleave(repeats))
+
+    @staticmethod
+    def stack_rows(parts: list[UnscoredLayer], new_layer) -> UnscoredLayer:
+        """One layer holding the rows of ``parts`` in order (row-group prefill): the parts saw the same input columns
+        (one padded batch), so their stores have the same width."""
+        first = parts[0]
+        for part in parts:
+            part._to_ordered()
+        if len({part.seen_tokens for part in parts}) != 1:
+            raise RuntimeError(f"{type(first).__name__}.stack_rows needs parts that saw the same input columns")
+        layer = new_layer()
+        layer.lazy_initialization(first.keys, first.values)
+        layer.keys = torch.cat([part.keys for part in parts])
+        layer.values = torch.cat([part.values for part in parts])
+        layer.seen_tokens, layer.host_seen = first.seen_tokens, first.host_seen
+        return layer
+
+    def offload(self):
+        raise NotImplementedError("RocketKVCache does not support offloading=True")
+
+    prefetch = offload
+
+
+__all__ = ["UnscoredLayer"]

@@ -1,0 +1,154 @@
+"""The call-binding side of the seam (``compat.py`` re-exports every name here): the cache argument's name on the
+installed transformers (``cache`` from 5.24 on, ``past_key_values`` before) and the helpers that read or set it, and
+the signature-bound wrapper ``compat.install`` puts around transformers' generate() steps (``Call``, ``_wrap``).
+
+Like ``compat.py`` it imports only transformers, and only names transformers exports: no private transformers name
+is spelled here (tests/integration/test_private_names.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from transformers import Cache, GenerationMixin
+
+WRAPPED_MARK = "__hf_rocketkv_wrapped__"
+
+
+def _unwrapped(function):
+    """The original function below our own wrapper (so verification reads transformers' signature)."""
+    return getattr(function, "__wrapped__", function) if getattr(function, WRAPPED_MARK, False) else function
+
+
+LEGACY_CACHE_ARG = "past_key_values"
+
+
+def _cache_argument_name() -> str:
+    """The name transformers gives the cache argument of generate(), the model forwards and their outputs:
+    ``cache`` from 5.24 on (``past_key_values`` still accepted there, deprecated), ``past_key_values`` before."""
+    try:
+        parameters = inspect.signature(_unwrapped(GenerationMixin.prepare_inputs_for_generation)).parameters
+    except (TypeError, ValueError):
+        return LEGACY_CACHE_ARG
+    return "cache" if "cache" in parameters else LEGACY_CACHE_ARG
+
+
+# Computed once at import: the installed transformers does not change while the process runs.
+CACHE_ARG: str = _cache_argument_name()
+CACHE_ARGS: tuple[str, ...] = tuple(dict.fromkeys((CACHE_ARG, LEGACY_CACHE_ARG)))  # either may reach the hooks
+
+
+def cache_from(mapping: dict):
+    """The cache in a mapping of generate()/forward arguments or a model output, under either name (None if none)."""
+    for name in CACHE_ARGS:
+        if mapping.get(name) is not None:
+            return mapping[name]
+    return None
+
+
+def with_cache(mapping: dict, cache) -> dict:
+    """A copy of ``mapping`` whose cache is ``cache``, under the installed transformers' name (the other removed)."""
+    changed = {key: value for key, value in mapping.items() if key not in CACHE_ARGS}
+    changed[CACHE_ARG] = cache
+    return changed
+
+
+def cache_kwargs(cache) -> dict:
+    """``{name: cache}`` to pass a cache to generate() or a model forward under the installed transformers' name."""
+    return {CACHE_ARG: cache}
+
+
+def output_cache(output):
+    """The cache a model output carries (``output.cache`` from transformers 5.24 on, ``past_key_values`` before)."""
+    return getattr(output, CACHE_ARG)
+
+
+class Call:
+    """One intercepted call: its arguments by name, and the original function to run them (possibly changed)."""
+
+    def __init__(self, original: Callable, bound: inspect.BoundArguments):
+        self.original = original
+        self.bound = bound
+
+    @property
+    def arguments(self) -> dict:
+        return self.bound.arguments
+
+    def with_arguments(self, **changes) -> Call:
+        """The same call with some arguments replaced by name (not run yet)."""
+        bound = inspect.BoundArguments(self.bound.signature, dict(self.bound.arguments))
+        bound.arguments.update(changes)
+        return Call(self.original, bound)
+
+    def __call__(self, **changes):
+        """Run the original with the same arguments, ``changes`` replacing some of them by name."""
+        bound = self.with_arguments(**changes).bound if changes else self.bound
+        return self.original(*bound.args, **bound.kwargs)
+
+
+class GenerateHooks(Protocol):
+    """What hf_rocketkv does inside generate(); ``involves_*`` decide whether a call is RocketKV's at all."""
+
+    def involves_model(self, model) -> bool: ...
+
+    def involves_cache(self, cache) -> bool: ...
+
+    def generate(self, call: Call) -> Any: ...
+
+    def prepare_cache(self, call: Call) -> Any: ...
+
+    def prefill(self, call: Call) -> Any: ...
+
+    def prepare_inputs(self, call: Call) -> Any: ...
+
+    def compiled_step(self, compiled: Callable, model, cache, args: tuple, kwargs: dict) -> Any: ...
+
+    def deferred_stop_supported(self, call: Call) -> bool: ...
+
+
+def _wrap(original: Callable, handle: Callable[[Call, tuple, dict], Any], renames_cache: bool = False) -> Callable:
+    """A wrapper that binds its arguments by signature and lets ``handle`` decide; marked so it is never wrapped
+    twice. ``handle`` gets the original positional and keyword arguments too, to pass them on untouched.
+    ``renames_cache`` (generate()): the cache, passed as ``cache=`` or ``past_key_values=``, reaches the original
+    under the installed version's name (``_current_cache_name``)."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        if renames_cache and (LEGACY_CACHE_ARG in kwargs or "cache" in kwargs):
+            kwargs = _current_cache_name(kwargs, args)
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return handle(Call(original, bound), args, kwargs)
+
+    setattr(wrapper, WRAPPED_MARK, True)
+    return wrapper
+
+
+def _current_cache_name(kwargs: dict, args: tuple) -> dict:
+    """``kwargs`` with the cache under the installed transformers' name, so generate() takes either on every
+    supported version: ``past_key_values=`` becomes ``cache=`` from 5.24 on, and ``cache=`` (a ``Cache``) becomes
+    ``past_key_values=`` before; unchanged when both are given (transformers reports it). From 5.24 on transformers
+    deprecates ``past_key_values``; its own warning would name this module (its decorator points one frame up, at the
+    wrapper), so the same warning is issued here for the line that called generate()."""
+    if LEGACY_CACHE_ARG in kwargs and "cache" in kwargs:
+        return kwargs
+    renamed = dict(kwargs)
+    if CACHE_ARG == LEGACY_CACHE_ARG:
+        if isinstance(kwargs.get("cache"), Cache):
+            renamed[LEGACY_CACHE_ARG] = renamed.pop("cache")
+        return renamed
+    if LEGACY_CACHE_ARG in kwargs:
+        owner = type(args[0]).__name__ if args else "GenerationMixin"
+        warnings.warn(f"`{LEGACY_CACHE_ARG}` is deprecated and will be removed in version 6.0.0 for "
+                      f"`{owner}.generate`. Use `{CACHE_ARG}` instead.", FutureWarning, stacklevel=3)  # the caller
+        renamed[CACHE_ARG] = renamed.pop(LEGACY_CACHE_ARG)
+    return renamed
+
+
+__all__ = ["CACHE_ARG", "CACHE_ARGS", "LEGACY_CACHE_ARG", "WRAPPED_MARK", "Call", "GenerateHooks", "cache_from",
+           "cache_kwargs", "output_cache", "with_cache"]

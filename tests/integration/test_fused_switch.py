@@ -1,0 +1,29 @@
+"""FusedSwitch (``integration/fused_switch.py``), the per-call switch of the fused RoPE (``rope.py``) and the fused
+RMSNorm (``norm.py``): a scope turns the fused path on for its own thread only, and a disabled inner scope changes
+nothing. One test for both switches; ``fused_modeling``, which enters both, is tested in test_norm.py."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from hf_rocketkv.integration import norm, rope
+from tests.support.tiny_models import make_models
+
+pytest.importorskip("triton")
+
+
+@pytest.mark.parametrize("scope, active", [(norm.fused_norm, norm.fused_norm_active),
+                                           (rope.fused_rope, rope.fused_rope_active)], ids=["norm", "rope"])
+def test_the_scope_belongs_to_its_thread(scope, active):
+    model = make_models("llama")[0]
+    seen = []
+    with scope(model, True):
+        assert active()
+        worker = threading.Thread(target=lambda: seen.append(active()))
+        worker.start()
+        worker.join()
+        with scope(model, False):
+            assert active()  # a disabled inner scope changes nothing
+    assert seen == [False] and not active()
