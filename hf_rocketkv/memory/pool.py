@@ -218,7 +218,8 @@ class KVBlockPool:
 
     @property
     def sliding_dtype(self) -> torch.dtype | None:
-        """The sliding-window slab's K/V dtype: ``dtype``, or the model's under fp8 pages (``hybrid.py``); None without."""
+        """The sliding-window slab's K/V dtype: ``dtype``, or under fp8 pages the model's (``hybrid.py``); None
+        without sliding layers."""
         return self.hybrid.slab_dtype
 
     def total_slots(self) -> int:
