@@ -54,10 +54,15 @@ class PooledSlidingLayer(SlidingWindowLayer):
 
     def _slab(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._slab_tensors is None:
-            if self.pages.pool.dtype != self.dtype:
+            pool = self.pages.pool
+            if pool.sliding_dtype != self.dtype:
+                fp8 = pool.sliding_dtype != pool.dtype  # fp8 pages: the slab keeps the dtype the pool was built for
                 raise ValueError(
-                    f"KVBlockPool.dtype is {self.pages.pool.dtype} but the model's keys are {self.dtype}: build the "
-                    f"pool with dtype={self.dtype} (its sliding-window slab holds the model's K/V as they are)")
+                    f"KVBlockPool.dtype is {pool.dtype}"
+                    + (f" (its sliding-window slab: {pool.sliding_dtype}, the model's)" if fp8 else "")
+                    + f" but the model's keys are {self.dtype}: build the pool with dtype={self.dtype}"
+                    + (" or from the model in that dtype" if fp8 else "")
+                    + " (its sliding-window slab holds the model's K/V as they are)")
             probe = torch.empty(0, self.num_kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device)
             self._slab_tensors = self.pages.pool.sliding_slab(self.layer_idx, probe)
         return self._slab_tensors

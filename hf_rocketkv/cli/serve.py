@@ -193,8 +193,6 @@ def check_args(args: argparse.Namespace) -> None:
                              f"device (LOCAL_RANK); leave --device unset")
 
 
-SLIDING_FP8 = ("--kv-cache-dtype fp8: --model {model} has sliding-window layers, whose windows a KV pool keeps in "
-               "the model's dtype only; leave --kv-cache-dtype out")
 
 
 @dataclass(frozen=True)
@@ -211,15 +209,13 @@ def plan_engine(args: argparse.Namespace, config, sliding: bool = False) -> Engi
     """The engine for these flags and this config, decided before the model loads: ``auto`` is the batching engine
     over a pool, or the sequential engine for a config the batching engine cannot serve (one line says which field
     and why); ``--engine batching`` (and torchrun) refuses those. A model with sliding-window layers (``sliding``)
-    plans as any other (its pool holds a window per request for those layers), except that fp8 pool pages are
-    refused for it. The sequential engine has a pool only with ``--pool-gib`` (accounting: admission and the
+    plans as any other (its pool holds a window per request for those layers, in the model's dtype under fp8
+    pages). The sequential engine has a pool only with ``--pool-gib`` (accounting: admission and the
     free-pages metric)."""
     from ..serving.manager import batching_refusal
 
     refusal = batching_refusal(config)
     where = f"--config {args.config} sets"
-    if sliding and args.kv_cache_dtype == "fp8":
-        raise UsageError(SLIDING_FP8.format(model=args.model))
     world = world_size()
     if args.engine == "batching" or world > 1:
         if refusal is not None:

@@ -91,7 +91,8 @@ class KVBlockPool:
             many rows may hold a sliding-window slot at once (one slot = ``window`` tokens of K and V in every
             sliding layer, ``sliding_slab.py``), paid out of ``max_gpu_bytes`` before the pages; None: all of
             ``max_gpu_bytes`` when every layer slides, else ``min(64, max_gpu_bytes // 2 // bytes_per_slot)``
-            (``hybrid.py``). Pages then span the full-attention layers only.
+            (``hybrid.py``). Pages then span the full-attention layers only; under fp8 pages the slab keeps the
+            model's dtype (its parameters', else its config's ``dtype``: ``sliding_dtype``).
 
     ``cfg`` of the admission methods is converted by ``budget.as_budget``: a RocketKVConfig (hf_rocketkv.cache
     registers it), or plain numbers (a ``RowDemand``, or a list of them, one per row).
@@ -141,7 +142,7 @@ class KVBlockPool:
         slab = None
         if self.hybrid.slab_windows:
             slab = SlidingSlab(self.hybrid.slab_windows, self.hybrid.num_slots, self.geometry.num_kv_heads,
-                               self.geometry.head_dim, self.dtype)
+                               self.geometry.head_dim, self.hybrid.slab_dtype)
         if self.hybrid.global_layers:
             self.bytes_per_page, self.num_pages, slot_bytes, num_slots = pool_sizes(
                 planned, len(self.hybrid.global_layers), self.hybrid.page_bytes_budget, host_bytes)
@@ -216,6 +217,12 @@ class KVBlockPool:
     def bytes_per_slot(self) -> int:
         """Device bytes of one sliding-window slot (K and V of ``window`` tokens in every sliding layer); 0 without."""
         return self.hybrid.bytes_per_slot
+
+    @property
+    def sliding_dtype(self) -> torch.dtype | None:
+        """The sliding-window slab's K/V dtype: ``dtype``, or under fp8 pages the model's (``hybrid.py``); None
+        without sliding layers."""
+        return self.hybrid.slab_dtype
 
     def total_slots(self) -> int:
         return self.hybrid.num_slots

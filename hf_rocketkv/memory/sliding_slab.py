@@ -4,7 +4,8 @@ A sliding layer attends only to its last ``window`` tokens, so a request needs e
 however long its prompt and its generation: no pages, no scores, no prefix. The pool gives each admitted row one
 *slot*: in every sliding layer ``l`` the slab holds
 
-    k, v    [num_slots, Hkv, window_l, D]    pool dtype, allocated on first use (like the page tensors)
+    k, v    [num_slots, Hkv, window_l, D]    slab dtype (the pool's; the model's under fp8 pages, hybrid.py), allocated
+                                             on first use (like the page tensors)
 
 and slot ``s`` is row ``[s]`` of every one of them (logical position ``p`` of the row lives at ``[s, :, p % window]``,
 ``cache/sliding_layer.py``). The tensors never move, so a decode step captured as a CUDA graph reads them through a

@@ -109,8 +109,6 @@ BAD_ARGUMENTS = [
     (["--model", "empty-folder"], "--model empty-folder: not a checkpoint folder"),
     (["--model", "broken.gguf"], "--model broken.gguf: cannot read its config"),
     (["--model", "llama4"], "--model llama4: architecture 'llama4_text': layer_types has 'chunked_attention'"),
-    (["--model", "gemma2", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: --model gemma2 has sliding-window "
-                                                         "layers"),
     (["--model", "llama-no-weights"], "--model llama-no-weights: no weights in this folder"),
 ]
 
@@ -162,8 +160,9 @@ def test_the_engine_plan(argv, fields, expected):
 
 def test_a_sliding_window_model_runs_on_the_batching_engine():
     """A model with sliding-window layers plans as Llama does: the batching engine over a pool (its sliding layers
-    take one window per request there); a config the batching engine refuses still falls back, naming the field."""
-    for argv in ((), ("--engine", "batching"), ("--pool-gib", "1")):
+    take one window per request there, in the model's dtype under fp8 pages); a config the batching engine refuses
+    still falls back, naming the field."""
+    for argv in ((), ("--engine", "batching"), ("--pool-gib", "1"), ("--kv-cache-dtype", "fp8")):
         plan = cli.plan_engine(parse("--model", "gemma2", *argv), compressing_config(), sliding=True)
         assert (plan.name, plan.pool, plan.note) == ("batching", True, None)
     sequential = cli.plan_engine(parse("--model", "gemma2", "--engine", "sequential", "--pool-gib", "1"),

@@ -160,13 +160,13 @@ def test_sliding_memory_is_bounded_by_the_window():
 # ------------------------------------------------------------------------------------------------ refusals
 def test_pool_features_without_sliding_windows_are_refused_naming_them(tmp_path):
     """A pool serves these models (tests/integration/test_hybrid_pool.py) and their prefix reuse
-    (tests/integration/test_hybrid_prefix_reuse.py) but not host offload, prefix files or fp8 pages; a pool built for
-    another model's layers is refused too."""
+    (tests/integration/test_hybrid_prefix_reuse.py) but not host offload or prefix files; fp8 pages from a config that
+    names no dtype (the slab's) and a pool built for another model's layers are refused too."""
     rocket, _ = make_hybrid_models("gemma3")
     config = compressing_config(kt_cache_dtype="float32")
     with pytest.raises(NotImplementedError, match="host offload"):
         cpu_pool(rocket.config, config, host_bytes=1 << 20)
-    with pytest.raises(NotImplementedError, match="fp8 storage"):
+    with pytest.raises(ValueError, match="model's dtype.*names none"):  # fp8 pages: the slab's dtype is the model's
         cpu_pool(rocket.config, config, dtype=torch.float8_e4m3fn)
     pool = cpu_pool(rocket.config, config)
     assert pool.can_admit(16, 2, config, token_ids=list(range(16)))

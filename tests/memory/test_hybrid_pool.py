@@ -108,12 +108,75 @@ def test_pages_needed_counts_each_kind_by_its_rule():
         assert needed.steady_state_bytes == steady * per_page + 2 * per_slot  # slots: constant in the prompt
 
 
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_page_bytes(global_layers: int, granularity: str) -> int:
+    """A page over the full-attention layers in e4m3: K and V of one byte per value, the KT, two float32 scales per
+    page (``page``) or per page and KV head (``head``)."""
+    kv = HEADS * PAGE * DIM * 1
+    kt = HEADS * (PAGE // KT_PAGE) * 2 * DIM * 1
+    scales = 2 * 4 * (1 if granularity == "page" else HEADS)
+    return global_layers * (2 * kv + kt + scales)
+
+
+@pytest.mark.parametrize("layer_types", [GEMMA_LIKE, ALTERNATING])
+@pytest.mark.parametrize("granularity", ["page", "head"])
+@pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float32])
+def test_fp8_pages_count_the_slab_in_the_model_dtype(layer_types, granularity, model_dtype):
+    """fp8 pages over the full-attention layers; the slab keeps the model's dtype (here the config's), and every
+    count (slots, pages, device bytes, pages_needed's bytes, stats) follows: the oracle is computed from the shapes."""
+    n_sliding = layer_types.count("sliding_attention")
+    n_global = len(layer_types) - n_sliding
+    budget = 300_000
+    config = hybrid_config(layer_types)
+    config.dtype = model_dtype
+    pool = KVBlockPool(config, max_gpu_bytes=budget, page_size=PAGE, dtype=FP8, kt_page_size=KT_PAGE,
+                       scale_granularity=granularity, sliding_slots=3)
+    per_page = fp8_page_bytes(n_global, granularity)
+    per_slot = oracle_slot_bytes(n_sliding, 6, itemsize=model_dtype.itemsize)
+    assert (pool.dtype, pool.sliding_dtype) == (FP8, model_dtype)
+    assert pool.bytes_per_page == per_page
+    assert pool.bytes_per_slot == per_slot
+    assert pool.total_slots() == 3
+    assert pool.total_pages() == (budget - 3 * per_slot) // per_page
+    assert pool.device_bytes() == pool.total_pages() * per_page + 3 * per_slot <= budget
+    needed = pool.pages_needed([40, 7], [3, 2], [demand(40, 3), demand(7, 2)])
+    assert needed.slots == 2 and needed.prefill_peak_bytes == needed.prefill_peak * per_page + 2 * per_slot
+    stats = pool.stats()
+    assert (stats.total_pages, stats.total_slots, stats.free_slots) == (pool.total_pages(), 3, 3)
+    # the tensors: fp8 pages with their scales in the full-attention layers, the model's dtype in the slab
+    pool.bind_all("cpu")
+    global_layer = layer_types.index("full_attention")
+    storage = pool.layer(global_layer)
+    assert storage.k.dtype == storage.v.dtype == FP8 and storage.k_scale.dtype == torch.float32
+    assert storage.k_scale.shape == ((pool.total_pages(),) if granularity == "page" else (pool.total_pages(), HEADS))
+    k, v = pool.sliding_slab(0, torch.zeros(1, HEADS, 1, DIM, dtype=model_dtype))
+    assert k.dtype == v.dtype == model_dtype and k.shape == (3, HEADS, 6, DIM)
+    assert pool._core.slab.allocated_bytes() == 3 * per_slot  # the counted bytes are the allocated ones
+
+
+def test_fp8_pages_take_the_slab_dtype_from_the_model():
+    """Built from a model: its parameters' dtype (not the config's) is the slab's."""
+    config = hybrid_config(ALTERNATING)
+    config.dtype = torch.float32
+    model = torch.nn.Linear(2, 2).to(torch.bfloat16)
+    model.config = config
+    pool = KVBlockPool(model, max_gpu_bytes=300_000, page_size=PAGE, dtype=FP8, kt_page_size=KT_PAGE,
+                       sliding_slots=2)
+    assert pool.sliding_dtype == torch.bfloat16 and pool.bytes_per_slot == oracle_slot_bytes(2, 6, itemsize=2)
+    assert make(ALTERNATING, 300_000, sliding_slots=2).sliding_dtype == torch.float32  # not fp8: the pool's dtype
+    plain = types.SimpleNamespace(num_hidden_layers=2, num_key_value_heads=HEADS, num_attention_heads=4, head_dim=DIM)
+    assert KVBlockPool(plain, max_gpu_bytes=100_000, page_size=PAGE, dtype=FP8, kt_page_size=KT_PAGE
+                       ).sliding_dtype is None  # no sliding layers: no slab, a Llama-style fp8 pool
+
+
 def test_refusals_name_the_feature():
     with pytest.raises(NotImplementedError, match="host offload"):
         make(GEMMA_LIKE, 400_000, host_bytes=1 << 16)
-    with pytest.raises(NotImplementedError, match="fp8 storage"):
+    with pytest.raises(ValueError, match="model's dtype.*names none.*set its config's dtype"):
         KVBlockPool(hybrid_config(GEMMA_LIKE), max_gpu_bytes=400_000, page_size=PAGE, kt_page_size=KT_PAGE,
-                    dtype=torch.float8_e4m3fn)
+                    dtype=torch.float8_e4m3fn)  # fp8 pages: the slab's dtype must come from the model or its config
     pool = make(GEMMA_LIKE, 400_000, sliding_slots=2)
     pool.release(pool.admit(16, 1, demand(16, 1), token_ids=list(range(16))))  # prefix reuse: the global layers' pages
     every_layer_slides = make(["sliding_attention"] * 2, 400_000, sliding_slots=2)
