@@ -101,9 +101,11 @@ def _write_and_exit(output_path: str, rank: int, world: int, gathered: list) -> 
             json.dump({"world_size": world, "ranks": gathered}, f)
             f.flush()
             os.fsync(f.fileno())
-    device = torch.cuda.current_device() if dist.get_backend() == "nccl" else None
-    dist.barrier(device_ids=[device] if device is not None else None)  # NCCL: this rank's GPU, not a guessed one
-    dist.destroy_process_group()
+    if dist.get_backend() == "nccl":  # this rank's GPU, not a guessed one; no NCCL teardown (the shards hold the group)
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
+        dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
