@@ -19,8 +19,16 @@ import pytest
 import torch
 
 from hf_rocketkv import KVBlockPool, RocketKVCache
-from hf_rocketkv.memory.fp8 import FP8_DTYPE, dequantize_fp8, quantize_pages
-from tests.support.tiny_models import compressing_config, cpu_pool, greedy, left_pad, make_models, random_ids
+from hf_rocketkv.memory.fp8 import FP8_DTYPE
+from tests.support.fp8_pages import relative_error, round_trip
+from tests.support.tiny_models import (
+    compressing_config,
+    cpu_pool,
+    greedy,
+    left_pad,
+    make_models,
+    random_ids,
+)
 
 PAGE = 8  # pool page size (tokens); the KT page is the config's 4
 CFG = compressing_config(kt_cache_dtype="float32")  # budget 24, window 8, KT page 4, topk 3
@@ -38,19 +46,6 @@ def run(model, ids, cfg, pool, new=4, mask=None, **cache_kwargs):
     return out, cache
 
 
-def round_trip(rows: torch.Tensor, granularity: str) -> torch.Tensor:
-    """The oracle of stored pages: ``rows`` ``[B, Hkv, C, D]`` cut into pool pages of PAGE slots, each quantized
-    with the reference and read back."""
-    batch, heads, slots, dim = rows.shape
-    pages = rows.reshape(batch, heads, slots // PAGE, PAGE, dim).transpose(1, 2).reshape(-1, heads, PAGE, dim)
-    q, scale = quantize_pages(pages, granularity)
-    back = dequantize_fp8(q, scale, rows.dtype)
-    return back.reshape(batch, slots // PAGE, heads, PAGE, dim).transpose(1, 2).reshape(batch, heads, slots, dim)
-
-
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
-
 
 @pytest.mark.parametrize("granularity", ["page", "head"])
 @pytest.mark.parametrize("prompt_lens", [[60], [60, 37]])
@@ -67,8 +62,8 @@ def test_compacted_fp8_pages_are_the_exact_pages_quantized(model, granularity, p
         ref_keys, ref_values = ref.store.gather()
         keys, values = layer.store.gather()
         assert keys.dtype == torch.float32  # read back in the model's dtype
-        torch.testing.assert_close(keys, round_trip(ref_keys, granularity), rtol=0, atol=0)
-        torch.testing.assert_close(values, round_trip(ref_values, granularity), rtol=0, atol=0)
+        torch.testing.assert_close(keys, round_trip(ref_keys, granularity, PAGE), rtol=0, atol=0)
+        torch.testing.assert_close(values, round_trip(ref_values, granularity, PAGE), rtol=0, atol=0)
         torch.testing.assert_close(layer.store.gather_kt(), ref.store.gather_kt(), rtol=0, atol=0)  # KT: exact keys
     per_page = lambda pool: pool.layer(0).k[0].numel() * pool.layer(0).k.element_size()  # noqa: E731
     assert per_page(fp8_pool) * 4 == per_page(exact_pool)  # e4m3 against float32

@@ -25,6 +25,7 @@ import torch
 from hf_rocketkv import RocketKVCache, SlidingWindowLayer
 from hf_rocketkv.memory.fp8 import FP8_DTYPE, dequantize_fp8, quantize_pages
 from hf_rocketkv.serving import SamplingParams, generate_batch
+from tests.support.fp8_pages import relative_error, round_trip
 from tests.support.hybrid_models import WINDOW, make_hybrid_models
 from tests.support.tiny_models import compressing_config, cpu_pool, greedy, random_ids
 
@@ -52,18 +53,6 @@ def run(model, ids, pool, new):
                  return_dict_in_generate=True)
     return out, cache
 
-
-def round_trip(rows: torch.Tensor, granularity: str) -> torch.Tensor:
-    """``rows`` ``[B, Hkv, C, D]`` cut into pool pages of PAGE slots, each quantized with the reference, read back."""
-    batch, heads, slots, dim = rows.shape
-    pages = rows.reshape(batch, heads, slots // PAGE, PAGE, dim).transpose(1, 2).reshape(-1, heads, PAGE, dim)
-    q, scale = quantize_pages(pages, granularity)
-    back = dequantize_fp8(q, scale, rows.dtype)
-    return back.reshape(batch, slots // PAGE, heads, PAGE, dim).transpose(1, 2).reshape(batch, heads, slots, dim)
-
-
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
 
 
 def test_the_slab_holds_the_models_kv_unquantized(pair):
@@ -114,8 +103,8 @@ def test_full_attention_pages_are_the_exact_pages_quantized(pair, granularity):
         ref_keys, ref_values = ref.store.gather()
         keys, values = layer.store.gather()
         assert keys.dtype == torch.float32
-        torch.testing.assert_close(keys, round_trip(ref_keys, granularity), rtol=0, atol=0)
-        torch.testing.assert_close(values, round_trip(ref_values, granularity), rtol=0, atol=0)
+        torch.testing.assert_close(keys, round_trip(ref_keys, granularity, PAGE), rtol=0, atol=0)
+        torch.testing.assert_close(values, round_trip(ref_values, granularity, PAGE), rtol=0, atol=0)
     fp8.close()
     exact.close()
     assert all_back(pool) and all_back(exact_pool)

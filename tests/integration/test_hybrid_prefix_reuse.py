@@ -145,17 +145,22 @@ def test_a_chunked_prefill_after_a_hit_equals_a_cold_run(pair, chunk):
     assert hot[2].computed_tokens == 71 - (56 - replay_tokens(windows(rocket)))
 
 
-def test_a_left_padded_batch_after_a_hit_equals_a_cold_run(pair):
-    _, rocket, _ = pair
-    config = compressing_config()
+def _padded_batch_after_a_hit(rocket, config, shared_lens: tuple[int, int], own_lens: tuple[int, int]):
+    """A 70-token prompt fills the pool; then a left-padded batch of two rows, row ``i`` the first ``shared_lens[i]``
+    of its tokens and ``own_lens[i]`` of its own, runs on that pool (hot) and on a fresh one (cold)."""
     first, _ = shared(70, 0, 70)
-    rows = [torch.cat([first[0, :58], random_ids(1, 12, seed=31)[0]]),
-            torch.cat([first[0, :62], random_ids(1, 3, seed=32)[0]])]
+    rows = [torch.cat([first[0, :shared_lens[i]], random_ids(1, own_lens[i], seed=31 + i)[0]]) for i in range(2)]
     ids, mask = left_pad(rows)
     pool = cpu_pool(rocket, config, page_size=PAGE)
     run(rocket, config, pool, first)
     hot = run(rocket, config, pool, ids, mask)
     cold = run(rocket, config, cpu_pool(rocket, config, page_size=PAGE), ids, mask)
+    return pool, hot, cold
+
+
+def test_a_left_padded_batch_after_a_hit_equals_a_cold_run(pair):
+    _, rocket, _ = pair
+    pool, hot, cold = _padded_batch_after_a_hit(rocket, compressing_config(), (58, 62), (12, 3))
     assert hot[2].reused_tokens > 0
     assert_same(hot, cold)
     assert all_back(pool)
@@ -164,15 +169,7 @@ def test_a_left_padded_batch_after_a_hit_equals_a_cold_run(pair):
 def test_row_groups_each_replay_their_own_hit(pair):
     """Row-group prefill (``prefill_batch_size=1``): each row looks its prefix up and replays from its own start."""
     _, rocket, _ = pair
-    config = compressing_config(prefill_batch_size=1)
-    first, _ = shared(70, 0, 70)
-    rows = [torch.cat([first[0, :58], random_ids(1, 12, seed=31)[0]]),
-            torch.cat([first[0, :30], random_ids(1, 35, seed=32)[0]])]
-    ids, mask = left_pad(rows)
-    pool = cpu_pool(rocket, config, page_size=PAGE)
-    run(rocket, config, pool, first)
-    hot = run(rocket, config, pool, ids, mask)
-    cold = run(rocket, config, cpu_pool(rocket, config, page_size=PAGE), ids, mask)
+    pool, hot, cold = _padded_batch_after_a_hit(rocket, compressing_config(prefill_batch_size=1), (58, 30), (12, 35))
     assert_same(hot, cold)
     replay = replay_tokens(pool.layer_windows)
     assert hot[2].reused_tokens == 56 + 24
