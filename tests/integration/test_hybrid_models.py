@@ -46,6 +46,18 @@ def test_keep_all_equals_the_oracle(pair):
     assert torch.equal(greedy(rocket, ids, max_new_tokens=16), out)
 
 
+def test_a_keep_all_conversation_equals_the_oracle(pair):
+    """``multi_turn="keep_all"``: the second turn continues the first's cache (every token kept, the sliding layers'
+    windows carried over) and gives transformers' own tokens for the whole conversation run at once."""
+    arch, rocket, oracle = pair
+    cache = RocketKVCache(keep_all_config(multi_turn="keep_all"))
+    first = greedy(rocket, random_ids(1, 60, seed=1), past_key_values=cache, max_new_tokens=6)
+    conversation = torch.cat([first, random_ids(1, 20, seed=2)], dim=1)
+    second = greedy(rocket, conversation, past_key_values=cache, max_new_tokens=6)
+    assert torch.equal(second, greedy(oracle, conversation, max_new_tokens=6)), arch
+    assert cache.get_seq_length() == conversation.shape[1] + 5  # the last token is sampled, not yet stored
+
+
 def test_padded_batch_and_chunked_prefill_equal_the_oracle(pair):
     arch, rocket, oracle = pair
     ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (37, 21)])
