@@ -246,3 +246,25 @@ def test_triton_backend_gives_the_oracles_and_the_twins_tokens(arch):
                     max_new_tokens=6)
     torch_ = greedy(rocket, ids, past_key_values=RocketKVCache(compressing_config(**config)), max_new_tokens=6)
     assert torch.equal(triton, torch_)
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "gemma3"])
+def test_from_pretrained_with_rocketkv_attention_and_pipeline_equal_the_oracle(arch, tmp_path, smollm2_tokenizer):
+    """What a user types first: a checkpoint loaded with ``attn_implementation="rocketkv"`` and a text-generation
+    pipeline over it give transformers' own text (eager attention, its own cache) when nothing is evicted."""
+    from transformers import AutoModelForCausalLM, pipeline
+
+    import hf_rocketkv
+
+    tok = smollm2_tokenizer
+    _, oracle = make_hybrid_models(arch, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+                                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    oracle.save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=hf_rocketkv.ATTN_NAME).eval()
+    assert model.config._attn_implementation == hf_rocketkv.ATTN_NAME
+    hf_rocketkv.set_config(model, keep_all_config())
+    prompt = "RocketKV keeps a small budget of tokens from the prompt and attends a few pages at every step."
+    gen = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, return_full_text=False)
+    text = pipeline("text-generation", model=model, tokenizer=tok)(prompt, **gen)[0]["generated_text"]
+    want = pipeline("text-generation", model=oracle, tokenizer=tok)(prompt, **gen)[0]["generated_text"]
+    assert text == want, arch
