@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 
 from hf_rocketkv import KVBlockPool, RocketKVCache
 from hf_rocketkv.cache import pool_pages
@@ -133,6 +135,11 @@ def test_a_prefix_ending_mid_window_equals_a_cold_run(pair, shared_len):
     assert hot[2].computed_tokens == 80 - max(0, hit - replay_tokens(windows(rocket)))
 
 
+@pytest.mark.xfail(
+    Version(transformers.__version__) < Version("5.23"), raises=ValueError, strict=False,
+    reason="known limitation: on transformers 5.17 chunked prefill after a prefix hit is refused with a ValueError "
+           "(the chunk's attention mask reads as padded), as on models without sliding layers; verified on 5.23",
+)
 @pytest.mark.parametrize("chunk", [3, 5, 16])
 def test_a_chunked_prefill_after_a_hit_equals_a_cold_run(pair, chunk):
     """Chunks that lie inside the replay (their keys all the hit's), that cross the hit's end, and after it."""
