@@ -45,7 +45,7 @@ from .errors import check_pool_options
 from .fingerprint import fingerprint_fields, fingerprint_of
 from .geometry import KT_DTYPES, dtype_name, model_geometry, parse_dtype, split_model_and_config, storage_dtype
 from .hashing import PrefixKeys, root_hash
-from .hybrid import HybridLayout, refuse_for_hybrid
+from .hybrid import HybridLayout
 from .layout import LayerShape, RecordLayout, pool_sizes
 from .offload import HostOffload
 from .page_meta import DEFAULT_PRIORITY, LOADED_PREFIX_PRIORITY, PageInfo, check_priority
@@ -161,7 +161,7 @@ class KVBlockPool:
         self._planner = Planner(self._core, self._index, self._offload, self.spec, self.bytes_per_page,
                                 paged=bool(self.hybrid.global_layers))
         facts = PoolFacts(self.fingerprint, fields, self.dtype, self.kt_dtype, page_size, kt_page_size,
-                          scale_granularity, num_layers)
+                          scale_granularity, num_layers, self.hybrid.windows)
         self._files = PrefixFiles(facts, self._core, self._index, self._offload,
                                   torch.device(device) if device is not None else None, model)
 
@@ -438,13 +438,11 @@ class KVBlockPool:
 
     def save_prefix(self, path: str | Path, token_ids: Any, keys: PrefixKeys | None = None) -> int:
         """Write the longest resident chain of ``token_ids``' full pages to a file; returns its token count."""
-        refuse_for_hybrid(self.hybrid, "prefix files (save_prefix)")
         return self._files.save(path, token_ids, keys)
 
     def load_prefix(self, path: str | Path, cache_salt: str | None = None, priority: int = LOADED_PREFIX_PRIORITY,
                     device: torch.device | str | None = None) -> LoadedPrefix:
         """Insert a prefix file's pages as cached pages, hashed anew under ``cache_salt`` (never read from it)."""
-        refuse_for_hybrid(self.hybrid, "prefix files (load_prefix)")
         return self._files.load(path, cache_salt, priority, device)
 
     def close(self) -> None:
