@@ -172,8 +172,8 @@ def test_fp8_pages_take_the_slab_dtype_from_the_model():
 
 
 def test_refusals_name_the_feature():
-    with pytest.raises(NotImplementedError, match="host offload"):
-        make(GEMMA_LIKE, 400_000, host_bytes=1 << 16)
+    with pytest.raises(ValueError, match="every layer of this model slides.*no pages to offload"):
+        make(["sliding_attention"] * 2, 400_000, sliding_slots=2, host_bytes=1 << 16)
     with pytest.raises(ValueError, match="model's dtype.*names none.*set its config's dtype"):
         KVBlockPool(hybrid_config(GEMMA_LIKE), max_gpu_bytes=400_000, page_size=PAGE, kt_page_size=KT_PAGE,
                     dtype=torch.float8_e4m3fn)  # fp8 pages: the slab's dtype must come from the model or its config
@@ -182,10 +182,6 @@ def test_refusals_name_the_feature():
     every_layer_slides = make(["sliding_attention"] * 2, 400_000, sliding_slots=2)
     with pytest.raises(NotImplementedError, match="every layer of this model slides"):
         every_layer_slides.admit(16, 1, demand(16, 1), token_ids=list(range(16)))
-    with pytest.raises(NotImplementedError, match="prefix files"):
-        pool.save_prefix("unused.safetensors", list(range(16)))
-    with pytest.raises(NotImplementedError, match="prefix files"):
-        pool.load_prefix("unused.safetensors")
     with pytest.raises(ValueError, match="sliding_slots"):
         make(GEMMA_LIKE, 1000, sliding_slots=5)
     with pytest.raises(ValueError, match="sliding_slots"):
@@ -290,3 +286,15 @@ def test_an_admission_out_of_a_reservation_takes_its_slots():
     assert pool.free_slots() == 2
     pool.release(admission.slot)  # a lease goes back once
     assert pool.free_slots() == 2
+
+
+@pytest.mark.parametrize("layer_types", [GEMMA_LIKE, ALTERNATING])
+def test_host_slots_hold_a_page_of_the_full_attention_layers(layer_types):
+    """Host offload (tests/integration/test_hybrid_offload_and_files.py): one host slot is one page record, the
+    full-attention layers' K, V and KT (every segment here a multiple of 16 bytes: no alignment padding)."""
+    n_global = layer_types.count("full_attention")
+    page = oracle_page_bytes(n_global)
+    host = 10 * page + page // 2
+    pool = make(layer_types, 400_000, sliding_slots=2, host_bytes=host)
+    assert pool.bytes_per_page == page and pool._host.slot_bytes == page
+    assert pool.host_slots == 10 and pool.stats().host_slots == 10
