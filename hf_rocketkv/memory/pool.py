@@ -74,7 +74,8 @@ class KVBlockPool:
             device, else the current CUDA device, else the CPU; ``memory/sizing.py``): 0.9 of the free CUDA memory
             less what a 32k-token prompt's prefill needs outside the pool (``prefill_reserve_bytes``; 5.4 GiB at
             Llama-3.1-8B shapes), or 0.25 of the available RAM capped at 2 GiB; ``pool.sizing`` says how (None when bytes were given).
-        host_bytes: host bytes for offloaded pages (0: none): ``host_bytes // slot_bytes`` slots, pinned.
+        host_bytes: host bytes for offloaded pages (0: none): ``host_bytes // slot_bytes`` slots, pinned (a slot
+            holds a page of the layers that have pages: a hybrid model's full-attention layers, ``hybrid.py``).
         page_size: tokens per pool page, a multiple of ``kt_page_size``.
         dtype: K/V storage dtype ("bfloat16", "float16", "float32", "float8_e4m3fn"); None: the model's dtype.
         kt_page_size: tokens per KT page (must equal ``RocketKVConfig.page_size`` of every cache using the pool).

@@ -1,5 +1,5 @@
-"""Host offload and prefix files on models with sliding-window layers (gpt-oss, Gemma 3: tiny random configs, window
-8, pool pages of 8 tokens, fp32 on the CPU; docs/memory.md, "Layer kinds").
+"""Host offload and prefix files on models with sliding-window layers (gpt-oss, Gemma 3, Gemma 2, Cohere 2: tiny
+random configs, window 8, pool pages of 8 tokens, fp32 on the CPU; docs/memory.md, "Layer kinds").
 
 A hybrid pool's pages span the full-attention layers only; a hit takes those layers' K/V from the pages and replays
 the prefix's last ``sum(windows)`` tokens for the sliding ones (tests/integration/test_hybrid_prefix_reuse.py). So a
@@ -42,7 +42,7 @@ from tests.support.tiny_models import (
     random_ids,
 )
 
-ARCHS = ["gpt_oss", "gemma3"]
+ARCHS = ["gpt_oss", "gemma3", "gemma2", "cohere2"]
 HOST = 1 << 20
 HEADS, DIM = 2, 16  # tests/support/tiny_models.py BASE_CONFIG
 HIT = 56  # shared(70, 59, 72): 7 whole pages
@@ -236,7 +236,7 @@ def test_a_file_loads_only_into_a_pool_of_the_same_layer_kinds(hybrid, llama, tm
     assert wider_pool.fingerprint == cpu_pool(rocket, config, page_size=PAGE).fingerprint  # the window alone differs
     with pytest.raises(PrefixFileError, match=rf"layer_windows=.*{WINDOW}.*this pool's model has .*{2 * WINDOW}"):
         wider_pool.load_prefix(hybrid_file)
-    other = "gemma3" if arch == "gpt_oss" else "gpt_oss"
+    other = "gpt_oss" if arch == "gemma3" else "gemma3"  # other layer kinds than ``arch``'s
     with pytest.raises(PrefixFileError, match="layer_windows"):
         cpu_pool(make_hybrid_models(other)[0], config, page_size=PAGE).load_prefix(hybrid_file)
     assert all_back(wider_pool) and wider_pool.cached_pages() == 0  # a refused file inserts nothing
