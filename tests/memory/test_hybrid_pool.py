@@ -298,3 +298,52 @@ def test_host_slots_hold_a_page_of_the_full_attention_layers(layer_types):
     pool = make(layer_types, 400_000, sliding_slots=2, host_bytes=host)
     assert pool.bytes_per_page == page and pool._host.slot_bytes == page
     assert pool.host_slots == 10 and pool.stats().host_slots == 10
+
+
+def global_page_bytes(pool: KVBlockPool, page: int) -> bytes:
+    """Every byte of one page in every full-attention layer (K, V, KT, fp8 scales)."""
+    parts = []
+    for layer_idx, window in enumerate(pool.layer_windows):
+        if window is None:
+            for tensor in pool.layer(layer_idx).tensors().values():
+                parts.append(tensor[page:page + 1].contiguous().view(torch.uint8).numpy().tobytes())
+    return b"".join(parts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, FP8], ids=["fp32", "fp8"])
+def test_pages_round_trip_bit_exact_through_the_host_and_a_file(dtype, tmp_path):
+    """Random bytes in the full-attention layers' pages come back unchanged after an offload and onload, and after a
+    prefix file loaded into a fresh pool; the sliding layers' slab is in no record."""
+    config = hybrid_config(ALTERNATING)
+    config.dtype = torch.float32  # the slab's under fp8 pages
+
+    def new_pool(host_bytes=0):
+        pool = KVBlockPool(config, max_gpu_bytes=400_000, host_bytes=host_bytes, page_size=PAGE, dtype=dtype,
+                           kt_page_size=KT_PAGE, sliding_slots=2, device="cpu")
+        pool.bind_all("cpu")
+        return pool
+
+    pool = new_pool(host_bytes=1 << 16)
+    ids = list(range(3, 3 + 3 * PAGE + 1))
+    row = RowDemand(prompt_tokens=len(ids), new_tokens=1, view_tokens=len(ids) + 1, hit_cap_tokens=len(ids) - 1)
+    adm = pool.admit(len(ids), 1, row, token_ids=ids)
+    pages = torch.tensor(list(adm.prompt.pages[:3]))
+    generator = torch.Generator().manual_seed(0)
+    for layer_idx in (1, 3):  # the full-attention layers
+        for tensor in pool.layer(layer_idx).tensors().values():
+            noise = torch.rand(tensor[pages].shape, generator=generator) * 2 + 0.5
+            tensor[pages] = noise.to(tensor.dtype)
+    expected = [global_page_bytes(pool, int(page)) for page in pages]
+    pool.commit_prompt(adm, len(ids))
+    pool.release(adm)
+    assert pool.evict() == 3 and pool.stats().host_cached == 3
+    pool.save_prefix(tmp_path / "p.safetensors", ids)  # read from the host slots
+    adm = pool.admit(len(ids), 1, row, token_ids=ids)
+    assert adm.reused_tokens == 3 * PAGE and pool.stats().onloaded_bytes == 3 * pool.bytes_per_page
+    assert [global_page_bytes(pool, page) for page in adm.prompt.pages[:3]] == expected
+    pool.release(adm)
+
+    fresh = new_pool()
+    assert fresh.load_prefix(tmp_path / "p.safetensors").pages_loaded == 3
+    assert [global_page_bytes(fresh, info.index) for info in fresh.resident_prefix(ids)] == expected
+    assert fresh.free_pages() == fresh.total_pages() and fresh.free_slots() == fresh.total_slots()
