@@ -11,10 +11,10 @@ its full-attention layers only, ``hybrid.py``):
 Metadata (strings): ``format``, ``format_version``, ``hash_scheme``, ``model_fingerprint``, the model facts behind it
 (for messages), ``kv_dtype``, ``page_size``, ``kt_page_size``, ``kt_dtype``, ``scale_granularity``, ``num_layers``,
 ``layer_windows`` (JSON: each layer's sliding window, null for full attention; a file without it is read as all full
-attention), ``token_count``, ``num_pages``, ``extra_keys`` (JSON: adapter and multimodal items; the tenant salt is never written) and
-``content_digest``: SHA-256 over the other metadata and every tensor's name, dtype, shape and bytes. A file whose
-digest does not match (truncated, edited) is refused. The digest detects damage, it is not a signature: anyone who
-can write the file can recompute it, so load prefix files only from places you trust.
+attention), ``token_count``, ``num_pages``, ``extra_keys`` (JSON: adapter and multimodal items; the tenant salt is
+never written) and ``content_digest``: SHA-256 over the other metadata and every tensor's name, dtype, shape and
+bytes. A file whose digest does not match (truncated, edited) is refused. The digest detects damage, it is not a
+signature: anyone who can write the file can recompute it, so load prefix files only from places you trust.
 
 ``PrefixFiles`` moves a pool's pages into and out of such files: ``save`` writes the longest resident chain (device
 or host) of some token ids; ``load`` checks the file against the pool (named settings first, then the model
