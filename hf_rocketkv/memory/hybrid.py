@@ -19,9 +19,13 @@ which ``bytes_per_slot`` counts.
 
 Prefix reuse shares the full-attention layers' pages only; a hit rebuilds the sliding layers' windows by running the
 model again over the prefix's last ``sum(windows)`` tokens (``layer_kinds.replay_tokens``, ``cache/pool_pages.py``'s
-``setup_prefix``). A model whose layers all slide has no pages, so no prefix hits (``token_ids`` at admission is
-refused). What a hybrid pool refuses, each with one error naming the feature: host offload (``host_bytes``) and
-prefix files.
+``setup_prefix``). Host offload and prefix files follow from that: a host slot and a prefix file's page hold one
+page record, the full-attention layers' tensors only (``layout.RecordLayout`` over ``global_layers``), so a host slot
+takes the bytes of a device page (segments aligned) and an onloaded or loaded page is a hit like any other, its
+sliding windows replayed. A prefix file records ``windows`` (``layer_windows``) and is loaded only into a pool whose
+model has the same layer kinds and windows (``prefix_file.py``). A model whose layers all slide has no pages, so no
+prefix hits (``token_ids`` at admission is refused), nothing to offload (``host_bytes`` is refused) and nothing to
+save.
 """
 
 from __future__ import annotations
@@ -37,9 +41,6 @@ from .layer_kinds import describe, sliding_windows
 from .sliding_slab import SlidingSlab
 
 DEFAULT_SLOTS = 64
-
-HYBRID_REFUSAL = ("KVBlockPool: {feature} is not supported for a model with sliding-window layers ({layers}); a pool "
-                  "of such a model serves its requests without it")
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,9 @@ class HybridLayout:
                                  "has none (leave it None)")
             return cls(windows, global_layers, {}, 0, 0, max_gpu_bytes)
         layers = describe(windows)
-        if host_bytes:
-            raise NotImplementedError(HYBRID_REFUSAL.format(feature="host offload (host_bytes > 0)", layers=layers))
+        if host_bytes and not global_layers:
+            raise ValueError(f"KVBlockPool.host_bytes={host_bytes}: every layer of this model slides ({layers}), so "
+                             f"it has no pages to offload; leave host_bytes at 0")
         slab_dtype = slab_dtype_of(dtype, geometry, layers)
         per_slot = SlidingSlab.slot_bytes(sliding, geometry.num_kv_heads, geometry.head_dim, slab_dtype)
         if sliding_slots is None:
@@ -97,8 +99,3 @@ def slab_dtype_of(dtype: torch.dtype, geometry: ModelGeometry, layers: str) -> t
             f"build the pool from the model, or set its config's dtype (one of {sorted(allowed)})")
     return geometry.dtype
 
-
-def refuse_for_hybrid(layout: HybridLayout, feature: str) -> None:
-    """NotImplementedError naming ``feature`` when the pool's model has sliding-window layers."""
-    if layout.slab_windows:
-        raise NotImplementedError(HYBRID_REFUSAL.format(feature=feature, layers=describe(layout.windows)))

@@ -77,13 +77,20 @@ class Segment:
 
 
 class RecordLayout:
-    """Byte layout of a page record over all layers (host slots, staging rows, prefix files)."""
+    """Byte layout of a page record over the layers that hold pages (host slots, staging rows, prefix files).
 
-    def __init__(self, layer_shapes: list[LayerShape]):
+    ``layers`` are those layers' indices in the model (default ``0 .. len(layer_shapes) - 1``); a hybrid model's pages
+    span its full-attention layers only (``hybrid.py``), so its records hold those layers and no others.
+    """
+
+    def __init__(self, layer_shapes: list[LayerShape], layers: list[int] | tuple[int, ...] | None = None):
         self.layer_shapes = list(layer_shapes)
+        self.layers = tuple(range(len(self.layer_shapes))) if layers is None else tuple(layers)
+        if len(self.layers) != len(self.layer_shapes):
+            raise ValueError(f"RecordLayout: {len(self.layer_shapes)} layer shapes for layers {self.layers}")
         segments = []
         offset = 0
-        for layer, shape in enumerate(self.layer_shapes):
+        for layer, shape in zip(self.layers, self.layer_shapes):
             for name, (page_shape, dtype) in shape.page_tensors().items():
                 nbytes = math.prod(page_shape) * dtype.itemsize
                 segments.append(Segment(layer, name, offset, nbytes, page_shape, dtype))
@@ -115,8 +122,9 @@ class RecordLayout:
 
 
 def pool_sizes(planned: LayerShape, num_layers: int, max_gpu_bytes: int, host_bytes: int) -> tuple[int, int, int, int]:
-    """``(bytes_per_page, num_pages, slot_bytes, num_slots)`` of a pool whose layers all have the ``planned`` shape:
-    a device page counts every layer's tensors; a host slot holds one page record (segments aligned)."""
+    """``(bytes_per_page, num_pages, slot_bytes, num_slots)`` of a pool whose ``num_layers`` paged layers (every
+    layer, or a hybrid model's full-attention ones) all have the ``planned`` shape: a device page counts those
+    layers' tensors; a host slot holds one page record of the same layers (segments aligned)."""
     bytes_per_page = planned.bytes_per_page() * num_layers
     num_pages = max_gpu_bytes // bytes_per_page
     if num_pages < 1:

@@ -45,7 +45,7 @@ from .errors import check_pool_options
 from .fingerprint import fingerprint_fields, fingerprint_of
 from .geometry import KT_DTYPES, dtype_name, model_geometry, parse_dtype, split_model_and_config, storage_dtype
 from .hashing import PrefixKeys, root_hash
-from .hybrid import HybridLayout, refuse_for_hybrid
+from .hybrid import HybridLayout
 from .layout import LayerShape, RecordLayout, pool_sizes
 from .offload import HostOffload
 from .page_meta import DEFAULT_PRIORITY, LOADED_PREFIX_PRIORITY, PageInfo, check_priority
@@ -74,7 +74,8 @@ class KVBlockPool:
             device, else the current CUDA device, else the CPU; ``memory/sizing.py``): 0.9 of the free CUDA memory
             less what a 32k-token prompt's prefill needs outside the pool (``prefill_reserve_bytes``; 5.4 GiB at
             Llama-3.1-8B shapes), or 0.25 of the available RAM capped at 2 GiB; ``pool.sizing`` says how (None when bytes were given).
-        host_bytes: host bytes for offloaded pages (0: none): ``host_bytes // slot_bytes`` slots, pinned.
+        host_bytes: host bytes for offloaded pages (0: none): ``host_bytes // slot_bytes`` slots, pinned (a slot
+            holds a page of the layers that have pages: a hybrid model's full-attention layers, ``hybrid.py``).
         page_size: tokens per pool page, a multiple of ``kt_page_size``.
         dtype: K/V storage dtype ("bfloat16", "float16", "float32", "float8_e4m3fn"); None: the model's dtype.
         kt_page_size: tokens per KT page (must equal ``RocketKVConfig.page_size`` of every cache using the pool).
@@ -161,7 +162,7 @@ class KVBlockPool:
         self._planner = Planner(self._core, self._index, self._offload, self.spec, self.bytes_per_page,
                                 paged=bool(self.hybrid.global_layers))
         facts = PoolFacts(self.fingerprint, fields, self.dtype, self.kt_dtype, page_size, kt_page_size,
-                          scale_granularity, num_layers)
+                          scale_granularity, num_layers, self.hybrid.windows)
         self._files = PrefixFiles(facts, self._core, self._index, self._offload,
                                   torch.device(device) if device is not None else None, model)
 
@@ -438,13 +439,11 @@ class KVBlockPool:
 
     def save_prefix(self, path: str | Path, token_ids: Any, keys: PrefixKeys | None = None) -> int:
         """Write the longest resident chain of ``token_ids``' full pages to a file; returns its token count."""
-        refuse_for_hybrid(self.hybrid, "prefix files (save_prefix)")
         return self._files.save(path, token_ids, keys)
 
     def load_prefix(self, path: str | Path, cache_salt: str | None = None, priority: int = LOADED_PREFIX_PRIORITY,
                     device: torch.device | str | None = None) -> LoadedPrefix:
         """Insert a prefix file's pages as cached pages, hashed anew under ``cache_salt`` (never read from it)."""
-        refuse_for_hybrid(self.hybrid, "prefix files (load_prefix)")
         return self._files.load(path, cache_salt, priority, device)
 
     def close(self) -> None:

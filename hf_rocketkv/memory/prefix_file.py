@@ -1,6 +1,7 @@
 """Prefix files: a cached prompt prefix's pages in safetensors (never pickle), with a digest of everything.
 
-Tensors, for n pages of p tokens:
+Tensors, for n pages of p tokens and each layer i that holds pages (every layer; a model with sliding-window layers:
+its full-attention layers only, ``hybrid.py``):
 
     token_ids        int64 [n * p]
     layer.{i}.k      [n, H, p, D]          storage dtype (likewise layer.{i}.v)
@@ -8,11 +9,12 @@ Tensors, for n pages of p tokens:
     layer.{i}.k_scale, layer.{i}.v_scale   float32 [n] or [n, H] (fp8 storage only)
 
 Metadata (strings): ``format``, ``format_version``, ``hash_scheme``, ``model_fingerprint``, the model facts behind it
-(for messages), ``kv_dtype``, ``page_size``, ``kt_page_size``, ``kt_dtype``, ``scale_granularity``, ``token_count``,
-``num_pages``, ``extra_keys`` (JSON: adapter and multimodal items; the tenant salt is never written) and
-``content_digest``: SHA-256 over the other metadata and every tensor's name, dtype, shape and bytes. A file whose
-digest does not match (truncated, edited) is refused. The digest detects damage, it is not a signature: anyone who
-can write the file can recompute it, so load prefix files only from places you trust.
+(for messages), ``kv_dtype``, ``page_size``, ``kt_page_size``, ``kt_dtype``, ``scale_granularity``, ``num_layers``,
+``layer_windows`` (JSON: each layer's sliding window, null for full attention; a file without it is read as all full
+attention), ``token_count``, ``num_pages``, ``extra_keys`` (JSON: adapter and multimodal items; the tenant salt is
+never written) and ``content_digest``: SHA-256 over the other metadata and every tensor's name, dtype, shape and
+bytes. A file whose digest does not match (truncated, edited) is refused. The digest detects damage, it is not a
+signature: anyone who can write the file can recompute it, so load prefix files only from places you trust.
 
 ``PrefixFiles`` moves a pool's pages into and out of such files: ``save`` writes the longest resident chain (device
 or host) of some token ids; ``load`` checks the file against the pool (named settings first, then the model
@@ -130,6 +132,8 @@ class PoolFacts:
     page_size, kt_page_size           tokens per pool page and per KT page
     scale_granularity                 fp8 scales per page or per page and KV head
     num_layers                        layers of the model
+    layer_windows                     per layer: its sliding window, None for full attention (which layers the
+                                      pages span, and how a hit replays the sliding ones)
     """
 
     fingerprint: str
@@ -140,6 +144,10 @@ class PoolFacts:
     kt_page_size: int
     scale_granularity: str
     num_layers: int
+    layer_windows: tuple[int | None, ...] = ()
+
+    def windows_json(self) -> str:
+        return json.dumps(list(self.layer_windows or (None,) * self.num_layers))
 
     def metadata(self) -> dict[str, str]:
         return {
@@ -152,6 +160,7 @@ class PoolFacts:
             "kt_dtype": dtype_name(self.kt_dtype),
             "scale_granularity": self.scale_granularity,
             "num_layers": str(self.num_layers),
+            "layer_windows": self.windows_json(),
         }
 
     def check(self, path: Path, meta: dict[str, str]) -> None:
@@ -171,6 +180,13 @@ class PoolFacts:
                 raise PrefixFileError(
                     f"prefix file {str(path)!r} has {key}={meta.get(key)!r}; this pool has {key}={value!r}"
                 )
+        saved_windows = meta.get("layer_windows", json.dumps([None] * self.num_layers))  # older files: all full
+        if saved_windows != self.windows_json():
+            raise PrefixFileError(
+                f"prefix file {str(path)!r} has layer_windows={saved_windows} (each layer's sliding window, null for "
+                f"full attention); this pool's model has layer_windows={self.windows_json()}: a file is loaded only "
+                f"into a pool of the same layer kinds and windows"
+            )
         if meta.get("model_fingerprint") != self.fingerprint:
             raise PrefixFileError(
                 f"prefix file {str(path)!r} was saved for another model: fingerprint "
@@ -274,7 +290,7 @@ class PrefixFiles:
         model = self._model_ref() if self._model_ref is not None else None
         if device is None and model is not None:
             device = next((t.device for t in model.parameters()), None)
-        for layer_idx in range(self.facts.num_layers):
+        for layer_idx in storage.paged_layers:
             if storage.is_bound(layer_idx):
                 continue
             if device is None:

@@ -121,17 +121,15 @@ class PageStorage:
         return devices.pop()
 
     def record_layout(self) -> RecordLayout:
-        if len(self.paged_layers) != self.num_layers:
-            raise NotImplementedError("KVBlockPool: page records (host offload, prefix files) are not supported for a "
-                                      "model with sliding-window layers")
+        """The page record of the paged layers (a hybrid model's sliding layers hold no pages: not in it)."""
         if not self.all_bound:
-            missing = [i for i, layer in enumerate(self._layers) if layer is None]
+            missing = [i for i in self.paged_layers if self._layers[i] is None]
             raise ValueError(
                 f"KVBlockPool: layers {missing} have not stored anything yet; offload and prefix files need "
-                f"every layer's pages"
+                f"every paged layer's pages"
             )
         self.device()
-        return RecordLayout([layer.shape for layer in self._layers])
+        return RecordLayout([self._layers[i].shape for i in self.paged_layers], self.paged_layers)
 
     # ------------------------------------------------------------------------------------------ page records
     def gather_records(self, page_ids: torch.Tensor, layout: RecordLayout, row_bytes: int | None = None) -> torch.Tensor:

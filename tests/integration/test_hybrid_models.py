@@ -170,20 +170,17 @@ def test_sliding_memory_is_bounded_by_the_window():
 
 
 # ------------------------------------------------------------------------------------------------ refusals
-def test_pool_features_without_sliding_windows_are_refused_naming_them(tmp_path):
-    """A pool serves these models (tests/integration/test_hybrid_pool.py) and their prefix reuse
-    (tests/integration/test_hybrid_prefix_reuse.py) but not host offload or prefix files; fp8 pages from a config that
-    names no dtype (the slab's) and a pool built for another model's layers are refused too."""
+def test_pool_settings_the_layers_cannot_serve_are_refused_naming_them():
+    """A pool serves these models (tests/integration/test_hybrid_pool.py), their prefix reuse
+    (tests/integration/test_hybrid_prefix_reuse.py), host offload and prefix files
+    (tests/integration/test_hybrid_offload_and_files.py); fp8 pages from a config that names no dtype (the slab's)
+    and a pool built for another model's layers are refused."""
     rocket, _ = make_hybrid_models("gemma3")
     config = compressing_config(kt_cache_dtype="float32")
-    with pytest.raises(NotImplementedError, match="host offload"):
-        cpu_pool(rocket.config, config, host_bytes=1 << 20)
     with pytest.raises(ValueError, match="model's dtype.*names none"):  # fp8 pages: the slab's dtype is the model's
         cpu_pool(rocket.config, config, dtype=torch.float8_e4m3fn)
-    pool = cpu_pool(rocket.config, config)
-    assert pool.can_admit(16, 2, config, token_ids=list(range(16)))
-    with pytest.raises(NotImplementedError, match="prefix files"):
-        pool.save_prefix(tmp_path / "p.safetensors", list(range(16)))
+    pool = cpu_pool(rocket.config, config, host_bytes=1 << 20)
+    assert pool.host_slots > 0 and pool.can_admit(16, 2, config, token_ids=list(range(16)))
     full = types.SimpleNamespace(num_hidden_layers=4, num_key_value_heads=2, num_attention_heads=4, head_dim=16)
     llama_pool = cpu_pool(full, config)  # a pool for four full-attention layers
     with pytest.raises(ValueError, match="not those the KVBlockPool was built for"):

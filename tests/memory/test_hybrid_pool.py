@@ -172,8 +172,8 @@ def test_fp8_pages_take_the_slab_dtype_from_the_model():
 
 
 def test_refusals_name_the_feature():
-    with pytest.raises(NotImplementedError, match="host offload"):
-        make(GEMMA_LIKE, 400_000, host_bytes=1 << 16)
+    with pytest.raises(ValueError, match="every layer of this model slides.*no pages to offload"):
+        make(["sliding_attention"] * 2, 400_000, sliding_slots=2, host_bytes=1 << 16)
     with pytest.raises(ValueError, match="model's dtype.*names none.*set its config's dtype"):
         KVBlockPool(hybrid_config(GEMMA_LIKE), max_gpu_bytes=400_000, page_size=PAGE, kt_page_size=KT_PAGE,
                     dtype=torch.float8_e4m3fn)  # fp8 pages: the slab's dtype must come from the model or its config
@@ -182,10 +182,6 @@ def test_refusals_name_the_feature():
     every_layer_slides = make(["sliding_attention"] * 2, 400_000, sliding_slots=2)
     with pytest.raises(NotImplementedError, match="every layer of this model slides"):
         every_layer_slides.admit(16, 1, demand(16, 1), token_ids=list(range(16)))
-    with pytest.raises(NotImplementedError, match="prefix files"):
-        pool.save_prefix("unused.safetensors", list(range(16)))
-    with pytest.raises(NotImplementedError, match="prefix files"):
-        pool.load_prefix("unused.safetensors")
     with pytest.raises(ValueError, match="sliding_slots"):
         make(GEMMA_LIKE, 1000, sliding_slots=5)
     with pytest.raises(ValueError, match="sliding_slots"):
@@ -290,3 +286,64 @@ def test_an_admission_out_of_a_reservation_takes_its_slots():
     assert pool.free_slots() == 2
     pool.release(admission.slot)  # a lease goes back once
     assert pool.free_slots() == 2
+
+
+@pytest.mark.parametrize("layer_types", [GEMMA_LIKE, ALTERNATING])
+def test_host_slots_hold_a_page_of_the_full_attention_layers(layer_types):
+    """Host offload (tests/integration/test_hybrid_offload_and_files.py): one host slot is one page record, the
+    full-attention layers' K, V and KT (every segment here a multiple of 16 bytes: no alignment padding)."""
+    n_global = layer_types.count("full_attention")
+    page = oracle_page_bytes(n_global)
+    host = 10 * page + page // 2
+    pool = make(layer_types, 400_000, sliding_slots=2, host_bytes=host)
+    assert pool.bytes_per_page == page and pool._host.slot_bytes == page
+    assert pool.host_slots == 10 and pool.stats().host_slots == 10
+
+
+def global_page_bytes(pool: KVBlockPool, page: int) -> bytes:
+    """Every byte of one page in every full-attention layer (K, V, KT, fp8 scales)."""
+    parts = []
+    for layer_idx, window in enumerate(pool.layer_windows):
+        if window is None:
+            for tensor in pool.layer(layer_idx).tensors().values():
+                parts.append(tensor[page:page + 1].contiguous().view(torch.uint8).numpy().tobytes())
+    return b"".join(parts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, FP8], ids=["fp32", "fp8"])
+def test_pages_round_trip_bit_exact_through_the_host_and_a_file(dtype, tmp_path):
+    """Random bytes in the full-attention layers' pages come back unchanged after an offload and onload, and after a
+    prefix file loaded into a fresh pool; the sliding layers' slab is in no record."""
+    config = hybrid_config(ALTERNATING)
+    config.dtype = torch.float32  # the slab's under fp8 pages
+
+    def new_pool(host_bytes=0):
+        pool = KVBlockPool(config, max_gpu_bytes=400_000, host_bytes=host_bytes, page_size=PAGE, dtype=dtype,
+                           kt_page_size=KT_PAGE, sliding_slots=2, device="cpu")
+        pool.bind_all("cpu")
+        return pool
+
+    pool = new_pool(host_bytes=1 << 16)
+    ids = list(range(3, 3 + 3 * PAGE + 1))
+    row = RowDemand(prompt_tokens=len(ids), new_tokens=1, view_tokens=len(ids) + 1, hit_cap_tokens=len(ids) - 1)
+    adm = pool.admit(len(ids), 1, row, token_ids=ids)
+    pages = torch.tensor(list(adm.prompt.pages[:3]))
+    generator = torch.Generator().manual_seed(0)
+    for layer_idx in (1, 3):  # the full-attention layers
+        for tensor in pool.layer(layer_idx).tensors().values():
+            noise = torch.rand(tensor[pages].shape, generator=generator) * 2 + 0.5
+            tensor[pages] = noise.to(tensor.dtype)
+    expected = [global_page_bytes(pool, int(page)) for page in pages]
+    pool.commit_prompt(adm, len(ids))
+    pool.release(adm)
+    assert pool.evict() == 3 and pool.stats().host_cached == 3
+    pool.save_prefix(tmp_path / "p.safetensors", ids)  # read from the host slots
+    adm = pool.admit(len(ids), 1, row, token_ids=ids)
+    assert adm.reused_tokens == 3 * PAGE and pool.stats().onloaded_bytes == 3 * pool.bytes_per_page
+    assert [global_page_bytes(pool, page) for page in adm.prompt.pages[:3]] == expected
+    pool.release(adm)
+
+    fresh = new_pool()
+    assert fresh.load_prefix(tmp_path / "p.safetensors").pages_loaded == 3
+    assert [global_page_bytes(fresh, info.index) for info in fresh.resident_prefix(ids)] == expected
+    assert fresh.free_pages() == fresh.total_pages() and fresh.free_slots() == fresh.total_slots()
