@@ -78,7 +78,7 @@ def test_a_batch_on_scattered_slots_equals_the_cache_without_a_pool(pair):
     out = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=10)
     assert torch.equal(out, expected)
     assert cache.pages._slot_ids[1] == [0, 2, 3]
-    chunked = RocketKVCache(config, pool=pool)
+    chunked = RocketKVCache(config, pool=pool, cache_salt="chunked")  # no prefix hit: a cold chunked prefill
     out = greedy(rocket, ids, attention_mask=mask, past_key_values=chunked, max_new_tokens=10, prefill_chunk_size=6)
     assert torch.equal(out, expected)
     cache.close()
