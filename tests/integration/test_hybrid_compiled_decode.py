@@ -71,6 +71,18 @@ def _assert_same_cache(compiled: RocketKVCache, eager: RocketKVCache) -> None:
             assert same(compiled_layer.values, eager_layer.values)
 
 
+def _assert_compiled_equals_eager(rocket, lengths, seed: int, new_tokens: int, compile_config) -> None:
+    """One batch of ``lengths`` decoded eagerly and through ``compile_config``: the same tokens, counters and rings."""
+    ids, mask = _batch(lengths, seed=seed)
+    eager_cache, cache = RocketKVCache(_config()), RocketKVCache(_config())
+    eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=new_tokens, past_key_values=eager_cache,
+                   disable_compile=True)
+    compiled = greedy(rocket, ids, attention_mask=mask, max_new_tokens=new_tokens, past_key_values=cache,
+                      compile_config=compile_config)
+    assert torch.equal(compiled, eager), lengths
+    _assert_same_cache(cache, eager_cache)
+
+
 @pytest.mark.parametrize("arch", list(TWO_LAYERS))
 def test_inductor_decode_equals_eager_and_a_new_prompt_length_does_not_recompile(arch):
     """Prompts longer than the window, a left-padded batch of 2: inductor's tokens and rings are eager's; a second
@@ -79,14 +91,7 @@ def test_inductor_decode_equals_eager_and_a_new_prompt_length_does_not_recompile
     rocket, _ = make_hybrid_models(arch, **TWO_LAYERS[arch])
     dynamo_utils.counters.clear()
     for lengths in ((30, 21), (37, 12)):
-        ids, mask = _batch(lengths)
-        eager_cache, cache = RocketKVCache(_config()), RocketKVCache(_config())
-        eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=10, past_key_values=eager_cache,
-                       disable_compile=True)
-        compiled = greedy(rocket, ids, attention_mask=mask, max_new_tokens=10, past_key_values=cache,
-                          compile_config=inductor_config())
-        assert torch.equal(compiled, eager), lengths
-        _assert_same_cache(cache, eager_cache)
+        _assert_compiled_equals_eager(rocket, lengths, 0, 10, inductor_config())
         assert unique_graphs() == 1, dict(dynamo_utils.counters["stats"])
     assert not dynamo_utils.counters["recompiles"]
     assert not dynamo_utils.counters["graph_break"]
@@ -102,14 +107,7 @@ def test_traced_decode_is_one_graph_for_every_prompt_length(arch):
     dynamo_utils.counters.clear()
     graphs = []
     for lengths in ((5,), (40,), (30, 21), (6, 26)):
-        ids, mask = _batch(lengths, seed=1)
-        eager_cache, cache = RocketKVCache(_config()), RocketKVCache(_config())
-        eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=12, past_key_values=eager_cache,
-                       disable_compile=True)
-        compiled = greedy(rocket, ids, attention_mask=mask, max_new_tokens=12, past_key_values=cache,
-                          compile_config=eager_compile_config())
-        assert torch.equal(compiled, eager), lengths
-        _assert_same_cache(cache, eager_cache)
+        _assert_compiled_equals_eager(rocket, lengths, 1, 12, eager_compile_config())
         graphs.append(unique_graphs())
     assert graphs == [1, 1, 2, 2], graphs  # one graph per batch size
     assert not dynamo_utils.counters["graph_break"]
