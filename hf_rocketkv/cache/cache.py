@@ -203,14 +203,16 @@ class RocketKVCache(Cache):
         """
         if max_length is not None:
             self.hints.max_length = max_length
-        previous = self.hints.prefilling
+        previous = self.hints.prefilling, self.hints.prefill_columns
         self.hints.prefilling = True
+        if input_ids is not None:
+            self.hints.prefill_columns = input_ids.shape[1]
         try:
             if input_ids is not None and input_ids.shape[1] > 0:
                 self._begin_with(reservation, input_ids, attention_mask, max_new_tokens, row_groups)
             yield self.get_seq_length()
         finally:
-            self.hints.prefilling = previous
+            self.hints.prefilling, self.hints.prefill_columns = previous
         self.finish_prefill()
 
     def _begin_with(self, reservation, input_ids, attention_mask, max_new_tokens, row_groups) -> None:

@@ -11,6 +11,9 @@ class GenerationHints:
 
     max_length: int | None = None  # logical tokens the cache will have seen at most (prompt + new tokens)
     defer_compression: bool = False  # chunked prefill: run stage 1 at the first decode step, not after each chunk
+    # input columns of the prefill in progress (``RocketKVCache.prefill``'s ids): a chunked prefill's dense store is
+    # allocated once at that width instead of concatenated at every chunk (cache/dense_store.py)
+    prefill_columns: int | None = None
     prefilling: bool = False  # generate()'s prefill is running (chunks must not be compiled: their shapes change)
     guards_checked: bool = False  # this generate() call's first compiled decode step has run with every guard
     # device types on which generate() may defer its stop check by a step (deferred_stop_check); CUDA only, as

@@ -81,6 +81,7 @@ class RocketKVLayer(CacheLayerMixin):
         self.history: History | None = None  # multi_turn="keep_all": every token of the conversation (history.py)
         self.prefix_tokens = 0  # a prefix hit: columns [0, prefix_tokens) come from pool pages (set before prefill)
         self.dense_room = 0  # a prefix hit's dense store: columns at its end left for the first forward (dense_store)
+        self.dense_buffers = None  # weak references to a chunked prefill's whole-prompt K/V buffers (dense_store)
         # a replayed prefix hit (sliding-window models): the next input column while it is below prefix_tokens
         self.replay_pos: int | None = None
         self.replayed_now = 0  # of the latest dense forward's queries, those that replayed the hit (attention reads)

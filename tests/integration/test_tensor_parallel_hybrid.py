@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from hf_rocketkv import RocketKVCache, RocketKVConfig
 from tests.integration.test_tensor_parallel import _failure, run_workers
@@ -90,13 +91,20 @@ def test_tensor_parallel_hybrid_generate_matches_single_process(tmp_path, arch):
 
     import hf_rocketkv
 
-    single = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=hf_rocketkv.ATTN_NAME).eval()
+    # the ranks run on their GPUs where NCCL is there (tp_worker.py): one process on a GPU of the same kind, with
+    # the same experts' kernel, is the reference there (a random model's near-tied logits differ CPU vs GPU)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    single = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=hf_rocketkv.ATTN_NAME,
+                                                  device_map=device).eval()
+    if device == "cuda" and hasattr(single, "set_experts_implementation"):
+        single.set_experts_implementation("batched_mm")
     runs = [(ids, mask, EXACT), (long_ids, long_mask, EVICTING)]
     expected = []
     for run_ids, run_mask, rocketkv in runs:
         cache = RocketKVCache(RocketKVConfig(**rocketkv))
-        tokens = greedy(single, run_ids, attention_mask=run_mask, past_key_values=cache, max_new_tokens=NEW_TOKENS)
-        kept = [cache.kept_tokens(i) for i in range(len(cache.layers))]
+        tokens = greedy(single, run_ids.to(device), attention_mask=run_mask.to(device), past_key_values=cache,
+                        max_new_tokens=NEW_TOKENS).cpu()
+        kept = [cache.kept_tokens(i).cpu() for i in range(len(cache.layers))]
         expected.append((tokens.tolist(), kept, [layer.is_sliding for layer in cache.layers]))
 
     heads = KV_HEADS_PER_RANK[arch]

@@ -1,0 +1,71 @@
+"""A chunked prefill's dense store (cache/dense_store.py): written chunk by chunk into one buffer of the prompt's
+width, holding exactly transformers' DynamicCache K/V after every chunk, and gone with the store at stage 1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_rocketkv import RocketKVCache
+from hf_rocketkv.integration import compat
+from tests.support.tiny_models import (
+    compressing_config,
+    cpu_pool,
+    make_models,
+    random_ids,
+)
+
+
+def _chunks(model, cache, ids: torch.Tensor, chunk: int, after_chunk=None) -> None:
+    for start in range(0, ids.shape[1], chunk):
+        end = min(ids.shape[1], start + chunk)
+        with torch.no_grad():
+            model(input_ids=ids[:, start:end], position_ids=torch.arange(start, end)[None], use_cache=True,
+                  **compat.cache_kwargs(cache))
+        if after_chunk is not None:
+            after_chunk(end)
+
+
+@pytest.mark.parametrize("pooled", [False, True])
+@pytest.mark.parametrize("length, chunk", [(40, 8), (37, 16), (9, 8)])
+def test_chunks_fill_one_buffer_with_transformers_keys_and_values(pooled, length, chunk):
+    rocket, _ = make_models("llama")
+    config = compressing_config()
+    ids = random_ids(1, length, seed=length)
+    reference = DynamicCache(config=rocket.config)
+    _chunks(rocket, reference, ids, chunk)  # the same chunks through transformers' own cache
+    cache = RocketKVCache(config, pool=cpu_pool(rocket, config) if pooled else None)
+    buffers = []
+
+    def check(end):
+        for layer_idx, layer in enumerate(cache.layers):
+            assert layer._keys.shape[2] == end
+            torch.testing.assert_close(layer._keys, reference.layers[layer_idx].keys[:, :, :end].to(layer._keys.dtype))
+            torch.testing.assert_close(layer._values,
+                                       reference.layers[layer_idx].values[:, :, :end].to(layer._values.dtype))
+        if end > chunk:  # every chunk after the first writes into the same buffer of the whole prompt's width
+            base = cache.layers[0]._keys._base
+            assert base is not None and base.shape[2] == length
+            buffers.append(base)
+
+    cache.hints.defer_compression = True
+    with cache.prefill(ids, max_new_tokens=4):
+        _chunks(rocket, cache, ids, chunk, after_chunk=check)
+        alive = [layer.dense_buffers[0] for layer in cache.layers if layer.dense_buffers is not None]
+    assert all(buffer is buffers[0] for buffer in buffers)
+    assert len(alive) == (len(cache.layers) if length > chunk else 0)
+    buffers.clear()
+    assert all(ref() is None for ref in alive), "the buffers must go with the dense store at stage 1"
+    assert all(layer.compressed for layer in cache.layers)
+    cache.close()
+
+
+def test_without_the_prompt_width_chunks_concatenate():
+    """Forwards outside ``cache.prefill(ids)`` (no width known): the store grows by concatenation, as before."""
+    rocket, _ = make_models("llama")
+    cache = RocketKVCache(compressing_config())
+    cache.hints.defer_compression = True
+    ids = random_ids(1, 20)
+    _chunks(rocket, cache, ids, 8)
+    assert cache.layers[0]._keys.shape[2] == 20 and cache.layers[0].dense_buffers is None
