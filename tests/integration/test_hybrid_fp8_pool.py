@@ -54,6 +54,22 @@ def run(model, ids, pool, new):
     return out, cache
 
 
+def first_step_logits(model, ids, pool, round_pages: str | None = None, config=CFG) -> torch.Tensor:
+    """The first decode step's logits of ``ids`` on a cache of ``pool`` (closed after, every page and slot back);
+    ``round_pages`` (a scale granularity): the full-attention pages are rounded first, after the prefill, by the
+    reference quantize / dequantize (``memory/fp8.py``), page by page."""
+    cache = RocketKVCache(config, pool=pool)
+    with torch.no_grad():
+        token = model(ids, past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)
+        for layer_idx in pool.hybrid.global_layers if round_pages else ():
+            storage = pool.layer(layer_idx)
+            for pages in (storage.k, storage.v):
+                pages.copy_(dequantize_fp8(*quantize_pages(pages, round_pages), pages.dtype))
+        logits = model(token, past_key_values=cache).logits[:, -1]
+    cache.close()
+    assert all_back(pool)
+    return logits
+
 
 def test_the_slab_holds_the_models_kv_unquantized(pair):
     _, rocket, oracle = pair
@@ -138,23 +154,9 @@ def test_the_first_decode_step_reads_the_pages_quantized_by_the_reference(pair, 
     quantized too or the scales not applied, leaves that margin)."""
     rocket = pair[1]
     ids = random_ids(1, 40, seed=3)
-
-    def first_step(pool, round_pages=False):
-        cache = RocketKVCache(CFG, pool=pool)
-        with torch.no_grad():
-            token = rocket(ids, past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)
-            for layer_idx in pool.hybrid.global_layers if round_pages else ():
-                storage = pool.layer(layer_idx)
-                for pages in (storage.k, storage.v):
-                    pages.copy_(dequantize_fp8(*quantize_pages(pages, granularity), pages.dtype))
-            logits = rocket(token, past_key_values=cache).logits[:, -1]
-        cache.close()
-        assert all_back(pool)
-        return logits
-
-    exact = first_step(cpu_pool(rocket, CFG, 4 << 20, PAGE))
-    rounded = first_step(cpu_pool(rocket, CFG, 4 << 20, PAGE), round_pages=True)
-    fp8 = first_step(fp8_pool(rocket, granularity))
+    exact = first_step_logits(rocket, ids, cpu_pool(rocket, CFG, 4 << 20, PAGE))
+    rounded = first_step_logits(rocket, ids, cpu_pool(rocket, CFG, 4 << 20, PAGE), round_pages=granularity)
+    fp8 = first_step_logits(rocket, ids, fp8_pool(rocket, granularity))
     assert relative_error(fp8, rounded) < 0.05
     assert relative_error(fp8, rounded) < relative_error(fp8, exact) / 2, (relative_error(fp8, rounded),
                                                                           relative_error(fp8, exact))

@@ -94,8 +94,9 @@ def prefill_hit_pages(model, config, pool, ids, hit_pages: int):
     return pages, stats
 
 
-def cold_run(model, config, ids):
-    pool = cpu_pool(model, config, page_size=PAGE)
+def cold_run(model, config, ids, device="cpu"):
+    """``ids`` run on a fresh pool on ``device`` (no hit): ``run``'s ``(sequences, logits, stats)``."""
+    pool = cpu_pool(model, config, page_size=PAGE, device=device)
     cold = run(model, config, pool, ids)
     assert cold[2].reused_tokens == 0 and all_back(pool)
     return cold
