@@ -26,6 +26,19 @@ def llama_8b_layers(layers: int, dtype: torch.dtype = torch.bfloat16):
     return model
 
 
+def hybrid_models_on_cuda(arch: str):
+    """tests/support/hybrid_models.py's pair (RocketKV model, transformers' eager oracle) for ``arch`` on the GPU; an
+    MoE model's experts run as float32 batched matmuls (transformers' default ``grouped_mm`` is a bf16 kernel on
+    CUDA: float32 runs would differ by its rounding, far more than fp8 pages or RocketKV do; graph-safe too)."""
+    from tests.support.hybrid_models import make_hybrid_models
+
+    models = tuple(model.to(CUDA) for model in make_hybrid_models(arch))
+    for model in models:
+        if getattr(model.config, "num_local_experts", None) and hasattr(model, "set_experts_implementation"):
+            model.set_experts_implementation("batched_mm")
+    return models
+
+
 def random_prompt(batch: int, length: int, seed: int, low: int = 3) -> torch.Tensor:
     """``[batch, length]`` token ids on the GPU, drawn from a seeded CUDA generator (the same ids every run)."""
     generator = torch.Generator("cuda").manual_seed(seed)

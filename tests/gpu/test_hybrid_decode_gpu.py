@@ -17,7 +17,7 @@ import torch
 from hf_rocketkv import RocketKVCache, RocketKVConfig, SlidingWindowLayer
 from tests.support.hybrid_models import make_hybrid_models
 
-from .gpu_models import CUDA, greedy
+from .gpu_models import CUDA, greedy, hybrid_models_on_cuda
 
 ARCHS = ["gpt_oss", "gemma3", "gemma2"]
 PROMPT, NEW_TOKENS = 200, 24
@@ -56,11 +56,7 @@ def test_graphed_decode_is_bit_identical_to_eager(arch, batch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_graphed_keep_all_decode_equals_transformers_eager(arch):
-    rocket, oracle = make_hybrid_models(arch)
-    rocket, oracle = rocket.to(CUDA), oracle.to(CUDA)
-    if arch == "gpt_oss":  # fp32 experts: batched matmuls (grouped_mm is a bf16 kernel on CUDA), graph-safe
-        for model in (rocket, oracle):
-            model.set_experts_implementation("batched_mm")
+    rocket, oracle = hybrid_models_on_cuda(arch)
     ids = _prompt(rocket.config.vocab_size)
     tokens, replays, _ = _run(rocket, ids, KEEP_ALL, compiled=True)
     assert replays == REPLAYS
@@ -79,10 +75,7 @@ def test_inductor_decode_keeps_cuda_graphs_and_the_tokens(arch):
     graphed). Keep-all in float32: the tokens equal eager decode's."""
     from torch._dynamo import utils as dynamo_utils
 
-    rocket, _ = make_hybrid_models(arch)
-    rocket = rocket.to(CUDA)
-    if arch == "gpt_oss":
-        rocket.set_experts_implementation("batched_mm")
+    rocket, _ = hybrid_models_on_cuda(arch)
     ids = _prompt(rocket.config.vocab_size)
     eager, _, _ = _run(rocket, ids, KEEP_ALL, compiled=False)
     torch._dynamo.reset()

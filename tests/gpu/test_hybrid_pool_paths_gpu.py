@@ -38,10 +38,10 @@ from tests.integration.test_hybrid_prefix_reuse import (
     shared,
 )
 from tests.support.fp8_pages import relative_error, round_trip
-from tests.support.hybrid_models import WINDOW, make_hybrid_models
+from tests.support.hybrid_models import WINDOW
 from tests.support.tiny_models import compressing_config, cpu_pool, random_ids
 
-from .gpu_models import CUDA, greedy
+from .gpu_models import CUDA, greedy, hybrid_models_on_cuda
 from .test_hybrid_pool_gpu import ARCHS
 
 CONFIG = compressing_config(backend="triton")  # the CPU offload / file tests' config
@@ -50,8 +50,7 @@ FP8_CONFIG = compressing_config(kt_cache_dtype="float32", backend="triton")  # t
 
 @pytest.fixture(scope="module", params=ARCHS)
 def pair(request):
-    rocket, oracle = make_hybrid_models(request.param)
-    return request.param, rocket.to(CUDA), oracle.to(CUDA)
+    return (request.param, *hybrid_models_on_cuda(request.param))
 
 
 def cuda_pool(model, config=CONFIG, dtype=torch.float32, **kwargs):
