@@ -127,10 +127,13 @@ def test_fp8_first_decode_step_reads_the_pages_rounded_by_the_reference(pair, gr
     or quantizes the sliding layers too, leaves that margin)."""
     arch, rocket, _ = pair
     ids = cuda_ids(40, seed=3)
-    exact = first_step_logits(rocket, ids, cuda_pool(rocket, FP8_CONFIG), config=FP8_CONFIG)
-    rounded = first_step_logits(rocket, ids, cuda_pool(rocket, FP8_CONFIG), granularity, FP8_CONFIG)
-    fp8_pool = cuda_pool(rocket, FP8_CONFIG, FP8_DTYPE, scale_granularity=granularity)
-    fp8 = first_step_logits(rocket, ids, fp8_pool, config=FP8_CONFIG)
+    # every kept page attended: stage 2's choice among near-tied pages of a random model could otherwise differ
+    # between the runs (GPU rounding) and move the logits far more than fp8 does; stage 1 still evicts
+    config = FP8_CONFIG.replace(topk=4096)
+    exact = first_step_logits(rocket, ids, cuda_pool(rocket, config), config=config)
+    rounded = first_step_logits(rocket, ids, cuda_pool(rocket, config), granularity, config)
+    fp8_pool = cuda_pool(rocket, config, FP8_DTYPE, scale_granularity=granularity)
+    fp8 = first_step_logits(rocket, ids, fp8_pool, config=config)
     near, far = relative_error(fp8, rounded), relative_error(fp8, exact)
     assert near < 0.05 and near < far / 2, (arch, near, far)
 
