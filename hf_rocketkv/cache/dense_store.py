@@ -1,6 +1,7 @@
 """A layer's dense store until stage 1: contiguous K/V ``[B, Hkv, T, D]`` where slot s holds input column s (left
 padding included), exactly like a DynamicLayer, so prefill attention is plain causal attention; a prefix hit starts
-it from the pool's pages."""
+it from the pool's pages; a chunked prefill's later chunks are written into one buffer of the prompt's width (the
+store is then a view of its first columns)."""
 
 from __future__ import annotations
 

@@ -76,7 +76,8 @@ class RocketKVLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.counters = counters
         self.counts_tokens = layer_idx == 0  # this layer adds prefill's computed tokens to ``counters``
-        self._keys = self._values = None  # contiguous [B, Hkv, T, D]: the dense store, or a later turn's working set
+        # [B, Hkv, T, D]: the dense store (while chunking, a view of a wider buffer), or a later turn's working set
+        self._keys = self._values = None
         self.store: PagedStore | None = None  # the compressed view, in pages
         self.history: History | None = None  # multi_turn="keep_all": every token of the conversation (history.py)
         self.prefix_tokens = 0  # a prefix hit: columns [0, prefix_tokens) come from pool pages (set before prefill)
