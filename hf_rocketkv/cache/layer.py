@@ -291,6 +291,7 @@ class RocketKVLayer(CacheLayerMixin):
         if query_length == 1 and self.compressed and self.eager_graphs():
             decode_append.append_one(self, key_states, value_states, graphed=True)  # counts ``seen`` inside the graph
             return self.key_handle, self.value_handle
+        self.seen.add_(query_length)
         if not self.compressed:
             skip = self.replayed_now = self.replayed_columns(query_length)
             if skip:  # the replayed columns' K/V are the hit's (already in the store): only the rest is written
@@ -299,10 +300,8 @@ class RocketKVLayer(CacheLayerMixin):
                 self.replay_pos += query_length
                 if self.replay_pos >= self.prefix_tokens:
                     self.replay_pos = None
-            self.seen.add_(query_length)
             append_dense(self, key_states, value_states)
             return self._keys, self._values
-        self.seen.add_(query_length)
         if query_length == 1:
             decode_append.append_one(self, key_states, value_states)
         else:
