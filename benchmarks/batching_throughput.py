@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="BatchingConfig.prefill_chunk_tokens: the most prompt tokens in one prefill forward")
     parser.add_argument("--prefill-token-budget", type=int, default=BatchingConfig.prefill_token_budget,
                         help="BatchingConfig.prefill_token_budget: prompt tokens prefilled per decode step")
+    parser.add_argument("--concurrent-prefill-tokens", type=int, default=None,
+                        help="BatchingConfig.concurrent_prefill_tokens: prefill beside the decode steps (own thread "
+                             "and CUDA stream) in chunks of this many tokens; default: chunks between decode steps")
     parser.add_argument("--page-size", type=int, default=16, help="pool page size (tokens)")
     parser.add_argument("--pool-gib", type=float, default=None, help="pool size (default: sized for the workload)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
@@ -260,7 +263,8 @@ class EngineRun:
         batching = BatchingConfig(max_running=args.max_running, prefills_per_step=args.prefills_per_step,
                                   max_queue=4096, buckets=_buckets(args.max_running),
                                   overlap_decode=args.overlap_decode, prefill_chunk_tokens=args.prefill_chunk_tokens,
-                                  prefill_token_budget=args.prefill_token_budget)
+                                  prefill_token_budget=args.prefill_token_budget,
+                                  concurrent_prefill_tokens=args.concurrent_prefill_tokens)
         engine = BatchingEngine(self.model, self.config, self.pool, batching,
                                 decode_graphs=None if args.decode == "graphs" else False)
         report = engine.warm_up(max_new_tokens=self.warm_tokens) if warm_up else None

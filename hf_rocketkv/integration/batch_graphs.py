@@ -67,6 +67,11 @@ class BatchedDecodeGraphs:
     def wants(self, device: torch.device) -> bool:
         return device.type in self.devices
 
+    def will_capture(self, batch: BatchedDecodeCache) -> bool:
+        """Whether ``run`` on the prepared bucket of ``batch`` would warm up or capture (not only replay): no other
+        thread may launch CUDA work during a capture."""
+        return batch is not self._batch or batch.version != self._version or batch.bucket not in self.graphs
+
     def run(self, batch: BatchedDecodeCache, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """One decode step over the prepared bucket (``batch.prepare`` done); returns the logits ``[bucket, V]``
         (a copy: the next replay overwrites the graph's output)."""

@@ -47,6 +47,7 @@ from .errors import Overloaded
 from .inboxes import LockstepInboxes
 from .lockstep import Lockstep, check_lockstep_for
 from .outputs import FinishReason
+from .prefill_worker import PrefillWorker
 from .running import RunningRequest
 from .sampler import new_generator, sample_tokens
 from .scheduler import BatchingConfig, QueueFull, Scheduler
@@ -136,6 +137,15 @@ class BatchingEngine(ThreadedEngine):
         self.lockstep = lockstep
         self._inboxes = LockstepInboxes(self, lockstep) if lockstep is not None else None
         self._failure: BaseException | None = None  # what ended a lockstep engine thread, for follow() to raise
+        self._worker: PrefillWorker | None = None  # concurrent_prefill_tokens: prefills beside the decode steps
+        if self.batching.concurrent_prefill_tokens is not None:
+            if lockstep is not None:
+                raise NotImplementedError(
+                    "BatchingEngine: BatchingConfig.concurrent_prefill_tokens cannot run under lockstep (a prefill "
+                    "thread's progress depends on timing, every rank must take the same decisions); leave it None")
+            self._worker = PrefillWorker(self._admission, self.batching.concurrent_prefill_tokens,
+                                         self.batching.prefill_chunk_tokens, self.device, self._wake)
+            self._decoder.capture_lock = self._worker.capture_lock
 
     # ------------------------------------------------------------------------------------------------ interface
     def cancel(self, request_id: str) -> None:
@@ -237,9 +247,18 @@ class BatchingEngine(ThreadedEngine):
         return dropped
 
     # ------------------------------------------------------------------------------------------------ engine thread
+    def _wake(self) -> None:
+        with self._lock:
+            self._wakeup.notify_all()
+
     def _loop(self) -> None:
         try:
-            if self._inboxes is None:
+            if self._worker is not None:
+                self._worker.start()
+                with self._worker.decode_stream_context():
+                    while self._wait_for_work():
+                        self._guarded_iteration()
+            elif self._inboxes is None:
                 while self._wait_for_work():
                     self._guarded_iteration()
             else:
@@ -251,6 +270,8 @@ class BatchingEngine(ThreadedEngine):
             logger.critical("hf_rocketkv batching engine (lockstep rank %s) stopped: %s",
                             getattr(self.lockstep, "rank", 0), err)
         finally:
+            if self._worker is not None:
+                self._worker.stop()
             self.batch.close()
 
     def _guarded_iteration(self) -> None:
@@ -272,19 +293,28 @@ class BatchingEngine(ThreadedEngine):
 
     def _iteration(self) -> None:
         self._finish_cancelled()
+        if self._worker is not None:
+            self._take_prefills()
         with self._lock:
             step = self._scheduler.next_step()
         for src, dst in step.moves:
             self.batch.move(src, dst)
+        if self._worker is not None:
+            self._worker.rows_decoding = len(self._scheduler.rows)
         if self._scheduler.rows:
             self._decoder.step()  # launched before the chunks: the running rows never wait for a whole prompt
         for running, tokens in step.prefill:
-            if running in self._scheduler.prefilling:  # not ended by an earlier chunk of this step
+            if running not in self._scheduler.prefilling:  # ended by an earlier chunk of this step
+                continue
+            if self._worker is None:
                 self._prefill_chunk(running, tokens)
-        if not self._scheduler.rows and not step.prefill:
-            # the head waits for pages that nobody running will free (another user of the pool holds them)
+            elif not self._worker.holds(running):
+                self._hand_to_worker(running)
+        if not self._scheduler.rows and (not step.prefill or self._worker is not None):
+            # the head waits for pages that nobody running will free (another user of the pool holds them), or
+            # for the prefill worker (it wakes the thread when it hands a request back)
             with self._lock:
-                self._wakeup.wait(0.01)
+                self._wakeup.wait(0.01 if self._worker is None else 0.05)
 
     # ------------------------------------------------------------------------------------------------ prefill
     def _prefill_chunk(self, running: RunningRequest, tokens: int) -> None:
@@ -304,17 +334,50 @@ class BatchingEngine(ThreadedEngine):
                 prefill = self._admission.start_prefill(running, self.batching.prefill_chunk_tokens)
             logits = prefill.run(tokens)
             self._stats.prefill_chunks += 1
-            if logits is None:
-                self._stats.prefill_seconds += time.perf_counter() - started
-                return
-            if not request.params.is_greedy:
-                running.generator = new_generator(request.params.seed, self.device)
-            token = int(sample_tokens(logits, request.params, running.generator)[0])
-            self._stats.prefills += 1
             self._stats.prefill_seconds += time.perf_counter() - started
         except Exception as err:  # noqa: BLE001 - one request's failure ends that request only
             logger.warning("hf_rocketkv batching engine: request %s failed in prefill: %s", request.request_id, err,
                            exc_info=True)
+            self._finish(running, FinishReason.ERROR, f"{type(err).__name__}: {err}")
+            return
+        if logits is not None:
+            self._prefilled(running, logits)
+
+    def _hand_to_worker(self, running: RunningRequest) -> None:
+        """The prefill worker takes an admitted request (concurrent_prefill_tokens) and hands it back when done."""
+        if running.error is not None:
+            self._finish(running, FinishReason.ERROR, running.error)
+        elif running.request.cancelled.is_set():
+            self._finish(running, FinishReason.CANCELLED)
+        else:
+            self._worker.submit(running)
+
+    def _take_prefills(self) -> None:
+        """The requests the prefill worker handed back: each joins the decoding rows (after its device work), or
+        ends (cancelled between chunks, failed)."""
+        for result in self._worker.take_done():
+            self._stats.prefill_chunks += result.chunks
+            self._stats.prefill_seconds += result.seconds
+            if result.error is not None:
+                self._finish(result.running, FinishReason.ERROR, result.error)
+            elif result.logits is None:
+                self._finish(result.running, FinishReason.CANCELLED)
+            else:
+                result.wait()
+                self._prefilled(result.running, result.logits)
+
+    def _prefilled(self, running: RunningRequest, logits) -> None:
+        """A request's prompt is in its cache: its first token is sampled from ``logits`` ``[1, V]`` and it joins
+        the decoding rows (unless that token ends it)."""
+        request = running.request
+        try:
+            if not request.params.is_greedy:
+                running.generator = new_generator(request.params.seed, self.device)
+            token = int(sample_tokens(logits, request.params, running.generator)[0])
+            self._stats.prefills += 1
+        except Exception as err:  # noqa: BLE001 - one request's failure ends that request only
+            logger.warning("hf_rocketkv batching engine: request %s failed sampling its first token: %s",
+                           request.request_id, err, exc_info=True)
             self._finish(running, FinishReason.ERROR, f"{type(err).__name__}: {err}")
             return
         self._decoder.drain()  # the batch changes: its tokens out first, and no step in flight holds it
@@ -350,7 +413,7 @@ class BatchingEngine(ThreadedEngine):
             self._decoder.drain()  # no row leaves the batch while a step that holds it runs
         for running in [r for r in self._scheduler.rows if r.request.cancelled.is_set()]:
             self._end_row(running, FinishReason.CANCELLED)
-        for running in [r for r in self._scheduler.prefilling if r.request.cancelled.is_set()]:
+        for running in [r for r in self._scheduler.prefilling if r.request.cancelled.is_set() and not self._held(r)]:
             self._finish(running, FinishReason.CANCELLED)  # mid-prefill: the prefill is left, its pages go back
         with self._lock:
             dropped = [r for r in self._scheduler.waiting if r.request.cancelled.is_set()]
@@ -358,6 +421,10 @@ class BatchingEngine(ThreadedEngine):
                 self._scheduler.cancel_waiting(running.request_id)
         for running in dropped:
             self._finish(running, FinishReason.CANCELLED)
+
+    def _held(self, running: RunningRequest) -> bool:
+        """Whether the prefill worker holds ``running`` (it comes back through ``_take_prefills``, cancelled or not)."""
+        return self._worker is not None and self._worker.holds(running)
 
     def _end_row(self, running: RunningRequest, reason: FinishReason, error: str | None = None) -> None:
         """A request ends: out of the decoding rows (if it joined), its pages back, then its final event."""
@@ -394,6 +461,8 @@ class BatchingEngine(ThreadedEngine):
         """A failed decode step: every decoding row ends with an error and the batch starts afresh (its state may be
         half-updated; the rows' caches are closed without a write-back). A step in flight is dropped unread."""
         self._decoder.drop()
+        if self._worker is not None and self._worker.decode_stream is not None:
+            self._worker.decode_stream.synchronize()  # the dropped step's reads end before the worker reuses pages
         self._reset_batch()
         rows = list(self._scheduler.rows)
         with self._lock:
@@ -418,7 +487,7 @@ class BatchingEngine(ThreadedEngine):
         was interrupted, or is under way and may be half-updated) still gets its one final event."""
         with self._lock:
             placed = {id(r) for r in self._scheduler.waiting} | {id(r) for r in self._scheduler.rows}
-            orphans = [r for r in self._requests.values() if id(r) not in placed]
+            orphans = [r for r in self._requests.values() if id(r) not in placed and not self._held(r)]
         for running in orphans:
             self._finish(running, FinishReason.ERROR, message)
 

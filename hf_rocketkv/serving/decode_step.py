@@ -24,6 +24,7 @@ its row only.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -87,6 +88,7 @@ class BatchDecoder:
         self._engine = engine
         self.graphs = graphs
         self._stats = stats
+        self.capture_lock = None  # the prefill worker's (concurrent_prefill_tokens): held while a step captures
         self.in_flight: _StepInFlight | None = None
         self._last_read = 0.0  # when the latest step's tokens were read (perf_counter)
 
@@ -176,8 +178,11 @@ class BatchDecoder:
         after which every step runs eagerly)."""
         if self.graphs is None or not self.graphs.wants(self._engine.device):
             return None
+        batch = self._engine.batch
+        capturing = self.capture_lock is not None and self.graphs.will_capture(batch)
         try:
-            return self.graphs.run(self._engine.batch, ids, positions)
+            with self.capture_lock if capturing else contextlib.nullcontext():  # no prefill thread's launches meanwhile
+                return self.graphs.run(batch, ids, positions)
         except GraphCaptureFailed as err:
             logger.warning("hf_rocketkv batching engine: %s; decoding eagerly from now on", err)
             self.graphs = None

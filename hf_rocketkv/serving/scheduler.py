@@ -47,7 +47,14 @@ class BatchingConfig:
     tokens prefilled per decode step while requests decode: each step earns this many tokens of credit (kept up to
     ``max(prefill_chunk_tokens, prefill_token_budget)``), and a chunk runs once its tokens are earned. Equal to the
     chunk (the default), one chunk runs per decode step; a quarter of it, one chunk every fourth step (the decoding
-    rows slowed less, a long prompt's first token later); twice it, two chunks per step."""
+    rows slowed less, a long prompt's first token later); twice it, two chunks per step.
+
+    concurrent_prefill_tokens: None (default): prefill chunks run on the engine thread between decode steps, as
+    above. An int: prompts are prefilled beside the decode steps instead, on a thread and a CUDA stream of their own
+    (the decode steps on a stream of the highest priority), in chunks of this many tokens while rows decode
+    (``prefill_chunk_tokens`` while none does), so the running requests never wait for a chunk's forward
+    (serving/prefill_worker.py; 512 on an H100 at Llama-3.1-8B shapes: docs/serving.md). The scheduler's credit still
+    decides admissions; the chunks themselves run back to back."""
 
     max_running: int = 64
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
@@ -56,6 +63,7 @@ class BatchingConfig:
     overlap_decode: bool = True
     prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
     prefill_token_budget: int = DEFAULT_PREFILL_CHUNK_TOKENS
+    concurrent_prefill_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 1:
@@ -71,6 +79,9 @@ class BatchingConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"BatchingConfig.{name} must be an integer >= 1, got {value!r}")
+        value = self.concurrent_prefill_tokens
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"BatchingConfig.concurrent_prefill_tokens must be None or an integer >= 1, got {value!r}")
 
     @property
     def prefill_credit_cap(self) -> int:

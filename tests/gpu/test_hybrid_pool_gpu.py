@@ -97,14 +97,18 @@ def test_graphed_keep_all_decode_on_the_pool_equals_transformers_eager(arch):
     assert _all_back(pool)
 
 
+@pytest.mark.parametrize("concurrent", [None, 16], ids=["serial_prefill", "prefill_beside_decode"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_the_batching_engine_with_graphs_equals_each_request_alone(arch):
+def test_the_batching_engine_with_graphs_equals_each_request_alone(arch, concurrent):
+    """``concurrent``: ``BatchingConfig.concurrent_prefill_tokens`` (the prefill on its own thread and stream, in
+    chunks of 16 tokens while rows decode)."""
     rocket, _ = make_hybrid_models(arch)
     alone, _ = make_hybrid_models(arch)
     dtype = _step_dtype(rocket)
     rocket, alone = rocket.to(CUDA, dtype), alone.to(CUDA, dtype)
     pool = _pool(rocket, KEEP_ALL, dtype, slots=6)
-    engine = BatchingEngine(rocket, KEEP_ALL, pool, BatchingConfig(max_running=4, buckets=(1, 2, 4)))
+    engine = BatchingEngine(rocket, KEEP_ALL, pool, BatchingConfig(max_running=4, buckets=(1, 2, 4),
+                                                                   concurrent_prefill_tokens=concurrent))
     assert engine.graphs_in_use
     engine.warm_up(max_new_tokens=16)
     captures = engine.graphs.captures
