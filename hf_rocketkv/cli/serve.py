@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="batching engine: prompt tokens earned per decode step while requests decode; lower it "
                              "to keep their decode rate while long prompts arrive, at the cost of those prompts' "
                              "first token (default 8192; docs/serving.md, Chunked prefill)")
+    parser.add_argument("--concurrent-prefill-tokens", type=int, default=None,
+                        help="batching engine: prefill beside the decode steps (a thread and CUDA stream of its own) "
+                             "in chunks of this many tokens, so running requests never wait for a prefill chunk "
+                             "(e.g. 512; default: chunks between decode steps; docs/serving.md)")
     parser.add_argument("--warmup-max-tokens", type=int, default=None,
                         help="batching engine on CUDA: capture every decode graph at startup for requests of up to "
                              "this many max_tokens (default: --default-max-tokens; 0: capture lazily while serving)")
@@ -175,7 +179,7 @@ def check_args(args: argparse.Namespace) -> None:
             raise UsageError("--kv-memory-fraction and --pool-gib both size the KV pool: give one of them")
     if not 1 <= args.max_running <= 128:
         raise UsageError(f"--max-running must be in [1, 128], got {args.max_running}")
-    for flag in ("prefill_chunk_tokens", "prefill_token_budget"):
+    for flag in ("prefill_chunk_tokens", "prefill_token_budget", "concurrent_prefill_tokens"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
@@ -191,6 +195,9 @@ def check_args(args: argparse.Namespace) -> None:
         if args.device is not None:
             raise UsageError(f"--device {args.device} under torchrun (WORLD_SIZE={world}): each rank uses its own "
                              f"device (LOCAL_RANK); leave --device unset")
+        if args.concurrent_prefill_tokens is not None:
+            raise UsageError(f"--concurrent-prefill-tokens under torchrun (WORLD_SIZE={world}): the ranks decide in "
+                             f"lockstep and a prefill thread's progress depends on timing; leave it unset")
 
 
 
@@ -340,7 +347,8 @@ def batching_config(args: argparse.Namespace):
     unless given)."""
     from ..serving.scheduler import BatchingConfig
 
-    chunking = {flag: getattr(args, flag) for flag in ("prefill_chunk_tokens", "prefill_token_budget")
+    chunking = {flag: getattr(args, flag) for flag in ("prefill_chunk_tokens", "prefill_token_budget",
+                                                       "concurrent_prefill_tokens")
                 if getattr(args, flag) is not None}
     return BatchingConfig(max_running=args.max_running, max_queue=args.max_queue, overlap_decode=args.overlap_decode,
                           **chunking)

@@ -78,6 +78,8 @@ def test_chunked_prefill_flags_reach_the_batching_config():
                                                 "--max-running", "8", "--max-queue", "5"]))
     assert (chosen.prefill_chunk_tokens, chosen.prefill_token_budget) == (2048, 32)
     assert (chosen.max_running, chosen.max_queue) == (8, 5)
+    assert default.concurrent_prefill_tokens is None
+    assert batching_config(parser.parse_args(["--concurrent-prefill-tokens", "512"])).concurrent_prefill_tokens == 512
 
 
 def test_compile_regions_flag_compiles_norms_and_mlps_only_when_asked():
@@ -281,6 +283,8 @@ def test_tensor_parallel_usage_errors(monkeypatch, capsys):
     assert "under torchrun (WORLD_SIZE=2)" in capsys.readouterr().err
     assert serve_main(["--pool-gib", "1", "--device", "cpu"]) == 2
     assert "each rank uses its own device" in capsys.readouterr().err
+    assert serve_main(["--pool-gib", "1", "--concurrent-prefill-tokens", "512"]) == 2
+    assert "--concurrent-prefill-tokens under torchrun (WORLD_SIZE=2)" in capsys.readouterr().err
     monkeypatch.setenv("WORLD_SIZE", "two")
     assert serve_main(["--pool-gib", "1"]) == 2
     assert "WORLD_SIZE must be an integer" in capsys.readouterr().err

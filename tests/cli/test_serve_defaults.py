@@ -89,6 +89,7 @@ BAD_ARGUMENTS = [
     (["--prefill-chunk-tokens", "0"], "--prefill-chunk-tokens must be >= 1"),
     (["--prefill-token-budget", "-32"], "--prefill-token-budget must be >= 1"),
     (["--prefill-token-budget", "1.5"], "invalid int value"),
+    (["--concurrent-prefill-tokens", "0"], "--concurrent-prefill-tokens must be >= 1"),
     (["--warmup-max-tokens", "-1"], "--warmup-max-tokens must be >= 0"),
     (["--threads", "0"], "--threads must be >= 1"),
     (["--dtype", "fp16"], "invalid choice"),

@@ -1,0 +1,41 @@
+"""The chunked-prefill benchmarks' --quick runs on the CPU: their logic and their reports' fields, not their timings.
+
+- benchmarks.profile_chunked_prefill: every chunk of the prompt timed for RocketKV's ChunkedPrefill and for
+  transformers' DynamicCache over the same chunks, the profiled chunks reported;
+- benchmarks.decode_beside_prefill: the running requests decode alone and while a second thread prefills a long
+  prompt; every page comes back to both pools.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from benchmarks import decode_beside_prefill
+from benchmarks.profile_chunked_prefill import main as profile_main
+
+
+def test_profile_chunked_prefill_times_every_chunk_both_ways(tmp_path, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["profile_chunked_prefill", "--quick", "--profile", "--chunks", "64,128",
+                                     "--out", str(tmp_path)])
+    profile_main()
+    report = json.loads((tmp_path / "profile_chunked_prefill.json").read_text())
+    assert report["prompt_len"] == 256 and set(report["chunks"]) == {"64", "128"}
+    for chunk, entry in report["chunks"].items():
+        expected = math.ceil(256 / int(chunk))
+        assert entry["rocketkv"]["chunks"] == entry["dynamic"]["chunks"] == expected, chunk
+        assert entry["median_ratio"] > 0
+        assert {"profile_last_chunk"} <= set(entry), chunk
+
+
+def test_decode_beside_prefill_measures_both_windows(tmp_path):
+    rc = decode_beside_prefill.main(["--quick", "--decode-priority", "default", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "decode_beside_prefill.json").read_text())
+    assert rc == 0, report
+    assert report["command"].startswith("python -m benchmarks.decode_beside_prefill --quick")
+    (label, result), = report["settings"].items()
+    assert label == "chunk128_default" and "error" not in result, result
+    assert result["pages_back"]
+    assert result["alone"]["itl_p50_s"] > 0 and result["beside"]["itl_p99_s"] > 0
+    assert len(result["beside"]["prefill_s"]) == report["args"]["arrivals"] == 1
+    assert result["rate_ratio"] > 0
