@@ -106,7 +106,8 @@ class Stage1:
             count = torch.full((batch,), queries.shape[2], dtype=torch.long, device=query_states.device)
         else:
             queries, count = last_real_queries(chunk_queries, valid, window)
-        if self.pending_queries is not None:
+        if self.pending_queries is not None and not (all_real and queries.shape[2] == window):
+            # (a chunk of at least ``window`` real queries replaces the window outright: no merge, no launches)
             held = self.pending_queries.shape[2]
             device = query_states.device
             held_valid = torch.arange(held, device=device)[None, :] >= (held - self.pending_valid)[:, None]
