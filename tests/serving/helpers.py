@@ -11,7 +11,7 @@ import time
 import torch
 
 from hf_rocketkv import KVBlockPool, RocketKVCache
-from hf_rocketkv.serving import SamplingParams
+from hf_rocketkv.serving import FinishReason, SamplingParams
 from hf_rocketkv.serving.engine import EngineRequest
 from tests.support.tiny_models import compressing_config, cpu_pool, greedy, random_ids
 
@@ -113,3 +113,24 @@ def prompt_of(length: int, seed: int) -> list[int]:
 
 
 PROMPTS = [(30, 9), (17, 3), (45, 12), (5, 6), (26, 1), (33, 8)]  # (prompt length, max_tokens): some under the budget
+
+
+def submit_arriving(engine, lengths: list[tuple[int, int]], seed: int, prefix: str) -> list[tuple[str, list, int]]:
+    """Requests of ``(prompt length, max_tokens)``, the first four at once, the rest once the engine has run three
+    decode steps (they arrive while the first ones decode); returns ``(rid, prompt, max_tokens)`` in order."""
+    sent = []
+    for i, (length, n) in enumerate(lengths):
+        prompt = prompt_of(length, seed=seed + i)
+        engine.submit(request(f"{prefix}{i}", prompt, n))
+        sent.append((f"{prefix}{i}", prompt, n))
+        if i == 3:
+            assert wait_until(lambda: engine.steps >= 3, timeout=30)
+    return sent
+
+
+def assert_each_alone(events, sent, oracle) -> None:
+    """Every request of ``sent`` ended at its max_tokens with its tokens alone (``oracle(prompt, n)``)."""
+    events.wait_finals(len(sent))
+    for rid, prompt, n in sent:
+        assert events.tokens(rid) == oracle(prompt, n), rid
+        assert [e.finish_reason for e in events.finals(rid)] == [FinishReason.LENGTH], rid

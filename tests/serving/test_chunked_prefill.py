@@ -14,7 +14,14 @@ import pytest
 
 from hf_rocketkv.serving import FinishReason
 from hf_rocketkv.serving.scheduler import BatchingConfig
-from tests.serving.helpers import make_pool, prompt_of, request, wait_until
+from tests.serving.helpers import (
+    assert_each_alone,
+    make_pool,
+    prompt_of,
+    request,
+    submit_arriving,
+    wait_until,
+)
 
 CHUNK = 16  # prompt tokens per prefill forward in these tests (CFG's prompt_budget is 24, its window 8)
 
@@ -65,17 +72,8 @@ def test_chunked_prompts_equal_each_alone(chunked, oracle, budget, per_step):
     engine, events, pool = chunked(prefill_token_budget=budget, prefills_per_step=per_step)
     free = pool.free_pages()
     lengths = [(100, 9), (5, 6), (17, 12), (33, 4), (61, 7), (12, 10), (16, 5), (47, 8)]
-    sent = []
-    for i, (length, n) in enumerate(lengths):
-        prompt = prompt_of(length, seed=300 + i)
-        engine.submit(request(f"c{i}", prompt, n))
-        sent.append((f"c{i}", prompt, n))
-        if i == 3:  # the rest arrive while the first ones decode
-            assert wait_until(lambda: engine.steps >= 3, timeout=30)
-    events.wait_finals(len(sent))
-    for rid, prompt, n in sent:
-        assert events.tokens(rid) == oracle(prompt, n), rid
-        assert [e.finish_reason for e in events.finals(rid)] == [FinishReason.LENGTH], rid
+    sent = submit_arriving(engine, lengths, seed=300, prefix="c")
+    assert_each_alone(events, sent, oracle)
     stats = engine.stats()
     assert stats.prefills == len(sent)
     assert stats.prefill_chunks == sum(math.ceil(length / CHUNK) for length, _ in lengths)

@@ -15,7 +15,7 @@ import pytest
 from hf_rocketkv.serving import FinishReason
 from hf_rocketkv.serving.batching import BatchingEngine
 from hf_rocketkv.serving.scheduler import BatchingConfig
-from tests.serving.helpers import CFG, make_pool, prompt_of, request, wait_until
+from tests.serving.helpers import CFG, assert_each_alone, make_pool, prompt_of, request, submit_arriving, wait_until
 from tests.serving.test_chunked_prefill import ForwardLog
 from tests.serving.test_lockstep import one_rank_group  # noqa: F401 - a fixture
 
@@ -38,17 +38,8 @@ def test_prompts_prefilled_beside_the_decode_steps_equal_each_alone(beside, orac
     engine, events, pool = beside()
     free = pool.free_pages()
     lengths = [(100, 9), (5, 6), (17, 12), (33, 4), (61, 7), (12, 10), (16, 5), (47, 8), (130, 3)]
-    sent = []
-    for i, (length, n) in enumerate(lengths):
-        prompt = prompt_of(length, seed=700 + i)
-        engine.submit(request(f"b{i}", prompt, n))
-        sent.append((f"b{i}", prompt, n))
-        if i == 3:  # the rest arrive while the first ones decode
-            assert wait_until(lambda: engine.steps >= 3, timeout=30)
-    events.wait_finals(len(sent))
-    for rid, prompt, n in sent:
-        assert events.tokens(rid) == oracle(prompt, n), rid
-        assert [e.finish_reason for e in events.finals(rid)] == [FinishReason.LENGTH], rid
+    sent = submit_arriving(engine, lengths, seed=700, prefix="b")
+    assert_each_alone(events, sent, oracle)
     assert engine.stats().prefills == len(sent)
     assert pool.free_pages() == free
 
@@ -85,7 +76,7 @@ def test_a_running_request_decodes_while_a_chunk_is_being_prefilled(beside, orac
 
 
 def test_without_decoding_rows_the_worker_takes_the_larger_chunk(beside, oracle, tiny_pair):
-    engine, events, pool = beside()
+    engine, events, _ = beside()
     log = ForwardLog(tiny_pair[0])
     try:
         prompt = prompt_of(100, seed=9)
