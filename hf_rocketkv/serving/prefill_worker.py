@@ -148,7 +148,7 @@ class PrefillWorker:
             tokens = self._chunk()
             with self.capture_lock:
                 prefill = running.prefill or self._admission.start_prefill(running, tokens)
-            while not prefill.done:
+            while logits is None:  # as the engine thread would: chunks until the last one returns the logits
                 if running.request.cancelled.is_set():
                     prefill.abort()  # without stage 1; the engine releases the request
                     break

@@ -67,12 +67,14 @@ def test_stop_token_ends_a_row_and_the_others_go_on(engines, oracle):
 
 
 # ------------------------------------------------------------------------------------------------ sampling
-def test_seeded_sampling_equals_the_request_alone(engines, tiny_pair):
-    """Each row samples with its own generator: the same tokens as SequentialEngine, whatever runs beside it."""
+@pytest.mark.parametrize("concurrent", [None, 16], ids=["serial_prefill", "prefill_beside_decode"])
+def test_seeded_sampling_equals_the_request_alone(engines, tiny_pair, concurrent):
+    """Each row samples with its own generator: the same tokens as SequentialEngine, whatever runs beside it (and
+    whichever thread prefilled it: ``concurrent_prefill_tokens``)."""
     prompts = [prompt_of(30, seed=7), prompt_of(19, seed=8), prompt_of(41, seed=9)]
     params = [dict(temperature=0.9, top_p=0.9, seed=11), dict(temperature=1.3, top_k=20, seed=12),
               dict(temperature=0.7, seed=13)]
-    engine, events, _ = engines()
+    engine, events, _ = engines(concurrent_prefill_tokens=concurrent)
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         engine.submit(request(f"x{i}", prompt, 8, **p))
     engine.submit(request("greedy", prompt_of(25, seed=10), 8))
@@ -91,12 +93,16 @@ def test_seeded_sampling_equals_the_request_alone(engines, tiny_pair):
 
 
 # ------------------------------------------------------------------------------------------------ random sequences
+@pytest.mark.parametrize("concurrent", [None, 8], ids=["serial_prefill", "prefill_beside_decode"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_random_request_sequences(engines, oracle, seed):
+def test_random_request_sequences(engines, oracle, seed, concurrent):
     """Arrivals, cancels, max_tokens, prompt lengths, shared prefixes: one final event each, the pool's free pages
-    back to the start, and every row's tokens those of the request alone (a cancelled one: a prefix of them)."""
+    back to the start, and every row's tokens those of the request alone (a cancelled one: a prefix of them); with
+    the prefill on the engine thread or beside the decode steps (``concurrent_prefill_tokens``: cancels then land
+    while the prefill thread holds a request, prefix hits are looked up there)."""
     rng = random.Random(seed)
-    engine, events, pool = engines(prefills_per_step=rng.choice([1, 2]), max_running=6, buckets=(1, 2, 4, 8))
+    engine, events, pool = engines(prefills_per_step=rng.choice([1, 2]), max_running=6, buckets=(1, 2, 4, 8),
+                                   concurrent_prefill_tokens=concurrent)
     free = pool.free_pages()
     shared = prompt_of(24, seed=1000 + seed)  # three pool pages: later requests may hit them
     sent = []

@@ -212,10 +212,12 @@ def test_a_request_ending_at_its_first_token_after_chunks_frees_its_pages(chunke
 
 
 # ------------------------------------------------------------------------------------------------ prefix reuse
-def test_prefix_hit_with_chunked_prefill(chunked, oracle, tiny_pair):
+@pytest.mark.parametrize("concurrent", [None, CHUNK], ids=["serial_prefill", "prefill_beside_decode"])
+def test_prefix_hit_with_chunked_prefill(chunked, oracle, tiny_pair, concurrent):
     """A later request that shares a first request's prefix reuses its pages; the rest of its prompt is
-    prefilled in chunks (several after the hit, or one), with the tokens of the request alone."""
-    engine, events, pool = chunked()
+    prefilled in chunks (several after the hit, or one), with the tokens of the request alone; on the engine thread
+    or on the prefill thread (``concurrent_prefill_tokens``)."""
+    engine, events, pool = chunked(concurrent_prefill_tokens=concurrent)
     shared = prompt_of(48, seed=11)  # six pool pages of 8 tokens
     prompts = {"first": shared + prompt_of(40, seed=12), "many": shared + prompt_of(45, seed=13),
                "one": shared + prompt_of(9, seed=14)}
