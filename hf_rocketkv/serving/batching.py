@@ -314,7 +314,8 @@ class BatchingEngine(ThreadedEngine):
             # the head waits for pages that nobody running will free (another user of the pool holds them), or
             # for the prefill worker (it wakes the thread when it hands a request back)
             with self._lock:
-                self._wakeup.wait(0.01 if self._worker is None else 0.05)
+                if self._worker is None or not self._worker.has_results():  # (one handed back already: no wait)
+                    self._wakeup.wait(0.01 if self._worker is None else 0.05)
 
     # ------------------------------------------------------------------------------------------------ prefill
     def _prefill_chunk(self, running: RunningRequest, tokens: int) -> None:
@@ -334,14 +335,15 @@ class BatchingEngine(ThreadedEngine):
                 prefill = self._admission.start_prefill(running, self.batching.prefill_chunk_tokens)
             logits = prefill.run(tokens)
             self._stats.prefill_chunks += 1
-            self._stats.prefill_seconds += time.perf_counter() - started
         except Exception as err:  # noqa: BLE001 - one request's failure ends that request only
             logger.warning("hf_rocketkv batching engine: request %s failed in prefill: %s", request.request_id, err,
                            exc_info=True)
             self._finish(running, FinishReason.ERROR, f"{type(err).__name__}: {err}")
             return
-        if logits is not None:
-            self._prefilled(running, logits)
+        if logits is None:
+            self._stats.prefill_seconds += time.perf_counter() - started
+            return
+        self._prefilled(running, logits, started)
 
     def _hand_to_worker(self, running: RunningRequest) -> None:
         """The prefill worker takes an admitted request (concurrent_prefill_tokens) and hands it back when done."""
@@ -366,15 +368,18 @@ class BatchingEngine(ThreadedEngine):
                 result.wait()
                 self._prefilled(result.running, result.logits)
 
-    def _prefilled(self, running: RunningRequest, logits) -> None:
+    def _prefilled(self, running: RunningRequest, logits, started: float | None = None) -> None:
         """A request's prompt is in its cache: its first token is sampled from ``logits`` ``[1, V]`` and it joins
-        the decoding rows (unless that token ends it)."""
+        the decoding rows (unless that token ends it). ``started``: when the engine thread began its last chunk (its
+        prefill seconds then end with the token read, so they hold the chunk's device work)."""
         request = running.request
         try:
             if not request.params.is_greedy:
                 running.generator = new_generator(request.params.seed, self.device)
             token = int(sample_tokens(logits, request.params, running.generator)[0])
             self._stats.prefills += 1
+            if started is not None:
+                self._stats.prefill_seconds += time.perf_counter() - started
         except Exception as err:  # noqa: BLE001 - one request's failure ends that request only
             logger.warning("hf_rocketkv batching engine: request %s failed sampling its first token: %s",
                            request.request_id, err, exc_info=True)

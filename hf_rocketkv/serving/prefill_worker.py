@@ -110,6 +110,11 @@ class PrefillWorker:
         with self._lock:
             return bool(self._held)
 
+    def has_results(self) -> bool:
+        """Whether a request was handed back and not taken yet."""
+        with self._lock:
+            return bool(self._done)
+
     def take_done(self) -> list[PrefillResult]:
         """The requests handed back since the last call, in order; they are the engine's again."""
         with self._lock:
