@@ -173,9 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_rocketkv.enable(model)
     config = (RocketKVConfig(prompt_budget=48, window_size=8, kernel_size=7, topk=4, page_size=4) if args.quick
               else RocketKVConfig()).replace(backend="triton" if device.type == "cuda" else "torch")
-    args.arrivals, arrivals = 0, args.arrivals  # the engine's pool: the running requests only
-    pool = make_pool(model, args, config, device)
-    args.arrivals = arrivals
+    pool = make_pool(model, argparse.Namespace(**{**vars(args), "arrivals": 0}), config, device)  # running only
     side_pool = KVBlockPool(model, max_gpu_bytes=pool.bytes_per_page * (args.long_prompt // args.page_size + 64) * 2,
                             page_size=args.page_size, kt_page_size=config.page_size, kt_dtype=config.kt_cache_dtype,
                             device=device)

@@ -322,11 +322,7 @@ class BatchingEngine(ThreadedEngine):
         """The next ``tokens`` of a request's prompt (its first chunk enters its cache's prefill); after the last
         one, its first token is sampled and it joins the decoding rows."""
         request = running.request
-        if running.error is not None:
-            self._finish(running, FinishReason.ERROR, running.error)
-            return
-        if request.cancelled.is_set():
-            self._finish(running, FinishReason.CANCELLED)
+        if self._ended_before_prefill(running):
             return
         started = time.perf_counter()
         try:
@@ -347,12 +343,18 @@ class BatchingEngine(ThreadedEngine):
 
     def _hand_to_worker(self, running: RunningRequest) -> None:
         """The prefill worker takes an admitted request (concurrent_prefill_tokens) and hands it back when done."""
+        if not self._ended_before_prefill(running):
+            self._worker.submit(running)
+
+    def _ended_before_prefill(self, running: RunningRequest) -> bool:
+        """End a request that failed or was cancelled before its next chunk ran; True when it did."""
         if running.error is not None:
             self._finish(running, FinishReason.ERROR, running.error)
         elif running.request.cancelled.is_set():
             self._finish(running, FinishReason.CANCELLED)
         else:
-            self._worker.submit(running)
+            return False
+        return True
 
     def _take_prefills(self) -> None:
         """The requests the prefill worker handed back: each joins the decoding rows (after its device work), or
