@@ -23,7 +23,8 @@ Rows, one process, the same model and prompt (batch 1):
                      per batch bucket; its compilation is in the row's ``wall_s`` and first gaps, not the median)
 The dense rows of gpt-oss prefill in chunks of ``--dense-prefill-chunk`` tokens (generate's prefill_chunk_size; with
 the static cache generate compiles the chunk's forward too): transformers' eager attention would otherwise hold
-64 x 32k x 32k logits at once (1024: ~13 GiB of them per chunk). Gemma 3's dense rows (sdpa) prefill in one forward.
+64 x 32k x 32k logits at once (1024: ~13 GiB of them per chunk). Gemma 3's dense rows (sdpa) prefill in one forward
+unless ``--dense-prefill-chunk`` is given (at 100k one forward's sliding mask alone is 18.6 GiB).
 RocketKV prefills in one forward (sinks through PyTorch's SDPA, ``selection/logit_features.sink_attention``).
 
 Columns: ``ttft_s`` (generate's first token: prefill, stage 1 and the first sampling), ``decode_ms_per_token``
@@ -120,7 +121,7 @@ def kv_bytes(cache) -> dict:
 
 
 def run_row(model, dense_attention: str, cache_kind: str, ids: torch.Tensor, new_tokens: int, chunk: int | None,
-            rocket: RocketKVConfig, rocket_chunk: int | None = None) -> dict:
+            rocket: RocketKVConfig, rocket_chunk: int | None = None, chunk_sdpa: bool = False) -> dict:
     device = ids.device
     row = dict(cache=cache_kind, context=ids.shape[1], batch=ids.shape[0])
     if cache_kind == "static-compile" and device.type != "cuda":
@@ -142,7 +143,7 @@ def run_row(model, dense_attention: str, cache_kind: str, ids: torch.Tensor, new
             row["prefill_chunk"] = rocket_chunk
     else:
         model.set_attn_implementation(dense_attention)
-        if chunk is not None and dense_attention == "eager":  # sdpa prefills 32k in one forward
+        if chunk is not None and (dense_attention == "eager" or chunk_sdpa):  # sdpa: 32k in one forward
             kwargs["prefill_chunk_size"] = chunk
             row["prefill_chunk"] = chunk
         if cache_kind == "static-compile":
@@ -205,8 +206,10 @@ def main(argv=None) -> dict:
                         help=f"generated tokens per row ({DROP_FIRST_STEPS} warm-up gaps are left out of the median)")
     parser.add_argument("--layers", type=int, default=None, help="keep only the first N layers of each model")
     parser.add_argument("--dense-prefill-chunk", type=int, default=None,
-                        help="prefill_chunk_size of gpt-oss' eager dense rows (default: the power of two that keeps "
-                             "one chunk's logits near 4 GiB, 1024 at 32k, 256 at 100k; 0: one forward)")
+                        help="prefill_chunk_size of the dense rows (default: gpt-oss' eager rows only, the power of "
+                             "two that keeps one chunk's logits near 4 GiB, 1024 at 32k, 256 at 100k; given, Gemma's "
+                             "sdpa rows too, e.g. 8192 at 100k, where one forward's sliding mask is 18.6 GiB; "
+                             "0: one forward)")
     parser.add_argument("--rocketkv-prefill-chunk", type=int, default=None,
                         help="prefill_chunk_size of the RocketKV rows (default: one forward; e.g. 8192 at 100k, "
                              "where transformers' sliding-window mask of one forward is 10 GB)")
@@ -239,7 +242,7 @@ def main(argv=None) -> dict:
         rows = []
         for kind in args.caches:
             row = run_row(model, dense_attention, kind, ids, args.new_tokens, chunk, rocket,
-                          args.rocketkv_prefill_chunk)
+                          args.rocketkv_prefill_chunk, chunk_sdpa=bool(args.dense_prefill_chunk))
             print(json.dumps(dict(model=name, **row)), flush=True)
             rows.append(row)
             gc.collect()
