@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="tiny model, tiny workload (CPU without a GPU)")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=8192)
+    parser.add_argument("--min-prompt-len", type=int, default=None,
+                        help="fixed workload's prompt lengths uniform in [this, --prompt-len] (default: all --prompt-len)")
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--max-running", type=int, default=32, help="BatchingConfig.max_running")
     parser.add_argument("--prefills-per-step", type=int, default=1)
@@ -134,6 +136,7 @@ def apply_quick(args) -> None:
     args.requests, args.prompt_len, args.new_tokens = min(args.requests, 4), min(args.prompt_len, 96), \
         min(args.new_tokens, 8)
     args.max_running = min(args.max_running, 4)
+    args.min_prompt_len = args.min_prompt_len and min(args.min_prompt_len, args.prompt_len)
     args.mixed_requests, args.mixed_time_s = min(args.mixed_requests, 4), min(args.mixed_time_s, 5.0)
     args.mixed_min_prompt, args.mixed_max_prompt = min(args.mixed_min_prompt, 32), min(args.mixed_max_prompt, 160)
     args.mixed_new_tokens = min(args.mixed_new_tokens, 6)
@@ -333,7 +336,9 @@ def step_warmup(engine_run: EngineRun, args, vocab) -> dict:
 
 def step_fixed(engine_run: EngineRun, args, vocab, device) -> dict:
     rng = random.Random(args.seed + 2)
-    prompts = [random_prompt(rng, args.prompt_len, vocab) for _ in range(args.requests)]
+    low = args.min_prompt_len or args.prompt_len  # U[--min-prompt-len, --prompt-len] when given
+    lengths = [rng.randint(low, args.prompt_len) for _ in range(args.requests)]
+    prompts = [random_prompt(rng, length, vocab) for length in lengths]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -343,7 +348,8 @@ def step_fixed(engine_run: EngineRun, args, vocab, device) -> dict:
         assert recorder.wait(len(prompts), 3600), "the fixed workload did not finish"
 
     result = engine_run.run(body)
-    result["workload"] = {"requests": args.requests, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
+    result["workload"] = {"requests": args.requests, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                          "min_prompt_len": args.min_prompt_len, "prompt_tokens": sum(lengths)}
     if device.type == "cuda":
         result["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
     return result
