@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from hf_rocketkv import RocketKVCache, SlidingWindowLayer
+from hf_rocketkv.integration import attention
 from tests.support.hybrid_models import HYBRID_ARCHS, WINDOW, make_hybrid_models
 from tests.support.tiny_models import compressing_config, cpu_pool, greedy, keep_all_config, left_pad, random_ids
 
@@ -68,6 +69,23 @@ def test_padded_batch_and_chunked_prefill_equal_the_oracle(pair):
     chunked = greedy(rocket, ids, attention_mask=mask, past_key_values=RocketKVCache(keep_all_config()),
                      max_new_tokens=10, prefill_chunk_size=6)
     assert torch.equal(chunked, expected)
+
+
+def test_a_long_first_forward_in_spans_equals_the_oracle(pair, monkeypatch):
+    """Spans shrunk to the window, prompts of several spans, one row and a left-padded batch: each span of a sliding
+    layer attends only the keys its window reaches (Gemma 2's soft-capped, gpt-oss' sinks too), causal layers with
+    sinks or caps only the keys up to the span's end, and the tokens stay transformers' own."""
+    arch, rocket, oracle = pair
+    monkeypatch.setattr(attention, "FIRST_FORWARD_QUERY_BLOCK", WINDOW)
+    spans = []
+    real = attention.attend_in_spans
+    monkeypatch.setattr(attention, "attend_in_spans", lambda *a, **kw: spans.append(1) or real(*a, **kw))
+    ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (53, 38)])
+    expected = greedy(oracle, ids, attention_mask=mask, max_new_tokens=8)
+    out = greedy(rocket, ids, attention_mask=mask, past_key_values=RocketKVCache(keep_all_config()),
+                 max_new_tokens=8)
+    assert torch.equal(out, expected), arch
+    assert spans, f"{arch}: no layer attended in spans"
 
 
 def test_beam_search_and_row_groups_equal_the_oracle(pair):
