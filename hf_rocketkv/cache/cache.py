@@ -176,7 +176,7 @@ class RocketKVCache(Cache):
     @contextlib.contextmanager
     def prefill(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, *,
                 max_new_tokens: int | None = None, max_length: int | None = None, reservation=None,
-                row_groups: bool = False):
+                row_groups: bool = False, columns: int | None = None):
         """One prefill on this cache (a first turn or a later one), with what every caller needs around its
         forwards, in order::
 
@@ -196,6 +196,8 @@ class RocketKVCache(Cache):
                 in between.
             row_groups: row-group prefill (``config.prefill_batch_size``): reserve the batch's pages now, admit each
                 group when it starts.
+            columns: the prompt's width when ``input_ids`` is not given (a row group's cache, admitted by the whole
+                batch's): a chunked prefill writes its chunks into one buffer of this width (``dense_store``).
 
         With a pool, every page the forwards need is taken on entry, or ``PoolExhaustedError`` is raised before
         anything is written. While the block runs the cache reports itself not compileable (prefill shapes change
@@ -205,8 +207,8 @@ class RocketKVCache(Cache):
             self.hints.max_length = max_length
         previous = self.hints.prefilling, self.hints.prefill_columns
         self.hints.prefilling = True
-        if input_ids is not None:
-            self.hints.prefill_columns = input_ids.shape[1]
+        if input_ids is not None or columns is not None:
+            self.hints.prefill_columns = input_ids.shape[1] if input_ids is not None else columns
         try:
             if input_ids is not None and input_ids.shape[1] > 0:
                 self._begin_with(reservation, input_ids, attention_mask, max_new_tokens, row_groups)

@@ -46,10 +46,9 @@ def prefill_in_row_groups(prefill: Call, cache: RocketKVCache):
         cache.share_rows(part, group)  # a pool-backed cache: the group's admitted rows, in the same pool
         part.setup_prefix()  # and their prefix hit
         part.hints.defer_compression = cache.hints.defer_compression
-        part.hints.prefill_columns = input_ids.shape[1]
         group_kwargs = compat.with_cache(slice_rows(model_kwargs, group, batch), part)
         # admitted by the whole batch's cache already (share_rows): no ids, so no admission of its own
-        with part.prefill(max_length=cache.hints.max_length):
+        with part.prefill(max_length=cache.hints.max_length, columns=input_ids.shape[1]):
             outputs.append(prefill(input_ids=input_ids[group], model_kwargs=group_kwargs))
         parts.append(part)
     cache.adopt_row_groups(parts)

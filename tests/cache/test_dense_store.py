@@ -69,3 +69,20 @@ def test_without_the_prompt_width_chunks_concatenate():
     ids = random_ids(1, 20)
     _chunks(rocket, cache, ids, 8)
     assert cache.layers[0]._keys.shape[2] == 20 and cache.layers[0].dense_buffers is None
+
+
+def test_a_width_given_without_ids_fills_one_buffer_and_is_forgotten_after_the_prefill():
+    """A row group's cache is admitted by the whole batch's, so its prefill gets no ids: ``columns=`` gives the
+    prompt's width, and the hint lives only as long as the prefill."""
+    rocket, _ = make_models("llama")
+    cache = RocketKVCache(compressing_config())
+    cache.hints.defer_compression = True
+    ids = random_ids(1, 24, seed=2)
+    widths = []
+    with cache.prefill(columns=24):
+        _chunks(rocket, cache, ids, 8, after_chunk=lambda end: widths.append(
+            cache.layers[0]._keys._base.shape[2] if end > 8 else None))
+        assert cache.hints.prefill_columns == 24
+    assert widths == [None, 24, 24]
+    assert cache.hints.prefill_columns is None
+    assert all(layer.compressed for layer in cache.layers)
