@@ -112,7 +112,7 @@ for name in "$@"; do
                      step "$name" 120 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_compact.py ;;
     attention_tests) # the prefill attention's lower-right causal path (flash / mem-efficient on CUDA) against its oracle
                      need_pytest
-                     step "$name" 120 $PY -m pytest -q -p no:cacheprovider tests/integration/test_attention.py ;;
+                     step "$name" 120 $PY -m pytest -q -p no:cacheprovider tests/integration/test_attention.py tests/integration/test_attention_spans.py ;;
     profile_prefix_hit) step "$name" 150 $PY -m benchmarks.profile_prefix_hit --out "$OUT/profile_prefix_hit" ;;
     profile_prefill) step "$name" 150 $PY -m benchmarks.profile_prefill --out "$OUT/profile_prefill" ;;
     sync_sites)      step "$name" 120 $PY -m benchmarks.sync_sites --layers 2 --out "$OUT/sync_sites" ;;
