@@ -18,6 +18,7 @@ from hf_rocketkv.cache.layer import GenerationHints
 from hf_rocketkv.integration import attention
 from hf_rocketkv.integration.attention import attend_in_spans, dense_attention, spans_pay_off, window_attention
 from hf_rocketkv.selection.logit_features import PLAIN, LogitFeatures
+from tests.integration.test_attention import inputs as attention_inputs
 
 BLOCK = 8
 # on a GPU (pytest -m gpu) the same oracle checks the spans in bfloat16, through the fused SDPA kernels
@@ -58,12 +59,8 @@ def full_mask(batch, n, window=None, pad=()):
 
 
 def inputs(batch, q_heads, kv_heads, n, dim, seed, device="cpu", dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, q_heads, n, dim, generator=g).to(device, dtype)
-    k = torch.randn(batch, kv_heads, n, dim, generator=g).to(device, dtype)
-    v = torch.randn(batch, kv_heads, n, dim, generator=g).to(device, dtype)
-    module = SimpleNamespace(num_key_value_groups=q_heads // kv_heads, is_causal=True, training=False)
-    return q, k, v, module
+    """A first forward's query, keys and values (``n`` of each) and a module as transformers' sdpa reads it."""
+    return attention_inputs(batch, q_heads, kv_heads, n, n, dim, dtype, seed, device)
 
 
 def features_of(kind, q_heads, seed):
