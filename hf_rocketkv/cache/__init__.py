@@ -12,9 +12,10 @@ Public API (what serving/, eval/, bench/ and the CLI import; integration/ may us
     decode_read_bytes   bytes one decode step reads from a layer (read_accounting.py; benchmarks' GB/s)
     SlidingWindowLayer  a sliding-window layer's store: its last tokens, dense (sliding_layer.py)
     sliding_windows     each layer's sliding window from a model config, None = full attention (memory/layer_kinds.py)
+    chunked_layers      which of those windows are attention chunks (Llama 4; memory/layer_kinds.py)
 """
 
-from ..memory.layer_kinds import sliding_windows
+from ..memory.layer_kinds import chunked_layers, sliding_windows
 from .batch_view import BatchedDecodeCache
 from .cache import RocketKVCache
 from .layer import GenerationHints, RocketKVLayer, layer_of
@@ -24,4 +25,4 @@ from .sliding_layer import SlidingWindowLayer
 from .stats import CacheStats
 
 __all__ = ["BatchedDecodeCache", "CacheStats", "GenerationHints", "RocketKVCache", "RocketKVLayer", "SlidingWindowLayer",
-           "check_pool_policy", "decode_read_bytes", "layer_of", "request_pages", "sliding_windows"]
+           "check_pool_policy", "chunked_layers", "decode_read_bytes", "layer_of", "request_pages", "sliding_windows"]

@@ -23,7 +23,7 @@ from transformers import Cache
 
 from ..config import RocketKVConfig
 from ..memory import KVBlockPool, PrefixKeys
-from ..memory.layer_kinds import describe, sliding_windows
+from ..memory.layer_kinds import CHUNKED_POOL, chunked_layers, describe, sliding_windows
 from .consistency import check_batch, check_layers_consistent
 from .dense_layer import DenseLayer
 from .layer import GenerationHints, RocketKVLayer
@@ -92,6 +92,7 @@ class RocketKVCache(Cache):
         super().__init__(layer_class_to_replicate=functools.partial(
             RocketKVLayer, self.config, self.hints, self.pages, counters=self.counters))
         self.layer_windows: tuple[int | None, ...] | None = None  # per layer: its sliding window, None = RocketKV
+        self.layer_chunked: tuple[bool, ...] | None = None  # per layer: its window is an attention chunk (Llama 4)
         self.num_layers: int | None = None  # the model's layer count, once a model config was given
         if model_config is not None:
             self.configure_layers(model_config)
@@ -105,14 +106,17 @@ class RocketKVCache(Cache):
         ValueError for layer types RocketKV cannot serve, or layer kinds other than those the cache's pool was built
         for. Returns the cache."""
         windows = sliding_windows(model_config)
+        chunked = chunked_layers(model_config)
         check_layer_count(self.config, len(windows))
-        if windows == self.layer_windows:
+        if windows == self.layer_windows and chunked == self.layer_chunked:
             return self
+        if self.pool is not None and any(chunked):
+            raise NotImplementedError(CHUNKED_POOL)
         if self.pool is not None and windows != self.pool.layer_windows:
             raise ValueError(HYBRID_POOL.format(layers=describe(windows), pool=describe(self.pool.layer_windows)))
         if any(layer.is_initialized for layer in self.layers):
             raise ValueError("RocketKVCache.configure_layers needs a cache that has stored nothing yet")
-        self.layer_windows = windows
+        self.layer_windows, self.layer_chunked = windows, chunked
         self.num_layers = len(windows)
         self.layers = []
         return self
@@ -133,6 +137,7 @@ class RocketKVCache(Cache):
         (``share_rows``)."""
         part = type(self)(self.config)
         part.layer_windows, part.num_layers = self.layer_windows, self.num_layers
+        part.layer_chunked = self.layer_chunked
         return part
 
     def share_rows(self, part: "RocketKVCache", rows: slice) -> None:
@@ -154,7 +159,8 @@ class RocketKVCache(Cache):
             if windows[layer_idx] is not None:
                 if self.pages is not None:  # its decode ring in the pool's slab, in the rows' slots
                     return PooledSlidingLayer(windows[layer_idx], self.hints, layer_idx, self.pages)
-                return SlidingWindowLayer(windows[layer_idx], self.hints, layer_idx)
+                chunked = bool(self.layer_chunked and self.layer_chunked[layer_idx])
+                return SlidingWindowLayer(windows[layer_idx], self.hints, layer_idx, chunked=chunked)
         config = layer_config(self.config, layer_idx, self.num_layers)
         if config is None:
             return DenseLayer(self.hints, layer_idx)

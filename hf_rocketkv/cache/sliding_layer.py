@@ -1,9 +1,11 @@
 """SlidingWindowLayer: the cache layer of a sliding-window attention layer inside a RocketKVCache.
 
 A sliding layer attends only to its last ``window`` tokens, so there is nothing for RocketKV to choose: it keeps
-exactly what the model can still see, dense, in a store of its own, and is never scored. The contract is the one of
-transformers' ``DynamicSlidingWindowLayer`` at every step, so the masks transformers builds from
-``get_mask_sizes`` are the ones the model's own cache gets:
+exactly what the model can still see, dense, in a store of its own, and is never scored. A chunked-attention layer
+(Llama 4, ``chunked``) is one too, its window the chunk size: a query sees at most the ``chunk - 1`` tokens before
+it, and transformers' chunked mask (built from the same ``get_mask_sizes``) hides those of earlier chunks. The
+contract is the one of transformers' ``DynamicSlidingWindowLayer`` at every step, so the masks transformers builds
+from ``get_mask_sizes`` are the ones the model's own cache gets:
 
     update(k, v)         returns the stored tokens followed by the new ones (what the forward's queries may see,
                          the mask hiding what lies outside each query's window and the padding), then keeps the
@@ -50,18 +52,22 @@ class SlidingWindowLayer(UnscoredLayer):
     is_sliding = True
     is_croppable = False
 
-    def __init__(self, window: int, hints: GenerationHints | None = None, layer_idx: int | None = None):
+    def __init__(self, window: int, hints: GenerationHints | None = None, layer_idx: int | None = None,
+                 chunked: bool = False):
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"SlidingWindowLayer: window must be a positive integer (the model config's "
-                             f"sliding_window), got {window!r}")
+                             f"sliding_window or attention_chunk_size), got {window!r}")
         super().__init__(hints, layer_idx)
         self.window = window
+        # a chunked-attention layer (Llama 4): ``window`` is the chunk size; its attention passes no sliding_window,
+        # transformers' chunked mask hides what lies outside the query's chunk
+        self.chunked = chunked
         self.ring = False  # decode layout (see the module docstring)
         self.position = None  # ring only: tokens seen, a 0-d int64 device tensor (a graphed step advances it)
         self.floor = 0  # the first position the layer may hold (a prefix hit's replay start, ``seed_replay``)
 
     def reset(self) -> None:
-        self.__init__(self.window, self.hints, self.layer_idx)
+        self.__init__(self.window, self.hints, self.layer_idx, self.chunked)
 
     @staticmethod
     def stack_rows(parts: list[UnscoredLayer], new_layer) -> UnscoredLayer:

@@ -139,20 +139,25 @@ def logit_features(kwargs: dict) -> LogitFeatures:
 def check_supported(module: torch.nn.Module, kwargs: dict, layer, key: torch.Tensor,
                     features: LogitFeatures) -> None:
     """Raise at the first forward for attention RocketKV cannot serve, instead of silently running something else:
-    non-causal attention, a layer whose sliding window is not the one its cache layer keeps (a cache that was not
-    told the model's layer types), other logit features than the layer was prefilled with, and dense layers or budget
-    schedules under tensor parallelism. Sliding windows, soft-capping and sinks run on a shard of the heads as on all
-    of them: a sliding layer keeps its window of whatever heads it receives, soft-capping is per logit, and the sinks
-    are checked against the query heads of this process (``check_sinks_follow_heads``)."""
+    non-causal attention, a layer whose sliding window or chunking is not the one its cache layer keeps (a cache that
+    was not told the model's layer types; a chunked layer passes no window, ``check_chunked``), other logit features
+    than the layer was prefilled with, and dense layers, budget schedules or chunked layers under tensor parallelism.
+    Sliding windows, soft-capping and sinks run on a shard of the heads as on all of them: a sliding layer keeps its
+    window of whatever heads it receives, soft-capping is per logit, and the sinks are checked against the query
+    heads of this process (``check_sinks_follow_heads``)."""
     name, index = type(module).__name__, getattr(module, "layer_idx", "?")
     if getattr(module, "is_causal", True) is False:
         raise NotImplementedError(f"RocketKV serves causal self-attention only; {name} is not causal")
     window = kwargs.get("sliding_window")
     kept = layer.window if isinstance(layer, SlidingWindowLayer) else None
-    if window != kept:
+    chunked = module_is_chunked(module)
+    if getattr(layer, "chunked", False):
+        check_chunked(name, index, module, window if window is not None or chunked else "none", layer, key)
+    elif window != kept or chunked:
         held = f"a sliding-window layer of {kept} tokens" if kept is not None else "a full-attention RocketKV layer"
+        attends = "chunked attention (layer_types)" if chunked else f"sliding_window={window}"
         raise ValueError(
-            f"{name} (layer {index}) attends with sliding_window={window}, but its RocketKVCache holds {held} there: "
+            f"{name} (layer {index}) attends with {attends}, but its RocketKVCache holds {held} there: "
             f"the cache was not given this model's layer types. generate() gives them itself; for plain forwards use "
             f"RocketKVCache(config, model_config=model.config)."
         )
@@ -169,6 +174,33 @@ def check_supported(module: torch.nn.Module, kwargs: dict, layer, key: torch.Ten
     if isinstance(layer, RocketKVLayer) and layer.compressed and not features.same_as(layer.features):
         raise ValueError(f"{name} (layer {index}): the attention's soft-capping / sinks differ from those the layer "
                          f"was prefilled with; one RocketKVCache serves one model")
+
+
+def module_is_chunked(module: torch.nn.Module) -> bool:
+    """Whether the model's config makes this attention module a chunked-attention layer (Llama 4)."""
+    layer_types = getattr(getattr(module, "config", None), "layer_types", None)
+    index = getattr(module, "layer_idx", None)
+    if not isinstance(index, int) or not isinstance(layer_types, (list, tuple)) or index >= len(layer_types):
+        return False
+    return layer_types[index] == "chunked_attention"
+
+
+def check_chunked(name: str, index, module: torch.nn.Module, window, layer: SlidingWindowLayer,
+                  key: torch.Tensor) -> None:
+    """A chunked-attention layer (Llama 4) passes no ``sliding_window``: transformers' chunked mask decides what it
+    sees, and its cache layer keeps the last ``attention_chunk_size - 1`` tokens. Tensor parallelism is refused for
+    it (not tested yet)."""
+    if window is not None:
+        attends = f"sliding_window={window}" if window != "none" else "full attention (layer_types)"
+        raise ValueError(f"{name} (layer {index}) attends with {attends}, but its RocketKVCache holds a "
+                         f"chunked-attention layer of {layer.window} tokens there (the model config's layer_types); "
+                         f"one RocketKVCache serves one model")
+    total = getattr(module.config, "num_key_value_heads", None) or module.config.num_attention_heads
+    if key.shape[1] != total:
+        raise NotImplementedError(
+            f"RocketKV does not support chunked-attention layers (layer_types 'chunked_attention', Llama 4) under "
+            f"tensor parallelism yet ({name}, layer {index}: this process holds {key.shape[1]} of {total} KV heads). "
+            f"Run the model on one device.")
 
 
 def check_sinks_follow_heads(module: torch.nn.Module, sinks: torch.Tensor, query: torch.Tensor) -> None:

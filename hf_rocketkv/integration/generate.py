@@ -29,6 +29,7 @@ from . import compat
 from ..cache.cache import RocketKVCache
 from ..cache.layer import CROP_UNSUPPORTED
 from ..config import RocketKVConfig
+from ..memory.layer_kinds import chunked_layers, reads_seq_length_in_forward
 from .batch_buckets import plan_padding, prefill_real_rows, strip_padding
 from .compiled_decode import run_compiled_step
 from .decode_graphs import run_graphed_step, wants_graphs
@@ -96,6 +97,7 @@ class RocketKVGenerateHooks:
             model_kwargs[compat.CACHE_ARG] = cache
         configure_layers(cache, model)
         check_layer_plan(cache, model, generation_config)
+        check_host_positions(cache, model, generation_config)
         cache.hints.max_length = call.arguments["max_cache_length"]
         cache.hints.defer_compression = generation_config.prefill_chunk_size is not None
         return result
@@ -216,6 +218,28 @@ def check_layer_plan(cache: RocketKVCache, model, generation_config) -> None:
             f"RocketKVConfig.{field[0]}={field[1]!r} does not run under the compiled decode ({runner} on "
             f"{device}) yet: pass generate(..., disable_compile=True) to decode eagerly, or leave {field[0]} at its "
             f"default.")
+
+
+def check_host_positions(cache: RocketKVCache, model, generation_config) -> None:
+    """Refuse the compiled and captured decode runners for a model with chunked-attention layers or whose attention
+    reads ``cache.get_seq_length`` inside its forward (Llama 4: ``attn_temperature_tuning`` on its NoPE layers, a
+    Python int a captured step would freeze): neither is proven under them yet. Raised before anything is computed,
+    naming the runner; decode runs eagerly with ``disable_compile=True``."""
+    if getattr(generation_config, "disable_compile", False):
+        return
+    chunked = any(chunked_layers(model.config))
+    if not chunked and not reads_seq_length_in_forward(model.config):
+        return
+    device = next(model.parameters()).device.type
+    runner = compiled_decode_field(cache.config)
+    if runner is None and device in cache.hints.graph_devices:
+        runner = "decode_runner='cuda_graphs'"
+    if runner is not None:
+        what = ("chunked-attention layers (layer_types 'chunked_attention')" if chunked else
+                "attention that reads the cache's length in its forward (attn_temperature_tuning)")
+        raise NotImplementedError(
+            f"RocketKVConfig.{runner} (on {device}) does not serve models with {what} yet: pass "
+            f"generate(..., disable_compile=True) to decode eagerly (and leave batch_buckets unset).")
 
 
 def check_continuation(cache: RocketKVCache, input_ids: torch.Tensor) -> None:

@@ -4,19 +4,66 @@ transformers 5.x configs say it in two ways: ``layer_types`` lists ``"full_atten
 per layer (Gemma 2 and 3, Cohere 2, gpt-oss, Qwen2 with ``use_sliding_window``), and ``sliding_window`` is the window;
 a config without ``layer_types`` but with ``sliding_window`` set (Mistral) slides on every layer. A RocketKVCache
 gives each sliding layer a ``SlidingWindowLayer`` and each full-attention layer a RocketKV layer.
+
+Llama 4's ``"chunked_attention"`` layers (``attention_chunk_size``) see only the keys of their query's chunk. As
+transformers does for its own cache, such a layer keeps the last ``attention_chunk_size - 1`` tokens (a query never
+sees more) and the mask decides which of them are visible: ``sliding_windows`` gives it the chunk size as its window,
+and ``chunked_layers`` says which windows are chunks (the pool, prefix reuse and the compiled decode runners do not
+serve them).
 """
 
 from __future__ import annotations
 
-FULL, SLIDING = "full_attention", "sliding_attention"
+FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
+
+CHUNKED_POOL = (
+    "KVBlockPool: this model has 'chunked_attention' layers (layer_types, attention_chunk_size; Llama 4), which the "
+    "pool does not serve yet, so neither do the batching engine, prefix reuse and prefix files: run it through "
+    "generate() on a RocketKVCache without a pool (the sequential engine without --pool-gib)"
+)
 
 
 def sliding_windows(model_config) -> tuple[int | None, ...]:
-    """The window of every layer of ``model_config`` (a transformers config), None for full-attention layers.
+    """The window of every layer of ``model_config`` (a transformers config), None for full-attention layers; a
+    chunked-attention layer's window is ``attention_chunk_size``.
 
-    Raises ValueError naming the config field for layer types RocketKV cannot serve (chunked, linear attention, ...)
-    or a window that is not a positive integer.
+    Raises ValueError naming the config field for layer types RocketKV cannot serve (linear attention, ...) or a
+    window or chunk size that is not a positive integer.
     """
+    config, layer_types = _layer_types(model_config)
+    window = getattr(config, "sliding_window", None)
+    if SLIDING in layer_types and not _positive(window):
+        raise ValueError(f"model config: sliding_window must be a positive integer for its '{SLIDING}' layers, "
+                         f"got {window!r}")
+    chunk = getattr(config, "attention_chunk_size", None)
+    if CHUNKED in layer_types and not _positive(chunk):
+        raise ValueError(f"model config: attention_chunk_size must be a positive integer for its '{CHUNKED}' "
+                         f"layers, got {chunk!r}")
+    return tuple({SLIDING: window, CHUNKED: chunk}.get(kind) for kind in layer_types)
+
+
+def chunked_layers(model_config) -> tuple[bool, ...]:
+    """Per layer of ``model_config``: whether it is a chunked-attention layer (Llama 4). Validated as
+    ``sliding_windows``."""
+    sliding_windows(model_config)
+    return tuple(kind == CHUNKED for kind in _layer_types(model_config)[1])
+
+
+def reads_seq_length_in_forward(model_config) -> bool:
+    """Whether the model's attention reads ``cache.get_seq_length(layer)`` inside its forward (Llama 4's NoPE layers
+    with ``attn_temperature_tuning`` scale their queries by position): a Python int that a captured or compiled
+    decode step would freeze."""
+    config, _ = _layer_types(model_config)
+    no_rope = getattr(config, "no_rope_layers", None) or ()
+    return bool(getattr(config, "attn_temperature_tuning", False)) and any(not use for use in no_rope)
+
+
+def _positive(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
+
+
+def _layer_types(model_config):
+    """``(text config, layer types)``, the types checked against ``num_hidden_layers`` and the kinds served."""
     config = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") else model_config
     num_layers = getattr(config, "num_hidden_layers", None)
     if not isinstance(num_layers, int) or num_layers < 1:
@@ -29,14 +76,11 @@ def sliding_windows(model_config) -> tuple[int | None, ...]:
     if len(layer_types) != num_layers:
         raise ValueError(f"model config: layer_types lists {len(layer_types)} layers, num_hidden_layers is "
                          f"{num_layers}")
-    unknown = sorted(set(layer_types) - {FULL, SLIDING})
+    unknown = sorted(set(layer_types) - {FULL, SLIDING, CHUNKED})
     if unknown:
         raise ValueError(f"model config: layer_types has {', '.join(map(repr, unknown))} layers; RocketKV serves "
-                         f"'{FULL}' and '{SLIDING}' layers only")
-    if SLIDING in layer_types and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"model config: sliding_window must be a positive integer for its '{SLIDING}' layers, "
-                         f"got {window!r}")
-    return tuple(window if kind == SLIDING else None for kind in layer_types)
+                         f"'{FULL}', '{SLIDING}' and '{CHUNKED}' layers only")
+    return config, layer_types
 
 
 def describe(windows: tuple[int | None, ...]) -> str:

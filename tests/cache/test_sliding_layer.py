@@ -10,6 +10,7 @@ from transformers import (
     Cohere2Config,
     Gemma3TextConfig,
     GptOssConfig,
+    Llama4TextConfig,
     LlamaConfig,
     MistralConfig,
     Qwen2Config,
@@ -17,6 +18,7 @@ from transformers import (
 from transformers.cache_utils import DynamicSlidingWindowLayer  # the oracle (public class, not exported at the top)
 
 from hf_rocketkv.cache import SlidingWindowLayer, sliding_windows
+from hf_rocketkv.memory.layer_kinds import chunked_layers
 
 H, D = 2, 4
 
@@ -124,10 +126,21 @@ def test_sliding_windows_from_model_configs():
     assert sliding_windows(GptOssConfig(num_hidden_layers=2)) == (128, None)
 
 
+def test_chunked_layers_keep_their_chunk_as_window():
+    """Llama 4's chunked-attention layers: window = attention_chunk_size (transformers keeps chunk - 1 tokens too)."""
+    config = Llama4TextConfig(num_hidden_layers=4, attention_chunk_size=8, no_rope_layers=[1, 1, 1, 0])
+    assert sliding_windows(config) == (8, 8, 8, None)
+    assert chunked_layers(config) == (True, True, True, False)
+    assert chunked_layers(Gemma3TextConfig(num_hidden_layers=2, sliding_window=32)) == (False, False)
+    config.attention_chunk_size = 0
+    with pytest.raises(ValueError, match="attention_chunk_size must be a positive integer.*'chunked_attention'"):
+        sliding_windows(config)
+
+
 def test_layer_types_rocketkv_cannot_serve_name_the_field():
     config = LlamaConfig(num_hidden_layers=2)
-    config.layer_types = ["full_attention", "chunked_attention"]
-    with pytest.raises(ValueError, match="layer_types has 'chunked_attention' layers"):
+    config.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(ValueError, match="layer_types has 'linear_attention' layers"):
         sliding_windows(config)
     config.layer_types = ["full_attention"]
     with pytest.raises(ValueError, match="layer_types lists 1 layers, num_hidden_layers is 2"):

@@ -17,7 +17,7 @@ import types
 from pathlib import Path
 
 import pytest
-from transformers import BertConfig, Llama4TextConfig, LlamaConfig
+from transformers import BertConfig, LlamaConfig, Qwen3NextConfig
 
 from hf_rocketkv.cli import CONFIG_DIR, compact_list, main
 from hf_rocketkv.eval.settings import load_run_config
@@ -235,8 +235,8 @@ def make_error_fixtures(folder: Path) -> None:
     """The files the rows of the docs/cli.md error table name (listed under that table)."""
     small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
              "vocab_size": 128}
-    Llama4TextConfig(**small, num_key_value_heads=2, head_dim=8, architectures=["Llama4ForCausalLM"]).save_pretrained(
-        folder / "llama4")
+    Qwen3NextConfig(**small, num_key_value_heads=2, head_dim=8, architectures=["Qwen3NextForCausalLM"]).save_pretrained(
+        folder / "qwen3-next")
     BertConfig(**small, architectures=["BertForMaskedLM"]).save_pretrained(folder / "bert")
     LlamaConfig(**small, num_key_value_heads=2).save_pretrained(folder / "llama-no-weights")
     (folder / "empty-folder").mkdir()

@@ -5,6 +5,10 @@ and cache (``DynamicCache`` with ``DynamicSlidingWindowLayer`` for the sliding l
 fp32 on the CPU, hidden 64, 4 layers, 4 query heads over 2 KV heads, head_dim 16, window 8, random weights from a
 fixed seed (a larger init spread than the default, so greedy tokens vary); gpt-oss' sinks are drawn at random too
 (they are created uninitialised).
+
+Llama 4 (``make_llama4_models``): three chunked-attention layers (chunk 8) and one full-attention NoPE layer whose
+queries are scaled by position (``attn_temperature_tuning`` with ``floor_scale`` 4, so the scale changes every 4
+positions), two tiny experts on every other layer.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from transformers import (
     Gemma3TextConfig,
     GptOssConfig,
     GptOssForCausalLM,
+    Llama4ForCausalLM,
+    Llama4TextConfig,
     MistralConfig,
     MistralForCausalLM,
 )
@@ -67,6 +73,32 @@ def make_hybrid_models(arch: str, seed: int = 0, **overrides):
             if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
                 module.sinks.normal_(0.0, 1.0)
     rocket = model_cls(copy.deepcopy(config)).eval()
+    rocket.load_state_dict(oracle.state_dict())
+    hf_rocketkv.enable(rocket)
+    return rocket, oracle
+
+
+CHUNK = 8
+LLAMA4 = dict(attention_chunk_size=CHUNK, no_rope_layers=[1, 1, 1, 0], attn_temperature_tuning=True, floor_scale=4,
+              attn_scale=0.5, num_local_experts=2, num_experts_per_tok=1, intermediate_size_mlp=64,
+              interleave_moe_layer_step=2)
+
+
+def llama4_config(**overrides) -> Llama4TextConfig:
+    """Layer types ``[chunked, chunked, chunked, full]`` (the full one is the NoPE layer)."""
+    return Llama4TextConfig(**{**BASE_CONFIG, "num_hidden_layers": 4, "initializer_range": 0.2, **LLAMA4,
+                               **overrides})
+
+
+def make_llama4_models(seed: int = 0, **overrides):
+    """``(rocket, oracle)`` of a tiny random Llama 4 text model (``Llama4ForCausalLM``): ``rocketkv`` attention,
+    and the same weights on transformers' eager attention (its own cache: ``DynamicSlidingWindowLayer`` of the chunk
+    size for the chunked layers)."""
+    config = llama4_config(**overrides)
+    torch.manual_seed(seed)
+    oracle = Llama4ForCausalLM(copy.deepcopy(config)).eval()
+    oracle.set_attn_implementation("eager")
+    rocket = Llama4ForCausalLM(copy.deepcopy(config)).eval()
     rocket.load_state_dict(oracle.state_dict())
     hf_rocketkv.enable(rocket)
     return rocket, oracle

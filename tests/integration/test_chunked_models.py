@@ -1,0 +1,191 @@
+"""Llama 4's chunked-attention layers on one RocketKVCache, against the oracle: the same weights on transformers'
+eager attention and its own cache (a ``DynamicSlidingWindowLayer`` of the chunk size per chunked layer).
+
+- nothing evicted: greedy tokens equal the oracle's (one row of several chunks, a left-padded batch, chunked prefill,
+  a ``keep_all`` second turn, plain forwards with ``model_config``); the NoPE layer scales its queries by the
+  position it reads from ``cache.get_seq_length(layer)``, so wrong lengths change the tokens;
+- compression on: the chunked layers hold at most ``chunk - 1`` tokens, only the full-attention layer is
+  compressed, and every layer's length is the tokens seen;
+- what is not supported for chunked layers is refused with one clear line: a pool (so the batching engine and prefix
+  reuse), the compiled and captured decode runners, tensor parallelism, a cache not told the layer types.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+
+import pytest
+import torch
+from transformers import masking_utils
+
+from hf_rocketkv import RocketKVCache, SlidingWindowLayer
+from hf_rocketkv.integration.attention import check_supported
+from hf_rocketkv.selection.logit_features import PLAIN
+from tests.support.hybrid_models import CHUNK, make_llama4_models
+from tests.support.tiny_models import compressing_config, cpu_pool, greedy, keep_all_config, left_pad, random_ids
+
+CHUNKED, FULL = [0, 1, 2], 3
+
+# transformers 5.17's generate() passes block_sequence_ids to create_chunked_causal_mask, which does not take it:
+# Llama 4 cannot generate there with any attention (plain forwards work)
+GENERATE_BROKEN = "block_sequence_ids" not in inspect.signature(masking_utils.create_chunked_causal_mask).parameters
+needs_generate = pytest.mark.skipif(GENERATE_BROKEN, reason="this transformers' generate() cannot run Llama 4 "
+                                    "(create_chunked_causal_mask takes no block_sequence_ids)")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return make_llama4_models()
+
+
+@needs_generate
+def test_keep_all_equals_the_oracle(pair):
+    rocket, oracle = pair
+    ids = random_ids(1, 5 * CHUNK + 3, seed=3)
+    expected = greedy(oracle, ids, max_new_tokens=16)
+    cache = RocketKVCache(keep_all_config())
+    assert torch.equal(greedy(rocket, ids, past_key_values=cache, max_new_tokens=16), expected)
+    for index in CHUNKED:
+        layer = cache.layers[index]
+        assert isinstance(layer, SlidingWindowLayer) and layer.chunked and layer.window == CHUNK
+    assert not cache.layers[FULL].is_sliding
+    # no cache passed: generate() makes one from the model's config
+    assert torch.equal(greedy(rocket, ids, max_new_tokens=16), expected)
+
+
+@needs_generate
+def test_padded_batch_and_chunked_prefill_equal_the_oracle(pair):
+    rocket, oracle = pair
+    ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (37, 21)])
+    expected = greedy(oracle, ids, attention_mask=mask, max_new_tokens=10)
+    batch = greedy(rocket, ids, attention_mask=mask, past_key_values=RocketKVCache(keep_all_config()),
+                   max_new_tokens=10)
+    assert torch.equal(batch, expected)
+    chunked = greedy(rocket, ids, attention_mask=mask, past_key_values=RocketKVCache(keep_all_config()),
+                     max_new_tokens=10, prefill_chunk_size=6)
+    assert torch.equal(chunked, expected)
+
+
+@needs_generate
+def test_a_keep_all_conversation_equals_the_oracle(pair):
+    rocket, oracle = pair
+    cache = RocketKVCache(keep_all_config(multi_turn="keep_all"))
+    first = greedy(rocket, random_ids(1, 30, seed=1), past_key_values=cache, max_new_tokens=6)
+    conversation = torch.cat([first, random_ids(1, 13, seed=2)], dim=1)
+    second = greedy(rocket, conversation, past_key_values=cache, max_new_tokens=6)
+    assert torch.equal(second, greedy(oracle, conversation, max_new_tokens=6))
+    assert cache.get_seq_length() == conversation.shape[1] + 5
+
+
+def test_plain_forwards_with_model_config_equal_the_oracle(pair):
+    """Prefill, then decode steps across two chunk boundaries; each layer's length is the tokens seen."""
+    rocket, oracle = pair
+    ids = random_ids(1, 2 * CHUNK + 5, seed=5)
+    cache = RocketKVCache(keep_all_config(), model_config=rocket.config)
+    with torch.no_grad():
+        logits = rocket(ids, past_key_values=cache).logits[:, -1]
+        torch.testing.assert_close(logits, oracle(ids).logits[:, -1], rtol=1e-4, atol=1e-4)
+        for _ in range(CHUNK + 2):
+            token = logits.argmax(-1, keepdim=True)
+            ids = torch.cat([ids, token], dim=1)
+            logits = rocket(token, past_key_values=cache).logits[:, -1]
+            torch.testing.assert_close(logits, oracle(ids).logits[:, -1], rtol=1e-4, atol=1e-4)
+    assert [cache.get_seq_length(i) for i in range(4)] == [ids.shape[1]] * 4
+
+
+def test_plain_forward_without_layer_types_is_refused(pair):
+    rocket, _ = pair
+    with pytest.raises(ValueError, match=r"chunked attention \(layer_types\).*model_config=model.config"):
+        with torch.no_grad():
+            rocket(random_ids(1, 12), past_key_values=RocketKVCache(keep_all_config()))
+
+
+@needs_generate
+def test_compression_keeps_chunks_and_compresses_the_full_layer(pair):
+    rocket, _ = pair
+    kv_heads = rocket.config.num_key_value_heads
+    rows = [random_ids(1, n, seed=n)[0] for n in (50, 33)]
+    ids, mask = left_pad(rows)
+    config = compressing_config()
+    cache = RocketKVCache(config)
+    batch = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8)
+    seen = ids.shape[1] + 7
+    for index in CHUNKED:
+        layer = cache.layers[index]
+        assert isinstance(layer, SlidingWindowLayer) and layer.chunked and not getattr(layer, "compressed", False)
+        assert layer.ring and layer.keys.shape[2] == CHUNK  # decode's ring of chunk slots
+        assert layer.stored == CHUNK - 1  # what the next query can see at most
+        assert cache.kept_tokens(index).tolist() == [[CHUNK - 1] * kv_heads] * 2
+    assert cache.layers[FULL].compressed
+    assert cache.kept_tokens(FULL).tolist() == [[24 + 7] * kv_heads] * 2
+    # the NoPE layer reads its length as the position of the next query: tokens seen, not tokens kept
+    assert [cache.get_seq_length(i) for i in range(4)] == [seen] * 4
+    # the unpadded row gets the tokens it gets alone (a padded row does not, in transformers' own model either: the
+    # NoPE layer's temperature counts input columns, padding included)
+    alone = greedy(rocket, rows[0][None], past_key_values=RocketKVCache(config), max_new_tokens=8)
+    assert torch.equal(batch[0, ids.shape[1]:], alone[0, len(rows[0]):])
+    chunked = greedy(rocket, rows[0][None], past_key_values=RocketKVCache(config), max_new_tokens=8,
+                     prefill_chunk_size=10)
+    assert torch.equal(chunked, alone)
+
+
+# ------------------------------------------------------------------------------------------------ refusals
+def test_a_pool_is_refused_naming_what_it_serves(pair):
+    rocket, _ = pair
+    config = compressing_config(kt_cache_dtype="float32")
+    with pytest.raises(NotImplementedError, match="'chunked_attention' layers.*batching engine, prefix reuse"):
+        cpu_pool(rocket.config, config)
+    full = types.SimpleNamespace(num_hidden_layers=4, num_key_value_heads=2, num_attention_heads=4, head_dim=16)
+    with pytest.raises(NotImplementedError, match="KVBlockPool: this model has 'chunked_attention' layers"):
+        RocketKVCache(config, pool=cpu_pool(full, config), model_config=rocket.config)
+
+
+@pytest.mark.parametrize("overrides,graphs,runner", [
+    (dict(decode_runner="torch_compile"), False, "decode_runner='torch_compile'"),
+    (dict(), True, "decode_runner='cuda_graphs'"),
+])
+def test_compiled_decode_runners_are_refused_before_computing(pair, monkeypatch, overrides, graphs, runner):
+    rocket, _ = pair
+    calls = []
+    monkeypatch.setattr(RocketKVCache, "update", lambda *a, **kw: calls.append(1))
+    cache = RocketKVCache(keep_all_config(**overrides))
+    if graphs:  # the CPU standing in for a graph device
+        cache.hints.graph_devices = ("cpu",)
+    with pytest.raises(NotImplementedError, match=rf"{runner} \(on cpu\) does not serve models with chunked-attention "
+                                                  rf"layers.*disable_compile=True"):
+        greedy(rocket, random_ids(1, 12), past_key_values=cache, max_new_tokens=2)
+    assert not calls
+
+
+@needs_generate
+def test_disable_compile_decodes_eagerly_under_any_runner(pair):
+    rocket, oracle = pair
+    ids = random_ids(1, 20, seed=4)
+    cache = RocketKVCache(keep_all_config(decode_runner="torch_compile"))
+    out = greedy(rocket, ids, past_key_values=cache, max_new_tokens=6, disable_compile=True)
+    assert torch.equal(out, greedy(oracle, ids, max_new_tokens=6))
+
+
+def test_temperature_tuning_alone_refuses_the_compiled_runners(monkeypatch):
+    """A Llama 4 whose layers are all full attention still reads the cache's length in its NoPE layers' forward."""
+    rocket, _ = make_llama4_models(layer_types=["full_attention"] * 4)
+    assert "chunked_attention" not in rocket.config.layer_types
+    with pytest.raises(NotImplementedError, match="reads the cache's length in its forward .attn_temperature_tuning"):
+        greedy(rocket, random_ids(1, 12), past_key_values=RocketKVCache(keep_all_config(decode_runner="torch_compile")),
+               max_new_tokens=2)
+
+
+def test_tensor_parallel_shards_and_mismatched_layers_are_refused(pair):
+    rocket, _ = pair
+    module = rocket.model.layers[0].self_attn
+    layer = SlidingWindowLayer(CHUNK, chunked=True)
+    check_supported(module, {}, layer, torch.zeros(1, 2, 4, 16), PLAIN)  # every KV head: served
+    with pytest.raises(NotImplementedError, match="chunked-attention layers .* under tensor parallelism"):
+        check_supported(module, {}, layer, torch.zeros(1, 1, 4, 16), PLAIN)
+    with pytest.raises(ValueError, match="sliding_window=8, but its RocketKVCache holds a chunked-attention layer"):
+        check_supported(module, {"sliding_window": CHUNK}, layer, torch.zeros(1, 2, 4, 16), PLAIN)
+    full = rocket.model.layers[FULL].self_attn
+    with pytest.raises(ValueError, match="attends with full attention .layer_types., but its RocketKVCache holds a "
+                                         "chunked-attention layer"):
+        check_supported(full, {}, layer, torch.zeros(1, 2, 4, 16), PLAIN)
