@@ -14,6 +14,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList, TextStreamer
 
 from ..integration import compat
+from ..integration.generate import eager_decode_reason
 
 
 @dataclass
@@ -133,6 +134,9 @@ def timed_generate(
     def print_label():
         print(f"{label}:", end=" ", flush=True)
 
+    eager_only = eager_decode_reason(model.config)  # Llama 4: the captured decode does not serve it yet
+    if eager_only is not None and attn_implementation == "rocketkv":
+        print(f"note: {eager_only}: RocketKV decodes eagerly (no CUDA graphs)", file=sys.stderr, flush=True)
     with PrefillProgress(model, prompt_tokens, f"prefill, {label}", progress, when_done=print_label):
         start = time.perf_counter()
         with torch.no_grad():
@@ -146,6 +150,7 @@ def timed_generate(
                 logits_processor=LogitsProcessorList([clock]),
                 pad_token_id=tokenizer.pad_token_id,
                 streamer=streamer,
+                disable_compile=eager_only is not None,
             )
     if streamer is None:
         print(tokenizer.decode(out[0, prompt_tokens:], **decode), flush=True)

@@ -227,19 +227,27 @@ def check_host_positions(cache: RocketKVCache, model, generation_config) -> None
     naming the runner; decode runs eagerly with ``disable_compile=True``."""
     if getattr(generation_config, "disable_compile", False):
         return
-    chunked = any(chunked_layers(model.config))
-    if not chunked and not reads_seq_length_in_forward(model.config):
+    what = eager_decode_reason(model.config)
+    if what is None:
         return
     device = next(model.parameters()).device.type
     runner = compiled_decode_field(cache.config)
     if runner is None and device in cache.hints.graph_devices:
         runner = "decode_runner='cuda_graphs'"
     if runner is not None:
-        what = ("chunked-attention layers (layer_types 'chunked_attention')" if chunked else
-                "attention that reads the cache's length in its forward (attn_temperature_tuning)")
         raise NotImplementedError(
             f"RocketKVConfig.{runner} (on {device}) does not serve models with {what} yet: pass "
             f"generate(..., disable_compile=True) to decode eagerly (and leave batch_buckets unset).")
+
+
+def eager_decode_reason(model_config) -> str | None:
+    """What makes a model decode eagerly only (``check_host_positions``), or None: chunked-attention layers, or
+    attention that reads the cache's length inside its forward (Llama 4)."""
+    if any(chunked_layers(model_config)):
+        return "chunked-attention layers (layer_types 'chunked_attention')"
+    if reads_seq_length_in_forward(model_config):
+        return "attention that reads the cache's length in its forward (attn_temperature_tuning)"
+    return None
 
 
 def check_continuation(cache: RocketKVCache, input_ids: torch.Tensor) -> None:

@@ -189,3 +189,24 @@ def test_tensor_parallel_shards_and_mismatched_layers_are_refused(pair):
     with pytest.raises(ValueError, match="attends with full attention .layer_types., but its RocketKVCache holds a "
                                          "chunked-attention layer"):
         check_supported(full, {}, layer, torch.zeros(1, 2, 4, 16), PLAIN)
+
+
+@needs_generate
+def test_the_cli_decodes_llama4_eagerly_and_says_so(pair, capsys):
+    """``hf-rocketkv generate``'s run on a device with captured decode steps (the CPU standing in): it passes
+    ``disable_compile=True`` for a model with chunked layers instead of failing after the weights loaded, and says
+    so in one line."""
+    from types import SimpleNamespace
+
+    from hf_rocketkv.cli.runs import timed_generate
+
+    rocket, oracle = pair
+    ids = random_ids(1, 20, seed=6)
+    cache = RocketKVCache(keep_all_config())
+    cache.hints.graph_devices = ("cpu",)
+    tokenizer = SimpleNamespace(pad_token_id=0, decode=lambda tokens, **kw: " ".join(map(str, tokens)))
+    run = timed_generate(rocket, tokenizer, ids, cache, attn_implementation="rocketkv", max_new_tokens=6,
+                         prefill_chunk_size=0, label="RocketKV", progress=False, stream=False)
+    assert run.new_ids == greedy(oracle, ids, max_new_tokens=6)[0, ids.shape[1]:].tolist()
+    assert "note: chunked-attention layers (layer_types 'chunked_attention'): RocketKV decodes eagerly" in \
+        capsys.readouterr().err
