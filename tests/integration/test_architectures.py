@@ -7,7 +7,15 @@ import pytest
 import torch
 
 from hf_rocketkv import RocketKVCache
-from tests.support.tiny_models import compressing_config, greedy, keep_all_config, left_pad, make_models, random_ids
+from tests.support.tiny_models import (
+    compressed_padded_batch,
+    compressing_config,
+    greedy,
+    keep_all_config,
+    left_pad,
+    make_models,
+    random_ids,
+)
 
 ARCH_LAYOUTS = [
     ("llama", dict()),  # 4 query heads, 2 KV heads
@@ -36,11 +44,8 @@ def test_keep_all_equals_sdpa(arch, overrides):
 def test_compression_engaged_and_padding_invariant(arch, overrides):
     rocket, _ = make_models(arch, **overrides)
     kv_heads = rocket.config.num_key_value_heads
-    rows = [random_ids(1, n, seed=n)[0] for n in (50, 33)]
-    ids, mask = left_pad(rows)
-    config = compressing_config()
-    cache = RocketKVCache(config)
-    batch = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8)
+    rows, ids, mask, cache, batch = compressed_padded_batch(rocket)
+    config = cache.config
     for layer_idx in range(rocket.config.num_hidden_layers):
         assert cache.kept_tokens(layer_idx).tolist() == [[24 + 7] * kv_heads] * 2
         assert cache.layers[layer_idx].keys.shape[1] == kv_heads

@@ -23,7 +23,15 @@ from hf_rocketkv import RocketKVCache, SlidingWindowLayer
 from hf_rocketkv.integration.attention import check_supported
 from hf_rocketkv.selection.logit_features import PLAIN
 from tests.support.hybrid_models import CHUNK, make_llama4_models
-from tests.support.tiny_models import compressing_config, cpu_pool, greedy, keep_all_config, left_pad, random_ids
+from tests.support.tiny_models import (
+    check_padded_batch_and_chunked_prefill,
+    compressed_padded_batch,
+    compressing_config,
+    cpu_pool,
+    greedy,
+    keep_all_config,
+    random_ids,
+)
 
 CHUNKED, FULL = [0, 1, 2], 3
 
@@ -57,14 +65,7 @@ def test_keep_all_equals_the_oracle(pair):
 @needs_generate
 def test_padded_batch_and_chunked_prefill_equal_the_oracle(pair):
     rocket, oracle = pair
-    ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (37, 21)])
-    expected = greedy(oracle, ids, attention_mask=mask, max_new_tokens=10)
-    batch = greedy(rocket, ids, attention_mask=mask, past_key_values=RocketKVCache(keep_all_config()),
-                   max_new_tokens=10)
-    assert torch.equal(batch, expected)
-    chunked = greedy(rocket, ids, attention_mask=mask, past_key_values=RocketKVCache(keep_all_config()),
-                     max_new_tokens=10, prefill_chunk_size=6)
-    assert torch.equal(chunked, expected)
+    check_padded_batch_and_chunked_prefill(rocket, oracle)
 
 
 @needs_generate
@@ -105,11 +106,8 @@ def test_plain_forward_without_layer_types_is_refused(pair):
 def test_compression_keeps_chunks_and_compresses_the_full_layer(pair):
     rocket, _ = pair
     kv_heads = rocket.config.num_key_value_heads
-    rows = [random_ids(1, n, seed=n)[0] for n in (50, 33)]
-    ids, mask = left_pad(rows)
-    config = compressing_config()
-    cache = RocketKVCache(config)
-    batch = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8)
+    rows, ids, mask, cache, batch = compressed_padded_batch(rocket)
+    config = cache.config
     seen = ids.shape[1] + 7
     for index in CHUNKED:
         layer = cache.layers[index]

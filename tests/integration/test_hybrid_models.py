@@ -21,7 +21,15 @@ import torch
 from hf_rocketkv import RocketKVCache, SlidingWindowLayer
 from hf_rocketkv.integration import attention
 from tests.support.hybrid_models import HYBRID_ARCHS, WINDOW, make_hybrid_models
-from tests.support.tiny_models import compressing_config, cpu_pool, greedy, keep_all_config, left_pad, random_ids
+from tests.support.tiny_models import (
+    check_padded_batch_and_chunked_prefill,
+    compressing_config,
+    cpu_pool,
+    greedy,
+    keep_all_config,
+    left_pad,
+    random_ids,
+)
 
 ARCHS = list(HYBRID_ARCHS)
 
@@ -61,14 +69,7 @@ def test_a_keep_all_conversation_equals_the_oracle(pair):
 
 def test_padded_batch_and_chunked_prefill_equal_the_oracle(pair):
     arch, rocket, oracle = pair
-    ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (37, 21)])
-    expected = greedy(oracle, ids, attention_mask=mask, max_new_tokens=10)
-    batch = greedy(rocket, ids, attention_mask=mask, past_key_values=RocketKVCache(keep_all_config()),
-                   max_new_tokens=10)
-    assert torch.equal(batch, expected)
-    chunked = greedy(rocket, ids, attention_mask=mask, past_key_values=RocketKVCache(keep_all_config()),
-                     max_new_tokens=10, prefill_chunk_size=6)
-    assert torch.equal(chunked, expected)
+    check_padded_batch_and_chunked_prefill(rocket, oracle)
 
 
 def test_a_long_first_forward_in_spans_equals_the_oracle(pair, monkeypatch):

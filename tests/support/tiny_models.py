@@ -124,6 +124,28 @@ def compressing_config(**overrides) -> RocketKVConfig:
     return RocketKVConfig(**kwargs)
 
 
+def check_padded_batch_and_chunked_prefill(rocket, oracle) -> None:
+    """A left-padded batch of 37- and 21-token prompts, in one forward and in chunks of 6, gives ``oracle``'s
+    greedy tokens (nothing evicted: ``keep_all_config``)."""
+    ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (37, 21)])
+    expected = greedy(oracle, ids, attention_mask=mask, max_new_tokens=10)
+    batch = greedy(rocket, ids, attention_mask=mask, past_key_values=RocketKVCache(keep_all_config()),
+                   max_new_tokens=10)
+    assert torch.equal(batch, expected)
+    chunked = greedy(rocket, ids, attention_mask=mask, past_key_values=RocketKVCache(keep_all_config()),
+                     max_new_tokens=10, prefill_chunk_size=6)
+    assert torch.equal(chunked, expected)
+
+
+def compressed_padded_batch(rocket, new_tokens: int = 8):
+    """``(rows, ids, mask, cache, out)``: prompts of 50 and 33 tokens, left-padded, greedy on a compressing cache."""
+    rows = [random_ids(1, n, seed=n)[0] for n in (50, 33)]
+    ids, mask = left_pad(rows)
+    cache = RocketKVCache(compressing_config())
+    out = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens)
+    return rows, ids, mask, cache, out
+
+
 def cpu_pool(model_or_config, config: RocketKVConfig, max_bytes: int = 4 << 20, page_size: int = 8,
              dtype=torch.float32, **kwargs) -> KVBlockPool:
     """A KVBlockPool on the CPU for a tiny model: ``max_bytes`` of ``dtype`` pages of ``page_size`` tokens, its KT slab
