@@ -29,6 +29,7 @@ from torch.nn.attention.bias import causal_lower_right
 from ..cache.layer import RocketKVLayer, layer_of
 from ..cache.sliding_layer import SlidingWindowLayer
 from ..cache.unscored_layer import UnscoredLayer
+from ..memory.layer_kinds import CHUNKED
 from ..selection.logit_features import PLAIN, LogitFeatures, allowed_of, featured_attention
 from .compat import sdpa_attention_forward
 
@@ -152,7 +153,7 @@ def check_supported(module: torch.nn.Module, kwargs: dict, layer, key: torch.Ten
     kept = layer.window if isinstance(layer, SlidingWindowLayer) else None
     chunked = module_is_chunked(module)
     if getattr(layer, "chunked", False):
-        check_chunked(name, index, module, window if window is not None or chunked else "none", layer, key)
+        check_chunked(name, index, window, chunked, layer)
     elif window != kept or chunked:
         held = f"a sliding-window layer of {kept} tokens" if kept is not None else "a full-attention RocketKV layer"
         attends = "chunked attention (layer_types)" if chunked else f"sliding_window={window}"
@@ -161,12 +162,10 @@ def check_supported(module: torch.nn.Module, kwargs: dict, layer, key: torch.Ten
             f"the cache was not given this model's layer types. generate() gives them itself; for plain forwards use "
             f"RocketKVCache(config, model_config=model.config)."
         )
-    dense = getattr(layer, "is_dense", False)
-    scheduled = isinstance(layer, RocketKVLayer) and layer.config.budget_schedule != "flat"
-    if dense or scheduled:
+    what = unsharded_only(layer)
+    if what is not None:
         total = getattr(module.config, "num_key_value_heads", None) or module.config.num_attention_heads
         if key.shape[1] != total:
-            what = "RocketKVConfig.dense_layers" if dense else "RocketKVConfig.budget_schedule"
             raise NotImplementedError(
                 f"RocketKV does not support {what} under tensor parallelism yet ({name}, layer {index}: this process "
                 f"holds {key.shape[1]} of {total} KV heads). Run the model on one device."
@@ -176,31 +175,36 @@ def check_supported(module: torch.nn.Module, kwargs: dict, layer, key: torch.Ten
                          f"was prefilled with; one RocketKVCache serves one model")
 
 
+def unsharded_only(layer) -> str | None:
+    """What this cache layer serves only with every KV head in one process (tensor parallelism refused), or None."""
+    if getattr(layer, "is_dense", False):
+        return "RocketKVConfig.dense_layers"
+    if isinstance(layer, RocketKVLayer) and layer.config.budget_schedule != "flat":
+        return "RocketKVConfig.budget_schedule"
+    if getattr(layer, "chunked", False):
+        return "chunked-attention layers (layer_types 'chunked_attention', Llama 4)"
+    return None
+
+
 def module_is_chunked(module: torch.nn.Module) -> bool:
     """Whether the model's config makes this attention module a chunked-attention layer (Llama 4)."""
     layer_types = getattr(getattr(module, "config", None), "layer_types", None)
     index = getattr(module, "layer_idx", None)
     if not isinstance(index, int) or not isinstance(layer_types, (list, tuple)) or index >= len(layer_types):
         return False
-    return layer_types[index] == "chunked_attention"
+    return layer_types[index] == CHUNKED
 
 
-def check_chunked(name: str, index, module: torch.nn.Module, window, layer: SlidingWindowLayer,
-                  key: torch.Tensor) -> None:
-    """A chunked-attention layer (Llama 4) passes no ``sliding_window``: transformers' chunked mask decides what it
-    sees, and its cache layer keeps the last ``attention_chunk_size - 1`` tokens. Tensor parallelism is refused for
-    it (not tested yet)."""
-    if window is not None:
-        attends = f"sliding_window={window}" if window != "none" else "full attention (layer_types)"
-        raise ValueError(f"{name} (layer {index}) attends with {attends}, but its RocketKVCache holds a "
-                         f"chunked-attention layer of {layer.window} tokens there (the model config's layer_types); "
-                         f"one RocketKVCache serves one model")
-    total = getattr(module.config, "num_key_value_heads", None) or module.config.num_attention_heads
-    if key.shape[1] != total:
-        raise NotImplementedError(
-            f"RocketKV does not support chunked-attention layers (layer_types 'chunked_attention', Llama 4) under "
-            f"tensor parallelism yet ({name}, layer {index}: this process holds {key.shape[1]} of {total} KV heads). "
-            f"Run the model on one device.")
+def check_chunked(name: str, index, window: int | None, module_chunked: bool, layer: SlidingWindowLayer) -> None:
+    """A chunked-attention layer (Llama 4) passes no ``sliding_window`` (transformers' chunked mask decides what it
+    sees; its cache layer keeps the last ``attention_chunk_size - 1`` tokens): refuse a module that attends with a
+    window, or with full attention."""
+    if window is None and module_chunked:
+        return
+    attends = f"sliding_window={window}" if window is not None else "full attention (layer_types)"
+    raise ValueError(f"{name} (layer {index}) attends with {attends}, but its RocketKVCache holds a "
+                     f"chunked-attention layer of {layer.window} tokens there (the model config's layer_types); "
+                     f"one RocketKVCache serves one model")
 
 
 def check_sinks_follow_heads(module: torch.nn.Module, sinks: torch.Tensor, query: torch.Tensor) -> None:
