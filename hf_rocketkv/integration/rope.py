@@ -1,11 +1,11 @@
-"""Fused rotary embedding in RocketKV's decode steps (``RocketKVConfig.fused_rope``, default True).
+"""Fused rotary embedding in RocketKV's forwards (``RocketKVConfig.fused_rope``, default True).
 
 transformers applies RoPE inside the attention module, before the cache sees the keys: ``q * cos +
-rotate_half(q) * sin`` and the same for k, ten launches per layer and step. Inside a RocketKV call (``generate()``
-with a RocketKVCache, the batching engine's decode steps) a one-token step on CUDA in bf16/fp16 goes through
-``kernels/rope.rope_decode_triton`` instead: one launch, bit for bit the same values (``tests/kernels/test_rope.py``).
-Everything else (prefill, fp32, CPU, other caches, other threads, a call traced by torch.compile) runs
-transformers' own function with the arguments it received.
+rotate_half(q) * sin`` and the same for k, ten launches (passes over q and k) per layer and forward. Inside a
+RocketKV call (``generate()`` with a RocketKVCache, the batching engine's prefills and decode steps) a forward on
+CUDA in bf16/fp16, prefill or decode, goes through ``kernels/rope.rope_triton`` instead: one launch, bit for bit the
+same values (``tests/kernels/test_rope.py``). Everything else (fp32, CPU, other caches, other threads, a call traced
+by torch.compile) runs transformers' own function with the arguments it received.
 
 How a call is recognised as RocketKV's: ``fused_rope(model, enabled)`` sets a ContextVar for the duration of the
 call (so it is per thread and per asyncio task, never process-wide), after making sure the modeling modules of
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from . import compat
 from .fused_switch import FusedSwitch
-from ..kernels.rope import rope_decode_triton, rope_supported
+from ..kernels.rope import rope_supported, rope_triton
 
 FUSED_DEVICE_TYPES = ("cuda",)  # the kernel's devices (the CPU tests add "cpu": Triton's interpreter)
 
@@ -25,7 +25,7 @@ def _compute(original, arguments: dict):
     q, k, cos, sin = arguments["q"], arguments["k"], arguments["cos"], arguments["sin"]
     if (arguments["unsqueeze_dim"] == 1 and q.device.type in FUSED_DEVICE_TYPES
             and rope_supported(q, k, cos, sin)):
-        return rope_decode_triton(q, k, cos, sin)
+        return rope_triton(q, k, cos, sin)
     return original(**arguments)
 
 
@@ -35,7 +35,7 @@ install_for = _SWITCH.install_for  # wrap the rotary function of every modeling 
 
 
 def fused_rope(model, enabled: bool):
-    """Within the block, this thread's decode steps of ``model`` take the fused RoPE (when ``enabled``)."""
+    """Within the block, this thread's forwards of ``model`` take the fused RoPE (when ``enabled``)."""
     return _SWITCH.enabled(model, enabled)
 
 

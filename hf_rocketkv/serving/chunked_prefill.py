@@ -15,6 +15,7 @@ import torch
 
 from ..cache import RocketKVCache
 from ..integration import compat
+from ..integration.norm import fused_modeling
 
 
 class PrefillAborted(Exception):
@@ -74,9 +75,10 @@ class ChunkedPrefill:
             raise ValueError(f"ChunkedPrefill.run: tokens must be >= 1, got {tokens}")
         start, end = self.position, min(self.prompt_len, self.position + tokens)
         try:
-            out = self.model(input_ids=self.ids[:, start:end], attention_mask=self._mask[:, :end],
-                             position_ids=torch.arange(start, end, device=self.ids.device)[None], use_cache=True,
-                             logits_to_keep=1, **compat.cache_kwargs(self.cache))
+            with fused_modeling(self.model, self.cache.config):  # RoPE and RMSNorm in one launch each (as decode)
+                out = self.model(input_ids=self.ids[:, start:end], attention_mask=self._mask[:, :end],
+                                 position_ids=torch.arange(start, end, device=self.ids.device)[None],
+                                 use_cache=True, logits_to_keep=1, **compat.cache_kwargs(self.cache))
         except BaseException:
             self.abort()
             raise

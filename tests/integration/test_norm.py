@@ -1,13 +1,13 @@
-"""The fused decode RMSNorm inside RocketKV calls (``integration/norm.py``, ``RocketKVConfig.fused_norm``).
+"""The fused RMSNorm inside RocketKV calls, prefill and decode (``integration/norm.py``, ``RocketKVConfig.fused_norm``).
 
 On CPU the kernel runs under Triton's interpreter; the tests let the wrapper take it on CPU (``FUSED_DEVICE_TYPES``)
 and count its calls, so they prove the path is taken, not only that outputs agree. The oracle is the same generation
-with ``fused_norm=False`` (transformers' own module): the same tokens, and every step's logits within a small
-tolerance (the kernel's sum of squares is reduced in another order than PyTorch's, so a norm's output may differ by
+with ``fused_norm=False`` (transformers' own module): the same tokens, and every step's logits (the prefill's
+included) within a small tolerance (the kernel's sum of squares is reduced in another order than PyTorch's, so a norm's output may differ by
 one ulp), for each architecture the tests know, in bf16 with a padded batch. On a GPU the same tests run on CUDA
 (generate() captures the decode step as a CUDA graph, so the wrapper runs on the warm-up and capture steps only).
-Also: calls that are not RocketKV's (a DynamicCache, a plain forward, another thread: test_fused_switch.py, prefill,
-fp32, Qwen3's 4-D per-head norms) never take it, and norms with another formula (Gemma's, OLMo2's) are never wrapped.
+Also: calls that are not RocketKV's (a DynamicCache, a plain forward, another thread: test_fused_switch.py, fp32,
+Qwen3's 4-D per-head norms) never take it, and norms with another formula (Gemma's, OLMo2's) are never wrapped.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def generate(model, ids, mask, cache, new_tokens):
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_decode_steps_take_the_fused_norm(arch, counted):
+def test_prefill_and_decode_steps_take_the_fused_norm(arch, counted):
     model = make_models(arch)[0].to(DEVICE, torch.bfloat16)
     rows = [random_ids(1, 40, seed=3)[0], random_ids(1, 29, seed=4)[0]]
     ids, mask = (t.to(DEVICE) for t in left_pad(rows))
@@ -77,11 +77,13 @@ def test_decode_steps_take_the_fused_norm(arch, counted):
     assert counted == []
     tokens, logits = generate(model, ids, mask, RocketKVCache(config), new_tokens)
     layers = model.config.num_hidden_layers
-    # two per layer and the final norm, decode forwards only (prefill never); Qwen3's q_norm / k_norm see 4-D inputs
-    assert norms_per_forward_ok(len(counted), 2 * layers + 1, new_tokens - 1)
-    assert set(counted) == {(2, 1, model.config.hidden_size)}
+    # two per layer and the final norm per forward; Qwen3's q_norm / k_norm see 4-D inputs
+    hidden = model.config.hidden_size
+    prefill = [shape for shape in counted if shape[1] > 1]
+    assert prefill == [(2, ids.shape[1], hidden)] * (2 * layers + 1)
+    assert norms_per_forward_ok(len(counted) - len(prefill), 2 * layers + 1, new_tokens - 1)
+    assert set(counted) - set(prefill) == {(2, 1, hidden)}
     assert torch.equal(tokens, plain_tokens)
-    assert torch.equal(logits[0], plain_logits[0])  # the prefill's logits: transformers' norms
     torch.testing.assert_close(logits, plain_logits, rtol=0, atol=2.0**-7)  # 4 bf16 ulps at the largest logits (~0.5)
 
 
@@ -105,7 +107,8 @@ def test_calls_that_are_not_rocketkvs_keep_transformers_norm(counted):
     model, sdpa = (m.to(DEVICE, torch.bfloat16) for m in make_models("llama"))
     ids = random_ids(1, 20, seed=5).to(DEVICE)
     greedy(model, ids, max_new_tokens=3, **cache_kwargs(RocketKVCache(compressing_config())))
-    assert norms_per_forward_ok(len(counted), 2 * model.config.num_hidden_layers + 1, 2)  # installed now
+    per_forward = 2 * model.config.num_hidden_layers + 1
+    assert norms_per_forward_ok(len(counted) - per_forward, per_forward, 2)  # installed now (prefill + decode)
     counted.clear()
     greedy(sdpa, ids, max_new_tokens=3, **cache_kwargs(DynamicCache(config=sdpa.config)))  # the same classes
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""The fused decode RoPE inside RocketKV calls (``integration/rope.py``, ``RocketKVConfig.fused_rope``).
+"""The fused RoPE inside RocketKV calls, prefill and decode (``integration/rope.py``, ``RocketKVConfig.fused_rope``).
 
 On CPU the kernel runs under Triton's interpreter; the tests let the wrapper take it on CPU
 (``FUSED_DEVICE_TYPES``) and count its calls, so they prove the path is taken, not only that outputs agree. The
@@ -6,8 +6,8 @@ oracle is the same generation with ``fused_rope=False`` (transformers' own RoPE)
 must be equal bit for bit, for each architecture the tests know, in bf16 with a padded batch. On a GPU the same
 tests run on CUDA (Triton backend; generate() captures the decode step as a CUDA graph, so the wrapper runs on the
 warm-up and capture steps only). Also: calls that are
-not RocketKV's (a DynamicCache, another thread, prefill, fp32) never take it, and a modeling module whose rotary
-function takes other parameters is left alone.
+not RocketKV's (a DynamicCache, another thread, a plain forward, fp32) never take it, and a modeling module whose
+rotary function takes other parameters is left alone.
 """
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ pytest.importorskip("triton")
 def counted(monkeypatch):
     """Lets the wrapper take the kernel on CPU (the interpreter) and counts the kernel's calls."""
     calls = []
-    kernel = rope.rope_decode_triton
+    kernel = rope.rope_triton
 
     def counting(q, k, cos, sin):
         calls.append(tuple(q.shape))
         return kernel(q, k, cos, sin)
 
     monkeypatch.setattr(rope, "FUSED_DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(rope, "rope_decode_triton", counting)
+    monkeypatch.setattr(rope, "rope_triton", counting)
     return calls
 
 
@@ -65,7 +65,7 @@ def generate(model, ids, mask, cache, new_tokens):
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_decode_steps_take_the_fused_rope_bit_for_bit(arch, counted):
+def test_prefill_and_decode_steps_take_the_fused_rope_bit_for_bit(arch, counted):
     model = bf16_model(arch)
     rows = [random_ids(1, 40, seed=3)[0], random_ids(1, 29, seed=4)[0]]
     ids, mask = (t.to(DEVICE) for t in left_pad(rows))
@@ -75,8 +75,11 @@ def test_decode_steps_take_the_fused_rope_bit_for_bit(arch, counted):
     assert counted == []
     tokens, logits = generate(model, ids, mask, RocketKVCache(config), new_tokens)
     layers = model.config.num_hidden_layers
-    assert forwards_per_layer_ok(len(counted), layers, new_tokens - 1)  # decode forwards only; prefill never
-    assert set(counted) == {(2, model.config.num_attention_heads, 1, model.config.head_dim)}
+    heads, head_dim = model.config.num_attention_heads, model.config.head_dim
+    prefill = [shape for shape in counted if shape[2] > 1]
+    assert prefill == [(2, heads, ids.shape[1], head_dim)] * layers  # the prefill: one call per layer
+    assert forwards_per_layer_ok(len(counted) - len(prefill), layers, new_tokens - 1)
+    assert set(counted) - set(prefill) == {(2, heads, 1, head_dim)}
     assert torch.equal(tokens, plain_tokens)
     assert torch.equal(logits.view(torch.int16), plain_logits.view(torch.int16))
 
@@ -85,7 +88,8 @@ def test_calls_that_are_not_rocketkvs_keep_transformers_rope(counted):
     model, sdpa = (m.to(DEVICE, torch.bfloat16) for m in make_models("llama"))
     ids = random_ids(1, 20, seed=5).to(DEVICE)
     greedy(model, ids, max_new_tokens=3, **cache_kwargs(RocketKVCache(compressing_config())))
-    assert forwards_per_layer_ok(len(counted), model.config.num_hidden_layers, 2)  # the wrapper is installed now
+    layers = model.config.num_hidden_layers
+    assert forwards_per_layer_ok(len(counted) - layers, layers, 2)  # the wrapper is installed now (prefill + decode)
     counted.clear()
     greedy(sdpa, ids, max_new_tokens=3, **cache_kwargs(DynamicCache(config=sdpa.config)))  # same modeling module
     with torch.no_grad():

@@ -263,3 +263,26 @@ def test_pool_accounting_is_exact_over_chunked_requests(chunked, tiny_pair, orac
         assert events.tokens(f"p{i}") == oracle(prompt, 4)
     assert [e.finish_reason for e in events.finals()] == [FinishReason.LENGTH] * 3
     assert pool.free_pages() == pool.total_pages()
+
+
+def test_prefill_chunks_run_with_the_fused_rope_and_norm_switched_on(chunked, tiny_pair):
+    """Every prefill forward of the engine, as its decode steps, runs inside the config's fused RoPE / RMSNorm switch
+    (on a GPU in bf16 they take one launch each; the fp32 model here keeps transformers' formulas)."""
+    from hf_rocketkv.integration import norm, rope
+
+    engine, events, pool = chunked()
+    seen = []
+
+    def record(kind, tokens):
+        seen.append((kind, norm.fused_norm_active(), rope.fused_rope_active()))
+
+    log = ForwardLog(tiny_pair[0], record)
+    try:
+        engine.submit(request("long", prompt_of(3 * CHUNK + 5, seed=21), 3))
+        events.wait_finals(1)
+    finally:
+        log.remove()
+    prefills = [entry for entry in seen if entry[0] == "prefill"]
+    assert prefills == [("prefill", True, True)] * 4  # three full chunks and the rest
+    assert all(entry == ("decode", True, True) for entry in seen if entry[0] == "decode")
+    assert not norm.fused_norm_active() and not rope.fused_rope_active()  # the test's own thread: off
