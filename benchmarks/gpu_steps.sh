@@ -43,9 +43,10 @@ for name in "$@"; do
     decode_pool_b32_8k) step "$name" 300 $PY -m hf_rocketkv.bench.decode --batch 32 --context 8192 --new-tokens 64 \
                         --prefill-batch-size 8 --caches rocketkv-graphs rocketkv-graphs-pool rocketkv-graphs-pool-fp8 \
                         --no-plot --out "$OUT/decode_pool_b32_8k" ;;
-    rope_tests)      # the fused decode RoPE against transformers' formula, bit for bit, and whole generations on/off
+    rope_tests)      # the fused RoPE and RMSNorm (prefill and decode) against transformers' formulas, and whole generations on/off
                      need_pytest
-                     step "$name" 300 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_rope.py tests/integration/test_rope.py ;;
+                     step "$name" 300 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_rope.py tests/integration/test_rope.py \
+                        tests/kernels/test_rms_norm.py tests/integration/test_norm.py ;;
     adakv_tests)     # AdaKV's per-head lengths: compaction kernel (compiled), layer vs oracles, Triton vs torch, generate
                      need_pytest
                      step "$name" 400 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_compact.py \
@@ -110,9 +111,10 @@ for name in "$@"; do
     compact_tests)   # stage 1's compaction kernel against its twin and the slot-by-slot oracle, on this GPU
                      need_pytest
                      step "$name" 120 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_compact.py ;;
-    attention_tests) # the prefill attention's lower-right causal path (flash / mem-efficient on CUDA) against its oracle
+    attention_tests) # the prefill attention's lower-right causal path (cuDNN split + merge, flash) against its oracle
                      need_pytest
-                     step "$name" 120 $PY -m pytest -q -p no:cacheprovider tests/integration/test_attention.py tests/integration/test_attention_spans.py ;;
+                     step "$name" 120 $PY -m pytest -q -p no:cacheprovider tests/integration/test_attention.py tests/integration/test_attention_spans.py \
+                        tests/kernels/test_merge_attention.py ;;
     profile_prefix_hit) step "$name" 150 $PY -m benchmarks.profile_prefix_hit --out "$OUT/profile_prefix_hit" ;;
     profile_prefill) step "$name" 150 $PY -m benchmarks.profile_prefill --out "$OUT/profile_prefill" ;;
     sync_sites)      step "$name" 120 $PY -m benchmarks.sync_sites --layers 2 --out "$OUT/sync_sites" ;;

@@ -17,6 +17,7 @@ import torch
 
 from hf_rocketkv.cache.layer import GenerationHints
 from hf_rocketkv.integration.attention import dense_attention, lower_right_attention, lower_right_causal
+from hf_rocketkv.kernels.merge_attention import merge_attention_triton
 
 
 def oracle(query, key, value, allowed, scaling):
@@ -75,6 +76,27 @@ def test_lower_right_attention_equals_the_oracle(shape, dtype, device):
     assert out.shape == (batch, n, hq, dim) and out.dtype == dtype and out.is_contiguous()
     tolerance = (1e-5 if device == "cpu" else 1e-4) if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), oracle(q, k, v, mask, 0.3), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_keys_before_the_queries_take_the_cudnn_split_where_it_runs(shape, device, monkeypatch):
+    """On CUDA in bf16 a chunk after earlier keys attends in two cuDNN calls merged by log-sum-exp (the oracle test
+    above checks its values); a square (whole-prompt) forward and the CPU keep one call."""
+    import hf_rocketkv.integration.attention as attention
+
+    batch, hq, hkv, n, kv_length, dim = shape
+    q, k, v, _ = inputs(batch, hq, hkv, n, kv_length, dim, torch.bfloat16, seed=7 + sum(shape), device=device)
+    merged = []
+    monkeypatch.setattr(attention, "merge_attention_triton",
+                        lambda *a: merged.append(1) or merge_attention_triton(*a))
+    out = lower_right_attention(q, k, v, 0.3)
+    split = attention.cudnn_split_runs(q, k, v, kv_length - n) if kv_length > n else False
+    assert bool(merged) == split
+    if device == "cuda" and kv_length > n and dim in (64, 128):  # cuDNN's head dims on an H100
+        assert split
+    mask = causal_mask(batch, n, kv_length).to(device)
+    torch.testing.assert_close(out.double(), oracle(q, k, v, mask, 0.3), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("device", DEVICES)
