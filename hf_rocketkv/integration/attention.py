@@ -22,16 +22,13 @@ from __future__ import annotations
 import weakref
 
 import torch
-import torch.nn.functional as F
-from torch.backends.cuda import SDPAParams, can_use_cudnn_attention, can_use_flash_attention
-from torch.nn.attention.bias import causal_lower_right
 
 from ..cache.layer import RocketKVLayer, layer_of
 from ..cache.sliding_layer import SlidingWindowLayer
 from ..cache.unscored_layer import UnscoredLayer
-from ..kernels.merge_attention import MERGE_DTYPES, merge_attention_triton
 from ..memory.layer_kinds import CHUNKED
 from ..selection.logit_features import PLAIN, LogitFeatures, allowed_of, featured_attention
+from .causal_prefill import causal_prefill_attention, flash_attention_runs
 from .compat import sdpa_attention_forward
 
 FEATURE_KWARGS = ("softcap", "s_aux")  # what transformers passes for soft-capping (Gemma 2) and sinks (gpt-oss)
@@ -293,13 +290,14 @@ def dense_attention(
 
     With soft-capping or sinks (``features``): ``featured_attention`` with transformers' mask (a long first forward
     in spans of causal keys, ``attend_in_spans``).
-    Otherwise:
-    transformers' sdpa path, except where flash attention can run and the mask is plain causal with the queries at
-    the end (no padding, ``Lq <= Lk``: a prefix hit's new tokens, a chunk of a chunked prefill). There transformers
-    materialises the mask and, as SDPA takes no mask together with grouped-query heads, copies every key and value
-    once per query head (``repeat_kv``: 0.5 GiB per layer for 32k keys at 8B shapes); flash attention's lower-right
-    causal mode with native GQA needs neither. Where flash cannot run (CPU, float32) the lower-right path would fall
-    back to a materialised mask and the math kernel, no faster: transformers' path stays."""
+    Otherwise, where flash attention can run (CUDA, 16-bit) and the mask is plain causal with the queries at the
+    end (no mask and ``Lq == Lk``: a whole prompt; or no padding and ``Lq <= Lk``: a prefix hit's new tokens, a chunk
+    of a chunked prefill): ``causal_prefill_attention`` (cuDNN in bucketed shapes, flash's lower-right causal mode
+    otherwise; causal_prefill.py). There transformers would hand every new prompt length to cuDNN (a new execution
+    graph, ~70 ms, per length) and, for a chunk, materialise the mask and copy every key and value once per query
+    head (``repeat_kv``: 0.5 GiB per layer for 32k keys at 8B shapes, as SDPA takes no mask together with grouped-query
+    heads). Elsewhere (CPU, float32, padding) transformers' sdpa path: there the lower-right path would fall back to a
+    materialised mask and the math kernel, no faster."""
     if not features.plain:
         def attend(q, k, v, mask):
             return featured_attention(q, k, v, allowed_of(mask), scaling, features)
@@ -307,67 +305,20 @@ def dense_attention(
         if spans_pay_off(query, key, attention_mask, None, needs_mask=False):
             return attend_in_spans(attend, query, key, value, attention_mask, None)
         return attend(query, key, value, attention_mask)
-    if flash_attention_runs(query, key) and lower_right_causal(
+    if flash_attention_runs(query, key) and (square_causal(module, attention_mask, query, key) or lower_right_causal(
         layer, attention_mask, host_start, query.shape[2], key.shape[2]
-    ):
-        return lower_right_attention(query, key, value, scaling)
+    )):
+        return causal_prefill_attention(query, key, value, scaling)
     out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     return out
 
 
-def lower_right_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Causal attention of ``Lq`` queries that are the last of ``Lk`` keys (query j sees keys ``<= Lk - Lq + j``),
-    ``[B, Hq, Lq, D]`` x ``[B, Hkv, Lk, D]`` -> ``[B, Lq, Hq, D]``, query head h reading KV head ``h // (Hq / Hkv)``.
-
-    With keys before the queries (a later chunk, a prefix hit's new tokens) and cuDNN able to run both parts:
-    ``split_lower_right_attention``; otherwise PyTorch's flash attention in its lower-right causal mode."""
-    prefix = key.shape[2] - query.shape[2]
-    if prefix > 0 and cudnn_split_runs(query, key, value, prefix):
-        return split_lower_right_attention(query, key, value, scaling, prefix)
-    bias = causal_lower_right(query.shape[2], key.shape[2])
-    gqa = query.shape[1] != key.shape[1]
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scaling, enable_gqa=gqa)
-    return out.transpose(1, 2).contiguous()
-
-
-def split_lower_right_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-                                prefix: int) -> torch.Tensor:
-    """``lower_right_attention`` in two cuDNN calls and a merge: the queries over the ``prefix`` keys before them (no
-    mask) and over their own keys (causal, square, upper-left = lower-right there), each with its rows' log-sum-exp,
-    merged by ``kernels/merge_attention`` into ``[B, Lq, Hq, D]``. Why: PyTorch runs a lower-right causal mask only
-    in its flash attention kernel; cuDNN's ran the split of an 8k chunk after an 8k prefix in 2.5 ms per layer
-    against flash's 4.9 ms on an H100 (docs/serving.md)."""
-    before = _CUDNN_ATTENTION(query, key[:, :, :prefix], value[:, :, :prefix], None, True, 0.0, False, False,
-                              scale=scaling)
-    own = _CUDNN_ATTENTION(query, key[:, :, prefix:], value[:, :, prefix:], None, True, 0.0, True, False,
-                           scale=scaling)
-    return merge_attention_triton(before[0], before[1], own[0], own[1])
-
-
-# PyTorch's cuDNN attention op, which returns each row's log-sum-exp (F.scaled_dot_product_attention does not)
-_CUDNN_ATTENTION = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None)
-
-
-def cudnn_split_runs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prefix: int) -> bool:
-    """Whether ``split_lower_right_attention`` can run: CUDA, 16-bit, and cuDNN takes both parts (head dim, GQA;
-    checked by PyTorch itself, no sync)."""
-    if query.device.type != "cuda" or _CUDNN_ATTENTION is None or query.dtype not in MERGE_DTYPES:
-        return False
-    gqa = query.shape[1] != key.shape[1]
-    before = SDPAParams(query, key[:, :, :prefix], value[:, :, :prefix], None, 0.0, False, gqa)
-    own = SDPAParams(query, key[:, :, prefix:], value[:, :, prefix:], None, 0.0, True, gqa)
-    return can_use_cudnn_attention(before) and can_use_cudnn_attention(own)
-
-
-def flash_attention_runs(query: torch.Tensor, key: torch.Tensor) -> bool:
-    """Whether PyTorch's flash attention kernel takes these possibly grouped-query inputs (CUDA, half precision, a
-    supported head dim; checked by PyTorch itself, no sync)."""
-    if query.device.type != "cuda":
-        return False
-    # is_causal=False, as torch.nn.attention.bias asks before its lower-right flash call: the causal flag of the
-    # check means upper-left, which flash refuses for Lq != Lk
-    params = SDPAParams(query, key, key, None, 0.0, False, query.shape[1] != key.shape[1])
-    return can_use_flash_attention(params)
+def square_causal(module: torch.nn.Module, attention_mask: torch.Tensor | None, query: torch.Tensor,
+                  key: torch.Tensor) -> bool:
+    """Whether transformers' sdpa would run this call as plain causal attention: no mask (no padding), queries that
+    are all the keys, more than one, a causal module (the ``is_causal`` it derives itself)."""
+    return (attention_mask is None and query.shape[2] == key.shape[2] > 1
+            and getattr(module, "is_causal", True) is not False)
 
 
 def lower_right_causal(

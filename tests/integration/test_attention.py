@@ -1,8 +1,9 @@
 """The dense (prefill) attention of the ``rocketkv`` attention function (integration/attention.py ``dense_attention``).
 
-Where flash attention runs and transformers' mask is plain lower-right causal (a prefix hit's new tokens, a later
-chunk), it runs flash attention's lower-right causal mode with native GQA instead of transformers' masked path (which
-copies K/V per query head). Oracle: masked softmax in float64 over keys repeated per query head, from the mask itself.
+Where flash attention runs and transformers' mask is plain lower-right causal (a whole prompt without a mask, a
+prefix hit's new tokens, a later chunk), it runs ``causal_prefill_attention`` (integration/causal_prefill.py: cuDNN in
+bucketed shapes, a split merged by log-sum-exp when keys precede the queries; flash attention's lower-right causal
+mode with native GQA otherwise) instead of transformers' path (which copies K/V per query head under a mask). Oracle: masked softmax in float64 over keys repeated per query head, from the mask itself.
 Every other mask (padding, a custom 4-D mask) and every input flash cannot take (CPU, float32) must take
 transformers' path, with the same oracle's answer. On a GPU (``gpu_steps.sh attention_tests``) the flash path runs
 too.
@@ -16,8 +17,10 @@ import pytest
 import torch
 
 from hf_rocketkv.cache.layer import GenerationHints
-from hf_rocketkv.integration.attention import dense_attention, lower_right_attention, lower_right_causal
-from hf_rocketkv.kernels.merge_attention import merge_attention_triton
+from hf_rocketkv.integration import causal_prefill
+from hf_rocketkv.integration.attention import dense_attention, lower_right_causal
+from hf_rocketkv.integration.causal_prefill import CUDNN_QUERY_BUCKET
+from hf_rocketkv.integration.causal_prefill import causal_prefill_attention as lower_right_attention
 
 
 def oracle(query, key, value, allowed, scaling):
@@ -61,7 +64,9 @@ SHAPES = [  # batch, Hq, Hkv, Lq, Lk, D
     (1, 4, 4, 3, 19, 32),  # no GQA
     (3, 12, 1, 9, 33, 16),  # MQA
     (1, 8, 2, 1, 9, 16),  # one query
-] + ([(1, 32, 8, 256, 4352, 128), (2, 16, 2, 100, 1000, 64)] if torch.cuda.is_available() else [])
+] + ([(1, 32, 8, 256, 4352, 128), (2, 16, 2, 100, 1000, 64),  # flash, then cuDNN with padded queries
+       (1, 8, 2, 37, 549, 64), (2, 8, 2, 300, 300, 128), (1, 32, 8, 512, 1536, 128)]  # cuDNN: split, square, exact
+      if torch.cuda.is_available() else [])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -80,23 +85,43 @@ def test_lower_right_attention_equals_the_oracle(shape, dtype, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_keys_before_the_queries_take_the_cudnn_split_where_it_runs(shape, device, monkeypatch):
-    """On CUDA in bf16 a chunk after earlier keys attends in two cuDNN calls merged by log-sum-exp (the oracle test
-    above checks its values); a square (whole-prompt) forward and the CPU keep one call."""
-    import hf_rocketkv.integration.attention as attention
-
+def test_cudnn_runs_exactly_where_the_keys_before_the_queries_fill_whole_buckets(shape, device, monkeypatch):
+    """On CUDA in bf16, cuDNN (queries padded to the bucket, a split merged by log-sum-exp when keys precede them)
+    where the keys before the queries are a multiple of the bucket and cuDNN takes the head dim; flash elsewhere;
+    neither on the CPU. The values against the float64 oracle either way."""
     batch, hq, hkv, n, kv_length, dim = shape
     q, k, v, _ = inputs(batch, hq, hkv, n, kv_length, dim, torch.bfloat16, seed=7 + sum(shape), device=device)
-    merged = []
-    monkeypatch.setattr(attention, "merge_attention_triton",
-                        lambda *a: merged.append(1) or merge_attention_triton(*a))
+    taken = []
+    cudnn = causal_prefill.cudnn_causal_attention
+    monkeypatch.setattr(causal_prefill, "cudnn_causal_attention", lambda *a: taken.append(1) or cudnn(*a))
     out = lower_right_attention(q, k, v, 0.3)
-    split = attention.cudnn_split_runs(q, k, v, kv_length - n) if kv_length > n else False
-    assert bool(merged) == split
-    if device == "cuda" and kv_length > n and dim in (64, 128):  # cuDNN's head dims on an H100
-        assert split
+    prefix = kv_length - n
+    assert bool(taken) == causal_prefill.cudnn_runs(q, k, v, prefix)
+    if device == "cpu" or prefix % CUDNN_QUERY_BUCKET:
+        assert not taken
+    elif dim in (64, 128):  # cuDNN's head dims on an H100
+        assert taken
+    assert out.shape == (batch, n, hq, dim) and out.is_contiguous()
     mask = causal_mask(batch, n, kv_length).to(device)
     torch.testing.assert_close(out.double(), oracle(q, k, v, mask, 0.3), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_whole_prompt_without_a_mask_takes_the_causal_path_where_flash_runs(dtype, device, monkeypatch):
+    """No mask and as many queries as keys (transformers' is_causal case): the causal prefill path on CUDA in bf16,
+    transformers' sdpa elsewhere; the oracle's causal answer either way."""
+    import hf_rocketkv.integration.attention as attention
+
+    q, k, v, module = inputs(2, 8, 2, 9, 9, 64, dtype, seed=11, device=device)
+    taken = []
+    monkeypatch.setattr(attention, "causal_prefill_attention",
+                        lambda *a: taken.append(1) or lower_right_attention(*a))
+    out = dense_attention(layer(), module, q, k, v, None, 0.25, None)
+    tolerance = (1e-5 if device == "cpu" else 1e-4) if dtype == torch.float32 else 2e-2
+    mask = causal_mask(2, 9, 9).to(device)
+    torch.testing.assert_close(out.double(), oracle(q, k, v, mask, 0.25), atol=tolerance, rtol=tolerance)
+    assert bool(taken) == (device == "cuda" and dtype == torch.bfloat16)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -109,7 +134,7 @@ def test_dense_attention_equals_the_oracle_on_the_path_it_takes(dtype, device, p
     q, k, v, module = inputs(2, 8, 2, 6, 20, 64, dtype, seed=3, device=device)
     mask = causal_mask(2, 6, 20, pad).to(device)
     taken = []
-    monkeypatch.setattr(attention, "lower_right_attention",
+    monkeypatch.setattr(attention, "causal_prefill_attention",
                         lambda *a: taken.append(1) or lower_right_attention(*a))
     out = dense_attention(layer(), module, q, k, v, mask, 0.25, pad)
     tolerance = (1e-5 if device == "cpu" else 1e-4) if dtype == torch.float32 else 2e-2

@@ -1,0 +1,98 @@
+"""Causal attention of a dense (prefill) forward whose queries are the last of its keys, on CUDA in 16-bit.
+
+Query j of ``Lq`` sees keys ``<= Lk - Lq + j`` of ``Lk``: a whole prompt (``Lq == Lk``), a chunk of a chunked
+prefill or a prefix hit's new tokens (the keys before them come from the cache). Two backends:
+
+* cuDNN's fused attention (about twice flash's speed on an H100: an 8k chunk after 8k keys in 2.5 ms per layer
+  against 4.9), which takes no mask or an upper-left causal one: the queries attend to the ``P = Lk - Lq`` keys
+  before them (no mask) and to their own ``Lq`` keys (causal, square) in two calls that return each row's
+  log-sum-exp, merged by ``kernels/merge_attention`` (a whole prompt: one call). cuDNN builds an execution graph for
+  every new shape it sees, ~70 ms each on an H100 (~140 ms for the two of a split), the first time in the process:
+  one per prompt length would cost more than the kernel saves on a prompt of any length. So the queries (and their
+  own keys) are padded with zeros to a multiple of ``CUDNN_QUERY_BUCKET`` (the padding sits after every real key:
+  causal, no real query sees it; its rows are dropped), and the split runs only where ``P`` is a multiple of it too
+  (every chunk of a chunked prefill at the default chunk sizes; a prefix hit's usually is not): a bounded set of
+  graphs per process, which serving's warm-up builds at start.
+* PyTorch's flash attention in its lower-right causal mode everywhere else (``flash_attention_runs``).
+
+Shapes: query ``[B, Hq, Lq, D]``, key / value ``[B, Hkv, Lk, D]`` (grouped-query heads: query head h reads KV head
+``h // (Hq / Hkv)``); returns ``[B, Lq, Hq, D]`` contiguous, what the attention module reshapes next.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.backends.cuda import SDPAParams, can_use_cudnn_attention, can_use_flash_attention
+from torch.nn.attention.bias import causal_lower_right
+
+from ..kernels.merge_attention import MERGE_DTYPES, merge_attention_triton
+
+CUDNN_QUERY_BUCKET = 512  # queries padded to a multiple of this for cuDNN (a bounded set of graphs per process)
+
+# PyTorch's cuDNN attention op, which returns each row's log-sum-exp (F.scaled_dot_product_attention does not)
+_CUDNN_ATTENTION = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None)
+
+
+def causal_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             scaling: float) -> torch.Tensor:
+    """Lower-right causal attention (module docstring): cuDNN in bucketed shapes where it runs, else flash."""
+    prefix = key.shape[2] - query.shape[2]
+    if cudnn_runs(query, key, value, prefix):
+        return cudnn_causal_attention(query, key, value, scaling, prefix)
+    bias = causal_lower_right(query.shape[2], key.shape[2])
+    gqa = query.shape[1] != key.shape[1]
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous()
+
+
+def cudnn_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+                           prefix: int) -> torch.Tensor:
+    """The cuDNN path (``cudnn_runs`` must hold): queries and their own keys padded to the bucket, the keys before
+    them attended without a mask, the two merged by log-sum-exp."""
+    n = query.shape[2]
+    padded = -(-n // CUDNN_QUERY_BUCKET) * CUDNN_QUERY_BUCKET
+    own_key, own_value = key[:, :, prefix:], value[:, :, prefix:]
+    if padded != n:
+        query, own_key, own_value = (zero_padded(t, padded) for t in (query, own_key, own_value))
+    merging = prefix > 0
+    own = _CUDNN_ATTENTION(query, own_key, own_value, None, merging, 0.0, True, False, scale=scaling)
+    if not merging:
+        return own[0][:, :, :n].transpose(1, 2).contiguous()
+    before = _CUDNN_ATTENTION(query, key[:, :, :prefix], value[:, :, :prefix], None, True, 0.0, False, False,
+                              scale=scaling)
+    return merge_attention_triton(before[0][:, :, :n], before[1][:, :, :n], own[0][:, :, :n], own[1][:, :, :n])
+
+
+def zero_padded(x: torch.Tensor, length: int) -> torch.Tensor:
+    """``x`` [B, H, L, D] followed by zeros up to ``length`` rows, laid out as [B, length, H, D] (the projections'
+    layout, which cuDNN reads as it reads the unpadded views)."""
+    batch, heads, rows, dim = x.shape
+    out = x.new_zeros((batch, length, heads, dim)).transpose(1, 2)
+    out[:, :, :rows] = x
+    return out
+
+
+def cudnn_runs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prefix: int) -> bool:
+    """Whether ``cudnn_causal_attention`` runs this call: CUDA, 16-bit, the keys before the queries a multiple of the
+    bucket, and cuDNN taking both parts (head dim, grouped-query heads; checked by PyTorch itself, no sync)."""
+    if (query.device.type != "cuda" or _CUDNN_ATTENTION is None or query.dtype not in MERGE_DTYPES
+            or prefix % CUDNN_QUERY_BUCKET or prefix < 0):
+        return False
+    gqa = query.shape[1] != key.shape[1]
+    own = SDPAParams(query, key[:, :, prefix:], value[:, :, prefix:], None, 0.0, True, gqa)
+    if not can_use_cudnn_attention(own):
+        return False
+    return prefix == 0 or can_use_cudnn_attention(
+        SDPAParams(query, key[:, :, :prefix], value[:, :, :prefix], None, 0.0, False, gqa))
+
+
+def flash_attention_runs(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether PyTorch's flash attention kernel takes these possibly grouped-query inputs (CUDA, half precision, a
+    supported head dim; checked by PyTorch itself, no sync)."""
+    if query.device.type != "cuda":
+        return False
+    # is_causal=False, as torch.nn.attention.bias asks before its lower-right flash call: the causal flag of the
+    # check means upper-left, which flash refuses for Lq != Lk
+    params = SDPAParams(query, key, key, None, 0.0, False, query.shape[1] != key.shape[1])
+    return can_use_flash_attention(params)
