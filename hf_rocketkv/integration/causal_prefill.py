@@ -11,8 +11,8 @@ prefill or a prefix hit's new tokens (the keys before them come from the cache).
   one per prompt length would cost more than the kernel saves on a prompt of any length. So the queries (and their
   own keys) are padded with zeros to a multiple of ``CUDNN_QUERY_BUCKET`` (the padding sits after every real key:
   causal, no real query sees it; its rows are dropped), and the split runs only where ``P`` is a multiple of it too
-  (every chunk of a chunked prefill at the default chunk sizes; a prefix hit's usually is not): a bounded set of
-  graphs per process, which serving's warm-up builds at start.
+  and the queries are at least ``MIN_SPLIT_QUERIES`` (a chunk of a chunked prefill at the default chunk sizes; a
+  prefix hit's few new tokens stay on flash, which is as fast there): a bounded set of graphs per process.
 * PyTorch's flash attention in its lower-right causal mode everywhere else (``flash_attention_runs``).
 
 Shapes: query ``[B, Hq, Lq, D]``, key / value ``[B, Hkv, Lk, D]`` (grouped-query heads: query head h reads KV head
@@ -29,6 +29,7 @@ from torch.nn.attention.bias import causal_lower_right
 from ..kernels.merge_attention import MERGE_DTYPES, merge_attention_triton
 
 CUDNN_QUERY_BUCKET = 512  # queries padded to a multiple of this for cuDNN (a bounded set of graphs per process)
+MIN_SPLIT_QUERIES = 1024  # fewer queries after earlier keys (a prefix hit's new tokens): flash, already fast there
 
 # PyTorch's cuDNN attention op, which returns each row's log-sum-exp (F.scaled_dot_product_attention does not)
 _CUDNN_ATTENTION = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None)
@@ -74,10 +75,11 @@ def zero_padded(x: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def cudnn_runs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prefix: int) -> bool:
-    """Whether ``cudnn_causal_attention`` runs this call: CUDA, 16-bit, the keys before the queries a multiple of the
-    bucket, and cuDNN taking both parts (head dim, grouped-query heads; checked by PyTorch itself, no sync)."""
+    """Whether ``cudnn_causal_attention`` runs this call: CUDA, 16-bit, no keys before the queries or a multiple of
+    the bucket before at least ``MIN_SPLIT_QUERIES`` queries, and cuDNN taking both parts (head dim, grouped-query
+    heads; checked by PyTorch itself, no sync)."""
     if (query.device.type != "cuda" or _CUDNN_ATTENTION is None or query.dtype not in MERGE_DTYPES
-            or prefix % CUDNN_QUERY_BUCKET or prefix < 0):
+            or prefix % CUDNN_QUERY_BUCKET or prefix < 0 or (prefix and query.shape[2] < MIN_SPLIT_QUERIES)):
         return False
     gqa = query.shape[1] != key.shape[1]
     own = SDPAParams(query, key[:, :, prefix:], value[:, :, prefix:], None, 0.0, True, gqa)
