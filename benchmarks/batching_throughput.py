@@ -125,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: none; 30 with --engine both, whose transformers side is slow, and arrivals "
                              "then stop at half of it)")
     parser.add_argument("--skip-fixed", action="store_true", help="no fixed workload (only warm-up and mixed)")
+    parser.add_argument("--fixed-again", action="store_true",
+                        help="the fixed workload a second time, other prompts of the same lengths' law (a warm call)")
     parser.add_argument("--compile-regions", action="store_true",
                         help="hf_rocketkv.compile_regions(model) before the engine starts (fused norms and MLPs)")
     parser.add_argument("--rope-off", action="store_true",
@@ -334,8 +336,9 @@ def step_warmup(engine_run: EngineRun, args, vocab) -> dict:
     return result
 
 
-def step_fixed(engine_run: EngineRun, args, vocab, device) -> dict:
-    rng = random.Random(args.seed + 2)
+def step_fixed(engine_run: EngineRun, args, vocab, device, seed_offset: int = 0) -> dict:
+    """The fixed workload: ``--requests`` prompts submitted at once (other prompts per ``seed_offset``)."""
+    rng = random.Random(args.seed + 2 + seed_offset)
     low = args.min_prompt_len or args.prompt_len  # U[--min-prompt-len, --prompt-len] when given
     lengths = [rng.randint(low, args.prompt_len) for _ in range(args.requests)]
     prompts = [random_prompt(rng, length, vocab) for length in lengths]
@@ -519,6 +522,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = [("warmup", lambda: step_warmup(engine_run, args, vocab))]
     if not args.skip_fixed:
         plan.append(("fixed", lambda: step_fixed(engine_run, args, vocab, device)))
+    if args.fixed_again:
+        plan.append(("fixed_again", lambda: step_fixed(engine_run, args, vocab, device, seed_offset=1000)))
     if args.freeze_gc:
         plan.append(("fixed_gc_frozen", lambda: step_fixed_frozen(engine_run, args, vocab, device)))
     if args.time_host:
