@@ -12,7 +12,8 @@ prefill or a prefix hit's new tokens (the keys before them come from the cache).
   own keys) are padded with zeros to a multiple of ``CUDNN_QUERY_BUCKET`` (the padding sits after every real key:
   causal, no real query sees it; its rows are dropped), and the split runs only where ``P`` is a multiple of it too
   and the queries are at least ``MIN_SPLIT_QUERIES`` (a chunk of a chunked prefill at the default chunk sizes; a
-  prefix hit's few new tokens stay on flash, which is as fast there): a bounded set of graphs per process.
+  prefix hit's few new tokens stay on flash, which is as fast there): a bounded set of graphs per process. Head
+  dims above ``CUDNN_MAX_HEAD_DIM`` (Gemma's 256) stay on flash too: measured and tested at 64 and 128 only.
 * PyTorch's flash attention in its lower-right causal mode everywhere else (``flash_attention_runs``).
 
 Shapes: query ``[B, Hq, Lq, D]``, key / value ``[B, Hkv, Lk, D]`` (grouped-query heads: query head h reads KV head
@@ -30,6 +31,7 @@ from ..kernels.merge_attention import MERGE_DTYPES, merge_attention_triton
 
 CUDNN_QUERY_BUCKET = 512  # queries padded to a multiple of this for cuDNN (a bounded set of graphs per process)
 MIN_SPLIT_QUERIES = 1024  # fewer queries after earlier keys (a prefix hit's new tokens): flash, already fast there
+CUDNN_MAX_HEAD_DIM = 128  # the head dims measured and tested on an H100 (64, 128); wider heads (Gemma's 256): flash
 
 # PyTorch's cuDNN attention op, which returns each row's log-sum-exp (F.scaled_dot_product_attention does not)
 _CUDNN_ATTENTION = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None)
@@ -75,11 +77,12 @@ def zero_padded(x: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def cudnn_runs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prefix: int) -> bool:
-    """Whether ``cudnn_causal_attention`` runs this call: CUDA, 16-bit, no keys before the queries or a multiple of
-    the bucket before at least ``MIN_SPLIT_QUERIES`` queries, and cuDNN taking both parts (head dim, grouped-query
-    heads; checked by PyTorch itself, no sync)."""
+    """Whether ``cudnn_causal_attention`` runs this call: CUDA, 16-bit, a head dim of at most ``CUDNN_MAX_HEAD_DIM``,
+    no keys before the queries or a multiple of the bucket before at least ``MIN_SPLIT_QUERIES`` queries, and cuDNN
+    taking both parts (grouped-query heads and the rest; checked by PyTorch itself, no sync)."""
     if (query.device.type != "cuda" or _CUDNN_ATTENTION is None or query.dtype not in MERGE_DTYPES
-            or prefix % CUDNN_QUERY_BUCKET or prefix < 0 or (prefix and query.shape[2] < MIN_SPLIT_QUERIES)):
+            or query.shape[-1] > CUDNN_MAX_HEAD_DIM or prefix % CUDNN_QUERY_BUCKET or prefix < 0
+            or (prefix and query.shape[2] < MIN_SPLIT_QUERIES)):
         return False
     gqa = query.shape[1] != key.shape[1]
     own = SDPAParams(query, key[:, :, prefix:], value[:, :, prefix:], None, 0.0, True, gqa)

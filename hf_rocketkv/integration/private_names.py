@@ -32,9 +32,16 @@ class PrivateName:
 TORCH_AND_TRITON: tuple[PrivateName, ...] = (
     PrivateName(
         "torch._library.triton.set_wrap_triton_enabled",
-        ("kernels/triton_ops.py", "kernels/rope.py", "kernels/rms_norm.py"),
+        ("kernels/triton_ops.py", "kernels/rope.py", "kernels/rms_norm.py", "kernels/merge_attention.py"),
         "eager calls of a triton_op launch their kernels directly instead of through wrap_triton's traceable "
         "wrapper (what triton_op's own eager path does); optional: without it the registered op is called",
+    ),
+    PrivateName(
+        "torch.ops.aten._scaled_dot_product_cudnn_attention",
+        ("integration/causal_prefill.py",),
+        "cuDNN's attention with each row's log-sum-exp, which F.scaled_dot_product_attention does not return: a "
+        "prefill chunk's two parts are merged by it; optional: without it the chunk runs flash's lower-right mode",
+        attribute=True,
     ),
     PrivateName(
         "torch._library.triton.is_wrap_triton_enabled",

@@ -99,7 +99,8 @@ def test_cudnn_runs_exactly_where_the_keys_before_the_queries_fill_whole_buckets
     out = lower_right_attention(q, k, v, 0.3)
     prefix = kv_length - n
     assert bool(taken) == causal_prefill.cudnn_runs(q, k, v, prefix)
-    if device == "cpu" or prefix % CUDNN_QUERY_BUCKET or (prefix and n < causal_prefill.MIN_SPLIT_QUERIES):
+    if device == "cpu" or prefix % CUDNN_QUERY_BUCKET or (prefix and n < causal_prefill.MIN_SPLIT_QUERIES) \
+            or dim > causal_prefill.CUDNN_MAX_HEAD_DIM:
         assert not taken
     elif dim in (64, 128):  # cuDNN's head dims on an H100
         assert taken
