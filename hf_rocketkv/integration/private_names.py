@@ -32,7 +32,7 @@ class PrivateName:
 TORCH_AND_TRITON: tuple[PrivateName, ...] = (
     PrivateName(
         "torch._library.triton.set_wrap_triton_enabled",
-        ("kernels/triton_ops.py", "kernels/rope.py", "kernels/rms_norm.py", "kernels/merge_attention.py"),
+        ("kernels/triton_ops.py", "kernels/launch.py"),
         "eager calls of a triton_op launch their kernels directly instead of through wrap_triton's traceable "
         "wrapper (what triton_op's own eager path does); optional: without it the registered op is called",
     ),

@@ -21,19 +21,12 @@ test_merge_attention.py`` bounds it against a float64 oracle).
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
 from ._triton_common import DT_BF16, DT_FP16, cdiv, next_pow2, round_to
-from .launch import TritonLaunch
-
-try:  # what a triton_op's eager implementation uses to launch kernels directly (see ``_direct_launches``)
-    from torch._library.triton import set_wrap_triton_enabled
-except ImportError:  # pragma: no cover - an older torch: the launch goes through wrap_triton
-    set_wrap_triton_enabled = None
+from .launch import TritonLaunch, direct_launches
 
 HEADS_PER_PROGRAM = 8
 MERGE_DTYPES = {torch.bfloat16: DT_BF16, torch.float16: DT_FP16}
@@ -106,7 +99,7 @@ def merge_attention_triton(out_a, lse_a, out_b, lse_b) -> torch.Tensor:
     out = torch.empty((batch, queries, heads, head_dim), dtype=out_a.dtype, device=out_a.device)
     if out.numel() == 0:
         return out
-    with _direct_launches():
+    with direct_launches():
         _merge_launch[(batch * queries, cdiv(heads, HEADS_PER_PROGRAM))](
             out_a, out_b, lse_a, lse_b, out,
             *out_a.stride(), *out_b.stride(), *lse_a.stride(), *lse_b.stride(),
@@ -114,9 +107,3 @@ def merge_attention_triton(out_a, lse_a, out_b, lse_b) -> torch.Tensor:
             DT=MERGE_DTYPES[out_a.dtype], BLOCK_H=HEADS_PER_PROGRAM, BLOCK_D=next_pow2(head_dim), num_warps=4,
         )
     return out
-
-
-def _direct_launches():
-    """Eager launches without torch's ``wrap_triton`` higher-order op, as ``kernels/rope.py`` does: called eagerly
-    only (the attention's prefill path)."""
-    return contextlib.nullcontext() if set_wrap_triton_enabled is None else set_wrap_triton_enabled(False)

@@ -29,7 +29,6 @@ Two schedules, chosen from the shapes only (no host sync, CUDA-graph safe):
 
 from __future__ import annotations
 
-import math
 
 import torch
 import triton

@@ -19,19 +19,12 @@ bounds it against a float64 oracle). fp32 inputs stay on transformers' formula (
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
 from ._triton_common import DT_BF16, DT_FP16, interpreting, next_pow2, round_to
-from .launch import TritonLaunch
-
-try:  # what a triton_op's eager implementation uses to launch kernels directly (see ``_direct_launches``)
-    from torch._library.triton import set_wrap_triton_enabled
-except ImportError:  # pragma: no cover - an older torch: the launch goes through wrap_triton
-    set_wrap_triton_enabled = None
+from .launch import TritonLaunch, direct_launches
 
 NORM_DTYPES = {torch.bfloat16: DT_BF16, torch.float16: DT_FP16}
 PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -94,7 +87,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     block = next_pow2(hidden)
-    with _direct_launches():
+    with direct_launches():
         _rms_norm_launch[(rows,)](
             x2, weight, out, x2.stride(0), hidden, float(eps),
             DT=NORM_DTYPES[x.dtype], BLOCK=block, num_warps=_warps(block),
@@ -105,9 +98,3 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 def _warps(block: int) -> int:
     """Warps per row: 8 fp32 values per thread up to 16 warps (a 4096-wide row), more per thread beyond."""
     return max(1, min(16, block // 256))
-
-
-def _direct_launches():
-    """Eager launches without torch's ``wrap_triton`` higher-order op, as ``kernels/rope.py`` does: this launcher is
-    only ever called eagerly (``integration/norm.py`` leaves traced calls to transformers)."""
-    return contextlib.nullcontext() if set_wrap_triton_enabled is None else set_wrap_triton_enabled(False)

@@ -24,19 +24,12 @@ not, so fp32 stays on transformers' formula (``rope_supported``).
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
 from ._triton_common import DT_BF16, DT_FP16, cdiv, next_pow2, round_to
-from .launch import TritonLaunch
-
-try:  # what a triton_op's eager implementation uses to launch kernels directly (see ``_direct_launches``)
-    from torch._library.triton import set_wrap_triton_enabled
-except ImportError:  # pragma: no cover - an older torch: the launch goes through wrap_triton
-    set_wrap_triton_enabled = None
+from .launch import TritonLaunch, direct_launches
 
 HEADS_PER_PROGRAM = 8
 ROPE_DTYPES = {torch.bfloat16: DT_BF16, torch.float16: DT_FP16}
@@ -138,7 +131,7 @@ def rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
     if sin.stride() != cos.stride():  # one set of strides serves both (the rotary embedding makes them alike)
         cos, sin = cos.contiguous(), sin.contiguous()
     s_cb = cos.stride(0) if cos.shape[0] > 1 else 0
-    with _direct_launches():
+    with direct_launches():
         _rope_launch[(batch * tokens, q_blocks + cdiv(num_kv_heads, HEADS_PER_PROGRAM))](
             q, k, q_out, k_out, cos, sin,
             q.stride(0), q.stride(2), q.stride(1), q.stride(3), k.stride(0), k.stride(2), k.stride(1), k.stride(3),
@@ -147,10 +140,3 @@ def rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
             DT=ROPE_DTYPES[q.dtype], BLOCK_H=HEADS_PER_PROGRAM, BLOCK_D=next_pow2(half), num_warps=1,
         )
     return q_out, k_out
-
-
-def _direct_launches():
-    """Eager launches without torch's ``wrap_triton`` higher-order op (~300 us of host time per call on an H200,
-    measured): this launcher is only ever called eagerly (``integration/rope.py`` leaves traced calls to
-    transformers), which is what a registered triton_op's own eager implementation does too."""
-    return contextlib.nullcontext() if set_wrap_triton_enabled is None else set_wrap_triton_enabled(False)
