@@ -29,7 +29,6 @@ Two schedules, chosen from the shapes only (no host sync, CUDA-graph safe):
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
