@@ -13,7 +13,6 @@ positions), two tiny experts on every other layer.
 
 from __future__ import annotations
 
-import copy
 
 import torch
 from transformers import (
@@ -31,8 +30,7 @@ from transformers import (
     MistralForCausalLM,
 )
 
-import hf_rocketkv
-from tests.support.tiny_models import BASE_CONFIG
+from tests.support.tiny_models import BASE_CONFIG, paired_models
 
 WINDOW = 8
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -64,18 +62,15 @@ def make_hybrid_models(arch: str, seed: int = 0, **overrides):
     """``(rocket, oracle)``: one random tiny model of ``arch`` on ``rocketkv`` attention and the same weights on
     transformers' eager attention."""
     _, model_cls, _ = HYBRID_ARCHS[arch]
-    config = hybrid_config(arch, **overrides)
-    torch.manual_seed(seed)
-    oracle = model_cls(copy.deepcopy(config)).eval()
-    oracle.set_attn_implementation("eager")
+    return paired_models(model_cls, hybrid_config(arch, **overrides), "eager", seed, prepare_oracle=random_sinks)
+
+
+def random_sinks(model) -> None:
+    """Attention sinks drawn from N(0, 1) (transformers initialises them to zeros, which would hide their effect)."""
     with torch.no_grad():
-        for module in oracle.modules():
+        for module in model.modules():
             if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
                 module.sinks.normal_(0.0, 1.0)
-    rocket = model_cls(copy.deepcopy(config)).eval()
-    rocket.load_state_dict(oracle.state_dict())
-    hf_rocketkv.enable(rocket)
-    return rocket, oracle
 
 
 CHUNK = 8
@@ -94,11 +89,4 @@ def make_llama4_models(seed: int = 0, **overrides):
     """``(rocket, oracle)`` of a tiny random Llama 4 text model (``Llama4ForCausalLM``): ``rocketkv`` attention,
     and the same weights on transformers' eager attention (its own cache: ``DynamicSlidingWindowLayer`` of the chunk
     size for the chunked layers)."""
-    config = llama4_config(**overrides)
-    torch.manual_seed(seed)
-    oracle = Llama4ForCausalLM(copy.deepcopy(config)).eval()
-    oracle.set_attn_implementation("eager")
-    rocket = Llama4ForCausalLM(copy.deepcopy(config)).eval()
-    rocket.load_state_dict(oracle.state_dict())
-    hf_rocketkv.enable(rocket)
-    return rocket, oracle
+    return paired_models(Llama4ForCausalLM, llama4_config(**overrides), "eager", seed)

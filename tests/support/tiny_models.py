@@ -60,6 +60,21 @@ def tiny_config(arch: str = "llama", **overrides):
     return config_cls(**kwargs)
 
 
+def paired_models(model_cls, config, oracle_attention: str, seed: int = 0, prepare_oracle=None):
+    """``(rocket, oracle)``: one random ``model_cls(config)`` on ``oracle_attention`` (``prepare_oracle(oracle)`` may
+    reinitialise some of its weights first) and the same weights on ``rocketkv`` attention, each with its own copy
+    of the config (``set_attn_implementation`` writes to it)."""
+    torch.manual_seed(seed)
+    oracle = model_cls(copy.deepcopy(config)).eval()
+    oracle.set_attn_implementation(oracle_attention)
+    if prepare_oracle is not None:
+        prepare_oracle(oracle)
+    rocket = model_cls(copy.deepcopy(config)).eval()
+    rocket.load_state_dict(oracle.state_dict())
+    hf_rocketkv.enable(rocket)
+    return rocket, oracle
+
+
 def make_models(arch: str = "llama", seed: int = 0, **overrides):
     """``(rocket, sdpa)``: two copies of one random tiny model, one on ``rocketkv`` attention, one on ``sdpa``.
 
@@ -67,13 +82,7 @@ def make_models(arch: str = "llama", seed: int = 0, **overrides):
     shared).
     """
     _, model_cls = ARCHS[arch]
-    config = tiny_config(arch, **overrides)
-    torch.manual_seed(seed)
-    sdpa = model_cls(copy.deepcopy(config)).eval()
-    sdpa.set_attn_implementation("sdpa")
-    rocket = model_cls(copy.deepcopy(config)).eval()
-    rocket.load_state_dict(sdpa.state_dict())
-    hf_rocketkv.enable(rocket)
+    rocket, sdpa = paired_models(model_cls, tiny_config(arch, **overrides), "sdpa", seed)
     assert rocket.config._attn_implementation == hf_rocketkv.ATTN_NAME
     assert sdpa.config._attn_implementation == "sdpa"
     return rocket, sdpa
