@@ -28,7 +28,7 @@ from ..cache.sliding_layer import SlidingWindowLayer
 from ..cache.unscored_layer import UnscoredLayer
 from ..memory.layer_kinds import CHUNKED
 from ..selection.logit_features import PLAIN, LogitFeatures, allowed_of, featured_attention
-from .causal_prefill import causal_prefill_attention, cudnn_runs, flash_attention_runs
+from .causal_prefill import causal_prefill_attention, cudnn_causal_attention, cudnn_runs, flash_attention_runs
 from .compat import sdpa_attention_forward
 
 FEATURE_KWARGS = ("softcap", "s_aux")  # what transformers passes for soft-capping (Gemma 2) and sinks (gpt-oss)
@@ -292,8 +292,8 @@ def dense_attention(
     in spans of causal keys, ``attend_in_spans``).
     Otherwise, where flash attention can run (CUDA, 16-bit) and the mask is plain causal with the queries at the
     end (no mask and ``Lq == Lk``, a whole prompt, where cuDNN runs it; or no padding and ``Lq <= Lk``: a prefix hit's
-    new tokens, a chunk of a chunked prefill): ``causal_prefill_attention`` (cuDNN in bucketed shapes, flash's
-    lower-right causal mode otherwise; causal_prefill.py). There transformers would hand every new prompt length to
+    new tokens, a chunk of a chunked prefill): causal_prefill.py's ``cudnn_causal_attention`` for the former,
+    ``causal_prefill_attention`` for the latter (cuDNN in bucketed shapes, flash's lower-right causal mode otherwise). There transformers would hand every new prompt length to
     cuDNN (a new execution graph, ~70 ms, per length) and, for a chunk, materialise the mask and copy every key and
     value once per query head (``repeat_kv``: 0.5 GiB per layer for 32k keys at 8B shapes, as SDPA takes no mask
     together with grouped-query heads). Elsewhere (CPU, float32, padding) transformers' sdpa path: there the
@@ -305,11 +305,11 @@ def dense_attention(
         if spans_pay_off(query, key, attention_mask, None, needs_mask=False):
             return attend_in_spans(attend, query, key, value, attention_mask, None)
         return attend(query, key, value, attention_mask)
-    if flash_attention_runs(query, key) and (
-        (square_causal(module, attention_mask, query, key) and cudnn_runs(query, key, value, 0))
-        or lower_right_causal(layer, attention_mask, host_start, query.shape[2], key.shape[2])
-    ):
-        return causal_prefill_attention(query, key, value, scaling)
+    if flash_attention_runs(query, key):
+        if square_causal(module, attention_mask, query, key) and cudnn_runs(query, key, value, 0):
+            return cudnn_causal_attention(query, key, value, scaling, 0)
+        if lower_right_causal(layer, attention_mask, host_start, query.shape[2], key.shape[2]):
+            return causal_prefill_attention(query, key, value, scaling)
     out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     return out
 

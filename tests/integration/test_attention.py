@@ -112,14 +112,14 @@ def test_cudnn_runs_exactly_where_the_keys_before_the_queries_fill_whole_buckets
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_whole_prompt_without_a_mask_takes_the_causal_path_where_flash_runs(dtype, device, monkeypatch):
-    """No mask and as many queries as keys (transformers' is_causal case): the causal prefill path on CUDA in bf16,
+    """No mask and as many queries as keys (transformers' is_causal case): cuDNN in a bucketed shape on CUDA in bf16,
     transformers' sdpa elsewhere; the oracle's causal answer either way."""
     import hf_rocketkv.integration.attention as attention
 
     q, k, v, module = inputs(2, 8, 2, 9, 9, 64, dtype, seed=11, device=device)
     taken = []
-    monkeypatch.setattr(attention, "causal_prefill_attention",
-                        lambda *a: taken.append(1) or lower_right_attention(*a))
+    monkeypatch.setattr(attention, "cudnn_causal_attention",
+                        lambda *a: taken.append(1) or causal_prefill.cudnn_causal_attention(*a))
     out = dense_attention(layer(), module, q, k, v, None, 0.25, None)
     tolerance = (1e-5 if device == "cpu" else 1e-4) if dtype == torch.float32 else 2e-2
     mask = causal_mask(2, 9, 9).to(device)
