@@ -290,14 +290,15 @@ def dense_attention(
 
     With soft-capping or sinks (``features``): ``featured_attention`` with transformers' mask (a long first forward
     in spans of causal keys, ``attend_in_spans``).
-    Otherwise, where flash attention can run (CUDA, 16-bit) and the mask is plain causal with the queries at the
-    end (no mask and ``Lq == Lk``, a whole prompt, where cuDNN runs it; or no padding and ``Lq <= Lk``: a prefix hit's
-    new tokens, a chunk of a chunked prefill): causal_prefill.py's ``cudnn_causal_attention`` for the former,
-    ``causal_prefill_attention`` for the latter (cuDNN in bucketed shapes, flash's lower-right causal mode otherwise). There transformers would hand every new prompt length to
-    cuDNN (a new execution graph, ~70 ms, per length) and, for a chunk, materialise the mask and copy every key and
-    value once per query head (``repeat_kv``: 0.5 GiB per layer for 32k keys at 8B shapes, as SDPA takes no mask
-    together with grouped-query heads). Elsewhere (CPU, float32, padding) transformers' sdpa path: there the
-    lower-right path would fall back to a materialised mask and the math kernel, no faster."""
+    Otherwise, where flash attention can run (CUDA, 16-bit) and the mask is plain causal with the queries at the end (no
+    mask and ``Lq == Lk``, a whole prompt, where cuDNN runs it; or no padding and ``Lq <= Lk``: a prefix hit's new
+    tokens, a chunk of a chunked prefill): causal_prefill.py's ``cudnn_causal_attention`` for the former,
+    ``causal_prefill_attention`` for the latter (cuDNN in bucketed shapes, flash's lower-right causal mode otherwise).
+    There transformers would hand every new prompt length to cuDNN (a new execution graph, ~70 ms, per length) and, for
+    a chunk, materialise the mask and copy every key and value once per query head (``repeat_kv``: 0.5 GiB per layer for
+    32k keys at 8B shapes, as SDPA takes no mask together with grouped-query heads). Elsewhere (CPU, float32, padding)
+    transformers' sdpa path: there the lower-right path would fall back to a materialised mask and the math kernel, no
+    faster."""
     if not features.plain:
         def attend(q, k, v, mask):
             return featured_attention(q, k, v, allowed_of(mask), scaling, features)
