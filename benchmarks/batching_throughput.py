@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: none; 30 with --engine both, whose transformers side is slow, and arrivals "
                              "then stop at half of it)")
     parser.add_argument("--skip-fixed", action="store_true", help="no fixed workload (only warm-up and mixed)")
+    parser.add_argument("--prefill-warm-tokens", type=int, default=None,
+                        help="BatchingEngine.warm_up(prefill_tokens=...): prompts up to this many tokens meet no new "
+                             "cuDNN attention graph (default: the engine's, two prefill chunks; 0: none)")
     parser.add_argument("--fixed-again", action="store_true",
                         help="the fixed workload a second time, other prompts of the same lengths' law (a warm call)")
     parser.add_argument("--compile-regions", action="store_true",
@@ -272,8 +275,14 @@ class EngineRun:
                                   concurrent_prefill_tokens=args.concurrent_prefill_tokens)
         engine = BatchingEngine(self.model, self.config, self.pool, batching,
                                 decode_graphs=None if args.decode == "graphs" else False)
-        report = engine.warm_up(max_new_tokens=self.warm_tokens) if warm_up else None
-        engine.start(self._sink)
+        extra = {} if args.prefill_warm_tokens is None else {"prefill_tokens": args.prefill_warm_tokens}
+        report = engine.warm_up(max_new_tokens=self.warm_tokens, **extra) if warm_up else None
+        started = time.perf_counter()
+        engine.start(self._sink)  # after warm_up: returns once the prefill attention graphs are built
+        if report is not None:
+            report["start_s"] = time.perf_counter() - started
+            graphs = getattr(engine, "prefill_graphs", None)  # (None on trees before it existed)
+            report["prefill_graphs"] = graphs.report if graphs is not None else None
         self.engine = engine
         return report
 

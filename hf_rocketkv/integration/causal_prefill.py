@@ -12,8 +12,14 @@ prefill or a prefix hit's new tokens (the keys before them come from the cache).
   own keys) are padded with zeros to a multiple of ``CUDNN_QUERY_BUCKET`` (the padding sits after every real key:
   causal, no real query sees it; its rows are dropped), and the split runs only where ``P`` is a multiple of it too
   and the queries are at least ``MIN_SPLIT_QUERIES`` (a chunk of a chunked prefill at the default chunk sizes; a
-  prefix hit's few new tokens stay on flash, which is as fast there): a bounded set of graphs per process. Head
-  dims above ``CUDNN_MAX_HEAD_DIM`` (Gemma's 256) stay on flash too: measured and tested at 64 and 128 only.
+  prefix hit's few new tokens stay on flash, which is as fast there): a bounded set of graphs per process. cuDNN
+  keys a graph by its inputs' strides as well as their shapes, and a chunk's keys are views of a buffer as wide as
+  its prompt, so every input is handed over in one layout, that of a fresh ``[B, L, H, D]`` tensor (``in_bucket``;
+  the keys before a chunk copied, ~1% of the chunk's attention): the graphs depend on the bucket and ``P`` alone,
+  not on the prompt's length. Head dims above ``CUDNN_MAX_HEAD_DIM`` (Gemma's 256) stay on flash too: measured and
+  tested at 64 and 128 only.
+* ``warm_cudnn_graphs`` builds the graphs of every shape a prompt of up to N tokens meets in chunks of C
+  (``cudnn_shapes``) ahead of time, on the thread that will prefill: cuDNN's graph cache belongs to a thread.
 * PyTorch's flash attention in its lower-right causal mode everywhere else (``flash_attention_runs``).
 
 Shapes: query ``[B, Hq, Lq, D]``, key / value ``[B, Hkv, Lk, D]`` (grouped-query heads: query head h reads KV head
@@ -55,25 +61,58 @@ def cudnn_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     them attended without a mask, the two merged by log-sum-exp."""
     n = query.shape[2]
     padded = -(-n // CUDNN_QUERY_BUCKET) * CUDNN_QUERY_BUCKET
-    own_key, own_value = key[:, :, prefix:], value[:, :, prefix:]
-    if padded != n:
-        query, own_key, own_value = (zero_padded(t, padded) for t in (query, own_key, own_value))
+    query, own_key, own_value = (in_bucket(t, padded) for t in (query, key[:, :, prefix:], value[:, :, prefix:]))
     merging = prefix > 0
     own = _CUDNN_ATTENTION(query, own_key, own_value, None, merging, 0.0, True, False, scale=scaling)
     if not merging:
         return own[0][:, :, :n].transpose(1, 2).contiguous()
-    before = _CUDNN_ATTENTION(query, key[:, :, :prefix], value[:, :, :prefix], None, True, 0.0, False, False,
-                              scale=scaling)
+    before = _CUDNN_ATTENTION(query, in_bucket(key[:, :, :prefix], prefix), in_bucket(value[:, :, :prefix], prefix),
+                              None, True, 0.0, False, False, scale=scaling)
     return merge_attention_triton(before[0][:, :, :n], before[1][:, :, :n], own[0][:, :, :n], own[1][:, :, :n])
 
 
-def zero_padded(x: torch.Tensor, length: int) -> torch.Tensor:
-    """``x`` [B, H, L, D] followed by zeros up to ``length`` rows, laid out as [B, length, H, D] (the projections'
-    layout, which cuDNN reads as it reads the unpadded views)."""
+def in_bucket(x: torch.Tensor, length: int) -> torch.Tensor:
+    """``x`` [B, H, L, D] (L <= ``length``) as cuDNN should read it: ``length`` rows, zeros after its own, in the
+    layout of a fresh [B, length, H, D] tensor (the projections' layout). ``x`` itself when it is already that (a
+    whole prompt of a bucket's length), else a copy: cuDNN would build another graph for other strides."""
     batch, heads, rows, dim = x.shape
-    out = x.new_zeros((batch, length, heads, dim)).transpose(1, 2)
+    if rows == length and x.stride() == (length * heads * dim, dim, heads * dim, 1):
+        return x
+    out = (x.new_empty if rows == length else x.new_zeros)((batch, length, heads, dim)).transpose(1, 2)
     out[:, :, :rows] = x
     return out
+
+
+def cudnn_shapes(chunk_tokens: int, prompt_tokens: int) -> list[tuple[int, int]]:
+    """``(queries, keys before them)`` of every cuDNN graph that prompts of at most ``prompt_tokens`` tokens meet
+    when prefilled in chunks of ``chunk_tokens``, queries in buckets: a whole prompt (or a first chunk) in every
+    bucket up to the chunk, then a later chunk of at least ``MIN_SPLIT_QUERIES`` queries after each multiple of the
+    chunk that is a multiple of the bucket (a split: two graphs)."""
+    def buckets(low: int, high: int) -> range:
+        return range(low, -(-high // CUDNN_QUERY_BUCKET) * CUDNN_QUERY_BUCKET + 1, CUDNN_QUERY_BUCKET)
+
+    shapes = [(b, 0) for b in buckets(CUDNN_QUERY_BUCKET, min(chunk_tokens, prompt_tokens))]
+    for prefix in range(chunk_tokens, prompt_tokens, chunk_tokens):
+        if prefix % CUDNN_QUERY_BUCKET == 0 and prompt_tokens - prefix >= MIN_SPLIT_QUERIES:
+            shapes += [(b, prefix) for b in buckets(MIN_SPLIT_QUERIES, min(chunk_tokens, prompt_tokens - prefix))]
+    return shapes
+
+
+def warm_cudnn_graphs(shapes: list[tuple[int, int]], query_heads: int, kv_heads: int, head_dim: int,
+                      dtype: torch.dtype, device: torch.device) -> int:
+    """Run ``cudnn_causal_attention`` once on zeros of each ``(queries, keys before them)`` shape (batch 1, the
+    engine's prefill), so that cuDNN builds their graphs now (~70 ms each on an H100) instead of at a request's
+    prefill. On the thread that will prefill: cuDNN keeps a graph cache per thread. Returns the shapes run: 0 where
+    cuDNN does not (CPU, float32, a head dim above ``CUDNN_MAX_HEAD_DIM``)."""
+    ran = 0
+    for queries, prefix in shapes:
+        query = torch.zeros((1, queries, query_heads, head_dim), dtype=dtype, device=device).transpose(1, 2)
+        key = torch.zeros((1, prefix + queries, kv_heads, head_dim), dtype=dtype, device=device).transpose(1, 2)
+        if not cudnn_runs(query, key, key, prefix):
+            continue
+        cudnn_causal_attention(query, key, key, head_dim ** -0.5, prefix)
+        ran += 1
+    return ran
 
 
 def cudnn_runs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prefix: int) -> bool:

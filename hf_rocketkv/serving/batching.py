@@ -47,6 +47,7 @@ from .errors import Overloaded
 from .inboxes import LockstepInboxes
 from .lockstep import Lockstep, check_lockstep_for
 from .outputs import FinishReason
+from .prefill_graphs import PrefillGraphs
 from .prefill_worker import PrefillWorker
 from .running import RunningRequest
 from .sampler import new_generator, sample_tokens
@@ -138,6 +139,8 @@ class BatchingEngine(ThreadedEngine):
         self._inboxes = LockstepInboxes(self, lockstep) if lockstep is not None else None
         self._failure: BaseException | None = None  # what ended a lockstep engine thread, for follow() to raise
         self._worker: PrefillWorker | None = None  # concurrent_prefill_tokens: prefills beside the decode steps
+        # warm_up's plan of cuDNN prefill graphs, built by the prefilling thread before start() returns
+        self.prefill_graphs: PrefillGraphs | None = None
         if self.batching.concurrent_prefill_tokens is not None:
             if lockstep is not None:
                 raise NotImplementedError(
@@ -148,6 +151,13 @@ class BatchingEngine(ThreadedEngine):
             self._decoder.capture_lock = self._worker.capture_lock
 
     # ------------------------------------------------------------------------------------------------ interface
+    def start(self, sink: EventSink) -> None:
+        """Start the engine thread; after ``warm_up``, return once the prefilling thread built the prefill
+        attention graphs it planned (prefill_graphs.py)."""
+        super().start(sink)
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.wait()
+
     def cancel(self, request_id: str) -> None:
         if self._inboxes is not None:
             self._inboxes.cancel(request_id)
@@ -190,13 +200,16 @@ class BatchingEngine(ThreadedEngine):
         and a budget to choose from, as for any long prompt)."""
         return self.config.prompt_budget + self.config.window_size + 1
 
-    def warm_up(self, max_new_tokens: int = DEFAULT_WARMUP_MAX_TOKENS, buckets: tuple[int, ...] | None = None) -> dict:
+    def warm_up(self, max_new_tokens: int = DEFAULT_WARMUP_MAX_TOKENS, buckets: tuple[int, ...] | None = None,
+                prefill_tokens: int | None = None) -> dict:
         """Capture the decode graph of every bucket now, on the caller's thread, before ``start()`` (RuntimeError
         after it; warm_up.py has the details): a synthetic request decodes two steps per bucket, so requests with
         ``max_tokens <= max_new_tokens`` never capture while serving. ``buckets``: default every bucket up to
-        ``bucket_for(max_running)``. Returns ``{"seconds", "buckets", "captures", "table_pages", "max_new_tokens"}``;
+        ``bucket_for(max_running)``. ``prefill_tokens``: prompts of up to this many tokens meet no new cuDNN
+        attention graph while serving, their graphs built by ``start()`` (default: two prefill chunks; 0: none).
+        Returns ``{"seconds", "buckets", "captures", "table_pages", "max_new_tokens", "prefill_shapes"}``;
         raises ``ValueError`` for bad arguments, ``PoolExhaustedError`` when the pool cannot hold the request."""
-        return warm_up(self, max_new_tokens, buckets)
+        return warm_up(self, max_new_tokens, buckets, prefill_tokens)
 
     def follow(self, sink: EventSink | None = None) -> None:
         """A follower rank's whole serving life: start the engine thread and return once the leader has stopped
@@ -254,11 +267,13 @@ class BatchingEngine(ThreadedEngine):
     def _loop(self) -> None:
         try:
             if self._worker is not None:
-                self._worker.start()
+                self._worker.start(self.prefill_graphs)
                 with self._worker.decode_stream_context():
                     while self._wait_for_work():
                         self._guarded_iteration()
             elif self._inboxes is None:
+                if self.prefill_graphs is not None:
+                    self.prefill_graphs.build()  # on this thread, which prefills: cuDNN's graphs are per thread
                 while self._wait_for_work():
                     self._guarded_iteration()
             else:

@@ -85,8 +85,9 @@ class PrefillWorker:
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------------------------------- engine thread
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="hf-rocketkv-prefill", daemon=True)
+    def start(self, graphs=None) -> None:
+        """Start the thread; ``graphs`` (a ``PrefillGraphs``, or None) is built on it first."""
+        self._thread = threading.Thread(target=self._run, args=(graphs,), name="hf-rocketkv-prefill", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -132,11 +133,13 @@ class PrefillWorker:
         return torch.cuda.stream(self.decode_stream)
 
     # ------------------------------------------------------------------------------------------- worker thread
-    def _run(self) -> None:
+    def _run(self, graphs) -> None:
         torch.set_grad_enabled(False)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            if graphs is not None:
+                graphs.build(self.capture_lock)  # this thread prefills: cuDNN's graphs are per thread
             while (running := self._jobs.get()) is not None:
                 result = self._prefill(running)
                 with self._lock:

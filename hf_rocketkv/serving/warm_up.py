@@ -4,7 +4,8 @@ Captured lazily, each bucket costs an eager step and a capture while real reques
 table is wider than any before reallocates the batch's buffers, after which every bucket is captured again. So, as
 vLLM and TensorRT-LLM do at start-up, one synthetic request is prefilled exactly as a request is (pool reservation,
 its own pool-backed ``RocketKVCache``, stage 1), joins the batch as row 0 and decodes two steps per bucket (padded to
-the bucket: warm-up, then capture); then it leaves and its pages go back.
+the bucket: warm-up, then capture); then it leaves and its pages go back. It also plans the cuDNN attention graphs
+of the prompts to come (prefill_graphs.py), which the thread that prefills builds when the engine starts.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from ..integration.decode_graphs import on_device
 from ..memory import PoolExhaustedError
 from .engine import EngineRequest
+from .prefill_graphs import PrefillGraphs
 from .running import RunningRequest
 from .sampling import SamplingParams
 
@@ -28,7 +30,7 @@ WARMUP_CACHE_SALT = "hf_rocketkv.batching.warm_up"
 WARMUP_REQUEST_ID = "hf_rocketkv-warm-up"
 
 
-def warm_up(engine, max_new_tokens: int, buckets: tuple[int, ...] | None) -> dict:
+def warm_up(engine, max_new_tokens: int, buckets: tuple[int, ...] | None, prefill_tokens: int | None = None) -> dict:
     """Capture the decode graph of every bucket of ``engine`` (a ``BatchingEngine`` not started yet) now.
 
     The synthetic request has ``engine.warm_up_prompt_len`` random token ids and ``max_tokens = max(max_new_tokens,
@@ -42,6 +44,9 @@ def warm_up(engine, max_new_tokens: int, buckets: tuple[int, ...] | None) -> dic
         max_new_tokens: the largest ``max_tokens`` to cover (an int >= 1).
         buckets: the batch sizes to capture, each one of ``BatchingConfig.buckets``; default: every bucket up to
             ``bucket_for(max_running)``, the largest one a step can use.
+        prefill_tokens: prompts of up to this many tokens meet no new cuDNN attention graph while serving
+            (prefill_graphs.py: planned here, built by the prefilling thread before ``start()`` returns; 31 shapes,
+            ~3 s on an H100, at the default: two ``prefill_chunk_tokens`` chunks). 0: none. Not under lockstep.
 
     Runs on the caller's thread and must come before ``start()`` (RuntimeError after it): the engine thread owns
     the batch once started; graphs captured here replay on it. Without graphs (CPU, ``decode_graphs=False``)
@@ -50,8 +55,9 @@ def warm_up(engine, max_new_tokens: int, buckets: tuple[int, ...] | None) -> dic
     can hit them); the pool's free pages are back to what they were. Raises ``ValueError`` for bad arguments
     and ``PoolExhaustedError`` (pages needed and free) when the pool cannot hold the synthetic request.
 
-    Returns ``{"seconds", "buckets", "captures", "table_pages", "max_new_tokens"}``: wall time, the buckets
-    stepped, graphs captured, the batch's table width in pool pages, and the ``max_tokens`` covered.
+    Returns ``{"seconds", "buckets", "captures", "table_pages", "max_new_tokens", "prefill_shapes"}``: wall time,
+    the buckets stepped, graphs captured, the batch's table width in pool pages, the ``max_tokens`` covered, and
+    the prefill attention shapes planned (``engine.prefill_graphs.report`` says what ``start()`` built).
     """
     if engine._thread is not None:
         raise RuntimeError("BatchingEngine.warm_up must run before start(): once started, the engine thread owns "
@@ -59,6 +65,11 @@ def warm_up(engine, max_new_tokens: int, buckets: tuple[int, ...] | None) -> dic
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"BatchingEngine.warm_up: max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     buckets = _checked_buckets(engine.batching, buckets)
+    if prefill_tokens is None:
+        prefill_tokens = 2 * engine.batching.prefill_chunk_tokens
+    if not isinstance(prefill_tokens, int) or isinstance(prefill_tokens, bool) or prefill_tokens < 0:
+        raise ValueError(f"BatchingEngine.warm_up: prefill_tokens must be an integer >= 0 (0: no prefill graphs), "
+                         f"got {prefill_tokens!r}")
     graphs = engine.graphs if engine.graphs_in_use else None
     captured_before = graphs.captures if graphs is not None else 0
     started = time.perf_counter()
@@ -77,7 +88,12 @@ def warm_up(engine, max_new_tokens: int, buckets: tuple[int, ...] | None) -> dic
         "captures": graphs.captures - captured_before if graphs is not None else 0,
         "table_pages": engine.batch.table_width,
         "max_new_tokens": running.request.max_new_tokens,
+        "prefill_shapes": 0,
     }
+    if prefill_tokens and engine.lockstep is None:  # (a rank's heads are a shard of the config's)
+        engine.prefill_graphs = PrefillGraphs(engine.model, engine.device, engine.batching.prefill_chunk_tokens,
+                                              prefill_tokens)
+        result["prefill_shapes"] = len(engine.prefill_graphs.shapes)
     logger.info("hf_rocketkv batching engine: warmed up buckets %s in %.2f s (%d graphs captured, tables of %d "
                 "pages: max_tokens <= %d never captures again)", buckets, result["seconds"], result["captures"],
                 result["table_pages"], result["max_new_tokens"])

@@ -1,0 +1,61 @@
+"""cuDNN's prefill attention graphs, built when the batching engine starts instead of at requests' prefills.
+
+cuDNN builds an execution graph for every new attention shape, ~70 ms each on an H100 (~140 ms for a chunk's split),
+once per process *and thread*: its graph cache is thread-local. The prefill attention pads queries to buckets
+(integration/causal_prefill.py), so prompts of up to N tokens meet a bounded set of shapes (``cudnn_shapes``: 31
+at the default 8192-token chunks and N = 16k). Met lazily, the first requests of a server pay them in their prefill
+(the first pass of 64 prompts of 512-16k tokens built ~40). ``BatchingEngine.warm_up(prefill_tokens=N)`` plans
+them; the thread that prefills (the engine thread, or the prefill thread with ``concurrent_prefill_tokens``) builds
+them before it serves, and ``start()`` returns once they are built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+
+import torch
+
+from ..integration.causal_prefill import cudnn_shapes, warm_cudnn_graphs
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillGraphs:
+    """The cuDNN graphs of prompts of up to ``prompt_tokens`` tokens prefilled in chunks of ``chunk_tokens``, for
+    ``model``'s attention geometry (its text config's heads, KV heads and head dim; batch 1, its dtype).
+
+    ``build()`` runs on the prefilling thread (the lock, if given, held: no graph capture meanwhile); ``wait()``
+    returns once it ran. A failure is logged and leaves the graphs to be built lazily, as without this."""
+
+    def __init__(self, model, device: torch.device, chunk_tokens: int, prompt_tokens: int):
+        text = model.config.get_text_config()
+        self.query_heads = int(text.num_attention_heads)
+        self.kv_heads = int(getattr(text, "num_key_value_heads", None) or self.query_heads)
+        self.head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // self.query_heads)
+        self.dtype, self.device = model.dtype, device
+        self.prompt_tokens = prompt_tokens
+        self.shapes = cudnn_shapes(chunk_tokens, prompt_tokens)
+        self.report: dict | None = None
+        self._built = threading.Event()
+
+    def build(self, lock: threading.Lock | None = None) -> None:
+        started = time.perf_counter()
+        try:
+            with torch.no_grad(), lock if lock is not None else contextlib.nullcontext():
+                built = warm_cudnn_graphs(self.shapes, self.query_heads, self.kv_heads, self.head_dim, self.dtype,
+                                          self.device)
+            self.report = {"shapes": built, "seconds": time.perf_counter() - started,
+                           "thread": threading.current_thread().name}
+            logger.info("hf_rocketkv batching engine: built the prefill attention graphs of %d shapes (prompts up "
+                        "to %d tokens) in %.2f s", built, self.prompt_tokens, self.report["seconds"])
+        except Exception:  # noqa: BLE001 - an optimisation: serving goes on, the graphs are built when met
+            logger.warning("hf_rocketkv batching engine: building the prefill attention graphs failed; they are "
+                           "built at the prefills that meet them", exc_info=True)
+        finally:
+            self._built.set()
+
+    def wait(self) -> None:
+        self._built.wait()

@@ -1,0 +1,115 @@
+"""The prefill attention graphs that ``BatchingEngine.warm_up`` plans and ``start()`` builds (serving/prefill_graphs.py).
+
+cuDNN keeps its graphs per thread, so they must be built on the thread that prefills: the engine thread, or the
+prefill thread with ``concurrent_prefill_tokens``, and ``start()`` must return only once they are. On the CPU cuDNN
+never runs, so the builder (``warm_cudnn_graphs``) is replaced by a recorder of its thread and shapes; which shapes
+it gets is ``cudnn_shapes``' (tests/integration/test_causal_prefill.py). Requests then give each one's tokens alone.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from hf_rocketkv.integration.causal_prefill import cudnn_shapes
+from hf_rocketkv.serving import prefill_graphs
+from hf_rocketkv.serving.batching import BatchingEngine
+from hf_rocketkv.serving.scheduler import BatchingConfig
+from tests.serving.helpers import CFG, Events, make_pool, prompt_of, request
+
+CHUNK = 16
+
+
+class Recorder:
+    """Stands in for ``warm_cudnn_graphs``: records the thread and the shapes, takes a while, says it built them."""
+
+    def __init__(self, fail: bool = False):
+        self.calls: list[tuple[str, list]] = []
+        self.fail = fail
+
+    def __call__(self, shapes, query_heads, kv_heads, head_dim, dtype, device):
+        time.sleep(0.2)  # start() must wait for this
+        self.calls.append((threading.current_thread().name, list(shapes), (query_heads, kv_heads, head_dim, dtype)))
+        if self.fail:
+            raise RuntimeError("no cuDNN here")
+        return len(shapes)
+
+
+@pytest.fixture
+def engines(tiny_pair):
+    made = []
+
+    def make(**batching):
+        config = BatchingConfig(**{"max_running": 4, "buckets": (1, 2, 4), "prefill_chunk_tokens": CHUNK,
+                                   "prefill_token_budget": CHUNK, **batching})
+        engine = BatchingEngine(tiny_pair[0], CFG, make_pool(tiny_pair[0]), config, decode_graphs=False)
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        if engine._thread is not None:
+            engine.stop(drain=False, timeout=60)
+
+
+def serve(engine, recorder, lengths):
+    """Start (which must build the graphs first), serve prompts of ``lengths``; (the builds seen as soon as start()
+    returned, each request's tokens)."""
+    events = Events()
+    engine.start(events)
+    built_at_start = list(recorder.calls)
+    for i, n in enumerate(lengths):
+        engine.submit(request(f"r{i}", prompt_of(n, seed=40 + i), 5))
+    events.wait_finals(len(lengths))
+    engine.stop(timeout=60)
+    return built_at_start, {f"r{i}": events.tokens(f"r{i}") for i in range(len(lengths))}
+
+
+@pytest.mark.parametrize("concurrent, thread", [(None, "hf-rocketkv-batching"), (4, "hf-rocketkv-prefill")])
+def test_start_builds_the_planned_graphs_on_the_prefilling_thread_then_serves(engines, oracle, monkeypatch,
+                                                                              tiny_pair, concurrent, thread):
+    recorder = Recorder()
+    monkeypatch.setattr(prefill_graphs, "warm_cudnn_graphs", recorder)
+    engine = engines(concurrent_prefill_tokens=concurrent)
+    report = engine.warm_up(max_new_tokens=6, prefill_tokens=3 * CHUNK)
+    assert report["prefill_shapes"] == len(cudnn_shapes(CHUNK, 3 * CHUNK)) and not recorder.calls
+    lengths = [5, CHUNK + 3, 3 * CHUNK]
+    built_at_start, tokens = serve(engine, recorder, lengths)
+    text = tiny_pair[0].config.get_text_config()
+    assert built_at_start == [(thread, cudnn_shapes(CHUNK, 3 * CHUNK),
+                               (text.num_attention_heads, text.num_key_value_heads, text.head_dim,
+                                tiny_pair[0].dtype))]
+    assert engine.prefill_graphs.report["thread"] == thread
+    assert engine.prefill_graphs.report["shapes"] == len(cudnn_shapes(CHUNK, 3 * CHUNK))
+    assert tokens == {f"r{i}": oracle(prompt_of(n, seed=40 + i), 5) for i, n in enumerate(lengths)}
+
+
+def test_the_default_covers_two_chunks_and_zero_plans_nothing(engines, monkeypatch):
+    monkeypatch.setattr(prefill_graphs, "warm_cudnn_graphs", Recorder())
+    engine = engines()
+    assert engine.warm_up(max_new_tokens=6)["prefill_shapes"] == len(cudnn_shapes(CHUNK, 2 * CHUNK))
+    assert engine.prefill_graphs.prompt_tokens == 2 * CHUNK
+    other = engines()
+    assert other.warm_up(max_new_tokens=6, prefill_tokens=0)["prefill_shapes"] == 0
+    assert other.prefill_graphs is None
+
+
+def test_a_failing_build_is_logged_and_the_engine_serves(engines, oracle, monkeypatch, caplog):
+    recorder = Recorder(fail=True)
+    monkeypatch.setattr(prefill_graphs, "warm_cudnn_graphs", recorder)
+    engine = engines()
+    engine.warm_up(max_new_tokens=6, prefill_tokens=2 * CHUNK)
+    built_at_start, tokens = serve(engine, recorder, [7, 2 * CHUNK])
+    assert len(built_at_start) == 1 and engine.prefill_graphs.report is None
+    assert "building the prefill attention graphs failed" in caplog.text
+    assert tokens == {"r0": oracle(prompt_of(7, seed=40), 5), "r1": oracle(prompt_of(2 * CHUNK, seed=41), 5)}
+
+
+@pytest.mark.parametrize("value", [-1, 2.5, "16", True])
+def test_bad_prefill_tokens_are_refused_before_anything_runs(engines, value):
+    engine = engines()
+    with pytest.raises(ValueError, match="prefill_tokens"):
+        engine.warm_up(max_new_tokens=6, prefill_tokens=value)
+    assert engine.prefill_graphs is None and engine.batch.version == 0
