@@ -128,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefill-warm-tokens", type=int, default=None,
                         help="BatchingEngine.warm_up(prefill_tokens=...): prompts up to this many tokens meet no new "
                              "cuDNN attention graph (default: the engine's, two prefill chunks; 0: none)")
+    parser.add_argument("--prefill-times", action="store_true",
+                        help="record every prefill chunk's prompt length, tokens and host seconds (prefill_times)")
     parser.add_argument("--fixed-again", action="store_true",
                         help="the fixed workload a second time, other prompts of the same lengths' law (a warm call)")
     parser.add_argument("--compile-regions", action="store_true",
@@ -259,6 +261,7 @@ class EngineRun:
         self.warm_tokens = warm_tokens
         self.engine: BatchingEngine | None = None
         self.recorder: Recorder | None = None
+        self.prefill_times: list | None = None  # --prefill-times: [prompt_len, chunk tokens, seconds] per chunk
 
     def _sink(self, event) -> None:
         recorder = self.recorder
@@ -275,6 +278,8 @@ class EngineRun:
                                   concurrent_prefill_tokens=args.concurrent_prefill_tokens)
         engine = BatchingEngine(self.model, self.config, self.pool, batching,
                                 decode_graphs=None if args.decode == "graphs" else False)
+        if args.prefill_times:
+            self.prefill_times = record_prefill_times(engine)
         extra = {} if args.prefill_warm_tokens is None else {"prefill_tokens": args.prefill_warm_tokens}
         report = engine.warm_up(max_new_tokens=self.warm_tokens, **extra) if warm_up else None
         started = time.perf_counter()
@@ -294,6 +299,7 @@ class EngineRun:
         graphs = engine.graphs
         captures = graphs.captures if graphs is not None else 0
         before = engine.stats()
+        chunks_before = len(self.prefill_times) if self.prefill_times is not None else 0
         self.recorder = recorder
         try:
             start = time.perf_counter()
@@ -308,6 +314,8 @@ class EngineRun:
         result["decode"] = "graphs" if engine.graphs_in_use else "eager"
         result["pool_free_pages_after"] = self.pool.free_pages()
         result["pool_total_pages"] = self.pool.total_pages()
+        if self.prefill_times is not None:
+            result["prefill_times"] = self.prefill_times[chunks_before:]
         return result
 
     def _cancel_unfinished(self, recorder: Recorder) -> None:
@@ -320,6 +328,21 @@ class EngineRun:
     def close(self) -> None:
         if self.engine is not None:
             self.engine.stop(drain=False, timeout=120)
+
+
+def record_prefill_times(engine) -> list:
+    """Wrap the engine thread's prefill chunk call: ``[prompt_len, chunk tokens, host seconds]`` per chunk (a last
+    chunk ends reading its logits, so it includes the device work queued before it; an earlier chunk does not)."""
+    times: list = []
+    inner = engine._prefill_chunk
+
+    def timed(running, tokens):
+        started = time.perf_counter()
+        inner(running, tokens)
+        times.append([running.request.prompt_len, tokens, time.perf_counter() - started])
+
+    engine._prefill_chunk = timed
+    return times
 
 
 def _buckets(max_running: int) -> tuple[int, ...]:

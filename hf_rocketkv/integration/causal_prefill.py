@@ -100,14 +100,15 @@ def cudnn_shapes(chunk_tokens: int, prompt_tokens: int) -> list[tuple[int, int]]
 
 def warm_cudnn_graphs(shapes: list[tuple[int, int]], query_heads: int, kv_heads: int, head_dim: int,
                       dtype: torch.dtype, device: torch.device) -> int:
-    """Run ``cudnn_causal_attention`` once on zeros of each ``(queries, keys before them)`` shape (batch 1, the
+    """Run ``cudnn_causal_attention`` once on inputs of each ``(queries, keys before them)`` shape (batch 1, the
     engine's prefill), so that cuDNN builds their graphs now (~70 ms each on an H100) instead of at a request's
     prefill. On the thread that will prefill: cuDNN keeps a graph cache per thread. Returns the shapes run: 0 where
     cuDNN does not (CPU, float32, a head dim above ``CUDNN_MAX_HEAD_DIM``)."""
     ran = 0
     for queries, prefix in shapes:
-        query = torch.zeros((1, queries, query_heads, head_dim), dtype=dtype, device=device).transpose(1, 2)
-        key = torch.zeros((1, prefix + queries, kv_heads, head_dim), dtype=dtype, device=device).transpose(1, 2)
+        # (values never read back: only the shapes and layouts matter to the graph)
+        query = torch.empty((1, queries, query_heads, head_dim), dtype=dtype, device=device).transpose(1, 2)
+        key = torch.empty((1, prefix + queries, kv_heads, head_dim), dtype=dtype, device=device).transpose(1, 2)
         if not cudnn_runs(query, key, key, prefix):
             continue
         cudnn_causal_attention(query, key, key, head_dim ** -0.5, prefix)
