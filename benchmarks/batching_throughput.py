@@ -59,6 +59,7 @@ import torch
 
 import hf_rocketkv
 from benchmarks.token_sink import TokenRecorder
+from benchmarks.triton_watch import TritonWatch
 from hf_rocketkv.bench.decode import LLAMA_31_8B, TINY, build_model
 from hf_rocketkv.cache import request_pages
 from hf_rocketkv.config import RocketKVConfig
@@ -302,9 +303,10 @@ class EngineRun:
         chunks_before = len(self.prefill_times) if self.prefill_times is not None else 0
         self.recorder = recorder
         try:
-            start = time.perf_counter()
-            body(engine, recorder)
-            end = time.perf_counter()
+            with TritonWatch() as triton_watch:  # Triton kernels compiled or loaded during the step
+                start = time.perf_counter()
+                body(engine, recorder)
+                end = time.perf_counter()
         finally:
             self._cancel_unfinished(recorder)
             self.recorder = None
@@ -316,6 +318,8 @@ class EngineRun:
         result["pool_total_pages"] = self.pool.total_pages()
         if self.prefill_times is not None:
             result["prefill_times"] = self.prefill_times[chunks_before:]
+        result["triton_cache_added"] = triton_watch.added
+        result["triton_kernels_loaded"] = triton_watch.loaded[:60]
         return result
 
     def _cancel_unfinished(self, recorder: Recorder) -> None:

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 import hf_rocketkv
+from benchmarks.triton_watch import TritonWatch
 from hf_rocketkv import KVBlockPool
 from hf_rocketkv.bench.decode import LLAMA_31_8B, TINY, build_model
 from hf_rocketkv.serving import SamplingParams, generate_batch
@@ -79,40 +80,6 @@ class StackSampler:
 
     def top(self, n: int = 60) -> list[tuple[str, float]]:
         return [(name, round(count * self.interval, 2)) for name, count in self.counts.most_common(n)]
-
-
-class TritonWatch:
-    """Kernels Triton loads (its in-memory cache missed: compiled or read from disk) and entries its disk cache
-    gains (compiled) while the block runs."""
-
-    def __init__(self):
-        self.loaded: list[str] = []
-        self.folder = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
-
-    def _entries(self) -> set[str]:
-        return set(os.listdir(self.folder)) if self.folder.is_dir() else set()
-
-    def __enter__(self):
-        self.before = self._entries()
-        try:
-            from triton import knobs
-
-            knobs.runtime.jit_cache_hook = self._hook
-        except (ImportError, AttributeError):
-            pass
-        return self
-
-    def _hook(self, **kw) -> None:  # returns None: Triton goes on compiling or loading
-        self.loaded.append(str(kw.get("repr", kw.get("fn", "")))[:120])
-
-    def __exit__(self, *exc) -> None:
-        self.added = len(self._entries() - self.before)
-        try:
-            from triton import knobs
-
-            knobs.runtime.jit_cache_hook = None
-        except (ImportError, AttributeError):
-            pass
 
 
 def warm_up_only(model, pool, args, shapes, build_s: float, out: Path) -> None:
