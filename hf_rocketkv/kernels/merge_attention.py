@@ -32,7 +32,8 @@ HEADS_PER_PROGRAM = 8
 MERGE_DTYPES = {torch.bfloat16: DT_BF16, torch.float16: DT_FP16}
 
 
-@triton.jit
+# ``queries`` unspecialised: one compiled kernel for every chunk length (not one per divisibility by 16)
+@triton.jit(do_not_specialize=["queries"])
 def _merge_kernel(a_ptr, b_ptr, la_ptr, lb_ptr, out_ptr,
                   s_ab, s_ah, s_al, s_ad, s_bb, s_bh, s_bl, s_bd,
                   s_lab, s_lah, s_lal, s_lbb, s_lbh, s_lbl,

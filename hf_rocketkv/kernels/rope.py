@@ -66,7 +66,9 @@ def _rotate_heads(x_row, out_row, cos_row, sin_row, h0, num_heads, half, s_xh, s
     tl.store(o_heads + (d + half)[None, :], second.to(out_row.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+# ``tokens`` specialised on being 1 (the decode step) but not on its divisibility by 16: two compiled kernels,
+# decode and prefill, whatever the prompt lengths
+@triton.jit(do_not_specialize_on_alignment=["tokens"])
 def _rope_kernel(
     q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr,
     s_qb, s_qt, s_qh, s_qd, s_kb, s_kt, s_kh, s_kd, s_cb, s_ct, s_cd,

@@ -54,7 +54,9 @@ def _logits(q, k, FP32: tl.constexpr):
     return s
 
 
-@triton.jit
+# prompt-length-derived ints unspecialised: one compiled kernel for every prompt length (Triton would compile
+# again for each new divisibility by 16 or value 1 of them, ~0.5 s in the middle of a request's prefill)
+@triton.jit(do_not_specialize=["chunk", "num_chunks"])
 def _window_stats_kernel(
     q_ptr, k_ptr, start_ptr, end_ptr, stats_ptr,
     s_qb, s_qh, s_qw, s_qd,
@@ -115,7 +117,7 @@ def _row_lse(stats_ptr, bh, rows, r_ok, num_chunks, num_rows_pad, BLOCK_M: tl.co
     return tl.where(total > 0, m_safe + tl.log2(total), float("inf"))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots", "num_chunks"])  # (as _window_stats_kernel)
 def _window_accum_kernel(
     q_ptr, k_ptr, start_ptr, end_ptr, stats_ptr, out_ptr,
     s_qb, s_qh, s_qw, s_qd,
