@@ -114,7 +114,12 @@ for name in "$@"; do
     attention_tests) # the prefill attention's lower-right causal path (cuDNN split + merge, flash) against its oracle
                      need_pytest
                      step "$name" 120 $PY -m pytest -q -p no:cacheprovider tests/integration/test_attention.py tests/integration/test_attention_spans.py \
-                        tests/kernels/test_merge_attention.py ;;
+                        tests/integration/test_causal_prefill.py tests/kernels/test_merge_attention.py ;;
+    prefill_tests)   # the prefill path on this GPU: its kernels against their twins (compiled, with their specialisations), the attention paths, the engine's prefill graphs
+                     need_pytest
+                     step "$name" 300 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_merge_attention.py tests/kernels/test_rope.py \
+                        tests/kernels/test_rms_norm.py tests/kernels/test_window_scores.py tests/kernels/test_specialisation.py \
+                        tests/integration/test_attention.py tests/integration/test_causal_prefill.py tests/serving/test_prefill_graphs.py ;;
     profile_prefix_hit) step "$name" 150 $PY -m benchmarks.profile_prefix_hit --out "$OUT/profile_prefix_hit" ;;
     profile_prefill) step "$name" 150 $PY -m benchmarks.profile_prefill --out "$OUT/profile_prefill" ;;
     sync_sites)      step "$name" 120 $PY -m benchmarks.sync_sites --layers 2 --out "$OUT/sync_sites" ;;
