@@ -172,3 +172,22 @@ def test_warm_up_runs_nothing_where_cudnn_does_not(cudnn):
     assert causal_prefill.warm_cudnn_graphs(cudnn_shapes(2048, 4096), 4, 2, 16, torch.bfloat16,
                                             torch.device("cpu")) == 0
     assert not cudnn.keys
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN runs on CUDA")
+def test_on_a_gpu_the_warm_up_runs_cudnn_on_every_shape_and_chunks_still_equal_the_oracle():
+    """The real op: every planned shape runs (head dims of 64 and 128: cuDNN's on an H100), then chunks of prompts
+    in buffers as wide as each prompt equal the float64 oracle."""
+    chunk, limit = 2 * BUCKET, 5 * BUCKET
+    shapes = cudnn_shapes(chunk, limit)
+    for dim in (64, 128):
+        assert causal_prefill.warm_cudnn_graphs(shapes, 8, 2, dim, torch.bfloat16, torch.device("cuda")) == len(shapes)
+        for length in (3 * BUCKET + 7, 4 * BUCKET + 600):
+            for _, start in shapes_met(chunk, length):
+                n = min(chunk, length - start)
+                query, key, value = (t.cuda() for t in chunk_inputs(n, start, length, heads=8, dim=dim, seed=length))
+                assert causal_prefill.cudnn_runs(query, key, value, start) == (start == 0 or n >= MIN_SPLIT_QUERIES)
+                out = causal_prefill.causal_prefill_attention(query, key, value, dim ** -0.5)
+                torch.testing.assert_close(out.double(), oracle(query, key, value, dim ** -0.5).to(out.device),
+                                           atol=2e-2, rtol=2e-2)
