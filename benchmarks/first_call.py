@@ -45,9 +45,13 @@ from hf_rocketkv.serving import SamplingParams, generate_batch
 GIB = 2**30
 
 
-def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+def prompts(count: int, length: int, vocab: int, seed: int, min_length: int | None = None) -> list[list[int]]:
+    """``count`` random prompts of ``length`` tokens, or of lengths drawn uniformly from [min_length, length]."""
     generator = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (count, length), generator=generator).tolist()
+    if min_length is None:
+        return torch.randint(3, vocab, (count, length), generator=generator).tolist()
+    lengths = torch.randint(min_length, length + 1, (count,), generator=generator).tolist()
+    return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
 class StackSampler:
@@ -100,7 +104,8 @@ def header(args, model, build_s: float) -> dict:
     return {
         "device": torch.cuda.get_device_name() if model.device.type == "cuda" else "cpu",
         "date": time.strftime("%Y-%m-%d"), "commit": os.environ.get("COMMIT", "unknown"), "label": args.label,
-        "workload": {"requests": args.requests, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        "workload": {"requests": args.requests, "prompt_len": args.prompt_len, "min_prompt_len": args.min_prompt_len,
+                     "new_tokens": args.new_tokens,
                      "pool_gib": args.pool_gib}, "model_build_s": round(build_s, 2),
         "compile_cache": args.compile_cache, "compile_cache_found": args.compile_cache_found,
         "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR"),
@@ -131,6 +136,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=8192)
+    parser.add_argument("--min-prompt-len", type=int, default=None,
+                        help="prompt lengths drawn uniformly from [this, --prompt-len] (default: all --prompt-len)")
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--pool-gib", type=float, default=30.0)
     parser.add_argument("--no-profile", dest="profile", action="store_false")
@@ -163,7 +170,7 @@ def main() -> None:
     out_tokens = args.requests * args.new_tokens
     rows = []
     for call in (1, 2):
-        batch = prompts(args.requests, args.prompt_len, shapes["vocab_size"], seed=call)
+        batch = prompts(args.requests, args.prompt_len, shapes["vocab_size"], seed=call, min_length=args.min_prompt_len)
         with TritonWatch() as watch:
             seconds, top = timed_call(model, batch, pool, params, profile=args.profile and call == 1)
         rows.append({"call": call, "seconds": round(seconds, 3), "output_tok_s": round(out_tokens / seconds, 1),
