@@ -54,6 +54,8 @@ WHAT = [
     (r"batching|mixed_curve|fp8_vs_bf16_fixed", "batching engine: output tokens/s, TTFT p50/p99, ms per decode step "
                                                 "(benchmarks/batching_throughput.py)"),
     (r"engine_prefill", "profile of one prefill inside the batching engine"),
+    (r"^first_call", "generate_batch's first call against its second, from a fresh process (benchmarks/first_call.py)"),
+    (r"cudnn_graph", "cuDNN's attention graph builds per input layout (a probe script, in the file)"),
     (r"serve_\d+_streams", "the documented hf-rocketkv serve command under concurrent streams: wall time, first "
                            "tokens, texts (benchmarks/serve_streams.py)"),
     (r"^bench_kernels", "decode kernel timings and their sanity checks (benchmarks/bench_kernels.py)"),

@@ -398,7 +398,7 @@ def build_manager(args: argparse.Namespace, config, plan: EnginePlan, model, tok
 
     capture = plan.name == "batching" and warmup_max_tokens(args) > 0 and getattr(engine, "graphs_in_use", False)
     reason = (f"capturing the batching engine's decode graphs for requests of up to {warmup_max_tokens(args)} "
-              f"max_tokens" if capture else "starting the engine")
+              f"max_tokens, then building its prefill attention graphs" if capture else "starting the engine")
     return PendingManager(finish, int(max_model_len), reason)
 
 

@@ -156,7 +156,7 @@ class BatchingEngine(ThreadedEngine):
         attention graphs it planned (prefill_graphs.py)."""
         super().start(sink)
         if self.prefill_graphs is not None:
-            self.prefill_graphs.wait()
+            self.prefill_graphs.wait(self._thread.is_alive)
 
     def cancel(self, request_id: str) -> None:
         if self._inboxes is not None:
@@ -287,6 +287,8 @@ class BatchingEngine(ThreadedEngine):
         finally:
             if self._worker is not None:
                 self._worker.stop()
+            if self.prefill_graphs is not None:
+                self.prefill_graphs.release()  # (a start() still waiting for them returns)
             self.batch.close()
 
     def _guarded_iteration(self) -> None:

@@ -57,5 +57,13 @@ class PrefillGraphs:
         finally:
             self._built.set()
 
-    def wait(self) -> None:
-        self._built.wait()
+    def release(self) -> None:
+        """Let ``wait`` return without a build (the thread that was to build them ended first)."""
+        self._built.set()
+
+    def wait(self, alive=lambda: True) -> None:
+        """Return once ``build`` ran or ``release`` was called, or as soon as ``alive()`` is False (the engine
+        thread ended)."""
+        while not self._built.wait(0.1):
+            if not alive():
+                return

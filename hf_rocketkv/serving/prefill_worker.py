@@ -134,17 +134,21 @@ class PrefillWorker:
 
     # ------------------------------------------------------------------------------------------- worker thread
     def _run(self, graphs) -> None:
-        torch.set_grad_enabled(False)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+        try:
+            torch.set_grad_enabled(False)
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+                if graphs is not None:
+                    graphs.build(self.capture_lock)  # this thread prefills: cuDNN's graphs are per thread
+                while (running := self._jobs.get()) is not None:
+                    result = self._prefill(running)
+                    with self._lock:
+                        self._done.append(result)
+                    self._notify()
+        finally:
             if graphs is not None:
-                graphs.build(self.capture_lock)  # this thread prefills: cuDNN's graphs are per thread
-            while (running := self._jobs.get()) is not None:
-                result = self._prefill(running)
-                with self._lock:
-                    self._done.append(result)
-                self._notify()
+                graphs.release()  # (the engine's start() never waits on a thread that ended)
 
     def _chunk(self) -> int:
         return self.chunk_tokens if self.rows_decoding else self.idle_chunk_tokens

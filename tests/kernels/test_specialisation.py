@@ -3,7 +3,8 @@
 Triton compiles a kernel again for every new combination of its integer arguments' specialisations (divisible by 16,
 equal to 1). An argument derived from the prompt length therefore compiles a new kernel, ~0.5 s, in the middle of
 the first request whose length meets a new combination: on an H100 the first 64 requests of 512-16k tokens met five
-such compiles (the merge kernel and stage 1's window-score kernels; ``results/h100_2026-11-28_u64_triton_two_procs.json``).
+such compiles (the merge kernel and stage 1's window-score kernels;
+``results/h100_2026-11-28_batching_u64_triton_two_procs_a.json``).
 These kernels take such arguments unspecialised (the RoPE kernel's token count stays specialised on being 1: the
 decode step's kernel is another one), so the engine's warm-up compiles everything a prompt of any length runs.
 """

@@ -1,4 +1,5 @@
-"""The prefill attention graphs that ``BatchingEngine.warm_up`` plans and ``start()`` builds (serving/prefill_graphs.py).
+"""The prefill attention graphs that ``BatchingEngine.warm_up`` plans and ``start()`` builds
+(serving/prefill_graphs.py).
 
 cuDNN keeps its graphs per thread, so they must be built on the thread that prefills: the engine thread, or the
 prefill thread with ``concurrent_prefill_tokens``, and ``start()`` must return only once they are. On the CPU cuDNN
@@ -12,6 +13,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from hf_rocketkv.integration.causal_prefill import cudnn_shapes
 from hf_rocketkv.serving import prefill_graphs
@@ -113,3 +115,16 @@ def test_bad_prefill_tokens_are_refused_before_anything_runs(engines, value):
     with pytest.raises(ValueError, match="prefill_tokens"):
         engine.warm_up(max_new_tokens=6, prefill_tokens=value)
     assert engine.prefill_graphs is None and engine.batch.version == 0
+
+
+def test_wait_returns_once_built_released_or_the_thread_ended(tiny_pair):
+    graphs = prefill_graphs.PrefillGraphs(tiny_pair[0], torch.device("cpu"), CHUNK, 2 * CHUNK)
+    started = time.perf_counter()
+    graphs.wait(alive=lambda: False)  # the engine thread ended before building: no hang
+    assert time.perf_counter() - started < 5 and graphs.report is None
+    threading.Timer(0.2, graphs.release).start()
+    graphs.wait()  # returns once released
+    built = prefill_graphs.PrefillGraphs(tiny_pair[0], torch.device("cpu"), CHUNK, 2 * CHUNK)
+    built.build()
+    built.wait()
+    assert built.report["shapes"] == 0 and built.report["thread"] == threading.current_thread().name  # CPU: none
