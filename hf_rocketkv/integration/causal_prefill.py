@@ -98,6 +98,15 @@ def cudnn_shapes(chunk_tokens: int, prompt_tokens: int) -> list[tuple[int, int]]
     return shapes
 
 
+def plain_attention(model) -> bool:
+    """Whether ``model``'s attention calls carry neither soft-capped logits (Gemma 2's ``attn_logit_softcapping``)
+    nor attention sinks (gpt-oss's ``sinks``): only then does a full-attention layer's prefill reach this module (the
+    others take integration/attention.py's ``featured_attention``)."""
+    if getattr(model.config.get_text_config(), "attn_logit_softcapping", None) is not None:
+        return False
+    return not any(isinstance(getattr(module, "sinks", None), torch.Tensor) for module in model.modules())
+
+
 def warm_cudnn_graphs(shapes: list[tuple[int, int]], query_heads: int, kv_heads: int, head_dim: int,
                       dtype: torch.dtype, device: torch.device) -> int:
     """Run ``cudnn_causal_attention`` once on inputs of each ``(queries, keys before them)`` shape (batch 1, the

@@ -128,3 +128,32 @@ def test_wait_returns_once_built_released_or_the_thread_ended(tiny_pair):
     built.build()
     built.wait()
     assert built.report["shapes"] == 0 and built.report["thread"] == threading.current_thread().name  # CPU: none
+
+
+@pytest.mark.parametrize("arch, planned", [("gemma3", True), ("gemma2", False), ("gpt_oss", False),
+                                           ("mistral", False)])
+def test_models_whose_prefill_never_reaches_cudnn_plan_no_shape(arch, planned):
+    """Gemma 3's full layers are plain attention; Gemma 2 soft-caps its logits, gpt-oss has sinks (another attention
+    path) and Mistral with a window has no full-attention layer: nothing to build for those."""
+    from tests.support.hybrid_models import make_hybrid_models
+    from tests.support.tiny_models import cpu_pool
+
+    model, _ = make_hybrid_models(arch)
+    pool = cpu_pool(model, CFG, 2 << 20, 8, sliding_slots=3)
+    engine = BatchingEngine(model, CFG, pool, BatchingConfig(max_running=2, buckets=(1, 2),
+                                                             prefill_chunk_tokens=CHUNK), decode_graphs=False)
+    report = engine.warm_up(max_new_tokens=4, prefill_tokens=2 * CHUNK)
+    assert (report["prefill_shapes"] > 0) == planned
+    assert report["prefill_shapes"] == (len(cudnn_shapes(CHUNK, 2 * CHUNK)) if planned else 0)
+
+
+def test_heads_wider_than_the_cudnn_path_plan_no_shape():
+    """Heads over CUDNN_MAX_HEAD_DIM (Gemma 3's 256) keep flash: nothing to build."""
+    from hf_rocketkv.integration.causal_prefill import CUDNN_MAX_HEAD_DIM
+    from tests.support.tiny_models import make_models
+
+    wide, _ = make_models("llama", head_dim=2 * CUDNN_MAX_HEAD_DIM)
+    narrow, _ = make_models("llama", head_dim=CUDNN_MAX_HEAD_DIM)
+    assert prefill_graphs.PrefillGraphs(wide, torch.device("cpu"), CHUNK, 2 * CHUNK).shapes == []
+    assert prefill_graphs.PrefillGraphs(narrow, torch.device("cpu"), CHUNK, 2 * CHUNK).shapes == \
+        cudnn_shapes(CHUNK, 2 * CHUNK)
