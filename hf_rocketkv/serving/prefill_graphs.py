@@ -3,8 +3,8 @@
 cuDNN builds an execution graph for every new attention shape, ~70 ms each on an H100 (~140 ms for a chunk's split),
 once per process *and thread*: its graph cache is thread-local. The prefill attention pads queries to buckets
 (integration/causal_prefill.py), so prompts of up to N tokens meet a bounded set of shapes (``cudnn_shapes``: 31
-at the default 8192-token chunks and N = 16k). Met lazily, the first requests of a server pay them in their prefill
-(the first pass of 64 prompts of 512-16k tokens built ~40). ``BatchingEngine.warm_up(prefill_tokens=N)`` plans
+at the default 8192-token chunks and N = 16k). Met lazily, each request that brings a new bucket pays its graph in
+its prefill, with the running requests waiting. ``BatchingEngine.warm_up(prefill_tokens=N)`` plans
 them; the thread that prefills (the engine thread, or the prefill thread with ``concurrent_prefill_tokens``) builds
 them before it serves, and ``start()`` returns once they are built.
 """

@@ -46,7 +46,7 @@ def warm_up(engine, max_new_tokens: int, buckets: tuple[int, ...] | None, prefil
             ``bucket_for(max_running)``, the largest one a step can use.
         prefill_tokens: prompts of up to this many tokens meet no new cuDNN attention graph while serving
             (prefill_graphs.py: planned here, built by the prefilling thread before ``start()`` returns; 31 shapes,
-            ~3 s on an H100, at the default: two ``prefill_chunk_tokens`` chunks). 0: none. Not under lockstep.
+            2.4-5.2 s on an H100, at the default: two ``prefill_chunk_tokens`` chunks). 0: none. Not under lockstep.
 
     Runs on the caller's thread and must come before ``start()`` (RuntimeError after it): the engine thread owns
     the batch once started; graphs captured here replay on it. Without graphs (CPU, ``decode_graphs=False``)
