@@ -25,24 +25,23 @@ logger = logging.getLogger(__name__)
 
 class PrefillGraphs:
     """The cuDNN graphs of prompts of up to ``prompt_tokens`` tokens prefilled in chunks of ``chunk_tokens``, for
-    ``model``'s attention geometry (its text config's heads, KV heads and head dim; batch 1, its dtype).
+    ``model``'s attention geometry (its text config's query heads; the KV heads and head dim the engine's ``pool``
+    read from it; batch 1, its dtype).
 
-    No shape when no prefill reaches cuDNN: a model without full-attention layers (``global_layers`` False: every
-    layer slides), whose heads are wider than cuDNN's path takes (Gemma 3's 256), or whose attention soft-caps its
-    logits or has sinks (``plain_attention``).
+    No shape when no prefill reaches cuDNN: a model without full-attention layers (the pool's ``global_layers``
+    empty: every layer slides), whose heads are wider than cuDNN's path takes (Gemma 3's 256), or whose attention
+    soft-caps its logits or has sinks (``plain_attention``).
 
     ``build()`` runs on the prefilling thread (the lock, if given, held: no graph capture meanwhile); ``wait()``
     returns once it ran. A failure is logged and leaves the graphs to be built lazily, as without this."""
 
-    def __init__(self, model, device: torch.device, chunk_tokens: int, prompt_tokens: int,
-                 global_layers: bool = True):
-        text = model.config.get_text_config()
-        self.query_heads = int(text.num_attention_heads)
-        self.kv_heads = int(getattr(text, "num_key_value_heads", None) or self.query_heads)
-        self.head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // self.query_heads)
+    def __init__(self, model, pool, device: torch.device, chunk_tokens: int, prompt_tokens: int):
+        self.query_heads = int(model.config.get_text_config().num_attention_heads)
+        self.kv_heads, self.head_dim = pool.geometry.num_kv_heads, pool.geometry.head_dim
         self.dtype, self.device = model.dtype, device
         self.prompt_tokens = prompt_tokens
-        reaches_cudnn = global_layers and self.head_dim <= CUDNN_MAX_HEAD_DIM and plain_attention(model)
+        reaches_cudnn = (bool(pool.hybrid.global_layers) and self.head_dim <= CUDNN_MAX_HEAD_DIM
+                         and plain_attention(model))
         self.shapes = cudnn_shapes(chunk_tokens, prompt_tokens) if reaches_cudnn else []
         self.report: dict | None = None
         self._built = threading.Event()

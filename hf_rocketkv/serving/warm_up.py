@@ -91,8 +91,8 @@ def warm_up(engine, max_new_tokens: int, buckets: tuple[int, ...] | None, prefil
         "prefill_shapes": 0,
     }
     if prefill_tokens and engine.lockstep is None:  # (a rank's heads are a shard of the config's)
-        engine.prefill_graphs = PrefillGraphs(engine.model, engine.device, engine.batching.prefill_chunk_tokens,
-                                              prefill_tokens, global_layers=bool(engine.pool.hybrid.global_layers))
+        engine.prefill_graphs = PrefillGraphs(engine.model, engine.pool, engine.device,
+                                              engine.batching.prefill_chunk_tokens, prefill_tokens)
         result["prefill_shapes"] = len(engine.prefill_graphs.shapes)
     logger.info("hf_rocketkv batching engine: warmed up buckets %s in %.2f s (%d graphs captured, tables of %d "
                 "pages: max_tokens <= %d never captures again)", buckets, result["seconds"], result["captures"],

@@ -118,13 +118,13 @@ def test_bad_prefill_tokens_are_refused_before_anything_runs(engines, value):
 
 
 def test_wait_returns_once_built_released_or_the_thread_ended(tiny_pair):
-    graphs = prefill_graphs.PrefillGraphs(tiny_pair[0], torch.device("cpu"), CHUNK, 2 * CHUNK)
+    graphs = prefill_graphs.PrefillGraphs(tiny_pair[0], make_pool(tiny_pair[0]), torch.device("cpu"), CHUNK, 2 * CHUNK)
     started = time.perf_counter()
     graphs.wait(alive=lambda: False)  # the engine thread ended before building: no hang
     assert time.perf_counter() - started < 5 and graphs.report is None
     threading.Timer(0.2, graphs.release).start()
     graphs.wait()  # returns once released
-    built = prefill_graphs.PrefillGraphs(tiny_pair[0], torch.device("cpu"), CHUNK, 2 * CHUNK)
+    built = prefill_graphs.PrefillGraphs(tiny_pair[0], make_pool(tiny_pair[0]), torch.device("cpu"), CHUNK, 2 * CHUNK)
     built.build()
     built.wait()
     assert built.report["shapes"] == 0 and built.report["thread"] == threading.current_thread().name  # CPU: none
@@ -154,6 +154,6 @@ def test_heads_wider_than_the_cudnn_path_plan_no_shape():
 
     wide, _ = make_models("llama", head_dim=2 * CUDNN_MAX_HEAD_DIM)
     narrow, _ = make_models("llama", head_dim=CUDNN_MAX_HEAD_DIM)
-    assert prefill_graphs.PrefillGraphs(wide, torch.device("cpu"), CHUNK, 2 * CHUNK).shapes == []
-    assert prefill_graphs.PrefillGraphs(narrow, torch.device("cpu"), CHUNK, 2 * CHUNK).shapes == \
+    assert prefill_graphs.PrefillGraphs(wide, make_pool(wide), torch.device("cpu"), CHUNK, 2 * CHUNK).shapes == []
+    assert prefill_graphs.PrefillGraphs(narrow, make_pool(narrow), torch.device("cpu"), CHUNK, 2 * CHUNK).shapes == \
         cudnn_shapes(CHUNK, 2 * CHUNK)

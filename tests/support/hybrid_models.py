@@ -13,7 +13,6 @@ positions), two tiny experts on every other layer.
 
 from __future__ import annotations
 
-
 import torch
 from transformers import (
     Cohere2Config,
