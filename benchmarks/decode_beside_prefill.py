@@ -67,10 +67,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def gap_quantiles(times: TokenRecorder, rids: list[str], start: float, end: float) -> dict:
-    gaps = sorted(b - a for rid in rids for a, b in pairwise(times.window(rid, start, end)))
+    """Median and p99 of the inter-token gaps of ``rids`` that overlap [start, end]: a gap that began before the
+    window or ended after it counts (the gap that spans a prefill is the one the users wait through), so a window
+    shorter than a decode step still has one gap per request once each has a token after ``end``."""
+    with times.cond:
+        stamps = [list(times.token_times.get(rid, [])) for rid in rids]
+    gaps = sorted(b - a for one in stamps for a, b in pairwise(one) if b > start and a < end)
     if not gaps:
         return {"itl_p50_s": None, "itl_p99_s": None}
     return {"itl_p50_s": statistics.median(gaps), "itl_p99_s": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]}
+
+
+def wait_for_a_token_after(times: TokenRecorder, rids: list[str], moment: float, timeout: float = 600) -> None:
+    """Until each of ``rids`` has a token later than ``moment``: the gap that spans a window's end is then known."""
+    later = lambda recorder: all(recorder.token_times.get(r, [0.0])[-1] > moment for r in rids)  # noqa: E731
+    if not times.wait_for(later, timeout):
+        raise RuntimeError(f"the running requests produced no token within {timeout} s after the window")
 
 
 def stream_for(device: torch.device, priority: str):
@@ -131,6 +143,7 @@ def run_setting(model, pool, side_pool, config, args, chunk: int, priority: str,
         start = time.perf_counter()
         time.sleep(args.alone_s)
         end = time.perf_counter()
+        wait_for_a_token_after(times, running, end)
         result["alone"] = {**rates(times, running, start, end), **gap_quantiles(times, running, start, end)}
         prompts = [[rng.randrange(3, model.config.vocab_size) for _ in range(args.long_prompt)]
                    for _ in range(args.arrivals)]
@@ -142,6 +155,7 @@ def run_setting(model, pool, side_pool, config, args, chunk: int, priority: str,
         worker.start()
         worker.join()
         end = time.perf_counter()
+        wait_for_a_token_after(times, running, end)
         result["beside"] = {**rates(times, running, start, end), **gap_quantiles(times, running, start, end), **side}
         alone, beside = result["alone"], result["beside"]
         if alone["per_user_tokens_per_s_p50"] and beside["per_user_tokens_per_s_p50"]:

@@ -12,6 +12,7 @@ import json
 import math
 
 from benchmarks import decode_beside_prefill
+from benchmarks.token_sink import TokenRecorder
 from benchmarks.profile_chunked_prefill import main as profile_main
 
 
@@ -39,3 +40,16 @@ def test_decode_beside_prefill_measures_both_windows(tmp_path):
     assert result["alone"]["itl_p50_s"] > 0 and result["beside"]["itl_p99_s"] > 0
     assert len(result["beside"]["prefill_s"]) == report["args"]["arrivals"] == 1
     assert result["rate_ratio"] > 0
+
+
+def test_the_gap_that_spans_a_short_window_counts():
+    """A window shorter than one decode step holds no two tokens of a request; the gap across it is what the user
+    waited (hand-made arrival times: the oracle is the arithmetic)."""
+    times = TokenRecorder()
+    times.token_times = {"a": [0.0, 1.0, 3.0, 3.5], "b": [0.5, 2.5]}
+    got = decode_beside_prefill.gap_quantiles(times, ["a", "b"], start=1.5, end=2.0)
+    assert got == {"itl_p50_s": 2.0, "itl_p99_s": 2.0}  # a: 1.0 -> 3.0, b: 0.5 -> 2.5
+    got = decode_beside_prefill.gap_quantiles(times, ["a"], start=0.9, end=3.2)  # every gap of a touches the window
+    assert got == {"itl_p50_s": 1.0, "itl_p99_s": 2.0}  # gaps 1.0, 2.0, 0.5
+    assert decode_beside_prefill.gap_quantiles(times, ["a"], start=4.0, end=5.0) == {"itl_p50_s": None,
+                                                                                     "itl_p99_s": None}
