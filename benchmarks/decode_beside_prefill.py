@@ -158,7 +158,7 @@ def run_setting(model, pool, side_pool, config, args, chunk: int, priority: str,
         wait_for_a_token_after(times, running, end)
         result["beside"] = {**rates(times, running, start, end), **gap_quantiles(times, running, start, end), **side}
         alone, beside = result["alone"], result["beside"]
-        if alone["per_user_tokens_per_s_p50"] and beside["per_user_tokens_per_s_p50"]:
+        if alone["per_user_tokens_per_s_p50"] and beside["per_user_tokens_per_s_p50"] is not None:  # 0: a stall
             result["rate_ratio"] = beside["per_user_tokens_per_s_p50"] / alone["per_user_tokens_per_s_p50"]
         if alone["itl_p50_s"] and beside["itl_p99_s"]:
             result["itl_p99_over_alone_p50"] = beside["itl_p99_s"] / alone["itl_p50_s"]
@@ -174,7 +174,8 @@ def run_setting(model, pool, side_pool, config, args, chunk: int, priority: str,
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:
-        args.running, args.running_prompt, args.long_prompt, args.alone_s = 4, 64, 512, 0.5
+        # a long prompt of 16 chunks: its window holds several decode steps (one chunk is about one step here)
+        args.running, args.running_prompt, args.long_prompt, args.alone_s = 4, 64, 2048, 0.5
         args.arrivals, args.running_max_tokens, args.chunks = 1, 2000, "128"
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     torch.set_grad_enabled(False)

@@ -39,7 +39,7 @@ def test_decode_beside_prefill_measures_both_windows(tmp_path):
     assert result["pages_back"]
     assert result["alone"]["itl_p50_s"] > 0 and result["beside"]["itl_p99_s"] > 0
     assert len(result["beside"]["prefill_s"]) == report["args"]["arrivals"] == 1
-    assert result["rate_ratio"] > 0
+    assert result["rate_ratio"] >= 0  # 0 would be a measured stall, not a missing value
 
 
 def test_the_gap_that_spans_a_short_window_counts():
