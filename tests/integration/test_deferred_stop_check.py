@@ -1,0 +1,139 @@
+"""generate()'s deferred stop check on RocketKV caches: ``crop(-n)`` undoes the last decode steps exactly, the check is
+on for RocketKV caches on CUDA only, and the check's crop path (run on the CPU with an event stand-in) equals the plain
+check, per-head lengths (AdaKV) included.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_rocketkv import RocketKVCache
+from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
+
+
+def _assert_same_state(cache, reference):
+    for layer_idx, (got, want) in enumerate(zip(cache.layers, reference.layers)):
+        where = f"layer {layer_idx}"
+        assert torch.equal(got.lengths, want.lengths) and int(got.seen) == int(want.seen), where
+        assert torch.equal(got.positions, want.positions), where
+        assert (got.host_max_length, got.host_decoded) == (want.host_max_length, want.host_decoded), where
+        for b, n in enumerate(want.lengths.tolist()):
+            assert torch.equal(got.keys[b, :, :n], want.keys[b, :, :n]), where
+            assert torch.equal(got.values[b, :, :n], want.values[b, :, :n]), where
+            pages = -(-n // want.config.page_size)
+            assert torch.equal(got.kt[b, :, :pages], want.kt[b, :, :pages]), where
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_crop_undoes_the_last_decode_steps(llama_pair, steps):
+    """What generate()'s deferred stop check relies on: crop(-n) restores the cache of n decode steps earlier."""
+    rocket, _ = llama_pair
+    ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (50, 37)])
+    longer, shorter = RocketKVCache(compressing_config()), RocketKVCache(compressing_config())
+    out_longer = greedy(rocket, ids, attention_mask=mask, past_key_values=longer, max_new_tokens=6 + steps)
+    out_shorter = greedy(rocket, ids, attention_mask=mask, past_key_values=shorter, max_new_tokens=6)
+    longer.crop(0)  # no-op
+    longer.crop(-steps)
+    _assert_same_state(longer, shorter)
+    # and the next turn continues exactly as from the cache that never took those steps
+    follow = torch.cat([out_shorter, random_ids(2, 3, seed=9)], dim=1)
+    follow_mask = torch.cat([mask, torch.ones(2, follow.shape[1] - mask.shape[1], dtype=mask.dtype)], dim=1)
+    assert torch.equal(out_longer[:, : out_shorter.shape[1]], out_shorter)
+    again = [greedy(rocket, follow, attention_mask=follow_mask, past_key_values=c, max_new_tokens=5)
+             for c in (longer, shorter)]
+    assert torch.equal(again[0], again[1])
+
+
+def test_crop_refuses_what_it_cannot_undo(llama_pair):
+    rocket, _ = llama_pair
+    cache = RocketKVCache(compressing_config())
+    greedy(rocket, random_ids(1, 40), past_key_values=cache, max_new_tokens=4)  # 3 decode steps
+    for bad in (5, -4):  # an absolute length (assisted decoding's legacy call), more than was decoded
+        with pytest.raises(NotImplementedError, match="assisted"):
+            cache.crop(bad)
+    cache.crop(-3)
+    assert cache.kept_tokens(0).tolist() == [[24, 24]]
+
+
+def test_deferred_stop_check_enabled_for_rocketkv_on_cuda_only():
+    from transformers.generation.utils import DeferredStopCheck
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    cache = RocketKVCache(compressing_config())
+    assert DeferredStopCheck.is_supported(cuda, cache, True, False)
+    assert not DeferredStopCheck.is_supported(cuda, cache, True, True)  # assistant models keep the plain check
+    assert not DeferredStopCheck.is_supported(cpu, cache, True, False)  # CPU events do not exist
+    off = RocketKVCache(compressing_config(deferred_stop_check=False))
+    assert not DeferredStopCheck.is_supported(cuda, off, True, False)
+    from transformers import DynamicCache
+
+    assert not DeferredStopCheck.is_supported(cuda, DynamicCache(), True, False)  # others: transformers' rule
+
+
+class _CpuEvent:
+    """torch.Event stand-in on CPU (no device queue: every operation has already happened)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+def test_deferred_stop_check_crop_path_equals_the_plain_check(llama_pair, monkeypatch):
+    """generate()'s deferred stop check (CUDA only in real use) runs here on CPU with an event stand-in: it takes one
+    extra decode step past the EOS stop and undoes it with cache.crop(-1). Tokens and the returned cache must equal a
+    run with the plain check."""
+    import transformers.generation.utils as generation_utils
+
+    rocket, _ = llama_pair
+    ids = random_ids(1, 40)
+    probe = greedy(rocket, ids, past_key_values=RocketKVCache(compressing_config()), max_new_tokens=12)
+    eos = int(probe[0, 40 + 5])  # the 6th generated token: generation stops there
+    monkeypatch.setattr(generation_utils.torch, "Event", _CpuEvent)
+    caches, outputs = [], []
+    for deferred in (True, False):
+        cache = RocketKVCache(compressing_config(deferred_stop_check=deferred))
+        cache.hints.deferred_stop_devices = ("cuda", "cpu")
+        crops = []
+        original_crop = cache.crop
+        monkeypatch.setattr(cache, "crop", lambda n, _c=original_crop, _l=crops: (_l.append(n), _c(n))[1])
+        outputs.append(greedy(rocket, ids, past_key_values=cache, max_new_tokens=12, eos_token_id=eos))
+        caches.append((cache, crops))
+    assert torch.equal(outputs[0], outputs[1]) and outputs[0].shape[1] == 40 + 6
+    (deferred_cache, deferred_crops), (plain_cache, plain_crops) = caches
+    assert -1 in deferred_crops and not plain_crops  # the extra step really was taken and undone
+    _assert_same_state(deferred_cache, plain_cache)
+
+
+@pytest.mark.parametrize("extra", [{}, dict(multi_turn="keep_all")])
+def test_deferred_stop_check_crop_with_per_head_lengths(monkeypatch, extra):
+    import transformers.generation.utils as generation_utils
+
+    rocket, _ = make_models("llama")
+    ids, mask = left_pad([random_ids(1, 40, seed=21)[0], random_ids(1, 33, seed=22)[0]])
+    probe = greedy(rocket, ids, attention_mask=mask, max_new_tokens=12,
+                   past_key_values=RocketKVCache(compressing_config(stage1="adakv", **extra)))
+    eos = int(probe[0, 40 + 5])
+    monkeypatch.setattr(generation_utils.torch, "Event", _CpuEvent)
+    runs = []
+    for deferred in (True, False):
+        cache = RocketKVCache(compressing_config(stage1="adakv", deferred_stop_check=deferred, **extra))
+        cache.hints.deferred_stop_devices = ("cuda", "cpu")
+        crops, crop = [], cache.crop
+        monkeypatch.setattr(cache, "crop", lambda n, _c=crop, _l=crops: (_l.append(n), _c(n))[1])
+        out = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12, eos_token_id=eos)
+        runs.append((out, cache, crops))
+    (out, cache, crops), (plain_out, plain, plain_crops) = runs
+    assert torch.equal(out, plain_out) and -1 in crops and not plain_crops
+    for got, want in zip(cache.layers, plain.layers):
+        assert got.lengths.dim() == 2 and torch.equal(got.lengths, want.lengths)
+        assert torch.equal(got.positions, want.positions) and got.host_max_length == want.host_max_length
+        assert int(got.seen) == int(want.seen)
