@@ -490,7 +490,7 @@ def step_profile_prefill(engine_run: EngineRun, args, vocab, device, out: Path) 
     trace = out / "profile_prefill" / "engine_prefill_trace.json"
     trace.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(trace))
-    report["gaps"] = gpu_gaps(trace)
+    report["gaps"] = gpu_gaps(trace, window_function="_prefill_chunk")  # the engine thread's chunk, its token read
     trace.unlink()  # tens of MB: the gap report keeps what it says
     write_report(report, out / "profile_prefill" / "engine_prefill.json")
     return report

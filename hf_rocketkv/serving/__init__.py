@@ -41,6 +41,7 @@ _PUBLIC = {
     "UnknownRequest": ".errors",
     "create_app": ".server",  # needs the optional serve extra
     "generate_batch": ".batch",
+    "offline_batching_config": ".batch",
     "warm_up_engine": ".warm_start",
 }
 
@@ -68,6 +69,7 @@ __all__ = [
     "UnknownRequest",
     "create_app",
     "generate_batch",
+    "offline_batching_config",
     "warm_up_engine",
 ]
 

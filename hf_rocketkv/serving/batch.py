@@ -7,7 +7,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+
+import torch
 
 from ..config import RocketKVConfig
 from .errors import InvalidRequest
@@ -15,6 +18,14 @@ from .lockstep import Lockstep, tensor_parallel_size
 from .manager import GenerationManager, build_engine, check_rocketkv_attention
 from .outputs import GenerationResult
 from .sampling import SamplingParams
+from .scheduler import DEFAULT_PREFILL_CHUNK_TOKENS, BatchingConfig
+
+# A batch handed over at once is judged by its end-to-end throughput, so on a large GPU a prompt of up to 16k tokens
+# runs in one forward (one host overhead, no deferred stage 1); a server keeps 8k chunks (its decoding rows wait for
+# each chunk's forward). vLLM's offline LLM class makes the same choice (16384 batched tokens against its server's
+# 8192 on GPUs of >= 70 GiB other than the A100).
+OFFLINE_PREFILL_CHUNK_TOKENS = 16384
+OFFLINE_LARGE_DEVICE_BYTES = 70 * 2**30
 
 
 def sampling_from_generation_config(generation_config) -> SamplingParams:
@@ -37,7 +48,7 @@ def sampling_from_generation_config(generation_config) -> SamplingParams:
 def generate_batch(model, prompts: Sequence[str | Sequence[int]], generation_config=None,
                    config: RocketKVConfig | None = None, pool=None,
                    sampling: SamplingParams | Sequence[SamplingParams] | None = None, *, tokenizer=None,
-                   engine="auto") -> list[GenerationResult]:
+                   engine="auto", batching: BatchingConfig | None = None) -> list[GenerationResult]:
     """Generate for every prompt and return one ``GenerationResult`` per prompt, in input order.
 
     Args:
@@ -52,6 +63,10 @@ def generate_batch(model, prompts: Sequence[str | Sequence[int]], generation_con
         tokenizer: to encode string prompts and decode outputs (``result.text``); without it texts are empty.
         engine: an Engine to use, or ``"auto"`` (default: batching with a pool, else sequential), ``"batching"``,
             ``"sequential"`` (see ``GenerationManager``).
+        batching: the batching engine's ``BatchingConfig`` (only with a pool and ``engine`` ``"auto"`` or
+            ``"batching"``; its ``max_queue`` is raised to the number of prompts). Default:
+            ``offline_batching_config(model)``: prompts of up to 16k tokens in one prefill forward on a GPU of
+            >= 70 GiB (not an A100), 8k elsewhere, as the server's default.
 
     A model whose attention is not ``rocketkv`` raises ``ValueError`` before any prompt runs (``hf_rocketkv.enable(
     model)`` first). An invalid prompt raises ``InvalidRequest`` naming its index (requests added before it are cancelled).
@@ -70,15 +85,60 @@ def generate_batch(model, prompts: Sequence[str | Sequence[int]], generation_con
         per_prompt = list(sampling)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"sampling has {len(per_prompt)} entries for {len(prompts)} prompts")
+    _check_batching(batching, engine, pool)
     if not prompts:
         return []
     if tensor_parallel_size(model) > 1:
-        return _generate_in_lockstep(model, prompts, per_prompt, config, pool, tokenizer, engine)
+        return _generate_in_lockstep(model, prompts, per_prompt, config, pool, tokenizer, engine, batching)
+    if pool is not None and engine in ("auto", "batching"):
+        batching = _queue_for(batching or offline_batching_config(model), len(prompts))
     # no startup capture: one workload, whose buckets are captured as it reaches them (capturing every bucket up
     # front would only add the ones it never uses)
     manager = GenerationManager(model, tokenizer, config, engine=engine, pool=pool,
-                                max_queue=max(1, len(prompts)), warmup_max_tokens=0)
+                                max_queue=max(1, len(prompts)), batching=batching, warmup_max_tokens=0)
     return _run_all(manager, prompts, per_prompt)
+
+
+def offline_batching_config(model) -> BatchingConfig:
+    """The batching engine's settings for a batch handed over at once (``generate_batch``): the server's defaults,
+    but prompts of up to ``OFFLINE_PREFILL_CHUNK_TOKENS`` (16k) tokens in one prefill forward when the model is on a
+    GPU of at least 70 GiB other than an A100 (see the constant's comment)."""
+    chunk = OFFLINE_PREFILL_CHUNK_TOKENS if _large_gpu(_model_device(model)) else DEFAULT_PREFILL_CHUNK_TOKENS
+    return BatchingConfig(prefill_chunk_tokens=chunk, prefill_token_budget=chunk)
+
+
+def _large_gpu(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    properties = torch.cuda.get_device_properties(device)
+    return properties.total_memory >= OFFLINE_LARGE_DEVICE_BYTES and "a100" not in properties.name.lower()
+
+
+def _model_device(model) -> torch.device:
+    device = getattr(model, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    parameter = next(model.parameters(), None)
+    return parameter.device if parameter is not None else torch.device("cpu")
+
+
+def _check_batching(batching, engine, pool) -> None:
+    """``batching`` configures the batching engine that generate_batch builds: refused where none is built."""
+    if batching is None:
+        return
+    if not isinstance(batching, BatchingConfig):
+        raise TypeError(f"generate_batch(batching=...) must be a hf_rocketkv.serving.BatchingConfig, got "
+                        f"{type(batching).__name__}")
+    if pool is None or engine not in ("auto", "batching"):
+        raise ValueError(
+            f"generate_batch(batching=...) configures the batching engine it builds: it needs pool=KVBlockPool(...) "
+            f"and engine='auto' or 'batching', got pool={type(pool).__name__}, "
+            f"engine={engine if isinstance(engine, str) else type(engine).__name__!r}")
+
+
+def _queue_for(batching: BatchingConfig, prompts: int) -> BatchingConfig:
+    """Every prompt is submitted at once: the waiting queue holds them all (never a batch refused half-way)."""
+    return dataclasses.replace(batching, max_queue=max(batching.max_queue, prompts))
 
 
 def _run_all(manager: GenerationManager, prompts: list, per_prompt: list[SamplingParams]) -> list[GenerationResult]:
@@ -90,9 +150,10 @@ def _run_all(manager: GenerationManager, prompts: list, per_prompt: list[Samplin
 
 
 def _generate_in_lockstep(model, prompts: list, per_prompt: list[SamplingParams], config, pool, tokenizer,
-                          engine) -> list[GenerationResult]:
+                          engine, batching: BatchingConfig | None) -> list[GenerationResult]:
     """Every rank: a lockstep batching engine; rank 0 runs the batch through a manager, the others follow; then
-    rank 0's results (or its exception) go to every rank."""
+    rank 0's results (or its exception) go to every rank. ``batching``: as given (the same on every rank), else the
+    server's defaults (a choice by each rank's device could differ between ranks)."""
     import torch.distributed as dist
 
     if pool is None or engine not in ("auto", "batching"):
@@ -101,7 +162,9 @@ def _generate_in_lockstep(model, prompts: list, per_prompt: list[SamplingParams]
             f"lockstep: pass pool=KVBlockPool(...) (one per rank) and engine='auto' or 'batching', got "
             f"pool={type(pool).__name__}, engine={engine!r}")
     lockstep = Lockstep()
-    built = build_engine("batching", model, config, pool, max(1, len(prompts)), lockstep=lockstep)  # no warm-up
+    batching = _queue_for(batching or BatchingConfig(), len(prompts))
+    built = build_engine("batching", model, config, pool, max(1, len(prompts)), batching,
+                         lockstep=lockstep)  # no warm-up
     outcome: list | BaseException | None = None
     if lockstep.is_leader:
         try:
