@@ -29,7 +29,6 @@ import statistics
 import threading
 import time
 import traceback
-from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -70,9 +69,7 @@ def gap_quantiles(times: TokenRecorder, rids: list[str], start: float, end: floa
     """Median and p99 of the inter-token gaps of ``rids`` that overlap [start, end]: a gap that began before the
     window or ended after it counts (the gap that spans a prefill is the one the users wait through), so a window
     shorter than a decode step still has one gap per request once each has a token after ``end``."""
-    with times.cond:
-        stamps = [list(times.token_times.get(rid, [])) for rid in rids]
-    gaps = sorted(b - a for one in stamps for a, b in pairwise(one) if b > start and a < end)
+    gaps = sorted(gap for rid in rids for gap in times.gaps_overlapping(rid, start, end))
     if not gaps:
         return {"itl_p50_s": None, "itl_p99_s": None}
     return {"itl_p50_s": statistics.median(gaps), "itl_p99_s": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]}

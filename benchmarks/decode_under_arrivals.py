@@ -23,15 +23,14 @@ The pool holds the running requests' views and every long prompt's prefill peak 
 model is built from its config with random weights (``hf_rocketkv.bench.decode.build_model``), so tokens are
 meaningless but shapes, memory and timings are real; model build and warm-ups are outside every window. Expected
 runtime on one H100 with the defaults (8 x 1k running, 2 x 32k arriving, 5 settings): ~3-5 minutes (model build
-~30 s, each setting ~20-45 s, the smallest budget longest); peak memory ~50 GiB. ``--quick``: TINY model, 4 x 64 running, 2 x 1536 arriving, chunks of 128 (< 60 s on
-a CPU). Writes ``decode_under_arrivals.json`` under --out (default $OUT, else ./out) with the device, date, commit and
-command.
+~30 s, each setting ~20-45 s, the smallest budget longest); peak memory ~50 GiB. ``--quick``: TINY model, 4 x 64
+running, 2 x 1536 arriving, chunks of 128 (< 60 s on a CPU). Writes ``decode_under_arrivals.json`` under --out
+(default $OUT, else ./out) with the device, date, commit and command.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import platform
@@ -139,13 +138,12 @@ def make_pool(model, args, config: RocketKVConfig, device: torch.device) -> KVBl
 # ------------------------------------------------------------------------------------------------ timing
 def rates(times: TokenRecorder, rids: list[str], start: float, end: float) -> dict:
     """Per-user decode rate of ``rids`` inside [start, end]: tokens each produced in the window / its length (a stall
-    counts), the median and the lowest over the requests, and the longest gap between two tokens of one request."""
+    counts), the median and the lowest over the requests, and the longest gap between two tokens of one request
+    among the gaps that overlap the window (``TokenRecorder.gaps_overlapping``: one that spans its start counts)."""
     per_user, gaps = [], []
     for rid in rids:
-        stamps = times.window(rid, start, end)
-        per_user.append(len(stamps) / (end - start))
-        if len(stamps) > 1:
-            gaps.append(max(b - a for a, b in itertools.pairwise(stamps)))
+        per_user.append(len(times.window(rid, start, end)) / (end - start))
+        gaps.extend(times.gaps_overlapping(rid, start, end))
     return {"per_user_tokens_per_s_p50": statistics.median(per_user) if per_user else None,
             "per_user_tokens_per_s_min": min(per_user) if per_user else None,
             "max_gap_s": max(gaps) if gaps else None, "window_s": end - start}

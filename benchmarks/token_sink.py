@@ -52,6 +52,14 @@ class TokenRecorder:
         with self.cond:
             return self.cond.wait_for(lambda: predicate(self), timeout)
 
+    def gaps_overlapping(self, rid: str, start: float, end: float) -> list[float]:
+        """``rid``'s inter-token gaps that overlap [start, end] (among the tokens arrived so far): a gap that began
+        before the window or ended after it counts, since the gap that spans a stall is the one users wait through,
+        and a window shorter than a decode step still holds the gap around it once a token after ``end`` is in."""
+        with self.cond:
+            stamps = list(self.token_times.get(rid, []))
+        return [b - a for a, b in zip(stamps, stamps[1:]) if b > start and a < end]
+
     def window(self, rid: str, start: float, end: float) -> list[float]:
         """Arrival times of ``rid``'s tokens within [start, end]."""
         with self.cond:

@@ -6,7 +6,7 @@
     Engine              the interface an engine implements (engine.py); SequentialEngine: one request at a time;
                         BatchingEngine: continuous batching over a KVBlockPool (BatchingConfig: rows, buckets)
     Lockstep            tensor parallel serving: rank 0's engine takes requests, every rank steps with it
-    generate_batch      prompts in, results in input order
+    generate_batch      prompts in, results in input order (offline_batching_config: its engine settings)
     create_app          the OpenAI-compatible FastAPI app (optional extra: pip install hf_rocketkv[serve])
 
 Every name loads its module on first use; FastAPI, uvicorn and prometheus-client are imported only by

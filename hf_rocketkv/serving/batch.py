@@ -69,7 +69,8 @@ def generate_batch(model, prompts: Sequence[str | Sequence[int]], generation_con
             >= 70 GiB (not an A100), 8k elsewhere, as the server's default.
 
     A model whose attention is not ``rocketkv`` raises ``ValueError`` before any prompt runs (``hf_rocketkv.enable(
-    model)`` first). An invalid prompt raises ``InvalidRequest`` naming its index (requests added before it are cancelled).
+    model)`` first). An invalid prompt raises ``InvalidRequest`` naming its index (requests added before it are
+    cancelled).
 
     Tensor parallel (a model loaded with ``tp_plan="auto"`` under torchrun): call it on every rank with the same
     arguments, as ``model.generate``; it needs ``pool`` (a pool per rank). Rank 0's engine takes the requests and the

@@ -104,3 +104,18 @@ def test_decode_rates_on_synthetic_token_times():
                    "window_s": 4.0}
     empty = decode_under_arrivals.rates(recorder, [], 10.0, 14.0)
     assert empty["per_user_tokens_per_s_p50"] is None and empty["max_gap_s"] is None
+
+
+def test_the_gap_that_spans_a_window_counts_in_its_longest_gap():
+    """Window [10.0, 10.2], shorter than one decode step. Request a: tokens at 9.5 and 10.5 (none inside) -> rate 0,
+    its gap of 1.0 s spans the window. Request b: 9.0, 10.1, 10.6 -> one token inside (5 tokens/s), gaps 1.1 (spans
+    the start) and 0.5 (spans the end). Request c: 9.9 only -> no gap. Longest gap 1.1; tokens before the window or
+    after it that border no gap of it (a: 8.0 -> 9.5 added below) change nothing."""
+    recorder = TokenRecorder()
+    recorder.token_times = {"a": [9.5, 10.5], "b": [9.0, 10.1, 10.6], "c": [9.9]}
+    got = decode_under_arrivals.rates(recorder, ["a", "b", "c"], 10.0, 10.2)
+    assert got["max_gap_s"] == pytest.approx(1.1)
+    assert got["per_user_tokens_per_s_min"] == 0.0 and got["per_user_tokens_per_s_p50"] == 0.0
+    recorder.token_times["a"] = [8.0, 9.5, 10.5]
+    assert decode_under_arrivals.rates(recorder, ["a", "b", "c"], 10.0, 10.2)["max_gap_s"] == pytest.approx(1.1)
+    assert recorder.gaps_overlapping("a", 10.0, 10.2) == [1.0]
