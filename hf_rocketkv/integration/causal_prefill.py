@@ -98,6 +98,19 @@ def cudnn_shapes(chunk_tokens: int, prompt_tokens: int) -> list[tuple[int, int]]
     return shapes
 
 
+def cudnn_shapes_of_prompt(prompt_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    """``(queries, keys before them)`` of the cuDNN graphs that one prompt of ``prompt_tokens`` tokens meets when
+    prefilled from its start in chunks of ``chunk_tokens`` (those of ``cudnn_shapes(chunk_tokens, prompt_tokens)``
+    that this length reaches): its first chunk in its bucket, then each later chunk of at least
+    ``MIN_SPLIT_QUERIES`` queries after a multiple of the bucket."""
+    shapes = []
+    for prefix in range(0, prompt_tokens, chunk_tokens):
+        queries = min(chunk_tokens, prompt_tokens - prefix)
+        if prefix == 0 or (prefix % CUDNN_QUERY_BUCKET == 0 and queries >= MIN_SPLIT_QUERIES):
+            shapes.append((-(-queries // CUDNN_QUERY_BUCKET) * CUDNN_QUERY_BUCKET, prefix))
+    return shapes
+
+
 def plain_attention(model) -> bool:
     """Whether ``model``'s attention calls carry neither soft-capped logits (Gemma 2's ``attn_logit_softcapping``)
     nor attention sinks (gpt-oss's ``sinks``): only then does a full-attention layer's prefill reach this module (the

@@ -47,7 +47,7 @@ from .errors import Overloaded
 from .inboxes import LockstepInboxes
 from .lockstep import Lockstep, check_lockstep_for
 from .outputs import FinishReason
-from .prefill_graphs import PrefillGraphs
+from .prefill_graphs import LookaheadGraphs, PrefillGraphs
 from .prefill_worker import PrefillWorker
 from .running import RunningRequest
 from .sampler import new_generator, sample_tokens
@@ -149,6 +149,9 @@ class BatchingEngine(ThreadedEngine):
             self._worker = PrefillWorker(self._admission, self.batching.concurrent_prefill_tokens,
                                          self.batching.prefill_chunk_tokens, self.device, self._wake)
             self._decoder.capture_lock = self._worker.capture_lock
+        # the next prompt's cuDNN graphs, built while the device runs a chunk (where this thread prefills)
+        self._lookahead = (LookaheadGraphs(model, pool, self.device, self.batching.prefill_chunk_tokens)
+                           if self._worker is None and lockstep is None else None)
 
     # ------------------------------------------------------------------------------------------------ interface
     def start(self, sink: EventSink) -> None:
@@ -274,6 +277,7 @@ class BatchingEngine(ThreadedEngine):
             elif self._inboxes is None:
                 if self.prefill_graphs is not None:
                     self.prefill_graphs.build()  # on this thread, which prefills: cuDNN's graphs are per thread
+                    self._lookahead.built.update(self.prefill_graphs.shapes)
                 while self._wait_for_work():
                     self._guarded_iteration()
             else:
@@ -348,6 +352,8 @@ class BatchingEngine(ThreadedEngine):
                 prefill = self._admission.start_prefill(running, self.batching.prefill_chunk_tokens)
             logits = prefill.run(tokens)
             self._stats.prefill_chunks += 1
+            if self._lookahead is not None:  # the device runs the chunk: the next prompt's graphs meanwhile
+                self._lookahead.after_chunk(self._scheduler, self._lock)
         except Exception as err:  # noqa: BLE001 - one request's failure ends that request only
             logger.warning("hf_rocketkv batching engine: request %s failed in prefill: %s", request.request_id, err,
                            exc_info=True)

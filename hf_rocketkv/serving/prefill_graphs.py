@@ -7,6 +7,11 @@ at the default 8192-token chunks and N = 16k). Met lazily, each request that bri
 its prefill, with the running requests waiting. ``BatchingEngine.warm_up(prefill_tokens=N)`` plans
 them; the thread that prefills (the engine thread, or the prefill thread with ``concurrent_prefill_tokens``) builds
 them before it serves, and ``start()`` returns once they are built.
+
+Shapes that no warm-up planned (an engine without one, as ``generate_batch`` builds; a prompt longer than the
+planned length) are built by ``LookaheadGraphs`` on the engine thread right after a prefill chunk's kernels are
+queued, for the next prompt to prefill: the device runs the chunk meanwhile and the host would only wait for it, so
+the next request's graphs cost it nothing (~60-170 ms of host time each otherwise, in its own prefill).
 """
 
 from __future__ import annotations
@@ -18,7 +23,13 @@ import time
 
 import torch
 
-from ..integration.causal_prefill import CUDNN_MAX_HEAD_DIM, cudnn_shapes, plain_attention, warm_cudnn_graphs
+from ..integration.causal_prefill import (
+    CUDNN_MAX_HEAD_DIM,
+    cudnn_shapes,
+    cudnn_shapes_of_prompt,
+    plain_attention,
+    warm_cudnn_graphs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -36,13 +47,10 @@ class PrefillGraphs:
     returns once it ran. A failure is logged and leaves the graphs to be built lazily, as without this."""
 
     def __init__(self, model, pool, device: torch.device, chunk_tokens: int, prompt_tokens: int):
-        self.query_heads = int(model.config.get_text_config().num_attention_heads)
-        self.kv_heads, self.head_dim = pool.geometry.num_kv_heads, pool.geometry.head_dim
+        self.query_heads, self.kv_heads, self.head_dim = attention_geometry(model, pool)
         self.dtype, self.device = model.dtype, device
         self.prompt_tokens = prompt_tokens
-        reaches_cudnn = (bool(pool.hybrid.global_layers) and self.head_dim <= CUDNN_MAX_HEAD_DIM
-                         and plain_attention(model))
-        self.shapes = cudnn_shapes(chunk_tokens, prompt_tokens) if reaches_cudnn else []
+        self.shapes = cudnn_shapes(chunk_tokens, prompt_tokens) if reaches_cudnn(model, pool) else []
         self.report: dict | None = None
         self._built = threading.Event()
 
@@ -72,3 +80,61 @@ class PrefillGraphs:
         while not self._built.wait(0.1):
             if not alive():
                 return
+
+
+def attention_geometry(model, pool) -> tuple[int, int, int]:
+    """``(query heads, KV heads, head dim)`` of the model's prefill attention (batch 1)."""
+    heads = int(model.config.get_text_config().num_attention_heads)
+    return heads, pool.geometry.num_kv_heads, pool.geometry.head_dim
+
+
+def reaches_cudnn(model, pool) -> bool:
+    """Whether any of the model's prefills reaches cuDNN (``PrefillGraphs``' docstring says when none does)."""
+    return (bool(pool.hybrid.global_layers) and pool.geometry.head_dim <= CUDNN_MAX_HEAD_DIM
+            and plain_attention(model))
+
+
+class LookaheadGraphs:
+    """The cuDNN graphs of the next prompt to prefill, built on the engine thread while the device runs the chunk
+    just queued (module docstring). ``built``: the shapes this thread has built or met (the warm-up's included),
+    each built once. Off (``enabled`` False) where no prefill reaches cuDNN, off the GPU, and after a failure (logged
+    once: the graphs are then built at the prefills that meet them, as without this).
+
+    ``after_chunk(scheduler, lock)`` looks at the first admitted request whose prefill has not started, else the
+    head of the waiting queue (under ``lock``), and builds what its prompt meets. ``warm`` is
+    ``warm_cudnn_graphs``' signature (tests pass a recorder)."""
+
+    def __init__(self, model, pool, device: torch.device, chunk_tokens: int, warm=warm_cudnn_graphs):
+        self.query_heads, self.kv_heads, self.head_dim = attention_geometry(model, pool)
+        self.dtype, self.device, self.chunk_tokens = model.dtype, device, chunk_tokens
+        self.enabled = device.type == "cuda" and reaches_cudnn(model, pool)
+        self.built: set[tuple[int, int]] = set()
+        self.shapes_built, self.seconds = 0, 0.0
+        self._warm = warm
+
+    def after_chunk(self, scheduler, lock: threading.Lock) -> None:
+        if not self.enabled:
+            return
+        with lock:
+            upcoming = next((r for r in scheduler.prefilling if r.prefill is None), None)
+            if upcoming is None and scheduler.waiting:
+                upcoming = scheduler.waiting[0]
+        if upcoming is not None:
+            self.build_for(upcoming.request.prompt_len)
+
+    def build_for(self, prompt_tokens: int) -> None:
+        """Build the graphs a prompt of ``prompt_tokens`` tokens meets that this thread has not built yet."""
+        todo = [s for s in cudnn_shapes_of_prompt(prompt_tokens, self.chunk_tokens) if s not in self.built]
+        if not self.enabled or not todo:
+            return
+        self.built.update(todo)
+        started = time.perf_counter()
+        try:
+            with torch.no_grad():
+                self.shapes_built += self._warm(todo, self.query_heads, self.kv_heads, self.head_dim, self.dtype,
+                                                self.device)
+        except Exception:  # noqa: BLE001 - an optimisation: the prefills build what they meet
+            self.enabled = False
+            logger.warning("hf_rocketkv batching engine: building the next prompt's attention graphs failed; they "
+                           "are built at the prefills that meet them", exc_info=True)
+        self.seconds += time.perf_counter() - started

@@ -19,7 +19,12 @@ import pytest
 import torch
 
 from hf_rocketkv.integration import causal_prefill
-from hf_rocketkv.integration.causal_prefill import CUDNN_QUERY_BUCKET, MIN_SPLIT_QUERIES, cudnn_shapes
+from hf_rocketkv.integration.causal_prefill import (
+    CUDNN_QUERY_BUCKET,
+    MIN_SPLIT_QUERIES,
+    cudnn_shapes,
+    cudnn_shapes_of_prompt,
+)
 from hf_rocketkv.kernels.merge_attention import merge_attention_torch
 
 BUCKET = CUDNN_QUERY_BUCKET
@@ -145,6 +150,25 @@ def shapes_met(chunk, prompt_len):
         if start == 0 or (start % BUCKET == 0 and n >= MIN_SPLIT_QUERIES):
             met.append((-(-n // BUCKET) * BUCKET, start))
     return met
+
+
+@pytest.mark.parametrize("prompt,chunk,expected", [
+    (1000, 8192, [(1024, 0)]),
+    (8192, 8192, [(8192, 0)]),
+    (9000, 8192, [(8192, 0)]),  # 808 queries after 8192 keys: flash
+    (9300, 8192, [(8192, 0), (1536, 8192)]),  # 1108 queries: cuDNN, in the 1536 bucket
+    (20000, 8192, [(8192, 0), (8192, 8192), (4096, 16384)]),  # 3616 queries after 16384 keys
+    (16384, 16384, [(16384, 0)]),
+    (3000, 1000, [(1024, 0)]),  # later chunks after 1000 and 2000 keys: not whole buckets, flash
+])
+def test_cudnn_shapes_of_one_prompt_hand_worked(prompt, chunk, expected):
+    assert cudnn_shapes_of_prompt(prompt, chunk) == expected
+
+
+@pytest.mark.parametrize("chunk,limit", [(8192, 16384), (2048, 9000), (1536, 6000), (3000, 7000)])
+def test_the_shapes_of_every_prompt_up_to_a_limit_are_the_planned_ones(chunk, limit):
+    met = {shape for length in range(1, limit + 1) for shape in cudnn_shapes_of_prompt(length, chunk)}
+    assert met == set(cudnn_shapes(chunk, limit))
 
 
 @pytest.mark.parametrize("chunk,limit", [(8192, 16384), (2048, 9000), (1536, 6000), (3000, 7000)])
