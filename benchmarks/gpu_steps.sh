@@ -226,7 +226,8 @@ for name in "$@"; do
                         "$OUT/lockstep_tp.json" ;;
     fp8_kernel_tests) # the fp8 page kernels (attention, append, compaction) compiled for this GPU against their twins
                      need_pytest
-                     step "$name" 240 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_pages.py ;;
+                     step "$name" 240 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_pages.py \
+                        tests/kernels/test_fp8_append.py ;;
     fp8_vs_bf16_fixed) # the batching engine's fixed workload (32 x 8k, 512 new) on bf16 pool pages, then on fp8 pages
                      for dt in auto fp8; do
                        step "${name}_$dt" 300 $PY -m benchmarks.batching_throughput --rates "" --kv-cache-dtype "$dt" \

@@ -352,8 +352,8 @@ class BatchingEngine(ThreadedEngine):
                 prefill = self._admission.start_prefill(running, self.batching.prefill_chunk_tokens)
             logits = prefill.run(tokens)
             self._stats.prefill_chunks += 1
-            if self._lookahead is not None:  # the device runs the chunk: the next prompt's graphs meanwhile
-                self._lookahead.after_chunk(self._scheduler, self._lock)
+            if self._lookahead is not None:  # the device runs the chunk: the next chunks' graphs meanwhile
+                self._lookahead.after_chunk(self._scheduler, self._lock, running)
         except Exception as err:  # noqa: BLE001 - one request's failure ends that request only
             logger.warning("hf_rocketkv batching engine: request %s failed in prefill: %s", request.request_id, err,
                            exc_info=True)

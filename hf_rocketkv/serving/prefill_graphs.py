@@ -10,8 +10,9 @@ them before it serves, and ``start()`` returns once they are built.
 
 Shapes that no warm-up planned (an engine without one, as ``generate_batch`` builds; a prompt longer than the
 planned length) are built by ``LookaheadGraphs`` on the engine thread right after a prefill chunk's kernels are
-queued, for the next prompt to prefill: the device runs the chunk meanwhile and the host would only wait for it, so
-the next request's graphs cost it nothing (~60-170 ms of host time each otherwise, in its own prefill).
+queued, for the later chunks of that prompt and for the next prompt to prefill: the device runs the chunk meanwhile
+and the host would only wait for it, so those graphs cost nothing (~60-170 ms of host time each otherwise, in the
+prefill that meets them).
 """
 
 from __future__ import annotations
@@ -95,14 +96,16 @@ def reaches_cudnn(model, pool) -> bool:
 
 
 class LookaheadGraphs:
-    """The cuDNN graphs of the next prompt to prefill, built on the engine thread while the device runs the chunk
-    just queued (module docstring). ``built``: the shapes this thread has built or met (the warm-up's included),
-    each built once. Off (``enabled`` False) where no prefill reaches cuDNN, off the GPU, and after a failure (logged
-    once: the graphs are then built at the prefills that meet them, as without this).
+    """The cuDNN graphs of what is prefilled next, built on the engine thread while the device runs the chunk just
+    queued (module docstring). ``built``: the shapes built on this thread by the warm-up or by this object, each
+    built once (a shape a prefill met lazily may be run once more: a dummy call, its graph already cached). Off
+    (``enabled`` False) where no prefill reaches cuDNN, off the GPU, and after a failure (logged once: the graphs
+    are then built at the prefills that meet them, as without this).
 
-    ``after_chunk(scheduler, lock)`` looks at the first admitted request whose prefill has not started, else the
-    head of the waiting queue (under ``lock``), and builds what its prompt meets. ``warm`` is
-    ``warm_cudnn_graphs``' signature (tests pass a recorder)."""
+    ``after_chunk(scheduler, lock, current)`` builds what the later chunks of ``current`` (the request whose chunk
+    was just queued) meet, then what the next prompt meets: the first admitted request whose prefill has not
+    started, else the head of the waiting queue (read under ``lock``). ``warm`` is ``warm_cudnn_graphs``' signature
+    (tests pass a recorder)."""
 
     def __init__(self, model, pool, device: torch.device, chunk_tokens: int, warm=warm_cudnn_graphs):
         self.query_heads, self.kv_heads, self.head_dim = attention_geometry(model, pool)
@@ -112,9 +115,11 @@ class LookaheadGraphs:
         self.shapes_built, self.seconds = 0, 0.0
         self._warm = warm
 
-    def after_chunk(self, scheduler, lock: threading.Lock) -> None:
+    def after_chunk(self, scheduler, lock: threading.Lock, current=None) -> None:
         if not self.enabled:
             return
+        if current is not None and current.prefill is not None and not current.prefill.done:
+            self.build_for(current.request.prompt_len, after=current.prefill.position)
         with lock:
             upcoming = next((r for r in scheduler.prefilling if r.prefill is None), None)
             if upcoming is None and scheduler.waiting:
@@ -122,9 +127,11 @@ class LookaheadGraphs:
         if upcoming is not None:
             self.build_for(upcoming.request.prompt_len)
 
-    def build_for(self, prompt_tokens: int) -> None:
-        """Build the graphs a prompt of ``prompt_tokens`` tokens meets that this thread has not built yet."""
-        todo = [s for s in cudnn_shapes_of_prompt(prompt_tokens, self.chunk_tokens) if s not in self.built]
+    def build_for(self, prompt_tokens: int, after: int = 0) -> None:
+        """Build the graphs that a prompt of ``prompt_tokens`` tokens meets in its chunks from column ``after`` on
+        (0: all of them) and that this thread has not built yet."""
+        todo = [s for s in cudnn_shapes_of_prompt(prompt_tokens, self.chunk_tokens)
+                if s[1] >= after and s not in self.built]
         if not self.enabled or not todo:
             return
         self.built.update(todo)

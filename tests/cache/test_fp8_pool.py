@@ -10,7 +10,7 @@ Oracles, none of them the code under test:
   fp8 pages) within a tolerance that a read without the scales exceeds by orders of magnitude.
 
 A tiny random Llama in float32 on CPU, ``backend="torch"``; the Triton kernels' fp8 reads and writes are checked
-against their PyTorch twins in tests/kernels/test_fp8_pages.py.
+against their PyTorch twins in tests/kernels/test_fp8_pages.py and tests/kernels/test_fp8_append.py.
 """
 
 from __future__ import annotations

@@ -106,6 +106,23 @@ def test_the_next_prompt_s_graphs_are_built_while_a_chunk_runs(engines, tiny_pai
     assert tokens == {f"r{i}": oracle(prompt_of(n, seed=60 + i), 4) for i, n in enumerate(LENGTHS)}
 
 
+def test_a_prompt_s_later_chunks_are_built_while_its_first_runs(engines, tiny_pair, oracle,  # noqa: F811
+                                                               monkeypatch):
+    """Each chunk its own shape ``(length, start)``: after the 40-token prompt's first chunk, the shapes of its
+    chunks at 16 and 32, then the next prompt's; nothing after its later chunks (all built); then the third's."""
+    timeline = Timeline()
+    engine = engines()
+    switch_on(engine, timeline, monkeypatch)
+    monkeypatch.setattr(prefill_graphs, "cudnn_shapes_of_prompt",
+                        lambda n, chunk: [(n, start) for start in range(0, n, chunk)])
+    tokens = serve_held(engine, tiny_pair, timeline)
+    builds = [e[1] for e in timeline.entries if e[0] == "build"]
+    assert builds == [[(40, 16), (40, 32)], [(21, 0), (21, 16)], [(33, 0), (33, 16), (33, 32)]]
+    prefills = [i for i, e in enumerate(timeline.entries) if e[0] == "prefill"]
+    assert prefills[0] < timeline.entries.index(("build", [(40, 16), (40, 32)])) < prefills[1]
+    assert tokens == {f"r{i}": oracle(prompt_of(n, seed=60 + i), 4) for i, n in enumerate(LENGTHS)}
+
+
 def test_shapes_the_warm_up_built_are_not_built_again(engines, tiny_pair, monkeypatch):  # noqa: F811
     timeline = Timeline()
     monkeypatch.setattr(prefill_graphs, "warm_cudnn_graphs", timeline.warm)  # the warm-up's builder
