@@ -60,7 +60,7 @@ def cudnn_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     """The cuDNN path (``cudnn_runs`` must hold): queries and their own keys padded to the bucket, the keys before
     them attended without a mask, the two merged by log-sum-exp."""
     n = query.shape[2]
-    padded = -(-n // CUDNN_QUERY_BUCKET) * CUDNN_QUERY_BUCKET
+    padded = query_bucket(n)
     query, own_key, own_value = (in_bucket(t, padded) for t in (query, key[:, :, prefix:], value[:, :, prefix:]))
     merging = prefix > 0
     own = _CUDNN_ATTENTION(query, own_key, own_value, None, merging, 0.0, True, False, scale=scaling)
@@ -83,17 +83,29 @@ def in_bucket(x: torch.Tensor, length: int) -> torch.Tensor:
     return out
 
 
+def query_bucket(queries: int) -> int:
+    """The query count cuDNN runs for ``queries`` queries: the next multiple of ``CUDNN_QUERY_BUCKET``."""
+    return -(-queries // CUDNN_QUERY_BUCKET) * CUDNN_QUERY_BUCKET
+
+
+def cudnn_takes_chunk(prefix: int, queries: int) -> bool:
+    """Whether a chunk of ``queries`` queries after ``prefix`` earlier keys may run in cuDNN (the shape rule alone;
+    ``cudnn_runs`` adds the device, dtype and head checks): a first chunk always, a later one after a multiple of
+    the bucket with at least ``MIN_SPLIT_QUERIES`` queries."""
+    return prefix == 0 or (prefix > 0 and prefix % CUDNN_QUERY_BUCKET == 0 and queries >= MIN_SPLIT_QUERIES)
+
+
 def cudnn_shapes(chunk_tokens: int, prompt_tokens: int) -> list[tuple[int, int]]:
     """``(queries, keys before them)`` of every cuDNN graph that prompts of at most ``prompt_tokens`` tokens meet
     when prefilled in chunks of ``chunk_tokens``, queries in buckets: a whole prompt (or a first chunk) in every
     bucket up to the chunk, then a later chunk of at least ``MIN_SPLIT_QUERIES`` queries after each multiple of the
     chunk that is a multiple of the bucket (a split: two graphs)."""
     def buckets(low: int, high: int) -> range:
-        return range(low, -(-high // CUDNN_QUERY_BUCKET) * CUDNN_QUERY_BUCKET + 1, CUDNN_QUERY_BUCKET)
+        return range(low, query_bucket(high) + 1, CUDNN_QUERY_BUCKET)
 
     shapes = [(b, 0) for b in buckets(CUDNN_QUERY_BUCKET, min(chunk_tokens, prompt_tokens))]
     for prefix in range(chunk_tokens, prompt_tokens, chunk_tokens):
-        if prefix % CUDNN_QUERY_BUCKET == 0 and prompt_tokens - prefix >= MIN_SPLIT_QUERIES:
+        if cudnn_takes_chunk(prefix, prompt_tokens - prefix):
             shapes += [(b, prefix) for b in buckets(MIN_SPLIT_QUERIES, min(chunk_tokens, prompt_tokens - prefix))]
     return shapes
 
@@ -106,8 +118,8 @@ def cudnn_shapes_of_prompt(prompt_tokens: int, chunk_tokens: int) -> list[tuple[
     shapes = []
     for prefix in range(0, prompt_tokens, chunk_tokens):
         queries = min(chunk_tokens, prompt_tokens - prefix)
-        if prefix == 0 or (prefix % CUDNN_QUERY_BUCKET == 0 and queries >= MIN_SPLIT_QUERIES):
-            shapes.append((-(-queries // CUDNN_QUERY_BUCKET) * CUDNN_QUERY_BUCKET, prefix))
+        if cudnn_takes_chunk(prefix, queries):
+            shapes.append((query_bucket(queries), prefix))
     return shapes
 
 
@@ -143,8 +155,7 @@ def cudnn_runs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pref
     no keys before the queries or a multiple of the bucket before at least ``MIN_SPLIT_QUERIES`` queries, and cuDNN
     taking both parts (grouped-query heads and the rest; checked by PyTorch itself, no sync)."""
     if (query.device.type != "cuda" or _CUDNN_ATTENTION is None or query.dtype not in MERGE_DTYPES
-            or query.shape[-1] > CUDNN_MAX_HEAD_DIM or prefix % CUDNN_QUERY_BUCKET or prefix < 0
-            or (prefix and query.shape[2] < MIN_SPLIT_QUERIES)):
+            or query.shape[-1] > CUDNN_MAX_HEAD_DIM or not cudnn_takes_chunk(prefix, query.shape[2])):
         return False
     gqa = query.shape[1] != key.shape[1]
     own = SDPAParams(query, key[:, :, prefix:], value[:, :, prefix:], None, 0.0, True, gqa)
