@@ -1,5 +1,5 @@
-"""Throughput and latency of the continuous-batching engine (serving/batching.py): Llama-3.1-8B shapes, random bf16
-weights, a fixed workload and Poisson arrivals.
+"""Throughput and latency of the continuous-batching engine (serving/batching/engine.py): Llama-3.1-8B shapes, random
+bf16 weights, a fixed workload and Poisson arrivals.
 
     python -m benchmarks.batching_throughput [--out DIR] [--requests 32] [--prompt-len 8192] [--new-tokens 512]
     python -m benchmarks.batching_throughput --quick          # tiny model on the CPU: the script's logic
@@ -64,10 +64,10 @@ from hf_rocketkv.bench.decode import LLAMA_31_8B, TINY, build_model
 from hf_rocketkv.cache import request_pages
 from hf_rocketkv.config import RocketKVConfig
 from hf_rocketkv.memory import KVBlockPool, PoolSpec
-from hf_rocketkv.serving.batching import BatchingEngine
-from hf_rocketkv.serving.engine import EngineRequest
+from hf_rocketkv.serving.batching.engine import BatchingEngine
+from hf_rocketkv.serving.batching.scheduler import BatchingConfig
+from hf_rocketkv.serving.engines.interface import EngineRequest
 from hf_rocketkv.serving.sampling import SamplingParams
-from hf_rocketkv.serving.scheduler import BatchingConfig
 
 GIB = 1 << 30
 
@@ -406,10 +406,10 @@ def step_fixed_frozen(engine_run: EngineRun, args, vocab, device) -> dict:
     return result
 
 
-ENGINE_TIMED = tuple(("hf_rocketkv.serving.batching", f"BatchingEngine.{name}") for name in (
+ENGINE_TIMED = tuple(("hf_rocketkv.serving.batching.engine", f"BatchingEngine.{name}") for name in (
     "_iteration", "_finish_cancelled", "_prefill_chunk", "_accept", "_end_row")) + tuple(
-    ("hf_rocketkv.serving.decode_step", f"BatchDecoder.{name}") for name in ("step", "step_logits", "_sample_rows")) + (
-    ("hf_rocketkv.serving.scheduler", "Scheduler.next_step"),
+    ("hf_rocketkv.serving.batching.decode_step", f"BatchDecoder.{name}") for name in ("step", "step_logits",
+    "_sample_rows")) + ( ("hf_rocketkv.serving.batching.scheduler", "Scheduler.next_step"),
     ("hf_rocketkv.integration.batch_graphs", "BatchedDecodeGraphs.run"),
     ("hf_rocketkv.cache.batch_view", "BatchedDecodeCache.prepare"),
     ("hf_rocketkv.cache.batch_view", "BatchedDecodeCache.next_positions"),

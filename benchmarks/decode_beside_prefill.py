@@ -40,9 +40,9 @@ from hf_rocketkv import RocketKVCache
 from hf_rocketkv.bench.decode import LLAMA_31_8B, TINY, build_model
 from hf_rocketkv.config import RocketKVConfig
 from hf_rocketkv.memory import KVBlockPool
-from hf_rocketkv.serving.batching import BatchingEngine
-from hf_rocketkv.serving.chunked_prefill import ChunkedPrefill
-from hf_rocketkv.serving.scheduler import BatchingConfig
+from hf_rocketkv.serving.batching.chunked_prefill import ChunkedPrefill
+from hf_rocketkv.serving.batching.engine import BatchingEngine
+from hf_rocketkv.serving.batching.scheduler import BatchingConfig
 
 
 def build_parser() -> argparse.ArgumentParser:

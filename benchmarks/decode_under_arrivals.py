@@ -51,10 +51,10 @@ from hf_rocketkv.bench.decode import LLAMA_31_8B, TINY, build_model
 from hf_rocketkv.cache import request_pages
 from hf_rocketkv.config import RocketKVConfig
 from hf_rocketkv.memory import KVBlockPool
-from hf_rocketkv.serving.batching import BatchingEngine
-from hf_rocketkv.serving.engine import EngineRequest
+from hf_rocketkv.serving.batching.engine import BatchingEngine
+from hf_rocketkv.serving.batching.scheduler import BatchingConfig
+from hf_rocketkv.serving.engines.interface import EngineRequest
 from hf_rocketkv.serving.sampling import SamplingParams
-from hf_rocketkv.serving.scheduler import BatchingConfig
 
 GIB = 1 << 30
 ONE_FORWARD = "one"  # a setting: every prompt in one forward (no chunking)

@@ -52,6 +52,7 @@ import hf_rocketkv
 from hf_rocketkv import RocketKVCache, RocketKVConfig
 from hf_rocketkv.bench.decode import DROP_FIRST_STEPS, StepClock, step_timings
 from hf_rocketkv.integration import compat
+from hf_rocketkv.integration.call_state import call_state
 
 CACHES = ("dynamic", "static-compile", "rocketkv", "rocketkv-eager", "rocketkv-compile")
 
@@ -171,7 +172,7 @@ def run_row(model, dense_attention: str, cache_kind: str, ids: torch.Tensor, new
                peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
                **kv_bytes(compat.output_cache(out)))
     if cache is not None:
-        step = cache.hints.graphed_step
+        step = call_state(cache).graphed_step
         row["decode_runner"] = ("torch_compile" if cache_kind == "rocketkv-compile"
                                 else "cuda_graphs" if step is not None and step.replays else "eager")
     return row

@@ -33,7 +33,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import urlparse
 
-
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
 MAX_REQUESTS = 10_000
 WORDS = ("river stone lantern harbor quiet meadow signal copper winter orchard basket thunder velvet compass "
@@ -223,10 +222,10 @@ def serve_in_process(args):
     """Load the model and start the server on 127.0.0.1 (a free port); returns (server, manager, device name)."""
     import torch
 
+    from hf_rocketkv.cli.serve import load_config
     from hf_rocketkv.models import load_model_and_tokenizer
     from hf_rocketkv.serving import GenerationManager, create_app
-    from hf_rocketkv.serving.background import ServerThread
-    from hf_rocketkv.cli.serve import load_config
+    from hf_rocketkv.serving.http.background import ServerThread
 
     config = load_config(args.config)
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)

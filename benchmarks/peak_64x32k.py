@@ -33,8 +33,8 @@ import hf_rocketkv
 from hf_rocketkv import KVBlockPool
 from hf_rocketkv.bench.decode import LLAMA_31_8B, TINY, build_model
 from hf_rocketkv.serving import SamplingParams, generate_batch
-from hf_rocketkv.serving.chunked_prefill import ChunkedPrefill
-from hf_rocketkv.serving.decode_step import BatchDecoder
+from hf_rocketkv.serving.batching.chunked_prefill import ChunkedPrefill
+from hf_rocketkv.serving.batching.decode_step import BatchDecoder
 
 GIB = 2**30
 

@@ -3,8 +3,8 @@
     python -m benchmarks.profile_chunked_prefill --out $OUT                 # H100: about 1 minute
     python -m benchmarks.profile_chunked_prefill --quick --out out          # CPU smoke run
 
-The batching engine prefills a long prompt in chunks between decode steps (serving/chunked_prefill.py), so a chunk's
-time is what every running request waits for between two tokens. Llama-3.1-8B shapes, random bf16 weights,
+The batching engine prefills a long prompt in chunks between decode steps (serving/batching/chunked_prefill.py), so a
+chunk's time is what every running request waits for between two tokens. Llama-3.1-8B shapes, random bf16 weights,
 RocketKVConfig() defaults on the Triton backend. One --prompt-len prompt per chunk size in --chunks, two ways side
 by side:
 
@@ -30,7 +30,7 @@ import torch
 from benchmarks.bench_prefix_reuse import setup
 from benchmarks.profile_prefix_hit import profiled, summarize, sync, write_report
 from hf_rocketkv import KVBlockPool, RocketKVCache
-from hf_rocketkv.serving.chunked_prefill import ChunkedPrefill
+from hf_rocketkv.serving.batching.chunked_prefill import ChunkedPrefill
 
 GIB = 2**30
 

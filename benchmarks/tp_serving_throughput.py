@@ -1,4 +1,4 @@
-"""Serving under tensor parallelism (serving/lockstep.py) against one GPU: the batching engine's throughput and
+"""Serving under tensor parallelism (serving/parallel/lockstep.py) against one GPU: the batching engine's throughput and
 whether every rank stepped through exactly the same events.
 
     # a random bf16 checkpoint with Llama-3.1-8B shapes, then one GPU and two
@@ -87,8 +87,8 @@ def run(args) -> dict:
     import hf_rocketkv
     from hf_rocketkv import KVBlockPool, RocketKVConfig
     from hf_rocketkv.serving import Lockstep
-    from hf_rocketkv.serving.batching import BatchingEngine
-    from hf_rocketkv.serving.scheduler import BatchingConfig
+    from hf_rocketkv.serving.batching.engine import BatchingEngine
+    from hf_rocketkv.serving.batching.scheduler import BatchingConfig
 
     cuda = torch.cuda.is_available()
     distributed = "WORLD_SIZE" in os.environ

@@ -21,7 +21,7 @@ from benchmarks.batching_throughput import (
     step_mixed,
     step_warmup,
 )
-from hf_rocketkv.serving.engine import EngineEvent, EngineRequest
+from hf_rocketkv.serving.engines.interface import EngineEvent, EngineRequest
 
 
 class TransformersEngine:

@@ -210,17 +210,11 @@ class RocketKVCache(Cache):
         with every prompt and chunk). On a clean exit stage 1 runs where it was deferred (chunked prefill).
         """
         if max_length is not None:
-            self.hints.max_length = max_length
-        previous = self.hints.prefilling, self.hints.prefill_columns
-        self.hints.prefilling = True
-        if input_ids is not None or columns is not None:
-            self.hints.prefill_columns = input_ids.shape[1] if input_ids is not None else columns
-        try:
+            self.hints.plan(max_length=max_length)
+        with self.hints.prefill(input_ids.shape[1] if input_ids is not None else columns):
             if input_ids is not None and input_ids.shape[1] > 0:
                 self._begin_with(reservation, input_ids, attention_mask, max_new_tokens, row_groups)
             yield self.get_seq_length()
-        finally:
-            self.hints.prefilling, self.hints.prefill_columns = previous
         self.finish_prefill()
 
     def _begin_with(self, reservation, input_ids, attention_mask, max_new_tokens, row_groups) -> None:

@@ -1,47 +1,76 @@
-"""GenerationHints: what generate() tells a RocketKVCache before prefill, shared by the cache and its layers."""
+"""GenerationHints: what a cache and its layers are told about the prefill or decode step that runs on them.
+
+One object per cache, shared by its layers (they read it; its own methods change it):
+
+    max_length         logical tokens the cache will have seen at most (prompt + new tokens): sizes capacity
+    defer_compression  a chunked prefill: stage 1 waits for the last chunk instead of running after each forward
+    prefilling         a prefill is running (``RocketKVCache.prefill``): chunks are not compiled, shapes change
+    prefill_columns    that prefill's input columns: a chunked prefill's dense store is allocated once at that width
+    in_graph           a decode step is being captured or replayed as a CUDA graph: Python runs once at capture and
+                       never at replay, so the step's runner does the host bookkeeping, not the traced code
+    op_graph_pool      GPU index -> the memory pool and capture stream every layer's eager-step OpGraphs capture into
+                       (cache/op_graphs.py), one per request and GPU
+
+Whoever drives a generate() call (integration/) keeps its own per-call state beside these, in an object of its own
+class (``extension``): the cache holds it for the call's duration and never reads it.
+"""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+T = TypeVar("T")
+KEEP = object()  # ``plan``: leave the field as it is
 
 
 @dataclass
 class GenerationHints:
-    """What generate() tells the cache before prefill (set by hf_rocketkv's generate integration)."""
+    """See the module docstring."""
 
-    max_length: int | None = None  # logical tokens the cache will have seen at most (prompt + new tokens)
-    defer_compression: bool = False  # chunked prefill: run stage 1 at the first decode step, not after each chunk
-    # input columns of the prefill in progress (``RocketKVCache.prefill``'s ids): a chunked prefill's dense store is
-    # allocated once at that width instead of concatenated at every chunk (cache/dense_store.py)
+    max_length: int | None = None
+    defer_compression: bool = False
     prefill_columns: int | None = None
-    prefilling: bool = False  # generate()'s prefill is running (chunks must not be compiled: their shapes change)
-    guards_checked: bool = False  # this generate() call's first compiled decode step has run with every guard
-    # device types on which generate() may defer its stop check by a step (deferred_stop_check); CUDA only, as
-    # the check needs device events (tests add "cpu" together with a CPU stand-in for torch.Event)
-    deferred_stop_devices: tuple[str, ...] = ("cuda",)
-    # a decode step is being captured or replayed as a CUDA graph (integration/decode_graphs.py): Python runs once at
-    # capture and never at replay, so the step's runner does the host bookkeeping, not the traced code
+    prefilling: bool = False
     in_graph: bool = False
-    # this request's captured decode step (integration/decode_graphs.py) and where graphs are used
-    graphed_step: object = None
-    graph_warmed_up: bool = False
-    graph_devices: tuple[str, ...] = ("cuda",)
-    graph_backend: object = None  # None: torch.cuda graphs (tests put a CPU stand-in here)
-    # GPU index -> GraphPool (memory pool and capture stream) that every layer's eager-step OpGraphs on that GPU
-    # capture into (cache/op_graphs.py), made at the first capture: one per request and GPU, so the layers' scratch
-    # tensors share memory instead of a pool each
     op_graph_pool: dict = field(default_factory=dict)
-    # batch_buckets: generate() padded the caller's rows (real) up to a bucket (padded) with copies of row 0;
-    # prefill runs the real rows only and copies row 0's cache (integration/batch_buckets.py)
-    batch_padding: tuple[int, int] | None = None
-    # the padding offsets of the latest prefill forward's mask (integration/attention.py padding_of_forward):
-    # (weak reference to the mask, kv length, offsets on the device, offsets on the host), read once per forward
-    padding_memo: tuple | None = None
-    # whether that mask is plain lower-right causal (integration/attention.py lower_right_causal): (weak reference to
-    # the mask, answer), compared once per forward
-    causal_memo: tuple | None = None
+    _extensions: dict = field(default_factory=dict, repr=False)
 
-    def forget_graph(self) -> None:
-        """Drop the captured decode step (its buffers change when a new turn is prefilled)."""
-        self.graphed_step = None
-        self.graph_warmed_up = False
+    def plan(self, *, max_length=KEEP, defer_compression=KEEP) -> None:
+        """What the coming prefill and decode need: ``max_length`` (int or None), whether stage 1 waits for the last
+        chunk (bool); a field not given keeps its value."""
+        if max_length is not KEEP:
+            self.max_length = max_length
+        if defer_compression is not KEEP:
+            self.defer_compression = bool(defer_compression)
+
+    @contextlib.contextmanager
+    def prefill(self, columns: int | None) -> Iterator[None]:
+        """``prefilling`` (and ``prefill_columns`` when ``columns`` is given) for the block's duration; nested blocks
+        restore the outer block's values."""
+        previous = self.prefilling, self.prefill_columns
+        self.prefilling = True
+        if columns is not None:
+            self.prefill_columns = columns
+        try:
+            yield
+        finally:
+            self.prefilling, self.prefill_columns = previous
+
+    @contextlib.contextmanager
+    def graph_step(self) -> Iterator[None]:
+        """``in_graph`` for the block's duration: a decode step captured or replayed as a CUDA graph."""
+        self.in_graph = True
+        try:
+            yield
+        finally:
+            self.in_graph = False
+
+    def extension(self, kind: type[T]) -> T:
+        """The ``kind()`` object this cache holds for whoever drives it (made on first use; one per kind)."""
+        value = self._extensions.get(kind)
+        if value is None:
+            value = self._extensions[kind] = kind()
+        return value

@@ -197,7 +197,7 @@ def warm_up_batching_engine(args, model, config) -> dict:
     """``hf-rocketkv warmup --engine``: the batching engine over a pool sized as the server's, through every bucket
     and one batch per --batch size (its kernels land in --cache-dir's Triton folder)."""
     from ..memory import KVBlockPool, PoolExhaustedError, auto_pool_size, model_prefill_reserve
-    from ..serving.scheduler import BatchingConfig
+    from ..serving.batching.scheduler import BatchingConfig
     from ..serving.warm_start import warm_up_engine
 
     device = next(model.parameters()).device

@@ -4,8 +4,8 @@
     torchrun --nproc_per_node=2 -m hf_rocketkv.cli serve --model DIR --pool-gib 20     # tensor parallel (lockstep)
 
 Under torchrun (WORLD_SIZE > 1) every rank loads its shard (``tp_plan="auto"``) and runs the batching engine in
-lockstep (serving/lockstep.py): rank 0 listens and takes requests, the other ranks step with it and exit when it
-stops.
+lockstep (serving/parallel/lockstep.py): rank 0 listens and takes requests, the other ranks step with it and exit when
+it stops.
 
 By default the batching engine serves (continuous batching: every running request decodes in one forward) over a
 KVBlockPool sized from the memory free once the model has loaded (0.9 of the free CUDA memory, or 0.25 of the
@@ -219,7 +219,7 @@ def plan_engine(args: argparse.Namespace, config, sliding: bool = False) -> Engi
     plans as any other (its pool holds a window per request for those layers, in the model's dtype under fp8
     pages). The sequential engine has a pool only with ``--pool-gib`` (accounting: admission and the
     free-pages metric)."""
-    from ..serving.manager import batching_refusal
+    from ..serving.builder import batching_refusal
 
     refusal = batching_refusal(config)
     where = f"--config {args.config} sets"
@@ -345,7 +345,7 @@ def build_pool(args: argparse.Namespace, model, config, plan: EnginePlan):
 def batching_config(args: argparse.Namespace):
     """The batching engine's ``BatchingConfig`` from the flags (chunked-prefill settings left at their defaults
     unless given)."""
-    from ..serving.scheduler import BatchingConfig
+    from ..serving.batching.scheduler import BatchingConfig
 
     chunking = {flag: getattr(args, flag) for flag in ("prefill_chunk_tokens", "prefill_token_budget",
                                                        "concurrent_prefill_tokens")
@@ -357,7 +357,8 @@ def batching_config(args: argparse.Namespace):
 @dataclass
 class PendingManager:
     """The engine is built (a config it refuses was refused already); ``finish()`` warms it up and returns the
-    started GenerationManager. The server listens meanwhile, /health at 503 with ``reason`` (serving/startup.py)."""
+    started GenerationManager. The server listens meanwhile, /health at 503 with ``reason``
+    (serving/http/startup.py)."""
 
     finish: Callable[[], object]
     max_model_len: int
@@ -373,22 +374,25 @@ def build_manager(args: argparse.Namespace, config, plan: EnginePlan, model, tok
     capture and starts the manager while the server already answers /health. Under torchrun (built and warmed up
     now, in step with every rank): on rank 0 a manager over a lockstep engine; on the other ranks the started
     follower engine (``BatchingEngine``)."""
-    from ..serving.manager import GenerationManager, build_engine, warm_up_batching
+    from ..serving import GenerationManager, build_engine
+    from ..serving.builder import warm_up_batching
 
     prepare_model(model, args)
     batching = batching_config(args)
     max_model_len = args.max_model_len or model.config.get_text_config().max_position_embeddings
     if world_size() > 1:
-        from ..serving.lockstep import Lockstep
+        from ..serving.parallel.lockstep import Lockstep
 
-        engine = build_engine("batching", model, config, pool, args.max_queue, batching, warmup_max_tokens(args),
-                              max_model_len, lockstep=Lockstep())
+        engine = build_engine(model, config, pool=pool, engine="batching", batching=batching,
+                              max_queue=args.max_queue, warmup_max_tokens=warmup_max_tokens(args),
+                              max_model_len=max_model_len, lockstep=Lockstep())
         if not engine.lockstep.is_leader:
             return engine
         return GenerationManager(model, tokenizer, config, engine=engine, pool=pool, max_queue=args.max_queue,
                                  max_model_len=args.max_model_len, batching=batching,
                                  warmup_max_tokens=warmup_max_tokens(args))
-    engine = build_engine(plan.name, model, config, pool, args.max_queue, batching, 0, max_model_len)
+    engine = build_engine(model, config, pool=pool, engine=plan.name, batching=batching, max_queue=args.max_queue,
+                          max_model_len=max_model_len)
 
     def finish():
         if plan.name == "batching":
@@ -433,7 +437,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         return int(exit_.code or 0)
     sock = None
     try:  # everything that can be checked before the model loads, cheapest first
-        from ..serving.deps import require_serve_deps
+        from ..serving.http.deps import require_serve_deps
 
         require_serve_deps(load=False)  # looked for, not imported: the server module imports them
         check_args(args)
@@ -476,7 +480,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
     if sock is None:  # a follower rank: step with rank 0 until it stops
-        from ..serving.lockstep import LockstepDiverged
+        from ..serving.parallel.lockstep import LockstepDiverged
 
         # Ctrl-C reaches every rank under torchrun; rank 0 decides when to stop and ends every engine with its last
         # inbox: a follower that left at once would leave rank 0's last steps waiting in their collectives
@@ -525,8 +529,8 @@ def _run(manager, model_name: str, sock: socket.socket, args: argparse.Namespace
     503 and the reason; a failure there stops the server."""
     import uvicorn
 
-    from ..serving.server import create_app
-    from ..serving.startup import Starting, start_when_ready
+    from ..serving.http.server import create_app
+    from ..serving.http.startup import Starting, start_when_ready
 
     pending = manager if isinstance(manager, PendingManager) else None
     served = Starting(pending.max_model_len, tokenizer, pending.reason) if pending is not None else manager

@@ -28,6 +28,7 @@ from ..cache.sliding_layer import SlidingWindowLayer
 from ..cache.unscored_layer import UnscoredLayer
 from ..memory.layer_kinds import CHUNKED
 from ..selection.logit_features import PLAIN, LogitFeatures, allowed_of, featured_attention
+from .call_state import call_state
 from .causal_prefill import causal_prefill_attention, cudnn_causal_attention, cudnn_runs, flash_attention_runs
 from .compat import sdpa_attention_forward
 
@@ -334,14 +335,14 @@ def lower_right_causal(
         return False
     if attention_mask.dim() != 4 or attention_mask.shape[1] != 1 or tuple(attention_mask.shape[2:]) != (n, kv_length):
         return False
-    memo = layer.hints.causal_memo
+    memo = call_state(layer).causal_memo
     if memo is not None and memo[0]() is attention_mask:
         return memo[1]
     allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
     column = torch.arange(kv_length, device=allowed.device)
     last_seen = kv_length - n + torch.arange(n, device=allowed.device)
     causal = bool(torch.equal(allowed, (column[None, :] <= last_seen[:, None]).expand_as(allowed)))
-    layer.hints.causal_memo = (weakref.ref(attention_mask), causal)
+    call_state(layer).remember_causal((weakref.ref(attention_mask), causal))
     return causal
 
 
@@ -369,12 +370,12 @@ def padding_of_forward(
     to the mask: a new forward's mask is a new object) instead of syncing again."""
     if attention_mask is None:
         return None, None
-    memo = layer.hints.padding_memo
+    memo = call_state(layer).padding_memo
     if memo is not None and memo[0]() is attention_mask and memo[1] == kv_length:
         return memo[2], memo[3]
     start = padding_offsets(attention_mask, kv_length)
     host = start.tolist()
-    layer.hints.padding_memo = (weakref.ref(attention_mask), kv_length, start, host)
+    call_state(layer).remember_padding((weakref.ref(attention_mask), kv_length, start, host))
     return start, host
 
 

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import compat
 from ..cache.cache import RocketKVCache
+from . import compat
+from .call_state import call_state
 from .row_groups import slice_rows
 
 # generate() inputs with one entry per row, padded with copies of row 0 (``inputs`` is generate()'s first argument)
@@ -72,7 +73,7 @@ def plan_padding(call: compat.Call, config, new_cache) -> tuple[BatchPadding, di
         cache = new_cache()
     if not isinstance(cache, RocketKVCache) or cache.pool is not None or cache.get_seq_length() != 0:
         return None  # a pool admits its rows itself; a later turn keeps the rows its cache holds
-    cache.hints.batch_padding = (batch, padded)
+    call_state(cache).set_batch_padding((batch, padded))
     changes = {"kwargs": compat.with_cache(kwargs, cache)}
     for name, tensor in rows.items():
         padded_tensor = pad_rows(tensor, padded)
@@ -131,7 +132,7 @@ def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
 def prefill_real_rows(call: compat.Call, cache: RocketKVCache, run):
     """Prefill only the caller's rows (``run`` is the usual prefill of a call), then let the padding rows copy row
     0's compressed cache and outputs: the padding costs no prefill compute and no stage 1."""
-    real, padded = cache.hints.batch_padding
+    real, padded = call_state(cache).batch_padding
     input_ids, model_kwargs = call.arguments["input_ids"], call.arguments["model_kwargs"]
     batch = input_ids.shape[0]
     expand = batch // padded  # rows per caller's row (num_beams / num_return_sequences), grouped by row
@@ -161,11 +162,11 @@ def _select_output_rows(outputs, index: torch.Tensor, rows: int, cache: RocketKV
 def strip_padding(output, padding: BatchPadding):
     """generate()'s output and the request's cache with the padding rows removed: the caller sees its batch."""
     cache = padding.cache
-    cache.hints.batch_padding = None
+    call_state(cache).set_batch_padding(None)
     held = _cache_rows(cache)
     if held is not None and padding.kept_rows(held) != held:
         cache.batch_select_indices(torch.arange(padding.kept_rows(held)))
-        cache.hints.forget_graph()  # a captured decode step points at the padded buffers
+        call_state(cache).forget_graph()  # a captured decode step points at the padded buffers
     if cache.token_ids is not None:
         cache.token_ids = cache.token_ids[: padding.kept_rows(cache.token_ids.shape[0])]
     return _strip(output, padding)

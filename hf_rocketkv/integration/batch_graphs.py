@@ -1,4 +1,4 @@
-"""The continuous-batching decode step as one CUDA graph per bucket (``serving/decode_step.py`` runs it).
+"""The continuous-batching decode step as one CUDA graph per bucket (``serving/batching/decode_step.py`` runs it).
 
 A ``BatchedDecodeCache`` keeps its per-row buffers (block table, lengths, positions, logical lengths) at fixed
 addresses, and a step over ``bucket`` rows reads the first ``bucket`` entries of each: the same tensors every step,
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from . import compat
 from ..cache.batch_view import BatchedDecodeCache
+from . import compat
 from .decode_graphs import CudaGraphBackend
 
 
@@ -94,24 +94,19 @@ class BatchedDecodeGraphs:
         else:
             step.input_ids.copy_(input_ids)
             step.position_ids.copy_(position_ids)
-        batch.hints.in_graph = True
-        try:
+        with batch.hints.graph_step():
             self.backend.replay(step.graph)
-        finally:
-            batch.hints.in_graph = False
         step.replays += 1
         return step.output.logits[:, -1].clone()
 
     def _capture(self, batch: BatchedDecodeCache, input_ids: torch.Tensor, position_ids: torch.Tensor) -> BucketGraph:
         static_ids, static_positions = input_ids.clone(), position_ids.clone()
-        batch.hints.in_graph = True
         try:
-            graph, output = self.backend.capture(lambda: self._forward(batch, static_ids, static_positions))
+            with batch.hints.graph_step():
+                graph, output = self.backend.capture(lambda: self._forward(batch, static_ids, static_positions))
         except Exception as err:  # noqa: BLE001 - the caller falls back to eager steps
             raise GraphCaptureFailed(f"capturing the decode step of bucket {batch.bucket} failed: "
                                      f"{type(err).__name__}: {err}") from err
-        finally:
-            batch.hints.in_graph = False
         self.captures += 1
         step = BucketGraph(static_ids, static_positions, graph, output)
         self.graphs[batch.bucket] = step

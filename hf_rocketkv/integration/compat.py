@@ -73,8 +73,18 @@ from transformers import AttentionInterface, AttentionMaskInterface, GenerationM
 from transformers.cache_utils import Cache
 
 from .compat_calls import (  # noqa: F401 - all re-exported: the cache argument's name and the call binding
-    CACHE_ARG, CACHE_ARGS, LEGACY_CACHE_ARG, WRAPPED_MARK, Call, GenerateHooks, _unwrapped, _wrap, cache_from,
-    cache_kwargs, output_cache, with_cache,
+    CACHE_ARG,
+    CACHE_ARGS,
+    LEGACY_CACHE_ARG,
+    WRAPPED_MARK,
+    Call,
+    GenerateHooks,
+    _unwrapped,
+    _wrap,
+    cache_from,
+    cache_kwargs,
+    output_cache,
+    with_cache,
 )
 
 TRANSFORMERS_VERSION: str = transformers.__version__

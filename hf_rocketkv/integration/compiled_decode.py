@@ -29,6 +29,7 @@ import threading
 import torch
 
 from ..cache.cache import RocketKVCache
+from .call_state import call_state
 
 # Serialises "first_step" decode steps: torch.compiler.set_stance saves and restores a process-global stance, and two
 # threads interleaving enter/exit would leave guard evaluation switched off for the whole process.
@@ -41,9 +42,9 @@ def run_compiled_step(compiled, cache: RocketKVCache, args: tuple, kwargs: dict)
     if cache.config.decode_guard_checks == "every_step":
         return compiled(*args, **kwargs)
     with _STANCE_LOCK:
-        if not cache.hints.guards_checked:
+        if not call_state(cache).guards_checked:
             outputs = compiled(*args, **kwargs)
-            cache.hints.guards_checked = True
+            call_state(cache).set_guards_checked()
             return outputs
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
             return compiled(*args, **kwargs)

@@ -11,8 +11,8 @@ shapes within one request and no host synchronisation, so it can instead be capt
 
 There is no dynamo, so no compile, no recompiles and no guards: a new prompt length, batch size or max_new_tokens is
 just another capture (~2 eager steps) on that request's first decode steps. Python runs at capture only, so the
-cache layers skip their host bookkeeping while ``cache.hints.in_graph`` is set and this runner does it instead
-(``count_decode_step``: capacity check, length mirrors).
+cache layers skip their host bookkeeping while ``cache.hints.in_graph`` is set (``GenerationHints.graph_step``) and
+this runner does it instead (``count_decode_step``: capacity check, length mirrors).
 
 The graph lives on the request's cache (``cache.hints``): it is specific to that cache's buffers, and freed with it.
 Everything here runs on the thread that calls generate(); nothing is shared between requests or threads.
@@ -27,7 +27,9 @@ from typing import Any, Callable
 import torch
 
 from ..cache.cache import RocketKVCache
+from .call_state import call_state
 from .compiled_decode import count_decode_step
+
 
 def wants_graphs(cache: RocketKVCache, kwargs: dict) -> bool:
     """A one-token decode step of a cache configured for CUDA graphs, on a device that has them."""
@@ -36,7 +38,7 @@ def wants_graphs(cache: RocketKVCache, kwargs: dict) -> bool:
     ids = kwargs.get("input_ids")
     if ids is None or ids.dim() != 2 or ids.shape[1] != 1:
         return False
-    return ids.device.type in cache.hints.graph_devices
+    return ids.device.type in call_state(cache).graph_devices
 
 
 def signature_of(kwargs: dict) -> tuple:
@@ -108,7 +110,7 @@ class CudaGraphBackend:
 class GraphedStep:
     """The captured decode step of one request (one input signature).
 
-    It never holds the request's cache: the cache holds it (``cache.hints.graphed_step``), and a cycle through the
+    It never holds the request's cache: the cache holds it (``call_state(cache).graphed_step``), and a cycle through the
     step's inputs or output would keep a pool-backed request's pages out of the pool after the request, until Python's
     cyclic garbage collector happened to run. The cache is left out of ``static_kwargs``, taken out of the static
     output after every step, and put back from the live cache into each step's output (``cache_fields``)."""
@@ -149,31 +151,27 @@ def run_graphed_step(model, cache: RocketKVCache, kwargs: dict, backend=None):
 
 
 def _run_graphed_step(model, cache: RocketKVCache, kwargs: dict, backend=None):
-    backend = backend if backend is not None else cache.hints.graph_backend or CudaGraphBackend()
-    hints = cache.hints
+    state = call_state(cache)
+    backend = backend if backend is not None else state.graph_backend or CudaGraphBackend()
     signature = signature_of(kwargs)
-    step: GraphedStep | None = hints.graphed_step
+    step: GraphedStep | None = state.graphed_step
     if step is not None and step.signature != signature:
-        step = hints.graphed_step = None  # new shapes within the request (rare): capture again
-    if step is None and not hints.graph_warmed_up:
-        hints.graph_warmed_up = True
+        step = None  # new shapes within the request (rare): capture again
+        state.keep_step(None)
+    if step is None and not state.graph_warmed_up:
+        state.warmed_up()
         return backend.warm_up(lambda: model(**kwargs))
     count_decode_step(cache, (), kwargs)  # capacity check and host mirrors, before the device step
     if step is None:
         static_kwargs = {k: static_copy(v) for k, v in kwargs.items()}
-        hints.in_graph = True
-        try:
+        with cache.hints.graph_step():
             graph, static_output = backend.capture(lambda: model(**static_kwargs))
-        finally:
-            hints.in_graph = False
-        step = hints.graphed_step = GraphedStep.captured(signature, static_kwargs, graph, static_output)
+        step = GraphedStep.captured(signature, static_kwargs, graph, static_output)
+        state.keep_step(step)
     else:
         for name, static in step.static_kwargs.items():
             copy_into(static, kwargs[name])
-    hints.in_graph = True
-    try:
+    with cache.hints.graph_step():
         backend.replay(step.graph)
-    finally:
-        hints.in_graph = False
     step.replays += 1
     return step.output(cache)

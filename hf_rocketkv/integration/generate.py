@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import torch
 
-from . import compat
 from ..cache.cache import RocketKVCache
 from ..cache.layer import CROP_UNSUPPORTED
 from ..config import RocketKVConfig
 from ..memory.layer_kinds import chunked_layers, reads_seq_length_in_forward
+from . import compat
 from .batch_buckets import plan_padding, prefill_real_rows, strip_padding
+from .call_state import call_state
 from .compiled_decode import run_compiled_step
 from .decode_graphs import run_graphed_step, wants_graphs
 from .names import ATTN_NAME
@@ -82,7 +83,7 @@ class RocketKVGenerateHooks:
             try:
                 output = call(**changes)
             finally:
-                padding.cache.hints.batch_padding = None
+                call_state(padding.cache).set_batch_padding(None)
             return strip_padding(output, padding)
 
     # ----------------------------------------------------------------------------------------- cache preparation
@@ -98,8 +99,8 @@ class RocketKVGenerateHooks:
         configure_layers(cache, model)
         check_layer_plan(cache, model, generation_config)
         check_host_positions(cache, model, generation_config)
-        cache.hints.max_length = call.arguments["max_cache_length"]
-        cache.hints.defer_compression = generation_config.prefill_chunk_size is not None
+        cache.hints.plan(max_length=call.arguments["max_cache_length"],
+                         defer_compression=generation_config.prefill_chunk_size is not None)
         return result
 
     # ----------------------------------------------------------------------------------------- prefill
@@ -108,9 +109,9 @@ class RocketKVGenerateHooks:
         cache: RocketKVCache = compat.cache_from(call.arguments["model_kwargs"])
         check_continuation(cache, input_ids)
         cache.token_ids = input_ids
-        cache.hints.guards_checked = False  # this call's first compiled decode step runs every guard
-        cache.hints.forget_graph()  # prefill reallocates the store: a captured decode step would point at old buffers
-        padding = cache.hints.batch_padding
+        state = call_state(cache)
+        state.begin_prefill()  # every guard at the first compiled step; a captured step would read old buffers
+        padding = state.batch_padding
         if padding is not None and input_ids.shape[0] > padding[0]:
             return prefill_real_rows(call, cache, lambda rows_call: self._prefill_rows(rows_call, cache))
         return self._prefill_rows(call, cache)
@@ -150,7 +151,8 @@ class RocketKVGenerateHooks:
         cache: RocketKVCache = call.arguments["cache"]
         if cache.has_sliding_layers:  # a sliding layer cannot undo the extra step once its window is full
             return call()
-        if cache.config.deferred_stop_check and call.arguments["device"].type in cache.hints.deferred_stop_devices:
+        deferring = call_state(cache).deferred_stop_devices
+        if cache.config.deferred_stop_check and call.arguments["device"].type in deferring:
             return not call.arguments["is_assistant"]
         return call()
 
@@ -211,7 +213,7 @@ def check_layer_plan(cache: RocketKVCache, model, generation_config) -> None:
         return
     device = next(model.parameters()).device.type
     runner = compiled_decode_field(config)
-    if runner is None and device in cache.hints.graph_devices:
+    if runner is None and device in call_state(cache).graph_devices:
         runner = "decode_runner='cuda_graphs'"
     if runner is not None:
         raise NotImplementedError(
@@ -232,7 +234,7 @@ def check_host_positions(cache: RocketKVCache, model, generation_config) -> None
         return
     device = next(model.parameters()).device.type
     runner = compiled_decode_field(cache.config)
-    if runner is None and device in cache.hints.graph_devices:
+    if runner is None and device in call_state(cache).graph_devices:
         runner = "decode_runner='cuda_graphs'"
     if runner is not None:
         raise NotImplementedError(

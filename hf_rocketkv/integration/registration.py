@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from ..cache.cache import RocketKVCache
 from ..config import RocketKVConfig
-from . import compat
-from . import generate
+from . import compat, generate
 from .attention import rocketkv_attention
 from .names import ATTN_NAME
 

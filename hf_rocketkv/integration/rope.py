@@ -14,9 +14,9 @@ call (so it is per thread and per asyncio task, never process-wide), after makin
 
 from __future__ import annotations
 
+from ..kernels.rope import rope_supported, rope_triton
 from . import compat
 from .fused_switch import FusedSwitch
-from ..kernels.rope import rope_supported, rope_triton
 
 FUSED_DEVICE_TYPES = ("cuda",)  # the kernel's devices (the CPU tests add "cpu": Triton's interpreter)
 

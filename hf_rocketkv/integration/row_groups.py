@@ -45,7 +45,7 @@ def prefill_in_row_groups(prefill: Call, cache: RocketKVCache):
         part = cache.empty_like()
         cache.share_rows(part, group)  # a pool-backed cache: the group's admitted rows, in the same pool
         part.setup_prefix()  # and their prefix hit
-        part.hints.defer_compression = cache.hints.defer_compression
+        part.hints.plan(defer_compression=cache.hints.defer_compression)
         group_kwargs = compat.with_cache(slice_rows(model_kwargs, group, batch), part)
         # admitted by the whole batch's cache already (share_rows): no ids, so no admission of its own
         with part.prefill(max_length=cache.hints.max_length, columns=input_ids.shape[1]):

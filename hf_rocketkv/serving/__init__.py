@@ -5,6 +5,7 @@
     GenerationOutput    one streamed event; GenerationResult: a finished request; FinishReason
     Engine              the interface an engine implements (engine.py); SequentialEngine: one request at a time;
                         BatchingEngine: continuous batching over a KVBlockPool (BatchingConfig: rows, buckets)
+    build_engine        the one builder of an engine (the manager, generate_batch, warm_up_engine and serve use it)
     Lockstep            tensor parallel serving: rank 0's engine takes requests, every rank steps with it
     generate_batch      prompts in, results in input order (offline_batching_config: its engine settings)
     create_app          the OpenAI-compatible FastAPI app (optional extra: pip install hf_rocketkv[serve])
@@ -15,15 +16,15 @@ Every name loads its module on first use; FastAPI, uvicorn and prometheus-client
 
 import importlib
 
-# public name -> the module that defines it: imported on first use, so that ``hf_rocketkv.serving.deps`` (the serve
+# public name -> the module that defines it: imported on first use, so that ``hf_rocketkv.serving.http.deps`` (the serve
 # command's first check) and the errors load without torch or transformers
 _PUBLIC = {
-    "BatchingConfig": ".scheduler",
-    "BatchingEngine": ".batching",
-    "Engine": ".engine",
-    "EngineEvent": ".engine",
-    "EngineLoad": ".engine",
-    "EngineRequest": ".engine",
+    "BatchingConfig": ".batching.scheduler",
+    "BatchingEngine": ".batching.engine",
+    "Engine": ".engines.interface",
+    "EngineEvent": ".engines.interface",
+    "EngineLoad": ".engines.interface",
+    "EngineRequest": ".engines.interface",
     "EngineStopped": ".errors",
     "FinishReason": ".outputs",
     "GenerationManager": ".manager",
@@ -31,15 +32,16 @@ _PUBLIC = {
     "GenerationResult": ".outputs",
     "HistogramSnapshot": ".metrics",
     "InvalidRequest": ".errors",
-    "Lockstep": ".lockstep",
+    "Lockstep": ".parallel.lockstep",
     "ManagerMetrics": ".metrics",
     "Overloaded": ".errors",
     "RequestTimings": ".outputs",
     "SamplingParams": ".sampling",
-    "SequentialEngine": ".sequential",
+    "SequentialEngine": ".engines.sequential",
+    "build_engine": ".builder",
     "ServeDependencyError": ".errors",
     "UnknownRequest": ".errors",
-    "create_app": ".server",  # needs the optional serve extra
+    "create_app": ".http.server",  # needs the optional serve extra
     "generate_batch": ".batch",
     "offline_batching_config": ".batch",
     "warm_up_engine": ".warm_start",
@@ -67,6 +69,7 @@ __all__ = [
     "SequentialEngine",
     "ServeDependencyError",
     "UnknownRequest",
+    "build_engine",
     "create_app",
     "generate_batch",
     "offline_batching_config",

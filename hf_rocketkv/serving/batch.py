@@ -13,12 +13,13 @@ from collections.abc import Sequence
 import torch
 
 from ..config import RocketKVConfig
+from .batching.scheduler import DEFAULT_PREFILL_CHUNK_TOKENS, BatchingConfig
+from .builder import build_engine, check_rocketkv_attention
 from .errors import InvalidRequest
-from .lockstep import Lockstep, tensor_parallel_size
-from .manager import GenerationManager, build_engine, check_rocketkv_attention
+from .manager import GenerationManager
 from .outputs import GenerationResult
+from .parallel.lockstep import Lockstep, tensor_parallel_size
 from .sampling import SamplingParams
-from .scheduler import DEFAULT_PREFILL_CHUNK_TOKENS, BatchingConfig
 
 # A batch handed over at once is judged by its end-to-end throughput, so on a large GPU a prompt of up to 16k tokens
 # runs in one forward (one host overhead, no deferred stage 1); a server keeps 8k chunks (its decoding rows wait for
@@ -74,8 +75,8 @@ def generate_batch(model, prompts: Sequence[str | Sequence[int]], generation_con
 
     Tensor parallel (a model loaded with ``tp_plan="auto"`` under torchrun): call it on every rank with the same
     arguments, as ``model.generate``; it needs ``pool`` (a pool per rank). Rank 0's engine takes the requests and the
-    other ranks step with it in lockstep (serving/lockstep.py); every rank returns rank 0's results (and raises its
-    error, if any).
+    other ranks step with it in lockstep (serving/parallel/lockstep.py); every rank returns rank 0's results (and raises
+    its error, if any).
     """
     check_rocketkv_attention(model)
     prompts = list(prompts)
@@ -164,8 +165,8 @@ def _generate_in_lockstep(model, prompts: list, per_prompt: list[SamplingParams]
             f"pool={type(pool).__name__}, engine={engine!r}")
     lockstep = Lockstep()
     batching = _queue_for(batching or BatchingConfig(), len(prompts))
-    built = build_engine("batching", model, config, pool, max(1, len(prompts)), batching,
-                         lockstep=lockstep)  # no warm-up
+    built = build_engine(model, config, pool=pool, engine="batching", batching=batching,
+                         max_queue=max(1, len(prompts)), lockstep=lockstep)  # no warm-up
     outcome: list | BaseException | None = None
     if lockstep.is_leader:
         try:

@@ -27,10 +27,11 @@ import time
 
 import torch
 
-from .manager import GenerationManager, build_engine, check_rocketkv_attention
+from .batching.scheduler import BatchingConfig
+from .batching.warm_up import DEFAULT_WARMUP_MAX_TOKENS
+from .builder import build_engine, check_rocketkv_attention
+from .manager import GenerationManager
 from .sampling import SamplingParams
-from .scheduler import BatchingConfig
-from .warm_up import DEFAULT_WARMUP_MAX_TOKENS
 
 
 def warm_up_engine(model, config=None, *, pool, batch_sizes=(1,), prompt_tokens: int = 4096, new_tokens: int = 4,
@@ -61,7 +62,7 @@ def warm_up_engine(model, config=None, *, pool, batch_sizes=(1,), prompt_tokens:
         raise ValueError("warm_up_engine: pool must be a KVBlockPool (the batching engine draws its pages from it)")
     vocab = int(model.config.get_text_config().vocab_size)
     started = time.perf_counter()
-    engine = build_engine("batching", model, config, pool, batching.max_queue, batching)  # no capture yet
+    engine = build_engine(model, config, pool=pool, engine="batching", batching=batching)  # no capture yet
     capture = None
     if max_tokens:  # also without graphs (eager decode, the CPU): the buckets' kernels run once each
         limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)

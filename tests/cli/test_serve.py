@@ -20,7 +20,6 @@ from tests.support.repo import ROOT, TORCHRUN, subprocess_env
 from tests.support.tiny_models import char_tokenizer, compressing_config, make_models
 
 
-
 @pytest.mark.parametrize("argv, message", [
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--port", "x"], "invalid int value"),
@@ -68,7 +67,7 @@ def test_warmup_max_tokens_defaults_to_the_chat_default():
 
 def test_chunked_prefill_flags_reach_the_batching_config():
     from hf_rocketkv.cli.serve import batching_config, build_parser
-    from hf_rocketkv.serving.scheduler import BatchingConfig
+    from hf_rocketkv.serving.batching.scheduler import BatchingConfig
 
     parser = build_parser()
     default = batching_config(parser.parse_args([]))
@@ -83,8 +82,8 @@ def test_chunked_prefill_flags_reach_the_batching_config():
 
 
 def test_compile_regions_flag_compiles_norms_and_mlps_only_when_asked():
-    from hf_rocketkv.integration.regions import region_modules
     from hf_rocketkv.cli.serve import build_parser, prepare_model
+    from hf_rocketkv.integration.regions import region_modules
     from tests.support.tiny_models import make_models
 
     parser = build_parser()
@@ -109,7 +108,7 @@ def test_load_config_by_name_path_and_flat(tmp_path):
 def test_missing_serve_extra_names_the_install_command(monkeypatch):
     import importlib
 
-    from hf_rocketkv.serving import deps
+    from hf_rocketkv.serving.http import deps
 
     real = importlib.import_module
 

@@ -218,8 +218,8 @@ def serve_and_stream(monkeypatch, argv: list[str]) -> dict:
     """serve_main(argv) in this process with the HTTP part replaced by a server thread on the same app that streams
     the four prompts; returns the engine, the pool and the texts."""
     pytest.importorskip("fastapi")
-    from hf_rocketkv.serving.background import ServerThread
-    from hf_rocketkv.serving.server import create_app
+    from hf_rocketkv.serving.http.background import ServerThread
+    from hf_rocketkv.serving.http.server import create_app
 
     seen = {}
 
@@ -241,8 +241,8 @@ def serve_and_stream(monkeypatch, argv: list[str]) -> dict:
 def test_default_serve_batches_over_a_pool_sized_from_free_memory(tiny_dir, monkeypatch, capsys):
     """The documented command without --engine or --pool-gib: a BatchingEngine over a pool of 0.25 of the
     (made-up) available RAM, said in one line; four concurrent streams get the texts the sequential engine gives."""
-    from hf_rocketkv.serving.batching import BatchingEngine
-    from hf_rocketkv.serving.sequential import SequentialEngine
+    from hf_rocketkv.serving.batching.engine import BatchingEngine
+    from hf_rocketkv.serving.engines.sequential import SequentialEngine
 
     monkeypatch.setattr(sizing, "host_available", lambda: 64 * MIB)
     common = ["--model", str(tiny_dir / "tiny"), "--config", str(tiny_dir / "c.yaml")]
@@ -264,7 +264,7 @@ def test_default_serve_batches_over_a_pool_sized_from_free_memory(tiny_dir, monk
 
 @pytest.mark.slow
 def test_a_config_the_batching_engine_refuses_runs_sequentially_with_one_line(tiny_dir, monkeypatch, capsys):
-    from hf_rocketkv.serving.sequential import SequentialEngine
+    from hf_rocketkv.serving.engines.sequential import SequentialEngine
 
     config = tiny_dir / "keep_all.yaml"
     served = serve_and_stream(monkeypatch, ["--model", str(tiny_dir / "tiny"), "--config", str(config)])

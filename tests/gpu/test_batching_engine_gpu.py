@@ -1,4 +1,4 @@
-"""The continuous-batching engine (serving/batching.py) on a GPU, as benchmarks/batching_throughput.py drives it:
+"""The continuous-batching engine (serving/batching/engine.py) on a GPU, as benchmarks/batching_throughput.py drives it:
 one engine whose decode graphs are captured before it starts (``warm_up``), then a fixed workload (every request
 submitted at once) and a staggered one of mixed prompt lengths.
 
@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from hf_rocketkv import KVBlockPool, RocketKVConfig
-from hf_rocketkv.serving.batching import BatchingEngine
-from hf_rocketkv.serving.engine import EngineRequest
+from hf_rocketkv.serving.batching.engine import BatchingEngine
+from hf_rocketkv.serving.batching.scheduler import BatchingConfig
+from hf_rocketkv.serving.engines.interface import EngineRequest
 from hf_rocketkv.serving.sampling import SamplingParams
-from hf_rocketkv.serving.scheduler import BatchingConfig
 
 from .gpu_models import CUDA, Collector, llama_8b_layers
 

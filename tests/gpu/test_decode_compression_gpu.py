@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hf_rocketkv import RocketKVCache, RocketKVConfig
+from hf_rocketkv.integration.call_state import call_state
 
 from .gpu_models import greedy, llama_8b_layers, random_prompt
 
@@ -40,7 +41,7 @@ def test_graphed_decode_with_compression_equals_eager_and_capacity_stays_bounded
     ids = random_prompt(batch, CONTEXT, seed=batch, low=100)
     eager, eager_cache = _run(model, ids, BASE, compiled=False)
     graphs, graphs_cache = _run(model, ids, BASE.replace(decode_runner="cuda_graphs"), compiled=True)
-    step = graphs_cache.hints.graphed_step
+    step = call_state(graphs_cache).graphed_step
     assert step is not None and step.replays == NEW_TOKENS - 2, "the decode steps did not replay one CUDA graph"
     assert torch.equal(graphs, eager), (
         f"batch {batch}: {(graphs == eager).float().mean().item():.4f} of the graphed tokens equal eager's")

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hf_rocketkv import RocketKVCache, RocketKVConfig
+from hf_rocketkv.integration.call_state import call_state
 
 from .gpu_models import greedy, llama_8b_layers, random_prompt
 
@@ -30,7 +31,7 @@ def model():
 def _run(model, ids, config: RocketKVConfig, compiled: bool):
     cache = RocketKVCache(config)
     tokens = greedy(model, ids, cache, NEW_TOKENS, compiled)
-    step = cache.hints.graphed_step
+    step = call_state(cache).graphed_step
     return tokens, (step.replays if step is not None else None)
 
 

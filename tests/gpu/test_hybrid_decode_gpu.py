@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hf_rocketkv import RocketKVCache, RocketKVConfig, SlidingWindowLayer
+from hf_rocketkv.integration.call_state import call_state
 from tests.support.hybrid_models import make_hybrid_models
 
 from .gpu_models import CUDA, greedy, hybrid_models_on_cuda
@@ -36,7 +37,7 @@ def _prompt(vocab: int, batch: int = 1) -> torch.Tensor:
 def _run(model, ids, config, compiled):
     cache = RocketKVCache(config)
     tokens = greedy(model, ids, cache, NEW_TOKENS, compiled)
-    step = cache.hints.graphed_step
+    step = call_state(cache).graphed_step
     return tokens, (step.replays if step is not None else None), cache
 
 

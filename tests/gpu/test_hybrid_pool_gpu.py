@@ -18,11 +18,12 @@ import pytest
 import torch
 
 from hf_rocketkv import KVBlockPool, RocketKVCache, RocketKVConfig
+from hf_rocketkv.integration.call_state import call_state
 from hf_rocketkv.memory import RowDemand
-from hf_rocketkv.serving.batching import BatchingEngine
-from hf_rocketkv.serving.engine import EngineRequest
+from hf_rocketkv.serving.batching.engine import BatchingEngine
+from hf_rocketkv.serving.batching.scheduler import BatchingConfig
+from hf_rocketkv.serving.engines.interface import EngineRequest
 from hf_rocketkv.serving.sampling import SamplingParams
-from hf_rocketkv.serving.scheduler import BatchingConfig
 from tests.support.hybrid_models import make_hybrid_models
 
 from .gpu_models import CUDA, Collector, greedy
@@ -73,7 +74,7 @@ def test_graphed_decode_on_the_pool_is_bit_identical_to_eager(arch, batch):
     for compiled in (False, True):
         cache = RocketKVCache(COMPRESSING, pool=pool)
         runs.append(greedy(rocket, ids, cache, NEW_TOKENS, compiled))
-        step = cache.hints.graphed_step
+        step = call_state(cache).graphed_step
         if compiled:
             assert step is not None and step.replays == REPLAYS, f"{arch}: the decode steps did not replay a graph"
         cache.close()

@@ -1,4 +1,4 @@
-"""The batching engine in lockstep on two GPUs (serving/lockstep.py, NCCL), driven as
+"""The batching engine in lockstep on two GPUs (serving/parallel/lockstep.py, NCCL), driven as
 benchmarks/tp_serving_throughput.py drives it: rank 0 serves a fixed and a staggered workload, rank 1 follows.
 
 Checked: both ranks emitted exactly the same events (equal SHA-256 digests over every event in order, and equal

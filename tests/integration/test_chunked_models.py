@@ -21,6 +21,7 @@ from transformers import masking_utils
 
 from hf_rocketkv import RocketKVCache, SlidingWindowLayer
 from hf_rocketkv.integration.attention import check_supported
+from hf_rocketkv.integration.call_state import call_state
 from hf_rocketkv.selection.logit_features import PLAIN
 from tests.support.hybrid_models import CHUNK, make_llama4_models
 from tests.support.tiny_models import (
@@ -149,7 +150,7 @@ def test_compiled_decode_runners_are_refused_before_computing(pair, monkeypatch,
     monkeypatch.setattr(RocketKVCache, "update", lambda *a, **kw: calls.append(1))
     cache = RocketKVCache(keep_all_config(**overrides))
     if graphs:  # the CPU standing in for a graph device
-        cache.hints.graph_devices = ("cpu",)
+        call_state(cache).use_graphs_on(("cpu",))
     with pytest.raises(NotImplementedError, match=rf"{runner} \(on cpu\) does not serve models with chunked-attention "
                                                   rf"layers.*disable_compile=True"):
         greedy(rocket, random_ids(1, 12), past_key_values=cache, max_new_tokens=2)
@@ -201,7 +202,7 @@ def test_the_cli_decodes_llama4_eagerly_and_says_so(pair, capsys):
     rocket, oracle = pair
     ids = random_ids(1, 20, seed=6)
     cache = RocketKVCache(keep_all_config())
-    cache.hints.graph_devices = ("cpu",)
+    call_state(cache).use_graphs_on(("cpu",))
     tokenizer = SimpleNamespace(pad_token_id=0, decode=lambda tokens, **kw: " ".join(map(str, tokens)))
     run = timed_generate(rocket, tokenizer, ids, cache, attn_implementation="rocketkv", max_new_tokens=6,
                          prefill_chunk_size=0, label="RocketKV", progress=False, stream=False)

@@ -14,6 +14,7 @@ from transformers import CompileConfig
 
 import hf_rocketkv
 from hf_rocketkv import RocketKVCache
+from hf_rocketkv.integration.call_state import call_state
 from tests.support.decode_runners import eager_compile_config, skip_launches_on_fake_tensors, unique_graphs
 from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
 
@@ -119,7 +120,7 @@ def test_later_decode_steps_skip_guards_new_buckets_compile_and_new_prompt_lengt
         compiled = greedy(rocket, ids, max_new_tokens=6, past_key_values=cache, compile_config=_compile_config())
         assert torch.equal(compiled, eager), f"batch {batch}, prompt {length}"
         assert stances == [True] * 4  # 5 decode steps: the first runs every guard
-        assert cache.hints.guards_checked
+        assert call_state(cache).guards_checked
         graphs.append(unique_graphs())
     assert graphs == [1, 2, 2, 2], graphs  # batch 2 compiled its own graph; new prompt lengths compiled nothing
 
@@ -318,7 +319,7 @@ def test_padded_generate_output_and_returned_cache_hold_the_callers_rows():
     assert torch.equal(out.sequences, eager.sequences)
     assert len(out.scores) == 5 and all(s.shape[0] == 3 for s in out.scores)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(out.scores, eager.scores))
-    assert out.past_key_values.batch_size == 3 and out.past_key_values.hints.batch_padding is None
+    assert out.past_key_values.batch_size == 3 and call_state(out.past_key_values).batch_padding is None
 
     follow = torch.cat([out.sequences, random_ids(3, 4, seed=9)], dim=1)
     follow_mask = torch.cat([mask, torch.ones(3, 9, dtype=mask.dtype)], dim=1)
@@ -340,7 +341,7 @@ def test_batch_padding_only_where_decode_compiles_and_never_for_other_caches():
     original = batch_buckets.prefill_real_rows
 
     def spy(call, cache, run):
-        seen.append(cache.hints.batch_padding)
+        seen.append(call_state(cache).batch_padding)
         return original(call, cache, run)
 
     config = compressing_config(kt_cache_dtype="float32", decode_runner="torch_compile")

@@ -13,6 +13,7 @@ import torch
 import torch._dynamo.utils as dynamo_utils
 
 from hf_rocketkv import RocketKVCache
+from hf_rocketkv.integration.call_state import call_state
 from tests.support.decode_runners import StandInBackend, eager_compile_config, graphed_cache
 from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
 
@@ -158,14 +159,14 @@ def _reaches(start, target, skip) -> bool:
 
 
 def test_the_captured_step_holds_no_reference_to_its_cache():
-    """The cache holds its captured step (cache.hints.graphed_step); the step must not hold the cache, in its static
+    """The cache holds its captured step (call_state(cache).graphed_step); the step must not hold the cache, in its static
     inputs or its static output, or a pool-backed request's pages stay out of the pool after the request until the
     cyclic garbage collector runs. (The stand-in graph itself keeps the step's closure; a CUDA graph keeps none.)"""
     rocket, _ = make_models("llama")
     cache = graphed_cache(compressing_config(), StandInBackend())
     out = greedy(rocket, random_ids(1, 50), past_key_values=cache, max_new_tokens=6,
                  compile_config=eager_compile_config())
-    step = cache.hints.graphed_step
+    step = call_state(cache).graphed_step
     assert step is not None and step.replays > 0 and len(step.cache_fields) == 1  # past_key_values or cache
     assert not _reaches(step, cache, skip=[step.graph])
     assert out.shape[1] == 56

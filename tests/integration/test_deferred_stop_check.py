@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hf_rocketkv import RocketKVCache
+from hf_rocketkv.integration.call_state import call_state
 from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
 
 
@@ -101,7 +102,7 @@ def test_deferred_stop_check_crop_path_equals_the_plain_check(llama_pair, monkey
     caches, outputs = [], []
     for deferred in (True, False):
         cache = RocketKVCache(compressing_config(deferred_stop_check=deferred))
-        cache.hints.deferred_stop_devices = ("cuda", "cpu")
+        call_state(cache).defer_stop_check_on(("cuda", "cpu"))
         crops = []
         original_crop = cache.crop
         monkeypatch.setattr(cache, "crop", lambda n, _c=original_crop, _l=crops: (_l.append(n), _c(n))[1])
@@ -126,7 +127,7 @@ def test_deferred_stop_check_crop_with_per_head_lengths(monkeypatch, extra):
     runs = []
     for deferred in (True, False):
         cache = RocketKVCache(compressing_config(stage1="adakv", deferred_stop_check=deferred, **extra))
-        cache.hints.deferred_stop_devices = ("cuda", "cpu")
+        call_state(cache).defer_stop_check_on(("cuda", "cpu"))
         crops, crop = [], cache.crop
         monkeypatch.setattr(cache, "crop", lambda n, _c=crop, _l=crops: (_l.append(n), _c(n))[1])
         out = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12, eos_token_id=eos)

@@ -18,6 +18,7 @@ from transformers import DynamicCache, GenerationConfig
 from hf_rocketkv import RocketKVCache
 from hf_rocketkv.cache import check_pool_policy
 from hf_rocketkv.cache.dense_layer import DenseLayer
+from hf_rocketkv.integration.call_state import call_state
 from hf_rocketkv.integration.generate import check_layer_plan
 from tests.support.tiny_models import (
     compressing_config,
@@ -109,7 +110,7 @@ def test_pool_refuses_dense_layers(pair):
 def test_compiled_decode_refuses_the_layer_plan(pair, changes, runner, field):
     rocket, _ = pair
     cache = RocketKVCache(compressing_config(**field, **changes), model_config=rocket.config)
-    cache.hints.graph_devices = ("cpu",)  # the model's device counts as a CUDA-graph device
+    call_state(cache).use_graphs_on(("cpu",))  # the model's device counts as a CUDA-graph device
     name = next(iter(field))
     with pytest.raises(NotImplementedError, match=rf"RocketKVConfig.{name}=.* \({runner} on cpu\).*disable_compile"):
         check_layer_plan(cache, rocket, GenerationConfig())

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from hf_rocketkv import KVBlockPool, RocketKVCache, SlidingWindowLayer
+from hf_rocketkv.integration.call_state import call_state
 from hf_rocketkv.memory import RowDemand
 from tests.support.hybrid_models import WINDOW, make_hybrid_models
 from tests.support.tiny_models import compressing_config, cpu_pool, greedy, keep_all_config, left_pad, random_ids
@@ -161,7 +162,7 @@ def test_graphed_decode_on_the_pool_equals_eager_and_reads_nothing_back(pair):
     eager_cache.close()
     backend = SyncCountingBackend()
     cache = RocketKVCache(config, pool=pool)
-    cache.hints.graph_devices, cache.hints.graph_backend = ("cpu",), backend
+    call_state(cache).use_graphs_on(("cpu",), backend)
     out = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8,
                  compile_config=eager_compile_config())
     assert torch.equal(out, eager)

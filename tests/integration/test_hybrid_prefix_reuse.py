@@ -259,8 +259,8 @@ def test_a_model_whose_layers_all_slide_never_hits():
 
 # ------------------------------------------------------------------------------------------------ serving
 def test_the_batching_engine_serves_a_shared_prefix_with_each_request_alone(pair):
-    from hf_rocketkv.serving.batching import BatchingEngine
-    from hf_rocketkv.serving.scheduler import BatchingConfig
+    from hf_rocketkv.serving.batching.engine import BatchingEngine
+    from hf_rocketkv.serving.batching.scheduler import BatchingConfig
     from tests.serving.helpers import CFG, Events, oracle_tokens, request
 
     arch, rocket, _ = pair

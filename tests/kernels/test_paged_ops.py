@@ -145,8 +145,8 @@ def test_paged_append_drops_writes_without_a_page():
 
 
 def test_paged_append_token_with_one_logical_length_per_row():
-    """Rows of several requests decode together (serving/batching.py): ``seen`` [B] records each row's token at its
-    own input column; the Triton kernel equals the reference, and each row equals a one-row append with its own 0-d
+    """Rows of several requests decode together (serving/batching/engine.py): ``seen`` [B] records each row's token at
+    its own input column; the Triton kernel equals the reference, and each row equals a one-row append with its own 0-d
     count."""
     g = gen("paged-append-seen-rows")
     table = page_table([2, 1, 3], 8, g)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from hf_rocketkv.serving.batching import BatchingEngine
-from hf_rocketkv.serving.scheduler import BatchingConfig
+from hf_rocketkv.serving.batching.engine import BatchingEngine
+from hf_rocketkv.serving.batching.scheduler import BatchingConfig
 from tests.serving.helpers import CFG, Events, make_pool, oracle_tokens
 from tests.support.tiny_models import char_tokenizer, compressing_config, make_models
 
@@ -54,7 +54,7 @@ def serve(make_manager):
     """``serve(manager_kwargs...) -> (server, manager)``: the app on 127.0.0.1 (free port), stopped at teardown."""
     pytest.importorskip("fastapi")
     from hf_rocketkv.serving import create_app
-    from hf_rocketkv.serving.background import ServerThread
+    from hf_rocketkv.serving.http.background import ServerThread
 
     servers = []
 

@@ -12,7 +12,7 @@ import torch
 
 from hf_rocketkv import KVBlockPool, RocketKVCache
 from hf_rocketkv.serving import FinishReason, SamplingParams
-from hf_rocketkv.serving.engine import EngineRequest
+from hf_rocketkv.serving.engines.interface import EngineRequest
 from tests.support.tiny_models import compressing_config, cpu_pool, greedy, random_ids
 
 

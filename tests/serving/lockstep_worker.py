@@ -41,9 +41,9 @@ def main() -> None:
     import hf_rocketkv
     from hf_rocketkv import KVBlockPool, RocketKVCache
     from hf_rocketkv.serving import Lockstep, SamplingParams
-    from hf_rocketkv.serving.batching import BatchingEngine
-    from hf_rocketkv.serving.engine import EngineRequest
-    from hf_rocketkv.serving.scheduler import BatchingConfig
+    from hf_rocketkv.serving.batching.engine import BatchingEngine
+    from hf_rocketkv.serving.batching.scheduler import BatchingConfig
+    from hf_rocketkv.serving.engines.interface import EngineRequest
     from tests.support.tiny_models import compressing_config, greedy, random_ids
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, distributed_config=DistributedConfig(tp_plan="auto"),

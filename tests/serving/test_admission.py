@@ -1,5 +1,5 @@
-"""The batching engine's admission (serving/admission.py): a request is admitted when the pool can set its pages
-aside, waits while it cannot, and ends with an error when it never could. Oracle: each request alone through
+"""The batching engine's admission (serving/batching/admission.py): a request is admitted when the pool can set its
+pages aside, waits while it cannot, and ends with an error when it never could. Oracle: each request alone through
 model.generate."""
 
 from __future__ import annotations

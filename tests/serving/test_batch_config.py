@@ -57,9 +57,9 @@ def test_generate_batch_builds_its_engine_with_the_offline_config(tiny_pair, mon
     seen = []
     real = manager_module.build_engine
 
-    def spy(engine, model, config, pool, max_queue, batching=None, *args, **kwargs):
-        seen.append(batching)
-        return real(engine, model, config, pool, max_queue, batching, *args, **kwargs)
+    def spy(model, config=None, **kwargs):
+        seen.append(kwargs.get("batching"))
+        return real(model, config, **kwargs)
 
     monkeypatch.setattr(manager_module, "build_engine", spy)
     model = tiny_pair[0]

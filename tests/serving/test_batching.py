@@ -1,4 +1,4 @@
-"""BatchingEngine (serving/batching.py): continuous batching over the KV block pool, on a tiny random Llama (CPU,
+"""BatchingEngine (serving/batching/engine.py): continuous batching over the KV block pool, on a tiny random Llama (CPU,
 float32, GQA); what it cannot serve is refused when it is built.
 
 Oracle: each request alone, through model.generate with its own RocketKVCache of the same config (a second copy of
@@ -12,8 +12,8 @@ import random
 import pytest
 
 from hf_rocketkv.serving import EngineStopped, FinishReason, SamplingParams, SequentialEngine
-from hf_rocketkv.serving.batching import BatchingEngine
-from hf_rocketkv.serving.engine import EngineRequest
+from hf_rocketkv.serving.batching.engine import BatchingEngine
+from hf_rocketkv.serving.engines.interface import EngineRequest
 from tests.serving.helpers import CFG, PROMPTS, Events, ForwardGate, make_pool, prompt_of, request, wait_until
 from tests.support.tiny_models import compressing_config
 
@@ -284,7 +284,7 @@ def test_batching_engine_refuses_unsupported_budget_fields_at_construction(tiny_
 def test_batching_refusal_names_what_the_engine_refuses(tiny_pair, fields, name):
     """``batching_refusal`` (what ``hf-rocketkv serve`` decides on before the model loads) answers exactly for the
     configs the engine refuses when built, naming the same field."""
-    from hf_rocketkv.serving.manager import batching_refusal
+    from hf_rocketkv.serving.builder import batching_refusal
 
     config = compressing_config(**fields)
     reason = batching_refusal(config)

@@ -1,5 +1,6 @@
-"""Chunked prefill in the batching engine (serving/chunked_prefill.py, the token budget of serving/scheduler.py): long
-prompts are prefilled a chunk at a time between decode steps, on a tiny random Llama (CPU, float32, GQA).
+"""Chunked prefill in the batching engine (serving/batching/chunked_prefill.py, the token budget of
+serving/batching/scheduler.py): long prompts are prefilled a chunk at a time between decode steps, on a tiny random
+Llama (CPU, float32, GQA).
 
 Oracle: each request alone through model.generate (greedy, one forward over the whole prompt, its own
 RocketKVCache without a pool), on a second copy of the model; never the engine or its chunks.
@@ -13,7 +14,7 @@ import threading
 import pytest
 
 from hf_rocketkv.serving import FinishReason
-from hf_rocketkv.serving.scheduler import BatchingConfig
+from hf_rocketkv.serving.batching.scheduler import BatchingConfig
 from tests.serving.helpers import (
     assert_each_alone,
     make_pool,

@@ -1,5 +1,5 @@
-"""Prefills beside the decode steps (``BatchingConfig.concurrent_prefill_tokens``, serving/prefill_worker.py): a
-second host thread prefills admitted requests chunk by chunk while the engine thread decodes, on a tiny random Llama
+"""Prefills beside the decode steps (``BatchingConfig.concurrent_prefill_tokens``, serving/batching/prefill_worker.py):
+a second host thread prefills admitted requests chunk by chunk while the engine thread decodes, on a tiny random Llama
 (CPU, float32, GQA; on CUDA each thread also has its own stream, tests/gpu/test_batching_engine_gpu.py).
 
 Oracle: each request alone through model.generate (greedy, one forward over the whole prompt, its own RocketKVCache
@@ -13,8 +13,8 @@ import threading
 import pytest
 
 from hf_rocketkv.serving import FinishReason
-from hf_rocketkv.serving.batching import BatchingEngine
-from hf_rocketkv.serving.scheduler import BatchingConfig
+from hf_rocketkv.serving.batching.engine import BatchingEngine
+from hf_rocketkv.serving.batching.scheduler import BatchingConfig
 from tests.serving.helpers import CFG, assert_each_alone, make_pool, prompt_of, request, submit_arriving, wait_until
 from tests.serving.test_chunked_prefill import ForwardLog
 from tests.serving.test_lockstep import one_rank_group  # noqa: F401 - a fixture

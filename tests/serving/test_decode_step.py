@@ -1,5 +1,6 @@
-"""The batching engine's decode step (serving/decode_step.py): overlapped steps (``BatchingConfig.overlap_decode``:
-step N+1 is launched before step N's tokens are read), padding rows, and steps through one graph per bucket.
+"""The batching engine's decode step (serving/batching/decode_step.py): overlapped steps
+(``BatchingConfig.overlap_decode``: step N+1 is launched before step N's tokens are read), padding rows, and steps
+through one graph per bucket.
 Oracle: the same engine with overlap off (every step read before the next one), exactly sized batches, and each
 request alone through model.generate."""
 
@@ -11,11 +12,11 @@ import pytest
 import torch
 
 from hf_rocketkv.serving import FinishReason, SamplingParams
-from hf_rocketkv.serving import decode_step as decode_step_module
-from hf_rocketkv.serving.batching import BatchingEngine
-from hf_rocketkv.serving.decode_step import BatchDecoder
-from hf_rocketkv.serving.engine import EngineRequest
-from hf_rocketkv.serving.scheduler import BatchingConfig
+from hf_rocketkv.serving.batching import decode_step as decode_step_module
+from hf_rocketkv.serving.batching.decode_step import BatchDecoder
+from hf_rocketkv.serving.batching.engine import BatchingEngine
+from hf_rocketkv.serving.batching.scheduler import BatchingConfig
+from hf_rocketkv.serving.engines.interface import EngineRequest
 from tests.serving.helpers import CFG, PROMPTS, Events, ForwardGate, make_pool, prompt_of, request, wait_until
 
 

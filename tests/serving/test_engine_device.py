@@ -11,15 +11,16 @@ import pytest
 import torch
 
 from hf_rocketkv.serving import SequentialEngine
-from hf_rocketkv.serving.batching import BatchingEngine
-from hf_rocketkv.serving.scheduler import BatchingConfig
+from hf_rocketkv.serving.batching.engine import BatchingEngine
+from hf_rocketkv.serving.batching.scheduler import BatchingConfig
 from tests.serving.helpers import CFG, Events, make_pool, prompt_of, request
 
 
 @pytest.fixture
 def entered(monkeypatch):
     """(thread name, device) of every on_device scope the serving engines enter."""
-    from hf_rocketkv.serving import threaded, warm_up
+    from hf_rocketkv.serving.batching import warm_up
+    from hf_rocketkv.serving.engines import threaded
 
     seen = []
 

@@ -37,7 +37,7 @@ from schemathesis.checks import (  # noqa: E402
     status_code_conformance,
 )
 
-from hf_rocketkv.serving.scheduler import BatchingConfig  # noqa: E402
+from hf_rocketkv.serving.batching.scheduler import BatchingConfig  # noqa: E402
 from tests.serving.helpers import CFG, make_pool, oracle_tokens, wait_until  # noqa: E402
 from tests.support.tiny_models import VOCAB  # noqa: E402
 
@@ -268,7 +268,7 @@ def served_schema() -> dict:
 def fuzz_server(tiny_pair, tokenizer):
     """``(server, manager, pool, canary_text)``: the app on 127.0.0.1 over the batching engine and a small pool."""
     from hf_rocketkv.serving import GenerationManager, create_app
-    from hf_rocketkv.serving.background import ServerThread
+    from hf_rocketkv.serving.http.background import ServerThread
 
     pool = make_pool(tiny_pair[0], page_size=8, mib=POOL_MIB, config=CFG)
     manager = GenerationManager(tiny_pair[0], tokenizer, CFG, pool=pool, max_model_len=CONTEXT,
@@ -410,7 +410,7 @@ def test_a_body_over_the_limit_is_refused_unread(fuzz_server):
     """Found while soaking (tests/serving/test_soak.py): a body of any size was read whole and tokenized before the
     prompt was found longer than the context (a 4 MiB prompt took 14 s of CPU to be refused). Now a body over
     ``max_body_bytes(context)`` is a 413 in the error shape, declared (Content-Length) or streamed (chunked)."""
-    from hf_rocketkv.serving.server import max_body_bytes
+    from hf_rocketkv.serving.http.server import max_body_bytes
 
     server, manager, pool, canary = fuzz_server
     limit = max_body_bytes(CONTEXT)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from hf_rocketkv.serving import FinishReason, GenerationManager, SamplingParams
-from hf_rocketkv.serving.batching import BatchingEngine
-from hf_rocketkv.serving.scheduler import BatchingConfig
+from hf_rocketkv.serving.batching.engine import BatchingEngine
+from hf_rocketkv.serving.batching.scheduler import BatchingConfig
 from tests.serving.helpers import CFG, Events, ForwardGate, oracle_tokens, prompt_of, request, wait_until
 from tests.support.hybrid_models import make_hybrid_models
 from tests.support.tiny_models import cpu_pool

@@ -1,5 +1,5 @@
-"""Lockstep (serving/lockstep.py): the batching engine under tensor parallelism, rank 0 taking requests and every
-rank stepping with it.
+"""Lockstep (serving/parallel/lockstep.py): the batching engine under tensor parallelism, rank 0 taking requests and
+every rank stepping with it.
 
 In this process: a one-rank gloo group, so the leader's whole path (outbox, inboxes, heartbeats, cancels, stop) runs
 against the single-process oracle (each request alone through model.generate). Under ``torchrun --nproc_per_node=2``
@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 from hf_rocketkv.serving import EngineStopped, FinishReason, Lockstep, Overloaded, SamplingParams
-from hf_rocketkv.serving.batching import BatchingEngine
-from hf_rocketkv.serving.lockstep import Inbox, resolve_seed
-from hf_rocketkv.serving.scheduler import BatchingConfig
+from hf_rocketkv.serving.batching.engine import BatchingEngine
+from hf_rocketkv.serving.batching.scheduler import BatchingConfig
+from hf_rocketkv.serving.parallel.lockstep import Inbox, resolve_seed
 from tests.serving.helpers import CFG, Events, ForwardGate, make_pool, prompt_of, request, wait_until
 from tests.support.repo import ROOT, TORCHRUN, subprocess_env
 
@@ -259,7 +259,7 @@ def _follower(tiny_pair, inboxes):
 
 
 def test_a_follower_applies_inboxes_and_ends_with_the_leader(tiny_pair, oracle, one_rank_group):
-    from hf_rocketkv.serving.lockstep import Submission, engine_state
+    from hf_rocketkv.serving.parallel.lockstep import Submission, engine_state
 
     prompt = tuple(prompt_of(30, seed=40))
     submit = Submission("x", prompt, SamplingParams.greedy(3), frozenset())
@@ -279,7 +279,7 @@ def test_a_follower_applies_inboxes_and_ends_with_the_leader(tiny_pair, oracle, 
 
 
 def test_a_follower_that_diverges_stops_loudly(tiny_pair, one_rank_group):
-    from hf_rocketkv.serving.lockstep import LockstepDiverged, engine_state
+    from hf_rocketkv.serving.parallel.lockstep import LockstepDiverged, engine_state
 
     engine, _ = _follower(tiny_pair, [Inbox(state=engine_state(0, ["someone"], []))])
     with pytest.raises(LockstepDiverged, match="rank 1 no longer matches rank 0"):

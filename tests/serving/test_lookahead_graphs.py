@@ -1,4 +1,4 @@
-"""The next prompt's prefill attention graphs, built while the device runs a chunk (serving/prefill_graphs.py,
+"""The next prompt's prefill attention graphs, built while the device runs a chunk (serving/batching/prefill_graphs.py,
 ``LookaheadGraphs``): on the engine thread, after a chunk's kernels are queued and before the next prompt's first
 forward; each shape once (the warm-up's included); a failing build is logged, switches the lookahead off and the
 requests are served as without it.
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hf_rocketkv.integration.causal_prefill import cudnn_shapes_of_prompt
-from hf_rocketkv.serving import prefill_graphs
+from hf_rocketkv.serving.batching import prefill_graphs
 from tests.serving.helpers import Events, make_pool, prompt_of, request
 from tests.serving.test_chunked_prefill import ForwardLog
 from tests.serving.test_prefill_graphs import CHUNK, engines  # noqa: F401 - engines: the fixture

@@ -1,5 +1,5 @@
-"""GenerationManager + SequentialEngine (serving/manager.py, serving/sequential.py) without HTTP, on a tiny random
-Llama (CPU, milliseconds per token).
+"""GenerationManager + SequentialEngine (serving/manager.py, serving/engines/sequential.py) without HTTP, on a tiny
+random Llama (CPU, milliseconds per token).
 
 Oracle: model.generate alone on an identical copy of the model with a fresh RocketKVCache of the same config.
 """

@@ -175,7 +175,7 @@ def rocket_server():
     import torch
 
     from hf_rocketkv.serving import GenerationManager, create_app
-    from hf_rocketkv.serving.background import ServerThread
+    from hf_rocketkv.serving.http.background import ServerThread
     from tests.support.tiny_models import compressing_config, make_models
 
     tokenizer = byte_tokenizer()

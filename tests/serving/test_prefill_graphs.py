@@ -1,5 +1,5 @@
 """The prefill attention graphs that ``BatchingEngine.warm_up`` plans and ``start()`` builds
-(serving/prefill_graphs.py).
+(serving/batching/prefill_graphs.py).
 
 cuDNN keeps its graphs per thread, so they must be built on the thread that prefills: the engine thread, or the
 prefill thread with ``concurrent_prefill_tokens``, and ``start()`` must return only once they are. On the CPU cuDNN
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from hf_rocketkv.integration.causal_prefill import cudnn_shapes
-from hf_rocketkv.serving import prefill_graphs
-from hf_rocketkv.serving.batching import BatchingEngine
-from hf_rocketkv.serving.scheduler import BatchingConfig
+from hf_rocketkv.serving.batching import prefill_graphs
+from hf_rocketkv.serving.batching.engine import BatchingEngine
+from hf_rocketkv.serving.batching.scheduler import BatchingConfig
 from tests.serving.helpers import CFG, Events, make_pool, prompt_of, request
 
 CHUNK = 16

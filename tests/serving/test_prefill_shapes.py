@@ -9,7 +9,7 @@ model.generate (the ``oracle`` fixture).
 from __future__ import annotations
 
 from hf_rocketkv.serving import SamplingParams
-from hf_rocketkv.serving.scheduler import BatchingConfig
+from hf_rocketkv.serving.batching.scheduler import BatchingConfig
 from tests.serving.helpers import CFG, make_pool, prompt_of
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_rocketkv.serving import InvalidRequest, SamplingParams
-from hf_rocketkv.serving.sampler import new_generator, sample_tokens, sampling_distribution
+from hf_rocketkv.serving.engines.sampler import new_generator, sample_tokens, sampling_distribution
 
 
 # ------------------------------------------------------------------------------------------------ SamplingParams

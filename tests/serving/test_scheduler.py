@@ -1,5 +1,5 @@
-"""The continuous-batching scheduler (serving/scheduler.py) under random request sequences (hypothesis), and its
-prefill chunks by token budget (the expected chunks worked out by hand from the documented rule)."""
+"""The continuous-batching scheduler (serving/batching/scheduler.py) under random request sequences (hypothesis), and
+its prefill chunks by token budget (the expected chunks worked out by hand from the documented rule)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from hf_rocketkv.serving.scheduler import BatchingConfig, QueueFull, Scheduler
+from hf_rocketkv.serving.batching.scheduler import BatchingConfig, QueueFull, Scheduler
 
 
 class Pages:

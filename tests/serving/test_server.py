@@ -1,5 +1,5 @@
-"""The OpenAI-compatible server (serving/server.py) on 127.0.0.1 (a free port), driven by the real ``openai`` client
-and raw httpx, on a tiny random Llama with a character tokenizer: completions and chat, model ids and aliases,
+"""The OpenAI-compatible server (serving/http/server.py) on 127.0.0.1 (a free port), driven by the real ``openai``
+client and raw httpx, on a tiny random Llama with a character tokenizer: completions and chat, model ids and aliases,
 disconnects, errors, overload, metrics. Oracle: model.generate alone with the same cache config (greedy)."""
 
 from __future__ import annotations
@@ -231,7 +231,7 @@ BAD_REQUESTS = [
 @pytest.fixture(scope="module")
 def bad_request_server(tiny_pair, tokenizer):
     from hf_rocketkv.serving import GenerationManager, create_app
-    from hf_rocketkv.serving.background import ServerThread
+    from hf_rocketkv.serving.http.background import ServerThread
     from tests.support.tiny_models import compressing_config
 
     manager = GenerationManager(tiny_pair[0], tokenizer, compressing_config())
@@ -351,7 +351,7 @@ def test_model_alias_and_models_by_id(make_manager, tokenizer):
     openai = pytest.importorskip("openai")
     httpx = pytest.importorskip("httpx")
     from hf_rocketkv.serving import create_app
-    from hf_rocketkv.serving.background import ServerThread
+    from hf_rocketkv.serving.http.background import ServerThread
 
     manager = make_manager(tokenizer=tokenizer)
     alias = "/data/models/org/tiny-llama"  # what --model was: a folder path, slashes included

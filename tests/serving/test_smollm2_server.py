@@ -29,7 +29,7 @@ def alone(model, ids) -> list[int]:
 @pytest.mark.slow
 def test_chat_and_completions_on_smollm2(smollm2):
     from hf_rocketkv.serving import GenerationManager, create_app
-    from hf_rocketkv.serving.background import ServerThread
+    from hf_rocketkv.serving.http.background import ServerThread
 
     model, tokenizer = smollm2
     messages = [{"role": "user", "content": STORY * 2 + "What did the keeper do every evening?"}]

@@ -42,7 +42,7 @@ import pytest
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-from hf_rocketkv.serving.scheduler import BatchingConfig  # noqa: E402
+from hf_rocketkv.serving.batching.scheduler import BatchingConfig  # noqa: E402
 from tests.serving.helpers import CFG, make_pool, wait_until  # noqa: E402
 
 CLIENTS = 32  # more than the engine's 8 rows + 16 queued: some valid requests are refused with 429
@@ -311,7 +311,7 @@ async def soak(url: str, manager, ledger: Ledger, limit: int) -> list[Attempt]:
 @pytest.fixture
 def soak_server(tiny_pair, tokenizer):
     from hf_rocketkv.serving import GenerationManager, create_app
-    from hf_rocketkv.serving.background import ServerThread
+    from hf_rocketkv.serving.http.background import ServerThread
 
     pool = make_pool(tiny_pair[0], page_size=8, mib=0.25, config=CFG)
     manager = GenerationManager(tiny_pair[0], tokenizer, CFG, pool=pool,
@@ -327,7 +327,7 @@ def soak_server(tiny_pair, tokenizer):
 def test_soak_hostile_clients(soak_server, oracle, tokenizer, caplog):
     import logging
 
-    from hf_rocketkv.serving.server import max_body_bytes
+    from hf_rocketkv.serving.http.server import max_body_bytes
 
     server, manager, pool = soak_server
     started = time.monotonic()

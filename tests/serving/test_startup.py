@@ -1,4 +1,4 @@
-"""A server that listens while its engine warms up (serving/startup.py): /health 503 with the reason, requests 503,
+"""A server that listens while its engine warms up (serving/http/startup.py): /health 503 with the reason, requests 503,
 then 200 and requests served once the manager is built; a failed build reported on /health and to on_failure.
 
 Oracle: the text of the tiny model's greedy tokens for the prompt alone (model.generate on the second copy).
@@ -14,8 +14,8 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
 from hf_rocketkv.serving import create_app
-from hf_rocketkv.serving.background import ServerThread
-from hf_rocketkv.serving.startup import Starting, start_when_ready
+from hf_rocketkv.serving.http.background import ServerThread
+from hf_rocketkv.serving.http.startup import Starting, start_when_ready
 from tests.serving.helpers import oracle_tokens
 
 

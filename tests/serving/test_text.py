@@ -6,9 +6,9 @@ import pytest
 
 from hf_rocketkv.serving import EngineStopped, FinishReason, Overloaded, SamplingParams
 from hf_rocketkv.serving.detokenizer import IncrementalDetokenizer
-from hf_rocketkv.serving.engine import EngineRequest
+from hf_rocketkv.serving.engines.interface import EngineRequest
+from hf_rocketkv.serving.engines.request_queue import RequestQueue
 from hf_rocketkv.serving.output_processor import RequestOutputProcessor
-from hf_rocketkv.serving.request_queue import RequestQueue
 from hf_rocketkv.serving.stop_strings import StopStringMatcher
 
 TEXT = "Café ☕ costs 3€ — naïve 東京 test 🚀🚀 done.\nNew line  two  spaces."

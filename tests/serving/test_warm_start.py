@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from hf_rocketkv.serving import SamplingParams, generate_batch
-from hf_rocketkv.serving.scheduler import BatchingConfig
+from hf_rocketkv.serving.batching.scheduler import BatchingConfig
 from hf_rocketkv.serving.warm_start import warm_up_engine
 from tests.serving.helpers import CFG, make_pool, prompt_of
 

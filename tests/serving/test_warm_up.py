@@ -1,5 +1,5 @@
-"""BatchingEngine.warm_up (serving/warm_up.py): every bucket's decode graph captured before serving, on the tiny
-random Llama (CPU, with the stand-in capture backend of tests/support/decode_runners.py).
+"""BatchingEngine.warm_up (serving/batching/warm_up.py): every bucket's decode graph captured before serving, on the
+tiny random Llama (CPU, with the stand-in capture backend of tests/support/decode_runners.py).
 
 Oracle: each request alone through model.generate with its own RocketKVCache (the ``oracle`` fixture of
 tests/serving/conftest.py, on a second copy of the model).
@@ -13,8 +13,8 @@ import torch
 from hf_rocketkv import KVBlockPool
 from hf_rocketkv.integration.batch_graphs import BatchedDecodeGraphs
 from hf_rocketkv.memory.errors import PoolExhaustedError
-from hf_rocketkv.serving.batching import BatchingEngine
-from hf_rocketkv.serving.scheduler import BatchingConfig
+from hf_rocketkv.serving.batching.engine import BatchingEngine
+from hf_rocketkv.serving.batching.scheduler import BatchingConfig
 from tests.serving.helpers import CFG, Events, make_pool, prompt_of, request
 from tests.support.decode_runners import StandInBackend
 
@@ -253,7 +253,7 @@ def test_a_pool_too_small_for_the_warm_up_is_logged_and_the_manager_serves(tiny_
     from hf_rocketkv.serving import GenerationManager, SamplingParams
 
     pool = make_pool(tiny_pair[0], page_size=8, mib=0.06)  # room for the request below, not for 991 new tokens
-    with caplog.at_level("WARNING", logger="hf_rocketkv.serving.manager"):
+    with caplog.at_level("WARNING", logger="hf_rocketkv.serving.builder"):
         manager = GenerationManager(tiny_pair[0], None, CFG, pool=pool, warmup_max_tokens=4096)
     try:
         assert graphed_on_cpu == [1024 - 33]  # capped by the tiny model's context

@@ -15,6 +15,7 @@ import torch._dynamo.utils as dynamo_utils
 from transformers import CompileConfig
 
 from hf_rocketkv import RocketKVCache
+from hf_rocketkv.integration.call_state import call_state
 
 
 class StandInGraph:
@@ -61,8 +62,7 @@ def eager_compile_config() -> CompileConfig:
 def graphed_cache(config, backend):
     """A RocketKVCache whose decode steps go through CUDA-graph capture on the CPU, with ``backend`` capturing."""
     cache = RocketKVCache(config)
-    cache.hints.graph_devices = ("cpu",)
-    cache.hints.graph_backend = backend
+    call_state(cache).use_graphs_on(("cpu",), backend)
     return cache
 
 

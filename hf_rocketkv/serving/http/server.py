@@ -5,7 +5,7 @@
     POST /v1/completions, /v1/chat/completions   streaming (SSE ``data: {...}`` chunks, ``data: [DONE]``) or not
     POST /tokenize, /detokenize                  vLLM's: text or messages to token ids, token ids to text
     GET  /v1/models, /health, /metrics           model list; 200/503 (503 with the reason while starting:
-                                                 serving/startup.py); Prometheus text
+                                                 serving/http/startup.py); Prometheus text
 
 Every error, on every route, is OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``: 400 invalid
 request (prompt longer than the context, bad or unsupported parameters), 401 a missing or wrong API key (with
@@ -37,9 +37,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
-from .errors import EngineStopped, InvalidRequest, Overloaded
-from .outputs import FinishReason
-from .prompts import encode_chat, encode_text, tokenize_ids
+from ..errors import EngineStopped, InvalidRequest, Overloaded
+from ..outputs import FinishReason
+from ..prompts import encode_chat, encode_text, tokenize_ids
 from .protocol import (
     CHAT_DEFAULT_MAX_TOKENS,
     ParsedRequest,
@@ -175,8 +175,8 @@ def _openai_errors(app) -> None:
 
 
 def _answer_while_starting(app) -> None:
-    """While ``app.state.manager`` is a ``Starting`` (serving/startup.py), every route but /health and the model list
-    answers 503 with the reason (nothing could run yet)."""
+    """While ``app.state.manager`` is a ``Starting`` (serving/http/startup.py), every route but /health and the model
+    list answers 503 with the reason (nothing could run yet)."""
     app.add_middleware(_StartingGate)
 
 

@@ -27,8 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from .outputs import FinishReason
-from .sampling import SamplingParams
+from ..outputs import FinishReason
+from ..sampling import SamplingParams
 
 
 @dataclass(frozen=True)

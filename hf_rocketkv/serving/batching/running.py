@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import RocketKVCache
+from ...cache import RocketKVCache
+from ..engines.interface import EngineRequest
 from .chunked_prefill import ChunkedPrefill
-from .engine import EngineRequest
 
 
 @dataclass(eq=False)  # identity: the scheduler finds a request's row with list.index

@@ -15,12 +15,12 @@ import time
 
 import torch
 
-from ..integration.decode_graphs import on_device
-from ..memory import PoolExhaustedError
-from .engine import EngineRequest
+from ...integration.decode_graphs import on_device
+from ...memory import PoolExhaustedError
+from ..engines.interface import EngineRequest
+from ..sampling import SamplingParams
 from .prefill_graphs import PrefillGraphs
 from .running import RunningRequest
-from .sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 

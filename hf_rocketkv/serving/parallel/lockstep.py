@@ -45,7 +45,7 @@ from dataclasses import dataclass, field, replace
 
 import torch.distributed as dist
 
-from .sampling import SamplingParams
+from ..sampling import SamplingParams
 
 DEFAULT_HEARTBEAT_S = 1.0
 SEED_RANGE = 2**63 - 1  # a drawn seed is a non-negative 64-bit integer, as SamplingParams accepts

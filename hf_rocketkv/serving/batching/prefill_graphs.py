@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from ..integration.causal_prefill import (
+from ...integration.causal_prefill import (
     CUDNN_MAX_HEAD_DIM,
     cudnn_shapes,
     cudnn_shapes_of_prompt,

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import RocketKVCache
-from ..integration import compat
-from ..integration.norm import fused_modeling
+from ...cache import RocketKVCache
+from ...integration import compat
+from ...integration.norm import fused_modeling
 
 
 class PrefillAborted(Exception):
@@ -53,7 +53,7 @@ class ChunkedPrefill:
         # sliding-window layers where the hit's replay starts (docs/memory.md, "Prefix reuse by replay")
         self.position = self._context.__enter__()
         self._open = True
-        cache.hints.defer_compression = self.prompt_len - self.position > chunk_tokens
+        cache.hints.plan(defer_compression=self.prompt_len - self.position > chunk_tokens)
         self.chunks = 0
 
     @property

@@ -14,9 +14,9 @@ import torch
 from transformers import LogitsProcessor, StoppingCriteria
 from transformers.generation.streamers import BaseStreamer
 
-from .engine import EngineEvent, EngineRequest, EventSink
+from ..sampling import SamplingParams
+from .interface import EngineEvent, EngineRequest, EventSink
 from .sampler import sample_tokens
-from .sampling import SamplingParams
 
 
 class TokenStreamer(BaseStreamer):

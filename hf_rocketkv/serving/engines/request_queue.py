@@ -9,8 +9,8 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from .engine import EngineRequest
-from .errors import EngineStopped, Overloaded
+from ..errors import EngineStopped, Overloaded
+from .interface import EngineRequest
 
 
 class RequestQueue:

@@ -35,24 +35,24 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from ..cache import BatchedDecodeCache
-from ..config import RocketKVConfig
-from ..integration.batch_graphs import BatchedDecodeGraphs
-from ..integration.generate import get_config
-from ..memory import KVBlockPool
+from ...cache import BatchedDecodeCache
+from ...config import RocketKVConfig
+from ...integration.batch_graphs import BatchedDecodeGraphs
+from ...integration.generate import get_config
+from ...memory import KVBlockPool
+from ..engines.interface import EngineEvent, EngineRequest, EventSink
+from ..engines.sampler import new_generator, sample_tokens
+from ..engines.threaded import ThreadedEngine
+from ..errors import Overloaded
+from ..outputs import FinishReason
+from ..parallel.inboxes import LockstepInboxes
+from ..parallel.lockstep import Lockstep, check_lockstep_for
 from .admission import PoolAdmission, check_pool_fits
 from .decode_step import BatchDecoder
-from .engine import EngineEvent, EngineRequest, EventSink
-from .errors import Overloaded
-from .inboxes import LockstepInboxes
-from .lockstep import Lockstep, check_lockstep_for
-from .outputs import FinishReason
 from .prefill_graphs import LookaheadGraphs, PrefillGraphs
 from .prefill_worker import PrefillWorker
 from .running import RunningRequest
-from .sampler import new_generator, sample_tokens
 from .scheduler import BatchingConfig, QueueFull, Scheduler
-from .threaded import ThreadedEngine
 from .warm_up import DEFAULT_WARMUP_MAX_TOKENS, WARMUP_CACHE_SALT, WARMUP_REQUEST_ID, warm_up
 
 __all__ = ["BatchingEngine", "BatchingStats", "DEFAULT_WARMUP_MAX_TOKENS", "STEP_HISTORY", "WARMUP_CACHE_SALT",
@@ -102,7 +102,8 @@ class BatchingEngine(ThreadedEngine):
         decode_graphs: how the decode step runs: None (default) captures one CUDA graph per bucket when
             ``config.decode_runner == "cuda_graphs"`` and the model is on CUDA, else eager; False: always eager; or a
             ``BatchedDecodeGraphs`` (integration/batch_graphs.py; tests pass one with a CPU stand-in backend).
-        lockstep: under tensor parallelism, a ``Lockstep`` (serving/lockstep.py) built on every rank: the leader
+        lockstep: under tensor parallelism, a ``Lockstep`` (serving/parallel/lockstep.py) built on every rank: the
+        leader
             rank's engine takes requests and sends each iteration's inbox, the others ``follow()``. None (default):
             one process.
     """

@@ -21,15 +21,15 @@ from collections.abc import Callable
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
-from ..cache import RocketKVCache
-from ..config import RocketKVConfig
-from ..integration import compat
-from ..integration.generate import get_config
-from .admission import check_pool_fits
-from .engine import EngineEvent, EngineRequest
+from ...cache import RocketKVCache
+from ...config import RocketKVConfig
+from ...integration import compat
+from ...integration.generate import get_config
+from ..batching.admission import check_pool_fits
+from ..outputs import FinishReason
+from ..parallel.lockstep import check_lockstep_for
 from .generate_hooks import CancelCriteria, SamplingLogitsProcessor, TokenStreamer
-from .lockstep import check_lockstep_for
-from .outputs import FinishReason
+from .interface import EngineEvent, EngineRequest
 from .request_queue import RequestQueue
 from .sampler import new_generator
 from .threaded import ThreadedEngine
@@ -44,7 +44,7 @@ class SequentialEngine(ThreadedEngine):
     """Runs admitted requests one after another (FIFO) with ``model.generate`` on its own thread.
 
     Owns the bounded queue of waiting requests and the one running request; the thread, the registry and the
-    interface methods are ``ThreadedEngine``'s (serving/threaded.py).
+    interface methods are ``ThreadedEngine``'s (serving/engines/threaded.py).
 
     Args:
         model: a causal LM whose attention is ``rocketkv`` (``hf_rocketkv.enable(model)``).

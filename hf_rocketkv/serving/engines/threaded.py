@@ -15,10 +15,10 @@ import threading
 
 import torch
 
-from ..integration.decode_graphs import on_device
-from .engine import EngineEvent, EngineLoad, EngineRequest, EventSink
-from .errors import EngineStopped
-from .outputs import FinishReason
+from ...integration.decode_graphs import on_device
+from ..errors import EngineStopped
+from ..outputs import FinishReason
+from .interface import EngineEvent, EngineLoad, EngineRequest, EventSink
 
 
 class ThreadedEngine:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampling import SamplingParams
+from ..sampling import SamplingParams
 
 MIN_TEMPERATURE = float(torch.finfo(torch.float32).tiny)  # the smallest temperature the scores are divided by
 

@@ -1,7 +1,7 @@
 """The batching engine's side of a tensor-parallel lockstep: the inboxes it sends, receives and applies.
 
-The protocol (``Lockstep``, ``Inbox``, why the ranks must step together) is serving/lockstep.py's. Here is what one
-rank's engine does with it: on the leader, requests submitted and cancels asked for between two iterations wait in
+The protocol (``Lockstep``, ``Inbox``, why the ranks must step together) is serving/parallel/lockstep.py's. Here is what
+one rank's engine does with it: on the leader, requests submitted and cancels asked for between two iterations wait in
 an outbox, and the next inbox carries them; at the top of every iteration every rank gets that inbox (the leader
 builds and sends it, the others receive it and check the leader's engine state against their own) and applies it
 to its own queue, with cancel flags of its own.
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import threading
 
-from .engine import EngineEvent, EngineRequest
-from .errors import Overloaded
+from ..batching.running import RunningRequest
+from ..engines.interface import EngineEvent, EngineRequest
+from ..errors import Overloaded
+from ..outputs import FinishReason
 from .lockstep import Inbox, Lockstep, LockstepDiverged, Submission, engine_state, resolve_seed
-from .outputs import FinishReason
-from .running import RunningRequest
 
 
 class LockstepInboxes:

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import RocketKVCache, request_pages
-from ..memory import PoolExhaustedError
+from ...cache import RocketKVCache, request_pages
+from ...memory import PoolExhaustedError
+from ..engines.interface import EngineRequest
+from ..errors import InvalidRequest
 from .chunked_prefill import ChunkedPrefill
-from .engine import EngineRequest
-from .errors import InvalidRequest
 from .running import RunningRequest
 
 

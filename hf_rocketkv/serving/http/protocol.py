@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import InvalidRequest
-from .outputs import FinishReason
-from .sampling import SamplingParams
+from ..errors import InvalidRequest
+from ..outputs import FinishReason
+from ..sampling import SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Chat without max_tokens: this cap or the rest of the context, whichever is smaller. A cap, because a RocketKV cache

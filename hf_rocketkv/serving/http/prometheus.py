@@ -18,7 +18,7 @@
 
 from __future__ import annotations
 
-from .metrics import HistogramSnapshot, ManagerMetrics
+from ..metrics import HistogramSnapshot, ManagerMetrics
 
 PREFIX = "hf_rocketkv_"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-from .errors import ServeDependencyError
+from ..errors import ServeDependencyError
 
 SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client")
 INSTALL_HINT = "pip install hf_rocketkv[serve]"

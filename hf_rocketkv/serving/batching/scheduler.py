@@ -40,7 +40,7 @@ class BatchingConfig:
     server answers 429). overlap_decode: launch each decode step before reading the previous step's tokens (from
     those tokens on the device), so the host's per-step work (reading, stop checks, events) overlaps the device's
     next step instead of leaving it idle; False: every step is read before the next one is launched
-    (serving/decode_step.py has the details).
+    (serving/batching/decode_step.py has the details).
 
     prefill_chunk_tokens: the most prompt tokens in one prefill forward; a longer prompt is prefilled in chunks of
     this size over several steps, and its stage 1 runs once its last chunk is in. prefill_token_budget: prompt
@@ -53,8 +53,8 @@ class BatchingConfig:
     above. An int: prompts are prefilled beside the decode steps instead, on a thread and a CUDA stream of their own
     (the decode steps on a stream of the highest priority), in chunks of this many tokens while rows decode
     (``prefill_chunk_tokens`` while none does), so the running requests never wait for a chunk's forward
-    (serving/prefill_worker.py; 512 on an H100 at Llama-3.1-8B shapes: docs/serving.md). The scheduler's credit still
-    decides admissions; the chunks themselves run back to back."""
+    (serving/batching/prefill_worker.py; 512 on an H100 at Llama-3.1-8B shapes: docs/serving.md). The scheduler's credit
+    still decides admissions; the chunks themselves run back to back."""
 
     max_running: int = 64
     buckets: tuple[int, ...] = DEFAULT_BUCKETS

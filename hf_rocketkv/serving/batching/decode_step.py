@@ -31,13 +31,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..host_copy import device_tensor
-from ..integration import compat
-from ..integration.batch_graphs import BatchedDecodeGraphs, GraphCaptureFailed
-from ..integration.norm import fused_modeling
-from .outputs import FinishReason
+from ...host_copy import device_tensor
+from ...integration import compat
+from ...integration.batch_graphs import BatchedDecodeGraphs, GraphCaptureFailed
+from ...integration.norm import fused_modeling
+from ..engines.sampler import sample_tokens
+from ..outputs import FinishReason
 from .running import RunningRequest
-from .sampler import sample_tokens
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,80 @@
+"""CallState: what the generate() integration keeps for one cache between the steps of its generate() calls.
+
+The cache holds it (``GenerationHints.extension``) and never reads it; integration/ is its only reader and writer:
+
+    batch_padding          (real, padded): generate() padded the caller's rows up to a batch bucket with copies of
+                           row 0 (integration/batch_buckets.py); None otherwise
+    graphed_step           the request's captured decode step (integration/decode_graphs.py), ``graph_warmed_up``
+                           whether its eager warm-up step ran
+    guards_checked         this call's first compiled decode step ran with every guard (integration/compiled_decode.py)
+    padding_memo,          the latest prefill forward's padding offsets, and whether its mask is plain lower-right
+    causal_memo            causal, read once per forward (integration/attention.py)
+    graph_devices,         where the decode step may be captured as a CUDA graph and with what (tests put "cpu" and a
+    graph_backend          stand-in backend here: ``use_graphs_on``)
+    deferred_stop_devices  device types on which generate() may read its stop flag a step late (CUDA; tests add "cpu"
+                           with a CPU stand-in for torch.Event: ``defer_stop_check_on``)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class CallState:
+    """See the module docstring."""
+
+    batch_padding: tuple[int, int] | None = None
+    graphed_step: object = None
+    graph_warmed_up: bool = False
+    guards_checked: bool = False
+    padding_memo: tuple | None = None
+    causal_memo: tuple | None = None
+    graph_devices: tuple[str, ...] = ("cuda",)
+    graph_backend: object = None
+    deferred_stop_devices: tuple[str, ...] = ("cuda",)
+
+    def begin_prefill(self) -> None:
+        """A new prefill on the cache: its first compiled decode step runs every guard, and a captured decode step
+        points at buffers the prefill reallocates."""
+        self.guards_checked = False
+        self.forget_graph()
+
+    def forget_graph(self) -> None:
+        """Drop the captured decode step (its buffers change when a new turn is prefilled or the rows change)."""
+        self.graphed_step = None
+        self.graph_warmed_up = False
+
+    def set_batch_padding(self, padding: tuple[int, int] | None) -> None:
+        self.batch_padding = padding
+
+    def set_guards_checked(self) -> None:
+        self.guards_checked = True
+
+    def warmed_up(self) -> None:
+        """The request's eager warm-up step before its decode step's capture has run."""
+        self.graph_warmed_up = True
+
+    def keep_step(self, step) -> None:
+        """The request's captured decode step (None: capture again at the next step)."""
+        self.graphed_step = step
+
+    def remember_padding(self, memo: tuple) -> None:
+        self.padding_memo = memo
+
+    def remember_causal(self, memo: tuple) -> None:
+        self.causal_memo = memo
+
+    def use_graphs_on(self, devices: tuple[str, ...], backend=None) -> None:
+        """Capture decode steps on these device types, with ``backend`` (None: torch.cuda graphs)."""
+        self.graph_devices = tuple(devices)
+        self.graph_backend = backend
+
+    def defer_stop_check_on(self, devices: tuple[str, ...]) -> None:
+        self.deferred_stop_devices = tuple(devices)
+
+
+def call_state(cache_or_layer) -> CallState:
+    """The CallState of a RocketKVCache, BatchedDecodeCache or one of their layers (they share their cache's
+    hints)."""
+    return cache_or_layer.hints.extension(CallState)
