@@ -50,12 +50,6 @@ class BatchedSlidingLayer(SlidingWindowLayer):
         self.slots_buf[row] = theirs._slots[0]
         self.seen_buf[row] = theirs.seen_tokens
 
-    def write_back(self, theirs: PooledSlidingLayer, row: int, steps: int) -> None:
-        """The row's decode steps into the request layer (its slot already holds the tokens)."""
-        theirs.position.copy_(self.seen_buf[row])
-        theirs.seen_tokens += steps
-        theirs.host_seen += steps
-
     def move_row(self, src: int, dst: int) -> None:
         self.slots_buf[dst] = self.slots_buf[src]
         self.seen_buf[dst] = self.seen_buf[src]

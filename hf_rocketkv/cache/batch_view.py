@@ -8,20 +8,20 @@ tables, so the normal decode path runs unchanged (``paged_append_token`` writes 
 pages, stage 2 scores that row's KT pages, sparse attention reads them). No K/V is copied: the pages are the pool's.
 
     batch = BatchedDecodeCache(pool, max_rows=8)
-    batch.join(row, request_cache)     # the request's table row, lengths, positions and logical length move in
+    batch.join(row, request_cache)     # the request moves in: its table row, lengths, positions, logical length,
+                                       # and its pool pages (the request cache is left empty)
     batch.move(src, dst)               # a packed batch: the last row fills a finished one
     batch.prepare(rows, bucket)        # rows [rows, bucket) become padding rows
     model(ids [bucket, 1], position_ids=batch.next_positions(bucket), past_key_values=batch)
-    batch.leave(row)                   # written back into the request's cache, which may be used (closed) again
+    batch.leave(row)                   # the request is over: its pages go back to the pool
 
-Whose state is the truth (the choice made here): while a request's cache has joined, this object's per-row tensors
-are (table row, length, positions, logical length), and the request cache only owns the pages: it is *lent*
-(``RocketKVCache.lend``), so a forward on it, or ``close()``, raises instead of reading stale lengths or freeing
-pages this batch still writes. ``leave`` writes the row's length, positions, logical length and host counters back
-into every layer of the request's cache, which is then exactly the cache generate() would have left. Why: writing
-back after every step would cost rows x layers small copies per step and give the buffers no fixed address; here a
-row costs one copy when it joins, moves or leaves, and the buffers never move while their width holds (static views
-per bucket, which a CUDA graph of the decode step can capture).
+One owner per request (the choice made here): a request is prefilled in its own cache and then *moves* into a row:
+``join`` copies its decode state into the row (one copy per layer) and takes its pool holdings
+(``RocketKVCache.hand_over``: block tables and sliding-window slot), so from then on this object alone holds the
+request's KV: its per-row tensors are the truth for the row's lengths, positions and logical length, and ``leave``
+gives the pages back. Nothing is written back and no cache waits for its row: a row costs one copy when it joins or
+moves, and the buffers never move while their width holds (static views per bucket, which a CUDA graph of the
+decode step can capture).
 
 Buffers per layer (R = ``max_rows``, MP = table width in pool pages, PP = tokens per pool page, C = MP * PP):
 
@@ -112,16 +112,6 @@ class BatchedDecodeLayer(RocketKVLayer):
         self.positions_buf[row, :, :width] = theirs.positions[0]
         self.seen_buf[row] = theirs.seen
 
-    def write_back(self, theirs: RocketKVLayer, row: int, steps: int) -> None:
-        """The row's length, positions, logical length and host counters into the request layer."""
-        width = theirs.positions.shape[2]
-        theirs.lengths.copy_(self.lengths_buf[row : row + 1])
-        theirs.positions[0].copy_(self.positions_buf[row, :, :width])
-        theirs.seen.copy_(self.seen_buf[row])
-        theirs.host_seen += steps
-        theirs.host_max_length += steps
-        theirs.host_decoded += steps
-
     def move_row(self, src: int, dst: int) -> None:
         for buf in (self.table_buf, self.lengths_buf, self.positions_buf, self.seen_buf):
             buf[dst] = buf[src]
@@ -197,10 +187,10 @@ class BatchedDecodeCache(Cache):
         self.pool = pool
         self.max_rows = max_rows
         self.hints = GenerationHints()
-        self.caches: list[RocketKVCache | None] = [None] * max_rows
+        self.held: list[list | None] = [None] * max_rows  # each row's pool holdings (RocketKVCache.hand_over)
         self.row_pages: list[int] = [0] * max_rows  # view pages of each row's table
         self.room: list[int] = [0] * max_rows  # decode steps each row can still take (host mirror)
-        self.steps: list[int] = [0] * max_rows  # decode steps since the row joined (written back by leave)
+        self.steps: list[int] = [0] * max_rows  # decode steps since the row joined
         self.bucket = 0
         self.rows = 0
         self.version = 0  # bumped whenever a buffer is reallocated (a captured step must be captured again)
@@ -219,10 +209,10 @@ class BatchedDecodeCache(Cache):
 
     # ------------------------------------------------------------------------------------------ rows
     def join(self, row: int, cache: RocketKVCache) -> None:
-        """Row ``row`` takes over the decode state of ``cache`` (one row, compressed, pool-backed; lent until
-        ``leave``)."""
+        """The request of ``cache`` (one row, compressed, pool-backed) moves into row ``row``: its decode state and
+        its pool holdings; ``cache`` is left empty (``RocketKVCache.hand_over``). On an error nothing moved."""
         self._check_row(row)
-        if self.caches[row] is not None:
+        if self.held[row] is not None:
             raise ValueError(f"BatchedDecodeCache row {row} is taken (leave it first)")
         if cache.pool is not self.pool:
             raise ValueError("BatchedDecodeCache.join: the cache draws its pages from another pool (or none)")
@@ -232,41 +222,43 @@ class BatchedDecodeCache(Cache):
             raise NotImplementedError(
                 "BatchedDecodeCache does not batch keep_all histories (RocketKVConfig.multi_turn='keep_all'); "
                 "use multi_turn='evict' for batched decode")
-        cache.lend(self)
+        if not cache.is_compressed or cache.get_seq_length() == 0:
+            raise ValueError("BatchedDecodeCache.join needs a compressed RocketKVCache (prefill and stage 1 done)")
+        paged = [layer for layer in cache.layers if isinstance(layer, RocketKVLayer)]
         try:
             self._ensure_layers(cache)
             for mine, theirs in zip(self.layers, cache.layers):
                 mine.copy_in(theirs, row)
+            row_pages = paged[0].store.row_pages[0] if paged else 0
+            room = min(layer.decode_room() for layer in paged) if paged else 1 << 62
+            held = cache.hand_over()  # the last step: from here on the row owns the request's pages
         except BaseException:
-            cache.give_back()
+            self._clear(row)
             raise
-        paged = [layer for layer in cache.layers if isinstance(layer, RocketKVLayer)]
-        self.caches[row] = cache
+        self.held[row], self.row_pages[row], self.room[row], self.steps[row] = held, row_pages, room, 0
         self._layout += 1
-        self.row_pages[row] = paged[0].store.row_pages[0] if paged else 0
-        self.room[row] = min(layer.decode_room() for layer in paged) if paged else 1 << 62
-        self.steps[row] = 0
 
-    def leave(self, row: int) -> RocketKVCache:
-        """Write row ``row`` back into its request's cache (lengths, positions, logical length, host counters of
-        every layer), give the cache back and free the row. Returns the cache."""
-        cache = self._cache_at(row)
-        steps = self.steps[row]
-        for mine, theirs in zip(self.layers, cache.layers):
-            mine.write_back(theirs, row, steps)
-        cache.give_back()
+    def leave(self, row: int) -> None:
+        """Row ``row``'s request is over: its pool pages (and slot) go back, the row is free."""
+        held = self._held_at(row)
         self._clear(row)
-        return cache
+        for item in held:
+            self.pool.release(item)
+
+    def holds(self, row: int) -> bool:
+        """Whether a request occupies row ``row``."""
+        self._check_row(row)
+        return self.held[row] is not None
 
     def move(self, src: int, dst: int) -> None:
         """Row ``src`` moves to the free row ``dst`` (packing after a row left)."""
-        self._cache_at(src)
+        self._held_at(src)
         self._check_row(dst)
-        if self.caches[dst] is not None:
+        if self.held[dst] is not None:
             raise ValueError(f"BatchedDecodeCache.move: row {dst} is taken")
         for layer in self.layers:
             layer.move_row(src, dst)
-        for values in (self.caches, self.row_pages, self.room, self.steps):
+        for values in (self.held, self.row_pages, self.room, self.steps):
             values[dst] = values[src]
         self._clear(src)  # (bumps the layout)
 
@@ -277,12 +269,12 @@ class BatchedDecodeCache(Cache):
             raise ValueError(f"BatchedDecodeCache.prepare: need 1 <= rows ({rows}) <= bucket ({bucket}) <= "
                              f"max_rows ({self.max_rows})")
         for row in range(rows):
-            self._cache_at(row)
+            self._held_at(row)
             if self.room[row] < 1:
                 raise RuntimeError(
                     f"BatchedDecodeCache row {row} has no room for another token ({self.steps[row]} decoded): its "
                     f"request was admitted for fewer new tokens than it is decoding")
-        if any(cache is not None for cache in self.caches[rows:bucket]):
+        if any(held is not None for held in self.held[rows:bucket]):
             raise ValueError(f"BatchedDecodeCache.prepare: rows [{rows}, {bucket}) must be free (padding)")
         if bucket > rows and not self._has_scratch():
             raise RuntimeError("BatchedDecodeCache.prepare: padding rows need the scratch page (ensure_scratch)")
@@ -348,9 +340,16 @@ class BatchedDecodeCache(Cache):
 
     def close(self) -> None:
         """Give the scratch page back (every row must have left)."""
-        if any(cache is not None for cache in self.caches):
+        if any(held is not None for held in self.held):
             raise RuntimeError("BatchedDecodeCache.close: rows are still joined (leave them first)")
         self.release_scratch()
+
+    def release_rows(self) -> int:
+        """Every row's request leaves (its pages back to the pool), e.g. after a failed step; returns how many."""
+        rows = [row for row, held in enumerate(self.held) if held is not None]
+        for row in rows:
+            self.leave(row)
+        return len(rows)
 
     @property
     def table_width(self) -> int:
@@ -360,7 +359,7 @@ class BatchedDecodeCache(Cache):
 
     @property
     def joined(self) -> int:
-        return sum(cache is not None for cache in self.caches)
+        return sum(held is not None for held in self.held)
 
     # ------------------------------------------------------------------------------------------ Cache interface
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -424,7 +423,7 @@ class BatchedDecodeCache(Cache):
     def _clear(self, row: int) -> None:
         for layer in self.layers:
             layer.clear_row(row)
-        self.caches[row] = None
+        self.held[row] = None
         self.row_pages[row] = self.room[row] = self.steps[row] = 0
         self._layout += 1
 
@@ -432,9 +431,9 @@ class BatchedDecodeCache(Cache):
         if not 0 <= row < self.max_rows:
             raise IndexError(f"BatchedDecodeCache row {row} outside [0, {self.max_rows})")
 
-    def _cache_at(self, row: int) -> RocketKVCache:
+    def _held_at(self, row: int) -> list:
         self._check_row(row)
-        cache = self.caches[row]
-        if cache is None:
+        held = self.held[row]
+        if held is None:
             raise ValueError(f"BatchedDecodeCache row {row} is free")
-        return cache
+        return held

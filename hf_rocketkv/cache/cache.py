@@ -78,7 +78,6 @@ class RocketKVCache(Cache):
         self.hints = GenerationHints()
         self.token_ids: torch.Tensor | None = None  # ids this cache has served (set by generate), guards reuse
         self.counters = RequestCounters()
-        self.lent_to = None  # a BatchedDecodeCache decoding this cache's row (``lend``): forwards here must wait
         self.pool = pool
         self.pages: PoolPages | None = None
         if pool is not None:
@@ -275,10 +274,7 @@ class RocketKVCache(Cache):
 
     def close(self) -> None:
         """Give this request's pool pages back now (they are also given back when the cache is reset or garbage
-        collected). The cache is empty afterwards. Without a pool: drops the layers' buffers. A cache lent to a
-        batched decode (``lend``) refuses: that batch still reads its pages."""
-        if self.lent_to is not None:
-            raise RuntimeError(LENT_ROWS.format(holder=type(self.lent_to).__name__))
+        collected). The cache is empty afterwards. Without a pool: drops the layers' buffers."""
         if self.pages is not None:
             self.pages.release_all()
         self.layers = []
@@ -314,24 +310,22 @@ class RocketKVCache(Cache):
 
     def _check_consistent(self, layer_idx: int, query_length: int) -> None:
         """Raise if an earlier forward left this cache half-updated, or its keys were never consumed
-        (``check_layers_consistent``), or its rows are lent to a batched decode (``lend``)."""
-        if self.lent_to is not None:
-            raise RuntimeError(LENT_ROWS.format(holder=type(self.lent_to).__name__))
+        (``check_layers_consistent``)."""
         check_layers_consistent(self.layers, layer_idx, query_length)
 
-    def lend(self, holder) -> None:
-        """Hand this cache's decode state to ``holder`` (a ``BatchedDecodeCache`` row): until ``give_back`` the
-        holder's tensors are the truth for this request's lengths, positions and logical length, and this cache
-        only owns the pages, so any forward on it raises instead of reading stale lengths."""
-        if self.lent_to is not None:
-            raise RuntimeError(LENT_ROWS.format(holder=type(self.lent_to).__name__))
+    def hand_over(self) -> list:
+        """Give up this request's pool holdings (block tables, sliding-window slots) to a new owner that releases
+        them: continuous batching moves a prefilled request into a decoding row this way
+        (``BatchedDecodeCache.join``). The cache is empty afterwards (as after ``close``, but nothing goes back to
+        the pool). Needs a pool-backed cache whose prefill and stage 1 are done."""
+        if self.pages is None:
+            raise ValueError("RocketKVCache.hand_over needs a pool-backed cache (RocketKVCache(cfg, pool=pool))")
         if not self.is_compressed or self.get_seq_length() == 0:
-            raise ValueError("RocketKVCache.lend needs a compressed cache (prefill and stage 1 done)")
-        self.lent_to = holder
-
-    def give_back(self) -> None:
-        """The holder wrote this cache's decode state back (its layers are current again): it may be used again."""
-        self.lent_to = None
+            raise ValueError("RocketKVCache.hand_over needs a compressed cache (prefill and stage 1 done)")
+        held = self.pages.hand_over()
+        self.layers = []
+        self.token_ids = None
+        return held
 
     def preload_prefix(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Store the dense keys and values of a prompt prefix computed elsewhere, one ``(K, V)`` pair
@@ -446,11 +440,6 @@ class RocketKVCache(Cache):
 HYBRID_POOL = (
     "RocketKVCache(pool=...): the model's layers ({layers}) are not those the KVBlockPool was built for ({pool}); "
     "build the pool from this model (KVBlockPool(model))"
-)
-
-LENT_ROWS = (
-    "RocketKVCache: this request's decode state is held by a {holder} (continuous batching decodes its row with "
-    "other requests' rows); its own lengths are stale until the holder gives the row back (leave)."
 )
 
 

@@ -525,6 +525,21 @@ class PoolPages:
         return sum(row.admission is not None and row.admission.slot is not None and not row.admission.slot.released
                    for row in self.rows)
 
+    def hand_over(self) -> list:
+        """What the rows hold in the pool (their tables and sliding-window slots, in row order), handed to a new
+        owner that releases them (a batched decode row, ``BatchedDecodeCache.join``); this object holds nothing
+        afterwards, so closing or collecting its cache releases nothing. Only between turns (no turn in progress,
+        no row-group reservation)."""
+        # (a model whose layers all slide runs no stage 1, so its admission's turn is never closed: nothing pending)
+        if (self.turn is not None and self.num_layers) or self.plan is not None or self.reservations:
+            raise RuntimeError("PoolPages.hand_over: a prefill is still in progress on this cache")
+        self.turn = None
+        held = [item for row in self.rows for item in row.held()]
+        self.rows.clear()  # in place: the finalizer holds this list
+        self._slot_ids = None
+        self._view_table = self._history_table = None
+        return held
+
     def release_all(self) -> None:
         """Every page of every row back to the pool now (cache.close(), reset())."""
         tables = [item for row in self.rows for item in row.held()]

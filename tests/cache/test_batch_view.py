@@ -1,7 +1,8 @@
 """BatchedDecodeCache (cache/batch_view.py): rows of several pool-backed RocketKVCaches decoding as one batch.
 
-Oracle: each prompt alone through model.generate with its own pool-backed RocketKVCache; after ``leave`` a request's
-cache must hold exactly what that generate() left (lengths, kept positions, logical length, K/V in its pages).
+Oracle: each prompt alone through model.generate with its own pool-backed RocketKVCache; before ``leave`` a row must
+hold exactly what that generate() left in its cache (lengths, kept positions, logical length, K/V in its pages), and
+``leave`` gives every page back.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 
 from hf_rocketkv import RocketKVCache
 from hf_rocketkv.cache.batch_view import BatchedDecodeCache, BatchedDecodeLayer
+from hf_rocketkv.cache.paged_store import PagedStore
 from tests.support.tiny_models import compressing_config, cpu_pool, greedy, random_ids
 
 CFG = compressing_config(kt_cache_dtype="float32")
@@ -31,7 +33,17 @@ def prefill(model, pool, prompt, new_tokens):
     return cache, int(out.logits[0, -1].argmax())
 
 
-def test_rows_decode_together_and_leave_the_caches_generate_leaves(model):
+def row_state(layer: BatchedDecodeLayer, row: int, width: int):
+    """Row ``row`` of a batch layer as a one-row cache layer would show it: length, positions, logical length, and
+    K/V / KT gathered through its table row (``width`` slots, the request cache's capacity)."""
+    pages = width // layer.page_tokens
+    store = PagedStore.over(layer.storage, layer.table_buf[row : row + 1, :pages], (pages,), layer.dtype)
+    keys, values = store.gather()
+    return (layer.lengths_buf[row : row + 1], layer.positions_buf[row : row + 1, :, :width], layer.seen_buf[row],
+            keys, values, store.gather_kt())
+
+
+def test_rows_decode_together_and_hold_what_generate_leaves(model):
     pool = cpu_pool(model, CFG, 2 << 20)
     prompts = [random_ids(1, n, seed=n)[0] for n in (30, 13, 41)]  # one within the budget, two compressed
     alone = []
@@ -40,12 +52,18 @@ def test_rows_decode_together_and_leave_the_caches_generate_leaves(model):
         out = greedy(model, prompt[None], STEPS + 1, past_key_values=cache)
         alone.append((out[0, len(prompt):].tolist(), cache))
     batch = BatchedDecodeCache(pool, max_rows=4)
-    tokens, caches = [], []
+    tokens, widths = [], []
     for row, prompt in enumerate(prompts):
         cache, first = prefill(model, pool, prompt, STEPS + 1)
+        held = cache.stats.pages_held
+        widths.append(cache.layers[0].positions.shape[2])
+        before = pool.free_pages()
         batch.join(row, cache)
-        caches.append(cache)
+        assert cache.stats.pages_held == 0 and not cache.layers  # the row holds the request now
+        cache.close()
+        assert pool.free_pages() == before  # closing the emptied cache gives nothing back: the row holds it
         tokens.append([first])
+        assert held > 0
     assert batch.ensure_scratch()
     for _ in range(STEPS):
         batch.prepare(3, 4)  # one padding row
@@ -57,51 +75,58 @@ def test_rows_decode_together_and_leave_the_caches_generate_leaves(model):
             tokens[row].append(int(out.logits[row, -1].argmax()))
     for row, (want_tokens, want) in enumerate(alone):
         assert tokens[row] == want_tokens
-        got = batch.leave(row)
-        assert got is caches[row] and got.lent_to is None
-        assert got.get_seq_length() == want.get_seq_length()
-        for mine, theirs in zip(got.layers, want.layers):
-            assert torch.equal(mine.lengths, theirs.lengths)
-            assert torch.equal(mine.positions, theirs.positions)
+        for mine, theirs in zip(batch.layers, want.layers):
+            lengths, positions, seen, keys, values, kt = row_state(mine, row, widths[row])
+            assert theirs.positions.shape[2] == widths[row]
+            assert torch.equal(lengths, theirs.lengths)
+            assert torch.equal(positions, theirs.positions)
+            assert int(seen) == want.get_seq_length()
             # K/V computed by other kernels than generate()'s (the prefill's mask, batched decode projections) may
             # round differently by a few ULPs; which tokens are kept, where, and the sampled tokens are the same
-            for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+            for a, b in ((keys, theirs.keys), (values, theirs.values)):
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
-            torch.testing.assert_close(mine.kt, theirs.kt, rtol=0, atol=1e-5)
-            assert (mine.host_seen, mine.host_max_length) == (theirs.host_seen, theirs.host_max_length)
-    for cache in caches + [cache for _, cache in alone]:
+            torch.testing.assert_close(kt, theirs.kt, rtol=0, atol=1e-5)
+    held = sum(cache.stats.pages_held for _, cache in alone)
+    for _, cache in alone:
         cache.close()
+    free = pool.free_pages()
+    for row in range(3):
+        batch.leave(row)
+    assert pool.free_pages() > free and batch.joined == 0
     batch.close()
-    assert pool.free_pages() == pool.total_pages()
+    assert pool.free_pages() == pool.total_pages() and held > 0
 
 
 def test_moves_and_padding_keep_rows_apart(model):
-    """A row that left is filled by the last one (move); the padding rows write only the scratch page."""
+    """A row that left gives its pages back and is filled by the last one (move); the padding rows write only the
+    scratch page."""
     pool = cpu_pool(model, CFG, 2 << 20, page_size=16)
     prompts = [random_ids(1, n, seed=100 + n)[0] for n in (27, 35)]
     batch = BatchedDecodeCache(pool, max_rows=2)
-    caches = []
+    widths, kept = [], []
     for row, prompt in enumerate(prompts):
         cache, _ = prefill(model, pool, prompt, 4)
+        widths.append(cache.layers[0].positions.shape[2])
+        kept.append(int(cache.layers[0].lengths.item()))
         batch.join(row, cache)
-        caches.append(cache)
-    before = [c.layers[0].store.gather()[0].clone() for c in caches]
+    layer = batch.layers[0]
+    before = [row_state(layer, row, widths[row])[3].clone() for row in range(2)]
+    free = pool.free_pages()
     batch.leave(0)
+    assert pool.free_pages() > free  # the row that left gave its pages back
     batch.move(1, 0)
-    assert batch.caches[0] is caches[1] and batch.caches[1] is None
+    assert batch.holds(0) and not batch.holds(1)
     assert batch.ensure_scratch()
     batch.prepare(1, 2)
     with torch.no_grad():
         model(input_ids=torch.tensor([[7], [9]]), position_ids=batch.next_positions(), past_key_values=batch,
               use_cache=True)
     batch.stepped()
+    after = row_state(layer, 0, widths[1])
+    assert int(after[0]) == kept[1] + 1  # the moved row took its token
+    assert torch.equal(after[3][:, :, : kept[1]], before[1][:, :, : kept[1]])  # its old tokens are untouched
+    assert batch.scratch.pages[0] not in layer.table_buf[0].tolist()  # the padding row writes a page of its own
     batch.leave(0)
-    kept = caches[1].layers[0].lengths.item() - 1
-    after = caches[1].layers[0].store.gather()[0]
-    assert torch.equal(after[:, :, :kept], before[1][:, :, :kept])  # the old tokens are untouched
-    assert torch.equal(caches[0].layers[0].store.gather()[0], before[0])  # the row that left: untouched
-    for cache in caches:
-        cache.close()
     batch.close()
     assert pool.free_pages() == pool.total_pages()
 
@@ -110,9 +135,11 @@ def test_checks(model):
     pool = cpu_pool(model, CFG, 2 << 20)
     batch = BatchedDecodeCache(pool, max_rows=2)
     cache, _ = prefill(model, pool, random_ids(1, 30, seed=1)[0], 2)
+    with pytest.raises(ValueError, match="compressed"):  # a cache whose prefill has not run
+        batch.join(1, RocketKVCache(CFG, pool=pool))
     batch.join(0, cache)
-    with pytest.raises(RuntimeError, match="BatchedDecodeCache"):  # lent: its own lengths are stale
-        cache.close()
+    with pytest.raises(ValueError, match="row 0 is taken"):
+        batch.join(0, cache)
     with pytest.raises(RuntimeError, match="scratch page"):
         batch.prepare(1, 2)
     batch.prepare(1, 1)
@@ -129,7 +156,11 @@ def test_checks(model):
         batch.stepped()
     with pytest.raises(RuntimeError, match="no room"):
         batch.prepare(1, 1)
-    batch.leave(0).close()
+    with pytest.raises(RuntimeError, match="rows are still joined"):
+        batch.close()
+    batch.leave(0)
+    with pytest.raises(ValueError, match="row 0 is free"):
+        batch.leave(0)
     batch.close()
     assert pool.free_pages() == pool.total_pages()
 
@@ -143,11 +174,9 @@ def test_prepare_rebuilds_views_only_when_the_layout_changes(model, monkeypatch)
     calls = []
     real_select = BatchedDecodeLayer.select
     monkeypatch.setattr(BatchedDecodeLayer, "select", lambda self, *a: (calls.append(a[0]), real_select(self, *a)))
-    caches = []
     for row, n in enumerate((27, 35)):
         cache, _ = prefill(model, pool, random_ids(1, n, seed=200 + n)[0], 8)
         batch.join(row, cache)
-        caches.append(cache)
     layers = len(batch.layers)
     assert batch.ensure_scratch()
 
@@ -172,7 +201,5 @@ def test_prepare_rebuilds_views_only_when_the_layout_changes(model, monkeypatch)
     step(1, 4)  # a row left
     assert len(calls) == 3 * layers
     batch.leave(0)
-    for cache in caches:
-        cache.close()
     batch.close()
     assert pool.free_pages() == pool.total_pages()

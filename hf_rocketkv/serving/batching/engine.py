@@ -416,7 +416,8 @@ class BatchingEngine(ThreadedEngine):
             with self._lock:
                 row = self._scheduler.prefilled(running)
             try:
-                self.batch.join(row, running.cache)
+                self.batch.join(row, running.cache)  # the row takes the request's pages; its cache is left empty
+                running.drop_cache()
             except Exception as err:  # noqa: BLE001
                 self._end_row(running, FinishReason.ERROR, f"{type(err).__name__}: {err}")
 
@@ -461,8 +462,8 @@ class BatchingEngine(ThreadedEngine):
         """A request ends: out of the decoding rows (if it joined), its pages back, then its final event."""
         if running in self._scheduler.rows:
             row = self._scheduler.rows.index(running)
-            if self.batch.caches[row] is running.cache:
-                self.batch.leave(row)
+            if self.batch.holds(row):
+                self.batch.leave(row)  # its pages go back
             with self._lock:
                 self._scheduler.finish(running)
             self._apply_moves_now()
@@ -490,7 +491,7 @@ class BatchingEngine(ThreadedEngine):
 
     def _fail_all_rows(self, message: str) -> None:
         """A failed decode step: every decoding row ends with an error and the batch starts afresh (its state may be
-        half-updated; the rows' caches are closed without a write-back). A step in flight is dropped unread."""
+        half-updated; the rows' pages go back). A step in flight is dropped unread."""
         self._decoder.drop()
         if self._worker is not None and self._worker.decode_stream is not None:
             self._worker.decode_stream.synchronize()  # the dropped step's reads end before the worker reuses pages
@@ -504,12 +505,9 @@ class BatchingEngine(ThreadedEngine):
             self._finish(running, FinishReason.ERROR, message)
 
     def _reset_batch(self) -> None:
-        """Every row's cache given back without a write-back, and a fresh batch in place of this one (after a failed
-        step its state may be half-updated; the graphs of the old one are captured again for the new one)."""
-        for index, cache in enumerate(self.batch.caches):
-            if cache is not None:
-                cache.give_back()
-                self.batch.caches[index] = None
+        """Every row's pages back to the pool, and a fresh batch in place of this one (after a failed step its state
+        may be half-updated; the graphs of the old one are captured again for the new one)."""
+        self.batch.release_rows()
         self.batch.close()
         self.batch = BatchedDecodeCache(self.pool, self.batching.buckets[-1])
 

@@ -15,18 +15,23 @@ from .chunked_prefill import ChunkedPrefill
 @dataclass(eq=False)  # identity: the scheduler finds a request's row with list.index
 class RunningRequest:
     """What the batching engine holds for one request between ``submit`` and its final event: the pool pages set
-    aside at admission, its cache and chunked prefill from its first prefill chunk on, its sampling generator, and
-    the tokens it has produced."""
+    aside at admission, its cache and chunked prefill from its first prefill chunk on (the cache until the request
+    joins the decoding rows, which take its pages), its sampling generator, and the tokens it has produced."""
 
     request: EngineRequest
     reservation: object = None  # the pool pages set aside at admission (given to the cache's admission at prefill)
     cache_salt: str | None = None  # the prefix-index salt of its cache (set only for the warm-up request)
     error: str | None = None  # set at admission: the request can never be served (ends with "error" at prefill)
-    cache: RocketKVCache | None = None
+    cache: RocketKVCache | None = None  # its prefill's cache (None once a decoding row holds its pages)
     prefill: ChunkedPrefill | None = None  # its prompt's prefill, from the first chunk on (done: joined the rows)
     generator: torch.Generator | None = None
     tokens: int = 0
     last_token: int = 0
+
+    def drop_cache(self) -> None:
+        """Its prefill is over and its cache handed its pages to a decoding row (``BatchedDecodeCache.join``): the
+        request is held by that row from now on."""
+        self.cache = None
 
     @property
     def request_id(self) -> str:

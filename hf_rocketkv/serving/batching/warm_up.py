@@ -138,7 +138,8 @@ def _synthetic_request(engine, max_new_tokens: int, scratch: bool) -> RunningReq
 def _steps(engine, running: RunningRequest, buckets: tuple[int, ...]) -> None:
     """Prefill the synthetic request, join it as row 0, two decode steps per bucket, leave."""
     token = int(engine._admission.prefill(running).argmax(dim=-1)[0])
-    engine.batch.join(0, running.cache)
+    engine.batch.join(0, running.cache)  # the row takes the request's pages
+    running.drop_cache()
     try:
         for bucket in buckets:
             if bucket > 1 and not engine.batch.ensure_scratch():
