@@ -578,3 +578,31 @@ def test_streaming_cache_keeps_its_policy_with_row_group_prefill(llama_pair):
             for layer_idx in range(rocket.config.num_hidden_layers):
                 kept = cache.kept_positions(layer_idx)[b, :, : len(expected)]
                 assert kept.tolist() == [expected] * kept.shape[0], f"{rows_per_group=} row {b}"
+
+
+def test_enable_leaves_a_model_sharing_the_config_on_its_own_attention():
+    """transformers hands one config object to every model built from it; enable() copies it first, so a dense model
+    built from the same config keeps its attention, its config and its tokens."""
+    from transformers import LlamaForCausalLM
+
+    from tests.support.tiny_models import tiny_config
+
+    shared = tiny_config("llama")
+    shared._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    dense = LlamaForCausalLM(shared).eval()
+    rocket = LlamaForCausalLM(shared).eval()
+    rocket.load_state_dict(dense.state_dict())
+    assert dense.config is rocket.config is shared  # what transformers does: the premise of the test
+    ids = torch.randint(3, shared.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
+    before = greedy(dense, ids, max_new_tokens=6)
+    hf_rocketkv.enable(rocket, compressing_config())
+    assert rocket.config is not shared and rocket.config._attn_implementation == "rocketkv"
+    assert dense.config is shared and shared._attn_implementation == "sdpa"
+    assert not hasattr(shared, "rocketkv")  # the RocketKV config went to the copy only
+    # the switched model's attention modules read the copy (attention dispatch reads its module's config)
+    attention = [m for m in rocket.modules() if type(m).__name__ == "LlamaAttention"]
+    assert attention and all(m.config is rocket.config for m in attention)
+    assert all(m.config is shared for m in dense.modules() if type(m).__name__ == "LlamaAttention")
+    assert torch.equal(greedy(dense, ids, max_new_tokens=6), before)
+    assert hf_rocketkv.get_config(rocket) == compressing_config()
