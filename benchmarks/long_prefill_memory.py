@@ -32,7 +32,7 @@ def run_mode(model, mode: str, ids: torch.Tensor, chunk: int, new_tokens: int) -
     if mode.startswith("rocketkv"):
         hf_rocketkv.enable(model)
         cache = RocketKVCache(RocketKVConfig(backend="triton"))
-        kwargs["past_key_values"] = cache
+        kwargs["cache"] = cache  # generate() takes cache= on every supported transformers once hf_rocketkv is imported
     else:
         model.set_attn_implementation("sdpa")
         kwargs["disable_compile"] = True

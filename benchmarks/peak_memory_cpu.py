@@ -235,7 +235,7 @@ def run(args) -> dict:
     static = live_storage_ptrs()
     mode = LiveBytes(static, stack_bytes=args.stack_kib * 1024)
     with torch.no_grad(), phase_markers(mode, model), mode:
-        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=args.new_tokens,
+        out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=args.new_tokens,
                              min_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
                              disable_compile=True)
     assert out.shape == (args.batch, ids.shape[1] + args.new_tokens)

@@ -35,7 +35,7 @@ WHAT = [
     (r"_tests|^kernel_tests", "pytest log of GPU tests on that machine"),
     (r"^gpu_kernel_check", "Triton ops against their PyTorch references at Llama-3.1-8B shapes, and per-op times "
                            "at 2k-100k tokens (now tests/gpu/test_kernels_large_shapes_gpu.py and "
-                           "benchmarks/decode_ops_scaling.py)"),
+                           "benchmarks/probes/decode_ops_scaling.py)"),
     (r"compile_check", "generate()'s compiled decode against eager decode: same tokens, recompiles, ms/token (now "
                        "tests/gpu/test_compiled_decode_gpu.py)"),
     (r"^gpu_graph_check|^graph_regions", "CUDA-graph and torch.compile decode against eager: tokens equal, "
@@ -58,28 +58,28 @@ WHAT = [
     (r"cudnn_graph", "cuDNN's attention graph builds per input layout (a probe script, in the file)"),
     (r"serve_\d+_streams", "the documented hf-rocketkv serve command under concurrent streams: wall time, first "
                            "tokens, texts (benchmarks/serve_streams.py)"),
-    (r"^bench_kernels", "decode kernel timings and their sanity checks (benchmarks/bench_kernels.py)"),
+    (r"^bench_kernels", "decode kernel timings and their sanity checks (benchmarks/probes/bench_kernels.py)"),
     (r"^bench_fp8_append", "decode append on fp8 against bf16 pool pages, device time "
-                           "(benchmarks/bench_fp8_append.py)"),
-    (r"^tune_", "launch-parameter sweep of the decode kernels (benchmarks/tune_decode_kernels.py)"),
-    (r"^decode_host_time", "host time of an eager decode step per function (benchmarks/decode_host_time.py)"),
+                           "(benchmarks/probes/bench_fp8_append.py)"),
+    (r"^tune_", "launch-parameter sweep of the decode kernels (benchmarks/probes/tune_decode_kernels.py)"),
+    (r"^decode_host_time", "host time of an eager decode step per function (benchmarks/probes/decode_host_time.py)"),
     (r"^eager_layer_time", "host microseconds of one layer's eager decode step by part "
-                           "(benchmarks/eager_layer_time.py)"),
+                           "(benchmarks/probes/eager_layer_time.py)"),
     (r"^eager_", "eager decode time per token (a note with its method)"),
     (r"^launch_overhead", "host microseconds per eager call of the decode ops against a bare Triton launch "
-                          "(benchmarks/launch_overhead.py)"),
+                          "(benchmarks/probes/launch_overhead.py)"),
     (r"^prefill_(host_time|cprofile)", "host time of a pool-backed prefill per function "
-                                       "(benchmarks/prefill_host_time.py)"),
-    (r"^profile_prefill", "where a cold prefill's time goes (benchmarks/profile_prefill.py)"),
-    (r"^profile_prefix_hit", "where a prefix hit's time to first token goes (benchmarks/profile_prefix_hit.py)"),
+                                       "(benchmarks/probes/prefill_host_time.py)"),
+    (r"^profile_prefill", "where a cold prefill's time goes (benchmarks/probes/profile_prefill.py)"),
+    (r"^profile_prefix_hit", "where a prefix hit's time to first token goes (benchmarks/probes/profile_prefix_hit.py)"),
     (r"^profile_(graph|b64|pool)", "device time of a CUDA-graph decode step per kernel "
-                                   "(benchmarks/profile_graph_step.py)"),
+                                   "(benchmarks/probes/profile_graph_step.py)"),
     (r"^profile_(decode_step|b1_8k)", "where a compiled decode step spends its time "
-                                      "(benchmarks/profile_decode_step.py)"),
+                                      "(benchmarks/probes/profile_decode_step.py)"),
     (r"prefix_(reuse|equal)", "prefix reuse, host onload, decode with a pool, batch-64 memory "
                               "(benchmarks/bench_prefix_reuse.py)"),
-    (r"^sync_sites", "host-device synchronisations by call site (benchmarks/sync_sites.py)"),
-    (r"^triton_compiles", "Triton kernels compiled per request (benchmarks/triton_compiles.py)"),
+    (r"^sync_sites", "host-device synchronisations by call site (benchmarks/probes/sync_sites.py)"),
+    (r"^triton_compiles", "Triton kernels compiled per request (benchmarks/probes/triton_compiles.py)"),
     (r"^long_prefill", "peak GiB and time of a 128k prefill, chunked and not (benchmarks/long_prefill_memory.py)"),
     (r"^workload", "a mixed workload of generate() calls per cache (hf-rocketkv bench --workload)"),
     (r"decode|^bench_b\d|^firstrun|^repeat_static|^before_deferred|^query_offset",

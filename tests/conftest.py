@@ -10,7 +10,6 @@ tiny random models (built by tests/support/tiny_models.py), the SmolLM2 tokenize
 """
 
 import os
-import warnings
 
 import pytest
 import torch
@@ -24,7 +23,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 hf_logging.set_verbosity_error()
-warnings.filterwarnings("ignore", category=FutureWarning)
 
 
 @pytest.fixture(scope="module")

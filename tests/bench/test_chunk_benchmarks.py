@@ -1,6 +1,6 @@
 """The chunked-prefill benchmarks' --quick runs on the CPU: their logic and their reports' fields, not their timings.
 
-- benchmarks.profile_chunked_prefill: every chunk of the prompt timed for RocketKV's ChunkedPrefill and for
+- benchmarks.probes.profile_chunked_prefill: every chunk of the prompt timed for RocketKV's ChunkedPrefill and for
   transformers' DynamicCache over the same chunks, the profiled chunks reported;
 - benchmarks.decode_beside_prefill: the running requests decode alone and while a second thread prefills a long
   prompt; every page comes back to both pools.
@@ -13,7 +13,7 @@ import math
 
 from benchmarks import decode_beside_prefill
 from benchmarks.token_sink import TokenRecorder
-from benchmarks.profile_chunked_prefill import main as profile_main
+from benchmarks.probes.profile_chunked_prefill import main as profile_main
 
 
 def test_profile_chunked_prefill_times_every_chunk_both_ways(tmp_path, monkeypatch):

@@ -75,9 +75,9 @@ def _assert_compiled_equals_eager(rocket, lengths, seed: int, new_tokens: int, c
     """One batch of ``lengths`` decoded eagerly and through ``compile_config``: the same tokens, counters and rings."""
     ids, mask = _batch(lengths, seed=seed)
     eager_cache, cache = RocketKVCache(_config()), RocketKVCache(_config())
-    eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=new_tokens, past_key_values=eager_cache,
+    eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=new_tokens, cache=eager_cache,
                    disable_compile=True)
-    compiled = greedy(rocket, ids, attention_mask=mask, max_new_tokens=new_tokens, past_key_values=cache,
+    compiled = greedy(rocket, ids, attention_mask=mask, max_new_tokens=new_tokens, cache=cache,
                       compile_config=compile_config)
     assert torch.equal(compiled, eager), lengths
     _assert_same_cache(cache, eager_cache)
@@ -123,8 +123,8 @@ def test_next_turn_after_compiled_decode_equals_eager():
     outputs = []
     for compile_kwargs in ({"disable_compile": True}, {"compile_config": eager_compile_config()}):
         cache = RocketKVCache(_config())
-        first = greedy(rocket, ids, max_new_tokens=11, past_key_values=cache, **compile_kwargs)
-        outputs.append(greedy(rocket, torch.cat([first, follow_up], dim=1), max_new_tokens=6, past_key_values=cache,
+        first = greedy(rocket, ids, max_new_tokens=11, cache=cache, **compile_kwargs)
+        outputs.append(greedy(rocket, torch.cat([first, follow_up], dim=1), max_new_tokens=6, cache=cache,
                               disable_compile=True))
     assert torch.equal(outputs[0], outputs[1])
 
@@ -138,10 +138,10 @@ def test_batch_buckets_pad_sliding_rows():
     dynamo_utils.counters.clear()
     for lengths in ((30, 21, 6), (17, 35, 25), (12, 19)):
         ids, mask = _batch(lengths, seed=3)
-        eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=8, past_key_values=RocketKVCache(config),
+        eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=8, cache=RocketKVCache(config),
                        disable_compile=True)
         cache = RocketKVCache(config)
-        compiled = greedy(rocket, ids, attention_mask=mask, max_new_tokens=8, past_key_values=cache,
+        compiled = greedy(rocket, ids, attention_mask=mask, max_new_tokens=8, cache=cache,
                           compile_config=eager_compile_config())
         assert torch.equal(compiled, eager), lengths
         assert all(layer.batch_size == len(lengths) for layer in cache.layers)
@@ -159,10 +159,10 @@ def test_compiled_decode_with_a_pool_equals_eager_without_recompiles():
     dynamo_utils.counters.clear()
     for lengths in ((30, 21), (37, 12)):
         ids, mask = _batch(lengths, seed=4)
-        eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=8, past_key_values=RocketKVCache(config),
+        eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=8, cache=RocketKVCache(config),
                        disable_compile=True)
         cache = RocketKVCache(config, pool=pool)
-        compiled = greedy(rocket, ids, attention_mask=mask, max_new_tokens=8, past_key_values=cache,
+        compiled = greedy(rocket, ids, attention_mask=mask, max_new_tokens=8, cache=cache,
                           compile_config=eager_compile_config())
         assert torch.equal(compiled, eager), lengths
         cache.close()
@@ -180,11 +180,11 @@ def test_triton_backend_decode_step_with_sinks_or_softcap_traces_as_one_graph(mo
     rocket, _ = make_hybrid_models(arch, **TWO_LAYERS[arch])
     ids, mask = _batch((30, 21), seed=5)
     config = _config(backend="triton")
-    eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=4, past_key_values=RocketKVCache(config),
+    eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=4, cache=RocketKVCache(config),
                    disable_compile=True)
     dynamo_utils.counters.clear()
     cache = RocketKVCache(config)
-    compiled = greedy(rocket, ids, attention_mask=mask, max_new_tokens=4, past_key_values=cache,
+    compiled = greedy(rocket, ids, attention_mask=mask, max_new_tokens=4, cache=cache,
                       compile_config=eager_compile_config())
     featured = [layer for layer in cache.layers if not layer.is_sliding]
     assert featured and all(layer.ops.name == "triton" and not layer.features.plain for layer in featured)
@@ -199,11 +199,11 @@ def test_batch_buckets_under_the_cuda_graph_runner_pad_sliding_rows():
     rocket, _ = make_hybrid_models("gemma3")
     config = compressing_config(kt_cache_dtype="float32", batch_buckets=(4,))
     ids, mask = _batch((30, 21, 6), seed=6)
-    eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=8, past_key_values=RocketKVCache(config),
+    eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=8, cache=RocketKVCache(config),
                    disable_compile=True)
     backend = StandInBackend()
     cache = graphed_cache(config, backend)
-    out = greedy(rocket, ids, attention_mask=mask, max_new_tokens=8, past_key_values=cache,
+    out = greedy(rocket, ids, attention_mask=mask, max_new_tokens=8, cache=cache,
                  compile_config=eager_compile_config())
     assert torch.equal(out, eager)
     assert backend.captures == 1

@@ -1,6 +1,6 @@
 """Cold vs warm process: first generate() time with and without saved compile artifacts.
 
-    python -m benchmarks.warm_start_time --out $OUT [--regions] [--layers 32]
+    python -m benchmarks.probes.warm_start_time --out $OUT [--regions] [--layers 32]
 
 Three fresh processes on the same random Llama-3.1-8B-shaped model (batch 1, 4k prompt, 32 new tokens): (1) cold, with
 an empty cache folder, which also warms up and saves the artifacts (hf_rocketkv.warmup); (2) warm: a new process that
@@ -34,7 +34,7 @@ ids = torch.randint(3, 128000, (1, 4096), device="cuda")
 def call():
     torch.cuda.synchronize(); t0 = time.perf_counter()
     with torch.no_grad():
-        model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=RocketKVCache(config),
+        model.generate(ids, attention_mask=torch.ones_like(ids), cache=RocketKVCache(config),
                        max_new_tokens=32, min_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
     torch.cuda.synchronize(); return time.perf_counter() - t0
 first = call(); second = call()

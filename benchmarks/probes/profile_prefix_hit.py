@@ -1,7 +1,7 @@
 """Where the time to first token of a prefix hit goes (target: <= 10% of a cold prefill), on a GPU.
 
-    python -m benchmarks.profile_prefix_hit --out $OUT          # H100: about 1 minute
-    python -m benchmarks.profile_prefix_hit --quick --out out   # CPU smoke run
+    python -m benchmarks.probes.profile_prefix_hit --out $OUT          # H100: about 1 minute
+    python -m benchmarks.probes.profile_prefix_hit --quick --out out   # CPU smoke run
 
 Llama-3.1-8B shapes, random bf16 weights, RocketKVConfig() defaults on the Triton backend, a KVBlockPool of 16-token
 pages. A cold request (32k shared prefix + 256 tokens) fills the pool, a warm-up hit compiles the hit path, then a
@@ -30,7 +30,7 @@ def first_token(model, ids: torch.Tensor, cache: RocketKVCache) -> float:
     """Seconds to the first token of one request (generate with max_new_tokens=1, synchronised)."""
     sync(ids.device)
     start = time.perf_counter()
-    model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=1, do_sample=False,
+    model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=1, do_sample=False,
                    eos_token_id=None, pad_token_id=0, disable_compile=True)
     sync(ids.device)
     return time.perf_counter() - start

@@ -1,7 +1,7 @@
 """How the Triton decode and prefill ops scale with the tokens kept, on a GPU: per-op times, GB/s, variants.
 
-    python -m benchmarks.decode_ops_scaling [--out DIR] [--quick]
-    python -m benchmarks.decode_ops_scaling --cpu-smoke     # the script's logic on a CPU (Triton interpreter)
+    python -m benchmarks.probes.decode_ops_scaling [--out DIR] [--quick]
+    python -m benchmarks.probes.decode_ops_scaling --cpu-smoke     # the script's logic on a CPU (Triton interpreter)
 
 Shapes: Llama-3.1-8B attention (32 query heads, 8 KV heads, head_dim 128, bf16), batch 1/4/16, contexts
 2k..100k tokens. For the decode ops the context is the number of tokens in the (compacted) cache; RocketKV's
@@ -50,8 +50,8 @@ from hf_rocketkv.kernels.triton_ops import TRITON_OPS as T
 from hf_rocketkv.selection import stage1_snapkv as s1
 from hf_rocketkv.selection import stage2_pages as s2
 
-from benchmarks.legacy_select_pages import HAS_MASKED_HISTOGRAM
-from benchmarks.legacy_select_pages import select_pages_launch as radix_select_launch
+from benchmarks.probes.legacy_select_pages import HAS_MASKED_HISTOGRAM
+from benchmarks.probes.legacy_select_pages import select_pages_launch as radix_select_launch
 
 HQ, HKV, D = 32, 8, 128
 G = HQ // HKV

@@ -1,6 +1,6 @@
 """Every host-device synchronisation on the prefill, prefix-hit and decode paths, counted by call site (GPU only).
 
-    python -m benchmarks.sync_sites --out $OUT --layers 2
+    python -m benchmarks.probes.sync_sites --out $OUT --layers 2
 
 ``torch.cuda.set_sync_debug_mode("warn")`` makes each synchronising call (``.item()``, ``.tolist()``, ``nonzero``,
 ``torch.equal``, a pageable host-to-device copy) raise a warning; this script turns each warning into its innermost
@@ -61,7 +61,7 @@ def main() -> None:
 
     def request(ids, new_tokens: int):
         cache = RocketKVCache(config, pool=pool)
-        model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new_tokens,
+        model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=new_tokens,
                        do_sample=False, eos_token_id=None, pad_token_id=0, disable_compile=True)
         cache.close()
 

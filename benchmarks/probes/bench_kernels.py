@@ -1,8 +1,8 @@
 """GPU check and timings of the decode kernels: select_pages (old radix vs new sort), top_pages, append_token (vs
 the old multi-op write), page_scores, sparse attention and a whole layer step (decode_attention + append).
 
-    python -m benchmarks.bench_kernels [--out DIR] [--quick] [--budget-s 150]   (< 3 min on an H100)
-    python -m benchmarks.bench_kernels --cpu-smoke                 (logic check, Triton interpreter)
+    python -m benchmarks.probes.bench_kernels [--out DIR] [--quick] [--budget-s 150]   (< 3 min on an H100)
+    python -m benchmarks.probes.bench_kernels --cpu-smoke                 (logic check, Triton interpreter)
 
 Shapes: Llama-3.1-8B attention per layer (Hkv 8, G 4, D 128, bf16 K/V, fp8 KT), page 4, topk 64, topr 128, batch
 1/4/32/64 x kept tokens 2,300 / 8,200 (ragged rows: up to 37 tokens fewer). Writes ``bench_kernels.json`` under
@@ -183,7 +183,7 @@ def new_append(st: State) -> None:
 
 
 def legacy_select():
-    from benchmarks import legacy_select_pages
+    from benchmarks.probes import legacy_select_pages
 
     return legacy_select_pages.select_pages_triton
 

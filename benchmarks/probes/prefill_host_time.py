@@ -1,7 +1,7 @@
 """Host time of a pool-backed prefill, per function, without a profiler: is the engine's prefill host-bound?
 
-    python -m benchmarks.prefill_host_time --regions --out $OUT      # H100: about 1 minute
-    python -m benchmarks.prefill_host_time --quick --out out        # CPU smoke run
+    python -m benchmarks.probes.prefill_host_time --regions --out $OUT      # H100: about 1 minute
+    python -m benchmarks.probes.prefill_host_time --quick --out out        # CPU smoke run
 
 torch.profiler's Python tracing (``with_stack``) slows Python-heavy code several times over, so its picture of where
 the host spends a prefill is skewed towards Python. Here each listed function is wrapped by a timer (about a
@@ -29,8 +29,8 @@ import torch
 
 import hf_rocketkv
 
-from benchmarks.profile_prefill import pool_prefill, prefill_args, prefill_setup
-from benchmarks.profile_prefix_hit import sync
+from benchmarks.probes.profile_prefill import pool_prefill, prefill_args, prefill_setup
+from benchmarks.probes.profile_prefix_hit import sync
 
 # (module, attribute path): each is timed inclusively; nested entries are also inside their callers' times.
 TIMED = (

@@ -1,6 +1,6 @@
 """Host microseconds per eager call of RocketKV's decode ops against a bare Triton launch, on a GPU (which part of the 513 us RocketKV adds per layer and step is Triton's launcher, which is ours).
 
-    python -m benchmarks.launch_overhead --out $OUT
+    python -m benchmarks.probes.launch_overhead --out $OUT
 
 Each entry is called ``--calls`` times back to back (no sync inside; the GPU work is tiny, so the loop is bound by
 the host) on one layer's decode state at Llama-3.1-8B shapes (batch 1, 8 KV heads, 4 query heads per KV head,

@@ -1,6 +1,6 @@
 """Where a decode step of the default runner (``decode_runner="cuda_graphs"``) spends its device time, on a GPU.
 
-    python -m benchmarks.profile_graph_step --batch 32 --context 8192 --prefill-batch-size 8 --out out/pg
+    python -m benchmarks.probes.profile_graph_step --batch 32 --context 8192 --prefill-batch-size 8 --out out/pg
 
 One generate() captures the step's graph; a second one of the same shapes runs with torch.profiler on for
 ``--steps`` decode steps in its middle (graph replays only: the kernels inside a replayed CUDA graph are traced one by
@@ -88,7 +88,7 @@ def one_run(model, ids, rocket: RocketKVConfig, new_tokens: int, eager: bool, wi
     clock = StepClock(ids.device)
     processors = [clock] + ([window] if window is not None else [])
     enable(model)
-    model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=RocketKVCache(rocket, pool=pool),
+    model.generate(ids, attention_mask=torch.ones_like(ids), cache=RocketKVCache(rocket, pool=pool),
                    max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
                    logits_processor=LogitsProcessorList(processors), disable_compile=eager)
     times = clock.seconds()

@@ -1,7 +1,7 @@
 """Where a cold prefill's time goes (the batching engine's 8k prefill), on a GPU.
 
-    python -m benchmarks.profile_prefill --out $OUT            # H100: about 1 minute
-    python -m benchmarks.profile_prefill --quick --out out     # CPU smoke run
+    python -m benchmarks.probes.profile_prefill --out $OUT            # H100: about 1 minute
+    python -m benchmarks.probes.profile_prefill --quick --out out     # CPU smoke run
 
 Llama-3.1-8B shapes, random bf16 weights, RocketKVConfig() defaults on the Triton backend. One prompt of --prompt-len
 tokens, timed (median of --repeats after a warm-up) three ways, side by side:
@@ -28,7 +28,8 @@ import torch
 from hf_rocketkv import KVBlockPool, RocketKVCache
 
 from benchmarks.bench_prefix_reuse import setup
-from benchmarks.profile_prefix_hit import gpu_gaps, profiled, summarize, sync, write_report
+from benchmarks.probes.profile_prefix_hit import gpu_gaps, profiled, summarize, sync, write_report
+from hf_rocketkv.integration.compat import cache_kwargs
 
 GIB = 2**30
 
@@ -97,7 +98,7 @@ def pool_prefill(model, config, pool, ids: torch.Tensor, max_new_tokens: int = 6
     cache.begin_prefill(ids, None, max_new_tokens=max_new_tokens)
     cache.hints.prefilling = True
     try:
-        model(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, use_cache=True,
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwargs(cache), use_cache=True,
               logits_to_keep=1)
     finally:
         cache.hints.prefilling = False
@@ -120,7 +121,7 @@ def main() -> None:
     def rocketkv():
         ids = prompt()
         cache = RocketKVCache(config)
-        model(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, use_cache=True,
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwargs(cache), use_cache=True,
               logits_to_keep=1)
 
     def pooled():

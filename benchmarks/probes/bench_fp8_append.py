@@ -1,6 +1,6 @@
 """Device time of one decode append (``paged_append_token``) on fp8 pool pages against bf16 pages, on a GPU.
 
-    python -m benchmarks.bench_fp8_append [--batch 1 32] [--out DIR]
+    python -m benchmarks.probes.bench_fp8_append [--batch 1 32] [--out DIR]
 
 Llama-3.1-8B KV shapes (8 KV heads, head_dim 128), pool pages of 16 tokens, KT pages of 4. Each case appends
 ``--steps`` tokens per row into pages that start empty, captured as one CUDA graph and timed with CUDA events over

@@ -1,7 +1,7 @@
 """Host time of an EAGER decode step per function, on a GPU (target: eager decode <= 30 ms/token at batch 1).
 
-    python -m benchmarks.decode_host_time --out $OUT            # H100 / H200: about a minute
-    python -m benchmarks.decode_host_time --quick --out out     # CPU smoke run (tiny model)
+    python -m benchmarks.probes.decode_host_time --out $OUT            # H100 / H200: about a minute
+    python -m benchmarks.probes.decode_host_time --quick --out out     # CPU smoke run (tiny model)
 
 Without CUDA graphs a decode step is host-bound: the GPU waits for the launches. generate() runs with
 ``disable_compile=True`` on RocketKVCache (Triton backend) and on DynamicCache (the model's own host cost), after a
@@ -30,7 +30,7 @@ from hf_rocketkv.bench.decode import LLAMA_31_8B, TINY, StepClock, build_model
 from hf_rocketkv.config import RocketKVConfig
 from hf_rocketkv.integration.registration import enable
 
-from benchmarks.prefill_host_time import function_name, stats_rows
+from benchmarks.probes.prefill_host_time import function_name, stats_rows
 
 
 class ProfileSteps:
@@ -69,7 +69,7 @@ def run(model, ids, cache, new_tokens: int, processors=()) -> float:
                   logits_processor=LogitsProcessorList([clock, *processors]))
     if cache is not None:
         enable(model)
-        kwargs["past_key_values"] = cache
+        kwargs["cache"] = cache  # generate() takes cache= on every supported transformers once hf_rocketkv is imported
     else:
         model.set_attn_implementation("sdpa")
     model.generate(ids, **kwargs)

@@ -1,8 +1,8 @@
 """Kernel launches of a pool-backed prefill, per RocketKV function (on a slow host the prefill and the prefix hit
 are bound by the launches RocketKV adds to the model's).
 
-    python -m benchmarks.launch_counts --out out                    # CPU, about a minute
-    TRITON_INTERPRET=1 python -m benchmarks.launch_counts --triton  # the Triton backend's launches
+    python -m benchmarks.probes.launch_counts --out out                    # CPU, about a minute
+    TRITON_INTERPRET=1 python -m benchmarks.probes.launch_counts --triton  # the Triton backend's launches
 
 Counts run on the CPU with the tiny model: every aten op that launches a kernel on a GPU (views, empty allocations
 and metadata ops excluded) and every Triton kernel launch is attributed to the innermost ``hf_rocketkv`` function on
@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import hf_rocketkv
+
 # aten ops that launch no kernel: views, allocations without a fill, metadata
 NO_LAUNCH = {
     "view", "_unsafe_view", "reshape", "expand", "slice", "select", "transpose", "permute", "unsqueeze", "squeeze",
@@ -37,14 +39,26 @@ NO_LAUNCH = {
 TRANSPARENT = {"Call.__call__", "RocketKVGenerateHooks._prefill_rows", "RocketKVGenerateHooks.prefill"}
 
 
+# the package's own folder: a file is the package's when its path starts here (a path that merely holds a folder
+# named hf_rocketkv, such as a clone of that name with its .venv inside, is not)
+PACKAGE_DIR = os.path.dirname(os.path.abspath(hf_rocketkv.__file__)) + os.sep
+
+
+def package_module(filename: str, package_dir: str = PACKAGE_DIR) -> str | None:
+    """``cache.compaction`` for ``<package_dir>cache/compaction.py``; None for a file outside the package."""
+    path = os.path.abspath(filename)
+    if not path.startswith(package_dir):
+        return None
+    return path[len(package_dir):].removesuffix(".py").replace(os.sep, ".")
+
+
 def _innermost_rocketkv_frame() -> str:
     frame = sys._getframe(2)
     while frame is not None:
-        filename = frame.f_code.co_filename
         # compat's ``Call`` wraps transformers' generate and forward: what runs inside it is the model's
         transparent = frame.f_code.co_qualname in TRANSPARENT
-        if f"{os.sep}hf_rocketkv{os.sep}" in filename and not transparent:
-            module = filename.split(f"{os.sep}hf_rocketkv{os.sep}")[-1].removesuffix(".py").replace(os.sep, ".")
+        module = None if transparent else package_module(frame.f_code.co_filename)
+        if module is not None:
             return f"{module}.{frame.f_code.co_qualname}"
         frame = frame.f_back
     return "model"
@@ -127,7 +141,7 @@ def count_prefill(prompt_len: int = 512, layers: int = 2, backend: str = "torch"
     def first_token(ids: torch.Tensor) -> None:
         cache = RocketKVCache(config, pool=pool)
         try:
-            model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=1,
+            model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=1,
                            do_sample=False, eos_token_id=None, pad_token_id=0, disable_compile=True)
         finally:
             cache.close()

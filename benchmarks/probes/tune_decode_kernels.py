@@ -1,6 +1,6 @@
 """Launch-parameter sweep of the two heaviest decode kernels (page scoring and sparse attention), on a GPU.
 
-    python -m benchmarks.tune_decode_kernels --out out/tune
+    python -m benchmarks.probes.tune_decode_kernels --out out/tune
 
 The graphed decode step profile (``profile_graph_step.py``, H100, batch 32 x 8k) puts ``_page_logits_kernel`` at
 26 us and ``_sparse_decode_split_kernel`` at 25 us per layer, against ~10 us each for their bytes at the H100's

@@ -1,6 +1,6 @@
 """Host microseconds of ONE decoder layer's eager decode step, split into its parts, on a GPU.
 
-    python -m benchmarks.eager_layer_time --out $OUT
+    python -m benchmarks.probes.eager_layer_time --out $OUT
 
 decode_host_time.py ranks functions with cProfile, which inflates Python-heavy code; this times the parts without a
 profiler, each called ``--calls`` times back to back on one layer (Llama-3.1-8B shapes, batch 1, a prompt of
@@ -35,7 +35,8 @@ from hf_rocketkv.config import RocketKVConfig
 from hf_rocketkv.integration.attention import rocketkv_attention
 from hf_rocketkv.integration.registration import enable
 
-from benchmarks.launch_overhead import per_call_us
+from benchmarks.probes.launch_overhead import per_call_us
+from hf_rocketkv.integration.compat import cache_kwargs
 
 
 def main() -> None:
@@ -68,7 +69,7 @@ def main() -> None:
         cache = RocketKVCache(RocketKVConfig(backend="triton", eager_layer_graphs=graphs))
         cache.hints.max_length = args.context + 4 * args.calls + 64
         with torch.no_grad():
-            model(ids, past_key_values=cache, use_cache=True)
+            model(ids, **cache_kwargs(cache), use_cache=True)
         layer = cache.layers[0]
 
         def rocket_forward():
@@ -117,7 +118,7 @@ def main() -> None:
     model.set_attn_implementation("sdpa")
     dynamic = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids, past_key_values=dynamic, use_cache=True)
+        model(ids, **cache_kwargs(dynamic), use_cache=True)
 
     def dynamic_forward():
         with torch.no_grad():

@@ -1,7 +1,7 @@
 """Where the decode step's weight GEMMs stand against the memory floor, and what the ecosystem offers to get closer.
 
-    python -m benchmarks.gemm_floor --out out/gemm_floor            # CUDA, about 3 minutes on an H100
-    python -m benchmarks.gemm_floor --cpu-smoke --out out/gemm_smoke  # CPU: the script's own logic, tiny shapes
+    python -m benchmarks.probes.gemm_floor --out out/gemm_floor            # CUDA, about 3 minutes on an H100
+    python -m benchmarks.probes.gemm_floor --cpu-smoke --out out/gemm_smoke  # CPU: the script's own logic, tiny shapes
 
 At decode every weight of the model is read once per step, so a step's GEMMs cannot take less than
 ``weight bytes / memory bandwidth``. This times all of Llama-3.1-8B's decode GEMMs (32 layers x q, k, v, o, gate, up,
@@ -278,7 +278,7 @@ def measure(args) -> dict:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     return {"device": name, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "commit": args.commit or commit or "unknown", "torch": torch.__version__,
-            "command": "python -m benchmarks.gemm_floor " + " ".join(args.argv), "weight_bytes": weight_bytes,
+            "command": "python -m benchmarks.probes.gemm_floor " + " ".join(args.argv), "weight_bytes": weight_bytes,
             "peak_gb_per_s": peak, "floor_ms": weight_bytes / peak / 1e6 if peak else None,
             "metric": "median ms of one decode step's weight GEMMs replayed as one CUDA graph (steady state)",
             "rows": rows}

@@ -1,7 +1,7 @@
 """What one chunk of a chunked prefill costs, chunk by chunk, against transformers' own chunked prefill, on a GPU.
 
-    python -m benchmarks.profile_chunked_prefill --out $OUT                 # H100: about 1 minute
-    python -m benchmarks.profile_chunked_prefill --quick --out out          # CPU smoke run
+    python -m benchmarks.probes.profile_chunked_prefill --out $OUT                 # H100: about 1 minute
+    python -m benchmarks.probes.profile_chunked_prefill --quick --out out          # CPU smoke run
 
 The batching engine prefills a long prompt in chunks between decode steps (serving/chunked_prefill.py), so a chunk's
 time is what every running request waits for between two tokens. Llama-3.1-8B shapes, random bf16 weights,
@@ -28,9 +28,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_prefix_reuse import setup
-from benchmarks.profile_prefix_hit import profiled, summarize, sync, write_report
+from benchmarks.probes.profile_prefix_hit import profiled, summarize, sync, write_report
 from hf_rocketkv import KVBlockPool, RocketKVCache
 from hf_rocketkv.serving.chunked_prefill import ChunkedPrefill
+from hf_rocketkv.integration.compat import cache_kwargs
 
 GIB = 2**30
 
@@ -94,7 +95,7 @@ def dynamic_prefill(model, ids: torch.Tensor, chunk: int, device) -> dict:
         start, end = index * chunk, min(ids.shape[1], (index + 1) * chunk)
         with model_attention(model, "sdpa"):
             model(input_ids=ids[:, start:end], position_ids=torch.arange(start, end, device=device)[None],
-                  past_key_values=cache, use_cache=True, logits_to_keep=1)
+                  **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
 
     return {"times": timed_chunks(run_chunk, count, device)}
 

@@ -1,6 +1,6 @@
 """Where one compiled decode step spends its time, on a GPU.
 
-    TORCH_LOGS=perf_hints python -m benchmarks.profile_decode_step --caches rocketkv-compile \
+    TORCH_LOGS=perf_hints python -m benchmarks.probes.profile_decode_step --caches rocketkv-compile \
         --batch 1 --context 32768 --out out/profile
 
 For each cache: a first generate() compiles the decode step; a second one of the same shapes runs under
@@ -122,7 +122,7 @@ def run_one(model, cache: str, batch: int, context: int, args, out: Path) -> dic
     def kwargs():
         if cache == "rocketkv-compile":
             hf_rocketkv.enable(model)
-            return dict(past_key_values=RocketKVCache(rocket))
+            return dict(cache=RocketKVCache(rocket))
         model.set_attn_implementation("sdpa")
         return dict(cache_implementation="static")
 

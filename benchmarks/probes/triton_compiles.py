@@ -2,7 +2,7 @@
 prefix hits with max_new_tokens 32, 1, 1, 7, 100, 100. A kernel that compiles again for a new max_new_tokens shows up
 under that request (Triton's in-memory cache misses, seen through ``triton.knobs.runtime.jit_cache_hook``).
 
-    python -m benchmarks.triton_compiles      # H100: about 40 s after the model is built
+    python -m benchmarks.probes.triton_compiles      # H100: about 40 s after the model is built
 
 Prints one JSON object per request: wall and TTFT seconds, reused tokens, the compiled kernels' signatures.
 """
