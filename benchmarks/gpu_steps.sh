@@ -36,6 +36,16 @@ for name in "$@"; do
   case $name in
     decode_b1_32k)   step "$name" 200 $PY -m hf_rocketkv.bench.decode --batch 1 --context 32768 --new-tokens 64 \
                         --caches rocketkv-graphs rocketkv dynamic --no-plot --out "$OUT/decode_b1_32k" ;;
+    headline)        # the README's table and picture: batch 1 at 32k and 128k against StaticCache + compile and
+                     # DynamicCache in one process, then RocketKV at batch 64 and 128 x 32k (prefill rows of 8)
+                     step "${name}_b1" 600 $PY -m hf_rocketkv.bench.decode --batch 1 --context 32768 128000 \
+                        --new-tokens 64 --caches rocketkv-graphs static-compile dynamic --cudnn-for-static --no-plot \
+                        --out "$OUT/headline_b1"
+                     step "${name}_batched" 600 $PY -m hf_rocketkv.bench.decode --batch 64 128 --context 32768 \
+                        --new-tokens 64 --prefill-batch-size 8 --caches rocketkv-graphs --no-plot \
+                        --out "$OUT/headline_batched"
+                     step "${name}_plot" 60 $PY -m benchmarks.plot_headline "$OUT/headline_b1/decode_bench.json" \
+                        "$OUT/headline_batched/decode_bench.json" --out "$OUT/headline.png" ;;
     decode_pool_b1_32k) # private pages, bf16 pool pages and fp8 pool pages side by side (graphs), eager and DynamicCache
                      step "$name" 300 $PY -m hf_rocketkv.bench.decode --batch 1 --context 32768 --new-tokens 64 \
                         --caches rocketkv-graphs rocketkv-graphs-pool rocketkv-graphs-pool-fp8 rocketkv dynamic \
