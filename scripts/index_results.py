@@ -45,7 +45,7 @@ WHAT = [
     (r"^onload_exact", "prefix hit onloaded from host memory against the device hit, bit for bit (now "
                        "tests/gpu/test_prefix_onload_gpu.py)"),
     (r"^pool_gpu_check", "host offload: bit-exact round trips, offload / onload GB/s, overlap with compute "
-                         "(now tests/gpu/test_pool_offload_gpu.py and benchmarks/offload_bandwidth.py)"),
+                         "(now tests/gpu/test_pool_offload_gpu.py and benchmarks/probes/offload_bandwidth.py)"),
     (r"^tp_verify", "tensor parallel on 2 GPUs against 1, step level: kept positions, selected pages, logits "
                     "(now tests/gpu/test_tensor_parallel_gpu.py)"),
     (r"^lockstep", "batching engine under tensor parallelism against 1 GPU: tokens/s, TTFT, same events on every "
@@ -80,7 +80,7 @@ WHAT = [
                               "(benchmarks/bench_prefix_reuse.py)"),
     (r"^sync_sites", "host-device synchronisations by call site (benchmarks/probes/sync_sites.py)"),
     (r"^triton_compiles", "Triton kernels compiled per request (benchmarks/probes/triton_compiles.py)"),
-    (r"^long_prefill", "peak GiB and time of a 128k prefill, chunked and not (benchmarks/long_prefill_memory.py)"),
+    (r"^long_prefill", "peak GiB and time of a 128k prefill, chunked and not (benchmarks/probes/long_prefill_memory.py)"),
     (r"^workload", "a mixed workload of generate() calls per cache (hf-rocketkv bench --workload)"),
     (r"decode|^bench_b\d|^firstrun|^repeat_static|^before_deferred|^query_offset",
      "decode ms/token, prefill s and peak GiB per cache (the decode benchmark, hf_rocketkv.bench.decode)"),

@@ -1,8 +1,8 @@
 """Would a prefill running beside the decode steps keep the running requests' inter-token latency? A measurement, on
 a GPU, of the design the batching engine does not have yet (docs/serving.md, "Measured: inter-token latency").
 
-    python -m benchmarks.decode_beside_prefill [--out DIR]      # Llama-3.1-8B shapes, random bf16 weights, GPU
-    python -m benchmarks.decode_beside_prefill --quick          # tiny model on the CPU: the script's logic
+    python -m benchmarks.probes.decode_beside_prefill [--out DIR]      # Llama-3.1-8B shapes, random bf16 weights, GPU
+    python -m benchmarks.probes.decode_beside_prefill --quick          # tiny model on the CPU: the script's logic
 
 Today the engine's one thread runs a prefill chunk between two decode steps, so every chunk is a gap in every running
 request's tokens. Here the engine decodes --running requests (CUDA graphs, as served) while a second host thread

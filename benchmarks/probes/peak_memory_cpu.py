@@ -1,8 +1,8 @@
 """Peak live tensor bytes of bench_prefix_reuse.py step 8 (batch x shared prefix, pool, prefill_batch_size=1), on CPU.
 
-    python -m benchmarks.peak_memory_cpu                       # 4 layers, batch 8 x (2048 + 64), ~15 s
-    python -m benchmarks.peak_memory_cpu --batch 16 --vocab 32000 --top 25 --json out/peak.json
-    python -m benchmarks.peak_memory_cpu --prefill-batch-size 0       # the whole batch in one forward
+    python -m benchmarks.probes.peak_memory_cpu                       # 4 layers, batch 8 x (2048 + 64), ~15 s
+    python -m benchmarks.probes.peak_memory_cpu --batch 16 --vocab 32000 --top 25 --json out/peak.json
+    python -m benchmarks.probes.peak_memory_cpu --prefill-batch-size 0       # the whole batch in one forward
 
 Same structure as bench_prefix_reuse's batch x shared prefix step (a Llama with GQA, a preallocated ``KVBlockPool`` of 16-token pages sized by
 its own accounting, rows that share a prefix and each add a suffix of their own, ``model.generate`` with

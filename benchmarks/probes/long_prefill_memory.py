@@ -1,6 +1,6 @@
 """Does a batch-1 prefill of 128k tokens fit on one GPU, with and without generate's chunked prefill?
 
-    python -m benchmarks.long_prefill_memory --context 128000 --chunk 8192 --out out/long
+    python -m benchmarks.probes.long_prefill_memory --context 128000 --chunk 8192 --out out/long
 
 Llama-3.1-8B shapes, random bf16 weights, RocketKVConfig() defaults (budget 2048, topk 64, page 4). For each mode
 (RocketKV with prefill_chunk_size, RocketKV in one forward, and DynamicCache with the same chunks for reference):

@@ -1,8 +1,8 @@
 """KVBlockPool's host offload on a GPU: device<->host GB/s of evictions and onloads, how much of an onload hides
 behind compute, pinned-buffer registration time, and plain pinned copies for comparison.
 
-    python -m benchmarks.offload_bandwidth [--out DIR]
-    python -m benchmarks.offload_bandwidth --small      # tiny shapes (the CPU without a GPU): the script's logic
+    python -m benchmarks.probes.offload_bandwidth [--out DIR]
+    python -m benchmarks.probes.offload_bandwidth --small      # tiny shapes (the CPU without a GPU): the script's logic
 
 Shapes: Llama-3.1-8B KV (32 layers, 8 KV heads, head_dim 128), bf16 pages of 16 tokens with fp8 KT (4-token KT
 pages), a 32k-token prefix = 2048 pages of 2.25 MiB (4.6 GiB); a second pass with fp8 (e4m3) pages and per-head
