@@ -25,6 +25,16 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 hf_logging.set_verbosity_error()
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects by mark
+def pytest_collection_modifyitems(config, items):
+    """The fixture-parametrized cases of tests/support/markers.py get the ``slow`` mark."""
+    from tests.support.markers import SLOW, SLOW_FIXTURE_CASES
+
+    for item in items:
+        if item.nodeid in SLOW_FIXTURE_CASES:
+            item.add_marker(SLOW)
+
+
 @pytest.fixture(scope="module")
 def model():
     """One tiny random Llama on ``rocketkv`` attention (``make_models("llama")[0]``), shared by a module's tests."""

@@ -30,6 +30,7 @@ from tests.support.tiny_models import (
     greedy,
     left_pad,
     random_ids,
+from tests.support.markers import slow_except
 )
 
 # two layers, one sliding and one global: the smallest model with both kinds (inductor compiles it in seconds)
@@ -83,7 +84,7 @@ def _assert_compiled_equals_eager(rocket, lengths, seed: int, new_tokens: int, c
     _assert_same_cache(cache, eager_cache)
 
 
-@pytest.mark.parametrize("arch", list(TWO_LAYERS))
+@pytest.mark.parametrize("arch", slow_except(list(TWO_LAYERS), keep=["gemma3", "gemma2"]))  # gpt_oss: ~17 s
 def test_inductor_decode_equals_eager_and_a_new_prompt_length_does_not_recompile(arch):
     """Prompts longer than the window, a left-padded batch of 2: inductor's tokens and rings are eager's; a second
     request of other prompt lengths replays the same graph."""
@@ -97,7 +98,7 @@ def test_inductor_decode_equals_eager_and_a_new_prompt_length_does_not_recompile
     assert not dynamo_utils.counters["graph_break"]
 
 
-@pytest.mark.parametrize("arch", ["gpt_oss", "gemma3", "mistral", "gemma2", "cohere2"])
+@pytest.mark.parametrize("arch", slow_except(["gpt_oss", "gemma3", "mistral", "gemma2", "cohere2"], keep=["cohere2"]))  # 8-22 s each
 def test_traced_decode_is_one_graph_for_every_prompt_length(arch):
     """Every hybrid architecture traces as one fullgraph (dynamo, backend "eager": fast), with eager's tokens, for a
     prompt shorter than the window (its ring fills while decoding), longer ones and a padded batch; prompts of new
@@ -129,6 +130,7 @@ def test_next_turn_after_compiled_decode_equals_eager():
     assert torch.equal(outputs[0], outputs[1])
 
 
+@pytest.mark.slow  # ~14 s; test_batch_buckets_under_the_cuda_graph_runner_pad_sliding_rows runs by default
 def test_batch_buckets_pad_sliding_rows():
     """batch_buckets: 3 rows run as 4 (row 0 copied into the padding row, its ring too) and 2 rows as 2; the
     caller's rows get eager's tokens, the cache keeps the caller's rows, one graph per bucket."""
@@ -170,7 +172,7 @@ def test_compiled_decode_with_a_pool_equals_eager_without_recompiles():
     assert not dynamo_utils.counters["recompiles"]
 
 
-@pytest.mark.parametrize("arch", ["gpt_oss", "gemma2"])
+@pytest.mark.parametrize("arch", slow_except(["gpt_oss", "gemma2"], keep=["gemma2"]))  # gpt_oss: ~10 s
 def test_triton_backend_decode_step_with_sinks_or_softcap_traces_as_one_graph(monkeypatch, arch):
     """backend="triton": the global layers' registered ops with the model's sinks (gpt-oss) or soft-capping
     (Gemma 2) trace with the sliding rings as one fullgraph and give eager's tokens. As in
