@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     torch.set_grad_enabled(False)
     report = {**provenance(argv, device), "args": vars(args), "settings": {}}
-    report["command"] = report["command"].replace("decode_under_arrivals", "decode_beside_prefill")
+    report["command"] = report["command"].replace("decode_under_arrivals", "probes.decode_beside_prefill")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -24,13 +24,13 @@ from tests.support.decode_runners import (
     unique_graphs,
 )
 from tests.support.hybrid_models import FULL, SLIDING, WINDOW, make_hybrid_models
+from tests.support.markers import slow_except
 from tests.support.tiny_models import (
     compressing_config,
     cpu_pool,
     greedy,
     left_pad,
     random_ids,
-from tests.support.markers import slow_except
 )
 
 # two layers, one sliding and one global: the smallest model with both kinds (inductor compiles it in seconds)
