@@ -56,7 +56,7 @@ def peak_gib(device: torch.device) -> float | None:
 def generate(model, ids: torch.Tensor, cache: RocketKVCache, new_tokens: int, **kwargs) -> dict:
     """One request; returns TTFT (seconds to the first token), decode ms/token (median), the new tokens, stats."""
     clock = StepClock(ids.device)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new_tokens,
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=new_tokens,
                          min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
                          disable_compile=True, logits_processor=LogitsProcessorList([clock]), **kwargs)
     times = clock.seconds()

@@ -3,7 +3,7 @@
     python -m benchmarks.first_call --out $OUT                 # H100: ~1.5 min (32 x 8k / 512 new)
     python -m benchmarks.first_call --quick --out out          # CPU: the script's logic
 
-Warm start across processes (docs/serving.md, "Warm start"), two fresh processes on one folder:
+Warm start across processes (docs/engine.md, "Warm start across processes"), two fresh processes on one folder:
 
     python -m benchmarks.first_call --compile-cache $DIR --warm-up-only --out $OUT   # 1: warm_up_engine into DIR
     python -m benchmarks.first_call --compile-cache $DIR --out $OUT                  # 2: first against second

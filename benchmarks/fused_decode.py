@@ -58,7 +58,7 @@ if ARGS is not None and ARGS.quick:
 
 import torch
 
-from benchmarks.bench_kernels import time_graph
+from benchmarks.probes.bench_kernels import time_graph
 from hf_rocketkv.kernels import launch as launch_module
 from hf_rocketkv.kernels.dispatch import get_ops
 from hf_rocketkv.selection import stage2_pages as s2
@@ -250,7 +250,7 @@ def one_step_run(model, ids, rocket, new_tokens: int, device: torch.device):
     if device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
-        from benchmarks.profile_graph_step import ProfileWindow
+        from benchmarks.probes.profile_graph_step import ProfileWindow
 
         profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
         window = ProfileWindow(profiler, first=new_tokens - steps - 2, steps=steps)
@@ -264,7 +264,7 @@ def one_step_run(model, ids, rocket, new_tokens: int, device: torch.device):
     gaps = [b - a for a, b in itertools.pairwise(times)][2 if device.type != "cuda" else 4:end]  # after the capture
     table = {}
     if profiler is not None:
-        from benchmarks.profile_graph_step import kernel_table
+        from benchmarks.probes.profile_graph_step import kernel_table
 
         full = kernel_table(profiler, steps)
         table = {"kernels_per_step": full["kernels_per_step"], "gpu_busy_ms_per_step": full["gpu_busy_ms_per_step"],

@@ -4,7 +4,7 @@
 #
 #   OUT=/tmp/out bash benchmarks/gpu_steps.sh decode_b1_32k decode_b32_8k prefix_reuse graph_tests
 #
-# Run it from the repository root: the timing scripts run as modules (python -m benchmarks.<name>). The GPU
+# Run it from the repository root: the timing scripts run as modules (python -m benchmarks.<name>, the probes as benchmarks.probes.<name>). The GPU
 # correctness checks are tests (tests/gpu and every test marked `gpu`): the step gpu_tests runs them all through
 # scripts/gpu_tests.sh, which writes its results file under $OUT/gpu_tests; the *_tests steps run some of them.
 # A failing step never stops the next one; the summary at the end lists each step's exit status and seconds.
@@ -36,6 +36,16 @@ for name in "$@"; do
   case $name in
     decode_b1_32k)   step "$name" 200 $PY -m hf_rocketkv.bench.decode --batch 1 --context 32768 --new-tokens 64 \
                         --caches rocketkv-graphs rocketkv dynamic --no-plot --out "$OUT/decode_b1_32k" ;;
+    headline)        # the README's table and picture: batch 1 at 32k and 128k against StaticCache + compile and
+                     # DynamicCache in one process, then RocketKV at batch 64 and 128 x 32k (prefill rows of 8)
+                     step "${name}_b1" 600 $PY -m hf_rocketkv.bench.decode --batch 1 --context 32768 128000 \
+                        --new-tokens 64 --caches rocketkv-graphs static-compile dynamic --cudnn-for-static --no-plot \
+                        --out "$OUT/headline_b1"
+                     step "${name}_batched" 600 $PY -m hf_rocketkv.bench.decode --batch 64 128 --context 32768 \
+                        --new-tokens 64 --prefill-batch-size 8 --caches rocketkv-graphs --no-plot \
+                        --out "$OUT/headline_batched"
+                     step "${name}_plot" 60 $PY -m benchmarks.plot_headline "$OUT/headline_b1/decode_bench.json" \
+                        "$OUT/headline_batched/decode_bench.json" --out "$OUT/headline.png" ;;
     decode_pool_b1_32k) # private pages, bf16 pool pages and fp8 pool pages side by side (graphs), eager and DynamicCache
                      step "$name" 300 $PY -m hf_rocketkv.bench.decode --batch 1 --context 32768 --new-tokens 64 \
                         --caches rocketkv-graphs rocketkv-graphs-pool rocketkv-graphs-pool-fp8 rocketkv dynamic \
@@ -66,13 +76,13 @@ for name in "$@"; do
     decode_rope_b32_8k) step "$name" 300 $PY -m hf_rocketkv.bench.decode --batch 32 --context 8192 --new-tokens 64 \
                         --prefill-batch-size 8 --caches rocketkv-graphs rocketkv-graphs-rope-off --no-plot \
                         --out "$OUT/decode_rope_b32_8k" ;;
-    profile_b64_32k_regions) step "$name" 590 $PY -m benchmarks.profile_graph_step --batch 64 --context 32768 \
+    profile_b64_32k_regions) step "$name" 590 $PY -m benchmarks.probes.profile_graph_step --batch 64 --context 32768 \
                         --prefill-batch-size 8 --bandwidth-tbs 4.8 --regions --out "$OUT/profile_b64_32k_regions" ;;
     profile_b64_8k_rope_ab) # fused_rope on, then off, compile_regions, batch 64 x 8k (stage 1 keeps 2048 either way)
-                     for r in "" "--rope-off"; do step "$name${r//-/_}" 290 $PY -m benchmarks.profile_graph_step \
+                     for r in "" "--rope-off"; do step "$name${r//-/_}" 290 $PY -m benchmarks.probes.profile_graph_step \
                         --batch 64 --context 8192 --prefill-batch-size 16 --bandwidth-tbs 4.8 --regions $r \
                         --new-tokens 24 --out "$OUT/$name${r//-/_}"; done ;;
-    profile_b64_32k_regions_rope_off) step "$name" 590 $PY -m benchmarks.profile_graph_step --batch 64 \
+    profile_b64_32k_regions_rope_off) step "$name" 590 $PY -m benchmarks.probes.profile_graph_step --batch 64 \
                         --context 32768 --prefill-batch-size 8 --bandwidth-tbs 4.8 --regions --rope-off \
                         --out "$OUT/profile_b64_32k_regions_rope_off" ;;
     decode_b32_8k)   step "$name" 240 $PY -m hf_rocketkv.bench.decode --batch 32 --context 8192 --new-tokens 64 \
@@ -83,7 +93,7 @@ for name in "$@"; do
                      need_pytest
                      step "$name" 240 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_sparse_decode_attention.py \
                         tests/kernels/test_paged_ops.py tests/kernels/test_fp8_pages.py ;;
-    tune_wide)       step "$name" 400 $PY -m benchmarks.tune_decode_kernels --wide --skip-attention --batches 64 32 1 \
+    tune_wide)       step "$name" 400 $PY -m benchmarks.probes.tune_decode_kernels --wide --skip-attention --batches 64 32 1 \
                         --out "$OUT/tune_wide" ;;
     prefix_reuse)    step "$name" 240 $PY -m benchmarks.bench_prefix_reuse --out "$OUT/prefix_reuse" ;;
     prefix_equal_fp32) step "$name" 150 $PY -m benchmarks.bench_prefix_reuse --dtype float32 --layers 8 --prefix 8192 \
@@ -95,7 +105,7 @@ for name in "$@"; do
     graph_tests)     # CUDA-graph decode equals eager decode (also after compile_regions); torch.compile decode runs
                      step "$name" 300 "${GPU_TESTS[@]}" tests/gpu/test_decode_graphs_gpu.py \
                         tests/gpu/test_compiled_decode_gpu.py ;;
-    warm_start)      step "$name" 300 $PY -m benchmarks.warm_start_time --out "$OUT/warm_start" ;;
+    warm_start)      step "$name" 300 $PY -m benchmarks.probes.warm_start_time --out "$OUT/warm_start" ;;
     kernel_tests)    # every Triton kernel against its PyTorch twin, compiled for this GPU (pytest from .device_wheels if absent)
                      need_pytest
                      step "$name" 330 $PY -m pytest -q -p no:cacheprovider --durations=15 tests/kernels ;;
@@ -120,32 +130,32 @@ for name in "$@"; do
                      step "$name" 300 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_merge_attention.py tests/kernels/test_rope.py \
                         tests/kernels/test_rms_norm.py tests/kernels/test_window_scores.py tests/kernels/test_specialisation.py \
                         tests/integration/test_attention.py tests/integration/test_causal_prefill.py tests/serving/test_prefill_graphs.py ;;
-    profile_prefix_hit) step "$name" 150 $PY -m benchmarks.profile_prefix_hit --out "$OUT/profile_prefix_hit" ;;
-    profile_prefill) step "$name" 150 $PY -m benchmarks.profile_prefill --out "$OUT/profile_prefill" ;;
-    sync_sites)      step "$name" 120 $PY -m benchmarks.sync_sites --layers 2 --out "$OUT/sync_sites" ;;
+    profile_prefix_hit) step "$name" 150 $PY -m benchmarks.probes.profile_prefix_hit --out "$OUT/profile_prefix_hit" ;;
+    profile_prefill) step "$name" 150 $PY -m benchmarks.probes.profile_prefill --out "$OUT/profile_prefill" ;;
+    sync_sites)      step "$name" 120 $PY -m benchmarks.probes.sync_sites --layers 2 --out "$OUT/sync_sites" ;;
     decode_compression) # decode-time compression: CUDA-graph decode equals eager, the capacity stays bounded
                      step "$name" 240 "${GPU_TESTS[@]}" tests/gpu/test_decode_compression_gpu.py ;;
     batching)        step "$name" 300 $PY -m benchmarks.batching_throughput --rates 1,4 --mixed-requests 16 --mixed-time-s 20 \
                         --mixed-max-prompt 16384 --out "$OUT/batching" ;;
-    profile_graph_b32) step "$name" 240 $PY -m benchmarks.profile_graph_step --batch 32 --context 8192 --eager \
+    profile_graph_b32) step "$name" 240 $PY -m benchmarks.probes.profile_graph_step --batch 32 --context 8192 --eager \
                         --out "$OUT/profile_graph_b32" ;;
-    decode_host_time) step "$name" 200 $PY -m benchmarks.decode_host_time --out "$OUT/decode_host_time" ;;
-    eager_layer_time) step "$name" 150 $PY -m benchmarks.eager_layer_time --out "$OUT/eager_layer_time" ;;
-    launch_overhead) step "$name" 120 $PY -m benchmarks.launch_overhead --out "$OUT/launch_overhead" ;;
-    bench_fp8_append) step "$name" 120 $PY -m benchmarks.bench_fp8_append --out "$OUT/bench_fp8_append" ;;
+    decode_host_time) step "$name" 200 $PY -m benchmarks.probes.decode_host_time --out "$OUT/decode_host_time" ;;
+    eager_layer_time) step "$name" 150 $PY -m benchmarks.probes.eager_layer_time --out "$OUT/eager_layer_time" ;;
+    launch_overhead) step "$name" 120 $PY -m benchmarks.probes.launch_overhead --out "$OUT/launch_overhead" ;;
+    bench_fp8_append) step "$name" 120 $PY -m benchmarks.probes.bench_fp8_append --out "$OUT/bench_fp8_append" ;;
     profile_pool_b1) # the graphed step at batch 1 x 32k on private pages, bf16 pool pages and fp8 pool pages
                      for pool in none model fp8; do
-                       step "${name}_$pool" 150 $PY -m benchmarks.profile_graph_step --batch 1 --context 32768 \
+                       step "${name}_$pool" 150 $PY -m benchmarks.probes.profile_graph_step --batch 1 --context 32768 \
                           --pool "$pool" --out "$OUT/profile_pool_b1"
                      done ;;
-    profile_graph_b1) step "$name" 180 $PY -m benchmarks.profile_graph_step --batch 1 --context 32768 \
+    profile_graph_b1) step "$name" 180 $PY -m benchmarks.probes.profile_graph_step --batch 1 --context 32768 \
                         --out "$OUT/profile_graph_b1" ;;
     batching_fixed)  step "$name" 240 $PY -m benchmarks.batching_throughput --rates "" --out "$OUT/batching_fixed" ;;
     batching_fixed_regions) step "$name" 300 $PY -m benchmarks.batching_throughput --rates "" --compile-regions --profile-prefill \
                         --out "$OUT/batching_fixed_regions" ;;
-    profile_graph_b32_regions) step "$name" 240 $PY -m benchmarks.profile_graph_step --batch 32 --context 8192 \
+    profile_graph_b32_regions) step "$name" 240 $PY -m benchmarks.probes.profile_graph_step --batch 32 --context 8192 \
                         --regions --out "$OUT/profile_graph_b32_regions" ;;
-    tune_kernels)    step "$name" 420 $PY -m benchmarks.tune_decode_kernels --out "$OUT/tune_kernels" ;;
+    tune_kernels)    step "$name" 420 $PY -m benchmarks.probes.tune_decode_kernels --out "$OUT/tune_kernels" ;;
     batching_fixed_compiled) step "$name" 300 $PY -m benchmarks.batching_throughput --rates "" --compile-regions \
                         --out "$OUT/batching_fixed_compiled" ;;
     batching_fixed_compiled_rope_off) step "$name" 300 $PY -m benchmarks.batching_throughput --rates "" --compile-regions \
@@ -156,21 +166,21 @@ for name in "$@"; do
                         --out "$OUT/batching_gc" ;;
     batching_host_times) step "$name" 300 $PY -m benchmarks.batching_throughput --rates "" --compile-regions --time-host \
                         --out "$OUT/batching_host_times" ;;
-    triton_compiles) step "$name" 240 $PY -m benchmarks.triton_compiles ;;
-    prefill_cprofile) step "$name" 150 $PY -m benchmarks.prefill_host_time --regions --cprofile --repeats 3 \
+    triton_compiles) step "$name" 240 $PY -m benchmarks.probes.triton_compiles ;;
+    prefill_cprofile) step "$name" 150 $PY -m benchmarks.probes.prefill_host_time --regions --cprofile --repeats 3 \
                         --out "$OUT/prefill_cprofile" ;;
-    prefill_host_time) step "$name" 150 $PY -m benchmarks.prefill_host_time --regions --out "$OUT/prefill_host_time" ;;
-    profile_prefill_regions) step "$name" 180 $PY -m benchmarks.profile_prefill --regions \
+    prefill_host_time) step "$name" 150 $PY -m benchmarks.probes.prefill_host_time --regions --out "$OUT/prefill_host_time" ;;
+    profile_prefill_regions) step "$name" 180 $PY -m benchmarks.probes.profile_prefill --regions \
                         --out "$OUT/profile_prefill_regions" ;;
     batching_regions) step "$name" 420 $PY -m benchmarks.batching_throughput --rates 1,4 --mixed-requests 16 \
                         --mixed-time-s 20 --mixed-max-prompt 16384 --compile-regions --out "$OUT/batching_regions" ;;
-    profile_graph_b1_regions) step "$name" 180 $PY -m benchmarks.profile_graph_step --batch 1 --context 32768 \
+    profile_graph_b1_regions) step "$name" 180 $PY -m benchmarks.probes.profile_graph_step --batch 1 --context 32768 \
                         --regions --out "$OUT/profile_graph_b1_regions" ;;
     stage2_score_tests) # stage2_score="head_bound" (and the default) in the scoring / selection kernels on this GPU
                      need_pytest
                      step "$name" 240 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_page_scores.py \
                         tests/kernels/test_select_pages.py tests/kernels/test_paged_ops.py tests/kernels/test_e2e_triton.py ;;
-    bench_kernels_quick) step "$name" 200 $PY -m benchmarks.bench_kernels --quick --budget-s 120 \
+    bench_kernels_quick) step "$name" 200 $PY -m benchmarks.probes.bench_kernels --quick --budget-s 120 \
                         --out "$OUT/bench_kernels_quick" ;;
     mixed_curve)     step "$name" 300 $PY -m benchmarks.batching_throughput --skip-fixed --rates 1,2,4,8 --mixed-requests 16 \
                         --mixed-time-s 20 --mixed-max-prompt 32768 --compile-regions --out "$OUT/mixed_curve" ;;

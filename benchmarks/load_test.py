@@ -5,7 +5,7 @@
         --prompt-tokens 2048 --max-tokens 128 --time-limit 600 --output load.json
 
     # or start the server in this process on a model first
-    python -m benchmarks.load_test --serve-model smollm2 --config smollm2-cpu --requests 8 --concurrency 2
+    python -m benchmarks.load_test --serve-model smollm2 --config smollm2-longdoc --requests 8 --concurrency 2
 
 Every request streams through the ``openai`` client (``stream_options.include_usage``), with ``ignore_eos`` so each
 produces exactly ``--max-tokens`` tokens. Bounded: at most ``--requests`` requests, at most ``--concurrency`` at a

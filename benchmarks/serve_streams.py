@@ -6,8 +6,9 @@ token and the texts of every stream, for comparing two source trees (e.g. before
     python -m benchmarks.serve_streams --label before --tree /tmp/base --commit BASE \
         --output results/cpu_DATE_serve_8_streams.json
 
-Starts ``python -m hf_rocketkv.cli serve --model smollm2 --config smollm2-cpu --host 127.0.0.1 --port 0`` (the
-command docs/serving.md gives, on a free port; ``--serve-arg`` adds flags) from ``--tree`` (its package first on the
+Starts ``python -m hf_rocketkv.cli serve --model smollm2 --config smollm2-longdoc --host 127.0.0.1 --port 0`` (the
+command the README gives, on a free port; ``--config`` picks another bundled config or YAML file, ``--serve-arg`` adds
+flags) from ``--tree`` (its package first on the
 path), waits until it says where it listens, sends ``--streams`` streaming chat completions at once (one question
 each, greedy, ``--max-tokens``), records per stream the time to first text, the end and the text, then stops the
 server with SIGINT. The run is written under its label into ``--output`` (other labels already there are kept), with
@@ -55,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tree", default=str(ROOT), help="source tree whose hf_rocketkv serves (default: this one)")
     parser.add_argument("--commit", default=None, help="the tree's commit when it is no git checkout (git archive)")
     parser.add_argument("--output", required=True, help="JSON file the run is merged into")
+    parser.add_argument("--config", default="smollm2-longdoc",
+                        help="serve's --config (default smollm2-longdoc, the documented command's)")
     parser.add_argument("--streams", type=int, default=8, help="concurrent streams (default 8, at most 32)")
     parser.add_argument("--max-tokens", type=int, default=24, help="max_tokens of each stream (default 24)")
     parser.add_argument("--serve-arg", action="append", default=[],
@@ -93,7 +96,7 @@ def commit_of(tree: str) -> str:
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, list[str], list[str]]:
     """The serve process, its URL, the command, and the lines it printed until it listened."""
-    command = [sys.executable, "-m", "hf_rocketkv.cli", "serve", "--model", "smollm2", "--config", "smollm2-cpu",
+    command = [sys.executable, "-m", "hf_rocketkv.cli", "serve", "--model", "smollm2", "--config", args.config,
                "--host", "127.0.0.1", "--port", "0", "--log-level", "warning", *args.serve_arg]
     env = {**os.environ, "PYTHONPATH": args.tree, "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(command, cwd=args.tree, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,

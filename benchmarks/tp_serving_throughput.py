@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.batching_throughput import Recorder, _buckets, engine_stats, greedy_request, random_prompt
+from benchmarks.batching_steps import Recorder, _buckets, engine_stats, greedy_request, random_prompt
 
 GIB = 2**30
 

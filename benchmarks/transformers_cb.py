@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.batching_throughput import (
+from benchmarks.batching_steps import (
     EngineRun,
     Recorder,
     run_plan,

@@ -1,8 +1,8 @@
-"""Write results/INDEX.md: one row per raw result file of results/, one per evaluation run folder of results/eval/,
+"""Write results/index.md: one row per raw result file of results/, one per evaluation run folder of results/eval/,
 one per GPU test run of results/gpu_tests/, each with its device, date, commit, command and what it measures.
 
-    python scripts/index_results.py            # rewrites results/INDEX.md
-    python scripts/index_results.py --check    # exit 1 if results/INDEX.md is not what it would write
+    python scripts/index_results.py            # rewrites results/index.md
+    python scripts/index_results.py --check    # exit 1 if results/index.md is not what it would write
 
 Each field is read, in this order, from the file itself (the ``device`` / ``date`` / ``commit`` / ``command``
 fields many JSON results hold, at the top or under ``env`` / ``meta`` / ``environment``; a log's
@@ -23,19 +23,32 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
 EARLIER_HOMES = {"benchmarks/results/": "results/", "docs/results/": "results/eval/"}
-NAME = re.compile(r"^(?P<device>h100|h200)(?:x(?P<gpus>\d+))?_(?P<date>\d{4}-\d{2}-\d{2})_?(?P<rest>.*)$")
+NAME = re.compile(r"^(?P<device>h100|h200|cpu)(?:x(?P<gpus>\d+))?_(?P<date>\d{4}-\d{2}-\d{2})_?(?P<rest>.*)$")
 COMMIT_IN_TEXT = re.compile(r"\bcommit[\s:=\"']+([0-9a-f]{7,40})\b")
 STEP_LINE = re.compile(r"^=== (?P<step>\S+) \(limit \d+s\): (?P<command>.+)$")
 EVAL_FILES = ("results.json", "sweep.json", "kvpress_results.json")
 
 # what a result measures, by the name of the run (device, date and run-order tags like "s4_" removed): first match
 WHAT = [
+    (r"^fidelity_guard", "the recommended setting's top-1 agreement on python_reference.txt windows and the multi-key "
+                         "needle: the floor of tests/eval/test_fidelity_guard.py (benchmarks/fidelity_guard.py)"),
+    (r"^fidelity_study", "fidelity study: dense layers, budget schedules, page sizes, stage-2 options "
+                         "(benchmarks/fidelity_study.py; _kvpress: kvpress presses on the same windows)"),
+    (r"^start_time", "import, --help and a command-line mistake, each in a fresh interpreter (benchmarks/start_time.py)"),
+    (r"^test_suite_times", "wall time of the test suite: the default command and CI's full runs"),
+    (r"^fused_norm", "decode ms/token with the fused RMSNorm (hf_rocketkv.bench.decode)"),
+    (r"^gemm_floor", "a decode step's weight GEMMs against the memory floor (benchmarks/probes/gemm_floor.py)"),
+    (r"^load_(chunks|concurrent|curve)", "batching engine under Poisson arrivals: tokens/s, ITL and TTFT p50/p99 "
+                                         "(benchmarks/batching_throughput.py)"),
+    (r"^peak_64x32k", "peak GiB of generate_batch 64 x 32k with a fixed or the default pool (benchmarks/peak_64x32k.py)"),
+    (r"^profile_b1|^profile_chunked", "profile of a decode step or of a chunked prefill's chunks (benchmarks/probes/)"),
+    (r"causal_prefill_probes", "cuDNN causal prefill attention: graph build times and shapes (a probe script)"),
     (r"^split_", "the default decode (rocketkv-graphs) before the package split (commit 0386f3e) and after it, "
                  "side by side on one GPU in one device call: decode ms/token, prefill s, peak GiB"),
     (r"_tests|^kernel_tests", "pytest log of GPU tests on that machine"),
     (r"^gpu_kernel_check", "Triton ops against their PyTorch references at Llama-3.1-8B shapes, and per-op times "
                            "at 2k-100k tokens (now tests/gpu/test_kernels_large_shapes_gpu.py and "
-                           "benchmarks/decode_ops_scaling.py)"),
+                           "benchmarks/probes/decode_ops_scaling.py)"),
     (r"compile_check", "generate()'s compiled decode against eager decode: same tokens, recompiles, ms/token (now "
                        "tests/gpu/test_compiled_decode_gpu.py)"),
     (r"^gpu_graph_check|^graph_regions", "CUDA-graph and torch.compile decode against eager: tokens equal, "
@@ -45,7 +58,7 @@ WHAT = [
     (r"^onload_exact", "prefix hit onloaded from host memory against the device hit, bit for bit (now "
                        "tests/gpu/test_prefix_onload_gpu.py)"),
     (r"^pool_gpu_check", "host offload: bit-exact round trips, offload / onload GB/s, overlap with compute "
-                         "(now tests/gpu/test_pool_offload_gpu.py and benchmarks/offload_bandwidth.py)"),
+                         "(now tests/gpu/test_pool_offload_gpu.py and benchmarks/probes/offload_bandwidth.py)"),
     (r"^tp_verify", "tensor parallel on 2 GPUs against 1, step level: kept positions, selected pages, logits "
                     "(now tests/gpu/test_tensor_parallel_gpu.py)"),
     (r"^lockstep", "batching engine under tensor parallelism against 1 GPU: tokens/s, TTFT, same events on every "
@@ -58,29 +71,29 @@ WHAT = [
     (r"cudnn_graph", "cuDNN's attention graph builds per input layout (a probe script, in the file)"),
     (r"serve_\d+_streams", "the documented hf-rocketkv serve command under concurrent streams: wall time, first "
                            "tokens, texts (benchmarks/serve_streams.py)"),
-    (r"^bench_kernels", "decode kernel timings and their sanity checks (benchmarks/bench_kernels.py)"),
+    (r"^bench_kernels", "decode kernel timings and their sanity checks (benchmarks/probes/bench_kernels.py)"),
     (r"^bench_fp8_append", "decode append on fp8 against bf16 pool pages, device time "
-                           "(benchmarks/bench_fp8_append.py)"),
-    (r"^tune_", "launch-parameter sweep of the decode kernels (benchmarks/tune_decode_kernels.py)"),
-    (r"^decode_host_time", "host time of an eager decode step per function (benchmarks/decode_host_time.py)"),
+                           "(benchmarks/probes/bench_fp8_append.py)"),
+    (r"^tune_", "launch-parameter sweep of the decode kernels (benchmarks/probes/tune_decode_kernels.py)"),
+    (r"^decode_host_time", "host time of an eager decode step per function (benchmarks/probes/decode_host_time.py)"),
     (r"^eager_layer_time", "host microseconds of one layer's eager decode step by part "
-                           "(benchmarks/eager_layer_time.py)"),
+                           "(benchmarks/probes/eager_layer_time.py)"),
     (r"^eager_", "eager decode time per token (a note with its method)"),
     (r"^launch_overhead", "host microseconds per eager call of the decode ops against a bare Triton launch "
-                          "(benchmarks/launch_overhead.py)"),
+                          "(benchmarks/probes/launch_overhead.py)"),
     (r"^prefill_(host_time|cprofile)", "host time of a pool-backed prefill per function "
-                                       "(benchmarks/prefill_host_time.py)"),
-    (r"^profile_prefill", "where a cold prefill's time goes (benchmarks/profile_prefill.py)"),
-    (r"^profile_prefix_hit", "where a prefix hit's time to first token goes (benchmarks/profile_prefix_hit.py)"),
+                                       "(benchmarks/probes/prefill_host_time.py)"),
+    (r"^profile_prefill", "where a cold prefill's time goes (benchmarks/probes/profile_prefill.py)"),
+    (r"^profile_prefix_hit", "where a prefix hit's time to first token goes (benchmarks/probes/profile_prefix_hit.py)"),
     (r"^profile_(graph|b64|pool)", "device time of a CUDA-graph decode step per kernel "
-                                   "(benchmarks/profile_graph_step.py)"),
+                                   "(benchmarks/probes/profile_graph_step.py)"),
     (r"^profile_(decode_step|b1_8k)", "where a compiled decode step spends its time "
-                                      "(benchmarks/profile_decode_step.py)"),
+                                      "(benchmarks/probes/profile_decode_step.py)"),
     (r"prefix_(reuse|equal)", "prefix reuse, host onload, decode with a pool, batch-64 memory "
                               "(benchmarks/bench_prefix_reuse.py)"),
-    (r"^sync_sites", "host-device synchronisations by call site (benchmarks/sync_sites.py)"),
-    (r"^triton_compiles", "Triton kernels compiled per request (benchmarks/triton_compiles.py)"),
-    (r"^long_prefill", "peak GiB and time of a 128k prefill, chunked and not (benchmarks/long_prefill_memory.py)"),
+    (r"^sync_sites", "host-device synchronisations by call site (benchmarks/probes/sync_sites.py)"),
+    (r"^triton_compiles", "Triton kernels compiled per request (benchmarks/probes/triton_compiles.py)"),
+    (r"^long_prefill", "peak GiB and time of a 128k prefill, chunked and not (benchmarks/probes/long_prefill_memory.py)"),
     (r"^workload", "a mixed workload of generate() calls per cache (hf-rocketkv bench --workload)"),
     (r"decode|^bench_b\d|^firstrun|^repeat_static|^before_deferred|^query_offset",
      "decode ms/token, prefill s and peak GiB per cache (the decode benchmark, hf_rocketkv.bench.decode)"),
@@ -224,6 +237,14 @@ def describe_gpu_tests(path: Path, added: dict) -> dict:
     return finish(path.relative_to(RESULTS).as_posix(), row, what, added)
 
 
+def describe_gpu_log(path: Path, added: dict) -> dict:
+    """A pytest log of GPU tests, named ``<device>_<date>_<commit>_<what>.log``."""
+    parts = path.stem.split("_", 3)
+    row = {"device": parts[0], "date": parts[1] if len(parts) > 1 else "-", "commit": parts[2] if len(parts) > 2 else "-"}
+    what = f"pytest log of GPU tests: {parts[3].replace('_', ' ')}" if len(parts) > 3 else "pytest log of GPU tests"
+    return finish(path.relative_to(RESULTS).as_posix(), row, what, added)
+
+
 def first_added(rel: str) -> tuple[str, str] | None:
     """(commit, date) of the commit that added ``results/<rel>``, following renames (one git call per file)."""
     try:
@@ -260,12 +281,13 @@ def table(rows: list[dict]) -> list[str]:
 
 def render() -> str:
     added = git_added()
-    files = sorted(p for p in RESULTS.iterdir() if p.is_file() and p.name != "INDEX.md")
+    files = sorted(p for p in RESULTS.iterdir() if p.is_file() and p.name != "index.md")
     evals = sorted({p.parent for name in EVAL_FILES for p in (RESULTS / "eval").rglob(name)})
     evals = [f for f in evals if not any(other in f.parents for other in evals)]  # a sweep's task folders: its own
-    gpu_tests = sorted((RESULTS / "gpu_tests").glob("*.json")) if (RESULTS / "gpu_tests").is_dir() else []
+    gpu_tests = sorted(p for p in (RESULTS / "gpu_tests").iterdir() if p.is_file()) if (RESULTS / "gpu_tests").is_dir() else []
     out = ["# Raw results", "",
-           "Every measurement kept in this repository, one row per file (evaluations: one row per run folder). "
+           "Every measurement kept in this repository, one row per file (evaluations: one row per run folder): only "
+           "files that README.md, docs/, CHANGELOG.md, the tests, the code or the scripts cite are kept. "
            "Generated by `python scripts/index_results.py` from the files themselves, their names and git; "
            "\"added in <commit>\" means the file does not record the commit it measured. Commands are as they ran "
            "then: several scripts have since moved (benchmarks/README.md lists today's, tests/gpu/ holds the "
@@ -275,19 +297,20 @@ def render() -> str:
     out += ["", f"## Evaluations: results/eval/ ({len(evals)} runs)", ""]
     out += table([describe_eval(f, added) for f in evals])
     out += ["", f"## GPU test runs: results/gpu_tests/ ({len(gpu_tests)} runs, `bash scripts/gpu_tests.sh`)", ""]
-    out += table([describe_gpu_tests(p, added) for p in gpu_tests]) if gpu_tests else ["(none yet)"]
+    out += table([describe_gpu_tests(p, added) if p.suffix == ".json" else describe_gpu_log(p, added)
+                  for p in gpu_tests]) if gpu_tests else ["(none yet)"]
     return "\n".join(out) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="compare with results/INDEX.md instead of writing it")
+    parser.add_argument("--check", action="store_true", help="compare with results/index.md instead of writing it")
     args = parser.parse_args(argv)
     text = render()
-    index = RESULTS / "INDEX.md"
+    index = RESULTS / "index.md"
     if args.check:
         current = index.read_text() if index.exists() else ""
-        print("results/INDEX.md is up to date" if current == text else "results/INDEX.md is stale: regenerate it")
+        print("results/index.md is up to date" if current == text else "results/index.md is stale: regenerate it")
         return 0 if current == text else 1
     index.write_text(text)
     print(f"wrote {index.relative_to(ROOT)}")

@@ -10,7 +10,6 @@ tiny random models (built by tests/support/tiny_models.py), the SmolLM2 tokenize
 """
 
 import os
-import warnings
 
 import pytest
 import torch
@@ -24,7 +23,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 hf_logging.set_verbosity_error()
-warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects by mark
+def pytest_collection_modifyitems(config, items):
+    """The fixture-parametrized cases of tests/support/markers.py get the ``slow`` mark."""
+    from tests.support.markers import SLOW, SLOW_FIXTURE_CASES
+
+    for item in items:
+        if item.nodeid in SLOW_FIXTURE_CASES:
+            item.add_marker(SLOW)
 
 
 @pytest.fixture(scope="module")

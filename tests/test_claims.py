@@ -35,7 +35,7 @@ NOT_MEASURED = {
     ("docs/configuration.md", "holds at most 1.5x the slots needed"): "the capacity ladder's configured bound",
     ("docs/memory.md", "`min(0.25 x available, 2 GiB)`"): "the CPU pool's configured cap",
     ("docs/memory.md", "70.2 GiB free on cuda:0`), None when bytes"): "an example of pool.sizing.describe()'s text",
-    ("docs/memory.md", "i.e. 4 GiB for a 32k prompt"): "arithmetic on the dense prompt store's shape",
+    ("docs/pool-cache.md", "i.e. 4 GiB for a 32k prompt"): "arithmetic on the dense prompt store's shape",
     ("docs/models.md", "(about 1 GiB of fp32 logits"): "the query block's configured size",
 }
 

@@ -305,6 +305,7 @@ def test_every_field_has_a_row_in_the_reference_with_its_default_and_choices():
         assert not missing, f"docs/configuration.md: {name}'s allowed values lack {missing}"
 
 
+@pytest.mark.slow  # fresh interpreters: ~30 s on the 2-core machine
 def test_the_config_and_the_policies_load_in_either_order_in_a_fresh_process():
     """policies/ imports the names config.py owns: each loads first without the other failing, even when the
     package's __init__ (which imports everything in its own order) is bypassed, as tests/memory does."""

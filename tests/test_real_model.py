@@ -48,7 +48,7 @@ def test_passkey_full_cache_and_rocketkv(smollm2, passkey_ids):
 
     config = RocketKVConfig(prompt_budget=256, topk=16, page_size=4)  # window 32, kernel 63, fp8 KT: defaults
     cache = RocketKVCache(config)
-    answer = _answer(model, tokenizer, passkey_ids, past_key_values=cache)
+    answer = _answer(model, tokenizer, passkey_ids, cache=cache)
     assert str(KEY) in answer, answer
 
     # compression really engaged: 256 prompt tokens per KV head in every layer, plus the fed-back tokens

@@ -50,16 +50,10 @@ from typing import Any
 import torch
 
 from ..integration import compat
-from .options import CACHES, DEFAULT_CACHES, decode_parser, parse
+from . import fit
+from .fit import LLAMA_31_8B, TINY  # noqa: F401  (the shapes, imported from here by the scripts and tests)
+from .options import CACHES, decode_grid, decode_parser, parse
 
-LLAMA_31_8B = dict(
-    hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
-    vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
-)
-TINY = dict(
-    hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512,
-    vocab_size=1024, max_position_embeddings=4096,
-)
 POOL_PAGE_SIZE = 16  # tokens per pool page in the pool rows (KVBlockPool's default)
 DROP_FIRST_STEPS = 3  # decode steps left out of the median (compilation, CUDA-graph capture, allocator warm-up)
 
@@ -95,13 +89,21 @@ def resolve(args) -> dict[str, Any]:
     device = torch.device(args.device or ("cpu" if quick or not torch.cuda.is_available() else "cuda"))
     return dict(
         device=device,
-        dtype=getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16")),
-        batch=args.batch or ([1, 2] if quick else [1, 4, 16]),
-        context=args.context or ([96, 192] if quick else [8192, 32768, 100_000]),
-        new_tokens=args.new_tokens or (6 if quick else 32),
-        caches=args.caches or list(DEFAULT_CACHES),
+        dtype=getattr(torch, fit.bench_dtype(args, device.type)),
         model=dict(TINY if quick else LLAMA_31_8B),
+        **decode_grid(args),
     )
+
+
+def free_memory(device: torch.device) -> tuple[int | None, str]:
+    """(bytes free on ``device`` before the model is built, the device in words): the CUDA device's free memory,
+    or the host's available memory (fit.host_available_bytes) on the CPU; (None, ...) elsewhere."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0], f"{device} ({torch.cuda.get_device_name(device)})"
+    if device.type == "cpu":
+        available, source = fit.host_available_bytes()
+        return available, f"the CPU ({source})"
+    return None, str(device)
 
 
 def rocket_config(args, quick: bool, device: torch.device):
@@ -136,24 +138,12 @@ def build_model(model_kwargs: dict, layers: int | None, dtype: torch.dtype, devi
 
 # ------------------------------------------------------------------------------------------------ memory estimate
 def estimate_bytes(cache: str, batch: int, context: int, new_tokens: int, model, rocket) -> int:
-    """Weights + KV cache + prefill activations (a deliberately rough upper estimate, used only to skip points)."""
-    cfg = model.config
+    """Weights + KV cache + prefill activations (a deliberately rough upper estimate, used only to skip points):
+    the model's own weights plus fit.state_bytes of its shapes."""
     elem = next(model.parameters()).element_size()
     weights = sum(p.numel() for p in model.parameters()) * elem
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv_token_layer = 2 * cfg.num_key_value_heads * head_dim * elem
-    tokens = batch * (context + new_tokens)
-    if cache.startswith("rocketkv"):
-        kept = batch * (min(context, rocket.prompt_budget) + new_tokens)
-        kv = cfg.num_hidden_layers * kept * kv_token_layer * 2  # + KT, positions (generous)
-        kv += 2 * batch * context * kv_token_layer  # one layer dense during prefill + its compacted copy
-    else:
-        kv = cfg.num_hidden_layers * tokens * kv_token_layer
-    prefill_rows = batch
-    if cache.startswith("rocketkv") and rocket.prefill_batch_size is not None:
-        prefill_rows = min(batch, rocket.prefill_batch_size)
-    activations = prefill_rows * context * (8 * cfg.hidden_size + 4 * cfg.intermediate_size) * elem
-    return int(weights + kv + activations)
+    return weights + fit.state_bytes(fit.Shapes.of(model.config), elem, cache, batch, context, new_tokens,
+                                     rocket.prompt_budget, rocket.prefill_batch_size)
 
 
 # ------------------------------------------------------------------------------------------------ one run
@@ -394,8 +384,13 @@ def run(argv: list[str] | None = None) -> dict:
     if device.type == "cuda" and not args.allow_cudnn_sdpa:
         torch.backends.cuda.enable_cudnn_sdp(False)
     rocket = rocket_config(args, args.quick, device)
+    free, where = free_memory(device)
+    # before the model is built: a run that cannot fit is refused with the estimate, not killed by the kernel
+    fit.check_bench(args, workload=False, device_type=device.type, available=free, where=where,
+                    prompt_budget=rocket.prompt_budget, prefill_batch_size=rocket.prefill_batch_size)
     model = build_model(setup["model"], args.layers, dtype, device, args.seed)
-    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    # points are skipped above memory_fraction of the GPU's memory, or on the CPU of the host memory free at start
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else free
     env = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(), device=_device_name(device),
         torch=torch.__version__, python=platform.python_version(), dtype=str(dtype),
@@ -458,7 +453,12 @@ def run(argv: list[str] | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    run(argv)
+    """Run the benchmark; a run that cannot fit in memory is refused in two lines, exit status 2."""
+    try:
+        run(argv)
+    except fit.WontFit as err:
+        print(f"hf-rocketkv bench: error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -8,6 +8,7 @@ wait for torch. Both benchmarks build their parsers from here.
 from __future__ import annotations
 
 import argparse
+import random
 
 from ..argparse_helpers import ShortErrorParser, int_at_least, number_in
 
@@ -85,3 +86,26 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.N
     if low is not None and high is not None and low > high:
         parser.error(f"--min-context {low} is above --max-context {high}")
     return args
+
+
+def decode_grid(args: argparse.Namespace) -> dict:
+    """The decode benchmark's batch sizes, contexts, new tokens and rows: the flags given, else the defaults (a
+    tiny grid with ``--quick``)."""
+    quick = args.quick
+    return dict(
+        batch=args.batch or ([1, 2] if quick else [1, 4, 16]),
+        context=args.context or ([96, 192] if quick else [8192, 32768, 100_000]),
+        new_tokens=args.new_tokens or (6 if quick else 32),
+        caches=args.caches or list(DEFAULT_CACHES),
+    )
+
+
+def plan_calls(args: argparse.Namespace) -> list[tuple[int, int, int]]:
+    """The workload's (batch, prompt tokens, new tokens) of every call, the same for every cache type."""
+    rng = random.Random(args.seed)
+    lo, hi = (48, 160) if args.quick else (args.min_context, args.max_context)
+    return [
+        (args.batches[i % len(args.batches)], rng.randint(lo, hi),
+         args.new_tokens[(i // len(args.batches)) % len(args.new_tokens)])
+        for i in range(args.calls)
+    ]

@@ -22,31 +22,22 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from ..integration import batch_buckets
-from .decode import LLAMA_31_8B, TINY, build_model, rocket_config, rocket_for_row, run_generate
-from .options import WORKLOAD_CACHES, parse, workload_parser  # noqa: F401  (the rows, by name)
+from . import fit
+from .decode import LLAMA_31_8B, TINY, build_model, free_memory, rocket_config, rocket_for_row, run_generate
+from .options import WORKLOAD_CACHES, parse, plan_calls, workload_parser  # noqa: F401  (rows, calls: by name)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The options (bench/options.py: read and checked without torch)."""
     return workload_parser()
-
-
-def plan_calls(args) -> list[tuple[int, int, int]]:
-    """(batch, prompt tokens, new tokens) of every call, the same for every cache type."""
-    rng = random.Random(args.seed)
-    lo, hi = (48, 160) if args.quick else (args.min_context, args.max_context)
-    return [
-        (args.batches[i % len(args.batches)], rng.randint(lo, hi), args.new_tokens[(i // len(args.batches)) % len(args.new_tokens)])
-        for i in range(args.calls)
-    ]
 
 
 def compiled_graphs() -> int:
@@ -139,11 +130,15 @@ def run(argv: list[str] | None = None) -> dict:
     device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
     if device.type == "cuda" and not args.allow_cudnn_sdpa:
         torch.backends.cuda.enable_cudnn_sdp(False)
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    dtype = getattr(torch, fit.bench_dtype(args, device.type))
     model_kwargs = dict(TINY if args.quick else LLAMA_31_8B)
-    model = build_model(model_kwargs, args.layers, dtype, device, args.seed)
     rocket = rocket_config(argparse.Namespace(config=args.config, prefill_batch_size=args.prefill_batch_size),
                            args.quick, device)
+    free, where = free_memory(device)
+    # every call runs (no point is skipped): the largest must fit, checked before the model is built
+    fit.check_bench(args, workload=True, device_type=device.type, available=free, where=where,
+                    prompt_budget=rocket.prompt_budget, prefill_batch_size=rocket.prefill_batch_size, fraction=0.92)
+    model = build_model(model_kwargs, args.layers, dtype, device, args.seed)
     calls = plan_calls(args)
     report = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(), device=_device_name(device),
@@ -179,5 +174,14 @@ def _device_name(device: torch.device) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    run(argv)
+    """Run the workload; a run that cannot fit in memory is refused in two lines, exit status 2."""
+    try:
+        run(argv)
+    except fit.WontFit as err:
+        print(f"hf-rocketkv bench: error: {err}", file=sys.stderr)
+        return 2
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

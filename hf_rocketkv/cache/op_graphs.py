@@ -4,7 +4,7 @@
 Why: without torch.compile or the whole-step graph (``decode_graphs.py``), a batch-1 decode step is bound by the
 host: per layer RocketKV's append (1 Triton kernel + the ``seen`` increment) and its stage 2 (page scores, top-k
 selection, sparse attention: 5 kernels) cost ~300 us of host time against ~50 us for DynamicCache's update and sdpa
-(``benchmarks/eager_layer_time.py``, H200, 2026-11-26). Their shapes and buffers stay the same from one step to the
+(``benchmarks/probes/eager_layer_time.py``, H200, 2026-11-26). Their shapes and buffers stay the same from one step to the
 next, so each group is captured once and replayed: the host then spends one copy per input and one graph launch.
 
     step with new buffers (first decode step, a grown store, a new batch):  eager, as without graphs (this also

@@ -4,7 +4,7 @@ A request's pages are the same page ids in every layer (the pool allocates pages
 and the turn bookkeeping live here, once per cache, and each layer asks for its ``PagedStore`` views over its own
 layer tensors of the pool.
 
-Life of a request (docs/memory.md):
+Life of a request (docs/pool-cache.md):
 
     begin()            before the prefill forward (generate()'s prefill hook): admission of every row at once,
                        prompt pages found in the prefix index first (``KVBlockPool.admit_batch``), or for a later

@@ -6,7 +6,10 @@ one to three lines and exits with status 2.
 
 from __future__ import annotations
 
+import glob
+import importlib.util
 import re
+import sys
 from pathlib import Path
 
 from .parser import CONFIG_DIR, bundled_configs
@@ -93,8 +96,45 @@ DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu", "hpu", "mtia", "ipu", "xla", "lazy"
 DEVICE = re.compile(r"(?P<type>[a-z_]+)(?::(?P<index>\d+))?")
 
 
+def torch_build() -> tuple[str | None, bool | None]:
+    """(torch's version, whether its build has CUDA or ROCm) read from ``torch/version.py`` without importing torch;
+    (None, None) where that file cannot be read."""
+    spec = importlib.util.find_spec("torch")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in locations:
+        try:
+            text = (Path(folder) / "version.py").read_text(encoding="utf-8")
+        except OSError:
+            continue
+        version = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", text, re.MULTILINE)
+        gpu = [re.search(rf"^{name}\s*(?::[^=]*)?=\s*(.+?)\s*$", text, re.MULTILINE) for name in ("cuda", "hip")]
+        if version is None or None in gpu:
+            return None, None
+        return version.group(1), any(match.group(1) != "None" for match in gpu)
+    return None, None
+
+
+# an NVIDIA driver (/proc/driver/nvidia, /dev/nvidia*), WSL's GPU bridge (/dev/dxg) or ROCm's device (/dev/kfd)
+GPU_TRACES = ("/proc/driver/nvidia", "/dev/nvidia*", "/dev/dxg", "/dev/kfd")
+
+
+def cuda_absent_reason(traces: tuple[str, ...] = GPU_TRACES, platform: str = sys.platform) -> str | None:
+    """Why this machine surely has no CUDA device, found in about a millisecond without importing torch: torch is a
+    build without CUDA or ROCm, or (on Linux) no GPU driver is present, or it is macOS. None means it may have one
+    (torch is asked)."""
+    version, gpu_build = torch_build()
+    if gpu_build is False:
+        return f"torch {version} is a build without CUDA"
+    if platform == "darwin":
+        return "CUDA does not run on macOS"
+    if platform.startswith("linux") and not any(glob.glob(trace) for trace in traces):
+        return "no NVIDIA driver is loaded (no /proc/driver/nvidia, no /dev/nvidia*)"
+    return None
+
+
 def check_device(value: str | None, flag: str = "--device") -> None:
-    """``--device`` names a torch device this machine has (the spelling is checked before torch is imported)."""
+    """``--device`` names a torch device this machine has (the spelling, and CUDA's absence where it is sure, are
+    checked before torch is imported)."""
     if value is None:
         return
     match = DEVICE.fullmatch(value.strip())
@@ -105,6 +145,9 @@ def check_device(value: str | None, flag: str = "--device") -> None:
         raise UsageError(f"{flag} {value}: meta tensors hold no data, so nothing can run there; use cpu or cuda")
     if kind == "cpu":
         return
+    if kind == "cuda" and (reason := cuda_absent_reason()) is not None:
+        raise UsageError(f"{flag} {value}: CUDA is not available on this machine ({reason}); leave {flag} out to "
+                         f"run on the CPU")
     import torch
 
     if kind == "cuda":

@@ -32,6 +32,7 @@ from .checks import (
     check_model,
     check_output_folder,
     check_task_files,
+    cuda_absent_reason,
     prompt_text,
     resolve_config_path,
 )
@@ -278,15 +279,36 @@ def check_bench_args(options, forwarded: list[str], config) -> None:
     except SystemExit as exit_:  # --help, or a mistake already printed in two lines
         raise BenchArgumentsRefused(int(exit_.code or 0)) from None
     check_device(getattr(parsed, "device", None))
-    if config is not None:
-        from ..eval.settings import load_run_config
+    from ..config import RocketKVConfig
+    from ..eval.settings import load_run_config
 
-        try:
-            load_run_config(config)
-        except ValueError as err:
-            raise UsageError(str(err)) from err
+    try:
+        rocket = load_run_config(config).rocket if config is not None else RocketKVConfig()
+    except ValueError as err:
+        raise UsageError(str(err)) from err
     if parsed.out is not None:
         check_folder("--out", parsed.out, "for the benchmark's results (created if missing)")
+    check_bench_fits(parsed, rocket)
+
+
+def check_bench_fits(parsed, rocket) -> None:
+    """A benchmark that will run on the CPU (``--device cpu``, ``--quick``, or no CUDA on this machine) is checked
+    against the host's free memory here, before torch is imported (bench/fit.py; the benchmark checks again, on any
+    device, before it builds its model)."""
+    from ..bench import fit
+
+    device = getattr(parsed, "device", None)
+    on_cpu = (device or "").startswith("cpu") or (device is None and (parsed.quick or cuda_absent_reason()))
+    if not on_cpu:
+        return
+    available, source = fit.host_available_bytes()
+    prefill_rows = parsed.prefill_batch_size if parsed.prefill_batch_size is not None else rocket.prefill_batch_size
+    try:
+        fit.check_bench(parsed, workload=bool(getattr(parsed, "workload", False)), device_type="cpu",
+                        available=available, where=f"the CPU ({source})", prompt_budget=rocket.prompt_budget,
+                        prefill_batch_size=prefill_rows)
+    except fit.WontFit as err:
+        raise UsageError(str(err)) from None
 
 
 class BenchArgumentsRefused(Exception):

@@ -1,6 +1,6 @@
 """``hf-rocketkv serve``: the OpenAI-compatible server from the command line.
 
-    hf-rocketkv serve --model smollm2 --config smollm2-cpu --host 127.0.0.1 --port 8000
+    hf-rocketkv serve --model smollm2 --config smollm2-longdoc --host 127.0.0.1 --port 8000
     torchrun --nproc_per_node=2 -m hf_rocketkv.cli serve --model DIR --pool-gib 20     # tensor parallel (lockstep)
 
 Under torchrun (WORLD_SIZE > 1) every rank loads its shard (``tp_plan="auto"``) and runs the batching engine in
@@ -96,18 +96,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefill-token-budget", type=int, default=None,
                         help="batching engine: prompt tokens earned per decode step while requests decode; lower it "
                              "to keep their decode rate while long prompts arrive, at the cost of those prompts' "
-                             "first token (default 8192; docs/serving.md, Chunked prefill)")
+                             "first token (default 8192; docs/engine.md, Chunked prefill)")
     parser.add_argument("--concurrent-prefill-tokens", type=int, default=None,
                         help="batching engine: prefill beside the decode steps (a thread and CUDA stream of its own) "
                              "in chunks of this many tokens, so running requests never wait for a prefill chunk "
-                             "(e.g. 512; default: chunks between decode steps; docs/serving.md)")
+                             "(e.g. 512; default: chunks between decode steps; docs/engine.md)")
     parser.add_argument("--warmup-max-tokens", type=int, default=None,
                         help="batching engine on CUDA: capture every decode graph at startup for requests of up to "
                              "this many max_tokens (default: --default-max-tokens; 0: capture lazily while serving)")
     parser.add_argument("--compile-cache", default=None, metavar="DIR",
                         help="hf_rocketkv.use_compile_cache(DIR) before the model loads: the Triton kernels that "
                              "`hf-rocketkv warmup --engine --cache-dir DIR` compiled are loaded, not compiled again "
-                             "(docs/serving.md, Warm start)")
+                             "(docs/engine.md, Warm start)")
     parser.add_argument("--compile-regions", action="store_true",
                         help="torch.compile the model's RMSNorm and MLP modules (hf_rocketkv.compile_regions): fused "
                              "kernels in prefill and in the decode graphs; compiled at startup during the capture")

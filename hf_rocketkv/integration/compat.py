@@ -60,6 +60,7 @@ transformers version and the symbol (``require()``), instead of a TypeError deep
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import sys
@@ -273,6 +274,21 @@ def attn_implementation(model) -> str | None:
     """``model.config._attn_implementation``: the name of the attention function the model runs (None if unset).
     transformers keeps it private; ``set_attn_implementation`` is its public writer, and there is no public reader."""
     return getattr(model.config, "_attn_implementation", None)
+
+
+def own_config(model) -> None:
+    """Give ``model`` and each of its modules their own copy of the config they were built with (sub-configs
+    included). transformers hands one config object to every model built from it (``Model(config)``,
+    ``from_config``) and to each of their modules, and ``set_attn_implementation`` writes the attention's name into
+    that object: without the copy, switching one model to RocketKV would silently switch every model sharing it."""
+    memo: dict[int, Any] = {}
+    copied = copy.deepcopy(model.config, memo)
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        twin = memo.get(id(config)) if config is not None else None
+        if twin is not None and type(twin) is type(config):
+            module.config = twin
+    assert model.config is copied
 
 
 def model_from_config(model_class, config, **kwargs):

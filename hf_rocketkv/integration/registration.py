@@ -25,9 +25,13 @@ def register() -> None:
 def enable(model, config: RocketKVConfig | None = None):
     """Switch ``model`` to RocketKV attention and (optionally) set the config used when generate() gets no cache.
 
-    Returns the model, so ``model = hf_rocketkv.enable(AutoModelForCausalLM.from_pretrained(...))`` reads well.
+    ``model`` first gets its own copy of its transformers config (``model.config`` is a new object afterwards):
+    models built from one config object share it, and the switch is written into the config, so without the copy a
+    dense model built from the same config would silently run RocketKV too. Returns the model, so
+    ``model = hf_rocketkv.enable(AutoModelForCausalLM.from_pretrained(...))`` reads well.
     """
     compat.require()
+    compat.own_config(model)
     model.set_attn_implementation(ATTN_NAME)
     if config is not None:
         generate.set_config(model, config)

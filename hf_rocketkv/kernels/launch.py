@@ -3,7 +3,7 @@ traceable wrapper (unchanged); in eager mode on a GPU it reuses the compiled ker
 same argument specialization, skipping the rest of Triton's per-launch Python.
 
 Why: an eager decode step launches 6 kernels per layer, and Triton's ``JITFunction.run`` costs ~37 us of host time
-per launch with ~28 arguments on an H200 (``benchmarks/launch_overhead.py``, 2026-11-26) against ~11 us for the
+per launch with ~28 arguments on an H200 (``benchmarks/probes/launch_overhead.py``, 2026-11-26) against ~11 us for the
 compiled kernel's own ``run``: at batch 1 the eager step is bound by the host, so that difference is ~5 ms per token
 of a 32-layer model.
 

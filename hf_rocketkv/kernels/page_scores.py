@@ -22,7 +22,7 @@ Two schedules, chosen from the shapes only (no host sync, CUDA-graph safe):
                           combines the S partial statistics and writes the probabilities. Measured on an H100
                           (2026-11-22, fp8 KT, batch 1, 576 pages): fused 50 us, split in 3: 20 us (CUDA graphs).
                           S = min(pages / 128, 2 * SMs / (B * Hkv)), 2 pipeline stages: swept on an H100
-                          (2026-11-23, benchmarks/tune_decode_kernels.py, 575 of 640 pages, paged): batch 1 8.9 us
+                          (2026-11-23, benchmarks/probes/tune_decode_kernels.py, 575 of 640 pages, paged): batch 1 8.9 us
                           (5 splits; 13.8 with the former 3 splits and 3 stages), batch 32 28.2 us (2 splits;
                           33.0), batch 64 55.4 us (1; 60.1).
 """

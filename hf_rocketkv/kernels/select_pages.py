@@ -38,7 +38,7 @@ from ..selection.stage2_pages import check_forcing, check_softcap
 from ._triton_common import cdiv, count_strides, interpreting, load_count, next_pow2
 from .page_scores import kt_pages_per_row, page_logits_launch
 
-# Launch defaults, swept by benchmarks/bench_kernels.py: pages sorted by one chunk program, keys sorted by one merge
+# Launch defaults, swept by benchmarks/probes/bench_kernels.py: pages sorted by one chunk program, keys sorted by one merge
 # program, and the sort on the GPU (tl.sort, or this file's own network; the interpreter always uses the network).
 # H100, 2026-11-23 (results/h100_2026-11-23_bench_kernels.json), CUDA-graph replay per call, 8 KV heads:
 # chunk 256 vs 1024 vs the old one-CTA radix select: 6.9 / 12.5 / 10.0 us at batch 1 x 575 pages, 9.7 / 13.2 / 19.3

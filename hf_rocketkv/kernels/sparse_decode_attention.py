@@ -339,7 +339,7 @@ if triton is not None:
         and benchmarks. Default tile: 128 gathered tokens x head_dim, 4 warps for bf16/fp16 K/V (see the comment at
         the choice); 64 tokens, 8 warps for fp32 and fp8 K/V (on an H100, 2026-11-22, 4 warps or 32-token tiles
         timed within noise of that; results/h100_2026-11-22.md). 2 pipeline stages: on an
-        H100 (2026-11-23, benchmarks/tune_decode_kernels.py, paged, 256 tokens per head) 8.0 / 19.0 / 42.4 us at
+        H100 (2026-11-23, benchmarks/probes/tune_decode_kernels.py, paged, 256 tokens per head) 8.0 / 19.0 / 42.4 us at
         batch 1 / 32 / 64 against 11.5 / 27.2 / 55.9 with 3 (the page-id loads feed the K/V gathers, so a deeper
         pipeline only costs registers and shared memory). ``table`` [B, MP] int32:
         ``keys``/``values`` are paged ``[N, Hkv, PP, D]`` (None: contiguous ``[B, Hkv, C, D]``). ``k_scale`` /

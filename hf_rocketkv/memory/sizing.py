@@ -10,7 +10,7 @@ The rule (``pool_bytes``) is a plain function of the device type, the free bytes
                   in every layer until stage 1, and the activations of one ``PREFILL_RESERVE_CHUNK``-token forward.
                   The other 10% of the rest is left for CUDA graphs, the allocator's fragmentation and other
                   processes. Without the reserve the default left too little for long prompts (64 x 32k at
-                  Llama-3.1-8B shapes on an H100: out of memory in the first prefill chunk, docs/memory.md).
+                  Llama-3.1-8B shapes on an H100: out of memory in the first prefill chunk, docs/pool-cache.md).
     CPU (other)   fraction x available RAM (MemAvailable in /proc/meminfo, within a cgroup memory limit; psutil's
                   ``available`` where there is no /proc), fraction 0.25 by default, and the default capped at
                   ``HOST_DEFAULT_CAP`` (2 GiB): the pages are filled when first used, so they take real RAM from

@@ -1,8 +1,8 @@
 """The chunked-prefill benchmarks' --quick runs on the CPU: their logic and their reports' fields, not their timings.
 
-- benchmarks.profile_chunked_prefill: every chunk of the prompt timed for RocketKV's ChunkedPrefill and for
+- benchmarks.probes.profile_chunked_prefill: every chunk of the prompt timed for RocketKV's ChunkedPrefill and for
   transformers' DynamicCache over the same chunks, the profiled chunks reported;
-- benchmarks.decode_beside_prefill: the running requests decode alone and while a second thread prefills a long
+- benchmarks.probes.decode_beside_prefill: the running requests decode alone and while a second thread prefills a long
   prompt; every page comes back to both pools.
 """
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 import math
 
-from benchmarks import decode_beside_prefill
+from benchmarks.probes import decode_beside_prefill
 from benchmarks.token_sink import TokenRecorder
-from benchmarks.profile_chunked_prefill import main as profile_main
+from benchmarks.probes.profile_chunked_prefill import main as profile_main
 
 
 def test_profile_chunked_prefill_times_every_chunk_both_ways(tmp_path, monkeypatch):
@@ -33,7 +33,7 @@ def test_decode_beside_prefill_measures_both_windows(tmp_path):
     rc = decode_beside_prefill.main(["--quick", "--decode-priority", "default", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "decode_beside_prefill.json").read_text())
     assert rc == 0, report
-    assert report["command"].startswith("python -m benchmarks.decode_beside_prefill --quick")
+    assert report["command"].startswith("python -m benchmarks.probes.decode_beside_prefill --quick")
     (label, result), = report["settings"].items()
     assert label == "chunk128_default" and "error" not in result, result
     assert result["pages_back"]

@@ -1,4 +1,4 @@
-"""benchmarks.gemm_floor on the CPU (``--cpu-smoke``: tiny shapes, the cuBLAS variant only): the record's fields and
+"""benchmarks.probes.gemm_floor on the CPU (``--cpu-smoke``: tiny shapes, the cuBLAS variant only): the record's fields and
 its arithmetic (GB/s = weight bytes / ms, the fused layout's outputs equal the unfused ones)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from benchmarks import gemm_floor
+from benchmarks.probes import gemm_floor
 
 
 def test_cpu_smoke_writes_a_record_whose_rates_follow_from_its_times(tmp_path):

@@ -1,4 +1,4 @@
-"""Peak live tensor bytes of a row-group prefill (benchmarks.peak_memory_cpu, CPU): one row's activations, not
+"""Peak live tensor bytes of a row-group prefill (benchmarks.probes.peak_memory_cpu, CPU): one row's activations, not
 the batch's, and no [tokens, vocab] logits.
 
 The bound is worked out from the shapes: a cold row of T tokens holds at most the MLP's three [T, intermediate]
@@ -19,7 +19,7 @@ DIMS = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=
 
 @pytest.fixture(scope="module")
 def tool():
-    from benchmarks import peak_memory_cpu
+    from benchmarks.probes import peak_memory_cpu
 
     return peak_memory_cpu
 

@@ -14,7 +14,7 @@ from tests.support.repo import ROOT
 
 @pytest.fixture(scope="module")
 def tools():
-    return {name: importlib.import_module(f"benchmarks.{name}") for name in ("profile_prefix_hit", "prefill_host_time")}
+    return {name: importlib.import_module(f"benchmarks.probes.{name}") for name in ("profile_prefix_hit", "prefill_host_time")}
 
 
 def event(name, ts, dur, cat, tid=1):
@@ -98,7 +98,7 @@ def test_decode_host_time_quick_profiles_only_the_decode_steps(tmp_path):
     decode steps only (RocketKV's decode attention ran, stage 1's compaction at the end of the prefill did not)."""
     import subprocess
 
-    result = subprocess.run([sys.executable, "-m", "benchmarks.decode_host_time", "--quick", "--out", str(tmp_path)],
+    result = subprocess.run([sys.executable, "-m", "benchmarks.probes.decode_host_time", "--quick", "--out", str(tmp_path)],
                             cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads((tmp_path / "decode_host_time.json").read_text())

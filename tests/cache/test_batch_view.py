@@ -14,6 +14,7 @@ from hf_rocketkv import RocketKVCache
 from hf_rocketkv.cache.batch_view import BatchedDecodeCache, BatchedDecodeLayer
 from hf_rocketkv.cache.paged_store import PagedStore
 from tests.support.tiny_models import compressing_config, cpu_pool, greedy, random_ids
+from hf_rocketkv.integration.compat import cache_kwargs
 
 CFG = compressing_config(kt_cache_dtype="float32")
 STEPS = 6
@@ -28,7 +29,7 @@ def prefill(model, pool, prompt, new_tokens):
     start = cache.get_seq_length()
     with torch.no_grad():
         out = model(input_ids=ids[:, start:], attention_mask=torch.ones_like(ids),
-                    position_ids=torch.arange(start, len(prompt))[None], past_key_values=cache, use_cache=True,
+                    position_ids=torch.arange(start, len(prompt))[None], **cache_kwargs(cache), use_cache=True,
                     logits_to_keep=1)
     return cache, int(out.logits[0, -1].argmax())
 
@@ -49,7 +50,7 @@ def test_rows_decode_together_and_hold_what_generate_leaves(model):
     alone = []
     for prompt in prompts:
         cache = RocketKVCache(CFG, pool=pool)
-        out = greedy(model, prompt[None], STEPS + 1, past_key_values=cache)
+        out = greedy(model, prompt[None], STEPS + 1, cache=cache)
         alone.append((out[0, len(prompt):].tolist(), cache))
     batch = BatchedDecodeCache(pool, max_rows=4)
     tokens, widths = [], []
@@ -69,7 +70,7 @@ def test_rows_decode_together_and_hold_what_generate_leaves(model):
         batch.prepare(3, 4)  # one padding row
         ids = torch.tensor([[t[-1]] for t in tokens] + [[5]])
         with torch.no_grad():
-            out = model(input_ids=ids, position_ids=batch.next_positions(), past_key_values=batch, use_cache=True)
+            out = model(input_ids=ids, position_ids=batch.next_positions(), **cache_kwargs(batch), use_cache=True)
         batch.stepped()
         for row in range(3):
             tokens[row].append(int(out.logits[row, -1].argmax()))
@@ -119,7 +120,7 @@ def test_moves_and_padding_keep_rows_apart(model):
     assert batch.ensure_scratch()
     batch.prepare(1, 2)
     with torch.no_grad():
-        model(input_ids=torch.tensor([[7], [9]]), position_ids=batch.next_positions(), past_key_values=batch,
+        model(input_ids=torch.tensor([[7], [9]]), position_ids=batch.next_positions(), **cache_kwargs(batch),
               use_cache=True)
     batch.stepped()
     after = row_state(layer, 0, widths[1])
@@ -144,15 +145,15 @@ def test_checks(model):
         batch.prepare(1, 2)
     batch.prepare(1, 1)
     with pytest.raises(ValueError, match="prepared for 1 rows"):
-        model(input_ids=torch.tensor([[3], [4]]), position_ids=torch.tensor([[30], [0]]), past_key_values=batch)
+        model(input_ids=torch.tensor([[3], [4]]), position_ids=torch.tensor([[30], [0]]), **cache_kwargs(batch))
     with pytest.raises(ValueError, match="one token per row"):
-        model(input_ids=torch.tensor([[3, 4]]), position_ids=torch.tensor([[30, 31]]), past_key_values=batch)
+        model(input_ids=torch.tensor([[3, 4]]), position_ids=torch.tensor([[30, 31]]), **cache_kwargs(batch))
     with pytest.raises(RuntimeError, match="position_ids"):
         batch.get_seq_length()
     for _ in range(batch.room[0]):  # the admitted view: kept + max_new_tokens, rounded up to whole pool pages
         batch.prepare(1, 1)
         with torch.no_grad():
-            model(input_ids=torch.tensor([[3]]), position_ids=batch.next_positions(), past_key_values=batch)
+            model(input_ids=torch.tensor([[3]]), position_ids=batch.next_positions(), **cache_kwargs(batch))
         batch.stepped()
     with pytest.raises(RuntimeError, match="no room"):
         batch.prepare(1, 1)
@@ -183,7 +184,7 @@ def test_prepare_rebuilds_views_only_when_the_layout_changes(model, monkeypatch)
     def step(rows, bucket):
         batch.prepare(rows, bucket)
         with torch.no_grad():
-            model(input_ids=torch.full((bucket, 1), 7), position_ids=batch.next_positions(), past_key_values=batch,
+            model(input_ids=torch.full((bucket, 1), 7), position_ids=batch.next_positions(), **cache_kwargs(batch),
                   use_cache=True)
         batch.stepped()
 

@@ -17,6 +17,7 @@ from tests.support.tiny_models import (
     make_models,
     random_ids,
 )
+from hf_rocketkv.integration.compat import cache_kwargs
 
 PROMPT = 40
 
@@ -29,7 +30,7 @@ def rocket():
 def forward(model, cache, ids, position):
     positions = torch.arange(position, position + ids.shape[1]).expand(ids.shape[0], -1)
     with torch.no_grad():
-        return model(ids, past_key_values=cache, use_cache=True, position_ids=positions).logits
+        return model(ids, **cache_kwargs(cache), use_cache=True, position_ids=positions).logits
 
 
 def prefilled(model, config, batch=2):

@@ -175,7 +175,7 @@ def test_capacity_is_independent_of_max_new_tokens():
     sizes = []
     for new in (30, 200):
         cache = RocketKVCache(config)
-        greedy(rocket, ids, past_key_values=cache, max_new_tokens=new)
+        greedy(rocket, ids, cache=cache, max_new_tokens=new)
         sizes.append((cache.layers[0].capacity, cache.memory_bytes()))
         assert int(cache.layers[0].lengths.max()) <= 24 + 16 + 8
     assert sizes[0] == sizes[1] and sizes[0][0] == 24 + 16 + 8
@@ -186,11 +186,11 @@ def test_a_budget_never_reached_gives_the_uncompressed_tokens(decode_budget):
     """A huge decode budget (or one whose first compression lies past the last step) changes nothing."""
     rocket, _ = make_models("llama")
     ids, mask = left_pad([random_ids(1, 50, seed=1)[0], random_ids(1, 33, seed=2)[0]])
-    plain = greedy(rocket, ids, attention_mask=mask, past_key_values=RocketKVCache(compressing_config()),
+    plain = greedy(rocket, ids, attention_mask=mask, cache=RocketKVCache(compressing_config()),
                    max_new_tokens=45)
     config = compressing_config(decode_budget=decode_budget, decode_interval=8, decode_window=8)
     cache = RocketKVCache(config)
-    out = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=45)
+    out = greedy(rocket, ids, attention_mask=mask, cache=cache, max_new_tokens=45)
     assert torch.equal(out, plain)
     assert cache.layers[0].generated.host_generated == 44
 
@@ -199,7 +199,7 @@ def test_compression_actually_evicts_in_generate():
     rocket, _ = make_models("llama")
     config = compressing_config(decode_budget=8, decode_interval=4, decode_window=4)
     cache = RocketKVCache(config)
-    greedy(rocket, random_ids(1, 40), past_key_values=cache, max_new_tokens=30)
+    greedy(rocket, random_ids(1, 40), cache=cache, max_new_tokens=30)
     for layer in cache.layers:
         generated = layer.positions[0, :, int(layer.generated.gen_start[0]) : int(layer.lengths[0])]
         assert generated.shape[1] <= 12 and bool((generated[:, -4:] == torch.arange(65, 69)).all())
@@ -214,11 +214,11 @@ def test_graphed_and_compiled_runners_equal_eager(runner):
                                 decode_runner=runner)
     ids, mask = left_pad([random_ids(1, 40, seed=1)[0], random_ids(1, 31, seed=2)[0]])
     eager_cache = RocketKVCache(config)
-    eager = greedy(rocket, ids, attention_mask=mask, past_key_values=eager_cache, max_new_tokens=24,
+    eager = greedy(rocket, ids, attention_mask=mask, cache=eager_cache, max_new_tokens=24,
                    disable_compile=True)
     backend = StandInBackend()
     cache = graphed_cache(config, backend)
-    out = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=24,
+    out = greedy(rocket, ids, attention_mask=mask, cache=cache, max_new_tokens=24,
                  compile_config=eager_compile_config())
     assert torch.equal(out, eager)
     assert backend.captures == (1 if runner == "cuda_graphs" else 0)
@@ -236,13 +236,13 @@ def test_pool_backed_cache_equals_private_and_reserves_the_bound():
     config = compressing_config(decode_budget=8, decode_interval=4, decode_window=4, kt_cache_dtype="float32",
                                 decode_kernel_size=1)
     ids = random_ids(1, 40)
-    want = greedy(rocket, ids, past_key_values=RocketKVCache(config), max_new_tokens=30)
+    want = greedy(rocket, ids, cache=RocketKVCache(config), max_new_tokens=30)
     held = []
     for new in (30, 120):
         pool = KVBlockPool(rocket.config, max_gpu_bytes=4 << 20, page_size=8, dtype=torch.float32, device="cpu",
                            kt_page_size=config.page_size, kt_dtype=config.kt_cache_dtype)
         cache = RocketKVCache(config, pool=pool)
-        out = greedy(rocket, ids, past_key_values=cache, max_new_tokens=new)
+        out = greedy(rocket, ids, cache=cache, max_new_tokens=new)
         if new == 30:
             assert torch.equal(out, want)
         held.append(cache.stats.pages_held)
@@ -254,11 +254,11 @@ def test_beam_search_and_a_later_turn_keep_working():
     rocket, _ = make_models("llama")
     config = compressing_config(decode_budget=8, decode_interval=4, decode_window=4)
     cache = RocketKVCache(config)
-    first = greedy(rocket, random_ids(1, 40), past_key_values=cache, max_new_tokens=20)
-    greedy(rocket, torch.cat([first, random_ids(1, 9, seed=5)], 1), past_key_values=cache, max_new_tokens=20)
+    first = greedy(rocket, random_ids(1, 40), cache=cache, max_new_tokens=20)
+    greedy(rocket, torch.cat([first, random_ids(1, 9, seed=5)], 1), cache=cache, max_new_tokens=20)
     layer = cache.layers[0]
     assert layer.capacity <= 24 + 8 + 4 + 4 and int(layer.lengths[0]) - int(layer.generated.gen_start[0]) <= 12
-    beams = greedy(rocket, random_ids(1, 40), past_key_values=RocketKVCache(config), max_new_tokens=20, num_beams=2)
+    beams = greedy(rocket, random_ids(1, 40), cache=RocketKVCache(config), max_new_tokens=20, num_beams=2)
     assert beams.shape == (1, 60)
 
 
@@ -295,9 +295,9 @@ def test_row_group_prefill_equals_one_forward():
     rocket, _ = make_models("llama")
     config = compressing_config(decode_budget=8, decode_interval=4, decode_window=4)
     ids, mask = left_pad([random_ids(1, 44, seed=3)[0], random_ids(1, 30, seed=4)[0]])
-    want = greedy(rocket, ids, attention_mask=mask, past_key_values=RocketKVCache(config), max_new_tokens=25)
+    want = greedy(rocket, ids, attention_mask=mask, cache=RocketKVCache(config), max_new_tokens=25)
     cache = RocketKVCache(config.replace(prefill_batch_size=1))
-    out = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=25)
+    out = greedy(rocket, ids, attention_mask=mask, cache=cache, max_new_tokens=25)
     assert torch.equal(out, want)
     assert cache.layers[0].generated.decode_queries.shape == (2, 4, 4, 16)
 
@@ -308,5 +308,5 @@ def test_adakv_decode_budget_tokens_do_not_depend_on_capacity_buckets():
     config = compressing_config(kt_cache_dtype="float32", stage1="adakv", decode_budget=12, decode_interval=4,
                                 decode_window=4, decode_runner="torch_compile", batch_buckets=())
     outs = [greedy(rocket, ids, attention_mask=mask, max_new_tokens=20, disable_compile=True,
-                   past_key_values=RocketKVCache(c)) for c in (config, config.replace(capacity_buckets=()))]
+                   cache=RocketKVCache(c)) for c in (config, config.replace(capacity_buckets=()))]
     assert torch.equal(outs[0], outs[1])

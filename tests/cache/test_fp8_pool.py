@@ -41,7 +41,7 @@ def make_pool(model, cfg, dtype, granularity="page", max_bytes=4 << 20, **kwargs
 
 def run(model, ids, cfg, pool, new=4, mask=None, **cache_kwargs):
     cache = RocketKVCache(cfg, pool=pool, **cache_kwargs)
-    out = greedy(model, ids, attention_mask=mask, max_new_tokens=new, past_key_values=cache,
+    out = greedy(model, ids, attention_mask=mask, max_new_tokens=new, cache=cache,
                  output_logits=True, return_dict_in_generate=True)
     return out, cache
 
@@ -117,7 +117,7 @@ def test_fp8_pool_serves_padded_batches_beams_and_decode_compression(model):
         outs = []
         for pool in pools:
             cache = RocketKVCache(cfg, pool=pool)
-            outs.append(greedy(model, ids, attention_mask=mask, max_new_tokens=10, past_key_values=cache,
+            outs.append(greedy(model, ids, attention_mask=mask, max_new_tokens=10, cache=cache,
                                output_logits=True, return_dict_in_generate=True, **extra))
             cache.close()
         torch.testing.assert_close(outs[1].logits[0], outs[0].logits[0], rtol=0, atol=0, msg=name)
@@ -152,9 +152,9 @@ def test_keep_all_history_on_fp8_pages(model):
     for dtype in (torch.float32, FP8_DTYPE):
         pool = make_pool(model, cfg, dtype)
         cache = RocketKVCache(cfg, pool=pool)
-        first = greedy(model, turn1, max_new_tokens=4, past_key_values=cache)
+        first = greedy(model, turn1, max_new_tokens=4, cache=cache)
         ids = torch.cat([first, random_ids(1, 12, seed=22)], dim=1)
-        out = greedy(model, ids, max_new_tokens=3, past_key_values=cache, output_logits=True,
+        out = greedy(model, ids, max_new_tokens=3, cache=cache, output_logits=True,
                      return_dict_in_generate=True)
         if dtype == FP8_DTYPE:
             assert cache.layers[0].history.store.fp8
@@ -195,14 +195,14 @@ def test_compiled_decode_on_fp8_pages_equals_eager(granularity):
     eager = []
     for _ in range(2):
         cache = RocketKVCache(CFG, pool=eager_pool)
-        eager.append(greedy(model, ids, attention_mask=mask, max_new_tokens=6, past_key_values=cache,
+        eager.append(greedy(model, ids, attention_mask=mask, max_new_tokens=6, cache=cache,
                             disable_compile=True))
         cache.close()
     pool = make_pool(model, CFG, FP8_DTYPE, granularity)
     dynamo_utils.counters.clear()
     for expected in eager:
         cache = RocketKVCache(CFG.replace(decode_runner="torch_compile"), pool=pool)
-        compiled = greedy(model, ids, attention_mask=mask, max_new_tokens=6, past_key_values=cache,
+        compiled = greedy(model, ids, attention_mask=mask, max_new_tokens=6, cache=cache,
                           compile_config=eager_compile_config())
         assert torch.equal(compiled, expected)
         cache.close()

@@ -23,10 +23,10 @@ KEEP_ALL = CFG.replace(multi_turn="keep_all")
 def two_turns(model, cfg, pool=None, first_new=1, prompt=None, extra=None):
     cache = RocketKVCache(cfg, pool=pool)
     prompt = prompt if prompt is not None else random_ids(1, 60, seed=3)
-    out = greedy(model, prompt, max_new_tokens=first_new, past_key_values=cache)
+    out = greedy(model, prompt, max_new_tokens=first_new, cache=cache)
     turn1 = kept(cache)
     conversation = torch.cat([out, extra if extra is not None else random_ids(1, 12, seed=4)], dim=1)
-    out2 = greedy(model, conversation, max_new_tokens=5, past_key_values=cache)
+    out2 = greedy(model, conversation, max_new_tokens=5, cache=cache)
     return cache, turn1, conversation, out2
 
 
@@ -44,7 +44,7 @@ def test_evicted_tokens_come_back_and_turn_two_equals_a_cold_run(model, with_poo
     assert came_back > 0  # positions turn 1 dropped are attended again in turn 2
 
     cold = RocketKVCache(KEEP_ALL)
-    want = greedy(model, conversation, max_new_tokens=5, past_key_values=cold)
+    want = greedy(model, conversation, max_new_tokens=5, cache=cold)
     assert torch.equal(out2, want)
     assert turn2 == kept(cold)
     if pool is not None:
@@ -69,7 +69,7 @@ def test_history_holds_every_fed_token_through_decode_and_turns(model, with_pool
     private = RocketKVCache(KEEP_ALL)
     outs = []
     for c in (cache, private):
-        out = greedy(model, ids, attention_mask=mask, max_new_tokens=4, past_key_values=c)
+        out = greedy(model, ids, attention_mask=mask, max_new_tokens=4, cache=c)
         pads = (mask == 0).sum(1).tolist()
         for layer in c.layers:
             history = layer.history
@@ -81,7 +81,7 @@ def test_history_holds_every_fed_token_through_decode_and_turns(model, with_pool
         new = random_ids(2, 10, seed=7)
         conversation = torch.cat([out, new], dim=1)
         full_mask = torch.cat([mask, torch.ones(2, out.shape[1] - mask.shape[1] + 10, dtype=mask.dtype)], dim=1)
-        outs.append(greedy(model, conversation, attention_mask=full_mask, max_new_tokens=3, past_key_values=c))
+        outs.append(greedy(model, conversation, attention_mask=full_mask, max_new_tokens=3, cache=c))
         for layer in c.layers:
             assert layer.history.lengths.tolist() == [50 + 4 + 10 + 2, 33 + 4 + 10 + 2]
     assert torch.equal(outs[0], outs[1])
@@ -94,10 +94,10 @@ def test_history_holds_every_fed_token_through_decode_and_turns(model, with_pool
 def test_keep_all_with_row_groups_and_pool(model):
     ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (44, 60, 35)])
     cfg = KEEP_ALL.replace(prefill_batch_size=2)
-    want = greedy(model, ids, attention_mask=mask, max_new_tokens=4, past_key_values=RocketKVCache(cfg))
+    want = greedy(model, ids, attention_mask=mask, max_new_tokens=4, cache=RocketKVCache(cfg))
     pool = cpu_pool(model.config, cfg)
     cache = RocketKVCache(cfg, pool=pool)
-    got = greedy(model, ids, attention_mask=mask, max_new_tokens=4, past_key_values=cache)
+    got = greedy(model, ids, attention_mask=mask, max_new_tokens=4, cache=cache)
     assert torch.equal(got, want)
     assert [layer.history.lengths.tolist() for layer in cache.layers] == [[44 + 3, 60 + 3, 35 + 3]] * 2
     cache.close()
@@ -109,10 +109,10 @@ def test_keep_all_beam_search(model, with_pool):
     ids = random_ids(1, 50, seed=8)
     kwargs = dict(num_beams=3, num_return_sequences=1, max_new_tokens=5, do_sample=False, eos_token_id=None,
                   pad_token_id=0)
-    want = model.generate(ids, past_key_values=RocketKVCache(CFG), **kwargs)
+    want = model.generate(ids, cache=RocketKVCache(CFG), **kwargs)
     pool = cpu_pool(model.config, KEEP_ALL) if with_pool else None
     cache = RocketKVCache(KEEP_ALL, pool=pool)
-    got = model.generate(ids, past_key_values=cache, **kwargs)
+    got = model.generate(ids, cache=cache, **kwargs)
     assert torch.equal(got, want)  # within one turn keep_all decodes exactly like evict mode
     if pool is not None:
         cache.close()

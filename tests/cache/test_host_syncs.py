@@ -69,7 +69,7 @@ def models():
 def reads_of_prefill(model, ids, mask, pool: KVBlockPool | None) -> HostReads:
     cache = RocketKVCache(CFG, pool=pool)
     with HostReads() as reads:
-        greedy(model, ids, attention_mask=mask, max_new_tokens=1, past_key_values=cache)
+        greedy(model, ids, attention_mask=mask, max_new_tokens=1, cache=cache)
     cache.close()
     return reads
 
@@ -92,7 +92,7 @@ def test_prefix_hit_reads_do_not_grow_with_layers(models):
         ids = torch.cat([prefix, random_ids(1, 11, seed=6)], 1)
         cache = RocketKVCache(CFG, pool=pool)
         with HostReads() as reads:
-            greedy(model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, past_key_values=cache)
+            greedy(model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, cache=cache)
         assert cache.stats.reused_tokens > 0  # the path under test is the hit
         cache.close()
         counts[layers] = reads

@@ -19,6 +19,7 @@ from tests.support.tiny_models import (
     make_models,
     random_ids,
 )
+from hf_rocketkv.integration.compat import cache_kwargs
 
 
 def formula(per_layer: int, schedule: str, n: int) -> list[float]:
@@ -79,7 +80,7 @@ def test_each_layer_stores_its_scheduled_budget(pair, dense):
     config = compressing_config(prompt_budget=40, topk=6, budget_schedule="pyramid", dense_layers=dense)
     cache = RocketKVCache(config)
     ids = random_ids(1, 90, seed=5)
-    greedy(rocket, ids, past_key_values=cache, max_new_tokens=1)  # prefill only: no token is fed back
+    greedy(rocket, ids, cache=cache, max_new_tokens=1)  # prefill only: no token is fed back
     n = 5 - dense
     want_budget = [round(x) for x in formula(40, "pyramid", n)]
     want_topk = [round(x) for x in formula(6, "pyramid", n)]
@@ -96,7 +97,7 @@ def test_pyramid_without_the_layer_count_says_how_to_give_it(pair):
     rocket, _ = pair
     cache = RocketKVCache(compressing_config(budget_schedule="pyramid"))
     with pytest.raises(ValueError, match=r"model_config=model.config"), torch.no_grad():
-        rocket(random_ids(1, 30), past_key_values=cache, use_cache=True)
+        rocket(random_ids(1, 30), **cache_kwargs(cache), use_cache=True)
 
 
 def test_triton_backend_runs_the_layer_plan_like_the_reference(pair):
@@ -109,7 +110,7 @@ def test_triton_backend_runs_the_layer_plan_like_the_reference(pair):
         config = compressing_config(prompt_budget=40, topk=6, budget_schedule="pyramid", dense_layers=1,
                                     backend=backend)
         cache = RocketKVCache(config)
-        outs[backend] = greedy(rocket, ids, past_key_values=cache, max_new_tokens=4)
+        outs[backend] = greedy(rocket, ids, cache=cache, max_new_tokens=4)
         want = [round(x) for x in formula(40, "pyramid", 4)]
         assert [cache.kept_tokens(i)[0, 0].item() - 3 for i in range(1, 5)] == want  # 3 tokens fed back
     assert torch.equal(outs["torch"], outs["triton"])

@@ -22,6 +22,7 @@ from hf_rocketkv.cache.batch_view import BatchedDecodeLayer
 from hf_rocketkv.cache.layer import RocketKVLayer
 from hf_rocketkv.cache.op_graphs import OpGraph, buffers_key
 from tests.support.tiny_models import greedy, make_models, random_ids
+from hf_rocketkv.integration.compat import cache_kwargs
 
 
 class StandInGraph:
@@ -109,7 +110,7 @@ def test_layers_take_the_graphed_path_only_where_it_is_exact():
     config = RocketKVConfig(prompt_budget=16, window_size=4, kernel_size=3, topk=2, page_size=4, backend="torch")
     model, _ = make_models()
     cache = RocketKVCache(config)
-    greedy(model, random_ids(1, 40, seed=0), 2, past_key_values=cache)
+    greedy(model, random_ids(1, 40, seed=0), 2, cache=cache)
     layer = cache.layers[0]
     assert isinstance(layer, RocketKVLayer) and layer.compressed
     assert not layer.eager_graphs()  # CPU, PyTorch ops
@@ -158,7 +159,7 @@ def _cpu_run(model, ids, config, new_tokens, mask=None, pool=None, by_hand=False
     if by_hand:
         out = _decode_by_hand(model, ids, cache, new_tokens)
     else:
-        gen = greedy(model, ids, new_tokens, past_key_values=cache, attention_mask=mask, output_logits=True,
+        gen = greedy(model, ids, new_tokens, cache=cache, attention_mask=mask, output_logits=True,
                      return_dict_in_generate=True)
         out = gen.sequences, torch.stack(gen.logits)
     replays = sum(g.replays for layer in cache.layers for g in layer.op_graphs.values())
@@ -219,7 +220,7 @@ def gpu(test):
 
 
 def _generate(model, ids, cache, new_tokens, mask=None):
-    out = model.generate(ids, attention_mask=mask if mask is not None else torch.ones_like(ids), past_key_values=cache,
+    out = model.generate(ids, attention_mask=mask if mask is not None else torch.ones_like(ids), cache=cache,
                          max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
                          pad_token_id=0, disable_compile=True, output_logits=True, return_dict_in_generate=True)
     return out.sequences, torch.stack(out.logits)
@@ -238,11 +239,11 @@ def _decode_by_hand(model, ids, cache, steps):
     """Greedy decoding with plain forwards (no generate(): nothing plans the store's room, so it grows)."""
     logits, tokens = [], []
     with torch.no_grad():
-        out = model(ids, past_key_values=cache, use_cache=True)
+        out = model(ids, **cache_kwargs(cache), use_cache=True)
         for _ in range(steps):
             logits.append(out.logits[:, -1].float())
             tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
-            out = model(tokens[-1], past_key_values=cache, use_cache=True)
+            out = model(tokens[-1], **cache_kwargs(cache), use_cache=True)
     return torch.cat(tokens, dim=1), torch.stack(logits)
 
 

@@ -63,7 +63,7 @@ class PoolRequests(RuleBasedStateMachine):
         ids = BASES[base][:length][None]
         free = self.pool.free_pages()
         try:
-            out = greedy(model(), ids, max_new_tokens=new, past_key_values=cache)
+            out = greedy(model(), ids, max_new_tokens=new, cache=cache)
         except PoolExhaustedError:
             assert self.pool.free_pages() == free and cache.stats.pages_held == 0  # refused before any change
             assert cache.get_seq_length() == 0
@@ -81,7 +81,7 @@ class PoolRequests(RuleBasedStateMachine):
         ids, mask = left_pad([BASES[i % 2][:n] for i, n in enumerate(lengths)])
         free = self.pool.free_pages()
         try:
-            out = greedy(model(), ids, attention_mask=mask, max_new_tokens=3, past_key_values=cache)
+            out = greedy(model(), ids, attention_mask=mask, max_new_tokens=3, cache=cache)
         except PoolExhaustedError:
             assert self.pool.free_pages() == free and cache.stats.pages_held == 0  # refused before any change
             self.refused += 1
@@ -98,7 +98,7 @@ class PoolRequests(RuleBasedStateMachine):
         ids = torch.cat([out, random_ids(1, extra, seed=extra)], dim=1)
         free, held = self.pool.free_pages(), cache.stats.pages_held
         try:
-            out = greedy(model(), ids, max_new_tokens=data.draw(st.integers(1, 4)), past_key_values=cache)
+            out = greedy(model(), ids, max_new_tokens=data.draw(st.integers(1, 4)), cache=cache)
         except PoolExhaustedError:
             assert self.pool.free_pages() == free and cache.stats.pages_held == held  # refused before any change
             self.refused += 1
@@ -162,18 +162,18 @@ def test_admission_collects_unreachable_caches_before_refusing(row_groups):
     gc.disable()
     try:
         cache = RocketKVCache(cfg, pool=pool)
-        greedy(model(), BASES[0][None].repeat(rows, 1), max_new_tokens=4, past_key_values=cache)
+        greedy(model(), BASES[0][None].repeat(rows, 1), max_new_tokens=4, cache=cache)
         cycle = {"cache": cache}
         cycle["self"] = cycle
         del cache, cycle
         assert pool.free_pages() < pages  # the unreachable request still holds its view pages
         second = RocketKVCache(cfg, pool=pool)
-        greedy(model(), BASES[1][None].repeat(rows, 1), max_new_tokens=4, past_key_values=second)  # after a collection
+        greedy(model(), BASES[1][None].repeat(rows, 1), max_new_tokens=4, cache=second)  # after a collection
         assert second.stats.reused_tokens + second.stats.computed_tokens == 90 * rows
         third = RocketKVCache(cfg, pool=pool)  # the second is alive: nothing to collect, refused as before
         free = pool.free_pages()
         try:
-            greedy(model(), BASES[0][None].repeat(rows, 1), max_new_tokens=4, past_key_values=third)
+            greedy(model(), BASES[0][None].repeat(rows, 1), max_new_tokens=4, cache=third)
         except PoolExhaustedError as err:
             assert "pages" in str(err) and pool.free_pages() == free
         else:

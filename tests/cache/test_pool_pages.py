@@ -32,7 +32,7 @@ def make_pool(model, cfg, max_bytes=4 << 20, page_size=PAGE, **kwargs) -> KVBloc
 
 def run(model, ids, cfg, pool=None, new=6, mask=None, **cache_kwargs):
     cache = RocketKVCache(cfg, pool=pool, **cache_kwargs)
-    out = greedy(model, ids, attention_mask=mask, max_new_tokens=new, past_key_values=cache)
+    out = greedy(model, ids, attention_mask=mask, max_new_tokens=new, cache=cache)
     return out, cache
 
 
@@ -248,7 +248,7 @@ def test_request_that_does_not_fit_raises_before_anything_is_written(model):
     pool = make_pool(model, cfg, max_bytes=(need - 1) * per_page)
     cache = RocketKVCache(cfg, pool=pool)
     with pytest.raises(PoolExhaustedError, match=f"needs {need} pages but only {need - 1} of {need - 1} are free"):
-        greedy(model, ids, max_new_tokens=6, past_key_values=cache)
+        greedy(model, ids, max_new_tokens=6, cache=cache)
     assert pool.free_pages() == pool.total_pages() and cache.get_seq_length() == 0
     assert not any(layer.is_initialized for layer in cache.layers)  # no forward ran
     assert pool.can_admit([60, 60], 6, cfg) is False
@@ -292,7 +292,7 @@ def test_close_reset_and_garbage_collection_give_pages_back(model):
     assert ref() is None
     assert pool.free_pages() == pool.total_pages()  # the queued release happens at this call
     with RocketKVCache(CFG, pool=pool) as cache:  # a with block closes the cache on the way out
-        greedy(model, ids, max_new_tokens=3, past_key_values=cache)
+        greedy(model, ids, max_new_tokens=3, cache=cache)
         assert pool.free_pages() < pool.total_pages()
     assert pool.free_pages() == pool.total_pages() and cache.stats.pages_held == 0
 
@@ -367,10 +367,10 @@ def test_beam_search_with_pool_equals_private(model):
     ids = random_ids(1, 50, seed=40)
     kwargs = dict(num_beams=3, num_return_sequences=2, max_new_tokens=6, do_sample=False, eos_token_id=None,
                   pad_token_id=0)
-    want = model.generate(ids, past_key_values=RocketKVCache(CFG), **kwargs)
+    want = model.generate(ids, cache=RocketKVCache(CFG), **kwargs)
     pool = make_pool(model, CFG)
     cache = RocketKVCache(CFG, pool=pool)
-    got = model.generate(ids, past_key_values=cache, **kwargs)
+    got = model.generate(ids, cache=cache, **kwargs)
     assert torch.equal(got, want)
     cache.close()
     assert pool.free_pages() == pool.total_pages()
@@ -384,9 +384,9 @@ def test_multi_turn_with_pool_equals_private(model):
     pooled = RocketKVCache(CFG, pool=pool)
     outs = []
     for cache in (private, pooled):
-        out = greedy(model, first, max_new_tokens=5, past_key_values=cache)
+        out = greedy(model, first, max_new_tokens=5, cache=cache)
         out = torch.cat([out, random_ids(1, 12, seed=42)], dim=1)
-        outs.append(greedy(model, out, max_new_tokens=5, past_key_values=cache))
+        outs.append(greedy(model, out, max_new_tokens=5, cache=cache))
     assert torch.equal(outs[0], outs[1])
     assert kept(pooled) == kept(private)
     assert pooled.stats.pages_held == pool.total_pages() - pool.free_pages()
@@ -421,7 +421,7 @@ def test_chunked_prefill_after_a_prefix_hit_equals_cold(model):
     cold, first = run(model, ids, CFG, pool=pool)
     first.close()
     cache = RocketKVCache(CFG, pool=pool)
-    got = greedy(model, ids, max_new_tokens=6, past_key_values=cache, prefill_chunk_size=5)
+    got = greedy(model, ids, max_new_tokens=6, cache=cache, prefill_chunk_size=5)
     assert cache.stats.reused_tokens == 56 and cache.stats.computed_tokens == 14
     assert torch.equal(got, cold)
     _, cold_cache = run(model, ids, CFG, pool=make_pool(model, CFG))
@@ -472,7 +472,7 @@ def test_row_groups_are_admitted_group_by_group_out_of_one_reservation(model):
     short = make_pool(model, cfg, max_bytes=(reservation - 1) * per_page)
     cache = RocketKVCache(cfg, pool=short)
     with pytest.raises(PoolExhaustedError, match=f"needs {reservation} pages"):
-        greedy(model, ids, max_new_tokens=6, past_key_values=cache)
+        greedy(model, ids, max_new_tokens=6, cache=cache)
     assert short.free_pages() == short.total_pages() and not cache.layers
 
 
@@ -515,11 +515,11 @@ def test_manual_decode_past_the_admitted_view_grows_it_from_the_pool(model):
         steps = []
         with torch.no_grad():
             with cache.prefill(ids, max_new_tokens=2, max_length=ids.shape[1] + 2):  # room for 2 new tokens
-                out = model(ids, past_key_values=cache, use_cache=True)
+                out = model(ids, **cache_kwargs(cache), use_cache=True)
             token = out.logits[:, -1:].argmax(-1)
             for step in range(PAGE * 3):  # several pool pages past the admitted view
                 position = torch.tensor([[ids.shape[1] + step]])
-                out = model(token, position_ids=position, past_key_values=cache, use_cache=True)
+                out = model(token, position_ids=position, **cache_kwargs(cache), use_cache=True)
                 steps.append(out.logits[0, -1])
                 token = out.logits[:, -1:].argmax(-1)
         logits[name] = torch.stack(steps)

@@ -21,6 +21,7 @@ import torch._dynamo.utils as dynamo_utils
 from hf_rocketkv import RocketKVCache
 from hf_rocketkv.cache.layer import RocketKVLayer
 from tests.support.tiny_models import compressing_config, greedy, make_models, random_ids
+from hf_rocketkv.integration.compat import cache_kwargs
 
 DECODE_STEPS = 52  # >= 50 interleaved decode steps
 
@@ -44,7 +45,7 @@ def test_two_threads_one_model_two_caches_give_the_tokens_each_gives_alone(monke
     rocket, _ = make_models("llama")
     config = compressing_config()
     prompts = [random_ids(1, 60, seed=10 + repetition), random_ids(1, 60, seed=20 + repetition)]
-    alone = [greedy(rocket, ids, past_key_values=RocketKVCache(config), max_new_tokens=DECODE_STEPS) for ids in prompts]
+    alone = [greedy(rocket, ids, cache=RocketKVCache(config), max_new_tokens=DECODE_STEPS) for ids in prompts]
     assert not torch.equal(alone[0], alone[1])
 
     barrier = threading.Barrier(2, timeout=60)
@@ -53,7 +54,7 @@ def test_two_threads_one_model_two_caches_give_the_tokens_each_gives_alone(monke
 
     def run(i):
         try:
-            results[i] = greedy(rocket, prompts[i], past_key_values=RocketKVCache(config), max_new_tokens=DECODE_STEPS)
+            results[i] = greedy(rocket, prompts[i], cache=RocketKVCache(config), max_new_tokens=DECODE_STEPS)
         except BaseException as err:  # noqa: BLE001 - reported below
             errors.append(err)
             barrier.abort()
@@ -113,16 +114,16 @@ def test_exception_mid_forward_leaves_nothing_behind(on_call):
     rocket, sdpa = make_models("llama", num_hidden_layers=3)
     config = compressing_config()
     ids = random_ids(1, 50)
-    clean = greedy(rocket, ids, past_key_values=RocketKVCache(config), max_new_tokens=10)
+    clean = greedy(rocket, ids, cache=RocketKVCache(config), max_new_tokens=10)
 
     failed = RocketKVCache(config)
     handle = _raise_in_layer(rocket, 1, on_call)
     with pytest.raises(Boom):
-        greedy(rocket, ids, past_key_values=failed, max_new_tokens=10)
+        greedy(rocket, ids, cache=failed, max_new_tokens=10)
     handle.remove()
 
     # the next generate() equals a clean run, with a passed cache and with none
-    assert torch.equal(greedy(rocket, ids, past_key_values=RocketKVCache(config), max_new_tokens=10), clean)
+    assert torch.equal(greedy(rocket, ids, cache=RocketKVCache(config), max_new_tokens=10), clean)
     from hf_rocketkv import set_config
 
     set_config(rocket, config)
@@ -133,7 +134,7 @@ def test_exception_mid_forward_leaves_nothing_behind(on_call):
     # the interrupted cache is inconsistent: reusing it says so instead of continuing silently
     with pytest.raises(RuntimeError, match="interrupted"):
         follow = torch.cat([failed.token_ids, random_ids(1, 3, seed=7)], 1)
-        greedy(rocket, follow, past_key_values=failed, max_new_tokens=2)
+        greedy(rocket, follow, cache=failed, max_new_tokens=2)
     # and nothing else holds on to it
     ref = weakref.ref(failed)
     del failed
@@ -148,7 +149,7 @@ def test_rocketkv_model_without_rocketkv_cache():
     ids = random_ids(2, 30)
     other = RocketKVCache(compressing_config())
     with torch.no_grad():
-        rocket(random_ids(2, 30, seed=9), past_key_values=other)  # a RocketKV forward just before
+        rocket(random_ids(2, 30, seed=9), **cache_kwargs(other))  # a RocketKV forward just before
         assert torch.equal(rocket(ids).logits, sdpa(ids).logits)
         assert torch.equal(rocket(ids, use_cache=False).logits, sdpa(ids, use_cache=False).logits)
     assert other.get_seq_length() == 30  # untouched by the later forwards
@@ -158,7 +159,7 @@ def test_cache_is_freed_without_waiting_for_the_garbage_collector():
     """The key tensors point back to their layer through a weak reference: no cycle keeps buffers alive."""
     rocket, _ = make_models("llama")
     cache = RocketKVCache(compressing_config())
-    greedy(rocket, random_ids(1, 40), past_key_values=cache, max_new_tokens=4)
+    greedy(rocket, random_ids(1, 40), cache=cache, max_new_tokens=4)
     ref = weakref.ref(cache.layers[0])
     gc.disable()
     try:
@@ -180,10 +181,10 @@ def test_hand_written_compiled_decode_loop_fullgraph_without_recompiles():
     def loop(forward, steps=12):
         cache = RocketKVCache(config)
         with torch.no_grad():
-            logits = rocket(ids, past_key_values=cache).logits[:, -1]
+            logits = rocket(ids, **cache_kwargs(cache)).logits[:, -1]
             tokens = [logits.argmax(-1, keepdim=True)]
             for _ in range(steps):
-                logits = forward(input_ids=tokens[-1], past_key_values=cache).logits[:, -1]
+                logits = forward(input_ids=tokens[-1], **cache_kwargs(cache)).logits[:, -1]
                 tokens.append(logits.argmax(-1, keepdim=True))
         return torch.cat(tokens, dim=1)
 
@@ -203,16 +204,16 @@ def test_decode_mask_size_is_constant_per_capacity():
     compiled loop sees one shape until the store grows (eager only)."""
     rocket, _ = make_models("llama")
     cache = RocketKVCache(compressing_config(capacity_headroom=64))
-    greedy(rocket, random_ids(1, 40), past_key_values=cache, max_new_tokens=2)
+    greedy(rocket, random_ids(1, 40), cache=cache, max_new_tokens=2)
     with torch.no_grad():
         first_capacity = cache.layers[0].capacity  # sized from generate()'s max_length
         while cache.layers[0].capacity == first_capacity:  # run past it: the store grows by the headroom (64)
-            rocket(random_ids(1, 1, seed=5), past_key_values=cache)
+            rocket(random_ids(1, 1, seed=5), **cache_kwargs(cache))
         capacity = cache.layers[0].capacity
         sizes = set()
         for _ in range(6):
             sizes.add(cache.get_mask_sizes(1, 0))
-            rocket(random_ids(1, 1, seed=5), past_key_values=cache)
+            rocket(random_ids(1, 1, seed=5), **cache_kwargs(cache))
     assert cache.layers[0].capacity == capacity
     assert sizes == {(capacity + 1, 0)}
 
@@ -220,7 +221,7 @@ def test_decode_mask_size_is_constant_per_capacity():
 def test_seq_length_tensor_is_the_device_counter():
     rocket, _ = make_models("llama")
     cache = RocketKVCache(compressing_config())
-    out = greedy(rocket, random_ids(1, 40), past_key_values=cache, max_new_tokens=5)
+    out = greedy(rocket, random_ids(1, 40), cache=cache, max_new_tokens=5)
     counter = cache.seq_length_tensor()
     assert isinstance(counter, torch.Tensor) and counter.dim() == 0
     assert int(counter) == cache.get_seq_length() == out.shape[1] - 1

@@ -492,6 +492,7 @@ def test_serve_is_a_subcommand(capsys):
     assert "--port" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # the batching engine through every bucket: ~30 s
 def test_warmup_engine_runs_the_batching_engine_over_a_pool(tmp_path, capsys):
     """--engine: the batching engine's buckets up to --max-running (1, 2) and one batch per --batch size ran (CPU:
     eagerly); the JSON line reports them."""
@@ -519,6 +520,7 @@ def test_warmup_engine_runs_the_batching_engine_over_a_pool(tmp_path, capsys):
                 os.environ[key] = value
 
 
+@pytest.mark.slow  # two processes: ~18 s
 def test_warmup_saves_and_a_new_process_loads(tmp_path):
     """CPU: no compiled decode, so the artifact may be empty; the command and the cache folders still work."""
     import os

@@ -355,7 +355,7 @@ def test_serve_under_torchrun_rank0_serves_every_rank_steps(tmp_path, arch, rank
         model, tok = load_model_and_tokenizer({str(tmp_path / "tiny")!r}, dtype=torch.float32)
         ids = tok({prompt!r}, return_tensors="pt").input_ids
         cache = RocketKVCache(RocketKVConfig.from_yaml({str(config)!r}))
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=6,
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=6,
                              do_sample=False, eos_token_id=None, pad_token_id=0)
         print(repr(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)))
     """)]

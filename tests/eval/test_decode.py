@@ -23,7 +23,7 @@ def test_shared_prefix_decode_equals_generate(name):
     if method.config is None:
         reference = greedy(sdpa, ids, max_new_tokens=6)[0, 60:].tolist()
     else:
-        reference = greedy(rocket, ids, max_new_tokens=6, past_key_values=method.new_cache())[0, 60:].tolist()
+        reference = greedy(rocket, ids, max_new_tokens=6, cache=method.new_cache())[0, 60:].tolist()
     prefix = decode.shared_prefix(rocket, ids, tail=16)
     assert prefix.split == 44 and len(prefix.kv) == 2
     prefilled = decode.prefill(rocket, method, prefix, max_new_tokens=6)
@@ -48,6 +48,6 @@ def test_teacher_forcing_of_full_method_matches_a_plain_forward():
 def test_kept_tokens_and_bytes_helpers():
     rocket, _ = make_models("llama")
     cache = RocketKVCache(compressing_config())
-    greedy(rocket, random_ids(1, 50), max_new_tokens=2, past_key_values=cache)
+    greedy(rocket, random_ids(1, 50), max_new_tokens=2, cache=cache)
     assert decode.kept_tokens_per_layer(cache) == [25.0, 25.0]
     assert decode.cache_bytes(cache) == cache.memory_bytes()

@@ -99,7 +99,7 @@ def test_h2o_method_prefills_the_whole_prompt():
     prefix = decode.shared_prefix(rocket, ids, 8)
     prefilled = decode.prefill(rocket, method, prefix)
     reference = RocketKVCache(method.config)
-    greedy(rocket, ids, 1, past_key_values=reference)
+    greedy(rocket, ids, 1, cache=reference)
     for layer in range(len(reference.layers)):
         # the kept positions, without the empty slots (-1) each cache reserved for its own decode steps
         assert torch.equal(_filled(prefilled.cache.kept_positions(layer)), _filled(reference.kept_positions(layer)))

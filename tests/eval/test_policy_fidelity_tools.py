@@ -16,6 +16,7 @@ def load(name: str):
     return importlib.import_module(f"benchmarks.{name}")
 
 
+@pytest.mark.slow  # tokenizes the long texts: ~13 s
 def test_dump_writes_the_fidelity_tasks_token_ids(tmp_path, smollm2_tokenizer):
     from hf_rocketkv.eval.settings import EvalSettings
     from hf_rocketkv.eval.tasks.fidelity import FidelityTask
@@ -66,6 +67,7 @@ def test_plot_refuses_sweeps_without_the_full_cache(tmp_path):
         plot.sweep_points([sweep])
 
 
+@pytest.mark.slow  # tokenizes the long texts: ~13 s
 def test_dump_study_writes_the_studys_own_windows(tmp_path, smollm2_tokenizer):
     study = load("fidelity_study")
     out = tmp_path / "study.json"

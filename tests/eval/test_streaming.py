@@ -13,7 +13,7 @@ def test_streaming_cache_keeps_sinks_and_recent_tokens():
     config = compressing_config(prompt_budget=16, topk=ALL_PAGES)
     cache = StreamingCache(config, sink_tokens=4)
     ids = random_ids(1, 40)
-    greedy(rocket, ids, max_new_tokens=3, past_key_values=cache)
+    greedy(rocket, ids, max_new_tokens=3, cache=cache)
     for layer in range(len(cache.layers)):
         kept = cache.kept_positions(layer)[0, :, :16]
         assert kept.tolist() == [[0, 1, 2, 3] + list(range(28, 40))] * kept.shape[0]

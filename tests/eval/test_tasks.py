@@ -162,7 +162,7 @@ def test_span_positions_and_retention(smollm2_tokenizer):
     assert positions and smollm2_tokenizer.decode([ids[p] for p in positions]).strip() == sample.meta["key"]
     rocket, _ = make_models("llama")
     cache = RocketKVCache(compressing_config(prompt_budget=16))
-    greedy(rocket, random_ids(1, 40), max_new_tokens=2, past_key_values=cache)
+    greedy(rocket, random_ids(1, 40), max_new_tokens=2, cache=cache)
     assert decode.retention(cache, [36, 37, 38]) == {"kept": 1.0, "whole": 1.0}  # the window is always kept
     partly = decode.retention(cache, list(range(0, 30)))
     assert partly["whole"] == 0.0 and 0.0 < partly["kept"] < 1.0

@@ -50,7 +50,7 @@ def greedy(model, ids: torch.Tensor, cache, new_tokens: int, compiled: bool, **k
     generate() run the decode steps through the cache's decode runner, else every step runs eagerly."""
     kwargs.setdefault("attention_mask", torch.ones_like(ids))
     with torch.no_grad():
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+        out = model.generate(ids, cache=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                              do_sample=False, eos_token_id=None, pad_token_id=0, disable_compile=not compiled,
                              **kwargs)
     return out[:, ids.shape[1]:]

@@ -41,7 +41,7 @@ def _generate(model, ids, mask, config: RocketKVConfig, **kwargs) -> torch.Tenso
     kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
                   pad_token_id=0) | kwargs
     with torch.no_grad():
-        return model.generate(ids, past_key_values=RocketKVCache(config) if cache is None else cache, **kwargs)
+        return model.generate(ids, cache=RocketKVCache(config) if cache is None else cache, **kwargs)
 
 
 @pytest.mark.parametrize("batch", [1, 4])

@@ -6,7 +6,7 @@ and its bytes kept as the reference. Checked against that reference: (1) evict e
 free device page (a copy that did nothing fails), onload by a prefix hit; (2) an onload enqueued behind a chain of
 matmuls on the compute stream (it waits only on page events); (3) three rounds of evicting half the pages while
 matmuls run and onloading on a hit; and every page free again at the end. On bf16 pages, and on fp8 (e4m3)
-pages with per-head scales. The bandwidth and overlap numbers are benchmarks/offload_bandwidth.py's.
+pages with per-head scales. The bandwidth and overlap numbers are benchmarks/probes/offload_bandwidth.py's.
 """
 
 from __future__ import annotations

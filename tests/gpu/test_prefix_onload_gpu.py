@@ -24,7 +24,7 @@ def _generate(model, pool, config, ids, new_tokens):
     """Greedy tokens, the stacked per-step logits and the cache's counters of one request served from ``pool``."""
     cache = RocketKVCache(config, pool=pool)
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
                              max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
                              disable_compile=True, output_scores=True, return_dict_in_generate=True)
     stats = cache.stats.as_dict()

@@ -33,10 +33,10 @@ IDS = [f"{arch}-{'-'.join(f'{k}{v}' for k, v in kw.items()) or 'base'}" for arch
 def test_keep_all_equals_sdpa(arch, overrides):
     rocket, sdpa = make_models(arch, **overrides)
     ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (37, 25)])
-    out = greedy(rocket, ids, attention_mask=mask, past_key_values=RocketKVCache(keep_all_config()), max_new_tokens=10)
+    out = greedy(rocket, ids, attention_mask=mask, cache=RocketKVCache(keep_all_config()), max_new_tokens=10)
     assert torch.equal(out, greedy(sdpa, ids, attention_mask=mask, max_new_tokens=10))
     kwargs = dict(num_beams=2, max_new_tokens=6)
-    beams = greedy(rocket, ids[:1], past_key_values=RocketKVCache(keep_all_config()), **kwargs)
+    beams = greedy(rocket, ids[:1], cache=RocketKVCache(keep_all_config()), **kwargs)
     assert torch.equal(beams, greedy(sdpa, ids[:1], **kwargs))
 
 
@@ -50,7 +50,7 @@ def test_compression_engaged_and_padding_invariant(arch, overrides):
         assert cache.kept_tokens(layer_idx).tolist() == [[24 + 7] * kv_heads] * 2
         assert cache.layers[layer_idx].keys.shape[1] == kv_heads
     for b, row in enumerate(rows):
-        alone = greedy(rocket, row[None], past_key_values=RocketKVCache(config), max_new_tokens=8)
+        alone = greedy(rocket, row[None], cache=RocketKVCache(config), max_new_tokens=8)
         assert torch.equal(batch[b, ids.shape[1] :], alone[0, len(row) :])
 
 
@@ -64,9 +64,9 @@ def test_sliding_window_configs_equal_sdpa(arch, overrides):
     full-attention layers (tests/integration/test_hybrid_models.py has the other hybrid families)."""
     rocket, sdpa = make_models(arch, **overrides)
     ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (45, 30)])
-    out = greedy(rocket, ids, attention_mask=mask, past_key_values=RocketKVCache(keep_all_config()), max_new_tokens=10)
+    out = greedy(rocket, ids, attention_mask=mask, cache=RocketKVCache(keep_all_config()), max_new_tokens=10)
     assert torch.equal(out, greedy(sdpa, ids, attention_mask=mask, max_new_tokens=10))
     cache = RocketKVCache(compressing_config())
-    greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4)
+    greedy(rocket, ids, attention_mask=mask, cache=cache, max_new_tokens=4)
     assert [layer.is_sliding for layer in cache.layers] == [arch == "mistral", True]
     assert [layer.stored for layer in cache.layers if layer.is_sliding] == [15] * (1 + (arch == "mistral"))

@@ -33,6 +33,7 @@ from tests.support.tiny_models import (
     keep_all_config,
     random_ids,
 )
+from hf_rocketkv.integration.compat import cache_kwargs
 
 CHUNKED, FULL = [0, 1, 2], 3
 
@@ -54,7 +55,7 @@ def test_keep_all_equals_the_oracle(pair):
     ids = random_ids(1, 5 * CHUNK + 3, seed=3)
     expected = greedy(oracle, ids, max_new_tokens=16)
     cache = RocketKVCache(keep_all_config())
-    assert torch.equal(greedy(rocket, ids, past_key_values=cache, max_new_tokens=16), expected)
+    assert torch.equal(greedy(rocket, ids, cache=cache, max_new_tokens=16), expected)
     for index in CHUNKED:
         layer = cache.layers[index]
         assert isinstance(layer, SlidingWindowLayer) and layer.chunked and layer.window == CHUNK
@@ -73,9 +74,9 @@ def test_padded_batch_and_chunked_prefill_equal_the_oracle(pair):
 def test_a_keep_all_conversation_equals_the_oracle(pair):
     rocket, oracle = pair
     cache = RocketKVCache(keep_all_config(multi_turn="keep_all"))
-    first = greedy(rocket, random_ids(1, 30, seed=1), past_key_values=cache, max_new_tokens=6)
+    first = greedy(rocket, random_ids(1, 30, seed=1), cache=cache, max_new_tokens=6)
     conversation = torch.cat([first, random_ids(1, 13, seed=2)], dim=1)
-    second = greedy(rocket, conversation, past_key_values=cache, max_new_tokens=6)
+    second = greedy(rocket, conversation, cache=cache, max_new_tokens=6)
     assert torch.equal(second, greedy(oracle, conversation, max_new_tokens=6))
     assert cache.get_seq_length() == conversation.shape[1] + 5
 
@@ -86,12 +87,12 @@ def test_plain_forwards_with_model_config_equal_the_oracle(pair):
     ids = random_ids(1, 2 * CHUNK + 5, seed=5)
     cache = RocketKVCache(keep_all_config(), model_config=rocket.config)
     with torch.no_grad():
-        logits = rocket(ids, past_key_values=cache).logits[:, -1]
+        logits = rocket(ids, **cache_kwargs(cache)).logits[:, -1]
         torch.testing.assert_close(logits, oracle(ids).logits[:, -1], rtol=1e-4, atol=1e-4)
         for _ in range(CHUNK + 2):
             token = logits.argmax(-1, keepdim=True)
             ids = torch.cat([ids, token], dim=1)
-            logits = rocket(token, past_key_values=cache).logits[:, -1]
+            logits = rocket(token, **cache_kwargs(cache)).logits[:, -1]
             torch.testing.assert_close(logits, oracle(ids).logits[:, -1], rtol=1e-4, atol=1e-4)
     assert [cache.get_seq_length(i) for i in range(4)] == [ids.shape[1]] * 4
 
@@ -100,7 +101,7 @@ def test_plain_forward_without_layer_types_is_refused(pair):
     rocket, _ = pair
     with pytest.raises(ValueError, match=r"chunked attention \(layer_types\).*model_config=model.config"):
         with torch.no_grad():
-            rocket(random_ids(1, 12), past_key_values=RocketKVCache(keep_all_config()))
+            rocket(random_ids(1, 12), **cache_kwargs(RocketKVCache(keep_all_config())))
 
 
 @needs_generate
@@ -122,9 +123,9 @@ def test_compression_keeps_chunks_and_compresses_the_full_layer(pair):
     assert [cache.get_seq_length(i) for i in range(4)] == [seen] * 4
     # the unpadded row gets the tokens it gets alone (a padded row does not, in transformers' own model either: the
     # NoPE layer's temperature counts input columns, padding included)
-    alone = greedy(rocket, rows[0][None], past_key_values=RocketKVCache(config), max_new_tokens=8)
+    alone = greedy(rocket, rows[0][None], cache=RocketKVCache(config), max_new_tokens=8)
     assert torch.equal(batch[0, ids.shape[1]:], alone[0, len(rows[0]):])
-    chunked = greedy(rocket, rows[0][None], past_key_values=RocketKVCache(config), max_new_tokens=8,
+    chunked = greedy(rocket, rows[0][None], cache=RocketKVCache(config), max_new_tokens=8,
                      prefill_chunk_size=10)
     assert torch.equal(chunked, alone)
 
@@ -153,7 +154,7 @@ def test_compiled_decode_runners_are_refused_before_computing(pair, monkeypatch,
         call_state(cache).use_graphs_on(("cpu",))
     with pytest.raises(NotImplementedError, match=rf"{runner} \(on cpu\) does not serve models with chunked-attention "
                                                   rf"layers.*disable_compile=True"):
-        greedy(rocket, random_ids(1, 12), past_key_values=cache, max_new_tokens=2)
+        greedy(rocket, random_ids(1, 12), cache=cache, max_new_tokens=2)
     assert not calls
 
 
@@ -162,7 +163,7 @@ def test_disable_compile_decodes_eagerly_under_any_runner(pair):
     rocket, oracle = pair
     ids = random_ids(1, 20, seed=4)
     cache = RocketKVCache(keep_all_config(decode_runner="torch_compile"))
-    out = greedy(rocket, ids, past_key_values=cache, max_new_tokens=6, disable_compile=True)
+    out = greedy(rocket, ids, cache=cache, max_new_tokens=6, disable_compile=True)
     assert torch.equal(out, greedy(oracle, ids, max_new_tokens=6))
 
 
@@ -171,7 +172,7 @@ def test_temperature_tuning_alone_refuses_the_compiled_runners(monkeypatch):
     rocket, _ = make_llama4_models(layer_types=["full_attention"] * 4)
     assert "chunked_attention" not in rocket.config.layer_types
     with pytest.raises(NotImplementedError, match="reads the cache's length in its forward .attn_temperature_tuning"):
-        greedy(rocket, random_ids(1, 12), past_key_values=RocketKVCache(keep_all_config(decode_runner="torch_compile")),
+        greedy(rocket, random_ids(1, 12), cache=RocketKVCache(keep_all_config(decode_runner="torch_compile")),
                max_new_tokens=2)
 
 

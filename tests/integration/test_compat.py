@@ -208,8 +208,8 @@ def test_compiled_call_gate_passes_other_calls_through_untouched():
     ids = random_ids(1, 6)
     with torch.no_grad():
         positional = gate(ids).logits
-        keyword = gate(input_ids=ids, past_key_values=StaticCache(config=sdpa.config, max_cache_len=16)).logits
-        direct = sdpa(input_ids=ids, past_key_values=StaticCache(config=sdpa.config, max_cache_len=16)).logits
+        keyword = gate(input_ids=ids, **compat.cache_kwargs(StaticCache(config=sdpa.config, max_cache_len=16))).logits
+        direct = sdpa(input_ids=ids, **compat.cache_kwargs(StaticCache(config=sdpa.config, max_cache_len=16))).logits
         # each call against the same call without the gate (a StaticCache and a DynamicCache differ by rounding)
         assert torch.allclose(positional, sdpa(ids).logits, atol=1e-6)
         assert torch.allclose(keyword, direct, atol=1e-6)

@@ -17,6 +17,7 @@ from hf_rocketkv import RocketKVCache
 from hf_rocketkv.integration.call_state import call_state
 from tests.support.decode_runners import eager_compile_config, skip_launches_on_fake_tensors, unique_graphs
 from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
+from hf_rocketkv.integration.compat import output_cache
 
 
 def _compile_config() -> CompileConfig:
@@ -33,19 +34,19 @@ def test_compiled_decode_matches_eager_without_recompiles():
     ids, mask = left_pad(rows)
     config = compressing_config(kt_cache_dtype="float32")  # every KT dtype: the test below
     eager_cache = RocketKVCache(config)
-    eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=6, past_key_values=eager_cache,
+    eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=6, cache=eager_cache,
                    disable_compile=True)
     assert eager_cache.kept_tokens(0).max() > 0 and eager_cache.is_compressed
 
     dynamo_utils.counters.clear()
     compiled = greedy(rocket, ids, attention_mask=mask, max_new_tokens=6,
-                      past_key_values=RocketKVCache(config), compile_config=_compile_config())
+                      cache=RocketKVCache(config), compile_config=_compile_config())
     assert torch.equal(compiled, eager)
     graphs_after_first = unique_graphs()
     assert graphs_after_first == 1, dict(dynamo_utils.counters["stats"])  # fullgraph, no recompile per step
 
     again = greedy(rocket, ids, attention_mask=mask, max_new_tokens=6,
-                   past_key_values=RocketKVCache(config), compile_config=_compile_config())
+                   cache=RocketKVCache(config), compile_config=_compile_config())
     assert torch.equal(again, eager)
     assert unique_graphs() == graphs_after_first  # second request: no recompile
     assert not dynamo_utils.counters["recompiles"]
@@ -61,10 +62,10 @@ def test_compiled_decode_with_every_kt_dtype_matches_eager(kt_dtype):
     rocket, _ = make_models("llama", num_hidden_layers=1)
     ids, mask = left_pad([random_ids(1, 40, seed=3)[0], random_ids(1, 33, seed=4)[0]])
     config = compressing_config(kt_cache_dtype=kt_dtype)
-    eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=6, past_key_values=RocketKVCache(config),
+    eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=6, cache=RocketKVCache(config),
                    disable_compile=True)
     dynamo_utils.counters.clear()
-    compiled = greedy(rocket, ids, attention_mask=mask, max_new_tokens=6, past_key_values=RocketKVCache(config),
+    compiled = greedy(rocket, ids, attention_mask=mask, max_new_tokens=6, cache=RocketKVCache(config),
                       compile_config=_compile_config())
     assert torch.equal(compiled, eager)
     assert unique_graphs() == 1, dict(dynamo_utils.counters["stats"])
@@ -85,9 +86,9 @@ def test_chunked_prefill_then_compiled_decode_equals_eager():
     config = compressing_config(kt_cache_dtype="float32")
     ids, mask = left_pad([random_ids(1, 50, seed=5)[0], random_ids(1, 37, seed=6)[0]])
     kwargs = dict(attention_mask=mask, max_new_tokens=6, prefill_chunk_size=16)
-    eager = greedy(rocket, ids, past_key_values=RocketKVCache(config), disable_compile=True, **kwargs)
+    eager = greedy(rocket, ids, cache=RocketKVCache(config), disable_compile=True, **kwargs)
     dynamo_utils.counters.clear()
-    compiled = greedy(rocket, ids, past_key_values=RocketKVCache(config), compile_config=_compile_config(), **kwargs)
+    compiled = greedy(rocket, ids, cache=RocketKVCache(config), compile_config=_compile_config(), **kwargs)
     assert torch.equal(compiled, eager)
     assert unique_graphs() == 1, dict(dynamo_utils.counters["stats"])
 
@@ -114,10 +115,10 @@ def test_later_decode_steps_skip_guards_new_buckets_compile_and_new_prompt_lengt
     graphs = []
     for batch, length in ((1, 40), (2, 40), (1, 57), (2, 31)):
         ids = random_ids(batch, length, seed=batch)
-        eager = greedy(rocket, ids, max_new_tokens=6, past_key_values=RocketKVCache(config), disable_compile=True)
+        eager = greedy(rocket, ids, max_new_tokens=6, cache=RocketKVCache(config), disable_compile=True)
         stances.clear()
         cache = RocketKVCache(config)
-        compiled = greedy(rocket, ids, max_new_tokens=6, past_key_values=cache, compile_config=_compile_config())
+        compiled = greedy(rocket, ids, max_new_tokens=6, cache=cache, compile_config=_compile_config())
         assert torch.equal(compiled, eager), f"batch {batch}, prompt {length}"
         assert stances == [True] * 4  # 5 decode steps: the first runs every guard
         assert call_state(cache).guards_checked
@@ -126,7 +127,7 @@ def test_later_decode_steps_skip_guards_new_buckets_compile_and_new_prompt_lengt
 
     stances.clear()
     every = RocketKVCache(config.replace(decode_guard_checks="every_step"))
-    greedy(rocket, ids, max_new_tokens=6, past_key_values=every, compile_config=_compile_config())
+    greedy(rocket, ids, max_new_tokens=6, cache=every, compile_config=_compile_config())
     assert stances == []
     assert compressing_config().decode_guard_checks == "every_step"  # the default
 
@@ -136,7 +137,7 @@ def test_compiled_step_counter_raises_when_the_store_is_full():
 
     rocket, _ = make_models("llama", num_hidden_layers=2)
     cache = RocketKVCache(compressing_config())
-    greedy(rocket, random_ids(1, 40), max_new_tokens=3, past_key_values=cache, disable_compile=True)
+    greedy(rocket, random_ids(1, 40), max_new_tokens=3, cache=cache, disable_compile=True)
     step = {"input_ids": torch.ones(1, 1, dtype=torch.long)}
     before = [layer.host_max_length for layer in cache.layers]
     count_decode_step(cache, (), step)
@@ -160,8 +161,8 @@ def test_next_turn_after_compiled_decode_equals_eager():
     outputs = []
     for compile_kwargs in (dict(disable_compile=True), dict(compile_config=_compile_config())):
         cache = RocketKVCache(config)
-        first = greedy(rocket, ids, max_new_tokens=8, past_key_values=cache, **compile_kwargs)
-        second = greedy(rocket, torch.cat([first, follow_up], dim=1), max_new_tokens=8, past_key_values=cache,
+        first = greedy(rocket, ids, max_new_tokens=8, cache=cache, **compile_kwargs)
+        second = greedy(rocket, torch.cat([first, follow_up], dim=1), max_new_tokens=8, cache=cache,
                         disable_compile=True)
         outputs.append(second)
     assert torch.equal(outputs[0], outputs[1])
@@ -179,12 +180,12 @@ def test_compiled_decode_with_a_pool_equals_eager_without_recompiles():
     pool = KVBlockPool(rocket.config, max_gpu_bytes=1 << 20, page_size=8, dtype=torch.float32, device="cpu",
                        kt_page_size=4, kt_dtype="float32")
     ids, mask = left_pad([random_ids(1, 40, seed=3)[0], random_ids(1, 33, seed=4)[0]])
-    eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=6, past_key_values=RocketKVCache(config),
+    eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=6, cache=RocketKVCache(config),
                    disable_compile=True)
     dynamo_utils.counters.clear()
     for _ in range(2):
         cache = RocketKVCache(config, pool=pool)
-        compiled = greedy(rocket, ids, attention_mask=mask, max_new_tokens=6, past_key_values=cache,
+        compiled = greedy(rocket, ids, attention_mask=mask, max_new_tokens=6, cache=cache,
                           compile_config=_compile_config())
         assert torch.equal(compiled, eager)
         cache.close()
@@ -207,13 +208,13 @@ def test_triton_backend_decode_step_traces_as_one_graph(monkeypatch):
     rocket, _ = make_models("llama", num_hidden_layers=1)
     ids, mask = left_pad([random_ids(1, 40, seed=3)[0], random_ids(1, 33, seed=4)[0]])
     config = compressing_config(kt_cache_dtype="float32", backend="triton", decode_runner="torch_compile")
-    eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=4, past_key_values=RocketKVCache(config),
+    eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=4, cache=RocketKVCache(config),
                    disable_compile=True)
     compile_config = CompileConfig(fullgraph=True, dynamic=False, backend="eager")
     compile_config._compile_all_devices = True
     dynamo_utils.counters.clear()
     cache = RocketKVCache(config)
-    compiled = greedy(rocket, ids, attention_mask=mask, max_new_tokens=4, past_key_values=cache,
+    compiled = greedy(rocket, ids, attention_mask=mask, max_new_tokens=4, cache=cache,
                       compile_config=compile_config)
     assert cache.layers[0].ops.name == "triton"
     assert torch.equal(compiled, eager)
@@ -241,10 +242,10 @@ def test_prompt_lengths_and_max_new_tokens_in_one_capacity_bucket_compile_nothin
     capacities = set()
     for step, (length, new) in enumerate(((40, 6), (57, 6), (13, 6), (40, 11), (40, 3))):
         ids = random_ids(1, length, seed=length)
-        eager = greedy(rocket, ids, max_new_tokens=new, past_key_values=RocketKVCache(_unbucketed(config)),
+        eager = greedy(rocket, ids, max_new_tokens=new, cache=RocketKVCache(_unbucketed(config)),
                        disable_compile=True)
         cache = RocketKVCache(config)
-        out = greedy(rocket, ids, max_new_tokens=new, past_key_values=cache, compile_config=eager_compile_config())
+        out = greedy(rocket, ids, max_new_tokens=new, cache=cache, compile_config=eager_compile_config())
         assert torch.equal(out, eager), (length, new)
         capacities.add(cache.layers[0].capacity)
         assert unique_graphs() == 1, (step, length, new, dict(dynamo_utils.counters["stats"]))
@@ -261,10 +262,10 @@ def test_a_request_above_the_largest_capacity_bucket_gets_a_ladder_size():
     config = compressing_config(kt_cache_dtype="float32", decode_runner="torch_compile", capacity_buckets=(32,))
     ids = random_ids(1, 40)
     for new, capacity, graphs in ((6, 32, 1), (9, 32, 1), (12, 256, 2)):
-        eager = greedy(rocket, ids, max_new_tokens=new, past_key_values=RocketKVCache(_unbucketed(config)),
+        eager = greedy(rocket, ids, max_new_tokens=new, cache=RocketKVCache(_unbucketed(config)),
                        disable_compile=True)
         cache = RocketKVCache(config)
-        out = greedy(rocket, ids, max_new_tokens=new, past_key_values=cache, compile_config=eager_compile_config())
+        out = greedy(rocket, ids, max_new_tokens=new, cache=cache, compile_config=eager_compile_config())
         assert torch.equal(out, eager)
         assert cache.layers[0].capacity == capacity and unique_graphs() == graphs, (new, cache.layers[0].capacity)
 
@@ -285,10 +286,10 @@ def test_batch_sizes_of_one_bucket_share_a_graph_and_padding_changes_no_token():
     for batch, graphs in ((3, 1), (4, 1), (5, 2)):
         ids, mask = _batch(batch)
         eager_cache = RocketKVCache(_unbucketed(config))
-        eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=7, past_key_values=eager_cache,
+        eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=7, cache=eager_cache,
                        disable_compile=True)
         cache = RocketKVCache(config)
-        out = greedy(rocket, ids, attention_mask=mask, max_new_tokens=7, past_key_values=cache,
+        out = greedy(rocket, ids, attention_mask=mask, max_new_tokens=7, cache=cache,
                      compile_config=eager_compile_config())
         assert torch.equal(out, eager), batch
         assert unique_graphs() == graphs, (batch, dict(dynamo_utils.counters["stats"]))
@@ -297,7 +298,7 @@ def test_batch_sizes_of_one_bucket_share_a_graph_and_padding_changes_no_token():
         assert torch.equal(cache.layers[0].lengths, eager_cache.layers[0].lengths)
     for row in range(batch):  # each row alone (no padding, no batch)
         alone_ids = ids[row : row + 1, mask[row].bool()]
-        alone = greedy(rocket, alone_ids, max_new_tokens=7, past_key_values=RocketKVCache(_unbucketed(config)),
+        alone = greedy(rocket, alone_ids, max_new_tokens=7, cache=RocketKVCache(_unbucketed(config)),
                        disable_compile=True)
         assert torch.equal(out[row, -7:], alone[0, -7:]), row
 
@@ -312,21 +313,21 @@ def test_padded_generate_output_and_returned_cache_hold_the_callers_rows():
     hf_rocketkv.set_config(rocket, config)
     ids, mask = _batch(3)
     eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=5, disable_compile=True,
-                   past_key_values=RocketKVCache(_unbucketed(config)), return_dict_in_generate=True,
+                   cache=RocketKVCache(_unbucketed(config)), return_dict_in_generate=True,
                    output_scores=True)
     out = greedy(rocket, ids, attention_mask=mask, max_new_tokens=5, compile_config=eager_compile_config(),
                  return_dict_in_generate=True, output_scores=True)
     assert torch.equal(out.sequences, eager.sequences)
     assert len(out.scores) == 5 and all(s.shape[0] == 3 for s in out.scores)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(out.scores, eager.scores))
-    assert out.past_key_values.batch_size == 3 and call_state(out.past_key_values).batch_padding is None
+    assert output_cache(out).batch_size == 3 and call_state(output_cache(out)).batch_padding is None
 
     follow = torch.cat([out.sequences, random_ids(3, 4, seed=9)], dim=1)
     follow_mask = torch.cat([mask, torch.ones(3, 9, dtype=mask.dtype)], dim=1)
     again = greedy(rocket, follow, attention_mask=follow_mask, max_new_tokens=4, disable_compile=True,
-                   past_key_values=out.past_key_values)
+                   cache=output_cache(out))
     oracle = greedy(rocket, follow, attention_mask=follow_mask, max_new_tokens=4, disable_compile=True,
-                    past_key_values=eager.past_key_values)
+                    cache=output_cache(eager))
     assert torch.equal(again, oracle)
 
 
@@ -348,13 +349,13 @@ def test_batch_padding_only_where_decode_compiles_and_never_for_other_caches():
     import unittest.mock as mock
 
     with mock.patch("hf_rocketkv.integration.generate.prefill_real_rows", spy):
-        greedy(rocket, ids, attention_mask=mask, max_new_tokens=3, past_key_values=RocketKVCache(config),
+        greedy(rocket, ids, attention_mask=mask, max_new_tokens=3, cache=RocketKVCache(config),
                disable_compile=True)
         greedy(rocket, ids, attention_mask=mask, max_new_tokens=3, compile_config=eager_compile_config(),
-               past_key_values=RocketKVCache(config.replace(decode_runner="cuda_graphs")))
+               cache=RocketKVCache(config.replace(decode_runner="cuda_graphs")))
         assert seen == []
         greedy(rocket, ids, attention_mask=mask, max_new_tokens=3, compile_config=eager_compile_config(),
-               past_key_values=RocketKVCache(config.replace(batch_buckets=(8,))))
+               cache=RocketKVCache(config.replace(batch_buckets=(8,))))
         assert seen == [(3, 8)]
     out = greedy(sdpa, ids, attention_mask=mask, max_new_tokens=3, compile_config=eager_compile_config())
     assert out.shape[0] == 3
@@ -374,10 +375,10 @@ def test_pool_backed_caches_widen_only_the_table_and_share_one_graph():
                        kt_page_size=4, kt_dtype="float32")
     for length in (40, 19):
         ids = random_ids(1, length, seed=length)
-        eager = greedy(rocket, ids, max_new_tokens=6, past_key_values=RocketKVCache(_unbucketed(config)),
+        eager = greedy(rocket, ids, max_new_tokens=6, cache=RocketKVCache(_unbucketed(config)),
                        disable_compile=True)
         cache = RocketKVCache(config, pool=pool)
-        out = greedy(rocket, ids, max_new_tokens=6, past_key_values=cache, compile_config=eager_compile_config())
+        out = greedy(rocket, ids, max_new_tokens=6, cache=cache, compile_config=eager_compile_config())
         assert torch.equal(out, eager), length
         store = cache.layers[0].store
         assert store.capacity == 88 and sum(store.row_pages) * 8 < 88  # 24 + 60 in pool pages of 8; pages: needed
@@ -396,10 +397,10 @@ def test_keep_all_history_is_bucketed_too():
     config = compressing_config(kt_cache_dtype="float32", decode_runner="torch_compile", multi_turn="keep_all")
     for length in (40, 71):
         ids = random_ids(1, length, seed=length)
-        eager = greedy(rocket, ids, max_new_tokens=6, past_key_values=RocketKVCache(_unbucketed(config)),
+        eager = greedy(rocket, ids, max_new_tokens=6, cache=RocketKVCache(_unbucketed(config)),
                        disable_compile=True)
         cache = RocketKVCache(config)
-        out = greedy(rocket, ids, max_new_tokens=6, past_key_values=cache, compile_config=eager_compile_config())
+        out = greedy(rocket, ids, max_new_tokens=6, cache=cache, compile_config=eager_compile_config())
         assert torch.equal(out, eager), length
         assert cache.layers[0].history.store.capacity == 24 + 256  # prompt_budget + capacity_headroom: 40 and 71 fit
         assert unique_graphs() == 1, (length, dict(dynamo_utils.counters["stats"]))
@@ -419,10 +420,10 @@ def test_compiled_decode_with_adakv_per_head_lengths_compiles_once_across_reques
     for seeds in ((5, 6), (7, 8), (9, 10)):
         ids, mask = left_pad([random_ids(1, 40, seed=seeds[0])[0], random_ids(1, 31, seed=seeds[1])[0]])
         eager_cache = RocketKVCache(_unbucketed(config))
-        eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=6, past_key_values=eager_cache,
+        eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=6, cache=eager_cache,
                        disable_compile=True)
         cache = RocketKVCache(config)
-        out = greedy(rocket, ids, attention_mask=mask, max_new_tokens=6, past_key_values=cache,
+        out = greedy(rocket, ids, attention_mask=mask, max_new_tokens=6, cache=cache,
                      compile_config=eager_compile_config())
         assert torch.equal(out, eager), seeds
         assert cache.layers[0].lengths.dim() == 2 and torch.equal(cache.layers[0].lengths, eager_cache.layers[0].lengths)
@@ -441,9 +442,9 @@ def test_beam_search_with_batch_buckets_and_compiled_decode_equals_eager():
     compile_config = CompileConfig(fullgraph=True, mode="default", dynamic=False, backend="eager")
     compile_config._compile_all_devices = True
     eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=4, num_beams=2, disable_compile=True,
-                   past_key_values=RocketKVCache(config.replace(capacity_buckets=(), batch_buckets=())))
+                   cache=RocketKVCache(config.replace(capacity_buckets=(), batch_buckets=())))
     cache = RocketKVCache(config)
-    out = greedy(rocket, ids, attention_mask=mask, max_new_tokens=4, num_beams=2, past_key_values=cache,
+    out = greedy(rocket, ids, attention_mask=mask, max_new_tokens=4, num_beams=2, cache=cache,
                  compile_config=compile_config)
     assert torch.equal(out, eager)
     assert cache.layers[0].lengths.shape == (6, 2)  # padding rows stripped (3 rows x 2 beams), per-head lengths

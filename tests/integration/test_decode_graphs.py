@@ -31,12 +31,12 @@ def test_graphed_decode_equals_eager_with_one_capture_and_no_dynamo(batch):
     config = compressing_config()
     ids, mask = left_pad([random_ids(1, 40 + 7 * b, seed=b)[0] for b in range(batch)])
     eager_cache = RocketKVCache(config)
-    eager = greedy(rocket, ids, attention_mask=mask, past_key_values=eager_cache, max_new_tokens=12,
+    eager = greedy(rocket, ids, attention_mask=mask, cache=eager_cache, max_new_tokens=12,
                    disable_compile=True)
     backend = StandInBackend()
     dynamo_utils.counters.clear()
     cache = graphed_cache(config, backend)
-    out = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12,
+    out = greedy(rocket, ids, attention_mask=mask, cache=cache, max_new_tokens=12,
                  compile_config=eager_compile_config())
     assert torch.equal(out, eager)
     assert backend.captures == 1 and backend.replays == 10  # 11 decode steps: 1 warm-up, 1 capture + replay, 9
@@ -50,8 +50,8 @@ def test_new_prompt_lengths_and_lengths_of_answer_just_capture_again():
     backend = StandInBackend()
     for length, new in ((30, 6), (57, 9), (44, 4)):
         ids = random_ids(1, length, seed=length)
-        eager = greedy(rocket, ids, past_key_values=RocketKVCache(config), max_new_tokens=new, disable_compile=True)
-        out = greedy(rocket, ids, past_key_values=graphed_cache(config, backend), max_new_tokens=new,
+        eager = greedy(rocket, ids, cache=RocketKVCache(config), max_new_tokens=new, disable_compile=True)
+        out = greedy(rocket, ids, cache=graphed_cache(config, backend), max_new_tokens=new,
                      compile_config=eager_compile_config())
         assert torch.equal(out, eager), (length, new)
     assert backend.captures == 3  # one per request, whatever its shapes
@@ -65,8 +65,8 @@ def test_next_turn_recaptures_on_the_new_buffers():
     outs = []
     for cache in caches:
         kwargs = dict(disable_compile=True) if cache is caches[0] else dict(compile_config=eager_compile_config())
-        first = greedy(rocket, random_ids(1, 50), past_key_values=cache, max_new_tokens=8, **kwargs)
-        second = greedy(rocket, torch.cat([first, random_ids(1, 9, seed=3)], 1), past_key_values=cache,
+        first = greedy(rocket, random_ids(1, 50), cache=cache, max_new_tokens=8, **kwargs)
+        second = greedy(rocket, torch.cat([first, random_ids(1, 9, seed=3)], 1), cache=cache,
                         max_new_tokens=8, **kwargs)
         outs.append(second)
     assert torch.equal(outs[0], outs[1])
@@ -79,8 +79,8 @@ def test_torch_compile_runner_is_still_available():
     config = compressing_config(decode_runner="torch_compile", kt_cache_dtype="float32")
     backend = StandInBackend()
     ids = random_ids(1, 40)
-    eager = greedy(rocket, ids, past_key_values=RocketKVCache(config), max_new_tokens=5, disable_compile=True)
-    out = greedy(rocket, ids, past_key_values=graphed_cache(config, backend), max_new_tokens=5,
+    eager = greedy(rocket, ids, cache=RocketKVCache(config), max_new_tokens=5, disable_compile=True)
+    out = greedy(rocket, ids, cache=graphed_cache(config, backend), max_new_tokens=5,
                  compile_config=eager_compile_config())
     assert torch.equal(out, eager) and backend.captures == 0
     with pytest.raises(ValueError, match="decode_runner"):
@@ -96,13 +96,13 @@ def test_compile_regions_keeps_tokens_and_compiles_one_graph_per_module_kind():
     rocket, _ = make_models("llama", num_hidden_layers=3)
     ids = random_ids(1, 40)
     config = compressing_config()
-    eager = greedy(rocket, ids, past_key_values=RocketKVCache(config), max_new_tokens=6, disable_compile=True)
+    eager = greedy(rocket, ids, cache=RocketKVCache(config), max_new_tokens=6, disable_compile=True)
     torch._dynamo.reset()
     dynamo_utils.counters.clear()
     assert hf_rocketkv.compile_regions(rocket, backend="eager") is rocket
     assert len(region_modules(rocket)) == 3 * 3 + 1  # 2 norms + 1 MLP per layer, and the final norm
     backend = StandInBackend()
-    out = greedy(rocket, ids, past_key_values=graphed_cache(config, backend), max_new_tokens=6,
+    out = greedy(rocket, ids, cache=graphed_cache(config, backend), max_new_tokens=6,
                  compile_config=eager_compile_config())
     assert torch.equal(out, eager) and backend.captures == 1
     graphs = dynamo_utils.counters["stats"]["unique_graphs"]
@@ -127,7 +127,7 @@ def test_every_graphed_step_runs_with_the_inputs_device_current(monkeypatch):
     monkeypatch.setattr(decode_graphs, "on_device", recording)
     rocket, _ = make_models("llama")
     ids = random_ids(1, 40, seed=3)
-    greedy(rocket, ids, past_key_values=graphed_cache(compressing_config(), StandInBackend()), max_new_tokens=5,
+    greedy(rocket, ids, cache=graphed_cache(compressing_config(), StandInBackend()), max_new_tokens=5,
            compile_config=eager_compile_config())
     assert entered == [torch.device("cpu")] * 4  # every decode step after the prefill
 
@@ -164,7 +164,7 @@ def test_the_captured_step_holds_no_reference_to_its_cache():
     cyclic garbage collector runs. (The stand-in graph itself keeps the step's closure; a CUDA graph keeps none.)"""
     rocket, _ = make_models("llama")
     cache = graphed_cache(compressing_config(), StandInBackend())
-    out = greedy(rocket, random_ids(1, 50), past_key_values=cache, max_new_tokens=6,
+    out = greedy(rocket, random_ids(1, 50), cache=cache, max_new_tokens=6,
                  compile_config=eager_compile_config())
     step = call_state(cache).graphed_step
     assert step is not None and step.replays > 0 and len(step.cache_fields) == 1  # past_key_values or cache
@@ -193,7 +193,7 @@ def test_pool_pages_come_back_after_a_graphed_request_without_the_garbage_collec
     gc.disable()
     try:
         for _ in range(2):
-            out = greedy(rocket, ids, past_key_values=RocketKVCache(config, pool=pool), max_new_tokens=8)
+            out = greedy(rocket, ids, cache=RocketKVCache(config, pool=pool), max_new_tokens=8)
             assert out.shape[1] == 128
             del out
             assert pool.free_pages() == pool.num_pages

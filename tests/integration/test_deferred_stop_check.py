@@ -32,8 +32,8 @@ def test_crop_undoes_the_last_decode_steps(llama_pair, steps):
     rocket, _ = llama_pair
     ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (50, 37)])
     longer, shorter = RocketKVCache(compressing_config()), RocketKVCache(compressing_config())
-    out_longer = greedy(rocket, ids, attention_mask=mask, past_key_values=longer, max_new_tokens=6 + steps)
-    out_shorter = greedy(rocket, ids, attention_mask=mask, past_key_values=shorter, max_new_tokens=6)
+    out_longer = greedy(rocket, ids, attention_mask=mask, cache=longer, max_new_tokens=6 + steps)
+    out_shorter = greedy(rocket, ids, attention_mask=mask, cache=shorter, max_new_tokens=6)
     longer.crop(0)  # no-op
     longer.crop(-steps)
     _assert_same_state(longer, shorter)
@@ -41,7 +41,7 @@ def test_crop_undoes_the_last_decode_steps(llama_pair, steps):
     follow = torch.cat([out_shorter, random_ids(2, 3, seed=9)], dim=1)
     follow_mask = torch.cat([mask, torch.ones(2, follow.shape[1] - mask.shape[1], dtype=mask.dtype)], dim=1)
     assert torch.equal(out_longer[:, : out_shorter.shape[1]], out_shorter)
-    again = [greedy(rocket, follow, attention_mask=follow_mask, past_key_values=c, max_new_tokens=5)
+    again = [greedy(rocket, follow, attention_mask=follow_mask, cache=c, max_new_tokens=5)
              for c in (longer, shorter)]
     assert torch.equal(again[0], again[1])
 
@@ -49,7 +49,7 @@ def test_crop_undoes_the_last_decode_steps(llama_pair, steps):
 def test_crop_refuses_what_it_cannot_undo(llama_pair):
     rocket, _ = llama_pair
     cache = RocketKVCache(compressing_config())
-    greedy(rocket, random_ids(1, 40), past_key_values=cache, max_new_tokens=4)  # 3 decode steps
+    greedy(rocket, random_ids(1, 40), cache=cache, max_new_tokens=4)  # 3 decode steps
     for bad in (5, -4):  # an absolute length (assisted decoding's legacy call), more than was decoded
         with pytest.raises(NotImplementedError, match="assisted"):
             cache.crop(bad)
@@ -96,7 +96,7 @@ def test_deferred_stop_check_crop_path_equals_the_plain_check(llama_pair, monkey
 
     rocket, _ = llama_pair
     ids = random_ids(1, 40)
-    probe = greedy(rocket, ids, past_key_values=RocketKVCache(compressing_config()), max_new_tokens=12)
+    probe = greedy(rocket, ids, cache=RocketKVCache(compressing_config()), max_new_tokens=12)
     eos = int(probe[0, 40 + 5])  # the 6th generated token: generation stops there
     monkeypatch.setattr(generation_utils.torch, "Event", _CpuEvent)
     caches, outputs = [], []
@@ -106,7 +106,7 @@ def test_deferred_stop_check_crop_path_equals_the_plain_check(llama_pair, monkey
         crops = []
         original_crop = cache.crop
         monkeypatch.setattr(cache, "crop", lambda n, _c=original_crop, _l=crops: (_l.append(n), _c(n))[1])
-        outputs.append(greedy(rocket, ids, past_key_values=cache, max_new_tokens=12, eos_token_id=eos))
+        outputs.append(greedy(rocket, ids, cache=cache, max_new_tokens=12, eos_token_id=eos))
         caches.append((cache, crops))
     assert torch.equal(outputs[0], outputs[1]) and outputs[0].shape[1] == 40 + 6
     (deferred_cache, deferred_crops), (plain_cache, plain_crops) = caches
@@ -121,7 +121,7 @@ def test_deferred_stop_check_crop_with_per_head_lengths(monkeypatch, extra):
     rocket, _ = make_models("llama")
     ids, mask = left_pad([random_ids(1, 40, seed=21)[0], random_ids(1, 33, seed=22)[0]])
     probe = greedy(rocket, ids, attention_mask=mask, max_new_tokens=12,
-                   past_key_values=RocketKVCache(compressing_config(stage1="adakv", **extra)))
+                   cache=RocketKVCache(compressing_config(stage1="adakv", **extra)))
     eos = int(probe[0, 40 + 5])
     monkeypatch.setattr(generation_utils.torch, "Event", _CpuEvent)
     runs = []
@@ -130,7 +130,7 @@ def test_deferred_stop_check_crop_with_per_head_lengths(monkeypatch, extra):
         call_state(cache).defer_stop_check_on(("cuda", "cpu"))
         crops, crop = [], cache.crop
         monkeypatch.setattr(cache, "crop", lambda n, _c=crop, _l=crops: (_l.append(n), _c(n))[1])
-        out = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12, eos_token_id=eos)
+        out = greedy(rocket, ids, attention_mask=mask, cache=cache, max_new_tokens=12, eos_token_id=eos)
         runs.append((out, cache, crops))
     (out, cache, crops), (plain_out, plain, plain_crops) = runs
     assert torch.equal(out, plain_out) and -1 in crops and not plain_crops

@@ -29,6 +29,7 @@ from tests.support.tiny_models import (
     make_models,
     random_ids,
 )
+from hf_rocketkv.integration.compat import cache_kwargs
 
 LAYERS = 4
 
@@ -41,12 +42,12 @@ def pair():
 @torch.no_grad()
 def hidden_states_by_step(model, ids, cache, steps: int) -> list[tuple[torch.Tensor, ...]]:
     """Hidden states of every layer at the prefill's last token and at ``steps`` teacher-forced decode steps."""
-    out = model(ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
+    out = model(ids, **cache_kwargs(cache), use_cache=True, output_hidden_states=True)
     states = [tuple(h[:, -1:] for h in out.hidden_states)]
     for j in range(steps):
         token = torch.tensor([[(7 * j + 5) % 120 + 3]])
         position = torch.tensor([[ids.shape[1] + j]])
-        out = model(token, position_ids=position, past_key_values=cache, use_cache=True, output_hidden_states=True)
+        out = model(token, position_ids=position, **cache_kwargs(cache), use_cache=True, output_hidden_states=True)
         states.append(out.hidden_states)
     return states
 
@@ -77,11 +78,11 @@ def test_dense_layers_equal_transformers_cache(pair, dense):
 def test_keep_all_with_dense_layers_equals_the_oracle(pair):
     rocket, oracle = pair
     ids = random_ids(1, 40, seed=3)
-    out = greedy(rocket, ids, past_key_values=RocketKVCache(keep_all_config(dense_layers=2)), max_new_tokens=12)
+    out = greedy(rocket, ids, cache=RocketKVCache(keep_all_config(dense_layers=2)), max_new_tokens=12)
     assert torch.equal(out, greedy(oracle, ids, max_new_tokens=12))
     padded, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (33, 19)])
     batch = greedy(rocket, padded, attention_mask=mask, max_new_tokens=8,
-                   past_key_values=RocketKVCache(keep_all_config(dense_layers=1)))
+                   cache=RocketKVCache(keep_all_config(dense_layers=1)))
     assert torch.equal(batch, greedy(oracle, padded, attention_mask=mask, max_new_tokens=8))
 
 
@@ -122,7 +123,7 @@ def test_dense_layers_generate_eagerly_on_cpu(pair):
     cache = RocketKVCache(compressing_config(dense_layers=1))
     assert not cache.is_compileable
     ids = random_ids(1, 50, seed=9)
-    out = greedy(rocket, ids, past_key_values=cache, max_new_tokens=5)
+    out = greedy(rocket, ids, cache=cache, max_new_tokens=5)
     assert out.shape == (1, 55)
     assert isinstance(cache.layers[0], DenseLayer) and cache.kept_tokens(0).tolist() == [[54, 54]]
     with pytest.raises(ValueError, match="layer 0 is a dense layer"):
@@ -135,8 +136,8 @@ def test_chunked_prefill_and_a_later_turn_equal_the_oracle(pair):
     rocket, oracle = pair
     ids = random_ids(1, 37, seed=11)
     cache = RocketKVCache(keep_all_config(dense_layers=2))
-    first = greedy(rocket, ids, past_key_values=cache, max_new_tokens=6, prefill_chunk_size=8)
+    first = greedy(rocket, ids, cache=cache, max_new_tokens=6, prefill_chunk_size=8)
     assert torch.equal(first, greedy(oracle, ids, max_new_tokens=6))
     turn = torch.cat([first, random_ids(1, 9, seed=12)], dim=1)
-    second = greedy(rocket, turn, past_key_values=cache, max_new_tokens=6)
+    second = greedy(rocket, turn, cache=cache, max_new_tokens=6)
     assert torch.equal(second, greedy(oracle, turn, max_new_tokens=6))

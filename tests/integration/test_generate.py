@@ -21,6 +21,7 @@ from tests.support.tiny_models import (
     random_ids,
     teacher_forced_logits,
 )
+from hf_rocketkv.integration.compat import cache_kwargs, output_cache
 
 
 @pytest.fixture
@@ -45,7 +46,7 @@ def test_keep_all_greedy_equals_sdpa(llama_pair, kt_dtype):
     rocket, sdpa = llama_pair
     ids = random_ids(1, 40)
     cache = RocketKVCache(keep_all_config(kt_cache_dtype=kt_dtype))
-    out = greedy(rocket, ids, past_key_values=cache, max_new_tokens=20, output_logits=True,
+    out = greedy(rocket, ids, cache=cache, max_new_tokens=20, output_logits=True,
                  return_dict_in_generate=True)
     ref = greedy(sdpa, ids, max_new_tokens=20, output_logits=True, return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref.sequences)
@@ -56,7 +57,7 @@ def test_keep_all_greedy_equals_sdpa(llama_pair, kt_dtype):
 def test_keep_all_padded_batch_equals_sdpa(llama_pair):
     rocket, sdpa = llama_pair
     ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (33, 20, 41)])
-    out = greedy(rocket, ids, attention_mask=mask, past_key_values=RocketKVCache(keep_all_config()))
+    out = greedy(rocket, ids, attention_mask=mask, cache=RocketKVCache(keep_all_config()))
     ref = greedy(sdpa, ids, attention_mask=mask)
     assert torch.equal(out, ref)
 
@@ -78,7 +79,7 @@ def test_compression_engaged(llama_pair, kt_dtype):
     ids = random_ids(1, 80)
     config = compressing_config(kt_cache_dtype=kt_dtype)
     cache = RocketKVCache(config)
-    greedy(rocket, ids, past_key_values=cache, max_new_tokens=1)
+    greedy(rocket, ids, cache=cache, max_new_tokens=1)
     assert cache.is_compressed
     for layer_idx in range(rocket.config.num_hidden_layers):
         assert cache.kept_tokens(layer_idx).tolist() == [[config.prompt_budget] * 2]  # right after prefill
@@ -86,7 +87,7 @@ def test_compression_engaged(llama_pair, kt_dtype):
 
     new = 10
     cache = RocketKVCache(config)
-    out = greedy(rocket, ids, past_key_values=cache, max_new_tokens=new)
+    out = greedy(rocket, ids, cache=cache, max_new_tokens=new)
     assert out.shape == (1, 80 + new)
     assert cache.get_seq_length() == 80 + new - 1  # logical length (the last token is never fed back)
     for layer_idx in range(rocket.config.num_hidden_layers):
@@ -95,7 +96,7 @@ def test_compression_engaged(llama_pair, kt_dtype):
         assert torch.all(positions[:, config.prompt_budget :] == torch.arange(80, 80 + new - 1))
 
     ref = greedy(sdpa, ids, max_new_tokens=new, return_dict_in_generate=True)
-    assert cache.memory_bytes() < dynamic_cache_bytes(ref.past_key_values) / 2
+    assert cache.memory_bytes() < dynamic_cache_bytes(output_cache(ref)) / 2
 
 
 def test_left_padded_batch_equals_rows_alone_with_compression(llama_pair):
@@ -104,10 +105,10 @@ def test_left_padded_batch_equals_rows_alone_with_compression(llama_pair):
     ids, mask = left_pad(rows)
     config = compressing_config()
     cache = RocketKVCache(config)
-    batch = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=10)
+    batch = greedy(rocket, ids, attention_mask=mask, cache=cache, max_new_tokens=10)
     assert cache.kept_tokens(0)[:, 0].tolist() == [24 + 9, 24 + 9, 20 + 9, 24 + 9]
     for b, row in enumerate(rows):
-        alone = greedy(rocket, row[None], past_key_values=RocketKVCache(config), max_new_tokens=10)
+        alone = greedy(rocket, row[None], cache=RocketKVCache(config), max_new_tokens=10)
         assert torch.equal(batch[b, ids.shape[1] :], alone[0, len(row) :]), f"row {b}"
 
 
@@ -117,7 +118,7 @@ def test_right_padding_rejected(llama_pair):
     mask = torch.ones_like(ids)
     mask[1, -5:] = 0
     with pytest.raises(ValueError, match="left"):
-        greedy(rocket, ids, attention_mask=mask, past_key_values=RocketKVCache(compressing_config()))
+        greedy(rocket, ids, attention_mask=mask, cache=RocketKVCache(compressing_config()))
 
 
 def test_sampling_with_compression_draws_from_the_compressed_model(llama_pair):
@@ -128,7 +129,7 @@ def test_sampling_with_compression_draws_from_the_compressed_model(llama_pair):
     config = compressing_config()
     ids = random_ids(2, 50)
     torch.manual_seed(1234)
-    out = greedy(rocket, ids, past_key_values=RocketKVCache(config), do_sample=True, top_k=20, max_new_tokens=6)
+    out = greedy(rocket, ids, cache=RocketKVCache(config), do_sample=True, top_k=20, max_new_tokens=6)
     new = out[:, 50:]
     logits = teacher_forced_logits(rocket, ids, new, config)
     torch.manual_seed(1234)
@@ -142,7 +143,7 @@ def test_sampling_with_compression_draws_from_the_compressed_model(llama_pair):
     rows, temperature = 1000, 0.2
     many = random_ids(1, 50).expand(rows, -1)
     torch.manual_seed(7)
-    first = greedy(rocket, many, past_key_values=RocketKVCache(config), do_sample=True, top_k=0,
+    first = greedy(rocket, many, cache=RocketKVCache(config), do_sample=True, top_k=0,
                    temperature=temperature, max_new_tokens=1)[:, -1]
     with torch.no_grad():
         expected = torch.softmax(rocket(many[:1]).logits[0, -1].double() / temperature, dim=-1)
@@ -181,7 +182,7 @@ def test_greedy_with_page_selection_attends_exactly_the_oracle_pages(llama_pair,
         return out
 
     monkeypatch.setattr(RocketKVLayer, "attend_decode", checked_decode)
-    greedy(rocket, random_ids(2, 60), past_key_values=RocketKVCache(config), max_new_tokens=6)
+    greedy(rocket, random_ids(2, 60), cache=RocketKVCache(config), max_new_tokens=6)
     assert len(checked) == 5 * rocket.config.num_hidden_layers and max(checked) > 4 * config.topk
 
 
@@ -192,7 +193,7 @@ def test_beam_search_keep_all_equals_sdpa(llama_pair):
     rocket, sdpa = llama_pair
     ids = random_ids(1, 35)
     kwargs = dict(num_beams=3, num_return_sequences=3, max_new_tokens=10)
-    out = greedy(rocket, ids, past_key_values=RocketKVCache(keep_all_config()), **kwargs)
+    out = greedy(rocket, ids, cache=RocketKVCache(keep_all_config()), **kwargs)
     ref = greedy(sdpa, ids, **kwargs)
     assert torch.equal(out, ref)
 
@@ -205,7 +206,7 @@ def test_beam_search_with_compression_scores_match_a_replay_of_each_beam(llama_p
     config = compressing_config()
     ids = random_ids(2, 50)
     cache = RocketKVCache(config)
-    out = greedy(rocket, ids, past_key_values=cache, num_beams=3, num_return_sequences=3, max_new_tokens=8,
+    out = greedy(rocket, ids, cache=cache, num_beams=3, num_return_sequences=3, max_new_tokens=8,
                  length_penalty=0.0, output_scores=True, return_dict_in_generate=True)
     assert out.sequences.shape == (6, 58)
     assert torch.all(cache.kept_tokens(0) == 24 + 7)
@@ -233,7 +234,7 @@ def test_generate_without_cache_uses_rocketkv(spy_caches):
     assert cache.is_compressed and cache.kept_tokens(0).tolist() == [[16 + 7, 16 + 7]]
     greedy(rocket, ids, max_new_tokens=8)
     assert len(spy_caches) == 2 and spy_caches[1] is not cache  # a fresh cache per call
-    explicit = greedy(rocket, ids, past_key_values=RocketKVCache(config), max_new_tokens=8)
+    explicit = greedy(rocket, ids, cache=RocketKVCache(config), max_new_tokens=8)
     assert torch.equal(out, explicit)
 
 
@@ -291,30 +292,30 @@ def test_pipeline_single_and_list(smollm2_tokenizer, spy_caches):
 def test_reusing_filled_cache_for_unrelated_prompt_raises(llama_pair):
     rocket, _ = llama_pair
     cache = RocketKVCache(compressing_config())
-    greedy(rocket, random_ids(1, 40, seed=1), past_key_values=cache)
+    greedy(rocket, random_ids(1, 40, seed=1), cache=cache)
     for ids in (random_ids(1, 20, seed=2), random_ids(1, 40, seed=1), random_ids(1, 90, seed=3)):
         with pytest.raises(ValueError, match="fresh RocketKVCache"):
-            greedy(rocket, ids, past_key_values=cache)
+            greedy(rocket, ids, cache=cache)
     with pytest.raises(ValueError, match="RocketKVCache"):
-        greedy(rocket, random_ids(2, 90, seed=4), past_key_values=cache)  # other batch size
+        greedy(rocket, random_ids(2, 90, seed=4), cache=cache)  # other batch size
 
 
 def test_reusing_cache_with_same_prompt_but_other_continuation_raises(llama_pair):
     rocket, _ = llama_pair
     cache = RocketKVCache(compressing_config())
     ids = random_ids(1, 40, seed=1)
-    greedy(rocket, ids, past_key_values=cache, max_new_tokens=12)
+    greedy(rocket, ids, cache=cache, max_new_tokens=12)
     other = torch.cat([ids, random_ids(1, 20, seed=9)], dim=1)  # not the generated tokens
     with pytest.raises(ValueError):
-        greedy(rocket, other, past_key_values=cache)
+        greedy(rocket, other, cache=cache)
 
 
 def test_continuing_conversation_keep_all_equals_sdpa(llama_pair):
     rocket, sdpa = llama_pair
     cache = RocketKVCache(keep_all_config())
-    first = greedy(rocket, random_ids(1, 30), past_key_values=cache, max_new_tokens=8)
+    first = greedy(rocket, random_ids(1, 30), cache=cache, max_new_tokens=8)
     turn2 = torch.cat([first, random_ids(1, 12, seed=5)], dim=1)
-    second = greedy(rocket, turn2, past_key_values=cache, max_new_tokens=8)
+    second = greedy(rocket, turn2, cache=cache, max_new_tokens=8)
     assert torch.equal(second, greedy(sdpa, turn2, max_new_tokens=8))
     assert cache.get_seq_length() == turn2.shape[1] + 7
 
@@ -323,10 +324,10 @@ def test_multi_turn_after_compression_keeps_bounded(llama_pair):
     rocket, _ = llama_pair
     config = compressing_config()
     cache = RocketKVCache(config)
-    out = greedy(rocket, random_ids(1, 60), past_key_values=cache, max_new_tokens=6)
+    out = greedy(rocket, random_ids(1, 60), cache=cache, max_new_tokens=6)
     for turn in range(3):
         ids = torch.cat([out, random_ids(1, 15, seed=10 + turn)], dim=1)
-        out = greedy(rocket, ids, past_key_values=cache, max_new_tokens=6)
+        out = greedy(rocket, ids, cache=cache, max_new_tokens=6)
         assert out.shape[1] == ids.shape[1] + 6
         assert torch.equal(out[:, : ids.shape[1]], ids)
         assert cache.get_seq_length() == out.shape[1] - 1
@@ -337,7 +338,7 @@ def test_multi_turn_after_compression_keeps_bounded(llama_pair):
             assert positions == sorted(positions) and positions[-1] == out.shape[1] - 2
     # later turns never rewrite earlier tokens: the first turn alone reproduces the start of the conversation
     cache2 = RocketKVCache(config)
-    again = greedy(rocket, random_ids(1, 60), past_key_values=cache2, max_new_tokens=6)
+    again = greedy(rocket, random_ids(1, 60), cache=cache2, max_new_tokens=6)
     assert torch.equal(again, out[:, : again.shape[1]])
 
 
@@ -350,9 +351,9 @@ def test_chunked_prefill_equals_unchunked(llama_pair, chunk):
     ids = random_ids(1, 56)
     config = compressing_config()
     reference_cache = RocketKVCache(config)
-    reference = greedy(rocket, ids, past_key_values=reference_cache, max_new_tokens=10)
+    reference = greedy(rocket, ids, cache=reference_cache, max_new_tokens=10)
     cache = RocketKVCache(config)
-    out = greedy(rocket, ids, past_key_values=cache, prefill_chunk_size=chunk, max_new_tokens=10)
+    out = greedy(rocket, ids, cache=cache, prefill_chunk_size=chunk, max_new_tokens=10)
     assert torch.equal(out, reference)
     assert cache.kept_tokens(0).tolist() == [[24 + 9, 24 + 9]]
     for layer_idx in range(rocket.config.num_hidden_layers):
@@ -365,9 +366,9 @@ def test_chunked_prefill_last_chunk_of_one_token(llama_pair, chunk):
     ids = random_ids(1, 56)  # 56 % 11 == 1, 56 % 5 == 1
     config = compressing_config()
     reference_cache = RocketKVCache(config)
-    reference = greedy(rocket, ids, past_key_values=reference_cache, max_new_tokens=10)
+    reference = greedy(rocket, ids, cache=reference_cache, max_new_tokens=10)
     cache = RocketKVCache(config)
-    out = greedy(rocket, ids, past_key_values=cache, prefill_chunk_size=chunk, max_new_tokens=10)
+    out = greedy(rocket, ids, cache=cache, prefill_chunk_size=chunk, max_new_tokens=10)
     assert torch.equal(cache.kept_positions(0), reference_cache.kept_positions(0))
     assert torch.equal(out, reference)
 
@@ -376,8 +377,8 @@ def test_chunked_prefill_padded_batch(llama_pair):
     rocket, _ = llama_pair
     ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (48, 40)])  # row 1 has 8 pads
     config = compressing_config()
-    reference = greedy(rocket, ids, attention_mask=mask, past_key_values=RocketKVCache(config))
-    out = greedy(rocket, ids, attention_mask=mask, past_key_values=RocketKVCache(config), prefill_chunk_size=16)
+    reference = greedy(rocket, ids, attention_mask=mask, cache=RocketKVCache(config))
+    out = greedy(rocket, ids, attention_mask=mask, cache=RocketKVCache(config), prefill_chunk_size=16)
     assert torch.equal(out, reference)
 
 
@@ -387,9 +388,9 @@ def test_chunked_prefill_padding_longer_than_first_chunk(llama_pair):
     ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (48, 30)])  # row 1 has 18 pads
     config = compressing_config()
     reference_cache = RocketKVCache(config)
-    reference = greedy(rocket, ids, attention_mask=mask, past_key_values=reference_cache)
+    reference = greedy(rocket, ids, attention_mask=mask, cache=reference_cache)
     cache = RocketKVCache(config)
-    out = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, prefill_chunk_size=8)
+    out = greedy(rocket, ids, attention_mask=mask, cache=cache, prefill_chunk_size=8)
     stored = cache.kept_positions(0)[1, :, : cache.layers[0].lengths[1]]
     assert stored.min() >= 18, "a padding column was kept"
     assert torch.equal(out, reference)
@@ -413,9 +414,9 @@ def test_row_group_prefill_equals_one_forward(llama_pair, rows_per_group):
     rocket, _ = llama_pair
     ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (60, 45, 20, 31)])
     reference_cache = RocketKVCache(compressing_config())
-    reference = greedy(rocket, ids, attention_mask=mask, past_key_values=reference_cache, max_new_tokens=10)
+    reference = greedy(rocket, ids, attention_mask=mask, cache=reference_cache, max_new_tokens=10)
     cache = RocketKVCache(compressing_config(prefill_batch_size=rows_per_group))
-    out = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=10)
+    out = greedy(rocket, ids, attention_mask=mask, cache=cache, max_new_tokens=10)
     assert torch.equal(out, reference)
     assert cache.kept_tokens(0)[:, 0].tolist() == [24 + 9, 24 + 9, 20 + 9, 24 + 9]
     _same_cache_state(cache, reference_cache, rocket.config.num_hidden_layers)
@@ -425,9 +426,9 @@ def test_row_group_prefill_with_chunked_prefill_and_beams(llama_pair):
     rocket, _ = llama_pair
     ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (48, 40, 52)])
     kwargs = dict(attention_mask=mask, num_beams=2, num_return_sequences=2, max_new_tokens=6)
-    reference = greedy(rocket, ids, past_key_values=RocketKVCache(compressing_config()), **kwargs)
+    reference = greedy(rocket, ids, cache=RocketKVCache(compressing_config()), **kwargs)
     cache = RocketKVCache(compressing_config(prefill_batch_size=2))
-    out = greedy(rocket, ids, past_key_values=cache, prefill_chunk_size=16, **kwargs)
+    out = greedy(rocket, ids, cache=cache, prefill_chunk_size=16, **kwargs)
     assert torch.equal(out, reference)
     assert cache.kept_tokens(0).shape == (6, 2)
 
@@ -449,13 +450,13 @@ def test_rocketkv_cache_on_sdpa_model_raises(llama_pair):
     _, sdpa = llama_pair
     ids = random_ids(1, 30)
     with pytest.raises(ValueError, match="attn_implementation") as info:
-        greedy(sdpa, ids, past_key_values=RocketKVCache(compressing_config()))
+        greedy(sdpa, ids, cache=RocketKVCache(compressing_config()))
     assert "rocketkv" in str(info.value) and "sdpa" in str(info.value)
     with pytest.raises(RuntimeError, match="rocketkv"):
         with torch.no_grad():
-            sdpa(ids, past_key_values=RocketKVCache(compressing_config()))
+            sdpa(ids, **cache_kwargs(RocketKVCache(compressing_config())))
     # the failed forward leaves nothing behind: the next legitimate run works
-    greedy(llama_pair[0], ids, past_key_values=RocketKVCache(compressing_config()), max_new_tokens=2)
+    greedy(llama_pair[0], ids, cache=RocketKVCache(compressing_config()), max_new_tokens=2)
 
 
 @pytest.mark.xfail(strict=True, reason=(
@@ -470,15 +471,15 @@ def test_rocketkv_cache_on_one_layer_sdpa_model_raises_at_once():
     try:
         with pytest.raises(RuntimeError, match="rocketkv"):
             with torch.no_grad():
-                sdpa(ids, past_key_values=RocketKVCache(compressing_config()))
+                sdpa(ids, **cache_kwargs(RocketKVCache(compressing_config())))
     finally:
-        greedy(rocket, ids, past_key_values=RocketKVCache(compressing_config()), max_new_tokens=2)
+        greedy(rocket, ids, cache=RocketKVCache(compressing_config()), max_new_tokens=2)
 
 
 def test_other_cache_on_rocketkv_model_raises(llama_pair):
     rocket, _ = llama_pair
     with pytest.raises(ValueError, match="RocketKVCache"):
-        greedy(rocket, random_ids(1, 30), past_key_values=DynamicCache())
+        greedy(rocket, random_ids(1, 30), cache=DynamicCache())
 
 
 def test_use_cache_false_raises(llama_pair):
@@ -494,7 +495,7 @@ def test_cache_implementation_with_rocketkv_raises(llama_pair, implementation):
         greedy(rocket, random_ids(1, 30), cache_implementation=implementation)
     with pytest.raises(ValueError, match="cache_implementation"):
         greedy(rocket, random_ids(1, 30), cache_implementation=implementation,
-               past_key_values=RocketKVCache(compressing_config()))
+               cache=RocketKVCache(compressing_config()))
 
 
 def test_assisted_decoding_not_implemented(llama_pair):
@@ -503,9 +504,9 @@ def test_assisted_decoding_not_implemented(llama_pair):
     assistant.set_attn_implementation("sdpa")
     ids = random_ids(1, 40)
     with pytest.raises(NotImplementedError, match="assisted"):
-        greedy(rocket, ids, past_key_values=RocketKVCache(compressing_config()), prompt_lookup_num_tokens=3)
+        greedy(rocket, ids, cache=RocketKVCache(compressing_config()), prompt_lookup_num_tokens=3)
     with pytest.raises(NotImplementedError, match="assisted"):
-        greedy(rocket, ids, past_key_values=RocketKVCache(compressing_config()), assistant_model=assistant)
+        greedy(rocket, ids, cache=RocketKVCache(compressing_config()), assistant_model=assistant)
     with pytest.raises(NotImplementedError, match="crop"):
         greedy(rocket, ids, prompt_lookup_num_tokens=3)  # automatic cache too
 
@@ -530,13 +531,13 @@ def test_batched_multi_turn_with_padding_equals_each_row_alone(llama_pair, new_l
     turn2 = [random_ids(1, n, seed=100 + n)[0] for n in new_lengths]
     ids, mask = left_pad(prompts)
     cache = RocketKVCache(config)
-    first = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=5)
+    first = greedy(rocket, ids, attention_mask=mask, cache=cache, max_new_tokens=5)
     ids2, mask2 = _turn_two_inputs(first, mask, turn2)
-    second = greedy(rocket, ids2, attention_mask=mask2, past_key_values=cache, max_new_tokens=6)
+    second = greedy(rocket, ids2, attention_mask=mask2, cache=cache, max_new_tokens=6)
     for b in range(2):
         alone_cache = RocketKVCache(config)
-        alone1 = greedy(rocket, prompts[b][None], past_key_values=alone_cache, max_new_tokens=5)
-        alone2 = greedy(rocket, torch.cat([alone1, turn2[b][None]], 1), past_key_values=alone_cache, max_new_tokens=6)
+        alone1 = greedy(rocket, prompts[b][None], cache=alone_cache, max_new_tokens=5)
+        alone2 = greedy(rocket, torch.cat([alone1, turn2[b][None]], 1), cache=alone_cache, max_new_tokens=6)
         assert torch.equal(second[b, ids2.shape[1] :], alone2[0, -6:]), f"row {b}"
         kept = cache.kept_positions(0)[b, 0, : cache.layers[0].lengths[b]]
         pad_columns = set(range(first.shape[1], first.shape[1] + max(new_lengths) - new_lengths[b]))
@@ -552,8 +553,8 @@ def test_chunked_prefill_then_one_token_then_next_turn(llama_pair):
     results = []
     for chunk in (16, None):
         cache = RocketKVCache(config)
-        out = greedy(rocket, ids, past_key_values=cache, prefill_chunk_size=chunk, max_new_tokens=1)
-        results.append(greedy(rocket, torch.cat([out, follow], 1), past_key_values=cache, max_new_tokens=4))
+        out = greedy(rocket, ids, cache=cache, prefill_chunk_size=chunk, max_new_tokens=1)
+        results.append(greedy(rocket, torch.cat([out, follow], 1), cache=cache, max_new_tokens=4))
     assert torch.equal(results[0], results[1])
 
 
@@ -568,7 +569,7 @@ def test_streaming_cache_keeps_its_policy_with_row_group_prefill(llama_pair):
     budget, sinks = 24, 4
     for rows_per_group in (None, 1, 2):
         cache = StreamingCache(compressing_config(prefill_batch_size=rows_per_group), sink_tokens=sinks)
-        greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=1)
+        greedy(rocket, ids, attention_mask=mask, cache=cache, max_new_tokens=1)
         for b, row in enumerate(rows):
             pad = ids.shape[1] - len(row)
             n = len(row)
@@ -578,3 +579,31 @@ def test_streaming_cache_keeps_its_policy_with_row_group_prefill(llama_pair):
             for layer_idx in range(rocket.config.num_hidden_layers):
                 kept = cache.kept_positions(layer_idx)[b, :, : len(expected)]
                 assert kept.tolist() == [expected] * kept.shape[0], f"{rows_per_group=} row {b}"
+
+
+def test_enable_leaves_a_model_sharing_the_config_on_its_own_attention():
+    """transformers hands one config object to every model built from it; enable() copies it first, so a dense model
+    built from the same config keeps its attention, its config and its tokens."""
+    from transformers import LlamaForCausalLM
+
+    from tests.support.tiny_models import tiny_config
+
+    shared = tiny_config("llama")
+    shared._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    dense = LlamaForCausalLM(shared).eval()
+    rocket = LlamaForCausalLM(shared).eval()
+    rocket.load_state_dict(dense.state_dict())
+    assert dense.config is rocket.config is shared  # what transformers does: the premise of the test
+    ids = torch.randint(3, shared.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
+    before = greedy(dense, ids, max_new_tokens=6)
+    hf_rocketkv.enable(rocket, compressing_config())
+    assert rocket.config is not shared and rocket.config._attn_implementation == "rocketkv"
+    assert dense.config is shared and shared._attn_implementation == "sdpa"
+    assert not hasattr(shared, "rocketkv")  # the RocketKV config went to the copy only
+    # the switched model's attention modules read the copy (attention dispatch reads its module's config)
+    attention = [m for m in rocket.modules() if type(m).__name__ == "LlamaAttention"]
+    assert attention and all(m.config is rocket.config for m in attention)
+    assert all(m.config is shared for m in dense.modules() if type(m).__name__ == "LlamaAttention")
+    assert torch.equal(greedy(dense, ids, max_new_tokens=6), before)
+    assert hf_rocketkv.get_config(rocket) == compressing_config()

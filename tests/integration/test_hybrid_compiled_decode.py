@@ -24,6 +24,7 @@ from tests.support.decode_runners import (
     unique_graphs,
 )
 from tests.support.hybrid_models import FULL, SLIDING, WINDOW, make_hybrid_models
+from tests.support.markers import slow_except
 from tests.support.tiny_models import (
     compressing_config,
     cpu_pool,
@@ -75,15 +76,15 @@ def _assert_compiled_equals_eager(rocket, lengths, seed: int, new_tokens: int, c
     """One batch of ``lengths`` decoded eagerly and through ``compile_config``: the same tokens, counters and rings."""
     ids, mask = _batch(lengths, seed=seed)
     eager_cache, cache = RocketKVCache(_config()), RocketKVCache(_config())
-    eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=new_tokens, past_key_values=eager_cache,
+    eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=new_tokens, cache=eager_cache,
                    disable_compile=True)
-    compiled = greedy(rocket, ids, attention_mask=mask, max_new_tokens=new_tokens, past_key_values=cache,
+    compiled = greedy(rocket, ids, attention_mask=mask, max_new_tokens=new_tokens, cache=cache,
                       compile_config=compile_config)
     assert torch.equal(compiled, eager), lengths
     _assert_same_cache(cache, eager_cache)
 
 
-@pytest.mark.parametrize("arch", list(TWO_LAYERS))
+@pytest.mark.parametrize("arch", slow_except(list(TWO_LAYERS), keep=["gemma3", "gemma2"]))  # gpt_oss: ~17 s
 def test_inductor_decode_equals_eager_and_a_new_prompt_length_does_not_recompile(arch):
     """Prompts longer than the window, a left-padded batch of 2: inductor's tokens and rings are eager's; a second
     request of other prompt lengths replays the same graph."""
@@ -97,7 +98,7 @@ def test_inductor_decode_equals_eager_and_a_new_prompt_length_does_not_recompile
     assert not dynamo_utils.counters["graph_break"]
 
 
-@pytest.mark.parametrize("arch", ["gpt_oss", "gemma3", "mistral", "gemma2", "cohere2"])
+@pytest.mark.parametrize("arch", slow_except(["gpt_oss", "gemma3", "mistral", "gemma2", "cohere2"], keep=["cohere2"]))  # 8-22 s each
 def test_traced_decode_is_one_graph_for_every_prompt_length(arch):
     """Every hybrid architecture traces as one fullgraph (dynamo, backend "eager": fast), with eager's tokens, for a
     prompt shorter than the window (its ring fills while decoding), longer ones and a padded batch; prompts of new
@@ -123,12 +124,13 @@ def test_next_turn_after_compiled_decode_equals_eager():
     outputs = []
     for compile_kwargs in ({"disable_compile": True}, {"compile_config": eager_compile_config()}):
         cache = RocketKVCache(_config())
-        first = greedy(rocket, ids, max_new_tokens=11, past_key_values=cache, **compile_kwargs)
-        outputs.append(greedy(rocket, torch.cat([first, follow_up], dim=1), max_new_tokens=6, past_key_values=cache,
+        first = greedy(rocket, ids, max_new_tokens=11, cache=cache, **compile_kwargs)
+        outputs.append(greedy(rocket, torch.cat([first, follow_up], dim=1), max_new_tokens=6, cache=cache,
                               disable_compile=True))
     assert torch.equal(outputs[0], outputs[1])
 
 
+@pytest.mark.slow  # ~14 s; test_batch_buckets_under_the_cuda_graph_runner_pad_sliding_rows runs by default
 def test_batch_buckets_pad_sliding_rows():
     """batch_buckets: 3 rows run as 4 (row 0 copied into the padding row, its ring too) and 2 rows as 2; the
     caller's rows get eager's tokens, the cache keeps the caller's rows, one graph per bucket."""
@@ -138,10 +140,10 @@ def test_batch_buckets_pad_sliding_rows():
     dynamo_utils.counters.clear()
     for lengths in ((30, 21, 6), (17, 35, 25), (12, 19)):
         ids, mask = _batch(lengths, seed=3)
-        eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=8, past_key_values=RocketKVCache(config),
+        eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=8, cache=RocketKVCache(config),
                        disable_compile=True)
         cache = RocketKVCache(config)
-        compiled = greedy(rocket, ids, attention_mask=mask, max_new_tokens=8, past_key_values=cache,
+        compiled = greedy(rocket, ids, attention_mask=mask, max_new_tokens=8, cache=cache,
                           compile_config=eager_compile_config())
         assert torch.equal(compiled, eager), lengths
         assert all(layer.batch_size == len(lengths) for layer in cache.layers)
@@ -159,10 +161,10 @@ def test_compiled_decode_with_a_pool_equals_eager_without_recompiles():
     dynamo_utils.counters.clear()
     for lengths in ((30, 21), (37, 12)):
         ids, mask = _batch(lengths, seed=4)
-        eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=8, past_key_values=RocketKVCache(config),
+        eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=8, cache=RocketKVCache(config),
                        disable_compile=True)
         cache = RocketKVCache(config, pool=pool)
-        compiled = greedy(rocket, ids, attention_mask=mask, max_new_tokens=8, past_key_values=cache,
+        compiled = greedy(rocket, ids, attention_mask=mask, max_new_tokens=8, cache=cache,
                           compile_config=eager_compile_config())
         assert torch.equal(compiled, eager), lengths
         cache.close()
@@ -170,7 +172,7 @@ def test_compiled_decode_with_a_pool_equals_eager_without_recompiles():
     assert not dynamo_utils.counters["recompiles"]
 
 
-@pytest.mark.parametrize("arch", ["gpt_oss", "gemma2"])
+@pytest.mark.parametrize("arch", slow_except(["gpt_oss", "gemma2"], keep=["gemma2"]))  # gpt_oss: ~10 s
 def test_triton_backend_decode_step_with_sinks_or_softcap_traces_as_one_graph(monkeypatch, arch):
     """backend="triton": the global layers' registered ops with the model's sinks (gpt-oss) or soft-capping
     (Gemma 2) trace with the sliding rings as one fullgraph and give eager's tokens. As in
@@ -180,11 +182,11 @@ def test_triton_backend_decode_step_with_sinks_or_softcap_traces_as_one_graph(mo
     rocket, _ = make_hybrid_models(arch, **TWO_LAYERS[arch])
     ids, mask = _batch((30, 21), seed=5)
     config = _config(backend="triton")
-    eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=4, past_key_values=RocketKVCache(config),
+    eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=4, cache=RocketKVCache(config),
                    disable_compile=True)
     dynamo_utils.counters.clear()
     cache = RocketKVCache(config)
-    compiled = greedy(rocket, ids, attention_mask=mask, max_new_tokens=4, past_key_values=cache,
+    compiled = greedy(rocket, ids, attention_mask=mask, max_new_tokens=4, cache=cache,
                       compile_config=eager_compile_config())
     featured = [layer for layer in cache.layers if not layer.is_sliding]
     assert featured and all(layer.ops.name == "triton" and not layer.features.plain for layer in featured)
@@ -199,11 +201,11 @@ def test_batch_buckets_under_the_cuda_graph_runner_pad_sliding_rows():
     rocket, _ = make_hybrid_models("gemma3")
     config = compressing_config(kt_cache_dtype="float32", batch_buckets=(4,))
     ids, mask = _batch((30, 21, 6), seed=6)
-    eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=8, past_key_values=RocketKVCache(config),
+    eager = greedy(rocket, ids, attention_mask=mask, max_new_tokens=8, cache=RocketKVCache(config),
                    disable_compile=True)
     backend = StandInBackend()
     cache = graphed_cache(config, backend)
-    out = greedy(rocket, ids, attention_mask=mask, max_new_tokens=8, past_key_values=cache,
+    out = greedy(rocket, ids, attention_mask=mask, max_new_tokens=8, cache=cache,
                  compile_config=eager_compile_config())
     assert torch.equal(out, eager)
     assert backend.captures == 1

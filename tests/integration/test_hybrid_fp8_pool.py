@@ -28,6 +28,7 @@ from hf_rocketkv.serving import SamplingParams, generate_batch
 from tests.support.fp8_pages import relative_error, round_trip
 from tests.support.hybrid_models import WINDOW, make_hybrid_models
 from tests.support.tiny_models import compressing_config, cpu_pool, greedy, random_ids
+from hf_rocketkv.integration.compat import cache_kwargs, output_cache
 
 ARCHS = ["gpt_oss", "gemma3"]
 PAGE = 8  # pool page size (tokens)
@@ -49,7 +50,7 @@ def all_back(pool) -> bool:
 
 def run(model, ids, pool, new):
     cache = RocketKVCache(CFG, pool=pool)
-    out = greedy(model, ids, max_new_tokens=new, past_key_values=cache, output_logits=True,
+    out = greedy(model, ids, max_new_tokens=new, cache=cache, output_logits=True,
                  return_dict_in_generate=True)
     return out, cache
 
@@ -60,12 +61,12 @@ def first_step_logits(model, ids, pool, round_pages: str | None = None, config=C
     reference quantize / dequantize (``memory/fp8.py``), page by page."""
     cache = RocketKVCache(config, pool=pool)
     with torch.no_grad():
-        token = model(ids, past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)
+        token = model(ids, **cache_kwargs(cache)).logits[:, -1].argmax(-1, keepdim=True)
         for layer_idx in pool.hybrid.global_layers if round_pages else ():
             storage = pool.layer(layer_idx)
             for pages in (storage.k, storage.v):
                 pages.copy_(dequantize_fp8(*quantize_pages(pages, round_pages), pages.dtype))
-        logits = model(token, past_key_values=cache).logits[:, -1]
+        logits = model(token, **cache_kwargs(cache)).logits[:, -1]
     cache.close()
     assert all_back(pool)
     return logits
@@ -78,7 +79,7 @@ def test_the_slab_holds_the_models_kv_unquantized(pair):
     ids = random_ids(1, 40, seed=3)
     out, cache = run(rocket, ids, pool, new=12)
     with torch.no_grad():  # transformers' own cache over the same tokens (the last one is not in any cache yet)
-        reference = oracle(out.sequences[:, :-1], use_cache=True).past_key_values
+        reference = output_cache(oracle(out.sequences[:, :-1], use_cache=True))
     first_global = rocket.config.layer_types.index("full_attention")
     for i, layer in enumerate(cache.layers):
         if not isinstance(layer, SlidingWindowLayer):
@@ -170,7 +171,7 @@ def test_the_batching_engine_gives_each_request_its_tokens_alone(pair):
     for prompt, result in zip(prompts, results):
         alone_pool = fp8_pool(rocket)
         cache = RocketKVCache(CFG, pool=alone_pool)
-        alone = greedy(rocket, torch.tensor([prompt]), max_new_tokens=8, past_key_values=cache)
+        alone = greedy(rocket, torch.tensor([prompt]), max_new_tokens=8, cache=cache)
         assert list(result.token_ids) == alone[0, len(prompt):].tolist(), arch
         cache.close()
     assert all_back(pool)
@@ -185,7 +186,7 @@ def test_a_slab_of_another_dtype_than_the_models_keys_is_refused(pair):
     pool = fp8_pool(config)
     assert pool.sliding_dtype == torch.bfloat16
     with pytest.raises(ValueError, match=r"slab: torch.bfloat16.*keys are torch.float32.*or from the model"):
-        greedy(rocket, random_ids(1, 12), past_key_values=RocketKVCache(CFG, pool=pool), max_new_tokens=3)
+        greedy(rocket, random_ids(1, 12), cache=RocketKVCache(CFG, pool=pool), max_new_tokens=3)
 
 
 def test_a_prefix_hit_on_fp8_pages_replays_the_windows(pair):

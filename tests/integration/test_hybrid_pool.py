@@ -21,6 +21,7 @@ from hf_rocketkv.integration.call_state import call_state
 from hf_rocketkv.memory import RowDemand
 from tests.support.hybrid_models import WINDOW, make_hybrid_models
 from tests.support.tiny_models import compressing_config, cpu_pool, greedy, keep_all_config, left_pad, random_ids
+from hf_rocketkv.integration.compat import cache_kwargs
 
 ARCHS = ["gpt_oss", "gemma3", "mistral"]
 
@@ -45,9 +46,9 @@ def test_one_row_equals_the_cache_without_a_pool_and_the_oracle(pair):
         pool = cpu_pool(rocket, config)
         assert pool.has_sliding_layers
         private = RocketKVCache(config)
-        expected = greedy(rocket, ids, past_key_values=private, max_new_tokens=12)
+        expected = greedy(rocket, ids, cache=private, max_new_tokens=12)
         cache = RocketKVCache(config, pool=pool)
-        out = greedy(rocket, ids, past_key_values=cache, max_new_tokens=12)
+        out = greedy(rocket, ids, cache=cache, max_new_tokens=12)
         assert torch.equal(out, expected)
         if config.prompt_budget > ids.shape[1]:
             assert torch.equal(out, greedy(oracle, ids, max_new_tokens=12))
@@ -74,13 +75,13 @@ def test_a_batch_on_scattered_slots_equals_the_cache_without_a_pool(pair):
     first, second = pool.admit(4, 1, demand), pool.admit(4, 1, demand)  # slots 0 and 1
     pool.release(first)  # slot 0 free again: the batch gets 0, 2, 3
     ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (37, 21, 30)])
-    expected = greedy(rocket, ids, attention_mask=mask, past_key_values=RocketKVCache(config), max_new_tokens=10)
+    expected = greedy(rocket, ids, attention_mask=mask, cache=RocketKVCache(config), max_new_tokens=10)
     cache = RocketKVCache(config, pool=pool)
-    out = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=10)
+    out = greedy(rocket, ids, attention_mask=mask, cache=cache, max_new_tokens=10)
     assert torch.equal(out, expected)
     assert cache.pages._slot_ids[1] == [0, 2, 3]
     chunked = RocketKVCache(config, pool=pool, cache_salt="chunked")  # no prefix hit: a cold chunked prefill
-    out = greedy(rocket, ids, attention_mask=mask, past_key_values=chunked, max_new_tokens=10, prefill_chunk_size=6)
+    out = greedy(rocket, ids, attention_mask=mask, cache=chunked, max_new_tokens=10, prefill_chunk_size=6)
     assert torch.equal(out, expected)
     cache.close()
     chunked.close()
@@ -94,20 +95,20 @@ def test_beams_row_groups_and_a_later_turn_equal_the_cache_without_a_pool(pair):
     pool = cpu_pool(rocket, config)
     ids = random_ids(1, 30, seed=7)
     kwargs = dict(num_beams=2, max_new_tokens=6)
-    beams = greedy(rocket, ids, past_key_values=RocketKVCache(config, pool=pool), **kwargs)
-    assert torch.equal(beams, greedy(rocket, ids, past_key_values=RocketKVCache(config), **kwargs))
+    beams = greedy(rocket, ids, cache=RocketKVCache(config, pool=pool), **kwargs)
+    assert torch.equal(beams, greedy(rocket, ids, cache=RocketKVCache(config), **kwargs))
     ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (31, 17, 24)])
     grouped = RocketKVCache(compressing_config(prefill_batch_size=1), pool=pool)
-    groups = greedy(rocket, ids, attention_mask=mask, max_new_tokens=6, past_key_values=grouped)
+    groups = greedy(rocket, ids, attention_mask=mask, max_new_tokens=6, cache=grouped)
     assert torch.equal(groups, greedy(rocket, ids, attention_mask=mask, max_new_tokens=6,
-                                      past_key_values=RocketKVCache(config)))
+                                      cache=RocketKVCache(config)))
     grouped.close()
     cache, private = RocketKVCache(config, pool=pool), RocketKVCache(config)
-    first = greedy(rocket, random_ids(1, 20, seed=11), past_key_values=cache, max_new_tokens=5)
-    greedy(rocket, random_ids(1, 20, seed=11), past_key_values=private, max_new_tokens=5)
+    first = greedy(rocket, random_ids(1, 20, seed=11), cache=cache, max_new_tokens=5)
+    greedy(rocket, random_ids(1, 20, seed=11), cache=private, max_new_tokens=5)
     turn = torch.cat([first, random_ids(1, 9, seed=12)], dim=1)
-    second = greedy(rocket, turn, past_key_values=cache, max_new_tokens=6)
-    assert torch.equal(second, greedy(rocket, turn, past_key_values=private, max_new_tokens=6))
+    second = greedy(rocket, turn, cache=cache, max_new_tokens=6)
+    assert torch.equal(second, greedy(rocket, turn, cache=private, max_new_tokens=6))
     del cache
     gc.collect()
     assert all_back(pool)  # a cache dropped without close(): its pages and slot go back at the pool's next call
@@ -120,12 +121,12 @@ def test_plain_forwards_on_the_pool_equal_the_oracle(pair):
     ids = random_ids(1, 30, seed=5)
     cache = RocketKVCache(config, pool=pool, model_config=rocket.config)
     with torch.no_grad():
-        logits = rocket(ids, past_key_values=cache).logits[:, -1]
+        logits = rocket(ids, **cache_kwargs(cache)).logits[:, -1]
         torch.testing.assert_close(logits, oracle(ids).logits[:, -1], rtol=1e-4, atol=1e-4)
         for _ in range(WINDOW + 2):  # past the window: the ring wraps
             token = logits.argmax(-1, keepdim=True)
             ids = torch.cat([ids, token], dim=1)
-            logits = rocket(token, past_key_values=cache).logits[:, -1]
+            logits = rocket(token, **cache_kwargs(cache)).logits[:, -1]
             torch.testing.assert_close(logits, oracle(ids).logits[:, -1], rtol=1e-4, atol=1e-4)
     assert cache.stats.slots_held == 1
     cache.close()
@@ -142,7 +143,7 @@ def test_a_pool_built_for_another_model_is_refused(pair):
     mistral = make_hybrid_models("mistral")[0]  # every layer slides: the slab's dtype is checked at the first step
     wrong = cpu_pool(mistral, config, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="KVBlockPool.dtype is torch.bfloat16"):
-        greedy(mistral, random_ids(1, 12), past_key_values=RocketKVCache(config, pool=wrong), max_new_tokens=3)
+        greedy(mistral, random_ids(1, 12), cache=RocketKVCache(config, pool=wrong), max_new_tokens=3)
 
 
 def test_graphed_decode_on_the_pool_equals_eager_and_reads_nothing_back(pair):
@@ -157,13 +158,13 @@ def test_graphed_decode_on_the_pool_equals_eager_and_reads_nothing_back(pair):
     config = compressing_config(kt_cache_dtype="float32", backend="triton")
     pool = cpu_pool(rocket, config)
     eager_cache = RocketKVCache(config, pool=pool)
-    eager = greedy(rocket, ids, attention_mask=mask, past_key_values=eager_cache, max_new_tokens=8,
+    eager = greedy(rocket, ids, attention_mask=mask, cache=eager_cache, max_new_tokens=8,
                    disable_compile=True)
     eager_cache.close()
     backend = SyncCountingBackend()
     cache = RocketKVCache(config, pool=pool)
     call_state(cache).use_graphs_on(("cpu",), backend)
-    out = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8,
+    out = greedy(rocket, ids, attention_mask=mask, cache=cache, max_new_tokens=8,
                  compile_config=eager_compile_config())
     assert torch.equal(out, eager)
     assert backend.replays == 6

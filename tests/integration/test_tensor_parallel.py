@@ -56,7 +56,7 @@ def test_tensor_parallel_generate_matches_single_process(tmp_path):
 
     single = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=hf_rocketkv.ATTN_NAME).eval()
     cache = RocketKVCache(RocketKVConfig(**ROCKET))
-    expected = greedy(single, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=NEW_TOKENS)
+    expected = greedy(single, ids, attention_mask=mask, cache=cache, max_new_tokens=NEW_TOKENS)
     assert [layer.keys.shape[1] for layer in cache.layers] == [4, 4]
 
     for rank in report["ranks"]:
@@ -142,7 +142,7 @@ def test_tensor_parallel_adakv_equals_one_process_or_is_refused(tmp_path):
         assert "stage1" in result.stderr and not output.exists(), result.stderr[-3000:]
         return
     cache = RocketKVCache(RocketKVConfig(**rocket))
-    expected = greedy(model, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4)
+    expected = greedy(model, ids, attention_mask=mask, cache=cache, max_new_tokens=4)
     single = [cache.kept_tokens(i) for i in range(len(cache.layers))]  # [B, 4] per layer
     for rank in json.loads(output.read_text())["ranks"]:
         heads = slice(2 * rank["rank"], 2 * rank["rank"] + 2)

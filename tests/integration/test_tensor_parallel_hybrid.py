@@ -102,7 +102,7 @@ def test_tensor_parallel_hybrid_generate_matches_single_process(tmp_path, arch):
     expected = []
     for run_ids, run_mask, rocketkv in runs:
         cache = RocketKVCache(RocketKVConfig(**rocketkv))
-        tokens = greedy(single, run_ids.to(device), attention_mask=run_mask.to(device), past_key_values=cache,
+        tokens = greedy(single, run_ids.to(device), attention_mask=run_mask.to(device), cache=cache,
                         max_new_tokens=NEW_TOKENS).cpu()
         kept = [cache.kept_tokens(i).cpu() for i in range(len(cache.layers))]
         expected.append((tokens.tolist(), kept, [layer.is_sliding for layer in cache.layers]))

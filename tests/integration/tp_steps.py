@@ -97,7 +97,7 @@ def record_steps(model, cache, input_ids, attention_mask, new_tokens: int, pad: 
     try:
         with torch.no_grad():
             out = model.generate(
-                input_ids, attention_mask=attention_mask, past_key_values=cache, max_new_tokens=new_tokens,
+                input_ids, attention_mask=attention_mask, cache=cache, max_new_tokens=new_tokens,
                 do_sample=False, eos_token_id=None, pad_token_id=pad, output_logits=True,
                 return_dict_in_generate=True,
                 disable_compile=True,  # eager decode steps (on a GPU too): the recording runs at every step

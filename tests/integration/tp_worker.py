@@ -73,7 +73,7 @@ def generate_report(model, cache, input_ids, attention_mask, spec: dict) -> dict
         out = model.generate(
             input_ids,
             attention_mask=attention_mask,
-            past_key_values=cache,
+            cache=cache,
             max_new_tokens=spec["max_new_tokens"],
             do_sample=False,
             eos_token_id=None,

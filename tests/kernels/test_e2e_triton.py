@@ -30,7 +30,7 @@ def _model():
 
 def _generate(model, ids, mask, config):
     cache = RocketKVCache(config)
-    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6, do_sample=False,
+    out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=6, do_sample=False,
                          eos_token_id=None)
     return out, cache
 

@@ -290,6 +290,7 @@ def test_stage2_kernel_is_validated_naming_the_field():
 
 
 @pytest.mark.parametrize("kt_dtype", ["float32", "float8_e5m2"])
+@pytest.mark.slow  # whole generate() calls under the Triton interpreter: ~12 s each
 def test_generate_with_the_fused_stage2_gives_the_split_tokens(kt_dtype, monkeypatch):
     """A tiny random Llama through generate(): stage2_kernel="fused" runs the fused op on every decode step of every
     layer and gives the greedy tokens of "split" and of the PyTorch backend."""

@@ -1,4 +1,4 @@
-"""Kernel launches a pool-backed prefill issues per layer (benchmarks.launch_counts), on the Triton backend under
+"""Kernel launches a pool-backed prefill issues per layer (benchmarks.probes.launch_counts), on the Triton backend under
 the interpreter: on a slow host every launch is host time of a prefill or a prefix hit, so the count must not grow
 back. The model's own launches and generate()'s per-request ones are not counted against RocketKV."""
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from benchmarks.launch_counts import count_prefill
+from benchmarks.probes.launch_counts import count_prefill
 
 NOT_ROCKETKV = ("model", "integration.compat._prefill_handler", "integration.generate.RocketKVGenerateHooks.generate",
                 "integration.generate.RocketKVGenerateHooks.prepare_inputs",
@@ -29,3 +29,14 @@ def test_a_prefill_launches_one_compaction_kernel_per_layer_and_few_others():
     assert "kernels.paged.scatter_pages" not in per_function
     ours = {where: n for where, n in per_function.items() if not where.startswith(NOT_ROCKETKV)}
     assert sum(ours.values()) / layers <= ROCKETKV_LAUNCHES_PER_LAYER, ours
+
+
+def test_only_the_package_folder_counts_as_the_package(tmp_path):
+    """A clone folder named ``hf_rocketkv`` with its ``.venv`` inside: torch's files there are not the package's."""
+    from benchmarks.probes.launch_counts import package_module
+
+    package = str(tmp_path / "hf_rocketkv" / "hf_rocketkv") + os.sep
+    venv_torch = tmp_path / "hf_rocketkv" / ".venv" / "lib" / "site-packages" / "torch" / "nn" / "functional.py"
+    assert package_module(str(venv_torch), package) is None
+    assert package_module(package + os.path.join("cache", "compaction.py"), package) == "cache.compaction"
+    assert package_module(package + "config.py", package) == "config"

@@ -11,6 +11,7 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from tests.kernels.kernel_utils import DEVICE, gen
+from tests.support.markers import slow_except
 
 pytest.importorskip("triton")
 
@@ -79,7 +80,7 @@ def test_rope_decode_equals_transformers_bit_for_bit(shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", PREFILL_SHAPES)
+@pytest.mark.parametrize("shape", slow_except(PREFILL_SHAPES, keep=[PREFILL_SHAPES[1]]))  # the others: 7-45 s each
 @pytest.mark.parametrize("cos_rows", ["per_row", "broadcast"])
 def test_rope_prefill_equals_transformers_bit_for_bit(shape, dtype, cos_rows):
     """Many tokens per row, each with its own position (a left-padded batch's per-row positions, or one row of

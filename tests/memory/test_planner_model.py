@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -332,4 +333,4 @@ PlannerMachine.TestCase.settings = settings(
     max_examples=200, stateful_step_count=50, derandomize=True, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
-TestPlannerMachine = PlannerMachine.TestCase
+TestPlannerMachine = pytest.mark.slow(PlannerMachine.TestCase)  # ~20 s of hypothesis steps; CI runs it

@@ -132,6 +132,7 @@ def test_prefill_reserve_of_llama_3_1_8b_shapes():
     assert sizing.model_prefill_reserve(config) == reserve
 
 
+@pytest.mark.slow  # ~30 s
 def test_the_pool_reserves_from_its_own_geometry_a_shards_kv_heads_under_num_kv_heads(monkeypatch):
     """KVBlockPool sizes the reserve from the geometry it holds (``geometry_prefill_reserve``), so a pool planned for
     a tensor-parallel shard (``num_kv_heads=``) keeps that shard's dense K/V only; ``model_prefill_reserve`` agrees."""

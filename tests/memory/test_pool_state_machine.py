@@ -194,4 +194,4 @@ PoolMachine.TestCase.settings = settings(
     max_examples=40, stateful_step_count=30, derandomize=True, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
-TestPoolMachine = PoolMachine.TestCase
+TestPoolMachine = pytest.mark.slow(PoolMachine.TestCase)  # ~3 min of hypothesis steps on 2 cores; CI runs it

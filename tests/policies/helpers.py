@@ -7,13 +7,14 @@ import torch
 from transformers import DynamicCache
 
 from hf_rocketkv.policies import KeptSlots
+from hf_rocketkv.integration.compat import cache_kwargs
 
 
 def prompt_keys(sdpa, ids) -> list[torch.Tensor]:
     """Post-RoPE prompt keys of every layer, from a plain sdpa forward with a DynamicCache."""
     cache = DynamicCache()
     with torch.no_grad():
-        sdpa(ids, past_key_values=cache, use_cache=True)
+        sdpa(ids, **cache_kwargs(cache), use_cache=True)
     return [layer.keys for layer in cache.layers]
 
 

@@ -35,6 +35,7 @@ from tests.support.tiny_models import (
     random_ids,
     teacher_forced_logits,
 )
+from hf_rocketkv.integration.compat import cache_kwargs
 
 HKV, PROMPT, BUDGET, WINDOW = 2, 40, 24, 8
 PREFIX = PROMPT - WINDOW  # selectable prefix slots 0..31 of an unpadded 40-token prompt
@@ -97,7 +98,7 @@ def test_generate_keeps_the_adakv_oracles_positions_per_head():
     ids = random_ids(1, PROMPT)
     new = 5
     cache = RocketKVCache(compressing_config(stage1=neg_norm_adakv()))
-    out = greedy(rocket, ids, max_new_tokens=new, past_key_values=cache)
+    out = greedy(rocket, ids, max_new_tokens=new, cache=cache)
     assert out.shape == (1, PROMPT + new)
     fed_back = list(range(PROMPT, PROMPT + new - 1))  # generate() never feeds back its last token
     differ = False
@@ -157,7 +158,7 @@ def test_decode_logits_equal_attention_over_each_heads_kept_prompt_and_every_gen
     new = 6
     stage1 = neg_norm_adakv() if policy == "adakv_neg_norm" else StridedHeads()
     cache = RocketKVCache(compressing_config(stage1=stage1, stage2="none"))
-    out = greedy(rocket, ids, max_new_tokens=new, past_key_values=cache, output_logits=True,
+    out = greedy(rocket, ids, max_new_tokens=new, cache=cache, output_logits=True,
                  return_dict_in_generate=True)
     tokens = out.sequences[:, PROMPT:]
 
@@ -186,10 +187,10 @@ def oracle_logits(sdpa, ids, tokens, kept) -> torch.Tensor:
     reference = DynamicCache()
     steps = []
     with torch.no_grad():
-        logits = sdpa(ids, past_key_values=reference, use_cache=True).logits[:, -1]
+        logits = sdpa(ids, **cache_kwargs(reference), use_cache=True).logits[:, -1]
         for i in range(tokens.shape[1]):
             steps.append(logits)
-            logits = sdpa(tokens[:, i : i + 1], past_key_values=reference, use_cache=True).logits[:, -1]
+            logits = sdpa(tokens[:, i : i + 1], **cache_kwargs(reference), use_cache=True).logits[:, -1]
     return torch.stack(steps, 1)
 
 
@@ -200,10 +201,10 @@ def test_left_padded_batch_equals_each_row_alone():
     ids, mask = left_pad(rows)
     config = compressing_config(stage1="adakv")
     cache = RocketKVCache(config)
-    batch = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=5)
+    batch = greedy(rocket, ids, attention_mask=mask, cache=cache, max_new_tokens=5)
     for b, row in enumerate(rows):
         alone_cache = RocketKVCache(config)
-        alone = greedy(rocket, row[None], past_key_values=alone_cache, max_new_tokens=5)
+        alone = greedy(rocket, row[None], cache=alone_cache, max_new_tokens=5)
         assert torch.equal(batch[b, ids.shape[1] :], alone[0, len(row) :]), f"row {b}"
         pad = ids.shape[1] - len(row)
         for layer_idx in range(rocket.config.num_hidden_layers):
@@ -220,9 +221,9 @@ def test_chunked_prefill_equals_one_forward(chunk):
     ids = random_ids(1, PROMPT, seed=5)
     config = compressing_config(stage1="adakv")
     reference_cache = RocketKVCache(config)
-    reference = greedy(rocket, ids, past_key_values=reference_cache, max_new_tokens=5)
+    reference = greedy(rocket, ids, cache=reference_cache, max_new_tokens=5)
     cache = RocketKVCache(config)
-    out = greedy(rocket, ids, past_key_values=cache, prefill_chunk_size=chunk, max_new_tokens=5)
+    out = greedy(rocket, ids, cache=cache, prefill_chunk_size=chunk, max_new_tokens=5)
     assert torch.equal(out, reference)
     for layer_idx in range(rocket.config.num_hidden_layers):
         assert cache.kept_tokens(layer_idx).tolist() == reference_cache.kept_tokens(layer_idx).tolist()
@@ -235,7 +236,7 @@ def test_beam_search_scores_match_a_replay_of_each_beam():
     ids = random_ids(2, PROMPT, seed=7)
     new = 6
     cache = RocketKVCache(config)
-    out = greedy(rocket, ids, past_key_values=cache, num_beams=3, num_return_sequences=3, max_new_tokens=new,
+    out = greedy(rocket, ids, cache=cache, num_beams=3, num_return_sequences=3, max_new_tokens=new,
                  length_penalty=0.0, output_scores=True, return_dict_in_generate=True)
     assert out.sequences.shape == (6, PROMPT + new)
     for layer_idx in range(rocket.config.num_hidden_layers):
@@ -269,7 +270,7 @@ def test_decode_compression_keeps_each_heads_prompt_and_bounds_its_generated_tok
     layers = rocket.config.num_hidden_layers
 
     prefill_cache = RocketKVCache(config)
-    greedy(rocket, ids, max_new_tokens=1, past_key_values=prefill_cache)  # stage 1 only, no decode step
+    greedy(rocket, ids, max_new_tokens=1, cache=prefill_cache)  # stage 1 only, no decode step
     prompt = [held(prefill_cache, layer_idx) for layer_idx in range(layers)]
     prompt_counts = [[len(p) for p in heads] for heads in prompt]
     assert any(c[0] != c[1] for c in prompt_counts)
@@ -284,7 +285,7 @@ def test_decode_compression_keeps_each_heads_prompt_and_bounds_its_generated_tok
 
     monkeypatch.setattr(RocketKVLayer, "attend_decode", recording)
     cache = RocketKVCache(config)
-    greedy(rocket, ids, max_new_tokens=new, past_key_values=cache)
+    greedy(rocket, ids, max_new_tokens=new, cache=cache)
 
     expected = simulated_generated(new - 1, budget, interval)
     assert max(expected) == budget + interval and expected[-1] < budget + interval  # compression happened
@@ -307,10 +308,10 @@ def test_keep_all_later_turn(first_new):
     rocket, _ = make_models("llama")
     config = compressing_config(stage1="adakv", multi_turn="keep_all")
     cache = RocketKVCache(config)
-    first = greedy(rocket, random_ids(1, PROMPT, seed=11), max_new_tokens=first_new, past_key_values=cache)
+    first = greedy(rocket, random_ids(1, PROMPT, seed=11), max_new_tokens=first_new, cache=cache)
     conversation = torch.cat([first, random_ids(1, 10, seed=12)], dim=1)
     new = 5
-    second = greedy(rocket, conversation, max_new_tokens=new, past_key_values=cache)
+    second = greedy(rocket, conversation, max_new_tokens=new, cache=cache)
     assert torch.equal(second[:, : conversation.shape[1]], conversation)
     width = conversation.shape[1]
     for layer_idx in range(rocket.config.num_hidden_layers):
@@ -321,7 +322,7 @@ def test_keep_all_later_turn(first_new):
             assert positions[-(new - 1) - WINDOW : -(new - 1)] == list(range(width - WINDOW, width)), "turn-2 window"
     if first_new == 1:
         cold_cache = RocketKVCache(config)
-        cold = greedy(rocket, conversation, max_new_tokens=new, past_key_values=cold_cache)
+        cold = greedy(rocket, conversation, max_new_tokens=new, cache=cold_cache)
         assert torch.equal(second, cold)
         for layer_idx in range(rocket.config.num_hidden_layers):
             assert held(cache, layer_idx) == held(cold_cache, layer_idx)
@@ -332,21 +333,21 @@ def test_evicting_later_turn_is_refused_and_leaves_the_cache_usable():
     config = compressing_config(stage1="adakv")  # multi_turn="evict", the default
     ids = random_ids(1, PROMPT, seed=13)
     cache = RocketKVCache(config)
-    first = greedy(rocket, ids, max_new_tokens=4, past_key_values=cache)
+    first = greedy(rocket, ids, max_new_tokens=4, cache=cache)
     before = [(cache.kept_tokens(i).clone(), cache.kept_positions(i).clone()) for i in range(len(cache.layers))]
     with pytest.raises(NotImplementedError, match="multi_turn='keep_all'"):
         greedy(rocket, torch.cat([first, random_ids(1, 10, seed=14)], dim=1), max_new_tokens=3,
-               past_key_values=cache)
+               cache=cache)
     for i, (counts, positions) in enumerate(before):
         assert torch.equal(cache.kept_tokens(i), counts) and torch.equal(cache.kept_positions(i), positions)
 
     # the refused call changed nothing: one more decode step on this cache equals a replay on a fresh one
     with torch.no_grad():
-        continued = rocket(first[:, -1:], past_key_values=cache).logits[:, -1]
+        continued = rocket(first[:, -1:], **cache_kwargs(cache)).logits[:, -1]
     replay = teacher_forced_logits(rocket, ids, torch.cat([first[:, PROMPT:], first[:, -1:]], dim=1), config)
     torch.testing.assert_close(continued, replay[:, -1], rtol=1e-5, atol=1e-5)
     # and a fresh cache serves the same conversation's first turn again
-    assert torch.equal(greedy(rocket, ids, max_new_tokens=4, past_key_values=RocketKVCache(config)), first)
+    assert torch.equal(greedy(rocket, ids, max_new_tokens=4, cache=RocketKVCache(config)), first)
 
 
 @pytest.mark.parametrize("stage1", ["adakv", "declared_object"])
@@ -360,7 +361,7 @@ def test_pool_refuses_per_head_budgets(stage1):
         RocketKVCache(config, pool=pool)
     assert pool.free_pages() == pool.total_pages()
     uniform = RocketKVCache(config.replace(stage1="snapkv"), pool=pool)  # the same pool takes a uniform policy
-    greedy(rocket, random_ids(1, PROMPT), max_new_tokens=2, past_key_values=uniform)
+    greedy(rocket, random_ids(1, PROMPT), max_new_tokens=2, cache=uniform)
     uniform.close()
 
 
@@ -379,9 +380,9 @@ def test_kt_pages_on_the_triton_backend_equal_the_torch_backend():
     config = compressing_config(stage1="adakv", prompt_budget=16, window_size=4, kernel_size=3, topk=3,
                                 page_size=2, kt_cache_dtype="float32")
     want_cache = RocketKVCache(config)
-    want = greedy(rocket, ids, 4, past_key_values=want_cache)
+    want = greedy(rocket, ids, 4, cache=want_cache)
     cache = RocketKVCache(config.replace(backend="triton"))
-    got = greedy(rocket, ids, 4, past_key_values=cache)
+    got = greedy(rocket, ids, 4, cache=cache)
     assert cache.layers[0].ops.name == "triton"
     assert torch.equal(got, want)
     for layer_idx in range(rocket.config.num_hidden_layers):
@@ -400,7 +401,7 @@ def test_row_group_prefill_equals_one_batch(prefill_batch_size):
     runs = []
     for size in (None, prefill_batch_size):
         cache = RocketKVCache(compressing_config(stage1="adakv", prefill_batch_size=size))
-        out = greedy(rocket, ids, attention_mask=mask, max_new_tokens=5, past_key_values=cache)
+        out = greedy(rocket, ids, attention_mask=mask, max_new_tokens=5, cache=cache)
         runs.append((out, cache))
     (want, want_cache), (got, cache) = runs
     assert torch.equal(got, want)
@@ -414,7 +415,7 @@ def test_row_group_prefill_equals_one_batch(prefill_batch_size):
 def test_token_budget_with_adakv_keeps_the_derived_total_per_row():
     rocket, _ = make_models("llama")
     cache = RocketKVCache(compressing_config(stage1="adakv", token_budget=32))
-    greedy(rocket, random_ids(2, 60), max_new_tokens=5, past_key_values=cache)
+    greedy(rocket, random_ids(2, 60), max_new_tokens=5, cache=cache)
     derived = cache.layers[0].config.prompt_budget
     for layer_idx in range(len(cache.layers)):
         kept = cache.kept_tokens(layer_idx)

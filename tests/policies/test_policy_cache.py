@@ -144,7 +144,7 @@ def test_adakv_runs_in_the_cache_with_per_head_lengths():
     assert layer.lengths.shape == (2, HKV) and layer.lengths.sum(dim=1).tolist() == [HKV * 10] * 2
     rocket, _ = make_models("llama")
     cache = RocketKVCache(compressing_config(stage1="adakv"))
-    greedy(rocket, random_ids(1, 40), max_new_tokens=2, past_key_values=cache)
+    greedy(rocket, random_ids(1, 40), max_new_tokens=2, cache=cache)
     assert all(cache.kept_tokens(i).sum().item() == HKV * 24 + HKV for i in range(len(cache.layers)))
 
 
@@ -277,7 +277,7 @@ def test_generate_with_each_uniform_policy(stage1):
     rocket, sdpa = make_models("llama")
     cache = RocketKVCache(compressing_config(stage1=stage1, sink_tokens=2))
     ids = random_ids(1, 40)
-    out = greedy(rocket, ids, max_new_tokens=3, past_key_values=cache)
+    out = greedy(rocket, ids, max_new_tokens=3, cache=cache)
     assert out.shape == (1, 43)
     for layer_idx in range(len(cache.layers)):
         assert cache.kept_tokens(layer_idx).tolist() == [[26, 26]]  # 24 kept + 2 generated fed back
@@ -301,7 +301,7 @@ def test_generate_token_budget_derives_budgets_per_request():
     ids, mask = left_pad([random_ids(1, 40, seed=1)[0], random_ids(1, 25, seed=2)[0]])
     config = compressing_config(token_budget=8, window_size=4, prefill_batch_size=1)
     cache = RocketKVCache(config)
-    greedy(rocket, ids, attention_mask=mask, max_new_tokens=4, past_key_values=cache)
+    greedy(rocket, ids, attention_mask=mask, max_new_tokens=4, cache=cache)
     assert cache.hints.max_length == 43
     derived = derive_budgets(40, 3, 8, 16)
     for layer in cache.layers:

@@ -31,6 +31,7 @@ from hf_rocketkv.selection import stage2_pages
 from tests.policies import oracle
 from tests.policies.oracle import assert_top_up_to_ties, random_case
 from tests.support.tiny_models import compressing_config, greedy, make_models, random_ids
+from hf_rocketkv.integration.compat import cache_kwargs
 
 SEEDS = range(10)
 
@@ -205,13 +206,13 @@ def test_decode_attends_the_forced_pages(sinks, recent):
     ids = random_ids(1, 60, seed=7)
     calls: list = []
     with torch.no_grad():
-        out = rocket(ids, past_key_values=cache, use_cache=True)
+        out = rocket(ids, **cache_kwargs(cache), use_cache=True)
         for layer in cache.layers:
             assert layer.positions[0, :, :sinks].tolist() == [list(range(sinks))] * layer.positions.shape[1]
             layer.ops = _recording(layer.ops, calls)
         token = out.logits[:, -1:].argmax(-1)
         for step in range(12):
-            out = rocket(token, past_key_values=cache, use_cache=True, position_ids=torch.tensor([[60 + step]]))
+            out = rocket(token, **cache_kwargs(cache), use_cache=True, position_ids=torch.tensor([[60 + step]]))
             token = out.logits[:, -1:].argmax(-1)
     assert len(calls) == 12 * len(cache.layers)
     want_sink, want_recent = math.ceil(sinks / page), 1 + math.ceil(recent / page)
@@ -234,7 +235,7 @@ def test_decode_compression_leaves_the_stage2_sinks_in_place():
     rocket, _ = make_models()
     config = compressing_config(stage2_sink_tokens=4, decode_budget=8, decode_interval=4, decode_window=4)
     cache = RocketKVCache(config)
-    greedy(rocket, random_ids(1, 40, seed=9), 30, past_key_values=cache)
+    greedy(rocket, random_ids(1, 40, seed=9), 30, cache=cache)
     for layer in cache.layers:
         assert int(layer.lengths[0]) <= 24 + 8 + 4  # compressed: 29 generated tokens stored would not fit
         assert layer.positions[0, :, :4].tolist() == [[0, 1, 2, 3]] * layer.positions.shape[1]
@@ -244,9 +245,9 @@ def test_stage2_none_equals_attending_every_kept_page():
     """stage2="none" gives the tokens of stage 1 followed by attention over everything kept (topk above the page count)."""
     rocket, _ = make_models()
     ids = random_ids(2, 50, seed=3)
-    none = greedy(rocket, ids, 10, past_key_values=RocketKVCache(compressing_config(stage2="none")))
-    every = greedy(rocket, ids, 10, past_key_values=RocketKVCache(compressing_config(topk=4096)))
-    sparse = greedy(rocket, ids, 10, past_key_values=RocketKVCache(compressing_config(topk=1)))
+    none = greedy(rocket, ids, 10, cache=RocketKVCache(compressing_config(stage2="none")))
+    every = greedy(rocket, ids, 10, cache=RocketKVCache(compressing_config(topk=4096)))
+    sparse = greedy(rocket, ids, 10, cache=RocketKVCache(compressing_config(topk=1)))
     assert torch.equal(none, every)
     assert not torch.equal(none, sparse)  # the check can tell a sparse stage 2 apart
 
@@ -263,6 +264,6 @@ def test_forced_pages_same_tokens_on_the_triton_backend():
                                 kt_cache_dtype="float32", stage2_sink_tokens=2, stage2_recent_tokens=4)
     config = config.replace(stage1=get_stage1_policy("snapkv", kernel_size=3, keep_first=2))
     cache = RocketKVCache(config.replace(backend="triton"))
-    out_triton = greedy(rocket, ids, 4, past_key_values=cache)
+    out_triton = greedy(rocket, ids, 4, cache=cache)
     assert cache.layers[0].ops.name == "triton"
-    assert torch.equal(out_triton, greedy(rocket, ids, 4, past_key_values=RocketKVCache(config)))
+    assert torch.equal(out_triton, greedy(rocket, ids, 4, cache=RocketKVCache(config)))

@@ -21,6 +21,7 @@ from hf_rocketkv import RocketKVCache
 from hf_rocketkv.policies import SnapKVPolicy, Stage1Inputs
 from hf_rocketkv.selection.stage1_snapkv import pooled_prefix_scores, snapkv_keep_slots, window_scores
 from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
+from hf_rocketkv.integration.compat import cache_kwargs
 
 # ------------------------------------------------------------------------------------------------ brute force
 
@@ -276,13 +277,13 @@ def test_model_prefill_eviction_matches_reference(arch):
     ids, mask = left_pad(rows)
     config = compressing_config(prompt_budget=24, window_size=8, kernel_size=5)
     cache = RocketKVCache(config)
-    greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=1)
+    greedy(rocket, ids, attention_mask=mask, cache=cache, max_new_tokens=1)
 
     sdpa.set_attn_implementation(SPY_NAME)
     _SPY.clear()
     position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # what generate() uses for left padding
     with torch.no_grad():
-        sdpa(input_ids=ids, attention_mask=mask, position_ids=position_ids, past_key_values=DynamicCache())
+        sdpa(input_ids=ids, attention_mask=mask, position_ids=position_ids, **cache_kwargs(DynamicCache()))
     assert len(_SPY) == rocket.config.num_hidden_layers
 
     for layer_idx, query, key, scaling in _SPY:

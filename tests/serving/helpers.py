@@ -59,7 +59,7 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.01) -> bool
 def oracle_tokens(model, prompt_ids, config, max_new_tokens: int, eos_token_id=None) -> list[int]:
     """What model.generate produces alone for one prompt with a fresh RocketKVCache (greedy)."""
     ids = torch.tensor([list(prompt_ids)])
-    out = greedy(model, ids, max_new_tokens, past_key_values=RocketKVCache(config), eos_token_id=eos_token_id)
+    out = greedy(model, ids, max_new_tokens, cache=RocketKVCache(config), eos_token_id=eos_token_id)
     return out[0, ids.shape[1]:].tolist()
 
 

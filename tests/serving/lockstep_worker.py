@@ -105,7 +105,7 @@ def main() -> None:
     oracle = {}
     for request_id, (length, max_tokens, seed) in GREEDY.items():  # every rank: generate's forwards are collective
         ids = torch.tensor([prompt(length, seed)])
-        out = greedy(model, ids, max_tokens, past_key_values=RocketKVCache(config))
+        out = greedy(model, ids, max_tokens, cache=RocketKVCache(config))
         oracle[request_id] = out[0, ids.shape[1]:].tolist()
 
     report = dict(rank=rank, events=events, free_pages=pool.free_pages(), total_pages=pool.total_pages(),
@@ -153,7 +153,7 @@ def batch_main(model_dir: str, output_path: str) -> None:
     oracle = []
     for prompt, params in zip(prompts[:2], sampling[:2]):
         ids = torch.tensor([prompt])
-        oracle.append(greedy(model, ids, params.max_tokens, past_key_values=RocketKVCache(config))[0, ids.shape[1]:]
+        oracle.append(greedy(model, ids, params.max_tokens, cache=RocketKVCache(config))[0, ids.shape[1]:]
                       .tolist())
     report = dict(rank=dist.get_rank(), tokens=[list(r.token_ids) for r in results],
                   reasons=[r.finish_reason.value for r in results], error=error, oracle=oracle)

@@ -72,7 +72,7 @@ def test_engines_serve_a_model_on_the_second_gpu():
                        kt_page_size=config.page_size, kt_dtype=config.kt_cache_dtype)
     prompt = prompt_of(40, seed=2)
     ids = torch.tensor([prompt], device="cuda:1")
-    expected = greedy(model, ids, 6, past_key_values=RocketKVCache(config))[0, ids.shape[1]:].tolist()
+    expected = greedy(model, ids, 6, cache=RocketKVCache(config))[0, ids.shape[1]:].tolist()
     engine = BatchingEngine(model, config, pool, BatchingConfig(max_running=2, buckets=(1, 2)))
     engine.warm_up(max_new_tokens=8, buckets=(1,))
     events = Events()

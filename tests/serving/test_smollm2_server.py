@@ -22,7 +22,7 @@ N = 8
 
 def alone(model, ids) -> list[int]:
     with torch.no_grad():
-        out = model.generate(ids, past_key_values=RocketKVCache(CONFIG), max_new_tokens=N, do_sample=False)
+        out = model.generate(ids, cache=RocketKVCache(CONFIG), max_new_tokens=N, do_sample=False)
     return out[0, ids.shape[1]:].tolist()
 
 

@@ -25,6 +25,7 @@ from transformers import (
 
 import hf_rocketkv
 from hf_rocketkv import KVBlockPool, RocketKVCache, RocketKVConfig
+from hf_rocketkv.integration.compat import cache_kwargs
 
 PAD, BOS, EOS = 0, 1, 2
 VOCAB = 128
@@ -138,10 +139,10 @@ def check_padded_batch_and_chunked_prefill(rocket, oracle) -> None:
     greedy tokens (nothing evicted: ``keep_all_config``)."""
     ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (37, 21)])
     expected = greedy(oracle, ids, attention_mask=mask, max_new_tokens=10)
-    batch = greedy(rocket, ids, attention_mask=mask, past_key_values=RocketKVCache(keep_all_config()),
+    batch = greedy(rocket, ids, attention_mask=mask, cache=RocketKVCache(keep_all_config()),
                    max_new_tokens=10)
     assert torch.equal(batch, expected)
-    chunked = greedy(rocket, ids, attention_mask=mask, past_key_values=RocketKVCache(keep_all_config()),
+    chunked = greedy(rocket, ids, attention_mask=mask, cache=RocketKVCache(keep_all_config()),
                      max_new_tokens=10, prefill_chunk_size=6)
     assert torch.equal(chunked, expected)
 
@@ -151,7 +152,7 @@ def compressed_padded_batch(rocket, new_tokens: int = 8):
     rows = [random_ids(1, n, seed=n)[0] for n in (50, 33)]
     ids, mask = left_pad(rows)
     cache = RocketKVCache(compressing_config())
-    out = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens)
+    out = greedy(rocket, ids, attention_mask=mask, cache=cache, max_new_tokens=new_tokens)
     return rows, ids, mask, cache, out
 
 
@@ -181,10 +182,10 @@ def teacher_forced_logits(model, ids, tokens, config):
     cache = RocketKVCache(config)
     steps = []
     with torch.no_grad():
-        logits = model(ids, past_key_values=cache).logits[:, -1]
+        logits = model(ids, **cache_kwargs(cache)).logits[:, -1]
         for i in range(tokens.shape[1]):
             steps.append(logits)
-            logits = model(tokens[:, i : i + 1], past_key_values=cache).logits[:, -1]
+            logits = model(tokens[:, i : i + 1], **cache_kwargs(cache)).logits[:, -1]
     return torch.stack(steps, dim=1)
 
 

@@ -29,7 +29,8 @@ from typing import Callable, Generic, Hashable, TypeVar
 Request = TypeVar("Request")
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-DEFAULT_PREFILL_CHUNK_TOKENS = 8192  # prompts up to 8k in one forward: the throughput of one-forward prefill (docs/serving.md)
+# prompts up to 8k in one forward: the throughput of one-forward prefill (docs/engine.md)
+DEFAULT_PREFILL_CHUNK_TOKENS = 8192
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class BatchingConfig:
     above. An int: prompts are prefilled beside the decode steps instead, on a thread and a CUDA stream of their own
     (the decode steps on a stream of the highest priority), in chunks of this many tokens while rows decode
     (``prefill_chunk_tokens`` while none does), so the running requests never wait for a chunk's forward
-    (serving/batching/prefill_worker.py; 512 on an H100 at Llama-3.1-8B shapes: docs/serving.md). The scheduler's credit
+    (serving/batching/prefill_worker.py; 512 on an H100 at Llama-3.1-8B shapes: docs/engine.md). The scheduler's credit
     still decides admissions; the chunks themselves run back to back."""
 
     max_running: int = 64

@@ -150,7 +150,7 @@ def check_lockstep_for(model, lockstep, engine: str) -> None:
         raise ValueError(
             f"{engine}: the model is sharded over {size} ranks (tp_plan; model.tp_size={size}), so every rank must run "
             f"the same forwards: use BatchingEngine(..., lockstep=hf_rocketkv.serving.Lockstep()) on every rank "
-            f"(rank 0 serves, the others follow(); docs/serving.md, 'Tensor parallel')")
+            f"(rank 0 serves, the others follow(); docs/parallel.md)")
 
 
 def resolve_seed(params: SamplingParams) -> SamplingParams:
