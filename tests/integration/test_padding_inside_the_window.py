@@ -81,16 +81,20 @@ def test_padded_rows_shorter_than_the_window_equal_the_oracle(kind):
     assert_rows_alone(name, out, ids.shape[1], alone)
 
 
-def test_chunked_prefill_of_short_padded_rows_equals_the_oracle(kind):
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_chunked_prefill_of_short_padded_rows_equals_the_oracle(kind, chunk):
+    """Chunks of 3, and of 1: the first chunk is one token on empty layers, whose mask transformers sizes before the
+    cache has any layer (one column), so it is a prefill, not a decode step over the ring."""
     name, rocket, _, rows, alone = kind
     ids, mask = left_pad(rows)
     out = greedy(rocket, ids, attention_mask=mask, past_key_values=RocketKVCache(keep_all_config()),
-                 max_new_tokens=NEW, prefill_chunk_size=3)
+                 max_new_tokens=NEW, prefill_chunk_size=chunk)
     assert_rows_alone(name, out, ids.shape[1], alone)
 
 
-def test_short_padded_rows_on_a_pool_equal_the_oracle_and_give_everything_back(kind):
-    """The pooled sliding layer (its ring in the pool's slab, one slot per row)."""
+@pytest.mark.parametrize("chunk", [None, 1])
+def test_short_padded_rows_on_a_pool_equal_the_oracle_and_give_everything_back(kind, chunk):
+    """The pooled sliding layer (its ring in the pool's slab, one slot per row), one prefill forward or chunks of 1."""
     name, rocket, _, rows, alone = kind
     if name not in POOLED_KINDS:
         pytest.skip("chunked-attention layers take no pool")
@@ -98,7 +102,7 @@ def test_short_padded_rows_on_a_pool_equal_the_oracle_and_give_everything_back(k
     pool = cpu_pool(rocket, config, 2 << 20, 8)
     ids, mask = left_pad(rows)
     cache = RocketKVCache(config, pool=pool)
-    out = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=NEW)
+    out = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=NEW, prefill_chunk_size=chunk)
     assert_rows_alone(name, out, ids.shape[1], alone)
     cache.close()
     assert pool.free_pages() == pool.total_pages() and pool.free_slots() == pool.total_slots()
