@@ -487,6 +487,20 @@ def test_a_direct_update_is_not_taken_for_another_attention():
     assert out_keys.shape[2] == 3
 
 
+@pytest.mark.parametrize("name, value", [("max_new_tokens", 1.5), ("prefill_chunk_size", 0), ("prefill_chunk_size", -2),
+                                         ("prefill_chunk_size", 2.5), ("prefill_chunk_size", "4"), ("num_beams", 0),
+                                         ("prefill_chunk_size", True)])
+def test_counts_that_are_no_whole_numbers_are_refused_naming_the_argument(llama_pair, name, value):
+    """Where transformers itself lets the value through to a TypeError, RuntimeError or ZeroDivisionError inside
+    the cache or the model (or, for max_new_tokens=1.5, to a run), a RocketKV call refuses it first, naming it."""
+    rocket, _ = llama_pair
+    kwargs = {"max_new_tokens": 3, name: value}
+    with pytest.raises(ValueError, match=rf"generate\({name}={value!r}\): RocketKV needs a whole number .* >= 1"):
+        greedy(rocket, random_ids(1, 12), past_key_values=RocketKVCache(keep_all_config()), **kwargs)
+    with pytest.raises(ValueError, match=rf"generate\({name}="):
+        greedy(rocket, random_ids(1, 12), **kwargs)  # no cache given: generate() makes one
+
+
 def test_other_cache_on_rocketkv_model_raises(llama_pair):
     rocket, _ = llama_pair
     with pytest.raises(ValueError, match="RocketKVCache"):
