@@ -24,7 +24,7 @@ from transformers import Cache
 from ..config import RocketKVConfig
 from ..memory import KVBlockPool, PrefixKeys
 from ..memory.layer_kinds import CHUNKED_POOL, chunked_layers, describe, sliding_windows
-from .consistency import check_batch, check_layers_consistent
+from .consistency import check_attention, check_batch, check_layers_consistent
 from .dense_layer import DenseLayer
 from .layer import GenerationHints, RocketKVLayer
 from .layer_plan import check_layer_count, layer_config
@@ -65,6 +65,9 @@ class RocketKVCache(Cache):
     # here when hf_rocketkv registers (integration/registration.py), so a transformers whose private symbols changed
     # fails at the first RocketKV use, naming the version and the symbol; the cache itself uses no private name.
     compatibility_check: Callable[[], None] | None = None
+    # Set there too: the name of the attention the module calling ``update`` will run when it is not 'rocketkv'
+    # (None when it is, or when the caller is no transformers module), read at layer 0's eager update.
+    other_attention: Callable[[], str | None] | None = None
 
     def __init__(self, config: RocketKVConfig | None = None, pool: KVBlockPool | None = None,
                  cache_salt: str | None = None, prefix_keys: PrefixKeys | list[PrefixKeys] | None = None,
@@ -296,13 +299,16 @@ class RocketKVCache(Cache):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """Store ``layer_idx``'s new keys and values (see ``RocketKVLayer.update``).
 
-        Also checks that earlier keys were consumed by a ``rocketkv`` attention call: the previous layer's in this
-        forward (so a RocketKVCache on a model whose attention is not ``rocketkv`` fails at the second layer instead
-        of silently running dense attention) and this layer's own from the previous forward (the last layer, one-layer
-        models, and a forward that an exception interrupted between a layer's update and its attention), and that the
-        keys have the batch the layer holds (``check_batch``: a ValueError before anything is written).
+        Also checks, before anything is written, that the module storing the first layer's keys runs the
+        ``rocketkv`` attention (``other_attention``: a RocketKVCache on an sdpa model refuses at once, one layer or
+        many, instead of running dense attention over its keys), that earlier keys were consumed by a ``rocketkv``
+        attention call (the previous layer's in this forward and this layer's own from the previous forward: a caller
+        that is no transformers module, and a forward that an exception interrupted between a layer's update and its
+        attention), and that the keys have the batch the layer holds (``check_batch``: a ValueError).
         """
         if not (torch.compiler.is_compiling() or self.hints.in_graph):
+            if layer_idx == 0 and RocketKVCache.other_attention is not None:
+                check_attention(RocketKVCache.other_attention())
             self._check_consistent(layer_idx, key_states.shape[2])
             check_batch(self.layers, layer_idx, key_states.shape[0])
             self._ensure_layers(layer_idx + 1)

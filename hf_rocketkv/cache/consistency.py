@@ -1,5 +1,6 @@
-"""The check that every layer of a cache saw the same forwards: keys that no ``rocketkv`` attention call consumed, or
-an earlier forward interrupted half-way, are refused before a new forward writes anything."""
+"""The checks that every layer of a cache saw the same forwards: a model running another attention than 'rocketkv',
+keys that no ``rocketkv`` attention call consumed, or an earlier forward interrupted half-way, are refused before a
+new forward writes anything."""
 
 from __future__ import annotations
 
@@ -15,11 +16,25 @@ UNCONSUMED_KEYS = (
     "inconsistent: start again with a fresh RocketKVCache."
 )
 
+OTHER_ATTENTION = (
+    "RocketKVCache: the model storing keys in it runs the {name!r} attention, which would attend to every stored key "
+    "densely and bypass RocketKV; the cache refuses before anything is written. Switch the model to the 'rocketkv' "
+    "attention (`hf_rocketkv.enable(model)` or `from_pretrained(..., attn_implementation='rocketkv')`), or give "
+    "this model another cache (e.g. transformers' DynamicCache)."
+)
+
 BATCH_MISMATCH = (
     "RocketKVCache holds {cache} row(s) (batch size {cache}) but this forward's input has batch size {got}: every "
     "forward on a cache must have the batch it was prefilled with. Decode all {cache} row(s) together, pick rows "
     "first (`cache.batch_select_indices(...)`), or use a fresh RocketKVCache for a different batch."
 )
+
+
+def check_attention(other: str | None) -> None:
+    """Raise a RuntimeError if the module storing keys runs another attention than 'rocketkv' (``other``: its name,
+    None when it runs 'rocketkv' or is not known). Called before the first layer writes anything."""
+    if other is not None:
+        raise RuntimeError(OTHER_ATTENTION.format(name=other))
 
 
 def check_batch(layers: list, layer_idx: int, batch: int) -> None:

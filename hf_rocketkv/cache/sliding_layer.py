@@ -97,9 +97,16 @@ class SlidingWindowLayer(UnscoredLayer):
         """The columns of this forward's keys: the stored tokens, then the new ones; the first stored token is
         logical position ``seen - stored``. One new token (decode): the ring's ``window`` columns, the first being
         position ``max(0, seen - window + 1)``."""
-        if query_length == 1:
+        if self._decodes(query_length):
             return self.window, max(0, self.seen_tokens - self.window + 1)
         return self.stored + query_length, self.seen_tokens - self.stored
+
+    def _decodes(self, query_length: int) -> bool:
+        """A forward of one token after some were stored goes to the ring (a decode step). The first forward of an
+        empty layer stays in ordered columns even with one token (a chunked prefill of chunks of 1): transformers
+        sizes that forward's mask before the cache has any layer, at ``query_length`` columns, and this layer
+        agrees. Read ``ring`` first: a compiled decode step (the ring laid out) never reads the host count."""
+        return query_length == 1 and (self.ring or self.seen_tokens > self.floor)
 
     # ------------------------------------------------------------------------------------------ update
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -107,7 +114,7 @@ class SlidingWindowLayer(UnscoredLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         query_length = key_states.shape[2]
-        if query_length == 1:
+        if self._decodes(query_length):
             return self._update_ring(key_states, value_states)
         self._to_ordered()
         if not torch.compiler.is_compiling():

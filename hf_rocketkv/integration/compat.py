@@ -27,7 +27,10 @@ which registration sets to ``require`` (a changed transformers then fails at the
 |                                                     |             | (``compiles_on_every_device``)                        |
 | PretrainedConfig._attn_implementation               | read        | the attention a model runs: whether generate() is     |
 |                                                     |             | RocketKV's, and the name in misuse errors             |
-|                                                     |             | (``attn_implementation``)                             |
+|                                                     |             | (``attn_implementation``); the attention of the       |
+|                                                     |             | module calling a RocketKVCache's update: another      |
+|                                                     |             | one is refused before it runs dense                   |
+|                                                     |             | (``calling_module_attention``)                        |
 | PreTrainedModel._from_config                        | called      | random weights built directly in a dtype: the decode  |
 |                                                     |             | benchmark's model (``model_from_config``)             |
 | models.auto.modeling_auto.                          | read        | the model types with a causal-LM class, checked from  |
@@ -41,7 +44,7 @@ which registration sets to ``require`` (a changed transformers then fails at the
 
 Outside this module the package reaches these names only through the wrappers ``install`` sets up and the accessor
 functions below (``sdpa_attention_forward``, ``compiles_on_every_device``, ``attn_implementation``,
-``model_from_config``, ``causal_lm_model_types``): tests/integration/test_private_names.py fails, naming file and line, when any
+``calling_module_attention``, ``model_from_config``, ``causal_lm_model_types``): tests/integration/test_private_names.py fails, naming file and line, when any
 other file spells a private transformers name or imports a private transformers module. torch's and Triton's private
 names are listed in ``private_names.py`` beside this module.
 
@@ -289,6 +292,27 @@ def own_config(model) -> None:
         if twin is not None and type(twin) is type(config):
             module.config = twin
     assert model.config is copied
+
+
+def calling_module_attention(frames_up: int) -> str | None:
+    """``config._attn_implementation`` of the module whose method runs ``frames_up`` frames above this function's
+    caller (frames of ``Cache`` objects in between are passed over: a subclass's ``super().update``), or None when
+    that frame is no ``nn.Module`` with a config (a direct call). transformers' attention modules store their keys
+    with ``past_key_values.update(...)`` from their own ``forward``, then run
+    ``ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]``: seen from a cache's ``update``, this is the name of
+    the attention that will read the keys being stored. Eager calls only (a frame lookup breaks a traced graph)."""
+    frame = inspect.currentframe()
+    try:
+        for _ in range(frames_up + 1):
+            frame = frame.f_back if frame is not None else None
+        while frame is not None and isinstance(frame.f_locals.get("self"), Cache):
+            frame = frame.f_back
+        owner = frame.f_locals.get("self") if frame is not None else None
+        if not isinstance(owner, torch.nn.Module):
+            return None
+        return getattr(getattr(owner, "config", None), "_attn_implementation", None)
+    finally:
+        del frame
 
 
 def model_from_config(model_class, config, **kwargs):

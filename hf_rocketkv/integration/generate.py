@@ -183,6 +183,27 @@ def check_generate_request(model, generation_config, cache, generation_mode) -> 
             f"cache_implementation={generation_config.cache_implementation!r} cannot be combined with "
             f"attn_implementation='{ATTN_NAME}': RocketKV brings its own cache. Leave cache_implementation unset."
         )
+    if rocket or isinstance(cache, RocketKVCache):
+        check_whole_counts(generation_config)
+
+
+# generate() arguments a RocketKV call sizes or splits its cache by: (name, smallest value, what it counts)
+WHOLE_COUNTS = (("max_new_tokens", 1, "new tokens"), ("prefill_chunk_size", 1, "prompt tokens per prefill forward"),
+                ("num_beams", 1, "beams"))
+
+
+def check_whole_counts(generation_config) -> None:
+    """A ValueError naming the argument when one of ``WHOLE_COUNTS`` is set to something other than a whole number
+    at least its smallest value (``max_new_tokens=1.5``, ``prefill_chunk_size=0``, ``num_beams=0``), instead of a
+    TypeError or ZeroDivisionError from inside the cache or the model."""
+    for name, smallest, what in WHOLE_COUNTS:
+        value = getattr(generation_config, name, None)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < smallest:
+            raise ValueError(f"generate({name}={value!r}): RocketKV needs a whole number of {what}, an integer >= "
+                             f"{smallest}" + (" (or None: the whole prompt in one forward)"
+                                              if name == "prefill_chunk_size" else ""))
 
 
 def compiled_decode_field(config: RocketKVConfig) -> str | None:

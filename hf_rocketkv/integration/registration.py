@@ -17,9 +17,17 @@ def register() -> None:
     padding from it.
     """
     RocketKVCache.compatibility_check = staticmethod(compat.require)
+    RocketKVCache.other_attention = staticmethod(other_attention)
     if compat.sdpa_mask is not None:
         compat.register_attention(ATTN_NAME, rocketkv_attention, compat.sdpa_mask)
     generate.install()
+
+
+def other_attention() -> str | None:
+    """The attention the module calling ``RocketKVCache.update`` runs, when it is not 'rocketkv' (None when it is,
+    or when the caller is no transformers module). Called by ``RocketKVCache.update`` only."""
+    name = compat.calling_module_attention(frames_up=2)  # RocketKVCache.update, then the module's forward
+    return None if name in (None, ATTN_NAME) else name
 
 
 def enable(model, config: RocketKVConfig | None = None):

@@ -25,7 +25,7 @@ def test_profile_chunked_prefill_times_every_chunk_both_ways(tmp_path, monkeypat
     for chunk, entry in report["chunks"].items():
         expected = math.ceil(256 / int(chunk))
         assert entry["rocketkv"]["chunks"] == entry["dynamic"]["chunks"] == expected, chunk
-        assert entry["median_ratio"] > 0
+        assert entry["median_ratio"] == entry["rocketkv"]["median_ms"] / entry["dynamic"]["median_ms"]
         assert {"profile_last_chunk"} <= set(entry), chunk
 
 
@@ -37,7 +37,9 @@ def test_decode_beside_prefill_measures_both_windows(tmp_path):
     (label, result), = report["settings"].items()
     assert label == "chunk128_default" and "error" not in result, result
     assert result["pages_back"]
-    assert result["alone"]["itl_p50_s"] > 0 and result["beside"]["itl_p99_s"] > 0
+    for window in ("alone", "beside"):
+        assert 0 < result[window]["itl_p50_s"] <= result[window]["itl_p99_s"], window
+    assert result["itl_p99_over_alone_p50"] == result["beside"]["itl_p99_s"] / result["alone"]["itl_p50_s"]
     assert len(result["beside"]["prefill_s"]) == report["args"]["arrivals"] == 1
     assert result["rate_ratio"] >= 0  # 0 would be a measured stall, not a missing value
 

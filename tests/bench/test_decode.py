@@ -18,7 +18,8 @@ def test_decode_bench_pool_rows_quick(tmp_path):
     rows = {r["cache"]: r for r in report["rows"]}
     assert set(rows) == set(caches)
     for cache in caches:
-        assert rows[cache]["status"] == "ok" and rows[cache]["decode_ms_per_token"] > 0, rows[cache]
+        row = rows[cache]  # tokens/s: the batch (2) over the step time
+        assert row["status"] == "ok" and row["tokens_per_s"] == pytest.approx(2e3 / row["decode_ms_per_token"]), row
         assert rows[cache]["new_tokens"] == 6
     assert rows["rocketkv-graphs"]["attn_ms"] is not None and rows["rocketkv-graphs-pool"]["attn_ms"] is None
 
@@ -39,7 +40,8 @@ def test_decode_bench_switch_off_rows_quick(tmp_path):
                          "--out", str(tmp_path)])
     rows = {r["cache"]: r for r in report["rows"]}
     assert set(rows) == set(caches)
-    assert all(row["status"] == "ok" and row["decode_ms_per_token"] > 0 for row in rows.values()), rows
+    assert all(row["status"] == "ok" and row["tokens_per_s"] == pytest.approx(1e3 / row["decode_ms_per_token"])
+               for row in rows.values()), rows
 
 
 # ------------------------------------------------------------------------------------------------ the arithmetic

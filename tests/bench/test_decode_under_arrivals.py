@@ -27,9 +27,13 @@ def test_quick_run_measures_every_setting(tmp_path):
         assert "error" not in result and not result["errors"], result
         assert result["pages_back"], label
         assert result["arrivals"]["prefill_chunks"] == chunks, label
-        assert result["alone"]["decode_steps"] > 0 and result["arrivals"]["decode_steps"] > 0, label
-        assert result["rate_ratio"] is not None and result["rate_ratio"] > 0, label
-        assert all(t is not None and t > 0 for t in result["arrivals"]["long_ttft_s"]), label
+        for window in ("alone", "arrivals"):  # a request gets at most one token per decode step of the window
+            steps, rate = result[window]["decode_steps"], result[window]["per_user_tokens_per_s_p50"]
+            assert steps > 0 and 0 < rate * result[window]["window_s"] <= steps + 1, (label, window)
+        assert result["rate_ratio"] == (result["arrivals"]["per_user_tokens_per_s_p50"]
+                                        / result["alone"]["per_user_tokens_per_s_p50"]), label
+        # the arrivals window ends when the last long prompt has its first token: every TTFT lies inside it
+        assert all(0 < t <= result["arrivals"]["window_s"] for t in result["arrivals"]["long_ttft_s"]), label
     assert settings["one"]["prefill_chunk_tokens"] == args["long_prompt"]
     assert settings["chunk128_budget32"]["prefill_token_budget"] == 32
 

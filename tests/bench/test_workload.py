@@ -4,6 +4,7 @@ mean something on a GPU), the calls it plans, and the recompiles it counts per b
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -17,7 +18,9 @@ def test_workload_bench_quick(tmp_path):
     assert set(saved["caches"]) == {"dynamic", "rocketkv-graphs"}
     for cache in ("dynamic", "rocketkv-graphs"):
         summary = saved["caches"][cache]["summary"]
-        assert summary["calls_ok"] == 3 and summary["decode_ms_per_token"] > 0
+        calls = saved["caches"][cache]["calls"]  # the summary's figure is the median of the calls after the first
+        assert summary["calls_ok"] == 3
+        assert summary["decode_ms_per_token"] == statistics.median(c["decode_ms_per_token"] for c in calls[1:])
         assert [c["context"] for c in saved["caches"][cache]["calls"]] == [c[1] for c in report["calls"]]
     assert "| rocketkv-graphs |" in report["markdown"]
 

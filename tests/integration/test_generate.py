@@ -459,21 +459,47 @@ def test_rocketkv_cache_on_sdpa_model_raises(llama_pair):
     greedy(llama_pair[0], ids, cache=RocketKVCache(compressing_config()), max_new_tokens=2)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Known limit: a RocketKVCache detects a missing 'rocketkv' attention at the next update of the same cache (the "
-    "next layer, or the same layer's next forward). On a one-layer model nothing follows inside the forward, so a "
-    "plain forward runs dense once before that cache refuses. generate() refuses up front. Other caches and later "
-    "runs are unaffected (no global state)."
-))
-def test_rocketkv_cache_on_one_layer_sdpa_model_raises_at_once():
-    rocket, sdpa = make_models("llama", num_hidden_layers=1)
+@pytest.mark.parametrize("layers", [1, 2])
+def test_rocketkv_cache_on_an_sdpa_model_refuses_before_running_dense(layers):
+    """A plain forward (generate() refuses up front) of an sdpa model on a RocketKVCache: refused at the first
+    layer's update, before anything is stored or attended, whatever the number of layers (a one-layer model has no
+    later layer to notice the unconsumed keys). No global state: the cache stays empty and usable, and the same
+    weights on 'rocketkv' then run as on a fresh cache."""
+    rocket, sdpa = make_models("llama", num_hidden_layers=layers)
     ids = random_ids(1, 30)
-    try:
-        with pytest.raises(RuntimeError, match="rocketkv"):
-            with torch.no_grad():
-                sdpa(ids, **cache_kwargs(RocketKVCache(compressing_config())))
-    finally:
-        greedy(rocket, ids, cache=RocketKVCache(compressing_config()), max_new_tokens=2)
+    cache = RocketKVCache(compressing_config())
+    forwards = []
+    hooks = [layer.self_attn.register_forward_hook(lambda *_: forwards.append(1)) for layer in sdpa.model.layers]
+    with pytest.raises(RuntimeError, match="runs the 'sdpa' attention.*refuses before anything is written"):
+        with torch.no_grad():
+            sdpa(ids, **cache_kwargs(cache))
+    for hook in hooks:
+        hook.remove()
+    assert forwards == [] and cache.get_seq_length() == 0
+    assert torch.equal(greedy(rocket, ids, cache=cache, max_new_tokens=2),
+                       greedy(rocket, ids, cache=RocketKVCache(compressing_config()), max_new_tokens=2))
+
+
+def test_a_direct_update_is_not_taken_for_another_attention():
+    """``update`` called by code that is no transformers module (here, this test) is not refused for it."""
+    cache = RocketKVCache(keep_all_config())
+    keys = torch.zeros(1, 2, 3, 16)
+    out_keys, _ = cache.update(keys, keys, 0)
+    assert out_keys.shape[2] == 3
+
+
+@pytest.mark.parametrize("name, value", [("max_new_tokens", 1.5), ("prefill_chunk_size", 0), ("prefill_chunk_size", -2),
+                                         ("prefill_chunk_size", 2.5), ("prefill_chunk_size", "4"), ("num_beams", 0),
+                                         ("prefill_chunk_size", True)])
+def test_counts_that_are_no_whole_numbers_are_refused_naming_the_argument(llama_pair, name, value):
+    """Where transformers itself lets the value through to a TypeError, RuntimeError or ZeroDivisionError inside
+    the cache or the model (or, for max_new_tokens=1.5, to a run), a RocketKV call refuses it first, naming it."""
+    rocket, _ = llama_pair
+    kwargs = {"max_new_tokens": 3, name: value}
+    with pytest.raises(ValueError, match=rf"generate\({name}={value!r}\): RocketKV needs a whole number .* >= 1"):
+        greedy(rocket, random_ids(1, 12), cache=RocketKVCache(keep_all_config()), **kwargs)
+    with pytest.raises(ValueError, match=rf"generate\({name}="):
+        greedy(rocket, random_ids(1, 12), **kwargs)  # no cache given: generate() makes one
 
 
 def test_other_cache_on_rocketkv_model_raises(llama_pair):

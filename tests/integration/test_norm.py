@@ -103,6 +103,52 @@ def test_the_fused_norm_is_within_an_ulp_of_transformers_module(counted):
     assert bool(((got.float() - want.float()).abs() <= 2 * spacing).all())
 
 
+def within_two_ulps(got: torch.Tensor, want: torch.Tensor) -> bool:
+    spacing = torch.finfo(torch.bfloat16).eps * want.float().abs().clamp_min(2.0**-126)
+    return bool(((got.float() - want.float()).abs() <= 2 * spacing).all())
+
+
+@pytest.mark.parametrize("eps, scale", [(0.25, 1.0), (1e-5, 0.01), (1e-3, 0.05)])
+def test_the_fused_norm_uses_the_modules_own_epsilon(counted, eps, scale):
+    """A norm whose epsilon is not the default, on inputs of ordinary magnitude where that epsilon moves the output
+    by far more than the two ulps allowed: N(0, 1) activations with eps 0.25, and embedding-sized ones (0.01, 0.05:
+    a real model's first norm sees its token embeddings) with the 1e-5 / 1e-3 of real configs. The fused call must
+    equal the module's own forward within two ulps; the same module with another epsilon must not (so the
+    comparison can see the epsilon at all)."""
+    module = LlamaRMSNorm(64, eps=eps).to(DEVICE, torch.bfloat16)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16))
+    x = (torch.randn((4, 1, 64), generator=torch.Generator().manual_seed(1)) * scale).to(DEVICE, torch.bfloat16)
+    with torch.no_grad():
+        want = module(x)
+        with norm.fused_norm(module, True):
+            got = module(x)
+        for other in (eps * 2, eps / 2, 0.0, 1e-6):
+            module.variance_epsilon = other
+            assert not within_two_ulps(module(x), want), f"eps {other} is not told from {eps} at this tolerance"
+    assert counted == [(4, 1, 64)]
+    assert within_two_ulps(got, want)
+
+
+def test_generate_with_a_large_norm_epsilon_keeps_the_models_logits(counted):
+    """A tiny Llama whose ``rms_norm_eps`` (0.1) matters on its hidden states: generate() with the fused norm gives
+    the logits of transformers' own norm (``fused_norm=False``) within the bf16 tolerance of the other tests, and
+    the same weights with the default epsilon do not (the tolerance sees a wrong epsilon)."""
+    model = make_models("llama", rms_norm_eps=0.1)[0].to(DEVICE, torch.bfloat16)
+    other = make_models("llama", rms_norm_eps=1e-6)[0].to(DEVICE, torch.bfloat16)
+    ids, mask = (t.to(DEVICE) for t in left_pad([random_ids(1, 30, seed=7)[0], random_ids(1, 21, seed=8)[0]]))
+    config = compressing_config(kt_cache_dtype="float32")
+    plain_tokens, plain_logits = generate(model, ids, mask, RocketKVCache(config.replace(fused_norm=False)), 4)
+    _, default_eps_logits = generate(other, ids, mask, RocketKVCache(config.replace(fused_norm=False)), 4)
+    assert counted == []
+    tokens, logits = generate(model, ids, mask, RocketKVCache(config), 4)
+    assert counted
+    tolerance = dict(rtol=0, atol=2.0**-7)
+    assert not torch.allclose(default_eps_logits, plain_logits, **tolerance)
+    assert torch.equal(tokens, plain_tokens)
+    torch.testing.assert_close(logits, plain_logits, **tolerance)
+
+
 def test_calls_that_are_not_rocketkvs_keep_transformers_norm(counted):
     model, sdpa = (m.to(DEVICE, torch.bfloat16) for m in make_models("llama"))
     ids = random_ids(1, 20, seed=5).to(DEVICE)

@@ -74,6 +74,20 @@ def test_rms_norm_matches_the_float64_oracle_and_its_twin(rows, hidden, dtype):
     assert float((apart != 0).float().mean()) < 0.02  # a value near a rounding boundary, not a systematic offset
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("eps, scale", [(0.25, 1.0), (1e-5, 0.01), (1e-3, 0.05)])
+def test_the_epsilon_is_the_callers_where_it_matters(dtype, eps, scale):
+    """Inputs of ordinary magnitude where ``eps`` moves every output by more than the oracle's bound: N(0, 1) with
+    0.25, and embedding-sized activations (0.01, 0.05) with the 1e-5 / 1e-3 of real configs. The kernel is within the
+    bound of the float64 oracle at ``eps``; the oracle at another epsilon is not (the bound can see it)."""
+    x, weight = inputs(5, 576, dtype, gen("rms_norm-eps", eps, dtype), scale=scale)
+    got = rms_norm_triton(x, weight, eps)
+    assert_near_oracle(got, x, weight, eps=eps)
+    for other in (2 * eps, eps / 2, 0.0):
+        with pytest.raises(AssertionError, match="over the bound"):
+            assert_near_oracle(got, x, weight, eps=other)
+
+
 @pytest.mark.parametrize("hidden", [3840, 5120, 16384])
 def test_wide_rows_and_leading_dimensions(hidden):
     """[B, 1, H] decode activations, rows over several leading dims, up to a 16k hidden size."""

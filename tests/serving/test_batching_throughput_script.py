@@ -28,7 +28,8 @@ def test_both_engines_serve_the_same_mixed_workload(tmp_path):
         mixed = report["steps"]["mixed_rate_4"]
         assert mixed["requests"] == 4 and mixed["finished"] == {"length": 4}, mixed
         assert mixed["output_tokens"] == 4 * 6  # --quick: 6 new tokens each, every one streamed back
-        assert mixed["tokens_per_s_per_gpu"] > 0 and mixed["ttft_p50_s"] is not None
+        assert mixed["tokens_per_s_per_gpu"] == pytest.approx(mixed["output_tokens"] / mixed["wall_s"])
+        assert 0 < mixed["ttft_p50_s"] <= mixed["wall_s"]
         assert mixed["per_user_tokens_per_s_p50"] is not None
     assert ours["steps"]["mixed_rate_4"]["workload"] == theirs["steps"]["mixed_rate_4"]["workload"]
     assert theirs["setup"]["engine"] == "transformers" and "pool_pages" in ours["setup"]
@@ -43,7 +44,8 @@ def test_engine_both_runs_the_same_arrivals_on_each_and_plots_both(tmp_path):
     assert ours["workload"] == theirs["workload"]
     for mixed in (ours, theirs):
         assert mixed["finished"] == {"length": 4} and mixed["output_tokens"] == 4 * 6, mixed
-        assert mixed["itl_p50_s"] is not None and mixed["itl_p99_s"] >= mixed["itl_p50_s"]
+        # every inter-token gap lies inside the step's wall time (p99 >= p50 holds by construction: not a check)
+        assert 0 < mixed["itl_p50_s"] <= mixed["itl_p99_s"] <= mixed["wall_s"]
     assert [len(points) for points in report["curve"].values()] == [1, 1]
     assert report["args"]["engine"] == "both" and (tmp_path / "mixed_curve.png").stat().st_size > 0
 
