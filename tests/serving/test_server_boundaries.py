@@ -45,7 +45,7 @@ def counting_tokenizer():
 @pytest.fixture(scope="module")
 def server(tiny_pair):
     from hf_rocketkv.serving import GenerationManager, create_app
-    from hf_rocketkv.serving.background import ServerThread
+    from hf_rocketkv.serving.http.background import ServerThread
     from tests.support.tiny_models import compressing_config
 
     tokenizer = counting_tokenizer()

@@ -40,7 +40,7 @@ class PoolAdmission:
         need = self.pages(request).peak_pages
         usable = self.pool.total_pages()
         if need > usable:
-            running.error = (
+            running.refuse(
                 f"the prompt ({request.prompt_len} tokens) with max_tokens={request.max_new_tokens} needs {need} "
                 f"KV pool pages at its prefill peak, more than the pool's {usable} usable pages "
                 f"(KVBlockPool max_gpu_bytes / page_size={self.pool.page_size}): it can never be admitted; "
@@ -48,8 +48,8 @@ class PoolAdmission:
             return True
         try:
             # a model with sliding layers: the request's sliding-window slot too (memory/sliding_slab.py)
-            running.reservation = self.pool.reserve(need, f"admitting request {request.request_id}",
-                                                    slots=int(self.pool.has_sliding_layers))
+            running.set_aside(self.pool.reserve(need, f"admitting request {request.request_id}",
+                                                slots=int(self.pool.has_sliding_layers)))
         except PoolExhaustedError:
             return False  # not now: pages come back as running requests finish
         return True
@@ -64,11 +64,15 @@ class PoolAdmission:
         admission, a prefix hit is looked up); its chunks then run through ``running.prefill.run``."""
         request = running.request
         cache = RocketKVCache(self.config, pool=self.pool, cache_salt=running.cache_salt)
-        running.cache = cache
-        reservation, running.reservation = running.reservation, None  # the admission takes these pages
-        running.prefill = ChunkedPrefill(self.model, cache, request.prompt_ids, request.max_new_tokens, reservation,
-                                         chunk_tokens, self.device)
-        return running.prefill
+        reservation = running.take_reservation()  # the admission takes these pages
+        try:
+            prefill = ChunkedPrefill(self.model, cache, request.prompt_ids, request.max_new_tokens, reservation,
+                                     chunk_tokens, self.device)
+        except BaseException:
+            cache.close()  # an admission that failed holds nothing; the reservation went back with it
+            raise
+        running.begin_prefill(cache, prefill)
+        return prefill
 
     def prefill(self, running: RunningRequest) -> torch.Tensor:
         """The request's whole prompt through the model in one forward with its own pool-backed cache; returns the
@@ -81,12 +85,12 @@ class PoolAdmission:
         reservation still holds."""
         if running.prefill is not None:
             running.prefill.abort()
-        if running.cache is not None:
-            running.cache.close()
-            running.cache = None
-        if running.reservation is not None:
-            self.pool.unreserve(running.reservation)
-            running.reservation = None
+        cache = running.take_cache()
+        if cache is not None:
+            cache.close()
+        reservation = running.take_reservation()
+        if reservation is not None:
+            self.pool.unreserve(reservation)
 
 
 def check_pool_fits(config, pool, prompt_len: int, max_new_tokens: int) -> None:

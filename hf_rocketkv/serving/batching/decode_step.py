@@ -231,12 +231,7 @@ class BatchDecoder:
         now = time.perf_counter()
         seconds = now - max(step.started, self._last_read)
         self._last_read = now
-        stats = self._stats
-        stats.decode_steps += 1
-        stats.decode_rows += len(step.rows)
-        stats.padded_rows += step.bucket - len(step.rows)
-        stats.decode_seconds += seconds
-        stats.step_ms.append(seconds * 1e3)
+        self._stats.count_decode_step(len(step.rows), step.bucket - len(step.rows), seconds)
 
     def _outcome(self, running: RunningRequest, token) -> tuple[FinishReason | None, str | None]:
         """How a row stands after ``token`` (an int, or the exception its draw raised), before accepting it:

@@ -81,6 +81,21 @@ class BatchingStats:
     # the latest decode steps' wall times in ms, oldest first (bounded: a server runs for days)
     step_ms: deque = field(default_factory=lambda: deque(maxlen=STEP_HISTORY))
 
+    def count_decode_step(self, rows: int, padded: int, seconds: float) -> None:
+        """A decode step of ``rows`` real and ``padded`` padding rows, ``seconds`` of wall time."""
+        self.decode_steps += 1
+        self.decode_rows += rows
+        self.padded_rows += padded
+        self.decode_seconds += seconds
+        self.step_ms.append(seconds * 1e3)
+
+    def count_prefill(self, chunks: int = 0, seconds: float = 0.0, finished: bool = False) -> None:
+        """``chunks`` prefill forwards and ``seconds`` of prefill wall time; ``finished``: a request's prefill
+        ended with its first token."""
+        self.prefill_chunks += chunks
+        self.prefill_seconds += seconds
+        self.prefills += int(finished)
+
 
 class BatchingEngine(ThreadedEngine):
     """Continuous batching over a ``KVBlockPool`` (see the module docstring).
@@ -352,7 +367,7 @@ class BatchingEngine(ThreadedEngine):
             if prefill is None:
                 prefill = self._admission.start_prefill(running, self.batching.prefill_chunk_tokens)
             logits = prefill.run(tokens)
-            self._stats.prefill_chunks += 1
+            self._stats.count_prefill(chunks=1)
             if self._lookahead is not None:  # the device runs the chunk: the next chunks' graphs meanwhile
                 self._lookahead.after_chunk(self._scheduler, self._lock, running)
         except Exception as err:  # noqa: BLE001 - one request's failure ends that request only
@@ -361,7 +376,7 @@ class BatchingEngine(ThreadedEngine):
             self._finish(running, FinishReason.ERROR, f"{type(err).__name__}: {err}")
             return
         if logits is None:
-            self._stats.prefill_seconds += time.perf_counter() - started
+            self._stats.count_prefill(seconds=time.perf_counter() - started)
             return
         self._prefilled(running, logits, started)
 
@@ -384,8 +399,7 @@ class BatchingEngine(ThreadedEngine):
         """The requests the prefill worker handed back: each joins the decoding rows (after its device work), or
         ends (cancelled between chunks, failed)."""
         for result in self._worker.take_done():
-            self._stats.prefill_chunks += result.chunks
-            self._stats.prefill_seconds += result.seconds
+            self._stats.count_prefill(chunks=result.chunks, seconds=result.seconds)
             if result.error is not None:
                 self._finish(result.running, FinishReason.ERROR, result.error)
             elif result.logits is None:
@@ -401,11 +415,10 @@ class BatchingEngine(ThreadedEngine):
         request = running.request
         try:
             if not request.params.is_greedy:
-                running.generator = new_generator(request.params.seed, self.device)
+                running.sample_with(new_generator(request.params.seed, self.device))
             token = int(sample_tokens(logits, request.params, running.generator)[0])
-            self._stats.prefills += 1
-            if started is not None:
-                self._stats.prefill_seconds += time.perf_counter() - started
+            self._stats.count_prefill(seconds=time.perf_counter() - started if started is not None else 0.0,
+                                      finished=True)
         except Exception as err:  # noqa: BLE001 - one request's failure ends that request only
             logger.warning("hf_rocketkv batching engine: request %s failed sampling its first token: %s",
                            request.request_id, err, exc_info=True)
@@ -425,8 +438,7 @@ class BatchingEngine(ThreadedEngine):
     def _accept(self, running: RunningRequest, token: int) -> bool:
         """Emit a sampled token; end the request on a stop id or max_tokens. True while it goes on decoding."""
         request = running.request
-        running.tokens += 1
-        running.last_token = token
+        running.took(token)
         self._emit(EngineEvent(request.request_id, (token,)))
         if token in request.stop_token_ids:
             reason = FinishReason.STOP

@@ -28,6 +28,37 @@ class RunningRequest:
     tokens: int = 0
     last_token: int = 0
 
+    def refuse(self, error: str) -> None:
+        """Admitted only to end with ``error`` at once: the request can never be served."""
+        self.error = error
+
+    def set_aside(self, reservation) -> None:
+        """The pool pages set aside for it at admission."""
+        self.reservation = reservation
+
+    def begin_prefill(self, cache: RocketKVCache, prefill: ChunkedPrefill) -> None:
+        """Its prefill starts in ``cache`` (which took the pages set aside: the reservation is spent)."""
+        self.cache, self.prefill, self.reservation = cache, prefill, None
+
+    def take_reservation(self):
+        """The pages set aside for it, now handed to whoever takes them (None: none left)."""
+        reservation, self.reservation = self.reservation, None
+        return reservation
+
+    def take_cache(self) -> RocketKVCache | None:
+        """Its cache, handed to whoever closes it (None: none)."""
+        cache, self.cache = self.cache, None
+        return cache
+
+    def sample_with(self, generator: torch.Generator) -> None:
+        """Its own random generator (a sampled request)."""
+        self.generator = generator
+
+    def took(self, token: int) -> None:
+        """One more token produced."""
+        self.tokens += 1
+        self.last_token = token
+
     def drop_cache(self) -> None:
         """Its prefill is over and its cache handed its pages to a decoding row (``BatchedDecodeCache.join``): the
         request is held by that row from now on."""

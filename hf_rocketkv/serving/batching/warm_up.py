@@ -127,11 +127,11 @@ def _synthetic_request(engine, max_new_tokens: int, scratch: bool) -> RunningReq
     plan = engine._admission.pages(request)
     paged = bool(engine.pool.hybrid.global_layers)  # (a model whose layers all slide has no pages, no scratch page)
     need = max(plan.peak_pages, plan.steady_pages + int(scratch and paged))
-    running.reservation = engine.pool.reserve(
+    running.set_aside(engine.pool.reserve(
         need, f"BatchingEngine.warm_up's synthetic request ({request.prompt_len} prompt tokens, max_tokens="
               f"{max_new_tokens}{', plus a scratch page for padding rows' if scratch else ''}; warm up fewer "
               f"max_new_tokens or give the pool more memory)",
-        slots=(1 + int(scratch)) if engine.pool.has_sliding_layers else 0)
+        slots=(1 + int(scratch)) if engine.pool.has_sliding_layers else 0))
     return running
 
 
