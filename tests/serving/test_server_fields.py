@@ -66,16 +66,16 @@ REFUSED = [
     ("completions", {"frobnicate": 1}, "frobnicate", "unsupported_field", "unsupported field(s) ['frobnicate']"),
     ("completions", {"messages": USER}, "messages", "unsupported_field", "allowed: ["),
     ("chat/completions", {"logprobs": True}, "logprobs", "unsupported_value",
-     "logprobs / top_logprobs are not supported"),
+     "=logprobs / top_logprobs are not supported"),
     ("chat/completions", {"top_logprobs": 0}, "logprobs", "unsupported_value", "top_logprobs are not supported"),
     ("chat/completions", {"tools": [{"type": "function"}]}, "tools", "unsupported_value",
-     "tools and tool_choice are not supported"),
+     "=tools and tool_choice are not supported"),
     ("chat/completions", {"tool_choice": "auto"}, "tools", "unsupported_value", "tools and tool_choice"),
     ("chat/completions", {"tool_choice": None, "tools": {}}, "tools", "unsupported_value", "tools and tool_choice"),
     ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format", "unsupported_value",
-     'response_format: only {"type": "text"} is supported'),
+     '=response_format: only {"type": "text"} is supported'),
     ("chat/completions", {"messages": []}, "messages", "invalid_value",
-     "messages is required: a non-empty list of {role, content} objects"),
+     "=messages is required: a non-empty list of {role, content} objects"),
     ("chat/completions", {"messages": "hi"}, "messages", "invalid_value", "messages is required"),
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
      "messages[0].content", "unsupported_value", "messages[0].content: only text parts are supported"),
@@ -99,9 +99,13 @@ def test_fields_at_their_allowed_values_are_served(server, endpoint, fields):
 @pytest.mark.parametrize("endpoint, fields, param, code, words", REFUSED,
                          ids=[f"{e}-{json.dumps(f)}"[:60] for e, f, *_ in REFUSED])
 def test_fields_at_other_values_are_refused_naming_them(server, endpoint, fields, param, code, words):
+    """``words``: part of the message, or, after ``=``, the whole of it."""
     running, _ = server
     base = COMPLETION if endpoint == "completions" else CHAT
-    assert_refused(post(running, f"/v1/{endpoint}", {**base, **fields}), param, code, words)
+    response = post(running, f"/v1/{endpoint}", {**base, **fields})
+    assert_refused(response, param, code, words.removeprefix("="))
+    if words.startswith("="):
+        assert response.json()["error"]["message"] == words[1:]
 
 
 @pytest.mark.parametrize("content", [b"[1, 2]", b'"text"', b"null"])
@@ -188,6 +192,7 @@ def test_streamed_chunks_have_openais_shape(server, usage):
         assert chunk["object"] == "chat.completion.chunk" and chunk["id"].startswith("chatcmpl-")
         (choice,) = chunk["choices"]
         assert set(choice) == {"index", "delta", "logprobs", "finish_reason"} and choice["logprobs"] is None
+        assert choice["index"] == 0
     assert all("role" not in c["choices"][0]["delta"] for c in deltas[1:])
     assert deltas[-1]["choices"][0]["finish_reason"] == "length"
     if usage:
@@ -195,23 +200,46 @@ def test_streamed_chunks_have_openais_shape(server, usage):
         assert last["usage"]["completion_tokens"] == 2 and last["id"] == deltas[0]["id"]
 
 
+def test_a_body_over_the_size_limit_is_refused_unread(server):
+    """64 bytes per token of the context plus 64 KiB: 64 x 64 + 65,536 = 69,632 bytes for this server. A body of
+    exactly that many bytes is read (and refused for its prompt, over the context); one byte more is 413."""
+    running, _ = server
+    limit = 64 * 64 + (64 << 10)
+
+    def body(size: int) -> bytes:
+        head, tail = b'{"model": "tiny", "max_tokens": 1, "prompt": "', b'"}'
+        return head + b"x" * (size - len(head) - len(tail)) + tail
+
+    read = post(running, "/v1/completions", content=body(limit))
+    assert read.status_code == 400 and read.json()["error"]["code"] == "context_length_exceeded", read.text
+    refused = post(running, "/v1/completions", content=body(limit + 1))
+    assert refused.status_code == 413 and refused.json()["error"]["code"] == "request_too_large"
+    assert refused.json()["error"]["message"] == (f"the request body has more than {limit} bytes, more than any "
+                                                  f"prompt this server's context holds")
+
+
 # ------------------------------------------------------------------------------------------------ /tokenize
 @pytest.mark.parametrize("body, param, words", [
-    ({"prompt": "a", "messages": USER}, "messages", "give either prompt (a string) or messages"),
+    ({"prompt": "a", "messages": USER}, "messages",
+     "=give either prompt (a string) or messages (a list of {role, content}), not both"),
     ({}, "prompt", "give either prompt"),
     ({"prompt": None, "messages": None}, "prompt", "give either prompt"),
-    ({"prompt": 5}, "prompt", "prompt must be a string"),
+    ({"prompt": 5}, "prompt", "=prompt must be a string"),
     ({"prompt": "a", "add_special_tokens": "yes"}, "add_special_tokens",
      "add_special_tokens must be true or false, got 'yes'"),
     ({"prompt": "a", "return_token_strs": 1}, "return_token_strs", "return_token_strs must be true or false, got 1"),
     ({"messages": USER, "add_generation_prompt": 0}, "add_generation_prompt", "add_generation_prompt must be true"),
-    ({"prompt": "a", "model": ""}, "model", "model must be a string (see GET /v1/models) or left out"),
+    ({"prompt": "a", "model": ""}, "model", "=model must be a string (see GET /v1/models) or left out"),
     ({"prompt": "a", "model": 3}, "model", "model must be a string"),
     ({"messages": []}, "messages", "messages is required"),
 ])
 def test_tokenize_refuses_each_field_naming_it(server, body, param, words):
+    """``words``: part of the message, or, after ``=``, the whole of it."""
     running, _ = server
-    assert_refused(post(running, "/tokenize", body), param, "invalid_value", words)
+    response = post(running, "/tokenize", body)
+    assert_refused(response, param, "invalid_value", words.removeprefix("="))
+    if words.startswith("="):
+        assert response.json()["error"]["message"] == words[1:]
 
 
 def test_tokenize_defaults_and_flags(server):
@@ -226,17 +254,23 @@ def test_tokenize_defaults_and_flags(server):
     assert chat["tokens"] == tokenizer(text, add_special_tokens=False).input_ids
     bare = post(running, "/tokenize", {"messages": USER, "add_generation_prompt": False}).json()
     assert bare["count"] == chat["count"] - len("assistant:")
-    assert post(running, "/tokenize", {"prompt": "hi", "model": "gpt-4"}).status_code == 404
+    unknown = post(running, "/tokenize", {"prompt": "hi", "model": "gpt-4"})
+    assert unknown.status_code == 404 and unknown.json()["error"] == {
+        "message": "model 'gpt-4' does not exist; this server serves 'tiny'", "type": "invalid_request_error",
+        "param": "model", "code": "model_not_found"}
 
 
 # ------------------------------------------------------------------------------------------------ /detokenize
 def test_detokenize_refuses_a_missing_list_and_an_unknown_model(server):
     running, _ = server
     for body in ({}, {"tokens": "abc"}, {"tokens": [1, True]}, {"tokens": [1.0]}, {"tokens": None}):
-        assert_refused(post(running, "/detokenize", body), "tokens", "invalid_value",
-                       "tokens is required: a list of token ids")
+        response = post(running, "/detokenize", body)
+        assert_refused(response, "tokens", "invalid_value", "")
+        assert response.json()["error"]["message"] == "tokens is required: a list of token ids"
     unknown = post(running, "/detokenize", {"tokens": [5], "model": "gpt-4"})
-    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+    assert unknown.status_code == 404 and unknown.json()["error"] == {
+        "message": "model 'gpt-4' does not exist; this server serves 'tiny'", "type": "invalid_request_error",
+        "param": "model", "code": "model_not_found"}
     assert post(running, "/detokenize", {"tokens": [70], "model": "tiny"}).json() == {"prompt": "F"}
     assert_refused(post(running, "/detokenize", {"tokens": [5], "model": ""}), "model", "invalid_value",
                    "model must be a string")
@@ -257,8 +291,9 @@ def test_a_server_without_a_tokenizer_refuses_text_routes_naming_the_field(tiny_
     manager = GenerationManager(tiny_pair[0], None, compressing_config(), max_model_len=64)
     try:
         with ServerThread(create_app(manager, "tiny")) as running:
-            assert_refused(post(running, "/detokenize", {"tokens": [5]}), "tokens", "invalid_value",
-                           "this server has no tokenizer")
+            refused = post(running, "/detokenize", {"tokens": [5]})
+            assert_refused(refused, "tokens", "invalid_value", "")
+            assert refused.json()["error"]["message"] == "this server has no tokenizer"
             ids = post(running, "/v1/completions", {**COMPLETION, "prompt": [5, 6]})
             assert ids.status_code == 200 and ids.json()["usage"]["prompt_tokens"] == 2
             assert_refused(post(running, "/v1/completions", COMPLETION), "prompt", "invalid_value",
