@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidRequest
-from ..outputs import FinishReason
 from ..sampling import SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -262,11 +261,6 @@ def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ responses
-def openai_finish_reason(reason: FinishReason | None) -> str | None:
-    """OpenAI's finish_reason for a successful end ("stop" or "length"); cancelled/error are reported as errors."""
-    return None if reason is None else reason.value
-
-
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
