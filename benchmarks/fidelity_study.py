@@ -185,7 +185,7 @@ def run_window(model, context_ids: list[int], continuation: list[int], points: l
             reference = log_probs
         reads = reads_per_step(prefilled.cache, point.config, kept, len(target) - 1, len(context_ids))
         out.append({"name": point.name, "group": point.group,
-                    **fidelity_metrics(reference, log_probs, target),
+                    **fidelity_metrics(reference, log_probs, target.to(log_probs.device)),
                     "read_tokens_per_step": reads, "kept_tokens_mean": sum(kept) / len(kept),
                     "bytes_after_prefill": nbytes, "seconds": time.perf_counter() - start})
         del prefilled, steps

@@ -45,7 +45,7 @@ def shared_prefix(model, ids: torch.LongTensor, tail: int) -> SharedPrefix:
     if split > 0:
         model.set_attn_implementation("sdpa")
         cache = DynamicCache()
-        model(ids[:, :split], use_cache=True, logits_to_keep=1, **compat.cache_kwargs(cache))
+        model(ids[:, :split].to(_model_device(model)), use_cache=True, logits_to_keep=1, **compat.cache_kwargs(cache))
         kv = [(layer.keys, layer.values) for layer in cache.layers]
     return SharedPrefix(ids=ids, split=split, kv=kv, seconds=time.perf_counter() - start)
 
