@@ -45,6 +45,8 @@ silently).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers import Cache
 
@@ -188,6 +190,9 @@ class BatchedDecodeCache(Cache):
         self.max_rows = max_rows
         self.hints = GenerationHints()
         self.held: list[list | None] = [None] * max_rows  # each row's pool holdings (RocketKVCache.hand_over)
+        # a batch dropped with rows still joined (an engine that died) queues their holdings; the pool releases them
+        # at its next call (as a RocketKVCache dropped without close() does)
+        weakref.finalize(self, _release_later, pool, self.held)
         self.row_pages: list[int] = [0] * max_rows  # view pages of each row's table
         self.room: list[int] = [0] * max_rows  # decode steps each row can still take (host mirror)
         self.steps: list[int] = [0] * max_rows  # decode steps since the row joined
@@ -437,3 +442,11 @@ class BatchedDecodeCache(Cache):
         if held is None:
             raise ValueError(f"BatchedDecodeCache row {row} is free")
         return held
+
+
+def _release_later(pool: KVBlockPool, held: list[list | None]) -> None:
+    """Finalizer of a dropped batch: queue the holdings of the rows still joined (never released here: a finalizer may
+    run inside a pool method)."""
+    items = [item for row in held if row is not None for item in row]
+    if items:
+        pool.release_later(items)

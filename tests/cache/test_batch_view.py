@@ -204,3 +204,18 @@ def test_prepare_rebuilds_views_only_when_the_layout_changes(model, monkeypatch)
     batch.leave(0)
     batch.close()
     assert pool.free_pages() == pool.total_pages()
+
+
+def test_a_batch_dropped_with_rows_joined_gives_their_pages_back(model):
+    """An engine that dies with rows joined drops its batch: the rows' pages are queued and released at the pool's
+    next call, as those of a RocketKVCache dropped without close()."""
+    import gc
+
+    pool = cpu_pool(model, CFG, 2 << 20)
+    batch = BatchedDecodeCache(pool, max_rows=2)
+    cache, _ = prefill(model, pool, random_ids(1, 30, seed=4)[0], 3)
+    batch.join(0, cache)
+    assert pool.free_pages() < pool.total_pages()
+    del batch, cache
+    gc.collect()
+    assert pool.free_pages() == pool.total_pages()  # free_pages() is a pool call: the queued release ran first
