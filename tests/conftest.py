@@ -27,11 +27,12 @@ hf_logging.set_verbosity_error()
 
 @pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects by mark
 def pytest_collection_modifyitems(config, items):
-    """The fixture-parametrized cases of tests/support/markers.py get the ``slow`` mark."""
-    from tests.support.markers import SLOW, SLOW_FIXTURE_CASES
+    """The cases tests/support/markers.py names by node id get the ``slow`` mark."""
+    from tests.support.markers import SLOW, SLOW_FIXTURE_CASES, SLOW_MEASURED_CASES
 
+    by_id = set(SLOW_FIXTURE_CASES) | set(SLOW_MEASURED_CASES)
     for item in items:
-        if item.nodeid in SLOW_FIXTURE_CASES:
+        if item.nodeid in by_id:
             item.add_marker(SLOW)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tests.support.markers import SLOW_FIXTURE_CASES, slow_except
+from tests.support.markers import SLOW_FIXTURE_CASES, SLOW_MEASURED_CASES, slow_except
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,3 +22,9 @@ def test_every_slow_fixture_case_names_a_test():
     for node in SLOW_FIXTURE_CASES:
         path, name = re.fullmatch(r"(.+)::(\w+)\[.+\]", node).groups()
         assert f"def {name}(" in (ROOT / path).read_text(), node
+
+
+def test_every_case_marked_by_its_measured_time_names_a_test():
+    for node in SLOW_MEASURED_CASES:
+        path, name = re.fullmatch(r"(.+?)::(\w+)(?:::\w+)?(?:\[.+\])?", node).groups()
+        assert f"def {name}(" in (ROOT / path).read_text() or f"{name} = " in (ROOT / path).read_text(), node

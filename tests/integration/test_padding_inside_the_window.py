@@ -76,7 +76,7 @@ def test_the_prompts_leave_padding_inside_the_window_after_the_ring_wraps():
 def test_padded_rows_shorter_than_the_window_equal_the_oracle(kind):
     name, rocket, _, rows, alone = kind
     ids, mask = left_pad(rows)
-    out = greedy(rocket, ids, attention_mask=mask, past_key_values=RocketKVCache(keep_all_config()),
+    out = greedy(rocket, ids, attention_mask=mask, cache=RocketKVCache(keep_all_config()),
                  max_new_tokens=NEW)
     assert_rows_alone(name, out, ids.shape[1], alone)
 
@@ -87,7 +87,7 @@ def test_chunked_prefill_of_short_padded_rows_equals_the_oracle(kind, chunk):
     cache has any layer (one column), so it is a prefill, not a decode step over the ring."""
     name, rocket, _, rows, alone = kind
     ids, mask = left_pad(rows)
-    out = greedy(rocket, ids, attention_mask=mask, past_key_values=RocketKVCache(keep_all_config()),
+    out = greedy(rocket, ids, attention_mask=mask, cache=RocketKVCache(keep_all_config()),
                  max_new_tokens=NEW, prefill_chunk_size=chunk)
     assert_rows_alone(name, out, ids.shape[1], alone)
 
@@ -102,7 +102,7 @@ def test_short_padded_rows_on_a_pool_equal_the_oracle_and_give_everything_back(k
     pool = cpu_pool(rocket, config, 2 << 20, 8)
     ids, mask = left_pad(rows)
     cache = RocketKVCache(config, pool=pool)
-    out = greedy(rocket, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=NEW, prefill_chunk_size=chunk)
+    out = greedy(rocket, ids, attention_mask=mask, cache=cache, max_new_tokens=NEW, prefill_chunk_size=chunk)
     assert_rows_alone(name, out, ids.shape[1], alone)
     cache.close()
     assert pool.free_pages() == pool.total_pages() and pool.free_slots() == pool.total_slots()
