@@ -61,6 +61,18 @@ def oracle_distribution(logits: list[float], temperature: float, top_k: int, top
     return [math.exp(scaled[i]) / z if i in keep else 0.0 for i in range(len(scaled))]
 
 
+def test_to_dict_names_every_field_with_its_value_and_builds_the_same_params():
+    """The dict written out by hand: every field by name (the server's request log and the engine's records read it),
+    and the params it builds are equal to the original."""
+    params = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=3, stop=["a", "b"], stop_token_ids=[5],
+                            seed=11, ignore_eos=True)
+    assert params.to_dict() == {"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 3, "stop": ("a", "b"),
+                                "stop_token_ids": (5,), "seed": 11, "ignore_eos": True}
+    assert SamplingParams(**params.to_dict()) == params
+    assert SamplingParams().to_dict() == {"max_tokens": 16, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "stop": (),
+                                          "stop_token_ids": (), "seed": None, "ignore_eos": False}
+
+
 @pytest.mark.parametrize("temperature, top_k, top_p", [
     (1.0, 0, 1.0), (0.5, 0, 1.0), (1.7, 0, 1.0), (1.0, 3, 1.0), (1.0, 0, 0.6), (0.8, 5, 0.9), (1.0, 0, 0.01),
 ])

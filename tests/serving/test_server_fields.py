@@ -218,6 +218,25 @@ def test_a_body_over_the_size_limit_is_refused_unread(server):
                                                   f"prompt this server's context holds")
 
 
+
+def test_a_streamed_body_without_a_length_is_held_to_the_same_byte(server):
+    """Sent in chunks with no Content-Length (chunked transfer encoding), the body is counted as it arrives: exactly
+    69,632 bytes are read (and refused for the prompt), one byte more is 413."""
+    running, _ = server
+    limit = 64 * 64 + (64 << 10)
+
+    def chunks(size: int):
+        head, tail = b'{"model": "tiny", "max_tokens": 1, "prompt": "', b'"}'
+        body = head + b"x" * (size - len(head) - len(tail)) + tail
+        for start in range(0, len(body), 4096):
+            yield body[start:start + 4096]
+
+    read = post(running, "/v1/completions", content=chunks(limit))
+    assert read.status_code == 400 and read.json()["error"]["code"] == "context_length_exceeded", read.text
+    refused = post(running, "/v1/completions", content=chunks(limit + 1))
+    assert refused.status_code == 413 and refused.json()["error"]["code"] == "request_too_large", refused.text
+
+
 # ------------------------------------------------------------------------------------------------ /tokenize
 @pytest.mark.parametrize("body, param, words", [
     ({"prompt": "a", "messages": USER}, "messages",
