@@ -1,9 +1,9 @@
 """RuntimeSettings: how this machine runs RocketKV, apart from what the algorithm keeps and reads.
 
 The backend, the decode runners and their buckets, the fused kernels and the prefill rows change speed and memory,
-not what is kept and read (at most the kernels' rounding). A ``RocketKVConfig`` holds one as ``config.runtime`` and reads its fields
-flat (``config.backend``); the config's constructor, ``replace``, ``to_dict`` and YAML take them flat too, so error
-messages name them as users write them: ``RocketKVConfig.<field>``.
+not what is kept and read (at most the kernels' rounding). A ``RocketKVConfig`` holds one as ``config.runtime`` and
+reads its fields flat (``config.backend``); the config's constructor, ``replace``, ``to_dict`` and YAML take them flat
+too, so error messages name them as users write them: ``RocketKVConfig.<field>``.
 
 The package's ground floor, below config.py: it imports nothing of hf_rocketkv. Every field is described in
 docs/configuration.md ("Runtime settings").
