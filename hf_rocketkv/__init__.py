@@ -31,6 +31,7 @@ _PUBLIC = {
     "RocketKVCache": ".cache",
     "RocketKVConfig": ".config",
     "RocketKVLayer": ".cache",
+    "RuntimeSettings": ".runtime_settings",
     "SlidingWindowLayer": ".cache",
     "compile_regions": ".integration.regions",
     "enable": ".integration.registration",
@@ -43,7 +44,7 @@ _PUBLIC = {
     "warmup": ".integration.warmup",
 }
 _SUBPACKAGES = ("bench", "cache", "cli", "config", "data", "eval", "host_copy", "integration", "kernels", "memory",
-                "models", "policies", "selection", "serving")
+                "models", "policies", "runtime_settings", "selection", "serving")
 
 __all__ = ["ATTN_NAME", *sorted(_PUBLIC)]
 

@@ -14,19 +14,43 @@ The YAML shape is the one TensorRT-LLM users already write for ``trtllm-serve``/
       # hf_rocketkv's own keys
       backend: auto
 
-The package's ground floor: it owns the names its fields accept and the page arithmetic it validates with, and
-policies/ imports them from here (never the other way). Every field is described in docs/configuration.md.
+Two kinds of fields, read and written flat (``config.topk``, ``config.backend``, ``to_dict()``, YAML): the algorithm
+(``ALGORITHM_FIELDS``: what is kept and read, TensorRT-LLM's keys plus ours; ``algorithm_dict()``) and the runtime
+settings (``RUNTIME_FIELDS``: how this machine runs it), held as ``config.runtime``, a ``RuntimeSettings``
+(runtime_settings.py, which owns their names and checks).
+
+The package's ground floor (with runtime_settings.py, the only module it imports): it owns the names its fields
+accept and the page arithmetic it validates with, and policies/ imports them from here (never the other way). Every
+field is described in docs/configuration.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
+
+# the runtime names are re-exported: they were defined here, and code reads them from hf_rocketkv.config
+from .runtime_settings import (
+    BACKENDS,
+    BUCKET_FIELDS,
+    DECODE_GUARD_CHECKS,
+    DECODE_RUNNERS,
+    DEFAULT_BATCH_BUCKETS,
+    STAGE2_KERNELS,
+    RuntimeSettings,
+    is_int,
+)
 
 if TYPE_CHECKING:
     import torch
+
+__all__ = ["BACKENDS", "BUCKET_FIELDS", "BUDGET_SCHEDULES", "DECODE_GUARD_CHECKS", "DECODE_RUNNERS",
+           "DEFAULT_BATCH_BUCKETS", "KT_CACHE_DTYPES", "MULTI_TURN_MODES", "STAGE1_POLICY_NAMES", "STAGE2_KERNELS",
+           "STAGE2_NAMES", "STAGE2_SCORES", "YAML_ALGORITHM", "YAML_SECTION", "RocketKVConfig", "RuntimeSettings",
+           "fit_forced_pages", "forced_page_counts", "is_stage1_policy"]
 
 # The names the config's fields accept, and the arithmetic it validates with: policies/ imports them from here.
 # stage1 by name (a policy object is accepted too); policies/registry.py builds the policy of each name
@@ -36,9 +60,6 @@ STAGE2_NAMES = ("kt_pages", "none")
 # how a query head scores a KT page: "group_sign" (RocketKV, TensorRT-LLM: the group-summed query's sign picks Kmax
 # or Kmin per channel) or "head_bound" (each head by its own sign: Quest's bound of its largest logit on the page)
 STAGE2_SCORES = ("group_sign", "head_bound")
-# how the Triton backend runs a plain layer's stage 2: "split" (page selection, then sparse attention: two ops),
-# "fused" (one op: kernels/fused_decode.py, fewer launches) or "auto" (the project's measured choice)
-STAGE2_KERNELS = ("auto", "fused", "split")
 # budget_schedule: how prompt_budget and topk are spread over the RocketKV layers (cache/layer_plan.py): "flat" (every
 # layer the same) or "pyramid" (PyramidKV-style: linear from 1.5x at the first RocketKV layer to 0.5x at the last,
 # the same total)
@@ -72,27 +93,59 @@ def fit_forced_pages(sink_pages: int, recent_pages: int, topk: int) -> tuple[int
 # the KT cache's dtypes by name (torch's attribute names: ``getattr(torch, name)``, read when a cache is built, so
 # that the config, and the command line that reads it, do not import torch)
 KT_CACHE_DTYPES: tuple[str, ...] = ("float8_e5m2", "bfloat16", "float16", "float32")
-BACKENDS = ("auto", "torch", "triton")
-DECODE_GUARD_CHECKS = ("first_step", "every_step")
-DECODE_RUNNERS = ("cuda_graphs", "torch_compile")
 MULTI_TURN_MODES = ("evict", "keep_all")
-# Bucket fields (tuples; a YAML/JSON list is turned into one): None picks the runner's default below.
-BUCKET_FIELDS = ("capacity_buckets", "batch_buckets")
-# decode_runner="torch_compile" with batch_buckets=None: the batch sizes serving engines capture CUDA graphs for
-DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 YAML_SECTION = "sparse_attention_config"
 YAML_ALGORITHM = "rocket"
+# every field, flat, in the order to_dict() and YAML files list them (the two kinds interleaved, as they were added)
+_FLAT_FIELDS = (
+    "window_size", "kernel_size", "prompt_budget", "topk", "topr", "page_size", "kt_cache_dtype", "backend",
+    "capacity_headroom", "prefill_batch_size", "decode_guard_checks", "decode_runner", "deferred_stop_check",
+    "eager_layer_graphs", "fused_rope", "fused_norm", "capacity_buckets", "batch_buckets", "stage1", "sink_tokens",
+    "token_budget", "stage2", "stage2_sink_tokens", "stage2_recent_tokens", "stage2_score", "stage2_kernel",
+    "dense_layers", "budget_schedule", "multi_turn", "decode_budget", "decode_interval", "decode_window",
+    "decode_kernel_size",
+)
+_DEFAULT_RUNTIME = RuntimeSettings()
 
 
 def _is_power_of_two(n: int) -> bool:
     return n >= 1 and (n & (n - 1)) == 0
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _flat_fields(cls: type) -> type:
+    """Class decorator of RocketKVConfig: its field-name tuples, a read-only property per runtime field
+    (``config.backend`` is ``config.runtime.backend``) and the flat constructor's signature (for help())."""
+    cls.ALGORITHM_FIELDS = tuple(f.name for f in fields(cls) if f.name != "runtime")
+    cls.RUNTIME_FIELDS = tuple(f.name for f in fields(RuntimeSettings))
+    if sorted(_FLAT_FIELDS) != sorted(cls.ALGORITHM_FIELDS + cls.RUNTIME_FIELDS):
+        raise TypeError("config.py: _FLAT_FIELDS must list every algorithm and runtime field once")
+    for name in cls.RUNTIME_FIELDS:
+        setattr(cls, name, _runtime_field(name))
+    parameters = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
+                  for name, default in _defaults(cls).items()]
+    parameters.append(inspect.Parameter("runtime", inspect.Parameter.KEYWORD_ONLY, default=None))
+    cls.__signature__ = inspect.Signature(parameters)
+    return cls
 
 
-@dataclass(frozen=True)
+def _runtime_field(name: str) -> property:
+    """``config.<name>`` reads ``config.runtime.<name>`` (a plain function: torch.compile traces it, as it reads the
+    config inside a compiled decode step; an operator.attrgetter it cannot)."""
+
+    def read(self: RocketKVConfig) -> Any:
+        return getattr(self.runtime, name)
+
+    return property(read, doc=f"``runtime.{name}``: a runtime setting (RuntimeSettings), read flat.")
+
+
+def _defaults(cls: type) -> dict[str, Any]:
+    """Every flat field's default, in to_dict()'s order."""
+    defaults = {f.name: f.default for klass in (cls, RuntimeSettings) for f in fields(klass) if f.name != "runtime"}
+    return {name: defaults[name] for name in _FLAT_FIELDS}
+
+
+@_flat_fields
+@dataclass(frozen=True, init=False)
 class RocketKVConfig:
     """RocketKV settings: TensorRT-LLM's ``RocketSparseAttentionConfig`` fields and defaults, plus our own.
 
@@ -100,7 +153,15 @@ class RocketKVConfig:
     ``config.replace(field=value)``, which validates the copy. docs/configuration.md describes every field: what it
     does, its default and the values allowed; an invalid value raises ``ValueError`` naming the field, the value and
     what is allowed.
+
+    The algorithm's fields (``ALGORITHM_FIELDS``) are this class's own; the runtime settings (``RUNTIME_FIELDS``)
+    live in ``runtime``, a ``RuntimeSettings``, and read flat: ``config.backend``. The constructor and ``replace``
+    take both kinds as flat keywords (``RocketKVConfig(prompt_budget=512, backend="torch")``), and
+    ``runtime=RuntimeSettings(...)`` too (flat runtime keywords beside it change its fields).
     """
+
+    ALGORITHM_FIELDS: ClassVar[tuple[str, ...]]  # set by _flat_fields, in declaration order
+    RUNTIME_FIELDS: ClassVar[tuple[str, ...]]  # RuntimeSettings' fields, in its declaration order
 
     window_size: int = 32
     kernel_size: int = 63
@@ -109,17 +170,6 @@ class RocketKVConfig:
     topr: int = 128
     page_size: int = 4
     kt_cache_dtype: str = "float8_e5m2"
-    backend: str = "auto"
-    capacity_headroom: int = field(default=256)
-    prefill_batch_size: int | None = None
-    decode_guard_checks: str = "every_step"
-    decode_runner: str = "cuda_graphs"
-    deferred_stop_check: bool = True
-    eager_layer_graphs: bool = True
-    fused_rope: bool = True
-    fused_norm: bool = True
-    capacity_buckets: tuple[int, ...] | None = None  # validated in _check_buckets
-    batch_buckets: tuple[int, ...] | None = None
     # policies (validated in _check_policy_fields)
     stage1: Any = "snapkv"  # a name from STAGE1_POLICY_NAMES or a policy object
     sink_tokens: int = 4
@@ -129,7 +179,6 @@ class RocketKVConfig:
     stage2_sink_tokens: int = 0
     stage2_recent_tokens: int = 0
     stage2_score: str = "group_sign"
-    stage2_kernel: str = "auto"
     # per-layer layout (validated in _check_layer_plan)
     dense_layers: int = 0
     budget_schedule: str = "flat"
@@ -140,22 +189,40 @@ class RocketKVConfig:
     decode_interval: int = 64
     decode_window: int = 32
     decode_kernel_size: int = 7
+    # how this machine runs it (validated when built: runtime_settings.py)
+    runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
 
-    def __post_init__(self) -> None:
-        for name in BUCKET_FIELDS:  # YAML and JSON (model.config.rocketkv) hold lists; the frozen config a tuple
-            value = getattr(self, name)
-            if isinstance(value, list):
-                object.__setattr__(self, name, tuple(value))
-        self.validate()
+    def __init__(self, *, runtime: RuntimeSettings | None = None, **values: Any) -> None:
+        unknown = [name for name in values if name not in _FLAT_FIELDS]
+        if unknown:
+            raise TypeError(f"RocketKVConfig.__init__() got an unexpected keyword argument {unknown[0]!r}")
+        if runtime is None:
+            runtime = _DEFAULT_RUNTIME
+        elif not isinstance(runtime, RuntimeSettings):
+            raise ValueError(f"RocketKVConfig.runtime must be a RuntimeSettings, got {type(runtime).__name__}")
+        changes = {name: values.pop(name) for name in self.RUNTIME_FIELDS if name in values}
+        object.__setattr__(self, "runtime", runtime.replace(**changes) if changes else runtime)
+        for f in fields(self):
+            if f.name != "runtime":
+                object.__setattr__(self, f.name, values.get(f.name, f.default))
+        for check in _ALGORITHM_CHECKS:
+            check(self)
 
     # ------------------------------------------------------------------------------------------------ validation
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the field, the value and what is allowed (the first failing check below)."""
-        for check in (_check_budgets, _check_runtime, _check_policy_fields, _check_stage2_fields, _check_multi_turn,
-                      _check_buckets, _check_decode_compression, _check_layer_plan):
+        """Raise ``ValueError`` naming the field, the value and what is allowed (the first failing check: the
+        runtime settings', then the algorithm's in the order of _ALGORITHM_CHECKS)."""
+        self.runtime.validate()
+        for check in _ALGORITHM_CHECKS:
             check(self)
 
+    @classmethod
+    def field_defaults(cls) -> dict[str, Any]:
+        """Every flat field's default (both kinds), in ``to_dict()``'s order."""
+        return _defaults(cls)
+
     # ------------------------------------------------------------------------------------------------ derived
+    # (properties that combine both kinds stay here: the runtime fields read flat)
     @property
     def stage2_forced_pages(self) -> tuple[int, int]:
         """``(sink_pages, recent_pages)`` stage 2 attends at every step besides the top-k by score (part of topk)."""
@@ -215,23 +282,29 @@ class RocketKVConfig:
             return (self.prompt_budget + self.decode_budget + self.decode_interval,)
         return (self.prompt_budget + self.capacity_headroom,)
 
-    def replace(self, **changes: Any) -> "RocketKVConfig":
-        """A validated copy with some fields changed."""
+    def replace(self, **changes: Any) -> RocketKVConfig:
+        """A validated copy with some fields changed, flat fields of either kind (each to its owner) or ``runtime``."""
         return dataclasses.replace(self, **changes)
 
     # ------------------------------------------------------------------------------------------------ dict / YAML
     def to_dict(self) -> dict[str, Any]:
+        """Every field of both kinds, flat, in the order YAML files list them (model.config.rocketkv, JSON)."""
         # not dataclasses.asdict: it would turn a policy object in `stage1` into a dict of its fields; bucket
         # tuples as lists, which YAML (safe_dump) and JSON (model.config.rocketkv) hold
-        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data = {name: getattr(self, name) for name in _FLAT_FIELDS}
         for name in BUCKET_FIELDS:
             if data[name] is not None:
                 data[name] = list(data[name])
         return data
 
+    def algorithm_dict(self) -> dict[str, Any]:
+        """The algorithm's fields only (``ALGORITHM_FIELDS``): what is kept and read, TensorRT-LLM's keys plus ours."""
+        return {name: getattr(self, name) for name in self.ALGORITHM_FIELDS}
+
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RocketKVConfig":
-        """Build from a flat dict of fields, or from ``{"sparse_attention_config": {...}}``; unknown keys raise."""
+    def from_dict(cls, data: dict[str, Any]) -> RocketKVConfig:
+        """Build from a flat dict of fields (both kinds), or from ``{"sparse_attention_config": {...}}``; unknown
+        keys raise."""
         if not isinstance(data, dict):
             raise ValueError(f"RocketKV config must be a mapping, got {type(data).__name__}")
         if YAML_SECTION in data:
@@ -245,7 +318,7 @@ class RocketKVConfig:
         algorithm = data.pop("algorithm", YAML_ALGORITHM)
         if algorithm != YAML_ALGORITHM:
             raise ValueError(f"{YAML_SECTION}.algorithm must be '{YAML_ALGORITHM}', got {algorithm!r}")
-        known = {f.name for f in fields(cls)}
+        known = set(_FLAT_FIELDS)
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown key(s) {unknown} in {YAML_SECTION}{_suggestions(unknown, known)}; "
@@ -260,7 +333,7 @@ class RocketKVConfig:
         return {YAML_SECTION: {"algorithm": YAML_ALGORITHM, **self.to_dict()}}
 
     @classmethod
-    def from_yaml(cls, path_or_text: str | Path) -> "RocketKVConfig":
+    def from_yaml(cls, path_or_text: str | Path) -> RocketKVConfig:
         """Read a YAML file (or YAML text) in TensorRT-LLM's ``sparse_attention_config`` shape."""
         import yaml
 
@@ -298,10 +371,10 @@ def _looks_like_path(value: str | Path) -> bool:
 
 
 def _check_budgets(config: RocketKVConfig) -> None:
-    """Stage 1's and stage 2's budgets and kt_cache_dtype (capacity_headroom's type too; its range: _check_runtime)."""
-    for name in ("window_size", "kernel_size", "prompt_budget", "topk", "topr", "page_size", "capacity_headroom"):
+    """Stage 1's and stage 2's budgets and kt_cache_dtype."""
+    for name in ("window_size", "kernel_size", "prompt_budget", "topk", "topr", "page_size"):
         value = getattr(config, name)
-        if not _is_int(value):
+        if not is_int(value):
             raise ValueError(f"RocketKVConfig.{name} must be an integer, got {value!r} ({type(value).__name__})")
     if config.window_size < 1:
         raise ValueError(f"RocketKVConfig.window_size must be >= 1, got {config.window_size}")
@@ -322,26 +395,6 @@ def _check_budgets(config: RocketKVConfig) -> None:
                          f"got {config.kt_cache_dtype!r}")
 
 
-def _check_runtime(config: RocketKVConfig) -> None:
-    """How the cache and generate() run (backend, headroom, runners, switches, prefill rows), not what is kept."""
-    if config.backend not in BACKENDS:
-        raise ValueError(f"RocketKVConfig.backend must be one of {list(BACKENDS)}, got {config.backend!r}")
-    if config.capacity_headroom < 1:
-        raise ValueError(f"RocketKVConfig.capacity_headroom must be >= 1, got {config.capacity_headroom}")
-    if config.decode_guard_checks not in DECODE_GUARD_CHECKS:
-        raise ValueError(f"RocketKVConfig.decode_guard_checks must be one of {list(DECODE_GUARD_CHECKS)}, "
-                         f"got {config.decode_guard_checks!r}")
-    if config.decode_runner not in DECODE_RUNNERS:
-        raise ValueError(f"RocketKVConfig.decode_runner must be one of {list(DECODE_RUNNERS)}, "
-                         f"got {config.decode_runner!r}")
-    for name in ("deferred_stop_check", "eager_layer_graphs", "fused_rope", "fused_norm"):
-        if not isinstance(getattr(config, name), bool):
-            raise ValueError(f"RocketKVConfig.{name} must be True or False, got {getattr(config, name)!r}")
-    if (rows := config.prefill_batch_size) is not None and (not _is_int(rows) or rows < 1):
-        raise ValueError(f"RocketKVConfig.prefill_batch_size must be None (whole batch) or an integer >= 1, "
-                         f"got {rows!r}")
-
-
 def _check_policy_fields(config: RocketKVConfig) -> None:
     """stage1, sink_tokens, token_budget (a block of its own: the policy framework's fields)."""
     if isinstance(config.stage1, str):
@@ -352,28 +405,25 @@ def _check_policy_fields(config: RocketKVConfig) -> None:
         raise ValueError(f"RocketKVConfig.stage1 must be one of {list(STAGE1_POLICY_NAMES)} or a policy object with "
                          f"a `name` and a select(inputs) method (hf_rocketkv.policies), "
                          f"got {type(config.stage1).__name__}")
-    if not _is_int(config.sink_tokens) or config.sink_tokens < 0:
+    if not is_int(config.sink_tokens) or config.sink_tokens < 0:
         raise ValueError(f"RocketKVConfig.sink_tokens must be an integer >= 0, got {config.sink_tokens!r}")
-    if config.token_budget is not None and (not _is_int(config.token_budget) or config.token_budget < 2):
+    if config.token_budget is not None and (not is_int(config.token_budget) or config.token_budget < 2):
         raise ValueError(f"RocketKVConfig.token_budget must be None (budgets as given) or an integer >= 2 (K+V pairs "
                          f"read per KV head per decode step, half for page scoring, half for exact attention), "
                          f"got {config.token_budget!r}")
 
 
 def _check_stage2_fields(config: RocketKVConfig) -> None:
-    """stage2, stage2_score, stage2_kernel, stage2_sink_tokens, stage2_recent_tokens (the stage-2 options' block)."""
+    """stage2, stage2_score, stage2_sink_tokens, stage2_recent_tokens (the stage-2 options' block; how the Triton
+    backend runs it, stage2_kernel, is a runtime setting)."""
     if config.stage2 not in STAGE2_NAMES:
         raise ValueError(f"RocketKVConfig.stage2 must be one of {list(STAGE2_NAMES)}, got {config.stage2!r}")
     if config.stage2_score not in STAGE2_SCORES:
         raise ValueError(f"RocketKVConfig.stage2_score must be one of {list(STAGE2_SCORES)}, "
                          f"got {config.stage2_score!r}")
-    if config.stage2_kernel not in STAGE2_KERNELS:
-        raise ValueError(f"RocketKVConfig.stage2_kernel must be one of {list(STAGE2_KERNELS)} (how the Triton backend "
-                         f"runs stage 2: \"fused\" one op, \"split\" selection then attention, \"auto\" the "
-                         f"measured choice), got {config.stage2_kernel!r}")
     for name in ("stage2_sink_tokens", "stage2_recent_tokens"):
         value = getattr(config, name)
-        if not _is_int(value) or value < 0:
+        if not is_int(value) or value < 0:
             raise ValueError(f"RocketKVConfig.{name} must be an integer >= 0, got {value!r}")
     if config.stage2 != "kt_pages" or config.token_budget is not None:
         return  # no page selection, or topk and page_size are derived per request (then fit_forced_pages)
@@ -388,7 +438,7 @@ def _check_stage2_fields(config: RocketKVConfig) -> None:
 def _check_layer_plan(config: RocketKVConfig) -> None:
     """dense_layers, budget_schedule (the per-layer layout's block; the layer count is checked against the model's
     when the cache learns it, cache/layer_plan.py)."""
-    if not _is_int(config.dense_layers) or config.dense_layers < 0:
+    if not is_int(config.dense_layers) or config.dense_layers < 0:
         raise ValueError(f"RocketKVConfig.dense_layers must be an integer >= 0 (the first N layers keep and attend "
                          f"every token), got {config.dense_layers!r}")
     if config.budget_schedule not in BUDGET_SCHEDULES:
@@ -408,27 +458,13 @@ def _check_multi_turn(config: RocketKVConfig) -> None:
                          f"got {config.multi_turn!r}")
 
 
-def _check_buckets(config: RocketKVConfig) -> None:
-    """capacity_buckets, batch_buckets: None, or a strictly ascending tuple of integers >= 1 (may be empty)."""
-    for name in BUCKET_FIELDS:
-        value = getattr(config, name)
-        if value is None:
-            continue
-        allowed = (f"None (the decode runner's default) or a strictly ascending tuple of integers >= 1, e.g. "
-                   f"{DEFAULT_BATCH_BUCKETS if name == 'batch_buckets' else (2048, 4096)} (() turns it off)")
-        if not isinstance(value, tuple) or not all(_is_int(v) for v in value):
-            raise ValueError(f"RocketKVConfig.{name} must be {allowed}, got {value!r}")
-        if any(v < 1 for v in value) or any(a >= b for a, b in zip(value, value[1:])):
-            raise ValueError(f"RocketKVConfig.{name} must be {allowed}, got {value!r}")
-
-
 def _check_decode_compression(config: RocketKVConfig) -> None:
     """decode_budget, decode_interval, decode_window, decode_kernel_size (decode-time compression's block)."""
     for name in ("decode_budget", "decode_interval", "decode_window", "decode_kernel_size"):
         value = getattr(config, name)
         if name == "decode_budget" and value is None:
             continue
-        if not _is_int(value) or value < 1:
+        if not is_int(value) or value < 1:
             what = "None (off) or an integer >= 1" if name == "decode_budget" else "an integer >= 1"
             raise ValueError(f"RocketKVConfig.{name} must be {what}, got {value!r}")
     if config.decode_budget is None:
@@ -444,3 +480,9 @@ def _check_decode_compression(config: RocketKVConfig) -> None:
             f"RocketKVConfig.decode_budget={config.decode_budget} bounds the generated tokens a layer stores, but "
             f"multi_turn='keep_all' keeps every token of the conversation: the two do not combine. Use "
             f"multi_turn='evict' with decode_budget, or decode_budget=None with keep_all.")
+
+
+# the algorithm's checks, in order (the runtime settings' run when they are built: runtime_settings.py); a check that
+# mixes both kinds goes last, reading the runtime fields flat
+_ALGORITHM_CHECKS = (_check_budgets, _check_policy_fields, _check_stage2_fields, _check_multi_turn,
+                     _check_decode_compression, _check_layer_plan)

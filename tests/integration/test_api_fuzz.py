@@ -23,7 +23,6 @@ so CI cannot flake on a new one); ``FUZZ_EXAMPLES`` bounds the default run (< 60
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import warnings
 
@@ -37,7 +36,7 @@ from tests.support.hybrid_models import make_hybrid_models
 from tests.support.tiny_models import PAD, VOCAB, left_pad, make_models, random_ids
 
 CLEAR_ERRORS = (ValueError, TypeError, NotImplementedError)
-DEFAULTS = {f.name: f.default for f in dataclasses.fields(RocketKVConfig)}
+DEFAULTS = RocketKVConfig.field_defaults()  # every flat field, algorithm and runtime
 
 # ------------------------------------------------------------------------------------------------ config values
 # per field: ordinary values, edges and wrong types (none of them from the validation code)

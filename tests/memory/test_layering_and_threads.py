@@ -10,7 +10,8 @@ from hf_rocketkv.memory import PoolExhaustedError
 from tests.memory.helpers import make_pool, rocket_config
 
 MEMORY = Path(__file__).resolve().parents[2] / "hf_rocketkv" / "memory"
-FORBIDDEN = ("transformers", "hf_rocketkv.cache", "hf_rocketkv.integration", "hf_rocketkv.config")
+FORBIDDEN = ("transformers", "hf_rocketkv.cache", "hf_rocketkv.integration", "hf_rocketkv.config",
+             "hf_rocketkv.runtime_settings")
 # RocketKVConfig's fields and policies: their arithmetic belongs to cache/page_budget.py
 ROCKETKV_NAMES = {"RocketKVConfig", "prompt_budget", "window_size", "kt_cache_dtype", "multi_turn",
                   "per_head_budgets", "decode_headroom", "check_pool_policy", "stage1"}
