@@ -95,6 +95,65 @@ def test_crop_inside_the_window_and_refused_past_it():
         layer.crop(-1)
 
 
+@pytest.mark.parametrize("window", [4, 8])
+@pytest.mark.parametrize("steps", [[3], [2, 1, 1], [1, 1, 1, 1, 1, 1, 1], [5, 2]], ids=["prompt", "decode", "ones", "chunks"])
+@pytest.mark.parametrize("floor", [0, 3])
+def test_crop_of_every_count_against_the_positions_seen(window, steps, floor):
+    """Every ``crop(-count)``, ``count`` from 0 to one past what is held, after prompts, chunks and decode steps (the
+    ring too), from a replay start (``floor``) or not. The oracle is the list of positions seen: a crop of ``count``
+    inside the window leaves exactly the first ``seen - count`` of them (keys and values), the length and the
+    host-side count drop by ``count``, and the next forward returns what a layer that never saw the cropped tokens
+    returns; past the window or past what is held, it raises and changes nothing."""
+
+    def fed(counts):
+        layer = SlidingWindowLayer(window)
+        if floor:
+            layer.seed_replay(floor)
+        seen = floor
+        for n in counts:
+            layer.update(chunk(1, n, seen), -chunk(1, n, seen))
+            seen += n
+        return layer, seen
+
+    total = sum(steps)
+    for count in range(total + 2):
+        layer, seen = fed(steps)
+        if total >= window or count > total:
+            before = (layer.get_seq_length(), layer.host_seen)
+            if count:
+                with pytest.raises(NotImplementedError):
+                    layer.crop(-count)
+                assert (layer.get_seq_length(), layer.host_seen) == before
+            continue
+        layer.crop(-count)
+        positions = list(range(floor, seen - count))  # what a layer holding every token it saw keeps
+        assert layer.get_seq_length() == seen - count and layer.host_seen == seen - count
+        if positions and count:  # (crop(0) changes nothing: a decode ring stays a ring)
+            assert layer.keys[0, 0, :, 0].tolist() == positions and layer.values[0, 0, :, 0].tolist() == [
+                -p for p in positions]
+        # the next forward: the same as a layer that never saw the cropped tokens
+        oracle = SlidingWindowLayer(window)
+        if floor:
+            oracle.seed_replay(floor)
+        if positions:
+            oracle.update(chunk(1, len(positions), floor), -chunk(1, len(positions), floor))
+        nxt = chunk(1, 2, seen - count)
+        got, want = layer.update(nxt, -nxt), oracle.update(nxt, -nxt)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_crop_takes_a_negative_count_and_an_empty_layer_has_nothing_to_crop():
+    layer = SlidingWindowLayer(4)
+    layer.crop(-3)  # nothing stored yet: nothing to remove, no error
+    assert layer.get_seq_length() == 0 and not layer.is_initialized
+    layer.update(chunk(1, 2, 0), chunk(1, 2, 0))
+    layer.crop(0)
+    assert layer.get_seq_length() == 2
+    with pytest.raises(NotImplementedError, match="negative count of tokens to remove"):
+        layer.crop(1)
+    assert layer.get_seq_length() == 2
+
+
 def test_rows_reorder_select_and_stack():
     layer = SlidingWindowLayer(4)
     keys = chunk(3, 6, 0) + torch.arange(3.0)[:, None, None, None] * 100

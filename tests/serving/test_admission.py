@@ -66,3 +66,51 @@ def test_the_manager_refuses_what_never_fits_the_pool(make_manager, oracle, tiny
     assert list(result.token_ids) == oracle(prompt, most)
     metrics = manager.metrics()
     assert metrics.requests_total == 1 and metrics.free_pages == total
+
+
+@pytest.mark.parametrize("config", [
+    dict(prompt_budget=32, window_size=8, kernel_size=3, topk=4, page_size=4),
+    dict(prompt_budget=32, window_size=8, kernel_size=3, topk=4, page_size=4, multi_turn="keep_all"),
+    dict(prompt_budget=16, window_size=8, kernel_size=3, topk=2, page_size=4, decode_budget=8, decode_interval=4,
+         decode_window=4),
+], ids=["evict", "keep_all", "decode_budget"])
+@pytest.mark.parametrize("page_size, prefix_reuse", [(4, False), (8, True)])
+def test_pool_fit_refusals_at_every_boundary_against_a_linear_scan(config, page_size, prefix_reuse):
+    """``check_pool_fits`` over every prompt length and max_tokens around a pool's size: silent when the request's
+    peak fits; else "prompt" when even one token does not fit, else "max_tokens" naming the most that fits. The oracle
+    scans ``request_pages`` token by token (no bisection), so an off-by-one in the search or a boundary shows."""
+    from types import SimpleNamespace
+
+    from hf_rocketkv import RocketKVConfig
+    from hf_rocketkv.cache.page_budget import request_pages
+    from hf_rocketkv.serving import InvalidRequest
+    from hf_rocketkv.serving.batching.admission import check_pool_fits
+
+    cfg = RocketKVConfig(**config)
+    spec = SimpleNamespace(page_size=page_size, prefix_reuse=prefix_reuse)
+    total = request_pages(cfg, spec, 40, 1).peak_pages + 2  # a pool a little larger than a 40-token prompt's peak
+    pool = SimpleNamespace(page_size=page_size, prefix_reuse=prefix_reuse, total_pages=lambda: total)
+
+    def need(prompt_len, tokens):
+        return request_pages(cfg, spec, prompt_len, tokens).peak_pages
+
+    boundary_hits = 0
+    for prompt_len in range(1, 90):
+        for max_tokens in (1, 2, 3, 5, 8, 13, 40, 100):
+            fits = [t for t in range(1, max_tokens + 1) if need(prompt_len, t) <= total]
+            if need(prompt_len, max_tokens) <= total:
+                check_pool_fits(cfg, pool, prompt_len, max_tokens)
+                boundary_hits += need(prompt_len, max_tokens) == total
+                continue
+            with pytest.raises(InvalidRequest) as err:
+                check_pool_fits(cfg, pool, prompt_len, max_tokens)
+            assert err.value.code == "context_length_exceeded"
+            if not fits:
+                assert err.value.param == "prompt"
+                assert f"needs {need(prompt_len, 1)} KV pool pages" in err.value.message
+                assert f"pool's {total} pages (of {page_size} tokens)" in err.value.message
+            else:
+                assert err.value.param == "max_tokens"
+                assert err.value.message.endswith(f"ask for at most {max(fits)} tokens"), err.value.message
+                assert f"needs {need(prompt_len, max_tokens)} KV pool pages" in err.value.message
+    assert boundary_hits  # some request needed exactly the whole pool (and was let through)

@@ -99,3 +99,80 @@ def test_generate_batch_refuses_a_batching_config_no_engine_uses(tiny_pair, kwar
     kwargs.setdefault("batching", BatchingConfig(prefill_chunk_tokens=16))
     with pytest.raises(error, match=match):
         generate_batch(model, prompts(1), config=CFG, sampling=SamplingParams.greedy(2), **kwargs)
+
+
+class _WarmUpEngine:
+    """A stand-in for a not yet started BatchingEngine: whether its steps run through graphs, its warm-up prompt's
+    length, and what ``warm_up`` was asked (or an exhausted pool)."""
+
+    def __init__(self, graphs: bool, prompt_len: int = 10, exhausted: bool = False):
+        self.graphs_in_use, self.warm_up_prompt_len, self.exhausted, self.asked = graphs, prompt_len, exhausted, []
+
+    def warm_up(self, max_new_tokens: int) -> dict:
+        from hf_rocketkv.memory import PoolExhaustedError
+
+        self.asked.append(max_new_tokens)
+        if self.exhausted:
+            raise PoolExhaustedError("the warm-up request", 9, 3, 12)
+        return {"max_new_tokens": max_new_tokens}
+
+
+@pytest.mark.parametrize("max_tokens, max_model_len, asked", [
+    (64, None, 64),   # no context limit: as given
+    (64, 100, 64),    # room enough after the 10-token prompt
+    (64, 74, 64),     # exactly enough
+    (64, 73, 63),     # one short: capped to what the context leaves
+    (64, 11, 1),      # one token of room
+])
+def test_the_startup_capture_covers_what_the_context_leaves_after_the_warm_up_prompt(max_tokens, max_model_len,
+                                                                                   asked):
+    from hf_rocketkv.serving.builder import warm_up_batching
+
+    engine = _WarmUpEngine(graphs=True)
+    assert warm_up_batching(engine, max_tokens, max_model_len) == {"max_new_tokens": asked}
+    assert engine.asked == [asked]
+
+
+def test_the_startup_capture_is_skipped_and_said_when_it_cannot_or_need_not_run(caplog):
+    """0 tokens or an engine without graphs (the CPU): skipped, silently; a context with no room after the warm-up
+    prompt, or a pool too small for it: skipped with one warning that says why (never a reason not to serve)."""
+    from hf_rocketkv.serving.builder import warm_up_batching
+
+    for engine, max_tokens in ((_WarmUpEngine(graphs=True), 0), (_WarmUpEngine(graphs=False), 64)):
+        with caplog.at_level("WARNING", logger="hf_rocketkv"):
+            caplog.clear()
+            assert warm_up_batching(engine, max_tokens, 1000) is None
+        assert engine.asked == [] and not caplog.records
+    engine = _WarmUpEngine(graphs=True)
+    with caplog.at_level("WARNING"):
+        caplog.clear()
+        assert warm_up_batching(engine, 64, 10) is None
+    assert engine.asked == []
+    assert [r.getMessage() for r in caplog.records] == [
+        "hf_rocketkv: no startup capture: the context (10) leaves no room after the 10-token warm-up prompt"]
+    engine = _WarmUpEngine(graphs=True, exhausted=True)
+    with caplog.at_level("WARNING"):
+        caplog.clear()
+        assert warm_up_batching(engine, 64, None) is None
+    assert engine.asked == [64]
+    assert [r.getMessage() for r in caplog.records] == [
+        "hf_rocketkv: no startup capture (graphs are captured while serving): KVBlockPool: the warm-up request needs "
+        "9 pages but only 3 of 12 are free (free includes cached prefix pages that can be evicted); nothing was "
+        "allocated. Release finished requests, admit fewer rows or shorter requests, or give the pool more "
+        "max_gpu_bytes."]
+    with pytest.raises(ValueError, match="warmup_max_tokens must be an integer >= 0"):
+        warm_up_batching(_WarmUpEngine(graphs=True), -1)
+
+
+def test_the_batching_refusal_names_a_policy_object_by_its_name():
+    """``stage1`` given as a policy object with per-head budgets: the refusal names the policy by its ``name``, as a
+    user wrote it, not the object's repr."""
+    from hf_rocketkv import RocketKVConfig
+    from hf_rocketkv.policies import AdaKVPolicy
+    from hf_rocketkv.serving.builder import batching_refusal
+
+    policy = AdaKVPolicy()
+    refusal = batching_refusal(RocketKVConfig(stage1=policy))
+    assert refusal.startswith("stage1='adakv' (each KV head keeps its own number of tokens")
+    assert batching_refusal(RocketKVConfig(stage1="adakv")) == refusal
+    assert batching_refusal(RocketKVConfig()) is None
