@@ -14,7 +14,8 @@ GiB = 2**30
 
 
 def test_parameter_count_matches_the_model_transformers_builds():
-    for shapes in (fit.TINY, {**fit.TINY, "num_key_value_heads": 4, "num_hidden_layers": 3}):
+    for shapes in (fit.TINY, {**fit.TINY, "num_key_value_heads": 4, "num_hidden_layers": 3},
+                   {**fit.TINY, "tie_word_embeddings": True}, {**fit.TINY, "head_dim": 32}):
         model = LlamaForCausalLM(LlamaConfig(**shapes))
         assert fit.Shapes.of(shapes).parameters() == sum(p.numel() for p in model.parameters())
         assert fit.Shapes.of(model.config).parameters() == sum(p.numel() for p in model.parameters())
@@ -35,6 +36,20 @@ def test_state_bytes_by_hand():
     # prefill rows: the activations of one row at a time
     assert (fit.state_bytes(shapes, 4, "rocketkv", 4, 100, 10, 48, prefill_batch_size=1)
             < fit.state_bytes(shapes, 4, "rocketkv", 4, 100, 10, 48))
+
+
+def test_state_bytes_by_hand_at_batch_3():
+    """Every term scales with the batch (the prefill's dense layer and the activations too), the activations with the
+    prefill rows."""
+    shapes = fit.Shapes.of(fit.TINY)
+    kv_token_layer = 2 * 2 * 64 * 4
+    row_activations = 100 * (8 * 256 + 4 * 512) * 4
+    assert fit.state_bytes(shapes, 4, "dynamic", 3, 100, 10, 48) == 2 * 3 * 110 * kv_token_layer + 3 * row_activations
+    kept = 2 * 3 * (48 + 10) * kv_token_layer * 2 + 2 * 3 * 100 * kv_token_layer
+    assert fit.state_bytes(shapes, 4, "rocketkv", 3, 100, 10, 48) == kept + 3 * row_activations
+    assert fit.state_bytes(shapes, 4, "rocketkv", 3, 100, 10, 48, prefill_batch_size=2) == kept + 2 * row_activations
+    assert fit.state_bytes(shapes, 4, "rocketkv", 3, 30, 10, 48) == (
+        2 * 3 * (30 + 10) * kv_token_layer * 2 + 2 * 3 * 30 * kv_token_layer + 3 * 30 * (8 * 256 + 4 * 512) * 4)
 
 
 def test_check_fits_refuses_with_the_estimate_and_what_to_pass():
@@ -87,3 +102,35 @@ def test_decode_benchmark_refuses_before_building_the_model(monkeypatch, capsys)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and err[0].startswith("hf-rocketkv bench: error: the smallest point"), err
     assert torch.get_default_dtype() == torch.float32
+
+
+@pytest.mark.parametrize("workload, quick, device_type, instead", [
+    (False, False, "cpu", "pass --quick (a tiny model: seconds on a CPU), or fewer --layers (32 by default), a shorter "
+                          "--context or a smaller --batch; or run it on a CUDA GPU"),
+    (False, True, "cpu", "fewer --layers (32 by default), a shorter --context or a smaller --batch; or run it on a "
+                         "CUDA GPU"),
+    (True, False, "cuda", "pass --quick (a tiny model: seconds on a CPU), or fewer --layers (32 by default), a lower "
+                          "--max-context or smaller --batches"),
+    (True, True, "cuda", "fewer --layers (32 by default), a lower --max-context or smaller --batches"),
+])
+def test_the_refusal_says_what_to_pass_instead_word_for_word(workload, quick, device_type, instead):
+    parser = workload_parser() if workload else decode_parser()
+    args = parser.parse_args(["--quick"] if quick else [])
+    with pytest.raises(fit.WontFit) as refused:
+        fit.check_bench(args, workload=workload, device_type=device_type, available=1, where="x", prompt_budget=48,
+                        prefill_batch_size=None)
+    first, second = str(refused.value).splitlines()
+    assert second == instead
+    assert f" of a {'tiny Llama' if quick else 'Llama-3.1-8B-shaped'} model (" in first
+
+
+def test_a_run_needing_exactly_the_allowed_bytes_fits():
+    """The boundary: an estimate equal to ``fraction`` of what is free starts; one byte less free refuses."""
+    args = decode_parser().parse_args(["--quick"])
+    need = fit.check_bench(args, workload=False, device_type="cpu", available=10 * GiB, where="x", prompt_budget=48,
+                           prefill_batch_size=None, fraction=1.0)
+    assert fit.check_bench(args, workload=False, device_type="cpu", available=need, where="x", prompt_budget=48,
+                           prefill_batch_size=None, fraction=1.0) == need
+    with pytest.raises(fit.WontFit):
+        fit.check_bench(args, workload=False, device_type="cpu", available=need - 1, where="x", prompt_budget=48,
+                        prefill_batch_size=None, fraction=1.0)
