@@ -176,3 +176,40 @@ def test_the_batching_refusal_names_a_policy_object_by_its_name():
     assert refusal.startswith("stage1='adakv' (each KV head keeps its own number of tokens")
     assert batching_refusal(RocketKVConfig(stage1="adakv")) == refusal
     assert batching_refusal(RocketKVConfig()) is None
+
+
+def test_build_engine_picks_checks_and_passes_on_its_arguments(tiny_pair):
+    """The one builder: ``auto`` (or None) is the batching engine with a pool and the sequential one without; an Engine
+    given is returned as it is; the batching default carries ``max_queue``; the refusals name what is missing."""
+    from hf_rocketkv.serving.batching.engine import BatchingEngine
+    from hf_rocketkv.serving.builder import build_engine
+    from hf_rocketkv.serving.engines.sequential import SequentialEngine
+
+    model = tiny_pair[0]
+    pool = make_pool(model)
+    for choice in ("auto", None):
+        assert isinstance(build_engine(model, CFG, engine=choice), SequentialEngine)
+        built = build_engine(model, CFG, pool=pool, engine=choice, max_queue=7)
+        assert isinstance(built, BatchingEngine) and built.batching == BatchingConfig(max_queue=7)
+    mine = BatchingConfig(max_queue=3, max_running=2, buckets=(1, 2))
+    assert build_engine(model, CFG, pool=pool, engine="batching", batching=mine, max_queue=7).batching is mine
+    given = build_engine(model, CFG, engine="sequential")
+    assert build_engine(model, CFG, engine=given) is given
+    with pytest.raises(ValueError) as err:
+        build_engine(model, CFG, engine="sequential", lockstep=object())
+    assert str(err.value) == "lockstep (tensor parallel serving) needs engine='batching' and a pool"
+    with pytest.raises(ValueError) as err:
+        build_engine(model, CFG, engine="batching")
+    assert str(err.value) == "engine='batching' needs pool=KVBlockPool(...): admission is the pool's page accounting"
+    with pytest.raises(ValueError, match=r"engine must be an Engine or one of \['auto', "):
+        build_engine(model, CFG, engine="fast")
+
+
+@pytest.mark.parametrize("value", [True, -1, 1.0, "8"])
+def test_warmup_max_tokens_must_be_a_plain_non_negative_integer(value):
+    from hf_rocketkv.serving.builder import check_warmup_max_tokens
+
+    with pytest.raises(ValueError) as err:
+        check_warmup_max_tokens(value)
+    assert str(err.value) == f"warmup_max_tokens must be an integer >= 0 (0: no startup capture), got {value!r}"
+    assert check_warmup_max_tokens(0) == 0 and check_warmup_max_tokens(5) == 5
