@@ -187,6 +187,8 @@ def test_build_engine_picks_checks_and_passes_on_its_arguments(tiny_pair):
 
     model = tiny_pair[0]
     pool = make_pool(model)
+    assert isinstance(build_engine(model, CFG), SequentialEngine)  # the default: auto
+    assert isinstance(build_engine(model, CFG, pool=pool), BatchingEngine)
     for choice in ("auto", None):
         assert isinstance(build_engine(model, CFG, engine=choice), SequentialEngine)
         built = build_engine(model, CFG, pool=pool, engine=choice, max_queue=7)
@@ -213,3 +215,15 @@ def test_warmup_max_tokens_must_be_a_plain_non_negative_integer(value):
         check_warmup_max_tokens(value)
     assert str(err.value) == f"warmup_max_tokens must be an integer >= 0 (0: no startup capture), got {value!r}"
     assert check_warmup_max_tokens(0) == 0 and check_warmup_max_tokens(5) == 5
+
+
+def test_an_engine_for_a_model_without_rocketkv_attention_is_refused_before_anything_is_built():
+    from hf_rocketkv.serving.builder import build_engine
+    from tests.support.tiny_models import make_models
+
+    _, sdpa = make_models("llama")
+    with pytest.raises(ValueError) as err:
+        build_engine(sdpa, CFG, engine="sequential")
+    assert str(err.value).startswith("model: its attn_implementation is 'sdpa', not 'rocketkv'; the engines keep each "
+                                     "request's KV in a RocketKVCache, which only 'rocketkv' attention fills. Call "
+                                     "`hf_rocketkv.enable(model)` first")
