@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tests.support.markers import SLOW_FIXTURE_CASES, SLOW_MEASURED_CASES, slow_except
+from tests.support.markers import SLOW, SLOW_FIXTURE_CASES, SLOW_MEASURED_CASES, slow_except
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,3 +28,18 @@ def test_every_case_marked_by_its_measured_time_names_a_test():
     for node in SLOW_MEASURED_CASES:
         path, name = re.fullmatch(r"(.+?)::(\w+)(?:::\w+)?(?:\[.+\])?", node).groups()
         assert f"def {name}(" in (ROOT / path).read_text() or f"{name} = " in (ROOT / path).read_text(), node
+
+
+@SLOW
+def test_every_case_marked_by_its_measured_time_is_collected_under_that_id():
+    """A renamed parameter would leave an id that names no case (and the case back in the default command): collect
+    the files the list names and find every id."""
+    import subprocess
+    import sys
+
+    files = sorted({node.split("::")[0] for node in SLOW_MEASURED_CASES})
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
+                         cwd=ROOT, capture_output=True, text=True, timeout=240).stdout
+    collected = set(out.splitlines())
+    missing = [node for node in SLOW_MEASURED_CASES if node not in collected]
+    assert not missing, missing
