@@ -93,7 +93,8 @@ def _check_runtime(settings: RuntimeSettings) -> None:
         if not isinstance(getattr(settings, name), bool):
             raise ValueError(f"RocketKVConfig.{name} must be True or False, got {getattr(settings, name)!r}")
     if (rows := settings.prefill_batch_size) is not None and (not is_int(rows) or rows < 1):
-        raise ValueError(f"RocketKVConfig.prefill_batch_size must be None (whole batch) or an integer >= 1, "
+        raise ValueError(f"RocketKVConfig.prefill_batch_size must be None (the whole batch, in row groups "
+                         f"when it would not fit in the free memory) or an integer >= 1, "
                          f"got {rows!r}")
 
 

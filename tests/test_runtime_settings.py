@@ -286,7 +286,7 @@ def test_every_write_raises_as_on_a_frozen_dataclass():
     ("backend", "cuda", "RocketKVConfig.backend must be one of ['auto', 'torch', 'triton'], got 'cuda'"),
     ("capacity_headroom", 2.0, "RocketKVConfig.capacity_headroom must be an integer, got 2.0 (float)"),
     ("capacity_headroom", 0, "RocketKVConfig.capacity_headroom must be >= 1, got 0"),
-    ("prefill_batch_size", 0, ("RocketKVConfig.prefill_batch_size must be None (whole batch) or an integer >= 1, "
+    ("prefill_batch_size", 0, ("RocketKVConfig.prefill_batch_size must be None (the whole batch, in row groups when it would not fit in the free memory) or an integer >= 1, "
                                "got 0")),
     ("decode_guard_checks", "never", ("RocketKVConfig.decode_guard_checks must be one of "
                                       "['first_step', 'every_step'], got 'never'")),

@@ -175,11 +175,11 @@ def phase_markers(mode: LiveBytes, model):
         if state["in_groups"]:
             mode.phase = "row groups (between groups)"
 
-    def groups(prefill, cache):
+    def groups(prefill, cache, rows):
         state["in_groups"] = True
         mode.phase = "row groups (before the first)"
         try:
-            return original_groups(prefill, cache)
+            return original_groups(prefill, cache, rows)
         finally:
             state["in_groups"] = False
             state["forwards"] = 1  # the next forward is decode step 0

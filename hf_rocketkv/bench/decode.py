@@ -40,6 +40,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import logging
 import platform
 import statistics
 import sys
@@ -76,6 +77,7 @@ class Row:
     attn_graph_GBps: float | None = None
     ratio_vs_dynamic: float | None = None
     estimate_gib: float | None = None
+    prefill_rows: str | None = None  # generate()'s line when it prefilled in row groups it chose from the free memory
 
 
 # ------------------------------------------------------------------------------------------------ setup
@@ -219,11 +221,12 @@ def run_generate(model, cache: str, ids: torch.Tensor, new_tokens: int, rocket, 
     profiler = _profiler(device) if profile else None
     clock.start()
     try:
-        if profiler is not None:
-            with profiler:
+        with LibraryLines() as lines:
+            if profiler is not None:
+                with profiler:
+                    out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+            else:
                 out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
-        else:
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
     finally:
         model.set_attn_implementation("sdpa")
         if device.type == "cuda" and cudnn_for_static:
@@ -234,8 +237,34 @@ def run_generate(model, cache: str, ids: torch.Tensor, new_tokens: int, rocket, 
     result = dict(
         step_timings(clock.seconds()),
         peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        prefill_rows=next((line for line in lines.messages if "prefill of" in line), None),
     )
     return result, compat.output_cache(out)
+
+
+class LibraryLines(logging.Handler):
+    """The ``hf_rocketkv`` logger's INFO lines during a block (generate()'s automatic row groups say how they split
+    the batch there), kept in ``messages`` and printed."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+        self.logger = logging.getLogger("hf_rocketkv")
+        self.previous_level = logging.NOTSET
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+        print(record.getMessage(), flush=True)
+
+    def __enter__(self) -> LibraryLines:
+        self.previous_level = self.logger.level
+        self.logger.setLevel(logging.INFO)
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.previous_level)
 
 
 def step_timings(times: list[float]) -> dict:

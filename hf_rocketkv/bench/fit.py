@@ -69,13 +69,14 @@ def state_bytes(shapes: Shapes, elem: int, cache: str, batch: int, context: int,
     """KV cache + prefill activations of one generate() call (bytes), the weights left out. RocketKV rows
     (``cache`` starting with ``rocketkv``) keep ``prompt_budget`` prompt tokens per KV head (twice, for the KT cache
     and positions) and hold one layer's dense K/V plus its compacted copy during prefill; dense rows keep every
-    token."""
+    token. The activations are those of ``prefill_batch_size`` rows; of one row when it is None (generate() then
+    prefills in the row groups the free memory allows, down to one row: the least the call needs)."""
     kv_token_layer = 2 * shapes.kv_heads * shapes.head_dim * elem
     if cache.startswith("rocketkv"):
         kept = batch * (min(context, prompt_budget) + new_tokens)
         kv = shapes.layers * kept * kv_token_layer * 2
         kv += 2 * batch * context * kv_token_layer
-        rows = batch if prefill_batch_size is None else min(batch, prefill_batch_size)
+        rows = 1 if prefill_batch_size is None else min(batch, prefill_batch_size)
     else:
         kv = shapes.layers * batch * (context + new_tokens) * kv_token_layer
         rows = batch

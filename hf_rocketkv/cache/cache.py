@@ -184,7 +184,7 @@ class RocketKVCache(Cache):
     @contextlib.contextmanager
     def prefill(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, *,
                 max_new_tokens: int | None = None, max_length: int | None = None, reservation=None,
-                row_groups: bool = False, columns: int | None = None):
+                row_groups: int | None = None, columns: int | None = None):
         """One prefill on this cache (a first turn or a later one), with what every caller needs around its
         forwards, in order::
 
@@ -202,8 +202,9 @@ class RocketKVCache(Cache):
             reservation: pool pages set aside for this request earlier (a scheduler's ``pool.reserve``), given
                 back under the pool's lock right before the admission takes its pages, so nobody else can take them
                 in between.
-            row_groups: row-group prefill (``config.prefill_batch_size``): reserve the batch's pages now, admit each
-                group when it starts.
+            row_groups: rows per forward of a row-group prefill (generate() picks them: ``config.prefill_batch_size``,
+                or from the free memory when it is None): reserve the batch's pages now, admit each group when it
+                starts. None: one forward.
             columns: the prompt's width when ``input_ids`` is not given (a row group's cache, admitted by the whole
                 batch's): a chunked prefill writes its chunks into one buffer of this width (``dense_store``).
 
@@ -230,12 +231,12 @@ class RocketKVCache(Cache):
 
     # ------------------------------------------------------------------------------------------ pool requests
     def begin_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                      max_new_tokens: int | None = None, row_groups: bool = False) -> None:
+                      max_new_tokens: int | None = None, row_groups: int | None = None) -> None:
         """Before a prefill forward (generate() calls this): with a pool, take every page the forward needs, or raise
         ``PoolExhaustedError`` naming the pages needed and free before anything is written; the first turn looks its
         prompt up in the prefix index and seeds the layers with the hit; with ``row_groups`` it reserves the batch's
         pages and each group is admitted (and looks up its prefix, so later groups reuse earlier ones') when it
-        starts (``share_rows``). Without a pool: nothing."""
+        starts (``share_rows``); ``row_groups`` is the rows per group. Without a pool: nothing."""
         if self.pages is None:
             return
         if max_new_tokens is None:  # generate()'s max_length counts the input's columns (padding included)
@@ -245,8 +246,8 @@ class RocketKVCache(Cache):
         layer0 = next((layer for layer in self.layers if isinstance(layer, RocketKVLayer)), None)
         self.pages.begin(input_ids, attention_mask, max_new_tokens, layer0,
                          allow_prefix_lookup=self._prefix_lookup_allowed(),
-                         rows_per_group=self.config.prefill_batch_size if row_groups else None)
-        if not row_groups:
+                         rows_per_group=row_groups)
+        if row_groups is None:
             self.setup_prefix()
 
     def setup_prefix(self) -> int:

@@ -12,8 +12,8 @@ alone) lives in ``compat.py`` beside it; this module is what happens when a call
 * ``prefill``: a RocketKVCache that already holds tokens only accepts a continuation of the same request
   (``generate`` slices the prompt by the cache's length, so an unrelated prompt would silently give garbage); a
   pool-backed cache takes its pages first (admission, prefix hit: ``RocketKVCache.begin_prefill``); after a chunked
-  prefill it runs the deferred stage 1; with ``prefill_batch_size`` it prefills the batch in row groups
-  (``row_groups.py``).
+  prefill it runs the deferred stage 1; a batch whose one-forward prefill would not fit in the free memory, or one
+  above ``prefill_batch_size``, is prefilled in row groups (``row_groups.py``).
 * ``prepare_inputs``: records the ids fed so far, which a continuation must start with.
 * ``compiled_step``: decode steps generate() would compile are captured as CUDA graphs (``decode_graphs.py``)
   or compiled, counting capacity on the host (``compiled_decode.py``).
@@ -36,7 +36,7 @@ from .compiled_decode import run_compiled_step
 from .decode_graphs import run_graphed_step, wants_graphs
 from .names import ATTN_NAME
 from .norm import fused_modeling
-from .row_groups import prefill_in_row_groups, wants_row_groups
+from .row_groups import prefill_in_row_groups, rows_per_forward
 
 CONFIG_ATTRIBUTE = "rocketkv"  # model.config.rocketkv: dict of RocketKVConfig fields (saved with the model)
 ASSISTED_GENERATION = "assisted_generation"  # GenerationMode.ASSISTED_GENERATION's value
@@ -118,13 +118,13 @@ class RocketKVGenerateHooks:
 
     @staticmethod
     def _prefill_rows(call: compat.Call, cache: RocketKVCache):
-        """Prefill every row of ``call`` (in row groups when configured) inside the cache's prefill: with a pool,
+        """Prefill every row of ``call`` (in row groups, ``rows_per_forward``) inside the cache's prefill: with a pool,
         every page this forward needs first, or PoolExhaustedError before anything is written; a prefix hit makes
         the cache's length start after it, so _prefill computes only the rest; stage 1 after a chunked prefill."""
-        input_ids = call.arguments["input_ids"]
-        row_groups = wants_row_groups(cache, input_ids.shape[0])
-        with cache.prefill(input_ids, call.arguments["model_kwargs"].get("attention_mask"), row_groups=row_groups):
-            return prefill_in_row_groups(call, cache) if row_groups else call()
+        input_ids, model_kwargs = call.arguments["input_ids"], call.arguments["model_kwargs"]
+        rows = rows_per_forward(call.arguments["self"], cache, input_ids, model_kwargs)
+        with cache.prefill(input_ids, model_kwargs.get("attention_mask"), row_groups=rows):
+            return prefill_in_row_groups(call, cache, rows) if rows is not None else call()
 
     def prepare_inputs(self, call: compat.Call):
         cache: RocketKVCache = call.arguments[compat.CACHE_ARG]

@@ -33,9 +33,11 @@ def test_state_bytes_by_hand():
     assert fit.state_bytes(shapes, 4, "dynamic", 1, 100, 10, 48) == 2 * 110 * kv_token_layer + activations
     rocket = 2 * (48 + 10) * kv_token_layer * 2 + 2 * 100 * kv_token_layer + activations
     assert fit.state_bytes(shapes, 4, "rocketkv-graphs", 1, 100, 10, 48) == rocket
-    # prefill rows: the activations of one row at a time
+    # prefill rows: the activations of one row at a time; automatic rows (None) count one row, the least they go to
     assert (fit.state_bytes(shapes, 4, "rocketkv", 4, 100, 10, 48, prefill_batch_size=1)
-            < fit.state_bytes(shapes, 4, "rocketkv", 4, 100, 10, 48))
+            < fit.state_bytes(shapes, 4, "rocketkv", 4, 100, 10, 48, prefill_batch_size=4))
+    assert (fit.state_bytes(shapes, 4, "rocketkv", 4, 100, 10, 48, prefill_batch_size=1)
+            == fit.state_bytes(shapes, 4, "rocketkv", 4, 100, 10, 48))
 
 
 def test_state_bytes_by_hand_at_batch_3():
@@ -46,9 +48,10 @@ def test_state_bytes_by_hand_at_batch_3():
     row_activations = 100 * (8 * 256 + 4 * 512) * 4
     assert fit.state_bytes(shapes, 4, "dynamic", 3, 100, 10, 48) == 2 * 3 * 110 * kv_token_layer + 3 * row_activations
     kept = 2 * 3 * (48 + 10) * kv_token_layer * 2 + 2 * 3 * 100 * kv_token_layer
-    assert fit.state_bytes(shapes, 4, "rocketkv", 3, 100, 10, 48) == kept + 3 * row_activations
+    assert fit.state_bytes(shapes, 4, "rocketkv", 3, 100, 10, 48) == kept + row_activations  # automatic: one row
+    assert fit.state_bytes(shapes, 4, "rocketkv", 3, 100, 10, 48, prefill_batch_size=3) == kept + 3 * row_activations
     assert fit.state_bytes(shapes, 4, "rocketkv", 3, 100, 10, 48, prefill_batch_size=2) == kept + 2 * row_activations
-    assert fit.state_bytes(shapes, 4, "rocketkv", 3, 30, 10, 48) == (
+    assert fit.state_bytes(shapes, 4, "rocketkv", 3, 30, 10, 48, prefill_batch_size=3) == (
         2 * 3 * (30 + 10) * kv_token_layer * 2 + 2 * 3 * 30 * kv_token_layer + 3 * 30 * (8 * 256 + 4 * 512) * 4)
 
 
