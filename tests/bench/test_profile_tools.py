@@ -106,3 +106,15 @@ def test_decode_host_time_quick_profiles_only_the_decode_steps(tmp_path):
     ours = [r["function"] for r in report["cprofile"]["hf_rocketkv_by_cumulative"]]
     assert any("decode_attention" in f for f in ours)
     assert not any("finish_prefill" in f or "compact" in f for f in ours), ours
+
+
+def test_hybrid_step_profile_sorts_kernels_by_kind():
+    probe = importlib.import_module("benchmarks.probes.profile_hybrid_step")
+    assert probe.kind_of("nvjet_tst_128x64_64x8_1x1_v_bz_TNT") == "gemm"
+    assert probe.kind_of("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
+    assert probe.kind_of("pytorch_flash::flash_fwd_kernel<...>") == "attention"
+    assert probe.kind_of("_page_logits_kernel") == "rocketkv triton"
+    assert probe.kind_of("_rms_norm_kernel") == "norm and rope"
+    assert probe.kind_of("void at::native::index_elementwise_kernel<...>") == "copy and index"
+    assert probe.kind_of("void at::native::vectorized_elementwise_kernel<4, ...>") == "elementwise and reduce"
+    assert probe.kind_of("something_else") == "other"
