@@ -41,6 +41,8 @@ which registration sets to ``require`` (a changed transformers then fails at the
 |                                                     |             | whose function takes other parameters keeps its own   |
 | models.llama.modeling_llama.LlamaRMSNorm.forward    | wrapped     | one launch per decode-step RMSNorm in RocketKV calls  |
 |   (and classes whose forward has its byte code)     | (optional)  | (``integration/norm.py``): weight, variance_epsilon   |
+| models.gemma.modeling_gemma.GemmaRMSNorm.forward,   | wrapped     | the same for Gemma's ``(1 + weight)`` norm (Gemma 2,  |
+|   ._norm (and classes with both byte codes)         | (optional)  | 3 and their q/k norms): weight, eps                   |
 
 Outside this module the package reaches these names only through the wrappers ``install`` sets up and the accessor
 functions below (``sdpa_attention_forward``, ``compiles_on_every_device``, ``attn_implementation``,
@@ -489,24 +491,66 @@ def _llama_norm_forward():
     return _unwrapped(LlamaRMSNorm.forward)
 
 
+GEMMA_NORM_PARAMS = ("self", "x")  # GemmaRMSNorm.forward's and ._norm's parameters, exactly
+
+
+def _gemma_norm_methods():
+    """``GemmaRMSNorm.forward`` (below any wrapper) and ``._norm``; ``CompatError`` when either is gone or takes other
+    parameters."""
+    try:
+        from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+        names = tuple(tuple(inspect.signature(method).parameters) for method in (GemmaRMSNorm.forward,
+                                                                                 GemmaRMSNorm._norm))
+    except (ImportError, AttributeError, TypeError, ValueError) as err:
+        names = f"{type(err).__name__}: {err}"
+    if names != (GEMMA_NORM_PARAMS, GEMMA_NORM_PARAMS):
+        problem = (f"models.gemma.modeling_gemma.GemmaRMSNorm.forward and ._norm take {names}, not "
+                   f"{GEMMA_NORM_PARAMS} each")
+        raise CompatError(describe_problems((problem,)) + " Or set RocketKVConfig(fused_norm=False).")
+    return _unwrapped(GemmaRMSNorm.forward), GemmaRMSNorm._norm
+
+
+def _code_key(function):
+    code = getattr(_unwrapped(function), "__code__", None)
+    return None if code is None else (code.co_code, code.co_consts, code.co_names, code.co_varnames)
+
+
+def _transformers_owners(model, method: str):
+    """``(class defining method, module)`` for each module of ``model`` whose class comes from transformers."""
+    for module in model.modules():
+        owner = next((klass for klass in type(module).__mro__ if method in klass.__dict__), None)
+        if owner is not None and owner.__module__.startswith("transformers."):
+            yield owner, module
+
+
 def llama_norm_classes(model) -> list[type]:
     """The transformers classes (those defining ``forward``) of ``model``'s modules whose forward has LlamaRMSNorm's
     byte code (Mistral, Qwen2/3, Phi-3, Granite...; not Gemma's ``1 + weight`` nor OLMo2's order of operations)."""
-    def key(function):
-        code = getattr(_unwrapped(function), "__code__", None)
-        return None if code is None else (code.co_code, code.co_consts, code.co_names, code.co_varnames)
-
-    reference, found = key(_llama_norm_forward()), {}
-    for module in model.modules():
-        owner = next(klass for klass in type(module).__mro__ if "forward" in klass.__dict__)
-        if owner.__module__.startswith("transformers.") and key(owner.__dict__["forward"]) == reference:
+    reference, found = _code_key(_llama_norm_forward()), {}
+    for owner, _module in _transformers_owners(model, "forward"):
+        if _code_key(owner.__dict__["forward"]) == reference:
             found[owner] = None
     return list(found)
 
 
-def install_norm(owner: type, active: Callable[[], bool], compute: Callable[..., Any]) -> None:
+def gemma_norm_classes(model) -> list[type]:
+    """The transformers classes (those defining ``forward``) of ``model``'s modules whose ``forward`` and ``_norm``
+    have GemmaRMSNorm's byte code (Gemma, Gemma 2, Gemma 3 copy it; their eps is ``eps``)."""
+    forward, norm = (_code_key(method) for method in _gemma_norm_methods())
+    found = {}
+    for owner, module in _transformers_owners(model, "forward"):
+        own_norm = getattr(type(module), "_norm", None)
+        if (_code_key(owner.__dict__["forward"]) == forward and own_norm is not None and _code_key(own_norm) == norm
+                and isinstance(getattr(module, "eps", None), float)):
+            found[owner] = None
+    return list(found)
+
+
+def install_norm(owner: type, active: Callable[[], bool], compute: Callable[..., Any],
+                 eps_attribute: str = "variance_epsilon") -> None:
     """Wrap ``owner.forward`` once (thread-safe): the original with its arguments untouched unless ``active()`` and
-    torch.compile is not tracing; then ``compute(run_original, hidden_states, weight, eps)`` decides."""
+    torch.compile is not tracing; then ``compute(run_original, hidden_states, weight, eps)`` decides (``eps``: the
+    module's ``eps_attribute``: Llama's ``variance_epsilon``, Gemma's ``eps``)."""
     with _MODELING_LOCK:
         if getattr(original := owner.__dict__["forward"], WRAPPED_MARK, False):
             return
@@ -517,7 +561,8 @@ def install_norm(owner: type, active: Callable[[], bool], compute: Callable[...,
                 return original(self, *args, **kwargs)
             bound = (self, args[0]) if len(args) == 1 and not kwargs else \
                 inspect.signature(original).bind(self, *args, **kwargs).args  # not the modeling code's call
-            return compute(lambda: original(self, *args, **kwargs), bound[1], self.weight, self.variance_epsilon)
+            return compute(lambda: original(self, *args, **kwargs), bound[1], self.weight,
+                           getattr(self, eps_attribute))
 
         setattr(forward, WRAPPED_MARK, True)
         owner.forward = forward

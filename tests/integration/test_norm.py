@@ -6,8 +6,11 @@ with ``fused_norm=False`` (transformers' own module): the same tokens, and every
 included) within a small tolerance (the kernel's sum of squares is reduced in another order than PyTorch's, so a norm's output may differ by
 one ulp), for each architecture the tests know, in bf16 with a padded batch. On a GPU the same tests run on CUDA
 (generate() captures the decode step as a CUDA graph, so the wrapper runs on the warm-up and capture steps only).
+Gemma's ``(1 + weight)`` norm (Gemma 2 and 3, their per-head q/k norms included) takes the kernel's ``unit_offset``
+form: recorded as ``("gemma", *shape)``, against transformers' Gemma3RMSNorm and in generate() on a tiny Gemma 3
+whose norm weights are drawn at random (transformers starts them at zero, where ``1 + weight`` hides the formula).
 Also: calls that are not RocketKV's (a DynamicCache, a plain forward, another thread: test_fused_switch.py, fp32,
-Qwen3's 4-D per-head norms) never take it, and norms with another formula (Gemma's, OLMo2's) are never wrapped.
+Qwen3's 4-D per-head norms) never take it, and norms with another formula (OLMo2's) are never wrapped.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.mistral.modeling_mistral import MistralRMSNorm
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
@@ -23,6 +27,7 @@ from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 from hf_rocketkv import RocketKVCache, RocketKVConfig
 from hf_rocketkv.integration import compat, norm, rope
 from hf_rocketkv.integration.compat import cache_kwargs
+from tests.support.hybrid_models import make_hybrid_models
 from tests.support.tiny_models import (
     ARCHS,
     compressing_config,
@@ -44,9 +49,9 @@ def counted(monkeypatch):
     calls = []
     kernel = norm.rms_norm_triton
 
-    def counting(x, weight, eps):
-        calls.append(tuple(x.shape))
-        return kernel(x, weight, eps)
+    def counting(x, weight, eps, unit_offset=False):
+        calls.append(("gemma", *x.shape) if unit_offset else tuple(x.shape))
+        return kernel(x, weight, eps, unit_offset=unit_offset)
 
     monkeypatch.setattr(norm, "FUSED_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(norm, "rms_norm_triton", counting)
@@ -165,21 +170,80 @@ def test_calls_that_are_not_rocketkvs_keep_transformers_norm(counted):
     assert counted == []
 
 
-def test_only_the_llama_formula_is_wrapped_gemma_and_olmo2_are_left_alone(counted):
+def test_the_llama_and_gemma_formulas_are_wrapped_olmo2_is_left_alone(counted):
     norms = torch.nn.ModuleList([GemmaRMSNorm(64), LlamaRMSNorm(64), Olmo2RMSNorm(64), MistralRMSNorm(64),
-                                 LlamaRMSNorm(64)]).to(DEVICE, torch.bfloat16)
+                                 LlamaRMSNorm(64), Gemma3RMSNorm(64)]).to(DEVICE, torch.bfloat16)
     assert compat.llama_norm_classes(norms) == [LlamaRMSNorm, MistralRMSNorm]
-    gemma_forward, olmo2_forward = GemmaRMSNorm.forward, Olmo2RMSNorm.forward
+    assert compat.gemma_norm_classes(norms) == [GemmaRMSNorm, Gemma3RMSNorm]
+    olmo2_forward = Olmo2RMSNorm.forward
     norm.install_for(norms)
-    assert GemmaRMSNorm.forward is gemma_forward and Olmo2RMSNorm.forward is olmo2_forward
-    assert getattr(MistralRMSNorm.forward, compat.WRAPPED_MARK, False)
+    assert Olmo2RMSNorm.forward is olmo2_forward
+    assert all(getattr(klass.forward, compat.WRAPPED_MARK, False)
+               for klass in (MistralRMSNorm, GemmaRMSNorm, Gemma3RMSNorm))
     x = torch.randn((2, 1, 64), generator=torch.Generator().manual_seed(2)).to(DEVICE, torch.bfloat16)
     with torch.no_grad():
+        for module in (norms[0], norms[5]):
+            module.weight.normal_(0.0, 0.5)
         want = [module(x) for module in norms]
         with norm.fused_norm(norms, True):
             got = [module(x) for module in norms]
-    assert len(counted) == 3  # the two Llama norms and the Mistral one
-    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+    assert counted == [("gemma", 2, 1, 64), (2, 1, 64), (2, 1, 64), (2, 1, 64), ("gemma", 2, 1, 64)]
+    assert torch.equal(got[2], want[2])
+    assert all(within_two_ulps(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("shape", [(3, 1, 96), (2, 5, 96), (2, 4, 1, 32), (1, 3, 7, 32)])
+@pytest.mark.parametrize("eps", [1e-6, 0.25])
+def test_the_fused_gemma_norm_is_within_an_ulp_of_transformers_module(counted, shape, eps):
+    """Hidden states and the per-head q/k norms' 4-D inputs; the module's own ``eps`` (0.25 moves every output by far
+    more than the tolerance: another eps must be told apart)."""
+    module = Gemma3RMSNorm(shape[-1], eps=eps).to(DEVICE, torch.bfloat16)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(shape[-1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16))
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.bfloat16)
+    if len(shape) == 4:  # as Gemma 3's q/k norms see it: [B, T, heads, D] transposed to [B, heads, T, D]
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    with torch.no_grad():
+        want = module(x)
+        with norm.fused_norm(module, True):
+            got, by_keyword = module(x), module(x=x)
+        module.eps = eps * 4
+        assert not within_two_ulps(module(x), want) or eps < 1e-3, "the eps is not told apart at this tolerance"
+        lighter = Gemma3RMSNorm(shape[-1], eps=eps).to(DEVICE, torch.bfloat16)  # weight 0: 1 + w is 1, not 0
+        assert not torch.equal(lighter(x), torch.zeros_like(x))
+    assert counted == [("gemma", *shape)] * 2
+    assert torch.equal(got, by_keyword) and got.shape == want.shape
+    assert within_two_ulps(got, want)
+    assert float((got != want).float().mean()) < 0.05  # an ulp near a rounding boundary, not a systematic offset
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "gemma2"])
+def test_generate_on_gemma_takes_the_fused_norm_for_every_norm_and_keeps_the_tokens(arch, counted):
+    """Gemma 3: four norms per layer on the hidden states and two per-head ones (q/k); Gemma 2: four per layer."""
+    model = make_hybrid_models(arch)[0].to(DEVICE, torch.bfloat16)
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(5)
+        for module in model.modules():
+            if type(module).__name__.endswith("RMSNorm"):
+                module.weight.copy_(torch.randn(module.weight.shape, generator=generator).to(torch.bfloat16) * 0.5)
+    rows = [random_ids(1, 30, seed=3)[0], random_ids(1, 21, seed=4)[0]]
+    ids, mask = (t.to(DEVICE) for t in left_pad(rows))
+    new_tokens = 5
+    config = compressing_config(kt_cache_dtype="float32")
+    plain_tokens, plain_logits = generate(model, ids, mask, RocketKVCache(config.replace(fused_norm=False)), new_tokens)
+    assert counted == []
+    tokens, logits = generate(model, ids, mask, RocketKVCache(config), new_tokens)
+    layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
+    heads, kv_heads, head_dim = (model.config.num_attention_heads, model.config.num_key_value_heads,
+                                 model.config.head_dim)
+    prefill = [c for c in counted if ids.shape[1] in c[2:-1]]
+    per_layer = [("gemma", 2, ids.shape[1], hidden)] * 4
+    if arch == "gemma3":  # q/k norms on [B, heads, T, head_dim]
+        per_layer += [("gemma", 2, heads, ids.shape[1], head_dim), ("gemma", 2, kv_heads, ids.shape[1], head_dim)]
+    assert sorted(prefill) == sorted(per_layer * layers + [("gemma", 2, ids.shape[1], hidden)])
+    assert norms_per_forward_ok(len(counted) - len(prefill), len(per_layer) * layers + 1, new_tokens - 1)
+    assert torch.equal(tokens, plain_tokens)
+    torch.testing.assert_close(logits, plain_logits, rtol=0, atol=2.0**-6)
 
 
 def test_a_changed_llama_norm_signature_fails_naming_the_transformers_version(monkeypatch):

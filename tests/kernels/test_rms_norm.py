@@ -162,3 +162,40 @@ def test_rms_norm_launches_directly_not_through_wrap_triton(monkeypatch):
     monkeypatch.setattr(launch, "wrap_triton", refuse)
     x, weight = inputs(2, 64, torch.bfloat16, gen("rms_norm-direct"))
     assert_near_oracle(rms_norm_triton(x, weight, EPS), x, weight)
+
+
+def gemma_oracle(x, weight, eps):
+    """Gemma's formula in float64: ``h / rms(h) * (1 + weight)``, no rounding anywhere."""
+    h = x.double()
+    return h * torch.rsqrt((h * h).mean(dim=-1, keepdim=True) + eps) * (1.0 + weight.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden", [32, 256, 3840])
+@pytest.mark.parametrize("rows", [1, 5, 48])
+def test_gemma_formula_matches_the_float64_oracle_its_twin_and_transformers(rows, hidden, dtype):
+    """One rounding (the fp32 product to the input dtype) against the exact value, plus fp32's own error on the way
+    (sum of squares, rsqrt, products: a few units of 2**-24); the twin and Gemma3RMSNorm within one ulp."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    g = gen("rms_norm_gemma", rows, hidden, dtype)
+    x, weight = inputs(rows, hidden, dtype, g)
+    weight = weight - 1.0  # around 0, as trained Gemma norms (1 + weight is the scale)
+    assert rms_norm_supported(x, weight)
+    got = rms_norm_triton(x, weight, EPS, unit_offset=True)
+    assert got.shape == x.shape and got.dtype == dtype
+    exact = gemma_oracle(x, weight, EPS)
+    bound = (UNIT_ROUNDOFF[dtype] + 2.0**-20) * exact.abs() * (1 + UNIT_ROUNDOFF[dtype]) + SMALLEST_SUBNORMAL[dtype]
+    error = (got.double() - exact).abs()
+    assert bool((error <= bound).all()), f"max error {float((error - bound).max())} over the bound"
+    twin = rms_norm_reference(x, weight, EPS, unit_offset=True)
+    module = Gemma3RMSNorm(hidden, eps=EPS).to(x.device, dtype)
+    with torch.no_grad():
+        module.weight.copy_(weight)
+        eager = module(x)
+    assert torch.equal(twin, eager)
+    for other in (twin, eager):
+        apart = ulps_apart(got, other)
+        assert int(apart.max()) <= 1 and float((apart != 0).float().mean()) < 0.02
+    # the Llama formula on the same inputs is another function: the flag is what selects Gemma's
+    assert not torch.equal(rms_norm_triton(x, weight, EPS), got)
