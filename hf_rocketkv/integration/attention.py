@@ -8,8 +8,7 @@ routes by the layer's state and keeps what faces transformers (the mask, sdpa, t
     compressed, n queries  a later turn: the layer stores the new real tokens and attends over the kept tokens + the
                            new ones (``attend_later_turn``, cache/working_set.py), then stage 1 again
     sliding layer          exact attention over the stored window + the new tokens with transformers' own sliding
-                           mask (``SlidingWindowLayer``: nothing to select, it keeps only what the model can see); a
-                           decode step over its ring groups the query heads per KV head (``grouped_decode_attention``)
+                           mask (``SlidingWindowLayer``: nothing to select, it keeps only what the model can see)
 Soft-capped logits (Gemma 2's ``softcap``) and learned sinks (gpt-oss' ``s_aux``) reach every path as a
 ``LogitFeatures``: the exact attentions apply them (``selection/logit_features.py``), and a RocketKV layer scores its
 stage 1 and stage 2 with them (``RocketKVLayer.use_features``).
@@ -63,8 +62,6 @@ def rocketkv_attention(
     if isinstance(layer, UnscoredLayer):  # a sliding-window layer, or a dense one (dense_layers): exact attention
         if isinstance(layer, SlidingWindowLayer) and layer.ring and query.shape[2] == 1:
             attention_mask = layer.ring_mask(attention_mask)  # a decode step over the ring: the mask in slot order
-            if features.plain and dropout == 0.0:
-                return grouped_decode_attention(query, key, value, attention_mask, scaling), None
         return window_attention(module, query, key, value, attention_mask, scaling, features, **kwargs), None
     if not layer.compressed:
         check_all_heads_here(layer, module, key)
@@ -240,22 +237,6 @@ def window_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     if spans_pay_off(query, key, attention_mask, window, needs_mask=features.plain):
         return attend_in_spans(attend, query, key, value, attention_mask, window)
     return attend(query, key, value, attention_mask)
-
-
-def grouped_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                             scaling: float) -> torch.Tensor:
-    """A decode step's exact attention over a sliding layer's ring, ``[B, 1, Hq, D]``, without copying the ring per
-    query head: query ``[B, Hq, 1, D]`` viewed as ``[B, Hkv, G, D]`` (query head ``h`` reads KV head ``h // G``, as
-    transformers' ``repeat_kv``), so each KV head's ``G`` query heads are ``G`` query rows of one SDPA head over its
-    keys ``[B, Hkv, W, D]``, under the ring's mask ``[B or 1, 1, 1, W]`` (``ring_mask``) broadcast over them. Why:
-    transformers' sdpa gives a masked call with grouped heads ``repeat_kv`` (SDPA's grouped-query mode runs the math
-    kernel with a mask), two copies of the window per layer and step (Gemma-3-12B: 80 copies of 16 MB, 0.9 ms of a
-    14 ms step on an H200)."""
-    batch, heads, _, dim = query.shape
-    kv_heads = key.shape[1]
-    grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)
-    out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, scale=scaling)
-    return out.reshape(batch, heads, 1, dim).transpose(1, 2)
 
 
 FIRST_FORWARD_QUERY_BLOCK = 2048  # queries per span of a long first forward (attend_in_spans)
