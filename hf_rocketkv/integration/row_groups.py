@@ -60,14 +60,16 @@ def rows_per_forward(model, cache: RocketKVCache, input_ids: torch.Tensor, model
 
 def automatic_rows(model, cache: RocketKVCache, batch: int, tokens: int, device: torch.device) -> PrefillRows | None:
     """``plan_prefill_rows`` for this batch on ``device``: the model's shapes and dtype, each row's kept cache (none
-    for a pool-backed cache, whose pages exist already), the memory free now. None where the free memory cannot be
-    read (a CPU without /proc/meminfo or psutil): the whole batch, as before."""
+    for a pool-backed cache, whose pages exist already), the memory free now. None, with a DEBUG line, where the
+    shapes or the free memory cannot be read (a config without the usual sizes; a CPU without /proc/meminfo or
+    psutil): the whole batch in one forward, as transformers does."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     dtype_bytes = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 2)
-    shapes = PrefillShapes.of(config, dtype_bytes)
     try:
+        shapes = PrefillShapes.of(config, dtype_bytes)
         free = free_for_prefill(device)
-    except ValueError:
+    except ValueError as err:
+        logger.debug("hf_rocketkv: the whole batch is prefilled in one forward: %s", err)
         return None
     kept = 0 if cache.pool is not None else kept_bytes_per_row(cache, shapes, tokens)
     return plan_prefill_rows(shapes, batch, tokens, kept, free, str(device))

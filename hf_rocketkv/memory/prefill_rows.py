@@ -45,14 +45,18 @@ class PrefillShapes:
     def of(cls, config: Any, dtype_bytes: int) -> PrefillShapes:
         """From a transformers (text) config: ``hidden_size``, ``intermediate_size`` (4 x hidden when absent; times
         ``num_experts_per_tok`` for a mixture of experts), heads, ``head_dim`` and ``num_hidden_layers``."""
-        hidden = int(config.hidden_size)
-        heads = int(config.num_attention_heads)
+        missing = [name for name in ("hidden_size", "num_attention_heads", "num_hidden_layers")
+                   if not isinstance(getattr(config, name, None), int)]
+        if missing:
+            raise ValueError(f"the model config {type(config).__name__} names no integer {', '.join(missing)}: the "
+                             f"prefill's memory cannot be estimated")
+        hidden, heads = config.hidden_size, config.num_attention_heads
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
         head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
         intermediate = int(getattr(config, "intermediate_size", None) or 4 * hidden)
         experts = int(getattr(config, "num_experts_per_tok", None) or 1)
         return cls(activation_bytes=(8 * hidden + 4 * intermediate * experts) * dtype_bytes,
-                   layer_kv_bytes=2 * kv_heads * head_dim * dtype_bytes, layers=int(config.num_hidden_layers))
+                   layer_kv_bytes=2 * kv_heads * head_dim * dtype_bytes, layers=config.num_hidden_layers)
 
     def forward_bytes(self, rows: int, tokens: int) -> int:
         """Peak of one prefill forward of ``rows x tokens`` outside the kept caches: its activations in one layer and

@@ -162,3 +162,15 @@ def test_the_free_memory_off_cuda_is_the_available_ram(device, monkeypatch):
 
     monkeypatch.setattr(prefill_rows, "host_available", lambda: 12345)
     assert prefill_rows.free_for_prefill(torch.device(device)) == 12345
+
+
+def test_a_config_without_the_usual_sizes_keeps_the_whole_batch(llama_pair, monkeypatch):
+    from types import SimpleNamespace
+
+    rocket, _ = llama_pair
+    ids, mask = _batch()
+    monkeypatch.setattr(row_groups, "free_for_prefill", lambda device: 1)  # would split, could it estimate
+    odd = SimpleNamespace(config=SimpleNamespace(hidden_size=64, num_hidden_layers=2), parameters=rocket.parameters)
+    assert row_groups.rows_per_forward(odd, RocketKVCache(compressing_config()), ids, {"attention_mask": mask}) is None
+    with pytest.raises(ValueError, match="names no integer num_attention_heads: the prefill's memory cannot be"):
+        PrefillShapes.of(odd.config, 2)
