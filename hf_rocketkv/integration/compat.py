@@ -39,10 +39,10 @@ which registration sets to ``require`` (a changed transformers then fails at the
 | models.*.modeling_*.apply_rotary_pos_emb            | wrapped     | one fused launch for a decode step's RoPE inside      |
 |                                                     | (optional)  | RocketKV calls (``integration/rope.py``); a model     |
 |                                                     |             | whose function takes other parameters keeps its own   |
-| models.llama.modeling_llama.LlamaRMSNorm.forward    | wrapped     | one launch per decode-step RMSNorm in RocketKV calls  |
-|   (and classes whose forward has its byte code)     | (optional)  | (``integration/norm.py``): weight, variance_epsilon   |
-| models.gemma.modeling_gemma.GemmaRMSNorm.forward,   | wrapped     | the same for Gemma's ``(1 + weight)`` norm (Gemma 2,  |
-|   ._norm (and classes with both byte codes)         | (optional)  | 3 and their q/k norms): weight, eps                   |
+| models.llama.modeling_llama.LlamaRMSNorm.forward,   | wrapped     | one launch per RMSNorm in RocketKV calls              |
+|   models.gpt_oss.modeling_gpt_oss.GptOssRMSNorm.    | (optional)  | (``integration/norm.py``, ``NORM_FORMULAS``): weight, |
+|   forward, models.gemma.modeling_gemma.GemmaRMSNorm.|             | variance_epsilon (Gemma: eps)                         |
+|   forward and ._norm (and classes with their codes) |             |                                                       |
 
 Outside this module the package reaches these names only through the wrappers ``install`` sets up and the accessor
 functions below (``sdpa_attention_forward``, ``compiles_on_every_device``, ``attn_implementation``,
@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib
 import inspect
 import sys
 import threading
@@ -475,39 +476,25 @@ def install_rotary(owner, active: Callable[[], bool], compute: Callable[[Callabl
 
 
 # --------------------------------------------------------------------------------------------------- RMSNorm
-NORM_PARAMS = ("self", "hidden_states")  # LlamaRMSNorm.forward's parameters, exactly
+@dataclass(frozen=True)
+class NormFormula:
+    """A transformers RMSNorm whose formula the fused kernel computes (``kernels/rms_norm.FORMULAS``): the class that
+    defines it, the methods whose byte code identifies a copy of it (and their exact parameters), the eps attribute."""
+
+    module: str  # under transformers.
+    name: str
+    methods: tuple[str, ...]
+    params: tuple[str, ...]
+    eps: str
 
 
-def _llama_norm_forward():
-    """``LlamaRMSNorm.forward`` below any wrapper; ``CompatError`` when it is gone or takes other parameters."""
-    try:
-        from transformers.models.llama.modeling_llama import LlamaRMSNorm
-        names = tuple(inspect.signature(LlamaRMSNorm.forward).parameters)
-    except (ImportError, AttributeError, TypeError, ValueError) as err:
-        names = f"{type(err).__name__}: {err}"
-    if names != NORM_PARAMS:
-        problem = f"models.llama.modeling_llama.LlamaRMSNorm.forward takes {names}, not {NORM_PARAMS}"
-        raise CompatError(describe_problems((problem,)) + " Or set RocketKVConfig(fused_norm=False).")
-    return _unwrapped(LlamaRMSNorm.forward)
-
-
-GEMMA_NORM_PARAMS = ("self", "x")  # GemmaRMSNorm.forward's and ._norm's parameters, exactly
-
-
-def _gemma_norm_methods():
-    """``GemmaRMSNorm.forward`` (below any wrapper) and ``._norm``; ``CompatError`` when either is gone or takes other
-    parameters."""
-    try:
-        from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
-        names = tuple(tuple(inspect.signature(method).parameters) for method in (GemmaRMSNorm.forward,
-                                                                                 GemmaRMSNorm._norm))
-    except (ImportError, AttributeError, TypeError, ValueError) as err:
-        names = f"{type(err).__name__}: {err}"
-    if names != (GEMMA_NORM_PARAMS, GEMMA_NORM_PARAMS):
-        problem = (f"models.gemma.modeling_gemma.GemmaRMSNorm.forward and ._norm take {names}, not "
-                   f"{GEMMA_NORM_PARAMS} each")
-        raise CompatError(describe_problems((problem,)) + " Or set RocketKVConfig(fused_norm=False).")
-    return _unwrapped(GemmaRMSNorm.forward), GemmaRMSNorm._norm
+NORM_FORMULAS = {
+    "llama": NormFormula("models.llama.modeling_llama", "LlamaRMSNorm", ("forward",), ("self", "hidden_states"),
+                         "variance_epsilon"),
+    "gpt_oss": NormFormula("models.gpt_oss.modeling_gpt_oss", "GptOssRMSNorm", ("forward",),
+                           ("self", "hidden_states"), "variance_epsilon"),
+    "gemma": NormFormula("models.gemma.modeling_gemma", "GemmaRMSNorm", ("forward", "_norm"), ("self", "x"), "eps"),
+}
 
 
 def _code_key(function):
@@ -515,33 +502,34 @@ def _code_key(function):
     return None if code is None else (code.co_code, code.co_consts, code.co_names, code.co_varnames)
 
 
-def _transformers_owners(model, method: str):
-    """``(class defining method, module)`` for each module of ``model`` whose class comes from transformers."""
+def _norm_reference(formula: NormFormula) -> tuple:
+    """The byte-code keys of ``formula``'s methods (below any wrapper); ``CompatError`` when the class is gone or a
+    method takes other parameters."""
+    try:
+        klass = getattr(importlib.import_module(f"transformers.{formula.module}"), formula.name)
+        names = tuple(tuple(inspect.signature(getattr(klass, method)).parameters) for method in formula.methods)
+    except (ImportError, AttributeError, TypeError, ValueError) as err:
+        names = f"{type(err).__name__}: {err}"
+    if names != (formula.params,) * len(formula.methods):
+        problem = (f"{formula.module}.{formula.name}.{' and .'.join(formula.methods)} take {names}, not "
+                   f"{formula.params}")
+        raise CompatError(describe_problems((problem,)) + " Or set RocketKVConfig(fused_norm=False).")
+    return tuple(_code_key(getattr(klass, method)) for method in formula.methods)
+
+
+def norm_classes(model, formula: str) -> list[type]:
+    """The transformers classes (those defining ``forward``) of ``model``'s modules whose methods have the byte code
+    of ``NORM_FORMULAS[formula]``'s: Llama's is copied by Mistral, Qwen2/3, Phi-3, Granite...; gpt-oss' by OLMo2;
+    Gemma's by Gemma 2 and 3; T5's is none of them."""
+    spec = NORM_FORMULAS[formula]
+    reference, found = _norm_reference(spec), {}
     for module in model.modules():
-        owner = next((klass for klass in type(module).__mro__ if method in klass.__dict__), None)
-        if owner is not None and owner.__module__.startswith("transformers."):
-            yield owner, module
-
-
-def llama_norm_classes(model) -> list[type]:
-    """The transformers classes (those defining ``forward``) of ``model``'s modules whose forward has LlamaRMSNorm's
-    byte code (Mistral, Qwen2/3, Phi-3, Granite...; not Gemma's ``1 + weight`` nor OLMo2's order of operations)."""
-    reference, found = _code_key(_llama_norm_forward()), {}
-    for owner, _module in _transformers_owners(model, "forward"):
-        if _code_key(owner.__dict__["forward"]) == reference:
-            found[owner] = None
-    return list(found)
-
-
-def gemma_norm_classes(model) -> list[type]:
-    """The transformers classes (those defining ``forward``) of ``model``'s modules whose ``forward`` and ``_norm``
-    have GemmaRMSNorm's byte code (Gemma, Gemma 2, Gemma 3 copy it; their eps is ``eps``)."""
-    forward, norm = (_code_key(method) for method in _gemma_norm_methods())
-    found = {}
-    for owner, module in _transformers_owners(model, "forward"):
-        own_norm = getattr(type(module), "_norm", None)
-        if (_code_key(owner.__dict__["forward"]) == forward and own_norm is not None and _code_key(own_norm) == norm
-                and isinstance(getattr(module, "eps", None), float)):
+        owner = next((klass for klass in type(module).__mro__ if "forward" in klass.__dict__), None)
+        if owner is None or not owner.__module__.startswith("transformers."):
+            continue
+        keys = tuple(_code_key(owner.__dict__["forward"]) if method == "forward" else
+                     _code_key(getattr(type(module), method, None)) for method in spec.methods)
+        if keys == reference and isinstance(getattr(module, spec.eps, None), float):
             found[owner] = None
     return list(found)
 

@@ -10,14 +10,14 @@ of eager PyTorch: ``tests/kernels/test_rms_norm.py``). Everything else runs tran
 arguments it received: fp32, CPU, other caches, other threads, a call traced by torch.compile, and inputs that are
 not 3-D hidden states (Qwen3's per-head ``q_norm``/``k_norm`` see ``[B, T, heads, head_dim]``).
 
-Which norms: the classes of the model whose ``forward`` has exactly the byte code of ``LlamaRMSNorm.forward``
-(``compat.llama_norm_classes``: Mistral, Qwen2/3, Phi-3, Granite... copy it verbatim), on 3-D hidden states; and
-those whose ``forward`` and ``_norm`` have the byte code of ``GemmaRMSNorm`` (``compat.gemma_norm_classes``: Gemma,
-Gemma 2 and 3), whose ``(1 + weight)`` formula the kernel computes with ``unit_offset``, on hidden states and on the
-per-head q/k norms' ``[B, T, heads, head_dim]`` (Gemma 3 runs six norms per layer: without them a decode step of
-Gemma-3-12B is ~4,600 launches). Other formulas (OLMo2's order of operations) are never touched. How a call is
-recognised as RocketKV's: ``fused_norm(model, enabled)`` sets a ContextVar for the duration of the call (per thread
-and per asyncio task, never process-wide), after making sure those classes have their ``forward`` wrapped
+Which norms: the classes of the model whose methods have exactly the byte code of one of the formulas the kernel
+knows (``compat.NORM_FORMULAS``, ``compat.norm_classes``): ``LlamaRMSNorm.forward`` (Mistral, Qwen2/3, Phi-3,
+Granite... copy it verbatim), on 3-D hidden states; ``GptOssRMSNorm.forward`` (the product in fp32; OLMo2's norm has
+its byte code), on 3-D hidden states; ``GemmaRMSNorm.forward`` and ``._norm`` (Gemma, Gemma 2 and 3: ``(1 +
+weight)``), on hidden states and on the per-head q/k norms' ``[B, heads, T, head_dim]`` (Gemma 3 runs six norms per
+layer: without them a decode step of Gemma-3-12B is ~4,600 launches). Other formulas (T5's) are never touched. How a
+call is recognised as RocketKV's: ``fused_norm(model, enabled)`` sets a ContextVar for the duration of the call (per
+thread and per asyncio task, never process-wide), after making sure those classes have their ``forward`` wrapped
 (``compat.install_norm``; once per class).
 """
 
@@ -34,42 +34,48 @@ from .rope import fused_rope
 FUSED_DEVICE_TYPES = ("cuda",)  # the kernel's devices (the CPU tests add "cpu": Triton's interpreter)
 
 
-def _compute(run_original, hidden_states, weight, eps):
-    shape = hidden_states.shape
-    if (len(shape) == 3 and hidden_states.device.type in FUSED_DEVICE_TYPES
-            and rms_norm_supported(hidden_states, weight)):
-        return rms_norm_triton(hidden_states, weight, eps)
-    return run_original()
+PER_HEAD_FORMULAS = ("gemma",)  # formulas whose per-head (4-D) norms take the kernel too (Gemma 3's q/k norms)
 
 
-def _compute_gemma(run_original, hidden_states, weight, eps):
-    if (hidden_states.dim() in (3, 4) and hidden_states.device.type in FUSED_DEVICE_TYPES
-            and rms_norm_supported(hidden_states, weight)):
-        return rms_norm_triton(hidden_states, weight, eps, unit_offset=True)
-    return run_original()
+def _computer(formula: str):
+    """The wrapper's choice for ``formula``: the kernel for bf16/fp16 CUDA hidden states (and per-head inputs where
+    ``PER_HEAD_FORMULAS`` says so), the module's own forward otherwise."""
+    ranks = (3, 4) if formula in PER_HEAD_FORMULAS else (3,)
+
+    def compute(run_original, hidden_states, weight, eps):
+        if (hidden_states.dim() in ranks and hidden_states.device.type in FUSED_DEVICE_TYPES
+                and rms_norm_supported(hidden_states, weight)):
+            return rms_norm_triton(hidden_states, weight, eps, formula)
+        return run_original()
+
+    return compute
 
 
-_SWITCH = FusedSwitch("hf_rocketkv_fused_norm", "_hf_rocketkv_norm_installed", compat.llama_norm_classes,
-                      compat.install_norm, _compute)
-_GEMMA_SWITCH = FusedSwitch("hf_rocketkv_fused_gemma_norm", "_hf_rocketkv_gemma_norm_installed",
-                            compat.gemma_norm_classes, functools.partial(compat.install_norm, eps_attribute="eps"),
-                            _compute_gemma)
+_SWITCHES = tuple(
+    FusedSwitch(f"hf_rocketkv_fused_norm_{formula}", f"_hf_rocketkv_norm_{formula}_installed",
+                functools.partial(compat.norm_classes, formula=formula),
+                functools.partial(compat.install_norm, eps_attribute=compat.NORM_FORMULAS[formula].eps),
+                _computer(formula))
+    for formula in compat.NORM_FORMULAS
+)
 
 
 def install_for(model) -> None:
-    """Wrap the forward of every LlamaRMSNorm- and GemmaRMSNorm-formula class ``model`` is made of (idempotent)."""
-    _SWITCH.install_for(model)
-    _GEMMA_SWITCH.install_for(model)
+    """Wrap the forward of every norm class of a known formula that ``model`` is made of (idempotent)."""
+    for switch in _SWITCHES:
+        switch.install_for(model)
 
 
 @contextlib.contextmanager
 def fused_norm(model, enabled: bool):
     """Within the block, this thread's forwards of ``model`` take the fused RMSNorm (when ``enabled``)."""
-    with _SWITCH.enabled(model, enabled), _GEMMA_SWITCH.enabled(model, enabled):
+    with contextlib.ExitStack() as stack:
+        for switch in _SWITCHES:
+            stack.enter_context(switch.enabled(model, enabled))
         yield
 
 
-fused_norm_active = _SWITCH.active
+fused_norm_active = _SWITCHES[0].active
 
 
 @contextlib.contextmanager

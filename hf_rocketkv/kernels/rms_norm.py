@@ -1,5 +1,5 @@
-"""RMSNorm of one decode step's hidden states in one launch: transformers' ``LlamaRMSNorm`` formula, or Gemma's
-``(1 + weight)`` one (``unit_offset=True``), in bfloat16 and float16.
+"""RMSNorm of one decode step's hidden states in one launch, in bfloat16 and float16, by one of three formulas
+(``FORMULAS``): transformers' ``LlamaRMSNorm``, ``GptOssRMSNorm`` or ``GemmaRMSNorm``.
 
 Why: the eager module is six to seven launches per norm (to fp32, square, mean, add eps and rsqrt, multiply, back to
 the input dtype, multiply by the weight), 65 norms per decode step of a 32-layer model (two per layer and the final
@@ -16,10 +16,10 @@ for bit: the sum of squares is reduced in another order than PyTorch's and ``rsq
 may differ from eager PyTorch by one unit in the last place of its dtype (``tests/kernels/test_rms_norm.py``
 bounds it against a float64 oracle). fp32 inputs stay on transformers' formula (``rms_norm_supported``).
 
-Gemma's formula (``GemmaRMSNorm.forward``, also Gemma 2's and 3's, their q/k norms included):
-``h = x.float(); h = h * rsqrt(mean(h * h, -1) + eps); (h * (1 + weight.float())).type_as(x)``: the product is taken
-in fp32 and rounded once, at the end. Eager Gemma 3 spends ten launches per norm and six norms per layer on it (a
-decode step of Gemma-3-12B: ~2,900 of its ~4,600 kernels).
+The two others take the product in fp32 and round once, at the end (``FP32_PRODUCT``):
+``"gpt_oss"`` (``GptOssRMSNorm``): ``(weight * h).to(x.dtype)``; ``"gemma"`` (``GemmaRMSNorm``, also Gemma 2's and
+3's, their q/k norms included): ``(h * (1 + weight.float())).type_as(x)``. Eager Gemma 3 spends ten launches per norm
+and six norms per layer on it (a decode step of Gemma-3-12B: ~2,900 of its ~4,600 kernels).
 """
 
 from __future__ import annotations
@@ -32,13 +32,14 @@ from ._triton_common import DT_BF16, DT_FP16, interpreting, next_pow2, round_to
 from .launch import TritonLaunch, direct_launches
 
 NORM_DTYPES = {torch.bfloat16: DT_BF16, torch.float16: DT_FP16}
+FORMULAS = {"llama": 0, "gpt_oss": 1, "gemma": 2}  # the kernel's FORMULA for each name (module docstring)
 PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 MAX_HIDDEN = 32768  # one row in one block of registers (16 warps: 64 fp32 values per thread at the largest)
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, s_xr, hidden, eps,
-                     DT: tl.constexpr, BLOCK: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+                     DT: tl.constexpr, BLOCK: tl.constexpr, FORMULA: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < hidden
@@ -46,9 +47,11 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, s_xr, hidden, eps,
     variance = tl.sum(h * h, axis=0) / hidden
     inv = tl.math.rsqrt((variance + eps).to(tl.float32))  # fp32 even where a caller passes eps as fp64 (inductor)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    if UNIT_OFFSET:  # Gemma: (h * (1 + w)) in fp32, one rounding
+    if FORMULA == 1:  # gpt-oss: (w * h) in fp32, one rounding
+        out = round_to(w * (h * inv), DT)
+    elif FORMULA == 2:  # Gemma: (h * (1 + w)) in fp32, one rounding
         out = round_to((h * inv) * (1.0 + w), DT)
-    else:
+    else:  # Llama
         normed = round_to(h * inv, DT)  # h.to(input_dtype)
         out = round_to(w * normed, DT)  # weight * h: a 16-bit product, exact in fp32 before its rounding
     tl.store(out_ptr + row * hidden + cols, out.to(out_ptr.dtype.element_ty), mask=ok)  # exact: already rounded
@@ -76,19 +79,20 @@ def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
-    """PyTorch twin: the formula of the module docstring, step by step in eager PyTorch (Gemma's with
-    ``unit_offset``)."""
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, formula: str = "llama") -> torch.Tensor:
+    """PyTorch twin: ``formula`` of the module docstring, step by step in eager PyTorch."""
     h = x.to(torch.float32)
     variance = (h * h).mean(dim=-1, keepdim=True)
     h = h * torch.rsqrt(variance + eps)
-    if unit_offset:
+    if formula == "gpt_oss":
+        return (weight.to(torch.float32) * h).to(x.dtype)
+    if formula == "gemma":
         return (h * (1.0 + weight.to(torch.float32))).to(x.dtype)
     return weight * h.to(x.dtype)
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
-    """Same contract as ``rms_norm_reference`` (``rms_norm_supported`` must hold)."""
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, formula: str = "llama") -> torch.Tensor:
+    """Same contract as ``rms_norm_reference`` (``rms_norm_supported`` must hold; ``formula`` one of ``FORMULAS``)."""
     hidden = x.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows = out.numel() // hidden
@@ -101,7 +105,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offs
     with direct_launches():
         _rms_norm_launch[(rows,)](
             x2, weight, out, x2.stride(0), hidden, float(eps),
-            DT=NORM_DTYPES[x.dtype], BLOCK=block, UNIT_OFFSET=bool(unit_offset), num_warps=_warps(block),
+            DT=NORM_DTYPES[x.dtype], BLOCK=block, FORMULA=FORMULAS[formula], num_warps=_warps(block),
         )
     return out
 

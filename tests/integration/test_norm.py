@@ -10,7 +10,7 @@ Gemma's ``(1 + weight)`` norm (Gemma 2 and 3, their per-head q/k norms included)
 form: recorded as ``("gemma", *shape)``, against transformers' Gemma3RMSNorm and in generate() on a tiny Gemma 3
 whose norm weights are drawn at random (transformers starts them at zero, where ``1 + weight`` hides the formula).
 Also: calls that are not RocketKV's (a DynamicCache, a plain forward, another thread: test_fused_switch.py, fp32,
-Qwen3's 4-D per-head norms) never take it, and norms with another formula (OLMo2's) are never wrapped.
+Qwen3's 4-D per-head norms) never take it, and norms with another formula (T5's) are never wrapped.
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ import torch
 from transformers import DynamicCache
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.mistral.modeling_mistral import MistralRMSNorm
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+from transformers.models.t5.modeling_t5 import T5LayerNorm
 
 from hf_rocketkv import RocketKVCache, RocketKVConfig
 from hf_rocketkv.integration import compat, norm, rope
@@ -49,9 +51,9 @@ def counted(monkeypatch):
     calls = []
     kernel = norm.rms_norm_triton
 
-    def counting(x, weight, eps, unit_offset=False):
-        calls.append(("gemma", *x.shape) if unit_offset else tuple(x.shape))
-        return kernel(x, weight, eps, unit_offset=unit_offset)
+    def counting(x, weight, eps, formula="llama"):
+        calls.append(tuple(x.shape) if formula == "llama" else (formula, *x.shape))
+        return kernel(x, weight, eps, formula)
 
     monkeypatch.setattr(norm, "FUSED_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(norm, "rms_norm_triton", counting)
@@ -170,25 +172,30 @@ def test_calls_that_are_not_rocketkvs_keep_transformers_norm(counted):
     assert counted == []
 
 
-def test_the_llama_and_gemma_formulas_are_wrapped_olmo2_is_left_alone(counted):
+def test_the_llama_gpt_oss_and_gemma_formulas_are_wrapped_t5s_is_left_alone(counted):
+    """OLMo2's norm has gpt-oss' byte code (the product in fp32); T5's (variance only, cast to the weight's dtype) is
+    none of the three."""
     norms = torch.nn.ModuleList([GemmaRMSNorm(64), LlamaRMSNorm(64), Olmo2RMSNorm(64), MistralRMSNorm(64),
-                                 LlamaRMSNorm(64), Gemma3RMSNorm(64)]).to(DEVICE, torch.bfloat16)
-    assert compat.llama_norm_classes(norms) == [LlamaRMSNorm, MistralRMSNorm]
-    assert compat.gemma_norm_classes(norms) == [GemmaRMSNorm, Gemma3RMSNorm]
-    olmo2_forward = Olmo2RMSNorm.forward
+                                 LlamaRMSNorm(64), Gemma3RMSNorm(64), GptOssRMSNorm(64), T5LayerNorm(64)])
+    norms = norms.to(DEVICE, torch.bfloat16)
+    assert compat.norm_classes(norms, "llama") == [LlamaRMSNorm, MistralRMSNorm]
+    assert compat.norm_classes(norms, "gemma") == [GemmaRMSNorm, Gemma3RMSNorm]
+    assert compat.norm_classes(norms, "gpt_oss") == [Olmo2RMSNorm, GptOssRMSNorm]
+    t5_forward = T5LayerNorm.forward
     norm.install_for(norms)
-    assert Olmo2RMSNorm.forward is olmo2_forward
+    assert T5LayerNorm.forward is t5_forward
     assert all(getattr(klass.forward, compat.WRAPPED_MARK, False)
-               for klass in (MistralRMSNorm, GemmaRMSNorm, Gemma3RMSNorm))
+               for klass in (MistralRMSNorm, GemmaRMSNorm, Gemma3RMSNorm, Olmo2RMSNorm, GptOssRMSNorm))
     x = torch.randn((2, 1, 64), generator=torch.Generator().manual_seed(2)).to(DEVICE, torch.bfloat16)
     with torch.no_grad():
-        for module in (norms[0], norms[5]):
+        for module in norms:
             module.weight.normal_(0.0, 0.5)
         want = [module(x) for module in norms]
         with norm.fused_norm(norms, True):
             got = [module(x) for module in norms]
-    assert counted == [("gemma", 2, 1, 64), (2, 1, 64), (2, 1, 64), (2, 1, 64), ("gemma", 2, 1, 64)]
-    assert torch.equal(got[2], want[2])
+    assert counted == [("gemma", 2, 1, 64), (2, 1, 64), ("gpt_oss", 2, 1, 64), (2, 1, 64), (2, 1, 64),
+                       ("gemma", 2, 1, 64), ("gpt_oss", 2, 1, 64)]
+    assert torch.equal(got[7], want[7])
     assert all(within_two_ulps(a, b) for a, b in zip(got, want))
 
 
@@ -217,9 +224,10 @@ def test_the_fused_gemma_norm_is_within_an_ulp_of_transformers_module(counted, s
     assert float((got != want).float().mean()) < 0.05  # an ulp near a rounding boundary, not a systematic offset
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "gemma2"])
-def test_generate_on_gemma_takes_the_fused_norm_for_every_norm_and_keeps_the_tokens(arch, counted):
-    """Gemma 3: four norms per layer on the hidden states and two per-head ones (q/k); Gemma 2: four per layer."""
+@pytest.mark.parametrize("arch", ["gemma3", "gemma2", "gpt_oss"])
+def test_generate_on_gemma_and_gpt_oss_takes_the_fused_norm_for_every_norm_and_keeps_the_tokens(arch, counted):
+    """Gemma 3: four norms per layer on the hidden states and two per-head ones (q/k); Gemma 2: four per layer;
+    gpt-oss: two per layer (its own formula: the product in fp32)."""
     model = make_hybrid_models(arch)[0].to(DEVICE, torch.bfloat16)
     with torch.no_grad():
         generator = torch.Generator().manual_seed(5)
@@ -237,10 +245,11 @@ def test_generate_on_gemma_takes_the_fused_norm_for_every_norm_and_keeps_the_tok
     heads, kv_heads, head_dim = (model.config.num_attention_heads, model.config.num_key_value_heads,
                                  model.config.head_dim)
     prefill = [c for c in counted if ids.shape[1] in c[2:-1]]
-    per_layer = [("gemma", 2, ids.shape[1], hidden)] * 4
+    formula = "gpt_oss" if arch == "gpt_oss" else "gemma"
+    per_layer = [(formula, 2, ids.shape[1], hidden)] * (2 if arch == "gpt_oss" else 4)
     if arch == "gemma3":  # q/k norms on [B, heads, T, head_dim]
         per_layer += [("gemma", 2, heads, ids.shape[1], head_dim), ("gemma", 2, kv_heads, ids.shape[1], head_dim)]
-    assert sorted(prefill) == sorted(per_layer * layers + [("gemma", 2, ids.shape[1], hidden)])
+    assert sorted(prefill) == sorted(per_layer * layers + [(formula, 2, ids.shape[1], hidden)])
     assert norms_per_forward_ok(len(counted) - len(prefill), len(per_layer) * layers + 1, new_tokens - 1)
     assert torch.equal(tokens, plain_tokens)
     torch.testing.assert_close(logits, plain_logits, rtol=0, atol=2.0**-6)
@@ -252,7 +261,7 @@ def test_a_changed_llama_norm_signature_fails_naming_the_transformers_version(mo
 
     monkeypatch.setattr(LlamaRMSNorm, "forward", forward)
     with pytest.raises(compat.CompatError, match=f"transformers {compat.TRANSFORMERS_VERSION}.*fused_norm=False"):
-        compat.llama_norm_classes(torch.nn.Sequential(LlamaRMSNorm(8)))
+        compat.norm_classes(torch.nn.Sequential(LlamaRMSNorm(8)), "llama")
 
 
 def test_fused_modeling_enters_both():

@@ -164,32 +164,40 @@ def test_rms_norm_launches_directly_not_through_wrap_triton(monkeypatch):
     assert_near_oracle(rms_norm_triton(x, weight, EPS), x, weight)
 
 
-def gemma_oracle(x, weight, eps):
-    """Gemma's formula in float64: ``h / rms(h) * (1 + weight)``, no rounding anywhere."""
+def fp32_product_oracle(x, weight, eps, formula):
+    """gpt-oss' and Gemma's formulas in float64: ``h / rms(h) * weight`` and ``h / rms(h) * (1 + weight)``."""
     h = x.double()
-    return h * torch.rsqrt((h * h).mean(dim=-1, keepdim=True) + eps) * (1.0 + weight.double())
+    scale = weight.double() + (1.0 if formula == "gemma" else 0.0)
+    return h * torch.rsqrt((h * h).mean(dim=-1, keepdim=True) + eps) * scale
 
 
+def transformers_norm(formula, hidden):
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+
+    return Gemma3RMSNorm(hidden, eps=EPS) if formula == "gemma" else GptOssRMSNorm(hidden, eps=EPS)
+
+
+@pytest.mark.parametrize("formula", ["gemma", "gpt_oss"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hidden", [32, 256, 3840])
 @pytest.mark.parametrize("rows", [1, 5, 48])
-def test_gemma_formula_matches_the_float64_oracle_its_twin_and_transformers(rows, hidden, dtype):
+def test_fp32_product_formulas_match_the_float64_oracle_their_twin_and_transformers(rows, hidden, dtype, formula):
     """One rounding (the fp32 product to the input dtype) against the exact value, plus fp32's own error on the way
-    (sum of squares, rsqrt, products: a few units of 2**-24); the twin and Gemma3RMSNorm within one ulp."""
-    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
-
-    g = gen("rms_norm_gemma", rows, hidden, dtype)
+    (sum of squares, rsqrt, products: a few units of 2**-24); the twin and transformers' module within one ulp."""
+    g = gen(f"rms_norm_{formula}", rows, hidden, dtype)
     x, weight = inputs(rows, hidden, dtype, g)
-    weight = weight - 1.0  # around 0, as trained Gemma norms (1 + weight is the scale)
+    if formula == "gemma":
+        weight = weight - 1.0  # around 0, as trained Gemma norms (1 + weight is the scale)
     assert rms_norm_supported(x, weight)
-    got = rms_norm_triton(x, weight, EPS, unit_offset=True)
+    got = rms_norm_triton(x, weight, EPS, formula)
     assert got.shape == x.shape and got.dtype == dtype
-    exact = gemma_oracle(x, weight, EPS)
+    exact = fp32_product_oracle(x, weight, EPS, formula)
     bound = (UNIT_ROUNDOFF[dtype] + 2.0**-20) * exact.abs() * (1 + UNIT_ROUNDOFF[dtype]) + SMALLEST_SUBNORMAL[dtype]
     error = (got.double() - exact).abs()
     assert bool((error <= bound).all()), f"max error {float((error - bound).max())} over the bound"
-    twin = rms_norm_reference(x, weight, EPS, unit_offset=True)
-    module = Gemma3RMSNorm(hidden, eps=EPS).to(x.device, dtype)
+    twin = rms_norm_reference(x, weight, EPS, formula)
+    module = transformers_norm(formula, hidden).to(x.device, dtype)
     with torch.no_grad():
         module.weight.copy_(weight)
         eager = module(x)
@@ -197,5 +205,7 @@ def test_gemma_formula_matches_the_float64_oracle_its_twin_and_transformers(rows
     for other in (twin, eager):
         apart = ulps_apart(got, other)
         assert int(apart.max()) <= 1 and float((apart != 0).float().mean()) < 0.02
-    # the Llama formula on the same inputs is another function: the flag is what selects Gemma's
-    assert not torch.equal(rms_norm_triton(x, weight, EPS), got)
+    # the other formulas on the same inputs are other functions: the name is what selects this one
+    for other in ("llama", "gemma", "gpt_oss"):
+        if other != formula:
+            assert not torch.equal(rms_norm_triton(x, weight, EPS, other), got)
