@@ -45,7 +45,8 @@ def decode_parser() -> argparse.ArgumentParser:
     p.add_argument("--cudnn-for-static", action="store_true",
                    help="let the static-compile rows use cuDNN attention (it plans once, at CUDA-graph capture)")
     p.add_argument("--prefill-batch-size", type=int_at_least(1), default=None,
-                   help="RocketKVConfig.prefill_batch_size for the rocketkv rows: prefill that many rows per forward")
+                   help="RocketKVConfig.prefill_batch_size for the rocketkv rows: prefill that many rows per forward "
+                        "(default: the whole batch, or row groups chosen from the free memory when it would not fit)")
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top ops of every generate call")
     p.add_argument(
         "--allow-cudnn-sdpa", action="store_true",

@@ -54,7 +54,7 @@ def rows_per_forward(model, cache: RocketKVCache, input_ids: torch.Tensor, model
         logger.warning("hf_rocketkv: %s; but the generate() input %r cannot be split by rows, so the whole batch is "
                        "prefilled in one forward", plan.describe(), unsplittable[0])
         return None
-    logger.info("hf_rocketkv: %s", plan.describe())
+    logger.info("hf_rocketkv: %s (RocketKVConfig.prefill_batch_size sets the rows)", plan.describe())
     return plan.rows
 
 

@@ -82,7 +82,7 @@ class PrefillRows:
 
     def describe(self) -> str:
         """E.g. ``prefill of 64 rows x 32768 tokens in 6 forwards of 11 rows: one forward of the whole batch needs
-        ~402.1 GiB, 0.8 of the 121.4 GiB free on cuda:0 allows 11 (RocketKVConfig.prefill_batch_size sets the rows)``."""
+        ~390.5 GiB, 0.8 of the 121.0 GiB free on cuda:0 allows 11``."""
         if self.rows is None:
             return (f"prefill of {self.batch} rows x {self.tokens} tokens in one forward (~{self.need / GIB:.1f} GiB "
                     f"of the {self.free / GIB:.1f} GiB free on {self.device})")
@@ -92,8 +92,7 @@ class PrefillRows:
                   f"on {self.device} (beside the kept caches, or them twice while stacking): one row per forward is "
                   f"attempted")
         return (f"prefill of {self.batch} rows x {self.tokens} tokens in {self.groups} forwards of {self.rows} rows: "
-                f"one forward of the whole batch needs ~{self.need / GIB:.1f} GiB, {allows} "
-                f"(RocketKVConfig.prefill_batch_size sets the rows)")
+                f"one forward of the whole batch needs ~{self.need / GIB:.1f} GiB, {allows}")
 
 
 def plan_prefill_rows(shapes: PrefillShapes, batch: int, tokens: int, kept_per_row: int, free: int,

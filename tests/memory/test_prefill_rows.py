@@ -73,7 +73,7 @@ def test_64_rows_of_32k_on_an_h200_go_in_groups_of_eleven():
     assert (plan.rows, plan.groups) == (11, 6)
     assert plan.describe() == (
         "prefill of 64 rows x 32768 tokens in 6 forwards of 11 rows: one forward of the whole batch needs ~390.5 GiB, "
-        "0.8 of the 121.0 GiB free on cuda:0 allows 11 (RocketKVConfig.prefill_batch_size sets the rows)")
+        "0.8 of the 121.0 GiB free on cuda:0 allows 11")
 
 
 def test_a_batch_that_fits_is_one_forward_and_says_so():
