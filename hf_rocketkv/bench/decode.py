@@ -79,6 +79,42 @@ class Row:
     estimate_gib: float | None = None
     prefill_rows: str | None = None  # generate()'s line when it prefilled in row groups it chose from the free memory
 
+    def skip(self, need: int, allowed: float) -> None:
+        """Not run: its estimate (``need`` bytes) is above ``allowed`` bytes."""
+        self.estimate_gib = need / 2**30
+        self.status = f"skipped: needs ~{need / 2**30:.0f} GiB > {allowed / 2**30:.0f} GiB"
+
+    def record(self, result: dict, attention: tuple[tuple[float, float | None], int]) -> None:
+        """What a run measured: ``run_generate``'s result (step timings, peak, the prefill rows' line) and
+        ``attention_step``'s ``((eager ms, graph ms), bytes)``; then the rates derived from them (``fill_rates``)."""
+        fields = {field.name for field in dataclasses.fields(self)}
+        unknown = set(result) - fields
+        if unknown:
+            raise ValueError(f"Row.record: no column named {sorted(unknown)}")
+        for name, value in result.items():
+            setattr(self, name, value)
+        (self.attn_ms, self.attn_graph_ms), self.attn_bytes = attention
+        self.fill_rates()
+
+    def fail(self, status: str) -> None:
+        self.status = status
+
+    def fill_rates(self) -> None:
+        """The columns derived from the timings: ``tokens_per_s`` (the batch's rows each get a token per decode step:
+        batch / step time) and the attention step's read bandwidth ``attn_GBps`` / ``attn_graph_GBps``
+        (``attn_bytes`` per eager / CUDA-graph step time, 1 GB = 1e9 bytes). Columns without a timing stay None."""
+        if self.decode_ms_per_token:
+            self.tokens_per_s = self.batch * 1e3 / self.decode_ms_per_token
+        if self.attn_ms:
+            self.attn_GBps = self.attn_bytes / (self.attn_ms * 1e-3) / 1e9
+        if self.attn_graph_ms:
+            self.attn_graph_GBps = self.attn_bytes / (self.attn_graph_ms * 1e-3) / 1e9
+
+    def compare_with(self, dynamic_ms: float | None) -> None:
+        """``ratio_vs_dynamic``: this row's decode time over DynamicCache's at the same batch and context."""
+        if dynamic_ms and self.decode_ms_per_token:
+            self.ratio_vs_dynamic = self.decode_ms_per_token / dynamic_ms
+
 
 # ------------------------------------------------------------------------------------------------ setup
 def build_parser() -> argparse.ArgumentParser:
@@ -281,18 +317,6 @@ def step_timings(times: list[float]) -> dict:
     )
 
 
-def fill_rates(row: Row) -> None:
-    """The row's columns derived from its timings: ``tokens_per_s`` (the batch's rows each get a token per decode
-    step: batch / step time) and the attention step's read bandwidth ``attn_GBps`` / ``attn_graph_GBps``
-    (``attn_bytes`` per eager / CUDA-graph step time, 1 GB = 1e9 bytes). Columns without a timing stay None."""
-    if row.decode_ms_per_token:
-        row.tokens_per_s = row.batch * 1e3 / row.decode_ms_per_token
-    if row.attn_ms:
-        row.attn_GBps = row.attn_bytes / (row.attn_ms * 1e-3) / 1e9
-    if row.attn_graph_ms:
-        row.attn_graph_GBps = row.attn_bytes / (row.attn_graph_ms * 1e-3) / 1e9
-
-
 def rocket_for_row(rocket, cache: str):
     """The RocketKVConfig of a benchmark row: rocketkv-graphs / rocketkv-compile pick the decode runner; a
     ``-rope-off`` row turns ``fused_rope`` off, a ``-norm-off`` row ``fused_norm``; an ``-adakv`` row sets
@@ -445,11 +469,10 @@ def run(argv: list[str] | None = None) -> dict:
         for context in setup["context"]:
             ids = torch.randint(3, model.config.vocab_size, (batch, context), generator=gen).to(device)
             for cache in setup["caches"]:
-                row = Row(cache=cache, batch=batch, context=context)
                 need = estimate_bytes(cache, batch, context, setup["new_tokens"], model, rocket)
-                row.estimate_gib = need / 2**30
+                row = Row(cache=cache, batch=batch, context=context, estimate_gib=need / 2**30)
                 if total is not None and need > args.memory_fraction * total:
-                    row.status = f"skipped: needs ~{need / 2**30:.0f} GiB > {args.memory_fraction * total / 2**30:.0f} GiB"
+                    row.skip(need, args.memory_fraction * total)
                     rows.append(row)
                     print(_line(row), flush=True)
                     continue
@@ -457,14 +480,11 @@ def run(argv: list[str] | None = None) -> dict:
                 try:
                     result, past = run_generate(model, cache, ids, setup["new_tokens"], rocket, args.profile,
                                                 args.cudnn_for_static)
-                    for key, value in result.items():
-                        setattr(row, key, value)
-                    (row.attn_ms, row.attn_graph_ms), row.attn_bytes = attention_step(cache, past, model)
-                    fill_rates(row)
+                    row.record(result, attention_step(cache, past, model))
                 except torch.cuda.OutOfMemoryError:
-                    row.status = "out of memory"
+                    row.fail("out of memory")
                 except Exception as err:  # noqa: BLE001 - one bad point must not lose the others
-                    row.status = f"error: {type(err).__name__}: {str(err)[:300]}"
+                    row.fail(f"error: {type(err).__name__}: {str(err)[:300]}")
                 del past
                 _free(device)
                 rows.append(row)
@@ -508,9 +528,7 @@ def _free(device: torch.device) -> None:
 def _ratios(rows: list[Row]) -> None:
     dense = {(r.batch, r.context): r.decode_ms_per_token for r in rows if r.cache == "dynamic" and r.decode_ms_per_token}
     for r in rows:
-        base = dense.get((r.batch, r.context))
-        if base and r.decode_ms_per_token:
-            r.ratio_vs_dynamic = r.decode_ms_per_token / base
+        r.compare_with(dense.get((r.batch, r.context)))
 
 
 def _fmt(value, spec: str) -> str:

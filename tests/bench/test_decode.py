@@ -75,16 +75,16 @@ def test_step_clock_times_tokens_from_the_start():
 
 
 def test_rates_tokens_per_s_and_bandwidth():
-    from hf_rocketkv.bench.decode import Row, fill_rates
+    from hf_rocketkv.bench.decode import Row
 
     # batch 4 at 20 ms per step: 4 tokens every 20 ms = 200 tokens/s; 1e9 bytes in 0.5 ms = 2000 GB/s
     row = Row("rocketkv", batch=4, context=8, decode_ms_per_token=20.0, attn_ms=0.5, attn_graph_ms=0.25,
               attn_bytes=10**9)
-    fill_rates(row)
+    row.fill_rates()
     assert row.tokens_per_s == pytest.approx(200.0)
     assert row.attn_GBps == pytest.approx(2000.0) and row.attn_graph_GBps == pytest.approx(4000.0)
     untimed = Row("rocketkv-graphs-pool", batch=2, context=8, attn_bytes=10**9)
-    fill_rates(untimed)
+    untimed.fill_rates()
     assert untimed.tokens_per_s is None and untimed.attn_GBps is None and untimed.attn_graph_GBps is None
 
 
@@ -100,3 +100,17 @@ def test_ratio_vs_dynamic_and_the_markdown_row():
     table = markdown(rows).splitlines()
     assert table[3] == ("| rocketkv | 1 | 8 | ok | 10.00 | 100.0 | 1.23 | - | - / - | - / - | 0.25 |")
 
+
+
+def test_a_row_records_a_run_skips_by_its_estimate_and_refuses_unknown_columns():
+    from hf_rocketkv.bench.decode import Row
+
+    row = Row("rocketkv", batch=2, context=8)
+    row.record(dict(decode_ms_per_token=10.0, peak_gib=1.5, prefill_rows=None), ((0.5, None), 10**9))
+    assert (row.tokens_per_s, row.attn_ms, row.attn_graph_ms, row.attn_GBps) == (200.0, 0.5, None, 2000.0)
+    assert row.peak_gib == 1.5 and row.status == "ok"
+    with pytest.raises(ValueError, match=r"Row.record: no column named \['speed'\]"):
+        Row("rocketkv", 1, 8).record(dict(speed=1.0), ((0.1, 0.1), 1))
+    skipped = Row("dynamic", 64, 32768)
+    skipped.skip(300 * 2**30, 128.6 * 2**30)
+    assert skipped.status == "skipped: needs ~300 GiB > 129 GiB" and skipped.estimate_gib == 300.0
