@@ -92,6 +92,15 @@ class BatchDecoder:
         self.in_flight: _StepInFlight | None = None
         self._last_read = 0.0  # when the latest step's tokens were read (perf_counter)
 
+    def capture_under(self, lock) -> None:
+        """Hold ``lock`` (the prefill worker's, ``concurrent_prefill_tokens``) around each step that captures a graph:
+        no launch of the prefill thread lands inside the capture."""
+        self.capture_lock = lock
+
+    def use_graphs(self, graphs: BatchedDecodeGraphs | None) -> None:
+        """Step through ``graphs`` from now on (None: every step eager)."""
+        self.graphs = graphs
+
     def step(self) -> None:
         """One decode step over the running rows. With ``BatchingConfig.overlap_decode`` the step is launched before
         the tokens of the step still in flight are read, from those tokens on the device (module docstring)."""

@@ -164,7 +164,7 @@ class BatchingEngine(ThreadedEngine):
                     "thread's progress depends on timing, every rank must take the same decisions); leave it None")
             self._worker = PrefillWorker(self._admission, self.batching.concurrent_prefill_tokens,
                                          self.batching.prefill_chunk_tokens, self.device, self._wake)
-            self._decoder.capture_lock = self._worker.capture_lock
+            self._decoder.capture_under(self._worker.capture_lock)
         # the next prompt's cuDNN graphs, built while the device runs a chunk (where this thread prefills)
         self._lookahead = (LookaheadGraphs(model, pool, self.device, self.batching.prefill_chunk_tokens)
                            if self._worker is None and lockstep is None else None)
@@ -205,7 +205,7 @@ class BatchingEngine(ThreadedEngine):
 
     @graphs.setter
     def graphs(self, graphs: BatchedDecodeGraphs | None) -> None:
-        self._decoder.graphs = graphs
+        self._decoder.use_graphs(graphs)
 
     @property
     def graphs_in_use(self) -> bool:
@@ -337,7 +337,7 @@ class BatchingEngine(ThreadedEngine):
         for src, dst in step.moves:
             self.batch.move(src, dst)
         if self._worker is not None:
-            self._worker.rows_decoding = len(self._scheduler.rows)
+            self._worker.decoding(len(self._scheduler.rows))
         if self._scheduler.rows:
             self._decoder.step()  # launched before the chunks: the running rows never wait for a whole prompt
         for running, tokens in step.prefill:

@@ -71,7 +71,7 @@ class PrefillWorker:
         self.chunk_tokens, self.idle_chunk_tokens = chunk_tokens, idle_chunk_tokens
         self.device = device
         self._notify = notify
-        self.rows_decoding = 0  # set by the engine thread each iteration: the chunk size follows it
+        self.rows_decoding = 0  # the engine thread's rows decoding (``decoding``): the chunk size follows it
         self.capture_lock = threading.Lock()
         self.stream = self.decode_stream = None
         if device.type == "cuda":
@@ -149,6 +149,10 @@ class PrefillWorker:
         finally:
             if graphs is not None:
                 graphs.release()  # (the engine's start() never waits on a thread that ended)
+
+    def decoding(self, rows: int) -> None:
+        """The engine thread's rows decoding now (each iteration): with none, the chunks grow to the idle size."""
+        self.rows_decoding = rows
 
     def _chunk(self) -> int:
         return self.chunk_tokens if self.rows_decoding else self.idle_chunk_tokens
