@@ -51,6 +51,16 @@ class _Record:
     consumed: bool = False  # a stream was opened on it
     abandoned: bool = False  # its consumer left before the end: drop the record once the engine finishes it
 
+    def consume(self) -> None:
+        """Its one consumer opens the stream (ValueError on a second)."""
+        if self.consumed:
+            raise ValueError(f"request {self.request.request_id!r} already has a consumer (stream it once)")
+        self.consumed = True
+
+    def abandon(self) -> None:
+        """Its consumer left before the end (call with ``lock`` held)."""
+        self.abandoned = True
+
 
 class GenerationManager:
     """Schedules requests on one model through an engine; see the module docstring.
@@ -300,9 +310,7 @@ class GenerationManager:
             record = self._records.get(request_id)
             if record is None:
                 raise UnknownRequest(request_id)
-            if record.consumed:
-                raise ValueError(f"request {request_id!r} already has a consumer (stream it once)")
-            record.consumed = True
+            record.consume()
             return record
 
     def _close(self, request_id: str, finished: bool) -> None:
@@ -310,7 +318,7 @@ class GenerationManager:
         if not finished and record is not None:  # the consumer left early: nobody reads the rest, stop computing it
             self.cancel(request_id)
             with record.lock:
-                record.abandoned = True
+                record.abandon()
                 if not record.processor.finished:
                     return  # _finish drops the record when the engine's final event comes
         self._forget(request_id)

@@ -41,6 +41,10 @@ class Starting:
     def stop(self, drain: bool = True, timeout: float | None = None) -> None:
         """Nothing runs yet (a stop before the build ends: the build's manager is stopped by its thread)."""
 
+    def failed(self, err: BaseException) -> None:
+        """The build raised: /health says so from now on."""
+        self.status, self.reason = "failed", f"{type(err).__name__}: {err}"
+
 
 def start_when_ready(app, build: Callable[[], object],
                      on_failure: Callable[[BaseException], None] | None = None) -> threading.Thread:
@@ -54,7 +58,7 @@ def start_when_ready(app, build: Callable[[], object],
         try:
             manager = build()
         except BaseException as err:  # noqa: BLE001 - reported on /health and to on_failure
-            starting.status, starting.reason = "failed", f"{type(err).__name__}: {err}"
+            starting.failed(err)
             logger.error("hf_rocketkv server: the engine failed to start: %s", starting.reason)
             if on_failure is not None:
                 on_failure(err)
