@@ -8,7 +8,13 @@ import torch
 from hf_rocketkv import RocketKVCache
 from hf_rocketkv.integration import attention
 from hf_rocketkv.integration.call_state import CallState, call_state
-from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
+from tests.support.tiny_models import (
+    compressing_config,
+    greedy,
+    left_pad,
+    make_models,
+    random_ids,
+)
 
 
 def test_begin_prefill_resets_the_guards_and_the_captured_step_and_keeps_the_rest():
