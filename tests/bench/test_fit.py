@@ -304,14 +304,77 @@ def test_cgroup_room_floors_at_zero_and_reads_nothing_it_cannot_parse(tmp_path):
     assert fit.cgroup_room(tmp_path) is None
 
 
-def test_host_available_bytes_takes_the_cgroup_room_when_it_is_lower(monkeypatch):
-    meminfo = {line.split(":")[0]: int(line.split()[1]) * 1024
-               for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemAvailable:")}
-    monkeypatch.setattr(fit, "cgroup_room", lambda: None)
-    available, source = fit.host_available_bytes()
-    assert source == "MemAvailable in /proc/meminfo"
-    assert abs(available - meminfo["MemAvailable"]) < GiB  # read a moment apart
-    monkeypatch.setattr(fit, "cgroup_room", lambda: 12345)
-    assert fit.host_available_bytes() == (12345, "the cgroup's memory.max less memory.current")
-    monkeypatch.setattr(fit, "cgroup_room", lambda: 1 << 60)  # a limit above what is free: MemAvailable
-    assert fit.host_available_bytes()[1] == "MemAvailable in /proc/meminfo"
+def test_host_available_bytes_reads_meminfo_else_free_pages_and_takes_a_lower_cgroup_room(monkeypatch, tmp_path):
+    """/proc/meminfo's MemAvailable (kB), else free physical pages x page size (os.sysconf), else nothing; a cgroup
+    room below that number wins, an equal one does not."""
+    import types
+
+    meminfo = tmp_path / "meminfo"
+    monkeypatch.setattr(fit, "Path", lambda path: meminfo if path == "/proc/meminfo" else Path(path))
+    sizes = {"SC_AVPHYS_PAGES": 3, "SC_PAGE_SIZE": 4096}
+
+    def sysconf(name):
+        if name not in sizes:
+            raise ValueError(f"unrecognized configuration name {name!r}")
+        return sizes[name]
+
+    monkeypatch.setattr(fit, "os", types.SimpleNamespace(sysconf=sysconf))
+    room = [None]
+    monkeypatch.setattr(fit, "cgroup_room", lambda: room[0])
+    meminfo.write_text("MemTotal:       16000 kB\nMemFree:  100 kB\nMemAvailable:    2048 kB\nBuffers: 7 kB\n")
+    assert fit.host_available_bytes() == (2048 * 1024, "MemAvailable in /proc/meminfo")
+    room[0] = 2048 * 1024 - 1
+    assert fit.host_available_bytes() == (2048 * 1024 - 1, "the cgroup's memory.max less memory.current")
+    room[0] = 2048 * 1024
+    assert fit.host_available_bytes() == (2048 * 1024, "MemAvailable in /proc/meminfo")
+    room[0] = None
+    for unread in ("MemTotal: 16000 kB\n", "MemAvailable: many kB\n", "MemAvailable:\n"):
+        meminfo.write_text(unread)
+        assert fit.host_available_bytes() == (3 * 4096, "free physical pages"), unread
+    meminfo.unlink()
+    assert fit.host_available_bytes() == (3 * 4096, "free physical pages")
+    room[0] = 5
+    assert fit.host_available_bytes() == (5, "the cgroup's memory.max less memory.current")
+    room[0] = None
+    sizes.pop("SC_AVPHYS_PAGES")
+    assert fit.host_available_bytes() == (None, "unknown")
+    monkeypatch.setattr(fit, "os", types.SimpleNamespace())  # no sysconf at all (Windows)
+    assert fit.host_available_bytes() == (None, "unknown")
+    room[0] = 5
+    assert fit.host_available_bytes() == (5, "the cgroup's memory.max less memory.current")
+
+
+def test_shapes_of_an_object_without_the_optional_fields():
+    """A config object (not a dict) lacking head_dim, num_key_value_heads and tie_word_embeddings: the defaults of a
+    dict without them (head_dim = hidden / heads, an int; as many KV heads as heads; untied)."""
+    import types
+
+    fields = {k: v for k, v in fit.TINY.items() if k != "num_key_value_heads"}
+    shapes = fit.Shapes.of(types.SimpleNamespace(**fields))
+    assert shapes == fit.Shapes.of(fields) == fit.Shapes(hidden=256, intermediate=512, heads=4, kv_heads=4,
+                                                         head_dim=64, layers=2, vocab=1024, tied=False)
+    assert type(shapes.head_dim) is int and type(shapes.parameters()) is int
+
+
+def test_the_prefill_rows_reach_the_estimate():
+    """RocketKV rows prefilled one at a time (--prefill-batch-size 1): the activations of one row, not of the batch of
+    4 (--quick shapes by hand, float32: 2 layers, K and V of 2 heads x 64)."""
+    args = decode_parser().parse_args(["--quick", "--caches", "rocketkv", "--batch", "4", "--context", "96"])
+    kv_token_layer = 2 * 2 * 64
+    kv = 2 * 4 * (48 + 6) * kv_token_layer * 2 + 2 * 4 * 96 * kv_token_layer
+    row = 96 * (8 * 256 + 4 * 512)
+    for rows, activations in ((None, 4 * row), (1, row), (2, 2 * row), (8, 4 * row)):
+        assert fit.check_bench(args, workload=False, device_type="cpu", available=GiB, where="x", prompt_budget=48,
+                               prefill_batch_size=rows) == (TINY_PARAMETERS + kv + activations) * 4, rows
+
+
+def test_a_run_without_a_memory_fraction_flag_is_held_to_0_92():
+    """The workload's parser has no --memory-fraction: without ``fraction`` (the command line's check) it is 0.92."""
+    args = workload_parser().parse_args(["--workload", "--quick", "--calls", "2"])
+    need = fit.check_bench(args, workload=True, device_type="cpu", available=GiB, where="x", prompt_budget=48,
+                           prefill_batch_size=None, fraction=1.0)
+    assert fit.check_bench(args, workload=True, device_type="cpu", available=int(need / 0.92) + 1, where="x",
+                           prompt_budget=48, prefill_batch_size=None) == need
+    with pytest.raises(fit.WontFit, match=r"more than 0\.92 of the"):
+        fit.check_bench(args, workload=True, device_type="cpu", available=int(need / 0.92) - 1, where="x",
+                        prompt_budget=48, prefill_batch_size=None)

@@ -74,3 +74,19 @@ def test_one_forward_reads_the_padding_once_and_remembers_it_for_its_later_layer
     assert calls == [40] and host == [0, 7] and torch.equal(start, memo[2])
     assert call_state(cache).padding_memo[0]() is fresh
     assert attention.padding_of_forward(layer, fresh, 40)[1] == [0, 7] and calls == [40]
+
+
+def test_the_causal_memo_holds_the_forwards_mask_and_its_answer():
+    """lower_right_causal compares a mask once per forward: the answer is remembered with a weak reference to the mask,
+    and a later layer given the same mask object gets it without comparing again."""
+    rocket, _ = make_models("llama", num_hidden_layers=1)
+    cache = RocketKVCache(compressing_config())
+    greedy(rocket, random_ids(1, 40), max_new_tokens=1, cache=cache, disable_compile=True)
+    layer = cache.layers[0]
+    causal = torch.ones(40, 40, dtype=torch.bool).tril().expand(2, 1, 40, 40)
+    assert attention.lower_right_causal(layer, causal, [0, 0], 40, 40) is True
+    memo = call_state(cache).causal_memo
+    assert memo[0]() is causal and memo[1] is True
+    full = torch.ones(2, 1, 40, 40, dtype=torch.bool)
+    assert attention.lower_right_causal(layer, full, [0, 0], 40, 40) is False
+    assert call_state(cache).causal_memo[0]() is full and call_state(cache).causal_memo[1] is False
