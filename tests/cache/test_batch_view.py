@@ -13,8 +13,8 @@ import torch
 from hf_rocketkv import RocketKVCache
 from hf_rocketkv.cache.batch_view import BatchedDecodeCache, BatchedDecodeLayer
 from hf_rocketkv.cache.paged_store import PagedStore
-from tests.support.tiny_models import compressing_config, cpu_pool, greedy, random_ids
 from hf_rocketkv.integration.compat import cache_kwargs
+from tests.support.tiny_models import compressing_config, cpu_pool, greedy, random_ids
 
 CFG = compressing_config(kt_cache_dtype="float32")
 STEPS = 6
@@ -219,3 +219,29 @@ def test_a_batch_dropped_with_rows_joined_gives_their_pages_back(model):
     del batch, cache
     gc.collect()
     assert pool.free_pages() == pool.total_pages()  # free_pages() is a pool call: the queued release ran first
+
+
+def test_release_rows_the_scratch_page_and_what_the_batch_refuses(model):
+    """release_rows gives back every joined row (not the free ones) and counts them; the scratch page is exactly one
+    page; the batch's length questions: 0 before the first join, refused word for word after it (the rows differ)."""
+    pool = cpu_pool(model, CFG, 2 << 20)
+    batch = BatchedDecodeCache(pool, max_rows=3)
+    assert batch.get_seq_length() == 0 and batch.release_rows() == 0
+    for row, n in ((0, 30), (2, 41)):
+        cache, _ = prefill(model, pool, random_ids(1, n, seed=n)[0], STEPS)
+        batch.join(row, cache)
+        cache.close()
+    assert pool.free_pages() < pool.total_pages()
+    assert batch.release_rows() == 2
+    assert batch.joined == 0 and pool.free_pages() == pool.total_pages()
+    assert batch.ensure_scratch() and pool.free_pages() == pool.total_pages() - 1
+    batch.close()
+    assert pool.free_pages() == pool.total_pages()
+    with pytest.raises(RuntimeError) as refused:
+        batch.get_seq_length()
+    assert str(refused.value) == (
+        "BatchedDecodeCache rows have different lengths: pass position_ids (each row's next position, "
+        "BatchedDecodeCache.next_positions) to the model instead of asking the cache for one length")
+    with pytest.raises(NotImplementedError) as refused:
+        batch.layers[0].reset()
+    assert str(refused.value) == "BatchedDecodeLayer.reset: rows leave one at a time (BatchedDecodeCache.leave)"
