@@ -138,19 +138,25 @@ class RocketKVCache(Cache):
         builds one per group. It has no pool of its own: a pool-backed cache hands each group its rows
         (``share_rows``)."""
         part = type(self)(self.config)
-        part.layer_windows, part.num_layers = self.layer_windows, self.num_layers
-        part.layer_chunked = self.layer_chunked
+        part._copy_layer_kinds(self)
         return part
+
+    def _copy_layer_kinds(self, other: RocketKVCache) -> None:
+        self.layer_windows, self.num_layers, self.layer_chunked = other.layer_windows, other.num_layers, \
+            other.layer_chunked
 
     def share_rows(self, part: "RocketKVCache", rows: slice) -> None:
         """Row-group prefill: ``part`` (an ``empty_like()`` cache) prefills ``rows`` of this cache's admitted batch
         in this cache's pool pages."""
         if self.pages is None:
             return
-        part.pool = self.pool
-        part.pages = self.pages.split(rows, part.counters)
-        part.layer_class_to_replicate = functools.partial(RocketKVLayer, part.config, part.hints, part.pages,
-                                                          counters=part.counters)
+        part._use_pages(self.pool, self.pages.split(rows, part.counters))
+
+    def _use_pages(self, pool: KVBlockPool, pages: PoolPages) -> None:
+        """This (empty) cache's rows live in ``pages`` of ``pool`` (a row group's part, ``share_rows``)."""
+        self.pool, self.pages = pool, pages
+        self.layer_class_to_replicate = functools.partial(RocketKVLayer, self.config, self.hints, pages,
+                                                          counters=self.counters)
 
     def _new_layer(self, layer_idx: int) -> RocketKVLayer | SlidingWindowLayer:
         windows = self.layer_windows
@@ -386,8 +392,7 @@ class RocketKVCache(Cache):
             for i in range(len(parts[0].layers))
         ]
         for part in parts:
-            self.counters.computed_tokens += part.counters.computed_tokens
-            self.counters.reused_tokens += part.counters.reused_tokens
+            self.counters.add_tokens(part.counters)
         if self.pages is not None:
             self.pages.adopt_parts()
 

@@ -285,8 +285,7 @@ class PoolPages:
     def _count_copies(self, before: tuple[int, int]) -> None:
         """Add the pool's copies since ``before`` (``pool.copied_bytes()``) to this request's counters."""
         offloaded, onloaded = self.pool.copied_bytes()
-        self.counters.offloaded_bytes += offloaded - before[0]
-        self.counters.onloaded_bytes += onloaded - before[1]
+        self.counters.moved(offloaded - before[0], onloaded - before[1])
 
     def _implicit_turn(self, layer, counts: list[int], headroom: int) -> Turn:
         """A stage 1 that no ``begin`` announced (forwards outside generate()): admit now, without prefix lookup."""
@@ -317,7 +316,7 @@ class PoolPages:
                 layer.seed_replay(start)
             else:
                 layer.seed_prefix(tokens, start)
-        self.counters.reused_tokens += sum(max(0, tokens - row.pad) for row in self.rows)
+        self.counters.reused(sum(max(0, tokens - row.pad) for row in self.rows))
         return start
 
     def prefix_keys(self, layer, key_states: torch.Tensor, room: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -99,7 +99,7 @@ class Stage1:
         all_real = valid is None
         if layer.counters is not None and layer.counts_tokens:
             # prefill is eager: a sync is fine here (once per forward, and none without padding)
-            layer.counters.computed_tokens += batch * n if all_real else int(valid.sum())
+            layer.counters.computed(batch * n if all_real else int(valid.sum()))
         held_count = self.host_window_len if self.pending_queries is not None else [0] * batch
         if all_real:
             queries = chunk_queries[:, :, n - min(window, n):]  # every query is real: the last w, no ranking

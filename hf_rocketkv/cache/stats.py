@@ -23,6 +23,24 @@ class RequestCounters:
     offloaded_bytes: int = 0
     onloaded_bytes: int = 0
 
+    def computed(self, tokens: int) -> None:
+        """Prompt tokens a prefill forward computed (real ones: padding is not counted)."""
+        self.computed_tokens += tokens
+
+    def reused(self, tokens: int) -> None:
+        """Prompt tokens a prefix hit served from the pool instead."""
+        self.reused_tokens += tokens
+
+    def moved(self, offloaded: int, onloaded: int) -> None:
+        """Bytes of this request's pages copied to host memory and back."""
+        self.offloaded_bytes += offloaded
+        self.onloaded_bytes += onloaded
+
+    def add_tokens(self, other: RequestCounters) -> None:
+        """A row group's computed and reused tokens, taken over by the whole batch's cache."""
+        self.computed_tokens += other.computed_tokens
+        self.reused_tokens += other.reused_tokens
+
 
 @dataclass(frozen=True)
 class CacheStats:

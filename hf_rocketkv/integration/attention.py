@@ -99,7 +99,7 @@ def count_replayed(layer: RocketKVLayer, tokens: int) -> None:
     """Add the real tokens a forward replayed (a prefix hit on a sliding-window model) to the request's computed
     tokens: stage 1 observes, and counts, only the queries after the hit."""
     if layer.counters is not None and layer.counts_tokens:
-        layer.counters.computed_tokens += tokens
+        layer.counters.computed(tokens)
 
 
 def real_query_count(attention_mask: torch.Tensor | None, first_column: int, batch: int, n: int) -> int:
