@@ -53,6 +53,20 @@ class RowPages:
     hit_tokens: int = 0  # prompt tokens in prefix-hit pages (shared: never written)
     pad: int = 0  # left padding of the row in the first turn's input
 
+    def padded(self, pad: int) -> None:
+        self.pad = pad
+
+    def admitted(self, admission: Admission) -> None:
+        """Its admission (prompt and view tables, prefix hit) for the first turn."""
+        self.admission, self.hit_tokens = admission, admission.reused_tokens
+
+    def compacted_into(self, view: list[BlockTable], history: list[BlockTable] | None = None) -> list[BlockTable]:
+        """A turn's compaction wrote this row into ``view`` (and keep_all keeps ``history``); returns the old view."""
+        old, self.view = self.view, view
+        if history is not None:
+            self.history = history
+        return old
+
     def tables(self) -> list[BlockTable]:
         tables = list(self.view) + list(self.history)
         if self.admission is not None:
@@ -85,6 +99,16 @@ class Turn:
     # the prompt tables' and the prefix hit's device tables, built once per turn (not once per layer)
     prompt_table: tuple[torch.Tensor, tuple[int, ...]] | None = None
     hit_table: torch.Tensor | None = None
+
+    def remember_hit_table(self, table: torch.Tensor) -> None:
+        self.hit_table = table
+
+    def remember_prompt_table(self, table: torch.Tensor, row_pages: tuple[int, ...]) -> None:
+        self.prompt_table = (table, row_pages)
+
+    def lay_out_view(self, device) -> None:
+        """The device table of ``view`` and its pages per row, built at the first layer's compaction."""
+        self.table, self.row_pages = _table_tensor(self.view, device)
 
 
 def _table_tensor(rows: list[list[BlockTable]], device) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -136,7 +160,7 @@ def release_rows_later(pool: KVBlockPool, rows: list[RowPages], extra: list[Rese
 
 @dataclass
 class GroupPlan:
-    """Row-group prefill's plan (``RocketKVConfig.prefill_batch_size``): the whole batch reserved up front, then
+    """Row-group prefill's plan (the rows per group generate() chose): the whole batch reserved up front, then
     admitted group by group out of the reservation, so a group's prompt pages are held only while it prefills."""
 
     reserve: Reservation  # free pages set aside for the groups not admitted yet (counted, not held)
@@ -145,6 +169,11 @@ class GroupPlan:
     peak: list[int]  # per row: pages at its prefill peak (cold)
     steady: list[int]  # per row: pages it keeps after its prefill
     groups_left: int
+
+    def group_done(self) -> int:
+        """One more group is prefilled; returns how many are left."""
+        self.groups_left -= 1
+        return self.groups_left
 
 
 class PoolPages:
@@ -190,7 +219,7 @@ class PoolPages:
             else:
                 self._admit(lens, max_new_tokens, ids)
             for row, pad in zip(self.rows, pads):
-                row.pad = pad
+                row.padded(pad)
             return
         if self.num_layers == 0:  # every layer slides: a later turn keeps the rows' slots, it needs no pages
             return
@@ -233,7 +262,7 @@ class PoolPages:
                                            keys=self.keys, keep_all=self.keep_all, reservation=plan.reserve)
         self._count_copies(before)
         for row, adm in zip(self.rows, admissions):
-            row.admission, row.hit_tokens = adm, adm.reused_tokens
+            row.admitted(adm)
         self.turn = Turn(first=True, view=[[a.view if a.view.max_pages else a.prompt] for a in admissions])
 
     def _group_done(self, released: int) -> None:
@@ -241,8 +270,7 @@ class PoolPages:
         ``released`` pages aside again for the groups to come (under the same lock, so no one takes them in
         between), or give the reservation back after the last group."""
         plan = self.parent.plan
-        plan.groups_left -= 1
-        if plan.groups_left > 0:
+        if plan.group_done() > 0:
             self.pool.add_to_reservation(plan.reserve, released)
         else:
             self.pool.unreserve(plan.reserve)
@@ -338,7 +366,7 @@ class PoolPages:
             rows = [list(row.admission.prompt.pages[:hit]) for row in self.rows]
             table = device_tensor([r + [-1] * (hit - len(r)) for r in rows], torch.int32, key_states.device)
             if self.turn is not None:
-                self.turn.hit_table = table
+                self.turn.remember_hit_table(table)
         for b, row in enumerate(self.rows):
             n = tokens - row.pad
             if n > 0:
@@ -380,7 +408,7 @@ class PoolPages:
         else:
             table, row_pages = _table_tensor([[row.admission.prompt] for row in self.rows], layer.device)
             if self.turn is not None:
-                self.turn.prompt_table = (table, row_pages)
+                self.turn.remember_prompt_table(table, row_pages)
         return PagedStore.over(storage, table, row_pages, layer.dtype, kt=False), [row.hit_tokens for row in self.rows]
 
     def view_store(self, layer, counts: list[int], headroom: int) -> PagedStore:
@@ -391,7 +419,7 @@ class PoolPages:
                 # prefix reuse off: the prompt table is the view, compacted in place; its tail goes back now
                 for row, count in zip(self.rows, counts):
                     self.pool.truncate(row.admission.prompt, ceil_div(count + self.max_new_tokens, self.page_tokens))
-            turn.table, turn.row_pages = _table_tensor(turn.view, layer.device)
+            turn.lay_out_view(layer.device)
         capacities = [n * self.page_tokens for n in turn.row_pages]
         for b, (count, capacity) in enumerate(zip(counts, capacities)):
             if count > capacity:
@@ -414,15 +442,15 @@ class PoolPages:
         with self.pool.exclusive():  # a row group re-reserves exactly what it releases, before anyone else can
             free_before = self.pool.free_pages()
             for row, view in zip(self.rows, turn.view):
-                old_view = row.view
-                row.view = view
+                history = None
                 if turn.first:
                     adm = row.admission
                     self.pool.commit_prompt(adm)
                     if self.keep_all:
-                        row.history = [adm.prompt]
+                        history = [adm.prompt]
                     elif adm.view.max_pages:  # (reuse off: the prompt table is the view)
                         self.pool.release(adm.prompt)
+                old_view = row.compacted_into(view, history)
                 for table in old_view:
                     self.pool.release(table)
             if turn.first and self.parent is not None:
@@ -501,11 +529,15 @@ class PoolPages:
         """A part for row-group prefill: the same row objects (tables), admitted now out of the reservation."""
         keys = self.keys[rows] if isinstance(self.keys, list) else self.keys
         part = PoolPages(self.pool, self.config, keys, counters, rows=self.rows[rows])
-        part.max_new_tokens = self.max_new_tokens
-        part.parent, part.group = self, rows
+        part._belong_to(self, rows)
         if self.plan is not None:
             part._admit_group()
         return part
+
+    def _belong_to(self, parent: PoolPages, rows: slice) -> None:
+        """This part holds ``rows`` of ``parent``'s batch, with its room for new tokens."""
+        self.max_new_tokens = parent.max_new_tokens
+        self.parent, self.group = parent, rows
 
     def adopt_parts(self) -> None:
         """The parts have closed their turns on the shared rows: this (whole-batch) object's turn is over too."""
