@@ -3,6 +3,8 @@ are bound by the launches RocketKV adds to the model's).
 
     python -m benchmarks.probes.launch_counts --out out                    # CPU, about a minute
     TRITON_INTERPRET=1 python -m benchmarks.probes.launch_counts --triton  # the Triton backend's launches
+    TRITON_INTERPRET=1 python -m benchmarks.probes.launch_counts --triton --decode-attention gemma-3-12b
+                                                                # a decode step's launches per attention module
 
 Counts run on the CPU with the tiny model: every aten op that launches a kernel on a GPU (views, empty allocations
 and metadata ops excluded) and every Triton kernel launch is attributed to the innermost ``hf_rocketkv`` function on
@@ -15,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import datetime
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -166,6 +170,78 @@ def count_prefill(prompt_len: int = 512, layers: int = 2, backend: str = "torch"
             "per_function": dict(counter.counts.most_common()), "per_op": dict(per_op)}
 
 
+def count_decode_attention(model_name: str = "gemma-3-12b", backend: str = "torch", new_tokens: int = 6) -> dict:
+    """Kernel launches per decode step inside each attention module (projections, norms, RoPE, the cache's update and
+    the attention itself), by layer kind, on a tiny random model of ``model_name``'s architecture (``gemma-3-12b``,
+    ``gpt-oss-20b``: benchmarks/hybrid_decode.py's quick shapes; ``llama``: the prefix-reuse benchmark's tiny Llama),
+    RocketKV defaults with small budgets, eager decode (``disable_compile=True``), batch 1. A decode step is a forward
+    of one token; each request's first one (which also lays out its decode state) is left out. Returns ``{"per_layer_kind": {kind: launches per layer per step}, "per_op": {kind: {op: ...}}}``."""
+    from hf_rocketkv import RocketKVCache, RocketKVConfig
+
+    torch.set_grad_enabled(False)
+    if model_name == "llama":
+        from benchmarks.bench_prefix_reuse import setup
+
+        _, _, model = setup(torch.device("cpu"), quick=True)
+        kinds = ["full_attention"] * model.config.num_hidden_layers
+    else:
+        from benchmarks.hybrid_decode import build_model
+
+        model, _ = build_model(model_name, True, None, torch.float32, torch.device("cpu"))
+        hf_rocketkv.enable(model)
+        kinds = list(model.config.layer_types)
+    config = RocketKVConfig(prompt_budget=32, window_size=8, kernel_size=7, topk=4, backend=backend)
+    ids = torch.randint(3, model.config.vocab_size, (1, 96), generator=torch.Generator().manual_seed(0))
+    counter = LaunchCounter()
+    per_kind_steps: collections.Counter = collections.Counter()
+    kind_ops: dict = collections.defaultdict(collections.Counter)
+    state = {"kind": None}
+
+    def watch(index: int, attention: torch.nn.Module) -> list:
+        def enter(module, args, kwargs):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            if hidden is not None and hidden.shape[1] == 1:  # a decode step
+                decodes[index] += 1
+                if decodes[index] == 1:  # the first one lays out the request's decode state (once per request)
+                    return
+                state["kind"] = kinds[index]
+                per_kind_steps[kinds[index]] += 1
+                counter.ops.clear()
+
+        def leave(module, args, kwargs, output):
+            if state["kind"] is not None:
+                for (_, op), n in counter.ops.items():
+                    kind_ops[state["kind"]][op] += n
+                state["kind"] = None
+        return [attention.register_forward_pre_hook(enter, with_kwargs=True),
+                attention.register_forward_hook(leave, with_kwargs=True)]
+
+    hooks = []
+    def generate(tokens: int) -> None:
+        model.generate(ids, attention_mask=torch.ones_like(ids), cache=RocketKVCache(config),
+                       max_new_tokens=tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+                       disable_compile=True)
+
+    for hook in hooks:  # warm-up (lazy imports, first-call work) uncounted
+        hook.remove()
+    generate(2)
+    decodes = collections.Counter()
+    hooks = [hook for index, layer in enumerate(model.model.layers) for hook in watch(index, layer.self_attn)]
+    restore = _hook_triton(counter)
+    try:
+        with counter:
+            generate(new_tokens)
+    finally:
+        if restore is not None:
+            restore()
+        for hook in hooks:
+            hook.remove()
+    per_layer = {kind: sum(kind_ops[kind].values()) / steps for kind, steps in per_kind_steps.items()}
+    per_op = {kind: {op: n / per_kind_steps[kind] for op, n in ops.most_common()} for kind, ops in kind_ops.items()}
+    return {"model": model_name, "backend": backend, "decode_steps": new_tokens - 2, "layer_kinds": kinds,
+            "per_layer_kind": per_layer, "per_op": per_op}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -173,7 +249,23 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--triton", action="store_true", help="backend='triton' (needs TRITON_INTERPRET=1 on CPU)")
     parser.add_argument("--prefix-hit", action="store_true")
+    parser.add_argument("--decode-attention", metavar="MODEL", choices=["llama", "gemma-3-12b", "gpt-oss-20b"],
+                        help="count one decode step's launches per attention module by layer kind instead")
     args = parser.parse_args()
+    if args.decode_attention:
+        report = count_decode_attention(args.decode_attention, "triton" if args.triton else "torch")
+        report.update(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), device="cpu",
+                      command="TRITON_INTERPRET=1 " * args.triton + "python -m benchmarks.probes.launch_counts "
+                      + "--triton " * args.triton + f"--decode-attention {args.decode_attention}",
+                      commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                            text=True).stdout.strip() or None)
+        print(f"{args.decode_attention} (backend {report['backend']}), launches per decode step per attention module:")
+        for kind, n in report["per_layer_kind"].items():
+            print(f"  {n:6.1f}  {kind}: " + ", ".join(f"{op} {k:g}" for op, k in report["per_op"][kind].items()))
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"decode_attention_launches_{args.decode_attention}.json").write_text(json.dumps(report, indent=1))
+        return
     report = count_prefill(args.prompt_len, args.layers, "triton" if args.triton else "torch", args.prefix_hit)
     total = sum(report["per_function"].values())
     print(f"{total} launches over {args.layers} layers ({args.prompt_len} tokens, backend {report['backend']}):")

@@ -7,10 +7,10 @@ only needs, per row, which slot and how many tokens were seen, in fixed buffers 
     slots   [R] int64    row r's slot (padding rows: the batch's scratch slot)
     seen    [R] int64    tokens row r's request has seen: its next position (padding rows: 0)
 
-A step over ``bucket`` rows writes each row's token at ``[slots[r], :, seen[r] % window]`` (one ``index_put_``),
-then reads the rows' rings (``slab.index_select(0, slots)``, ``[bucket, Hkv, window, D]``) under a mask that keeps,
-per row, the slots filled so far (``slot < min(seen, window)`` once the token is written: a ring holds the last
-``window`` positions, so its order does not matter to the softmax). Device ops only, fixed buffers: a CUDA graph per
+A step over ``bucket`` rows writes each row's token at ``[slots[r], :, seen[r] % window]`` (``ring_append``),
+then attends over the rows' rings where they lie in the slab (``ring_decode_attention`` through the slot ids, no
+gather), each row over the slots it filled so far (``slot < min(seen, window)`` once the token is written: a ring
+holds the last ``window`` positions, so its order does not matter to the softmax). Device ops only, fixed buffers: a CUDA graph per
 bucket captures it (``integration/batch_graphs.py``). No K/V is copied when rows join, move or leave: only the slot
 id and the length.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.dispatch import get_ops
 from .pooled_sliding import PooledSlidingLayer
 from .seam import tag
 from .sliding_layer import SlidingWindowLayer
@@ -27,8 +28,8 @@ from .sliding_layer import SlidingWindowLayer
 class BatchedSlidingLayer(SlidingWindowLayer):
     """One sliding layer of a ``BatchedDecodeCache`` (module docstring)."""
 
-    def __init__(self, window: int, hints, layer_idx: int):
-        super().__init__(window, hints, layer_idx)
+    def __init__(self, window: int, hints, layer_idx: int, backend: str = "auto"):
+        super().__init__(window, hints, layer_idx, backend=backend)
         self.slots_buf: torch.Tensor | None = None  # [R] int64
         self.seen_buf: torch.Tensor | None = None  # [R] int64 (a row of the batch's [layers, R] tensor)
         self.k_slab = self.v_slab = None
@@ -41,6 +42,7 @@ class BatchedSlidingLayer(SlidingWindowLayer):
         self.slots_buf = torch.zeros(max_rows, dtype=torch.long, device=self.device)
         self.seen_buf = seen
         self.ring = self.is_initialized = True
+        self.ops = get_ops(self.backend, self.device)
 
     # ------------------------------------------------------------------------------------------ rows
     def copy_in(self, theirs: PooledSlidingLayer, row: int) -> None:
@@ -70,16 +72,20 @@ class BatchedSlidingLayer(SlidingWindowLayer):
         if not (self.hints.in_graph or torch.compiler.is_compiling()):
             self.awaiting_attention = True
             self.host_seen += 1
-        batch, heads = key_states.shape[:2]
-        slot = torch.remainder(self.row_seen, self.window)
-        head = torch.arange(heads, device=key_states.device)
-        index = (self.row_slots[:, None], head[None, :], slot[:, None].expand(batch, heads))
-        self.k_slab.index_put_(index, key_states[:, :, 0])
-        self.v_slab.index_put_(index, value_states[:, :, 0])
+        self.ops.ring_append(self.k_slab, self.v_slab, self.row_seen, key_states, value_states, self.row_slots)
         self.row_seen.add_(1)
-        keys, values = self.k_slab.index_select(0, self.row_slots), self.v_slab.index_select(0, self.row_slots)
+        keys, values = self.k_slab[:], self.v_slab[:]  # fresh views, tagged as this layer's (the slab is shared)
         tag(keys, self)
         return keys, values
+
+    reads_mask = False  # the rows have different lengths: each row's count says which slots it filled
+
+    def ring_store(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The pool's slab and the rows' slot ids and counts: the attention reads each row's ring where it lies."""
+        return self.k_slab, self.v_slab, self.row_slots, self.row_seen
+
+    def ring_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_slab.index_select(0, self.row_slots), self.v_slab.index_select(0, self.row_slots)
 
     def ring_mask(self, attention_mask: torch.Tensor | None) -> torch.Tensor:
         """``[bucket, 1, 1, window]`` bool: the slots each row has filled (transformers' mask is not read: the

@@ -408,7 +408,7 @@ class BatchedDecodeCache(Cache):
             self._seen_all = torch.zeros(shape, dtype=torch.long, device=device)
             for index, source in enumerate(cache.layers):
                 if isinstance(source, PooledSlidingLayer):
-                    layer = BatchedSlidingLayer(source.window, hints, index)
+                    layer = BatchedSlidingLayer(source.window, hints, index, source.backend)
                     layer.init_from(source, self.max_rows, self.pool, self._seen_all[index])
                 else:
                     layer = BatchedDecodeLayer(source.config, hints, index)

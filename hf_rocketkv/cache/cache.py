@@ -166,9 +166,11 @@ class RocketKVCache(Cache):
                                  f"the model updates layer {layer_idx}")
             if windows[layer_idx] is not None:
                 if self.pages is not None:  # its decode ring in the pool's slab, in the rows' slots
-                    return PooledSlidingLayer(windows[layer_idx], self.hints, layer_idx, self.pages)
+                    return PooledSlidingLayer(windows[layer_idx], self.hints, layer_idx, self.pages,
+                                              backend=self.config.backend)
                 chunked = bool(self.layer_chunked and self.layer_chunked[layer_idx])
-                return SlidingWindowLayer(windows[layer_idx], self.hints, layer_idx, chunked=chunked)
+                return SlidingWindowLayer(windows[layer_idx], self.hints, layer_idx, chunked=chunked,
+                                          backend=self.config.backend)
         config = layer_config(self.config, layer_idx, self.num_layers)
         if config is None:
             return DenseLayer(self.hints, layer_idx)

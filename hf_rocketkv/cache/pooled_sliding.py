@@ -8,10 +8,12 @@ row, ``memory/sliding_slab.py``), and from then on each step writes its token at
 between turns the request's sliding memory is its slots, exactly ``window`` tokens per row and layer, whatever was
 seen.
 
-The ring the attention reads is ``keys`` / ``values``: ``slab[first_slot : first_slot + B]`` (a view: no copy) when
-the rows' slots are consecutive, as they are for one row; otherwise a gather of the rows' slots per step. Every write
-goes through device index tensors (the slot ids, the position counter): no host sync, fixed addresses, so a CUDA
-graph of the decode step captures it.
+A decode step's attention reads the rings where they lie in the slab, through the rows' slot ids
+(``ring_store``, ``kernels/ring_attention.py``); ``keys`` / ``values`` are ``slab[first_slot : first_slot + B]`` (a
+view) when the rows' slots are consecutive, as they are for one row, otherwise a gather of the rows' slots
+(``ring_rows``, read only by the attention a per-head mask sends back to transformers' path). Every write goes through
+device index tensors (the slot ids, the position counter): no host sync, fixed addresses, so a CUDA graph of the
+decode step captures it.
 """
 
 from __future__ import annotations
@@ -25,15 +27,20 @@ from .sliding_layer import SlidingWindowLayer
 class PooledSlidingLayer(SlidingWindowLayer):
     """A ``SlidingWindowLayer`` whose ring is the rows' slots of the pool's slab (module docstring)."""
 
-    def __init__(self, window: int, hints, layer_idx: int, pages):
+    def __init__(self, window: int, hints, layer_idx: int, pages, backend: str = "auto"):
         self.pages = pages  # the cache's PoolPages: the pool, the rows' slot ids
         self._slots: torch.Tensor | None = None  # [B] int64 slot ids (ring only)
         self._first: int | None = None  # the first slot id when the rows' slots are consecutive
         self._slab_tensors: tuple[torch.Tensor, torch.Tensor] | None = None  # the pool's (k, v) slab: never moves
-        super().__init__(window, hints, layer_idx)
+        super().__init__(window, hints, layer_idx, backend=backend)
 
     def reset(self) -> None:
-        self.__init__(self.window, self.hints, self.layer_idx, self.pages)
+        self.__init__(self.window, self.hints, self.layer_idx, self.pages, self.backend)
+
+    def ring_store(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The pool's slab itself and the rows' slot ids: the decode attention reads the rings where they lie."""
+        k_slab, v_slab = self._slab()
+        return k_slab, v_slab, self._slots, self.position
 
     # ------------------------------------------------------------------------------------------ the ring's tensors
     @property
@@ -128,16 +135,18 @@ class PooledSlidingLayer(SlidingWindowLayer):
             self.awaiting_attention = True
             self.host_seen += 1
             self.seen_tokens += 1
-        slot = torch.remainder(self.position, self.window)
-        heads = torch.arange(key_states.shape[1], device=key_states.device)
-        index = (self._slots[:, None], heads[None, :], slot.expand(key_states.shape[0], key_states.shape[1]))
         k_slab, v_slab = self._slab()
-        k_slab.index_put_(index, key_states[:, :, 0])
-        v_slab.index_put_(index, value_states[:, :, 0])
+        self.ops.ring_append(k_slab, v_slab, self.position, key_states, value_states, self._slots)
         self.position.add_(1)
-        keys, values = self._ring(0), self._ring(1)
+        if self._first is not None:  # the rows' rings as a view of the slab
+            keys, values = self._ring(0), self._ring(1)
+        else:  # the slab itself (a fresh view, tagged as this layer's): the attention reads it through the slot ids
+            keys, values = k_slab[:], v_slab[:]
         tag(keys, self)
         return keys, values
+
+    def ring_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._ring(0), self._ring(1)
 
     # ------------------------------------------------------------------------------------------ rows
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.dispatch import get_ops
+from ..selection.logit_features import LogitFeatures, allowed_of
 from .hints import GenerationHints
 from .seam import tag
 from .unscored_layer import UnscoredLayer
@@ -53,12 +55,13 @@ class SlidingWindowLayer(UnscoredLayer):
     is_croppable = False
 
     def __init__(self, window: int, hints: GenerationHints | None = None, layer_idx: int | None = None,
-                 chunked: bool = False):
+                 chunked: bool = False, backend: str = "auto"):
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"SlidingWindowLayer: window must be a positive integer (the model config's "
                              f"sliding_window or attention_chunk_size), got {window!r}")
         super().__init__(hints, layer_idx)
         self.window = window
+        self.backend = backend  # RocketKVConfig.backend: which implementation of the ring's decode attention
         # a chunked-attention layer (Llama 4): ``window`` is the chunk size; its attention passes no sliding_window,
         # transformers' chunked mask hides what lies outside the query's chunk
         self.chunked = chunked
@@ -67,7 +70,11 @@ class SlidingWindowLayer(UnscoredLayer):
         self.floor = 0  # the first position the layer may hold (a prefix hit's replay start, ``seed_replay``)
 
     def reset(self) -> None:
-        self.__init__(self.window, self.hints, self.layer_idx, self.chunked)
+        self.__init__(self.window, self.hints, self.layer_idx, self.chunked, self.backend)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.ops = get_ops(self.backend, self.device)  # resolved here, eagerly: never inside a compiled step
 
     @staticmethod
     def stack_rows(parts: list[UnscoredLayer], new_layer) -> UnscoredLayer:
@@ -135,9 +142,7 @@ class SlidingWindowLayer(UnscoredLayer):
             self.awaiting_attention = True
             self.host_seen += 1
             self.seen_tokens += 1
-        slot = torch.remainder(self.position, self.window).reshape(1)
-        self.keys.index_copy_(2, slot, key_states)
-        self.values.index_copy_(2, slot, value_states)
+        self.ops.ring_append(self.keys, self.values, self.position, key_states, value_states)
         self.position.add_(1)
         tag(self.keys, self)
         return self.keys, self.values
@@ -151,6 +156,35 @@ class SlidingWindowLayer(UnscoredLayer):
             self._to_ring()
         self.host_seen += 1
         self.seen_tokens += 1
+
+    def attend_ring(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float,
+                    features: LogitFeatures) -> torch.Tensor | None:
+        """A decode step's attention over the ring where it lies, ``[B, 1, Hq, D]`` (``ring_decode_attention``:
+        one kernel or two on the Triton backend, the mask reordered from the count inside it, no ``repeat_kv``);
+        None for a mask the op does not take (one per head): the caller then attends under ``ring_mask``. Call it
+        after ``update``."""
+        keys, values, rows, seen = self.ring_store()
+        mask = None
+        if attention_mask is not None and self.reads_mask:
+            if attention_mask.dim() != 4 or attention_mask.shape[1] != 1 or attention_mask.shape[-1] != self.window:
+                return None
+            mask = allowed_of(attention_mask[:, 0, -1, :])
+        batch, query_heads, _, dim = query.shape
+        heads = keys.shape[1]
+        q = query.reshape(batch, heads, query_heads // heads, dim)
+        out = self.ops.ring_decode_attention(q, keys, values, seen, scaling, rows, mask, features.softcap, features.sinks)
+        return out.reshape(batch, 1, query_heads, dim)
+
+    reads_mask = True  # transformers' decode mask is read (it hides left padding still inside the window)
+
+    def ring_store(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """``(keys, values, rows, seen)`` of ``ring_decode_attention``: the rings ``[B, Hkv, W, D]``, no store rows,
+        the 0-d count (this step's token included)."""
+        return self.keys, self.values, None, self.position
+
+    def ring_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' rings ``[B, Hkv, W, D]`` in slot order (for attention under ``ring_mask``)."""
+        return self.keys, self.values
 
     def ring_mask(self, attention_mask: torch.Tensor | None) -> torch.Tensor:
         """A decode step's mask over the ring, ``[B or 1, 1, 1, window]`` in slot order: transformers' mask

@@ -8,7 +8,8 @@ routes by the layer's state and keeps what faces transformers (the mask, sdpa, t
     compressed, n queries  a later turn: the layer stores the new real tokens and attends over the kept tokens + the
                            new ones (``attend_later_turn``, cache/working_set.py), then stage 1 again
     sliding layer          exact attention over the stored window + the new tokens with transformers' own sliding
-                           mask (``SlidingWindowLayer``: nothing to select, it keeps only what the model can see)
+                           mask (``SlidingWindowLayer``: nothing to select, it keeps only what the model can see);
+                           a decode step reads the layer's ring in place (``attend_ring``, kernels/ring_attention.py)
 Soft-capped logits (Gemma 2's ``softcap``) and learned sinks (gpt-oss' ``s_aux``) reach every path as a
 ``LogitFeatures``: the exact attentions apply them (``selection/logit_features.py``), and a RocketKV layer scores its
 stage 1 and stage 2 with them (``RocketKVLayer.use_features``).
@@ -60,8 +61,12 @@ def rocketkv_attention(
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
 
     if isinstance(layer, UnscoredLayer):  # a sliding-window layer, or a dense one (dense_layers): exact attention
-        if isinstance(layer, SlidingWindowLayer) and layer.ring and query.shape[2] == 1:
-            attention_mask = layer.ring_mask(attention_mask)  # a decode step over the ring: the mask in slot order
+        if isinstance(layer, SlidingWindowLayer) and layer.ring and query.shape[2] == 1:  # a decode step
+            out = layer.attend_ring(query, attention_mask, scaling, features)  # the ring read where it lies
+            if out is not None:
+                return out, None
+            attention_mask = layer.ring_mask(attention_mask)  # a per-head mask: in slot order, transformers' path
+            key, value = layer.ring_rows()
         return window_attention(module, query, key, value, attention_mask, scaling, features, **kwargs), None
     if not layer.compressed:
         check_all_heads_here(layer, module, key)

@@ -17,6 +17,8 @@ from .fused_decode import paged_fused_decode_torch
 from .append_token import append_token_torch, paged_append_kv_torch, paged_append_token_torch
 from .ops import RocketOps
 from .paged import paged_compact_row_torch, paged_page_scores_torch, paged_top_pages_torch
+from .ring_append import ring_append_torch
+from .ring_attention import ring_decode_attention_torch
 from .sparse_decode_attention import paged_sparse_decode_attention_torch, sparse_decode_attention_torch
 
 __all__ = ["RocketOps", "TORCH_OPS", "get_ops", "triton_usable"]  # RocketOps lives in ops.py, re-exported
@@ -38,6 +40,8 @@ TORCH_OPS = RocketOps(
     paged_sparse_decode_attention=paged_sparse_decode_attention_torch,
     paged_fused_decode=paged_fused_decode_torch,
     paged_compact_row=paged_compact_row_torch,
+    ring_decode_attention=ring_decode_attention_torch,
+    ring_append=ring_append_torch,
 )
 
 

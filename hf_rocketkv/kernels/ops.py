@@ -48,6 +48,13 @@ class RocketOps:
     per query head ``[Hq]`` in each softmax denominator.
 
     Stage 1's compaction (prefill, eager; one call per row):
+    Sliding-window layers (decode, the ring read in place; kernels/ring_attention.py):
+    ring_decode_attention(q, keys, values, seen, scaling, rows=None, mask=None, softcap=None, sinks=None)
+        -> [B, Hkv, G, D]: q [B, Hkv, G, D] over rings [N, Hkv, W, D] (row b reads store row rows[b], or b),
+        seen [B] or [] int64 counts with this step's token, mask [B or 1, W] bool in transformers' column order
+    ring_append(keys, values, seen, key_new, value_new, rows=None) -> None (in place: row b's token into slot
+        seen[b] % W of store row rows[b]; seen is the count before it and is not advanced; kernels/ring_append.py)
+
     paged_compact_row(keys, values, slots, columns, k_pages, v_pages, kt_pages, table, row_pages, positions,
                       kt_page_size, k_scale=None, v_scale=None, counts=None) -> None (in place: the row's pages,
                       their KT, positions; fp8: and their scales; counts [Hkv]: per-head kept counts, AdaKV)
@@ -85,3 +92,5 @@ class RocketOps:
     paged_sparse_decode_attention: Callable
     paged_fused_decode: Callable
     paged_compact_row: Callable
+    ring_decode_attention: Callable
+    ring_append: Callable

@@ -423,15 +423,24 @@ if triton is not None:
             num_warps=num_warps, num_stages=num_stages,
         )
         if not direct:
-            _sparse_decode_reduce_launch[(rows * group,)](
-                part_o, part_lse, out, sinks if sinks is not None else part_lse,
-                *out.stride(),
-                num_kv_heads, group, head_dim, num_splits,
-                BLOCK_G=block_g, BLOCK_S=next_pow2(num_splits), BLOCK_D=block_d, OUT_DT=dtype_code(q.dtype),
-                SINKS=sinks is not None,
-                num_warps=4 if block_d >= 128 else 2,
-            )
+            combine_splits(part_o, part_lse, out, sinks, num_splits, block_g, block_d)
         return out
+
+    def combine_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, sinks: torch.Tensor | None,
+                       num_splits: int, block_g: int, block_d: int) -> None:
+        """The reduce kernel: each (row, KV head, query head)'s ``num_splits`` normalised partial outputs
+        ``part_o`` [B*Hkv*S*BLOCK_G, BLOCK_D] and log2-sum-exps ``part_lse`` (fp32, the split kernels' layout)
+        combined into ``out`` [B, Hkv, G, D] (any strides), the sinks ``[Hq]`` joining each denominator. Shared by
+        every flash-decoding kernel of this folder (``ring_attention.py`` too)."""
+        _, num_kv_heads, group, head_dim = out.shape
+        _sparse_decode_reduce_launch[(out.shape[0] * num_kv_heads * group,)](
+            part_o, part_lse, out, sinks if sinks is not None else part_lse,
+            *out.stride(),
+            num_kv_heads, group, head_dim, num_splits,
+            BLOCK_G=block_g, BLOCK_S=next_pow2(num_splits), BLOCK_D=block_d, OUT_DT=dtype_code(out.dtype),
+            SINKS=sinks is not None,
+            num_warps=4 if block_d >= 128 else 2,
+        )
 
     def sparse_decode_attention_triton(
         q: torch.Tensor,

@@ -23,6 +23,8 @@ sparse_decode_attention) derive their launch shapes from tensor shapes only and 
     paged_sparse_decode_attention  sparse_decode_attention.py  as sparse_decode_attention              decode
     paged_fused_decode       fused_decode.py             1 (one program per row and KV head) or 3 (logits, select-and-attend, combine)  decode
     paged_compact_row        compact.py                  1 (in place: a row's pages, KT, positions)   prefill
+    ring_decode_attention    ring_attention.py           1 (one split) or 2 (split + reduce)         decode
+    ring_append              ring_append.py              1 (in place: one token per row into the ring) decode
 
 ``paged_compact_row`` is not registered: stage 1 runs eagerly at the end of a prefill, never inside a compiled or
 graphed step, so it only ever needs its plain launcher.
@@ -64,6 +66,8 @@ from .fused_decode import paged_fused_decode_triton
 from .kt_build import build_kt_triton
 from .kt_update import update_kt_triton
 from .page_scores import page_scores_triton, paged_page_scores_triton
+from .ring_append import ring_append_triton
+from .ring_attention import ring_decode_attention_triton
 from .select_pages import paged_top_pages_triton, select_pages_triton, top_pages_triton
 from .sparse_decode_attention import paged_sparse_decode_attention_triton, sparse_decode_attention_triton
 from .window_scores import window_scores_triton
@@ -117,6 +121,10 @@ paged_sparse_decode_attention = triton_op("hf_rocketkv::paged_sparse_decode_atte
 )
 
 paged_fused_decode = triton_op("hf_rocketkv::paged_fused_decode", mutates_args={})(paged_fused_decode_triton)
+ring_decode_attention = triton_op("hf_rocketkv::ring_decode_attention", mutates_args={})(
+    ring_decode_attention_triton
+)
+ring_append = triton_op("hf_rocketkv::ring_append", mutates_args={"keys", "values"})(ring_append_triton)
 
 
 def _defaulted(launcher: Callable) -> tuple[tuple[int, str, object], ...]:
@@ -165,4 +173,6 @@ TRITON_OPS = RocketOps(
     paged_sparse_decode_attention=_eager_or_op(paged_sparse_decode_attention_triton, paged_sparse_decode_attention),
     paged_fused_decode=_eager_or_op(paged_fused_decode_triton, paged_fused_decode),
     paged_compact_row=paged_compact_row_triton,
+    ring_decode_attention=_eager_or_op(ring_decode_attention_triton, ring_decode_attention),
+    ring_append=_eager_or_op(ring_append_triton, ring_append),
 )

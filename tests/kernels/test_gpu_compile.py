@@ -21,6 +21,7 @@ RECORDED_TESTS = [  # fast kernel tests covering every kernel (test_e2e_triton a
     "tests/kernels/test_select_pages.py", "tests/kernels/test_page_scores.py", "tests/kernels/test_window_scores.py",
     "tests/kernels/test_append_token.py", "tests/kernels/test_kt.py", "tests/kernels/test_fp8_pages.py",
     "tests/kernels/test_fp8_append.py", "tests/kernels/test_fused_decode.py", "tests/kernels/test_rms_norm.py",
+    "tests/kernels/test_ring_attention.py", "tests/kernels/test_ring_append.py",
 ]
 
 

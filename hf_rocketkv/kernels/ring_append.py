@@ -1,0 +1,106 @@
+"""One decode token per row into a sliding-window layer's ring, in place.
+
+Shapes (B batch, Hkv KV heads, W window, D head_dim, N store rows):
+    keys/values:         [N, Hkv, W, D] the rings (any strides), written in place
+    seen:                [B] or [] int64: tokens row b has seen before this one (its position); not advanced here
+    key_new / value_new: [B, Hkv, 1, D] this step's token
+    rows:                [B] int64 store rows, or None (N == B)
+
+Row b's token goes to ``keys[rows[b], :, seen[b] % W]`` (``cache/sliding_layer.py``: position p lives in slot
+``p % W``). The caller advances its count afterwards (one more launch: a kernel cannot advance a count its other
+programs are still reading). The Triton kernel is one program per (row, KV head) copying D values of K and of V:
+one launch where the PyTorch form takes a remainder and two index writes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_append_arguments(keys: torch.Tensor, values: torch.Tensor, seen: torch.Tensor, key_new: torch.Tensor,
+                           value_new: torch.Tensor, rows: torch.Tensor | None) -> None:
+    """ValueError naming the argument whose shape or dtype does not fit the module docstring's contract."""
+    batch = key_new.shape[0]
+    if key_new.dim() != 4 or key_new.shape[2] != 1 or value_new.shape != key_new.shape:
+        raise ValueError(f"ring_append: key_new / value_new must be [B, Hkv, 1, D] of the same shape, got "
+                         f"{list(key_new.shape)}, {list(value_new.shape)}")
+    if keys.dim() != 4 or values.shape[:3] != keys.shape[:3] or keys.shape[1] != key_new.shape[1] \
+            or keys.shape[3] != key_new.shape[3] or values.shape[3] != value_new.shape[3]:
+        raise ValueError(f"ring_append: keys / values must be [N, Hkv, W, D] with key_new's heads and head_dim, got "
+                         f"{list(keys.shape)}, {list(values.shape)} for key_new {list(key_new.shape)}")
+    if seen.dtype != torch.long or seen.shape not in ((), (batch,)):
+        raise ValueError(f"ring_append: seen must be int64 of shape [] or [{batch}], got {seen.dtype} "
+                         f"{list(seen.shape)}")
+    if rows is None and keys.shape[0] != batch:
+        raise ValueError(f"ring_append: without rows the store must have the batch's {batch} rows, got "
+                         f"{keys.shape[0]}")
+    if rows is not None and (rows.dtype != torch.long or rows.shape != (batch,)):
+        raise ValueError(f"ring_append: rows must be int64 of shape [{batch}], got {rows.dtype} {list(rows.shape)}")
+
+
+def ring_append_torch(keys: torch.Tensor, values: torch.Tensor, seen: torch.Tensor, key_new: torch.Tensor,
+                      value_new: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """Reference: one indexed write of K and one of V."""
+    check_append_arguments(keys, values, seen, key_new, value_new, rows)
+    batch, heads = key_new.shape[:2]
+    slot = torch.remainder(seen, keys.shape[2]).reshape(-1, 1).expand(batch, heads)
+    row = (rows if rows is not None else torch.arange(batch, device=keys.device))[:, None].expand(batch, heads)
+    head = torch.arange(heads, device=keys.device)[None, :].expand(batch, heads)
+    keys[row, head, slot] = key_new[:, :, 0].to(keys.dtype)
+    values[row, head, slot] = value_new[:, :, 0].to(values.dtype)
+
+
+try:
+    import triton
+    import triton.language as tl
+
+    from ._triton_common import next_pow2
+    from .launch import TritonLaunch
+except ImportError:  # triton is optional: the reference above works without it
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def _ring_append_kernel(
+        k_ptr, v_ptr, seen_ptr, rows_ptr, kn_ptr, vn_ptr,
+        s_kn, s_kh, s_kw, s_kd,
+        s_vn, s_vh, s_vw, s_vd,
+        s_sb,
+        s_ab, s_ah, s_ad,
+        s_bb, s_bh, s_bd,
+        num_kv_heads, head_dim, window,
+        BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
+    ):
+        bh = tl.program_id(0)
+        b = (bh // num_kv_heads).to(tl.int64)
+        h = (bh % num_kv_heads).to(tl.int64)
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < head_dim
+        slot = tl.load(seen_ptr + b * s_sb).to(tl.int64) % window
+        if ROWS:
+            r = tl.load(rows_ptr + b).to(tl.int64)
+        else:
+            r = b
+        k = tl.load(kn_ptr + b * s_ab + h * s_ah + d * s_ad, mask=d_ok)
+        v = tl.load(vn_ptr + b * s_bb + h * s_bh + d * s_bd, mask=d_ok)
+        tl.store(k_ptr + r * s_kn + h * s_kh + slot * s_kw + d * s_kd, k.to(k_ptr.dtype.element_ty), mask=d_ok)
+        tl.store(v_ptr + r * s_vn + h * s_vh + slot * s_vw + d * s_vd, v.to(v_ptr.dtype.element_ty), mask=d_ok)
+
+    _ring_append_launch = TritonLaunch(_ring_append_kernel)
+
+    def ring_append_triton(keys: torch.Tensor, values: torch.Tensor, seen: torch.Tensor, key_new: torch.Tensor,
+                           value_new: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Same contract as ``ring_append_torch`` (registered as a triton_op in ``triton_ops``); one launch."""
+        check_append_arguments(keys, values, seen, key_new, value_new, rows)
+        batch, heads, _, dim = key_new.shape
+        if batch * heads == 0:
+            return
+        _ring_append_launch[(batch * heads,)](
+            keys, values, seen, rows if rows is not None else seen, key_new, value_new,
+            *keys.stride(), *values.stride(), seen.stride(0) if seen.dim() else 0,
+            key_new.stride(0), key_new.stride(1), key_new.stride(3),
+            value_new.stride(0), value_new.stride(1), value_new.stride(3),
+            heads, dim, keys.shape[2],
+            BLOCK_D=next_pow2(dim), ROWS=rows is not None,
+            num_warps=1 if dim <= 128 else 2,
+        )

@@ -1,0 +1,62 @@
+"""ring_append: one decode token per row into a sliding-window ring, Triton vs reference vs a per-element oracle."""
+
+import pytest
+import torch
+
+from hf_rocketkv.kernels.ring_append import ring_append_torch
+from tests.kernels.kernel_utils import DEVICE, gen, ops
+
+pytestmark = pytest.mark.gpu  # compiled for the GPU where one is present (pytest -m gpu); interpreted on CPU
+
+
+@pytest.mark.parametrize("dtype,head_dim,window,shared_count,with_rows", [
+    (torch.float32, 16, 8, False, True),
+    (torch.bfloat16, 48, 5, True, False),
+    (torch.float16, 128, 16, False, False),
+    (torch.bfloat16, 256, 1024, True, True),
+])
+def test_ring_append_writes_slot_position_mod_window(dtype, head_dim, window, shared_count, with_rows):
+    g = gen("ring-append", dtype, head_dim, window, shared_count, with_rows)
+    batch, heads, spare = 3, 2, 2 if with_rows else 0
+    store_k = torch.randn(batch + spare, heads, window, head_dim, generator=g).to(dtype).to(DEVICE)
+    store_v = torch.randn(batch + spare, heads, window, head_dim, generator=g).to(dtype).to(DEVICE)
+    new_k = torch.randn(batch, heads, 1, head_dim, generator=g).to(dtype).to(DEVICE)
+    new_v = torch.randn(batch, heads, 1, head_dim, generator=g).to(dtype).to(DEVICE)
+    seen = (torch.tensor(window + 3) if shared_count else torch.tensor([0, window - 1, 3 * window + 2])).to(DEVICE)
+    rows = torch.randperm(batch + spare, generator=g)[:batch].to(DEVICE) if with_rows else None
+    want_k, want_v = store_k.clone(), store_v.clone()
+    for b in range(batch):  # the oracle: element by element
+        r = int(rows[b]) if rows is not None else b
+        slot = int(seen if shared_count else seen[b]) % window
+        want_k[r, :, slot] = new_k[b, :, 0]
+        want_v[r, :, slot] = new_v[b, :, 0]
+    for append in (ring_append_torch, ops().ring_append):
+        got_k, got_v = store_k.clone(), store_v.clone()
+        before = seen.clone()
+        append(got_k, got_v, seen, new_k, new_v, rows)
+        assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+        assert torch.equal(seen, before)  # the count is the caller's to advance
+
+
+def test_ring_append_takes_the_transposed_view_of_a_projection():
+    """key_new as attention modules produce it: [B, 1, Hkv, D] transposed to [B, Hkv, 1, D]."""
+    g = gen("ring-append-view")
+    store = torch.zeros(2, 4, 8, 32, device=DEVICE)
+    new = torch.randn(2, 1, 4, 32, generator=g).to(DEVICE).transpose(1, 2)
+    seen = torch.tensor([5, 9], device=DEVICE)
+    k, v = store.clone(), store.clone()
+    ops().ring_append(k, v, seen, new, new)
+    assert torch.equal(k[0, :, 5], new[0, :, 0]) and torch.equal(k[1, :, 1], new[1, :, 0]) and torch.equal(k, v)
+
+
+def test_bad_arguments_are_refused_naming_them():
+    k = torch.zeros(2, 2, 8, 16, device=DEVICE)
+    new = torch.zeros(2, 2, 1, 16, device=DEVICE)
+    for append in (ring_append_torch, ops().ring_append):
+        with pytest.raises(ValueError, match="seen"):
+            append(k, k.clone(), torch.zeros(2, dtype=torch.int32, device=DEVICE), new, new)
+        with pytest.raises(ValueError, match="key_new"):
+            append(k, k.clone(), torch.zeros(2, dtype=torch.long, device=DEVICE), new[:, :, :0], new)
+        with pytest.raises(ValueError, match="rows"):
+            append(k, k.clone(), torch.zeros(2, dtype=torch.long, device=DEVICE), new, new,
+                   torch.zeros(3, dtype=torch.long, device=DEVICE))
