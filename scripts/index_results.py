@@ -41,6 +41,8 @@ WHAT = [
     (r"^load_(chunks|concurrent|curve)", "batching engine under Poisson arrivals: tokens/s, ITL and TTFT p50/p99 "
                                          "(benchmarks/batching_throughput.py)"),
     (r"^peak_64x32k", "peak GiB of generate_batch 64 x 32k with a fixed or the default pool (benchmarks/peak_64x32k.py)"),
+    (r"^decode_attention_launches", "kernel launches per decode step per attention module by layer kind, CPU, Triton "
+                                    "interpreter (benchmarks/probes/launch_counts.py --decode-attention)"),
     (r"profile_gemma3_step", "one hybrid decode step by kind of kernel (benchmarks/probes/profile_hybrid_step.py)"),
     (r"^profile_b1|^profile_chunked", "profile of a decode step or of a chunked prefill's chunks (benchmarks/probes/)"),
     (r"causal_prefill_probes", "cuDNN causal prefill attention: graph build times and shapes (a probe script)"),
