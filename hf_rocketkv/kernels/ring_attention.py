@@ -147,7 +147,7 @@ if triton is not None:
         k_base = k_ptr + r * s_kn + h * s_kh + d[None, :] * s_kd
         v_base = v_ptr + r * s_vn + h * s_vh + d[None, :] * s_vd
         s_start = split * slots_per_split
-        s_end = tl.minimum(s_start + slots_per_split, filled)
+        s_end = tl.minimum(s_start + slots_per_split, filled.to(tl.int32))  # loop bounds of one type
 
         m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_G,), tl.float32)
