@@ -18,6 +18,13 @@ Cases (``CASES``):
                    newest ``<device>_*.json`` under ``--previous-dir``, default the output folder), or / the floor
                    file's value of record when there is none.
 
+  hybrid_gemma3_32k  decode ms/token at batch 1 x 32k, Gemma-3-12B shapes (48 layers, 40 of them sliding), random
+                   bf16 weights, through ``model.generate()``: RocketKV with its defaults beside StaticCache +
+                   torch.compile, one ``benchmarks.hybrid_decode`` run (``python -m benchmarks.hybrid_decode --models
+                   gemma-3-12b --caches rocketkv static-compile``; about 200 s, most of it compiling the static
+                   cache's step). Ratio: the speed-up, static ms / RocketKV ms. ``--quick`` compares with
+                   DynamicCache instead (the static cache compiles on CUDA only).
+
 A case passes when its ratio is at least its floor: ``value_of_record x (1 - tolerance)`` for a speed-up,
 ``1 - tolerance`` against the previous result; the tolerance is the device noise the floor file records. Each case
 prints one line, ``ok`` or ``FAIL`` with the numbers; the exit status is 1 when any case fails (a case that could not
@@ -48,11 +55,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FLOORS = Path(__file__).resolve().parent / "perf_floors.json"
-CASES = ("decode_bs1_32k", "engine_32x8k")
+CASES = ("decode_bs1_32k", "engine_32x8k", "hybrid_gemma3_32k")
+SPEEDUP_CASES = {"decode_bs1_32k": "RocketKV", "hybrid_gemma3_32k": "RocketKV on Gemma-3-12B"}
 DECODE_ARGS = ["--batch", "1", "--context", "32768", "--new-tokens", "64", "--caches", "rocketkv-graphs",
                "static-compile", "--cudnn-for-static", "--no-plot"]
 QUICK_DECODE_ARGS = ["--quick", "--batch", "1", "--context", "96", "--caches", "rocketkv-graphs", "static-compile",
                      "--no-plot"]
+HYBRID_ARGS = ["--models", "gemma-3-12b", "--caches", "rocketkv", "static-compile"]
+QUICK_HYBRID_ARGS = ["--quick", "--models", "gemma-3-12b", "--caches", "rocketkv", "dynamic", "--new-tokens", "8"]
 ENGINE = dict(requests=32, prompt_len=8192, new_tokens=512, pool_gib=30.0)
 QUICK_ENGINE = dict(requests=4, prompt_len=96, new_tokens=8, pool_gib=0.05)
 EXACT = 1e-9  # a ratio equal to its floor up to float rounding (3.0 x 0.9 is 2.7000000000000006) passes
@@ -89,13 +99,14 @@ def load_floors(path: Path = FLOORS) -> dict:
     return floors
 
 
-def judge_decode(measured: dict | None, floor: dict | None) -> Verdict:
-    case = "decode_bs1_32k"
+def judge_decode(measured: dict | None, floor: dict | None, case: str = "decode_bs1_32k") -> Verdict:
+    """A speed-up case (``SPEEDUP_CASES``): the baseline's ms/token over RocketKV's against its floor."""
     if not measured or measured.get("error") or not measured.get("ratio"):
         why = (measured or {}).get("error") or "no measurement"
         return Verdict(case, "FAIL", None, None, f"FAIL {case}: {why}")
-    numbers = (f"speed-up {measured['ratio']:.2f}x (StaticCache+compile {measured['baseline_ms']:.2f} ms / RocketKV "
-               f"{measured['rocketkv_ms']:.2f} ms per token)")
+    baseline = measured.get("baseline", "StaticCache+compile")
+    numbers = (f"speed-up {measured['ratio']:.2f}x ({baseline} {measured['baseline_ms']:.2f} ms / "
+               f"{SPEEDUP_CASES[case]} {measured['rocketkv_ms']:.2f} ms per token)")
     if floor is None:
         return Verdict(case, "not judged", measured["ratio"], None, f"not judged {case}: {numbers}; no floor recorded "
                                                                     f"for this device")
@@ -130,10 +141,13 @@ def judge(measurements: dict, floors: dict, device: str, previous: dict | None =
     measured) against the floors of ``device`` (a slug)."""
     mine = floors["devices"].get(device, {})
     verdicts = []
-    if "decode_bs1_32k" in measurements:
-        verdicts.append(judge_decode(measurements["decode_bs1_32k"], mine.get("decode_bs1_32k")))
-    if "engine_32x8k" in measurements:
-        verdicts.append(judge_engine(measurements["engine_32x8k"], mine.get("engine_32x8k"), previous))
+    for case in CASES:
+        if case not in measurements:
+            continue
+        if case in SPEEDUP_CASES:
+            verdicts.append(judge_decode(measurements[case], mine.get(case), case))
+        else:
+            verdicts.append(judge_engine(measurements[case], mine.get(case), previous))
     return verdicts
 
 
@@ -167,6 +181,26 @@ def measure_decode(quick: bool) -> dict:
             "ratio": static["decode_ms_per_token"] / rocket["decode_ms_per_token"],
             "rocketkv_peak_gib": rocket["peak_gib"], "baseline_peak_gib": static["peak_gib"],
             "command": "python -m hf_rocketkv.bench.decode " + " ".join(QUICK_DECODE_ARGS if quick else DECODE_ARGS)}
+
+
+def measure_hybrid(quick: bool) -> dict:
+    """Both rows of the hybrid command of record (``benchmarks.hybrid_decode``) in this process."""
+    from benchmarks import hybrid_decode
+
+    args = QUICK_HYBRID_ARGS if quick else HYBRID_ARGS
+    baseline = "dynamic" if quick else "static-compile"
+    with tempfile.TemporaryDirectory() as out:
+        report = hybrid_decode.main([*args, "--out", out])
+    rows = {row["cache"]: row for row in report["models"]["gemma-3-12b"]["rows"]}
+    rocket, base = rows.get("rocketkv", {}), rows.get(baseline, {})
+    if rocket.get("status") != "ok" or base.get("status") != "ok":
+        return {"error": f"rocketkv: {rocket.get('status')}, {baseline}: {base.get('status')}",
+                "rows": list(rows.values())}
+    return {"rocketkv_ms": rocket["decode_ms_per_token"], "baseline_ms": base["decode_ms_per_token"],
+            "ratio": base["decode_ms_per_token"] / rocket["decode_ms_per_token"],
+            "baseline": "DynamicCache" if quick else "StaticCache+compile",
+            "rocketkv_peak_gib": rocket["peak_gib"], "baseline_peak_gib": base["peak_gib"],
+            "command": "python -m benchmarks.hybrid_decode " + " ".join(args)}
 
 
 def measure_engine(quick: bool) -> dict:
@@ -208,7 +242,7 @@ def free_device() -> None:
 
 def measure(quick: bool, cases: tuple[str, ...] = CASES) -> dict:
     """Every case of ``cases``, one after the other in this process; a case that raises is recorded as its error."""
-    measurers = {"decode_bs1_32k": measure_decode, "engine_32x8k": measure_engine}
+    measurers = {"decode_bs1_32k": measure_decode, "engine_32x8k": measure_engine, "hybrid_gemma3_32k": measure_hybrid}
     results = {}
     for case in cases:
         started = time.perf_counter()

@@ -3,8 +3,9 @@
 # in one process, judged against the floors of benchmarks/perf_floors.json. Run from anywhere; it works in the
 # repository root.
 #
-#   bash scripts/perf_guard.sh                       # both cases: decode bs1 x 32k vs StaticCache+compile, and
-#                                                    # generate_batch 32 x 8k / 512 vs the previous result
+#   bash scripts/perf_guard.sh                       # every case: decode bs1 x 32k vs StaticCache+compile,
+#                                                    # generate_batch 32 x 8k / 512 vs the previous result, and
+#                                                    # Gemma-3-12B decode bs1 x 32k vs StaticCache+compile
 #   bash scripts/perf_guard.sh --cases decode_bs1_32k
 #   OUT=/tmp/out COMMIT=abc1234 bash scripts/perf_guard.sh
 #

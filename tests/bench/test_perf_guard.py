@@ -113,8 +113,21 @@ def test_the_judge_dry_run_exits_one_when_a_case_fails(tmp_path, capsys, static_
     assert perf_guard.main(["--judge", str(record), "--floors", str(floors), "--device", "cpu"]) == 0
 
 
-def test_the_quick_run_measures_both_cases_on_the_cpu_and_writes_its_result(tmp_path):
-    """``--quick`` through scripts/perf_guard.sh: both cases ran, the file is named like the GPU suite's, every
+def test_the_hybrid_speedup_is_judged_against_its_own_floor():
+    floors = {"devices": {"gpu-x": {"hybrid_gemma3_32k": {"metric": "m", "value_of_record": 1.2, "tolerance": 0.1,
+                                                          "source": "results/b.json"}}}}
+    for rocket_ms, status in ((10.0, "ok"), (15.0, "FAIL")):  # 16.2 / 10 = 1.62x; 16.2 / 15 = 1.08x < 1.08 - eps
+        measured = {"rocketkv_ms": rocket_ms, "baseline_ms": 16.2, "ratio": 16.2 / rocket_ms - 0.001}
+        (verdict,) = perf_guard.judge({"hybrid_gemma3_32k": measured}, floors, "gpu-x")
+        assert verdict.status == status and verdict.floor == pytest.approx(1.08)
+        assert verdict.line.startswith(f"{status} hybrid_gemma3_32k: speed-up ")
+        assert "RocketKV on Gemma-3-12B" in verdict.line
+    (missing,) = perf_guard.judge({"hybrid_gemma3_32k": {"error": "OutOfMemoryError: y"}}, floors, "gpu-x")
+    assert missing.line == "FAIL hybrid_gemma3_32k: OutOfMemoryError: y"
+
+
+def test_the_quick_run_measures_every_case_on_the_cpu_and_writes_its_result(tmp_path):
+    """``--quick`` through scripts/perf_guard.sh: every case ran, the file is named like the GPU suite's, every
     verdict says "not judged" (no floors for the CPU) and the status is 0."""
     env = {**os.environ, "OUT": str(tmp_path), "COMMIT": "abc1234", "PYTHON": sys.executable}
     done = subprocess.run(["bash", str(ROOT / "scripts" / "perf_guard.sh"), "--quick"], capture_output=True,
@@ -125,6 +138,9 @@ def test_the_quick_run_measures_both_cases_on_the_cpu_and_writes_its_result(tmp_
     decode_row, engine = record["measurements"]["decode_bs1_32k"], record["measurements"]["engine_32x8k"]
     assert decode_row["ratio"] == pytest.approx(decode_row["baseline_ms"] / decode_row["rocketkv_ms"])
     assert engine["tokens_per_s"] == pytest.approx(4 * 8 / engine["seconds"][1])
-    assert [v["status"] for v in record["verdicts"]] == ["not judged", "not judged"]
+    hybrid = record["measurements"]["hybrid_gemma3_32k"]
+    assert hybrid["ratio"] == pytest.approx(hybrid["baseline_ms"] / hybrid["rocketkv_ms"])
+    assert hybrid["baseline"] == "DynamicCache" and "--quick" in hybrid["command"]
+    assert [v["status"] for v in record["verdicts"]] == ["not judged"] * 3
     assert record["env"]["commit"] == "abc1234" and record["env"]["quick"] is True
     assert "not judged decode_bs1_32k" in done.stdout and f"wrote {path}" in done.stdout
