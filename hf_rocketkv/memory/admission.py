@@ -53,6 +53,10 @@ class Admission:
     def reused_tokens(self) -> int:
         return self.hit_pages * self.page_size
 
+    def committed(self, pages: int) -> None:
+        """The first ``pages`` full prompt pages are in the prefix index (``PrefixIndex.commit_prompt``)."""
+        self.committed_pages = pages
+
     @property
     def computed_tokens(self) -> int:
         return self.prompt_len - self.reused_tokens

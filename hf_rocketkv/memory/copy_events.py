@@ -35,7 +35,7 @@ class CopyEvents:
     def add(self, event: Any, metas: list[PageMeta]) -> None:
         """Mark ``metas`` in flight until ``event`` completes (None: the copy was synchronous)."""
         for meta in metas:
-            meta.pending = event
+            meta.copying(event)
         if event is not None:
             self.pending.append((event, metas))
 
@@ -44,8 +44,7 @@ class CopyEvents:
         while self.pending and self.pending[0][0].query():
             event, metas = self.pending.popleft()
             for meta in metas:
-                if meta.pending is event:
-                    meta.pending = None
+                meta.copied(event)
 
     def synchronize(self) -> None:
         """Block until every pending copy has completed."""
@@ -53,8 +52,7 @@ class CopyEvents:
             event, metas = self.pending.popleft()
             event.synchronize()
             for meta in metas:
-                if meta.pending is event:
-                    meta.pending = None
+                meta.copied(event)
 
     def wait_for(self, metas: Iterable[PageMeta]) -> None:
         """The current stream, which will use these pages, waits (on the GPU; the host does not block) for every

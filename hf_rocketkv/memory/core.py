@@ -111,18 +111,24 @@ class PageCore:
 
     # ============================================================================================ reservations
     def set_aside(self, reservation: Reservation, num_pages: int, slots: int = 0) -> None:
-        reservation.count += num_pages
+        reservation.grow(num_pages, slots)
         self.reserved += num_pages
         if slots:
-            reservation.slots += slots
-            self.slab.reserved += slots
+            self.slab.set_aside(slots)
 
     def give_back(self, reservation: Reservation, num_pages: int, slots: int = 0) -> None:
-        reservation.count -= num_pages
+        reservation.shrink(num_pages, slots)
         self.reserved -= num_pages
         if slots:
-            reservation.slots -= slots
-            self.slab.reserved -= slots
+            self.slab.set_aside(-slots)
+
+    def on_evict(self, hook: Callable[[list[PageMeta]], None]) -> None:
+        """``hook(pages)`` runs on the cached pages that ``take_pages`` is about to reuse (their hashes must go)."""
+        self.evict_hook = hook
+
+    def tick(self) -> None:
+        """The pool's logical clock advances (an allocation, a release, a hit: what ``last_access`` orders)."""
+        self.clock += 1
 
     # ============================================================================================ taking pages
     def take_pages(self, count: int) -> list[PageMeta]:
@@ -137,9 +143,8 @@ class PageCore:
         if cached:
             self.evict_hook(cached)
         self.events.wait_for(taken)
-        for meta in taken:
-            meta.ref = 1
-            meta.last_access = self.clock
+        for meta in taken:  # free pages are held by no table
+            meta.take(self.clock)
         return taken
 
     def touch(self, meta: PageMeta) -> None:
@@ -147,8 +152,7 @@ class PageCore:
         makes the current stream wait for the page's pending copy (``events.wait_for``)."""
         if meta.index in self.free:
             self.free.remove(meta.index)
-        meta.ref += 1
-        meta.last_access = self.clock
+        meta.take(self.clock)
 
     def allocate(self, table: BlockTable, num_pages: int) -> None:
         """Append ``num_pages`` fresh pages to ``table`` (ref 1 each), or raise and change nothing."""
@@ -208,14 +212,12 @@ class PageCore:
             meta = self.device_pages[index]
             if meta.ref <= 0:
                 raise PoolStateError(f"page {index} released more often than taken")
-            meta.ref -= 1
-            meta.last_access = self.clock
-            if meta.ref == 0:
+            if meta.drop(self.clock):
                 self.push_free(meta)
                 freed.append(meta)
         event = self.events.release_event() if freed else None
         for meta in freed:
-            meta.released = event
+            meta.mark_freed(event)
 
     def push_free(self, meta: PageMeta) -> None:
         if meta.hash is not None:

@@ -37,6 +37,10 @@ class HostOffload:
             self.engine = CopyEngine(self.host, transfer_chunk_pages)
 
     # ============================================================================================ eviction
+
+    def use_min_priority(self, priority: int) -> None:
+        """Cached pages below ``priority`` are dropped instead of offloaded from now on."""
+        self.offload_min_priority = priority
     def evict(self, num_pages: int | None = None) -> int:
         """Evict up to ``num_pages`` cached device pages (all when None) in eviction order; returns pages evicted."""
         core = self.core
@@ -96,7 +100,7 @@ class HostOffload:
             displaced = offloads.pop(slot.index, None)
             core.counters["dropped_pages" if displaced else "host_evictions"] += 1
             slot.forget()
-        slot.hash, slot.depth, slot.priority, slot.last_access = meta.hash, meta.depth, meta.priority, meta.last_access
+        slot.take_identity(meta)
         entries[slot.hash] = slot
         core.host_free.push_back(cached_queue(slot.priority), slot.index)
         offloads[slot.index] = (meta, slot)
@@ -132,8 +136,7 @@ class HostOffload:
                                    [m.index for m in targets], wait_for=distinct(m.released for m in targets))
         moved = {}
         for slot, meta in zip(slots, targets):
-            meta.hash, meta.depth, meta.priority = slot.hash, slot.depth, slot.priority
-            meta.ref = 0
+            meta.take_identity(slot, core.clock)
             self.index.entries[meta.hash] = meta
             slot.forget()
             core.host_free.push_back(UNCACHED, slot.index)

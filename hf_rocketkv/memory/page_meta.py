@@ -49,6 +49,47 @@ class PageMeta:
         self.hash = None
         self.depth = -1
 
+    def name(self, page_hash: bytes, depth: int, priority: int, clock: int) -> None:
+        """Give the page a content identity: its prefix hash, its depth in the chain and its retention priority."""
+        self.hash, self.depth, self.priority = page_hash, depth, priority
+        self.last_access = clock
+
+    def take_identity(self, other: "PageMeta", clock: int | None = None) -> None:
+        """The content identity of ``other`` (its bytes were copied here: an offload or an onload), not its
+        references: a host slot holds none, a page onloaded from one is held by no table yet. Last accessed when
+        ``other`` was (an offload), or at ``clock`` (an onload: now)."""
+        self.hash, self.depth, self.priority = other.hash, other.depth, other.priority
+        self.last_access = other.last_access if clock is None else clock
+        self.ref = 0
+
+    def take(self, clock: int) -> None:
+        """One more table holds the page."""
+        self.ref += 1
+        self.last_access = clock
+
+    def drop(self, clock: int) -> bool:
+        """One table less holds the page; True when none does any more."""
+        self.ref -= 1
+        self.last_access = clock
+        return self.ref == 0
+
+    def mark_freed(self, event: Any) -> None:
+        """The compute-stream event recorded when the page became free (a later copy waits for it)."""
+        self.released = event
+
+    def copying(self, event: Any) -> None:
+        """A copy (``event``; None: synchronous) reads or writes the page until it completes."""
+        self.pending = event
+
+    def copied(self, event: Any) -> None:
+        """``event`` completed: the page is no longer in flight unless a later copy uses it."""
+        if self.pending is event:
+            self.pending = None
+
+    def clear_events(self) -> None:
+        """No copy in flight and no release to wait for (every copy was synchronized)."""
+        self.pending = self.released = None
+
 
 @dataclass(frozen=True)
 class PageInfo:

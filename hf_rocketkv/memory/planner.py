@@ -122,6 +122,10 @@ class Planner:
         self.bytes_per_page = bytes_per_page
         self.paged = paged  # False: a model whose layers all slide (no page holds anything; rows take slots only)
 
+
+    def use_spec(self, spec: PoolSpec) -> None:
+        """Admissions planned from now on follow ``spec`` (``KVBlockPool.prefix_reuse`` changed)."""
+        self.spec = spec
     def _slots_needed(self, rows: int) -> int:
         return rows if self.core.slab is not None else 0
 
@@ -271,7 +275,7 @@ class Planner:
         for lack of pages (the plan was checked against the free count)."""
         core = self.core
         core.events.poll()
-        core.clock += 1
+        core.tick()
         for row in plan.rows:
             for meta in row.hits:
                 if meta.tier is Tier.DEVICE:

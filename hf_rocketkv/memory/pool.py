@@ -158,7 +158,7 @@ class KVBlockPool:
         self._lock = self._core.lock
         self._index = PrefixIndex(self._core, root_hash(self.fingerprint), page_size, default_priority)
         self._offload = HostOffload(self._core, self._index, slot_bytes, offload_min_priority, transfer_chunk_pages)
-        self._core.evict_hook = weakly_bound(self._offload.evict_pages)  # weak: the core holds no part above it
+        self._core.on_evict(weakly_bound(self._offload.evict_pages))  # weak: the core holds no part above it
         self._planner = Planner(self._core, self._index, self._offload, self.spec, self.bytes_per_page,
                                 paged=bool(self.hybrid.global_layers))
         facts = PoolFacts(self.fingerprint, fields, self.dtype, self.kt_dtype, page_size, kt_page_size,
@@ -175,7 +175,8 @@ class KVBlockPool:
     @prefix_reuse.setter
     def prefix_reuse(self, value: bool) -> None:
         with self._lock:
-            self.spec = self._planner.spec = dataclasses.replace(self.spec, prefix_reuse=value)
+            self.spec = dataclasses.replace(self.spec, prefix_reuse=value)
+            self._planner.use_spec(self.spec)
 
     def __repr__(self) -> str:
         return (f"KVBlockPool({self.geometry.architecture}, pages={self.num_pages}x{self.page_size} tokens, "
@@ -183,13 +184,15 @@ class KVBlockPool:
                 + (f", sliding_slots={self.total_slots()}" if self.has_sliding_layers else "") + ")")
 
     # settings kept by the part that uses them
-    default_priority = property(lambda self: self._index.default_priority,
-                                lambda self, value: setattr(self._index, "default_priority", value),
-                                doc="Retention priority of cached prompt pages registered without one.")
-    offload_min_priority = property(lambda self: self._offload.offload_min_priority,
-                                    lambda self, value: setattr(self._offload, "offload_min_priority", value),
-                                    doc="Cached pages below this priority are dropped instead of offloaded.")
-    device = property(lambda self: self._files.device, lambda self, value: setattr(self._files, "device", value),
+    default_priority = property(
+        lambda self: self._index.default_priority,
+        lambda self, value: self._index.use_default_priority(check_priority(value, "KVBlockPool.default_priority")),
+        doc="Retention priority of cached prompt pages registered without one (0..100).")
+    offload_min_priority = property(
+        lambda self: self._offload.offload_min_priority,
+        lambda self, value: self._offload.use_min_priority(check_priority(value, "KVBlockPool.offload_min_priority")),
+        doc="Cached pages below this priority (0..100) are dropped instead of offloaded.")
+    device = property(lambda self: self._files.device, lambda self, value: self._files.use_device(value),
                       doc="Where ``load_prefix`` allocates layers that have not stored anything yet.")
 
     @property

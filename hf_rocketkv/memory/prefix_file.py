@@ -208,6 +208,10 @@ class PrefixFiles:
         # a model was given: load allocates unbound layers where its weights are (at load time)
         self._model_ref = weakref.ref(model) if model is not None else None
 
+
+    def use_device(self, device) -> None:
+        """Where ``load`` allocates layers that have not stored anything yet."""
+        self.device = device
     def save(self, path: str | Path, token_ids: Any, keys: PrefixKeys | None = None) -> int:
         """Write the longest resident chain of full pages of ``token_ids``; returns its token count. The salt is
         never written (the loader brings its own)."""
@@ -273,7 +277,7 @@ class PrefixFiles:
             if len(missing) > core.available():
                 raise PoolExhaustedError(f"loading {str(path)!r}", len(missing), core.available(), core.num_pages)
             core.events.poll()
-            core.clock += 1
+            core.tick()
             targets = core.take_pages(len(missing))
             if missing:
                 device_ = core.storage.device()

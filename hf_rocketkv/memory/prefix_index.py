@@ -32,6 +32,10 @@ class PrefixIndex:
         self.entries: dict[bytes, PageMeta] = {}
 
     # ============================================================================================ lookups
+
+    def use_default_priority(self, priority: int) -> None:
+        """The retention priority of pages registered without one."""
+        self.default_priority = priority
     def hash_ids(self, token_ids: list[int], keys: PrefixKeys | None = None) -> list[bytes]:
         """Chained hashes of the full pages of ``token_ids`` (a validated list)."""
         return page_hashes(self.root, token_ids, self.page_size, keys)
@@ -69,7 +73,7 @@ class PrefixIndex:
             if start_page + len(hashes) > len(pages):
                 raise ValueError(f"{table.name} has {len(pages)} pages; cannot register pages "
                                  f"[{start_page}, {start_page + len(hashes)})")
-            core.clock += 1
+            core.tick()
             return sum(self.register_page(core.device_pages[pages[start_page + i]], h, start_page + i, priority)
                        for i, h in enumerate(hashes))
 
@@ -88,7 +92,7 @@ class PrefixIndex:
             if len(admission.prompt) < full:
                 raise PoolStateError(f"{admission.prompt.name} was released; commit_prompt must come before release")
             added = self.register(admission.prompt, admission.page_hashes[start:full], start, priority)
-            admission.committed_pages = full
+            admission.committed(full)
             return added
 
     def register_page(self, meta: PageMeta, page_hash: bytes, depth: int, priority: int) -> int:
@@ -107,8 +111,7 @@ class PrefixIndex:
             host_free.remove(existing.index)  # a device copy replaces the host copy
             existing.forget()
             host_free.push_back(UNCACHED, existing.index)
-        meta.hash, meta.depth, meta.priority = page_hash, depth, priority
-        meta.last_access = self.core.clock
+        meta.name(page_hash, depth, priority, self.core.clock)
         self.entries[page_hash] = meta
         return 1
 
@@ -127,5 +130,5 @@ class PrefixIndex:
                     if meta.index in free:
                         free.remove(meta.index)
                     meta.forget()
-                    meta.pending = meta.released = None
+                    meta.clear_events()
                     free.push_back(UNCACHED, meta.index)

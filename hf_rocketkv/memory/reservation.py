@@ -23,6 +23,16 @@ class Reservation:
         self.slots = slots
         self.name = f"reservation-{next(_ids)}"
 
+    def grow(self, num_pages: int, slots: int = 0) -> None:
+        """``num_pages`` more pages (and ``slots`` more slots) set aside."""
+        self.count += num_pages
+        self.slots += slots
+
+    def shrink(self, num_pages: int, slots: int = 0) -> None:
+        """``num_pages`` pages (and ``slots`` slots) fewer set aside."""
+        self.count -= num_pages
+        self.slots -= slots
+
     def __repr__(self) -> str:
         slots = f", slots={self.slots}" if self.slots else ""
         return f"Reservation({self.name}, pages={self.count}{slots})"

@@ -34,6 +34,10 @@ class SlotLease:
         self.index = index
         self.released = False
 
+    def end(self) -> None:
+        """The slot went back to the slab (``SlidingSlab.release``)."""
+        self.released = True
+
     def __repr__(self) -> str:
         return f"SlotLease({self.index}{', released' if self.released else ''})"
 
@@ -82,8 +86,12 @@ class SlidingSlab:
             return
         if lease.index in self._free:
             raise PoolStateError(f"sliding slot {lease.index} released more often than taken")
-        lease.released = True
+        lease.end()
         heapq.heappush(self._free, lease.index)
+
+    def set_aside(self, slots: int) -> None:
+        """``slots`` more (or, negative, fewer) slots reserved for admitted requests."""
+        self.reserved += slots
 
     # ------------------------------------------------------------------------------------------ tensors
     def bind(self, layer_idx: int, num_kv_heads: int, head_dim: int, device: torch.device
