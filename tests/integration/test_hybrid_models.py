@@ -248,17 +248,21 @@ def test_tensor_parallel_shards_of_sliding_layers_pass_and_unsharded_sinks_are_r
 
 
 # ------------------------------------------------------------------------------------------------ Triton backend
-@pytest.mark.parametrize("arch", slow_except(["gpt_oss", "gemma2"], keep=["gemma2"]))  # gpt_oss: ~10 s
+@pytest.mark.parametrize("arch", slow_except(["gpt_oss", "gemma2", "gemma3"], keep=["gemma2"]))  # gpt_oss: ~10 s
 def test_triton_backend_gives_the_oracles_and_the_twins_tokens(arch):
-    """Stage 2's attention through the Triton kernel with sinks (gpt-oss) or soft-capping (Gemma 2), interpreted on
-    CPU: every page read gives the oracle's tokens; with eviction and page selection, the torch twin's tokens."""
+    """Stage 2's attention through the Triton kernel with sinks (gpt-oss) or soft-capping (Gemma 2), and the sliding
+    layers' decode through the ring kernels with them, interpreted on CPU: every page read gives the oracle's tokens;
+    with eviction and page selection, the torch twin's tokens."""
     rocket, oracle = make_hybrid_models(arch)
     ids = random_ids(1, 40, seed=3)
     cache = RocketKVCache(keep_all_config(backend="triton"))
     out = greedy(rocket, ids, cache=cache, max_new_tokens=6)
     assert torch.equal(out, greedy(oracle, ids, max_new_tokens=6))
     featured = [layer for layer in cache.layers if not layer.is_sliding]
-    assert featured and all(not layer.features.plain and layer.ops.name == "triton" for layer in featured)
+    assert featured and all(layer.ops.name == "triton" for layer in featured)
+    assert arch == "gemma3" or all(not layer.features.plain for layer in featured)
+    sliding = [layer for layer in cache.layers if layer.is_sliding]
+    assert sliding and all(layer.ring and layer.ops.name == "triton" for layer in sliding)
     config = dict(kt_cache_dtype="float32")
     triton = greedy(rocket, ids, cache=RocketKVCache(compressing_config(backend="triton", **config)),
                     max_new_tokens=6)
