@@ -76,12 +76,10 @@ class SlidingWindowLayer(UnscoredLayer):
         super().lazy_initialization(key_states, value_states)
         self.ops = get_ops(self.backend, self.device)  # resolved here, eagerly: never inside a compiled step
 
-    @staticmethod
-    def stack_rows(parts: list[UnscoredLayer], new_layer) -> UnscoredLayer:
-        """``UnscoredLayer.stack_rows``, keeping the parts' replay start (``floor``)."""
-        layer = UnscoredLayer.stack_rows(parts, new_layer)
-        layer.floor = parts[0].floor
-        return layer
+    def hold_rows(self, keys: torch.Tensor, values: torch.Tensor, like: UnscoredLayer) -> None:
+        """``UnscoredLayer.hold_rows``, keeping ``like``'s replay start (``floor``)."""
+        super().hold_rows(keys, values, like)
+        self.floor = like.floor
 
     def seed_replay(self, start: int) -> None:
         """Before the first update: a prefix hit replays the prompt from input column ``start`` (``PoolPages.

@@ -112,11 +112,15 @@ class UnscoredLayer(CacheLayerMixin):
         if len({part.seen_tokens for part in parts}) != 1:
             raise RuntimeError(f"{type(first).__name__}.stack_rows needs parts that saw the same input columns")
         layer = new_layer()
-        layer.lazy_initialization(first.keys, first.values)
-        layer.keys = torch.cat([part.keys for part in parts])
-        layer.values = torch.cat([part.values for part in parts])
-        layer.seen_tokens, layer.host_seen = first.seen_tokens, first.host_seen
+        layer.hold_rows(torch.cat([part.keys for part in parts]), torch.cat([part.values for part in parts]), first)
         return layer
+
+    def hold_rows(self, keys: torch.Tensor, values: torch.Tensor, like: UnscoredLayer) -> None:
+        """An empty layer takes ``keys`` / ``values`` ``[B, Hkv, n, D]`` as its stored columns, having seen what
+        ``like`` saw (``stack_rows``)."""
+        self.lazy_initialization(keys, values)
+        self.keys, self.values = keys, values
+        self.seen_tokens, self.host_seen = like.seen_tokens, like.host_seen
 
     def offload(self):
         raise NotImplementedError("RocketKVCache does not support offloading=True")
