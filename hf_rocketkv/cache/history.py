@@ -38,6 +38,13 @@ class History:
         """Tokens every row can still take without growing (host mirror)."""
         return self.store.capacity - self.host_max_length - self.slack
 
+    def move_to(self, store: PagedStore) -> None:
+        """The history now lives in ``store`` (its tokens already there): the positions widened to its capacity,
+        the slack recomputed from its pages."""
+        self.store = store
+        self.positions = fit_slots(self.positions, store.capacity, -1)
+        self.slack = slack_of(store, self.lengths.tolist())
+
 
 def grow_history(layer, extra: int) -> None:
     """Make room for ``extra`` more tokens in every row of ``layer``'s keep_all history (eager): a private store is
@@ -47,13 +54,12 @@ def grow_history(layer, extra: int) -> None:
         return
     capacity = round_up(history.host_max_length + extra + headroom(layer), layer.config.page_size)
     if layer.pages is not None:
-        history.store = layer.pages.history_store(layer, capacity).widened(slots_for(layer, capacity))
+        store = layer.pages.history_store(layer, capacity).widened(slots_for(layer, capacity))
     else:
         keys, values = history.store.gather()
-        history.store = private_history(layer, keys.shape[0], slots_for(layer, capacity))
-        history.store.write(keys, values)
-    history.positions = fit_slots(history.positions, history.store.capacity, -1)
-    history.slack = slack_of(history.store, history.lengths.tolist())
+        store = private_history(layer, keys.shape[0], slots_for(layer, capacity))
+        store.write(keys, values)
+    history.move_to(store)
     layer.mark_static()
 
 
