@@ -109,12 +109,11 @@ def grow_view(layer, extra: int) -> None:
     keys, values = layer.store.gather()
     kt = layer.store.gather_kt()
     if layer.pages is not None:
-        layer.store = layer.pages.grow_view(layer, new_capacity).widened(slots_for(layer, new_capacity))
+        store = layer.pages.grow_view(layer, new_capacity).widened(slots_for(layer, new_capacity))
     else:
-        layer.store = private_view(layer, keys.shape[0], slots_for(layer, new_capacity))
-    layer.store.write(keys, values, kt)
-    layer.positions = pad_slots(layer.positions, layer.store.capacity, -1)
+        store = private_view(layer, keys.shape[0], slots_for(layer, new_capacity))
+    store.write(keys, values, kt)
     # a pool-backed view's rows may hold different page counts (only the short ones took pages): eager growth may
     # read the lengths back (a sync)
-    layer.host_slack = 0 if layer.pages is None else slack_of(layer.store, layer.lengths.tolist())
-    layer.mark_static()
+    slack = 0 if layer.pages is None else slack_of(store, layer.lengths.tolist())
+    layer.move_view(store, pad_slots(layer.positions, store.capacity, -1), slack)

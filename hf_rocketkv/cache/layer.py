@@ -338,6 +338,12 @@ class RocketKVLayer(CacheLayerMixin):
         if self.history is not None:
             self.history.host_max_length += 1
 
+    def move_view(self, store: PagedStore, positions: torch.Tensor, slack: int) -> None:
+        """The compressed rows now live in ``store`` (their tokens written there: a grown view), their positions
+        ``[B, Hkv, store.capacity]``, with ``slack`` slots that no row can use."""
+        self.store, self.positions, self.host_slack = store, positions, slack
+        self.mark_static()
+
     def mark_static(self) -> None:
         """Fixed addresses for CUDA graphs: decode mutates these tensors in place and never reallocates them."""
         if torch.compiler.is_compiling():
