@@ -8,9 +8,10 @@ import json
 import pytest
 
 from benchmarks.hybrid_batching import main
+from tests.support.markers import slow_except
 
 
-@pytest.mark.parametrize("model", ["gemma-3-12b", "gpt-oss-20b"])
+@pytest.mark.parametrize("model", slow_except(["gemma-3-12b", "gpt-oss-20b"], keep=["gemma-3-12b"]))
 def test_quick_run_writes_both_calls(tmp_path, model):
     report = main(["--quick", "--model", model, "--out", str(tmp_path)])
     assert json.loads((tmp_path / "hybrid_batching.json").read_text()) == json.loads(json.dumps(report))

@@ -31,7 +31,7 @@ SLOW_MEASURED_CASES = (
     "tests/bench/test_decode_under_arrivals.py::test_quick_run_measures_every_setting",
     "tests/bench/test_hybrid_decode_bench.py::test_quick_run_writes_every_row_and_the_ratios",
     "tests/bench/test_peak_memory_cpu.py::test_row_group_prefill_peak_is_one_cold_row",
-    "tests/bench/test_perf_guard.py::test_the_quick_run_measures_both_cases_on_the_cpu_and_writes_its_result",
+    "tests/bench/test_perf_guard.py::test_the_quick_run_measures_every_case_on_the_cpu_and_writes_its_result",
     "tests/bench/test_profile_tools.py::test_decode_host_time_quick_profiles_only_the_decode_steps",
     "tests/bench/test_workload.py::test_workload_bench_quick",
     "tests/cache/test_decode_compression.py::test_graphed_and_compiled_runners_equal_eager[torch_compile]",
