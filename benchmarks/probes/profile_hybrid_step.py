@@ -5,7 +5,8 @@
 For each cache row (``rocketkv``: the defaults, decode captured as CUDA graphs; ``rocketkv-eager``;
 ``static-compile``: transformers' static cache, decode compiled by generate): one generate() warms up (JIT, graph
 capture, compilation), a second one of the same shapes runs under torch.profiler for ``--steps`` decode steps and
-reports per step: the median generate() gap, GPU busy time (the sum of kernel durations), kernels, and time and
+reports per step: the median generate() gap, GPU busy time (the sum of kernel durations), the idle GPU time between
+kernels (launch gaps up to 50 us, longer host gaps), kernels, and time and
 kernels by kind (weight GEMMs, attention, RocketKV's Triton kernels, normalisation, elementwise, copies and
 indexing, other), with the top kernels. Random bf16 weights of the published configs' shapes
 (``benchmarks/hybrid_decode.py``). Writes ``profile_hybrid_step.json`` and a Chrome trace per row under ``--out``.
@@ -44,6 +45,28 @@ def kind_of(name: str) -> str:
     return next((kind for kind, pattern in KINDS if re.search(pattern, lowered)), "other")
 
 
+HOST_GAP_US = 50.0  # an idle GPU between two kernels for longer than this waits on the host, not on a launch
+
+
+def launch_and_host_gaps(profiler) -> tuple[float, float]:
+    """Idle GPU time in the window, in us: the gaps between consecutive kernels up to ``HOST_GAP_US`` (the device's
+    own launch latency, also inside a CUDA graph) and the longer ones (the GPU waiting for the host: generate()'s
+    loop, sampling, input copies, graph launch)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in profiler.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    launch = host = 0.0
+    end = spans[0][1] if spans else 0.0
+    for start, stop in spans[1:]:
+        gap = start - end
+        if gap > 0:
+            if gap <= HOST_GAP_US:
+                launch += gap
+            else:
+                host += gap
+        end = max(end, stop)
+    return launch, host
+
+
 def summarize(profiler, steps: int) -> dict:
     """Per step: GPU busy ms, kernels, and both by kind; the top 25 kernels."""
     count, micros = collections.Counter(), collections.Counter()
@@ -51,12 +74,15 @@ def summarize(profiler, steps: int) -> dict:
         if event.device_type == torch.autograd.DeviceType.CUDA:
             count[event.name] += 1
             micros[event.name] += event.device_time
+    launch_gaps_us, host_gaps_us = launch_and_host_gaps(profiler)
     by_kind_us, by_kind_n = collections.Counter(), collections.Counter()
     for name in count:
         by_kind_us[kind_of(name)] += micros[name]
         by_kind_n[kind_of(name)] += count[name]
     return dict(
         gpu_busy_ms_per_step=sum(micros.values()) / steps / 1e3,
+        launch_gaps_ms_per_step=launch_gaps_us / steps / 1e3,
+        host_gaps_ms_per_step=host_gaps_us / steps / 1e3,
         kernels_per_step=sum(count.values()) / steps,
         by_kind={kind: dict(ms_per_step=by_kind_us[kind] / steps / 1e3, kernels_per_step=by_kind_n[kind] / steps)
                  for kind, _ in by_kind_us.most_common()},

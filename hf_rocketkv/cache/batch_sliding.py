@@ -78,20 +78,13 @@ class BatchedSlidingLayer(SlidingWindowLayer):
         tag(keys, self)
         return keys, values
 
-    reads_mask = False  # the rows have different lengths: each row's count says which slots it filled
+    reads_mask = False  # the rows have different lengths: each row's count says which slots it filled, so
+    # ``attend_ring`` always reads the slab in place (it never hands back to the per-head-mask path of
+    # ``SlidingWindowLayer.ring_mask`` / ``ring_rows``)
 
     def ring_store(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """The pool's slab and the rows' slot ids and counts: the attention reads each row's ring where it lies."""
         return self.k_slab, self.v_slab, self.row_slots, self.row_seen
-
-    def ring_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k_slab.index_select(0, self.row_slots), self.v_slab.index_select(0, self.row_slots)
-
-    def ring_mask(self, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """``[bucket, 1, 1, window]`` bool: the slots each row has filled (transformers' mask is not read: the
-        rows have different lengths)."""
-        filled = torch.arange(self.window, device=self.row_seen.device)[None, :] < self.row_seen[:, None]
-        return filled[:, None, None, :]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.window, 0

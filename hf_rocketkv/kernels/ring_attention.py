@@ -103,7 +103,8 @@ try:
     import triton
     import triton.language as tl
 
-    from ._triton_common import cast_to, cdiv, dtype_code, interpreting, next_pow2, num_sms, tanh_f32
+    from ._triton_common import cdiv, dtype_code, interpreting, next_pow2, num_sms, tanh_f32
+    from .flash_decoding import finish_split, online_softmax_step
     from .launch import TritonLaunch
     from .sparse_decode_attention import combine_splits
 except ImportError:  # triton is optional: the reference above works without it
@@ -171,35 +172,13 @@ if triton is not None:
             if SOFTCAP:
                 logits = (tanh_f32(logits) * cap_log2).to(tl.float32)
             logits = tl.where(ok[None, :], logits, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(logits, axis=1))
-            m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(logits - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            p, alpha, m_i, l_i = online_softmax_step(logits, m_i, l_i)
             if PV_FP32:
                 acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
             else:  # probabilities rounded to V's half type, fp32 accumulation (as flash attention does)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-        if SINKS:  # noqa: SIM102 - nested constexpr branches, the form every Triton version compiles
-            if DIRECT:  # the sink joins the denominator (log2 units); with splits the reduce kernel adds it
-                sink = tl.load(sink_ptr + h * group + g, mask=g_ok, other=float("-inf")).to(tl.float32)
-                sink = sink * 1.4426950408889634  # log2(e), literal: a jit function reads no module global
-                m_fin = tl.maximum(m_i, sink)
-                m_fin = tl.where(m_fin > float("-inf"), m_fin, 0.0)
-                rescale = tl.exp2(m_i - m_fin)
-                l_i = l_i * rescale + tl.exp2(sink - m_fin)
-                acc = acc * rescale[:, None]
-        inv = tl.where(l_i > 0, 1.0 / tl.maximum(l_i, 1e-30), 0.0)
-        o = acc * inv[:, None]
-        if DIRECT:
-            tl.store(out_ptr + b * s_ob + h * s_oh + g[:, None] * s_og + d[None, :] * s_od, cast_to(o, OUT_DT),
-                     mask=g_ok[:, None] & d_ok[None, :])
-        else:
-            row = (bh * num_splits + split).to(tl.int64) * BLOCK_G + g
-            tl.store(part_o_ptr + row[:, None] * BLOCK_D + d[None, :], o)
-            lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
-            tl.store(part_lse_ptr + row, lse)
+        finish_split(acc, m_i, l_i, sink_ptr, out_ptr, part_o_ptr, part_lse_ptr, b, h, bh, split, num_splits,
+                     group, head_dim, s_ob, s_oh, s_og, s_od, BLOCK_G, BLOCK_D, OUT_DT, DIRECT, SINKS)
 
     _ring_decode_split_launch = TritonLaunch(_ring_decode_split_kernel)
 
@@ -216,10 +195,18 @@ if triton is not None:
         num_splits: int | None = None,
         block_n: int | None = None,
         num_warps: int | None = None,
-        num_stages: int = 2,
+        num_stages: int | None = None,
     ) -> torch.Tensor:
         """Launcher; ``num_splits`` (None = heuristic from the shapes, 1 = one kernel, no reduce) and the tile knobs
-        exist for tests and benchmarks. Launch sizes come from shapes only: no host sync, CUDA-graph safe."""
+        (None = the defaults below) exist for tests and benchmarks. Launch sizes come from shapes only: no host sync,
+        CUDA-graph safe.
+
+        Defaults (``benchmarks/probes/tune_ring_attention.py``, H200, bf16): splits so that the (row, KV head,
+        split) programs make about four waves of the GPU (a program reads its slots serially: one program per
+        (row, KV head) over a 1024-slot window of head_dim 256 took 92 us at 16 rows, four splits 47 us); head_dim
+        above 128 with 16-bit K/V takes tiles of 64 slots on 8 warps in one stage while the (row, KV head) programs
+        are under a quarter of the SMs (Gemma 3 at batch 1: 9.0 us against 11.1 with 4 warps and 2 stages) and of
+        32 slots on 4 warps in two stages beyond (16 rows: 47 us)."""
         check_ring_arguments(q, keys, values, seen, rows, mask)
         batch, num_kv_heads, group, head_dim = q.shape
         softcap = checked_softcap(softcap)
@@ -233,13 +220,22 @@ if triton is not None:
         block_g = max(16, next_pow2(group))
         block_d = next_pow2(head_dim)
         wide = keys.dtype in (torch.bfloat16, torch.float16)
-        block_n = block_n or ((128 if wide else 64) if block_d <= 128 else (64 if wide else 32))
-        num_warps = num_warps or (4 if wide else (8 if block_n * block_d >= 64 * 128 else 4))
         programs = batch * num_kv_heads
+        sms = num_sms(q.device)
+        few = 4 * programs <= sms  # few (row, KV head) programs: batch 1-4 at 8 KV heads on an H200
+        if block_d <= 128:
+            block_n = block_n or (128 if wide else 64)
+            num_warps = num_warps or (4 if wide else (8 if block_n * block_d >= 64 * 128 else 4))
+            num_stages = num_stages or 2
+        elif wide:
+            block_n = block_n or (64 if few else 32)
+            num_warps = num_warps or (8 if few else 4)
+            num_stages = num_stages or (1 if few else 2)
+        else:
+            block_n, num_warps, num_stages = block_n or 32, num_warps or 8, num_stages or 2
         max_splits = max(1, cdiv(window, block_n))
-        if num_splits is None:  # as sparse_decode_attention: one split once the (row, KV head) programs fill the GPU
-            sms = num_sms(q.device)
-            num_splits = 1 if 2 * programs > sms else min(max_splits, cdiv(2 * sms, programs))
+        if num_splits is None:  # about four waves of (row, KV head, split) programs
+            num_splits = min(max_splits, max(1, cdiv(4 * sms, programs)))
         num_splits = max(1, min(num_splits, max_splits))
         slots_per_split = cdiv(cdiv(window, num_splits), block_n) * block_n
         num_splits = max(1, cdiv(window, slots_per_split))

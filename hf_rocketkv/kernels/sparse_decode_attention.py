@@ -140,6 +140,7 @@ try:
         scale_strides,
         tanh_f32,
     )
+    from .flash_decoding import finish_split, online_softmax_step
     from .launch import TritonLaunch
 except ImportError:  # triton is optional: the reference above works without it
     triton = None
@@ -242,11 +243,7 @@ if triton is not None:
                 s = tl.where((ok & present)[None, :], s, float("-inf"))
             else:
                 s = tl.where(ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
             if PV_FP32:
                 if KV_FP8:
                     acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32) * v_sc[:, None], input_precision="ieee")
@@ -257,27 +254,8 @@ if triton is not None:
                 acc = acc * alpha[:, None] + tl.dot(p.to(half), (v.to(tl.float32) * v_sc[:, None]).to(half))
             else:  # probabilities rounded to V's half type, fp32 accumulation (as flash attention does)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-        if SINKS:  # noqa: SIM102 - nested constexpr branches, the form every Triton version compiles
-            if DIRECT:  # the sink joins the denominator (log2 units); with splits the reduce kernel adds it
-                # the sink in log2 units (log2(e) written out: a jit function reads no module global)
-                sink = tl.load(sink_ptr + h * group + g, mask=g_ok, other=float("-inf")).to(tl.float32)
-                sink = sink * 1.4426950408889634
-                m_fin = tl.maximum(m_i, sink)
-                m_fin = tl.where(m_fin > float("-inf"), m_fin, 0.0)
-                rescale = tl.exp2(m_i - m_fin)
-                l_i = l_i * rescale + tl.exp2(sink - m_fin)
-                acc = acc * rescale[:, None]
-        inv = tl.where(l_i > 0, 1.0 / tl.maximum(l_i, 1e-30), 0.0)
-        o = acc * inv[:, None]
-        if DIRECT:
-            tl.store(out_ptr + b * s_ob + h * s_oh + g[:, None] * s_og + d[None, :] * s_od, cast_to(o, OUT_DT),
-                     mask=g_ok[:, None] & d_ok[None, :])
-        else:
-            row = (bh * num_splits + split).to(tl.int64) * BLOCK_G + g
-            tl.store(part_o_ptr + row[:, None] * BLOCK_D + d[None, :], o)
-            lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
-            tl.store(part_lse_ptr + row, lse)
+        finish_split(acc, m_i, l_i, sink_ptr, out_ptr, part_o_ptr, part_lse_ptr, b, h, bh, split, num_splits,
+                     group, head_dim, s_ob, s_oh, s_og, s_od, BLOCK_G, BLOCK_D, OUT_DT, DIRECT, SINKS)
 
     _sparse_decode_split_launch = TritonLaunch(_sparse_decode_split_kernel)
 
