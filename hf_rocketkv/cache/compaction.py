@@ -39,8 +39,8 @@ def store_prompt(layer, row_start: torch.Tensor, host_row_start: list[int] | Non
     write_tokens(store, keys, values, fixed, counts)
     if keep_all:
         lengths = device_tensor(counts, torch.long, layer.device)
-        layer.history = History(store, fit_slots(positions, store.capacity, -1), lengths, max(counts), fixed,
-                                slack_of(store, counts))
+        layer.hold_history(History(store, fit_slots(positions, store.capacity, -1), lengths, max(counts), fixed,
+                                   slack_of(store, counts)))
 
 
 def compact(layer, kept: list[KeptSlots], columns: torch.Tensor | None, queries: torch.Tensor | None) -> None:
@@ -70,17 +70,7 @@ def compact(layer, kept: list[KeptSlots], columns: torch.Tensor | None, queries:
             counts=head_counts[b] if head_counts is not None else None,
         )
     if head_counts is not None:
-        layer.lengths = torch.stack(head_counts)  # [B, Hkv]
+        lengths = torch.stack(head_counts)  # [B, Hkv]
     else:
-        layer.lengths = filled(batch, counts, torch.long, layer.device)  # no pageable copy (a sync) per layer
-    layer.store, layer.positions = store, positions
-    layer._keys = layer._values = None
-    layer.host_max_length = max(counts)
-    layer.host_slack = slack_of(store, counts)
-    layer.host_decoded = 0
-    layer.generated.start(layer, queries)
-    if not layer.compressed:
-        layer.key_handle = torch.empty((batch, heads, 0, dim), dtype=layer.dtype, device=layer.device)
-        layer.value_handle = torch.empty_like(layer.key_handle)
-    layer.compressed = True
-    layer.mark_static()
+        lengths = filled(batch, counts, torch.long, layer.device)  # no pageable copy (a sync) per layer
+    layer.hold_view(store, positions, lengths, max(counts), slack_of(store, counts), queries)

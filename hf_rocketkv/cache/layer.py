@@ -344,6 +344,28 @@ class RocketKVLayer(CacheLayerMixin):
         self.store, self.positions, self.host_slack = store, positions, slack
         self.mark_static()
 
+    def hold_view(self, store: PagedStore, positions: torch.Tensor, lengths: torch.Tensor, host_max_length: int,
+                  host_slack: int, queries: torch.Tensor | None = None) -> None:
+        """The layer's kept tokens now live in a fresh view (stage 1's compaction, row stacking): ``store`` with their
+        ``positions`` ``[B, Hkv, store.capacity]`` and ``lengths`` ``[B]`` (``[B, Hkv]`` with per-head budgets), the
+        longest row ``host_max_length``, ``host_slack`` slots no row can use. The dense store or working set is
+        dropped, decode-time compression starts over (``queries``: see ``GeneratedTokens.start``), and the empty
+        handles transformers holds (``[B, Hkv, 0, D]``) are made on the first view."""
+        self.store, self.positions, self.lengths = store, positions, lengths
+        self._keys = self._values = None
+        self.host_max_length, self.host_slack, self.host_decoded = host_max_length, host_slack, 0
+        self.generated.start(self, queries)
+        if not self.compressed:
+            self.key_handle = torch.empty((lengths.shape[0], self.num_kv_heads, 0, self.head_dim), dtype=self.dtype,
+                                          device=self.device)
+            self.value_handle = torch.empty_like(self.key_handle)
+        self.compressed = True
+        self.mark_static()
+
+    def hold_history(self, history: History | None) -> None:
+        """keep_all: the conversation's whole history (stage 1's prompt pages; stacked row groups' histories)."""
+        self.history = history
+
     def mark_static(self) -> None:
         """Fixed addresses for CUDA graphs: decode mutates these tensors in place and never reallocates them."""
         if torch.compiler.is_compiling():
@@ -421,6 +443,16 @@ class RocketKVLayer(CacheLayerMixin):
         self.generated.compress(self)
 
     # ------------------------------------------------------------------------------------------ rows
+    def initialize_like(self, other: "RocketKVLayer") -> None:
+        """Run with ``other``'s settings (a layer stacking the rows of row groups that saw the same input columns):
+        its effective config (token_budget derives one per request), dtype, device, ops, scaling, head shapes,
+        stage-1 policy and logit features, and its input count ``seen`` (copied)."""
+        self.config, self.dtype, self.device, self.ops = other.config, other.dtype, other.device, other.ops
+        self.scaling, self.num_kv_heads, self.head_dim = other.scaling, other.num_kv_heads, other.head_dim
+        self.policy, self.features = other.policy, other.features
+        self.seen, self.host_seen = other.seen.clone(), other.host_seen
+        self.is_initialized = True
+
     @staticmethod
     def stack_rows(parts: list["RocketKVLayer"], new_layer) -> "RocketKVLayer":
         """One compressed layer holding the rows of ``parts`` in order; ``new_layer()`` makes the layer to fill."""

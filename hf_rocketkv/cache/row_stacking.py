@@ -27,38 +27,27 @@ def stack_rows(parts: list, new_layer):
     if not all(part.compressed for part in parts):
         raise RuntimeError("RocketKVLayer.stack_rows needs compressed layers (stage 1 done on every row group)")
     layer = new_layer()
-    layer.config = first.config  # the parts' effective config (token_budget mode derives it per request)
-    layer.dtype, layer.device, layer.ops, layer.scaling = first.dtype, first.device, first.ops, first.scaling
-    layer.num_kv_heads, layer.head_dim = first.num_kv_heads, first.head_dim
-    layer.policy, layer.features = first.policy, first.features
+    layer.initialize_like(first)
     if layer.pages is not None:
-        layer.store = layer.pages.stacked_view(layer, [part.store for part in parts]).widened(
+        store = layer.pages.stacked_view(layer, [part.store for part in parts]).widened(
             max(part.capacity for part in parts))  # the parts' (bucketed) table width
     else:
         capacity = max(part.capacity for part in parts)
         gathered = [part.store.gather() for part in parts]
         kts = [part.store.gather_kt() for part in parts]
-        layer.store = private_view(layer, sum(part.batch_size for part in parts), capacity)
-        layer.store.write(torch.cat([pad_slots(k, capacity, 0) for k, _ in gathered]),
-                          torch.cat([pad_slots(v, capacity, 0) for _, v in gathered]),
-                          torch.cat([pad_slots(kt, capacity // first.config.page_size, 0) for kt in kts]))
-    layer.positions = torch.cat([pad_slots(part.positions, layer.store.capacity, -1) for part in parts])
-    layer.lengths = torch.cat([part.lengths for part in parts])
-    layer.seen = first.seen.clone()
-    layer.host_seen = first.host_seen
-    layer.host_max_length = max(part.host_max_length for part in parts)
-    layer.generated.start(layer, first.generated.decode_queries)
+        store = private_view(layer, sum(part.batch_size for part in parts), capacity)
+        store.write(torch.cat([pad_slots(k, capacity, 0) for k, _ in gathered]),
+                    torch.cat([pad_slots(v, capacity, 0) for _, v in gathered]),
+                    torch.cat([pad_slots(kt, capacity // first.config.page_size, 0) for kt in kts]))
+    positions = torch.cat([pad_slots(part.positions, store.capacity, -1) for part in parts])
+    host_max_length = max(part.host_max_length for part in parts)
     # every row of a stacked private store is as wide as the store; pool-backed rows keep their own pages
-    layer.host_slack = 0 if layer.pages is None else layer.store.capacity - layer.host_max_length - min(
+    host_slack = 0 if layer.pages is None else store.capacity - host_max_length - min(
         part.decode_room() for part in parts)
     if first.history is not None:
-        layer.history = _stack_histories(layer, [part.history for part in parts])
-    batch = layer.lengths.shape[0]
-    layer.key_handle = torch.empty((batch, layer.num_kv_heads, 0, layer.head_dim), dtype=layer.dtype,
-                                   device=layer.device)
-    layer.value_handle = torch.empty_like(layer.key_handle)
-    layer.compressed = layer.is_initialized = True
-    layer.mark_static()
+        layer.hold_history(_stack_histories(layer, [part.history for part in parts]))
+    layer.hold_view(store, positions, torch.cat([part.lengths for part in parts]), host_max_length, host_slack,
+                    first.generated.decode_queries)
     return layer
 
 
