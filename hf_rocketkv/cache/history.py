@@ -45,6 +45,15 @@ class History:
         self.positions = fit_slots(self.positions, store.capacity, -1)
         self.slack = slack_of(store, self.lengths.tolist())
 
+    def hold_rows(self, positions: torch.Tensor, lengths: torch.Tensor) -> None:
+        """The rows now hold ``lengths`` ``[B]`` tokens (already written into the store) at input columns
+        ``positions`` ``[B, Hkv, *]``: a later turn's tokens joined the history."""
+        counts = lengths.tolist()
+        self.positions = fit_slots(positions, self.store.capacity, -1)
+        self.lengths = lengths.clone()
+        self.host_max_length = max(counts)
+        self.slack = slack_of(self.store, counts)
+
 
 def grow_history(layer, extra: int) -> None:
     """Make room for ``extra`` more tokens in every row of ``layer``'s keep_all history (eager): a private store is

@@ -419,6 +419,18 @@ class RocketKVLayer(CacheLayerMixin):
         working set (``working_set.py``)."""
         working_set.store_new_tokens(self, valid)
 
+    def take_pending(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The later turn's K/V ``[B, Hkv, n, D]`` that ``update`` staged, handed over once."""
+        keys, values, self.pending_keys, self.pending_values = self.pending_keys, self.pending_values, None, None
+        return keys, values
+
+    def hold_working_set(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                         lengths: torch.Tensor, host_max_length: int) -> None:
+        """A later turn's contiguous working set (``working_set.py``) until stage 1 compacts it: K/V ``[B, Hkv, W, D]``,
+        input columns ``positions`` ``[B, Hkv, W]``, ``lengths`` ``[B]``, the longest ``host_max_length``."""
+        self._keys, self._values, self.positions, self.lengths = keys, values, positions, lengths
+        self.host_max_length = host_max_length
+
     def attend_later_turn(self, query: torch.Tensor, scaling: float,
                           valid: torch.Tensor | None = None) -> torch.Tensor:
         """Exact attention of a later turn's queries ``[B, Hq, n, D]`` over the working set -> ``[B, n, Hq, D]``."""

@@ -12,7 +12,7 @@ import torch
 
 from ..host_copy import device_tensor
 from ..selection.logit_features import masked_attention
-from .capacity import fit_slots, headroom, pad_slots, round_up, slack_of
+from .capacity import headroom, pad_slots, round_up
 from .history import grow_history
 from .paged_store import write_tokens
 
@@ -34,8 +34,7 @@ def store_new_tokens(layer, valid: torch.Tensor | None) -> None:
     ``m_b`` real tokens, in order, at slots ``lengths[b] .. lengths[b] + m_b - 1``, so attention and stage 1 see
     exactly what a run of that row alone sees.
     """
-    key_states, value_states = layer.pending_keys, layer.pending_values
-    layer.pending_keys = layer.pending_values = None
+    key_states, value_states = layer.take_pending()
     batch, _, n, _ = key_states.shape
     columns = [torch.arange(n, device=layer.device)] * batch if valid is None else [
         row.nonzero()[:, 0] for row in valid
@@ -54,11 +53,10 @@ def store_new_tokens(layer, valid: torch.Tensor | None) -> None:
         keys[b, :, length : length + m] = key_states[b, :, taken]
         values[b, :, length : length + m] = value_states[b, :, taken]
         positions[b, :, length : length + m] = (first_column + taken).to(torch.int32)
-    layer._keys, layer._values, layer.positions = keys, values, positions  # positions: of the working set now
-    layer.lengths = lengths + device_tensor(counts, lengths.dtype, layer.device)
-    layer.host_max_length = max(s + m for s, m in zip(stored, counts))
+    lengths = lengths + device_tensor(counts, lengths.dtype, layer.device)
+    layer.hold_working_set(keys, values, positions, lengths, max(s + m for s, m in zip(stored, counts)))
     if layer.history is not None:
-        _extend_history(layer, stored, counts)
+        _extend_history(layer, keys, values, positions, lengths, stored, counts)
 
 
 def attend_working_set(layer, query: torch.Tensor, scaling: float, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -96,14 +94,12 @@ def _working_width(layer, needed: int, current: int) -> int:
     return round_up(needed + headroom(layer), layer.config.page_size)
 
 
-def _extend_history(layer, stored: list[int], counts: list[int]) -> None:
-    """keep_all: a later turn's real tokens, just placed in the working set after each row's history, join the
-    history pages too (the working set's slots are the history's slots)."""
+def _extend_history(layer, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
+                    stored: list[int], counts: list[int]) -> None:
+    """keep_all: a later turn's real tokens, just placed in the working set (``keys`` / ``values`` ``[B, Hkv, W, D]``,
+    ``positions`` ``[B, Hkv, W]``, ``lengths`` ``[B]``) after each row's history, join the history pages too (the
+    working set's slots are the history's slots)."""
     history = layer.history
-    needed = max(s + m for s, m in zip(stored, counts))
-    grow_history(layer, needed - history.host_max_length)
-    write_tokens(history.store, layer._keys, layer._values, stored, [s + m for s, m in zip(stored, counts)])
-    history.positions = fit_slots(layer.positions, history.store.capacity, -1)
-    history.lengths = layer.lengths.clone()
-    history.host_max_length = needed
-    history.slack = slack_of(history.store, layer.lengths.tolist())
+    grow_history(layer, max(s + m for s, m in zip(stored, counts)) - history.host_max_length)
+    write_tokens(history.store, keys, values, stored, [s + m for s, m in zip(stored, counts)])
+    history.hold_rows(positions, lengths)
