@@ -2,7 +2,7 @@
 pages, keep_all's history), and each row's kept slots into a fresh paged view with their KT and positions.
 
 Shapes (B batch, Hkv KV heads, T dense width, C view capacity, D head_dim): the dense store or working set
-``layer._keys`` / ``_values`` ``[B, Hkv, T, D]``; kept slots per row ``KeptSlots.slots`` ``[Hkv, M_b]``; the view's
+``layer.dense.keys`` / ``dense.values`` ``[B, Hkv, T, D]``; kept slots per row ``KeptSlots.slots`` ``[Hkv, M_b]``; the view's
 positions ``[B, Hkv, C]`` int32; lengths ``[B]`` (or ``[B, Hkv]`` with per-head budgets).
 """
 
@@ -27,7 +27,7 @@ def store_prompt(layer, row_start: torch.Tensor, host_row_start: list[int] | Non
     if not (keep_all or pool_prompt):
         return
     starts = host_row_start if host_row_start is not None else row_start.tolist()
-    keys, values, positions, counts = real_tokens_left_aligned(layer._keys, layer._values, starts)
+    keys, values, positions, counts = real_tokens_left_aligned(layer.dense.keys, layer.dense.values, starts)
     if layer.pages is not None:
         store, fixed = layer.pages.prompt_store(layer)
         if keep_all:  # the history is read by decode steps: bucket its table width too
@@ -52,7 +52,7 @@ def compact(layer, kept: list[KeptSlots], columns: torch.Tensor | None, queries:
     ``columns`` ``[B, Hkv, T]``: the input column of each slot of a later turn's working set (None: a dense store,
     slot s is column s). ``queries``: stage 1's window ``[B, Hq, w, D]``, which tells decode-time compression's
     query buffer its head count."""
-    batch, heads, _, dim = layer._keys.shape
+    batch, heads, _, dim = layer.dense.keys.shape
     head_counts = [row.counts.to(layer.device, torch.long) for row in kept] if layer.per_head_lengths else None
     counts = [row.slots.shape[1] for row in kept]  # the longest head of each row (host ints: no sync)
     needed = round_up(max(max(counts), 1) + headroom(layer), layer.config.page_size)
@@ -64,7 +64,7 @@ def compact(layer, kept: list[KeptSlots], columns: torch.Tensor | None, queries:
     positions = torch.empty((batch, heads, store.capacity), dtype=torch.int32, device=layer.device)
     for b, row in enumerate(kept):  # one launch per row on the Triton backend (kernels/compact.py)
         layer.ops.paged_compact_row(
-            layer._keys[b], layer._values[b], row.slots, columns[b] if columns is not None else None, store.k,
+            layer.dense.keys[b], layer.dense.values[b], row.slots, columns[b] if columns is not None else None, store.k,
             store.v, store.kt, store.table[b], store.row_pages[b], positions[b], layer.config.page_size,
             k_scale=store.k_scale, v_scale=store.v_scale,
             counts=head_counts[b] if head_counts is not None else None,

@@ -39,7 +39,7 @@ from ..selection.stage1_snapkv import scores_with
 from ..selection.stage2_pages import per_head
 from . import decode_append, row_index, row_stacking, stage2, working_set
 from .consistency import INTERRUPTED_FORWARD, UNCONSUMED_KEYS
-from .dense_store import append_dense, start_dense
+from .dense_store import DenseStore
 from .generated_tokens import GeneratedTokens, decode_compression
 from .hints import GenerationHints
 from .history import History
@@ -69,6 +69,7 @@ class RocketKVLayer(CacheLayerMixin):
         has a pool; None: the layer allocates its own). ``layer_idx``: this layer's index in the model (the pool
         keeps one set of page tensors per layer). ``counters``: the cache's ``RequestCounters`` (layer 0 counts the
         tokens prefill computes)."""
+        self.dense = DenseStore()  # the dense store until stage 1, a later turn's working set (``dense_store.py``)
         super().__init__()
         self.config = config
         self.hints = hints
@@ -76,13 +77,9 @@ class RocketKVLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.counters = counters
         self.counts_tokens = layer_idx == 0  # this layer adds prefill's computed tokens to ``counters``
-        # [B, Hkv, T, D]: the dense store (while chunking, a view of a wider buffer), or a later turn's working set
-        self._keys = self._values = None
         self.store: PagedStore | None = None  # the compressed view, in pages
         self.history: History | None = None  # multi_turn="keep_all": every token of the conversation (history.py)
         self.prefix_tokens = 0  # a prefix hit: columns [0, prefix_tokens) come from pool pages (set before prefill)
-        self.dense_room = 0  # a prefix hit's dense store: columns at its end left for the first forward (dense_store)
-        self.dense_buffers = None  # weak references to a chunked prefill's whole-prompt K/V buffers (dense_store)
         # a replayed prefix hit (sliding-window models): the next input column while it is below prefix_tokens
         self.replay_pos: int | None = None
         self.replayed_now = 0  # of the latest dense forward's queries, those that replayed the hit (attention reads)
@@ -117,37 +114,37 @@ class RocketKVLayer(CacheLayerMixin):
     @property
     def keys(self) -> torch.Tensor | None:
         """Dense store / working set; once compressed a contiguous copy ``[B, Hkv, C, D]`` gathered from the pages."""
-        if self.compressed and self._keys is None and self.store is not None:
+        if self.compressed and self.dense.keys is None and self.store is not None:
             return self.store.gather()[0]
-        return self._keys
+        return self.dense.keys
 
     @keys.setter
     def keys(self, tensor: torch.Tensor | None) -> None:
-        self._keys = tensor
+        self.dense.hold(tensor, self.dense.values)
 
     @property
     def values(self) -> torch.Tensor | None:
-        if self.compressed and self._values is None and self.store is not None:
+        if self.compressed and self.dense.values is None and self.store is not None:
             return self.store.gather()[1]
-        return self._values
+        return self.dense.values
 
     @values.setter
     def values(self, tensor: torch.Tensor | None) -> None:
-        self._values = tensor
+        self.dense.hold(self.dense.keys, tensor)
 
     @property
     def kt(self) -> torch.Tensor | None:
         """KT summaries as ``[B, Hkv, C/KP, 2, D]`` (a copy; built over the working set during a later turn)."""
         if not self.compressed:
             return None
-        if self._keys is not None:
-            return self.ops.build_kt(self._keys, self.lengths, self.config.page_size, self.config.kt_torch_dtype)
+        if self.dense.keys is not None:
+            return self.ops.build_kt(self.dense.keys, self.lengths, self.config.page_size, self.config.kt_torch_dtype)
         return self.store.gather_kt()
 
     @property
     def working(self) -> bool:
         """A later turn's contiguous working set is in use (between storing its tokens and stage 1)."""
-        return self.compressed and self._keys is not None
+        return self.compressed and self.dense.keys is not None
 
     @property
     def row_start(self) -> torch.Tensor | None:
@@ -164,7 +161,12 @@ class RocketKVLayer(CacheLayerMixin):
         self.seen = torch.zeros((), dtype=torch.long, device=self.device)
         if self.pages is not None:
             self.pages.check_layer(self, key_states)
-        start_dense(self, key_states, value_states)
+        if self.prefix_tokens:  # a prefix hit: its columns come from the pool's pages; replayed ones are not stored
+            room = key_states.shape[2] - self.replayed_columns(key_states.shape[2])
+            self.dense.start(key_states, value_states, self.pages.prefix_keys(self, key_states, room=room), room)
+            self.seen.fill_(self.prefix_tokens if self.replay_pos is None else self.replay_pos)
+        else:
+            self.dense.start(key_states, value_states)
         self.is_initialized = True
 
     def reset(self) -> None:
@@ -199,7 +201,7 @@ class RocketKVLayer(CacheLayerMixin):
     def batch_size(self) -> int:
         if not self.is_initialized:
             raise AttributeError("batch_size")  # Cache.batch_size skips layers without it
-        return self.lengths.shape[0] if self.compressed else self._keys.shape[0]
+        return self.lengths.shape[0] if self.compressed else self.dense.keys.shape[0]
 
     # ------------------------------------------------------------------------------------------ sizes
     def get_seq_length(self) -> int:
@@ -221,7 +223,7 @@ class RocketKVLayer(CacheLayerMixin):
         if not self.compressed:
             # dense: the mask covers the stored columns plus the new ones, exactly like a DynamicLayer (a replayed
             # prefix hit: the hit's columns, or the forward's last column when it reaches past them)
-            stored = self._keys.shape[2] if self.is_initialized else self.prefix_tokens
+            stored = self.dense.keys.shape[2] if self.is_initialized else self.prefix_tokens
             if self.replay_pos is not None:
                 return max(stored, self.replay_pos + query_length), 0
             return stored + query_length, 0
@@ -243,16 +245,16 @@ class RocketKVLayer(CacheLayerMixin):
         if not self.is_initialized:
             return torch.zeros(0, 0, dtype=torch.long)
         if not self.compressed:
-            width = self._keys.shape[2]
+            width = self.dense.keys.shape[2]
             stored = width - self.row_start if self.row_start is not None else width
-            stored = torch.as_tensor(stored, device=self.device).expand(self._keys.shape[0])
-            return stored[:, None].expand(-1, self._keys.shape[1]).clone()
+            stored = torch.as_tensor(stored, device=self.device).expand(self.dense.keys.shape[0])
+            return stored[:, None].expand(-1, self.dense.keys.shape[1]).clone()
         return per_head(self.lengths, self.lengths.shape[0], self.num_kv_heads).clone()
 
     def memory_bytes(self) -> int:
         """Bytes this layer holds: its pages (a pool's: the pages its rows hold), positions, lengths, and the
         contiguous dense store / working set and pending queries when present."""
-        tensors = (self._keys, self._values, self.positions, self.lengths, *self.stage1.tensors(),
+        tensors = (self.dense.keys, self.dense.values, self.positions, self.lengths, *self.stage1.tensors(),
                    *self.generated.tensors())
         held = sum(t.numel() * t.element_size() for t in tensors if t is not None)
         held += self.store.nbytes() if self.store is not None else 0
@@ -265,8 +267,8 @@ class RocketKVLayer(CacheLayerMixin):
     def capacity(self) -> int:
         """Slots per row: of the working set during a later turn, of the paged view once compressed, of the dense
         store before."""
-        if self._keys is not None:
-            return self._keys.shape[2]
+        if self.dense.keys is not None:
+            return self.dense.keys.shape[2]
         return self.store.capacity if self.store is not None else 0
 
     def decode_room(self) -> int:
@@ -300,8 +302,9 @@ class RocketKVLayer(CacheLayerMixin):
                 self.replay_pos += query_length
                 if self.replay_pos >= self.prefix_tokens:
                     self.replay_pos = None
-            append_dense(self, key_states, value_states)
-            return self._keys, self._values
+            self.dense.append(key_states, value_states, self.hints.prefill_columns)
+            self._tag_keys()  # a new dense buffer or view every forward but a prefix hit's first
+            return self.dense.keys, self.dense.values
         if query_length == 1:
             decode_append.append_one(self, key_states, value_states)
         else:
@@ -310,7 +313,7 @@ class RocketKVLayer(CacheLayerMixin):
 
     def _tag_keys(self) -> None:
         """Let the attention function find this layer from the key tensor update() returns (``seam.layer_of``)."""
-        tag(self.key_handle if self.compressed else self._keys, self)
+        tag(self.key_handle if self.compressed else self.dense.keys, self)
 
     def attention_ran(self) -> None:
         """Called by the ``rocketkv`` attention function once it has found this layer."""
@@ -352,7 +355,7 @@ class RocketKVLayer(CacheLayerMixin):
         dropped, decode-time compression starts over (``queries``: see ``GeneratedTokens.start``), and the empty
         handles transformers holds (``[B, Hkv, 0, D]``) are made on the first view."""
         self.store, self.positions, self.lengths = store, positions, lengths
-        self._keys = self._values = None
+        self.dense.hold(None, None)
         self.host_max_length, self.host_slack, self.host_decoded = host_max_length, host_slack, 0
         self.generated.start(self, queries)
         if not self.compressed:
@@ -428,7 +431,8 @@ class RocketKVLayer(CacheLayerMixin):
                          lengths: torch.Tensor, host_max_length: int) -> None:
         """A later turn's contiguous working set (``working_set.py``) until stage 1 compacts it: K/V ``[B, Hkv, W, D]``,
         input columns ``positions`` ``[B, Hkv, W]``, ``lengths`` ``[B]``, the longest ``host_max_length``."""
-        self._keys, self._values, self.positions, self.lengths = keys, values, positions, lengths
+        self.dense.hold(keys, values)
+        self.positions, self.lengths = positions, lengths
         self.host_max_length = host_max_length
 
     def attend_later_turn(self, query: torch.Tensor, scaling: float,

@@ -319,7 +319,7 @@ class PoolPages:
         """A stage 1 that no ``begin`` announced (forwards outside generate()): admit now, without prefix lookup."""
         self.max_new_tokens = headroom
         if not self.rows:
-            prompt_lens = (layer._keys.shape[2] - layer.row_start).tolist()
+            prompt_lens = (layer.dense.keys.shape[2] - layer.row_start).tolist()
             self._admit(prompt_lens, headroom, None)
         else:
             self._reserve_turn(layer.lengths.tolist(), headroom)

@@ -19,7 +19,7 @@ CROP_UNSUPPORTED = (
     "plain greedy, sampling or beam search."
 )
 
-LAYER_ROW_TENSORS = ("_keys", "_values", "positions", "lengths")
+LAYER_ROW_TENSORS = ("positions", "lengths")
 
 
 def select_rows(owner, names: tuple[str, ...], index: torch.Tensor, in_place: bool) -> None:
@@ -42,6 +42,7 @@ def index_rows(layer, index: torch.Tensor, in_place: bool = False) -> None:
     addresses); a private view takes a new store when the batch size changes."""
     index = index.to(layer.device)
     in_place_rows = in_place and layer.compressed
+    select_rows(layer.dense, ("keys", "values"), index, in_place_rows)
     select_rows(layer, LAYER_ROW_TENSORS, index, in_place_rows)
     layer.stage1.select_rows(index, in_place_rows)
     layer.generated.select_rows(index, in_place_rows)

@@ -130,7 +130,7 @@ class Stage1:
         the queries are the dense store's last ``n`` columns, real from the row's offset on (None: unknown)."""
         if host_row_start is None or layer.compressed:
             return None
-        first_query = layer._keys.shape[2] - n
+        first_query = layer.dense.keys.shape[2] - n
         return [n - min(n, max(0, start - first_query)) for start in host_row_start]
 
     def _accumulate(self, layer, queries: torch.Tensor, scaling: float) -> None:
@@ -141,17 +141,17 @@ class Stage1:
         if new_state is None:
             return
         if self.policy_state is None:
-            self.policy_state = new_state(layer._keys.shape[0], layer._keys.shape[1], layer.device)
+            self.policy_state = new_state(layer.dense.keys.shape[0], layer.dense.keys.shape[1], layer.device)
             if self.policy_state is None:
                 return
         start, end = self.bounds(layer)
-        layer.policy.accumulate(self.policy_state, queries, layer._keys, start, end, scaling)
+        layer.policy.accumulate(self.policy_state, queries, layer.dense.keys, start, end, scaling)
 
     def bounds(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's valid slots ``[start, end)``: after the padding while dense, ``[0, lengths)`` once compressed."""
         if layer.compressed:
             return torch.zeros_like(layer.lengths), layer.lengths
-        return self.row_start, torch.full_like(self.row_start, layer._keys.shape[2])
+        return self.row_start, torch.full_like(self.row_start, layer.dense.keys.shape[2])
 
     # ------------------------------------------------------------------------------------------ the run
     def run(self, layer) -> None:
@@ -165,7 +165,7 @@ class Stage1:
                 resolve_token_budget(layer)
         inputs = Stage1Inputs(
             self.pending_queries,
-            layer._keys,
+            layer.dense.keys,
             start,
             end,
             budget=layer.config.prompt_budget,
@@ -191,7 +191,7 @@ class Stage1:
         counts are known on the host); None when some are only on the device (the policy reads them back)."""
         if layer.compressed or self.host_row_start is None or self.host_window_len is None:
             return None
-        end = layer._keys.shape[2]
+        end = layer.dense.keys.shape[2]
         return tuple((start, end, w) for start, w in zip(self.host_row_start, self.host_window_len))
 
     @staticmethod
@@ -206,10 +206,10 @@ class Stage1:
         """An accumulating policy (H2O) scores with every prompt query: refuse a store that was partly written
         without passing through the attention (e.g. a prefix stored with ``Cache.update``), instead of scoring
         with part of the prompt."""
-        if self.policy_state is not None and self.observed_columns != layer._keys.shape[2]:
+        if self.policy_state is not None and self.observed_columns != layer.dense.keys.shape[2]:
             raise ValueError(
                 f"stage-1 policy {layer.policy.name!r} accumulates attention over every prompt query, but only "
-                f"{self.observed_columns} of the {layer._keys.shape[2]} stored columns passed through the rocketkv "
+                f"{self.observed_columns} of the {layer.dense.keys.shape[2]} stored columns passed through the rocketkv "
                 f"attention (the rest were written to the cache directly). Prefill the whole prompt through the model."
             )
 
@@ -232,10 +232,10 @@ def resolve_token_budget(layer) -> None:
     row group of a row-group prefill sees the same width, so they all derive the same page size. prompt_budget
     is raised to window_size when the formula gives less (the observation window is always kept).
     """
-    prompt_len = layer._keys.shape[2]
+    prompt_len = layer.dense.keys.shape[2]
     hints, config = layer.hints, layer.config
     max_new = max(hints.max_length - prompt_len, 0) if hints.max_length is not None else 0
-    derived = derive_budgets(prompt_len, max_new, config.token_budget, layer._keys.shape[3])
+    derived = derive_budgets(prompt_len, max_new, config.token_budget, layer.dense.keys.shape[3])
     layer.config = config.replace(
         prompt_budget=max(derived.prompt_budget, config.window_size),
         topk=derived.topk,

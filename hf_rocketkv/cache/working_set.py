@@ -1,7 +1,7 @@
 """A later turn on a compressed layer: its real new tokens stored after each row's kept tokens (or keep_all's whole
 history) in a contiguous working set, and the exact attention of its queries over that set.
 
-Working set (B batch, Hkv KV heads, W slots, D head_dim): ``layer._keys`` / ``_values`` ``[B, Hkv, W, D]``,
+Working set (B batch, Hkv KV heads, W slots, D head_dim): ``layer.dense.keys`` / ``dense.values`` ``[B, Hkv, W, D]``,
 ``layer.positions`` ``[B, Hkv, W]`` int32 (input columns, -1 empty), ``layer.lengths`` ``[B]``: row b's stored tokens
 then its ``m_b`` real new ones. Stage 1 then compacts it into a fresh view (``cache/compaction.py``).
 """

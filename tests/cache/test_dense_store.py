@@ -40,19 +40,19 @@ def test_chunks_fill_one_buffer_with_transformers_keys_and_values(pooled, length
 
     def check(end):
         for layer_idx, layer in enumerate(cache.layers):
-            assert layer._keys.shape[2] == end
-            torch.testing.assert_close(layer._keys, reference.layers[layer_idx].keys[:, :, :end].to(layer._keys.dtype))
-            torch.testing.assert_close(layer._values,
-                                       reference.layers[layer_idx].values[:, :, :end].to(layer._values.dtype))
+            assert layer.dense.keys.shape[2] == end
+            torch.testing.assert_close(layer.dense.keys, reference.layers[layer_idx].keys[:, :, :end].to(layer.dense.keys.dtype))
+            torch.testing.assert_close(layer.dense.values,
+                                       reference.layers[layer_idx].values[:, :, :end].to(layer.dense.values.dtype))
         if end > chunk:  # every chunk after the first writes into the same buffer of the whole prompt's width
-            base = cache.layers[0]._keys._base
+            base = cache.layers[0].dense.keys._base
             assert base is not None and base.shape[2] == length
             buffers.append(base)
 
     cache.hints.defer_compression = True
     with cache.prefill(ids, max_new_tokens=4):
         _chunks(rocket, cache, ids, chunk, after_chunk=check)
-        alive = [layer.dense_buffers[0] for layer in cache.layers if layer.dense_buffers is not None]
+        alive = [layer.dense.buffers[0] for layer in cache.layers if layer.dense.buffers is not None]
     assert all(buffer is buffers[0] for buffer in buffers)
     assert len(alive) == (len(cache.layers) if length > chunk else 0)
     buffers.clear()
@@ -68,7 +68,7 @@ def test_without_the_prompt_width_chunks_concatenate():
     cache.hints.defer_compression = True
     ids = random_ids(1, 20)
     _chunks(rocket, cache, ids, 8)
-    assert cache.layers[0]._keys.shape[2] == 20 and cache.layers[0].dense_buffers is None
+    assert cache.layers[0].dense.keys.shape[2] == 20 and cache.layers[0].dense.buffers is None
 
 
 def test_a_width_given_without_ids_fills_one_buffer_and_is_forgotten_after_the_prefill():
@@ -81,7 +81,7 @@ def test_a_width_given_without_ids_fills_one_buffer_and_is_forgotten_after_the_p
     widths = []
     with cache.prefill(columns=24):
         _chunks(rocket, cache, ids, 8, after_chunk=lambda end: widths.append(
-            cache.layers[0]._keys._base.shape[2] if end > 8 else None))
+            cache.layers[0].dense.keys._base.shape[2] if end > 8 else None))
         assert cache.hints.prefill_columns == 24
     assert widths == [None, 24, 24]
     assert cache.hints.prefill_columns is None

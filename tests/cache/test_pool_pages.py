@@ -102,7 +102,7 @@ def test_a_hit_writes_its_new_tokens_into_the_gathered_store(model, monkeypatch)
         return keys, values
 
     def observe_prefill(self, *args, **kwargs):
-        observed.append(self._keys.data_ptr())
+        observed.append(self.dense.keys.data_ptr())
         return real_observe(self, *args, **kwargs)
 
     monkeypatch.setattr(PoolPages, "prefix_keys", prefix_keys)

@@ -232,8 +232,8 @@ def test_the_full_attention_layers_must_not_store_the_replayed_keys(pair, monkey
         out = update(self, key_states, value_states, *args, **kwargs)
         if first_column is not None and self.replayed_now:
             n = self.replayed_now
-            self._keys[:, :, first_column:first_column + n] = key_states[:, :, :n]
-            self._values[:, :, first_column:first_column + n] = value_states[:, :, :n]
+            self.dense.keys[:, :, first_column:first_column + n] = key_states[:, :, :n]
+            self.dense.values[:, :, first_column:first_column + n] = value_states[:, :, :n]
         return out
 
     monkeypatch.setattr(RocketKVLayer, "update", leaky)
