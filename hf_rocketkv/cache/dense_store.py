@@ -35,7 +35,7 @@ class DenseStore:
     def start(self, key_states: torch.Tensor, value_states: torch.Tensor,
               hit: tuple[torch.Tensor, torch.Tensor] | None = None, room: int = 0) -> None:
         """At the layer's first update (``[B, Hkv, n, D]``): an empty store ``[B, Hkv, 0, D]``, or a prefix hit's
-        ``hit`` K/V ``[B, Hkv, prefix_tokens + room, D]`` gathered from the pool's pages, whose last ``room`` columns
+        ``hit`` K/V ``[B, Hkv, hit tokens + room, D]`` gathered from the pool's pages, whose last ``room`` columns
         this forward's tokens fill (not concatenated to a copy of 32k prefix columns)."""
         if hit is not None:
             self.keys, self.values = hit

@@ -44,6 +44,7 @@ from .generated_tokens import GeneratedTokens, decode_compression
 from .hints import GenerationHints
 from .history import History
 from .op_graphs import OpGraph
+from .prefix_hit import PrefixHit
 from .paged_store import PagedStore
 from .row_index import CROP_UNSUPPORTED
 from .seam import layer_of, tag
@@ -79,11 +80,7 @@ class RocketKVLayer(CacheLayerMixin):
         self.counts_tokens = layer_idx == 0  # this layer adds prefill's computed tokens to ``counters``
         self.store: PagedStore | None = None  # the compressed view, in pages
         self.history: History | None = None  # multi_turn="keep_all": every token of the conversation (history.py)
-        self.prefix_tokens = 0  # a prefix hit: columns [0, prefix_tokens) come from pool pages (set before prefill)
-        # a replayed prefix hit (sliding-window models): the next input column while it is below prefix_tokens
-        self.replay_pos: int | None = None
-        self.replayed_now = 0  # of the latest dense forward's queries, those that replayed the hit (attention reads)
-        self.replay_first = 0  # the input column of the latest replaying forward's first query
+        self.prefix = PrefixHit()  # a prefix hit: the columns the pool's pages provide, and their replay
         self.positions: torch.Tensor | None = None
         self.lengths: torch.Tensor | None = None
         self.compressed = False
@@ -161,10 +158,10 @@ class RocketKVLayer(CacheLayerMixin):
         self.seen = torch.zeros((), dtype=torch.long, device=self.device)
         if self.pages is not None:
             self.pages.check_layer(self, key_states)
-        if self.prefix_tokens:  # a prefix hit: its columns come from the pool's pages; replayed ones are not stored
-            room = key_states.shape[2] - self.replayed_columns(key_states.shape[2])
+        if self.prefix.tokens:  # a prefix hit: its columns come from the pool's pages; replayed ones are not stored
+            room = key_states.shape[2] - self.prefix.replayed_columns(key_states.shape[2])
             self.dense.start(key_states, value_states, self.pages.prefix_keys(self, key_states, room=room), room)
-            self.seen.fill_(self.prefix_tokens if self.replay_pos is None else self.replay_pos)
+            self.seen.fill_(self.prefix.next_column)
         else:
             self.dense.start(key_states, value_states)
         self.is_initialized = True
@@ -177,25 +174,11 @@ class RocketKVLayer(CacheLayerMixin):
     def seed_prefix(self, tokens: int, start: int | None = None) -> None:
         """Before the first update: input columns ``[0, tokens)`` come from a prefix hit (``self.pages`` gathers
         them at the first update), so the logical length starts there and generate() prefills only the rest.
-
         ``start < tokens``: the forwards replay input columns ``[start, tokens)`` first (a model with sliding-window
-        layers rebuilds their windows, ``PoolPages.setup_prefix``). The logical length starts at ``start``; this
-        layer writes nothing for the replayed columns (its hit pages are shared, and the replayed hidden states are
-        not exact) and its attention reads the hit's K/V ``[0, tokens)`` plus what was written after them."""
+        layers rebuilds their windows, ``PoolPages.setup_prefix``; ``prefix_hit.py``)."""
         if self.is_initialized:
             raise RuntimeError("RocketKVLayer.seed_prefix needs a layer that has stored nothing yet")
-        start = tokens if start is None else start
-        if not 0 <= start <= tokens:
-            raise ValueError(f"RocketKVLayer.seed_prefix: start must lie in [0, {tokens}], got {start}")
-        self.prefix_tokens = tokens
-        self.replay_pos = start if start < tokens else None
-        self.host_seen = start
-
-    def replayed_columns(self, query_length: int) -> int:
-        """How many of a forward's first ``query_length`` columns replay the prefix hit (they are not stored)."""
-        if self.replay_pos is None:
-            return 0
-        return max(0, min(query_length, self.prefix_tokens - self.replay_pos))
+        self.host_seen = self.prefix.seed(tokens, start)
 
     @property
     def batch_size(self) -> int:
@@ -211,7 +194,7 @@ class RocketKVLayer(CacheLayerMixin):
         compiled forward without ``position_ids`` neither syncs with the host nor breaks the graph.
         """
         if not self.is_initialized:
-            return self.prefix_tokens if self.replay_pos is None else self.replay_pos
+            return self.prefix.next_column
         if torch.compiler.is_compiling():
             return self.seen
         return int(self.seen)
@@ -223,9 +206,9 @@ class RocketKVLayer(CacheLayerMixin):
         if not self.compressed:
             # dense: the mask covers the stored columns plus the new ones, exactly like a DynamicLayer (a replayed
             # prefix hit: the hit's columns, or the forward's last column when it reaches past them)
-            stored = self.dense.keys.shape[2] if self.is_initialized else self.prefix_tokens
-            if self.replay_pos is not None:
-                return max(stored, self.replay_pos + query_length), 0
+            stored = self.dense.keys.shape[2] if self.is_initialized else self.prefix.tokens
+            if self.prefix.replay_pos is not None:
+                return max(stored, self.prefix.replay_pos + query_length), 0
             return stored + query_length, 0
         if query_length == 1:
             # Decode: the attention function builds validity from `lengths` and ignores the mask, so its size only has
@@ -295,13 +278,9 @@ class RocketKVLayer(CacheLayerMixin):
             return self.key_handle, self.value_handle
         self.seen.add_(query_length)
         if not self.compressed:
-            skip = self.replayed_now = self.replayed_columns(query_length)
+            skip = self.prefix.consume(query_length)
             if skip:  # the replayed columns' K/V are the hit's (already in the store): only the rest is written
                 key_states, value_states = key_states[:, :, skip:], value_states[:, :, skip:]
-                self.replay_first = self.replay_pos  # the forward's first input column (attention counts)
-                self.replay_pos += query_length
-                if self.replay_pos >= self.prefix_tokens:
-                    self.replay_pos = None
             self.dense.append(key_states, value_states, self.hints.prefill_columns)
             self._tag_keys()  # a new dense buffer or view every forward but a prefix hit's first
             return self.dense.keys, self.dense.values

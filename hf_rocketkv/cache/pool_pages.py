@@ -348,14 +348,14 @@ class PoolPages:
         return start
 
     def prefix_keys(self, layer, key_states: torch.Tensor, room: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """The dense store ``[B, Hkv, L + room, D]`` of a prefix hit: in its first ``L = layer.prefix_tokens``
+        """The dense store ``[B, Hkv, L + room, D]`` of a prefix hit: in its first ``L = layer.prefix.tokens``
         columns, row b's padding (zeros), then its first ``L - pad_b`` prompt tokens from its prompt table's hit
         pages; the last ``room`` columns are left for the caller to write (the forward's own tokens).
 
         Two passes over the prefix per tensor (gather the pages, one strided copy into the dense layout), and the
         hit table is built once per turn: this runs in every layer of a prefix hit, on its time to first token."""
         storage = self.pool.layer(layer.layer_idx, key_states)
-        tokens = layer.prefix_tokens
+        tokens = layer.prefix.tokens
         batch, heads, _, dim = key_states.shape
         padded = any(row.pad for row in self.rows)
         make = key_states.new_zeros if padded else key_states.new_empty  # padding columns must read as zeros

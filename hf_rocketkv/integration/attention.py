@@ -71,9 +71,9 @@ def rocketkv_attention(
     if not layer.compressed:
         check_all_heads_here(layer, module, key)
         layer.use_features(features)
-        replayed = layer.replayed_now  # queries that replay a prefix hit (sliding-window models): not observed
+        replayed = layer.prefix.replayed_now  # queries that replay a prefix hit (sliding-window models): not observed
         if replayed == query.shape[2]:  # all of them (a chunk inside the hit): its keys are the hit's, no more
-            count_replayed(layer, real_query_count(attention_mask, layer.replay_first, query.shape[0], replayed))
+            count_replayed(layer, real_query_count(attention_mask, layer.prefix.replay_first, query.shape[0], replayed))
             return dense_attention(layer, module, query, key, value, attention_mask, scaling, None, features,
                                    **kwargs), None
         start, host_start = padding_of_forward(layer, attention_mask, key.shape[2])

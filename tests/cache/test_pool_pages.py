@@ -98,7 +98,7 @@ def test_a_hit_writes_its_new_tokens_into_the_gathered_store(model, monkeypatch)
 
     def prefix_keys(self, layer, key_states, room=0):
         keys, values = real_prefix_keys(self, layer, key_states, room=room)
-        gathered.append((keys.data_ptr(), keys.shape[2], layer.prefix_tokens + key_states.shape[2]))
+        gathered.append((keys.data_ptr(), keys.shape[2], layer.prefix.tokens + key_states.shape[2]))
         return keys, values
 
     def observe_prefill(self, *args, **kwargs):

@@ -228,10 +228,10 @@ def test_the_full_attention_layers_must_not_store_the_replayed_keys(pair, monkey
     update = RocketKVLayer.update
 
     def leaky(self, key_states, value_states, *args, **kwargs):
-        first_column = self.replay_pos
+        first_column = self.prefix.replay_pos
         out = update(self, key_states, value_states, *args, **kwargs)
-        if first_column is not None and self.replayed_now:
-            n = self.replayed_now
+        if first_column is not None and self.prefix.replayed_now:
+            n = self.prefix.replayed_now
             self.dense.keys[:, :, first_column:first_column + n] = key_states[:, :, :n]
             self.dense.values[:, :, first_column:first_column + n] = value_states[:, :, :n]
         return out
