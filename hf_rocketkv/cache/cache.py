@@ -174,19 +174,17 @@ class RocketKVCache(Cache):
         config = layer_config(self.config, layer_idx, self.num_layers)
         if config is None:
             return DenseLayer(self.hints, layer_idx)
+        # the first full-attention layer counts the tokens prefill computes (layer 0 may slide)
+        counting = layer_idx == (windows.index(None) if windows is not None else 0)
         if config is not self.config:  # its share of a budget schedule
             make = self.layer_class_to_replicate
-            return make.func(config, *make.args[1:], layer_idx=layer_idx, **make.keywords)
-        return self.layer_class_to_replicate(layer_idx=layer_idx)
+            return make.func(config, *make.args[1:], layer_idx=layer_idx, counts_tokens=counting, **make.keywords)
+        return self.layer_class_to_replicate(layer_idx=layer_idx, counts_tokens=counting)
 
     def _ensure_layers(self, count: int) -> None:
         """Create layers up to ``count`` (each knows its index: a pool keeps one set of page tensors per layer)."""
         while len(self.layers) < count:
-            layer = self._new_layer(len(self.layers))
-            if self.layer_windows is not None and isinstance(layer, RocketKVLayer):
-                # the first full-attention layer counts the tokens prefill computes (layer 0 may slide)
-                layer.counts_tokens = layer.layer_idx == self.layer_windows.index(None)
-            self.layers.append(layer)
+            self.layers.append(self._new_layer(len(self.layers)))
 
     # ------------------------------------------------------------------------------------------ prefill
     @contextlib.contextmanager

@@ -62,17 +62,18 @@ class GeneratedTokens:
         self.decode_queries.copy_(torch.cat([self.decode_queries[:, :, 1:], query.to(self.decode_queries.dtype)],
                                             dim=2))
 
-    def maybe_compress(self, layer) -> bool:
-        """Host side, before a one-token decode step stores its token: compress the generated tokens when
-        ``decode_budget + decode_interval`` of them are stored. Returns whether it ran."""
+    def due(self, layer) -> bool:
+        """Host side, before a one-token decode step stores its token: whether the generated tokens are to be
+        compressed now (``decode_budget + decode_interval`` of them are stored)."""
         if self.settings is None or not layer.compressed or layer.working:
             return False
-        if not self.settings.due(self.host_generated):
-            return False
-        self.compress(layer)
-        return True
+        return self.settings.due(self.host_generated)
 
-    def compress(self, layer) -> None:
+    def note_stored(self, count: int) -> None:
+        """``count`` generated tokens were stored (a decode step: 1), or removed (a crop: negative)."""
+        self.host_generated += count
+
+    def compress(self, layer) -> int:
         """Keep ``decode_budget`` generated tokens per row and KV head: the newest ``decode_window`` and the
         best-scoring others, moved to slots ``gen_start ..`` in ascending order with their positions; emptied slots
         are cleared and the KT of every page is rebuilt from the kept keys. In place in the layer's pages (fixed
@@ -80,6 +81,7 @@ class GeneratedTokens:
         allocated or freed).
 
         Shapes: keys/values gathered ``[B, Hkv, C, D]``; kept slots ``[B, Hkv, M]``; positions ``[B, Hkv, C]``.
+        Returns how many tokens each row lost (the layer lowers its host mirrors by it).
         """
         settings = self.settings
         keys, values = layer.store.gather()
@@ -95,9 +97,8 @@ class GeneratedTokens:
         kt = layer.ops.build_kt(keys, layer.lengths, layer.config.page_size, layer.config.kt_torch_dtype)
         layer.store.write(keys, values, kt)
         removed = self.host_generated - settings.budget
-        layer.host_max_length -= removed
         self.host_generated = settings.budget
-        layer.host_decoded = 0  # crop cannot undo a compression
+        return removed
 
     def select_rows(self, index: torch.Tensor, in_place: bool) -> None:
         """Rows ``index`` of the per-row state (beam reorder, batch select)."""

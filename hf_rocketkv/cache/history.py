@@ -45,6 +45,24 @@ class History:
         self.positions = fit_slots(self.positions, store.capacity, -1)
         self.slack = slack_of(store, self.lengths.tolist())
 
+    def note_stored(self, count: int) -> None:
+        """Every row took ``count`` more tokens (a decode step) or lost them (a crop: negative); host mirror."""
+        self.host_max_length += count
+
+    def drop_last(self, count: int) -> None:
+        """Every row's last ``count`` tokens leave the history (a crop of decoded tokens; their K/V past the length
+        is never read)."""
+        rows = torch.arange(self.lengths.shape[0], device=self.lengths.device)
+        for _ in range(count):
+            self.lengths.sub_(1)
+            self.positions[rows, :, self.lengths] = -1
+        self.note_stored(-count)
+
+    def move_rows(self, store: PagedStore, positions: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Other rows (picked by index, a batch of another size) in ``store``, pages of their own: none shared."""
+        self.store, self.positions, self.lengths = store, positions, lengths
+        self.fixed = [0] * lengths.shape[0]
+
     def hold_rows(self, positions: torch.Tensor, lengths: torch.Tensor) -> None:
         """The rows now hold ``lengths`` ``[B]`` tokens (already written into the store) at input columns
         ``positions`` ``[B, Hkv, *]``: a later turn's tokens joined the history."""

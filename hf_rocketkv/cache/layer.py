@@ -65,11 +65,11 @@ class RocketKVLayer(CacheLayerMixin):
     EAGER_GRAPHS = True
 
     def __init__(self, config: RocketKVConfig, hints: GenerationHints, pages=None, layer_idx: int | None = None,
-                 counters=None):
+                 counters=None, counts_tokens: bool | None = None):
         """``pages``: where compressed pages come from (``cache/pool_pages.py``'s per-request object when the cache
         has a pool; None: the layer allocates its own). ``layer_idx``: this layer's index in the model (the pool
-        keeps one set of page tensors per layer). ``counters``: the cache's ``RequestCounters`` (layer 0 counts the
-        tokens prefill computes)."""
+        keeps one set of page tensors per layer). ``counters``: the cache's ``RequestCounters``; ``counts_tokens``:
+        whether this layer adds the tokens prefill computes to them (None: layer 0 does)."""
         self.dense = DenseStore()  # the dense store until stage 1, a later turn's working set (``dense_store.py``)
         super().__init__()
         self.config = config
@@ -77,7 +77,7 @@ class RocketKVLayer(CacheLayerMixin):
         self.pages = pages
         self.layer_idx = layer_idx
         self.counters = counters
-        self.counts_tokens = layer_idx == 0  # this layer adds prefill's computed tokens to ``counters``
+        self.counts_tokens = layer_idx == 0 if counts_tokens is None else counts_tokens
         self.store: PagedStore | None = None  # the compressed view, in pages
         self.history: History | None = None  # multi_turn="keep_all": every token of the conversation (history.py)
         self.prefix = PrefixHit()  # a prefix hit: the columns the pool's pages provide, and their replay
@@ -166,10 +166,12 @@ class RocketKVLayer(CacheLayerMixin):
             self.dense.start(key_states, value_states)
         self.is_initialized = True
 
+    def use_request_config(self, config: RocketKVConfig) -> None:
+        """Run with ``config`` from here on: the request's own budgets (token_budget mode, before stage 1)."""
+        self.config = config
+
     def reset(self) -> None:
-        counts = self.counts_tokens
-        self.__init__(self.config, self.hints, self.pages, self.layer_idx, self.counters)
-        self.counts_tokens = counts
+        self.__init__(self.config, self.hints, self.pages, self.layer_idx, self.counters, self.counts_tokens)
 
     def seed_prefix(self, tokens: int, start: int | None = None) -> None:
         """Before the first update: input columns ``[0, tokens)`` come from a prefix hit (``self.pages`` gathers
@@ -316,9 +318,20 @@ class RocketKVLayer(CacheLayerMixin):
         """Host mirrors after one decode step stored its token (eager here; compiled / graphed runners call it)."""
         self.host_max_length += 1
         self.host_decoded += 1
-        self.generated.host_generated += 1
+        self.generated.note_stored(1)
         if self.history is not None:
-            self.history.host_max_length += 1
+            self.history.note_stored(1)
+
+    def forget_decoded(self, count: int) -> None:
+        """Counters and host mirrors after ``crop`` removed the last ``count`` decoded tokens from the view (the
+        history loses them too; decode-time compression's query buffer keeps their queries: only scoring sees it)."""
+        self.seen.sub_(count)
+        self.host_seen -= count
+        self.host_max_length -= count
+        self.host_decoded -= count
+        self.generated.note_stored(-count)
+        if self.history is not None:
+            self.history.drop_last(count)
 
     def move_view(self, store: PagedStore, positions: torch.Tensor, slack: int) -> None:
         """The compressed rows now live in ``store`` (their tokens written there: a grown view), their positions
@@ -338,11 +351,20 @@ class RocketKVLayer(CacheLayerMixin):
         self.host_max_length, self.host_slack, self.host_decoded = host_max_length, host_slack, 0
         self.generated.start(self, queries)
         if not self.compressed:
-            self.key_handle = torch.empty((lengths.shape[0], self.num_kv_heads, 0, self.head_dim), dtype=self.dtype,
-                                          device=self.device)
-            self.value_handle = torch.empty_like(self.key_handle)
+            self._make_handles(lengths.shape[0])
         self.compressed = True
         self.mark_static()
+
+    def resize_view(self, store: PagedStore) -> None:
+        """A private view of another batch size (rows picked by index; ``row_index`` writes their tokens next)."""
+        self.store = store
+        self._make_handles(store.batch)
+
+    def _make_handles(self, batch: int) -> None:
+        """The empty K/V a compressed layer returns to transformers, ``[batch, Hkv, 0, D]`` (``mark_static`` tags them)."""
+        self.key_handle = torch.empty((batch, self.num_kv_heads, 0, self.head_dim), dtype=self.dtype,
+                                      device=self.device)
+        self.value_handle = torch.empty_like(self.key_handle)
 
     def hold_history(self, history: History | None) -> None:
         """keep_all: the conversation's whole history (stage 1's prompt pages; stacked row groups' histories)."""
@@ -431,11 +453,15 @@ class RocketKVLayer(CacheLayerMixin):
     def maybe_compress_decode(self) -> bool:
         """Before a decode step stores its token (eager steps, and the compiled / graphed runners between steps):
         compress the generated tokens when due; whether it ran."""
-        return self.generated.maybe_compress(self)
+        if not self.generated.due(self):
+            return False
+        self.compress_decode()
+        return True
 
     def compress_decode(self) -> None:
         """Keep ``decode_budget`` generated tokens per row and KV head, in place (``GeneratedTokens.compress``)."""
-        self.generated.compress(self)
+        self.host_max_length -= self.generated.compress(self)
+        self.host_decoded = 0  # crop cannot undo a compression
 
     # ------------------------------------------------------------------------------------------ rows
     def initialize_like(self, other: "RocketKVLayer") -> None:

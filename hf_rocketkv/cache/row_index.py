@@ -58,11 +58,7 @@ def index_rows(layer, index: torch.Tensor, in_place: bool = False) -> None:
                 "RocketKVCache with a pool cannot change its batch size after prefill "
                 "(batch_repeat_interleave / batch_select_indices); expand the inputs before prefill"
             )
-        layer.store = private_view(layer, index.shape[0], layer.store.capacity)
-        batch = index.shape[0]
-        layer.key_handle = torch.empty((batch, layer.num_kv_heads, 0, layer.head_dim), dtype=layer.dtype,
-                                       device=layer.device)
-        layer.value_handle = torch.empty_like(layer.key_handle)
+        layer.resize_view(private_view(layer, index.shape[0], layer.store.capacity))
     layer.store.write(keys, values, kt)
     if layer.history is not None:
         _index_history(layer, index, in_place)
@@ -80,9 +76,7 @@ def _index_history(layer, index: torch.Tensor, in_place: bool) -> None:
         history.positions.copy_(positions)
         history.lengths.copy_(lengths)
     else:
-        history.store = private_history(layer, index.shape[0], history.store.capacity)
-        history.positions, history.lengths = positions, lengths
-        history.fixed = [0] * index.shape[0]
+        history.move_rows(private_history(layer, index.shape[0], history.store.capacity), positions, lengths)
     counts = history.lengths.tolist()
     write_tokens(history.store, keys, values, [min(f, n) for f, n in zip(history.fixed, counts)], counts)
 
@@ -114,16 +108,4 @@ def crop(layer, tokens_to_remove: int) -> None:
     # a page's min/max cannot be un-folded: rebuild the summaries of what is left (written into the same pages)
     kt = layer.ops.build_kt(keys, layer.lengths, layer.config.page_size, layer.config.kt_torch_dtype)
     layer.store.write(keys, values, kt)
-    layer.seen.sub_(count)
-    layer.host_seen -= count
-    layer.host_max_length -= count
-    layer.host_decoded -= count
-    # (decode_queries keeps the removed steps' queries: only the scoring sees them)
-    layer.generated.host_generated -= count
-    history = layer.history
-    if history is not None:  # the decoded tokens leave the history too (their K/V past the length is never read)
-        rows = torch.arange(history.lengths.shape[0], device=layer.device)
-        for _ in range(count):
-            history.lengths.sub_(1)
-            history.positions[rows, :, history.lengths] = -1
-        history.host_max_length -= count
+    layer.forget_decoded(count)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ..config import RocketKVConfig
 from ..policies import KeptSlots, Stage1Inputs, derive_budgets, get_stage1_policy
 from .compaction import compact, store_prompt
 from .row_index import select_rows
@@ -162,7 +163,7 @@ class Stage1:
         if not layer.compressed:
             self._check_accumulation_covers_prompt(layer)
             if layer.config.token_budget is not None:
-                resolve_token_budget(layer)
+                layer.use_request_config(token_budget_config(layer))
         inputs = Stage1Inputs(
             self.pending_queries,
             layer.dense.keys,
@@ -224,9 +225,9 @@ class Stage1:
         return self.pending_queries, self.row_start
 
 
-def resolve_token_budget(layer) -> None:
-    """token_budget mode: derive ``layer``'s request's prompt_budget, topk, page_size and topr, once, before its
-    first stage 1 (later turns keep them: the KT pages are laid out with this page size).
+def token_budget_config(layer) -> RocketKVConfig:
+    """token_budget mode: ``layer``'s config with its request's prompt_budget, topk, page_size and topr derived,
+    once, before its first stage 1 (later turns keep them: the KT pages are laid out with this page size).
 
     The prompt length is the dense store's width, i.e. the longest row of the padded batch: every layer and every
     row group of a row-group prefill sees the same width, so they all derive the same page size. prompt_budget
@@ -236,7 +237,7 @@ def resolve_token_budget(layer) -> None:
     hints, config = layer.hints, layer.config
     max_new = max(hints.max_length - prompt_len, 0) if hints.max_length is not None else 0
     derived = derive_budgets(prompt_len, max_new, config.token_budget, layer.dense.keys.shape[3])
-    layer.config = config.replace(
+    return config.replace(
         prompt_budget=max(derived.prompt_budget, config.window_size),
         topk=derived.topk,
         page_size=derived.page_size,
