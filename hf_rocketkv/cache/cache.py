@@ -79,7 +79,6 @@ class RocketKVCache(Cache):
             raise TypeError(f"RocketKVCache(config=...) takes a RocketKVConfig, got {type(config).__name__}")
         self.config = config.replace(**overrides) if overrides else config
         self.hints = GenerationHints()
-        self.token_ids: torch.Tensor | None = None  # ids this cache has served (set by generate), guards reuse
         self.counters = RequestCounters()
         self.pool = pool
         self.pages: PoolPages | None = None
@@ -288,7 +287,6 @@ class RocketKVCache(Cache):
         if self.pages is not None:
             self.pages.release_all()
         self.layers = []
-        self.token_ids = None
 
     def __enter__(self) -> "RocketKVCache":
         return self
@@ -337,7 +335,6 @@ class RocketKVCache(Cache):
             raise ValueError("RocketKVCache.hand_over needs a compressed cache (prefill and stage 1 done)")
         held = self.pages.hand_over()
         self.layers = []
-        self.token_ids = None
         return held
 
     def preload_prefix(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

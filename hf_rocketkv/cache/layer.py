@@ -314,8 +314,11 @@ class RocketKVLayer(CacheLayerMixin):
                 and not torch.compiler.is_compiling() and not self.hints.in_graph
                 and not torch.cuda.is_current_stream_capturing())
 
-    def note_decode_step(self) -> None:
-        """Host mirrors after one decode step stored its token (eager here; compiled / graphed runners call it)."""
+    def note_decode_step(self, graphed: bool = False) -> None:
+        """Host mirrors after one decode step stored its token (eager here; compiled / graphed runners call it with
+        ``graphed``: their traced update() skipped the host count of its input too)."""
+        if graphed:
+            self.host_seen += 1
         self.host_max_length += 1
         self.host_decoded += 1
         self.generated.note_stored(1)

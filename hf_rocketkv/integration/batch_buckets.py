@@ -167,8 +167,9 @@ def strip_padding(output, padding: BatchPadding):
     if held is not None and padding.kept_rows(held) != held:
         cache.batch_select_indices(torch.arange(padding.kept_rows(held)))
         call_state(cache).forget_graph()  # a captured decode step points at the padded buffers
-    if cache.token_ids is not None:
-        cache.token_ids = cache.token_ids[: padding.kept_rows(cache.token_ids.shape[0])]
+    served = call_state(cache).token_ids
+    if served is not None:
+        call_state(cache).served(served[: padding.kept_rows(served.shape[0])])
     return _strip(output, padding)
 
 

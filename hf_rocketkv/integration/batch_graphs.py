@@ -43,6 +43,11 @@ class BucketGraph:
     output: Any
     replays: int = 0
 
+    def replay(self, backend) -> None:
+        """Run the captured step once more on ``backend`` (its static inputs already written), counted."""
+        backend.replay(self.graph)
+        self.replays += 1
+
 
 class BatchedDecodeGraphs:
     """Per-bucket CUDA graphs of a ``BatchedDecodeCache`` decode step.
@@ -95,8 +100,7 @@ class BatchedDecodeGraphs:
             step.input_ids.copy_(input_ids)
             step.position_ids.copy_(position_ids)
         with batch.hints.graph_step():
-            self.backend.replay(step.graph)
-        step.replays += 1
+            step.replay(self.backend)
         return step.output.logits[:, -1].clone()
 
     def _capture(self, batch: BatchedDecodeCache, input_ids: torch.Tensor, position_ids: torch.Tensor) -> BucketGraph:

@@ -2,6 +2,8 @@
 
 The cache holds it (``GenerationHints.extension``) and never reads it; integration/ is its only reader and writer:
 
+    token_ids              the ids the cache has served ``[B, L]`` (a reference, no copy): a later generate() call on
+                           the same cache must extend them (integration/generate.py ``check_continuation``)
     batch_padding          (real, padded): generate() padded the caller's rows up to a batch bucket with copies of
                            row 0 (integration/batch_buckets.py); None otherwise
     graphed_step           the request's captured decode step (integration/decode_graphs.py), ``graph_warmed_up``
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 class CallState:
     """See the module docstring."""
 
+    token_ids: object = None
     batch_padding: tuple[int, int] | None = None
     graphed_step: object = None
     graph_warmed_up: bool = False
@@ -44,6 +47,10 @@ class CallState:
         """Drop the captured decode step (its buffers change when a new turn is prefilled or the rows change)."""
         self.graphed_step = None
         self.graph_warmed_up = False
+
+    def served(self, token_ids) -> None:
+        """The ids the cache has served so far ``[B, L]`` (a continuation must extend them)."""
+        self.token_ids = token_ids
 
     def set_batch_padding(self, padding: tuple[int, int] | None) -> None:
         self.batch_padding = padding

@@ -74,5 +74,4 @@ def count_decode_step(cache: RocketKVCache, args: tuple, kwargs: dict) -> None:
                 f"max_length (max_new_tokens); when driving the compiled forward yourself, pass a larger max_length "
                 f"or decode eagerly (disable_compile=True), where the store grows."
             )
-        layer.note_decode_step()
-        layer.host_seen += 1  # the traced/graphed update() skipped its host count
+        layer.note_decode_step(graphed=True)  # the traced/graphed update() skipped its host count

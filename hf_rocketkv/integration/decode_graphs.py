@@ -126,6 +126,11 @@ class GraphedStep:
     def captured(cls, signature: tuple, static_kwargs: dict, graph, static_output) -> "GraphedStep":
         return cls(signature, _without_caches(static_kwargs), graph, static_output)
 
+    def replay(self, backend) -> None:
+        """Run the captured step once more on ``backend`` (its static inputs already written), counted."""
+        backend.replay(self.graph)
+        self.replays += 1
+
     def output(self, cache: RocketKVCache):
         """The step's output: tensors cloned out of the graph's static memory (the next replay overwrites it), the
         live cache where the model's output had it."""
@@ -172,6 +177,5 @@ def _run_graphed_step(model, cache: RocketKVCache, kwargs: dict, backend=None):
         for name, static in step.static_kwargs.items():
             copy_into(static, kwargs[name])
     with cache.hints.graph_step():
-        backend.replay(step.graph)
-    step.replays += 1
+        step.replay(backend)
     return step.output(cache)

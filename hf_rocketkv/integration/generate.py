@@ -108,8 +108,8 @@ class RocketKVGenerateHooks:
         input_ids = call.arguments["input_ids"]
         cache: RocketKVCache = compat.cache_from(call.arguments["model_kwargs"])
         check_continuation(cache, input_ids)
-        cache.token_ids = input_ids
         state = call_state(cache)
+        state.served(input_ids)
         state.begin_prefill()  # every guard at the first compiled step; a captured step would read old buffers
         padding = state.batch_padding
         if padding is not None and input_ids.shape[0] > padding[0]:
@@ -129,7 +129,7 @@ class RocketKVGenerateHooks:
     def prepare_inputs(self, call: compat.Call):
         cache: RocketKVCache = call.arguments[compat.CACHE_ARG]
         if not cache.hints.prefilling:  # chunks of a chunked prefill pass partial ids: _prefill recorded the prompt
-            cache.token_ids = call.arguments["input_ids"]  # a reference, no copy: what a continuation must extend
+            call_state(cache).served(call.arguments["input_ids"])  # a reference: what a continuation must extend
         return call()
 
     # ----------------------------------------------------------------------------------------- decode
@@ -278,7 +278,7 @@ def check_continuation(cache: RocketKVCache, input_ids: torch.Tensor) -> None:
     seen = cache.get_seq_length()
     if seen == 0:
         return
-    previous = cache.token_ids
+    previous = call_state(cache).token_ids
     hint = (
         "Pass a fresh RocketKVCache to every generate()/pipeline() call (or pass no cache and one is made per "
         "call); to continue a conversation, pass the previous output ids followed by the new tokens."

@@ -35,6 +35,15 @@ class H2OState:
     scores: torch.Tensor
     queries_seen: int = 0
 
+    def add(self, attention: torch.Tensor, queries: int) -> None:
+        """Add one forward's accumulated attention ``[B, Hkv, N]`` of ``queries`` queries; the sums widen to ``N``
+        slots first (zeros for the new ones)."""
+        grow = attention.shape[2] - self.scores.shape[2]
+        if grow:
+            self.scores = torch.cat([self.scores, self.scores.new_zeros(*self.scores.shape[:2], grow)], dim=2)
+        self.scores += attention
+        self.queries_seen += queries
+
 
 def accumulated_attention(
     queries: torch.Tensor,
@@ -104,11 +113,7 @@ class H2OPolicy:
                 f"H2OPolicy.accumulate: the state already covers {state.scores.shape[2]} slots but keys has only "
                 f"{num_slots}; the store must only grow between calls"
             )
-        grow = num_slots - state.scores.shape[2]
-        if grow:
-            state.scores = torch.cat([state.scores, state.scores.new_zeros(*state.scores.shape[:2], grow)], dim=2)
-        state.scores += accumulated_attention(queries, keys, start, end, scaling, self.block_size)
-        state.queries_seen += queries.shape[2]
+        state.add(accumulated_attention(queries, keys, start, end, scaling, self.block_size), queries.shape[2])
 
     def score(self, inputs: Stage1Inputs) -> torch.Tensor:
         """The accumulated column sums, fp32 ``[B, Hkv, N]``."""

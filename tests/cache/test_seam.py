@@ -20,6 +20,7 @@ import torch._dynamo.utils as dynamo_utils
 
 from hf_rocketkv import RocketKVCache
 from hf_rocketkv.cache.layer import RocketKVLayer
+from hf_rocketkv.integration.call_state import call_state
 from tests.support.tiny_models import compressing_config, greedy, make_models, random_ids
 from hf_rocketkv.integration.compat import cache_kwargs
 
@@ -133,7 +134,7 @@ def test_exception_mid_forward_leaves_nothing_behind(on_call):
         assert torch.equal(rocket(ids).logits, sdpa(ids).logits)
     # the interrupted cache is inconsistent: reusing it says so instead of continuing silently
     with pytest.raises(RuntimeError, match="interrupted"):
-        follow = torch.cat([failed.token_ids, random_ids(1, 3, seed=7)], 1)
+        follow = torch.cat([call_state(failed).token_ids, random_ids(1, 3, seed=7)], 1)
         greedy(rocket, follow, cache=failed, max_new_tokens=2)
     # and nothing else holds on to it
     ref = weakref.ref(failed)
