@@ -258,6 +258,13 @@ class BatchingEngine(ThreadedEngine):
     def _drop_waiting(self, request_id: str) -> RunningRequest | None:
         return self._scheduler.cancel_waiting(request_id)
 
+    def plan_prefill_graphs(self, prefill_tokens: int) -> PrefillGraphs:
+        """Plan the prefill attention graphs of prompts of up to ``prefill_tokens`` tokens (``prefill_graphs.py``): the
+        prefilling thread builds them before ``start()`` returns."""
+        self.prefill_graphs = PrefillGraphs(self.model, self.pool, self.device, self.batching.prefill_chunk_tokens,
+                                            prefill_tokens)
+        return self.prefill_graphs
+
     def _queue_load(self) -> tuple[int, int, int]:
         waiting = len(self._scheduler.waiting) + (len(self._inboxes.outbox) if self._inboxes is not None else 0)
         return self._scheduler.running, waiting, self.batching.max_queue
@@ -267,7 +274,7 @@ class BatchingEngine(ThreadedEngine):
             return self._inboxes.stop(drain)
         dropped: list[RunningRequest] = []
         with self._lock:
-            self._closed = True
+            self._refuse_new()
             if not drain:
                 while self._scheduler.waiting:
                     running = self._scheduler.waiting.popleft()

@@ -19,7 +19,6 @@ from ...integration.decode_graphs import on_device
 from ...memory import PoolExhaustedError
 from ..engines.interface import EngineRequest
 from ..sampling import SamplingParams
-from .prefill_graphs import PrefillGraphs
 from .running import RunningRequest
 
 logger = logging.getLogger(__name__)
@@ -91,9 +90,7 @@ def warm_up(engine, max_new_tokens: int, buckets: tuple[int, ...] | None, prefil
         "prefill_shapes": 0,
     }
     if prefill_tokens and engine.lockstep is None:  # (a rank's heads are a shard of the config's)
-        engine.prefill_graphs = PrefillGraphs(engine.model, engine.pool, engine.device,
-                                              engine.batching.prefill_chunk_tokens, prefill_tokens)
-        result["prefill_shapes"] = len(engine.prefill_graphs.shapes)
+        result["prefill_shapes"] = len(engine.plan_prefill_graphs(prefill_tokens).shapes)
     logger.info("hf_rocketkv batching engine: warmed up buckets %s in %.2f s (%d graphs captured, tables of %d "
                 "pages: max_tokens <= %d never captures again)", buckets, result["seconds"], result["captures"],
                 result["table_pages"], result["max_new_tokens"])

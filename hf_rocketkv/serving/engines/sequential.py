@@ -102,7 +102,7 @@ class SequentialEngine(ThreadedEngine):
         return (1 if self._running is not None else 0), len(self._queue), self._queue.max_size
 
     def _close(self, drain: bool) -> list[EngineRequest]:
-        self._closed = True
+        self._refuse_new()
         self._queue.close()
         if drain:
             return []

@@ -104,6 +104,10 @@ class ThreadedEngine:
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already admitted")
 
+    def _refuse_new(self) -> None:
+        """(lock held) ``stop`` began: no request is queued from now on."""
+        self._closed = True
+
     def _refuse_when_closed(self) -> None:
         """(lock held) No request is queued once ``stop`` began."""
         if self._closed:

@@ -68,7 +68,7 @@ class LockstepInboxes:
             return []
         engine = self._engine
         with engine._lock:
-            engine._closed = True
+            engine._refuse_new()
             dropped = [] if drain else list(self.outbox)
             if not drain:
                 self.outbox.clear()
