@@ -46,6 +46,38 @@ def test_crop_undoes_the_last_decode_steps(llama_pair, steps):
     assert torch.equal(again[0], again[1])
 
 
+@pytest.mark.parametrize("steps", [1, 2])
+def test_crop_with_a_keep_all_history_undoes_the_steps_in_the_history_too(llama_pair, steps):
+    """multi_turn="keep_all": the decoded tokens leave the history as well as the view (lengths, positions, host
+    counts), and the next turn, which re-runs stage 1 over the history, continues as from a cache that never took
+    them. The oracle is a second cache that stopped ``steps`` decode steps earlier."""
+    rocket, _ = llama_pair
+    config = compressing_config(multi_turn="keep_all")
+    ids, mask = left_pad([random_ids(1, n, seed=n)[0] for n in (44, 31)])
+    longer, shorter = RocketKVCache(config), RocketKVCache(config)
+    greedy(rocket, ids, attention_mask=mask, cache=longer, max_new_tokens=5 + steps)
+    out_shorter = greedy(rocket, ids, attention_mask=mask, cache=shorter, max_new_tokens=5)
+    longer.crop(-steps)
+    for layer_idx, (got, want) in enumerate(zip(longer.layers, shorter.layers)):
+        # the longer run sized its stores for more tokens: compare what the rows hold, and that the rest is empty
+        assert torch.equal(got.lengths, want.lengths) and int(got.seen) == int(want.seen), layer_idx
+        assert (got.host_max_length, got.host_decoded) == (want.host_max_length, want.host_decoded), layer_idx
+        for held, expected in ((got, want), (got.history, want.history)):
+            assert torch.equal(held.lengths, expected.lengths), layer_idx
+            for b, n in enumerate(expected.lengths.tolist()):
+                assert torch.equal(held.positions[b, :, :n], expected.positions[b, :, :n]), layer_idx
+                assert bool((held.positions[b, :, n:] == -1).all()), layer_idx
+        for b, n in enumerate(want.lengths.tolist()):
+            assert torch.equal(got.keys[b, :, :n], want.keys[b, :, :n]), layer_idx
+        assert got.history.host_max_length == want.history.host_max_length, layer_idx
+        assert got.generated.host_generated == want.generated.host_generated, layer_idx
+        assert got.host_seen == want.host_seen, layer_idx
+    follow = torch.cat([out_shorter, random_ids(2, 4, seed=3)], dim=1)
+    follow_mask = torch.cat([mask, torch.ones(2, follow.shape[1] - mask.shape[1], dtype=mask.dtype)], dim=1)
+    again = [greedy(rocket, follow, attention_mask=follow_mask, cache=c, max_new_tokens=4) for c in (longer, shorter)]
+    assert torch.equal(again[0], again[1])
+
+
 def test_crop_refuses_what_it_cannot_undo(llama_pair):
     rocket, _ = llama_pair
     cache = RocketKVCache(compressing_config())
