@@ -13,6 +13,10 @@ until its line is removed. ``python -m tests.test_ownership`` prints the writes 
 What counts (AST, ``hf_rocketkv/``): an assignment, augmented assignment or annotated assignment whose target is an
 attribute of anything but the bare names ``self`` and ``cls`` (``obj.x``, ``self.part.x``, ``f().x``), and
 ``setattr`` / ``delattr`` / ``object.__setattr__`` on anything but ``self`` / ``cls``.
+
+Private names are checked the same way: a module that uses a private name (``x._name``) of an object other than
+``self`` / ``cls`` / ``super()`` reaches into that object's internals. The uses the package still makes are listed in
+``tests/support/private_reads.txt`` (``python -m tests.test_ownership --reads`` prints them), which may only shrink.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hf_rocketkv"
 LISTED = Path(__file__).resolve().parent / "support" / "attribute_writes.txt"
+LISTED_READS = Path(__file__).resolve().parent / "support" / "private_reads.txt"
 OWNERS = ("self", "cls")
 
 
@@ -63,6 +68,21 @@ def foreign_writes(source: str) -> list[str]:
     return found
 
 
+def foreign_private_reads(source: str) -> list[str]:
+    """The uses of private names (one leading underscore, not dunders) of objects other than ``self`` / ``cls`` /
+    ``super()`` in ``source``, as source text (``engine._lock``, ``torch._dynamo``), one entry per occurrence."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+            continue
+        owner = node.value
+        if _own(owner) or (isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name)
+                           and owner.func.id == "super"):
+            continue
+        found.append(ast.unparse(node))
+    return found
+
+
 def package_writes() -> Counter:
     """``path: target`` -> occurrences, over every module of the package."""
     writes = Counter()
@@ -73,9 +93,50 @@ def package_writes() -> Counter:
     return writes
 
 
-def listed_writes() -> set[str]:
-    lines = (line.strip() for line in LISTED.read_text().splitlines())
+def package_private_reads() -> Counter:
+    """``path: expression`` -> occurrences, over every module of the package."""
+    reads = Counter()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(ROOT).as_posix()
+        for expression in foreign_private_reads(path.read_text()):
+            reads[f"{relative}: {expression}"] += 1
+    return reads
+
+
+def _listed(path: Path) -> set[str]:
+    lines = (line.strip() for line in path.read_text().splitlines())
     return {line for line in lines if line and not line.startswith("#")}
+
+
+def listed_writes() -> set[str]:
+    return _listed(LISTED)
+
+
+def test_no_new_private_reads():
+    new = sorted(set(package_private_reads()) - _listed(LISTED_READS))
+    assert not new, ("these modules use private names of objects other than self / cls; give the owner a public "
+                     f"method or property instead: {new}")
+
+
+def test_the_private_read_list_only_holds_reads_that_remain():
+    gone = sorted(_listed(LISTED_READS) - set(package_private_reads()))
+    assert not gone, f"these reads are gone: remove their lines from {LISTED_READS.relative_to(ROOT)}: {gone}"
+
+
+def test_the_check_sees_foreign_private_reads_and_leaves_own_ones():
+    """The private-read detector on hand-written source (the expected list is written out)."""
+    source = (
+        "class B(A):\n"
+        "    def f(self, engine, other):\n"
+        "        self._lock.acquire()\n"             # own
+        "        super()._index_rows(1)\n"           # the class's own base
+        "        engine._lock.acquire()\n"           # foreign
+        "        n = other.layer._count + 1\n"       # foreign, through another object
+        "        torch._dynamo.mark_static(n)\n"     # a library's private module
+        "        x = engine.__class__\n"             # a dunder: not private
+        "        y = engine.public\n"                # public
+    )
+    assert sorted(foreign_private_reads(source)) == sorted(["engine._lock", "other.layer._count", "torch._dynamo"])
 
 
 def test_no_new_attribute_writes():
@@ -114,5 +175,8 @@ def test_the_check_sees_foreign_writes_and_leaves_own_ones():
 
 
 if __name__ == "__main__":
-    for entry, count in sorted(package_writes().items()):
+    import sys
+
+    found = package_private_reads() if sys.argv[1:] == ["--reads"] else package_writes()
+    for entry, count in sorted(found.items()):
         print(entry)

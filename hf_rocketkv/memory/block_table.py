@@ -60,18 +60,21 @@ class BlockTable:
         return self._tensor
 
     # ------------------------------------------------------------------------------------------ pool only
-    def _check_room(self, extra: int) -> None:
+    # The pool's page core (memory/core.py) and planner change a table, under the pool's lock; nothing else does.
+    def check_room(self, extra: int) -> None:
+        """Raise unless ``extra`` more pages fit in the table (its tensor's width, else ``max_pages``)."""
         limit = self._tensor.shape[0] if self._tensor is not None else self.max_pages
         if limit is not None and len(self._pages) + extra > limit:
             raise ValueError(
                 f"{self.name}: {len(self._pages)} + {extra} pages exceed its max_pages={limit}"
             )
 
-    def _extend(self, pages: list[int]) -> None:
+    def extend(self, pages: list[int]) -> None:
+        """Append page ids ``pages`` (the tensor follows in place)."""
         self._pages.extend(pages)
         self._sync_tensor()
 
-    def _truncate(self, length: int) -> list[int]:
+    def truncate(self, length: int) -> list[int]:
         """Drop pages from ``length`` on; returns them in table order."""
         dropped = self._pages[length:]
         del self._pages[length:]

@@ -161,10 +161,10 @@ class PageCore:
             if num_pages > self.available():
                 raise PoolExhaustedError(f"allocating {num_pages} pages for {table.name}", num_pages,
                                          self.available(), self.num_pages)
-            table._check_room(num_pages)
+            table.check_room(num_pages)
             self.events.poll()
             self.clock += 1
-            table._extend([m.index for m in self.take_pages(num_pages)])
+            table.extend([m.index for m in self.take_pages(num_pages)])
 
     def allocate_batch(self, requests: Sequence[tuple[BlockTable, int]], what: str = "allocating pages") -> None:
         """``allocate`` for several tables at once: every table gets its pages, or none does (PoolExhaustedError
@@ -173,14 +173,14 @@ class PageCore:
             total = 0
             for table, num_pages in requests:
                 check_int(num_pages, "num_pages", 0)
-                table._check_room(num_pages)
+                table.check_room(num_pages)
                 total += num_pages
             if total > self.available():
                 raise PoolExhaustedError(what, total, self.available(), self.num_pages)
             self.events.poll()
             self.clock += 1
             for table, num_pages in requests:
-                table._extend([m.index for m in self.take_pages(num_pages)])
+                table.extend([m.index for m in self.take_pages(num_pages)])
 
     # ============================================================================================ giving pages back
     def release(self, obj: BlockTable | Admission | SlotLease) -> None:
@@ -197,14 +197,14 @@ class PageCore:
                 if not isinstance(table, BlockTable):
                     raise ValueError(f"release expects a BlockTable or an Admission, got {type(obj).__name__}")
                 self.clock += 1
-                self.unref_all(table._truncate(0))
+                self.unref_all(table.truncate(0))
 
     def truncate(self, table: BlockTable, num_pages: int) -> None:
         """Release ``table``'s pages from ``num_pages`` on (tail first)."""
         with self.lock:
             check_int(num_pages, "num_pages", 0)
             self.clock += 1
-            self.unref_all(table._truncate(num_pages))
+            self.unref_all(table.truncate(num_pages))
 
     def unref_all(self, pages: list[int]) -> None:
         freed = []

@@ -139,12 +139,14 @@ class Planner:
             check_int(slots, "slots", 0)
             if num_pages > core.available():
                 raise PoolExhaustedError(what, num_pages, core.available(), core.num_pages)
-            self._check_slots(what, slots)
+            self.check_slots(what, slots)
             reservation = Reservation(0)
             core.set_aside(reservation, num_pages, slots)
             return reservation
 
-    def _check_slots(self, what: str, slots: int, reservation: Reservation | None = None) -> None:
+    def check_slots(self, what: str, slots: int, reservation: Reservation | None = None) -> None:
+        """Raise PoolExhaustedError (naming ``what``) unless ``slots`` sliding-window slots are available (to
+        ``reservation`` when given); ValueError on a pool without sliding-window slots."""
         if not slots:
             return
         slab = self.core.slab
@@ -264,7 +266,7 @@ class Planner:
                 raise PoolExhaustedError(
                     f"admitting {rows}{plan.needed.prompt_pages} prompt + {plan.needed.view_pages} view pages "
                     f"({plan.needed.hit_pages} hit)", need, available, core.num_pages)
-            self._check_slots(f"admitting {plan.needed.rows} row(s)", plan.needed.slots, reservation)
+            self.check_slots(f"admitting {plan.needed.rows} row(s)", plan.needed.slots, reservation)
             admissions = self._take(plan)
             if reservation is not None:  # what was taken comes off the reservation first
                 core.give_back(reservation, min(reservation.count, need), min(reservation.slots, plan.needed.slots))
@@ -292,9 +294,9 @@ class Planner:
             prompt_new = core.take_pages(row.new_prompt_pages)
             view_new = core.take_pages(row.pages.view_pages)
             prompt = BlockTable("prompt", max_pages=row.pages.prompt_pages)
-            prompt._extend([m.index for m in hits] + [m.index for m in prompt_new])
+            prompt.extend([m.index for m in hits] + [m.index for m in prompt_new])
             view = BlockTable("view", max_pages=row.pages.view_pages)
-            view._extend([m.index for m in view_new])
+            view.extend([m.index for m in view_new])
             core.counters["hit_pages"] += len(hits)
             core.counters["missed_pages"] += len(row.hashes) - len(hits)
             admissions.append(Admission(

@@ -240,7 +240,7 @@ class KVBlockPool:
         """One sliding-window slot outside any admission (a batch's padding rows write there), or
         PoolExhaustedError; give it back with ``release``."""
         with self._lock:
-            self._planner._check_slots(what, 1)
+            self._planner.check_slots(what, 1)
             return self._core.slab.take(1)[0]
 
     def free_slot_ids(self) -> list[int]:
