@@ -45,7 +45,7 @@ from ..engines.sampler import new_generator, sample_tokens
 from ..engines.threaded import ThreadedEngine
 from ..errors import Overloaded
 from ..outputs import FinishReason
-from ..parallel.inboxes import LockstepInboxes
+from ..parallel.inboxes import EngineQueue, LockstepInboxes
 from ..parallel.lockstep import Lockstep, check_lockstep_for
 from .admission import PoolAdmission, check_pool_fits
 from .decode_step import BatchDecoder
@@ -152,7 +152,9 @@ class BatchingEngine(ThreadedEngine):
             raise TypeError(f"lockstep must be a hf_rocketkv.serving.Lockstep or None, got {type(lockstep).__name__}")
         check_lockstep_for(model, lockstep, "BatchingEngine")
         self.lockstep = lockstep
-        self._inboxes = LockstepInboxes(self, lockstep) if lockstep is not None else None
+        self._inboxes = None if lockstep is None else LockstepInboxes(EngineQueue(
+            self._lock, self._wakeup, self._scheduler, self._requests, self.batching.max_queue, self._emit,
+            lambda: self._closed, self._refuse_new), lockstep)
         self._failure: BaseException | None = None  # what ended a lockstep engine thread, for follow() to raise
         self._worker: PrefillWorker | None = None  # concurrent_prefill_tokens: prefills beside the decode steps
         # warm_up's plan of cuDNN prefill graphs, built by the prefilling thread before start() returns

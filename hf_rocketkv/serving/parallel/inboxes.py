@@ -10,6 +10,8 @@ to its own queue, with cancel flags of its own.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from ..batching.running import RunningRequest
 from ..engines.interface import EngineEvent, EngineRequest
@@ -18,14 +20,37 @@ from ..outputs import FinishReason
 from .lockstep import Inbox, Lockstep, LockstepDiverged, Submission, engine_state, resolve_seed
 
 
+@dataclass(frozen=True)
+class EngineQueue:
+    """What the inboxes work on, handed over by their engine, which owns every piece:
+
+        lock, wakeup   the engine's lock and its wake-up condition (on that lock)
+        scheduler      its ``Scheduler`` of waiting, prefilling and decoding requests
+        requests       request id -> ``RunningRequest``, submitted and not finished
+        max_queue      ``BatchingConfig.max_queue``
+        emit           sends an ``EngineEvent`` to the engine's sink
+        closed         whether ``stop`` began
+        refuse_new     (lock held) ``stop`` began: nothing new is admitted
+    """
+
+    lock: threading.Lock
+    wakeup: threading.Condition
+    scheduler: object
+    requests: dict
+    max_queue: int
+    emit: Callable[[EngineEvent], None]
+    closed: Callable[[], bool]
+    refuse_new: Callable[[], None]
+
+
 class LockstepInboxes:
     """One rank's engine in a ``Lockstep`` (see the module docstring).
 
     Owns the leader's outbox (requests submitted since the last inbox), the callers' cancel flags of requests not
     finished (the engine reads only its own copies of them) and the count of inboxes applied (the same on every
-    rank). Works on its engine's lock, wake-up condition, scheduler, request registry and ``_closed`` flag."""
+    rank). Works on the pieces of its engine's queue that the engine hands over (``EngineQueue``)."""
 
-    def __init__(self, engine, lockstep: Lockstep):
+    def __init__(self, engine: EngineQueue, lockstep: Lockstep):
         self._engine = engine
         self.lockstep = lockstep
         self.outbox: list[EngineRequest] = []
@@ -39,9 +64,9 @@ class LockstepInboxes:
         if any(r.request_id == request.request_id for r in self.outbox):
             raise ValueError(f"request id {request.request_id!r} is already admitted")
         engine = self._engine
-        waiting = len(engine._scheduler.waiting) + len(self.outbox)
-        if waiting >= engine.batching.max_queue:
-            raise Overloaded(waiting, engine.batching.max_queue)
+        waiting = len(engine.scheduler.waiting) + len(self.outbox)
+        if waiting >= engine.max_queue:
+            raise Overloaded(waiting, engine.max_queue)
         self.outbox.append(request)
         self._caller_flags[request.request_id] = request.cancelled
 
@@ -49,7 +74,7 @@ class LockstepInboxes:
         """The leader's cancel: a request not sent yet ends here; a sent one is cancelled through the next inbox."""
         self._require_leader()
         engine = self._engine
-        with engine._lock:
+        with engine.lock:
             flag = self._caller_flags.get(request_id)
             if flag is not None:
                 flag.set()  # a sent request: the next inbox carries the cancel
@@ -57,9 +82,9 @@ class LockstepInboxes:
             if pending is not None:  # not sent: it never reaches any rank
                 self.outbox.remove(pending)
                 del self._caller_flags[request_id]
-            engine._wakeup.notify()
+            engine.wakeup.notify()
         if pending is not None:
-            engine._emit(EngineEvent(request_id, finish_reason=FinishReason.CANCELLED))
+            engine.emit(EngineEvent(request_id, finish_reason=FinishReason.CANCELLED))
 
     def stop(self, drain: bool) -> list[EngineRequest]:
         """The leader's stop: nothing new is taken, and unless ``drain`` every request is cancelled (those not sent
@@ -67,8 +92,8 @@ class LockstepInboxes:
         if not self.lockstep.is_leader:
             return []
         engine = self._engine
-        with engine._lock:
-            engine._refuse_new()
+        with engine.lock:
+            engine.refuse_new()
             dropped = [] if drain else list(self.outbox)
             if not drain:
                 self.outbox.clear()
@@ -76,7 +101,7 @@ class LockstepInboxes:
                     self._caller_flags.pop(request.request_id, None)
                 for flag in self._caller_flags.values():
                     flag.set()  # sent as cancels with the next inbox
-            engine._wakeup.notify_all()
+            engine.wakeup.notify_all()
         return dropped
 
     def _require_leader(self) -> None:
@@ -99,9 +124,9 @@ class LockstepInboxes:
                     f"decision that is not deterministic. Restart every rank")
             return inbox
         engine = self._engine
-        with engine._lock:
-            if engine._scheduler.idle() and not self.outbox and not engine._closed:
-                engine._wakeup.wait(self.lockstep.heartbeat_s)
+        with engine.lock:
+            if engine.scheduler.idle() and not self.outbox and not engine.closed():
+                engine.wakeup.wait(self.lockstep.heartbeat_s)
             inbox = self._take()
         return self.lockstep.exchange(inbox)
 
@@ -115,17 +140,17 @@ class LockstepInboxes:
         sent_now = {s.request_id for s in submits}
         cancels = []
         for request_id, flag in list(self._caller_flags.items()):
-            sent = request_id in engine._requests or request_id in sent_now
+            sent = request_id in engine.requests or request_id in sent_now
             if not sent or flag.is_set():  # finished, or cancelled once and for all
                 del self._caller_flags[request_id]
             if sent and flag.is_set():
                 cancels.append(request_id)
-        exit_now = engine._closed and engine._scheduler.idle() and not submits
+        exit_now = engine.closed() and engine.scheduler.idle() and not submits
         return Inbox(submits, cancels, exit_now, self.state())
 
     def state(self) -> tuple[int, int]:
         """This engine's ``engine_state``: inboxes applied and a CRC of its running and waiting request ids."""
-        scheduler = self._engine._scheduler
+        scheduler = self._engine.scheduler
         return engine_state(self.applied, [r.request_id for r in scheduler.rows + scheduler.prefilling],
                             [r.request_id for r in scheduler.waiting])
 
@@ -133,14 +158,14 @@ class LockstepInboxes:
         """Every rank: the inbox's requests join the queue with cancel flags of this engine's own, its cancels set
         them (the iteration ends those requests). False once the leader said to exit."""
         engine = self._engine
-        with engine._lock:
+        with engine.lock:
             for sub in inbox.submits:
                 running = RunningRequest(EngineRequest(sub.request_id, sub.prompt_ids, sub.params,
                                                        sub.stop_token_ids))
-                engine._scheduler.submit(running)  # never QueueFull: the leader counted its outbox against max_queue
-                engine._requests[sub.request_id] = running
+                engine.scheduler.submit(running)  # never QueueFull: the leader counted its outbox against max_queue
+                engine.requests[sub.request_id] = running
             for request_id in inbox.cancels:
-                running = engine._requests.get(request_id)
+                running = engine.requests.get(request_id)
                 if running is not None:
                     running.request.cancelled.set()
             self.applied += 1
