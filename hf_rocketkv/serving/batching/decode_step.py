@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -75,17 +76,33 @@ class _StepInFlight:
     started: float
 
 
+@dataclass(frozen=True)
+class RowEndings:
+    """What the decode steps do with their rows, handed over by the engine, which owns the rows:
+
+        rows       the decoding requests in batch order (the engine's scheduler's ``rows``), read at every step
+        accept     ``(running, token) -> bool``: emit the token, end the row when it is done; whether it goes on
+        end_row    ``(running, reason, error)``: end a row without a token (cancelled, failed)
+        fail_all   ``(message)``: end every row after a failed batched forward
+    """
+
+    rows: Callable[[], list]
+    accept: Callable[[RunningRequest, int], bool]
+    end_row: Callable[[RunningRequest, FinishReason, str | None], None]
+    fail_all: Callable[[str], None]
+
+
 class BatchDecoder:
     """The decode steps of one ``BatchingEngine`` (see the module docstring).
 
     Owns the step in flight (``in_flight``: launched, its tokens not read yet), the time of the latest read, the
     decode graphs (``graphs``; None: every step runs eagerly) and the decode counters of the engine's
-    ``BatchingStats``. It steps the engine's current rows (``_scheduler.rows``) through its current batch view
-    (``batch``, replaced after a failed step) and hands every token it reads to the engine's endings (``_accept``,
-    ``_end_row``; ``_fail_all_rows`` when a forward fails)."""
+    ``BatchingStats``. It steps the engine's current rows through its current batch view (``batch``, replaced after a
+    failed step) and hands every token it reads to the engine's endings (``RowEndings``)."""
 
-    def __init__(self, engine, graphs: BatchedDecodeGraphs | None, stats):
+    def __init__(self, engine, endings: RowEndings, graphs: BatchedDecodeGraphs | None, stats):
         self._engine = engine
+        self._endings = endings
         self.graphs = graphs
         self._stats = stats
         self.capture_lock = None  # the prefill worker's (concurrent_prefill_tokens): held while a step captures
@@ -105,11 +122,11 @@ class BatchDecoder:
         """One decode step over the running rows. With ``BatchingConfig.overlap_decode`` the step is launched before
         the tokens of the step still in flight are read, from those tokens on the device (module docstring)."""
         engine = self._engine
-        rows = list(engine._scheduler.rows)
+        rows = list(self._endings.rows())
         in_flight = self.in_flight
         if in_flight is not None and not self._can_launch_after(in_flight, rows):
             self.drain()
-            in_flight, rows = None, list(engine._scheduler.rows)
+            in_flight, rows = None, list(self._endings.rows())
             if not rows:
                 return
         step = self._launch(rows, in_flight)
@@ -177,7 +194,7 @@ class BatchDecoder:
             logits = self.step_logits(len(rows), bucket, last_tokens)
         except Exception as err:  # noqa: BLE001 - a batched forward cannot be pinned on one row
             logger.warning("hf_rocketkv batching engine: the decode step failed: %s", err, exc_info=True)
-            engine._fail_all_rows(f"the batched decode step failed: {type(err).__name__}: {err}")
+            self._endings.fail_all(f"the batched decode step failed: {type(err).__name__}: {err}")
             return None
         tokens, failed = self._sample_rows(rows, logits)
         return _StepInFlight(rows, bucket, tokens, _TokensToHost(tokens), failed, started)
@@ -259,6 +276,6 @@ class BatchDecoder:
         """Emit ``token`` (unless the row failed or was cancelled) and end the row for ``reason``. True while it
         goes on decoding."""
         if reason in (FinishReason.ERROR, FinishReason.CANCELLED):
-            self._engine._end_row(running, reason, error)
+            self._endings.end_row(running, reason, error)
             return False
-        return self._engine._accept(running, token)
+        return self._endings.accept(running, token)

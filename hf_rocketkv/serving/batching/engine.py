@@ -48,7 +48,7 @@ from ..outputs import FinishReason
 from ..parallel.inboxes import EngineQueue, LockstepInboxes
 from ..parallel.lockstep import Lockstep, check_lockstep_for
 from .admission import PoolAdmission, check_pool_fits
-from .decode_step import BatchDecoder
+from .decode_step import BatchDecoder, RowEndings
 from .prefill_graphs import LookaheadGraphs, PrefillGraphs
 from .prefill_worker import PrefillWorker
 from .running import RunningRequest
@@ -147,7 +147,8 @@ class BatchingEngine(ThreadedEngine):
                                                                prompt_left=lambda r: r.prompt_left)
         super().__init__()  # _requests: submitted, not finished, each a RunningRequest
         self._stats = BatchingStats()
-        self._decoder = BatchDecoder(self, decode_graphs or None, self._stats)
+        self._decoder = BatchDecoder(self, RowEndings(lambda: self._scheduler.rows, self._accept, self._end_row,
+                                                      self._fail_all_rows), decode_graphs or None, self._stats)
         if lockstep is not None and not isinstance(lockstep, Lockstep):
             raise TypeError(f"lockstep must be a hf_rocketkv.serving.Lockstep or None, got {type(lockstep).__name__}")
         check_lockstep_for(model, lockstep, "BatchingEngine")
