@@ -2,8 +2,8 @@
 pages, keep_all's history), and each row's kept slots into a fresh paged view with their KT and positions.
 
 Shapes (B batch, Hkv KV heads, T dense width, C view capacity, D head_dim): the dense store or working set
-``layer.dense.keys`` / ``dense.values`` ``[B, Hkv, T, D]``; kept slots per row ``KeptSlots.slots`` ``[Hkv, M_b]``; the view's
-positions ``[B, Hkv, C]`` int32; lengths ``[B]`` (or ``[B, Hkv]`` with per-head budgets).
+``layer.dense.keys`` / ``dense.values`` ``[B, Hkv, T, D]``; kept slots per row ``KeptSlots.slots`` ``[Hkv, M_b]``;
+the view's positions ``[B, Hkv, C]`` int32; lengths ``[B]`` (or ``[B, Hkv]`` with per-head budgets).
 """
 
 from __future__ import annotations

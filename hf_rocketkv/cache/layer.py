@@ -364,7 +364,7 @@ class RocketKVLayer(CacheLayerMixin):
         self._make_handles(store.batch)
 
     def _make_handles(self, batch: int) -> None:
-        """The empty K/V a compressed layer returns to transformers, ``[batch, Hkv, 0, D]`` (``mark_static`` tags them)."""
+        """The empty K/V ``[batch, Hkv, 0, D]`` a compressed layer returns to transformers (``mark_static`` tags it)."""
         self.key_handle = torch.empty((batch, self.num_kv_heads, 0, self.head_dim), dtype=self.dtype,
                                       device=self.device)
         self.value_handle = torch.empty_like(self.key_handle)

@@ -41,7 +41,8 @@ def test_chunks_fill_one_buffer_with_transformers_keys_and_values(pooled, length
     def check(end):
         for layer_idx, layer in enumerate(cache.layers):
             assert layer.dense.keys.shape[2] == end
-            torch.testing.assert_close(layer.dense.keys, reference.layers[layer_idx].keys[:, :, :end].to(layer.dense.keys.dtype))
+            torch.testing.assert_close(layer.dense.keys,
+                                       reference.layers[layer_idx].keys[:, :, :end].to(layer.dense.keys.dtype))
             torch.testing.assert_close(layer.dense.values,
                                        reference.layers[layer_idx].values[:, :, :end].to(layer.dense.values.dtype))
         if end > chunk:  # every chunk after the first writes into the same buffer of the whole prompt's width
