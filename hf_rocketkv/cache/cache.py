@@ -23,7 +23,7 @@ from transformers import Cache
 
 from ..config import RocketKVConfig
 from ..memory import KVBlockPool, PrefixKeys
-from ..memory.layer_kinds import CHUNKED_POOL, chunked_layers, describe, sliding_windows
+from ..memory.layer_kinds import chunked_layers, describe, sliding_windows
 from .consistency import check_attention, check_batch, check_layers_consistent
 from .dense_layer import DenseLayer
 from .layer import GenerationHints, RocketKVLayer
@@ -111,8 +111,6 @@ class RocketKVCache(Cache):
         check_layer_count(self.config, len(windows))
         if windows == self.layer_windows and chunked == self.layer_chunked:
             return self
-        if self.pool is not None and any(chunked):
-            raise NotImplementedError(CHUNKED_POOL)
         if self.pool is not None and windows != self.pool.layer_windows:
             raise ValueError(HYBRID_POOL.format(layers=describe(windows), pool=describe(self.pool.layer_windows)))
         if any(layer.is_initialized for layer in self.layers):
@@ -164,10 +162,10 @@ class RocketKVCache(Cache):
                 raise ValueError(f"RocketKVCache: the model config it was configured with has {len(windows)} layers, "
                                  f"the model updates layer {layer_idx}")
             if windows[layer_idx] is not None:
+                chunked = bool(self.layer_chunked and self.layer_chunked[layer_idx])
                 if self.pages is not None:  # its decode ring in the pool's slab, in the rows' slots
                     return PooledSlidingLayer(windows[layer_idx], self.hints, layer_idx, self.pages,
-                                              backend=self.config.backend)
-                chunked = bool(self.layer_chunked and self.layer_chunked[layer_idx])
+                                              chunked=chunked, backend=self.config.backend)
                 return SlidingWindowLayer(windows[layer_idx], self.hints, layer_idx, chunked=chunked,
                                           backend=self.config.backend)
         config = layer_config(self.config, layer_idx, self.num_layers)

@@ -27,15 +27,15 @@ from .sliding_layer import SlidingWindowLayer
 class PooledSlidingLayer(SlidingWindowLayer):
     """A ``SlidingWindowLayer`` whose ring is the rows' slots of the pool's slab (module docstring)."""
 
-    def __init__(self, window: int, hints, layer_idx: int, pages, backend: str = "auto"):
+    def __init__(self, window: int, hints, layer_idx: int, pages, chunked: bool = False, backend: str = "auto"):
         self.pages = pages  # the cache's PoolPages: the pool, the rows' slot ids
         self._slots: torch.Tensor | None = None  # [B] int64 slot ids (ring only)
         self._first: int | None = None  # the first slot id when the rows' slots are consecutive
         self._slab_tensors: tuple[torch.Tensor, torch.Tensor] | None = None  # the pool's (k, v) slab: never moves
-        super().__init__(window, hints, layer_idx, backend=backend)
+        super().__init__(window, hints, layer_idx, chunked=chunked, backend=backend)
 
     def reset(self) -> None:
-        self.__init__(self.window, self.hints, self.layer_idx, self.pages, self.backend)
+        self.__init__(self.window, self.hints, self.layer_idx, self.pages, self.chunked, self.backend)
 
     def ring_store(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """The pool's slab itself and the rows' slot ids: the decode attention reads the rings where they lie."""

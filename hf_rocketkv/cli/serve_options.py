@@ -136,8 +136,8 @@ def check_serve_model(value: str) -> bool:
         check_architecture(config, source.label)
         if has_chunked_layers(config):
             raise ModelSourceError(f"{source.label}: chunked-attention layers (layer_types 'chunked_attention', "
-                                   f"Llama 4): the server does not serve them yet (its KV pool and batching engine "
-                                   f"do not); run it with hf-rocketkv generate")
+                                   f"Llama 4): the server does not serve them yet (its batching engine does not); "
+                                   f"run it with hf-rocketkv generate")
         return has_sliding_layers(config)
     except ModelSourceError as err:  # its message starts with the path
         raise UsageError(f"--model {err}") from None

@@ -37,7 +37,7 @@ import torch
 
 from .errors import check_int
 from .geometry import FP8_KV_DTYPE, KV_DTYPES, ModelGeometry, dtype_name
-from .layer_kinds import CHUNKED_POOL, chunked_layers, describe, sliding_windows
+from .layer_kinds import describe, sliding_windows
 from .sliding_slab import SlidingSlab
 
 DEFAULT_SLOTS = 64
@@ -59,8 +59,6 @@ class HybridLayout:
     def of(cls, config: Any, geometry: ModelGeometry, dtype: torch.dtype, max_gpu_bytes: int, host_bytes: int,
            sliding_slots: int | None) -> HybridLayout:
         windows = sliding_windows(config)
-        if any(chunked_layers(config)):
-            raise NotImplementedError(CHUNKED_POOL)
         if len(windows) != geometry.num_layers:
             windows = (None,) * geometry.num_layers
         sliding = {i: w for i, w in enumerate(windows) if w is not None}

@@ -8,19 +8,13 @@ gives each sliding layer a ``SlidingWindowLayer`` and each full-attention layer 
 Llama 4's ``"chunked_attention"`` layers (``attention_chunk_size``) see only the keys of their query's chunk. As
 transformers does for its own cache, such a layer keeps the last ``attention_chunk_size - 1`` tokens (a query never
 sees more) and the mask decides which of them are visible: ``sliding_windows`` gives it the chunk size as its window,
-and ``chunked_layers`` says which windows are chunks (the pool, prefix reuse and the compiled decode runners do not
-serve them).
+and ``chunked_layers`` says which windows are chunks (the compiled decode runners and the batching engine do not
+serve them; the pool holds their rings in its slab like a sliding layer's).
 """
 
 from __future__ import annotations
 
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
-
-CHUNKED_POOL = (
-    "KVBlockPool: this model has 'chunked_attention' layers (layer_types, attention_chunk_size; Llama 4), which the "
-    "pool does not serve yet, so neither do the batching engine, prefix reuse and prefix files: run it through "
-    "generate() on a RocketKVCache without a pool (the sequential engine without --pool-gib)"
-)
 
 
 def sliding_windows(model_config) -> tuple[int | None, ...]:

@@ -6,8 +6,10 @@ eager attention and its own cache (a ``DynamicSlidingWindowLayer`` of the chunk 
   position it reads from ``cache.get_seq_length(layer)``, so wrong lengths change the tokens;
 - compression on: the chunked layers hold at most ``chunk - 1`` tokens, only the full-attention layer is
   compressed, and every layer's length is the tokens seen;
-- what is not supported for chunked layers is refused with one clear line: a pool (so the batching engine and prefix
-  reuse), the compiled and captured decode runners, tensor parallelism, a cache not told the layer types.
+- on a pool: the same tokens as without one (the rings in the pool's slab), a prefix hit the tokens of a cold run,
+  every page and slot back after close;
+- what is not supported for chunked layers is refused with one clear line: the batching engine, the compiled and
+  captured decode runners, tensor parallelism, a cache not told the layer types.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from tests.support.tiny_models import (
     random_ids,
 )
 from hf_rocketkv.integration.compat import cache_kwargs
+from hf_rocketkv.serving import BatchingEngine
 
 CHUNKED, FULL = [0, 1, 2], 3
 
@@ -130,15 +133,63 @@ def test_compression_keeps_chunks_and_compresses_the_full_layer(pair):
     assert torch.equal(chunked, alone)
 
 
+# ------------------------------------------------------------------------------------------------ on a pool
+def _on_pool(model, config, pool, ids, mask=None, new=8):
+    """Greedy tokens on a pool-backed cache, closed afterwards, and the cache's stats."""
+    cache = RocketKVCache(config, pool=pool)
+    out = greedy(model, ids, attention_mask=mask, cache=cache, max_new_tokens=new)
+    stats = cache.stats
+    cache.close()
+    return out, stats
+
+
+def _all_back(pool) -> bool:
+    return pool.free_pages() == pool.total_pages() and pool.free_slots() == pool.total_slots()
+
+
+@needs_generate
+@pytest.mark.parametrize("make_config", [keep_all_config, compressing_config])
+def test_a_pool_backed_cache_gives_the_tokens_of_one_without_a_pool(pair, make_config):
+    """One row across several chunks and a left-padded batch: the chunked layers' rings in the pool's slab, the
+    full layer in its pages; nothing evicted, the oracle's tokens too."""
+    rocket, oracle = pair
+    config = make_config(kt_cache_dtype="float32")
+    pool = cpu_pool(rocket, config, page_size=8)
+    ids = random_ids(1, 4 * CHUNK + 5, seed=7)
+    alone = greedy(rocket, ids, cache=RocketKVCache(config), max_new_tokens=12)
+    pooled, _ = _on_pool(rocket, config, pool, ids, new=12)
+    assert torch.equal(pooled, alone)
+    if make_config is keep_all_config:
+        assert torch.equal(pooled, greedy(oracle, ids, max_new_tokens=12))
+    assert _all_back(pool)
+
+
+@needs_generate
+@pytest.mark.parametrize("shared_len", [3 * CHUNK + 3, 4 * CHUNK, CHUNK - 2])
+def test_a_prefix_hit_gives_the_tokens_of_a_cold_run(pair, shared_len):
+    """A second prompt sharing ``shared_len`` tokens with a first one on the same pool (a hit, replayed over the
+    chunked layers' windows), against the same prompt on a fresh pool (cold); the hit pages are counted as reused."""
+    rocket, _ = pair
+    config = keep_all_config(kt_cache_dtype="float32")
+    first = random_ids(1, 5 * CHUNK + 1, seed=11)
+    second = torch.cat([first[:, :shared_len], random_ids(1, 2 * CHUNK + 3, seed=12)], dim=1)
+    pool = cpu_pool(rocket, config, page_size=8)
+    _on_pool(rocket, config, pool, first)
+    hot, hot_stats = _on_pool(rocket, config, pool, second)
+    cold, cold_stats = _on_pool(rocket, config, cpu_pool(rocket, config, page_size=8), second)
+    assert torch.equal(hot, cold)
+    assert cold_stats.reused_tokens == 0
+    assert hot_stats.reused_tokens == (shared_len // 8) * 8  # whole pages of the shared prompt
+    assert _all_back(pool)
+
+
 # ------------------------------------------------------------------------------------------------ refusals
-def test_a_pool_is_refused_naming_what_it_serves(pair):
+def test_the_batching_engine_is_refused_naming_what_serves_it(pair):
     rocket, _ = pair
     config = compressing_config(kt_cache_dtype="float32")
-    with pytest.raises(NotImplementedError, match="'chunked_attention' layers.*batching engine, prefix reuse"):
-        cpu_pool(rocket.config, config)
-    full = types.SimpleNamespace(num_hidden_layers=4, num_key_value_heads=2, num_attention_heads=4, head_dim=16)
-    with pytest.raises(NotImplementedError, match="KVBlockPool: this model has 'chunked_attention' layers"):
-        RocketKVCache(config, pool=cpu_pool(full, config), model_config=rocket.config)
+    with pytest.raises(NotImplementedError, match="BatchingEngine: this model has 'chunked_attention' layers.*"
+                                                  "generate\\(\\) on a RocketKVCache, with or without a KVBlockPool"):
+        BatchingEngine(rocket, config, cpu_pool(rocket, config))
 
 
 @pytest.mark.parametrize("overrides,graphs,runner", [

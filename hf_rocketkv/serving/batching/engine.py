@@ -35,7 +35,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from ...cache import BatchedDecodeCache
+from ...cache import BatchedDecodeCache, chunked_layers
 from ...config import RocketKVConfig
 from ...integration.batch_graphs import BatchedDecodeGraphs
 from ...integration.generate import get_config
@@ -133,6 +133,8 @@ class BatchingEngine(ThreadedEngine):
         self.model = model
         self.config = config if config is not None else get_config(model)
         _check_config(self.config, pool)
+        if any(chunked_layers(model.config)):
+            raise NotImplementedError(CHUNKED_ENGINE)
         self.pool = pool
         self.batching = batching if batching is not None else BatchingConfig()
         if not isinstance(self.batching, BatchingConfig):
@@ -541,6 +543,13 @@ class BatchingEngine(ThreadedEngine):
             orphans = [r for r in self._requests.values() if id(r) not in placed and not self._held(r)]
         for running in orphans:
             self._finish(running, FinishReason.ERROR, message)
+
+
+CHUNKED_ENGINE = (
+    "BatchingEngine: this model has 'chunked_attention' layers (layer_types, attention_chunk_size; Llama 4), which "
+    "the batching engine does not serve yet: run it through generate() on a RocketKVCache, with or without a "
+    "KVBlockPool (the sequential engine)"
+)
 
 
 def _check_config(config, pool) -> None:
