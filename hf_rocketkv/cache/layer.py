@@ -21,9 +21,11 @@ Tensors (B batch, Hkv KV heads, C capacity, PP tokens per page, KP = config.page
 ``keys``, ``values`` and ``kt`` read as contiguous ``[B, Hkv, C, D]`` / ``[B, Hkv, C/KP, 2, D]`` copies (gathered
 from the pages) for introspection and tests; the hot paths use the pages.
 
-The layer keeps transformers' layer contract and the shared state above; the jobs are modules of their own
-(``dense_store``, ``stage1`` + ``compaction``, ``working_set``, ``decode_append``, ``stage2``, ``generated_tokens``,
-``capacity`` + ``history``, ``row_index``, ``row_stacking``). The attention function finds the layer through the
+The layer keeps transformers' layer contract and the state above, set only by its own methods (``hold_view``,
+``move_view``, ``forget_decoded``, ...); parts with state of their own are objects it holds (``dense``: the
+``DenseStore``; ``prefix``: the ``PrefixHit``; ``stage1``; ``generated``: the ``GeneratedTokens``; ``history``), and
+the jobs are modules of their own that compute and hand over (``stage1`` + ``compaction``, ``working_set``,
+``decode_append``, ``stage2``, ``capacity``, ``row_index``, ``row_stacking``). The attention function finds the layer through the
 key tensor ``update()`` returned (``seam.layer_of``; docs/seam.md).
 """
 
