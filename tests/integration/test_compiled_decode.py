@@ -293,7 +293,7 @@ def test_batch_sizes_of_one_bucket_share_a_graph_and_padding_changes_no_token():
                      compile_config=eager_compile_config())
         assert torch.equal(out, eager), batch
         assert unique_graphs() == graphs, (batch, dict(dynamo_utils.counters["stats"]))
-        assert cache.batch_size == batch and cache.token_ids.shape[0] == batch
+        assert cache.batch_size == batch and call_state(cache).token_ids.shape[0] == batch
         assert torch.equal(cache.kept_tokens(0), eager_cache.kept_tokens(0))
         assert torch.equal(cache.layers[0].lengths, eager_cache.layers[0].lengths)
     for row in range(batch):  # each row alone (no padding, no batch)
