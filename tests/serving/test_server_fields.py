@@ -28,7 +28,7 @@ ACCEPTED = [
     ("completions", {"suffix": ""}), ("completions", {"logprobs": None}), ("completions", {"user": "u1"}),
     ("completions", {"presence_penalty": 0}), ("completions", {"frequency_penalty": 0.0}),
     ("completions", {"logit_bias": {}}), ("completions", {"stream": None}), ("completions", {"prompt": ["hi"]}),
-    ("completions", {"prompt": [[40, 41]]}), ("completions", {"stop_token_ids": [5, 6]}),
+    ("completions", {"prompt": [[40, 41]]}), ("completions", {"stop_token_ids": [5, 6], "temperature": 0}),
     ("chat/completions", {"logprobs": False}), ("chat/completions", {"logprobs": None}),
     ("chat/completions", {"tools": []}), ("chat/completions", {"tool_choice": "none"}),
     ("chat/completions", {"tools": None, "tool_choice": None}), ("chat/completions", {"parallel_tool_calls": True}),
