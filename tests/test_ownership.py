@@ -83,24 +83,24 @@ def foreign_private_reads(source: str) -> list[str]:
     return found
 
 
-def package_writes() -> Counter:
-    """``path: target`` -> occurrences, over every module of the package."""
-    writes = Counter()
+def _over_package(detector) -> Counter:
+    """``path: finding`` -> occurrences of ``detector(source)``'s findings, over every module of the package."""
+    found = Counter()
     for path in sorted(PACKAGE.rglob("*.py")):
         relative = path.relative_to(ROOT).as_posix()
-        for target in foreign_writes(path.read_text()):
-            writes[f"{relative}: {target}"] += 1
-    return writes
+        for finding in detector(path.read_text()):
+            found[f"{relative}: {finding}"] += 1
+    return found
+
+
+def package_writes() -> Counter:
+    """``path: target`` -> occurrences of foreign attribute writes."""
+    return _over_package(foreign_writes)
 
 
 def package_private_reads() -> Counter:
-    """``path: expression`` -> occurrences, over every module of the package."""
-    reads = Counter()
-    for path in sorted(PACKAGE.rglob("*.py")):
-        relative = path.relative_to(ROOT).as_posix()
-        for expression in foreign_private_reads(path.read_text()):
-            reads[f"{relative}: {expression}"] += 1
-    return reads
+    """``path: expression`` -> occurrences of foreign private-name uses."""
+    return _over_package(foreign_private_reads)
 
 
 def _listed(path: Path) -> set[str]:
