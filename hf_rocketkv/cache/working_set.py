@@ -44,7 +44,8 @@ def store_new_tokens(layer, valid: torch.Tensor | None) -> None:
     # outside generate() (user-compiled loops), and a stale one would under-size the store
     stored = lengths.tolist()
     counts = [len(c) for c in columns]
-    width = _working_width(layer, max(s + m for s, m in zip(stored, counts)), keys.shape[2])
+    totals = [s + m for s, m in zip(stored, counts)]  # each row's tokens after this turn
+    width = _working_width(layer, max(totals), keys.shape[2])
     keys, values = pad_slots(keys, width, 0), pad_slots(values, width, 0)
     positions = pad_slots(positions, width, -1)
     first_column = int(layer.seen) - n
@@ -54,9 +55,9 @@ def store_new_tokens(layer, valid: torch.Tensor | None) -> None:
         values[b, :, length : length + m] = value_states[b, :, taken]
         positions[b, :, length : length + m] = (first_column + taken).to(torch.int32)
     lengths = lengths + device_tensor(counts, lengths.dtype, layer.device)
-    layer.hold_working_set(keys, values, positions, lengths, max(s + m for s, m in zip(stored, counts)))
+    layer.hold_working_set(keys, values, positions, lengths, max(totals))
     if layer.history is not None:
-        _extend_history(layer, keys, values, positions, lengths, stored, counts)
+        _extend_history(layer, keys, values, positions, lengths, stored, totals)
 
 
 def attend_working_set(layer, query: torch.Tensor, scaling: float, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -95,11 +96,11 @@ def _working_width(layer, needed: int, current: int) -> int:
 
 
 def _extend_history(layer, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
-                    stored: list[int], counts: list[int]) -> None:
+                    stored: list[int], totals: list[int]) -> None:
     """keep_all: a later turn's real tokens, just placed in the working set (``keys`` / ``values`` ``[B, Hkv, W, D]``,
     ``positions`` ``[B, Hkv, W]``, ``lengths`` ``[B]``) after each row's history, join the history pages too (the
-    working set's slots are the history's slots)."""
+    working set's slots are the history's slots). Row b's new tokens fill slots ``[stored[b], totals[b])``."""
     history = layer.history
-    grow_history(layer, max(s + m for s, m in zip(stored, counts)) - history.host_max_length)
-    write_tokens(history.store, keys, values, stored, [s + m for s, m in zip(stored, counts)])
+    grow_history(layer, max(totals) - history.host_max_length)
+    write_tokens(history.store, keys, values, stored, totals)
     history.hold_rows(positions, lengths)
