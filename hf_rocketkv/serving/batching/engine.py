@@ -53,7 +53,7 @@ from .prefill_graphs import LookaheadGraphs, PrefillGraphs
 from .prefill_worker import PrefillWorker
 from .running import RunningRequest
 from .scheduler import BatchingConfig, QueueFull, Scheduler
-from .warm_up import DEFAULT_WARMUP_MAX_TOKENS, WARMUP_CACHE_SALT, WARMUP_REQUEST_ID, warm_up
+from .warm_up import DEFAULT_WARMUP_MAX_TOKENS, WARMUP_CACHE_SALT, WARMUP_REQUEST_ID, EngineParts, warm_up
 
 __all__ = ["BatchingEngine", "BatchingStats", "DEFAULT_WARMUP_MAX_TOKENS", "STEP_HISTORY", "WARMUP_CACHE_SALT",
            "WARMUP_REQUEST_ID"]
@@ -233,7 +233,11 @@ class BatchingEngine(ThreadedEngine):
         attention graph while serving, their graphs built by ``start()`` (default: two prefill chunks; 0: none).
         Returns ``{"seconds", "buckets", "captures", "table_pages", "max_new_tokens", "prefill_shapes"}``;
         raises ``ValueError`` for bad arguments, ``PoolExhaustedError`` when the pool cannot hold the request."""
-        return warm_up(self, max_new_tokens, buckets, prefill_tokens)
+        if self._thread is not None:
+            raise RuntimeError("BatchingEngine.warm_up must run before start(): once started, the engine thread owns "
+                               "the decode batch")
+        return warm_up(self, EngineParts(self._admission, self._decoder, self._reset_batch), max_new_tokens, buckets,
+                       prefill_tokens)
 
     def follow(self, sink: EventSink | None = None) -> None:
         """A follower rank's whole serving life: start the engine thread and return once the leader has stopped

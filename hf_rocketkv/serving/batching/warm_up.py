@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -19,6 +21,8 @@ from ...integration.decode_graphs import on_device
 from ...memory import PoolExhaustedError
 from ..engines.interface import EngineRequest
 from ..sampling import SamplingParams
+from .admission import PoolAdmission
+from .decode_step import BatchDecoder
 from .running import RunningRequest
 
 logger = logging.getLogger(__name__)
@@ -29,8 +33,21 @@ WARMUP_CACHE_SALT = "hf_rocketkv.batching.warm_up"
 WARMUP_REQUEST_ID = "hf_rocketkv-warm-up"
 
 
-def warm_up(engine, max_new_tokens: int, buckets: tuple[int, ...] | None, prefill_tokens: int | None = None) -> dict:
-    """Capture the decode graph of every bucket of ``engine`` (a ``BatchingEngine`` not started yet) now.
+@dataclass(frozen=True)
+class EngineParts:
+    """What the warm-up drives of a ``BatchingEngine``, handed over by the engine itself (``BatchingEngine.warm_up``):
+    its admission (prefill and release of the synthetic request), its decoder (the steps) and how it resets its batch
+    after a failed step."""
+
+    admission: PoolAdmission
+    decoder: BatchDecoder
+    reset_batch: Callable[[], None]
+
+
+def warm_up(engine, parts: EngineParts, max_new_tokens: int, buckets: tuple[int, ...] | None,
+            prefill_tokens: int | None = None) -> dict:
+    """Capture the decode graph of every bucket of ``engine`` (a ``BatchingEngine`` not started yet: the engine
+    refuses a warm-up after ``start()``) now.
 
     The synthetic request has ``engine.warm_up_prompt_len`` random token ids and ``max_tokens = max(max_new_tokens,
     2 * len(buckets) + 1)``. Its view table is as wide as that of any request whose ``max_tokens <= max_new_tokens``,
@@ -47,8 +64,8 @@ def warm_up(engine, max_new_tokens: int, buckets: tuple[int, ...] | None, prefil
             (prefill_graphs.py: planned here, built by the prefilling thread before ``start()`` returns; 31 shapes,
             2.4-5.2 s on an H100, at the default: two ``prefill_chunk_tokens`` chunks). 0: none. Not under lockstep.
 
-    Runs on the caller's thread and must come before ``start()`` (RuntimeError after it): the engine thread owns
-    the batch once started; graphs captured here replay on it. Without graphs (CPU, ``decode_graphs=False``)
+    Runs on the caller's thread, before ``start()``: the engine thread owns the batch once started; graphs captured
+    here replay on it. Without graphs (CPU, ``decode_graphs=False``)
     the steps run eagerly (kernels and allocator warmed) and nothing is captured. The synthetic request's
     prompt pages stay in the prefix index as evictable cached pages under a salt of their own (no real request
     can hit them); the pool's free pages are back to what they were. Raises ``ValueError`` for bad arguments
@@ -58,9 +75,6 @@ def warm_up(engine, max_new_tokens: int, buckets: tuple[int, ...] | None, prefil
     the buckets stepped, graphs captured, the batch's table width in pool pages, the ``max_tokens`` covered, and
     the prefill attention shapes planned (``engine.prefill_graphs.report`` says what ``start()`` built).
     """
-    if engine._thread is not None:
-        raise RuntimeError("BatchingEngine.warm_up must run before start(): once started, the engine thread owns "
-                           "the decode batch")
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"BatchingEngine.warm_up: max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     buckets = _checked_buckets(engine.batching, buckets)
@@ -72,14 +86,15 @@ def warm_up(engine, max_new_tokens: int, buckets: tuple[int, ...] | None, prefil
     graphs = engine.graphs if engine.graphs_in_use else None
     captured_before = graphs.captures if graphs is not None else 0
     started = time.perf_counter()
-    running = _synthetic_request(engine, max(max_new_tokens, 2 * len(buckets) + 1), scratch=buckets[-1] > 1)
+    running = _synthetic_request(engine, parts.admission, max(max_new_tokens, 2 * len(buckets) + 1),
+                                 scratch=buckets[-1] > 1)
     try:
         # not inference_mode: the batch's buffers are updated in place on the engine thread; the model's GPU
         # as the current device, as on the engine thread (the graphs captured here replay there)
         with torch.no_grad(), on_device(engine.device):
-            _steps(engine, running, buckets)
+            _steps(engine, parts, running, buckets)
     finally:
-        engine._admission.release(running)
+        parts.admission.release(running)
         engine.batch.release_scratch()
     result = {
         "seconds": time.perf_counter() - started,
@@ -112,7 +127,7 @@ def _checked_buckets(config, buckets: tuple[int, ...] | None) -> tuple[int, ...]
     return tuple(sorted(set(buckets)))
 
 
-def _synthetic_request(engine, max_new_tokens: int, scratch: bool) -> RunningRequest:
+def _synthetic_request(engine, admission: PoolAdmission, max_new_tokens: int, scratch: bool) -> RunningRequest:
     """The synthetic request, its pages set aside as admission does (PoolExhaustedError when they do not fit):
     its prefill peak, or its view plus the padding rows' scratch page if that is more."""
     vocab = int(engine.model.config.get_text_config().vocab_size)
@@ -121,7 +136,7 @@ def _synthetic_request(engine, max_new_tokens: int, scratch: bool) -> RunningReq
     request = EngineRequest(WARMUP_REQUEST_ID, tuple(ids), SamplingParams.greedy(max_new_tokens, ignore_eos=True),
                             frozenset())
     running = RunningRequest(request, cache_salt=WARMUP_CACHE_SALT)
-    plan = engine._admission.pages(request)
+    plan = admission.pages(request)
     paged = bool(engine.pool.hybrid.global_layers)  # (a model whose layers all slide has no pages, no scratch page)
     need = max(plan.peak_pages, plan.steady_pages + int(scratch and paged))
     running.set_aside(engine.pool.reserve(
@@ -132,9 +147,9 @@ def _synthetic_request(engine, max_new_tokens: int, scratch: bool) -> RunningReq
     return running
 
 
-def _steps(engine, running: RunningRequest, buckets: tuple[int, ...]) -> None:
+def _steps(engine, parts: EngineParts, running: RunningRequest, buckets: tuple[int, ...]) -> None:
     """Prefill the synthetic request, join it as row 0, two decode steps per bucket, leave."""
-    token = int(engine._admission.prefill(running).argmax(dim=-1)[0])
+    token = int(parts.admission.prefill(running).argmax(dim=-1)[0])
     engine.batch.join(0, running.cache)  # the row takes the request's pages
     running.drop_cache()
     try:
@@ -143,8 +158,8 @@ def _steps(engine, running: RunningRequest, buckets: tuple[int, ...]) -> None:
                 raise PoolExhaustedError("the padding rows' scratch page (BatchingEngine.warm_up)", 1,
                                          engine.pool.free_pages(), engine.pool.total_pages())
             for _ in range(2):  # a bucket's first step warms up, its second captures (batch_graphs.py)
-                token = int(engine._decoder.step_logits(1, bucket, [token]).argmax(dim=-1)[0])
+                token = int(parts.decoder.step_logits(1, bucket, [token]).argmax(dim=-1)[0])
     except BaseException:
-        engine._reset_batch()  # a failed step may leave the batch half-updated
+        parts.reset_batch()  # a failed step may leave the batch half-updated
         raise
     engine.batch.leave(0)
