@@ -47,10 +47,9 @@ class BatchedSlidingLayer(SlidingWindowLayer):
     # ------------------------------------------------------------------------------------------ rows
     def copy_in(self, theirs: PooledSlidingLayer, row: int) -> None:
         """Row ``row`` takes the request layer's slot and length (its ring moves into the slot first)."""
-        if not theirs.ring:
-            theirs._to_ring()  # the prefill's ordered columns into the request's slot
-        self.slots_buf[row] = theirs._slots[0]
-        self.seen_buf[row] = theirs.seen_tokens
+        slot, seen = theirs.decode_slot()
+        self.slots_buf[row] = slot
+        self.seen_buf[row] = seen
 
     def move_row(self, src: int, dst: int) -> None:
         self.slots_buf[dst] = self.slots_buf[src]

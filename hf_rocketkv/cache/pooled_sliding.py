@@ -149,6 +149,17 @@ class PooledSlidingLayer(SlidingWindowLayer):
         return self._ring(0), self._ring(1)
 
     # ------------------------------------------------------------------------------------------ rows
+    def decode_slot(self) -> tuple[torch.Tensor, int]:
+        """A one-row layer's ring as a row of the engine's batch takes it (``BatchedSlidingLayer.copy_in``): its slot
+        id (a 0-d int64 device tensor) and the tokens seen; a layer still in ordered columns (just prefilled) moves
+        them into its slot first."""
+        if not self.is_initialized or self.batch_size != 1:
+            raise ValueError("PooledSlidingLayer.decode_slot: a batch row takes the ring of a one-row layer that has "
+                             "stored tokens")
+        if not self.ring:
+            self._to_ring()
+        return self._slots[0], self.seen_tokens
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: the rows' slots take their source rows' contents (the slot ids stay the rows')."""
         if not self.ring:
