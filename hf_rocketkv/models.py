@@ -147,13 +147,6 @@ def has_sliding_layers(config) -> bool:
     return any(window is not None for window in sliding_windows(config))
 
 
-def has_chunked_layers(config) -> bool:
-    """Whether ``config`` (checked by ``check_architecture``) has chunked-attention layers (Llama 4)."""
-    from .cache import chunked_layers
-
-    return any(chunked_layers(config))
-
-
 def check_weights_present(source: ModelSource) -> None:
     """A checkpoint folder must hold weights (``*.safetensors`` or ``pytorch_model*.bin``); GGUF files hold theirs."""
     if source.gguf_file:

@@ -13,9 +13,10 @@ Public API (what serving/, eval/, bench/ and the CLI import; integration/ may us
     SlidingWindowLayer  a sliding-window layer's store: its last tokens, dense (sliding_layer.py)
     sliding_windows     each layer's sliding window from a model config, None = full attention (memory/layer_kinds.py)
     chunked_layers      which of those windows are attention chunks (Llama 4; memory/layer_kinds.py)
+    position_scaled_layers  the layers whose attention scales its queries by position (Llama 4's NoPE layers)
 """
 
-from ..memory.layer_kinds import chunked_layers, sliding_windows
+from ..memory.layer_kinds import chunked_layers, position_scaled_layers, sliding_windows
 from .batch_view import BatchedDecodeCache
 from .cache import RocketKVCache
 from .layer import GenerationHints, RocketKVLayer, layer_of
@@ -25,4 +26,5 @@ from .sliding_layer import SlidingWindowLayer
 from .stats import CacheStats
 
 __all__ = ["BatchedDecodeCache", "CacheStats", "GenerationHints", "RocketKVCache", "RocketKVLayer", "SlidingWindowLayer",
-           "check_pool_policy", "chunked_layers", "decode_read_bytes", "layer_of", "request_pages", "sliding_windows"]
+           "check_pool_policy", "chunked_layers", "decode_read_bytes", "layer_of", "position_scaled_layers",
+           "request_pages", "sliding_windows"]

@@ -28,8 +28,8 @@ from .sliding_layer import SlidingWindowLayer
 class BatchedSlidingLayer(SlidingWindowLayer):
     """One sliding layer of a ``BatchedDecodeCache`` (module docstring)."""
 
-    def __init__(self, window: int, hints, layer_idx: int, backend: str = "auto"):
-        super().__init__(window, hints, layer_idx, backend=backend)
+    def __init__(self, window: int, hints, layer_idx: int, chunked: bool = False, backend: str = "auto"):
+        super().__init__(window, hints, layer_idx, chunked=chunked, backend=backend)
         self.slots_buf: torch.Tensor | None = None  # [R] int64
         self.seen_buf: torch.Tensor | None = None  # [R] int64 (a row of the batch's [layers, R] tensor)
         self.k_slab = self.v_slab = None
@@ -82,8 +82,14 @@ class BatchedSlidingLayer(SlidingWindowLayer):
     # ``SlidingWindowLayer.ring_mask`` / ``ring_rows``)
 
     def ring_store(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """The pool's slab and the rows' slot ids and counts: the attention reads each row's ring where it lies."""
-        return self.k_slab, self.v_slab, self.row_slots, self.row_seen
+        """The pool's slab and the rows' slot ids and counts: the attention reads each row's ring where it lies. A
+        chunked layer's row (ring of ``chunk`` slots) sees only its own chunk: after this step's token, at position
+        ``p = seen - 1``, that is positions ``p - p % chunk`` ... ``p``, in slots ``0 .. p % chunk`` (slot of position
+        ``q`` is ``q % chunk``), so its count is ``(seen - 1) % chunk + 1`` (device arithmetic, graph-safe)."""
+        seen = self.row_seen
+        if self.chunked:
+            seen = torch.remainder(seen - 1, self.window) + 1
+        return self.k_slab, self.v_slab, self.row_slots, seen
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.window, 0

@@ -70,8 +70,11 @@ class BatchedDecodeLayer(RocketKVLayer):
 
     EAGER_GRAPHS = False
 
-    def __init__(self, config, hints: GenerationHints, layer_idx: int):
+    def __init__(self, config, hints: GenerationHints, layer_idx: int, scales_rows_by_position: bool = False):
         super().__init__(config, hints, pages=None, layer_idx=layer_idx)
+        # the model scales this layer's queries by position (Llama 4's NoPE layers): the attention function scales
+        # each row's by its own (integration/position_temperature.py), the batch answering 0 for its length
+        self.scales_rows_by_position = scales_rows_by_position
         self.table_buf: torch.Tensor | None = None  # [R, MP] int32
         self.lengths_buf: torch.Tensor | None = None  # [R] int64
         self.positions_buf: torch.Tensor | None = None  # [R, Hkv, C] int32
@@ -178,9 +181,12 @@ class BatchedDecodeCache(Cache):
         pool: the KVBlockPool every joining cache draws its pages from (one scratch page is taken from it while
             padding rows exist: ``ensure_scratch`` / ``release_scratch``).
         max_rows: rows at most (the largest decode bucket).
+        position_scaled_layers: the layers whose attention reads the cache's length to scale its queries by
+            position (``memory.layer_kinds.position_scaled_layers``, Llama 4): ``get_seq_length(layer)`` is 0 there
+            and the ``rocketkv`` attention function scales each row's query by the row's own position.
     """
 
-    def __init__(self, pool: KVBlockPool, max_rows: int):
+    def __init__(self, pool: KVBlockPool, max_rows: int, position_scaled_layers: frozenset[int] = frozenset()):
         if not isinstance(pool, KVBlockPool):
             raise TypeError(f"BatchedDecodeCache(pool=...) takes a KVBlockPool, got {type(pool).__name__}")
         if not isinstance(max_rows, int) or max_rows < 1:
@@ -188,6 +194,7 @@ class BatchedDecodeCache(Cache):
         super().__init__(layers=[])
         self.pool = pool
         self.max_rows = max_rows
+        self.position_scaled_layers = frozenset(position_scaled_layers)
         self.hints = GenerationHints()
         self.held: list[list | None] = [None] * max_rows  # each row's pool holdings (RocketKVCache.hand_over)
         # a batch dropped with rows still joined (an engine that died) queues their holdings; the pool releases them
@@ -382,6 +389,8 @@ class BatchedDecodeCache(Cache):
         return self.layers[layer_idx].update(key_states, value_states)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        if layer_idx in self.position_scaled_layers:
+            return 0  # the rows' positions differ: the attention function scales each row's query (constructor)
         return self.layers[layer_idx].get_seq_length() if self.layers else 0
 
     def get_query_offset(self, layer_idx: int = 0):
@@ -408,10 +417,10 @@ class BatchedDecodeCache(Cache):
             self._seen_all = torch.zeros(shape, dtype=torch.long, device=device)
             for index, source in enumerate(cache.layers):
                 if isinstance(source, PooledSlidingLayer):
-                    layer = BatchedSlidingLayer(source.window, hints, index, source.backend)
+                    layer = BatchedSlidingLayer(source.window, hints, index, source.chunked, source.backend)
                     layer.init_from(source, self.max_rows, self.pool, self._seen_all[index])
                 else:
-                    layer = BatchedDecodeLayer(source.config, hints, index)
+                    layer = BatchedDecodeLayer(source.config, hints, index, index in self.position_scaled_layers)
                     layer.init_from(source, self.max_rows, width, self.pool, self._lengths_all[index],
                                     self._seen_all[index])
                 self.layers.append(layer)

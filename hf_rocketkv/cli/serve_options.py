@@ -124,7 +124,6 @@ def check_serve_model(value: str) -> bool:
         DefaultModelMissing,
         ModelSourceError,
         check_architecture,
-        has_chunked_layers,
         has_sliding_layers,
         load_config,
         model_source,
@@ -134,10 +133,6 @@ def check_serve_model(value: str) -> bool:
         source = model_source(value)
         config = load_config(source)
         check_architecture(config, source.label)
-        if has_chunked_layers(config):
-            raise ModelSourceError(f"{source.label}: chunked-attention layers (layer_types 'chunked_attention', "
-                                   f"Llama 4): the server does not serve them yet (its batching engine does not); "
-                                   f"run it with hf-rocketkv generate")
         return has_sliding_layers(config)
     except ModelSourceError as err:  # its message starts with the path
         raise UsageError(f"--model {err}") from None

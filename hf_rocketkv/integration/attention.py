@@ -24,6 +24,7 @@ import weakref
 
 import torch
 
+from ..cache.batch_view import BatchedDecodeLayer
 from ..cache.layer import RocketKVLayer, layer_of
 from ..cache.sliding_layer import SlidingWindowLayer
 from ..cache.unscored_layer import UnscoredLayer
@@ -32,6 +33,7 @@ from ..selection.logit_features import PLAIN, LogitFeatures, allowed_of, feature
 from .call_state import call_state
 from .causal_prefill import causal_prefill_attention, cudnn_causal_attention, cudnn_runs, flash_attention_runs
 from .compat import sdpa_attention_forward
+from .position_temperature import scale_rows_by_position, scales_by_position
 
 FEATURE_KWARGS = ("softcap", "s_aux")  # what transformers passes for soft-capping (Gemma 2) and sinks (gpt-oss)
 
@@ -90,6 +92,8 @@ def rocketkv_attention(
             layer.compress()
         return out, None
     if query.shape[2] == 1:
+        if isinstance(layer, BatchedDecodeLayer) and layer.scales_rows_by_position:
+            query = scale_rows_by_position(module, query, layer.seen)  # rows at their own positions (Llama 4)
         return layer.attend_decode(query, scaling), None
     valid = new_token_validity(attention_mask, query.shape[2])
     layer.store_new_tokens(valid)
@@ -174,6 +178,10 @@ def check_supported(module: torch.nn.Module, kwargs: dict, layer, key: torch.Ten
                 f"RocketKV does not support {what} under tensor parallelism yet ({name}, layer {index}: this process "
                 f"holds {key.shape[1]} of {total} KV heads). Run the model on one device."
             )
+    if isinstance(layer, BatchedDecodeLayer) and layer.scales_rows_by_position != scales_by_position(module):
+        raise ValueError(f"{name} (layer {index}): the batch was {'' if layer.scales_rows_by_position else 'not '}told "
+                         f"that this attention scales its queries by position (BatchedDecodeCache("
+                         f"position_scaled_layers=...), memory.layer_kinds.position_scaled_layers of the model config)")
     if isinstance(layer, RocketKVLayer) and layer.compressed and not features.same_as(layer.features):
         raise ValueError(f"{name} (layer {index}): the attention's soft-capping / sinks differ from those the layer "
                          f"was prefilled with; one RocketKVCache serves one model")

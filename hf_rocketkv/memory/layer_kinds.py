@@ -8,8 +8,10 @@ gives each sliding layer a ``SlidingWindowLayer`` and each full-attention layer 
 Llama 4's ``"chunked_attention"`` layers (``attention_chunk_size``) see only the keys of their query's chunk. As
 transformers does for its own cache, such a layer keeps the last ``attention_chunk_size - 1`` tokens (a query never
 sees more) and the mask decides which of them are visible: ``sliding_windows`` gives it the chunk size as its window,
-and ``chunked_layers`` says which windows are chunks (the compiled decode runners and the batching engine do not
-serve them; the pool holds their rings in its slab like a sliding layer's).
+and ``chunked_layers`` says which windows are chunks (the compiled decode runners of generate() do not serve them;
+the pool holds their rings in its slab like a sliding layer's, and the batching engine decodes them there).
+Llama 4's NoPE layers scale their queries by position, read as ``cache.get_seq_length(layer)`` inside the forward:
+``position_scaled_layers`` names them.
 """
 
 from __future__ import annotations
@@ -50,6 +52,15 @@ def reads_seq_length_in_forward(model_config) -> bool:
     config, _ = _layer_types(model_config)
     no_rope = getattr(config, "no_rope_layers", None) or ()
     return bool(getattr(config, "attn_temperature_tuning", False)) and any(not use for use in no_rope)
+
+
+def position_scaled_layers(model_config) -> frozenset[int]:
+    """The layers whose attention scales its queries by the position it reads from ``cache.get_seq_length(layer)``
+    (Llama 4's NoPE layers under ``attn_temperature_tuning``; ``reads_seq_length_in_forward``), empty for others."""
+    if not reads_seq_length_in_forward(model_config):
+        return frozenset()
+    config, _ = _layer_types(model_config)
+    return frozenset(index for index, use_rope in enumerate(config.no_rope_layers) if not use_rope)
 
 
 def _positive(value) -> bool:

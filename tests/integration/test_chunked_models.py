@@ -8,8 +8,9 @@ eager attention and its own cache (a ``DynamicSlidingWindowLayer`` of the chunk 
   compressed, and every layer's length is the tokens seen;
 - on a pool: the same tokens as without one (the rings in the pool's slab), a prefix hit the tokens of a cold run,
   every page and slot back after close;
-- what is not supported for chunked layers is refused with one clear line: the batching engine, the compiled and
-  captured decode runners, tensor parallelism, a cache not told the layer types.
+- the batching engine (generate_batch on a pool): transformers' tokens for rows at different positions, a prefix hit;
+- what is not supported for chunked layers is refused with one clear line: generate()'s compiled and captured decode
+  runners, tensor parallelism, a cache not told the layer types.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from tests.support.tiny_models import (
     random_ids,
 )
 from hf_rocketkv.integration.compat import cache_kwargs
-from hf_rocketkv.serving import BatchingEngine
 
 CHUNKED, FULL = [0, 1, 2], 3
 
@@ -184,12 +184,26 @@ def test_a_prefix_hit_gives_the_tokens_of_a_cold_run(pair, shared_len):
 
 
 # ------------------------------------------------------------------------------------------------ refusals
-def test_the_batching_engine_is_refused_naming_what_serves_it(pair):
-    rocket, _ = pair
-    config = compressing_config(kt_cache_dtype="float32")
-    with pytest.raises(NotImplementedError, match="BatchingEngine: this model has 'chunked_attention' layers.*"
-                                                  "generate\\(\\) on a RocketKVCache, with or without a KVBlockPool"):
-        BatchingEngine(rocket, config, cpu_pool(rocket, config))
+@needs_generate
+def test_the_batching_engine_gives_transformers_tokens_and_reuses_a_prefix(pair):
+    """generate_batch on a pool (the batching engine: rows at different positions in one decode step, crossing chunk
+    boundaries, the NoPE layer's queries scaled per row) with nothing evicted: each prompt gets the tokens of
+    transformers' own cache; a second call sharing a prompt's first chunks hits its pages and still gets them."""
+    from hf_rocketkv.serving import SamplingParams, generate_batch
+
+    rocket, oracle = pair
+    config = keep_all_config(kt_cache_dtype="float32")
+    pool = cpu_pool(rocket, config, page_size=8)
+    prompts = [random_ids(1, n, seed=40 + n)[0].tolist() for n in (3 * CHUNK + 5, 5, 2 * CHUNK, CHUNK + 3)]
+    expected = [greedy(oracle, torch.tensor([p]), max_new_tokens=11)[0, len(p):].tolist() for p in prompts]
+    results = generate_batch(rocket, prompts, config=config, pool=pool, sampling=SamplingParams.greedy(11))
+    assert [list(r.token_ids) for r in results] == expected
+    shared = prompts[0][: 2 * CHUNK + 2] + random_ids(1, 9, seed=99)[0].tolist()
+    hits = pool.stats().hit_pages
+    again = generate_batch(rocket, [shared], config=config, pool=pool, sampling=SamplingParams.greedy(11))
+    assert list(again[0].token_ids) == greedy(oracle, torch.tensor([shared]), max_new_tokens=11)[0, len(shared):].tolist()
+    assert pool.stats().hit_pages - hits >= 2  # the shared prompt's whole pages were reused
+    assert _all_back(pool)
 
 
 @pytest.mark.parametrize("overrides,graphs,runner", [

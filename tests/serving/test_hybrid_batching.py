@@ -1,7 +1,9 @@
-"""The batching engine on models with sliding-window layers (gpt-oss, Gemma 3, Mistral with a window: tiny random
-configs, CPU float32): requests batched, each request's tokens those of the request alone (model.generate with its
-own RocketKVCache, no pool), ragged prompts, requests joining mid-run, decode graphs (a CPU stand-in), cancel; every
-page and sliding-window slot back in the pool at the end.
+"""The batching engine on models with sliding-window layers (gpt-oss, Gemma 3, Mistral with a window) and on Llama 4
+(chunked-attention layers of 8 tokens, a NoPE layer whose queries are scaled by position every 4 tokens): tiny random
+configs, CPU float32. Requests batched, each request's tokens those of the request alone (model.generate with its
+own RocketKVCache, no pool; tests/integration/test_chunked_models.py checks that one against transformers' own
+cache), ragged prompts, decodes across chunk boundaries, requests joining mid-run, decode graphs (a CPU stand-in),
+cancel; every page and sliding-window slot back in the pool at the end.
 """
 
 from __future__ import annotations
@@ -12,16 +14,21 @@ from hf_rocketkv.serving import FinishReason, GenerationManager, SamplingParams
 from hf_rocketkv.serving.batching.engine import BatchingEngine
 from hf_rocketkv.serving.batching.scheduler import BatchingConfig
 from tests.serving.helpers import CFG, Events, ForwardGate, oracle_tokens, prompt_of, request, wait_until
-from tests.support.hybrid_models import make_hybrid_models
+from tests.integration.test_chunked_models import GENERATE_BROKEN
+from tests.support.hybrid_models import make_hybrid_models, make_llama4_models
 from tests.support.tiny_models import cpu_pool
 
-ARCHS = ["gpt_oss", "gemma3", "mistral"]
+ARCHS = ["gpt_oss", "gemma3", "mistral", "llama4"]
 PROMPTS = [(30, 9), (17, 3), (45, 12), (5, 6), (26, 1), (33, 8)]  # ragged; some under the budget, some in one window
 
 
 @pytest.fixture(scope="module", params=ARCHS)
 def hybrid(request):
     """``(arch, served, oracle_model)``: two copies of one tiny hybrid model (same weights)."""
+    if request.param == "llama4":
+        if GENERATE_BROKEN:
+            pytest.skip("this transformers' generate() cannot run Llama 4 (the oracle): test_chunked_models.py")
+        return request.param, make_llama4_models()[0], make_llama4_models()[0]
     served, _ = make_hybrid_models(request.param)
     alone, _ = make_hybrid_models(request.param)
     return request.param, served, alone

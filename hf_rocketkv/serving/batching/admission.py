@@ -63,7 +63,8 @@ class PoolAdmission:
         """Give the request its own pool-backed cache and enter its prefill (the reserved pages go to the cache's
         admission, a prefix hit is looked up); its chunks then run through ``running.prefill.run``."""
         request = running.request
-        cache = RocketKVCache(self.config, pool=self.pool, cache_salt=running.cache_salt)
+        cache = RocketKVCache(self.config, pool=self.pool, cache_salt=running.cache_salt,
+                              model_config=self.model.config)
         reservation = running.take_reservation()  # the admission takes these pages
         try:
             prefill = ChunkedPrefill(self.model, cache, request.prompt_ids, request.max_new_tokens, reservation,

@@ -35,7 +35,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from ...cache import BatchedDecodeCache, chunked_layers
+from ...cache import BatchedDecodeCache, position_scaled_layers
 from ...config import RocketKVConfig
 from ...integration.batch_graphs import BatchedDecodeGraphs
 from ...integration.generate import get_config
@@ -133,14 +133,13 @@ class BatchingEngine(ThreadedEngine):
         self.model = model
         self.config = config if config is not None else get_config(model)
         _check_config(self.config, pool)
-        if any(chunked_layers(model.config)):
-            raise NotImplementedError(CHUNKED_ENGINE)
         self.pool = pool
         self.batching = batching if batching is not None else BatchingConfig()
         if not isinstance(self.batching, BatchingConfig):
             raise TypeError(f"batching must be a BatchingConfig, got {type(self.batching).__name__}")
         self.device = next(model.parameters()).device
-        self.batch = BatchedDecodeCache(pool, self.batching.buckets[-1])
+        self._position_scaled = position_scaled_layers(model.config)  # Llama 4's NoPE layers (the batch's rows)
+        self.batch = BatchedDecodeCache(pool, self.batching.buckets[-1], self._position_scaled)
         if decode_graphs is None:
             decode_graphs = BatchedDecodeGraphs(model) if self.config.decode_runner == "cuda_graphs" else False
         self._admission = PoolAdmission(model, self.config, pool, self.device)
@@ -537,7 +536,7 @@ class BatchingEngine(ThreadedEngine):
         may be half-updated; the graphs of the old one are captured again for the new one)."""
         self.batch.release_rows()
         self.batch.close()
-        self.batch = BatchedDecodeCache(self.pool, self.batching.buckets[-1])
+        self.batch = BatchedDecodeCache(self.pool, self.batching.buckets[-1], self._position_scaled)
 
     def _fail_orphans(self, message: str) -> None:
         """After an unexpected failure: every admitted request that is neither waiting nor decoding (its prefill
@@ -547,13 +546,6 @@ class BatchingEngine(ThreadedEngine):
             orphans = [r for r in self._requests.values() if id(r) not in placed and not self._held(r)]
         for running in orphans:
             self._finish(running, FinishReason.ERROR, message)
-
-
-CHUNKED_ENGINE = (
-    "BatchingEngine: this model has 'chunked_attention' layers (layer_types, attention_chunk_size; Llama 4), which "
-    "the batching engine does not serve yet: run it through generate() on a RocketKVCache, with or without a "
-    "KVBlockPool (the sequential engine)"
-)
 
 
 def _check_config(config, pool) -> None:
