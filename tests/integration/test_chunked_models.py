@@ -16,7 +16,6 @@ eager attention and its own cache (a ``DynamicSlidingWindowLayer`` of the chunk 
 from __future__ import annotations
 
 import inspect
-import types
 
 import pytest
 import torch
@@ -204,6 +203,33 @@ def test_the_batching_engine_gives_transformers_tokens_and_reuses_a_prefix(pair)
     assert list(again[0].token_ids) == greedy(oracle, torch.tensor([shared]), max_new_tokens=11)[0, len(shared):].tolist()
     assert pool.stats().hit_pages - hits >= 2  # the shared prompt's whole pages were reused
     assert _all_back(pool)
+
+
+@needs_generate
+def test_the_sequential_engine_decodes_llama4_eagerly_on_a_graph_device(pair):
+    """The engine a server falls back to (one generate() per request) on a device with captured decode steps (the CPU
+    standing in): each request's generate() decodes eagerly instead of refusing the captured runner."""
+    from hf_rocketkv.serving.engines.sequential import SequentialEngine
+    from tests.serving.helpers import Events, request
+
+    rocket, oracle = pair
+
+    def graphed_cache(config):
+        cache = RocketKVCache(config)
+        call_state(cache).use_graphs_on(("cpu",))
+        return cache
+
+    engine = SequentialEngine(rocket, keep_all_config(), cache_factory=graphed_cache)
+    assert engine.eager_only
+    prompt = random_ids(1, 2 * CHUNK + 3, seed=8)[0].tolist()
+    events = Events()
+    engine.start(events)
+    try:
+        engine.submit(request("l4", prompt, 7))
+        events.wait_finals(1)
+    finally:
+        engine.stop(timeout=60)
+    assert events.tokens("l4") == greedy(oracle, torch.tensor([prompt]), max_new_tokens=7)[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("overrides,graphs,runner", [
