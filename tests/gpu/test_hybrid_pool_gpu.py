@@ -7,7 +7,8 @@ request, the batching engine's per bucket).
   own eager attention and cache;
 - the batching engine, warmed up (every bucket captured before it starts): each request's tokens are those of the
   request alone through generate() (fp32, every page attended), nothing is captured while serving, every page and
-  slot comes back.
+  slot comes back; Llama 4 too (chunked layers, a NoPE layer scaled by position), against plain eager forwards of
+  the request alone (transformers 5.17's generate() cannot run Llama 4).
 
 Tiny random configs of tests/support/hybrid_models.py (4 layers, window 8) moved to the GPU.
 """
@@ -24,7 +25,8 @@ from hf_rocketkv.serving.batching.engine import BatchingEngine
 from hf_rocketkv.serving.batching.scheduler import BatchingConfig
 from hf_rocketkv.serving.engines.interface import EngineRequest
 from hf_rocketkv.serving.sampling import SamplingParams
-from tests.support.hybrid_models import make_hybrid_models
+from hf_rocketkv.integration.compat import cache_kwargs
+from tests.support.hybrid_models import make_hybrid_models, make_llama4_models
 
 from .gpu_models import CUDA, Collector, greedy
 
@@ -135,4 +137,45 @@ def test_the_batching_engine_with_graphs_equals_each_request_alone(arch, concurr
         ids = torch.tensor([prompt], device=CUDA)
         expected = greedy(alone, ids, RocketKVCache(KEEP_ALL), 12, compiled=False)[0].tolist()
         assert sink.tokens[f"h{i}"] == expected, f"{arch} request {i}"
+    assert _all_back(pool)
+
+
+def _plain_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
+    """Greedy tokens of one request alone through plain eager forwards on its own RocketKVCache (KEEP_ALL)."""
+    cache = RocketKVCache(KEEP_ALL, model_config=model.config)
+    ids, tokens = torch.tensor([prompt], device=CUDA), []
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            token = int(model(ids, **cache_kwargs(cache)).logits[0, -1].argmax())
+            tokens.append(token)
+            ids = torch.tensor([[token]], device=CUDA)
+    return tokens
+
+
+def test_the_batching_engine_serves_llama4_with_graphs():
+    """Llama 4 (dense MLPs, so float32 steps are captured): rows at different positions in one captured step, chunk
+    boundaries crossed while decoding; each request's tokens those of the request alone."""
+    rocket, _ = make_llama4_models(moe_layers=[])
+    alone, _ = make_llama4_models(moe_layers=[])
+    rocket, alone = rocket.to(CUDA), alone.to(CUDA)
+    pool = _pool(rocket, KEEP_ALL, torch.float32, slots=6)
+    engine = BatchingEngine(rocket, KEEP_ALL, pool, BatchingConfig(max_running=4, buckets=(1, 2, 4)))
+    assert engine.graphs_in_use
+    engine.warm_up(max_new_tokens=16)
+    captures = engine.graphs.captures
+    prompts = [_prompt(rocket.config.vocab_size, 1, n)[0].tolist() for n in (37, 120, 9, 64, 200, 15)]
+    sink = Collector()
+    engine.start(sink)
+    try:
+        for i, prompt in enumerate(prompts):
+            engine.submit(EngineRequest(f"l{i}", tuple(prompt), SamplingParams.greedy(12, ignore_eos=True),
+                                        frozenset()))
+        assert sink.wait(len(prompts), timeout=300)
+    finally:
+        engine.stop(timeout=60)
+    assert engine.graphs is not None, "a decode graph failed to capture: the engine decoded eagerly"
+    assert engine.graphs.captures == captures
+    for i, prompt in enumerate(prompts):
+        assert sink.finals[f"l{i}"].error is None, sink.finals[f"l{i}"].error
+        assert sink.tokens[f"l{i}"] == _plain_greedy(alone, prompt, 12), f"llama4 request {i}"
     assert _all_back(pool)
