@@ -194,12 +194,12 @@ class RocketKVLayer(CacheLayerMixin):
     def get_seq_length(self) -> int:
         """Logical tokens seen (positions of new tokens continue from here), not tokens stored.
 
-        Under torch.compile this is the 0-d device counter itself (transformers only adds it to an arange), so a
-        compiled forward without ``position_ids`` neither syncs with the host nor breaks the graph.
+        Under torch.compile and in a captured step (``hints.in_graph``) it is the 0-d device counter itself (Llama 4's
+        NoPE layers add it to an arange in their forward): no host sync, and nothing frozen at capture.
         """
         if not self.is_initialized:
             return self.prefix.next_column
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or self.hints.in_graph:
             return self.seen
         return int(self.seen)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, TextStreamer
 
+from ..cache import RocketKVCache
 from ..integration import compat
 from ..integration.generate import eager_decode_reason
 
@@ -134,9 +135,11 @@ def timed_generate(
     def print_label():
         print(f"{label}:", end=" ", flush=True)
 
-    eager_only = eager_decode_reason(model.config)  # Llama 4: the captured decode does not serve it yet
+    # Llama 4 under a torch.compile'd decode runner: decode eagerly instead (the captured runner serves it)
+    eager_only = eager_decode_reason(model.config, cache.config) if isinstance(cache, RocketKVCache) else None
     if eager_only is not None and attn_implementation == "rocketkv":
-        print(f"note: {eager_only}: RocketKV decodes eagerly (no CUDA graphs)", file=sys.stderr, flush=True)
+        print(f"note: {eager_only}: RocketKV decodes eagerly under decode_runner='torch_compile' / batch_buckets",
+              file=sys.stderr, flush=True)
     with PrefillProgress(model, prompt_tokens, f"prefill, {label}", progress, when_done=print_label):
         start = time.perf_counter()
         with torch.no_grad():

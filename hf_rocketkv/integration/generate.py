@@ -28,7 +28,7 @@ import torch
 from ..cache.cache import RocketKVCache
 from ..cache.layer import CROP_UNSUPPORTED
 from ..config import RocketKVConfig
-from ..memory.layer_kinds import chunked_layers, reads_seq_length_in_forward
+from ..memory.layer_kinds import chunked_layers
 from . import compat
 from .batch_buckets import plan_padding, prefill_real_rows, strip_padding
 from .call_state import call_state
@@ -244,32 +244,27 @@ def check_layer_plan(cache: RocketKVCache, model, generation_config) -> None:
 
 
 def check_host_positions(cache: RocketKVCache, model, generation_config) -> None:
-    """Refuse the compiled and captured decode runners for a model with chunked-attention layers or whose attention
-    reads ``cache.get_seq_length`` inside its forward (Llama 4: ``attn_temperature_tuning`` on its NoPE layers, a
-    Python int a captured step would freeze): neither is proven under them yet. Raised before anything is computed,
-    naming the runner; decode runs eagerly with ``disable_compile=True``."""
+    """Refuse torch.compile'd decode (``decode_runner='torch_compile'``, ``batch_buckets``) for a model with
+    chunked-attention layers (Llama 4): its tokens differ from eager decode there (tested), so it is not served. The
+    captured decode (``decode_runner='cuda_graphs'``, the default on CUDA) serves them: the chunked masks are prepared
+    outside the captured step and copied in, and the NoPE layers read the cache's length as a device counter inside
+    it (``RocketKVLayer.get_seq_length``). Raised before anything is computed, naming the runner."""
     if getattr(generation_config, "disable_compile", False):
         return
-    what = eager_decode_reason(model.config)
-    if what is None:
-        return
-    device = next(model.parameters()).device.type
-    runner = compiled_decode_field(cache.config)
-    if runner is None and device in call_state(cache).graph_devices:
-        runner = "decode_runner='cuda_graphs'"
-    if runner is not None:
+    what = eager_decode_reason(model.config, cache.config)
+    if what is not None:
+        device = next(model.parameters()).device.type
         raise NotImplementedError(
-            f"RocketKVConfig.{runner} (on {device}) does not serve models with {what} yet: pass "
-            f"generate(..., disable_compile=True) to decode eagerly (and leave batch_buckets unset).")
+            f"RocketKVConfig.{compiled_decode_field(cache.config)} (on {device}) does not serve models with {what} "
+            f"yet: leave decode_runner at 'cuda_graphs' (captured decode; without batch_buckets), or pass "
+            f"generate(..., disable_compile=True) to decode eagerly.")
 
 
-def eager_decode_reason(model_config) -> str | None:
-    """What makes a model decode eagerly only (``check_host_positions``), or None: chunked-attention layers, or
-    attention that reads the cache's length inside its forward (Llama 4)."""
-    if any(chunked_layers(model_config)):
+def eager_decode_reason(model_config, config: RocketKVConfig) -> str | None:
+    """What keeps this model off ``config``'s compiled decode (``check_host_positions``), or None: chunked-attention
+    layers under torch.compile."""
+    if compiled_decode_field(config) is not None and any(chunked_layers(model_config)):
         return "chunked-attention layers (layer_types 'chunked_attention')"
-    if reads_seq_length_in_forward(model_config):
-        return "attention that reads the cache's length in its forward (attn_temperature_tuning)"
     return None
 
 

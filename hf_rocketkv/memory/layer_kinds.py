@@ -8,8 +8,8 @@ gives each sliding layer a ``SlidingWindowLayer`` and each full-attention layer 
 Llama 4's ``"chunked_attention"`` layers (``attention_chunk_size``) see only the keys of their query's chunk. As
 transformers does for its own cache, such a layer keeps the last ``attention_chunk_size - 1`` tokens (a query never
 sees more) and the mask decides which of them are visible: ``sliding_windows`` gives it the chunk size as its window,
-and ``chunked_layers`` says which windows are chunks (the compiled decode runners of generate() do not serve them;
-the pool holds their rings in its slab like a sliding layer's, and the batching engine decodes them there).
+and ``chunked_layers`` says which windows are chunks (generate()'s torch.compile'd decode does not serve them; the
+pool holds their rings in its slab like a sliding layer's, and the batching engine decodes them there).
 Llama 4's NoPE layers scale their queries by position, read as ``cache.get_seq_length(layer)`` inside the forward:
 ``position_scaled_layers`` names them.
 """
@@ -47,8 +47,9 @@ def chunked_layers(model_config) -> tuple[bool, ...]:
 
 def reads_seq_length_in_forward(model_config) -> bool:
     """Whether the model's attention reads ``cache.get_seq_length(layer)`` inside its forward (Llama 4's NoPE layers
-    with ``attn_temperature_tuning`` scale their queries by position): a Python int that a captured or compiled
-    decode step would freeze."""
+    with ``attn_temperature_tuning`` scale their queries by position): a RocketKV layer answers with a device counter
+    inside a captured or compiled decode step, the batching engine's batch with 0 and a per-row scale
+    (``position_scaled_layers``)."""
     config, _ = _layer_types(model_config)
     no_rope = getattr(config, "no_rope_layers", None) or ()
     return bool(getattr(config, "attn_temperature_tuning", False)) and any(not use for use in no_rope)

@@ -3,7 +3,8 @@ decode runner (``decode_runner="cuda_graphs"``): the Triton kernels take the sin
 decode into their ring, and the captured decode step replays.
 
 - graphed decode is bit-identical to eager decode (the same kernels), bf16, with eviction on the global layers;
-- every page read (keep-all), fp32: graphed decode gives the tokens of transformers' own eager attention and cache.
+- every page read (keep-all), fp32: graphed decode gives the tokens of transformers' own eager attention and cache;
+- Llama 4 (chunked layers, a NoPE layer scaled by position): graphed decode gives the tokens of eager decode.
 
 Tiny random configs of tests/support/hybrid_models.py (4 layers, window 8) moved to the GPU: about a minute on one
 H100, most of it the Triton kernels' first compilations.
@@ -16,7 +17,8 @@ import torch
 
 from hf_rocketkv import RocketKVCache, RocketKVConfig, SlidingWindowLayer
 from hf_rocketkv.integration.call_state import call_state
-from tests.support.hybrid_models import make_hybrid_models
+from tests.integration.test_chunked_models import GENERATE_BROKEN
+from tests.support.hybrid_models import make_hybrid_models, make_llama4_models
 
 from .gpu_models import CUDA, greedy, hybrid_models_on_cuda
 
@@ -85,3 +87,17 @@ def test_inductor_decode_keeps_cuda_graphs_and_the_tokens(arch):
     skips = dict(dynamo_utils.counters["inductor"])
     assert not skips.get("cudagraph_skips"), f"{arch}: inductor skipped its CUDA graphs: {skips}"
     assert torch.equal(tokens, eager), f"{arch}: {(tokens == eager).float().mean().item():.3f} of tokens equal"
+
+
+@pytest.mark.skipif(GENERATE_BROKEN, reason="this transformers' generate() cannot run Llama 4")
+@pytest.mark.parametrize("config", [COMPRESSING, KEEP_ALL], ids=["compressing", "keep_all"])
+def test_llama4_graphed_decode_equals_eager(config):
+    """Llama 4 (chunked layers of 8, a NoPE layer scaled by position, dense MLPs): one captured step replayed across
+    chunk boundaries gives the tokens of eager decode; the NoPE layer's position comes from a device counter."""
+    rocket, _ = make_llama4_models(moe_layers=[])
+    rocket = rocket.to(CUDA, torch.float32)
+    ids = _prompt(rocket.config.vocab_size, 2)
+    eager, _, _ = _run(rocket, ids, config, compiled=False)
+    tokens, replays, _ = _run(rocket, ids, config, compiled=True)
+    assert replays == REPLAYS
+    assert torch.equal(tokens, eager), f"{(tokens == eager).float().mean().item():.3f} of tokens equal"

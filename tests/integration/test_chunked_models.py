@@ -9,13 +9,16 @@ eager attention and its own cache (a ``DynamicSlidingWindowLayer`` of the chunk 
 - on a pool: the same tokens as without one (the rings in the pool's slab), a prefix hit the tokens of a cold run,
   every page and slot back after close;
 - the batching engine (generate_batch on a pool): transformers' tokens for rows at different positions, a prefix hit;
-- what is not supported for chunked layers is refused with one clear line: generate()'s compiled and captured decode
-  runners, tensor parallelism, a cache not told the layer types.
+- generate()'s captured decode (the CPU standing in for a graph device): the tokens of eager decode, the NoPE
+  layers' scale moving with every step (a device counter);
+- what is not supported for chunked layers is refused with one clear line: generate()'s torch.compile'd decode,
+  tensor parallelism, a cache not told the layer types.
 """
 
 from __future__ import annotations
 
 import inspect
+import re
 
 import pytest
 import torch
@@ -23,9 +26,9 @@ from transformers import masking_utils
 
 from hf_rocketkv import RocketKVCache, SlidingWindowLayer
 from hf_rocketkv.integration.attention import check_supported
-from hf_rocketkv.integration.call_state import call_state
 from hf_rocketkv.selection.logit_features import PLAIN
 from tests.support.hybrid_models import CHUNK, make_llama4_models
+from tests.support.decode_runners import StandInBackend, eager_compile_config, graphed_cache
 from tests.support.tiny_models import (
     check_padded_batch_and_chunked_prefill,
     compressed_padded_batch,
@@ -33,6 +36,7 @@ from tests.support.tiny_models import (
     cpu_pool,
     greedy,
     keep_all_config,
+    left_pad,
     random_ids,
 )
 from hf_rocketkv.integration.compat import cache_kwargs
@@ -206,21 +210,15 @@ def test_the_batching_engine_gives_transformers_tokens_and_reuses_a_prefix(pair)
 
 
 @needs_generate
-def test_the_sequential_engine_decodes_llama4_eagerly_on_a_graph_device(pair):
-    """The engine a server falls back to (one generate() per request) on a device with captured decode steps (the CPU
-    standing in): each request's generate() decodes eagerly instead of refusing the captured runner."""
+def test_the_sequential_engine_decodes_llama4_eagerly_under_torch_compile(pair):
+    """The engine a server falls back to (one generate() per request) with decode_runner='torch_compile', which does
+    not serve chunked layers: each request's generate() decodes eagerly instead of being refused."""
     from hf_rocketkv.serving.engines.sequential import SequentialEngine
     from tests.serving.helpers import Events, request
 
     rocket, oracle = pair
-
-    def graphed_cache(config):
-        cache = RocketKVCache(config)
-        call_state(cache).use_graphs_on(("cpu",))
-        return cache
-
-    engine = SequentialEngine(rocket, keep_all_config(), cache_factory=graphed_cache)
-    assert engine.eager_only
+    engine = SequentialEngine(rocket, keep_all_config(decode_runner="torch_compile"))
+    assert engine.eager_only and not SequentialEngine(rocket, keep_all_config()).eager_only
     prompt = random_ids(1, 2 * CHUNK + 3, seed=8)[0].tolist()
     events = Events()
     engine.start(events)
@@ -232,21 +230,40 @@ def test_the_sequential_engine_decodes_llama4_eagerly_on_a_graph_device(pair):
     assert events.tokens("l4") == greedy(oracle, torch.tensor([prompt]), max_new_tokens=7)[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("overrides,graphs,runner", [
-    (dict(decode_runner="torch_compile"), False, "decode_runner='torch_compile'"),
-    (dict(), True, "decode_runner='cuda_graphs'"),
+@pytest.mark.parametrize("overrides,runner", [
+    (dict(decode_runner="torch_compile"), "decode_runner='torch_compile'"),
+    (dict(batch_buckets=(1, 2)), "batch_buckets"),
 ])
-def test_compiled_decode_runners_are_refused_before_computing(pair, monkeypatch, overrides, graphs, runner):
+def test_torch_compiled_decode_is_refused_before_computing(pair, monkeypatch, overrides, runner):
     rocket, _ = pair
     calls = []
     monkeypatch.setattr(RocketKVCache, "update", lambda *a, **kw: calls.append(1))
-    cache = RocketKVCache(keep_all_config(**overrides))
-    if graphs:  # the CPU standing in for a graph device
-        call_state(cache).use_graphs_on(("cpu",))
-    with pytest.raises(NotImplementedError, match=rf"{runner} \(on cpu\) does not serve models with chunked-attention "
-                                                  rf"layers.*disable_compile=True"):
-        greedy(rocket, random_ids(1, 12), cache=cache, max_new_tokens=2)
+    with pytest.raises(NotImplementedError, match=rf"{re.escape(runner)} \(on cpu\) does not serve models with "
+                                                  rf"chunked-attention layers.*disable_compile=True"):
+        greedy(rocket, random_ids(1, 12), cache=RocketKVCache(keep_all_config(**overrides)), max_new_tokens=2)
     assert not calls
+
+
+@needs_generate
+@pytest.mark.parametrize("make_config", [keep_all_config, compressing_config])
+def test_captured_decode_gives_the_tokens_of_eager_decode(pair, make_config):
+    """decode_runner='cuda_graphs' (the CPU standing in for a graph device): a left-padded batch across several
+    chunk boundaries, one capture, the eager tokens (with nothing evicted, transformers' own), the same state."""
+    rocket, oracle = pair
+    config = make_config(kt_cache_dtype="float32")
+    ids, mask = left_pad([random_ids(1, 3 * CHUNK + 5, seed=21)[0], random_ids(1, 2 * CHUNK + 2, seed=22)[0]])
+    eager_cache = RocketKVCache(config)
+    eager = greedy(rocket, ids, attention_mask=mask, cache=eager_cache, max_new_tokens=3 * CHUNK,
+                   disable_compile=True)
+    backend = StandInBackend()
+    cache = graphed_cache(config, backend)
+    out = greedy(rocket, ids, attention_mask=mask, cache=cache, max_new_tokens=3 * CHUNK,
+                 compile_config=eager_compile_config())
+    assert torch.equal(out, eager)
+    assert backend.captures == 1 and backend.replays == 3 * CHUNK - 2
+    assert [cache.get_seq_length(i) for i in range(4)] == [eager_cache.get_seq_length(i) for i in range(4)]
+    if make_config is keep_all_config:
+        assert torch.equal(out, greedy(oracle, ids, attention_mask=mask, max_new_tokens=3 * CHUNK))
 
 
 @needs_generate
@@ -258,13 +275,26 @@ def test_disable_compile_decodes_eagerly_under_any_runner(pair):
     assert torch.equal(out, greedy(oracle, ids, max_new_tokens=6))
 
 
-def test_temperature_tuning_alone_refuses_the_compiled_runners(monkeypatch):
-    """A Llama 4 whose layers are all full attention still reads the cache's length in its NoPE layers' forward."""
-    rocket, _ = make_llama4_models(layer_types=["full_attention"] * 4)
+@needs_generate
+@pytest.mark.parametrize("runner", ["cuda_graphs", "torch_compile"])
+def test_temperature_tuning_alone_decodes_under_every_runner(runner):
+    """A Llama 4 whose layers are all full attention still reads the cache's length in its NoPE layers' forward: a
+    device counter inside the captured or compiled step, so the scale moves with every step."""
+    rocket, oracle = make_llama4_models(layer_types=["full_attention"] * 4)
     assert "chunked_attention" not in rocket.config.layer_types
-    with pytest.raises(NotImplementedError, match="reads the cache's length in its forward .attn_temperature_tuning"):
-        greedy(rocket, random_ids(1, 12), cache=RocketKVCache(keep_all_config(decode_runner="torch_compile")),
-               max_new_tokens=2)
+    config = keep_all_config(decode_runner=runner)
+    ids = random_ids(1, 20, seed=13)
+    cache = graphed_cache(config, StandInBackend()) if runner == "cuda_graphs" else RocketKVCache(config)
+    read = []  # what the NoPE layer reads inside a captured step (a host int would be frozen at capture on a GPU)
+    hook = rocket.model.layers[FULL].self_attn.register_forward_pre_hook(
+        lambda module, args: read.append(cache.get_seq_length(FULL)) if cache.hints.in_graph else None)
+    try:
+        out = greedy(rocket, ids, cache=cache, max_new_tokens=12, compile_config=eager_compile_config())
+    finally:
+        hook.remove()
+    assert torch.equal(out, greedy(oracle, ids, max_new_tokens=12))
+    if runner == "cuda_graphs":
+        assert read and all(isinstance(length, torch.Tensor) and length.dim() == 0 for length in read)
 
 
 def test_tensor_parallel_shards_and_mismatched_layers_are_refused(pair):
@@ -283,21 +313,22 @@ def test_tensor_parallel_shards_and_mismatched_layers_are_refused(pair):
 
 
 @needs_generate
-def test_the_cli_decodes_llama4_eagerly_and_says_so(pair, capsys):
-    """``hf-rocketkv generate``'s run on a device with captured decode steps (the CPU standing in): it passes
-    ``disable_compile=True`` for a model with chunked layers instead of failing after the weights loaded, and says
-    so in one line."""
+def test_the_cli_decodes_llama4_eagerly_under_torch_compile_and_says_so(pair, capsys):
+    """``hf-rocketkv generate``'s run with decode_runner='torch_compile': it passes ``disable_compile=True`` for a
+    model with chunked layers instead of failing after the weights loaded, and says so in one line; with the default
+    runner it says nothing."""
     from types import SimpleNamespace
 
     from hf_rocketkv.cli.runs import timed_generate
 
     rocket, oracle = pair
     ids = random_ids(1, 20, seed=6)
-    cache = RocketKVCache(keep_all_config())
-    call_state(cache).use_graphs_on(("cpu",))
     tokenizer = SimpleNamespace(pad_token_id=0, decode=lambda tokens, **kw: " ".join(map(str, tokens)))
-    run = timed_generate(rocket, tokenizer, ids, cache, attn_implementation="rocketkv", max_new_tokens=6,
-                         prefill_chunk_size=0, label="RocketKV", progress=False, stream=False)
-    assert run.new_ids == greedy(oracle, ids, max_new_tokens=6)[0, ids.shape[1]:].tolist()
-    assert "note: chunked-attention layers (layer_types 'chunked_attention'): RocketKV decodes eagerly" in \
-        capsys.readouterr().err
+    expected = greedy(oracle, ids, max_new_tokens=6)[0, ids.shape[1]:].tolist()
+    for config, noted in ((keep_all_config(decode_runner="torch_compile"), True), (keep_all_config(), False)):
+        run = timed_generate(rocket, tokenizer, ids, RocketKVCache(config), attn_implementation="rocketkv",
+                             max_new_tokens=6, prefill_chunk_size=0, label="RocketKV", progress=False, stream=False)
+        assert run.new_ids == expected
+        note = "note: chunked-attention layers (layer_types 'chunked_attention'): RocketKV decodes eagerly under " \
+               "decode_runner='torch_compile'"
+        assert (note in capsys.readouterr().err) is noted

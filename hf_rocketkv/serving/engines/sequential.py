@@ -79,9 +79,9 @@ class SequentialEngine(ThreadedEngine):
         self.cache_factory = cache_factory if cache_factory is not None else RocketKVCache
         self.device = next(model.parameters()).device
         self.pad_token_id = _pad_token_id(model)
-        # Llama 4 (chunked layers, position-scaled NoPE layers): generate() decodes it eagerly only, so every
-        # request's generate() says so (disable_compile) instead of failing on a CUDA device's captured decode
-        self.eager_only = eager_decode_reason(model.config) is not None
+        # Llama 4 under a torch.compile'd decode runner: every request's generate() decodes eagerly
+        # (disable_compile) instead of being refused
+        self.eager_only = eager_decode_reason(model.config, self.config) is not None
         self._queue = RequestQueue(max_queue)
         super().__init__()  # _requests: admitted and not finished (waiting or running), each an EngineRequest
         self._running: EngineRequest | None = None
