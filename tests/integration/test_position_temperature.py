@@ -10,6 +10,7 @@ import torch
 from hf_rocketkv.cache.batch_view import BatchedDecodeLayer
 from hf_rocketkv.cache.hints import GenerationHints
 from hf_rocketkv.integration.attention import check_supported
+from hf_rocketkv.integration.compat import cache_kwargs
 from hf_rocketkv.integration.position_temperature import scale_rows_by_position, scales_by_position
 from hf_rocketkv.memory.layer_kinds import position_scaled_layers
 from hf_rocketkv.selection.logit_features import PLAIN
@@ -47,7 +48,7 @@ def transformers_query(module, hidden: torch.Tensor, position: int, monkeypatch)
     with monkeypatch.context() as patch:
         patch.setattr(modeling_llama4, "eager_attention_forward", attend)
         patch.setattr(module.config, "_attn_implementation", "eager")
-        module(hidden, position_embeddings=None, attention_mask=None, cache=_LengthOnly(position))
+        module(hidden, position_embeddings=None, attention_mask=None, **cache_kwargs(_LengthOnly(position)))
     return caught["query"]
 
 
