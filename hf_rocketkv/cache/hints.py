@@ -6,8 +6,9 @@ One object per cache, shared by its layers (they read it; its own methods change
     defer_compression  a chunked prefill: stage 1 waits for the last chunk instead of running after each forward
     prefilling         a prefill is running (``RocketKVCache.prefill``): chunks are not compiled, shapes change
     prefill_columns    that prefill's input columns: a chunked prefill's dense store is allocated once at that width
-    in_graph           a decode step is being captured or replayed as a CUDA graph: Python runs once at capture and
-                       never at replay, so the step's runner does the host bookkeeping, not the traced code
+    in_graph           a decode step is being captured or replayed as a CUDA graph, or runs through torch.compile:
+                       Python runs once at capture (or trace) and never at replay, so the step's runner does the host
+                       bookkeeping, not the traced code (nor a frame dynamo leaves eager)
     op_graph_pool      GPU index -> the memory pool and capture stream every layer's eager-step OpGraphs capture into
                        (cache/op_graphs.py), one per request and GPU
 
@@ -61,7 +62,7 @@ class GenerationHints:
 
     @contextlib.contextmanager
     def graph_step(self) -> Iterator[None]:
-        """``in_graph`` for the block's duration: a decode step captured or replayed as a CUDA graph."""
+        """``in_graph`` for the block's duration: a decode step captured or replayed as a CUDA graph, or compiled."""
         self.in_graph = True
         try:
             yield

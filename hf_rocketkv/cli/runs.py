@@ -13,9 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, TextStreamer
 
-from ..cache import RocketKVCache
 from ..integration import compat
-from ..integration.generate import eager_decode_reason
 
 
 @dataclass
@@ -135,11 +133,6 @@ def timed_generate(
     def print_label():
         print(f"{label}:", end=" ", flush=True)
 
-    # Llama 4 under a torch.compile'd decode runner: decode eagerly instead (the captured runner serves it)
-    eager_only = eager_decode_reason(model.config, cache.config) if isinstance(cache, RocketKVCache) else None
-    if eager_only is not None and attn_implementation == "rocketkv":
-        print(f"note: {eager_only}: RocketKV decodes eagerly under decode_runner='torch_compile' / batch_buckets",
-              file=sys.stderr, flush=True)
     with PrefillProgress(model, prompt_tokens, f"prefill, {label}", progress, when_done=print_label):
         start = time.perf_counter()
         with torch.no_grad():
@@ -153,7 +146,6 @@ def timed_generate(
                 logits_processor=LogitsProcessorList([clock]),
                 pad_token_id=tokenizer.pad_token_id,
                 streamer=streamer,
-                disable_compile=eager_only is not None,
             )
     if streamer is None:
         print(tokenizer.decode(out[0, prompt_tokens:], **decode), flush=True)

@@ -39,15 +39,16 @@ _STANCE_LOCK = threading.Lock()
 def run_compiled_step(compiled, cache: RocketKVCache, args: tuple, kwargs: dict):
     """One compiled forward of a RocketKV request: capacity check, then the configured guard policy."""
     count_decode_step(cache, args, kwargs)
-    if cache.config.decode_guard_checks == "every_step":
-        return compiled(*args, **kwargs)
-    with _STANCE_LOCK:
-        if not call_state(cache).guards_checked:
-            outputs = compiled(*args, **kwargs)
-            call_state(cache).set_guards_checked()
-            return outputs
-        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+    with cache.hints.graph_step():  # counted here: a step dynamo runs eagerly (a frame it skips) must not count again
+        if cache.config.decode_guard_checks == "every_step":
             return compiled(*args, **kwargs)
+        with _STANCE_LOCK:
+            if not call_state(cache).guards_checked:
+                outputs = compiled(*args, **kwargs)
+                call_state(cache).set_guards_checked()
+                return outputs
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                return compiled(*args, **kwargs)
 
 
 def count_decode_step(cache: RocketKVCache, args: tuple, kwargs: dict) -> None:

@@ -28,7 +28,6 @@ import torch
 from ..cache.cache import RocketKVCache
 from ..cache.layer import CROP_UNSUPPORTED
 from ..config import RocketKVConfig
-from ..memory.layer_kinds import chunked_layers
 from . import compat
 from .batch_buckets import plan_padding, prefill_real_rows, strip_padding
 from .call_state import call_state
@@ -98,7 +97,6 @@ class RocketKVGenerateHooks:
             model_kwargs[compat.CACHE_ARG] = cache
         configure_layers(cache, model)
         check_layer_plan(cache, model, generation_config)
-        check_host_positions(cache, model, generation_config)
         cache.hints.plan(max_length=call.arguments["max_cache_length"],
                          defer_compression=generation_config.prefill_chunk_size is not None)
         return result
@@ -241,31 +239,6 @@ def check_layer_plan(cache: RocketKVCache, model, generation_config) -> None:
             f"RocketKVConfig.{field[0]}={field[1]!r} does not run under the compiled decode ({runner} on "
             f"{device}) yet: pass generate(..., disable_compile=True) to decode eagerly, or leave {field[0]} at its "
             f"default.")
-
-
-def check_host_positions(cache: RocketKVCache, model, generation_config) -> None:
-    """Refuse torch.compile'd decode (``decode_runner='torch_compile'``, ``batch_buckets``) for a model with
-    chunked-attention layers (Llama 4): its tokens differ from eager decode there (tested), so it is not served. The
-    captured decode (``decode_runner='cuda_graphs'``, the default on CUDA) serves them: the chunked masks are prepared
-    outside the captured step and copied in, and the NoPE layers read the cache's length as a device counter inside
-    it (``RocketKVLayer.get_seq_length``). Raised before anything is computed, naming the runner."""
-    if getattr(generation_config, "disable_compile", False):
-        return
-    what = eager_decode_reason(model.config, cache.config)
-    if what is not None:
-        device = next(model.parameters()).device.type
-        raise NotImplementedError(
-            f"RocketKVConfig.{compiled_decode_field(cache.config)} (on {device}) does not serve models with {what} "
-            f"yet: leave decode_runner at 'cuda_graphs' (captured decode; without batch_buckets), or pass "
-            f"generate(..., disable_compile=True) to decode eagerly.")
-
-
-def eager_decode_reason(model_config, config: RocketKVConfig) -> str | None:
-    """What keeps this model off ``config``'s compiled decode (``check_host_positions``), or None: chunked-attention
-    layers under torch.compile."""
-    if compiled_decode_field(config) is not None and any(chunked_layers(model_config)):
-        return "chunked-attention layers (layer_types 'chunked_attention')"
-    return None
 
 
 def check_continuation(cache: RocketKVCache, input_ids: torch.Tensor) -> None:

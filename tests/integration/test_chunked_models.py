@@ -9,16 +9,16 @@ eager attention and its own cache (a ``DynamicSlidingWindowLayer`` of the chunk 
 - on a pool: the same tokens as without one (the rings in the pool's slab), a prefix hit the tokens of a cold run,
   every page and slot back after close;
 - the batching engine (generate_batch on a pool): transformers' tokens for rows at different positions, a prefix hit;
-- generate()'s captured decode (the CPU standing in for a graph device): the tokens of eager decode, the NoPE
-  layers' scale moving with every step (a device counter);
-- what is not supported for chunked layers is refused with one clear line: generate()'s torch.compile'd decode,
-  tensor parallelism, a cache not told the layer types.
+- generate()'s captured decode (the CPU standing in for a graph device) and torch.compile'd decode (dynamo on the
+  CPU, with and without batch buckets): the tokens of eager decode, the NoPE layers' scale moving with every step
+  (a device counter);
+- what is not supported for chunked layers is refused with one clear line: tensor parallelism, a cache not told the
+  layer types.
 """
 
 from __future__ import annotations
 
 import inspect
-import re
 
 import pytest
 import torch
@@ -210,38 +210,26 @@ def test_the_batching_engine_gives_transformers_tokens_and_reuses_a_prefix(pair)
 
 
 @needs_generate
-def test_the_sequential_engine_decodes_llama4_eagerly_under_torch_compile(pair):
-    """The engine a server falls back to (one generate() per request) with decode_runner='torch_compile', which does
-    not serve chunked layers: each request's generate() decodes eagerly instead of being refused."""
-    from hf_rocketkv.serving.engines.sequential import SequentialEngine
-    from tests.serving.helpers import Events, request
-
+@pytest.mark.parametrize("make_config", [keep_all_config, compressing_config])
+@pytest.mark.parametrize("overrides", [dict(decode_runner="torch_compile"),
+                                       dict(decode_runner="torch_compile", batch_buckets=(1, 4))])
+def test_compiled_decode_gives_the_tokens_of_eager_decode(pair, make_config, overrides):
+    """generate()'s torch.compile'd decode (dynamo on the CPU), with and without batch buckets: a left-padded batch of
+    three rows, one shorter than a chunk, across several chunk boundaries; the eager tokens (with nothing evicted,
+    transformers' own)."""
     rocket, oracle = pair
-    engine = SequentialEngine(rocket, keep_all_config(decode_runner="torch_compile"))
-    assert engine.eager_only and not SequentialEngine(rocket, keep_all_config()).eager_only
-    prompt = random_ids(1, 2 * CHUNK + 3, seed=8)[0].tolist()
-    events = Events()
-    engine.start(events)
-    try:
-        engine.submit(request("l4", prompt, 7))
-        events.wait_finals(1)
-    finally:
-        engine.stop(timeout=60)
-    assert events.tokens("l4") == greedy(oracle, torch.tensor([prompt]), max_new_tokens=7)[0, len(prompt):].tolist()
-
-
-@pytest.mark.parametrize("overrides,runner", [
-    (dict(decode_runner="torch_compile"), "decode_runner='torch_compile'"),
-    (dict(batch_buckets=(1, 2)), "batch_buckets"),
-])
-def test_torch_compiled_decode_is_refused_before_computing(pair, monkeypatch, overrides, runner):
-    rocket, _ = pair
-    calls = []
-    monkeypatch.setattr(RocketKVCache, "update", lambda *a, **kw: calls.append(1))
-    with pytest.raises(NotImplementedError, match=rf"{re.escape(runner)} \(on cpu\) does not serve models with "
-                                                  rf"chunked-attention layers.*disable_compile=True"):
-        greedy(rocket, random_ids(1, 12), cache=RocketKVCache(keep_all_config(**overrides)), max_new_tokens=2)
-    assert not calls
+    config = make_config(kt_cache_dtype="float32")
+    ids, mask = left_pad([random_ids(1, 3 * CHUNK + 5, seed=21)[0], random_ids(1, 2 * CHUNK + 2, seed=22)[0],
+                          random_ids(1, CHUNK - 3, seed=23)[0]])
+    eager = greedy(rocket, ids, attention_mask=mask, cache=RocketKVCache(config), max_new_tokens=3 * CHUNK,
+                   disable_compile=True)
+    cache = RocketKVCache(config.replace(**overrides))
+    out = greedy(rocket, ids, attention_mask=mask, cache=cache, max_new_tokens=3 * CHUNK,
+                 compile_config=eager_compile_config())
+    assert torch.equal(out, eager)
+    assert [cache.get_seq_length(i) for i in range(4)] == [ids.shape[1] + 3 * CHUNK - 1] * 4
+    if make_config is keep_all_config:
+        assert torch.equal(out, greedy(oracle, ids, attention_mask=mask, max_new_tokens=3 * CHUNK))
 
 
 @needs_generate
@@ -310,25 +298,3 @@ def test_tensor_parallel_shards_and_mismatched_layers_are_refused(pair):
     with pytest.raises(ValueError, match="attends with full attention .layer_types., but its RocketKVCache holds a "
                                          "chunked-attention layer"):
         check_supported(full, {}, layer, torch.zeros(1, 2, 4, 16), PLAIN)
-
-
-@needs_generate
-def test_the_cli_decodes_llama4_eagerly_under_torch_compile_and_says_so(pair, capsys):
-    """``hf-rocketkv generate``'s run with decode_runner='torch_compile': it passes ``disable_compile=True`` for a
-    model with chunked layers instead of failing after the weights loaded, and says so in one line; with the default
-    runner it says nothing."""
-    from types import SimpleNamespace
-
-    from hf_rocketkv.cli.runs import timed_generate
-
-    rocket, oracle = pair
-    ids = random_ids(1, 20, seed=6)
-    tokenizer = SimpleNamespace(pad_token_id=0, decode=lambda tokens, **kw: " ".join(map(str, tokens)))
-    expected = greedy(oracle, ids, max_new_tokens=6)[0, ids.shape[1]:].tolist()
-    for config, noted in ((keep_all_config(decode_runner="torch_compile"), True), (keep_all_config(), False)):
-        run = timed_generate(rocket, tokenizer, ids, RocketKVCache(config), attn_implementation="rocketkv",
-                             max_new_tokens=6, prefill_chunk_size=0, label="RocketKV", progress=False, stream=False)
-        assert run.new_ids == expected
-        note = "note: chunked-attention layers (layer_types 'chunked_attention'): RocketKV decodes eagerly under " \
-               "decode_runner='torch_compile'"
-        assert (note in capsys.readouterr().err) is noted

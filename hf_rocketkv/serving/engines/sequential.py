@@ -24,7 +24,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from ...cache import RocketKVCache
 from ...config import RocketKVConfig
 from ...integration import compat
-from ...integration.generate import eager_decode_reason, get_config
+from ...integration.generate import get_config
 from ..batching.admission import check_pool_fits
 from ..outputs import FinishReason
 from ..parallel.lockstep import check_lockstep_for
@@ -79,9 +79,6 @@ class SequentialEngine(ThreadedEngine):
         self.cache_factory = cache_factory if cache_factory is not None else RocketKVCache
         self.device = next(model.parameters()).device
         self.pad_token_id = _pad_token_id(model)
-        # Llama 4 under a torch.compile'd decode runner: every request's generate() decodes eagerly
-        # (disable_compile) instead of being refused
-        self.eager_only = eager_decode_reason(model.config, self.config) is not None
         self._queue = RequestQueue(max_queue)
         super().__init__()  # _requests: admitted and not finished (waiting or running), each an EngineRequest
         self._running: EngineRequest | None = None
@@ -182,7 +179,6 @@ class SequentialEngine(ThreadedEngine):
             logits_processor=processors,
             stopping_criteria=StoppingCriteriaList([CancelCriteria(request.cancelled)]),
             streamer=streamer,
-            **({"disable_compile": True} if self.eager_only else {}),
         )
 
 
