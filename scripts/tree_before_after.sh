@@ -21,6 +21,8 @@ CASES=${1:-decode}
 BEFORE=${BEFORE:-_before}
 AFTER=${AFTER:-.}
 ROUNDS=${ROUNDS:-1}
+CASE_TIMEOUT=${CASE_TIMEOUT:-400}  # seconds each case's process may run
+DECODE_CASES=${DECODE_CASES:-"bs1 bs64"}  # which decode cases (a short device call: bs1 only)
 OUT=${OUT:-out}
 PY=${PYTHON:-python}
 mkdir -p "$OUT"
@@ -32,7 +34,7 @@ decode_case() {  # tree label, round, case name, bench.decode arguments...
   local tree=$1 round=$2 name=$3; shift 3
   local dir
   dir=$(mktemp -d)
-  (cd "$tree" && PYTHONPATH=. timeout 400 $PY -m hf_rocketkv.bench.decode "$@" --caches rocketkv-graphs --no-plot \
+  (cd "$tree" && PYTHONPATH=. timeout "$CASE_TIMEOUT" $PY -m hf_rocketkv.bench.decode "$@" --caches rocketkv-graphs --no-plot \
       --out "$dir") >>"$LOG" 2>&1
   $PY - "$dir/decode_bench.json" "$tree" "$round" "$name" >>"$ROWS" <<'EOF'
 import json, sys
@@ -50,7 +52,7 @@ EOF
 
 engine_case() {  # tree label, round
   local tree=$1 round=$2
-  (cd "$tree" && PYTHONPATH=. timeout 400 $PY "$HERE/benchmarks/probes/engine_second_call.py" --label "$tree") \
+  (cd "$tree" && PYTHONPATH=. timeout "$CASE_TIMEOUT" $PY "$HERE/benchmarks/probes/engine_second_call.py" --label "$tree") \
       >"$OUT/engine.tmp" 2>&1
   cat "$OUT/engine.tmp" >>"$LOG"
   grep '^ENGINE ' "$OUT/engine.tmp" | sed 's/^ENGINE //' | $PY -c "
@@ -64,8 +66,11 @@ for round in $(seq 1 "$ROUNDS"); do
   for tree in "$BEFORE" "$AFTER"; do
     echo "== round $round tree $tree $(date -u +%H:%M:%S)" | tee -a "$LOG"
     if [ "$CASES" = decode ]; then
-      decode_case "$tree" "$round" decode_bs1_32k --batch 1 --context 32768 --new-tokens 64
-      decode_case "$tree" "$round" decode_bs64_8k --batch 64 --context 8192 --new-tokens 64 --prefill-batch-size 8
+      case " $DECODE_CASES " in *" bs1 "*)
+        decode_case "$tree" "$round" decode_bs1_32k --batch 1 --context 32768 --new-tokens 64 ;; esac
+      case " $DECODE_CASES " in *" bs64 "*)
+        decode_case "$tree" "$round" decode_bs64_8k --batch 64 --context 8192 --new-tokens 64 \
+          --prefill-batch-size 8 ;; esac
     else
       engine_case "$tree" "$round"
     fi
