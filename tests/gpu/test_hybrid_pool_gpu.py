@@ -100,6 +100,23 @@ def test_graphed_keep_all_decode_on_the_pool_equals_transformers_eager(arch):
     assert _all_back(pool)
 
 
+def _serve_after_warm_up(engine, prompts: list[list[int]], prefix: str, captures: int) -> Collector:
+    """Every prompt through a warmed-up engine (12 greedy tokens each, request ``f"{prefix}{i}"``); checks that every
+    step replayed a graph captured at warm-up (``captures`` graphs then) and returns the sink."""
+    sink = Collector()
+    engine.start(sink)
+    try:
+        for i, prompt in enumerate(prompts):
+            engine.submit(EngineRequest(f"{prefix}{i}", tuple(prompt), SamplingParams.greedy(12, ignore_eos=True),
+                                        frozenset()))
+        assert sink.wait(len(prompts), timeout=300)
+    finally:
+        engine.stop(timeout=60)
+    assert engine.graphs is not None, "a decode graph failed to capture: the engine decoded eagerly"
+    assert engine.graphs.captures == captures  # every step replayed a graph captured at warm-up
+    return sink
+
+
 @pytest.mark.parametrize("concurrent", [None, 16], ids=["serial_prefill", "prefill_beside_decode"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_batching_engine_with_graphs_equals_each_request_alone(arch, concurrent):
@@ -118,17 +135,7 @@ def test_the_batching_engine_with_graphs_equals_each_request_alone(arch, concurr
     assert _all_back(pool)
     lengths = [37, 120, 9, 64, 200, 15]
     prompts = [_prompt(rocket.config.vocab_size, 1, n)[0].tolist() for n in lengths]
-    sink = Collector()
-    engine.start(sink)
-    try:
-        for i, prompt in enumerate(prompts):
-            engine.submit(EngineRequest(f"h{i}", tuple(prompt), SamplingParams.greedy(12, ignore_eos=True),
-                                        frozenset()))
-        assert sink.wait(len(prompts), timeout=300)
-    finally:
-        engine.stop(timeout=60)
-    assert engine.graphs is not None, "a decode graph failed to capture: the engine decoded eagerly"
-    assert engine.graphs.captures == captures  # every step replayed a graph captured at warm-up
+    sink = _serve_after_warm_up(engine, prompts, "h", captures)
     for i, prompt in enumerate(prompts):
         assert sink.finals[f"h{i}"].error is None, sink.finals[f"h{i}"].error
         assert len(sink.tokens[f"h{i}"]) == 12
@@ -164,17 +171,7 @@ def test_the_batching_engine_serves_llama4_with_graphs():
     engine.warm_up(max_new_tokens=16)
     captures = engine.graphs.captures
     prompts = [_prompt(rocket.config.vocab_size, 1, n)[0].tolist() for n in (37, 120, 9, 64, 200, 15)]
-    sink = Collector()
-    engine.start(sink)
-    try:
-        for i, prompt in enumerate(prompts):
-            engine.submit(EngineRequest(f"l{i}", tuple(prompt), SamplingParams.greedy(12, ignore_eos=True),
-                                        frozenset()))
-        assert sink.wait(len(prompts), timeout=300)
-    finally:
-        engine.stop(timeout=60)
-    assert engine.graphs is not None, "a decode graph failed to capture: the engine decoded eagerly"
-    assert engine.graphs.captures == captures
+    sink = _serve_after_warm_up(engine, prompts, "l", captures)
     for i, prompt in enumerate(prompts):
         assert sink.finals[f"l{i}"].error is None, sink.finals[f"l{i}"].error
         assert sink.tokens[f"l{i}"] == _plain_greedy(alone, prompt, 12), f"llama4 request {i}"
