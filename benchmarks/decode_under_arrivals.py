@@ -5,7 +5,8 @@ batching engine's ``BatchingConfig.prefill_chunk_tokens`` / ``prefill_token_budg
     python -m benchmarks.decode_under_arrivals --quick              # tiny model on the CPU: the script's logic
 
 For each setting (``--settings``: ``one`` = every prompt in one forward, as the engine did before chunked prefill;
-``C:B`` = chunks of C tokens, B prompt tokens per decode step) one engine is built and warmed up (every decode bucket
+``C:B`` = chunks of C tokens, B prompt tokens per decode step; ``C:B:packed`` = the same with each chunk in the decode
+step's forward, ``BatchingConfig.packed_steps``) one engine is built and warmed up (every decode bucket
 captured for the running requests' max_tokens), then:
 
   alone      --running requests (--running-prompt tokens each, greedy, EOS ignored) decode; once every one has its
@@ -59,7 +60,7 @@ from hf_rocketkv.serving.sampling import SamplingParams
 GIB = 1 << 30
 ONE_FORWARD = "one"  # a setting: every prompt in one forward (no chunking)
 DEFAULT_SETTINGS = f"{ONE_FORWARD},2048:2048,2048:256,2048:64,2048:32"
-QUICK_SETTINGS = f"{ONE_FORWARD},128:128,128:32"
+QUICK_SETTINGS = f"{ONE_FORWARD},128:128,128:32,128:128:packed"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default=os.environ.get("OUT", "out"), help="folder of decode_under_arrivals.json")
     parser.add_argument("--quick", action="store_true", help="tiny model, tiny workload (CPU without a GPU)")
     parser.add_argument("--settings", default=None,
-                        help="comma-separated: 'one' (whole prompt per forward) or CHUNK:BUDGET "
+                        help="comma-separated: 'one' (whole prompt per forward) or CHUNK:BUDGET[:packed] "
                              f"(BatchingConfig.prefill_chunk_tokens:prefill_token_budget); default {DEFAULT_SETTINGS} "
                              f"({QUICK_SETTINGS} with --quick)")
     parser.add_argument("--running", type=int, default=8, help="requests decoding throughout")
@@ -93,18 +94,23 @@ def apply_quick(args) -> None:
     args.alone_s, args.running_max_tokens = min(args.alone_s, 1.0), min(args.running_max_tokens, 2000)
 
 
-def parse_settings(text: str) -> list[tuple[str, int | None, int | None]]:
-    """``[(label, chunk tokens or None, budget or None)]``; None, None: one forward per prompt."""
+def parse_settings(text: str) -> list[tuple[str, int | None, int | None, bool]]:
+    """``[(label, chunk tokens or None, budget or None, packed)]``; None, None: one forward per prompt; packed
+    (``CHUNK:BUDGET:packed``): ``BatchingConfig.packed_steps``, each chunk in the decode step's forward."""
     settings = []
     for item in (part.strip() for part in text.split(",") if part.strip()):
         if item == ONE_FORWARD:
-            settings.append((ONE_FORWARD, None, None))
+            settings.append((ONE_FORWARD, None, None, False))
             continue
-        chunk, _, budget = item.partition(":")
+        chunk, _, rest = item.partition(":")
+        budget, _, packed = rest.partition(":")
         try:
-            settings.append((f"chunk{int(chunk)}_budget{int(budget)}", int(chunk), int(budget)))
+            if packed not in ("", "packed"):
+                raise ValueError(packed)
+            label = f"chunk{int(chunk)}_budget{int(budget)}" + ("_packed" if packed else "")
+            settings.append((label, int(chunk), int(budget), bool(packed)))
         except ValueError:
-            raise SystemExit(f"--settings: {item!r} is neither '{ONE_FORWARD}' nor CHUNK:BUDGET") from None
+            raise SystemExit(f"--settings: {item!r} is neither '{ONE_FORWARD}' nor CHUNK:BUDGET[:packed]") from None
     if not settings:
         raise SystemExit("--settings: no setting given")
     return settings
@@ -154,15 +160,17 @@ def greedy(rid: str, prompt: list[int], new_tokens: int) -> EngineRequest:
 
 
 # ------------------------------------------------------------------------------------------------ one setting
-def run_setting(model, pool, config, args, label: str, chunk: int | None, budget: int | None, vocab: int) -> dict:
+def run_setting(model, pool, config, args, label: str, chunk: int | None, budget: int | None, vocab: int,
+                packed: bool = False) -> dict:
     longest = max(args.long_prompt, args.running_prompt)
     batching = BatchingConfig(max_running=args.running + args.arrivals, max_queue=64,
                               buckets=_buckets(args.running + args.arrivals),
                               prefill_chunk_tokens=chunk if chunk is not None else longest,
-                              prefill_token_budget=budget if budget is not None else longest)
+                              prefill_token_budget=budget if budget is not None else longest,
+                              packed_steps=packed)
     engine = BatchingEngine(model, config, pool, batching, decode_graphs=None if args.decode == "graphs" else False)
     result: dict = {"setting": label, "prefill_chunk_tokens": batching.prefill_chunk_tokens,
-                    "prefill_token_budget": batching.prefill_token_budget}
+                    "prefill_token_budget": batching.prefill_token_budget, "packed_steps": packed}
     started = time.perf_counter()
     result["warm_up"] = engine.warm_up(max_new_tokens=args.running_max_tokens)
     result["warm_up_s"] = time.perf_counter() - started
@@ -248,10 +256,10 @@ def main(argv: list[str] | None = None) -> int:
         print(report["setup_error"])
         return 1
     save()
-    for label, chunk, budget in settings:
+    for label, chunk, budget, packed in settings:
         try:
             report["settings"][label] = run_setting(model, pool, config, args, label, chunk, budget,
-                                                    model.config.vocab_size)
+                                                    model.config.vocab_size, packed)
         except Exception:  # noqa: BLE001 - one setting's failure never loses the others
             report["settings"][label] = {"error": traceback.format_exc()}
         save()

@@ -49,6 +49,10 @@ WHAT = [
     (r"^split_", "the default decode (rocketkv-graphs) before the package split (commit 0386f3e) and after it, "
                  "side by side on one GPU in one device call: decode ms/token, prefill s, peak GiB"),
     (r"_tests|^kernel_tests", "pytest log of GPU tests on that machine"),
+    (r"^packed_steps", "generate_batch with packed engine steps against alternating ones, side by side in one "
+                       "process: output tokens/s per workload (benchmarks/packed_steps.py)"),
+    (r"^decode_under_arrivals", "per-user decode rate of running requests while long prompts arrive, per "
+                                "chunked-prefill setting (benchmarks/decode_under_arrivals.py)"),
     (r"^gpu_kernel_check", "Triton ops against their PyTorch references at Llama-3.1-8B shapes, and per-op times "
                            "at 2k-100k tokens (now tests/gpu/test_kernels_large_shapes_gpu.py and "
                            "benchmarks/probes/decode_ops_scaling.py)"),

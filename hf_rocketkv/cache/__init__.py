@@ -5,6 +5,7 @@ Public API (what serving/, eval/, bench/ and the CLI import; integration/ may us
     RocketKVLayer       one decoder layer's KV store (layer.py)
     GenerationHints     what generate() tells a cache before prefill (hints.py)
     BatchedDecodeCache  one decode batch over the rows of several pool-backed caches (batch_view.py)
+    PackedStepCache     the decode rows of a batch and one prompt chunk in one forward (packed_step.py)
     CacheStats          ``cache.stats``: tokens reused and computed, bytes moved (stats.py)
     layer_of            the layer whose ``update()`` returned a key tensor (the attention function's seam, seam.py)
     request_pages       a request's pool pages at its prefill peak and once compressed (page_budget.py)
@@ -20,11 +21,12 @@ from ..memory.layer_kinds import chunked_layers, position_scaled_layers, sliding
 from .batch_view import BatchedDecodeCache
 from .cache import RocketKVCache
 from .layer import GenerationHints, RocketKVLayer, layer_of
+from .packed_step import PackedStepCache
 from .page_budget import check_pool_policy, request_pages
 from .read_accounting import decode_read_bytes
 from .sliding_layer import SlidingWindowLayer
 from .stats import CacheStats
 
-__all__ = ["BatchedDecodeCache", "CacheStats", "GenerationHints", "RocketKVCache", "RocketKVLayer", "SlidingWindowLayer",
-           "check_pool_policy", "chunked_layers", "decode_read_bytes", "layer_of", "position_scaled_layers",
+__all__ = ["BatchedDecodeCache", "CacheStats", "GenerationHints", "PackedStepCache", "RocketKVCache", "RocketKVLayer",
+           "SlidingWindowLayer", "check_pool_policy", "chunked_layers", "decode_read_bytes", "layer_of", "position_scaled_layers",
            "request_pages", "sliding_windows"]

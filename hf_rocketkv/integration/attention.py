@@ -10,6 +10,8 @@ routes by the layer's state and keeps what faces transformers (the mask, sdpa, t
     sliding layer          exact attention over the stored window + the new tokens with transformers' own sliding
                            mask (``SlidingWindowLayer``: nothing to select, it keeps only what the model can see);
                            a decode step reads the layer's ring in place (``attend_ring``, kernels/ring_attention.py)
+    packed step            the batching engine's decoding rows and a prompt chunk in one forward: split, each half
+                           routed as above (packed_attention.py)
 Soft-capped logits (Gemma 2's ``softcap``) and learned sinks (gpt-oss' ``s_aux``) reach every path as a
 ``LogitFeatures``: the exact attentions apply them (``selection/logit_features.py``), and a RocketKV layer scores its
 stage 1 and stage 2 with them (``RocketKVLayer.use_features``).
@@ -26,6 +28,7 @@ import torch
 
 from ..cache.batch_view import BatchedDecodeLayer
 from ..cache.layer import RocketKVLayer, layer_of
+from ..cache.packed_step import PackedLayer
 from ..cache.sliding_layer import SlidingWindowLayer
 from ..cache.unscored_layer import UnscoredLayer
 from ..memory.layer_kinds import CHUNKED
@@ -33,6 +36,7 @@ from ..selection.logit_features import PLAIN, LogitFeatures, allowed_of, feature
 from .call_state import call_state
 from .causal_prefill import causal_prefill_attention, cudnn_causal_attention, cudnn_runs, flash_attention_runs
 from .compat import sdpa_attention_forward
+from .packed_attention import packed_attention
 from .position_temperature import scale_rows_by_position, scales_by_position
 
 FEATURE_KWARGS = ("softcap", "s_aux")  # what transformers passes for soft-capping (Gemma 2) and sinks (gpt-oss)
@@ -49,6 +53,9 @@ def rocketkv_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     layer = layer_of(key)
+    if isinstance(layer, PackedLayer):  # decoding rows and a prompt chunk in one forward: each half on its own path
+        return packed_attention(rocketkv_attention, module, query, layer, attention_mask, scaling, dropout,
+                                **kwargs), None
     features = logit_features(kwargs)
     if features.sinks is not None:
         check_sinks_follow_heads(module, features.sinks, query)

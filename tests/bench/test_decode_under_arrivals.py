@@ -39,9 +39,10 @@ def test_quick_run_measures_every_setting(tmp_path):
 
 
 def test_settings_are_parsed_or_refused_naming_the_flag():
-    assert decode_under_arrivals.parse_settings("one, 2048:512") == [("one", None, None),
-                                                                    ("chunk2048_budget512", 2048, 512)]
-    for bad in ("", "2048", "a:b"):
+    assert decode_under_arrivals.parse_settings("one, 2048:512, 512:512:packed") == [
+        ("one", None, None, False), ("chunk2048_budget512", 2048, 512, False),
+        ("chunk512_budget512_packed", 512, 512, True)]
+    for bad in ("", "2048", "a:b", "512:512:pack"):
         try:
             decode_under_arrivals.parse_settings(bad)
         except SystemExit as err:

@@ -49,12 +49,15 @@ def _request(rid: str, length: int, rng: random.Random, vocab: int) -> EngineReq
     return EngineRequest(rid, prompt, SamplingParams.greedy(NEW_TOKENS, ignore_eos=True), frozenset())
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["alternating", "packed_steps"])
 @pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["bf16_pages", "fp8_pages"])
-def test_every_request_finishes_with_its_tokens_and_the_pool_empties(model, kv_dtype):
+def test_every_request_finishes_with_its_tokens_and_the_pool_empties(model, kv_dtype, packed):
+    """``packed``: each prompt chunk (1024 tokens) in the forward of a decode step (``packed_steps``)."""
     config = RocketKVConfig(backend="triton")
     pool = KVBlockPool(model, max_gpu_bytes=POOL_BYTES, page_size=16, kt_page_size=config.page_size,
                        kt_dtype=config.kt_cache_dtype, device=CUDA, dtype=kv_dtype)
-    batching = BatchingConfig(max_running=MAX_RUNNING, max_queue=64, buckets=(1, 2, 4, 8))
+    chunks = {"packed_steps": True, "prefill_chunk_tokens": 1024, "prefill_token_budget": 1024} if packed else {}
+    batching = BatchingConfig(max_running=MAX_RUNNING, max_queue=64, buckets=(1, 2, 4, 8), **chunks)
     engine = BatchingEngine(model, config, pool, batching)
     assert engine.graphs_in_use, "the engine must capture its decode graphs on CUDA"
     engine.warm_up(max_new_tokens=NEW_TOKENS)
@@ -81,6 +84,8 @@ def test_every_request_finishes_with_its_tokens_and_the_pool_empties(model, kv_d
             if name == "fixed":  # submitted at once: the decode steps must batch them
                 steps = after.decode_steps - before.decode_steps
                 assert (after.decode_rows - before.decode_rows) / max(1, steps) > 1, "no decode step ran batched"
+            if packed:  # 2048-token prompts arriving while others decode: their chunks rode on decode steps
+                assert after.packed_steps > before.packed_steps, f"{name}: no chunk shared a decode step's forward"
             # the final event may reach the sink just before the engine thread gives the request's pages back
             emptied = _wait_until(lambda: pool.free_pages() == pool.total_pages(), timeout=5.0)
             assert emptied, f"{name}: {pool.total_pages() - pool.free_pages()} pages held after every request ended"

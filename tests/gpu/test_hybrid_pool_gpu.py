@@ -117,18 +117,23 @@ def _serve_after_warm_up(engine, prompts: list[list[int]], prefix: str, captures
     return sink
 
 
-@pytest.mark.parametrize("concurrent", [None, 16], ids=["serial_prefill", "prefill_beside_decode"])
+PREFILL_MODES = {"serial_prefill": {}, "prefill_beside_decode": {"concurrent_prefill_tokens": 16},
+                 "packed_steps": {"packed_steps": True, "prefill_chunk_tokens": 32, "prefill_token_budget": 32}}
+
+
+@pytest.mark.parametrize("mode", list(PREFILL_MODES))
 @pytest.mark.parametrize("arch", ARCHS)
-def test_the_batching_engine_with_graphs_equals_each_request_alone(arch, concurrent):
-    """``concurrent``: ``BatchingConfig.concurrent_prefill_tokens`` (the prefill on its own thread and stream, in
-    chunks of 16 tokens while rows decode)."""
+def test_the_batching_engine_with_graphs_equals_each_request_alone(arch, mode):
+    """``mode``: prompts prefilled between decode steps; on a thread and stream of their own in chunks of 16 tokens
+    while rows decode (``concurrent_prefill_tokens``); in chunks of 32 tokens, each in the forward of a decode step
+    (``packed_steps``: eager, while decode-only steps replay their graphs)."""
     rocket, _ = make_hybrid_models(arch)
     alone, _ = make_hybrid_models(arch)
     dtype = _step_dtype(rocket)
     rocket, alone = rocket.to(CUDA, dtype), alone.to(CUDA, dtype)
     pool = _pool(rocket, KEEP_ALL, dtype, slots=6)
     engine = BatchingEngine(rocket, KEEP_ALL, pool, BatchingConfig(max_running=4, buckets=(1, 2, 4),
-                                                                   concurrent_prefill_tokens=concurrent))
+                                                                   **PREFILL_MODES[mode]))
     assert engine.graphs_in_use
     engine.warm_up(max_new_tokens=16)
     captures = engine.graphs.captures
@@ -136,6 +141,8 @@ def test_the_batching_engine_with_graphs_equals_each_request_alone(arch, concurr
     lengths = [37, 120, 9, 64, 200, 15]
     prompts = [_prompt(rocket.config.vocab_size, 1, n)[0].tolist() for n in lengths]
     sink = _serve_after_warm_up(engine, prompts, "h", captures)
+    if mode == "packed_steps":
+        assert engine.stats().packed_steps > 0
     for i, prompt in enumerate(prompts):
         assert sink.finals[f"h{i}"].error is None, sink.finals[f"h{i}"].error
         assert len(sink.tokens[f"h{i}"]) == 12

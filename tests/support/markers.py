@@ -29,6 +29,7 @@ SLOW_FIXTURE_CASES = (
 SLOW_MEASURED_CASES = (
     "tests/bench/test_decode.py::test_decode_bench_pool_rows_quick",
     "tests/bench/test_decode_under_arrivals.py::test_quick_run_measures_every_setting",
+    "tests/bench/test_packed_steps_script.py::test_quick_run_times_both_modes_and_counts_packed_forwards",
     "tests/bench/test_hybrid_decode_bench.py::test_quick_run_writes_every_row_and_the_ratios",
     "tests/bench/test_peak_memory_cpu.py::test_row_group_prefill_peak_is_one_cold_row",
     "tests/bench/test_perf_guard.py::test_the_quick_run_measures_every_case_on_the_cpu_and_writes_its_result",

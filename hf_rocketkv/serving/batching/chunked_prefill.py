@@ -65,20 +65,28 @@ class ChunkedPrefill:
         """Prompt tokens still to prefill."""
         return self.prompt_len - self.position
 
-    def run(self, tokens: int) -> torch.Tensor | None:
+    def run(self, tokens: int, forward=None) -> torch.Tensor | None:
         """The next ``tokens`` prompt tokens (fewer at the prompt's end) through the model. After the last chunk the
         context is left (stage 1 runs on every layer where it was deferred) and the last position's logits ``[1, V]``
-        (float32) are returned; None before."""
+        (float32) are returned; None before.
+
+        ``forward``: runs the chunk in a forward shared with other tokens (the engine's decoding rows:
+        ``BatchDecoder.beside``), called as ``forward(ids [1, C], positions [1, C], cache, start)`` and returning the
+        chunk's last logits ``[1, V]``; default a forward of the chunk alone."""
         if not self._open:
             raise RuntimeError("ChunkedPrefill.run: this prefill has ended")
         if tokens < 1:
             raise ValueError(f"ChunkedPrefill.run: tokens must be >= 1, got {tokens}")
         start, end = self.position, min(self.prompt_len, self.position + tokens)
+        positions = torch.arange(start, end, device=self.ids.device)[None]
         try:
             with fused_modeling(self.model, self.cache.config):  # RoPE and RMSNorm in one launch each (as decode)
-                out = self.model(input_ids=self.ids[:, start:end], attention_mask=self._mask[:, :end],
-                                 position_ids=torch.arange(start, end, device=self.ids.device)[None],
-                                 use_cache=True, logits_to_keep=1, **compat.cache_kwargs(self.cache))
+                if forward is not None:
+                    logits = forward(self.ids[:, start:end], positions, self.cache, start)
+                else:
+                    logits = self.model(input_ids=self.ids[:, start:end], attention_mask=self._mask[:, :end],
+                                        position_ids=positions, use_cache=True, logits_to_keep=1,
+                                        **compat.cache_kwargs(self.cache)).logits[:, -1]
         except BaseException:
             self.abort()
             raise
@@ -88,7 +96,7 @@ class ChunkedPrefill:
             return None
         self._open = False
         self._context.__exit__(None, None, None)  # stage 1 where it was deferred
-        return out.logits[:, -1].float()
+        return logits.float()
 
     def abort(self) -> None:
         """Leave the cache's prefill context without stage 1 (the cache's pages go back when it is closed)."""

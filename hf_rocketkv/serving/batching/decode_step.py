@@ -25,6 +25,7 @@ its row only.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...cache import PackedStepCache
 from ...host_copy import device_tensor
 from ...integration import compat
 from ...integration.batch_graphs import BatchedDecodeGraphs, GraphCaptureFailed
@@ -114,10 +116,6 @@ class BatchDecoder:
         no launch of the prefill thread lands inside the capture."""
         self.capture_lock = lock
 
-    def use_graphs(self, graphs: BatchedDecodeGraphs | None) -> None:
-        """Step through ``graphs`` from now on (None: every step eager)."""
-        self.graphs = graphs
-
     def step(self) -> None:
         """One decode step over the running rows. With ``BatchingConfig.overlap_decode`` the step is launched before
         the tokens of the step still in flight are read, from those tokens on the device (module docstring)."""
@@ -169,6 +167,52 @@ class BatchDecoder:
                 logits = out.logits[:, -1]
         batch.stepped()
         return logits[:rows].float()
+
+    def beside(self) -> Callable | None:
+        """A forward that runs a prompt chunk together with the next decode step of the running rows, for
+        ``ChunkedPrefill.run(tokens, forward)``; None when no row decodes. That step is launched like any other
+        (from the tokens of the step in flight while they are still on the device, when ``step`` would be) and is
+        the step in flight afterwards."""
+        rows, in_flight = list(self._endings.rows()), self.in_flight
+        if in_flight is not None and not self._can_launch_after(in_flight, rows):
+            self.drain()
+            rows, in_flight = list(self._endings.rows()), None
+        return functools.partial(self._packed_forward, rows, in_flight) if rows else None
+
+    def _packed_forward(self, rows: list[RunningRequest], in_flight: _StepInFlight | None, ids: torch.Tensor,
+                        positions: torch.Tensor, cache, start: int) -> torch.Tensor:
+        """One forward over ``rows``' next tokens then the chunk ``ids`` ``[1, C]`` at ``positions`` of ``cache``
+        (``cache/packed_step.py``); returns the chunk's last logits ``[1, V]``. The rows' tokens are sampled and
+        this step is in flight; ``in_flight`` (the step whose device tokens it ran on) is read. A failed forward
+        ends every row before the error reaches the prefill (which ends its request)."""
+        engine = self._engine
+        batch, count, tokens = engine.batch, len(rows), ids.shape[1]
+        started = time.perf_counter()
+        try:
+            batch.prepare(count, count)
+            last = in_flight.tokens if in_flight is not None else device_tensor(
+                [r.last_token for r in rows], torch.long, engine.device)
+            packed_ids = torch.cat([last, ids[0]])[None]
+            packed_positions = torch.cat([batch.next_positions(count)[:, 0], positions[0]])[None]
+            keep = torch.arange(count + 1, device=engine.device)
+            keep[-1] = count + tokens - 1  # the rows' logits and the chunk's last
+            out = engine.model(input_ids=packed_ids, position_ids=packed_positions, use_cache=True,
+                               logits_to_keep=keep,
+                               **compat.cache_kwargs(PackedStepCache(batch, count, cache, start, tokens)))
+            batch.stepped()
+        except Exception as err:
+            logger.warning("hf_rocketkv batching engine: a packed step failed: %s", err, exc_info=True)
+            self._endings.fail_all(f"the batched decode step failed: {type(err).__name__}: {err}")
+            raise
+        logits = out.logits[0]
+        sampled, failed = self._sample_rows(rows, logits[:count].float())
+        self._stats.count_packed()
+        self.in_flight = _StepInFlight(rows, count, sampled, _TokensToHost(sampled), failed, started)
+        if in_flight is not None:
+            self._complete(in_flight, after=self.in_flight)
+        if not engine.batching.overlap_decode:
+            self.drain()
+        return logits[count:]
 
     # ------------------------------------------------------------------------------------------------ one step
     def _can_launch_after(self, in_flight: _StepInFlight, rows: list[RunningRequest]) -> bool:
@@ -279,3 +323,4 @@ class BatchDecoder:
             self._endings.end_row(running, reason, error)
             return False
         return self._endings.accept(running, token)
+

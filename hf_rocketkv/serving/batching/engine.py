@@ -76,6 +76,7 @@ class BatchingStats:
     padded_rows: int = 0  # padding rows summed over decode steps
     decode_seconds: float = 0.0
     prefills: int = 0  # requests whose prefill finished (their first token sampled)
+    packed_steps: int = 0  # decode steps that carried a prefill chunk in the same forward (packed_steps)
     prefill_chunks: int = 0  # prefill forwards (a prompt of one chunk counts one)
     prefill_seconds: float = 0.0
     # the latest decode steps' wall times in ms, oldest first (bounded: a server runs for days)
@@ -88,6 +89,10 @@ class BatchingStats:
         self.padded_rows += padded
         self.decode_seconds += seconds
         self.step_ms.append(seconds * 1e3)
+
+    def count_packed(self) -> None:
+        """A decode step that carried a prefill chunk (counted as a decode step too, once its tokens are read)."""
+        self.packed_steps += 1
 
     def count_prefill(self, chunks: int = 0, seconds: float = 0.0, finished: bool = False) -> None:
         """``chunks`` prefill forwards and ``seconds`` of prefill wall time; ``finished``: a request's prefill
@@ -118,9 +123,8 @@ class BatchingEngine(ThreadedEngine):
             ``config.decode_runner == "cuda_graphs"`` and the model is on CUDA, else eager; False: always eager; or a
             ``BatchedDecodeGraphs`` (integration/batch_graphs.py; tests pass one with a CPU stand-in backend).
         lockstep: under tensor parallelism, a ``Lockstep`` (serving/parallel/lockstep.py) built on every rank: the
-        leader
-            rank's engine takes requests and sends each iteration's inbox, the others ``follow()``. None (default):
-            one process.
+            leader rank's engine takes requests and sends each iteration's inbox, the others ``follow()``. None
+            (default): one process.
     """
 
     _thread_name = "hf-rocketkv-batching"
@@ -169,6 +173,8 @@ class BatchingEngine(ThreadedEngine):
             self._worker = PrefillWorker(self._admission, self.batching.concurrent_prefill_tokens,
                                          self.batching.prefill_chunk_tokens, self.device, self._wake)
             self._decoder.capture_under(self._worker.capture_lock)
+        # packed_steps, except beside a prefill thread, under lockstep, or for position-scaled queries (docs/engine.md)
+        self._packs = self.batching.packed_steps and not (self._worker or lockstep or self._position_scaled)
         # the next prompt's cuDNN graphs, built while the device runs a chunk (where this thread prefills)
         self._lookahead = (LookaheadGraphs(model, pool, self.device, self.batching.prefill_chunk_tokens)
                            if self._worker is None and lockstep is None else None)
@@ -206,10 +212,6 @@ class BatchingEngine(ThreadedEngine):
     def graphs(self) -> BatchedDecodeGraphs | None:
         """The decode graphs the steps run through (None: eager; set to None when a capture fails)."""
         return self._decoder.graphs
-
-    @graphs.setter
-    def graphs(self, graphs: BatchedDecodeGraphs | None) -> None:
-        self._decoder.use_graphs(graphs)
 
     @property
     def graphs_in_use(self) -> bool:
@@ -353,15 +355,19 @@ class BatchingEngine(ThreadedEngine):
             self.batch.move(src, dst)
         if self._worker is not None:
             self._worker.decoding(len(self._scheduler.rows))
-        if self._scheduler.rows:
-            self._decoder.step()  # launched before the chunks: the running rows never wait for a whole prompt
+        # packed_steps: the first chunk rides on the decode step; else the step runs before the chunks
+        beside = self._decoder.beside() if self._packs and step.prefill and self._scheduler.rows else None
+        if self._scheduler.rows and beside is None:
+            self._decoder.step()
         for running, tokens in step.prefill:
             if running not in self._scheduler.prefilling:  # ended by an earlier chunk of this step
                 continue
             if self._worker is None:
-                self._prefill_chunk(running, tokens)
-            elif not self._worker.holds(running):
-                self._hand_to_worker(running)
+                beside = self._prefill_chunk(running, tokens, beside)
+            elif not self._worker.holds(running) and not self._ended_before_prefill(running):
+                self._worker.submit(running)  # it hands the request back when done (_take_prefills)
+        if beside is not None and self._scheduler.rows:  # its chunk never ran (the request had ended)
+            self._decoder.step()
         if not self._scheduler.rows and (not step.prefill or self._worker is not None):
             # the head waits for pages that nobody running will free (another user of the pool holds them), or
             # for the prefill worker (it wakes the thread when it hands a request back)
@@ -370,18 +376,19 @@ class BatchingEngine(ThreadedEngine):
                     self._wakeup.wait(0.01 if self._worker is None else 0.05)
 
     # ------------------------------------------------------------------------------------------------ prefill
-    def _prefill_chunk(self, running: RunningRequest, tokens: int) -> None:
-        """The next ``tokens`` of a request's prompt (its first chunk enters its cache's prefill); after the last
-        one, its first token is sampled and it joins the decoding rows."""
+    def _prefill_chunk(self, running: RunningRequest, tokens: int, beside=None):
+        """The next ``tokens`` of a request's prompt (its first chunk enters its cache's prefill), in the decode
+        step's forward ``beside`` (``BatchDecoder.beside``; returned unused if the request had ended); after the last
+        chunk, its first token is sampled and it joins the decoding rows."""
         request = running.request
         if self._ended_before_prefill(running):
-            return
+            return beside
         started = time.perf_counter()
         try:
             prefill = running.prefill
             if prefill is None:
                 prefill = self._admission.start_prefill(running, self.batching.prefill_chunk_tokens)
-            logits = prefill.run(tokens)
+            logits = prefill.run(tokens, beside)
             self._stats.count_prefill(chunks=1)
             if self._lookahead is not None:  # the device runs the chunk: the next chunks' graphs meanwhile
                 self._lookahead.after_chunk(self._scheduler, self._lock, running)
@@ -389,16 +396,12 @@ class BatchingEngine(ThreadedEngine):
             logger.warning("hf_rocketkv batching engine: request %s failed in prefill: %s", request.request_id, err,
                            exc_info=True)
             self._finish(running, FinishReason.ERROR, f"{type(err).__name__}: {err}")
-            return
-        if logits is None:
+            return None
+        if logits is not None:
+            self._prefilled(running, logits, started)
+        else:
             self._stats.count_prefill(seconds=time.perf_counter() - started)
-            return
-        self._prefilled(running, logits, started)
-
-    def _hand_to_worker(self, running: RunningRequest) -> None:
-        """The prefill worker takes an admitted request (concurrent_prefill_tokens) and hands it back when done."""
-        if not self._ended_before_prefill(running):
-            self._worker.submit(running)
+        return None
 
     def _ended_before_prefill(self, running: RunningRequest) -> bool:
         """End a request that failed or was cancelled before its next chunk ran; True when it did."""

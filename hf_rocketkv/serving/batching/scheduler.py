@@ -55,7 +55,12 @@ class BatchingConfig:
     (the decode steps on a stream of the highest priority), in chunks of this many tokens while rows decode
     (``prefill_chunk_tokens`` while none does), so the running requests never wait for a chunk's forward
     (serving/batching/prefill_worker.py; 512 on an H100 at Llama-3.1-8B shapes: docs/engine.md). The scheduler's credit
-    still decides admissions; the chunks themselves run back to back."""
+    still decides admissions; the chunks themselves run back to back.
+
+    packed_steps: False (default): a decode forward, then the step's chunks in forwards of their own. True: the first
+    chunk of a step rides in the decode step's forward (one packed row: ``cache/packed_step.py``), so the weights are
+    read once for both; eager, not beside a prefill thread, under lockstep or on Llama 4 (those alternate). Measured
+    on an H200 it does not pay yet (docs/engine.md)."""
 
     max_running: int = 64
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
@@ -65,6 +70,7 @@ class BatchingConfig:
     prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
     prefill_token_budget: int = DEFAULT_PREFILL_CHUNK_TOKENS
     concurrent_prefill_tokens: int | None = None
+    packed_steps: bool = False
 
     def __post_init__(self) -> None:
         if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 1:
@@ -74,8 +80,9 @@ class BatchingConfig:
                 f"BatchingConfig.max_running must be in [1, {self.buckets[-1]}] (the largest bucket), "
                 f"got {self.max_running}"
             )
-        if not isinstance(self.overlap_decode, bool):
-            raise ValueError(f"BatchingConfig.overlap_decode must be True or False, got {self.overlap_decode!r}")
+        for name in ("overlap_decode", "packed_steps"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"BatchingConfig.{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("prefills_per_step", "max_queue", "prefill_chunk_tokens", "prefill_token_budget"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
