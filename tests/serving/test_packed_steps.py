@@ -115,6 +115,26 @@ def test_a_long_prompt_rides_on_the_running_rows_decode_steps(packed, oracle, ti
     assert events.tokens("long") == oracle(long_prompt, 5)
 
 
+def test_a_packed_step_counts_as_a_decode_step_of_every_row(packed, tiny_pair):
+    """The batch's host bookkeeping (steps decoded and room left per row, which guard a row past its pages) counts a
+    packed forward like any decode step: at each forward with decoding rows, the runner (row 0 throughout) has
+    decoded one step per earlier such forward."""
+    engine, events, _ = packed()
+    seen = []
+    log = PackedLog(tiny_pair[0], lambda entry: seen.append((entry[0], engine.batch.steps[0], engine.batch.room[0]))
+                    if entry[0] != "prefill" else None)
+    try:
+        engine.submit(request("runner", prompt_of(20, seed=1), 40))
+        assert wait_until(lambda: len(events.tokens("runner")) >= 2, timeout=30)
+        engine.submit(request("long", prompt_of(5 * CHUNK, seed=2), 3))
+        events.wait_finals(2)
+    finally:
+        log.remove()
+    assert sum(kind == "packed" for kind, _, _ in seen) == 5
+    assert [steps for _, steps, _ in seen] == list(range(len(seen)))
+    assert [room for _, _, room in seen] == [seen[0][2] - i for i in range(len(seen))]
+
+
 def test_packed_steps_off_alternate_decode_and_chunk_forwards(engines, tiny_pair):
     """The default (packed_steps=False) keeps a decode forward and a chunk forward apart."""
     engine, events, _ = engines(prefill_chunk_tokens=CHUNK, prefill_token_budget=CHUNK)
