@@ -13,6 +13,7 @@ import threading
 
 import pytest
 
+from hf_rocketkv.cache import PackedStepCache
 from hf_rocketkv.serving import FinishReason
 from hf_rocketkv.serving.batching.scheduler import BatchingConfig
 from tests.serving.helpers import (
@@ -40,7 +41,11 @@ class ForwardLog:
 
     def _hook(self, module, args, kwargs):
         ids = kwargs["input_ids"]  # the engine's prefill forwards ask for the last logits only
-        entry = ("prefill", ids.shape[1]) if "logits_to_keep" in kwargs else ("decode", ids.shape[0])
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))
+        if isinstance(cache, PackedStepCache):  # packed_steps: a chunk in a decode step's forward counts as its chunk
+            entry = ("prefill", ids.shape[1] - cache.rows)
+        else:
+            entry = ("prefill", ids.shape[1]) if "logits_to_keep" in kwargs else ("decode", ids.shape[0])
         with self.lock:
             self.entries.append(entry)
         if self.on_forward is not None:
@@ -123,8 +128,11 @@ def test_a_smaller_budget_spreads_the_chunks_over_more_decode_steps(chunked, tin
 
 
 # ------------------------------------------------------------------------------------------------ lifecycle
-def test_cancel_mid_prefill_returns_every_page(chunked, oracle, tiny_pair):
-    engine, events, pool = chunked()
+@pytest.mark.parametrize("packed", [False, True], ids=["alternating", "packed_steps"])
+def test_cancel_mid_prefill_returns_every_page(chunked, oracle, tiny_pair, packed):
+    """A long prompt cancelled at its third chunk (in its own forward, or riding on a decode step's): its prefill is
+    left, its pages back; the running request and a later one get their tokens alone."""
+    engine, events, pool = chunked(packed_steps=packed)
     held = []
 
     def cancel_at_third_chunk(kind, tokens):

@@ -152,36 +152,6 @@ def test_packed_steps_off_alternate_decode_and_chunk_forwards(engines, tiny_pair
 
 
 # ------------------------------------------------------------------------------------------------ lifecycle
-def test_cancel_mid_packed_prefill_returns_every_page(packed, oracle, tiny_pair):
-    engine, events, pool = packed()
-    seen = []
-
-    def cancel_at_third_chunk(entry):
-        if entry[0] == "packed":
-            seen.append(entry)
-            if len(seen) == 3:
-                engine.cancel("long")
-
-    runner = prompt_of(22, seed=5)
-    engine.submit(request("runner", runner, 40))
-    assert wait_until(lambda: len(events.tokens("runner")) >= 1, timeout=30)
-    log = PackedLog(tiny_pair[0], cancel_at_third_chunk)
-    try:
-        engine.submit(request("long", prompt_of(160, seed=6), 5))
-        assert wait_until(lambda: events.finals("long"), timeout=30)
-    finally:
-        log.remove()
-    assert events.finals("long")[0].finish_reason is FinishReason.CANCELLED and not events.tokens("long")
-    events.wait_finals(2)
-    assert events.tokens("runner") == oracle(runner, 40)
-    assert pool.free_pages() == pool.total_pages()
-    after = prompt_of(70, seed=7)  # the engine serves on
-    engine.submit(request("after", after, 4))
-    events.wait_finals(3)
-    assert events.tokens("after") == oracle(after, 4)
-    assert pool.free_pages() == pool.total_pages()
-
-
 def test_a_failed_packed_forward_ends_its_rows_and_its_prompt_only(packed, oracle, tiny_pair):
     """A packed forward that raises cannot be pinned on one of its requests: the prompt being prefilled and the rows
     decoding in it end with the error (their pages back); the engine serves the next request alone."""

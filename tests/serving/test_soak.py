@@ -3,7 +3,8 @@
 The server is the real thing on 127.0.0.1 (``ServerThread``, uvicorn): a tiny random Llama with a character
 tokenizer behind the batching engine (8 rows, a queue of 16) over a small KV block pool (51 pages of 8 tokens:
 requests wait for pages, and some prompts that fit the context never fit the pool); under the ``slow`` marker, the
-same soak on a tiny gpt-oss (sliding-window layers with sinks: 25 pages, and a sliding-window slot per request). ``CLIENTS`` asyncio clients
+same soak on a tiny gpt-oss (sliding-window layers with sinks: 25 pages, and a sliding-window slot per request), and on
+the Llama with packed steps (prompt chunks of 16 tokens in the decode steps' forwards). ``CLIENTS`` asyncio clients
 (httpx and raw sockets, seeded, one ``random.Random`` each) start requests for ``SECONDS`` seconds:
 
     stream / whole     greedy completions and chats, streamed or not: the text of each one alone (model.generate)
@@ -357,16 +358,22 @@ def settle_server(manager, ledger: Ledger, pool, pages: int, slots: int) -> None
 
 
 # ------------------------------------------------------------------------------------------------ the test
-@pytest.fixture(params=["llama", pytest.param("gpt_oss", marks=pytest.mark.slow)])
+@pytest.fixture(params=["llama", pytest.param("gpt_oss", marks=pytest.mark.slow),
+                        pytest.param("llama_packed", marks=pytest.mark.slow)])
 def soak_server(request, tiny_pair, tokenizer, oracle):
     """``(server, manager, pool, oracle)``: the tiny Llama (full attention: pool pages), or a tiny gpt-oss (sliding
     layers with sinks: pool pages and one sliding-window slot per running request), behind the batching engine;
-    ``oracle(ids, n)`` the greedy tokens of ``ids`` alone on a copy of the served model."""
+    ``oracle(ids, n)`` the greedy tokens of ``ids`` alone on a copy of the served model. ``llama_packed``: the Llama
+    with packed steps (``BatchingConfig.packed_steps``, prompts in chunks of 16 tokens that ride on the decode
+    steps, cancelled mid-prefill too)."""
     from hf_rocketkv.serving import GenerationManager, create_app
     from hf_rocketkv.serving.http.background import ServerThread
 
     served = tiny_pair[0]
-    if request.param != "llama":
+    batching = dict(max_running=8, buckets=(1, 2, 4, 8), max_queue=16)
+    if request.param == "llama_packed":
+        batching.update(packed_steps=True, prefill_chunk_tokens=16, prefill_token_budget=16)
+    elif request.param != "llama":
         from tests.serving.helpers import oracle_tokens
         from tests.support.hybrid_models import make_hybrid_models
 
@@ -380,7 +387,7 @@ def soak_server(request, tiny_pair, tokenizer, oracle):
 
     pool = make_pool(served, page_size=8, mib=0.25, config=CFG)
     manager = GenerationManager(served, tokenizer, CFG, pool=pool,
-                                batching=BatchingConfig(max_running=8, buckets=(1, 2, 4, 8), max_queue=16))
+                                batching=BatchingConfig(**batching))
     server = ServerThread(create_app(manager, MODEL)).start()
     try:
         yield server, manager, pool, oracle
@@ -446,6 +453,8 @@ def test_soak_hostile_clients(soak_server, tokenizer, caplog):
 
     seen = Counter(a.request_id for a in attempts if a.request_id is not None)
     assert set(seen) <= admitted and max(seen.values()) == 1, "a client saw an id that was not its own"
+    if manager.engine.batching.packed_steps:
+        assert manager.engine.stats().packed_steps > 0, "no prompt chunk rode on a decode step"
     sampled = defaultdict(set)
     for a in attempts:
         final = ledger.finals(a.request_id)[0].value if a.request_id else None
