@@ -36,9 +36,6 @@ class PackedLayer:
     attention function (``decode_kv``: the batch layer's returned keys and values; ``chunk_kv``: the prefilling
     cache's)."""
 
-    is_sliding = False
-    is_compileable = False
-
     def __init__(self, step: "PackedStepCache", layer_idx: int):
         self.step = step
         self.layer_idx = layer_idx
@@ -76,6 +73,10 @@ class PackedStepCache(Cache):
     def __init__(self, batch, rows: int, cache, start: int, tokens: int):
         if rows < 1:
             raise ValueError(f"PackedStepCache needs at least one decoding row, got {rows}")
+        if len(cache.layers) != len(batch.layers):  # the masks are sized from the prefilling cache's layer kinds
+            raise ValueError(f"PackedStepCache: the prefilling cache has {len(cache.layers)} layers and the batch "
+                             f"{len(batch.layers)}; build it with the model's config (RocketKVCache(config, pool=pool, "
+                             f"model_config=model.config)) so each layer's kind is known before its first chunk")
         super().__init__(layers=[])
         self.batch, self.rows, self.cache, self.start, self.tokens = batch, rows, cache, start, tokens
         self.packed = [PackedLayer(self, i) for i in range(len(batch.layers))]

@@ -243,9 +243,13 @@ class _Batch:
     layers = [type("L", (), {"device": torch.device("cpu")})()]
 
 
+class _Cache:
+    layers = [object()]
+
+
 @pytest.mark.parametrize("rows, tokens, kv_length", [(1, 5, 5), (3, 4, 9), (2, 1, 7), (4, 6, 20)])
 def test_the_chunk_mask_is_lower_right_causal_where_transformers_skipped_it(rows, tokens, kv_length):
-    step = PackedStepCache(_Batch(), rows, cache=None, start=kv_length - tokens, tokens=tokens)
+    step = PackedStepCache(_Batch(), rows, cache=_Cache(), start=kv_length - tokens, tokens=tokens)
     mask = step.chunk_mask(None, kv_length)
     if tokens == kv_length:
         assert mask is None  # square causal: the path a forward of the chunk alone takes
@@ -256,7 +260,14 @@ def test_the_chunk_mask_is_lower_right_causal_where_transformers_skipped_it(rows
 
 
 def test_the_chunk_mask_is_the_packed_masks_last_rows():
-    step = PackedStepCache(_Batch(), 3, cache=None, start=6, tokens=4)
+    step = PackedStepCache(_Batch(), 3, cache=_Cache(), start=6, tokens=4)
     packed = torch.rand(1, 1, 7, 10) > 0.5
     mask = step.chunk_mask(packed, 10)
     assert torch.equal(mask, packed[:, :, 3:]) and step.chunk_mask(packed, 10) is mask
+
+
+def test_a_packed_step_refuses_a_cache_whose_layers_are_not_built():
+    with pytest.raises(ValueError, match="model_config=model.config"):
+        PackedStepCache(_Batch(), 2, cache=type("Empty", (), {"layers": []})(), start=0, tokens=4)
+    with pytest.raises(ValueError, match="at least one decoding row"):
+        PackedStepCache(_Batch(), 0, cache=_Cache(), start=0, tokens=4)
