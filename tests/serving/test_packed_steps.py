@@ -1,7 +1,7 @@
 """Packed engine steps (``BatchingConfig(packed_steps=True)``): the decoding rows' next tokens and a prompt chunk in
 one forward (cache/packed_step.py, integration/packed_attention.py, ``BatchDecoder.beside``), on tiny random models
-(CPU, float32): Llama with GQA, and the hybrid kinds (gpt-oss sinks and windows, Gemma 3 soft-capping and windows,
-Mistral windows).
+(CPU, float32): Llama with GQA, and every hybrid kind (Gemma 2 soft-capping, Gemma 3, Cohere 2, gpt-oss sinks,
+Mistral: sliding windows beside global layers or everywhere); Llama 4 keeps alternating.
 
 Oracle: each request alone through model.generate (greedy, one forward over the whole prompt, its own RocketKVCache
 without a pool) on a second copy of the model; never the engine, its chunks or a packed forward.
@@ -29,7 +29,7 @@ from tests.serving.helpers import (
     submit_arriving,
     wait_until,
 )
-from tests.support.hybrid_models import make_hybrid_models, make_llama4_models
+from tests.support.hybrid_models import HYBRID_ARCHS, make_hybrid_models, make_llama4_models
 from tests.support.tiny_models import cpu_pool
 
 CHUNK = 16
@@ -208,7 +208,7 @@ def _serve(served, pool, prompts, **batching):
     return engine, events
 
 
-@pytest.mark.parametrize("arch", ["gpt_oss", "gemma3", "mistral"])
+@pytest.mark.parametrize("arch", list(HYBRID_ARCHS))
 def test_hybrid_models_packed_equal_each_alone(arch):
     """Sliding-window layers in packed forwards: the chunk's rows of transformers' sliding mask, the decoding rows'
     rings; chunks of 8 tokens (the window is 8 on these configs: chunks start inside, at and past it)."""
