@@ -49,6 +49,8 @@ WHAT = [
     (r"^split_", "the default decode (rocketkv-graphs) before the package split (commit 0386f3e) and after it, "
                  "side by side on one GPU in one device call: decode ms/token, prefill s, peak GiB"),
     (r"_tests|^kernel_tests", "pytest log of GPU tests on that machine"),
+    (r"^packed_step_profile", "a packed engine step against a chunk forward alone: elapsed and device time, kernels "
+                              "(benchmarks/probes/packed_step_profile.py)"),
     (r"^packed_steps", "generate_batch with packed engine steps against alternating ones, side by side in one "
                        "process: output tokens/s per workload (benchmarks/packed_steps.py)"),
     (r"^decode_under_arrivals", "per-user decode rate of running requests while long prompts arrive, per "
