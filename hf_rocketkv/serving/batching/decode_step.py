@@ -18,6 +18,10 @@ rows that go on and dropped for the row that ended, before the row leaves. Token
 except that such a step computed one more row than a synchronous engine would have (the bucket may differ; on a
 random model's near-tied logits that can change a later token, as any change of batch size can).
 
+A packed step (``BatchingConfig.packed_steps``, ``beside``) is a decode step whose forward also carries a prompt
+chunk (cache/packed_step.py): it is launched like any step (from the device tokens of the step in flight when
+``step`` would be), runs eagerly, and is the step in flight afterwards.
+
 An error in the batched forward cannot be pinned on one row, so it ends every row of that step; a failed draw ends
 its row only.
 """
