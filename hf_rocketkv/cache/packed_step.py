@@ -16,8 +16,8 @@ transformers builds the forward's masks from this cache (``get_query_offset``, `
 layers it answers as the prefilling cache would for a forward of ``C`` queries, shifted by ``D`` query columns, so the
 mask's last ``C`` rows are exactly the chunk's own sliding mask; its first ``D`` rows are unused (the decode rows'
 validity comes from the batch's lengths, as in any decode step). For full-attention layers it answers so that
-transformers skips the mask (plain causal), and ``chunk_mask`` gives the chunk its lower-right causal mask (none for a
-chunk that is all its keys: the whole-prompt path, as in a forward of its own).
+transformers skips the mask (plain causal), and ``chunk_mask`` gives the chunk its causal mask by position (none for
+a chunk that is all its keys: the whole-prompt path, as in a forward of its own).
 
 One object per forward: it holds the split keys of the layer being run and the chunk's mask (sliced once per mask
 object, so the attention function's per-forward memos hold across layers).
@@ -143,21 +143,27 @@ class PackedStepCache(Cache):
 
     # ------------------------------------------------------------------------------------------ the chunk's mask
     def chunk_mask(self, attention_mask: torch.Tensor | None, kv_length: int) -> torch.Tensor | None:
-        """The chunk's mask ``[1, 1, C, kv_length]`` from the packed forward's: its last ``C`` rows, or, where
-        transformers skipped it (plain causal), lower-right causal (None when the chunk is all the keys: square
-        causal, as in a forward of its own). One object per mask and length for the whole forward."""
+        """The chunk's mask ``[1, 1, C, kv_length]`` from the packed forward's: its last ``C`` rows (a sliding-window
+        layer), or, where transformers skipped it (a full-attention layer, whose key column ``k`` is position ``k``),
+        causal by position: query ``j`` (position ``start + j``) sees columns up to ``start + j``. That is lower-right
+        causal when the chunk's keys end with it, and hides the later columns of a prefix hit a chunk replays. None
+        when the chunk is all the keys (square causal, as in a forward of its own). One object per mask and length
+        for the whole forward."""
         key = (id(attention_mask), kv_length)
         memo = self._masks.get(key)
         if memo is not None and memo[0] is attention_mask:
             return memo[1]
         if attention_mask is not None:
             mask = attention_mask[:, :, self.rows:]
-        elif self.tokens == kv_length:
+        elif self.start == 0 and self.tokens == kv_length:
             mask = None
         else:
+            if kv_length < self.start + self.tokens:
+                raise RuntimeError(f"PackedStepCache: a full-attention layer returned {kv_length} keys for a chunk at "
+                                   f"positions {self.start}..{self.start + self.tokens - 1}")
             device = self.batch.layers[0].device
             column = torch.arange(kv_length, device=device)
-            last_seen = kv_length - self.tokens + torch.arange(self.tokens, device=device)
+            last_seen = self.start + torch.arange(self.tokens, device=device)
             mask = (column[None, :] <= last_seen[:, None])[None, None]
         self._masks[key] = (attention_mask, mask)
         return mask

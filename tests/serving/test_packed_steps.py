@@ -23,13 +23,14 @@ from tests.serving.helpers import (
     CFG,
     Events,
     assert_each_alone,
+    make_pool,
     oracle_tokens,
     prompt_of,
     request,
     submit_arriving,
     wait_until,
 )
-from tests.support.hybrid_models import HYBRID_ARCHS, make_hybrid_models, make_llama4_models
+from tests.support.hybrid_models import FULL, HYBRID_ARCHS, SLIDING, make_hybrid_models, make_llama4_models
 from tests.support.tiny_models import cpu_pool
 
 CHUNK = 16
@@ -247,16 +248,24 @@ class _Cache:
     layers = [object()]
 
 
-@pytest.mark.parametrize("rows, tokens, kv_length", [(1, 5, 5), (3, 4, 9), (2, 1, 7), (4, 6, 20)])
-def test_the_chunk_mask_is_lower_right_causal_where_transformers_skipped_it(rows, tokens, kv_length):
-    step = PackedStepCache(_Batch(), rows, cache=_Cache(), start=kv_length - tokens, tokens=tokens)
+@pytest.mark.parametrize("rows, start, tokens, kv_length", [(1, 0, 5, 5), (3, 5, 4, 9), (2, 6, 1, 7), (4, 14, 6, 20),
+                                                            (2, 24, 8, 48), (1, 0, 8, 48), (3, 40, 8, 48)])
+def test_the_chunk_mask_is_causal_by_position_where_transformers_skipped_it(rows, start, tokens, kv_length):
+    """Query j of the chunk is position start + j; key column k is position k (a full-attention layer): the query
+    sees k <= start + j. Keys past the chunk's end (a prefix hit whose window a chunk replays) stay hidden."""
+    step = PackedStepCache(_Batch(), rows, cache=_Cache(), start=start, tokens=tokens)
     mask = step.chunk_mask(None, kv_length)
-    if tokens == kv_length:
+    if start == 0 and tokens == kv_length:
         assert mask is None  # square causal: the path a forward of the chunk alone takes
         return
-    expected = torch.ones(tokens, kv_length, dtype=torch.bool).tril(diagonal=kv_length - tokens)
+    expected = torch.tensor([[k <= start + j for k in range(kv_length)] for j in range(tokens)])
     assert torch.equal(mask[0, 0], expected)
     assert step.chunk_mask(None, kv_length) is mask  # one object per forward: the attention memos hold
+
+
+def test_a_chunk_past_its_keys_is_refused():
+    with pytest.raises(RuntimeError, match="returned 9 keys for a chunk at positions 6..9"):
+        PackedStepCache(_Batch(), 1, cache=_Cache(), start=6, tokens=4).chunk_mask(None, 9)
 
 
 def test_the_chunk_mask_is_the_packed_masks_last_rows():
@@ -271,3 +280,95 @@ def test_a_packed_step_refuses_a_cache_whose_layers_are_not_built():
         PackedStepCache(_Batch(), 2, cache=type("Empty", (), {"layers": []})(), start=0, tokens=4)
     with pytest.raises(ValueError, match="at least one decoding row"):
         PackedStepCache(_Batch(), 0, cache=_Cache(), start=0, tokens=4)
+
+
+# ------------------------------------------------------------------------------------------------ prefix hits
+# Gemma 3 with its global layer first and three sliding layers after it: the windows at the hit's end reach back
+# through them into the replayed columns
+GEMMA3_EARLY_GLOBAL = {"layer_types": [FULL, SLIDING, SLIDING, SLIDING]}
+
+
+@pytest.mark.parametrize("arch, overrides", [("llama", {}), ("gemma3", {}), ("gpt_oss", {}),
+                                             ("gemma3", GEMMA3_EARLY_GLOBAL)],
+                         ids=["llama", "gemma3", "gpt_oss", "gemma3_early_global"])
+def test_a_prefix_hit_prefilled_in_packed_steps_equals_the_request_alone(arch, overrides, tiny_pair):
+    """A request sharing an earlier one's prefix reuses its pages (on a model with sliding-window layers it replays
+    the windows before the hit's end, its full layers already holding the hit's columns, which the replayed queries
+    must not see) while another request decodes, so its chunks, replayed ones included, ride on decode steps: every
+    request's tokens are its own alone."""
+    if arch == "llama":
+        served, alone = tiny_pair
+        pool = make_pool(served, config=CFG)
+    else:
+        served, _ = make_hybrid_models(arch, **overrides)
+        alone, _ = make_hybrid_models(arch, **overrides)
+        pool = cpu_pool(served, CFG, 2 << 20, 8, sliding_slots=10)
+    shared = prompt_of(48, seed=21)
+    prompts = {"first": shared + prompt_of(30, seed=22), "runner": prompt_of(20, seed=23),
+               "hit": shared + prompt_of(37, seed=24)}
+    engine = BatchingEngine(served, CFG, pool, BatchingConfig(max_running=8, buckets=(1, 2, 4, 8), packed_steps=True,
+                                                              prefill_chunk_tokens=8, prefill_token_budget=8))
+    events = Events()
+    engine.start(events)
+    try:
+        engine.submit(request("first", prompts["first"], 4))
+        events.wait_finals(1)
+        hits = pool.stats().hit_pages
+        engine.submit(request("runner", prompts["runner"], 40))
+        assert wait_until(lambda: len(events.tokens("runner")) >= 2, timeout=30)
+        packed_before = engine.stats().packed_steps
+        engine.submit(request("hit", prompts["hit"], 6))
+        events.wait_finals(3)
+    finally:
+        engine.stop(timeout=60)
+    assert pool.stats().hit_pages > hits
+    assert engine.stats().packed_steps > packed_before
+    for rid, n in (("first", 4), ("runner", 40), ("hit", 6)):
+        assert events.tokens(rid) == oracle_tokens(alone, prompts[rid], CFG, n), f"{arch} {rid}"
+    assert pool.free_pages() == pool.total_pages()
+
+
+def _hit_last_logits(served, pool, prompts, packed: bool) -> torch.Tensor:
+    """The logits the hit request's last prompt position gets (the forward whose last position id is the prompt's
+    last), in an engine with or without packed steps; the scenario of the test above."""
+    last = len(prompts["hit"]) - 1
+    seen = []
+
+    def keep(module, args, kwargs, output):
+        positions = kwargs["position_ids"]
+        if positions.shape[0] == 1 and int(positions[0, -1]) == last:
+            seen.append(output.logits[0, -1].detach().clone())
+
+    handle = served.register_forward_hook(keep, with_kwargs=True)
+    engine = BatchingEngine(served, CFG, pool, BatchingConfig(max_running=8, buckets=(1, 2, 4, 8), packed_steps=packed,
+                                                              prefill_chunk_tokens=8, prefill_token_budget=8))
+    events = Events()
+    engine.start(events)
+    try:
+        engine.submit(request("first", prompts["first"], 2))
+        events.wait_finals(1)
+        engine.submit(request("runner", prompts["runner"], 30))
+        assert wait_until(lambda: len(events.tokens("runner")) >= 2, timeout=30)
+        engine.submit(request("hit", prompts["hit"], 2))
+        events.wait_finals(3)
+    finally:
+        engine.stop(timeout=60)
+        handle.remove()
+    assert len(seen) == 1 and pool.stats().hit_pages > 0
+    return seen[0]
+
+
+def test_a_replayed_prefix_gives_the_logits_of_an_alternating_engine():
+    """Tokens of tiny random models barely depend on what a replayed chunk's global layer attends to, so the logits
+    are compared: the last prompt position of a hit with 3 tokens after it (so the sliding layers' windows there
+    still reach into the replayed columns), prefilled in packed steps after a replay whose global layer (the first,
+    three sliding layers after it) must not let its queries see the hit's later columns, against the same engine
+    alternating (float32; the packed row's GEMMs round alike to about 1e-6 here, a query that sees later columns
+    moves them by about 1e-2)."""
+    served, _ = make_hybrid_models("gemma3", layer_types=[FULL, SLIDING, SLIDING, SLIDING])
+    shared = prompt_of(48, seed=31)
+    prompts = {"first": shared + prompt_of(30, seed=32), "runner": prompt_of(20, seed=33),
+               "hit": shared + prompt_of(3, seed=34)}
+    logits = [_hit_last_logits(served, cpu_pool(served, CFG, 2 << 20, 8, sliding_slots=10), prompts, packed)
+              for packed in (False, True)]
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-4)
