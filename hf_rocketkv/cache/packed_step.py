@@ -142,28 +142,31 @@ class PackedStepCache(Cache):
         return len(self.packed)
 
     # ------------------------------------------------------------------------------------------ the chunk's mask
-    def chunk_mask(self, attention_mask: torch.Tensor | None, kv_length: int) -> torch.Tensor | None:
-        """The chunk's mask ``[1, 1, C, kv_length]`` from the packed forward's: its last ``C`` rows (a sliding-window
-        layer), or, where transformers skipped it (a full-attention layer, whose key column ``k`` is position ``k``),
-        causal by position: query ``j`` (position ``start + j``) sees columns up to ``start + j``. That is lower-right
-        causal when the chunk's keys end with it, and hides the later columns of a prefix hit a chunk replays. None
-        when the chunk is all the keys (square causal, as in a forward of its own). One object per mask and length
-        for the whole forward."""
-        key = (id(attention_mask), kv_length)
+    def chunk_mask(self, attention_mask: torch.Tensor | None, kv_length: int, layer_idx: int) -> torch.Tensor | None:
+        """The chunk's mask ``[1, 1, C, kv_length]`` at layer ``layer_idx`` from the packed forward's: its last ``C``
+        rows where transformers built one (a sliding-window layer), else causal by position. A full-attention
+        layer's key column ``k`` is position ``k``, so query ``j`` (position ``start + j``) sees columns up to
+        ``start + j``: lower-right causal when the chunk's keys end with it, and the later columns of a prefix hit
+        that a chunk replays stay hidden. A sliding layer whose mask transformers skipped (its keys fewer than its
+        window) holds the positions just before the chunk's, so lower-right causal. None when the chunk is all the
+        keys (square causal, as in a forward of its own). One object per mask, length and kind for the forward."""
+        sliding = self._sliding(layer_idx)
+        key = (id(attention_mask), kv_length, sliding)
         memo = self._masks.get(key)
         if memo is not None and memo[0] is attention_mask:
             return memo[1]
+        first = kv_length - self.tokens if sliding else self.start  # the position of the chunk's first query, in columns
         if attention_mask is not None:
             mask = attention_mask[:, :, self.rows:]
-        elif self.start == 0 and self.tokens == kv_length:
+        elif first == 0 and self.tokens == kv_length:
             mask = None
         else:
-            if kv_length < self.start + self.tokens:
-                raise RuntimeError(f"PackedStepCache: a full-attention layer returned {kv_length} keys for a chunk at "
+            if kv_length < first + self.tokens:
+                raise RuntimeError(f"PackedStepCache: layer {layer_idx} returned {kv_length} keys for a chunk at "
                                    f"positions {self.start}..{self.start + self.tokens - 1}")
             device = self.batch.layers[0].device
             column = torch.arange(kv_length, device=device)
-            last_seen = self.start + torch.arange(self.tokens, device=device)
+            last_seen = first + torch.arange(self.tokens, device=device)
             mask = (column[None, :] <= last_seen[:, None])[None, None]
         self._masks[key] = (attention_mask, mask)
         return mask

@@ -24,6 +24,6 @@ def packed_attention(attend, module: torch.nn.Module, query: torch.Tensor, layer
     rows = layer.rows
     decode_query = query[0, :, :rows].transpose(0, 1).unsqueeze(2).contiguous()  # [D, Hq, 1, d]
     decoded, _ = attend(module, decode_query, dk, dv, None, scaling, dropout, **kwargs)  # [D, 1, Hq, d]
-    mask = layer.step.chunk_mask(attention_mask, ck.shape[2])
+    mask = layer.step.chunk_mask(attention_mask, ck.shape[2], layer.layer_idx)
     prefilled, _ = attend(module, query[:, :, rows:], ck, cv, mask, scaling, dropout, **kwargs)  # [1, C, Hq, d]
     return torch.cat([decoded.reshape(1, rows, *decoded.shape[2:]), prefilled], dim=1)

@@ -246,6 +246,12 @@ class _Batch:
 
 class _Cache:
     layers = [object()]
+    is_sliding = [False]
+
+
+class _SlidingCache:
+    layers = [object()]
+    is_sliding = [True]
 
 
 @pytest.mark.parametrize("rows, start, tokens, kv_length", [(1, 0, 5, 5), (3, 5, 4, 9), (2, 6, 1, 7), (4, 14, 6, 20),
@@ -254,25 +260,38 @@ def test_the_chunk_mask_is_causal_by_position_where_transformers_skipped_it(rows
     """Query j of the chunk is position start + j; key column k is position k (a full-attention layer): the query
     sees k <= start + j. Keys past the chunk's end (a prefix hit whose window a chunk replays) stay hidden."""
     step = PackedStepCache(_Batch(), rows, cache=_Cache(), start=start, tokens=tokens)
-    mask = step.chunk_mask(None, kv_length)
+    mask = step.chunk_mask(None, kv_length, 0)
     if start == 0 and tokens == kv_length:
         assert mask is None  # square causal: the path a forward of the chunk alone takes
         return
     expected = torch.tensor([[k <= start + j for k in range(kv_length)] for j in range(tokens)])
     assert torch.equal(mask[0, 0], expected)
-    assert step.chunk_mask(None, kv_length) is mask  # one object per forward: the attention memos hold
+    assert step.chunk_mask(None, kv_length, 0) is mask  # one object per forward: the attention memos hold
+
+
+@pytest.mark.parametrize("start, tokens, kv_length", [(30, 5, 7), (8, 8, 8), (0, 4, 4), (40, 3, 7)])
+def test_a_sliding_layers_skipped_mask_is_lower_right_causal(start, tokens, kv_length):
+    """A sliding layer holds the positions just before the chunk's (fewer than its window when transformers skips
+    its mask): its key column k is position start + tokens - kv_length + k, whatever the chunk's start."""
+    step = PackedStepCache(_Batch(), 2, cache=_SlidingCache(), start=start, tokens=tokens)
+    mask = step.chunk_mask(None, kv_length, 0)
+    if tokens == kv_length:
+        assert mask is None
+        return
+    expected = torch.ones(tokens, kv_length, dtype=torch.bool).tril(diagonal=kv_length - tokens)
+    assert torch.equal(mask[0, 0], expected)
 
 
 def test_a_chunk_past_its_keys_is_refused():
-    with pytest.raises(RuntimeError, match="returned 9 keys for a chunk at positions 6..9"):
-        PackedStepCache(_Batch(), 1, cache=_Cache(), start=6, tokens=4).chunk_mask(None, 9)
+    with pytest.raises(RuntimeError, match="layer 0 returned 9 keys for a chunk at positions 6..9"):
+        PackedStepCache(_Batch(), 1, cache=_Cache(), start=6, tokens=4).chunk_mask(None, 9, 0)
 
 
 def test_the_chunk_mask_is_the_packed_masks_last_rows():
     step = PackedStepCache(_Batch(), 3, cache=_Cache(), start=6, tokens=4)
     packed = torch.rand(1, 1, 7, 10) > 0.5
-    mask = step.chunk_mask(packed, 10)
-    assert torch.equal(mask, packed[:, :, 3:]) and step.chunk_mask(packed, 10) is mask
+    mask = step.chunk_mask(packed, 10, 0)
+    assert torch.equal(mask, packed[:, :, 3:]) and step.chunk_mask(packed, 10, 0) is mask
 
 
 def test_a_packed_step_refuses_a_cache_whose_layers_are_not_built():
@@ -334,9 +353,9 @@ def _hit_last_logits(served, pool, prompts, packed: bool) -> torch.Tensor:
     last = len(prompts["hit"]) - 1
     seen = []
 
-    def keep(module, args, kwargs, output):
+    def keep(module, args, kwargs, output):  # prompt forwards only (the hit's last chunk is 3 tokens long)
         positions = kwargs["position_ids"]
-        if positions.shape[0] == 1 and int(positions[0, -1]) == last:
+        if positions.shape[0] == 1 and positions.shape[1] > 1 and int(positions[0, -1]) == last:
             seen.append(output.logits[0, -1].detach().clone())
 
     handle = served.register_forward_hook(keep, with_kwargs=True)
@@ -372,3 +391,56 @@ def test_a_replayed_prefix_gives_the_logits_of_an_alternating_engine():
     logits = [_hit_last_logits(served, cpu_pool(served, CFG, 2 << 20, 8, sliding_slots=10), prompts, packed)
               for packed in (False, True)]
     torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-4)
+
+
+def _prompt_logits(served, pool, prompts: dict, packed: bool) -> dict:
+    """The logits at the last position of each prompt (each of a length of its own), in an engine with or without
+    packed steps: one request first, a runner, then the rest arriving while it decodes (chunks of 8)."""
+    last = {len(prompt) - 1: rid for rid, prompt in prompts.items()}
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(module, args, kwargs, output):  # prompt forwards only (every last chunk here is over one token long)
+        positions = kwargs["position_ids"]
+        rid = last.get(int(positions[0, -1])) if positions.shape[0] == 1 and positions.shape[1] > 1 else None
+        if rid is not None and rid not in seen:
+            seen[rid] = output.logits[0, -1].detach().clone()
+
+    handle = served.register_forward_hook(keep, with_kwargs=True)
+    engine = BatchingEngine(served, CFG, pool, BatchingConfig(max_running=8, buckets=(1, 2, 4, 8), packed_steps=packed,
+                                                              prefill_chunk_tokens=8, prefill_token_budget=8))
+    events = Events()
+    engine.start(events)
+    try:
+        rids = list(prompts)
+        engine.submit(request(rids[0], prompts[rids[0]], 2))
+        events.wait_finals(1)
+        engine.submit(request(rids[1], prompts[rids[1]], 60))
+        assert wait_until(lambda: len(events.tokens(rids[1])) >= 2, timeout=30)
+        for rid in rids[2:]:
+            engine.submit(request(rid, prompts[rid], 3))
+        events.wait_finals(len(rids))
+    finally:
+        engine.stop(timeout=60)
+        handle.remove()
+    assert set(seen) == set(prompts)
+    return seen
+
+
+@pytest.mark.parametrize("arch", ["llama", *HYBRID_ARCHS])
+def test_every_prompts_logits_equal_an_alternating_engine(arch, tiny_pair):
+    """Logits, not only tokens: the last position of every prompt (arriving while a request decodes, several
+    chunks long, under a prefix hit, a few tokens after the hit) prefilled in packed steps against the same engine
+    alternating (float32; rounding of the packed row's GEMMs only)."""
+    if arch == "llama":
+        served = tiny_pair[0]
+        pools = [make_pool(served, config=CFG) for _ in range(2)]
+    else:
+        served, _ = make_hybrid_models(arch)
+        pools = [cpu_pool(served, CFG, 2 << 20, 8, sliding_slots=10) for _ in range(2)]
+    shared = prompt_of(48, seed=41)
+    prompts = {"first": shared + prompt_of(30, seed=42), "runner": prompt_of(21, seed=43),
+               "hit_near": shared + prompt_of(3, seed=44), "hit_far": shared + prompt_of(19, seed=45),
+               "long": prompt_of(45, seed=46), "short": prompt_of(6, seed=47)}
+    alternating, packed = (_prompt_logits(served, pool, prompts, mode) for pool, mode in zip(pools, (False, True)))
+    for rid in prompts:
+        torch.testing.assert_close(packed[rid], alternating[rid], rtol=0, atol=1e-4, msg=f"{arch} {rid}")
