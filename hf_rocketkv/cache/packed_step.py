@@ -17,7 +17,8 @@ layers it answers as the prefilling cache would for a forward of ``C`` queries, 
 mask's last ``C`` rows are exactly the chunk's own sliding mask; its first ``D`` rows are unused (the decode rows'
 validity comes from the batch's lengths, as in any decode step). For full-attention layers it answers so that
 transformers skips the mask (plain causal), and ``chunk_mask`` gives the chunk its causal mask by position (none for
-a chunk that is all its keys: the whole-prompt path, as in a forward of its own).
+a chunk that is all its keys: the whole-prompt path, as in a forward of its own); a sliding layer's mask that
+transformers skips (fewer keys than the window) is rebuilt lower-right causal.
 
 One object per forward: it holds the split keys of the layer being run and the chunk's mask (sliced once per mask
 object, so the attention function's per-forward memos hold across layers).
