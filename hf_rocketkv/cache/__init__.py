@@ -28,5 +28,5 @@ from .sliding_layer import SlidingWindowLayer
 from .stats import CacheStats
 
 __all__ = ["BatchedDecodeCache", "CacheStats", "GenerationHints", "PackedStepCache", "RocketKVCache", "RocketKVLayer",
-           "SlidingWindowLayer", "check_pool_policy", "chunked_layers", "decode_read_bytes", "layer_of", "position_scaled_layers",
-           "request_pages", "sliding_windows"]
+           "SlidingWindowLayer", "check_pool_policy", "chunked_layers", "decode_read_bytes", "layer_of",
+           "position_scaled_layers", "request_pages", "sliding_windows"]

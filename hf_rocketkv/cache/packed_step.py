@@ -12,7 +12,7 @@ attention it would in a forward of its own.
     step = PackedStepCache(batch, rows, cache, start, C)  # batch prepared for ``rows`` rows, no padding rows
     model(ids [1, rows + C], position_ids=[rows' next positions, start .. start + C - 1], past_key_values=step)
 
-transformers builds the forward's masks from this cache (``get_query_offset``, ``get_mask_sizes``). For sliding-window
+transformers builds the forward's masks from this cache (``get_seq_length``, ``get_mask_sizes``). For sliding-window
 layers it answers as the prefilling cache would for a forward of ``C`` queries, shifted by ``D`` query columns, so the
 mask's last ``C`` rows are exactly the chunk's own sliding mask; its first ``D`` rows are unused (the decode rows'
 validity comes from the batch's lengths, as in any decode step). For full-attention layers it answers so that
@@ -101,10 +101,8 @@ class PackedStepCache(Cache):
         return marker, value_states[:, :, :0]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """The first query's position as transformers' mask code counts it: the chunk's start, ``D`` columns back."""
-        return self.start - self.rows
-
-    def get_query_offset(self, layer_idx: int = 0) -> int:
+        """The first query's position as transformers' mask code counts it (``get_query_offset`` asks this): the
+        chunk's start, ``D`` columns back."""
         return self.start - self.rows
 
     def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
@@ -156,7 +154,7 @@ class PackedStepCache(Cache):
         memo = self._masks.get(key)
         if memo is not None and memo[0] is attention_mask:
             return memo[1]
-        first = kv_length - self.tokens if sliding else self.start  # the position of the chunk's first query, in columns
+        first = kv_length - self.tokens if sliding else self.start  # the column of the chunk's first query
         if attention_mask is not None:
             mask = attention_mask[:, :, self.rows:]
         elif first == 0 and self.tokens == kv_length:

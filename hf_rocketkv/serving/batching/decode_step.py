@@ -123,22 +123,12 @@ class BatchDecoder:
     def step(self) -> None:
         """One decode step over the running rows. With ``BatchingConfig.overlap_decode`` the step is launched before
         the tokens of the step still in flight are read, from those tokens on the device (module docstring)."""
-        engine = self._engine
-        rows = list(self._endings.rows())
-        in_flight = self.in_flight
-        if in_flight is not None and not self._can_launch_after(in_flight, rows):
-            self.drain()
-            in_flight, rows = None, list(self._endings.rows())
-            if not rows:
-                return
-        step = self._launch(rows, in_flight)
-        if step is None:
+        rows, in_flight = self._next_launch()
+        if not rows:
             return
-        self.in_flight = step
-        if in_flight is not None:
-            self._complete(in_flight, after=step)
-        if not engine.batching.overlap_decode:
-            self.drain()
+        step = self._launch(rows, in_flight)
+        if step is not None:
+            self._now_in_flight(step, in_flight)
 
     def drain(self) -> None:
         """Read and accept the tokens of the step in flight (no step is in flight afterwards)."""
@@ -177,10 +167,7 @@ class BatchDecoder:
         ``ChunkedPrefill.run(tokens, forward)``; None when no row decodes. That step is launched like any other
         (from the tokens of the step in flight while they are still on the device, when ``step`` would be) and is
         the step in flight afterwards."""
-        rows, in_flight = list(self._endings.rows()), self.in_flight
-        if in_flight is not None and not self._can_launch_after(in_flight, rows):
-            self.drain()
-            rows, in_flight = list(self._endings.rows()), None
+        rows, in_flight = self._next_launch()
         return functools.partial(self._packed_forward, rows, in_flight) if rows else None
 
     def _packed_forward(self, rows: list[RunningRequest], in_flight: _StepInFlight | None, ids: torch.Tensor,
@@ -205,17 +192,11 @@ class BatchDecoder:
                                **compat.cache_kwargs(PackedStepCache(batch, count, cache, start, tokens)))
             batch.stepped()
         except Exception as err:
-            logger.warning("hf_rocketkv batching engine: a packed step failed: %s", err, exc_info=True)
-            self._endings.fail_all(f"the batched decode step failed: {type(err).__name__}: {err}")
+            self._forward_failed(err)
             raise
         logits = out.logits[0]
-        sampled, failed = self._sample_rows(rows, logits[:count].float())
         self._stats.count_packed()
-        self.in_flight = _StepInFlight(rows, count, sampled, _TokensToHost(sampled), failed, started)
-        if in_flight is not None:
-            self._complete(in_flight, after=self.in_flight)
-        if not engine.batching.overlap_decode:
-            self.drain()
+        self._now_in_flight(self._sampled(rows, count, logits[:count].float(), started), in_flight)
         return logits[count:]
 
     # ------------------------------------------------------------------------------------------------ one step
@@ -229,6 +210,24 @@ class BatchDecoder:
             return False
         return all(r.tokens + 1 < r.request.max_new_tokens and not r.request.cancelled.is_set() for r in rows)
 
+    def _next_launch(self) -> tuple[list[RunningRequest], _StepInFlight | None]:
+        """The rows the next step runs and the step in flight it runs on (None: from the rows' host tokens); the step
+        in flight is read first when the next one may not run on its tokens (``_can_launch_after``)."""
+        rows, in_flight = list(self._endings.rows()), self.in_flight
+        if in_flight is not None and not self._can_launch_after(in_flight, rows):
+            self.drain()
+            rows, in_flight = list(self._endings.rows()), None
+        return rows, in_flight
+
+    def _now_in_flight(self, step: _StepInFlight, previous: _StepInFlight | None) -> None:
+        """``step`` was launched on ``previous``'s device tokens (or on host tokens): it is in flight now, and
+        ``previous`` is read (with ``overlap_decode`` off, ``step`` too)."""
+        self.in_flight = step
+        if previous is not None:
+            self._complete(previous, after=step)
+        if not self._engine.batching.overlap_decode:
+            self.drain()
+
     def _launch(self, rows: list[RunningRequest], in_flight: _StepInFlight | None) -> _StepInFlight | None:
         """Launch one step over ``rows`` (their last tokens from the host, or the in-flight step's device tokens) and
         its sampling; the tokens start their way to the host. None when the forward failed (every row ended)."""
@@ -241,9 +240,18 @@ class BatchDecoder:
         try:
             logits = self.step_logits(len(rows), bucket, last_tokens)
         except Exception as err:  # noqa: BLE001 - a batched forward cannot be pinned on one row
-            logger.warning("hf_rocketkv batching engine: the decode step failed: %s", err, exc_info=True)
-            self._endings.fail_all(f"the batched decode step failed: {type(err).__name__}: {err}")
+            self._forward_failed(err)
             return None
+        return self._sampled(rows, bucket, logits, started)
+
+    def _forward_failed(self, err: Exception) -> None:
+        """A batched forward raised: it cannot be pinned on one row, so every row ends."""
+        logger.warning("hf_rocketkv batching engine: the decode step failed: %s", err, exc_info=True)
+        self._endings.fail_all(f"the batched decode step failed: {type(err).__name__}: {err}")
+
+    def _sampled(self, rows: list[RunningRequest], bucket: int, logits: torch.Tensor,
+                 started: float) -> _StepInFlight:
+        """The step whose forward gave ``logits`` ``[rows, V]``: each row's token drawn, on its way to the host."""
         tokens, failed = self._sample_rows(rows, logits)
         return _StepInFlight(rows, bucket, tokens, _TokensToHost(tokens), failed, started)
 
