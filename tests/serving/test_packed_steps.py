@@ -194,10 +194,19 @@ def test_packed_steps_is_validated_naming_the_field(value):
 PROMPTS = [(30, 9), (17, 3), (45, 12), (5, 6), (26, 1), (33, 8)]
 
 
-def _serve(served, pool, prompts, **batching):
-    engine = BatchingEngine(served, CFG, pool, BatchingConfig(max_running=8, buckets=(1, 2, 4, 8), **batching))
+def _started(served, pool, packed: bool = True):
+    """A started engine over ``pool`` that prefills in chunks of 8 tokens (one per decode step), with packed steps
+    or alternating, and its events."""
+    engine = BatchingEngine(served, CFG, pool, BatchingConfig(max_running=8, buckets=(1, 2, 4, 8), packed_steps=packed,
+                                                              prefill_chunk_tokens=8, prefill_token_budget=8))
     events = Events()
     engine.start(events)
+    return engine, events
+
+
+def _serve(served, pool, prompts):
+    """``prompts`` (with ``PROMPTS``' max_tokens) through a packed engine, the third on arriving while two decode."""
+    engine, events = _started(served, pool)
     try:
         for i, (prompt, (_, n)) in enumerate(zip(prompts, PROMPTS)):
             engine.submit(request(f"h{i}", prompt, n))
@@ -217,8 +226,7 @@ def test_hybrid_models_packed_equal_each_alone(arch):
     alone, _ = make_hybrid_models(arch)
     pool = cpu_pool(served, CFG, 2 << 20, 8, sliding_slots=10)
     prompts = [prompt_of(n, seed=900 + n) for n, _ in PROMPTS]
-    engine, events = _serve(served, pool, prompts, prefill_chunk_tokens=8, prefill_token_budget=8,
-                            packed_steps=True)
+    engine, events = _serve(served, pool, prompts)
     for i, (prompt, (_, n)) in enumerate(zip(prompts, PROMPTS)):
         assert events.tokens(f"h{i}") == oracle_tokens(alone, prompt, CFG, n), f"{arch} request {i}"
     assert engine.stats().packed_steps > 0
@@ -232,8 +240,7 @@ def test_llama4_position_scaled_queries_keep_alternating():
     served, alone = make_llama4_models()[0], make_llama4_models()[0]
     pool = cpu_pool(served, CFG, 2 << 20, 8, sliding_slots=10)
     prompts = [prompt_of(n, seed=950 + n) for n, _ in PROMPTS]
-    engine, events = _serve(served, pool, prompts, prefill_chunk_tokens=8, prefill_token_budget=8,
-                            packed_steps=True)
+    engine, events = _serve(served, pool, prompts)
     for i, (prompt, (_, n)) in enumerate(zip(prompts, PROMPTS)):
         assert events.tokens(f"h{i}") == oracle_tokens(alone, prompt, CFG, n), f"llama4 request {i}"
     assert engine.stats().packed_steps == 0
@@ -325,10 +332,7 @@ def test_a_prefix_hit_prefilled_in_packed_steps_equals_the_request_alone(arch, o
     shared = prompt_of(48, seed=21)
     prompts = {"first": shared + prompt_of(30, seed=22), "runner": prompt_of(20, seed=23),
                "hit": shared + prompt_of(37, seed=24)}
-    engine = BatchingEngine(served, CFG, pool, BatchingConfig(max_running=8, buckets=(1, 2, 4, 8), packed_steps=True,
-                                                              prefill_chunk_tokens=8, prefill_token_budget=8))
-    events = Events()
-    engine.start(events)
+    engine, events = _started(served, pool)
     try:
         engine.submit(request("first", prompts["first"], 4))
         events.wait_finals(1)
@@ -347,52 +351,6 @@ def test_a_prefix_hit_prefilled_in_packed_steps_equals_the_request_alone(arch, o
     assert pool.free_pages() == pool.total_pages()
 
 
-def _hit_last_logits(served, pool, prompts, packed: bool) -> torch.Tensor:
-    """The logits the hit request's last prompt position gets (the forward whose last position id is the prompt's
-    last), in an engine with or without packed steps; the scenario of the test above."""
-    last = len(prompts["hit"]) - 1
-    seen = []
-
-    def keep(module, args, kwargs, output):  # prompt forwards only (the hit's last chunk is 3 tokens long)
-        positions = kwargs["position_ids"]
-        if positions.shape[0] == 1 and positions.shape[1] > 1 and int(positions[0, -1]) == last:
-            seen.append(output.logits[0, -1].detach().clone())
-
-    handle = served.register_forward_hook(keep, with_kwargs=True)
-    engine = BatchingEngine(served, CFG, pool, BatchingConfig(max_running=8, buckets=(1, 2, 4, 8), packed_steps=packed,
-                                                              prefill_chunk_tokens=8, prefill_token_budget=8))
-    events = Events()
-    engine.start(events)
-    try:
-        engine.submit(request("first", prompts["first"], 2))
-        events.wait_finals(1)
-        engine.submit(request("runner", prompts["runner"], 30))
-        assert wait_until(lambda: len(events.tokens("runner")) >= 2, timeout=30)
-        engine.submit(request("hit", prompts["hit"], 2))
-        events.wait_finals(3)
-    finally:
-        engine.stop(timeout=60)
-        handle.remove()
-    assert len(seen) == 1 and pool.stats().hit_pages > 0
-    return seen[0]
-
-
-def test_a_replayed_prefix_gives_the_logits_of_an_alternating_engine():
-    """Tokens of tiny random models barely depend on what a replayed chunk's global layer attends to, so the logits
-    are compared: the last prompt position of a hit with 3 tokens after it (so the sliding layers' windows there
-    still reach into the replayed columns), prefilled in packed steps after a replay whose global layer (the first,
-    three sliding layers after it) must not let its queries see the hit's later columns, against the same engine
-    alternating (float32; the packed row's GEMMs round alike to about 1e-6 here, a query that sees later columns
-    moves them by about 1e-2)."""
-    served, _ = make_hybrid_models("gemma3", layer_types=[FULL, SLIDING, SLIDING, SLIDING])
-    shared = prompt_of(48, seed=31)
-    prompts = {"first": shared + prompt_of(30, seed=32), "runner": prompt_of(20, seed=33),
-               "hit": shared + prompt_of(3, seed=34)}
-    logits = [_hit_last_logits(served, cpu_pool(served, CFG, 2 << 20, 8, sliding_slots=10), prompts, packed)
-              for packed in (False, True)]
-    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-4)
-
-
 def _prompt_logits(served, pool, prompts: dict, packed: bool) -> dict:
     """The logits at the last position of each prompt (each of a length of its own), in an engine with or without
     packed steps: one request first, a runner, then the rest arriving while it decodes (chunks of 8)."""
@@ -406,10 +364,7 @@ def _prompt_logits(served, pool, prompts: dict, packed: bool) -> dict:
             seen[rid] = output.logits[0, -1].detach().clone()
 
     handle = served.register_forward_hook(keep, with_kwargs=True)
-    engine = BatchingEngine(served, CFG, pool, BatchingConfig(max_running=8, buckets=(1, 2, 4, 8), packed_steps=packed,
-                                                              prefill_chunk_tokens=8, prefill_token_budget=8))
-    events = Events()
-    engine.start(events)
+    engine, events = _started(served, pool, packed)
     try:
         rids = list(prompts)
         engine.submit(request(rids[0], prompts[rids[0]], 2))
@@ -424,6 +379,24 @@ def _prompt_logits(served, pool, prompts: dict, packed: bool) -> dict:
         handle.remove()
     assert set(seen) == set(prompts)
     return seen
+
+
+def test_a_replayed_prefix_gives_the_logits_of_an_alternating_engine():
+    """Tokens of tiny random models barely depend on what a replayed chunk's global layer attends to, so the logits
+    are compared: the last prompt position of a hit with 3 tokens after it (so the sliding layers' windows there
+    still reach into the replayed columns), prefilled in packed steps after a replay whose global layer (the first,
+    three sliding layers after it) must not let its queries see the hit's later columns, against the same engine
+    alternating (float32; the packed row's GEMMs round alike to about 1e-6 here, a query that sees later columns
+    moves them by about 1e-2)."""
+    served, _ = make_hybrid_models("gemma3", layer_types=[FULL, SLIDING, SLIDING, SLIDING])
+    shared = prompt_of(48, seed=31)
+    prompts = {"first": shared + prompt_of(30, seed=32), "runner": prompt_of(20, seed=33),
+               "hit": shared + prompt_of(3, seed=34)}
+    pools = [cpu_pool(served, CFG, 2 << 20, 8, sliding_slots=10) for _ in range(2)]
+    alternating, packed = (_prompt_logits(served, pool, prompts, mode)["hit"]
+                           for pool, mode in zip(pools, (False, True)))
+    assert all(pool.stats().hit_pages > 0 for pool in pools)
+    torch.testing.assert_close(packed, alternating, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("arch", ["llama", *HYBRID_ARCHS])
