@@ -95,7 +95,7 @@ from .compat_calls import (  # noqa: F401 - all re-exported: the cache argument'
 )
 
 TRANSFORMERS_VERSION: str = transformers.__version__
-VERIFIED_VERSIONS: tuple[str, ...] = ("5.17.0", "5.23.0", "5.24.0")
+VERIFIED_VERSIONS: tuple[str, ...] = ("5.17.0", "5.23.0", "5.24.0", "5.25.0")
 
 
 class CompatError(RuntimeError):
@@ -442,12 +442,19 @@ def rotary_modules(model) -> list:
         if function is None:
             continue
         try:
-            names = tuple(inspect.signature(function).parameters)
+            names = tuple(inspect.signature(_rotary_function(function)).parameters)
         except (TypeError, ValueError):
             continue
         if names == ROTARY_PARAMS:
             found[owner.__name__] = owner
     return list(found.values())
+
+
+def _rotary_function(rotary):
+    """The function behind a modeling module's ``apply_rotary_pos_emb``: since transformers 5.25 the name holds a
+    module built around it (``use_kernel_forward_from_hub``: the function is its ``forward``, and calling the module
+    calls it, or a hub kernel the user registered), before that the function itself."""
+    return rotary.forward if isinstance(rotary, torch.nn.Module) else rotary
 
 
 def install_rotary(owner, active: Callable[[], bool], compute: Callable[[Callable, dict], Any]) -> None:
@@ -458,10 +465,10 @@ def install_rotary(owner, active: Callable[[], bool], compute: Callable[[Callabl
         original = getattr(owner, ROTARY_NAME)
         if getattr(original, WRAPPED_MARK, False):
             return
-        signature = inspect.signature(original)
+        signature = inspect.signature(_rotary_function(original))
         default_dim = signature.parameters[ROTARY_PARAMS[-1]].default
 
-        @functools.wraps(original)
+        @functools.wraps(_rotary_function(original))
         def wrapper(*args, **kwargs):
             if torch.compiler.is_compiling() or not active():
                 return original(*args, **kwargs)
@@ -471,6 +478,7 @@ def install_rotary(owner, active: Callable[[], bool], compute: Callable[[Callabl
             bound.apply_defaults()
             return compute(original, bound.arguments)
 
+        setattr(wrapper, "__signature__", signature)  # the function's own (a 5.25 module's forward reads as a method)
         setattr(wrapper, WRAPPED_MARK, True)
         setattr(owner, ROTARY_NAME, wrapper)
 
