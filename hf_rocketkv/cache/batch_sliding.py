@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.dispatch import get_ops
-from .pooled_sliding import PooledSlidingLayer
+from .decode_record import RingRow
 from .seam import tag
 from .sliding_layer import SlidingWindowLayer
 
@@ -34,9 +34,10 @@ class BatchedSlidingLayer(SlidingWindowLayer):
         self.seen_buf: torch.Tensor | None = None  # [R] int64 (a row of the batch's [layers, R] tensor)
         self.k_slab = self.v_slab = None
 
-    def init_from(self, source: PooledSlidingLayer, max_rows: int, pool, seen: torch.Tensor) -> None:
-        self.dtype, self.device = source.dtype, source.device
-        self.num_kv_heads, self.head_dim = source.num_kv_heads, source.head_dim
+    def init_from(self, record: RingRow, max_rows: int, pool, seen: torch.Tensor) -> None:
+        """dtype, device and shapes of a request's sliding layer (its record); buffers for ``max_rows`` rows."""
+        self.dtype, self.device = record.dtype, record.device
+        self.num_kv_heads, self.head_dim = record.num_kv_heads, record.head_dim
         probe = torch.empty(0, self.num_kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device)
         self.k_slab, self.v_slab = pool.sliding_slab(self.layer_idx, probe)
         self.slots_buf = torch.zeros(max_rows, dtype=torch.long, device=self.device)
@@ -45,11 +46,10 @@ class BatchedSlidingLayer(SlidingWindowLayer):
         self.ops = get_ops(self.backend, self.device)
 
     # ------------------------------------------------------------------------------------------ rows
-    def copy_in(self, theirs: PooledSlidingLayer, row: int) -> None:
-        """Row ``row`` takes the request layer's slot and length (its ring moves into the slot first)."""
-        slot, seen = theirs.decode_slot()
-        self.slots_buf[row] = slot
-        self.seen_buf[row] = seen
+    def copy_in(self, record: RingRow, row: int) -> None:
+        """Row ``row`` takes the request layer's slot and length (its record's layer)."""
+        self.slots_buf[row] = record.slot
+        self.seen_buf[row] = record.seen
 
     def move_row(self, src: int, dst: int) -> None:
         self.slots_buf[dst] = self.slots_buf[src]

@@ -16,7 +16,9 @@ pages, stage 2 scores that row's KT pages, sparse attention reads them). No K/V 
     batch.leave(row)                   # the request is over: its pages go back to the pool
 
 One owner per request (the choice made here): a request is prefilled in its own cache and then *moves* into a row:
-``join`` copies its decode state into the row (one copy per layer) and takes its pool holdings
+``join`` copies its decode state, its ``KVRecord`` (``decode_record.py``), into the row (one copy per layer; the
+batch reads records, never the cache's layers, and builds its own layers from the first one) and takes its pool
+holdings
 (``RocketKVCache.hand_over``: block tables and sliding-window slot), so from then on this object alone holds the
 request's KV: its per-row tensors are the truth for the row's lengths, positions and logical length, and ``leave``
 gives the pages back. Nothing is written back and no cache waits for its row: a row costs one copy when it joins or
@@ -55,9 +57,9 @@ from ..memory.errors import PoolExhaustedError
 from .batch_sliding import BatchedSlidingLayer
 from .cache import RocketKVCache
 from .consistency import check_layers_consistent
+from .decode_record import KVRecord, LayerSettings, PagedRow, RingRow
 from .layer import GenerationHints, RocketKVLayer
 from .paged_store import PagedStore
-from .pooled_sliding import PooledSlidingLayer
 
 
 class BatchedDecodeLayer(RocketKVLayer):
@@ -81,16 +83,16 @@ class BatchedDecodeLayer(RocketKVLayer):
         self.seen_buf: torch.Tensor | None = None  # [R] int64
         self._handles: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def init_from(self, source: RocketKVLayer, max_rows: int, width: int, pool: KVBlockPool,
-                  lengths: torch.Tensor, seen: torch.Tensor) -> None:
-        """Shapes, dtype, device and kernels from a compressed request layer; buffers for ``max_rows`` rows of
-        ``width`` pool pages (all rows padding). ``lengths`` / ``seen``: ``[max_rows]`` int64 zeros, this layer's
-        buffers (views of the batch's ``[layers, max_rows]`` tensors, so padding rows are reset for every layer in
-        one op)."""
-        self.config = source.config  # the effective config (stage-2 options, KT page size)
-        self.dtype, self.device, self.ops = source.dtype, source.device, source.ops
-        self.num_kv_heads, self.head_dim = source.num_kv_heads, source.head_dim
-        self.policy, self.features = source.policy, source.features  # soft-capping / sinks (stage 2's logits)
+    def init_from(self, spec: LayerSettings, max_rows: int, width: int, pool: KVBlockPool, lengths: torch.Tensor,
+                  seen: torch.Tensor) -> None:
+        """Settings, dtype, device and kernels of a request's compressed layer (its record's ``runs_with``); buffers
+        for ``max_rows`` rows of ``width`` pool pages (all rows padding). ``lengths`` / ``seen``: ``[max_rows]``
+        int64 zeros, this layer's buffers (views of the batch's ``[layers, max_rows]`` tensors, so padding rows are
+        reset for every layer in one op)."""
+        self.config = spec.config  # the effective config (stage-2 options, KT page size)
+        self.dtype, self.device, self.ops = spec.dtype, spec.device, spec.ops
+        self.num_kv_heads, self.head_dim = spec.num_kv_heads, spec.head_dim
+        self.policy, self.features = spec.policy, spec.features  # soft-capping / sinks (stage 2's logits)
         self.storage = pool.layer(self.layer_idx)
         self.page_tokens = self.storage.k.shape[2]
         self.table_buf = torch.full((max_rows, width), -1, dtype=torch.int32, device=self.device)
@@ -104,18 +106,17 @@ class BatchedDecodeLayer(RocketKVLayer):
     def width(self) -> int:
         return self.table_buf.shape[1]
 
-    def copy_in(self, theirs: RocketKVLayer, row: int) -> None:
-        """Row ``row`` takes the request layer's table row, length, positions and logical length."""
-        store = theirs.store
-        pages, width = store.max_pages, theirs.positions.shape[2]
-        if store.page_tokens != self.page_tokens:
+    def copy_in(self, record: PagedRow, row: int) -> None:
+        """Row ``row`` takes the request's table row, length, positions and logical length (its record's layer)."""
+        if record.runs_with.page_tokens != self.page_tokens:
             raise ValueError("BatchedDecodeCache.join: the cache's pages are not this pool's")
+        pages, width = record.width, record.positions.shape[1]
         self.table_buf[row].fill_(-1)
-        self.table_buf[row, :pages] = store.table[0]
-        self.lengths_buf[row] = theirs.lengths[0]
+        self.table_buf[row, :pages] = record.table
+        self.lengths_buf[row] = record.length
         self.positions_buf[row].fill_(-1)
-        self.positions_buf[row, :, :width] = theirs.positions[0]
-        self.seen_buf[row] = theirs.seen
+        self.positions_buf[row, :, :width] = record.positions
+        self.seen_buf[row] = record.seen
 
     def move_row(self, src: int, dst: int) -> None:
         for buf in (self.table_buf, self.lengths_buf, self.positions_buf, self.seen_buf):
@@ -221,33 +222,24 @@ class BatchedDecodeCache(Cache):
 
     # ------------------------------------------------------------------------------------------ rows
     def join(self, row: int, cache: RocketKVCache) -> None:
-        """The request of ``cache`` (one row, compressed, pool-backed) moves into row ``row``: its decode state and
-        its pool holdings; ``cache`` is left empty (``RocketKVCache.hand_over``). On an error nothing moved."""
+        """The request of ``cache`` (one row, compressed, pool-backed) moves into row ``row``: its decode state (its
+        ``KVRecord``, copied into the row) and its pool holdings; ``cache`` is left empty
+        (``RocketKVCache.hand_over``). On an error nothing moved."""
         self._check_row(row)
         if self.held[row] is not None:
             raise ValueError(f"BatchedDecodeCache row {row} is taken (leave it first)")
         if cache.pool is not self.pool:
             raise ValueError("BatchedDecodeCache.join: the cache draws its pages from another pool (or none)")
-        if not cache.is_compressed or cache.batch_size != 1:
-            raise ValueError("BatchedDecodeCache.join needs a compressed RocketKVCache of batch 1 (prefill done)")
-        if any(layer.history is not None for layer in cache.layers):
-            raise NotImplementedError(
-                "BatchedDecodeCache does not batch keep_all histories (RocketKVConfig.multi_turn='keep_all'); "
-                "use multi_turn='evict' for batched decode")
-        if not cache.is_compressed or cache.get_seq_length() == 0:
-            raise ValueError("BatchedDecodeCache.join needs a compressed RocketKVCache (prefill and stage 1 done)")
-        paged = [layer for layer in cache.layers if isinstance(layer, RocketKVLayer)]
+        record = KVRecord.of(cache)
         try:
-            self._ensure_layers(cache)
-            for mine, theirs in zip(self.layers, cache.layers):
+            self._ensure_layers(record)
+            for mine, theirs in zip(self.layers, record.layers):
                 mine.copy_in(theirs, row)
-            row_pages = paged[0].store.row_pages[0] if paged else 0
-            room = min(layer.decode_room() for layer in paged) if paged else 1 << 62
             held = cache.hand_over()  # the last step: from here on the row owns the request's pages
         except BaseException:
             self._clear(row)
             raise
-        self.held[row], self.row_pages[row], self.room[row], self.steps[row] = held, row_pages, room, 0
+        self.held[row], self.row_pages[row], self.room[row], self.steps[row] = held, record.row_pages, record.room, 0
         self._layout += 1
 
     def leave(self, row: int) -> None:
@@ -405,29 +397,29 @@ class BatchedDecodeCache(Cache):
         return True
 
     # ------------------------------------------------------------------------------------------ internals
-    def _ensure_layers(self, cache: RocketKVCache) -> None:
-        """Layers on the first join (a sliding layer of the cache becomes a ``BatchedSlidingLayer``); wider tables
-        when this cache's view has more pages than the width."""
-        paged = [layer for layer in cache.layers if isinstance(layer, RocketKVLayer)]
-        width = paged[0].store.max_pages if paged else 0
+    def _ensure_layers(self, record: KVRecord) -> None:
+        """Layers on the first join, as the record's (a sliding layer's row becomes a ``BatchedSlidingLayer``); wider
+        tables when the record's view has more pages than the width."""
+        width = record.width
         if not self.layers:
             hints = self.hints
-            shape, device = (len(cache.layers), self.max_rows), cache.layers[0].device
+            shape, device = (len(record.layers), self.max_rows), record.layers[0].device
             self._lengths_all = torch.zeros(shape, dtype=torch.long, device=device)
             self._seen_all = torch.zeros(shape, dtype=torch.long, device=device)
-            for index, source in enumerate(cache.layers):
-                if isinstance(source, PooledSlidingLayer):
-                    layer = BatchedSlidingLayer(source.window, hints, index, source.chunked, source.backend)
-                    layer.init_from(source, self.max_rows, self.pool, self._seen_all[index])
+            for index, row in enumerate(record.layers):
+                if isinstance(row, RingRow):
+                    layer = BatchedSlidingLayer(row.window, hints, index, row.chunked, row.backend)
+                    layer.init_from(row, self.max_rows, self.pool, self._seen_all[index])
                 else:
-                    layer = BatchedDecodeLayer(source.config, hints, index, index in self.position_scaled_layers)
-                    layer.init_from(source, self.max_rows, width, self.pool, self._lengths_all[index],
+                    layer = BatchedDecodeLayer(row.runs_with.config, hints, index,
+                                               index in self.position_scaled_layers)
+                    layer.init_from(row.runs_with, self.max_rows, width, self.pool, self._lengths_all[index],
                                     self._seen_all[index])
                 self.layers.append(layer)
             self.version += 1
             return
-        if len(cache.layers) != len(self.layers):
-            raise ValueError(f"BatchedDecodeCache has {len(self.layers)} layers, the cache {len(cache.layers)}")
+        if len(record.layers) != len(self.layers):
+            raise ValueError(f"BatchedDecodeCache has {len(self.layers)} layers, the cache {len(record.layers)}")
         tables = [layer for layer in self.layers if isinstance(layer, BatchedDecodeLayer)]
         if tables and width > tables[0].width:
             for layer in tables:

@@ -31,6 +31,7 @@ from .layer_plan import check_layer_count, layer_config
 from .pool_pages import PoolPages, release_rows_later
 from .pooled_sliding import PooledSlidingLayer
 from .row_index import CROP_UNSUPPORTED
+from .seam import copy_with_owners
 from .sliding_layer import SlidingWindowLayer
 from .stats import CacheStats, RequestCounters
 
@@ -440,9 +441,22 @@ class RocketKVCache(Cache):
         for layer in self.layers:
             layer.crop(tokens_to_remove)
 
+    def __deepcopy__(self, memo: dict) -> "RocketKVCache":
+        """A copy that continues on its own (transformers' prompt-reuse recipe: prefill once, copy per question); its
+        captured steps are captured again. A pool-backed cache refuses: its pages are the pool's."""
+        if self.pages is not None:
+            raise TypeError(POOL_COPY)
+        return copy_with_owners(self, memo)
+
     def __repr__(self) -> str:
         return f"RocketKVCache(layers={len(self.layers)}, seen={self.get_seq_length()}, config={self.config})"
 
+
+POOL_COPY = (
+    "copy.deepcopy(RocketKVCache(pool=...)): a pool-backed cache's pages belong to the KVBlockPool and cannot be "
+    "copied; to reuse a prompt prefix across requests, let the pool's prefix index share it (docs/pool-cache.md), or "
+    "copy a cache without pool="
+)
 
 HYBRID_POOL = (
     "RocketKVCache(pool=...): the model's layers ({layers}) are not those the KVBlockPool was built for ({pool}); "

@@ -77,6 +77,10 @@ class OpGraph:
         self.replays += 1
         return self.output
 
+    def __deepcopy__(self, memo: dict) -> "OpGraph":
+        """A copied cache's layer captures its own launches (its buffers are new): nothing captured yet."""
+        return OpGraph()
+
     def _drop(self) -> None:
         """Forget the graph (destroying it: its pool has one graph less) and its static tensors."""
         self.graph, self.inputs, self.output = None, (), None
@@ -94,6 +98,10 @@ class GraphPool:
         self.handle: Any = None
         self.stream = torch.cuda.Stream()
         self.graphs: weakref.WeakSet = weakref.WeakSet()
+
+    def __deepcopy__(self, memo: dict) -> "GraphPool":
+        """A copied cache's graphs capture into a pool of its own."""
+        return GraphPool()
 
     def handle_and_stream(self) -> tuple[Any, Any]:
         if len(self.graphs) == 0:

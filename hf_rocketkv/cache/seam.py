@@ -3,6 +3,7 @@ carries a weak reference to that layer (docs/seam.md)."""
 
 from __future__ import annotations
 
+import copy
 import weakref
 
 import torch
@@ -21,8 +22,23 @@ def layer_of(key: torch.Tensor):
     return ref() if ref is not None else None
 
 
-def tag(tensor: torch.Tensor, layer) -> None:
-    """Mark ``tensor`` as returned by ``layer``'s ``update()`` (once: a tagged tensor keeps its owner). Called in
-    eager code wherever that tensor is (re)allocated, so compiled decode steps find it tagged."""
-    if getattr(tensor, OWNER_ATTRIBUTE, None) is None:
+def tag(tensor: torch.Tensor, layer, replace: bool = False) -> None:
+    """Mark ``tensor`` as returned by ``layer``'s ``update()`` (once: a tagged tensor keeps its owner, unless
+    ``replace``). Called in eager code wherever that tensor is (re)allocated, so compiled decode steps find it
+    tagged."""
+    if replace or getattr(tensor, OWNER_ATTRIBUTE, None) is None:
         setattr(tensor, OWNER_ATTRIBUTE, weakref.ref(layer))
+
+
+def copy_with_owners(obj, memo: dict):
+    """``copy.deepcopy(obj)`` for a cache whose ``__deepcopy__`` calls it: its attributes deep-copied, then each copied
+    tensor tagged with a layer that was copied too names the copy. (``deepcopy`` copies a weak reference as it is, so
+    a copy's attention would otherwise find the original's layers through the keys the copy returns.)"""
+    copied = object.__new__(type(obj))
+    memo[id(obj)] = copied
+    copied.__dict__.update(copy.deepcopy(obj.__dict__, memo))
+    for value in list(memo.values()):
+        owner = layer_of(value) if isinstance(value, torch.Tensor) else None
+        if owner is not None and id(owner) in memo:
+            tag(value, memo[id(owner)], replace=True)
+    return copied

@@ -19,6 +19,7 @@ exits with status 2 (``--debug`` adds the traceback).
 from __future__ import annotations
 
 import importlib
+import math
 import shlex
 import sys
 import traceback
@@ -217,8 +218,8 @@ def warm_up_batching_engine(args, model, config) -> dict:
 
 def check_engine_flags(args) -> None:
     """``warmup --engine``'s flags, before the model loads."""
-    if args.pool_gib is not None and args.pool_gib <= 0:
-        raise UsageError(f"--pool-gib must be > 0, got {args.pool_gib}")
+    if args.pool_gib is not None and not 0 < args.pool_gib < math.inf:
+        raise UsageError(f"--pool-gib must be > 0, got {args.pool_gib} (a finite number of GiB)")
     if args.engine and max(args.batch) > args.max_running:
         raise UsageError(f"--batch {max(args.batch)} exceeds --max-running {args.max_running} (with --engine, each "
                          f"batch size runs as one batch)")

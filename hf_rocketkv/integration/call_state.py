@@ -19,6 +19,8 @@ The cache holds it (``GenerationHints.extension``) and never reads it; integrati
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -36,6 +38,12 @@ class CallState:
     graph_devices: tuple[str, ...] = ("cuda",)
     graph_backend: object = None
     deferred_stop_devices: tuple[str, ...] = ("cuda",)
+
+    def __deepcopy__(self, memo: dict) -> "CallState":
+        """A copied cache's state: the ids it served (copied) and its settings; its decode step is captured again and
+        its first compiled step checks every guard (its buffers are new), the latest forward's memos forgotten."""
+        return dataclasses.replace(self, token_ids=copy.deepcopy(self.token_ids, memo), graphed_step=None,
+                                   graph_warmed_up=False, guards_checked=False, padding_memo=None, causal_memo=None)
 
     def begin_prefill(self) -> None:
         """A new prefill on the cache: its first compiled decode step runs every guard, and a captured decode step

@@ -29,6 +29,32 @@ OFFLINE_PREFILL_CHUNK_TOKENS = 16384
 OFFLINE_LARGE_DEVICE_BYTES = 70 * 2**30
 
 
+def _prompt_list(prompts) -> list:
+    """``prompts`` as a list, or TypeError naming the field when it is one prompt rather than a list of them (a string
+    would otherwise run as one prompt per character, a 1-D tensor as one per id)."""
+    if isinstance(prompts, (str, bytes)):
+        raise TypeError(f"prompts must be a list of prompts (strings or lists of token ids), got a single "
+                        f"{type(prompts).__name__}: pass [prompt] for one prompt")
+    if isinstance(prompts, torch.Tensor) and prompts.dim() < 2:
+        raise TypeError(f"prompts must be a list of prompts (strings or lists of token ids), got a "
+                        f"{prompts.dim()}-D tensor: pass [ids] for one prompt, or a 2-D tensor with one prompt per row")
+    if not isinstance(prompts, Sequence) and not isinstance(prompts, torch.Tensor):
+        try:
+            return list(prompts)
+        except TypeError:
+            raise TypeError(f"prompts must be a list of prompts (strings or lists of token ids), got "
+                            f"{type(prompts).__name__}") from None
+    return list(prompts)
+
+
+def _described(value) -> str:
+    """A wrong-typed argument as an error message names it: its type, and its entries' types for a list."""
+    if isinstance(value, (list, tuple)):
+        kinds = sorted({type(entry).__name__ for entry in value})
+        return f"a {type(value).__name__} of {', '.join(kinds) or 'nothing'}"
+    return type(value).__name__
+
+
 def sampling_from_generation_config(generation_config) -> SamplingParams:
     """SamplingParams equivalent to a transformers GenerationConfig's length, sampling and EOS settings."""
     max_tokens = generation_config.max_new_tokens or 16
@@ -79,11 +105,14 @@ def generate_batch(model, prompts: Sequence[str | Sequence[int]], generation_con
     its error, if any).
     """
     check_rocketkv_attention(model)
-    prompts = list(prompts)
+    prompts = _prompt_list(prompts)
     if isinstance(sampling, SamplingParams) or sampling is None:
         params = sampling or sampling_from_generation_config(generation_config or model.generation_config)
         per_prompt = [params] * len(prompts)
     else:
+        if not isinstance(sampling, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in sampling):
+            raise TypeError(f"sampling must be a SamplingParams or a list with one SamplingParams per prompt, got "
+                            f"{_described(sampling)}")
         per_prompt = list(sampling)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"sampling has {len(per_prompt)} entries for {len(prompts)} prompts")

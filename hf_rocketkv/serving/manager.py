@@ -231,6 +231,9 @@ class GenerationManager:
             ids = encode_text(self.tokenizer, prompt)
         elif isinstance(prompt, Sequence) or hasattr(prompt, "tolist"):
             ids = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
+            if not isinstance(ids, list):  # a 0-d tensor or array: one id, not a prompt
+                raise InvalidRequest(f"prompt must be a string or a list of token ids, got a single id {ids!r}",
+                                     "prompt")
         else:
             raise InvalidRequest(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
                                  "prompt")

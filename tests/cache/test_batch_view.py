@@ -245,3 +245,45 @@ def test_release_rows_the_scratch_page_and_what_the_batch_refuses(model):
     with pytest.raises(NotImplementedError) as refused:
         batch.layers[0].reset()
     assert str(refused.value) == "BatchedDecodeLayer.reset: rows leave one at a time (BatchedDecodeCache.leave)"
+
+
+def test_a_record_is_the_request_layers_decode_state_and_reading_it_changes_nothing(model):
+    """KVRecord.of(cache): per layer the request's own table row, length, positions and logical length (the cache's
+    tensors, row 0), its room and pages as the layer counts them; the cache still decodes as an unread twin does."""
+    from hf_rocketkv.cache.decode_record import KVRecord, PagedRow
+
+    pool = cpu_pool(model, CFG, 2 << 20)
+    prompt = random_ids(1, 41, seed=2)[0]
+    cache, first = prefill(model, pool, prompt, STEPS + 1)
+    twin, _ = prefill(model, pool, prompt, STEPS + 1)
+    record = KVRecord.of(cache)
+    assert len(record.layers) == len(cache.layers)
+    for row, layer in zip(record.layers, cache.layers):
+        assert isinstance(row, PagedRow)
+        assert torch.equal(row.table, layer.store.table[0]) and torch.equal(row.length, layer.lengths[0])
+        assert torch.equal(row.positions, layer.positions[0]) and int(row.seen) == len(prompt)
+        assert row.room == layer.capacity - int(layer.lengths.max()) - layer.host_slack
+        assert row.runs_with.page_tokens == pool.page_size and row.runs_with.num_kv_heads == 2
+    assert record.row_pages == cache.layers[0].store.row_pages[0] and record.width == record.layers[0].table.shape[0]
+    assert record.room == min(row.room for row in record.layers)
+    ids = torch.tensor([[first]])
+    for _ in range(2):
+        position = torch.tensor([[cache.get_seq_length()]])
+        with torch.no_grad():
+            ours = model(input_ids=ids, position_ids=position, **cache_kwargs(cache), use_cache=True).logits
+            theirs = model(input_ids=ids, position_ids=position, **cache_kwargs(twin), use_cache=True).logits
+        assert torch.equal(ours, theirs)
+        ids = ours[:, -1:].argmax(-1)
+    for request in (cache, twin):
+        request.close()
+    assert pool.free_pages() == pool.total_pages()
+
+
+def test_a_record_refuses_what_a_batch_row_cannot_take(model):
+    from hf_rocketkv.cache.decode_record import KVRecord
+
+    pool = cpu_pool(model, CFG, 2 << 20)
+    with pytest.raises(ValueError, match="needs a pool-backed RocketKVCache"):
+        KVRecord.of(RocketKVCache(CFG))
+    with pytest.raises(ValueError, match="needs a compressed RocketKVCache of batch 1"):
+        KVRecord.of(RocketKVCache(CFG, pool=pool))
