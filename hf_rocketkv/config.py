@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import numbers
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -106,6 +107,14 @@ _FLAT_FIELDS = (
     "decode_kernel_size",
 )
 _DEFAULT_RUNTIME = RuntimeSettings()
+
+
+def _plain_int(value: Any) -> Any:
+    """An integer of another type (``numpy.int64``) as a Python int; anything else as it is (a bool stays a bool, and
+    is refused where a count is due; numpy's bool is no ``numbers.Integral``)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+        return int(value)
+    return value
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -196,6 +205,7 @@ class RocketKVConfig:
         unknown = [name for name in values if name not in _FLAT_FIELDS]
         if unknown:
             raise TypeError(f"RocketKVConfig.__init__() got an unexpected keyword argument {unknown[0]!r}")
+        values = {name: _plain_int(value) for name, value in values.items()}
         if runtime is None:
             runtime = _DEFAULT_RUNTIME
         elif not isinstance(runtime, RuntimeSettings):

@@ -141,6 +141,20 @@ def test_non_integer_values(field, value):
     _raises([field, "integer", repr(value)], **{field: value})
 
 
+def test_numpy_integers_are_taken_as_python_ints():
+    """A budget computed with numpy (``np.int64``) is an integer: taken as one, stored as a Python int (YAML / JSON
+    serialize it); numpy's bool is still no count."""
+    import numpy as np
+
+    config = RocketKVConfig(prompt_budget=np.int64(512), topk=np.int32(16), prefill_batch_size=np.int64(2))
+    assert (config.prompt_budget, config.topk, config.prefill_batch_size) == (512, 16, 2)
+    assert all(type(v) is int for v in (config.prompt_budget, config.topk, config.prefill_batch_size))
+    assert type(config.replace(page_size=np.int64(8)).page_size) is int
+    assert RocketKVConfig.from_dict(config.to_dict()) == config
+    with pytest.raises(ValueError, match="RocketKVConfig.prompt_budget must be an integer"):
+        RocketKVConfig(prompt_budget=np.bool_(True))
+
+
 def test_replace_validates():
     config = RocketKVConfig(prompt_budget=64, window_size=8)
     assert config.replace(topk=3).topk == 3
