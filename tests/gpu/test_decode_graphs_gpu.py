@@ -65,3 +65,22 @@ def test_cuda_graph_decode_after_compile_regions():
     again, again_replays = _run(model, ids, graphs, compiled=True)
     assert first_replays == again_replays == REPLAYS
     assert torch.equal(first, again), "two requests of the same shapes gave different tokens after compile_regions"
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["cuda_graphs", "eager_layer_graphs"])
+def test_a_deepcopy_after_graphed_decode_continues_as_its_uncopied_twin(model, compiled):
+    """A cache whose decode steps ran through CUDA graphs (the whole-step graph, or the eager steps' per-layer
+    OpGraphs) is deep-copied; the next turn on the copy gives the tokens of the same turn on an uncopied twin, and
+    the original then still gives them too (the copy captures its own graphs)."""
+    import copy
+
+    ids = random_prompt(1, CONTEXT, seed=7)
+    graphs = BASE.replace(decode_runner="cuda_graphs")
+    cache, twin = RocketKVCache(graphs), RocketKVCache(graphs)
+    first = greedy(model, ids, cache, 8, compiled)
+    assert torch.equal(greedy(model, ids, twin, 8, compiled), first)
+    copied = copy.deepcopy(cache)
+    turn = torch.cat([ids, first, random_prompt(1, 64, seed=8)], 1)
+    expected = greedy(model, turn, twin, 16, compiled)
+    assert torch.equal(greedy(model, turn, copied, 16, compiled), expected)
+    assert torch.equal(greedy(model, turn, cache, 16, compiled), expected)
