@@ -26,7 +26,9 @@ Cases (``CASES``):
                    DynamicCache instead (the static cache compiles on CUDA only).
 
 A case passes when its ratio is at least its floor: ``value_of_record x (1 - tolerance)`` for a speed-up,
-``1 - tolerance`` against the previous result; the tolerance is the device noise the floor file records. Each case
+``1 - tolerance`` against the previous result; the tolerance is the device noise the floor file records. A speed-up
+case whose floor also records ``rocketkv_ms_of_record`` fails too when RocketKV's ms/token exceed it by more than the
+tolerance: a baseline that ran slow (a compile that fell back) cannot hide a slower RocketKV behind a high ratio. Each case
 prints one line, ``ok`` or ``FAIL`` with the numbers; the exit status is 1 when any case fails (a case that could not
 be measured fails too), 0 otherwise, also when the device has no floors (every case then prints ``not judged``).
 
@@ -93,6 +95,9 @@ def load_floors(path: Path = FLOORS) -> dict:
             if not floor.get("value_of_record", 0) > 0 or not 0 <= floor.get("tolerance", -1) < 1:
                 raise ValueError(f"{path}: {device}/{case} needs value_of_record > 0 and tolerance in [0, 1), got "
                                  f"{floor}")
+            if "rocketkv_ms_of_record" in floor and not floor["rocketkv_ms_of_record"] > 0:
+                raise ValueError(f"{path}: {device}/{case} rocketkv_ms_of_record must be > 0, got "
+                                 f"{floor['rocketkv_ms_of_record']}")
             for key in ("metric", "source"):
                 if not floor.get(key):
                     raise ValueError(f"{path}: {device}/{case} must say its {key}")
@@ -112,9 +117,15 @@ def judge_decode(measured: dict | None, floor: dict | None, case: str = "decode_
                                                                     f"for this device")
     lowest = floor["value_of_record"] * (1 - floor["tolerance"])
     status = "ok" if measured["ratio"] >= lowest - EXACT else "FAIL"
-    return Verdict(case, status, measured["ratio"], lowest,
-                   f"{status} {case}: {numbers}, floor {lowest:.2f}x ({floor['value_of_record']:.2f}x of record less "
-                   f"{floor['tolerance']:.0%})")
+    line = (f"{numbers}, floor {lowest:.2f}x ({floor['value_of_record']:.2f}x of record less "
+            f"{floor['tolerance']:.0%})")
+    if "rocketkv_ms_of_record" in floor:  # the ratio alone would pass a slower RocketKV beside a slower baseline
+        ceiling = floor["rocketkv_ms_of_record"] * (1 + floor["tolerance"])
+        if measured["rocketkv_ms"] > ceiling + EXACT:
+            status = "FAIL"
+        line += (f", ceiling {ceiling:.2f} ms ({floor['rocketkv_ms_of_record']:.2f} ms of record plus "
+                 f"{floor['tolerance']:.0%})")
+    return Verdict(case, status, measured["ratio"], lowest, f"{status} {case}: {line}")
 
 
 def judge_engine(measured: dict | None, floor: dict | None, previous: dict | None) -> Verdict:

@@ -40,6 +40,21 @@ def test_the_decode_speedup_is_judged_against_its_floor(rocket_ms, static_ms, st
     assert "floor 2.70x (3.00x of record less 10%)" in verdict.line
 
 
+@pytest.mark.parametrize("rocket_ms, static_ms, status", [
+    (6.0, 18.0, "ok"),       # 3.00x, RocketKV at its record
+    (6.6, 19.8, "ok"),       # RocketKV exactly at the ceiling (6.0 + 10%)
+    (6.7, 60.0, "FAIL"),     # 8.96x beside a baseline that ran slow: RocketKV 12% slower than its record fails
+    (5.0, 13.6, "ok"),       # faster than its record, 2.72x
+])
+def test_a_speedup_floor_with_an_ms_of_record_fails_a_slower_rocketkv_whatever_the_ratio(rocket_ms, static_ms,
+                                                                                          status):
+    floor = {**FLOORS["devices"]["gpu-x"]["decode_bs1_32k"], "rocketkv_ms_of_record": 6.0}
+    floors = {"devices": {"gpu-x": {"decode_bs1_32k": floor}}}
+    (verdict,) = perf_guard.judge({"decode_bs1_32k": decode(rocket_ms, static_ms)}, floors, "gpu-x")
+    assert verdict.status == status
+    assert verdict.line.endswith("ceiling 6.60 ms (6.00 ms of record plus 10%)")
+
+
 @pytest.mark.parametrize("tokens_per_s, previous, status, ratio", [
     (900.0, {"tokens_per_s": 1000.0, "source": "results/perf_guard/gpu-x_old.json"}, "ok", 0.9),
     (800.0, {"tokens_per_s": 1000.0, "source": "results/perf_guard/gpu-x_old.json"}, "ok", 0.8),  # the floor
@@ -89,7 +104,8 @@ def test_the_floor_file_is_checked(tmp_path):
     assert floors["devices"] and all(perf_guard.device_slug(name) == name for name in floors["devices"])
     assert perf_guard.device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3" in floors["devices"]
     for broken, message in [({"tolerance": 1.0}, "tolerance in"), ({"value_of_record": 0}, "value_of_record > 0"),
-                            ({"source": ""}, "must say its source")]:
+                            ({"source": ""}, "must say its source"),
+                            ({"rocketkv_ms_of_record": 0}, "rocketkv_ms_of_record must be > 0")]:
         floor = {**FLOORS["devices"]["gpu-x"]["decode_bs1_32k"], **broken}
         path = tmp_path / "floors.json"
         path.write_text(json.dumps({"devices": {"gpu-x": {"decode_bs1_32k": floor}}}))
