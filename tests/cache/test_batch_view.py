@@ -287,3 +287,8 @@ def test_a_record_refuses_what_a_batch_row_cannot_take(model):
         KVRecord.of(RocketKVCache(CFG))
     with pytest.raises(ValueError, match="needs a compressed RocketKVCache of batch 1"):
         KVRecord.of(RocketKVCache(CFG, pool=pool))
+    two = RocketKVCache(CFG, pool=pool)
+    greedy(model, random_ids(2, 41, seed=3), 3, cache=two)  # compressed, but two rows: a batch row takes one
+    assert two.is_compressed
+    with pytest.raises(ValueError, match="needs a compressed RocketKVCache of batch 1"):
+        KVRecord.of(two)
