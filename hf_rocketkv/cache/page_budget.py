@@ -11,9 +11,10 @@ P prompt tokens and N new tokens, in pool pages of p tokens (docs/memory.md, "Ac
     N at admission       config.decode_headroom(max_new_tokens)   (decode-time compression bounds the view)
 
 ``check_pool_config`` refuses a config whose KT geometry differs from the pool's KT slab or whose stage-1 policy has
-per-head budgets (``check_pool_policy``). Importing this module (``import hf_rocketkv`` does, through
-``hf_rocketkv.cache``) registers both with ``memory.as_budget``, so ``pool.pages_needed(P, N, cfg)``,
-``pool.can_admit``, ``pool.admit``, ``pool.admit_batch`` and ``pool.check_config`` take a RocketKVConfig. Any other
+per-head budgets (``check_pool_policy``). Importing this module (``hf_rocketkv.cache`` does, and
+``from hf_rocketkv import KVBlockPool`` imports it) registers both with ``memory.as_budget``, so
+``pool.pages_needed(P, N, cfg)``, ``pool.can_admit``, ``pool.admit``, ``pool.admit_batch`` and ``pool.check_config``
+take a RocketKVConfig. Any other
 object goes through the same conversion: one with the config's fields works, one without is refused naming the
 fields it lacks.
 """

@@ -76,16 +76,11 @@ def chat_template(value: str | None) -> str | None:
     else:
         raise UsageError(f"--chat-template {value}: no such file; pass a Jinja template file, or the template itself "
                          f"(text with {{{{ ... }}}} or {{% ... %}})")
-    if not text.strip():
-        raise UsageError(f"{source}: the template is empty")
-    import jinja2
-    import jinja2.ext
-    import jinja2.sandbox
+    from ..serving.prompts import chat_template_error
 
-    try:  # the environment transformers renders chat templates in
-        jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=[jinja2.ext.loopcontrols]).parse(text)
-    except jinja2.TemplateSyntaxError as err:
-        raise UsageError(f"{source}: not a valid Jinja template (line {err.lineno}: {err.message})") from None
+    error = chat_template_error(text)
+    if error is not None:
+        raise UsageError(f"{source}: {error}")
     return text
 
 

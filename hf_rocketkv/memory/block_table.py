@@ -32,6 +32,7 @@ class BlockTable:
         self.name = f"{kind}-table-{next(_table_ids)}"
         self._pages: list[int] = []
         self._tensor: torch.Tensor | None = None
+        self._owner: object | None = None  # the token of the pool whose pages the table holds (None while empty)
 
     @property
     def pages(self) -> tuple[int, ...]:
@@ -69,15 +70,27 @@ class BlockTable:
                 f"{self.name}: {len(self._pages)} + {extra} pages exceed its max_pages={limit}"
             )
 
-    def extend(self, pages: list[int]) -> None:
-        """Append page ids ``pages`` (the tensor follows in place)."""
+    def check_owner(self, owner: object) -> None:
+        """Raise unless the table is empty or holds pages of the pool whose token is ``owner``: a page id means
+        nothing in another pool (releasing it there would free a page some other request holds)."""
+        if self._pages and self._owner is not owner:
+            raise ValueError(f"{self.name} holds pages of another KVBlockPool: release, truncate or grow it through "
+                             f"the pool it came from")
+
+    def extend(self, pages: list[int], owner: object) -> None:
+        """Append page ids ``pages`` of the pool whose token is ``owner`` (the tensor follows in place)."""
+        self.check_owner(owner)
         self._pages.extend(pages)
+        if self._pages:
+            self._owner = owner
         self._sync_tensor()
 
     def truncate(self, length: int) -> list[int]:
         """Drop pages from ``length`` on; returns them in table order."""
         dropped = self._pages[length:]
         del self._pages[length:]
+        if not self._pages:
+            self._owner = None
         self._sync_tensor()
         return dropped
 

@@ -51,6 +51,7 @@ class PageCore:
                 free.push_back(UNCACHED, meta.index)
         self.events = CopyEvents(storage)
         self.clock = 0  # logical time of the last take / release (``PageMeta.last_access``)
+        self.token = object()  # names this pool in the tables holding its pages (BlockTable.check_owner)
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.reserved = 0  # pages set aside by reservations (counted, not held)
         # cached pages that take_pages pops lose their prefix identity here first (set by offload, weakly bound)
@@ -162,9 +163,10 @@ class PageCore:
                 raise PoolExhaustedError(f"allocating {num_pages} pages for {table.name}", num_pages,
                                          self.available(), self.num_pages)
             table.check_room(num_pages)
+            table.check_owner(self.token)
             self.events.poll()
             self.clock += 1
-            table.extend([m.index for m in self.take_pages(num_pages)])
+            table.extend([m.index for m in self.take_pages(num_pages)], self.token)
 
     def allocate_batch(self, requests: Sequence[tuple[BlockTable, int]], what: str = "allocating pages") -> None:
         """``allocate`` for several tables at once: every table gets its pages, or none does (PoolExhaustedError
@@ -174,13 +176,14 @@ class PageCore:
             for table, num_pages in requests:
                 check_int(num_pages, "num_pages", 0)
                 table.check_room(num_pages)
+                table.check_owner(self.token)
                 total += num_pages
             if total > self.available():
                 raise PoolExhaustedError(what, total, self.available(), self.num_pages)
             self.events.poll()
             self.clock += 1
             for table, num_pages in requests:
-                table.extend([m.index for m in self.take_pages(num_pages)])
+                table.extend([m.index for m in self.take_pages(num_pages)], self.token)
 
     # ============================================================================================ giving pages back
     def release(self, obj: BlockTable | Admission | SlotLease) -> None:
@@ -190,12 +193,14 @@ class PageCore:
             if isinstance(obj, SlotLease):
                 self.slab.release(obj)
                 return
-            if isinstance(obj, Admission) and obj.slot is not None:
-                self.slab.release(obj.slot)
             tables = (obj.prompt, obj.view) if isinstance(obj, Admission) else (obj,)
-            for table in tables:
+            for table in tables:  # every check before anything changes
                 if not isinstance(table, BlockTable):
                     raise ValueError(f"release expects a BlockTable or an Admission, got {type(obj).__name__}")
+                table.check_owner(self.token)
+            if isinstance(obj, Admission) and obj.slot is not None:
+                self.slab.release(obj.slot)
+            for table in tables:
                 self.clock += 1
                 self.unref_all(table.truncate(0))
 
@@ -203,6 +208,7 @@ class PageCore:
         """Release ``table``'s pages from ``num_pages`` on (tail first)."""
         with self.lock:
             check_int(num_pages, "num_pages", 0)
+            table.check_owner(self.token)
             self.clock += 1
             self.unref_all(table.truncate(num_pages))
 

@@ -74,6 +74,9 @@ def row_inputs(prompt_len, max_new_tokens, token_ids, keys) -> list[RowInput]:
     """The rows of a request (``prompt_len`` an int) or a batch (a list), each checked, with messages naming the
     argument and the row."""
     batch = not isinstance(prompt_len, int)
+    if batch and not isinstance(prompt_len, Sequence):  # a float, a 0-d tensor: neither a row nor a list of rows
+        raise ValueError(f"prompt_len must be an integer >= 1 (one row) or a list of them (a batch), got "
+                         f"{prompt_len!r} ({type(prompt_len).__name__})")
     lengths = list(prompt_len) if batch else [prompt_len]
     count = len(lengths)
     if batch and count == 0:
@@ -294,9 +297,9 @@ class Planner:
             prompt_new = core.take_pages(row.new_prompt_pages)
             view_new = core.take_pages(row.pages.view_pages)
             prompt = BlockTable("prompt", max_pages=row.pages.prompt_pages)
-            prompt.extend([m.index for m in hits] + [m.index for m in prompt_new])
+            prompt.extend([m.index for m in hits] + [m.index for m in prompt_new], core.token)
             view = BlockTable("view", max_pages=row.pages.view_pages)
-            view.extend([m.index for m in view_new])
+            view.extend([m.index for m in view_new], core.token)
             core.counters["hit_pages"] += len(hits)
             core.counters["missed_pages"] += len(row.hashes) - len(hits)
             admissions.append(Admission(

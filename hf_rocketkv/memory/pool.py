@@ -174,6 +174,8 @@ class KVBlockPool:
 
     @prefix_reuse.setter
     def prefix_reuse(self, value: bool) -> None:
+        if not isinstance(value, bool):  # as the constructor: a truthy string would leave reuse silently on
+            raise ValueError(f"KVBlockPool.prefix_reuse must be True or False, got {value!r}")
         with self._lock:
             self.spec = dataclasses.replace(self.spec, prefix_reuse=value)
             self._planner.use_spec(self.spec)

@@ -251,6 +251,9 @@ class PrefixFiles:
         core, page_size = self.core, self.facts.page_size
         path = Path(path)
         check_priority(priority, "priority")
+        if cache_salt is not None and not isinstance(cache_salt, str):  # the caller's, before the file is read
+            raise ValueError(f"load_prefix: cache_salt must be a string or None, got {cache_salt!r} "
+                             f"({type(cache_salt).__name__})")
         tensors, meta = read_prefix_file(path)
         self.facts.check(path, meta)
         try:

@@ -69,6 +69,7 @@ class PrefixIndex:
         with core.lock:
             priority = self.default_priority if priority is None else check_priority(priority, "priority")
             check_int(start_page, "start_page", 0)
+            table.check_owner(core.token)
             pages = table.pages
             if start_page + len(hashes) > len(pages):
                 raise ValueError(f"{table.name} has {len(pages)} pages; cannot register pages "
@@ -81,6 +82,7 @@ class PrefixIndex:
         """Index the admission's full prompt pages among its first ``num_tokens`` tokens (default: the whole
         prompt), once their K/V are written in every layer. Returns pages newly indexed."""
         with self.core.lock:
+            admission.prompt.check_owner(self.core.token)
             num_tokens = admission.prompt_len if num_tokens is None else num_tokens
             check_int(num_tokens, "num_tokens", 0)
             if num_tokens > admission.prompt_len:

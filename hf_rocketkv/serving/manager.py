@@ -90,6 +90,10 @@ class GenerationManager:
         self.pool = pool
         text_config = model.config.get_text_config()
         self.vocab_size = int(text_config.vocab_size)
+        if max_model_len is not None and (not isinstance(max_model_len, int) or isinstance(max_model_len, bool)
+                                          or max_model_len < 2):
+            raise ValueError(f"max_model_len must be None (the model's max_position_embeddings) or an integer >= 2 "
+                             f"(prompt + max_tokens), got {max_model_len!r}")
         self.max_model_len = int(max_model_len or text_config.max_position_embeddings)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         check_warmup_max_tokens(warmup_max_tokens)  # before the tokenizer and the engine do anything
@@ -229,6 +233,9 @@ class GenerationManager:
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             ids = encode_text(self.tokenizer, prompt)
+        elif isinstance(prompt, (bytes, bytearray)):  # a Sequence of ints, but text by intent: never token ids
+            raise InvalidRequest(f"prompt must be a string or a list of token ids, got {type(prompt).__name__} "
+                                 f"(decode it to a str first)", "prompt")
         elif isinstance(prompt, Sequence) or hasattr(prompt, "tolist"):
             ids = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
             if not isinstance(ids, list):  # a 0-d tensor or array: one id, not a prompt

@@ -28,8 +28,13 @@ def encode_chat(tokenizer, messages: Sequence[dict[str, Any]], *, chat_template:
         raise InvalidRequest("the model's tokenizer has no chat template; use /v1/completions (or start the server "
                              "with --chat-template)", "messages")
     check_messages(messages)
-    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         chat_template=chat_template)
+    from jinja2 import TemplateError
+
+    try:
+        text = tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                             add_generation_prompt=add_generation_prompt, chat_template=chat_template)
+    except TemplateError as err:  # the template's raise_exception (roles that do not alternate, ...): the client's
+        raise InvalidRequest(f"the chat template refused these messages: {err}", "messages") from None
     check_unicode(text, "messages")
     return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
@@ -74,3 +79,19 @@ def check_unicode(text: str, param: str) -> None:
     except UnicodeEncodeError as err:
         raise InvalidRequest(f"{param} is not valid Unicode: a lone surrogate (U+{ord(text[err.start]):04X}) at "
                              f"character {err.start}", param) from None
+
+
+def chat_template_error(text: str) -> str | None:
+    """Why ``text`` is no chat template transformers can render (empty, or a Jinja syntax error with its line), or
+    None: checked where a server is built, so a broken template is refused at start-up, not at every chat request."""
+    if not isinstance(text, str) or not text.strip():
+        return "the template is empty" if isinstance(text, str) else f"must be a string, got {type(text).__name__}"
+    import jinja2
+    import jinja2.ext
+    import jinja2.sandbox
+
+    try:  # the environment transformers renders chat templates in
+        jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=[jinja2.ext.loopcontrols]).parse(text)
+    except jinja2.TemplateSyntaxError as err:
+        return f"not a valid Jinja template (line {err.lineno}: {err.message})"
+    return None
