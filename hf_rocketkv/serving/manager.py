@@ -173,7 +173,9 @@ class GenerationManager:
             self._close(request_id, finished)
 
     def result(self, request_id: str, timeout: float | None = None) -> GenerationResult:
-        """Wait for the request to finish and return everything it produced."""
+        """Wait for the request to finish and return everything it produced. It reads the request's stream, so it is
+        its one consumer: a ``TimeoutError`` (no output for ``timeout`` seconds) cancels the request, as leaving
+        ``stream`` does, and the request cannot be read again."""
         record = self._records.get(request_id)
         for _ in self.stream(request_id, timeout):
             pass
