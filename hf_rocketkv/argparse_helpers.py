@@ -56,7 +56,8 @@ def number_in(low: float, high: float | None, low_open: bool = False):
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number in {bounds}, got {text!r}") from None
-        if not math.isfinite(value) or value < low or (low_open and value == low) or (high is not None and value > high):
+        outside = value < low or (low_open and value == low) or (high is not None and value > high)
+        if not math.isfinite(value) or outside:
             raise argparse.ArgumentTypeError(f"must be a number in {bounds}, got {text}")
         return value
 

@@ -2,7 +2,8 @@
 
 A request is prefilled in its own pool-backed ``RocketKVCache``. Once stage 1 has run, everything its decode steps
 read is, per layer, a block table row, a few counters and the settings the layer runs with. ``KVRecord.of(cache)``
-reads them (views of the cache's tensors: nothing is copied, nothing changes); ``BatchedDecodeCache.join`` builds its
+reads them (views of the cache's tensors, nothing copied; a sliding layer just prefilled first moves its last columns
+into its pool slot, as its first decode step would); ``BatchedDecodeCache.join`` builds its
 layers from the first record it takes and copies each record into a row, then takes the request's pool holdings
 (``RocketKVCache.hand_over``). So the batch reads records, never a cache's layers, and a record says in one place
 what "a decoding request" is.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import math
 import re
 import sys
 from pathlib import Path
@@ -177,6 +178,12 @@ def check_model(value: str | None) -> None:
         raise UsageError(f"--model {err}") from err
     except DefaultModelMissing as err:
         raise UsageError(f"--model {value}: {err}") from err
+
+
+def check_pool_gib(value: float | None) -> None:
+    """``--pool-gib`` (serve, warmup --engine): None, or a finite number of GiB > 0."""
+    if value is not None and not 0 < value < math.inf:
+        raise UsageError(f"--pool-gib must be > 0, got {value} (a finite number of GiB)")
 
 
 def check_folder(flag: str, value: str, what: str) -> None:

@@ -19,7 +19,6 @@ exits with status 2 (``--debug`` adds the traceback).
 from __future__ import annotations
 
 import importlib
-import math
 import shlex
 import sys
 import traceback
@@ -32,6 +31,7 @@ from .checks import (
     check_folder,
     check_model,
     check_output_folder,
+    check_pool_gib,
     check_task_files,
     cuda_absent_reason,
     prompt_text,
@@ -218,8 +218,7 @@ def warm_up_batching_engine(args, model, config) -> dict:
 
 def check_engine_flags(args) -> None:
     """``warmup --engine``'s flags, before the model loads."""
-    if args.pool_gib is not None and not 0 < args.pool_gib < math.inf:
-        raise UsageError(f"--pool-gib must be > 0, got {args.pool_gib} (a finite number of GiB)")
+    check_pool_gib(args.pool_gib)
     if args.engine and max(args.batch) > args.max_running:
         raise UsageError(f"--batch {max(args.batch)} exceeds --max-running {args.max_running} (with --engine, each "
                          f"batch size runs as one batch)")

@@ -22,7 +22,6 @@ one to three lines with exit status 2, without a traceback.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import signal
 import socket
@@ -32,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..models import DEFAULT_MODEL, first_line, shard_kv_heads
-from .checks import UsageError
+from .checks import UsageError, check_pool_gib
 from .serve_options import (
     add_options,
     app_options,
@@ -171,8 +170,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--max-model-len must be >= 2, got {args.max_model_len}")
     if args.default_max_tokens < 1:
         raise UsageError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
-    if args.pool_gib is not None and not 0 < args.pool_gib < math.inf:
-        raise UsageError(f"--pool-gib must be > 0, got {args.pool_gib} (a finite number of GiB)")
+    check_pool_gib(args.pool_gib)
     if args.kv_memory_fraction is not None:
         if not 0 < args.kv_memory_fraction <= 1:
             raise UsageError(f"--kv-memory-fraction must be in (0, 1], got {args.kv_memory_fraction}")

@@ -12,9 +12,10 @@ Registered here, the plain-number entry:
     list or tuple of RowDemand  one per row
 
 ``hf_rocketkv.cache`` registers RocketKV's conversion (``cache/page_budget.py``) when it is imported, which
-``from hf_rocketkv import KVBlockPool`` (or ``RocketKVCache``, or any serving entry point) does: a RocketKVConfig (or any object with its fields) becomes the RocketKV page
-arithmetic, with the KT geometry and per-head-budget checks. That registration covers every other type too, so this
-module's own refusal of an unknown type is what a caller sees only where hf_rocketkv.cache was never imported.
+``from hf_rocketkv import KVBlockPool`` (or ``RocketKVCache``, or any serving entry point) does: a RocketKVConfig (or
+any object with its fields) becomes the RocketKV page arithmetic, with the KT geometry and per-head-budget checks.
+That registration covers every other type too, so this module's own refusal of an unknown type is what a caller sees
+only where hf_rocketkv.cache was never imported.
 """
 
 from __future__ import annotations

@@ -88,6 +88,8 @@ ROWS = [
     ("warmup --cache-dir c --new-tokens 1", "argument --new-tokens: must be an integer >= 2, got 1"),
     ("warmup --cache-dir c --set window_size=0", "RocketKVConfig.window_size"),
     ("warmup", "the following arguments are required: --cache-dir"),
+    ("warmup --cache-dir c --engine --pool-gib inf", "--pool-gib must be > 0, got inf (a finite number of GiB)"),
+    ("warmup --cache-dir c --engine --pool-gib nan", "--pool-gib must be > 0, got nan"),
     # serve
     ("serve --device gpu", "--device gpu: not a torch device"),
     pytest.param("serve --device cuda", "--device cuda: CUDA is not available", marks=NO_CUDA),
@@ -97,6 +99,8 @@ ROWS = [
     ("serve --max-queue 0", "--max-queue must be >= 1, got 0"),
     ("serve --threads 0", "--threads must be >= 1, got 0"),
     ("serve --pool-gib -1", "--pool-gib must be > 0, got -1"),
+    ("serve --pool-gib inf", "--pool-gib must be > 0, got inf (a finite number of GiB)"),
+    ("serve --pool-gib nan", "--pool-gib must be > 0, got nan"),
     ("serve --config missing.yaml", "--config missing.yaml: no such file"),
     ("serve --set topk=0", "RocketKVConfig.topk"),
     ("serve --set budget=3", "unknown key(s) ['budget']"),

@@ -7,14 +7,11 @@ silently different result.
   prefix once, ``copy.deepcopy`` the cache for each question, ``generate`` on the copy).
 - ``generate_batch`` given one prompt where a list of prompts is expected (a string, a 1-D tensor of ids), and a
   ``sampling`` of the wrong type.
-- ``--pool-gib`` of ``inf`` / ``nan`` on ``serve`` and ``warmup --engine``: a mistake in the command line (exit 2,
-  before the model loads), not an internal error after it.
 """
 
 from __future__ import annotations
 
 import copy
-import importlib
 import warnings
 
 import pytest
@@ -135,44 +132,3 @@ def test_a_single_id_tensor_as_a_prompt_is_an_invalid_request(served):
             manager.add_request(torch.tensor(5), SamplingParams.greedy(2))
     finally:
         manager.stop()
-
-
-# ------------------------------------------------------------------------------------------ the command line
-@pytest.fixture
-def nothing_loads(monkeypatch):
-    def refuse(what):
-        def fail(*_args, **_kwargs):
-            raise AssertionError(f"{what}: the mistake should have been reported first")
-
-        return fail
-
-    cli_main = importlib.import_module("hf_rocketkv.cli.main")
-    cli_serve = importlib.import_module("hf_rocketkv.cli.serve")
-    monkeypatch.setattr(cli_main, "load_model", refuse("a model was loaded"))
-    monkeypatch.setattr(cli_serve, "build_manager", refuse("the server loaded its model"))
-    monkeypatch.setattr(cli_serve, "bind_socket", refuse("the server bound its port"))
-    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
-def check_usage_error(rc, capsys):
-    err = capsys.readouterr().err.strip()
-    assert rc == 2, err
-    assert 1 <= len(err.splitlines()) <= 3 and "Traceback" not in err, err
-    assert "--pool-gib" in err, err
-
-
-@pytest.mark.parametrize("value", ["inf", "nan"])
-def test_serve_pool_gib_not_finite_is_a_usage_error(value, nothing_loads, capsys):
-    from hf_rocketkv.cli.serve import serve_main
-
-    check_usage_error(serve_main(["--pool-gib", value]), capsys)
-
-
-@pytest.mark.parametrize("value", ["inf", "nan"])
-def test_warmup_engine_pool_gib_not_finite_is_a_usage_error(value, tmp_path, nothing_loads, capsys):
-    from hf_rocketkv.cli import main
-
-    check_usage_error(main(["warmup", "--engine", "--cache-dir", str(tmp_path / "c"), "--pool-gib", value]), capsys)

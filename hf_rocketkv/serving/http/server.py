@@ -83,8 +83,9 @@ def create_app(manager, model_name: str, *, default_max_tokens: int = CHAT_DEFAU
         raise ValueError(f"default_max_tokens must be an integer >= 1, got {default_max_tokens!r}")
     if api_key is not None and (not isinstance(api_key, str) or not api_key):
         raise ValueError("api_key must be a non-empty string, or None for no key")
-    if chat_template is not None and chat_template_error(chat_template) is not None:
-        raise ValueError(f"chat_template: {chat_template_error(chat_template)}")
+    template_error = chat_template_error(chat_template) if chat_template is not None else None
+    if template_error is not None:
+        raise ValueError(f"chat_template: {template_error}")
     app = FastAPI(title="hf_rocketkv", description="RocketKV KV-cache compression, OpenAI-compatible API")
     app.state.manager = manager
     app.state.model_name = model_name
