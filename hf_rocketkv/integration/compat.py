@@ -465,10 +465,11 @@ def install_rotary(owner, active: Callable[[], bool], compute: Callable[[Callabl
         original = getattr(owner, ROTARY_NAME)
         if getattr(original, WRAPPED_MARK, False):
             return
-        signature = inspect.signature(_rotary_function(original))
+        function = _rotary_function(original)
+        signature = inspect.signature(function)
         default_dim = signature.parameters[ROTARY_PARAMS[-1]].default
 
-        @functools.wraps(_rotary_function(original))
+        @functools.wraps(function)
         def wrapper(*args, **kwargs):
             if torch.compiler.is_compiling() or not active():
                 return original(*args, **kwargs)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from .layout import SCALE_GRANULARITIES
 
 
@@ -36,6 +38,19 @@ def check_int(value: Any, field: str, minimum: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{field} must be an integer >= {minimum}, got {value!r}")
     return value
+
+
+def check_device(value: Any, field: str) -> torch.device | None:
+    """``value`` as a ``torch.device`` (None stays None), else ValueError naming ``field`` and what is allowed."""
+    if value is None or isinstance(value, torch.device):
+        return value
+    if isinstance(value, str):
+        try:
+            return torch.device(value)
+        except RuntimeError:
+            pass
+    raise ValueError(f"{field} must be None, a torch.device or a device string such as 'cpu', 'cuda' or 'cuda:1', "
+                     f"got {value!r}")
 
 
 def check_pool_options(page_size, kt_page_size, host_bytes, max_gpu_bytes, scale_granularity, prefix_reuse,

@@ -41,7 +41,7 @@ from .block_table import BlockTable
 from .budget import PoolSpec, as_budget
 from .core import PageCore
 from .deferred import weakly_bound
-from .errors import check_pool_options
+from .errors import check_device, check_pool_options
 from .fingerprint import fingerprint_fields, fingerprint_of
 from .geometry import KT_DTYPES, dtype_name, model_geometry, parse_dtype, split_model_and_config, storage_dtype
 from .hashing import PrefixKeys, root_hash
@@ -119,6 +119,7 @@ class KVBlockPool:
         fingerprint_samples: int = 4,
         sliding_slots: int | None = None,
     ):
+        device = check_device(device, "KVBlockPool.device")
         self.geometry, model = model_geometry(model_or_config, num_kv_heads)
         self.sizing: PoolSize | None = None
         if max_gpu_bytes is None:  # the reserve from the geometry just read (a shard's KV heads under num_kv_heads)
@@ -164,7 +165,7 @@ class KVBlockPool:
         facts = PoolFacts(self.fingerprint, fields, self.dtype, self.kt_dtype, page_size, kt_page_size,
                           scale_granularity, num_layers, self.hybrid.windows)
         self._files = PrefixFiles(facts, self._core, self._index, self._offload,
-                                  torch.device(device) if device is not None else None, model)
+                                  device, model)
 
     @property
     def prefix_reuse(self) -> bool:
@@ -194,7 +195,8 @@ class KVBlockPool:
         lambda self: self._offload.offload_min_priority,
         lambda self, value: self._offload.use_min_priority(check_priority(value, "KVBlockPool.offload_min_priority")),
         doc="Cached pages below this priority (0..100) are dropped instead of offloaded.")
-    device = property(lambda self: self._files.device, lambda self, value: self._files.use_device(value),
+    device = property(lambda self: self._files.device,
+                      lambda self, value: self._files.use_device(check_device(value, "KVBlockPool.device")),
                       doc="Where ``load_prefix`` allocates layers that have not stored anything yet.")
 
     @property

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from .core import PageCore
-from .errors import PoolExhaustedError, PrefixFileError
+from .errors import PoolExhaustedError, PrefixFileError, check_device
 from .geometry import dtype_name
 from .hashing import HASH_SCHEME, MultimodalItem, PrefixKeys, as_token_list
 from .offload import HostOffload
@@ -87,6 +87,8 @@ def read_prefix_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[st
     from safetensors import safe_open
 
     path = Path(path)
+    if path.is_dir():
+        raise PrefixFileError(f"prefix file {str(path)!r} is a directory; give the path of the file save_prefix wrote")
     if not path.is_file():
         raise PrefixFileError(f"prefix file {str(path)!r} does not exist")
     try:
@@ -216,6 +218,9 @@ class PrefixFiles:
         """Write the longest resident chain of full pages of ``token_ids``; returns its token count. The salt is
         never written (the loader brings its own)."""
         core = self.core
+        if Path(path).is_dir():
+            raise ValueError(f"save_prefix: {str(path)!r} is a directory; give a file path, e.g. "
+                             f"{str(Path(path) / 'prefix.safetensors')!r}")
         ids = as_token_list(token_ids)
         with core.lock:
             chain = self.index.chain(self.index.hash_pages(ids, keys))
@@ -251,6 +256,7 @@ class PrefixFiles:
         core, page_size = self.core, self.facts.page_size
         path = Path(path)
         check_priority(priority, "priority")
+        device = check_device(device, "load_prefix: device")
         if cache_salt is not None and not isinstance(cache_salt, str):  # the caller's, before the file is read
             raise ValueError(f"load_prefix: cache_salt must be a string or None, got {cache_salt!r} "
                              f"({type(cache_salt).__name__})")

@@ -86,8 +86,13 @@ COMMON = {
     "frequency_penalty": {"enum": [0, None]},
     "logit_bias": nullable({"type": "object", "maxProperties": 0}),
 }
+# stream_options only on a streamed request (OpenAI and vLLM answer 400 otherwise)
+STREAM_OPTIONS_NEED_STREAM = {"anyOf": [{"not": {"required": ["stream_options"]}},
+                                        {"properties": {"stream_options": NULL}},
+                                        {"required": ["stream"], "properties": {"stream": {"const": True}}}]}
 COMPLETION_REQUEST = {
     "type": "object", "required": ["model", "prompt"], "additionalProperties": False,
+    "allOf": [STREAM_OPTIONS_NEED_STREAM],
     "properties": {
         **COMMON,
         "prompt": {"anyOf": [TEXT, TOKEN_IDS, {"type": "array", "items": TEXT, "minItems": 1, "maxItems": 1},
@@ -112,6 +117,7 @@ MESSAGE = {
 }
 CHAT_REQUEST = {
     "type": "object", "required": ["model", "messages"], "additionalProperties": False,
+    "allOf": [STREAM_OPTIONS_NEED_STREAM],
     "properties": {
         **COMMON,
         "messages": {"type": "array", "items": MESSAGE, "minItems": 1, "maxItems": 4},

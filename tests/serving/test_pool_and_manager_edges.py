@@ -80,6 +80,44 @@ def test_a_bad_cache_salt_is_refused_naming_the_argument_not_the_file(tmp_path):
     assert target.load_prefix(path, cache_salt="t").pages_loaded == 5  # the same file loads with a string salt
 
 
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", 1.5])
+def test_a_bad_device_is_refused_naming_the_field(device):
+    """torch's own message for ``device="gpu"`` lists device types and names no argument; the setter stored any value
+    and ``load_prefix`` failed later."""
+    with pytest.raises(ValueError, match=r"KVBlockPool\.device must be None, a torch\.device or a device string"):
+        make_pool(24, device=device)
+    pool = make_pool(24)
+    with pytest.raises(ValueError, match=r"KVBlockPool\.device"):
+        pool.device = device
+    assert pool.device is None
+    pool.device = "cpu"
+    assert pool.device == torch.device("cpu")
+
+
+def _saved_prefix():
+    source = make_pool(24)
+    adm = source.admit(len(IDS), 0, CFG, token_ids=IDS)
+    fill_pages(source, adm.prompt.pages, seed=5)
+    source.commit_prompt(adm)
+    source.release(adm)
+    return source
+
+
+def test_save_and_load_prefix_name_a_directory_as_one(tmp_path):
+    """``save_prefix(dir)`` raised a bare IsADirectoryError from the rename after writing a temporary file;
+    ``load_prefix(dir)`` said the file "does not exist"."""
+    source = _saved_prefix()
+    with pytest.raises(ValueError, match="is a directory; give a file path"):
+        source.save_prefix(tmp_path, IDS)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], "a temporary file was left behind"
+    target = make_pool(24)
+    with pytest.raises(PrefixFileError, match="is a directory"):
+        target.load_prefix(tmp_path)
+    with pytest.raises(ValueError, match="load_prefix: device"):
+        target.load_prefix(tmp_path / "missing.safetensors", device="gpu")
+    assert target.cached_pages() == 0
+
+
 # ------------------------------------------------------------------------------------------------ GenerationManager
 @pytest.mark.parametrize("max_model_len", [0, -5, True, 2.7, "100"])
 def test_a_bad_max_model_len_is_refused_when_the_manager_is_built(make_manager, max_model_len):

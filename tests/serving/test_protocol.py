@@ -40,6 +40,20 @@ def test_bad_stream_options_are_refused_word_for_word(options, message):
     assert (err.message, err.param) == (message, "stream_options")
 
 
+@pytest.mark.parametrize("stream", [False, None, "absent"])
+@pytest.mark.parametrize("options", [{}, {"include_usage": True}, {"include_usage": False}])
+def test_stream_options_without_stream_is_refused(stream, options):
+    """OpenAI and vLLM answer 400 to ``stream_options`` on a request that does not stream; ``null`` is no options."""
+    body = {**BASE, "stream_options": options} if stream == "absent" else {**BASE, "stream": stream,
+                                                                           "stream_options": options}
+    err = refused(body)
+    assert (err.message, err.param) == ("stream_options is only allowed with stream: true", "stream_options")
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream_options": options}
+    with pytest.raises(InvalidRequest, match="only allowed with stream: true"):
+        parse_chat_request(chat)
+    assert parse_completion_request({**BASE, "stream": False, "stream_options": None}).include_usage is False
+
+
 @pytest.mark.parametrize("top_k, expected", [(-1, 0), (0, 0), (1, 1), (7, 7)])
 def test_top_k_minus_one_means_no_limit_as_in_vllm(top_k, expected):
     assert parse_completion_request({**BASE, "top_k": top_k}).sampling["top_k"] == expected

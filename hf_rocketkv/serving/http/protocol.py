@@ -125,8 +125,10 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
         stream = False
     if not isinstance(stream, bool):
         raise InvalidRequest(f"stream must be true or false, got {stream!r}", "stream")
-    return dict(model=model, stream=stream, include_usage=_include_usage(body.get("stream_options")),
-                sampling=_sampling_fields(body))
+    include_usage = _include_usage(body.get("stream_options"))
+    if body.get("stream_options") is not None and not stream:  # OpenAI and vLLM answer 400 too
+        raise InvalidRequest("stream_options is only allowed with stream: true", "stream_options")
+    return dict(model=model, stream=stream, include_usage=include_usage, sampling=_sampling_fields(body))
 
 
 def _sampling_fields(body: dict[str, Any]) -> dict[str, Any]:
