@@ -54,7 +54,8 @@ from hf_rocketkv.bench.decode import DROP_FIRST_STEPS, StepClock, step_timings
 from hf_rocketkv.integration import compat
 from hf_rocketkv.integration.call_state import call_state
 
-CACHES = ("dynamic", "static-compile", "rocketkv", "rocketkv-eager", "rocketkv-compile")
+CACHES = ("dynamic", "static-compile", "rocketkv", "rocketkv-eager", "rocketkv-compile", "rocketkv-experts-off")
+OPT_IN = ("rocketkv-compile", "rocketkv-experts-off")  # rows run only when asked (--caches)
 
 
 def gpt_oss_20b(quick: bool) -> tuple:
@@ -136,6 +137,8 @@ def run_row(model, dense_attention: str, cache_kind: str, ids: torch.Tensor, new
         hf_rocketkv.enable(model)
         if cache_kind == "rocketkv-compile":
             rocket = rocket.replace(decode_runner="torch_compile")
+        if cache_kind == "rocketkv-experts-off":  # transformers' own MoE experts forward (fused_experts=False)
+            rocket = rocket.replace(fused_experts=False)
         cache = RocketKVCache(rocket)
         kwargs.update(compat.cache_kwargs(cache))
         kwargs["disable_compile"] = cache_kind == "rocketkv-eager"
@@ -201,7 +204,7 @@ def warm_up(model, dense_attention: str, rocket: RocketKVConfig, device: torch.d
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
-    parser.add_argument("--caches", nargs="+", choices=CACHES, default=[c for c in CACHES if c != "rocketkv-compile"])
+    parser.add_argument("--caches", nargs="+", choices=CACHES, default=[c for c in CACHES if c not in OPT_IN])
     parser.add_argument("--context", type=int, default=32768, help="prompt tokens (default 32768; try 100000)")
     parser.add_argument("--new-tokens", type=int, default=32 + DROP_FIRST_STEPS + 1,
                         help=f"generated tokens per row ({DROP_FIRST_STEPS} warm-up gaps are left out of the median)")

@@ -28,7 +28,7 @@ REFERENCE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 RUNTIME_SECTION = "## Runtime settings"
 RUNTIME_NAMES = ("backend", "capacity_headroom", "prefill_batch_size", "decode_guard_checks", "decode_runner",
                  "deferred_stop_check", "eager_layer_graphs", "fused_rope", "fused_norm", "capacity_buckets",
-                 "batch_buckets", "stage2_kernel")
+                 "batch_buckets", "stage2_kernel", "fused_experts")
 
 # RocketKVConfig(window_size=16, kernel_size=31, prompt_budget=1000, topk=40, topr=96, page_size=8,
 # kt_cache_dtype="bfloat16", backend="torch", capacity_headroom=100, prefill_batch_size=2,
@@ -79,6 +79,8 @@ sparse_attention_config:
   decode_kernel_size: 5
 """
 OLD_KEYS = [line.split(":")[0].strip() for line in OLD_YAML.splitlines()[2:] if not line.startswith("  -")]
+ADDED_SINCE = ("fused_experts",)  # fields added after that YAML was written
+KEYS = OLD_KEYS + list(ADDED_SINCE)  # every field, in to_dict()'s order
 
 # values per field, valid alone (a combination may still be refused: the draw skips those)
 VALUES = {
@@ -95,6 +97,7 @@ VALUES = {
     "deferred_stop_check": [True, False], "eager_layer_graphs": [True, False], "fused_rope": [True, False],
     "fused_norm": [True, False], "capacity_buckets": [None, (), (128, 4096), [64]],
     "batch_buckets": [None, (1, 2, 4), [8]], "stage2_kernel": ["auto", "fused", "split"],
+    "fused_experts": [True, False],
 }
 
 
@@ -140,7 +143,7 @@ def test_the_two_kinds_partition_the_documented_fields():
     assert RocketKVConfig.RUNTIME_FIELDS == RUNTIME_NAMES
     assert set(RocketKVConfig.ALGORITHM_FIELDS) == set(tables["algorithm"])
     assert not set(RocketKVConfig.ALGORITHM_FIELDS) & set(RocketKVConfig.RUNTIME_FIELDS)
-    assert set(RocketKVConfig.field_defaults()) == set(documented) == set(OLD_KEYS)
+    assert set(RocketKVConfig.field_defaults()) == set(documented) == set(KEYS)
     # declaration order: the dataclasses' own
     assert RocketKVConfig.ALGORITHM_FIELDS == tuple(f.name for f in dataclasses.fields(RocketKVConfig)
                                                     if f.name != "runtime")
@@ -149,12 +152,12 @@ def test_the_two_kinds_partition_the_documented_fields():
 
 def test_field_defaults_are_the_flat_fields_of_a_default_config_in_yaml_order():
     defaults = RocketKVConfig.field_defaults()
-    assert list(defaults) == OLD_KEYS
+    assert list(defaults) == KEYS
     assert defaults == RocketKVConfig().to_dict()
     assert RocketKVConfig(**defaults) == RocketKVConfig()
     assert defaults["backend"] == "auto" and defaults["capacity_headroom"] == 256 and defaults["topk"] == 64
     signature = inspect.signature(RocketKVConfig)
-    assert list(signature.parameters) == [*OLD_KEYS, "runtime"]
+    assert list(signature.parameters) == [*KEYS, "runtime"]
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in signature.parameters.values())
 
 
@@ -174,15 +177,15 @@ def test_random_configs_keep_the_flat_contract(seed):
         assert hash(RocketKVConfig(runtime=settings, **algorithm)) == hash(config)
         # flat reads: every field, the value given or its default
         expected = {**RocketKVConfig.field_defaults(), **kwargs}
-        for name in OLD_KEYS:
+        for name in KEYS:
             value = getattr(config, name)
             assert value == (tuple(expected[name]) if isinstance(expected[name], list) else expected[name]), name
             if name in RUNTIME_NAMES:
                 assert value == getattr(config.runtime, name)
-        # dict / JSON / YAML: the old keys in the old order, bucket tuples as lists
+        # dict / JSON / YAML: the old keys in the old order, then those added since, bucket tuples as lists
         data = config.to_dict()
-        assert list(data) == OLD_KEYS
-        assert data == {name: _as_listed(expected[name]) for name in OLD_KEYS}
+        assert list(data) == KEYS
+        assert data == {name: _as_listed(expected[name]) for name in KEYS}
         assert config.algorithm_dict() == {k: v for k, v in data.items() if k not in RUNTIME_NAMES}
         assert RocketKVConfig.from_dict(data) == config
         assert RocketKVConfig.from_dict(json.loads(json.dumps(data))) == config
@@ -255,7 +258,7 @@ def test_yaml_written_before_the_split_loads_and_is_written_back_unchanged():
         "stage2_sink_tokens": 8, "stage2_recent_tokens": 16, "stage2_score": "head_bound", "dense_layers": 1,
         "budget_schedule": "pyramid", "multi_turn": "evict", "decode_budget": 128, "decode_interval": 16,
         "decode_window": 8, "decode_kernel_size": 5}
-    assert config.to_yaml() == OLD_YAML
+    assert config.to_yaml() == OLD_YAML + "  fused_experts: true\n"  # ADDED_SINCE, at its default
 
 
 def test_a_flat_mapping_with_runtime_keys_loads_and_typos_are_named():

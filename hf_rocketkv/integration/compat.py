@@ -43,6 +43,8 @@ which registration sets to ``require`` (a changed transformers then fails at the
 |   models.gpt_oss.modeling_gpt_oss.GptOssRMSNorm.    | (optional)  | (``integration/norm.py``, ``NORM_FORMULAS``): weight, |
 |   forward, models.gemma.modeling_gemma.GemmaRMSNorm.|             | variance_epsilon (Gemma: eps)                         |
 |   forward and ._norm (and classes with their codes) |             |                                                       |
+| use_experts_implementation classes: forward; read   | wrapped     | a few tokens' experts read in place in RocketKV calls |
+|   has_gate, has_bias, is_transposed, _apply_gate... | (optional)  | (``integration/experts.py``, ``experts_layout``)      |
 
 Outside this module the package reaches these names only through the wrappers ``install`` sets up and the accessor
 functions below (``sdpa_attention_forward``, ``compiles_on_every_device``, ``attn_implementation``,
@@ -72,7 +74,7 @@ import inspect
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import transformers
@@ -80,18 +82,8 @@ from transformers import AttentionInterface, AttentionMaskInterface, GenerationM
 from transformers.cache_utils import Cache
 
 from .compat_calls import (  # noqa: F401 - all re-exported: the cache argument's name and the call binding
-    CACHE_ARG,
-    CACHE_ARGS,
-    LEGACY_CACHE_ARG,
-    WRAPPED_MARK,
-    Call,
-    GenerateHooks,
-    _unwrapped,
-    _wrap,
-    cache_from,
-    cache_kwargs,
-    output_cache,
-    with_cache,
+    CACHE_ARG, CACHE_ARGS, LEGACY_CACHE_ARG, WRAPPED_MARK, Call, GenerateHooks, _unwrapped, _wrap, cache_from,
+    cache_kwargs, output_cache, with_cache,
 )
 
 TRANSFORMERS_VERSION: str = transformers.__version__
@@ -427,7 +419,7 @@ def install(hooks: GenerateHooks) -> None:
 # --------------------------------------------------------------------------------------------------- rotary embedding
 ROTARY_NAME = "apply_rotary_pos_emb"
 ROTARY_PARAMS = ("q", "k", "cos", "sin", "unsqueeze_dim")  # exactly these, in this order (Llama-style models)
-_MODELING_LOCK = threading.Lock()  # rotary functions and norm classes
+_MODELING_LOCK = threading.Lock()  # rotary functions, norm and experts classes
 
 
 def rotary_modules(model) -> list:
@@ -438,12 +430,9 @@ def rotary_modules(model) -> list:
         owner = sys.modules.get(type(module).__module__)
         if owner is None or owner.__name__ in found or not owner.__name__.startswith("transformers.models."):
             continue
-        function = getattr(owner, ROTARY_NAME, None)
-        if function is None:
-            continue
         try:
-            names = tuple(inspect.signature(_rotary_function(function)).parameters)
-        except (TypeError, ValueError):
+            names = tuple(inspect.signature(_rotary_function(getattr(owner, ROTARY_NAME))).parameters)
+        except (AttributeError, TypeError, ValueError):
             continue
         if names == ROTARY_PARAMS:
             found[owner.__name__] = owner
@@ -543,23 +532,61 @@ def norm_classes(model, formula: str) -> list[type]:
     return list(found)
 
 
-def install_norm(owner: type, active: Callable[[], bool], compute: Callable[..., Any],
-                 eps_attribute: str = "variance_epsilon") -> None:
-    """Wrap ``owner.forward`` once (thread-safe): the original with its arguments untouched unless ``active()`` and
-    torch.compile is not tracing; then ``compute(run_original, hidden_states, weight, eps)`` decides (``eps``: the
-    module's ``eps_attribute``: Llama's ``variance_epsilon``, Gemma's ``eps``)."""
+def install_forward(owner: type, active: Callable[[], bool], compute: Callable[..., Any]) -> None:
+    """Wrap ``owner.forward`` once (thread-safe; a norm or experts class): the original with its arguments untouched
+    unless ``active()`` and torch.compile is not tracing; then ``compute(run_original, self, *arguments)`` decides,
+    the arguments bound by the original's signature (defaults applied)."""
     with _MODELING_LOCK:
         if getattr(original := owner.__dict__["forward"], WRAPPED_MARK, False):
             return
+        signature = inspect.signature(original)
+        arity = len(signature.parameters)
 
         @functools.wraps(original)
         def forward(self, *args, **kwargs):
             if torch.compiler.is_compiling() or not active():
                 return original(self, *args, **kwargs)
-            bound = (self, args[0]) if len(args) == 1 and not kwargs else \
-                inspect.signature(original).bind(self, *args, **kwargs).args  # not the modeling code's call
-            return compute(lambda: original(self, *args, **kwargs), bound[1], self.weight,
-                           getattr(self, eps_attribute))
+            values = args
+            if kwargs or len(args) + 1 != arity:  # not the modeling code's positional call
+                bound = signature.bind(self, *args, **kwargs)
+                bound.apply_defaults()
+                values = tuple(bound.arguments.values())[1:]
+            return compute(lambda: original(self, *args, **kwargs), self, *values)
 
         setattr(forward, WRAPPED_MARK, True)
         owner.forward = forward
+
+
+# --------------------------------------------------------------------------------------------------- MoE experts
+GATE = "_apply_gate"  # the experts module's gating of its gate/up projection (the table above)
+
+
+class ExpertsLayout(NamedTuple):
+    """What ``integration/experts.py`` needs of a transformers experts module (``use_experts_implementation``)."""
+
+    transposed: bool  # weights [E, in, out] (gpt-oss) rather than nn.Linear's [E, out, in]
+    bias: bool
+    apply_gate: Callable[[torch.Tensor], torch.Tensor]  # the module's own gating of the gate/up projection
+
+
+def experts_layout(module) -> ExpertsLayout | None:
+    """A gated ``use_experts_implementation`` module's layout (3-D weights, no post norm, one process), else None."""
+    if not (getattr(module, "has_gate", None) is True and isinstance(getattr(module, "is_transposed", None), bool)
+            and getattr(module, "has_post_expert_norm", False) is False and callable(getattr(module, GATE, 0))
+            and getattr(module, "_is_expert_parallel", False) is False
+            and all(isinstance(w := getattr(module, name, None), torch.Tensor) and w.dim() == 3
+                    for name in ("gate_up_proj", "down_proj"))):
+        return None
+    return ExpertsLayout(module.is_transposed, getattr(module, "has_bias", False) is True, getattr(module, GATE))
+
+
+def experts_classes(model) -> list[type]:
+    """The classes defining the forward of ``model``'s experts modules: ``(self, hidden_states, ids, weights)``."""
+    found = {}
+    for module in model.modules():
+        owner = next((klass for klass in type(module).__mro__ if "forward" in klass.__dict__), None)
+        if (owner is not None and owner not in found and owner.__module__.startswith("transformers.")
+                and experts_layout(module) is not None
+                and len(inspect.signature(owner.__dict__["forward"]).parameters) == 4):
+            found[owner] = None
+    return list(found)

@@ -34,7 +34,7 @@ from .call_state import call_state
 from .compiled_decode import run_compiled_step
 from .decode_graphs import run_graphed_step, wants_graphs
 from .names import ATTN_NAME
-from .norm import fused_modeling
+from .fused_modeling import fused_modeling
 from .row_groups import prefill_in_row_groups, rows_per_forward
 
 CONFIG_ATTRIBUTE = "rocketkv"  # model.config.rocketkv: dict of RocketKVConfig fields (saved with the model)

@@ -18,7 +18,7 @@ weight)``), on hidden states and on the per-head q/k norms' ``[B, heads, T, head
 layer: without them a decode step of Gemma-3-12B is ~4,600 launches). Other formulas (T5's) are never touched. How a
 call is recognised as RocketKV's: ``fused_norm(model, enabled)`` sets a ContextVar for the duration of the call (per
 thread and per asyncio task, never process-wide), after making sure those classes have their ``forward`` wrapped
-(``compat.install_norm``; once per class).
+(``compat.install_forward``; once per class).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import functools
 from ..kernels.rms_norm import rms_norm_supported, rms_norm_triton
 from . import compat
 from .fused_switch import FusedSwitch
-from .rope import fused_rope
 
 FUSED_DEVICE_TYPES = ("cuda",)  # the kernel's devices (the CPU tests add "cpu": Triton's interpreter)
 
@@ -39,13 +38,15 @@ PER_HEAD_FORMULAS = ("gemma",)  # formulas whose per-head (4-D) norms take the k
 
 def _computer(formula: str):
     """The wrapper's choice for ``formula``: the kernel for bf16/fp16 CUDA hidden states (and per-head inputs where
-    ``PER_HEAD_FORMULAS`` says so), the module's own forward otherwise."""
+    ``PER_HEAD_FORMULAS`` says so), the module's own forward otherwise (``eps``: the module's attribute the formula
+    names, Llama's ``variance_epsilon``, Gemma's ``eps``)."""
     ranks = (3, 4) if formula in PER_HEAD_FORMULAS else (3,)
+    eps_attribute = compat.NORM_FORMULAS[formula].eps
 
-    def compute(run_original, hidden_states, weight, eps):
+    def compute(run_original, module, hidden_states):
         if (hidden_states.dim() in ranks and hidden_states.device.type in FUSED_DEVICE_TYPES
-                and rms_norm_supported(hidden_states, weight)):
-            return rms_norm_triton(hidden_states, weight, eps, formula)
+                and rms_norm_supported(hidden_states, module.weight)):
+            return rms_norm_triton(hidden_states, module.weight, getattr(module, eps_attribute), formula)
         return run_original()
 
     return compute
@@ -53,9 +54,7 @@ def _computer(formula: str):
 
 _SWITCHES = tuple(
     FusedSwitch(f"hf_rocketkv_fused_norm_{formula}", f"_hf_rocketkv_norm_{formula}_installed",
-                functools.partial(compat.norm_classes, formula=formula),
-                functools.partial(compat.install_norm, eps_attribute=compat.NORM_FORMULAS[formula].eps),
-                _computer(formula))
+                functools.partial(compat.norm_classes, formula=formula), compat.install_forward, _computer(formula))
     for formula in compat.NORM_FORMULAS
 )
 
@@ -76,11 +75,3 @@ def fused_norm(model, enabled: bool):
 
 
 fused_norm_active = _SWITCHES[0].active
-
-
-@contextlib.contextmanager
-def fused_modeling(model, config, enabled: bool = True):
-    """Both fused paths of ``config`` (``fused_rope``, ``fused_norm``; a RocketKVConfig) for ``model`` within
-    the block, when ``enabled`` (the call is RocketKV's)."""
-    with fused_rope(model, enabled and config.fused_rope), fused_norm(model, enabled and config.fused_norm):
-        yield

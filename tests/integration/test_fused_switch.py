@@ -8,14 +8,16 @@ import threading
 
 import pytest
 
-from hf_rocketkv.integration import norm, rope
+from hf_rocketkv.integration import experts, norm, rope
 from tests.support.tiny_models import make_models
 
 pytest.importorskip("triton")
 
 
 @pytest.mark.parametrize("scope, active", [(norm.fused_norm, norm.fused_norm_active),
-                                           (rope.fused_rope, rope.fused_rope_active)], ids=["norm", "rope"])
+                                           (rope.fused_rope, rope.fused_rope_active),
+                                           (experts.fused_experts, experts.fused_experts_active)],
+                         ids=["norm", "rope", "experts"])
 def test_the_scope_belongs_to_its_thread(scope, active):
     model = make_models("llama")[0]
     seen = []

@@ -15,7 +15,7 @@ import torch
 
 from ...cache import RocketKVCache
 from ...integration import compat
-from ...integration.norm import fused_modeling
+from ...integration.fused_modeling import fused_modeling
 
 
 class PrefillAborted(Exception):

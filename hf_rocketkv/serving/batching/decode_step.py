@@ -41,7 +41,7 @@ from ...cache import PackedStepCache
 from ...host_copy import device_tensor
 from ...integration import compat
 from ...integration.batch_graphs import BatchedDecodeGraphs, GraphCaptureFailed
-from ...integration.norm import fused_modeling
+from ...integration.fused_modeling import fused_modeling
 from ..engines.sampler import sample_tokens
 from ..outputs import FinishReason
 from .running import RunningRequest

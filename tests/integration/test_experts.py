@@ -1,0 +1,166 @@
+"""Mixture-of-experts layers inside RocketKV calls (``integration/experts.py``, ``RocketKVConfig.fused_experts``).
+
+On CPU the kernel runs under Triton's interpreter; the tests let the wrapper take it on CPU (``FUSED_DEVICE_TYPES``)
+and count its calls, so they prove the path is taken, not only that outputs agree. Oracles: the experts module's own
+forward (transformers' code, by the configured implementation), and the same generation with
+``fused_experts=False``. Calls that are not RocketKV's, and calls with more (token, expert) pairs than experts (a
+prefill), never take it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, GptOssConfig, MixtralConfig
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+from hf_rocketkv import RocketKVCache
+from hf_rocketkv.integration import compat, experts
+from hf_rocketkv.integration.compat import cache_kwargs
+from tests.support.hybrid_models import make_hybrid_models
+from tests.support.tiny_models import compressing_config, greedy, left_pad, random_ids
+
+pytest.importorskip("triton")
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.gpu  # the model and kernels run on the GPU where one is present (pytest -m gpu)
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Lets the wrapper take the kernel on CPU (the interpreter) and records each call's (pairs, output features)."""
+    calls = []
+    kernel = experts.expert_linear_triton
+
+    def counting(x, weight, bias, ids, transposed, rows_per_x=1):
+        out = kernel(x, weight, bias, ids, transposed, rows_per_x)
+        calls.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(experts, "FUSED_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(experts, "expert_linear_triton", counting)
+    return calls
+
+
+def gpt_oss_experts(dtype, seed=0):
+    config = GptOssConfig(hidden_size=48, intermediate_size=40, num_local_experts=6, num_experts_per_tok=3)
+    module = GptOssExperts(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return module.to(DEVICE, dtype), config
+
+
+def mixtral_experts(dtype, seed=0):
+    config = MixtralConfig(hidden_size=48, intermediate_size=40, num_local_experts=6, num_experts_per_tok=2)
+    module = MixtralExperts(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return module.to(DEVICE, dtype), config
+
+
+def routed(tokens, config, seed=1, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn((tokens, config.hidden_size), generator=g).to(DEVICE, dtype)
+    logits = torch.randn((tokens, config.num_local_experts), generator=g)
+    top, ids = torch.topk(logits, config.num_experts_per_tok, dim=-1)
+    return hidden, ids.to(DEVICE), torch.softmax(top, dim=-1).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("make", [gpt_oss_experts, mixtral_experts], ids=["gpt_oss", "mixtral"])
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_a_decode_steps_experts_equal_transformers_forward(make, tokens, counted):
+    """gpt-oss (weights [E, in, out], biases, interleaved gate/up with its clamped gate) and Mixtral ([E, out, in],
+    no bias, concatenated gate/up): the module called as the modeling code calls it and by keyword, against its own
+    forward outside a RocketKV call."""
+    module, config = make(torch.float32)
+    hidden, ids, weights = routed(tokens, config)
+    with torch.no_grad():
+        want = module(hidden, ids, weights)
+        with experts.fused_experts(module, True):
+            got = module(hidden, ids, weights)
+            by_keyword = module(hidden_states=hidden, **dict(zip(_param_names(module)[1:], (ids, weights))))
+    pairs = tokens * config.num_experts_per_tok
+    assert counted == [(pairs, 2 * config.intermediate_size), (pairs, config.hidden_size)] * 2
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got, by_keyword)
+
+
+def _param_names(module):
+    import inspect
+
+    return tuple(inspect.signature(type(module).forward).parameters)[1:]
+
+
+def test_bf16_experts_are_within_rounding_of_the_float64_truth(counted):
+    """The in-place path rounds each projection once (fp32 sums); transformers' rounds the same products. Both within
+    a few bf16 ulps of the float64 computation of the module's own forward."""
+    module, config = gpt_oss_experts(torch.bfloat16)
+    hidden, ids, weights = routed(2, config, dtype=torch.bfloat16)
+    with torch.no_grad():
+        truth = module.double()(hidden.double(), ids, weights.double())
+        module.to(torch.bfloat16)
+        want = module(hidden, ids, weights)
+        with experts.fused_experts(module, True):
+            got = module(hidden, ids, weights)
+    assert len(counted) == 2
+    scale = truth.abs().max()
+    assert float((got.double() - truth).abs().max()) <= 0.03 * float(scale)
+    assert float((got.double() - truth).abs().max()) <= 1.5 * float((want.double() - truth).abs().max()) + 1e-3
+
+
+def test_more_pairs_than_experts_and_calls_outside_rocketkv_keep_transformers_forward(counted):
+    module, config = gpt_oss_experts(torch.float32)
+    many = routed(3, config)  # 9 pairs, 6 experts: a prefill's shape
+    one = routed(1, config)
+    with torch.no_grad():
+        with experts.fused_experts(module, True):
+            module(*many)
+        assert counted == []
+        module(*one)  # the switch is off outside the block
+        assert counted == []
+        with experts.fused_experts(module, False):
+            module(*one)
+        assert counted == []
+
+
+def test_only_experts_classes_are_wrapped():
+    model, _ = make_hybrid_models("gpt_oss")
+    assert compat.experts_classes(model) == [GptOssExperts]
+    assert compat.experts_layout(model.model.layers[0].mlp.experts).transposed is True
+    assert compat.experts_layout(model.model.layers[0].mlp) is None  # the block around it (router, experts)
+    mixtral, _ = mixtral_experts(torch.float32)
+    layout = compat.experts_layout(mixtral)
+    assert (layout.transposed, layout.bias) == (False, False)
+
+
+def generate(model, ids, mask, cache, new_tokens):
+    out = greedy(model, ids, max_new_tokens=new_tokens, attention_mask=mask, **cache_kwargs(cache),
+                 output_logits=True, return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.logits).float()
+
+
+def test_generate_on_gpt_oss_takes_the_experts_path_in_decode_with_the_same_tokens(counted):
+    """A padded batch of two on a tiny gpt-oss (4 experts, top 2): its prefill (more pairs than experts) keeps
+    transformers' forward, each decode step (4 pairs) reads its experts in place; tokens and logits as with
+    ``fused_experts=False``; a DynamicCache generation never takes it."""
+    model, oracle = (m.to(DEVICE) for m in make_hybrid_models("gpt_oss"))
+    rows = [random_ids(1, 30, seed=3)[0], random_ids(1, 21, seed=4)[0]]
+    ids, mask = (t.to(DEVICE) for t in left_pad(rows))
+    config = compressing_config(kt_cache_dtype="float32")
+    new_tokens = 5
+    plain_tokens, plain_logits = generate(model, ids, mask, RocketKVCache(config.replace(fused_experts=False)),
+                                          new_tokens)
+    generate(oracle, ids, mask, DynamicCache(), new_tokens)
+    assert counted == []
+    tokens, logits = generate(model, ids, mask, RocketKVCache(config), new_tokens)
+    layers, pairs = model.config.num_hidden_layers, 2 * model.config.num_experts_per_tok
+    assert counted and set(counted) <= {(pairs, 2 * model.config.intermediate_size), (pairs, model.config.hidden_size)}
+    if DEVICE.type == "cpu":  # every decode forward runs Python (on CUDA the replayed graph skips it)
+        assert len(counted) == 2 * layers * (new_tokens - 1)
+    assert torch.equal(tokens, plain_tokens)
+    torch.testing.assert_close(logits, plain_logits, rtol=1e-4, atol=1e-4)
