@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 
-SWEEP = [(n, k, w) for n in (32, 64, 128) for k in (32, 64, 128) for w in (2, 4, 8) if n * k <= 8192]
+SWEEP = [(n, k, w, st) for n in (16, 32, 64) for k in (64, 128, 256) for w in (2, 4, 8) for st in (2, 4)
+         if n * k <= 8192]
 
 
 def build(quick: bool, device, dtype):
@@ -53,7 +54,7 @@ def routing(tokens: int, shapes: dict, device, dtype, seed: int):
 
 def variants(module, shapes, sweep=()):
     """name -> a callable of (hidden, ids, weights): transformers' implementations by name, RocketKV's, and RocketKV's
-    with each ``(BLOCK_N, BLOCK_K, num_warps)`` of ``sweep``."""
+    with each ``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` of ``sweep``."""
     from transformers import GptOssConfig
 
     from hf_rocketkv.integration import compat, experts

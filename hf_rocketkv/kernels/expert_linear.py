@@ -25,8 +25,10 @@ from ._triton_common import DTYPE_CODE, interpreting, round_to
 from .launch import TritonLaunch, direct_launches
 
 EXPERT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# (BLOCK_N, BLOCK_K, num_warps) by layout (transposed: [E, K, N], N contiguous; else [E, N, K], K contiguous)
-DEFAULT_TILES = {True: (64, 64, 4), False: (32, 128, 4)}
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) by layout. Transposed ([E, K, N], N contiguous: gpt-oss): the least
+# summed time over 1, 2, 4 and 8 decode tokens at gpt-oss-20b's shapes on an H200 (benchmarks/expert_linear.py
+# --sweep, 48 tiles). nn.Linear's ([E, N, K], K contiguous: Mixtral, Qwen-MoE): not swept.
+DEFAULT_TILES = {True: (64, 128, 4, 4), False: (32, 128, 4, 3)}
 PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -40,13 +42,14 @@ def _expert_linear_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, out_ptr, n_out, k_in, ro
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     x_row = x_ptr + (pair // rows_per_x) * s_x
     w_base = w_ptr + expert * s_we + cols[None, :].to(tl.int64) * s_wn
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    partial = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)  # reduced over K once, after the loop
     for k0 in range(0, k_in, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k_in
         xk = tl.load(x_row + ks, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(w_base + ks[:, None].to(tl.int64) * s_wk, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc += tl.sum(xk[:, None] * w.to(tl.float32), axis=0)
+        partial += xk[:, None] * w.to(tl.float32)
+    acc = tl.sum(partial, axis=0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + expert * s_be + cols, mask=col_ok, other=0.0).to(tl.float32)
     # rounded to the output dtype as torch rounds (to nearest even) on every backend, then stored exactly
@@ -94,7 +97,7 @@ def expert_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                          transposed: bool, rows_per_x: int = 1, tiles: tuple[int, int, int] | None = None
                          ) -> torch.Tensor:
     """Same contract as ``expert_linear_reference`` (``expert_linear_supported`` must hold; ``ids`` in range).
-    ``tiles``: ``(BLOCK_N, BLOCK_K, num_warps)`` instead of the layout's default (``benchmarks/expert_linear.py``
+    ``tiles``: ``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` instead of the layout's default (``benchmarks/expert_linear.py``
     sweeps them)."""
     k_in, n_out = _out_features(weight, transposed)
     pairs = ids.numel()
@@ -102,12 +105,13 @@ def expert_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if pairs == 0 or n_out == 0:
         return out
     s_wk, s_wn = (weight.stride(1), weight.stride(2)) if transposed else (weight.stride(2), weight.stride(1))
-    block_n, block_k, warps = tiles or DEFAULT_TILES[transposed]
+    block_n, block_k, warps, stages = tiles or DEFAULT_TILES[transposed]
     grid = (pairs, triton.cdiv(n_out, block_n))
     with direct_launches():
         _expert_linear_launch[grid](
             x, weight, bias if bias is not None else x, ids.reshape(-1), out, n_out, k_in, rows_per_x, x.stride(0),
             weight.stride(0), s_wk, s_wn, bias.stride(0) if bias is not None else 0,
             DT=DTYPE_CODE[x.dtype], HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+            num_stages=stages,
         )
     return out
