@@ -8,7 +8,9 @@ import threading
 
 import pytest
 
+from hf_rocketkv import RocketKVConfig
 from hf_rocketkv.integration import experts, norm, rope
+from hf_rocketkv.integration.fused_modeling import fused_modeling
 from tests.support.tiny_models import make_models
 
 pytest.importorskip("triton")
@@ -29,3 +31,16 @@ def test_the_scope_belongs_to_its_thread(scope, active):
         with scope(model, False):
             assert active()  # a disabled inner scope changes nothing
     assert seen == [False] and not active()
+
+
+@pytest.mark.parametrize("off", [None, "fused_rope", "fused_norm", "fused_experts"])
+def test_fused_modeling_enters_the_switches_its_config_turns_on(off):
+    model = make_models("llama")[0]
+    actives = {"fused_rope": rope.fused_rope_active, "fused_norm": norm.fused_norm_active,
+               "fused_experts": experts.fused_experts_active}
+    config = RocketKVConfig() if off is None else RocketKVConfig(**{off: False})
+    with fused_modeling(model, config):
+        assert {name: active() for name, active in actives.items()} == {name: name != off for name in actives}
+    with fused_modeling(model, RocketKVConfig(), enabled=False):
+        assert not any(active() for active in actives.values())
+    assert not any(active() for active in actives.values())

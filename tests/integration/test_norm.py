@@ -27,7 +27,7 @@ from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 from transformers.models.t5.modeling_t5 import T5LayerNorm
 
 from hf_rocketkv import RocketKVCache, RocketKVConfig
-from hf_rocketkv.integration import compat, norm, rope
+from hf_rocketkv.integration import compat, norm
 from hf_rocketkv.integration.compat import cache_kwargs
 from tests.support.hybrid_models import make_hybrid_models
 from tests.support.tiny_models import (
@@ -262,17 +262,6 @@ def test_a_changed_llama_norm_signature_fails_naming_the_transformers_version(mo
     monkeypatch.setattr(LlamaRMSNorm, "forward", forward)
     with pytest.raises(compat.CompatError, match=f"transformers {compat.TRANSFORMERS_VERSION}.*fused_norm=False"):
         compat.norm_classes(torch.nn.Sequential(LlamaRMSNorm(8)), "llama")
-
-
-def test_fused_modeling_enters_both():
-    """(The per-thread scope of either switch: tests/integration/test_fused_switch.py.)"""
-    model = make_models("llama")[0]
-    with norm.fused_modeling(model, RocketKVConfig()):
-        assert norm.fused_norm_active() and rope.fused_rope_active()
-    with norm.fused_modeling(model, RocketKVConfig(fused_rope=False)):
-        assert norm.fused_norm_active() and not rope.fused_rope_active()
-    with norm.fused_modeling(model, RocketKVConfig(), enabled=False):
-        assert not norm.fused_norm_active() and not rope.fused_rope_active()
 
 
 def test_fused_norm_config_is_validated():
