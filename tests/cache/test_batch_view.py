@@ -14,6 +14,7 @@ from hf_rocketkv import RocketKVCache
 from hf_rocketkv.cache.batch_view import BatchedDecodeCache, BatchedDecodeLayer
 from hf_rocketkv.cache.paged_store import PagedStore
 from hf_rocketkv.integration.compat import cache_kwargs
+from tests.cache.helpers import engine_prefill
 from tests.support.tiny_models import compressing_config, cpu_pool, greedy, random_ids
 
 CFG = compressing_config(kt_cache_dtype="float32")
@@ -22,16 +23,7 @@ STEPS = 6
 
 def prefill(model, pool, prompt, new_tokens):
     """A prompt through the model with its own cache, as BatchingEngine prefills; returns (cache, first token)."""
-    cache = RocketKVCache(CFG, pool=pool)
-    ids = prompt[None]
-    cache.hints.max_length = len(prompt) + new_tokens
-    cache.begin_prefill(ids, None, max_new_tokens=new_tokens)
-    start = cache.get_seq_length()
-    with torch.no_grad():
-        out = model(input_ids=ids[:, start:], attention_mask=torch.ones_like(ids),
-                    position_ids=torch.arange(start, len(prompt))[None], **cache_kwargs(cache), use_cache=True,
-                    logits_to_keep=1)
-    return cache, int(out.logits[0, -1].argmax())
+    return engine_prefill(model, pool, CFG, prompt, new_tokens)
 
 
 def row_state(layer: BatchedDecodeLayer, row: int, width: int):

@@ -13,25 +13,13 @@ from hf_rocketkv import RocketKVCache
 from hf_rocketkv.cache.batch_view import BatchedDecodeCache
 from hf_rocketkv.cache.row_index import select_rows
 from hf_rocketkv.integration.compat import cache_kwargs
+from tests.cache.helpers import engine_prefill
 from tests.support.tiny_models import compressing_config, cpu_pool, greedy, left_pad, make_models, random_ids
 
 
 @pytest.fixture(scope="module")
 def model():
     return make_models("llama")[0]
-
-
-def prefill(model, pool, cfg, prompt, new_tokens):
-    cache = RocketKVCache(cfg, pool=pool)
-    ids = prompt[None]
-    cache.hints.max_length = len(prompt) + new_tokens
-    cache.begin_prefill(ids, None, max_new_tokens=new_tokens)
-    start = cache.get_seq_length()
-    with torch.no_grad():
-        out = model(input_ids=ids[:, start:], attention_mask=torch.ones_like(ids),
-                    position_ids=torch.arange(start, len(prompt))[None], **cache_kwargs(cache), use_cache=True,
-                    logits_to_keep=1)
-    return cache, int(out.logits[0, -1].argmax())
 
 
 def step(model, batch, rows, bucket, last):
@@ -51,7 +39,7 @@ def test_a_moved_row_holds_what_it_held(model):
     pool = cpu_pool(model, cfg, 2 << 20, page_size=16)
     batch = BatchedDecodeCache(pool, max_rows=2)
     for row, n in enumerate((27, 35)):
-        cache, _ = prefill(model, pool, cfg, random_ids(1, n, seed=300 + n)[0], 4)
+        cache, _ = engine_prefill(model, pool, cfg, random_ids(1, n, seed=300 + n)[0], 4)
         batch.join(row, cache)
     before = [(l.table_buf[1].clone(), l.lengths_buf[1].clone(), l.positions_buf[1].clone(), l.seen_buf[1].clone())
               for l in batch.layers]
@@ -73,7 +61,7 @@ def test_padding_rows_write_only_the_scratch_page_the_batch_holds_now(model):
     cfg = compressing_config(kt_cache_dtype="float32")
     pool = cpu_pool(model, cfg, 2 << 20, page_size=16)
     batch = BatchedDecodeCache(pool, max_rows=2)
-    a, first_a = prefill(model, pool, cfg, random_ids(1, 30, seed=11)[0], 4)
+    a, first_a = engine_prefill(model, pool, cfg, random_ids(1, 30, seed=11)[0], 4)
     batch.join(0, a)
     assert batch.ensure_scratch()
     old = batch.scratch.pages[0]
@@ -83,7 +71,7 @@ def test_padding_rows_write_only_the_scratch_page_the_batch_holds_now(model):
     hog = pool.new_table("view")  # someone else takes the old scratch page
     while old not in hog.pages:
         pool.allocate(hog, 1)
-    b, first_b = prefill(model, pool, cfg, random_ids(1, 33, seed=12)[0], 5)
+    b, first_b = engine_prefill(model, pool, cfg, random_ids(1, 33, seed=12)[0], 5)
     batch.join(0, b)
     assert batch.ensure_scratch() and batch.scratch.pages[0] != old
     storages = [pool.layer(i) for i in range(len(batch.layers))]
@@ -106,10 +94,10 @@ def test_reallocated_buffers_bump_the_version(model):
     cfg = compressing_config(kt_cache_dtype="float32")
     pool = cpu_pool(model, cfg, 2 << 20, page_size=8)
     batch = BatchedDecodeCache(pool, max_rows=2)
-    small, _ = prefill(model, pool, cfg, random_ids(1, 10, seed=1)[0], 2)
+    small, _ = engine_prefill(model, pool, cfg, random_ids(1, 10, seed=1)[0], 2)
     batch.join(0, small)
     ptr, version = batch.layers[0].table_buf.data_ptr(), batch.version
-    wide, _ = prefill(model, pool, cfg, random_ids(1, 41, seed=2)[0], 40)
+    wide, _ = engine_prefill(model, pool, cfg, random_ids(1, 41, seed=2)[0], 40)
     batch.join(1, wide)
     assert batch.layers[0].table_buf.data_ptr() != ptr  # widened (precondition)
     assert batch.version != version
@@ -123,7 +111,7 @@ def test_next_positions_is_a_snapshot(model):
     cfg = compressing_config(kt_cache_dtype="float32")
     pool = cpu_pool(model, cfg, 2 << 20)
     batch = BatchedDecodeCache(pool, max_rows=1)
-    cache, first = prefill(model, pool, cfg, random_ids(1, 30, seed=3)[0], 3)
+    cache, first = engine_prefill(model, pool, cfg, random_ids(1, 30, seed=3)[0], 3)
     batch.join(0, cache)
     batch.prepare(1, 1)
     positions = batch.next_positions()

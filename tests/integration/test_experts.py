@@ -43,24 +43,24 @@ def counted(monkeypatch):
     return calls
 
 
-def gpt_oss_experts(dtype, seed=0):
-    config = GptOssConfig(hidden_size=48, intermediate_size=40, num_local_experts=6, num_experts_per_tok=3)
-    module = GptOssExperts(config)
+def random_experts(module_cls, config, dtype, seed=0):
+    """``(module, config)``: an experts module of ``config`` with every parameter drawn from N(0, 0.3^2)."""
+    module = module_cls(config)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in module.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     return module.to(DEVICE, dtype), config
+
+
+def gpt_oss_experts(dtype, seed=0):
+    config = GptOssConfig(hidden_size=48, intermediate_size=40, num_local_experts=6, num_experts_per_tok=3)
+    return random_experts(GptOssExperts, config, dtype, seed)
 
 
 def mixtral_experts(dtype, seed=0):
     config = MixtralConfig(hidden_size=48, intermediate_size=40, num_local_experts=6, num_experts_per_tok=2)
-    module = MixtralExperts(config)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return module.to(DEVICE, dtype), config
+    return random_experts(MixtralExperts, config, dtype, seed)
 
 
 def routed(tokens, config, seed=1, dtype=torch.float32):
