@@ -3,12 +3,14 @@
 gpt-oss-20b's experts (32 experts of hidden 2880 and intermediate 2880, top 4, bf16, random weights) called as the
 modeling code calls them for ``T`` decode tokens: transformers' ``batched_mm`` (gathers the chosen experts' weights,
 then multiplies), ``grouped_mm`` (one grouped GEMM over every expert, offsets per expert), and
-``integration/experts.experts_forward`` (``kernels/expert_linear``: each pair's expert read in place). Each is
+``integration/experts.experts_forward`` (``kernels/expert_linear``: each pair's expert read in place; its schedule
+chosen by the pairs per expert, and each schedule forced: ``rocketkv pairs``, ``rocketkv grouped``). Each is
 captured as a CUDA graph of ``--calls`` calls and replayed (GPU time per call, as inside a graphed decode step); the
 bytes of expert weights a call must read at least give its effective bandwidth. Outputs are checked against the
 float64 forward first.
 
     python -m benchmarks.expert_linear --tokens 1 2 4 8 --out results/expert_linear.json
+    python -m benchmarks.expert_linear --tokens 8 16 32 64 128 --sweep-grouped --out results/expert_grouped.json
     python -m benchmarks.expert_linear --quick     # tiny shapes on CPU (Triton's interpreter): the logic only
 """
 
@@ -24,8 +26,10 @@ from pathlib import Path
 import torch
 
 
-SWEEP = [(n, k, w, st) for n in (16, 32, 64) for k in (64, 128, 256) for w in (2, 4, 8) for st in (2, 4)
+SWEEP = [("pairs", (n, k, w, st)) for n in (16, 32, 64) for k in (64, 128, 256) for w in (2, 4, 8) for st in (2, 4)
          if n * k <= 8192]
+SWEEP_GROUPED = [("grouped", (n, k, w, st)) for n in (32, 64, 128) for k in (32, 64, 128) for w in (4, 8)
+                 for st in (2, 3, 4) if n * k <= 8192]
 
 
 def build(quick: bool, device, dtype):
@@ -70,20 +74,22 @@ def variants(module, shapes, sweep=()):
     layout = compat.experts_layout(module)
     out = {"batched_mm": transformers_impl("batched_mm"), "grouped_mm": transformers_impl("grouped_mm"),
            "rocketkv": lambda h, i, w: experts.experts_forward(module, layout, h, i, w)}
-    for tiles in sweep:
-        out[f"rocketkv{tiles}"] = functools.partial(_with_tiles, module, layout, tiles)
+    for schedule in ("pairs", "grouped"):
+        out[f"rocketkv {schedule}"] = functools.partial(_with_tiles, module, layout, schedule, None)
+    for schedule, tiles in sweep:
+        out[f"rocketkv {schedule}{tiles}"] = functools.partial(_with_tiles, module, layout, schedule, tiles)
     return out
 
 
-def _with_tiles(module, layout, tiles, hidden, ids, weights):
+def _with_tiles(module, layout, schedule, tiles, hidden, ids, weights):
     from hf_rocketkv.kernels import expert_linear
 
     tokens, top_k = ids.shape
     flat = ids.reshape(-1)
     up = expert_linear.expert_linear_triton(hidden, module.gate_up_proj, module.gate_up_proj_bias, flat,
-                                            layout.transposed, top_k, tiles)
+                                            layout.transposed, top_k, tiles, schedule)
     down = expert_linear.expert_linear_triton(layout.apply_gate(up).contiguous(), module.down_proj,
-                                              module.down_proj_bias, flat, layout.transposed, 1, tiles)
+                                              module.down_proj_bias, flat, layout.transposed, 1, tiles, schedule)
     return (down * weights.reshape(-1, 1)).view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
 
 
@@ -119,7 +125,8 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--calls", type=int, default=24, help="calls per captured graph (default 24: gpt-oss' layers)")
-    parser.add_argument("--sweep", action="store_true", help="also RocketKV's kernel with other tiles")
+    parser.add_argument("--sweep", action="store_true", help="also RocketKV's pairs schedule with other tiles")
+    parser.add_argument("--sweep-grouped", action="store_true", help="also its grouped schedule with other tiles")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -142,7 +149,8 @@ def main(argv=None) -> dict:
             distinct = len(set(ids.reshape(-1).tolist()))
             row = dict(tokens=tokens, pairs=ids.numel(), distinct_experts=distinct,
                        min_bytes=distinct * expert_bytes)
-            for name, fn in variants(module, shapes, SWEEP if args.sweep else ()).items():
+            sweep = (SWEEP if args.sweep else []) + (SWEEP_GROUPED if args.sweep_grouped else [])
+            for name, fn in variants(module, shapes, sweep).items():
                 out = fn(hidden, ids, weights)
                 error = float((out.double() - truth).abs().max() / truth.abs().max())
                 us = time_call(fn, (hidden, ids, weights), args.calls, device)

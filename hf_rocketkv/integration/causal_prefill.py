@@ -34,6 +34,7 @@ from torch.backends.cuda import SDPAParams, can_use_cudnn_attention, can_use_fla
 from torch.nn.attention.bias import causal_lower_right
 
 from ..kernels.merge_attention import MERGE_DTYPES, merge_attention_triton
+from ..selection.logit_features import with_sinks
 
 CUDNN_QUERY_BUCKET = 512  # queries padded to a multiple of this for cuDNN (a bounded set of graphs per process)
 MIN_SPLIT_QUERIES = 1024  # fewer queries after earlier keys (a prefix hit's new tokens): flash, already fast there
@@ -56,19 +57,30 @@ def causal_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torc
 
 
 def cudnn_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-                           prefix: int) -> torch.Tensor:
+                           prefix: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The cuDNN path (``cudnn_runs`` must hold): queries and their own keys padded to the bucket, the keys before
-    them attended without a mask, the two merged by log-sum-exp."""
+    them attended without a mask, the two merged by log-sum-exp. With ``sinks`` (``[Hq]`` logits, gpt-oss' learned
+    sinks) each row then keeps the share of its softmax that falls on real keys (``with_sinks``): the sink is one
+    more key with a zero value, so the row is the attention over the keys merged with a zero partial whose
+    log-sum-exp is the sink."""
     n = query.shape[2]
     padded = query_bucket(n)
     query, own_key, own_value = (in_bucket(t, padded) for t in (query, key[:, :, prefix:], value[:, :, prefix:]))
     merging = prefix > 0
-    own = _CUDNN_ATTENTION(query, own_key, own_value, None, merging, 0.0, True, False, scale=scaling)
-    if not merging:
-        return own[0][:, :, :n].transpose(1, 2).contiguous()
-    before = _CUDNN_ATTENTION(query, in_bucket(key[:, :, :prefix], prefix), in_bucket(value[:, :, :prefix], prefix),
-                              None, True, 0.0, False, False, scale=scaling)
-    return merge_attention_triton(before[0][:, :, :n], before[1][:, :, :n], own[0][:, :, :n], own[1][:, :, :n])
+    lse_needed = merging or sinks is not None
+    own = _CUDNN_ATTENTION(query, own_key, own_value, None, lse_needed, 0.0, True, False, scale=scaling)
+    out, lse = own[0][:, :, :n], (own[1][:, :, :n] if lse_needed else None)
+    if merging:
+        before = _CUDNN_ATTENTION(query, in_bucket(key[:, :, :prefix], prefix),
+                                  in_bucket(value[:, :, :prefix], prefix), None, True, 0.0, False, False,
+                                  scale=scaling)
+        before_out, before_lse = before[0][:, :, :n], before[1][:, :, :n]
+        out = merge_attention_triton(before_out, before_lse, out, lse)
+        if sinks is None:
+            return out
+        return with_sinks(out, torch.logaddexp(before_lse.float(), lse.float()), sinks)
+    out = out.transpose(1, 2)
+    return out.contiguous() if sinks is None else with_sinks(out, lse, sinks)
 
 
 def in_bucket(x: torch.Tensor, length: int) -> torch.Tensor:

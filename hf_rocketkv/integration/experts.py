@@ -8,10 +8,11 @@ batching engine's decode steps) on CUDA, an experts module of transformers' ``us
 (gpt-oss, and the MoE families built the same way) runs its two projections through
 ``kernels/expert_linear.expert_linear_triton`` instead: one launch each, every pair's expert read once from the
 parameter, the products summed in fp32 and rounded once; the module's own gate (``_apply_gate``), the routing weights
-and the sum over experts stay transformers' code. It applies while the step's (token, expert) pairs are at most the
-number of experts (then no expert is read more often than ``grouped_mm`` would read it): decode at small batches;
-prefill chunks, large batches, CPU, a torch.compile'd forward, expert parallelism and other layouts keep
-transformers' forward, called with the arguments it received.
+and the sum over experts stay transformers' code. It applies while the step's (token, expert) pairs are at most
+``FUSED_MAX_PAIRS_PER_EXPERT`` per expert: decode, one request or a batch of them (up to the number of experts the
+kernel reads each pair's expert, beyond it each chosen expert once for all its pairs: the kernel's ``grouped``
+schedule). Prefill chunks (compute-bound: transformers' ``grouped_mm`` GEMMs), CPU, a torch.compile'd forward, expert
+parallelism and other layouts keep transformers' forward, called with the arguments it received.
 
 How a call is recognised as RocketKV's: ``fused_experts(model, enabled)`` sets a ContextVar for the duration of the
 call (per thread and per asyncio task), after making sure the experts classes of ``model`` have their ``forward``
@@ -27,16 +28,19 @@ from . import compat
 from .fused_switch import FusedSwitch
 
 FUSED_DEVICE_TYPES = ("cuda",)  # the kernel's devices (the CPU tests add "cpu": Triton's interpreter)
+# pairs per expert up to which the kernel runs the step (gpt-oss-20b, H200: benchmarks/expert_linear.py, docs/models.md)
+FUSED_MAX_PAIRS_PER_EXPERT = 16
 
 
 def applies(module, hidden_states: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
     """The module's ``compat.ExpertsLayout`` when the in-place path computes this call, else None: hidden states
-    ``[T, H]`` on a fused device, ``ids`` and ``weights`` ``[T, top_k]``, at most one pair per expert on average."""
+    ``[T, H]`` on a fused device, ``ids`` and ``weights`` ``[T, top_k]``, at most ``FUSED_MAX_PAIRS_PER_EXPERT`` pairs
+    per expert."""
     layout = compat.experts_layout(module)
     if layout is None or hidden_states.device.type not in FUSED_DEVICE_TYPES or hidden_states.dim() != 2:
         return None
     if ids.dim() != 2 or weights.shape != ids.shape or ids.shape[0] != hidden_states.shape[0] \
-            or ids.numel() > module.gate_up_proj.shape[0]:
+            or ids.numel() > FUSED_MAX_PAIRS_PER_EXPERT * module.gate_up_proj.shape[0]:
         return None
     bias = layout.bias
     if not (expert_linear_supported(hidden_states, module.gate_up_proj, module.gate_up_proj_bias if bias else None)

@@ -89,6 +89,19 @@ def softmax_with_sinks(logits: torch.Tensor, sinks: torch.Tensor | None) -> torc
     return probs[..., :-1]
 
 
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention over the keys turned into attention with one sink logit per query head.
+
+    ``out`` ``[B, L, Hq, D]`` (any strides) is the softmax-weighted values over the keys alone and ``lse``
+    ``[B, Hq, L]`` or ``[B, Hq, L, 1]`` each row's natural log-sum-exp of its scaled logits; ``sinks`` ``[Hq]``. The
+    sink joins the denominator with a zero value, so each row keeps the share ``exp(lse) / (exp(lse) + exp(sink))
+    = sigmoid(lse - sink)`` of its output. Returns ``[B, L, Hq, D]`` contiguous in ``out``'s dtype, scaled in fp32.
+    """
+    batch, length, heads, _ = out.shape
+    keep = torch.sigmoid(lse.reshape(batch, heads, length).float() - sinks.float()[None, :, None])
+    return (out.float() * keep.transpose(1, 2)[..., None]).to(out.dtype).contiguous()
+
+
 def allowed_of(mask: torch.Tensor | None) -> torch.Tensor | None:
     """A transformers attention mask as bool (True = may attend): bool masks as they are, additive float masks
     where they are 0."""

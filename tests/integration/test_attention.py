@@ -189,3 +189,63 @@ def test_the_answer_is_compared_once_per_mask_object(monkeypatch):
     other = causal_mask(1, 3, 10)  # the next forward's mask: a new object, compared again
     assert lower_right_causal(owner, other, [0], 3, 10)
     assert len(calls) == 2
+
+
+def sink_oracle(query, key, value, allowed, scaling, sinks, softcap=None):
+    """``oracle`` with an optional soft-cap and one sink logit per query head in each row's softmax (float64)."""
+    group = query.shape[1] // key.shape[1]
+    k = key.double().repeat_interleave(group, dim=1)
+    v = value.double().repeat_interleave(group, dim=1)
+    scores = (query.double() @ k.transpose(-1, -2)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    sink = sinks.double()[None, :, None, None].expand(*scores.shape[:-1], 1)
+    return (torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1] @ v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("case", ["whole prompt", "chunk", "padded", "soft-capped"])
+def test_sinks_take_cudnn_exactly_where_the_mask_is_plain_causal(case, monkeypatch):
+    """gpt-oss' sinks without a cap: cuDNN with the sinks applied through the log-sum-exp where it runs (stood in
+    for on the CPU by a float64 recording op, ``cudnn_runs`` forced) and the mask is plain causal (none on a whole
+    prompt; lower-right on a chunk after a whole bucket of keys); a padded row or soft-capped logits keep the
+    reference path. The oracle's answer every time."""
+    import hf_rocketkv.integration.attention as attention
+    from hf_rocketkv.kernels.merge_attention import merge_attention_torch
+    from hf_rocketkv.selection.logit_features import LogitFeatures
+    from tests.integration.test_causal_prefill import RecordingCudnn
+
+    fake = RecordingCudnn()
+    monkeypatch.setattr(causal_prefill, "_CUDNN_ATTENTION", fake)
+    monkeypatch.setattr(causal_prefill, "merge_attention_triton", merge_attention_torch)
+    monkeypatch.setattr(attention, "cudnn_runs", lambda *a: True)
+    n, kv_length, pad = {"whole prompt": (9, 9, [0, 0]), "chunk": (6, 6 + CUDNN_QUERY_BUCKET, [0, 0]),
+                         "padded": (9, 9, [0, 3]), "soft-capped": (9, 9, [0, 0])}[case]
+    q, k, v, module = inputs(2, 8, 2, n, kv_length, 16, torch.bfloat16, seed=13, device="cpu")
+    sinks = torch.linspace(-2.0, 4.0, 8).to(torch.bfloat16)
+    softcap = 5.0 if case == "soft-capped" else None
+    allowed = causal_mask(2, n, kv_length, pad)
+    mask = None if case in ("whole prompt", "soft-capped") else allowed
+    out = dense_attention(layer(), module, q, k, v, mask, 0.25, pad, LogitFeatures(softcap=softcap, sinks=sinks))
+    assert bool(fake.keys) == (case in ("whole prompt", "chunk"))
+    torch.testing.assert_close(out.double(), sink_oracle(q, k, v, allowed, 0.25, sinks, softcap),
+                               atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN runs on CUDA")
+@pytest.mark.parametrize("shape", [(1, 64, 8, 1000, 1000, 64), (2, 8, 2, 1037, 1549, 64), (1, 32, 8, 300, 300, 128)])
+def test_on_a_gpu_sinks_run_in_cudnn_and_equal_the_oracle(shape):
+    """The real op (gpt-oss-20b's heads and head dim among the shapes): a whole prompt and a split chunk."""
+    import hf_rocketkv.integration.attention as attention
+    from hf_rocketkv.selection.logit_features import LogitFeatures
+
+    batch, hq, hkv, n, kv_length, dim = shape
+    q, k, v, module = inputs(batch, hq, hkv, n, kv_length, dim, torch.bfloat16, seed=sum(shape), device="cuda")
+    sinks = torch.linspace(-3.0, 9.0, hq, device="cuda").to(torch.bfloat16)
+    allowed = causal_mask(batch, n, kv_length).cuda()
+    mask = None if n == kv_length else allowed
+    assert attention.cudnn_runs(q, k, v, kv_length - n)
+    out = dense_attention(layer(), module, q, k, v, mask, dim ** -0.5, [0] * batch, LogitFeatures(sinks=sinks))
+    assert out.shape == (batch, n, hq, dim) and out.is_contiguous()
+    torch.testing.assert_close(out.double(), sink_oracle(q, k, v, allowed, dim ** -0.5, sinks), atol=2e-2, rtol=2e-2)

@@ -217,3 +217,32 @@ def test_on_a_gpu_the_warm_up_runs_cudnn_on_every_shape_and_chunks_still_equal_t
                 out = causal_prefill.causal_prefill_attention(query, key, value, dim ** -0.5)
                 torch.testing.assert_close(out.double(), oracle(query, key, value, dim ** -0.5),
                                            atol=2e-2, rtol=2e-2)
+
+
+def sink_oracle(query, key, value, scale, sinks):
+    """``oracle`` with one sink logit per query head joining each row's softmax (a key of zero value), float64."""
+    group = query.shape[1] // key.shape[1]
+    k = key.double().repeat_interleave(group, dim=1)
+    v = value.double().repeat_interleave(group, dim=1)
+    n, kv_length = query.shape[2], key.shape[2]
+    scores = (query.double() @ k.transpose(-1, -2)) * scale
+    column, row = torch.arange(kv_length), torch.arange(n)
+    scores = scores.masked_fill(~(column[None, :] <= (kv_length - n + row)[:, None]), float("-inf"))
+    sink = sinks.double()[None, :, None, None].expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    return (probs @ v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("n,prefix,extra", [(37, 0, 0), (BUCKET, 0, 11), (MIN_SPLIT_QUERIES + 3, BUCKET, 9)])
+def test_sinks_through_the_log_sum_exp_equal_the_oracle(cudnn, n, prefix, extra):
+    """gpt-oss' sinks on the cuDNN path: a whole prompt and a split chunk, each row scaled by ``sigmoid(lse -
+    sink)``, equal attention with the sink in the softmax; sinks large enough to take most of a row's mass, and
+    negative ones, so that a wrong scale (or none) fails."""
+    query, key, value = chunk_inputs(n, prefix, prefix + n + extra, seed=5 + n)
+    sinks = torch.tensor([3.0, -2.0, 9.0, 6.0]).to(torch.bfloat16)
+    out = causal_prefill.cudnn_causal_attention(query, key, value, 0.25, prefix, sinks)
+    assert out.shape == (1, n, 4, 16) and out.is_contiguous() and out.dtype == torch.bfloat16
+    expected = sink_oracle(query, key, value, 0.25, sinks)
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
+    plain = causal_prefill.cudnn_causal_attention(query, key, value, 0.25, prefix)
+    assert (plain.double() - expected).abs().max() > 0.1  # the sinks change the answer: the check above can fail

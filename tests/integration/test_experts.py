@@ -3,8 +3,8 @@
 On CPU the kernel runs under Triton's interpreter; the tests let the wrapper take it on CPU (``FUSED_DEVICE_TYPES``)
 and count its calls, so they prove the path is taken, not only that outputs agree. Oracles: the experts module's own
 forward (transformers' code, by the configured implementation), and the same generation with
-``fused_experts=False``. Calls that are not RocketKV's, and calls with more (token, expert) pairs than experts (a
-prefill), never take it.
+``fused_experts=False``. Calls that are not RocketKV's, and calls with more (token, expert) pairs per expert than
+``FUSED_MAX_PAIRS_PER_EXPERT`` (a prefill), never take it.
 """
 
 from __future__ import annotations
@@ -113,9 +113,29 @@ def test_bf16_experts_are_within_rounding_of_the_float64_truth(counted):
     assert float((got.double() - truth).abs().max()) <= 1.5 * float((want.double() - truth).abs().max()) + 1e-3
 
 
-def test_more_pairs_than_experts_and_calls_outside_rocketkv_keep_transformers_forward(counted):
+@pytest.mark.parametrize("make", [gpt_oss_experts, mixtral_experts], ids=["gpt_oss", "mixtral"])
+def test_a_batched_steps_experts_group_by_expert_and_equal_transformers_forward(make, counted):
+    """More pairs than experts, within ``FUSED_MAX_PAIRS_PER_EXPERT`` (a batched decode step: the kernel's grouped
+    schedule), including the largest step that still takes the kernel."""
+    module, config = make(torch.float32)
+    top_k, experts_count = config.num_experts_per_tok, config.num_local_experts
+    for tokens in (5, experts.FUSED_MAX_PAIRS_PER_EXPERT * experts_count // top_k):
+        counted.clear()
+        hidden, ids, weights = routed(tokens, config, seed=tokens)
+        with torch.no_grad():
+            want = module(hidden, ids, weights)
+            with experts.fused_experts(module, True):
+                got = module(hidden, ids, weights)
+        pairs = tokens * top_k
+        assert pairs > experts_count
+        assert counted == [(pairs, 2 * config.intermediate_size), (pairs, config.hidden_size)]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_more_pairs_than_the_cap_and_calls_outside_rocketkv_keep_transformers_forward(counted):
     module, config = gpt_oss_experts(torch.float32)
-    many = routed(3, config)  # 9 pairs, 6 experts: a prefill's shape
+    tokens = experts.FUSED_MAX_PAIRS_PER_EXPERT * config.num_local_experts // config.num_experts_per_tok + 1
+    many = routed(tokens, config)  # one pair over the cap: a prefill's shape
     one = routed(1, config)
     with torch.no_grad():
         with experts.fused_experts(module, True):

@@ -61,17 +61,20 @@ def assert_near_oracle(got, x, weight, bias, ids, transposed, rows_per_x):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("transposed", [True, False])
 @pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("schedule", ["pairs", "grouped"])
 @pytest.mark.parametrize("tokens, pairs_per_token, k_in, n_out, experts", [
     (1, 4, 96, 80, 8),     # one decode token, top-4 (gpt-oss' shape, small)
     (3, 2, 70, 37, 5),     # sizes that are not multiples of any block
     (4, 1, 130, 129, 3),   # one pair per row (the down projection's call)
+    (21, 2, 40, 70, 3),    # a batch: about 14 pairs per expert
+    (24, 3, 33, 20, 2),    # more pairs per expert than one grouped block of rows (36 each)
 ])
-def test_the_kernel_and_its_twin_are_within_rounding_of_the_oracle(dtype, transposed, bias, tokens, pairs_per_token,
-                                                                   k_in, n_out, experts):
+def test_the_kernel_and_its_twin_are_within_rounding_of_the_oracle(dtype, transposed, bias, schedule, tokens,
+                                                                   pairs_per_token, k_in, n_out, experts):
     g = gen("expert_linear", dtype, transposed, bias, tokens, pairs_per_token, k_in, n_out, experts)
     x, weight, b, ids = inputs(tokens, k_in, n_out, experts, pairs_per_token, transposed, bias, dtype, g)
     assert expert_linear_supported(x, weight, b)
-    got = expert_linear_triton(x, weight, b, ids, transposed, rows_per_x=pairs_per_token)
+    got = expert_linear_triton(x, weight, b, ids, transposed, rows_per_x=pairs_per_token, schedule=schedule)
     assert got.shape == (tokens * pairs_per_token, n_out) and got.dtype == dtype
     assert_near_oracle(got, x, weight, b, ids, transposed, pairs_per_token)
     twin = expert_linear_reference(x, weight, b, ids, transposed, rows_per_x=pairs_per_token)
@@ -87,11 +90,44 @@ def test_each_pair_reads_its_own_expert_and_token_row():
     x = torch.tensor([[1.0, 0, 0, 0, 2], [0, 1, 0, 3, 0]])
     ids = torch.tensor([2, 0, 1, 2])
     x, weight, bias, ids = x.to(DEVICE), weight.to(DEVICE), bias.to(DEVICE), ids.to(DEVICE)
-    got = expert_linear_triton(x, weight, bias, ids, True, rows_per_x=2)
     want = torch.stack([x[s // 2] @ weight[int(ids[s])] + bias[int(ids[s])] for s in range(4)])
+    for schedule in ("pairs", "grouped"):
+        got = expert_linear_triton(x, weight, bias, ids, True, rows_per_x=2, schedule=schedule)
+        assert torch.equal(got, want), schedule
+        flipped = expert_linear_triton(x, weight.transpose(1, 2).contiguous(), bias, ids, False, rows_per_x=2,
+                                       schedule=schedule)
+        assert torch.equal(flipped, want), schedule
+
+
+def test_the_grouped_schedule_skips_experts_no_pair_chose_and_keeps_pair_order():
+    """Exact integers: 5 experts of which 2 are chosen (17 and 2 pairs, so one expert spans two blocks of rows);
+    each output row is its own pair's product, in pair order, whatever the sort did."""
+    experts, k_in, n_out = 5, 6, 3
+    weight = (torch.arange(experts * k_in * n_out, dtype=torch.float32).reshape(experts, k_in, n_out) % 5 - 2)
+    x = (torch.arange(19 * k_in, dtype=torch.float32).reshape(19, k_in) % 3 - 1)
+    ids = torch.tensor([3] * 17 + [1, 1])
+    ids = ids[torch.randperm(19, generator=torch.Generator().manual_seed(0))]
+    x, weight, ids = x.to(DEVICE), weight.to(DEVICE), ids.to(DEVICE)
+    got = expert_linear_triton(x, weight, None, ids, True, schedule="grouped")
+    want = torch.stack([x[s] @ weight[int(ids[s])] for s in range(19)])
     assert torch.equal(got, want)
-    flipped = expert_linear_triton(x, weight.transpose(1, 2).contiguous(), bias, ids, False, rows_per_x=2)
-    assert torch.equal(flipped, want)
+
+
+def test_auto_groups_exactly_when_the_pairs_outnumber_the_experts(monkeypatch):
+    import hf_rocketkv.kernels.expert_linear as module
+
+    grouped = []
+    real = module._grouped
+    monkeypatch.setattr(module, "_grouped", lambda *a: grouped.append(1) or real(*a))
+    x = torch.randn((9, 16)).to(DEVICE)
+    weight = torch.randn((8, 16, 16)).to(DEVICE)
+    for pairs, expected in ((8, 0), (9, 1)):
+        grouped.clear()
+        ids = torch.arange(pairs, device=DEVICE) % 8
+        expert_linear_triton(x, weight, None, ids, True)
+        assert len(grouped) == expected, pairs
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        expert_linear_triton(x, weight, None, ids, True, schedule="sorted")
 
 
 def test_no_pairs_give_an_empty_output():
