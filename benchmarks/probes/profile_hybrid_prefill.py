@@ -4,8 +4,8 @@ of its layers costs on each path.
     python -m benchmarks.probes.profile_hybrid_prefill --model gpt-oss-20b --prompt-len 8192 --out $OUT/prefill
 
 Random bf16 weights of the published shapes (``benchmarks/hybrid_decode.py``). One prompt through a
-``RocketKVCache(RocketKVConfig())`` forward (``logits_to_keep=1``: the batching engine's prefill of one chunk,
-stage 1 included): the median of ``--repeats`` after a warm-up (CUDA events), then one under torch.profiler, by kind
+``RocketKVCache(RocketKVConfig())`` forward under the config's fused paths (``logits_to_keep=1``: the batching
+engine's prefill of one chunk, stage 1 included): the median of ``--repeats`` after a warm-up (CUDA events), then one under torch.profiler, by kind
 of kernel (``profile_hybrid_step.kind_of``) with the top kernels. Then one layer's first-forward attention at the
 model's shapes, timed per path: ``spans`` (``attend_in_spans`` + ``featured_attention``, what a layer with sinks
 runs) at several query blocks, and the model's full-attention layer through ``cudnn_causal_attention`` with its sinks
@@ -31,6 +31,7 @@ from benchmarks.probes.profile_hybrid_step import kind_of
 from hf_rocketkv import RocketKVCache, RocketKVConfig
 from hf_rocketkv.integration.attention import attend_in_spans
 from hf_rocketkv.integration.causal_prefill import cudnn_causal_attention
+from hf_rocketkv.integration.fused_modeling import fused_modeling
 from hf_rocketkv.selection.logit_features import LogitFeatures, featured_attention
 
 
@@ -67,9 +68,11 @@ def by_kind(profiler) -> dict:
 def prefill_profile(model, prompt_len: int, repeats: int, device) -> dict:
     ids = torch.randint(3, model.config.get_text_config().vocab_size, (1, prompt_len), device=device)
 
+    config = RocketKVConfig()
+
     def prefill():
-        cache = RocketKVCache(RocketKVConfig(), model_config=model.config)
-        with torch.no_grad():
+        cache = RocketKVCache(config, model_config=model.config)
+        with torch.no_grad(), fused_modeling(model, config):  # as the engine's prefill chunks run
             model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
 
     ms = median_ms(prefill, repeats)

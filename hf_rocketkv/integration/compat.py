@@ -45,6 +45,7 @@ which registration sets to ``require`` (a changed transformers then fails at the
 |   forward and ._norm (and classes with their codes) |             |                                                       |
 | use_experts_implementation classes: forward; read   | wrapped     | a few tokens' experts read in place in RocketKV calls |
 |   has_gate, has_bias, is_transposed, _apply_gate... | (optional)  | (``integration/experts.py``, ``experts_layout``)      |
+|   GptOssExperts._apply_gate (qualname), alpha, limit|             | gpt-oss' gate in one prefill kernel (``clamped_glu``) |
 
 Outside this module the package reaches these names only through the wrappers ``install`` sets up and the accessor
 functions below (``sdpa_attention_forward``, ``compiles_on_every_device``, ``attn_implementation``,
@@ -559,6 +560,7 @@ def install_forward(owner: type, active: Callable[[], bool], compute: Callable[.
 
 # --------------------------------------------------------------------------------------------------- MoE experts
 GATE = "_apply_gate"  # the experts module's gating of its gate/up projection (the table above)
+CLAMPED_GLU_GATE = "GptOssExperts._apply_gate"  # the gate kernels/expert_prefill.clamped_glu computes
 
 
 class ExpertsLayout(NamedTuple):
@@ -567,6 +569,7 @@ class ExpertsLayout(NamedTuple):
     transposed: bool  # weights [E, in, out] (gpt-oss) rather than nn.Linear's [E, out, in]
     bias: bool
     apply_gate: Callable[[torch.Tensor], torch.Tensor]  # the module's own gating of the gate/up projection
+    clamped_glu: tuple[float, float] | None = None  # (alpha, limit) where the gate is GptOssExperts' own method
 
 
 def experts_layout(module) -> ExpertsLayout | None:
@@ -577,7 +580,11 @@ def experts_layout(module) -> ExpertsLayout | None:
             and all(isinstance(w := getattr(module, name, None), torch.Tensor) and w.dim() == 3
                     for name in ("gate_up_proj", "down_proj"))):
         return None
-    return ExpertsLayout(module.is_transposed, getattr(module, "has_bias", False) is True, getattr(module, GATE))
+    alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
+    clamped = (getattr(getattr(type(module), GATE, None), "__qualname__", None) == CLAMPED_GLU_GATE
+               and all(type(v) in (int, float) for v in (alpha, limit)))
+    return ExpertsLayout(module.is_transposed, getattr(module, "has_bias", False) is True, getattr(module, GATE),
+                         (float(alpha), float(limit)) if clamped else None)
 
 
 def experts_classes(model) -> list[type]:

@@ -1,29 +1,41 @@
-"""Mixture-of-experts layers in RocketKV's decode steps: each routed expert's weights read where they lie
-(``RocketKVConfig.fused_experts``, default True).
+"""Mixture-of-experts layers in RocketKV calls: decode steps read each routed expert's weights where they lie, prefill
+chunks run their experts grouped by expert with one pass around each grouped GEMM (``RocketKVConfig.fused_experts``,
+default True).
 
-A decode step routes each of its few tokens to ``top_k`` experts. transformers' ``batched_mm`` experts first copy the
-chosen experts' weights into a new tensor, then multiply, so the weights cross memory three times; its
-``grouped_mm`` reads each chosen expert once. Inside a RocketKV call (``generate()`` with a RocketKVCache, the
-batching engine's decode steps) on CUDA, an experts module of transformers' ``use_experts_implementation`` kind
-(gpt-oss, and the MoE families built the same way) runs its two projections through
-``kernels/expert_linear.expert_linear_triton`` instead: one launch each, every pair's expert read once from the
-parameter, the products summed in fp32 and rounded once; the module's own gate (``_apply_gate``), the routing weights
-and the sum over experts stay transformers' code. It applies while the step's (token, expert) pairs are at most
-``FUSED_MAX_PAIRS_PER_EXPERT`` per expert: decode, one request or a batch of them (up to the number of experts the
-kernel reads each pair's expert, beyond it each chosen expert once for all its pairs: the kernel's ``grouped``
-schedule). Prefill chunks (compute-bound: transformers' ``grouped_mm`` GEMMs), CPU, a torch.compile'd forward, expert
-parallelism and other layouts keep transformers' forward, called with the arguments it received.
+Inside a RocketKV call (``generate()`` with a RocketKVCache, the batching engine's prefill chunks and decode steps) on
+CUDA, an experts module of transformers' ``use_experts_implementation`` kind (gpt-oss, and the MoE families built the
+same way) takes one of two paths instead of transformers' forward:
+
+- decode (at most ``FUSED_MAX_PAIRS_PER_EXPERT`` (token, expert) pairs per expert: one request or a batch of them):
+  both projections through ``kernels/expert_linear.expert_linear_triton``, one launch each, the weights read from the
+  parameter (transformers' ``batched_mm`` copies the chosen experts' weights first; its ``grouped_mm`` reads every
+  expert through a GEMM sized for prefill); each pair's expert read once up to as many pairs as experts, each chosen
+  expert once for all its pairs beyond (the kernel's ``grouped`` schedule). The module's own gate
+  (``_apply_gate``), the routing weights and the sum over experts stay transformers' code.
+- prefill (more pairs per expert): the pairs sorted by expert, torch's grouped GEMM for both projections (as
+  transformers' ``grouped_mm``), and ``kernels/expert_prefill.py`` around them: gpt-oss' gate with the expert bias in
+  one pass (other gates: the bias added, then the module's own gate), and the expert bias, the routing weights, the
+  pairs back in token order and the sum over experts in one more. Runs where torch's grouped GEMM does (CUDA, bf16).
+
+CPU, a torch.compile'd forward, expert parallelism and other layouts keep transformers' forward, called with the
+arguments it received.
 
 How a call is recognised as RocketKV's: ``fused_experts(model, enabled)`` sets a ContextVar for the duration of the
 call (per thread and per asyncio task), after making sure the experts classes of ``model`` have their ``forward``
 wrapped (``compat.install_forward``; once per class).
 """
-
 from __future__ import annotations
 
 import torch
 
-from ..kernels.expert_linear import expert_linear_supported, expert_linear_triton
+from ..kernels.expert_linear import expert_linear_supported, expert_linear_triton, sort_by_expert
+from ..kernels.expert_prefill import (
+    clamped_glu_triton,
+    combine_triton,
+    grouped_matmul,
+    grouped_matmul_runs,
+    prefill_kernels_run,
+)
 from . import compat
 from .fused_switch import FusedSwitch
 
@@ -64,11 +76,63 @@ def experts_forward(module, layout, hidden_states: torch.Tensor, ids: torch.Tens
     return weighted.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
 
 
+def prefill_applies(module, hidden_states: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+    """The module's ``compat.ExpertsLayout`` when the grouped prefill path computes this call, else None: hidden
+    states ``[T, H]`` on a fused device, ``ids`` and ``weights`` ``[T, top_k]``, more than
+    ``FUSED_MAX_PAIRS_PER_EXPERT`` pairs per expert, torch's grouped GEMM taking both projections (the CPU tests: the
+    kernels under Triton's interpreter, the GEMMs' reference)."""
+    layout = compat.experts_layout(module)
+    if layout is None or hidden_states.device.type not in FUSED_DEVICE_TYPES or hidden_states.dim() != 2:
+        return None
+    if ids.dim() != 2 or weights.shape != ids.shape or ids.shape[0] != hidden_states.shape[0] \
+            or ids.numel() <= FUSED_MAX_PAIRS_PER_EXPERT * module.gate_up_proj.shape[0]:
+        return None
+    projections = (module.gate_up_proj, module.down_proj)
+    biases = (module.gate_up_proj_bias, module.down_proj_bias) if layout.bias else ()
+    if type(hidden_states) is not torch.Tensor or any(type(w) not in (torch.Tensor, torch.nn.Parameter)
+                                                      or w.device != hidden_states.device
+                                                      or w.dtype != hidden_states.dtype for w in projections + biases):
+        return None
+    if any(b.dim() != 2 or b.stride(-1) != 1 for b in biases):
+        return None
+    if hidden_states.is_cuda:
+        runs = all(grouped_matmul_runs(hidden_states, w if layout.transposed else w.transpose(1, 2))
+                   for w in projections)
+        return layout if runs and hidden_states.shape[1] % 8 == 0 else None
+    return layout if prefill_kernels_run(hidden_states) else None
+
+
+def prefill_forward(module, layout, hidden_states: torch.Tensor, ids: torch.Tensor,
+                    weights: torch.Tensor) -> torch.Tensor:
+    """A prefill chunk's experts grouped by expert (module docstring): ``[T, H]`` hidden states, ``[T, top_k]``
+    expert ids and routing weights, returns ``[T, H]`` in the hidden states' dtype."""
+    top_k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order, counts, starts = sort_by_expert(flat, module.gate_up_proj.shape[0])
+    ends = starts + counts
+    sorted_pairs = order.long()
+    sorted_ids = flat.index_select(0, sorted_pairs)
+    rows = hidden_states.index_select(0, sorted_pairs // top_k)  # [S, H], expert by expert
+    up = grouped_matmul(rows, module.gate_up_proj, ends, layout.transposed)  # [S, 2I]
+    up_bias = module.gate_up_proj_bias if layout.bias else None
+    if layout.clamped_glu is not None:
+        gated = clamped_glu_triton(up, up_bias, sorted_ids, *layout.clamped_glu)  # [S, I]
+    else:
+        gated = layout.apply_gate(up if up_bias is None else up + up_bias.index_select(0, sorted_ids))
+    down = grouped_matmul(gated.contiguous(), module.down_proj, ends, layout.transposed)  # [S, H]
+    position = torch.empty_like(sorted_pairs)
+    position[sorted_pairs] = torch.arange(sorted_pairs.numel(), device=position.device)  # pair -> its sorted row
+    return combine_triton(down, position, module.down_proj_bias if layout.bias else None, ids, weights)
+
+
 def _compute(run_original, module, hidden_states, ids, weights):
     layout = applies(module, hidden_states, ids, weights)
-    if layout is None:
-        return run_original()
-    return experts_forward(module, layout, hidden_states, ids, weights)
+    if layout is not None:
+        return experts_forward(module, layout, hidden_states, ids, weights)
+    layout = prefill_applies(module, hidden_states, ids, weights)
+    if layout is not None:
+        return prefill_forward(module, layout, hidden_states, ids, weights)
+    return run_original()
 
 
 _SWITCH = FusedSwitch("hf_rocketkv_fused_experts", "_hf_rocketkv_experts_installed", compat.experts_classes,

@@ -181,10 +181,7 @@ def _grouped(x, weight, bias, ids, out, k_in, n_out, s_wk, s_wn, rows_per_x, til
     """The grouped schedule: the pairs sorted by expert (device ops of fixed shapes), then one program per (expert,
     column tile)."""
     experts = weight.shape[0]
-    order = torch.argsort(ids, stable=True).to(torch.int32)  # pair indices, expert by expert
-    counts = torch.zeros(experts, dtype=torch.int32, device=ids.device)
-    counts.scatter_add_(0, ids.to(torch.int64), torch.ones_like(ids, dtype=torch.int32))
-    starts = (torch.cumsum(counts, 0, dtype=torch.int32) - counts).contiguous()
+    order, counts, starts = sort_by_expert(ids, experts)
     block_n, block_k, warps, stages = tiles
     grid = (experts, triton.cdiv(n_out, block_n))
     with direct_launches():
@@ -195,3 +192,14 @@ def _grouped(x, weight, bias, ids, out, k_in, n_out, s_wk, s_wn, rows_per_x, til
             BLOCK_M=GROUPED_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         )
     return out
+
+
+def sort_by_expert(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(order, counts, starts)`` of the pairs' expert ids ``[S]``: the pair indices expert by expert (stable,
+    int32), and each expert's pair count and first place in ``order`` (int32 ``[E]``). Device ops of fixed shapes:
+    no host sync, capturable in a CUDA graph."""
+    order = torch.argsort(ids, stable=True).to(torch.int32)
+    counts = torch.zeros(experts, dtype=torch.int32, device=ids.device)
+    counts.scatter_add_(0, ids.to(torch.int64), torch.ones_like(ids, dtype=torch.int32))
+    starts = (torch.cumsum(counts, 0, dtype=torch.int32) - counts).contiguous()
+    return order, counts, starts

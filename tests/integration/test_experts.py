@@ -3,8 +3,9 @@
 On CPU the kernel runs under Triton's interpreter; the tests let the wrapper take it on CPU (``FUSED_DEVICE_TYPES``)
 and count its calls, so they prove the path is taken, not only that outputs agree. Oracles: the experts module's own
 forward (transformers' code, by the configured implementation), and the same generation with
-``fused_experts=False``. Calls that are not RocketKV's, and calls with more (token, expert) pairs per expert than
-``FUSED_MAX_PAIRS_PER_EXPERT`` (a prefill), never take it.
+``fused_experts=False``. Calls with more (token, expert) pairs per expert than ``FUSED_MAX_PAIRS_PER_EXPERT`` (a
+prefill) take the grouped prefill path instead (the GEMMs' reference on CPU); calls that are not RocketKV's take
+neither.
 """
 
 from __future__ import annotations
@@ -132,20 +133,85 @@ def test_a_batched_steps_experts_group_by_expert_and_equal_transformers_forward(
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_more_pairs_than_the_cap_and_calls_outside_rocketkv_keep_transformers_forward(counted):
+@pytest.fixture
+def prefill_counted(monkeypatch):
+    """Lets the grouped prefill path run on CPU (the kernels interpreted, the GEMMs' reference) and records which
+    of its kernels ran."""
+    calls = []
+    for name in ("clamped_glu_triton", "combine_triton"):
+        kernel = getattr(experts, name)
+        monkeypatch.setattr(experts, name, lambda *a, _k=kernel, _n=name: calls.append(_n) or _k(*a))
+    monkeypatch.setattr(experts, "FUSED_DEVICE_TYPES", ("cuda", "cpu"))
+    return calls
+
+
+@pytest.mark.parametrize("make, gate", [(gpt_oss_experts, "clamped_glu_triton"), (mixtral_experts, None)],
+                         ids=["gpt_oss", "mixtral"])
+def test_a_prefills_experts_grouped_by_expert_equal_transformers_forward(make, gate, prefill_counted, counted):
+    """More pairs per expert than the decode path takes (a prefill chunk): the pairs sorted by expert, both
+    projections grouped, gpt-oss' gate in one kernel (Mixtral: its own gate), the combine in one more; against the
+    module's own forward, and the decode kernel not used."""
+    dtype = torch.float32 if DEVICE.type == "cpu" else torch.bfloat16  # torch's grouped GEMM: bf16 on CUDA
+    module, config = make(dtype)
+    tokens = experts.FUSED_MAX_PAIRS_PER_EXPERT * config.num_local_experts // config.num_experts_per_tok + 7
+    hidden, ids, weights = routed(tokens, config, seed=3, dtype=dtype)
+    with torch.no_grad():
+        truth = module.double()(hidden.double(), ids, weights.double())
+        module.to(dtype)
+        want = module(hidden, ids, weights)
+        with experts.fused_experts(module, True):
+            got = module(hidden, ids, weights)
+    assert prefill_counted == ([gate] if gate else []) + ["combine_triton"] and counted == []
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:  # within rounding of the float64 truth, no further from it than transformers' own bf16 forward
+        error, theirs = (float((out.double() - truth).abs().max()) for out in (got, want))
+        assert error <= 0.03 * float(truth.abs().max()) and error <= 1.5 * theirs + 1e-3
+
+
+def test_a_prefill_in_bf16_is_within_rounding_of_the_float64_truth(prefill_counted):
+    """The grouped path rounds fewer times than transformers' forward: within a few bf16 ulps of the float64
+    computation of the module's own forward, and no further from it than transformers' bf16 forward."""
+    module, config = gpt_oss_experts(torch.bfloat16)
+    hidden, ids, weights = routed(120, config, dtype=torch.bfloat16)
+    with torch.no_grad():
+        truth = module.double()(hidden.double(), ids, weights.double())
+        module.to(torch.bfloat16)
+        want = module(hidden, ids, weights)
+        with experts.fused_experts(module, True):
+            got = module(hidden, ids, weights)
+    assert prefill_counted == ["clamped_glu_triton", "combine_triton"]
+    scale = truth.abs().max()
+    assert float((got.double() - truth).abs().max()) <= 0.03 * float(scale)
+    assert float((got.double() - truth).abs().max()) <= 1.5 * float((want.double() - truth).abs().max()) + 1e-3
+
+
+def test_a_float32_prefill_on_a_gpu_keeps_transformers_forward(prefill_counted):
+    """torch's grouped GEMM runs in bf16 only: a float32 prefill on CUDA keeps transformers' forward (on the CPU the
+    tests run the GEMMs' reference instead)."""
+    if DEVICE.type != "cuda":
+        pytest.skip("the grouped GEMM's dtype rule is CUDA's")
+    module, config = gpt_oss_experts(torch.float32)
+    hidden, ids, weights = routed(120, config)
+    with torch.no_grad(), experts.fused_experts(module, True):
+        module(hidden, ids, weights)
+    assert prefill_counted == []
+
+
+def test_calls_outside_rocketkv_keep_transformers_forward(counted, prefill_counted):
     module, config = gpt_oss_experts(torch.float32)
     tokens = experts.FUSED_MAX_PAIRS_PER_EXPERT * config.num_local_experts // config.num_experts_per_tok + 1
-    many = routed(tokens, config)  # one pair over the cap: a prefill's shape
+    many = routed(tokens, config)  # one pair over the decode path's cap: a prefill's shape
     one = routed(1, config)
     with torch.no_grad():
-        with experts.fused_experts(module, True):
-            module(*many)
-        assert counted == []
-        module(*one)  # the switch is off outside the block
+        module(*many)
+        assert counted == [] and prefill_counted == []  # the switch is off outside the block
+        module(*one)
         assert counted == []
         with experts.fused_experts(module, False):
             module(*one)
-        assert counted == []
+            module(*many)
+        assert counted == [] and prefill_counted == []
 
 
 def test_only_experts_classes_are_wrapped():
@@ -155,7 +221,20 @@ def test_only_experts_classes_are_wrapped():
     assert compat.experts_layout(model.model.layers[0].mlp) is None  # the block around it (router, experts)
     mixtral, _ = mixtral_experts(torch.float32)
     layout = compat.experts_layout(mixtral)
-    assert (layout.transposed, layout.bias) == (False, False)
+    assert (layout.transposed, layout.bias, layout.clamped_glu) == (False, False, None)
+    gpt_oss = model.model.layers[0].mlp.experts
+    assert compat.experts_layout(gpt_oss).clamped_glu == (gpt_oss.alpha, gpt_oss.limit)
+
+
+def test_a_gpt_oss_subclass_with_its_own_gate_keeps_it():
+    """The one-kernel gate reproduces ``GptOssExperts._apply_gate`` only: a subclass that overrides it is run with
+    its own gate (no ``clamped_glu``)."""
+    class OtherGate(GptOssExperts):
+        def _apply_gate(self, gate_up):
+            return torch.relu(gate_up[..., ::2]) * gate_up[..., 1::2]
+
+    module = OtherGate(GptOssConfig(hidden_size=16, intermediate_size=8, num_local_experts=2, num_experts_per_tok=1))
+    assert compat.experts_layout(module).clamped_glu is None
 
 
 def generate(model, ids, mask, cache, new_tokens):
