@@ -158,3 +158,23 @@ def test_short_forwards_later_chunks_and_unusable_masks_run_whole(small_spans):
     assert spans_pay_off(q, k, None, None, needs_mask=False)
     assert not spans_pay_off(q, k, mask[:, :, -1:], 4, needs_mask=True)  # a broadcast row
     assert not spans_pay_off(q, k, mask, 21, needs_mask=True)  # the window spans more than half the forward
+
+
+@pytest.mark.parametrize("kind", ["plain", "sinks", "softcap"])
+def test_a_sliding_layer_with_features_attends_in_spans_of_at_most_the_featured_block(kind, monkeypatch):
+    """Soft-capping or sinks (SDPA under each span's mask): spans of ``FEATURED_WINDOW_BLOCK`` queries (or the window,
+    if larger); plain layers keep ``FIRST_FORWARD_QUERY_BLOCK``, so a prompt of two featured blocks runs in spans
+    only with features. The answer is the oracle's either way."""
+    monkeypatch.setattr(attention, "FIRST_FORWARD_QUERY_BLOCK", 64)
+    monkeypatch.setattr(attention, "FEATURED_WINDOW_BLOCK", 16)
+    blocks = []
+    real = attention.attend_in_spans
+    monkeypatch.setattr(attention, "attend_in_spans", lambda *a: blocks.append(a[6]) or real(*a))
+    n, window, q_heads = 40, 5, 4
+    q, k, v, module = inputs(1, q_heads, 2, n, 8, seed=9)
+    features = features_of(kind, q_heads, seed=4)
+    mask = full_mask(1, n, window)
+    out = window_attention(module, q, k, v, mask, 0.25, features, sliding_window=window)
+    assert blocks == ([] if kind == "plain" else [16])
+    expected = oracle(q, k, v, mask, 0.25, features.softcap, features.sinks)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
