@@ -135,21 +135,25 @@ def cudnn_shapes_of_prompt(prompt_tokens: int, chunk_tokens: int) -> list[tuple[
     return shapes
 
 
-def plain_attention(model) -> bool:
-    """Whether ``model``'s attention calls carry neither soft-capped logits (Gemma 2's ``attn_logit_softcapping``)
-    nor attention sinks (gpt-oss's ``sinks``): only then does a full-attention layer's prefill reach this module (the
-    others take integration/attention.py's ``featured_attention``)."""
+def prefill_attention_kind(model) -> str | None:
+    """How ``model``'s full-attention layers reach this module in a prefill: ``"plain"`` (neither soft-capped logits
+    nor sinks), ``"sinks"`` (gpt-oss' learned sinks, no cap: ``cudnn_causal_attention`` with each row's log-sum-exp,
+    integration/attention.py's ``dense_attention``), or None (Gemma 2's ``attn_logit_softcapping``: they take
+    ``featured_attention`` instead)."""
     if getattr(model.config.get_text_config(), "attn_logit_softcapping", None) is not None:
-        return False
-    return not any(isinstance(getattr(module, "sinks", None), torch.Tensor) for module in model.modules())
+        return None
+    sinks = any(isinstance(getattr(module, "sinks", None), torch.Tensor) for module in model.modules())
+    return "sinks" if sinks else "plain"
 
 
 def warm_cudnn_graphs(shapes: list[tuple[int, int]], query_heads: int, kv_heads: int, head_dim: int,
-                      dtype: torch.dtype, device: torch.device) -> int:
+                      dtype: torch.dtype, device: torch.device, sinks: bool = False) -> int:
     """Run ``cudnn_causal_attention`` once on inputs of each ``(queries, keys before them)`` shape (batch 1, the
     engine's prefill), so that cuDNN builds their graphs now (~70 ms each on an H100) instead of at a request's
-    prefill. On the thread that will prefill: cuDNN keeps a graph cache per thread. Returns the shapes run: 0 where
-    cuDNN does not (CPU, float32, a head dim above ``CUDNN_MAX_HEAD_DIM``)."""
+    prefill. On the thread that will prefill: cuDNN keeps a graph cache per thread. ``sinks``: as a model with sinks
+    runs it (each row's log-sum-exp asked for: other graphs). Returns the shapes run: 0 where cuDNN does not (CPU,
+    float32, a head dim above ``CUDNN_MAX_HEAD_DIM``)."""
+    sink_logits = torch.zeros(query_heads, dtype=dtype, device=device) if sinks else None
     ran = 0
     for queries, prefix in shapes:
         # (values never read back: only the shapes and layouts matter to the graph)
@@ -157,7 +161,7 @@ def warm_cudnn_graphs(shapes: list[tuple[int, int]], query_heads: int, kv_heads:
         key = torch.empty((1, prefix + queries, kv_heads, head_dim), dtype=dtype, device=device).transpose(1, 2)
         if not cudnn_runs(query, key, key, prefix):
             continue
-        cudnn_causal_attention(query, key, key, head_dim ** -0.5, prefix)
+        cudnn_causal_attention(query, key, key, head_dim ** -0.5, prefix, sink_logits)
         ran += 1
     return ran
 

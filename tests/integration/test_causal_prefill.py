@@ -246,3 +246,27 @@ def test_sinks_through_the_log_sum_exp_equal_the_oracle(cudnn, n, prefix, extra)
     torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
     plain = causal_prefill.cudnn_causal_attention(query, key, value, 0.25, prefix)
     assert (plain.double() - expected).abs().max() > 0.1  # the sinks change the answer: the check above can fail
+
+
+def test_a_warm_up_with_sinks_meets_every_graph_key_a_sink_chunk_meets(cudnn, monkeypatch):
+    """A model with sinks asks cuDNN for each row's log-sum-exp even on a whole prompt: other graphs than a plain
+    model's. ``warm_cudnn_graphs(..., sinks=True)`` builds those, so its chunks add no new graph key; the plain
+    warm-up would miss some (so this check can fail)."""
+    monkeypatch.setattr(causal_prefill, "cudnn_runs", lambda q, k, v, prefix: True)
+    chunk, limit = 2 * BUCKET, 4 * BUCKET
+    shapes = cudnn_shapes(chunk, limit)
+    causal_prefill.warm_cudnn_graphs(shapes, 4, 2, 16, torch.bfloat16, torch.device("cpu"))
+    plain, start = set(cudnn.keys), len(cudnn.keys)
+    causal_prefill.warm_cudnn_graphs(shapes, 4, 2, 16, torch.bfloat16, torch.device("cpu"), sinks=True)
+    with_sinks = set(cudnn.keys[start:])  # the keys the warm-up with sinks built
+    sinks = torch.zeros(4, dtype=torch.bfloat16)
+    met = set()
+    for length in (BUCKET - 5, 3 * BUCKET + 7, 4 * BUCKET):
+        for _, start in shapes_met(chunk, length):
+            n = min(chunk, length - start)
+            query, key, value = chunk_inputs(n, start, length, seed=length)
+            before = len(cudnn.keys)
+            causal_prefill.cudnn_causal_attention(query, key, value, 0.25, start, sinks)
+            met |= set(cudnn.keys[before:])
+    assert met <= with_sinks
+    assert not met <= plain  # a whole prompt's graph with the log-sum-exp is not among the plain ones

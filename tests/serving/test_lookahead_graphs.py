@@ -40,7 +40,7 @@ class Timeline:
             with self.lock:
                 self.entries.append(("prefill", tokens))
 
-    def warm(self, shapes, query_heads, kv_heads, head_dim, dtype, device):
+    def warm(self, shapes, query_heads, kv_heads, head_dim, dtype, device, sinks=False):
         with self.lock:
             self.entries.append(("build", list(shapes)))
             self.threads.add(threading.current_thread().name)

@@ -31,7 +31,7 @@ class Recorder:
         self.calls: list[tuple[str, list]] = []
         self.fail = fail
 
-    def __call__(self, shapes, query_heads, kv_heads, head_dim, dtype, device):
+    def __call__(self, shapes, query_heads, kv_heads, head_dim, dtype, device, sinks=False):
         time.sleep(0.2)  # start() must wait for this
         self.calls.append((threading.current_thread().name, list(shapes), (query_heads, kv_heads, head_dim, dtype)))
         if self.fail:
@@ -130,21 +130,29 @@ def test_wait_returns_once_built_released_or_the_thread_ended(tiny_pair):
     assert built.report["shapes"] == 0 and built.report["thread"] == threading.current_thread().name  # CPU: none
 
 
-@pytest.mark.parametrize("arch, planned", [("gemma3", True), ("gemma2", False), ("gpt_oss", False),
-                                           ("mistral", False)])
-def test_models_whose_prefill_never_reaches_cudnn_plan_no_shape(arch, planned):
-    """Gemma 3's full layers are plain attention; Gemma 2 soft-caps its logits, gpt-oss has sinks (another attention
-    path) and Mistral with a window has no full-attention layer: nothing to build for those."""
+@pytest.mark.parametrize("arch, planned, sinks", [("gemma3", True, False), ("gemma2", False, False),
+                                                  ("gpt_oss", True, True), ("mistral", False, False)])
+def test_models_whose_prefill_never_reaches_cudnn_plan_no_shape(arch, planned, sinks, monkeypatch):
+    """Gemma 3's full layers are plain attention and gpt-oss' take cuDNN with their sinks (the graphs built as a
+    model with sinks meets them); Gemma 2 soft-caps its logits (another attention path) and Mistral with a window has
+    no full-attention layer: nothing to build for those."""
     from tests.support.hybrid_models import make_hybrid_models
     from tests.support.tiny_models import cpu_pool
 
+    asked = []
+    real = prefill_graphs.warm_cudnn_graphs
+    monkeypatch.setattr(prefill_graphs, "warm_cudnn_graphs",
+                        lambda *a, sinks=False: asked.append(sinks) or real(*a, sinks=sinks))
     model, _ = make_hybrid_models(arch)
     pool = cpu_pool(model, CFG, 2 << 20, 8, sliding_slots=3)
     engine = BatchingEngine(model, CFG, pool, BatchingConfig(max_running=2, buckets=(1, 2),
                                                              prefill_chunk_tokens=CHUNK), decode_graphs=False)
+    graphs = prefill_graphs.PrefillGraphs(model, pool, torch.device("cpu"), CHUNK, 2 * CHUNK)
+    assert graphs.shapes == (cudnn_shapes(CHUNK, 2 * CHUNK) if planned else [])
     report = engine.warm_up(max_new_tokens=4, prefill_tokens=2 * CHUNK)
-    assert (report["prefill_shapes"] > 0) == planned
     assert report["prefill_shapes"] == (len(cudnn_shapes(CHUNK, 2 * CHUNK)) if planned else 0)
+    graphs.build()  # (the CPU builds nothing: the builder is asked, with or without sinks)
+    assert asked == [sinks]
 
 
 def test_heads_wider_than_the_cudnn_path_plan_no_shape():

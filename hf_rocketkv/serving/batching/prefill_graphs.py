@@ -28,7 +28,7 @@ from ...integration.causal_prefill import (
     CUDNN_MAX_HEAD_DIM,
     cudnn_shapes,
     cudnn_shapes_of_prompt,
-    plain_attention,
+    prefill_attention_kind,
     warm_cudnn_graphs,
 )
 
@@ -42,7 +42,8 @@ class PrefillGraphs:
 
     No shape when no prefill reaches cuDNN: a model without full-attention layers (the pool's ``global_layers``
     empty: every layer slides), whose heads are wider than cuDNN's path takes (Gemma 3's 256), or whose attention
-    soft-caps its logits or has sinks (``plain_attention``).
+    soft-caps its logits (``prefill_attention_kind``). A model with sinks (gpt-oss) gets the graphs its prefill
+    meets: each row's log-sum-exp asked for.
 
     ``build()`` runs on the prefilling thread (the lock, if given, held: no graph capture meanwhile); ``wait()``
     returns once it ran. A failure is logged and leaves the graphs to be built lazily, as without this."""
@@ -52,6 +53,7 @@ class PrefillGraphs:
         self.dtype, self.device = model.dtype, device
         self.prompt_tokens = prompt_tokens
         self.shapes = cudnn_shapes(chunk_tokens, prompt_tokens) if reaches_cudnn(model, pool) else []
+        self.sinks = prefill_attention_kind(model) == "sinks"
         self.report: dict | None = None
         self._built = threading.Event()
 
@@ -60,7 +62,7 @@ class PrefillGraphs:
         try:
             with torch.no_grad(), lock if lock is not None else contextlib.nullcontext():
                 built = warm_cudnn_graphs(self.shapes, self.query_heads, self.kv_heads, self.head_dim, self.dtype,
-                                          self.device)
+                                          self.device, sinks=self.sinks)
             self.report = {"shapes": built, "seconds": time.perf_counter() - started,
                            "thread": threading.current_thread().name}
             logger.info("hf_rocketkv batching engine: built the prefill attention graphs of %d shapes (prompts up "
@@ -92,7 +94,8 @@ def attention_geometry(model, pool) -> tuple[int, int, int]:
 def reaches_cudnn(model, pool) -> bool:
     """Whether any of the model's prefills reaches cuDNN (``PrefillGraphs``' docstring says when none does)."""
     return (bool(pool.hybrid.global_layers) and pool.geometry.head_dim <= CUDNN_MAX_HEAD_DIM
-            and plain_attention(model))
+            and prefill_attention_kind(model) is not None)
+
 
 
 class LookaheadGraphs:
@@ -111,6 +114,7 @@ class LookaheadGraphs:
         self.query_heads, self.kv_heads, self.head_dim = attention_geometry(model, pool)
         self.dtype, self.device, self.chunk_tokens = model.dtype, device, chunk_tokens
         self.enabled = device.type == "cuda" and reaches_cudnn(model, pool)
+        self.sinks = prefill_attention_kind(model) == "sinks"
         self.built: set[tuple[int, int]] = set()
         self.shapes_built, self.seconds = 0, 0.0
         self._warm = warm
@@ -139,7 +143,7 @@ class LookaheadGraphs:
         try:
             with torch.no_grad():
                 self.shapes_built += self._warm(todo, self.query_heads, self.kv_heads, self.head_dim, self.dtype,
-                                                self.device)
+                                                self.device, sinks=self.sinks)
         except Exception:  # noqa: BLE001 - an optimisation: the prefills build what they meet
             self.enabled = False
             logger.warning("hf_rocketkv batching engine: building the next prompt's attention graphs failed; they "
