@@ -20,16 +20,15 @@ import argparse
 import collections
 import datetime
 import json
-import time
 from pathlib import Path
 
 import torch
 
 import hf_rocketkv
+from benchmarks.hybrid_batching import run_call
 from benchmarks.hybrid_decode import MODELS, build_model
 from benchmarks.probes.profile_hybrid_step import kind_of
-from hf_rocketkv import KVBlockPool, generate_batch
-from hf_rocketkv.serving.sampling import SamplingParams
+from hf_rocketkv import KVBlockPool
 
 
 def kernel_totals(profiler) -> tuple[collections.Counter, collections.Counter]:
@@ -76,14 +75,9 @@ def main(argv: list[str] | None = None) -> dict:
     generator = torch.Generator().manual_seed(0)
 
     def call(new_tokens: int) -> float:
+        """Seconds of one ``generate_batch`` call on other random prompts (``hybrid_batching.run_call``)."""
         prompts = torch.randint(3, model.config.vocab_size, (args.requests, args.prompt_len), generator=generator)
-        torch.cuda.synchronize(device)
-        started = time.perf_counter()
-        results = generate_batch(model, prompts.tolist(), pool=pool,
-                                 sampling=SamplingParams.greedy(new_tokens, ignore_eos=True))
-        torch.cuda.synchronize(device)
-        assert sum(len(r.token_ids) for r in results) == args.requests * new_tokens
-        return time.perf_counter() - started
+        return run_call(model, prompts.tolist(), pool, new_tokens)["wall_s"]
 
     warm = call(args.new_tokens)
     prefill, full = call(1), call(args.new_tokens)

@@ -27,6 +27,7 @@ import torch
 
 import hf_rocketkv
 from benchmarks.hybrid_decode import MODELS, build_model
+from benchmarks.probes.engine_decode_profile import kernel_totals
 from benchmarks.probes.profile_hybrid_step import kind_of
 from hf_rocketkv import RocketKVCache, RocketKVConfig
 from hf_rocketkv.integration.attention import attend_in_spans
@@ -50,11 +51,8 @@ def median_ms(fn, repeats: int) -> float:
 
 
 def by_kind(profiler) -> dict:
-    count, micros = collections.Counter(), collections.Counter()
-    for event in profiler.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            count[event.name] += 1
-            micros[event.name] += event.device_time
+    """GPU busy ms, kernels, both by kind of kernel, and the top 25 kernels of one profiled call."""
+    count, micros = kernel_totals(profiler)
     kinds_us, kinds_n = collections.Counter(), collections.Counter()
     for name, us in micros.items():
         kinds_us[kind_of(name)] += us

@@ -44,21 +44,25 @@ FUSED_DEVICE_TYPES = ("cuda",)  # the kernel's devices (the CPU tests add "cpu":
 FUSED_MAX_PAIRS_PER_EXPERT = 16
 
 
-def applies(module, hidden_states: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
-    """The module's ``compat.ExpertsLayout`` when the in-place path computes this call, else None: hidden states
-    ``[T, H]`` on a fused device, ``ids`` and ``weights`` ``[T, top_k]``, at most ``FUSED_MAX_PAIRS_PER_EXPERT`` pairs
-    per expert."""
+def routed_layout(module, hidden_states: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+    """The module's ``compat.ExpertsLayout`` when either path may compute this call, else None: a layout this module
+    reads, hidden states ``[T, H]`` on a fused device, ``ids`` and ``weights`` ``[T, top_k]``."""
     layout = compat.experts_layout(module)
     if layout is None or hidden_states.device.type not in FUSED_DEVICE_TYPES or hidden_states.dim() != 2:
         return None
-    if ids.dim() != 2 or weights.shape != ids.shape or ids.shape[0] != hidden_states.shape[0] \
-            or ids.numel() > FUSED_MAX_PAIRS_PER_EXPERT * module.gate_up_proj.shape[0]:
-        return None
-    bias = layout.bias
-    if not (expert_linear_supported(hidden_states, module.gate_up_proj, module.gate_up_proj_bias if bias else None)
-            and expert_linear_supported(hidden_states, module.down_proj, module.down_proj_bias if bias else None)):
+    if ids.dim() != 2 or weights.shape != ids.shape or ids.shape[0] != hidden_states.shape[0]:
         return None
     return layout
+
+
+def decodes(module, layout, hidden_states: torch.Tensor, ids: torch.Tensor) -> bool:
+    """Whether the in-place path computes this call (``routed_layout`` holds): at most ``FUSED_MAX_PAIRS_PER_EXPERT``
+    pairs per expert, both projections as ``expert_linear_triton`` reads them."""
+    if ids.numel() > FUSED_MAX_PAIRS_PER_EXPERT * module.gate_up_proj.shape[0]:
+        return False
+    bias = layout.bias
+    return (expert_linear_supported(hidden_states, module.gate_up_proj, module.gate_up_proj_bias if bias else None)
+            and expert_linear_supported(hidden_states, module.down_proj, module.down_proj_bias if bias else None))
 
 
 def experts_forward(module, layout, hidden_states: torch.Tensor, ids: torch.Tensor,
@@ -76,30 +80,24 @@ def experts_forward(module, layout, hidden_states: torch.Tensor, ids: torch.Tens
     return weighted.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
 
 
-def prefill_applies(module, hidden_states: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
-    """The module's ``compat.ExpertsLayout`` when the grouped prefill path computes this call, else None: hidden
-    states ``[T, H]`` on a fused device, ``ids`` and ``weights`` ``[T, top_k]``, more than
+def prefills(module, layout, hidden_states: torch.Tensor, ids: torch.Tensor) -> bool:
+    """Whether the grouped prefill path computes this call (``routed_layout`` holds): more than
     ``FUSED_MAX_PAIRS_PER_EXPERT`` pairs per expert, torch's grouped GEMM taking both projections (the CPU tests: the
     kernels under Triton's interpreter, the GEMMs' reference)."""
-    layout = compat.experts_layout(module)
-    if layout is None or hidden_states.device.type not in FUSED_DEVICE_TYPES or hidden_states.dim() != 2:
-        return None
-    if ids.dim() != 2 or weights.shape != ids.shape or ids.shape[0] != hidden_states.shape[0] \
-            or ids.numel() <= FUSED_MAX_PAIRS_PER_EXPERT * module.gate_up_proj.shape[0]:
-        return None
+    if ids.numel() <= FUSED_MAX_PAIRS_PER_EXPERT * module.gate_up_proj.shape[0]:
+        return False
     projections = (module.gate_up_proj, module.down_proj)
     biases = (module.gate_up_proj_bias, module.down_proj_bias) if layout.bias else ()
     if type(hidden_states) is not torch.Tensor or any(type(w) not in (torch.Tensor, torch.nn.Parameter)
                                                       or w.device != hidden_states.device
                                                       or w.dtype != hidden_states.dtype for w in projections + biases):
-        return None
+        return False
     if any(b.dim() != 2 or b.stride(-1) != 1 for b in biases):
-        return None
+        return False
     if hidden_states.is_cuda:
-        runs = all(grouped_matmul_runs(hidden_states, w if layout.transposed else w.transpose(1, 2))
+        return all(grouped_matmul_runs(hidden_states, w if layout.transposed else w.transpose(1, 2))
                    for w in projections)
-        return layout if runs and hidden_states.shape[1] % 8 == 0 else None
-    return layout if prefill_kernels_run(hidden_states) else None
+    return prefill_kernels_run(hidden_states)
 
 
 def prefill_forward(module, layout, hidden_states: torch.Tensor, ids: torch.Tensor,
@@ -126,11 +124,10 @@ def prefill_forward(module, layout, hidden_states: torch.Tensor, ids: torch.Tens
 
 
 def _compute(run_original, module, hidden_states, ids, weights):
-    layout = applies(module, hidden_states, ids, weights)
-    if layout is not None:
+    layout = routed_layout(module, hidden_states, ids, weights)
+    if layout is not None and decodes(module, layout, hidden_states, ids):
         return experts_forward(module, layout, hidden_states, ids, weights)
-    layout = prefill_applies(module, hidden_states, ids, weights)
-    if layout is not None:
+    if layout is not None and prefills(module, layout, hidden_states, ids):
         return prefill_forward(module, layout, hidden_states, ids, weights)
     return run_original()
 

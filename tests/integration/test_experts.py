@@ -72,6 +72,24 @@ def routed(tokens, config, seed=1, dtype=torch.float32):
     return hidden, ids.to(DEVICE), torch.softmax(top, dim=-1).to(DEVICE, dtype)
 
 
+def against_truth(module, hidden, ids, weights, dtype):
+    """``(got, want, truth)``: the module's call under the switch and alone, in ``dtype``, and its float64 forward."""
+    with torch.no_grad():
+        truth = module.double()(hidden.double(), ids, weights.double())
+        module.to(dtype)
+        want = module(hidden, ids, weights)
+        with experts.fused_experts(module, True):
+            got = module(hidden, ids, weights)
+    return got, want, truth
+
+
+def assert_within_rounding_of_truth(got, want, truth):
+    """Within a few bf16 ulps of the float64 truth, and no further from it than transformers' own forward."""
+    error, theirs = (float((out.double() - truth).abs().max()) for out in (got, want))
+    assert error <= 0.03 * float(truth.abs().max())
+    assert error <= 1.5 * theirs + 1e-3
+
+
 @pytest.mark.parametrize("make", [gpt_oss_experts, mixtral_experts], ids=["gpt_oss", "mixtral"])
 @pytest.mark.parametrize("tokens", [1, 2])
 def test_a_decode_steps_experts_equal_transformers_forward(make, tokens, counted):
@@ -102,16 +120,9 @@ def test_bf16_experts_are_within_rounding_of_the_float64_truth(counted):
     a few bf16 ulps of the float64 computation of the module's own forward."""
     module, config = gpt_oss_experts(torch.bfloat16)
     hidden, ids, weights = routed(2, config, dtype=torch.bfloat16)
-    with torch.no_grad():
-        truth = module.double()(hidden.double(), ids, weights.double())
-        module.to(torch.bfloat16)
-        want = module(hidden, ids, weights)
-        with experts.fused_experts(module, True):
-            got = module(hidden, ids, weights)
+    got, want, truth = against_truth(module, hidden, ids, weights, torch.bfloat16)
     assert len(counted) == 2
-    scale = truth.abs().max()
-    assert float((got.double() - truth).abs().max()) <= 0.03 * float(scale)
-    assert float((got.double() - truth).abs().max()) <= 1.5 * float((want.double() - truth).abs().max()) + 1e-3
+    assert_within_rounding_of_truth(got, want, truth)
 
 
 @pytest.mark.parametrize("make", [gpt_oss_experts, mixtral_experts], ids=["gpt_oss", "mixtral"])
@@ -155,18 +166,12 @@ def test_a_prefills_experts_grouped_by_expert_equal_transformers_forward(make, g
     module, config = make(dtype)
     tokens = experts.FUSED_MAX_PAIRS_PER_EXPERT * config.num_local_experts // config.num_experts_per_tok + 7
     hidden, ids, weights = routed(tokens, config, seed=3, dtype=dtype)
-    with torch.no_grad():
-        truth = module.double()(hidden.double(), ids, weights.double())
-        module.to(dtype)
-        want = module(hidden, ids, weights)
-        with experts.fused_experts(module, True):
-            got = module(hidden, ids, weights)
+    got, want, truth = against_truth(module, hidden, ids, weights, dtype)
     assert prefill_counted == ([gate] if gate else []) + ["combine_triton"] and counted == []
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    else:  # within rounding of the float64 truth, no further from it than transformers' own bf16 forward
-        error, theirs = (float((out.double() - truth).abs().max()) for out in (got, want))
-        assert error <= 0.03 * float(truth.abs().max()) and error <= 1.5 * theirs + 1e-3
+    else:
+        assert_within_rounding_of_truth(got, want, truth)
 
 
 def test_a_prefill_in_bf16_is_within_rounding_of_the_float64_truth(prefill_counted):
@@ -174,16 +179,9 @@ def test_a_prefill_in_bf16_is_within_rounding_of_the_float64_truth(prefill_count
     computation of the module's own forward, and no further from it than transformers' bf16 forward."""
     module, config = gpt_oss_experts(torch.bfloat16)
     hidden, ids, weights = routed(120, config, dtype=torch.bfloat16)
-    with torch.no_grad():
-        truth = module.double()(hidden.double(), ids, weights.double())
-        module.to(torch.bfloat16)
-        want = module(hidden, ids, weights)
-        with experts.fused_experts(module, True):
-            got = module(hidden, ids, weights)
+    got, want, truth = against_truth(module, hidden, ids, weights, torch.bfloat16)
     assert prefill_counted == ["clamped_glu_triton", "combine_triton"]
-    scale = truth.abs().max()
-    assert float((got.double() - truth).abs().max()) <= 0.03 * float(scale)
-    assert float((got.double() - truth).abs().max()) <= 1.5 * float((want.double() - truth).abs().max()) + 1e-3
+    assert_within_rounding_of_truth(got, want, truth)
 
 
 def test_a_float32_prefill_on_a_gpu_keeps_transformers_forward(prefill_counted):

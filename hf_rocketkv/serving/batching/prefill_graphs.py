@@ -52,8 +52,9 @@ class PrefillGraphs:
         self.query_heads, self.kv_heads, self.head_dim = attention_geometry(model, pool)
         self.dtype, self.device = model.dtype, device
         self.prompt_tokens = prompt_tokens
-        self.shapes = cudnn_shapes(chunk_tokens, prompt_tokens) if reaches_cudnn(model, pool) else []
-        self.sinks = prefill_attention_kind(model) == "sinks"
+        kind = prefill_attention_kind(model)
+        self.shapes = cudnn_shapes(chunk_tokens, prompt_tokens) if reaches_cudnn(kind, pool) else []
+        self.sinks = kind == "sinks"
         self.report: dict | None = None
         self._built = threading.Event()
 
@@ -91,10 +92,10 @@ def attention_geometry(model, pool) -> tuple[int, int, int]:
     return heads, pool.geometry.num_kv_heads, pool.geometry.head_dim
 
 
-def reaches_cudnn(model, pool) -> bool:
-    """Whether any of the model's prefills reaches cuDNN (``PrefillGraphs``' docstring says when none does)."""
-    return (bool(pool.hybrid.global_layers) and pool.geometry.head_dim <= CUDNN_MAX_HEAD_DIM
-            and prefill_attention_kind(model) is not None)
+def reaches_cudnn(kind: str | None, pool) -> bool:
+    """Whether any prefill of a model whose attention is of ``kind`` (``prefill_attention_kind``) reaches cuDNN
+    (``PrefillGraphs``' docstring says when none does)."""
+    return bool(pool.hybrid.global_layers) and pool.geometry.head_dim <= CUDNN_MAX_HEAD_DIM and kind is not None
 
 
 
@@ -113,8 +114,9 @@ class LookaheadGraphs:
     def __init__(self, model, pool, device: torch.device, chunk_tokens: int, warm=warm_cudnn_graphs):
         self.query_heads, self.kv_heads, self.head_dim = attention_geometry(model, pool)
         self.dtype, self.device, self.chunk_tokens = model.dtype, device, chunk_tokens
-        self.enabled = device.type == "cuda" and reaches_cudnn(model, pool)
-        self.sinks = prefill_attention_kind(model) == "sinks"
+        kind = prefill_attention_kind(model)
+        self.enabled = device.type == "cuda" and reaches_cudnn(kind, pool)
+        self.sinks = kind == "sinks"
         self.built: set[tuple[int, int]] = set()
         self.shapes_built, self.seconds = 0, 0.0
         self._warm = warm
