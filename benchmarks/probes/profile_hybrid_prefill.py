@@ -8,7 +8,8 @@ Random bf16 weights of the published shapes (``benchmarks/hybrid_decode.py``). O
 engine's prefill of one chunk, stage 1 included): the median of ``--repeats`` after a warm-up (CUDA events), then one under torch.profiler, by kind
 of kernel (``profile_hybrid_step.kind_of``) with the top kernels. Then one layer's first-forward attention at the
 model's shapes, timed per path: ``spans`` (``attend_in_spans`` + ``featured_attention``, what a layer with sinks
-runs) at several query blocks, and the model's full-attention layer through ``cudnn_causal_attention`` with its sinks
+runs; SDPA under the span's mask for a plain layer, Gemma 3's) at several query blocks, a plain full-attention layer
+as one causal SDPA call, and the model's full-attention layer through ``cudnn_causal_attention`` with its sinks
 (``with_sinks``) where the model has sinks and no cap. Writes ``profile_hybrid_prefill.json`` under ``--out``.
 """
 
@@ -103,8 +104,6 @@ def attention_paths(model, prompt_len: int, repeats: int, device) -> list[dict]:
                  None)
     cap = getattr(text, "attn_logit_softcapping", None)
     features = LogitFeatures(softcap=cap, sinks=sinks)
-    if features.plain:
-        return []
     torch.manual_seed(0)
     q = torch.randn(1, heads, prompt_len, dim, device=device, dtype=torch.bfloat16)
     k = torch.randn(1, kv_heads, prompt_len, dim, device=device, dtype=torch.bfloat16)
@@ -114,9 +113,17 @@ def attention_paths(model, prompt_len: int, repeats: int, device) -> list[dict]:
 
     def attend(qq, kk, vv, mask):
         from hf_rocketkv.selection.logit_features import allowed_of
+        if features.plain:  # what transformers' sdpa runs for a plain layer (Gemma 3): SDPA under the span's mask
+            out = torch.nn.functional.scaled_dot_product_attention(
+                qq, kk, vv, attn_mask=None if mask is None else allowed_of(mask), is_causal=mask is None,
+                scale=scaling, enable_gqa=True)
+            return out.transpose(1, 2)
         return featured_attention(qq, kk, vv, None if mask is None else allowed_of(mask), scaling, features)
 
     for layer, span_window in (("full", None), ("sliding", window)):
+        if features.plain and span_window is None:  # a plain full-attention layer: one causal SDPA call (flash)
+            rows.append(dict(layer=layer, path="sdpa causal", ms=median_ms(lambda: attend(q, k, v, None), repeats)))
+            continue
         mask = None
         if span_window is not None:
             i = torch.arange(prompt_len, device=device)

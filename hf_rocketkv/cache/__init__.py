@@ -11,7 +11,7 @@ Public API (what serving/, eval/, bench/ and the CLI import; integration/ may us
     request_pages       a request's pool pages at its prefill peak and once compressed (page_budget.py)
     check_pool_policy   refuse a config a pool cannot account for (per-head budgets)
     decode_read_bytes   bytes one decode step reads from a layer (read_accounting.py; benchmarks' GB/s)
-    SlidingWindowLayer  a sliding-window layer's store: its last tokens, dense (sliding_layer.py)
+    SlidingWindowLayer  a sliding-window layer's store: its last tokens, dense, then its decode ring (sliding_layer.py)
     sliding_windows     each layer's sliding window from a model config, None = full attention (memory/layer_kinds.py)
     chunked_layers      which of those windows are attention chunks (Llama 4; memory/layer_kinds.py)
     position_scaled_layers  the layers whose attention scales its queries by position (Llama 4's NoPE layers)

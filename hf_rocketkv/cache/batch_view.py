@@ -54,12 +54,12 @@ from transformers import Cache
 
 from ..memory import KVBlockPool
 from ..memory.errors import PoolExhaustedError
-from .batch_sliding import BatchedSlidingLayer
 from .cache import RocketKVCache
 from .consistency import check_layers_consistent
 from .decode_record import KVRecord, LayerSettings, PagedRow, RingRow
 from .layer import GenerationHints, RocketKVLayer
 from .paged_store import PagedStore
+from .sliding_layer import SlidingWindowLayer
 
 
 class BatchedDecodeLayer(RocketKVLayer):
@@ -212,6 +212,7 @@ class BatchedDecodeCache(Cache):
         # padding rows are reset in one op, not 2 per layer
         self._lengths_all: torch.Tensor | None = None
         self._seen_all: torch.Tensor | None = None
+        self._slots: torch.Tensor | None = None  # [max_rows] int64: each row's sliding-window slot (hybrid models)
         # what the layers' views point at: (rows, bucket, version, layout); ``prepare`` redoes the per-layer views
         # and the padding rows' tables only when it changes (join, leave, move, widen, scratch page), so a step of
         # an unchanged batch costs two ops instead of ~4 per layer
@@ -233,8 +234,11 @@ class BatchedDecodeCache(Cache):
         record = KVRecord.of(cache)
         try:
             self._ensure_layers(record)
-            for mine, theirs in zip(self.layers, record.layers):
-                mine.copy_in(theirs, row)
+            for index, (mine, theirs) in enumerate(zip(self.layers, record.layers)):
+                if isinstance(theirs, RingRow):  # a sliding layer's row: its slot and count (the batch's buffers)
+                    self._slots[row], self._seen_all[index, row] = theirs.slot, theirs.seen
+                else:
+                    mine.copy_in(theirs, row)
             held = cache.hand_over()  # the last step: from here on the row owns the request's pages
         except BaseException:
             self._clear(row)
@@ -261,7 +265,10 @@ class BatchedDecodeCache(Cache):
         if self.held[dst] is not None:
             raise ValueError(f"BatchedDecodeCache.move: row {dst} is taken")
         for layer in self.layers:
-            layer.move_row(src, dst)
+            if not layer.is_sliding:
+                layer.move_row(src, dst)
+        self._seen_all[:, dst] = self._seen_all[:, src]
+        self._slots[dst] = self._slots[src]
         for values in (self.held, self.row_pages, self.room, self.steps):
             values[dst] = values[src]
         self._clear(src)  # (bumps the layout)
@@ -290,9 +297,11 @@ class BatchedDecodeCache(Cache):
             scratch = self.scratch.pages[0] if bucket > rows and len(self.scratch) else -1
             slot = self.scratch_slot.index if bucket > rows and self.scratch_slot is not None else None
             row_pages = tuple(self.row_pages[:rows]) + (1,) * (bucket - rows)
-            for layer in self.layers:
-                if isinstance(layer, BatchedSlidingLayer):
-                    layer.select(bucket, rows, slot)
+            if bucket > rows and slot is not None:
+                self._slots[rows:bucket] = slot  # padding rows write into (and read) the scratch slot
+            for index, layer in enumerate(self.layers):
+                if layer.is_sliding:
+                    layer.decode_rows(self._slots[:bucket], self._seen_all[index, :bucket])
                     continue
                 layer.table_buf[rows:bucket, 0] = scratch  # (their other entries are -1 already: _clear)
                 layer.select(bucket, row_pages)
@@ -302,7 +311,7 @@ class BatchedDecodeCache(Cache):
     def next_positions(self, bucket: int | None = None) -> torch.Tensor:
         """``[bucket, 1]`` int64: each row's next position (its logical length; padding rows 0)."""
         bucket = bucket or self.bucket
-        return self.layers[0].seen_buf[:bucket, None].clone()
+        return self._seen_all[0, :bucket, None].clone()
 
     def stepped(self) -> None:
         """Host bookkeeping after a decode step over ``rows`` real rows (counts for ``leave`` and room checks)."""
@@ -398,18 +407,20 @@ class BatchedDecodeCache(Cache):
 
     # ------------------------------------------------------------------------------------------ internals
     def _ensure_layers(self, record: KVRecord) -> None:
-        """Layers on the first join, as the record's (a sliding layer's row becomes a ``BatchedSlidingLayer``); wider
-        tables when the record's view has more pages than the width."""
+        """Layers on the first join, as the record's (a sliding layer's row: a ``SlidingWindowLayer`` over the pool's
+        slab, ``join_batch``); wider tables when the record's view has more pages than the width."""
         width = record.width
         if not self.layers:
             hints = self.hints
             shape, device = (len(record.layers), self.max_rows), record.layers[0].device
             self._lengths_all = torch.zeros(shape, dtype=torch.long, device=device)
             self._seen_all = torch.zeros(shape, dtype=torch.long, device=device)
+            self._slots = torch.zeros(self.max_rows, dtype=torch.long, device=device)
             for index, row in enumerate(record.layers):
                 if isinstance(row, RingRow):
-                    layer = BatchedSlidingLayer(row.window, hints, index, row.chunked, row.backend)
-                    layer.init_from(row, self.max_rows, self.pool, self._seen_all[index])
+                    layer = SlidingWindowLayer(row.window, hints, index, row.chunked, row.backend)
+                    layer.join_batch(row.dtype, row.device, row.num_kv_heads, row.head_dim, self.pool, self._slots,
+                                     self._seen_all[index])
                 else:
                     layer = BatchedDecodeLayer(row.runs_with.config, hints, index,
                                                index in self.position_scaled_layers)
@@ -428,7 +439,10 @@ class BatchedDecodeCache(Cache):
 
     def _clear(self, row: int) -> None:
         for layer in self.layers:
-            layer.clear_row(row)
+            if not layer.is_sliding:
+                layer.clear_row(row)
+        if self._seen_all is not None:
+            self._seen_all[:, row] = 0
         self.held[row] = None
         self.row_pages[row] = self.room[row] = self.steps[row] = 0
         self._layout += 1

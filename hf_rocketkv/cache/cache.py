@@ -29,7 +29,6 @@ from .dense_layer import DenseLayer
 from .layer import GenerationHints, RocketKVLayer
 from .layer_plan import check_layer_count, layer_config
 from .pool_pages import PoolPages, release_rows_later
-from .pooled_sliding import PooledSlidingLayer
 from .row_index import CROP_UNSUPPORTED
 from .seam import copy_with_owners
 from .sliding_layer import SlidingWindowLayer
@@ -164,11 +163,9 @@ class RocketKVCache(Cache):
                                  f"the model updates layer {layer_idx}")
             if windows[layer_idx] is not None:
                 chunked = bool(self.layer_chunked and self.layer_chunked[layer_idx])
-                if self.pages is not None:  # its decode ring in the pool's slab, in the rows' slots
-                    return PooledSlidingLayer(windows[layer_idx], self.hints, layer_idx, self.pages,
-                                              chunked=chunked, backend=self.config.backend)
+                # pool-backed: its decode ring in the rows' slots of the pool's slab (``pages``)
                 return SlidingWindowLayer(windows[layer_idx], self.hints, layer_idx, chunked=chunked,
-                                          backend=self.config.backend)
+                                          backend=self.config.backend, pages=self.pages)
         config = layer_config(self.config, layer_idx, self.num_layers)
         if config is None:
             return DenseLayer(self.hints, layer_idx)

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from .layer import RocketKVLayer
-from .pooled_sliding import PooledSlidingLayer
+from .sliding_layer import SlidingWindowLayer
 
 # a row whose layers all slide never runs out of room (a ring never fills)
 UNBOUNDED_ROOM = 1 << 62
@@ -101,7 +101,7 @@ class RingRow:
     head_dim: int
 
     @classmethod
-    def of(cls, layer: PooledSlidingLayer) -> "RingRow":
+    def of(cls, layer: SlidingWindowLayer) -> "RingRow":
         slot, seen = layer.decode_slot()  # a layer still in ordered columns moves them into its slot first
         return cls(slot, seen, layer.window, layer.chunked, layer.backend, layer.dtype, layer.device,
                    layer.num_kv_heads, layer.head_dim)
@@ -130,7 +130,7 @@ class KVRecord:
                 "use multi_turn='evict' for batched decode")
         rows = []
         for index, layer in enumerate(cache.layers):
-            if isinstance(layer, PooledSlidingLayer):
+            if isinstance(layer, SlidingWindowLayer):
                 rows.append(RingRow.of(layer))
             elif isinstance(layer, RocketKVLayer):
                 rows.append(PagedRow.of(layer))

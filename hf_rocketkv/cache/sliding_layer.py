@@ -18,16 +18,29 @@ columns in order (left padding included, as transformers stores it; the mask hid
 the layer through the key tensor ``update`` returned (``seam.tag``) and runs exact attention with transformers' mask
 (``integration/attention.py``).
 
-Decode steps (one new token) use a ring instead, so that a step has fixed shapes, fixed addresses and no host sync
-(CUDA-graph decode captures it, ``integration/decode_graphs.py``; torch.compile'd decode compiles it, the ring laid
-out on the host before the first compiled step by ``count_graphed_step``): ``keys`` / ``values`` become
-``[B, Hkv, window, D]`` buffers where logical position ``p`` lives in slot ``p % window``, and ``position`` (a
-device counter) says where the next token goes. ``get_mask_sizes(1)`` is then ``(window, max(0, seen - window +
-1))``, the sizes of transformers' own static sliding layer, so transformers' mask has ``window`` columns whatever was
-seen, column ``c`` being position ``offset + c``; ``ring_mask`` reorders it into slot order (slot ``s`` is column
-``(s - offset) % window``). A forward of several tokens (a later turn) turns the ring back into the ordered columns
-first. Between forwards the ring holds ``min(seen, window)`` tokens, of which the next query can see the last
-``window - 1`` (``stored``).
+Decode steps (one new token) use a ring instead (``ring.py``), so that a step has fixed shapes, fixed addresses and
+no host sync (CUDA-graph decode captures it, ``integration/decode_graphs.py``; torch.compile'd decode compiles it, the
+ring laid out on the host before the first compiled step by ``count_graphed_step``): ``window`` slots per row where
+logical position ``p`` lives in slot ``p % window``, and a device count of the tokens seen says where the next token
+goes. ``get_mask_sizes(1)`` is then ``(window, max(0, seen - window + 1))``, the sizes of transformers' own static
+sliding layer, so transformers' mask has ``window`` columns whatever was seen, column ``c`` being position ``offset +
+c``; ``ring_mask`` reorders it into slot order (slot ``s`` is column ``(s - offset) % window``). A forward of several
+tokens (a later turn) turns the ring back into the ordered columns first. Between forwards the ring holds ``min(seen,
+window)`` tokens, of which the next query can see the last ``window - 1`` (``stored``).
+
+Where the ring lies is the layer's only difference between its three uses (``Ring``):
+
+- ``RocketKVCache(cfg)``: storage of its own, ``[B, Hkv, window, D]``, laid out at the first decode step.
+- ``RocketKVCache(cfg, pool=pool)`` (``pages``, the cache's ``PoolPages``): the rows' slots of the pool's slab
+  (``KVBlockPool.sliding_slab``, ``memory/sliding_slab.py``), taken at admission, one per row; the first decode step
+  writes the ordered columns there. Between turns the request's sliding memory is its slots, exactly ``window`` tokens
+  per row and layer, whatever was seen.
+- A row of the engine's batch (``BatchedDecodeCache``, ``join_batch``): the slab again, each row in its request's
+  slot with its own count, the slot ids and counts views of the batch's buffers (``decode_rows``). No K/V is copied
+  when rows join, move or leave: only the slot id and the count. The rows have different lengths, so the layer
+  answers no length (``get_seq_length`` raises; positions come from ``position_ids``) and reads no mask: each row's
+  count says which slots it filled. A chunked row (ring of ``chunk`` slots) sees only its own chunk: after this
+  step's token at position ``p = seen - 1``, its count is ``(seen - 1) % chunk + 1``.
 """
 
 from __future__ import annotations
@@ -37,6 +50,7 @@ import torch
 from ..kernels.dispatch import get_ops
 from ..selection.logit_features import LogitFeatures, allowed_of
 from .hints import GenerationHints
+from .ring import Ring
 from .seam import tag
 from .unscored_layer import UnscoredLayer
 
@@ -55,22 +69,26 @@ class SlidingWindowLayer(UnscoredLayer):
     is_croppable = False
 
     def __init__(self, window: int, hints: GenerationHints | None = None, layer_idx: int | None = None,
-                 chunked: bool = False, backend: str = "auto"):
+                 chunked: bool = False, backend: str = "auto", pages=None):
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"SlidingWindowLayer: window must be a positive integer (the model config's "
                              f"sliding_window or attention_chunk_size), got {window!r}")
+        self.ring: Ring | None = None  # the decode layout (module docstring); None while in ordered columns
         super().__init__(hints, layer_idx)
         self.window = window
         self.backend = backend  # RocketKVConfig.backend: which implementation of the ring's decode attention
         # a chunked-attention layer (Llama 4): ``window`` is the chunk size; its attention passes no sliding_window,
         # transformers' chunked mask hides what lies outside the query's chunk
         self.chunked = chunked
-        self.ring = False  # decode layout (see the module docstring)
-        self.position = None  # ring only: tokens seen, a 0-d int64 device tensor (a graphed step advances it)
+        self.pages = pages  # the cache's PoolPages (its ring in the rows' slots of the pool's slab), or None
         self.floor = 0  # the first position the layer may hold (a prefix hit's replay start, ``seed_replay``)
+        self._slab_tensors: tuple[torch.Tensor, torch.Tensor] | None = None  # the pool's (k, v) slab: never moves
 
     def reset(self) -> None:
-        self.__init__(self.window, self.hints, self.layer_idx, self.chunked, self.backend)
+        if self.per_row:
+            raise NotImplementedError("SlidingWindowLayer.reset: the engine's rows leave one at a time "
+                                      "(BatchedDecodeCache.leave)")
+        self.__init__(self.window, self.hints, self.layer_idx, self.chunked, self.backend, self.pages)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -89,19 +107,79 @@ class SlidingWindowLayer(UnscoredLayer):
             raise RuntimeError("SlidingWindowLayer.seed_replay needs a layer that has stored nothing yet")
         self.seen_tokens = self.host_seen = self.floor = start
 
+    # ------------------------------------------------------------------------------------------ the stored tensors
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """The stored columns ``[B, Hkv, stored, D]`` in order, or while decoding the rows' rings ``[B, Hkv, window,
+        D]`` in slot order."""
+        return self.ring.row_tensors()[0] if self.ring is not None else self._keys
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self._keys = value
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self.ring.row_tensors()[1] if self.ring is not None else self._values
+
+    @values.setter
+    def values(self, value) -> None:
+        self._values = value
+
+    @property
+    def position(self) -> torch.Tensor | None:
+        """While decoding: the device count of the tokens seen (``[]``, or ``[B]`` for the engine's rows)."""
+        return self.ring.seen if self.ring is not None else None
+
+    @property
+    def per_row(self) -> bool:
+        """Whether each row has its own length (a row of the engine's batch)."""
+        return self.ring is not None and self.ring.per_row
+
     # ------------------------------------------------------------------------------------------ sizes
     @property
     def stored(self) -> int:
         """Tokens held per row: ``min(seen - floor, window - 1)``."""
         return min(self.seen_tokens - self.floor, self.window - 1)
 
+    @property
+    def batch_size(self) -> int:
+        if not self.is_initialized:
+            raise AttributeError("batch_size")  # Cache.batch_size skips layers without it
+        return self.ring.batch_size if self.ring is not None else self._keys.shape[0]
+
+    def kept_tokens(self) -> torch.Tensor:
+        """Tokens the next query can see, ``[B, Hkv]`` (stored columns, left padding included)."""
+        if not self.is_initialized:
+            return torch.zeros(0, 0, dtype=torch.long)
+        return torch.full((self.batch_size, self.num_kv_heads), self.stored, dtype=torch.long)
+
+    def memory_bytes(self) -> int:
+        """Bytes of the rows' rings while decoding (their slots of a slab), else of the ordered store."""
+        if not self.is_initialized:
+            return 0
+        if self.ring is not None:
+            return self.ring.nbytes()
+        return sum(t.untyped_storage().nbytes() for t in (self._keys, self._values))
+
+    def get_seq_length(self) -> int:
+        if self.per_row:
+            raise RuntimeError("BatchedDecodeCache rows have different lengths: pass position_ids")
+        return self.seen_tokens
+
     def get_max_length(self) -> int:
         return self.window
+
+    def decode_room(self) -> int:
+        return 1 << 62  # a ring never fills
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """The columns of this forward's keys: the stored tokens, then the new ones; the first stored token is
         logical position ``seen - stored``. One new token (decode): the ring's ``window`` columns, the first being
-        position ``max(0, seen - window + 1)``."""
+        position ``max(0, seen - window + 1)`` (the engine's rows, whose positions differ: 0; their attention reads
+        no mask)."""
+        if self.per_row:
+            return self.window, 0
         if self._decodes(query_length):
             return self.window, max(0, self.seen_tokens - self.window + 1)
         return self.stored + query_length, self.seen_tokens - self.stored
@@ -111,7 +189,7 @@ class SlidingWindowLayer(UnscoredLayer):
         empty layer stays in ordered columns even with one token (a chunked prefill of chunks of 1): transformers
         sizes that forward's mask before the cache has any layer, at ``query_length`` columns, and this layer
         agrees. Read ``ring`` first: a compiled decode step (the ring laid out) never reads the host count."""
-        return query_length == 1 and (self.ring or self.seen_tokens > self.floor)
+        return query_length == 1 and (self.ring is not None or self.seen_tokens > self.floor)
 
     # ------------------------------------------------------------------------------------------ update
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -133,28 +211,31 @@ class SlidingWindowLayer(UnscoredLayer):
         return keys, values
 
     def _update_ring(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        """One new token per row into slot ``position % window`` (in place, no host sync); returns the ring."""
-        if not self.ring:
+        """One new token per row into its ring's slot ``seen % window`` (in place, no host sync); returns what the
+        attention function finds the layer by (``Ring.returned``)."""
+        if self.ring is None:
             self._to_ring()
         if not (self.hints.in_graph or torch.compiler.is_compiling()):  # a graphed step: count_decode_step counts
             self.awaiting_attention = True
             self.host_seen += 1
-            self.seen_tokens += 1
-        self.ops.ring_append(self.keys, self.values, self.position, key_states, value_states)
-        self.position.add_(1)
-        tag(self.keys, self)
-        return self.keys, self.values
+            if not self.per_row:
+                self.seen_tokens += 1
+        self.ring.append(self.ops, key_states, value_states)
+        keys, values = self.ring.returned()
+        tag(keys, self)
+        return keys, values
 
     def count_graphed_step(self) -> None:
         """The host side of a decode step whose device side a CUDA graph replays or a torch.compile'd step runs
         (their ``update`` skips it): the ordered columns become the ring first, here on the host and from the count
         before this step (inside a compiled step the conversion would specialise the graph to the prompt's length),
         then the step is counted."""
-        if self.is_initialized and not self.ring:
+        if self.is_initialized and self.ring is None:
             self._to_ring()
         self.host_seen += 1
         self.seen_tokens += 1
 
+    # ------------------------------------------------------------------------------------------ attention
     def attend_ring(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float,
                     features: LogitFeatures) -> torch.Tensor | None:
         """A decode step's attention over the ring where it lies, ``[B, 1, Hq, D]`` (``ring_decode_attention``:
@@ -173,60 +254,77 @@ class SlidingWindowLayer(UnscoredLayer):
         out = self.ops.ring_decode_attention(q, keys, values, seen, scaling, rows, mask, features.softcap, features.sinks)
         return out.reshape(batch, 1, query_heads, dim)
 
-    reads_mask = True  # transformers' decode mask is read (it hides left padding still inside the window)
+    @property
+    def reads_mask(self) -> bool:
+        """transformers' decode mask is read (it hides left padding still inside the window), except for the
+        engine's rows (different lengths: each row's count says which slots it filled)."""
+        return not self.per_row
 
     def ring_store(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """``(keys, values, rows, seen)`` of ``ring_decode_attention``: the rings ``[B, Hkv, W, D]``, no store rows,
-        the 0-d count (this step's token included)."""
-        return self.keys, self.values, None, self.position
+        """``(keys, values, rows, seen)`` of ``ring_decode_attention``: the ring's storage, the rows' storage rows
+        (None: row b is storage row b) and their counts, this step's token included (a chunked row of the engine's
+        batch: the tokens of its own chunk)."""
+        ring = self.ring
+        seen = ring.seen
+        if self.chunked and ring.per_row:
+            seen = torch.remainder(seen - 1, self.window) + 1
+        return ring.keys, ring.values, ring.rows, seen
 
     def ring_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' rings ``[B, Hkv, W, D]`` in slot order (for attention under ``ring_mask``)."""
-        return self.keys, self.values
+        return self.ring.row_tensors()
 
     def ring_mask(self, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """A decode step's mask over the ring, ``[B or 1, 1, 1, window]`` in slot order: transformers' mask
-        (``window`` columns from ``get_mask_sizes(1)``) reordered, or, without one, the causal window alone.
-        Device arithmetic only (graph-safe); call it after ``update``."""
-        newest = self.position - 1  # the new token's position
-        offset = (newest - self.window + 1).clamp(min=0)
-        column = torch.remainder(torch.arange(self.window, device=self.position.device) - offset, self.window)
-        if attention_mask is None:
-            return (column <= newest - offset)[None, None, None, :]
-        return attention_mask.index_select(-1, column)
+        """A decode step's mask over the ring in slot order (``Ring.mask``); call it after ``update``."""
+        return self.ring.mask(attention_mask)
 
+    # ------------------------------------------------------------------------------------------ layouts
     def _to_ring(self) -> None:
-        """The ordered columns (positions ``seen - stored`` ... ``seen - 1``) into a ring of ``window`` slots."""
-        stored = self.keys.shape[2]
-        batch, heads, _, dim = self.keys.shape
-        slots = torch.remainder(torch.arange(stored, device=self.device) + self.seen_tokens - stored, self.window)
-        ring_k = self.keys.new_zeros(batch, heads, self.window, dim)
-        ring_v = self.values.new_zeros(batch, heads, self.window, self.values.shape[3])
-        self.keys = ring_k.index_copy_(2, slots, self.keys)
-        self.values = ring_v.index_copy_(2, slots, self.values)
-        self.position = torch.tensor(self.seen_tokens, dtype=torch.long, device=self.device)
-        self.ring = True
-        tag(self.keys, self)  # tagged where allocated, so a compiled step finds it tagged (seam.tag)
-        self._mark_ring_static(self.keys, self.values)
+        """The ordered columns (positions ``seen - stored`` ... ``seen - 1``) into a ring of ``window`` slots: storage
+        of its own, or the rows' slots of the pool's slab (a pool-backed cache)."""
+        ordered_k, ordered_v = self._keys, self._values
+        if self.pages is None:
+            ring = Ring.laid_out(ordered_k, ordered_v, self.seen_tokens, self.window)
+            tag(ring.keys, self)  # tagged where allocated, so a compiled step finds it tagged (seam.tag)
+        else:
+            slots, ids = self.pages.slot_ids(self.device, ordered_k.shape[0], self.seen_tokens)
+            ring = Ring.laid_out(ordered_k, ordered_v, self.seen_tokens, self.window, self._slab(), slots, ids)
+        self._keys = self._values = None
+        self.ring = ring
+        self._mark_ring_static(ring.keys, ring.values, *(() if ring.rows is None else (ring.rows,)), ring.seen)
 
     def _mark_ring_static(self, *tensors: torch.Tensor) -> None:
-        """Fixed addresses for a compiled decode step: each step mutates the ring and ``position`` in place, and
+        """Fixed addresses for a compiled decode step: each step mutates the ring and its count in place, and
         inductor's CUDA graphs skip a graph that mutates inputs unless their addresses are marked static (it would
         run the compiled step without graphs). Host-side, where the ring is laid out."""
         if torch.compiler.is_compiling():
             return
-        for tensor in (*tensors, self.position):  # no guard: a next request's ring re-records, never recompiles
+        for tensor in tensors:  # no guard: a next request's ring re-records, never recompiles
             torch._dynamo.mark_static_address(tensor, guard=False)
 
     def _to_ordered(self) -> None:
         """The ring back into ordered columns: the last ``stored`` positions."""
-        if not self.ring:
+        if self.ring is None:
             return
-        stored = self.stored
-        slots = torch.remainder(torch.arange(stored, device=self.device) + self.seen_tokens - stored, self.window)
-        self.keys = self.keys.index_select(2, slots)
-        self.values = self.values.index_select(2, slots)
-        self.position, self.ring = None, False
+        keys, values = self.ring.ordered(self.stored, self.seen_tokens)
+        self.ring = None
+        self._keys, self._values = keys, values
+
+    def _slab(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pool's ``(k, v)`` slab of this layer (a pool-backed cache), ``[slots, Hkv, window, D]`` each."""
+        if self._slab_tensors is None:
+            pool = self.pages.pool
+            if pool.sliding_dtype != self.dtype:
+                fp8 = pool.sliding_dtype != pool.dtype  # fp8 pages: the slab keeps the dtype the pool was built for
+                raise ValueError(
+                    f"KVBlockPool.dtype is {pool.dtype}"
+                    + (f" (its sliding-window slab: {pool.sliding_dtype}, the model's)" if fp8 else "")
+                    + f" but the model's keys are {self.dtype}: build the pool with dtype={self.dtype}"
+                    + (" or from the model in that dtype" if fp8 else "")
+                    + " (its sliding-window slab holds the model's K/V as they are)")
+            probe = torch.empty(0, self.num_kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device)
+            self._slab_tensors = pool.sliding_slab(self.layer_idx, probe)
+        return self._slab_tensors
 
     def _last(self, tensor: torch.Tensor) -> torch.Tensor:
         """The last ``window - 1`` columns, copied when they are a small part of ``tensor`` (a prompt), so that the
@@ -236,6 +334,51 @@ class SlidingWindowLayer(UnscoredLayer):
             return tensor
         last = tensor[:, :, tensor.shape[2] - keep:]
         return last.clone() if tensor.shape[2] > keep + 1 else last
+
+    # ------------------------------------------------------------------------------------------ rows
+    def decode_slot(self) -> tuple[torch.Tensor, int]:
+        """A one-row pool-backed layer's ring as a row of the engine's batch takes it (``KVRecord``): its slot id (a
+        0-d int64 device tensor) and the tokens seen; a layer still in ordered columns (just prefilled) moves them
+        into its slot first."""
+        if self.pages is None or not self.is_initialized or self.batch_size != 1:
+            raise ValueError("SlidingWindowLayer.decode_slot: a batch row takes the ring of a one-row, pool-backed "
+                             "layer that has stored tokens")
+        if self.ring is None:
+            self._to_ring()
+        return self.ring.rows[0], self.seen_tokens
+
+    def join_batch(self, dtype: torch.dtype, device: torch.device, num_kv_heads: int, head_dim: int, pool,
+                   slots: torch.Tensor, seen: torch.Tensor) -> None:
+        """This empty layer becomes a layer of the engine's batch: ``[R]`` int64 ``slots`` (each row's slot of the
+        pool's slab) and ``seen`` (each row's count), the batch's buffers; ``decode_rows`` narrows them per step."""
+        self.dtype, self.device, self.num_kv_heads, self.head_dim = dtype, device, num_kv_heads, head_dim
+        probe = torch.empty(0, num_kv_heads, 0, head_dim, dtype=dtype, device=device)
+        self._slab_tensors = pool.sliding_slab(self.layer_idx, probe)
+        self.ops = get_ops(self.backend, device)
+        self.is_initialized = True
+        self.decode_rows(slots, seen)
+
+    def decode_rows(self, slots: torch.Tensor, seen: torch.Tensor) -> None:
+        """The engine's next step decodes the rows whose slots and counts these ``[bucket]`` views hold."""
+        self.ring = Ring(*self._slab_tensors, slots, seen)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: rows reordered in place (a ring's rows keep their storage rows)."""
+        if self.ring is None:
+            super().reorder_cache(beam_idx)
+            return
+        self.ring.reorder(beam_idx.to(self.device))
+
+    def _index_rows(self, index: torch.Tensor) -> None:
+        if self.ring is None:
+            super()._index_rows(index)
+            return
+        if self.ring.rows is not None:
+            raise NotImplementedError("RocketKVCache(pool=...): selecting rows of a decoding sliding-window layer is "
+                                      "not supported (its rows own their pool slots)")
+        index = index.to(self.device)
+        ring = self.ring
+        self.ring = Ring(ring.keys.index_select(0, index), ring.values.index_select(0, index), None, ring.seen)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens while the layer still holds every token it saw (fewer than

@@ -152,7 +152,7 @@ def test_batch_buckets_pad_sliding_rows():
 
 
 def test_compiled_decode_with_a_pool_equals_eager_without_recompiles():
-    """A pool-backed cache: the sliding rings live in the pool's slab (cache/pooled_sliding.py), laid out on the host
+    """A pool-backed cache: the sliding rings live in the pool's slab (cache/ring.py), laid out on the host
     before the first compiled step too; a second request (other slots, other prompt lengths) replays the graph."""
     torch._dynamo.reset()
     rocket, _ = make_hybrid_models("gemma3")

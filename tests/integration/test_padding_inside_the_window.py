@@ -15,7 +15,7 @@ padding and the row alone is another computation (the 1-token row's tokens diffe
 the same padded batch through transformers' own attention and cache. The budget is above every prompt and every page
 is attended (``keep_all_config``), so RocketKV must equal dense attention.
 
-The batching engine's rows (no padding: ``BatchedSlidingLayer`` masks the slots each row has filled) are covered by
+The batching engine's rows (no padding: a batch row's ring reads the slots each row has filled) are covered by
 tests/serving/test_hybrid_short_prompts.py.
 """
 
