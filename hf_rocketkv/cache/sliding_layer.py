@@ -204,8 +204,11 @@ class SlidingWindowLayer(UnscoredLayer):
             self.awaiting_attention = True
             self.host_seen += query_length
         self.seen_tokens += query_length
-        keys = torch.cat([self.keys, key_states], dim=2)
-        values = torch.cat([self.values, value_states], dim=2)
+        if self._keys.shape[2]:
+            keys = torch.cat([self._keys, key_states], dim=2)
+            values = torch.cat([self._values, value_states], dim=2)
+        else:  # nothing stored (a first forward): the new tokens themselves, not a copy of them
+            keys, values = key_states, value_states
         self.keys, self.values = self._last(keys), self._last(values)
         tag(keys, self)
         return keys, values

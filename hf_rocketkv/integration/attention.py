@@ -254,17 +254,19 @@ def window_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
         def attend(q, k, v, mask):
             return sdpa_attention_forward(module, q, k, v, mask, scaling=scaling, **kwargs)[0]
     window = kwargs.get("sliding_window")
-    block = FIRST_FORWARD_QUERY_BLOCK if features.plain else min(FIRST_FORWARD_QUERY_BLOCK, FEATURED_WINDOW_BLOCK)
+    narrow = window is not None or not features.plain  # a window, or SDPA under a mask for the caps / sinks
+    block = min(FIRST_FORWARD_QUERY_BLOCK, WINDOW_SPAN_BLOCK) if narrow else FIRST_FORWARD_QUERY_BLOCK
     if spans_pay_off(query, key, attention_mask, window, needs_mask=features.plain, block=block):
         return attend_in_spans(attend, query, key, value, attention_mask, window, block)
     return attend(query, key, value, attention_mask)
 
 
 FIRST_FORWARD_QUERY_BLOCK = 2048  # queries per span of a long first forward (attend_in_spans)
-# at most this many per span of a sliding layer with soft-capping or sinks (SDPA under the span's mask): gpt-oss-20b's
-# window of 128 at 8k, 2.86 ms per layer against 3.70 in spans of 2,048 and 5.32 in spans of 512 on an H200
-# (results/h200_2026-12-04_hybrid_prefill_gpt_oss_8k.json)
-FEATURED_WINDOW_BLOCK = 1024
+# at most this many per span of a sliding layer, and of a layer with soft-capping or sinks (SDPA under the span's
+# mask; a span is at least the window): gpt-oss-20b's window of 128 at 8k, 2.86 ms per layer against 3.70 in spans of
+# 2,048 and 5.32 in spans of 512, Gemma-3-12B's window of 1,024 at 8k 1.44 ms against 1.82 in spans of 2,048 on an
+# H200 (results/h200_2026-12-04_hybrid_prefill_gpt_oss_8k.json, results/h200_2026-12-04_hybrid_prefill_gemma3_8k.json)
+WINDOW_SPAN_BLOCK = 1024
 
 
 def spans_pay_off(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, window: int | None,

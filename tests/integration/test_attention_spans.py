@@ -161,12 +161,12 @@ def test_short_forwards_later_chunks_and_unusable_masks_run_whole(small_spans):
 
 
 @pytest.mark.parametrize("kind", ["plain", "sinks", "softcap"])
-def test_a_sliding_layer_with_features_attends_in_spans_of_at_most_the_featured_block(kind, monkeypatch):
-    """Soft-capping or sinks (SDPA under each span's mask): spans of ``FEATURED_WINDOW_BLOCK`` queries (or the window,
-    if larger); plain layers keep ``FIRST_FORWARD_QUERY_BLOCK``, so a prompt of two featured blocks runs in spans
-    only with features. The answer is the oracle's either way."""
+def test_a_sliding_layer_attends_in_spans_of_at_most_the_window_block(kind, monkeypatch):
+    """A sliding layer, plain or with soft-capping or sinks: spans of ``WINDOW_SPAN_BLOCK`` queries (or the window,
+    if larger), fewer than ``FIRST_FORWARD_QUERY_BLOCK``, so a prompt of two window blocks runs in spans. The answer is
+    the oracle's."""
     monkeypatch.setattr(attention, "FIRST_FORWARD_QUERY_BLOCK", 64)
-    monkeypatch.setattr(attention, "FEATURED_WINDOW_BLOCK", 16)
+    monkeypatch.setattr(attention, "WINDOW_SPAN_BLOCK", 16)
     blocks = []
     real = attention.attend_in_spans
     monkeypatch.setattr(attention, "attend_in_spans", lambda *a: blocks.append(a[6]) or real(*a))
@@ -175,6 +175,25 @@ def test_a_sliding_layer_with_features_attends_in_spans_of_at_most_the_featured_
     features = features_of(kind, q_heads, seed=4)
     mask = full_mask(1, n, window)
     out = window_attention(module, q, k, v, mask, 0.25, features, sliding_window=window)
-    assert blocks == ([] if kind == "plain" else [16])
+    assert blocks == [16]
+    expected = oracle(q, k, v, mask, 0.25, features.softcap, features.sinks)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["plain", "sinks"])
+def test_a_causal_layer_keeps_the_long_block_unless_it_has_features(kind, monkeypatch):
+    """Without a window (a dense layer): a plain layer's spans are ``FIRST_FORWARD_QUERY_BLOCK`` queries (it needs
+    none below two of them), a layer with sinks ``WINDOW_SPAN_BLOCK``."""
+    monkeypatch.setattr(attention, "FIRST_FORWARD_QUERY_BLOCK", 20)
+    monkeypatch.setattr(attention, "WINDOW_SPAN_BLOCK", 8)
+    blocks = []
+    real = attention.attend_in_spans
+    monkeypatch.setattr(attention, "attend_in_spans", lambda *a: blocks.append(a[6]) or real(*a))
+    n, q_heads = 32, 4
+    q, k, v, module = inputs(1, q_heads, 2, n, 8, seed=3)
+    features = features_of(kind, q_heads, seed=5)
+    mask = full_mask(1, n, None)
+    out = window_attention(module, q, k, v, mask, 0.25, features)
+    assert blocks == ([] if kind == "plain" else [8])
     expected = oracle(q, k, v, mask, 0.25, features.softcap, features.sinks)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
