@@ -149,7 +149,7 @@ class BatchedDecodeLayer(RocketKVLayer):
             handle = torch.empty((bucket, self.num_kv_heads, 0, self.head_dim), dtype=self.dtype, device=self.device)
             self._handles[bucket] = (handle, torch.empty_like(handle))
         self.key_handle, self.value_handle = self._handles[bucket]
-        self._tag_keys()
+        self.tag_keys()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append one token per row through the rows' tables (no host sync); returns the bucket's handles."""

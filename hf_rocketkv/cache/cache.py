@@ -135,10 +135,10 @@ class RocketKVCache(Cache):
         builds one per group. It has no pool of its own: a pool-backed cache hands each group its rows
         (``share_rows``)."""
         part = type(self)(self.config)
-        part._copy_layer_kinds(self)
+        part.copy_layer_kinds(self)
         return part
 
-    def _copy_layer_kinds(self, other: RocketKVCache) -> None:
+    def copy_layer_kinds(self, other: RocketKVCache) -> None:
         self.layer_windows, self.num_layers, self.layer_chunked = other.layer_windows, other.num_layers, \
             other.layer_chunked
 
@@ -147,9 +147,9 @@ class RocketKVCache(Cache):
         in this cache's pool pages."""
         if self.pages is None:
             return
-        part._use_pages(self.pool, self.pages.split(rows, part.counters))
+        part.use_pages(self.pool, self.pages.split(rows, part.counters))
 
-    def _use_pages(self, pool: KVBlockPool, pages: PoolPages) -> None:
+    def use_pages(self, pool: KVBlockPool, pages: PoolPages) -> None:
         """This (empty) cache's rows live in ``pages`` of ``pool`` (a row group's part, ``share_rows``)."""
         self.pool, self.pages = pool, pages
         self.layer_class_to_replicate = functools.partial(RocketKVLayer, self.config, self.hints, pages,

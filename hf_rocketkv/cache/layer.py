@@ -286,7 +286,7 @@ class RocketKVLayer(CacheLayerMixin):
             if skip:  # the replayed columns' K/V are the hit's (already in the store): only the rest is written
                 key_states, value_states = key_states[:, :, skip:], value_states[:, :, skip:]
             self.dense.append(key_states, value_states, self.hints.prefill_columns)
-            self._tag_keys()  # a new dense buffer or view every forward but a prefix hit's first
+            self.tag_keys()  # a new dense buffer or view every forward but a prefix hit's first
             return self.dense.keys, self.dense.values
         if query_length == 1:
             decode_append.append_one(self, key_states, value_states)
@@ -294,7 +294,7 @@ class RocketKVLayer(CacheLayerMixin):
             self.pending_keys, self.pending_values = key_states, value_states
         return self.key_handle, self.value_handle
 
-    def _tag_keys(self) -> None:
+    def tag_keys(self) -> None:
         """Let the attention function find this layer from the key tensor update() returns (``seam.layer_of``)."""
         tag(self.key_handle if self.compressed else self.dense.keys, self)
 
@@ -379,7 +379,7 @@ class RocketKVLayer(CacheLayerMixin):
         """Fixed addresses for CUDA graphs: decode mutates these tensors in place and never reallocates them."""
         if torch.compiler.is_compiling():
             return
-        self._tag_keys()
+        self.tag_keys()
         store, history = self.store, self.history
         tensors = [store.k, store.v, store.kt, store.k_scale, store.v_scale, store.table, self.positions, self.lengths,
                    self.seen, self.key_handle, self.value_handle, *self.generated.tensors()]

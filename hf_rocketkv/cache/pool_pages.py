@@ -529,15 +529,16 @@ class PoolPages:
         """A part for row-group prefill: the same row objects (tables), admitted now out of the reservation."""
         keys = self.keys[rows] if isinstance(self.keys, list) else self.keys
         part = PoolPages(self.pool, self.config, keys, counters, rows=self.rows[rows])
-        part._belong_to(self, rows)
-        if self.plan is not None:
-            part._admit_group()
+        part.join_group(self, rows)
         return part
 
-    def _belong_to(self, parent: PoolPages, rows: slice) -> None:
-        """This part holds ``rows`` of ``parent``'s batch, with its room for new tokens."""
+    def join_group(self, parent: PoolPages, rows: slice) -> None:
+        """This part holds ``rows`` of ``parent``'s batch, with its room for new tokens; admitted out of the batch's
+        reservation when the parent has planned one."""
         self.max_new_tokens = parent.max_new_tokens
         self.parent, self.group = parent, rows
+        if parent.plan is not None:
+            self._admit_group()
 
     def adopt_parts(self) -> None:
         """The parts have closed their turns on the shared rows: this (whole-batch) object's turn is over too."""

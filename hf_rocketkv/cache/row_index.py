@@ -47,7 +47,7 @@ def index_rows(layer, index: torch.Tensor, in_place: bool = False) -> None:
     layer.stage1.select_rows(index, in_place_rows)
     layer.generated.select_rows(index, in_place_rows)
     if not layer.compressed:
-        layer._tag_keys()
+        layer.tag_keys()
         return
     keys, values = layer.store.gather()
     kt = layer.store.gather_kt()

@@ -199,7 +199,7 @@ class SlidingWindowLayer(UnscoredLayer):
         query_length = key_states.shape[2]
         if self._decodes(query_length):
             return self._update_ring(key_states, value_states)
-        self._to_ordered()
+        self.to_ordered()
         if not torch.compiler.is_compiling():
             self.awaiting_attention = True
             self.host_seen += query_length
@@ -305,7 +305,7 @@ class SlidingWindowLayer(UnscoredLayer):
         for tensor in tensors:  # no guard: a next request's ring re-records, never recompiles
             torch._dynamo.mark_static_address(tensor, guard=False)
 
-    def _to_ordered(self) -> None:
+    def to_ordered(self) -> None:
         """The ring back into ordered columns: the last ``stored`` positions."""
         if self.ring is None:
             return
@@ -391,7 +391,7 @@ class SlidingWindowLayer(UnscoredLayer):
         count = -tokens_to_remove
         if count == 0 or not self.is_initialized:
             return
-        self._to_ordered()
+        self.to_ordered()
         if self.seen_tokens - self.floor >= self.window or count > self.seen_tokens - self.floor:
             raise NotImplementedError(SLIDING_CROP.format(window=self.window, tokens=count, seen=self.seen_tokens))
         self.keys, self.values = self.keys[:, :, :-count], self.values[:, :, :-count]

@@ -78,7 +78,7 @@ class UnscoredLayer(CacheLayerMixin):
     def finish_prefill(self) -> None:
         """Nothing deferred: a dense store has no stage 1."""
 
-    def _to_ordered(self) -> None:
+    def to_ordered(self) -> None:
         """Make ``keys`` / ``values`` the stored columns in order; they always are here (a sliding layer's decode ring
         is not: it overrides this)."""
 
@@ -108,7 +108,7 @@ class UnscoredLayer(CacheLayerMixin):
         (one padded batch), so their stores have the same width."""
         first = parts[0]
         for part in parts:
-            part._to_ordered()
+            part.to_ordered()
         if len({part.seen_tokens for part in parts}) != 1:
             raise RuntimeError(f"{type(first).__name__}.stack_rows needs parts that saw the same input columns")
         layer = new_layer()
