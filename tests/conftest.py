@@ -17,8 +17,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    torch.set_num_threads(1)  # one core per xdist worker
+# one core per process, with or without xdist: a multi-threaded CPU GEMM can round differently by the operands'
+# memory alignment, and the tests compare twins bit for bit (a cache read through its record against an unread one,
+# pages at other pool addresses)
+torch.set_num_threads(1)
 
 from transformers.utils import logging as hf_logging  # noqa: E402
 

@@ -208,3 +208,74 @@ def test_layer_types_rocketkv_cannot_serve_name_the_field():
     config.sliding_window = 0
     with pytest.raises(ValueError, match="sliding_window must be a positive integer"):
         sliding_windows(config)
+
+
+def test_rows_of_a_decoding_ring_reorder_and_select_as_the_ordered_columns_would():
+    """After decode steps (the ring laid out): beam reordering and row selection keep each row's window, read back in
+    order against the positions written."""
+    layer = SlidingWindowLayer(4)
+    keys = chunk(3, 6, 0) + torch.arange(3.0)[:, None, None, None] * 100
+    layer.update(keys, keys)
+    for position in (6, 7):
+        token = chunk(3, 1, position) + torch.arange(3.0)[:, None, None, None] * 100
+        layer.update(token, token)
+    assert layer.ring is not None and int(layer.position) == 8
+    layer.reorder_cache(torch.tensor([2, 0, 1]))
+    layer.batch_select_indices(torch.tensor([0, 2]))
+    assert layer.ring is not None and layer.batch_size == 2
+    layer.to_ordered()  # the last window - 1 positions in order: 5, 6, 7 of rows 2 and 1
+    assert layer.keys[:, 0, :, 0].tolist() == [[205, 206, 207], [105, 106, 107]]
+
+
+class SlabPool:
+    """What a batch row's layer asks of a KVBlockPool: its sliding slab (``sliding_slab``)."""
+
+    def __init__(self, slots: int, window: int):
+        self.slab = (torch.zeros(slots, H, window, D), torch.zeros(slots, H, window, D))
+
+    def sliding_slab(self, layer_idx, probe):
+        return self.slab
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_batch_rows_layer_writes_each_row_at_its_own_count_and_answers_no_length(chunked):
+    """The engine's rows (``join_batch``): each row's token at slot ``seen % window`` of its own slab slot, its count
+    advanced; its attention reads the slots its row has filled (a chunked row: its own chunk only) against a softmax
+    written out here; no length, no reset, no mask read."""
+    from hf_rocketkv.selection.logit_features import PLAIN
+
+    window, pool = 4, SlabPool(5, 4)
+    slots, seen = torch.tensor([3, 0, 1]), torch.tensor([2, 9, 5])
+    layer = SlidingWindowLayer(window, layer_idx=0, chunked=chunked, backend="torch")
+    layer.join_batch(torch.float32, torch.device("cpu"), H, D, pool, slots, seen)
+    # (slot, position) -> the key at that position: zeros before the test (an empty slab), then every token written
+    history = {(int(slot), p): torch.zeros(H, D) for slot, count in zip(slots, seen) for p in range(int(count))}
+    for step in range(6):
+        token = torch.randn(3, H, 1, D, generator=torch.Generator().manual_seed(step))
+        for row in range(3):
+            history[(int(slots[row]), int(seen[row]))] = token[row, :, 0]
+        keys, _ = layer.update(token, token)
+        assert keys.shape[0] == 5  # the whole slab, read through the slot ids
+        query = torch.randn(3, 2 * H, 1, D, generator=torch.Generator().manual_seed(100 + step))
+        out = layer.attend_ring(query, None, 0.5, PLAIN)
+        for row in range(3):
+            newest = int(seen[row]) - 1
+            first = newest - newest % window if chunked else max(0, newest - window + 1)
+            kv = torch.stack([history[(int(slots[row]), p)] for p in range(first, newest + 1)], dim=1)  # [H, n, D]
+            q = query[row, :, 0].reshape(H, 2, D)
+            probs = torch.softmax(torch.einsum("hgd,hnd->hgn", q, kv) * 0.5, dim=-1)
+            want = torch.einsum("hgn,hnd->hgd", probs, kv).reshape(2 * H, D)
+            torch.testing.assert_close(out[row, 0], want)
+    assert seen.tolist() == [8, 15, 11]
+    assert layer.get_mask_sizes(1) == (window, 0) and not layer.reads_mask
+    with pytest.raises(RuntimeError, match="different lengths"):
+        layer.get_seq_length()
+    with pytest.raises(NotImplementedError, match="leave one at a time"):
+        layer.reset()
+
+
+def test_decode_slot_needs_a_pool_backed_one_row_layer():
+    layer = SlidingWindowLayer(4)
+    layer.update(chunk(1, 3, 0), chunk(1, 3, 0))
+    with pytest.raises(ValueError, match="decode_slot: a batch row takes the ring of a one-row, pool-backed"):
+        layer.decode_slot()
