@@ -49,10 +49,10 @@ import torch
 
 from ..kernels.dispatch import get_ops
 from ..selection.logit_features import LogitFeatures, allowed_of
+from .dense_layer import DenseLayer
 from .hints import GenerationHints
 from .ring import Ring
 from .seam import tag
-from .unscored_layer import UnscoredLayer
 
 SLIDING_CROP = (
     "RocketKVCache: a sliding-window layer (window {window}) has already dropped the tokens before its window, so "
@@ -61,11 +61,12 @@ SLIDING_CROP = (
 )
 
 
-class SlidingWindowLayer(UnscoredLayer):
-    """The last ``window - 1`` tokens of every row, dense (see the module docstring); what it shares with
-    ``DenseLayer`` is in ``UnscoredLayer``, the decode ring is its own."""
+class SlidingWindowLayer(DenseLayer):
+    """The last ``window - 1`` tokens of every row, dense (see the module docstring): a ``DenseLayer`` narrowed to
+    its window, with a decode ring of its own."""
 
     is_sliding = True
+    is_dense = False  # a layer of the model's sliding kind, not one of RocketKVConfig.dense_layers
     is_croppable = False
 
     def __init__(self, window: int, hints: GenerationHints | None = None, layer_idx: int | None = None,
@@ -94,8 +95,8 @@ class SlidingWindowLayer(UnscoredLayer):
         super().lazy_initialization(key_states, value_states)
         self.ops = get_ops(self.backend, self.device)  # resolved here, eagerly: never inside a compiled step
 
-    def hold_rows(self, keys: torch.Tensor, values: torch.Tensor, like: UnscoredLayer) -> None:
-        """``UnscoredLayer.hold_rows``, keeping ``like``'s replay start (``floor``)."""
+    def hold_rows(self, keys: torch.Tensor, values: torch.Tensor, like: DenseLayer) -> None:
+        """``DenseLayer.hold_rows``, keeping ``like``'s replay start (``floor``)."""
         super().hold_rows(keys, values, like)
         self.floor = like.floor
 

@@ -30,7 +30,7 @@ from ..cache.batch_view import BatchedDecodeLayer
 from ..cache.layer import RocketKVLayer, layer_of
 from ..cache.packed_step import PackedLayer
 from ..cache.sliding_layer import SlidingWindowLayer
-from ..cache.unscored_layer import UnscoredLayer
+from ..cache.dense_layer import DenseLayer
 from ..memory.layer_kinds import CHUNKED
 from ..selection.logit_features import PLAIN, LogitFeatures, allowed_of, featured_attention
 from .call_state import call_state
@@ -69,7 +69,7 @@ def rocketkv_attention(
         check_supported(module, kwargs, layer, key, features)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
 
-    if isinstance(layer, UnscoredLayer):  # a sliding-window layer, or a dense one (dense_layers): exact attention
+    if isinstance(layer, DenseLayer):  # a dense layer (dense_layers) or a sliding-window one: exact attention
         if isinstance(layer, SlidingWindowLayer) and layer.ring and query.shape[2] == 1:  # a decode step
             out = layer.attend_ring(query, attention_mask, scaling, features)  # the ring read where it lies
             if out is not None:
