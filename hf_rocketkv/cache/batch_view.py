@@ -107,26 +107,25 @@ class BatchedDecodeLayer(RocketKVLayer):
         return self.table_buf.shape[1]
 
     def copy_in(self, record: PagedRow, row: int) -> None:
-        """Row ``row`` takes the request's table row, length, positions and logical length (its record's layer)."""
+        """Row ``row`` takes the request's table row and positions (its record's layer; the batch writes the row's
+        length and logical length into its ``[layers, rows]`` counts)."""
         if record.runs_with.page_tokens != self.page_tokens:
             raise ValueError("BatchedDecodeCache.join: the cache's pages are not this pool's")
         pages, width = record.width, record.positions.shape[1]
         self.table_buf[row].fill_(-1)
         self.table_buf[row, :pages] = record.table
-        self.lengths_buf[row] = record.length
         self.positions_buf[row].fill_(-1)
         self.positions_buf[row, :, :width] = record.positions
-        self.seen_buf[row] = record.seen
 
     def move_row(self, src: int, dst: int) -> None:
-        for buf in (self.table_buf, self.lengths_buf, self.positions_buf, self.seen_buf):
+        """Row ``src``'s table and positions move to row ``dst`` (its counts are the batch's to move)."""
+        for buf in (self.table_buf, self.positions_buf):
             buf[dst] = buf[src]
 
     def clear_row(self, row: int) -> None:
+        """Row ``row``'s table and positions back to padding (its counts are the batch's to reset)."""
         self.table_buf[row].fill_(-1)
-        self.lengths_buf[row] = 0
         self.positions_buf[row].fill_(-1)
-        self.seen_buf[row] = 0
 
     def widen(self, width: int) -> None:
         """Tables of ``width`` pages (a row with more view pages than any before joined); contents kept."""
@@ -235,9 +234,11 @@ class BatchedDecodeCache(Cache):
         try:
             self._ensure_layers(record)
             for index, (mine, theirs) in enumerate(zip(self.layers, record.layers)):
+                self._seen_all[index, row] = theirs.seen
                 if isinstance(theirs, RingRow):  # a sliding layer's row: its slot and count (the batch's buffers)
-                    self._slots[row], self._seen_all[index, row] = theirs.slot, theirs.seen
+                    self._slots[row] = theirs.slot
                 else:
+                    self._lengths_all[index, row] = theirs.length
                     mine.copy_in(theirs, row)
             held = cache.hand_over()  # the last step: from here on the row owns the request's pages
         except BaseException:
@@ -267,7 +268,8 @@ class BatchedDecodeCache(Cache):
         for layer in self.layers:
             if not layer.is_sliding:
                 layer.move_row(src, dst)
-        self._seen_all[:, dst] = self._seen_all[:, src]
+        for counts in (self._lengths_all, self._seen_all):
+            counts[:, dst] = counts[:, src]
         self._slots[dst] = self._slots[src]
         for values in (self.held, self.row_pages, self.room, self.steps):
             values[dst] = values[src]
@@ -441,7 +443,8 @@ class BatchedDecodeCache(Cache):
         for layer in self.layers:
             if not layer.is_sliding:
                 layer.clear_row(row)
-        if self._seen_all is not None:
+        if self._seen_all is not None:  # the rows' counts: one writer, the batch (layers advance them in a step)
+            self._lengths_all[:, row] = 0
             self._seen_all[:, row] = 0
         self.held[row] = None
         self.row_pages[row] = self.room[row] = self.steps[row] = 0
