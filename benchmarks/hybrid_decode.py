@@ -54,8 +54,9 @@ from hf_rocketkv.bench.decode import DROP_FIRST_STEPS, StepClock, step_timings
 from hf_rocketkv.integration import compat
 from hf_rocketkv.integration.call_state import call_state
 
-CACHES = ("dynamic", "static-compile", "rocketkv", "rocketkv-eager", "rocketkv-compile", "rocketkv-experts-off")
-OPT_IN = ("rocketkv-compile", "rocketkv-experts-off")  # rows run only when asked (--caches)
+CACHES = ("dynamic", "static-compile", "rocketkv", "rocketkv-eager", "rocketkv-compile", "rocketkv-experts-off",
+          "rocketkv-mlp-off")
+OPT_IN = ("rocketkv-compile", "rocketkv-experts-off", "rocketkv-mlp-off")  # rows run only when asked (--caches)
 
 
 def gpt_oss_20b(quick: bool) -> tuple:
@@ -139,6 +140,8 @@ def run_row(model, dense_attention: str, cache_kind: str, ids: torch.Tensor, new
             rocket = rocket.replace(decode_runner="torch_compile")
         if cache_kind == "rocketkv-experts-off":  # transformers' own MoE experts forward (fused_experts=False)
             rocket = rocket.replace(fused_experts=False)
+        if cache_kind == "rocketkv-mlp-off":  # transformers' own gated MLP forward (fused_mlp=False)
+            rocket = rocket.replace(fused_mlp=False)
         cache = RocketKVCache(rocket)
         kwargs.update(compat.cache_kwargs(cache))
         kwargs["disable_compile"] = cache_kind == "rocketkv-eager"

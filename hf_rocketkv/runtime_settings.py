@@ -26,7 +26,7 @@ STAGE2_KERNELS = ("auto", "fused", "split")
 BUCKET_FIELDS = ("capacity_buckets", "batch_buckets")
 # decode_runner="torch_compile" with batch_buckets=None: the batch sizes serving engines capture CUDA graphs for
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-SWITCHES = ("deferred_stop_check", "eager_layer_graphs", "fused_rope", "fused_norm", "fused_experts")
+SWITCHES = ("deferred_stop_check", "eager_layer_graphs", "fused_rope", "fused_norm", "fused_experts", "fused_mlp")
 
 
 def is_int(value: Any) -> bool:
@@ -55,6 +55,7 @@ class RuntimeSettings:
     batch_buckets: tuple[int, ...] | None = None
     stage2_kernel: str = "auto"
     fused_experts: bool = True
+    fused_mlp: bool = True
 
     def __post_init__(self) -> None:
         for name in BUCKET_FIELDS:  # YAML and JSON (model.config.rocketkv) hold lists; the frozen settings a tuple

@@ -80,8 +80,8 @@ class DenseStore:
         (stage 1's compaction, a reset) and never outlive it."""
         refs = self.buffers
         keys, values = (refs[0](), refs[1]()) if refs is not None else (None, None)
-        if (keys is not None and values is not None and self.keys._base is keys and self.values._base is values
-                and keys.shape[2] >= needed):
+        if (keys is not None and values is not None and _leading_columns(self.keys, keys)
+                and _leading_columns(self.values, values) and keys.shape[2] >= needed):
             return keys, values
         if prefill_columns is None or prefill_columns < needed:
             return None, None
@@ -93,3 +93,10 @@ class DenseStore:
         values[:, :, :filled].copy_(self.values)
         self.buffers = (weakref.ref(keys), weakref.ref(values))
         return keys, values
+
+
+def _leading_columns(view: torch.Tensor, buffer: torch.Tensor) -> bool:
+    """Whether ``view`` is ``buffer[:, :, :n]`` (its first columns, in place): it starts where the buffer starts and
+    steps through memory as the buffer does. A tensor made since (a concatenation) starts elsewhere while the buffer
+    lives."""
+    return view.data_ptr() == buffer.data_ptr() and view.stride() == buffer.stride()

@@ -43,6 +43,9 @@ which registration sets to ``require`` (a changed transformers then fails at the
 |   models.gpt_oss.modeling_gpt_oss.GptOssRMSNorm.    | (optional)  | (``integration/norm.py``, ``NORM_FORMULAS``): weight, |
 |   forward, models.gemma.modeling_gemma.GemmaRMSNorm.|             | variance_epsilon (Gemma: eps)                         |
 |   forward and ._norm (and classes with their codes) |             |                                                       |
+| models.llama.modeling_llama.LlamaMLP.forward (and   | wrapped     | a few tokens' gate/up projection, activation and      |
+|   classes with its byte code); read gate_proj,      | (optional)  | product in one launch in RocketKV calls               |
+|   up_proj, down_proj, act_fn (ACT2FN's SiLU, GELU)  |             | (``integration/mlp.py``, ``mlp_classes``)             |
 | use_experts_implementation classes: forward; read   | wrapped     | a few tokens' experts read in place in RocketKV calls |
 |   has_gate, has_bias, is_transposed, _apply_gate... | (optional)  | (``integration/experts.py``, ``experts_layout``)      |
 |   GptOssExperts._apply_gate (qualname), alpha, limit|             | gpt-oss' gate in one prefill kernel (``clamped_glu``) |
@@ -72,19 +75,19 @@ import copy
 import functools
 import importlib
 import inspect
-import sys
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 import torch
 import transformers
 from transformers import AttentionInterface, AttentionMaskInterface, GenerationMixin, PreTrainedModel
+from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache
 
 from .compat_calls import (  # noqa: F401 - all re-exported: the cache argument's name and the call binding
-    CACHE_ARG, CACHE_ARGS, LEGACY_CACHE_ARG, WRAPPED_MARK, Call, GenerateHooks, _unwrapped, _wrap, cache_from,
-    cache_kwargs, output_cache, with_cache,
+    CACHE_ARG, CACHE_ARGS, LEGACY_CACHE_ARG, MODELING_LOCK, ROTARY_NAME, ROTARY_PARAMS, WRAPPED_MARK, Call,
+    GenerateHooks, _unwrapped, _wrap, cache_from, cache_kwargs, code_key, install_forward, install_rotary,
+    output_cache, rotary_modules, with_cache,
 )
 
 TRANSFORMERS_VERSION: str = transformers.__version__
@@ -417,91 +420,32 @@ def install(hooks: GenerateHooks) -> None:
         _install_method(deferred, "is_supported", DEFERRED_STOP, _deferred_stop_handler(hooks), static=True)
 
 
-# --------------------------------------------------------------------------------------------------- rotary embedding
-ROTARY_NAME = "apply_rotary_pos_emb"
-ROTARY_PARAMS = ("q", "k", "cos", "sin", "unsqueeze_dim")  # exactly these, in this order (Llama-style models)
-_MODELING_LOCK = threading.Lock()  # rotary functions, norm and experts classes
-
-
-def rotary_modules(model) -> list:
-    """The modeling modules (``transformers.models.<name>.modeling_<name>``) of ``model``'s layers whose
-    ``apply_rotary_pos_emb`` takes exactly ``ROTARY_PARAMS``; others (partial rotary, other signatures) are left out."""
-    found = {}
-    for module in model.modules():
-        owner = sys.modules.get(type(module).__module__)
-        if owner is None or owner.__name__ in found or not owner.__name__.startswith("transformers.models."):
-            continue
-        try:
-            names = tuple(inspect.signature(_rotary_function(getattr(owner, ROTARY_NAME))).parameters)
-        except (AttributeError, TypeError, ValueError):
-            continue
-        if names == ROTARY_PARAMS:
-            found[owner.__name__] = owner
-    return list(found.values())
-
-
-def _rotary_function(rotary):
-    """The function behind a modeling module's ``apply_rotary_pos_emb``: since transformers 5.25 the name holds a
-    module built around it (``use_kernel_forward_from_hub``: the function is its ``forward``, and calling the module
-    calls it, or a hub kernel the user registered), before that the function itself."""
-    return rotary.forward if isinstance(rotary, torch.nn.Module) else rotary
-
-
-def install_rotary(owner, active: Callable[[], bool], compute: Callable[[Callable, dict], Any]) -> None:
-    """Wrap ``owner.apply_rotary_pos_emb`` once (idempotent, thread-safe). The wrapper calls the original with exactly
-    the arguments it received unless ``active()`` (checked first: one ContextVar read) says the call is RocketKV's
-    and torch.compile is not tracing it; then ``compute(original, arguments)`` decides, arguments bound by name."""
-    with _MODELING_LOCK:
-        original = getattr(owner, ROTARY_NAME)
-        if getattr(original, WRAPPED_MARK, False):
-            return
-        function = _rotary_function(original)
-        signature = inspect.signature(function)
-        default_dim = signature.parameters[ROTARY_PARAMS[-1]].default
-
-        @functools.wraps(function)
-        def wrapper(*args, **kwargs):
-            if torch.compiler.is_compiling() or not active():
-                return original(*args, **kwargs)
-            if len(args) == 4 and not kwargs:  # the modeling code's call: (q, k, cos, sin), ROTARY_PARAMS' order
-                return compute(original, dict(zip(ROTARY_PARAMS, (*args, default_dim))))
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            return compute(original, bound.arguments)
-
-        setattr(wrapper, "__signature__", signature)  # the function's own (a 5.25 module's forward reads as a method)
-        setattr(wrapper, WRAPPED_MARK, True)
-        setattr(owner, ROTARY_NAME, wrapper)
-
-
 # --------------------------------------------------------------------------------------------------- RMSNorm
 @dataclass(frozen=True)
-class NormFormula:
-    """A transformers RMSNorm whose formula the fused kernel computes (``kernels/rms_norm.FORMULAS``): the class that
-    defines it, the methods whose byte code identifies a copy of it (and their exact parameters), the eps attribute."""
+class ModuleFormula:
+    """A transformers module whose formula a fused kernel computes (an RMSNorm: ``kernels/rms_norm.FORMULAS``; the
+    gated MLP: ``kernels/gated_projection``): the class that defines it, the methods whose byte code identifies a copy
+    of it (and their exact parameters), the attribute the kernel reads besides the weights (the norm's eps, the MLP's
+    activation), the RocketKVConfig switch that turns the fused path off."""
 
     module: str  # under transformers.
     name: str
     methods: tuple[str, ...]
     params: tuple[str, ...]
-    eps: str
+    attribute: str
+    switch: str = "fused_norm"
 
 
 NORM_FORMULAS = {
-    "llama": NormFormula("models.llama.modeling_llama", "LlamaRMSNorm", ("forward",), ("self", "hidden_states"),
+    "llama": ModuleFormula("models.llama.modeling_llama", "LlamaRMSNorm", ("forward",), ("self", "hidden_states"),
                          "variance_epsilon"),
-    "gpt_oss": NormFormula("models.gpt_oss.modeling_gpt_oss", "GptOssRMSNorm", ("forward",),
+    "gpt_oss": ModuleFormula("models.gpt_oss.modeling_gpt_oss", "GptOssRMSNorm", ("forward",),
                            ("self", "hidden_states"), "variance_epsilon"),
-    "gemma": NormFormula("models.gemma.modeling_gemma", "GemmaRMSNorm", ("forward", "_norm"), ("self", "x"), "eps"),
+    "gemma": ModuleFormula("models.gemma.modeling_gemma", "GemmaRMSNorm", ("forward", "_norm"), ("self", "x"), "eps"),
 }
 
 
-def _code_key(function):
-    code = getattr(_unwrapped(function), "__code__", None)
-    return None if code is None else (code.co_code, code.co_consts, code.co_names, code.co_varnames)
-
-
-def _norm_reference(formula: NormFormula) -> tuple:
+def _formula_reference(formula: ModuleFormula) -> tuple:
     """The byte-code keys of ``formula``'s methods (below any wrapper); ``CompatError`` when the class is gone or a
     method takes other parameters."""
     try:
@@ -512,8 +456,8 @@ def _norm_reference(formula: NormFormula) -> tuple:
     if names != (formula.params,) * len(formula.methods):
         problem = (f"{formula.module}.{formula.name}.{' and .'.join(formula.methods)} take {names}, not "
                    f"{formula.params}")
-        raise CompatError(describe_problems((problem,)) + " Or set RocketKVConfig(fused_norm=False).")
-    return tuple(_code_key(getattr(klass, method)) for method in formula.methods)
+        raise CompatError(describe_problems((problem,)) + f" Or set RocketKVConfig({formula.switch}=False).")
+    return tuple(code_key(getattr(klass, method)) for method in formula.methods)
 
 
 def norm_classes(model, formula: str) -> list[type]:
@@ -521,41 +465,51 @@ def norm_classes(model, formula: str) -> list[type]:
     of ``NORM_FORMULAS[formula]``'s: Llama's is copied by Mistral, Qwen2/3, Phi-3, Granite...; gpt-oss' by OLMo2;
     Gemma's by Gemma 2 and 3; T5's is none of them."""
     spec = NORM_FORMULAS[formula]
-    reference, found = _norm_reference(spec), {}
+    reference, found = _formula_reference(spec), {}
     for module in model.modules():
         owner = next((klass for klass in type(module).__mro__ if "forward" in klass.__dict__), None)
         if owner is None or not owner.__module__.startswith("transformers."):
             continue
-        keys = tuple(_code_key(owner.__dict__["forward"]) if method == "forward" else
-                     _code_key(getattr(type(module), method, None)) for method in spec.methods)
-        if keys == reference and isinstance(getattr(module, spec.eps, None), float):
+        keys = tuple(code_key(owner.__dict__["forward"]) if method == "forward" else
+                     code_key(getattr(type(module), method, None)) for method in spec.methods)
+        if keys == reference and isinstance(getattr(module, spec.attribute, None), float):
             found[owner] = None
     return list(found)
 
 
-def install_forward(owner: type, active: Callable[[], bool], compute: Callable[..., Any]) -> None:
-    """Wrap ``owner.forward`` once (thread-safe; a norm or experts class): the original with its arguments untouched
-    unless ``active()`` and torch.compile is not tracing; then ``compute(run_original, self, *arguments)`` decides,
-    the arguments bound by the original's signature (defaults applied)."""
-    with _MODELING_LOCK:
-        if getattr(original := owner.__dict__["forward"], WRAPPED_MARK, False):
-            return
-        signature = inspect.signature(original)
-        arity = len(signature.parameters)
+# --------------------------------------------------------------------------------------------------- gated MLP
+GATED_MLP = ModuleFormula("models.llama.modeling_llama", "LlamaMLP", ("forward",), ("self", "x"), "act_fn", "fused_mlp")
+# the kernel's activation names (kernels/gated_projection.ACTIVATIONS) and the ACT2FN entries computing them
+MLP_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
+_ACTIVATION_CLASSES = {torch.nn.SiLU: "silu",  # ACT2FN["swish"]
+                       **{type(ACT2FN[name]): kernel for kernel, name in MLP_ACTIVATIONS.items()}}
 
-        @functools.wraps(original)
-        def forward(self, *args, **kwargs):
-            if torch.compiler.is_compiling() or not active():
-                return original(self, *args, **kwargs)
-            values = args
-            if kwargs or len(args) + 1 != arity:  # not the modeling code's positional call
-                bound = signature.bind(self, *args, **kwargs)
-                bound.apply_defaults()
-                values = tuple(bound.arguments.values())[1:]
-            return compute(lambda: original(self, *args, **kwargs), self, *values)
 
-        setattr(forward, WRAPPED_MARK, True)
-        owner.forward = forward
+def mlp_classes(model) -> list[type]:
+    """The transformers classes (those defining ``forward``) of ``model``'s modules whose ``forward`` has the byte
+    code of ``LlamaMLP.forward``, ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: Mistral, Qwen2/3, Gemma 1-3,
+    Cohere 2, Granite, OLMo2... copy it; Phi-3's (one fused gate/up projection) and Llama 4's are not it."""
+    reference = _formula_reference(GATED_MLP)[0]
+    found = {}
+    for module in model.modules():
+        owner = next((klass for klass in type(module).__mro__ if "forward" in klass.__dict__), None)
+        if (owner is not None and owner not in found and owner.__module__.startswith("transformers.")
+                and code_key(owner.__dict__["forward"]) == reference):
+            found[owner] = None
+    return list(found)
+
+
+def mlp_activation(act) -> str | None:
+    """The kernel's name for an MLP's ``act_fn`` when it is transformers' SiLU (or torch's) or its C tanh-GELU (the
+    class of ``ACT2FN["gelu_pytorch_tanh"]``; where it holds its function as ``act``, that must be
+    ``F.gelu(approximate="tanh")``, not the Python formula ``gelu_python_tanh`` builds), else None."""
+    kernel = _ACTIVATION_CLASSES.get(type(act))
+    inner = getattr(act, "act", None)
+    if kernel == "gelu_tanh" and inner is not None and not (
+            isinstance(inner, functools.partial) and inner.func is torch.nn.functional.gelu
+            and inner.keywords == {"approximate": "tanh"} and not inner.args):
+        return None
+    return kernel
 
 
 # --------------------------------------------------------------------------------------------------- MoE experts

@@ -1,6 +1,8 @@
 """The call-binding side of the seam (``compat.py`` re-exports every name here): the cache argument's name on the
-installed transformers (``cache`` from 5.24 on, ``past_key_values`` before) and the helpers that read or set it, and
-the signature-bound wrapper ``compat.install`` puts around transformers' generate() steps (``Call``, ``_wrap``).
+installed transformers (``cache`` from 5.24 on, ``past_key_values`` before) and the helpers that read or set it, the
+signature-bound wrapper ``compat.install`` puts around transformers' generate() steps (``Call``, ``_wrap``), and the
+installers that wrap a modeling function or a module class's ``forward`` once, bound by signature, for the fused
+paths (``install_rotary``, ``install_forward``; which functions and classes: ``compat.py``'s tables).
 
 Like ``compat.py`` it imports only transformers, and only names transformers exports: no private transformers name
 is spelled here (tests/integration/test_private_names.py).
@@ -10,10 +12,13 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import torch
 from transformers import Cache, GenerationMixin
 
 WRAPPED_MARK = "__hf_rocketkv_wrapped__"
@@ -152,3 +157,91 @@ def _current_cache_name(kwargs: dict, args: tuple) -> dict:
 
 __all__ = ["CACHE_ARG", "CACHE_ARGS", "LEGACY_CACHE_ARG", "WRAPPED_MARK", "Call", "GenerateHooks", "cache_from",
            "cache_kwargs", "output_cache", "with_cache"]
+
+
+# --------------------------------------------------------------------------------------------------- rotary embedding
+ROTARY_NAME = "apply_rotary_pos_emb"
+ROTARY_PARAMS = ("q", "k", "cos", "sin", "unsqueeze_dim")  # exactly these, in this order (Llama-style models)
+MODELING_LOCK = threading.Lock()  # rotary functions, norm and experts classes
+
+
+def rotary_modules(model) -> list:
+    """The modeling modules (``transformers.models.<name>.modeling_<name>``) of ``model``'s layers whose
+    ``apply_rotary_pos_emb`` takes exactly ``ROTARY_PARAMS``; others (partial rotary, other signatures) are left out."""
+    found = {}
+    for module in model.modules():
+        owner = sys.modules.get(type(module).__module__)
+        if owner is None or owner.__name__ in found or not owner.__name__.startswith("transformers.models."):
+            continue
+        try:
+            names = tuple(inspect.signature(_rotary_function(getattr(owner, ROTARY_NAME))).parameters)
+        except (AttributeError, TypeError, ValueError):
+            continue
+        if names == ROTARY_PARAMS:
+            found[owner.__name__] = owner
+    return list(found.values())
+
+
+def _rotary_function(rotary):
+    """The function behind a modeling module's ``apply_rotary_pos_emb``: since transformers 5.25 the name holds a
+    module built around it (``use_kernel_forward_from_hub``: the function is its ``forward``, and calling the module
+    calls it, or a hub kernel the user registered), before that the function itself."""
+    return rotary.forward if isinstance(rotary, torch.nn.Module) else rotary
+
+
+def install_rotary(owner, active: Callable[[], bool], compute: Callable[[Callable, dict], Any]) -> None:
+    """Wrap ``owner.apply_rotary_pos_emb`` once (idempotent, thread-safe). The wrapper calls the original with exactly
+    the arguments it received unless ``active()`` (checked first: one ContextVar read) says the call is RocketKV's
+    and torch.compile is not tracing it; then ``compute(original, arguments)`` decides, arguments bound by name."""
+    with MODELING_LOCK:
+        original = getattr(owner, ROTARY_NAME)
+        if getattr(original, WRAPPED_MARK, False):
+            return
+        function = _rotary_function(original)
+        signature = inspect.signature(function)
+        default_dim = signature.parameters[ROTARY_PARAMS[-1]].default
+
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            if torch.compiler.is_compiling() or not active():
+                return original(*args, **kwargs)
+            if len(args) == 4 and not kwargs:  # the modeling code's call: (q, k, cos, sin), ROTARY_PARAMS' order
+                return compute(original, dict(zip(ROTARY_PARAMS, (*args, default_dim))))
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return compute(original, bound.arguments)
+
+        setattr(wrapper, "__signature__", signature)  # the function's own (a 5.25 module's forward reads as a method)
+        setattr(wrapper, WRAPPED_MARK, True)
+        setattr(owner, ROTARY_NAME, wrapper)
+
+
+# --------------------------------------------------------------------------------------------------- module forwards
+def code_key(function):
+    code = getattr(_unwrapped(function), "__code__", None)
+    return None if code is None else (code.co_code, code.co_consts, code.co_names, code.co_varnames)
+
+
+def install_forward(owner: type, active: Callable[[], bool], compute: Callable[..., Any]) -> None:
+    """Wrap ``owner.forward`` once (thread-safe; a norm or experts class): the original with its arguments untouched
+    unless ``active()`` and torch.compile is not tracing; then ``compute(run_original, self, *arguments)`` decides,
+    the arguments bound by the original's signature (defaults applied)."""
+    with MODELING_LOCK:
+        if getattr(original := owner.__dict__["forward"], WRAPPED_MARK, False):
+            return
+        signature = inspect.signature(original)
+        arity = len(signature.parameters)
+
+        @functools.wraps(original)
+        def forward(self, *args, **kwargs):
+            if torch.compiler.is_compiling() or not active():
+                return original(self, *args, **kwargs)
+            values = args
+            if kwargs or len(args) + 1 != arity:  # not the modeling code's positional call
+                bound = signature.bind(self, *args, **kwargs)
+                bound.apply_defaults()
+                values = tuple(bound.arguments.values())[1:]
+            return compute(lambda: original(self, *args, **kwargs), self, *values)
+
+        setattr(forward, WRAPPED_MARK, True)
+        owner.forward = forward

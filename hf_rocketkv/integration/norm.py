@@ -41,7 +41,7 @@ def _computer(formula: str):
     ``PER_HEAD_FORMULAS`` says so), the module's own forward otherwise (``eps``: the module's attribute the formula
     names, Llama's ``variance_epsilon``, Gemma's ``eps``)."""
     ranks = (3, 4) if formula in PER_HEAD_FORMULAS else (3,)
-    eps_attribute = compat.NORM_FORMULAS[formula].eps
+    eps_attribute = compat.NORM_FORMULAS[formula].attribute
 
     def compute(run_original, module, hidden_states):
         if (hidden_states.dim() in ranks and hidden_states.device.type in FUSED_DEVICE_TYPES

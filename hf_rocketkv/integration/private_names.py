@@ -67,6 +67,19 @@ TORCH_AND_TRITON: tuple[PrivateName, ...] = (
         attribute=True,
     ),
     PrivateName(
+        "torch.nn.Module._forward_hooks",
+        ("integration/mlp.py",),
+        "the fused gated MLP reads the projections' weights and computes the activation itself, so it steps aside "
+        "when those modules have forward hooks it would skip (no public way to ask whether a module has hooks)",
+        attribute=True,
+    ),
+    PrivateName(
+        "torch.nn.Module._forward_pre_hooks",
+        ("integration/mlp.py",),
+        "as ``_forward_hooks``: forward pre-hooks on a projection or the activation keep transformers' module",
+        attribute=True,
+    ),
+    PrivateName(
         "triton.runtime.jit.JITFunction.device_caches",
         ("kernels/launch.py",),
         "TritonLaunch calls Triton's own per-device binder to key its table of compiled kernels (checked when the "

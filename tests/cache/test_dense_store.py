@@ -8,6 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_rocketkv import RocketKVCache
+from hf_rocketkv.cache.dense_store import DenseStore
 from hf_rocketkv.integration import compat
 from tests.support.tiny_models import (
     compressing_config,
@@ -87,3 +88,24 @@ def test_a_width_given_without_ids_fills_one_buffer_and_is_forgotten_after_the_p
     assert widths == [None, 24, 24]
     assert cache.hints.prefill_columns is None
     assert all(layer.compressed for layer in cache.layers)
+
+
+def test_a_buffer_the_store_no_longer_views_is_never_written_again():
+    """The whole-prompt buffer is reused only while the store is a view of its first columns: once the store holds
+    other tensors (``hold``), the next chunk goes to a fresh buffer holding those, and the old buffer (alive through
+    a view somebody kept) keeps its contents."""
+    def cols(*values):
+        return torch.tensor(values, dtype=torch.float32).view(1, 1, -1, 1)
+
+    store = DenseStore()
+    store.start(cols(0.0)[:, :, :0], cols(0.0)[:, :, :0])
+    store.append(cols(1, 1), cols(1, 1), prefill_columns=8)
+    store.append(cols(2), cols(2), prefill_columns=8)  # a buffer 8 wide, the store its first 3 columns
+    kept, kept_values = store.keys, store.values  # views that keep both buffers alive
+    assert torch.equal(kept.flatten(), torch.tensor([1.0, 1, 2]))
+    store.hold(cols(7, 7, 7), cols(7, 7, 7))
+    store.append(cols(9), cols(9), prefill_columns=8)
+    assert torch.equal(store.keys.flatten(), torch.tensor([7.0, 7, 7, 9]))
+    assert torch.equal(store.values.flatten(), torch.tensor([7.0, 7, 7, 9]))
+    assert torch.equal(kept.flatten(), torch.tensor([1.0, 1, 2]))
+    assert torch.equal(kept_values.flatten(), torch.tensor([1.0, 1, 2]))

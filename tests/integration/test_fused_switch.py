@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from hf_rocketkv import RocketKVConfig
-from hf_rocketkv.integration import experts, norm, rope
+from hf_rocketkv.integration import experts, mlp, norm, rope
 from hf_rocketkv.integration.fused_modeling import fused_modeling
 from tests.support.tiny_models import make_models
 
@@ -18,8 +18,9 @@ pytest.importorskip("triton")
 
 @pytest.mark.parametrize("scope, active", [(norm.fused_norm, norm.fused_norm_active),
                                            (rope.fused_rope, rope.fused_rope_active),
-                                           (experts.fused_experts, experts.fused_experts_active)],
-                         ids=["norm", "rope", "experts"])
+                                           (experts.fused_experts, experts.fused_experts_active),
+                                           (mlp.fused_mlp, mlp.fused_mlp_active)],
+                         ids=["norm", "rope", "experts", "mlp"])
 def test_the_scope_belongs_to_its_thread(scope, active):
     model = make_models("llama")[0]
     seen = []
@@ -33,11 +34,11 @@ def test_the_scope_belongs_to_its_thread(scope, active):
     assert seen == [False] and not active()
 
 
-@pytest.mark.parametrize("off", [None, "fused_rope", "fused_norm", "fused_experts"])
+@pytest.mark.parametrize("off", [None, "fused_rope", "fused_norm", "fused_experts", "fused_mlp"])
 def test_fused_modeling_enters_the_switches_its_config_turns_on(off):
     model = make_models("llama")[0]
     actives = {"fused_rope": rope.fused_rope_active, "fused_norm": norm.fused_norm_active,
-               "fused_experts": experts.fused_experts_active}
+               "fused_experts": experts.fused_experts_active, "fused_mlp": mlp.fused_mlp_active}
     config = RocketKVConfig() if off is None else RocketKVConfig(**{off: False})
     with fused_modeling(model, config):
         assert {name: active() for name, active in actives.items()} == {name: name != off for name in actives}

@@ -14,7 +14,7 @@ NOT_ROCKETKV = ("model", "integration.compat._prefill_handler", "integration.gen
                 # transformers' own RoPE, which the fused-RoPE wrapper hands every prefill call back to
                 "integration.rope._compute",
                 # transformers' own RMSNorm, which the fused-norm wrapper hands every prefill call back to
-                "integration.compat.install_forward.<locals>.forward.<locals>.<lambda>")
+                "integration.compat_calls.install_forward.<locals>.forward.<locals>.<lambda>")
 # measured 2026-11-24 (2 layers, so the per-request launches count half a layer each): 27.5 per layer after the
 # compaction kernel, 42.5 before it
 ROCKETKV_LAUNCHES_PER_LAYER = 28

@@ -1,0 +1,85 @@
+"""Probe: a gated MLP's first half at decode row counts, eager ops against one GEMM over the concatenated weights and
+against ``kernels/gated_projection`` over a grid of tiles, each replayed from a CUDA graph as a decode step runs
+(``bench_kernels.time_graph``).
+
+    python -m benchmarks.probes.tune_gated_projection --out results/<file>.json
+
+Shapes: Gemma-3-12B (hidden 3840, intermediate 15360, gelu tanh) and Llama-3.1-8B (4096, 14336, silu), bf16, random
+weights. Reports microseconds per call and the weights' read rate (GB/s: both weights' bytes over the time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+
+import torch
+
+from benchmarks.probes.bench_kernels import time_graph
+from hf_rocketkv.kernels.gated_projection import gated_projection_reference, gated_projection_triton
+
+SHAPES = {"gemma-3-12b": (3840, 15360, "gelu_tanh"), "llama-3.1-8b": (4096, 14336, "silu")}
+ROWS = (1, 16, 64)
+TILES = ([(c, k, 4, s) for c, k, s in itertools.product((16, 32, 64), (128, 256), (3, 5))]
+         + [(64, 128, 8, 4), (128, 128, 8, 4)])  # (BLOCK_C, BLOCK_K, warps, stages)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--models", nargs="+", default=list(SHAPES))
+    parser.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
+    args = parser.parse_args()
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    torch.manual_seed(0)
+    results = []
+    for model in args.models:
+        hidden, inter, act = SHAPES[model]
+        gate = torch.randn(inter, hidden, device=dev, dtype=dtype) / hidden ** 0.5
+        up = torch.randn(inter, hidden, device=dev, dtype=dtype) / hidden ** 0.5
+        both = torch.cat([gate, up])
+        gbytes = 2 * gate.numel() * gate.element_size() / 1e9
+        for rows in args.rows:
+            x = torch.randn(rows, hidden, device=dev, dtype=dtype)
+            ref = gated_projection_reference(x, gate, up, act)
+            eager_us = time_graph(lambda: gated_projection_reference(x, gate, up, act))
+            row = {"model": model, "rows": rows, "eager_us": eager_us}
+
+            def cat_gemm():
+                gu = torch.nn.functional.linear(x, both)
+                g, u = gu[:, :inter], gu[:, inter:]
+                f = torch.nn.functional
+                a = f.gelu(g, approximate="tanh") if act == "gelu_tanh" else f.silu(g)
+                return a * u
+
+            row["cat_gemm_us"] = time_graph(cat_gemm)
+            block_r = 16 if rows <= 16 else (32 if rows <= 32 else 64)
+            sweep = []
+            for c, k, w, s in TILES:
+                tiles = (block_r, c, k, w, s)
+                try:
+                    out = gated_projection_triton(x, gate, up, act, tiles=tiles)
+                    err = (out.float() - ref.float()).abs().max().item()
+                    us = time_graph(lambda: gated_projection_triton(x, gate, up, act, tiles=tiles))
+                except Exception as exc:  # out of shared memory for a large tile: skip it
+                    sweep.append({"tiles": tiles, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+                    continue
+                sweep.append({"tiles": tiles, "us": us, "max_abs_diff_vs_eager": err})
+            ok = [t for t in sweep if "us" in t]
+            best = min(ok, key=lambda t: t["us"])
+            row.update(best=best, default=next((t for t in ok if t["tiles"][1:] == (32, 128, 4, 4)), None),
+                       eager_gbps=gbytes / row["eager_us"] * 1e6, best_gbps=gbytes / best["us"] * 1e6,
+                       cat_gemm_gbps=gbytes / row["cat_gemm_us"] * 1e6, sweep=sweep)
+            print(f"{model} rows={rows}: eager {row['eager_us']:.1f} us ({row['eager_gbps']:.0f} GB/s), cat "
+                  f"{row['cat_gemm_us']:.1f}, fused best {best['us']:.1f} us ({row['best_gbps']:.0f} GB/s) "
+                  f"tiles {best['tiles']}", flush=True)
+            results.append(row)
+    with open(args.out, "w") as f:
+        json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                   "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
