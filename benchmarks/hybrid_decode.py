@@ -21,6 +21,8 @@ Rows, one process, the same model and prompt (batch 1):
     rocketkv-eager   the same, every decode step eager (generate(disable_compile=True)): what the graphs save
     rocketkv-compile the same with ``decode_runner="torch_compile"`` (the decode step compiled by inductor, one graph
                      per batch bucket; its compilation is in the row's ``wall_s`` and first gaps, not the median)
+    rocketkv-experts-off / rocketkv-mlp-off  the defaults with ``fused_experts=False`` / ``fused_mlp=False``
+                     (transformers' own experts / gated-MLP forward in the decode step); opt-in, as rocketkv-compile
 The dense rows of gpt-oss prefill in chunks of ``--dense-prefill-chunk`` tokens (generate's prefill_chunk_size; with
 the static cache generate compiles the chunk's forward too): transformers' eager attention would otherwise hold
 64 x 32k x 32k logits at once (1024: ~13 GiB of them per chunk). Gemma 3's dense rows (sdpa) prefill in one forward

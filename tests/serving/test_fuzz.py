@@ -12,9 +12,10 @@ A route the schema gains later without an entry here is still fuzzed from its se
 documented shape).
 
 Every response: no 5xx; JSON errors shaped ``{"error": {"message", "type", "param", "code"}}``; success bodies and
-SSE chunks valid against the documented schemas; a stream ends with ``data: [DONE]``. After each operation's run the
-pool has every page back, the manager keeps no request and the server answers a canary request with the same text as
-when it was fresh. Hypothesis is derandomized (fixed examples, no database), so CI runs the same cases every time.
+SSE chunks valid against the documented schemas; a stream ends with ``data: [DONE]``, read whole (schemathesis stops
+reading a stream after 20 events unless told otherwise: ``MAX_STREAM_EVENTS``). After each operation's run the pool
+has every page back, the manager keeps no request and the server answers a canary request with the same text as when
+it was fresh. Hypothesis is derandomized (fixed examples, no database), so CI runs the same cases every time.
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ CONTEXT = 256  # max_model_len: prompt + max_tokens, so no fuzzed request decode
 POOL_MIB = 0.125  # 25 pages of 8 tokens: a 200-token prompt, or max_tokens=200, can never be admitted
 CANARY = {"model": MODEL, "prompt": "The quick brown fox jumps over the lazy dog.", "max_tokens": 12,
           "temperature": 0, "ignore_eos": True}
+# The most events one stream sends: a chunk per token (at most CONTEXT - 1), the final chunk, usage, [DONE].
+# schemathesis' requests transport stops reading an event stream after ``max-stream-events`` events (20 by default)
+# and hands back what it read: a 20-event cut of a longer stream ends without [DONE], as if the server had dropped it
+# (a sampled 19-token completion sends 19 text chunks and the final one: 21 events with [DONE]).
+MAX_STREAM_EVENTS = CONTEXT + 2
 
 # ------------------------------------------------------------------------------------------------ documented schema
 NULL = {"type": "null"}
@@ -251,6 +257,14 @@ def plain_integers(value):
     return value
 
 
+def fuzz_schema():
+    """The documented schema loaded for schemathesis, set to read every stream whole (``MAX_STREAM_EVENTS``)."""
+    from schemathesis.config import SchemathesisConfig
+
+    config = SchemathesisConfig.from_dict({"max-stream-events": MAX_STREAM_EVENTS})
+    return schemathesis.openapi.from_dict(documented_schema(SERVED), config=config)
+
+
 def operations(served: dict) -> list[tuple[str, str]]:
     return [(path, method) for path, methods in served["paths"].items() for method in methods]
 
@@ -317,6 +331,7 @@ def check_response(case, response, path: str, mode: GenerationMode) -> None:
         return
     assert status == 200, response.text
     if content_type(response).startswith("text/event-stream"):
+        assert not response.stream_cut_short, f"the client stopped reading the stream: {response.text[-300:]}"
         check_stream(response.text, CHUNK_SCHEMAS[path])
 
 
@@ -361,8 +376,7 @@ RUNS = [(path, method, mode) for path, method in operations(SERVED) for mode in 
 @pytest.mark.parametrize("path, method, mode", RUNS, ids=[f"{m.upper()} {p} {mode.value}" for p, m, mode in RUNS])
 def test_fuzz_every_route(fuzz_server, path, method, mode):
     server, manager, pool, canary = fuzz_server
-    schema = schemathesis.openapi.from_dict(documented_schema(SERVED))
-    operation = schema[path][method.upper()]
+    operation = fuzz_schema()[path][method.upper()]
     strategy = operation.as_strategy(generation_mode=mode)
     checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
     seen = []
@@ -381,6 +395,24 @@ def test_fuzz_every_route(fuzz_server, path, method, mode):
 
     run()
     assert seen, "no case was generated"
+    check_idle_and_canary(server, manager, pool, canary)
+
+
+def test_a_stream_longer_than_twenty_events_is_read_whole(fuzz_server):
+    """Found fuzzing under ``pytest -n 2``: a sampled ``max_tokens: 19`` stream (19 text chunks, the final chunk,
+    [DONE]) failed at random for want of [DONE]. The server had sent it; schemathesis had stopped reading at its
+    default of 20 events. Whether a stream reached 21 events hung on the sampled tokens (an EOS, or a token with no
+    text, made it shorter), hence the flakiness. Now the fuzz cases read every stream whole; this one has over 40."""
+    server, manager, pool, canary = fuzz_server
+    operation = fuzz_schema()["/v1/completions"]["POST"]
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    case = operation.Case(body=body, media_type="application/json")
+    response = case.call(base_url=server.url, timeout=60)
+    check_response(case, response, "/v1/completions", GenerationMode.POSITIVE)
+    events = [block for block in response.text.split("\n\n") if block]
+    assert len(events) > 40, len(events)  # much longer than schemathesis' default max-stream-events
+    assert json.loads(events[-2][len("data: "):])["usage"]["completion_tokens"] == 40
     check_idle_and_canary(server, manager, pool, canary)
 
 
