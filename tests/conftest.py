@@ -5,8 +5,9 @@ torch.compile and the kernel tests all import it), so on a machine without CUDA 
 before any test module is imported. It only matters for ``backend="triton"``: "auto" still picks the PyTorch
 reference on CPU.
 
-Also: one torch thread per pytest-xdist worker, quiet transformers logging, and the fixtures every folder may use:
-tiny random models (built by tests/support/tiny_models.py), the SmolLM2 tokenizer and the embedded SmolLM2 model.
+Also: one torch thread per pytest-xdist worker, each test's grad mode restored after it, quiet transformers logging,
+and the fixtures every folder may use: tiny random models (built by tests/support/tiny_models.py), the SmolLM2
+tokenizer and the embedded SmolLM2 model.
 """
 
 import os
@@ -25,6 +26,16 @@ torch.set_num_threads(1)
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 hf_logging.set_verbosity_error()
+
+
+@pytest.fixture(autouse=True)
+def _grad_mode_as_found():
+    """Every test starts in the process's grad mode and leaves it so: a benchmark probe run in-process switches
+    gradients off for good (``torch.set_grad_enabled(False)``, as a script does), which would otherwise change what
+    the tests after it in the same worker see."""
+    enabled = torch.is_grad_enabled()
+    yield
+    torch.set_grad_enabled(enabled)
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects by mark

@@ -34,7 +34,6 @@ from ..models import DEFAULT_MODEL, first_line, shard_kv_heads
 from .checks import UsageError, check_pool_gib
 from .serve_options import (
     add_options,
-    app_options,
     check_options,
     check_serve_device,
     check_serve_model,
@@ -441,7 +440,8 @@ def serve_main(argv: list[str] | None = None) -> int:
         require_serve_deps(load=False)  # looked for, not imported: the server module imports them
         check_args(args)
         check_serve_device(args.device)
-        config = check_options(args, load_config(args.config))  # device, model path, key, template; --set applied
+        # device, model path, key, template; --set applied
+        config, app_options = check_options(args, load_config(args.config))
         sliding = check_serve_model(args.model)
         plan = plan_engine(args, config, sliding)
         if is_leader_rank():  # under torchrun only rank 0 listens
@@ -492,7 +492,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         return leave_distributed(0)
     ran, failed = manager, False
     try:
-        ran, failed = _run(manager, served_name(args), sock, args, tokenizer)
+        ran, failed = _run(manager, served_name(args), sock, args, app_options, tokenizer)
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled: the user asked for a stop
         pass
     finally:
@@ -522,9 +522,10 @@ def leave_distributed(code: int) -> int:
     return code
 
 
-def _run(manager, model_name: str, sock: socket.socket, args: argparse.Namespace, tokenizer=None):
-    """Serve until stopped; returns the manager that ran (a ``PendingManager``'s, once finished, else itself) and
-    whether its start failed. A ``PendingManager`` is finished on a thread while the server answers /health with
+def _run(manager, model_name: str, sock: socket.socket, args: argparse.Namespace, app_options: dict,
+         tokenizer=None):
+    """Serve until stopped (``app_options``: ``create_app``'s key and chat template, ``check_options``); returns the
+    manager that ran (a ``PendingManager``'s, once finished, else itself) and whether its start failed. A ``PendingManager`` is finished on a thread while the server answers /health with
     503 and the reason; a failure there stops the server."""
     import uvicorn
 
@@ -534,7 +535,7 @@ def _run(manager, model_name: str, sock: socket.socket, args: argparse.Namespace
     pending = manager if isinstance(manager, PendingManager) else None
     served = Starting(pending.max_model_len, tokenizer, pending.reason) if pending is not None else manager
     app = create_app(served, model_name, default_max_tokens=args.default_max_tokens, aliases=(str(args.model),),
-                     **app_options(args))
+                     **app_options)
     host, port = sock.getsockname()[:2]
     print(f"{PROG}: serving {model_name!r} on http://{host}:{port}/v1"
           f"{f' (/health answers 503 until ready: {pending.reason})' if pending is not None else ''}",

@@ -1,10 +1,10 @@
 """The options of ``hf-rocketkv serve`` that shape its OpenAI face, and the checks of serve's inputs before the model
 loads: ``--api-key``, ``--chat-template``, ``--set FIELD=VALUE``, and the device and model path.
 
-``cli/serve.py`` calls three functions: ``add_options(parser)`` when it builds its parser, ``check_options(args,
-config)`` after reading the config (it returns the config with ``--set`` applied, and raises UsageError), and
-``app_options(args)`` for ``create_app``'s keyword arguments; ``check_serve_device`` and ``check_serve_model``
-check ``--device`` and ``--model`` before anything loads.
+``cli/serve.py`` calls two functions: ``add_options(parser)`` when it builds its parser, and ``check_options(args,
+config)`` after reading the config (it returns the config with ``--set`` applied and ``create_app``'s keyword
+arguments, and raises UsageError); ``check_serve_device`` and ``check_serve_model`` check ``--device`` and
+``--model`` before anything loads.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import Any
 
 from .checks import UsageError, apply_overrides, check_device, check_model
 
@@ -31,22 +32,16 @@ def add_options(parser: argparse.ArgumentParser) -> None:
                              "--set prompt_budget=512 --set topk=32")
 
 
-def check_options(args: argparse.Namespace, config):
-    """The device, the model path, the API key and the chat template checked, ``--set`` applied; returns the config.
-    ``args.api_key`` and ``args.chat_template`` become the key and the template's text."""
+def check_options(args: argparse.Namespace, config) -> tuple[Any, dict]:
+    """The device, the model path, the API key and the chat template checked, ``--set`` applied; returns the config
+    and ``create_app``'s keyword arguments (the key, the template's text)."""
     check_device(args.device)
     check_model(args.model)
-    args.api_key = api_key(args.api_key)
-    args.chat_template = chat_template(args.chat_template)
+    app = {"api_key": api_key(args.api_key), "chat_template": chat_template(args.chat_template)}
     try:
-        return apply_overrides(config, args.set)
+        return apply_overrides(config, args.set), app
     except ValueError as err:
         raise UsageError(str(err)) from None
-
-
-def app_options(args: argparse.Namespace) -> dict:
-    """``create_app``'s keyword arguments from the checked options."""
-    return {"api_key": args.api_key, "chat_template": args.chat_template}
 
 
 def api_key(value: str | None) -> str | None:

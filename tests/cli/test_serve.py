@@ -195,7 +195,7 @@ def test_serve_options_are_checked_and_applied(tmp_path, monkeypatch):
     """--set overrides the config after --config is read; --chat-template is a file or the template itself;
     --api-key falls back to HF_ROCKETKV_API_KEY; what create_app gets."""
     from hf_rocketkv.cli.serve import build_parser
-    from hf_rocketkv.cli.serve_options import app_options, check_options
+    from hf_rocketkv.cli.serve_options import check_options
 
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text("{}")
@@ -205,13 +205,14 @@ def test_serve_options_are_checked_and_applied(tmp_path, monkeypatch):
     monkeypatch.delenv("HF_ROCKETKV_API_KEY", raising=False)
     args = parser.parse_args(["--model", str(tmp_path / "m"), "--set", "topk=8", "--set", "prompt_budget=512",
                               "--chat-template", str(template), "--api-key", "k1"])
-    config = check_options(args, load_config("smollm2-cpu"))
+    config, app_options = check_options(args, load_config("smollm2-cpu"))
     assert (config.topk, config.prompt_budget, config.page_size) == (8, 512, 4)  # the rest from smollm2-cpu
-    assert app_options(args) == {"api_key": "k1", "chat_template": CHAT_TEMPLATE}
+    assert app_options == {"api_key": "k1", "chat_template": CHAT_TEMPLATE}
     monkeypatch.setenv("HF_ROCKETKV_API_KEY", "from-env")
     args = parser.parse_args(["--model", str(tmp_path / "m"), "--chat-template", "{{ messages[0]['content'] }}"])
-    assert check_options(args, load_config(None)).topk == 64  # no --set: the config as read
-    assert app_options(args) == {"api_key": "from-env", "chat_template": "{{ messages[0]['content'] }}"}
+    config, app_options = check_options(args, load_config(None))
+    assert config.topk == 64  # no --set: the config as read
+    assert app_options == {"api_key": "from-env", "chat_template": "{{ messages[0]['content'] }}"}
 
 
 @pytest.mark.slow

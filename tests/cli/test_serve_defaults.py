@@ -222,7 +222,7 @@ def serve_and_stream(monkeypatch, argv: list[str]) -> dict:
 
     seen = {}
 
-    def run(manager, model_name, sock, args, tokenizer=None):
+    def run(manager, model_name, sock, args, app_options, tokenizer=None):
         # serve's _run: a PendingManager (warm-up still to run) is finished before requests are served
         if isinstance(manager, cli.PendingManager):
             manager = manager.finish()
