@@ -525,8 +525,9 @@ def leave_distributed(code: int) -> int:
 def _run(manager, model_name: str, sock: socket.socket, args: argparse.Namespace, app_options: dict,
          tokenizer=None):
     """Serve until stopped (``app_options``: ``create_app``'s key and chat template, ``check_options``); returns the
-    manager that ran (a ``PendingManager``'s, once finished, else itself) and whether its start failed. A ``PendingManager`` is finished on a thread while the server answers /health with
-    503 and the reason; a failure there stops the server."""
+    manager that ran (a ``PendingManager``'s, once finished, else itself) and whether its start failed. A
+    ``PendingManager`` is finished on a thread while the server answers /health with 503 and the reason; a failure
+    there stops the server."""
     import uvicorn
 
     from ..serving.http.server import create_app

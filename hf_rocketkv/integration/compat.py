@@ -460,16 +460,22 @@ def _formula_reference(formula: ModuleFormula) -> tuple:
     return tuple(code_key(getattr(klass, method)) for method in formula.methods)
 
 
+def _forward_owners(model):
+    """``(module, owner)`` for each of ``model``'s modules whose ``forward`` a transformers class defines (``owner``:
+    the first class of its MRO that defines it, the class a fused path wraps)."""
+    for module in model.modules():
+        owner = next((klass for klass in type(module).__mro__ if "forward" in klass.__dict__), None)
+        if owner is not None and owner.__module__.startswith("transformers."):
+            yield module, owner
+
+
 def norm_classes(model, formula: str) -> list[type]:
     """The transformers classes (those defining ``forward``) of ``model``'s modules whose methods have the byte code
     of ``NORM_FORMULAS[formula]``'s: Llama's is copied by Mistral, Qwen2/3, Phi-3, Granite...; gpt-oss' by OLMo2;
     Gemma's by Gemma 2 and 3; T5's is none of them."""
     spec = NORM_FORMULAS[formula]
     reference, found = _formula_reference(spec), {}
-    for module in model.modules():
-        owner = next((klass for klass in type(module).__mro__ if "forward" in klass.__dict__), None)
-        if owner is None or not owner.__module__.startswith("transformers."):
-            continue
+    for module, owner in _forward_owners(model):
         keys = tuple(code_key(owner.__dict__["forward"]) if method == "forward" else
                      code_key(getattr(type(module), method, None)) for method in spec.methods)
         if keys == reference and isinstance(getattr(module, spec.attribute, None), float):
@@ -489,12 +495,9 @@ def mlp_classes(model) -> list[type]:
     """The transformers classes (those defining ``forward``) of ``model``'s modules whose ``forward`` has the byte
     code of ``LlamaMLP.forward``, ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: Mistral, Qwen2/3, Gemma 1-3,
     Cohere 2, Granite, OLMo2... copy it; Phi-3's (one fused gate/up projection) and Llama 4's are not it."""
-    reference = _formula_reference(GATED_MLP)[0]
-    found = {}
-    for module in model.modules():
-        owner = next((klass for klass in type(module).__mro__ if "forward" in klass.__dict__), None)
-        if (owner is not None and owner not in found and owner.__module__.startswith("transformers.")
-                and code_key(owner.__dict__["forward"]) == reference):
+    reference, found = _formula_reference(GATED_MLP)[0], {}
+    for _, owner in _forward_owners(model):
+        if owner not in found and code_key(owner.__dict__["forward"]) == reference:
             found[owner] = None
     return list(found)
 
@@ -544,10 +547,8 @@ def experts_layout(module) -> ExpertsLayout | None:
 def experts_classes(model) -> list[type]:
     """The classes defining the forward of ``model``'s experts modules: ``(self, hidden_states, ids, weights)``."""
     found = {}
-    for module in model.modules():
-        owner = next((klass for klass in type(module).__mro__ if "forward" in klass.__dict__), None)
-        if (owner is not None and owner not in found and owner.__module__.startswith("transformers.")
-                and experts_layout(module) is not None
+    for module, owner in _forward_owners(model):
+        if (owner not in found and experts_layout(module) is not None
                 and len(inspect.signature(owner.__dict__["forward"]).parameters) == 4):
             found[owner] = None
     return list(found)

@@ -155,14 +155,10 @@ def _current_cache_name(kwargs: dict, args: tuple) -> dict:
     return renamed
 
 
-__all__ = ["CACHE_ARG", "CACHE_ARGS", "LEGACY_CACHE_ARG", "WRAPPED_MARK", "Call", "GenerateHooks", "cache_from",
-           "cache_kwargs", "output_cache", "with_cache"]
-
-
 # --------------------------------------------------------------------------------------------------- rotary embedding
 ROTARY_NAME = "apply_rotary_pos_emb"
 ROTARY_PARAMS = ("q", "k", "cos", "sin", "unsqueeze_dim")  # exactly these, in this order (Llama-style models)
-MODELING_LOCK = threading.Lock()  # rotary functions, norm and experts classes
+MODELING_LOCK = threading.Lock()  # rotary functions, norm, MLP and experts classes
 
 
 def rotary_modules(model) -> list:
@@ -223,9 +219,9 @@ def code_key(function):
 
 
 def install_forward(owner: type, active: Callable[[], bool], compute: Callable[..., Any]) -> None:
-    """Wrap ``owner.forward`` once (thread-safe; a norm or experts class): the original with its arguments untouched
-    unless ``active()`` and torch.compile is not tracing; then ``compute(run_original, self, *arguments)`` decides,
-    the arguments bound by the original's signature (defaults applied)."""
+    """Wrap ``owner.forward`` once (thread-safe; a norm, MLP or experts class): the original with its arguments
+    untouched unless ``active()`` and torch.compile is not tracing; then ``compute(run_original, self, *arguments)``
+    decides, the arguments bound by the original's signature (defaults applied)."""
     with MODELING_LOCK:
         if getattr(original := owner.__dict__["forward"], WRAPPED_MARK, False):
             return
@@ -245,3 +241,8 @@ def install_forward(owner: type, active: Callable[[], bool], compute: Callable[.
 
         setattr(forward, WRAPPED_MARK, True)
         owner.forward = forward
+
+
+__all__ = ["CACHE_ARG", "CACHE_ARGS", "LEGACY_CACHE_ARG", "MODELING_LOCK", "ROTARY_NAME", "ROTARY_PARAMS",
+           "WRAPPED_MARK", "Call", "GenerateHooks", "cache_from", "cache_kwargs", "code_key", "install_forward",
+           "install_rotary", "output_cache", "rotary_modules", "with_cache"]

@@ -1,8 +1,8 @@
 """``fused_modeling``: the fused paths a RocketKV call takes through the model's own modules, switched on together.
 
 RoPE (``rope.py``, ``RocketKVConfig.fused_rope``), RMSNorm (``norm.py``, ``fused_norm``), gated MLPs (``mlp.py``,
-``fused_mlp``) and mixture-of-experts layers (``experts.py``, ``fused_experts``): each wraps a transformers function once and takes its fused path only
-while its switch is on for the calling thread (``fused_switch.py``).
+``fused_mlp``) and mixture-of-experts layers (``experts.py``, ``fused_experts``): each wraps a transformers function
+once and takes its fused path only while its switch is on for the calling thread (``fused_switch.py``).
 """
 
 from __future__ import annotations

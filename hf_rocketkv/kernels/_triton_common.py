@@ -21,6 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+# the tensor types a kernel takes raw pointers of: a subclass (DTensor, a quantized weight) is the caller's to handle
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
 TORCH_TO_TL = {
     torch.float32: tl.float32,
     torch.float16: tl.float16,

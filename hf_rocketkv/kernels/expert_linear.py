@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import DTYPE_CODE, interpreting, round_to
+from ._triton_common import DTYPE_CODE, PLAIN_TENSORS, interpreting, round_to
 from .launch import TritonLaunch, direct_launches
 
 EXPERT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -39,7 +39,6 @@ EXPERT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # summed time over 1, 2, 4 and 8 decode tokens at gpt-oss-20b's shapes on an H200 (benchmarks/expert_linear.py
 # --sweep, 48 tiles). nn.Linear's ([E, N, K], K contiguous: Mixtral, Qwen-MoE): not swept.
 DEFAULT_TILES = {True: (64, 128, 4, 4), False: (32, 128, 4, 3)}
-PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 @triton.jit

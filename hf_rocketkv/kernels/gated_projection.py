@@ -25,13 +25,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import DT_BF16, DT_FP16, cdiv, interpreting, round_to, tanh_f32
+from ._triton_common import DT_BF16, DT_FP16, PLAIN_TENSORS, cdiv, interpreting, round_to, tanh_f32
 from .launch import TritonLaunch, direct_launches
 
 PROJECTION_DTYPES = {torch.bfloat16: DT_BF16, torch.float16: DT_FP16}
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # the kernel's ACT for each name (module docstring)
 MAX_ROWS = 64  # a decode step's tokens; beyond, two cuBLAS GEMMs at full tiles are the faster way
-PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 @triton.jit

@@ -28,12 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import DT_BF16, DT_FP16, interpreting, next_pow2, round_to
+from ._triton_common import DT_BF16, DT_FP16, PLAIN_TENSORS, interpreting, next_pow2, round_to
 from .launch import TritonLaunch, direct_launches
 
 NORM_DTYPES = {torch.bfloat16: DT_BF16, torch.float16: DT_FP16}
 FORMULAS = {"llama": 0, "gpt_oss": 1, "gemma": 2}  # the kernel's FORMULA for each name (module docstring)
-PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 MAX_HIDDEN = 32768  # one row in one block of registers (16 warps: 64 fp32 values per thread at the largest)
 
 
