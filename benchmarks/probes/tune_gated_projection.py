@@ -1,11 +1,11 @@
 """Probe: a gated MLP's first half at decode row counts, eager ops against one GEMM over the concatenated weights and
-against ``kernels/gated_projection`` over a grid of tiles, each replayed from a CUDA graph as a decode step runs
-(``bench_kernels.time_graph``).
+against ``kernels/gated_projection`` over a grid of tiles, then ``down_proj`` (cuBLAS against the plain kernel over
+the same grid), each replayed from a CUDA graph as a decode step runs (``bench_kernels.time_graph``).
 
     python -m benchmarks.probes.tune_gated_projection --out results/<file>.json
 
 Shapes: Gemma-3-12B (hidden 3840, intermediate 15360, gelu tanh) and Llama-3.1-8B (4096, 14336, silu), bf16, random
-weights. Reports microseconds per call and the weights' read rate (GB/s: both weights' bytes over the time).
+weights. Reports microseconds per call and the weights' read rate (GB/s: the weights' bytes over the time).
 """
 
 from __future__ import annotations
@@ -18,12 +18,54 @@ import json
 import torch
 
 from benchmarks.probes.bench_kernels import time_graph
-from hf_rocketkv.kernels.gated_projection import gated_projection_reference, gated_projection_triton
+from hf_rocketkv.kernels.gated_projection import (
+    gated_projection_reference,
+    gated_projection_triton,
+    projection_reference,
+    projection_triton,
+)
 
 SHAPES = {"gemma-3-12b": (3840, 15360, "gelu_tanh"), "llama-3.1-8b": (4096, 14336, "silu")}
 ROWS = (1, 16, 64)
 TILES = ([(c, k, 4, s) for c, k, s in itertools.product((16, 32, 64), (128, 256), (3, 5))]
          + [(64, 128, 8, 4), (128, 128, 8, 4)])  # (BLOCK_C, BLOCK_K, warps, stages)
+
+
+def sweep_tiles(rows: int, run, ref) -> list[dict]:
+    """``run(tiles)`` timed over ``TILES`` (with the least row block holding ``rows``), its largest difference from
+    ``ref``; a tile that does not fit is listed with its error."""
+    block_r = 16 if rows <= 16 else (32 if rows <= 32 else 64)
+    sweep = []
+    for c, k, w, s in TILES:
+        tiles = (block_r, c, k, w, s)
+        try:
+            err = (run(tiles).float() - ref.float()).abs().max().item()
+            us = time_graph(lambda: run(tiles))
+        except Exception as exc:  # out of shared memory for a large tile: skip it
+            sweep.append({"tiles": tiles, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+            continue
+        sweep.append({"tiles": tiles, "us": us, "max_abs_diff_vs_eager": err})
+    return sweep
+
+
+def down_rows(model: str, hidden: int, inter: int, rows_list, dev, dtype) -> list[dict]:
+    """``down_proj`` ([hidden, inter]) at each row count: cuBLAS (``F.linear``) against ``projection_triton``."""
+    down = torch.randn(hidden, inter, device=dev, dtype=dtype) / inter ** 0.5
+    gbytes = down.numel() * down.element_size() / 1e9
+    out = []
+    for rows in rows_list:
+        h = torch.randn(rows, inter, device=dev, dtype=dtype)
+        ref = projection_reference(h, down)
+        row = {"model": model, "part": "down_proj", "rows": rows,
+               "eager_us": time_graph(lambda: projection_reference(h, down))}
+        sweep = sweep_tiles(rows, lambda tiles: projection_triton(h, down, tiles=tiles), ref)
+        best = min((t for t in sweep if "us" in t), key=lambda t: t["us"])
+        row.update(best=best, eager_gbps=gbytes / row["eager_us"] * 1e6, best_gbps=gbytes / best["us"] * 1e6,
+                   sweep=sweep)
+        print(f"{model} down_proj rows={rows}: cuBLAS {row['eager_us']:.1f} us ({row['eager_gbps']:.0f} GB/s), "
+              f"plain kernel best {best['us']:.1f} us ({row['best_gbps']:.0f} GB/s) tiles {best['tiles']}", flush=True)
+        out.append(row)
+    return out
 
 
 def main() -> None:
@@ -45,7 +87,7 @@ def main() -> None:
             x = torch.randn(rows, hidden, device=dev, dtype=dtype)
             ref = gated_projection_reference(x, gate, up, act)
             eager_us = time_graph(lambda: gated_projection_reference(x, gate, up, act))
-            row = {"model": model, "rows": rows, "eager_us": eager_us}
+            row = {"model": model, "part": "gate_up", "rows": rows, "eager_us": eager_us}
 
             def cat_gemm():
                 gu = torch.nn.functional.linear(x, both)
@@ -55,18 +97,7 @@ def main() -> None:
                 return a * u
 
             row["cat_gemm_us"] = time_graph(cat_gemm)
-            block_r = 16 if rows <= 16 else (32 if rows <= 32 else 64)
-            sweep = []
-            for c, k, w, s in TILES:
-                tiles = (block_r, c, k, w, s)
-                try:
-                    out = gated_projection_triton(x, gate, up, act, tiles=tiles)
-                    err = (out.float() - ref.float()).abs().max().item()
-                    us = time_graph(lambda: gated_projection_triton(x, gate, up, act, tiles=tiles))
-                except Exception as exc:  # out of shared memory for a large tile: skip it
-                    sweep.append({"tiles": tiles, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
-                    continue
-                sweep.append({"tiles": tiles, "us": us, "max_abs_diff_vs_eager": err})
+            sweep = sweep_tiles(rows, lambda tiles: gated_projection_triton(x, gate, up, act, tiles=tiles), ref)
             ok = [t for t in sweep if "us" in t]
             best = min(ok, key=lambda t: t["us"])
             row.update(best=best, default=next((t for t in ok if t["tiles"][1:] == (32, 128, 4, 4)), None),
@@ -76,6 +107,7 @@ def main() -> None:
                   f"{row['cat_gemm_us']:.1f}, fused best {best['us']:.1f} us ({row['best_gbps']:.0f} GB/s) "
                   f"tiles {best['tiles']}", flush=True)
             results.append(row)
+        results += down_rows(model, hidden, inter, args.rows, dev, dtype)
     with open(args.out, "w") as f:
         json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                    "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": results}, f, indent=1)

@@ -1,13 +1,14 @@
 """Gated MLPs of a few tokens in one launch in RocketKV's forwards (``RocketKVConfig.fused_mlp``, default True).
 
 transformers' ``LlamaMLP.forward`` (copied by Mistral, Qwen2/3, Gemma 1-3, Cohere 2, Granite, OLMo2...) is
-``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: in a decode step, two weight-bound GEMMs that cuBLAS runs split-K
-with a reduce each at a few rows, the activation and the product, five to seven launches per layer. Inside a
+``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: in a decode step, three weight-bound GEMMs that cuBLAS runs split-K
+with a reduce each at a few rows, the activation and the product, six to nine launches per layer. Inside a
 RocketKV call (``generate()`` with a RocketKVCache, the batching engine's decode steps), hidden states ``[B, T,
 hidden]`` of at most ``kernels/gated_projection.MAX_ROWS`` tokens on CUDA in bf16/fp16 go through
 ``kernels/gated_projection.gated_projection_triton`` (both weights read once, the activation and the product on the
-tile, one store), then the module's own ``down_proj``. The values are rounded where eager PyTorch rounds them
-(``tests/kernels/test_gated_projection.py``).
+tile, one store), then ``down_proj`` through the same kernel's plain form (``projection_triton``; the module's own
+``down_proj`` where that one is not a plain bias-free ``nn.Linear`` or carries hooks): two launches per layer. The
+values are rounded where eager PyTorch rounds them (``tests/kernels/test_gated_projection.py``).
 
 Everything else runs transformers' own forward with the arguments it received: forwards of more tokens (prefill
 chunks: cuBLAS at full tiles), fp32, CPU, other caches, other threads, a call traced by torch.compile or recording
@@ -23,7 +24,12 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.gated_projection import gated_projection_supported, gated_projection_triton
+from ..kernels.gated_projection import (
+    gated_projection_supported,
+    gated_projection_triton,
+    projection_supported,
+    projection_triton,
+)
 from . import compat
 from .fused_switch import FusedSwitch
 
@@ -51,7 +57,11 @@ def _compute(run_original, module, x):
             and gated_projection_supported(x, gate.weight, up.weight) and not _distributed()):
         act = compat.mlp_activation(act_fn)
         if act is not None:
-            return module.down_proj(gated_projection_triton(x, gate.weight, up.weight, act))
+            hidden = gated_projection_triton(x, gate.weight, up.weight, act)
+            down = module.down_proj
+            if _plain_linear(down) and projection_supported(hidden, down.weight):
+                return projection_triton(hidden, down.weight)
+            return down(hidden)
     return run_original()
 
 

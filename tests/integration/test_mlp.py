@@ -1,8 +1,9 @@
 """The fused gated MLP inside RocketKV calls (``integration/mlp.py``, ``RocketKVConfig.fused_mlp``).
 
-On CPU the kernel (``kernels/gated_projection.gated_projection_triton``) runs under Triton's interpreter; the tests
-let the wrapper take it on CPU (``FUSED_DEVICE_TYPES``) and record every call (activation name and input shape), so
-they prove where the path is taken and where it is not, not only that outputs agree. Oracles:
+On CPU the kernels (``kernels/gated_projection.gated_projection_triton`` for the first half, ``projection_triton``
+for ``down_proj``) run under Triton's interpreter; the tests let the wrapper take them on CPU (``FUSED_DEVICE_TYPES``)
+and record every call (activation name and input shape), so they prove where the path is taken and where it is not,
+not only that outputs agree. Oracles:
 
 - generate() on a tiny Llama (SiLU) and a tiny Gemma 3 (C tanh-GELU) in bf16 with a left-padded batch of two: the same
   generation with ``fused_mlp=False`` (transformers' own ``LlamaMLP`` / ``Gemma3MLP`` forward): the same tokens, every
@@ -11,6 +12,8 @@ they prove where the path is taken and where it is not, not only that outputs ag
 - one MLP module called directly under the switch: a float64 computation of ``down_proj(act(gate x) * (up x))`` from
   the same 16-bit weights and inputs, within a bound derived from the 16-bit roundings (the module's own unfused output
   must satisfy the same bound, and the bound must be under 5% of the output's norm).
+- a ``down_proj`` that is not a plain bias-free ``nn.Linear`` or carries hooks: the first half fused, ``down_proj``
+  called as the module, bit for bit the module applied to the kernel's first half.
 - calls that must never take the kernel (fp32, a DynamicCache, a plain forward, projections with a bias, a LoRA-style
   wrapper or a projection without ``weight``, hooks on a projection or the activation, grad mode, activations other
   than transformers' SiLU and C tanh-GELU, more than 64 rows, 2-D inputs, a process group, torch.compile's tracing
@@ -51,8 +54,23 @@ pytestmark = pytest.mark.gpu  # the model and kernels run on the GPU where one i
 
 
 @pytest.fixture
-def counted(monkeypatch):
-    """Lets the wrapper take the kernel on CPU (the interpreter) and records the kernel's calls: (act, x's shape)."""
+def down_calls(monkeypatch):
+    """Records the plain kernel's calls (``down_proj``): h's shape."""
+    calls = []
+    kernel = mlp.projection_triton
+
+    def counting(h, weight, *args, **kwargs):
+        calls.append(tuple(h.shape))
+        return kernel(h, weight, *args, **kwargs)
+
+    monkeypatch.setattr(mlp, "projection_triton", counting)
+    return calls
+
+
+@pytest.fixture
+def counted(monkeypatch, down_calls):
+    """Lets the wrapper take the kernels on CPU (the interpreter) and records the gated kernel's calls: (act, x's
+    shape). Every gated call here is followed by a plain call for ``down_proj`` (checked at the end of the test)."""
     calls = []
     kernel = mlp.gated_projection_triton
 
@@ -62,7 +80,8 @@ def counted(monkeypatch):
 
     monkeypatch.setattr(mlp, "FUSED_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(mlp, "gated_projection_triton", counting)
-    return calls
+    yield calls
+    assert [shape[:-1] for shape in down_calls] == [shape[:-1] for _, shape in calls]  # one down_proj per MLP
 
 
 def generate(model, ids, mask, cache, new_tokens):
@@ -260,6 +279,34 @@ def test_projections_that_are_not_plain_linears_or_carry_hooks_run_the_modules_o
         assert ran == ["hook", "hook"]  # once outside the switch, once inside
 
 
+@pytest.mark.parametrize("change", ["adapter", "packed", "hook", "pre-hook", "bias"])
+def test_a_down_proj_that_is_not_a_plain_linear_runs_as_a_module_after_the_fused_first_half(counted, down_calls,
+                                                                                             change):
+    """The first half still takes the gated kernel; ``down_proj`` is called as the module (its own term, its hooks),
+    so the output is the module's ``down_proj`` of the kernel's first half, bit for bit."""
+    module, x = llama_mlp(), hidden_states((2, 1, 64))
+    ran = []
+    if change == "adapter":
+        module.down_proj = AdapterLinear(module.down_proj)
+    elif change == "packed":
+        module.down_proj = PackedLinear(module.down_proj)
+    elif change == "hook":
+        module.down_proj.register_forward_hook(lambda *args: ran.append("hook"))
+    elif change == "pre-hook":
+        module.down_proj.register_forward_pre_hook(lambda *args: ran.append("hook"))
+    else:
+        module.down_proj = torch.nn.Linear(128, 64, bias=True).to(DEVICE, torch.bfloat16)
+    with torch.no_grad():
+        with mlp.fused_mlp(module, True):
+            got = module(x)
+        want = module.down_proj(mlp.gated_projection_triton(x, module.gate_proj.weight, module.up_proj.weight,
+                                                            "silu"))
+    assert torch.equal(got, want)
+    assert len(counted) == 2 and down_calls == []  # the switch's call and this test's own
+    assert ran == (["hook", "hook"] if change.endswith("hook") else [])
+    counted.clear()
+
+
 def test_a_forward_recording_gradients_runs_the_modules_own_forward(counted):
     """The kernel has no backward: with grad mode on, the module's own forward (its output keeps its graph)."""
     module, x = llama_mlp(), hidden_states((2, 1, 64))
@@ -289,13 +336,14 @@ def test_torch_compile_tracing_runs_the_modules_own_forward(counted, monkeypatch
     assert counted == []
 
 
-def test_calls_that_are_not_rocketkvs_keep_transformers_mlp(counted):
+def test_calls_that_are_not_rocketkvs_keep_transformers_mlp(counted, down_calls):
     model, sdpa = (m.to(DEVICE, torch.bfloat16) for m in make_models("llama"))
     ids = random_ids(1, 20, seed=5).to(DEVICE)
     greedy(model, ids, max_new_tokens=3, **cache_kwargs(RocketKVCache(compressing_config())))
     layers = model.config.num_hidden_layers
     assert counted and decode_calls_ok(len(counted) - layers, layers, 2)  # installed now (prefill + decode)
     counted.clear()
+    down_calls.clear()
     greedy(sdpa, ids, max_new_tokens=3, **cache_kwargs(DynamicCache(config=sdpa.config)))  # the same class
     with torch.no_grad():
         model(ids[:, :1], **cache_kwargs(RocketKVCache(compressing_config())))  # a plain forward: not generate()
@@ -383,10 +431,11 @@ def rounding_bound(module, x, dtype):
 @pytest.mark.parametrize("hidden_act, dtype", [("silu", torch.bfloat16), ("gelu_pytorch_tanh", torch.bfloat16),
                                                ("silu", torch.float16)])
 @pytest.mark.parametrize("shape", [(3, 1, 300), (2, 5, 300)])
-def test_the_fused_mlp_is_within_a_rounding_bound_of_a_float64_oracle(counted, hidden_act, dtype, shape):
+def test_the_fused_mlp_is_within_a_rounding_bound_of_a_float64_oracle(counted, down_calls, hidden_act, dtype,
+                                                                     shape):
     """hidden 300 (not a multiple of the kernel's 128-wide reduction tile: a masked last tile), intermediate 100 (not
-    a multiple of its 32-wide column tile: a masked last column tile), gate outputs of standard deviation 2 (both
-    branches of the activation). The bound is ``rounding_bound``'s (rigorous to first order; here ~3.5% of the
+    a multiple of its 32-wide column tile: a masked last column tile; for ``down_proj``'s plain kernel the other way
+    round), gate outputs of standard deviation 2 (both branches of the activation). The bound is ``rounding_bound``'s (rigorous to first order; here ~3.5% of the
     output's norm in bf16, ~0.5% in fp16, and the measured errors ~10-20% of it); it must be under 5% of the output's
     norm per token, and transformers' own module must satisfy it too (the bound is the roundings', not the
     kernel's)."""
@@ -398,7 +447,7 @@ def test_the_fused_mlp_is_within_a_rounding_bound_of_a_float64_oracle(counted, h
             fused, by_keyword = module(x), module(x=x)
         want, bound = rounding_bound(module, x, dtype)
     act = compat.mlp_activation(module.act_fn)
-    assert counted == [(act, shape)] * 2
+    assert counted == [(act, shape)] * 2 and down_calls == [(*shape[:-1], 100)] * 2
     assert torch.equal(fused, by_keyword) and fused.dtype == dtype and fused.shape == want.shape
     assert bool((bound < 0.05 * want.norm(dim=-1)).all()), "the bound is vacuous"
     unfused_error = (unfused.double() - want).norm(dim=-1)

@@ -1,4 +1,5 @@
-"""``kernels/gated_projection.gated_projection_triton`` against a float64 oracle and its torch twin.
+"""``kernels/gated_projection.gated_projection_triton`` and ``projection_triton`` against a float64 oracle and their
+torch twins.
 
 The oracle computes ``act(x @ gate.T) * (x @ up.T)`` in float64 from the same 16-bit inputs and rounds where eager
 PyTorch rounds (each projection's output, the activation, the product: the kernel's contract). The kernel reduces
@@ -6,7 +7,8 @@ in fp32 in another order than float64 and takes ``exp`` / ``tanh`` from the back
 activation may land on the other side of a rounding boundary; each such flip moves the output by a bounded amount
 (``flip_bound``), and flips are rare. So: every output within that bound of the oracle, and at most a few percent
 of outputs differ from it at all. The twin (transformers' own ops) is held to the same bound, which keeps the bound
-honest: the test is not looser for the kernel than the eager module already is.
+honest: the test is not looser for the kernel than the eager module already is. A plain projection rounds once:
+within one unit in the last place of the oracle.
 """
 
 import math
@@ -24,6 +26,9 @@ from hf_rocketkv.kernels.gated_projection import (  # noqa: E402
     gated_projection_reference,
     gated_projection_supported,
     gated_projection_triton,
+    projection_reference,
+    projection_supported,
+    projection_triton,
 )
 
 pytestmark = pytest.mark.gpu  # compiled for the GPU where one is present (pytest -m gpu); interpreted on CPU
@@ -136,3 +141,45 @@ def test_no_rows_gives_an_empty_output():
     x, gate, up = inputs(1, 64, 32, torch.bfloat16, ("empty",))
     out = gated_projection_triton(x[:0], gate, up, "gelu_tanh")
     assert out.shape == (0, 32)
+
+
+# --------------------------------------------------------------------------------------------- the plain projection
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows, hidden, out", [(1, 384, 96), (3, 200, 70), (16, 100, 300), (33, 64, 33),
+                                               (64, 256, 40)])
+def test_the_plain_projection_is_within_one_rounding_of_the_float64_oracle(rows, hidden, out, dtype):
+    """``x @ weight.T`` rounded once: the fp32 sums (error at most ``hidden * 2^-24 * |x| |W|``, which matters for
+    outputs near zero) may put an output on the other side of a rounding boundary, one unit in the last place, and
+    rarely; the twin (``F.linear``) is held to the same."""
+    x, weight, _ = inputs(rows, hidden, out, dtype, ("plain", rows, hidden, out, dtype))
+    assert projection_supported(x, weight)
+    got = projection_triton(x, weight)
+    assert got.shape == (rows, out) and got.dtype == dtype and got.is_contiguous()
+    x64, w64 = x.cpu().double(), weight.cpu().double()
+    exact = (x64 @ w64.T).to(dtype).double()
+    bound = spacing(exact, dtype) + hidden * 2.0**-24 * (x64.abs() @ w64.abs().T)
+    for result in (got, projection_reference(x, weight)):
+        error = (result.cpu().double() - exact).abs()
+        assert bool((error <= bound).all()), float((error - bound).max())
+        assert int((result.cpu().double() != exact).sum()) <= max(3, 0.05 * exact.numel())
+
+
+def test_the_plain_projection_reads_strided_rows_and_takes_leading_dimensions():
+    x, weight, _ = inputs(6, 64, 40, torch.bfloat16, ("plain-3d",))
+    wide = torch.zeros((6, 96), dtype=x.dtype, device=x.device)
+    wide[:, :64] = x
+    got = projection_triton(wide[:, :64].reshape(2, 3, 64), weight)
+    assert got.shape == (2, 3, 40)
+    assert torch.equal(got.reshape(6, 40), projection_triton(x, weight))
+    assert projection_triton(x[:0], weight).shape == (0, 40)
+
+
+def test_what_the_plain_projection_does_not_take():
+    x, weight, _ = inputs(4, 64, 32, torch.bfloat16, ("plain-refusals",))
+    assert projection_supported(x, weight)
+    assert not projection_supported(x.float(), weight.float())  # fp32: cuBLAS's
+    assert not projection_supported(x, weight.half())  # mixed dtypes
+    assert not projection_supported(x.new_zeros((MAX_ROWS + 1, 64)), weight)  # a prefill chunk
+    assert not projection_supported(x[:, :32], weight)  # in-features of another size
+    assert not projection_supported(x, weight.t().contiguous().t())  # weight rows not contiguous
+    assert not projection_supported(x, weight[None])  # not a matrix
