@@ -257,26 +257,34 @@ class PackedLinear(torch.nn.Module):
         return self.base(x)
 
 
-@pytest.mark.parametrize("change", ["adapter", "packed", "gate-hook", "up-pre-hook", "act-hook"])
-def test_projections_that_are_not_plain_linears_or_carry_hooks_run_the_modules_own_forward(counted, change):
+def change_part(module, name: str, change: str) -> list:
+    """Makes ``module.<name>`` not a plain bias-free ``nn.Linear`` (or gives it a hook): ``change`` is one of
+    "adapter", "packed", "hook", "pre-hook", "bias". Returns the list the hooks append to."""
+    ran, part = [], getattr(module, name)
+    if change == "adapter":
+        setattr(module, name, AdapterLinear(part))
+    elif change == "packed":
+        setattr(module, name, PackedLinear(part))
+    elif change == "hook":
+        part.register_forward_hook(lambda *args: ran.append("hook"))
+    elif change == "pre-hook":
+        part.register_forward_pre_hook(lambda *args: ran.append("hook"))
+    else:
+        biased = torch.nn.Linear(part.in_features, part.out_features, bias=True)
+        setattr(module, name, biased.to(DEVICE, part.weight.dtype))
+    return ran
+
+
+@pytest.mark.parametrize("name, change", [("gate_proj", "adapter"), ("up_proj", "packed"), ("gate_proj", "hook"),
+                                          ("up_proj", "pre-hook"), ("act_fn", "hook")])
+def test_projections_that_are_not_plain_linears_or_carry_hooks_run_the_modules_own_forward(counted, name, change):
     """The kernel reads the weights itself: a wrapper's own term, a projection without ``weight`` and any forward
     hook or pre-hook on the projections or the activation would be skipped, so these keep the module's forward."""
     module = llama_mlp()
-    ran = []
-    if change == "adapter":
-        module.gate_proj = AdapterLinear(module.gate_proj)
-    elif change == "packed":
-        module.up_proj = PackedLinear(module.up_proj)
-    elif change == "gate-hook":
-        module.gate_proj.register_forward_hook(lambda *args: ran.append("hook"))
-    elif change == "up-pre-hook":
-        module.up_proj.register_forward_pre_hook(lambda *args: ran.append("hook"))
-    else:
-        module.act_fn.register_forward_hook(lambda *args: ran.append("hook"))
+    ran = change_part(module, name, change)
     assert fused_call(module, hidden_states((2, 1, 64)), counted) == (0, True)
     assert counted == []
-    if change.endswith("hook"):
-        assert ran == ["hook", "hook"]  # once outside the switch, once inside
+    assert ran == (["hook", "hook"] if change.endswith("hook") else [])  # once outside the switch, once inside
 
 
 @pytest.mark.parametrize("change", ["adapter", "packed", "hook", "pre-hook", "bias"])
@@ -285,17 +293,7 @@ def test_a_down_proj_that_is_not_a_plain_linear_runs_as_a_module_after_the_fused
     """The first half still takes the gated kernel; ``down_proj`` is called as the module (its own term, its hooks),
     so the output is the module's ``down_proj`` of the kernel's first half, bit for bit."""
     module, x = llama_mlp(), hidden_states((2, 1, 64))
-    ran = []
-    if change == "adapter":
-        module.down_proj = AdapterLinear(module.down_proj)
-    elif change == "packed":
-        module.down_proj = PackedLinear(module.down_proj)
-    elif change == "hook":
-        module.down_proj.register_forward_hook(lambda *args: ran.append("hook"))
-    elif change == "pre-hook":
-        module.down_proj.register_forward_pre_hook(lambda *args: ran.append("hook"))
-    else:
-        module.down_proj = torch.nn.Linear(128, 64, bias=True).to(DEVICE, torch.bfloat16)
+    ran = change_part(module, "down_proj", change)
     with torch.no_grad():
         with mlp.fused_mlp(module, True):
             got = module(x)
