@@ -532,6 +532,7 @@ def _run(manager, model_name: str, sock: socket.socket, args: argparse.Namespace
 
     from ..serving.http.server import create_app
     from ..serving.http.startup import Starting, start_when_ready
+    from ..serving.http.state import server_state
 
     pending = manager if isinstance(manager, PendingManager) else None
     served = Starting(pending.max_model_len, tokenizer, pending.reason) if pending is not None else manager
@@ -566,4 +567,4 @@ def _run(manager, model_name: str, sock: socket.socket, args: argparse.Namespace
     finally:
         if pending is not None:
             thread.join()  # a stop during the warm-up waits for it: its manager must be stopped too
-    return app.state.manager, bool(failed)
+    return server_state(app).manager, bool(failed)

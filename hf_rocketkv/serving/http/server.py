@@ -12,7 +12,8 @@ request (prompt longer than the context, bad or unsupported parameters), 401 a m
 ``api_key``: every route but /health and /metrics wants ``Authorization: Bearer KEY``), 404 an unknown model
 (``model_not_found``) or route, 405 a route asked with another method, 429 queue full (the request was not admitted),
 503 stopped, 500 a failure inside the request. A client that disconnects gets its request cancelled (the engine
-stops it within one step and frees its cache and pages). The app keeps its state on itself (``app.state``).
+stops it within one step and frees its cache and pages). The app keeps what it serves in one ``ServerState``
+(``app.state.server``, state.py).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from .protocol import (
     usage,
 )
 from .startup import Starting
+from .state import ServerState, server_state
 
 logger = logging.getLogger(__name__)
 
@@ -87,13 +89,9 @@ def create_app(manager, model_name: str, *, default_max_tokens: int = CHAT_DEFAU
     if template_error is not None:
         raise ValueError(f"chat_template: {template_error}")
     app = FastAPI(title="hf_rocketkv", description="RocketKV KV-cache compression, OpenAI-compatible API")
-    app.state.manager = manager
-    app.state.model_name = model_name
-    app.state.model_ids = frozenset((model_name, *aliases))
-    app.state.created = int(time.time())
-    app.state.default_max_tokens = default_max_tokens
-    app.state.max_body_bytes = max_body_bytes(manager.max_model_len)
-    app.state.chat_template = chat_template
+    state = ServerState(manager, model_name, frozenset((model_name, *aliases)), default_max_tokens,
+                        max_body_bytes(manager.max_model_len), chat_template)
+    app.state.server = state
     _openai_errors(app)
     _answer_while_starting(app)
     if api_key is not None:
@@ -101,35 +99,35 @@ def create_app(manager, model_name: str, *, default_max_tokens: int = CHAT_DEFAU
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _guard(lambda: _generate(request, app, chat=False))
+        return await _guard(lambda: _generate(request, state, chat=False))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _guard(lambda: _generate(request, app, chat=True))
+        return await _guard(lambda: _generate(request, state, chat=True))
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": app.state.created,
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": state.created,
                                             "owned_by": "hf_rocketkv"}]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        if model_id not in app.state.model_ids:
+        if model_id not in state.model_ids:
             return JSONResponse(error_body(f"model {model_id!r} does not exist", "invalid_request_error", "model",
                                            "model_not_found"), status_code=404)
-        return {"id": model_name, "object": "model", "created": app.state.created, "owned_by": "hf_rocketkv"}
+        return {"id": model_name, "object": "model", "created": state.created, "owned_by": "hf_rocketkv"}
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        return await _guard(lambda: _tokenize(request, app))
+        return await _guard(lambda: _tokenize(request, state))
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        return await _guard(lambda: _detokenize(request, app))
+        return await _guard(lambda: _detokenize(request, state))
 
     @app.get("/health")
     async def health():
-        current = app.state.manager
+        current = state.manager
         if isinstance(current, Starting):
             return JSONResponse(current.health(), status_code=503)
         if current.healthy():
@@ -140,7 +138,7 @@ def create_app(manager, model_name: str, *, default_max_tokens: int = CHAT_DEFAU
     async def metrics():
         from .prometheus import render
 
-        body, content_type = render(app.state.manager)
+        body, content_type = render(state.manager)
         return Response(body, media_type=content_type)
 
     return app
@@ -178,7 +176,7 @@ def _openai_errors(app) -> None:
 
 
 def _answer_while_starting(app) -> None:
-    """While ``app.state.manager`` is a ``Starting`` (serving/http/startup.py), every route but /health and the model
+    """While the app's manager is a ``Starting`` (serving/http/startup.py), every route but /health and the model
     list answers 503 with the reason (nothing could run yet)."""
     app.add_middleware(_StartingGate)
 
@@ -191,7 +189,7 @@ class _StartingGate:
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        current = scope["app"].state.manager if scope["type"] == "http" else None
+        current = server_state(scope["app"]).manager if scope["type"] == "http" else None
         path = scope.get("path", "")
         if not isinstance(current, Starting) or path == "/health" or path.startswith("/v1/models"):
             await self.app(scope, receive, send)
@@ -241,13 +239,13 @@ async def _guard(handler: Callable):
 
 
 # ------------------------------------------------------------------------------------------------ generation
-async def _generate(request, app, chat: bool):
-    manager, model_name = app.state.manager, app.state.model_name
-    body = await _json_body(request, app.state.max_body_bytes)
+async def _generate(request, state: ServerState, chat: bool):
+    manager, model_name = state.manager, state.model_name
+    body = await _json_body(request, state.max_body_bytes)
     parsed = parse_chat_request(body) if chat else parse_completion_request(body)
-    _check_model(app, parsed.model)
-    prompt_ids = await run_in_threadpool(_prompt_ids, manager, parsed, app.state.chat_template)  # long prompts: slow
-    params = parsed.sampling_params(len(prompt_ids), manager.max_model_len, app.state.default_max_tokens)
+    _check_model(state, parsed.model)
+    prompt_ids = await run_in_threadpool(_prompt_ids, manager, parsed, state.chat_template)  # long prompts: slow
+    params = parsed.sampling_params(len(prompt_ids), manager.max_model_len, state.default_max_tokens)
     request_id = manager.add_request(prompt_ids, params)
     prefix = "chatcmpl-" if chat else "cmpl-"
     reply = _Reply(prefix + request_id, int(time.time()), model_name, chat)
@@ -279,9 +277,9 @@ async def _json_body(request, limit: int) -> Any:
         raise InvalidRequest(f"the request body is not valid JSON: {err}", None, "invalid_json") from err
 
 
-def _check_model(app, model: str | None) -> None:
-    if model is not None and model not in app.state.model_ids:
-        raise InvalidRequest(f"model {model!r} does not exist; this server serves {app.state.model_name!r}", "model",
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model not in state.model_ids:
+        raise InvalidRequest(f"model {model!r} does not exist; this server serves {state.model_name!r}", "model",
                              "model_not_found", status=404)  # as OpenAI and vLLM answer an unknown model
 
 
@@ -293,24 +291,24 @@ def _prompt_ids(manager, parsed: ParsedRequest, chat_template: str | None = None
     return list(parsed.prompt)
 
 
-async def _tokenize(request, app):
+async def _tokenize(request, state: ServerState):
     """vLLM's /tokenize: ``{"prompt"}`` or ``{"messages"}`` to ``{"count", "max_model_len", "tokens",
     "token_strs"}``."""
-    parsed = parse_tokenize_request(await _json_body(request, app.state.max_body_bytes))
-    _check_model(app, parsed.model)
-    manager = app.state.manager
-    ids = await run_in_threadpool(tokenize_ids, manager.tokenizer, parsed, app.state.chat_template)
+    parsed = parse_tokenize_request(await _json_body(request, state.max_body_bytes))
+    _check_model(state, parsed.model)
+    manager = state.manager
+    ids = await run_in_threadpool(tokenize_ids, manager.tokenizer, parsed, state.chat_template)
     strings = None
     if parsed.return_token_strs:
         strings = manager.tokenizer.convert_ids_to_tokens(ids)
     return {"count": len(ids), "max_model_len": manager.max_model_len, "tokens": ids, "token_strs": strings}
 
 
-async def _detokenize(request, app):
+async def _detokenize(request, state: ServerState):
     """vLLM's /detokenize: ``{"tokens"}`` to ``{"prompt"}`` (the text, special tokens included, as vLLM gives it)."""
-    parsed = parse_detokenize_request(await _json_body(request, app.state.max_body_bytes))
-    _check_model(app, parsed.model)
-    tokenizer = app.state.manager.tokenizer
+    parsed = parse_detokenize_request(await _json_body(request, state.max_body_bytes))
+    _check_model(state, parsed.model)
+    tokenizer = state.manager.tokenizer
     if tokenizer is None:
         raise InvalidRequest("this server has no tokenizer", "tokens")
     vocab = len(tokenizer)

@@ -3,7 +3,7 @@
     app = create_app(Starting(max_model_len, tokenizer, "capturing the decode graphs"), "model")
     ready = start_when_ready(app, lambda: GenerationManager(...))   # builds on its own thread, then swaps it in
 
-Until the build returns, ``app.state.manager`` is a ``Starting``: /health answers 503 ``{"status": "starting",
+Until the build returns, the app's manager (its ``ServerState``, state.py) is a ``Starting``: /health answers 503 ``{"status": "starting",
 "reason": ...}`` and every other route but /v1/models 503 with an OpenAI-shaped error saying so (a load balancer or
 a Kubernetes readiness probe sends no traffic yet). Once the manager is built it replaces the ``Starting``: /health
 answers 200 ``{"status": "ok"}``. A build that fails leaves /health at 503 ``{"status": "failed", "reason": ...}``
@@ -16,6 +16,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+
+from .state import server_state
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +50,12 @@ class Starting:
 
 def start_when_ready(app, build: Callable[[], object],
                      on_failure: Callable[[BaseException], None] | None = None) -> threading.Thread:
-    """Run ``build()`` (returns the manager) on a thread of its own; its result replaces the ``Starting`` in
-    ``app.state.manager``. Returns the (started) thread."""
-    starting = app.state.manager
+    """Run ``build()`` (returns the manager) on a thread of its own; its result replaces the ``Starting`` as the
+    app's manager (``ServerState.hand_over``). Returns the (started) thread."""
+    state = server_state(app)
+    starting = state.manager
     if not isinstance(starting, Starting):
-        raise TypeError(f"start_when_ready: app.state.manager must be a Starting, got {type(starting).__name__}")
+        raise TypeError(f"start_when_ready: the app's manager must be a Starting, got {type(starting).__name__}")
 
     def run() -> None:
         try:
@@ -63,7 +66,7 @@ def start_when_ready(app, build: Callable[[], object],
             if on_failure is not None:
                 on_failure(err)
             return
-        app.state.manager = manager
+        state.hand_over(manager)
         logger.info("hf_rocketkv server: ready after %.1f s (%s)", time.monotonic() - starting.since,
                     starting.reason)
 
