@@ -69,6 +69,13 @@ class RocketKVCache(Cache):
     # (None when it is, or when the caller is no transformers module), read at layer 0's eager update.
     other_attention: Callable[[], str | None] | None = None
 
+    @classmethod
+    def install_integration(cls, compatibility_check: Callable[[], None],
+                            other_attention: Callable[[], str | None]) -> None:
+        """The integration's two hooks above (``integration/registration.py``, once at ``import hf_rocketkv``)."""
+        cls.compatibility_check = staticmethod(compatibility_check)
+        cls.other_attention = staticmethod(other_attention)
+
     def __init__(self, config: RocketKVConfig | None = None, pool: KVBlockPool | None = None,
                  cache_salt: str | None = None, prefix_keys: PrefixKeys | list[PrefixKeys] | None = None,
                  model_config=None, **overrides):

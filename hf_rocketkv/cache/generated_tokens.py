@@ -14,7 +14,7 @@ import torch
 
 from ..policies.decode_compression import DecodeCompression, move_kept
 from ..selection.stage2_pages import per_head
-from .row_index import select_rows
+from .row_index import selected_rows
 
 
 def decode_compression(config) -> DecodeCompression | None:
@@ -102,7 +102,9 @@ class GeneratedTokens:
 
     def select_rows(self, index: torch.Tensor, in_place: bool) -> None:
         """Rows ``index`` of the per-row state (beam reorder, batch select)."""
-        select_rows(self, self.ROW_TENSORS, index, in_place)
+        tensors = selected_rows([getattr(self, name) for name in self.ROW_TENSORS], index, in_place)
+        for name, tensor in zip(self.ROW_TENSORS, tensors):
+            setattr(self, name, tensor)
 
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
         """The device tensors this state holds (memory accounting, static addresses)."""

@@ -360,9 +360,10 @@ class RocketKVLayer(CacheLayerMixin):
         self.compressed = True
         self.mark_static()
 
-    def resize_view(self, store: PagedStore) -> None:
-        """A private view of another batch size (rows picked by index; ``row_index`` writes their tokens next)."""
-        self.store = store
+    def resize_view(self, store: PagedStore, positions: torch.Tensor, lengths: torch.Tensor) -> None:
+        """A private view of another batch size, its rows' positions and lengths (rows picked by index; ``row_index``
+        writes their tokens next)."""
+        self.store, self.positions, self.lengths = store, positions, lengths
         self._make_handles(store.batch)
 
     def _make_handles(self, batch: int) -> None:

@@ -19,21 +19,20 @@ CROP_UNSUPPORTED = (
     "plain greedy, sampling or beam search."
 )
 
-LAYER_ROW_TENSORS = ("positions", "lengths")
-
-
-def select_rows(owner, names: tuple[str, ...], index: torch.Tensor, in_place: bool) -> None:
-    """Rows ``index`` of each tensor attribute ``names`` of ``owner`` (None ones skipped): copied into the same
-    buffer when ``in_place`` and the shape is unchanged (fixed addresses), else a new tensor."""
-    for name in names:
-        tensor = getattr(owner, name)
+def selected_rows(tensors, index: torch.Tensor, in_place: bool) -> list:
+    """Rows ``index`` of each tensor (None stays None): copied into the same buffer when ``in_place`` and the shape
+    is unchanged (fixed addresses; that buffer is returned), else a new tensor. Their owner holds the results."""
+    selected = []
+    for tensor in tensors:
         if tensor is None:
+            selected.append(None)
             continue
-        selected = tensor.index_select(0, index.to(tensor.device))
-        if in_place and tensor.shape == selected.shape:
-            tensor.copy_(selected)  # keep the buffers' addresses
-        else:
-            setattr(owner, name, selected)
+        rows = tensor.index_select(0, index.to(tensor.device))
+        if in_place and tensor.shape == rows.shape:
+            tensor.copy_(rows)  # keep the buffers' addresses
+            rows = tensor
+        selected.append(rows)
+    return selected
 
 
 def index_rows(layer, index: torch.Tensor, in_place: bool = False) -> None:
@@ -42,13 +41,13 @@ def index_rows(layer, index: torch.Tensor, in_place: bool = False) -> None:
     addresses); a private view takes a new store when the batch size changes."""
     index = index.to(layer.device)
     in_place_rows = in_place and layer.compressed
-    select_rows(layer.dense, ("keys", "values"), index, in_place_rows)
-    select_rows(layer, LAYER_ROW_TENSORS, index, in_place_rows)
+    layer.dense.hold(*selected_rows((layer.dense.keys, layer.dense.values), index, in_place_rows))
     layer.stage1.select_rows(index, in_place_rows)
     layer.generated.select_rows(index, in_place_rows)
-    if not layer.compressed:
+    if not layer.compressed:  # no view yet: positions and lengths come with stage 1
         layer.tag_keys()
         return
+    positions, lengths = selected_rows((layer.positions, layer.lengths), index, in_place_rows)
     keys, values = layer.store.gather()
     kt = layer.store.gather_kt()
     keys, values, kt = keys.index_select(0, index), values.index_select(0, index), kt.index_select(0, index)
@@ -58,7 +57,7 @@ def index_rows(layer, index: torch.Tensor, in_place: bool = False) -> None:
                 "RocketKVCache with a pool cannot change its batch size after prefill "
                 "(batch_repeat_interleave / batch_select_indices); expand the inputs before prefill"
             )
-        layer.resize_view(private_view(layer, index.shape[0], layer.store.capacity))
+        layer.resize_view(private_view(layer, index.shape[0], layer.store.capacity), positions, lengths)
     layer.store.write(keys, values, kt)
     if layer.history is not None:
         _index_history(layer, index, in_place)

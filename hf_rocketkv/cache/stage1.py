@@ -18,7 +18,7 @@ import torch
 from ..config import RocketKVConfig
 from ..policies import KeptSlots, Stage1Inputs, derive_budgets, get_stage1_policy
 from .compaction import compact, store_prompt
-from .row_index import select_rows
+from .row_index import selected_rows
 
 UNDECLARED_PER_HEAD_COUNTS = (
     "stage-1 policy {name!r} returned different kept counts for the KV heads of a row but does not declare "
@@ -218,7 +218,9 @@ class Stage1:
     def select_rows(self, index: torch.Tensor, in_place: bool) -> None:
         """Rows ``index`` of the per-row state (beam reorder, batch select); the host mirrors become unknown."""
         self.host_row_start = self.host_window_len = None  # rows reordered: the host mirrors are stale
-        select_rows(self, self.ROW_TENSORS, index, in_place)
+        tensors = selected_rows([getattr(self, name) for name in self.ROW_TENSORS], index, in_place)
+        for name, tensor in zip(self.ROW_TENSORS, tensors):
+            setattr(self, name, tensor)
 
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
         """The device tensors this state holds (``RocketKVLayer.memory_bytes``)."""

@@ -322,14 +322,15 @@ class BenchArgumentsRefused(Exception):
 
 def load_run(args):
     """The YAML config (a path or a bundled name) with ``--set`` overrides applied."""
+    import dataclasses
+
     from ..eval.settings import load_run_config
 
     try:
         run = load_run_config(resolve_config_path(args.config))
-        run.rocket = apply_overrides(run.rocket, args.set)
+        return dataclasses.replace(run, rocket=apply_overrides(run.rocket, args.set))
     except ValueError as err:
         raise UsageError(str(err)) from err
-    return run
 
 
 def dispatch(args, extra: list[str], argv: list[str]) -> int:

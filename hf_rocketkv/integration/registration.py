@@ -16,8 +16,7 @@ def register() -> None:
     needs exactly sdpa's mask; compressed layers build validity from their own lengths and read only a later turn's
     padding from it.
     """
-    RocketKVCache.compatibility_check = staticmethod(compat.require)
-    RocketKVCache.other_attention = staticmethod(other_attention)
+    RocketKVCache.install_integration(compat.require, other_attention)
     if compat.sdpa_mask is not None:
         compat.register_attention(ATTN_NAME, rocketkv_attention, compat.sdpa_mask)
     generate.install()

@@ -11,7 +11,7 @@ import torch
 
 from hf_rocketkv import RocketKVCache
 from hf_rocketkv.cache.batch_view import BatchedDecodeCache
-from hf_rocketkv.cache.row_index import select_rows
+from hf_rocketkv.cache.row_index import selected_rows
 from hf_rocketkv.integration.compat import cache_kwargs
 from tests.cache.helpers import engine_prefill
 from tests.support.tiny_models import compressing_config, cpu_pool, greedy, left_pad, make_models, random_ids
@@ -144,15 +144,14 @@ def test_row_groups_stack_the_host_counts_of_one_forward(model, use_pool):
     cache.close()
 
 
-def test_select_rows_in_place_keeps_the_address():
-    """Kills: select_rows never copying in place (beam search's reorder must keep the buffers captured graphs read)."""
-    class Owner:
-        pass
-
-    owner = Owner()
-    owner.t = torch.arange(6).view(3, 2)
-    address = owner.t.data_ptr()
-    select_rows(owner, ("t",), torch.tensor([2, 0, 1]), in_place=True)
-    assert owner.t.data_ptr() == address and owner.t.tolist() == [[4, 5], [0, 1], [2, 3]]
-    select_rows(owner, ("t",), torch.tensor([1]), in_place=True)  # another shape: a new tensor
-    assert owner.t.tolist() == [[0, 1]]
+def test_selected_rows_in_place_keeps_the_address():
+    """Kills: selected_rows never copying in place (beam search's reorder must keep the buffers captured graphs
+    read)."""
+    t = torch.arange(6).view(3, 2)
+    address = t.data_ptr()
+    (same, none), = [selected_rows((t, None), torch.tensor([2, 0, 1]), in_place=True)]
+    assert same is t and t.data_ptr() == address and t.tolist() == [[4, 5], [0, 1], [2, 3]] and none is None
+    (other,) = selected_rows((t,), torch.tensor([1]), in_place=True)  # another shape: a new tensor
+    assert other.tolist() == [[0, 1]] and t.tolist() == [[4, 5], [0, 1], [2, 3]]
+    (copied,) = selected_rows((t,), torch.tensor([2, 0, 1]), in_place=False)  # not in place: a new tensor
+    assert copied.data_ptr() != address and copied.tolist() == [[2, 3], [4, 5], [0, 1]]
