@@ -54,7 +54,7 @@ def get_config(model) -> RocketKVConfig:
 def set_config(model, config: RocketKVConfig) -> None:
     if not isinstance(config, RocketKVConfig):
         raise TypeError(f"config must be a RocketKVConfig, got {type(config).__name__}")
-    setattr(model.config, CONFIG_ATTRIBUTE, config.to_dict())
+    model.config.update({CONFIG_ATTRIBUTE: config.to_dict()})  # transformers' config keeps it (save_pretrained)
 
 
 class RocketKVGenerateHooks:
