@@ -27,8 +27,8 @@ from typing import Any
 from ..config import RocketKVConfig
 from ..memory import KVBlockPool, PoolSpec, RowDemand, RowPages, as_budget
 
-__all__ = ["check_pool_config", "check_pool_policy", "decode_tokens", "hit_cap_tokens", "request_pages",
-           "row_demand"]
+__all__ = ["check_pool_config", "check_pool_policy", "decode_tokens", "hit_cap_tokens", "pool_policy_refusal",
+           "request_pages", "row_demand"]
 
 CONFIG_FIELDS = ("prompt_budget", "page_size", "window_size", "kt_cache_dtype")
 
@@ -81,11 +81,26 @@ def decode_tokens(config: RocketKVConfig, max_new_tokens: int) -> int:
     return config.decode_headroom(max_new_tokens)
 
 
+PER_LAYER_LAYOUTS = (("dense_layers", 0), ("budget_schedule", "flat"))  # fields a pool needs at these values
+
+
+def pool_policy_refusal(cfg: RocketKVConfig) -> str | None:
+    """Why a pool cannot account for ``cfg``, as one short phrase naming the field (the first such field), or None:
+    a per-layer layout (``PER_LAYER_LAYOUTS``: the pool lays out every layer alike), per-head budgets (AdaKV:
+    ``stage1``). ``check_pool_policy`` raises the long form of the same refusal."""
+    for name, plain in PER_LAYER_LAYOUTS:
+        if getattr(cfg, name, plain) != plain:
+            return f"{name}={getattr(cfg, name)!r} (a pool gives every layer the same budgets and pages)"
+    if getattr(cfg, "per_head_budgets", False):
+        return (f"stage1={getattr(cfg.stage1, 'name', cfg.stage1)!r} (each KV head keeps its own number of tokens, "
+                f"which pool pages cannot account for)")
+    return None
+
+
 def check_pool_policy(cfg: RocketKVConfig) -> None:
     """Refuse a config a pool cannot account for (``KVBlockPool.check_config``; the serve CLI and the eval harness
-    call it before loading a model): per-head budgets (AdaKV), ValueError naming stage1; per-layer layouts
-    (``dense_layers``, ``budget_schedule``: the pool lays out every layer alike), ValueError naming the field."""
-    for name, plain in (("dense_layers", 0), ("budget_schedule", "flat")):
+    call it before loading a model): the ValueError names the field of ``pool_policy_refusal`` and the way out."""
+    for name, plain in PER_LAYER_LAYOUTS:
         value = getattr(cfg, name, plain)
         if value != plain:
             raise ValueError(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from ..cache import check_pool_policy
+from ..cache import pool_policy_refusal
 from ..config import RocketKVConfig
 from ..integration.compat import attn_implementation
 from ..integration.generate import uses_rocketkv
@@ -93,13 +93,7 @@ def batching_refusal(config: RocketKVConfig) -> str | None:
     if config.token_budget is not None:
         return (f"token_budget={config.token_budget} (it derives page_size per request; the batching engine's pool "
                 f"fixes it)")
-    try:
-        check_pool_policy(config)
-    except ValueError:
-        name = getattr(config.stage1, "name", config.stage1)
-        return (f"stage1={name!r} (each KV head keeps its own number of tokens, which the batching engine's pool "
-                f"pages cannot account for)")
-    return None
+    return pool_policy_refusal(config)
 
 
 def warm_up_batching(engine, max_tokens: int, max_model_len: int | None = None) -> dict | None:

@@ -144,6 +144,8 @@ def parse(*argv: str) -> argparse.Namespace:
     ((), dict(decode_budget=16, decode_interval=8, decode_window=4), ("sequential", False, "decode_budget=16")),
     ((), dict(token_budget=64), ("sequential", False, "token_budget=64")),
     ((), dict(stage1="adakv"), ("sequential", False, "stage1='adakv'")),
+    ((), dict(budget_schedule="pyramid"), ("sequential", False, "budget_schedule='pyramid'")),
+    ((), dict(dense_layers=1), ("sequential", False, "dense_layers=1")),
     (("--pool-gib", "1"), dict(multi_turn="keep_all"), ("sequential", True, "multi_turn='keep_all'")),
 ])
 def test_the_engine_plan(argv, fields, expected):

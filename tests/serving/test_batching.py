@@ -280,7 +280,9 @@ def test_batching_engine_refuses_unsupported_budget_fields_at_construction(tiny_
 
 @pytest.mark.parametrize("fields, name", [({}, None), (dict(multi_turn="keep_all"), "multi_turn"),
                                           (dict(decode_budget=16, decode_interval=8, decode_window=4), "decode_budget"),
-                                          (dict(token_budget=64), "token_budget"), (dict(stage1="adakv"), "stage1")])
+                                          (dict(token_budget=64), "token_budget"), (dict(stage1="adakv"), "stage1"),
+                                          (dict(budget_schedule="pyramid"), "budget_schedule"),
+                                          (dict(dense_layers=1), "dense_layers")])
 def test_batching_refusal_names_what_the_engine_refuses(tiny_pair, fields, name):
     """``batching_refusal`` (what ``hf-rocketkv serve`` decides on before the model loads) answers exactly for the
     configs the engine refuses when built, naming the same field."""
