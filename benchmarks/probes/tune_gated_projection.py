@@ -1,11 +1,14 @@
 """Probe: a gated MLP's first half at decode row counts, eager ops against one GEMM over the concatenated weights and
 against ``kernels/gated_projection`` over a grid of tiles, then ``down_proj`` (cuBLAS against the plain kernel over
-the same grid), each replayed from a CUDA graph as a decode step runs (``bench_kernels.time_graph``).
+the same grid), then the attention's projections: ``q_proj``, ``k_proj`` and ``v_proj`` (three cuBLAS calls against
+``kernels/stacked_projection``'s one launch) and ``o_proj`` (cuBLAS against the plain kernel); each replayed from a
+CUDA graph as a decode step runs (``bench_kernels.time_graph``).
 
     python -m benchmarks.probes.tune_gated_projection --out results/<file>.json
 
-Shapes: Gemma-3-12B (hidden 3840, intermediate 15360, gelu tanh) and Llama-3.1-8B (4096, 14336, silu), bf16, random
-weights. Reports microseconds per call and the weights' read rate (GB/s: the weights' bytes over the time).
+Shapes: Gemma-3-12B (hidden 3840, intermediate 15360, gelu tanh; attention 16 x 256 queries, 8 x 256 keys)
+and Llama-3.1-8B (4096, 14336, silu; 32 x 128 queries, 8 x 128 keys), bf16, random weights. Reports microseconds
+per call and the weights' read rate (GB/s: the weights' bytes over the time).
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ from hf_rocketkv.kernels.gated_projection import (
     projection_reference,
     projection_triton,
 )
+from hf_rocketkv.kernels.stacked_projection import stacked_projection_reference, stacked_projection_triton
 
 SHAPES = {"gemma-3-12b": (3840, 15360, "gelu_tanh"), "llama-3.1-8b": (4096, 14336, "silu")}
+ATTENTION = {"gemma-3-12b": (4096, 2048), "llama-3.1-8b": (4096, 1024)}  # q_proj / k_proj (= v_proj) outputs
 ROWS = (1, 16, 64)
 TILES = ([(c, k, 4, s) for c, k, s in itertools.product((16, 32, 64), (128, 256), (3, 5))]
          + [(64, 128, 8, 4), (128, 128, 8, 4)])  # (BLOCK_C, BLOCK_K, warps, stages)
@@ -33,13 +38,16 @@ TILES = ([(c, k, 4, s) for c, k, s in itertools.product((16, 32, 64), (128, 256)
 
 def sweep_tiles(rows: int, run, ref) -> list[dict]:
     """``run(tiles)`` timed over ``TILES`` (with the least row block holding ``rows``), its largest difference from
-    ``ref``; a tile that does not fit is listed with its error."""
+    ``ref`` (a tensor, or a tuple of them for a run that returns several); a tile that does not fit is listed with
+    its error."""
     block_r = 16 if rows <= 16 else (32 if rows <= 32 else 64)
     sweep = []
     for c, k, w, s in TILES:
         tiles = (block_r, c, k, w, s)
         try:
-            err = (run(tiles).float() - ref.float()).abs().max().item()
+            got, refs = run(tiles), ref if isinstance(ref, tuple) else (ref,)
+            got = got if isinstance(got, tuple) else (got,)
+            err = max((g.float() - r.float()).abs().max().item() for g, r in zip(got, refs))
             us = time_graph(lambda: run(tiles))
         except Exception as exc:  # out of shared memory for a large tile: skip it
             sweep.append({"tiles": tiles, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
@@ -68,11 +76,39 @@ def down_rows(model: str, hidden: int, inter: int, rows_list, dev, dtype) -> lis
     return out
 
 
+def attention_rows(model: str, hidden: int, rows_list, dev, dtype) -> list[dict]:
+    """q/k/v (three ``F.linear`` calls against ``stacked_projection_triton``) and ``o_proj`` (``F.linear`` against
+    ``projection_triton``) at each row count."""
+    q_out, kv_out = ATTENTION[model]
+    weights = tuple(torch.randn(n, hidden, device=dev, dtype=dtype) / hidden ** 0.5 for n in (q_out, kv_out, kv_out))
+    o_proj = torch.randn(hidden, q_out, device=dev, dtype=dtype) / q_out ** 0.5
+    out = []
+    for rows in rows_list:
+        x = torch.randn(rows, hidden, device=dev, dtype=dtype)
+        h = torch.randn(rows, q_out, device=dev, dtype=dtype)  # the attention's output, o_proj's input
+        for part, gbytes, eager, kernel in (
+            ("qkv", sum(w.numel() for w in weights) * 2 / 1e9, lambda: stacked_projection_reference(x, weights),
+             lambda tiles: stacked_projection_triton(x, weights, tiles=tiles)),
+            ("o_proj", o_proj.numel() * 2 / 1e9, lambda: projection_reference(h, o_proj),
+             lambda tiles: projection_triton(h, o_proj, tiles=tiles)),
+        ):
+            row = {"model": model, "part": part, "rows": rows, "eager_us": time_graph(eager)}
+            sweep = sweep_tiles(rows, kernel, eager())
+            best = min((t for t in sweep if "us" in t), key=lambda t: t["us"])
+            row.update(best=best, eager_gbps=gbytes / row["eager_us"] * 1e6, best_gbps=gbytes / best["us"] * 1e6,
+                       sweep=sweep)
+            print(f"{model} {part} rows={rows}: cuBLAS {row['eager_us']:.1f} us ({row['eager_gbps']:.0f} GB/s), "
+                  f"kernel best {best['us']:.1f} us ({row['best_gbps']:.0f} GB/s) tiles {best['tiles']}", flush=True)
+            out.append(row)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--models", nargs="+", default=list(SHAPES))
     parser.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
+    parser.add_argument("--parts", nargs="+", default=["mlp", "attention"], choices=["mlp", "attention"])
     args = parser.parse_args()
     dev, dtype = torch.device("cuda"), torch.bfloat16
     torch.manual_seed(0)
@@ -83,6 +119,10 @@ def main() -> None:
         up = torch.randn(inter, hidden, device=dev, dtype=dtype) / hidden ** 0.5
         both = torch.cat([gate, up])
         gbytes = 2 * gate.numel() * gate.element_size() / 1e9
+        if "attention" in args.parts:
+            results += attention_rows(model, hidden, args.rows, dev, dtype)
+        if "mlp" not in args.parts:
+            continue
         for rows in args.rows:
             x = torch.randn(rows, hidden, device=dev, dtype=dtype)
             ref = gated_projection_reference(x, gate, up, act)

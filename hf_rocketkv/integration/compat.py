@@ -46,6 +46,10 @@ which registration sets to ``require`` (a changed transformers then fails at the
 | models.llama.modeling_llama.LlamaMLP.forward (and   | wrapped     | a few tokens' gate/up projection, activation and      |
 |   classes with its byte code); read gate_proj,      | (optional)  | product in one launch in RocketKV calls               |
 |   up_proj, down_proj, act_fn (ACT2FN's SiLU, GELU)  |             | (``integration/mlp.py``, ``mlp_classes``)             |
+| models.llama.modeling_llama.LlamaAttention.forward  | wrapped     | a decode step's q/k/v projections in one launch in    |
+|   (and classes with its undecorated byte code);     | (optional)  | RocketKV calls (``integration/qkv.py``,               |
+|   read q_proj, k_proj, v_proj, o_proj, head_dim,    |             | ``attention_classes``); the rest of the forward as    |
+|   scaling, layer_idx, apply_rotary_pos_emb          |             | transformers writes it                                |
 | use_experts_implementation classes: forward; read   | wrapped     | a few tokens' experts read in place in RocketKV calls |
 |   has_gate, has_bias, is_transposed, _apply_gate... | (optional)  | (``integration/experts.py``, ``experts_layout``)      |
 |   GptOssExperts._apply_gate (qualname), alpha, limit|             | gpt-oss' gate in one prefill kernel (``clamped_glu``) |
@@ -513,6 +517,38 @@ def mlp_activation(act) -> str | None:
             and inner.keywords == {"approximate": "tanh"} and not inner.args):
         return None
     return kernel
+
+
+# --------------------------------------------------------------------------------------------------- attention
+LLAMA_ATTENTION = ModuleFormula("models.llama.modeling_llama", "LlamaAttention", ("forward",),
+                                ("self", "hidden_states", "position_embeddings", "attention_mask", CACHE_ARG, "kwargs"),
+                                "head_dim", "fused_qkv")
+
+
+def _inner(function):
+    """The function below every decorator (transformers' kernel routing and argument renames; our own wrapper)."""
+    return inspect.unwrap(function)
+
+
+def attention_classes(model) -> list[type]:
+    """The transformers classes of ``model``'s modules whose undecorated ``forward`` has the byte code of
+    ``LlamaAttention.forward``'s (q/k/v projections, RoPE, the cache's update, the attention function, o_proj);
+    ``CompatError`` naming ``fused_qkv=False`` when that forward takes other parameters."""
+    _formula_reference(LLAMA_ATTENTION)  # the parameters, bound by name
+    reference = code_key(_inner(getattr(importlib.import_module(f"transformers.{LLAMA_ATTENTION.module}"),
+                                        LLAMA_ATTENTION.name).forward))
+    found = {}
+    for _, owner in _forward_owners(model):
+        if owner not in found and code_key(_inner(owner.__dict__["forward"])) == reference:
+            found[owner] = None
+    return list(found)
+
+
+def attention_rotary(module) -> Callable:
+    """The ``apply_rotary_pos_emb`` that ``module``'s attention forward calls (its modeling module's, as wrapped
+    now: the fused RoPE of ``install_rotary`` included)."""
+    owner = next(klass for klass in type(module).__mro__ if "forward" in klass.__dict__)
+    return _inner(owner.__dict__["forward"]).__globals__[ROTARY_NAME]
 
 
 # --------------------------------------------------------------------------------------------------- MoE experts

@@ -1,7 +1,8 @@
 """``fused_modeling``: the fused paths a RocketKV call takes through the model's own modules, switched on together.
 
 RoPE (``rope.py``, ``RocketKVConfig.fused_rope``), RMSNorm (``norm.py``, ``fused_norm``), gated MLPs (``mlp.py``,
-``fused_mlp``) and mixture-of-experts layers (``experts.py``, ``fused_experts``): each wraps a transformers function
+``fused_mlp``), attention projections (``qkv.py``, ``fused_qkv``) and mixture-of-experts layers (``experts.py``,
+``fused_experts``): each wraps a transformers function
 once and takes its fused path only while its switch is on for the calling thread (``fused_switch.py``).
 """
 
@@ -12,6 +13,7 @@ import contextlib
 from .experts import fused_experts
 from .mlp import fused_mlp
 from .norm import fused_norm
+from .qkv import fused_qkv
 from .rope import fused_rope
 
 
@@ -20,5 +22,6 @@ def fused_modeling(model, config, enabled: bool = True):
     """The fused paths ``config`` (a RocketKVConfig) turns on, for ``model`` within the block, when ``enabled`` (the
     call is RocketKV's)."""
     with fused_rope(model, enabled and config.fused_rope), fused_norm(model, enabled and config.fused_norm), \
-            fused_experts(model, enabled and config.fused_experts), fused_mlp(model, enabled and config.fused_mlp):
+            fused_experts(model, enabled and config.fused_experts), fused_mlp(model, enabled and config.fused_mlp), \
+            fused_qkv(model, enabled and config.fused_qkv):
         yield

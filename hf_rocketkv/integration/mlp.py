@@ -36,7 +36,8 @@ from .fused_switch import FusedSwitch
 FUSED_DEVICE_TYPES = ("cuda",)  # the kernel's devices (the CPU tests add "cpu": Triton's interpreter)
 
 
-def _distributed() -> bool:
+def distributed() -> bool:
+    """A process group in use (tensor parallelism: the projections carry the plan's hooks)."""
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
@@ -45,7 +46,8 @@ def _plain(module) -> bool:
     return not (module._forward_hooks or module._forward_pre_hooks)
 
 
-def _plain_linear(linear) -> bool:
+def plain_linear(linear) -> bool:
+    """A bias-free ``nn.Linear`` itself (no subclass or wrapper) without hooks: the kernels read its weight."""
     return type(linear) is torch.nn.Linear and linear.bias is None and _plain(linear)
 
 
@@ -53,13 +55,13 @@ def _compute(run_original, module, x):
     """The kernel for a decode step's hidden states, the module's own forward otherwise (module docstring)."""
     gate, up, act_fn = module.gate_proj, module.up_proj, module.act_fn
     if (x.dim() == 3 and x.device.type in FUSED_DEVICE_TYPES and not torch.is_grad_enabled()
-            and _plain_linear(gate) and _plain_linear(up) and isinstance(act_fn, torch.nn.Module) and _plain(act_fn)
-            and gated_projection_supported(x, gate.weight, up.weight) and not _distributed()):
+            and plain_linear(gate) and plain_linear(up) and isinstance(act_fn, torch.nn.Module) and _plain(act_fn)
+            and gated_projection_supported(x, gate.weight, up.weight) and not distributed()):
         act = compat.mlp_activation(act_fn)
         if act is not None:
             hidden = gated_projection_triton(x, gate.weight, up.weight, act)
             down = module.down_proj
-            if _plain_linear(down) and projection_supported(hidden, down.weight):
+            if plain_linear(down) and projection_supported(hidden, down.weight):
                 return projection_triton(hidden, down.weight)
             return down(hidden)
     return run_original()

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from hf_rocketkv import RocketKVConfig
-from hf_rocketkv.integration import experts, mlp, norm, rope
+from hf_rocketkv.integration import experts, mlp, norm, qkv, rope
 from hf_rocketkv.integration.fused_modeling import fused_modeling
 from tests.support.tiny_models import make_models
 
@@ -19,8 +19,9 @@ pytest.importorskip("triton")
 @pytest.mark.parametrize("scope, active", [(norm.fused_norm, norm.fused_norm_active),
                                            (rope.fused_rope, rope.fused_rope_active),
                                            (experts.fused_experts, experts.fused_experts_active),
-                                           (mlp.fused_mlp, mlp.fused_mlp_active)],
-                         ids=["norm", "rope", "experts", "mlp"])
+                                           (mlp.fused_mlp, mlp.fused_mlp_active),
+                                           (qkv.fused_qkv, qkv.fused_qkv_active)],
+                         ids=["norm", "rope", "experts", "mlp", "qkv"])
 def test_the_scope_belongs_to_its_thread(scope, active):
     model = make_models("llama")[0]
     seen = []
@@ -34,12 +35,14 @@ def test_the_scope_belongs_to_its_thread(scope, active):
     assert seen == [False] and not active()
 
 
-@pytest.mark.parametrize("off", [None, "fused_rope", "fused_norm", "fused_experts", "fused_mlp"])
+@pytest.mark.parametrize("off", [None, "fused_rope", "fused_norm", "fused_experts", "fused_mlp", "fused_qkv"])
 def test_fused_modeling_enters_the_switches_its_config_turns_on(off):
     model = make_models("llama")[0]
     actives = {"fused_rope": rope.fused_rope_active, "fused_norm": norm.fused_norm_active,
-               "fused_experts": experts.fused_experts_active, "fused_mlp": mlp.fused_mlp_active}
-    config = RocketKVConfig() if off is None else RocketKVConfig(**{off: False})
+               "fused_experts": experts.fused_experts_active, "fused_mlp": mlp.fused_mlp_active,
+               "fused_qkv": qkv.fused_qkv_active}
+    config = RocketKVConfig(fused_qkv=True)  # every switch on (fused_qkv is off by default)
+    config = config if off is None else config.replace(**{off: False})
     with fused_modeling(model, config):
         assert {name: active() for name, active in actives.items()} == {name: name != off for name in actives}
     with fused_modeling(model, RocketKVConfig(), enabled=False):

@@ -322,7 +322,7 @@ def test_transformers_silu_and_c_tanh_gelu_are_recognised():
 
 def test_a_process_group_in_use_runs_the_modules_own_forward(counted, monkeypatch):
     """Tensor parallelism: the projections carry the plan's hooks (a sharded weight read raw would be wrong)."""
-    monkeypatch.setattr(mlp, "_distributed", lambda: True)
+    monkeypatch.setattr(mlp, "distributed", lambda: True)
     assert fused_call(llama_mlp(), hidden_states((2, 1, 64)), counted) == (0, True)
     assert counted == []
 

@@ -1,0 +1,74 @@
+"""A decode step's q/k/v projections in one launch in RocketKV's forwards (``RocketKVConfig.fused_qkv``, default True).
+
+transformers' ``LlamaAttention.forward`` projects its hidden states three times (``q_proj``, ``k_proj``,
+``v_proj``): at a few rows three weight-bound GEMMs, the two narrow ones (``Hkv * D`` outputs) read at about a third
+of the card's bandwidth. Inside a RocketKV call (``generate()`` with a RocketKVCache, the batching engine's decode
+steps), hidden states ``[B, T, hidden]`` of at most ``kernels/stacked_projection.MAX_ROWS`` tokens on CUDA in
+bf16/fp16 go through ``kernels/stacked_projection.stacked_projection_triton`` (each weight read once, one launch);
+the rest of the forward is transformers' own, step for step: the views, the modeling module's
+``apply_rotary_pos_emb`` (the fused RoPE where that is on), the cache's ``update``, the ``rocketkv`` attention
+function with the same arguments, ``o_proj``. Each projection is rounded once, as cuBLAS rounds it
+(``tests/kernels/test_stacked_projection.py``).
+
+Everything else runs transformers' own forward with the arguments it received: forwards of more tokens (prefill
+chunks), fp32, CPU, a cache that is not RocketKV's, another attention implementation, a call traced by torch.compile
+or recording gradients, the cache passed under its old name, projections that are not plain bias-free
+``nn.Linear`` modules over plain tensors (quantized, LoRA wrappers, DTensor) or carry hooks, and a process group in
+use (tensor parallelism). Which classes: those whose undecorated ``forward`` has exactly ``LlamaAttention.forward``'s
+byte code (``compat.attention_classes``), wrapped once per class (``compat.install_forward``); ``fused_qkv(model,
+enabled)`` sets a ContextVar for the call (per thread and per asyncio task, never process-wide).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache import BatchedDecodeCache, PackedStepCache, RocketKVCache
+from ..kernels.stacked_projection import stacked_projection_supported, stacked_projection_triton
+from .names import ATTN_NAME
+from . import compat
+from .attention import rocketkv_attention
+from .fused_switch import FusedSwitch
+from .mlp import distributed, plain_linear
+
+FUSED_DEVICE_TYPES = ("cuda",)  # the kernel's devices (the CPU tests add "cpu": Triton's interpreter)
+ROCKETKV_CACHES = (RocketKVCache, BatchedDecodeCache, PackedStepCache)
+
+
+def _compute(run_original, module, hidden_states, position_embeddings, attention_mask, cache, kwargs):
+    """The kernel's projections and transformers' forward around them for a decode step, the original otherwise."""
+    projections = (module.q_proj, module.k_proj, module.v_proj)
+    if not (isinstance(kwargs, dict) and compat.LEGACY_CACHE_ARG not in kwargs and isinstance(cache, ROCKETKV_CACHES)
+            and position_embeddings is not None and hidden_states.dim() == 3
+            and hidden_states.device.type in FUSED_DEVICE_TYPES and not torch.is_grad_enabled()
+            and all(plain_linear(p) for p in projections) and not distributed()
+            and compat.attn_implementation(module) == ATTN_NAME
+            and stacked_projection_supported(hidden_states, tuple(p.weight for p in projections))):
+        return run_original()
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, module.head_dim)
+    query, key, value = (
+        out.view(hidden_shape).transpose(1, 2)
+        for out in stacked_projection_triton(hidden_states, tuple(p.weight for p in projections))
+    )
+    cos, sin = position_embeddings
+    query, key = compat.attention_rotary(module)(query, key, cos, sin)
+    key, value = cache.update(key, value, module.layer_idx)
+    output, weights = rocketkv_attention(
+        module, query, key, value, attention_mask,
+        dropout=0.0 if not module.training else module.attention_dropout, scaling=module.scaling, **kwargs,
+    )
+    output = output.reshape(*input_shape, -1).contiguous()
+    return module.o_proj(output), weights
+
+
+_SWITCH = FusedSwitch("hf_rocketkv_fused_qkv", "_hf_rocketkv_qkv_installed", compat.attention_classes,
+                      compat.install_forward, _compute)
+
+
+def fused_qkv(model, enabled: bool):
+    """Within the block, this thread's forwards of ``model`` project q/k/v in one launch (when ``enabled``)."""
+    return _SWITCH.enabled(model, enabled)
+
+
+fused_qkv_active = _SWITCH.active

@@ -1,0 +1,138 @@
+"""A decode step's projections of one input in one launch: ``x @ w.T`` for up to three weights (an attention layer's
+``q_proj``, ``k_proj`` and ``v_proj``), each weight read once.
+
+Why: a Llama-style attention layer projects its hidden states three times. At a few rows each projection is a
+weight-bound GEMM, and the two narrow ones (``k_proj`` / ``v_proj``: ``Hkv * D`` outputs, 1,024 for Llama-3.1-8B) are
+too few columns to keep a GPU's memory busy: cuBLAS reads them at about a third of the card's bandwidth (the GEMM-floor
+table in docs/kernels.md). Here one launch covers the columns of all three: each program owns ``BLOCK_C`` output
+columns of one weight and walks the whole reduction dimension (no split-K, no reduce kernel), so the narrow weights'
+columns share the launch's waves with the wide one's.
+
+Shapes: ``x`` [..., hidden] with at most ``MAX_ROWS`` rows (the caller's [B, T, hidden]), each weight [out_i, hidden]
+(``nn.Linear`` weights without a bias, the reduction dimension contiguous), all in one 16-bit dtype; returns one
+tensor [..., out_i] per weight, in that dtype.
+
+Formula and rounding (``stacked_projection_reference``): each output is ``F.linear(x, w)``, accumulated in fp32 and
+rounded once to the dtype, as cuBLAS rounds a GEMM's output. Not bit for bit: the reduction runs in another order than
+cuBLAS's, so an output may differ from eager PyTorch by a unit in the last place (``tests/kernels/
+test_stacked_projection.py`` bounds it against a float64 oracle).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton_common import DT_BF16, DT_FP16, PLAIN_TENSORS, cdiv, interpreting, round_to
+from .launch import TritonLaunch, direct_launches
+
+STACKED_DTYPES = {torch.bfloat16: DT_BF16, torch.float16: DT_FP16}
+MAX_ROWS = 64  # a decode step's tokens; beyond, cuBLAS at full tiles is the faster way
+MAX_WEIGHTS = 3
+
+
+@triton.jit
+def _project_tile(x_ptr, w_ptr, out_ptr, pid_c, pid_r, rows, cols, hidden, s_xr, s_wc, DT: tl.constexpr,
+                  EVEN_K: tl.constexpr, IEEE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """Columns ``[pid_c * BLOCK_C, +BLOCK_C)`` of rows ``[pid_r * BLOCK_R, +BLOCK_R)`` of ``x @ w.T`` (fp32 sums,
+    one rounding at the store)."""
+    r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    k = tl.arange(0, BLOCK_K)
+    r_ok, c_ok = r < rows, c < cols
+    x_ptrs = x_ptr + r[:, None].to(tl.int64) * s_xr + k[None, :]
+    w_ptrs = w_ptr + c[:, None].to(tl.int64) * s_wc + k[None, :]
+    acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=r_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=c_ok[:, None], other=0.0)
+        else:
+            k_ok = (k0 + k) < hidden
+            x = tl.load(x_ptrs, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=c_ok[:, None] & k_ok[None, :], other=0.0)
+        if IEEE:  # the interpreter, whose dot takes no bf16: fp32 products (exact for 16-bit inputs)
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:  # 16-bit inputs: their products are exact in the fp32 accumulator
+            acc = tl.dot(x, tl.trans(w), acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out_ptrs = out_ptr + r[:, None].to(tl.int64) * cols + c[None, :]
+    tl.store(out_ptrs, round_to(acc, DT).to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & c_ok[None, :])
+
+
+@triton.jit
+def _stacked_projection_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, o0_ptr, o1_ptr, o2_ptr, cols0, cols1, cols2, rows,
+                               hidden, s_xr, s_w0, s_w1, s_w2, DT: tl.constexpr, EVEN_K: tl.constexpr,
+                               IEEE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                               BLOCK_K: tl.constexpr):
+    # axis 0 walks the column tiles of weight 0, then weight 1's, then weight 2's (a weight of 0 columns has none)
+    pid = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    tiles0 = tl.cdiv(cols0, BLOCK_C)
+    tiles1 = tl.cdiv(cols1, BLOCK_C)
+    if pid < tiles0:
+        _project_tile(x_ptr, w0_ptr, o0_ptr, pid, pid_r, rows, cols0, hidden, s_xr, s_w0, DT, EVEN_K, IEEE, BLOCK_R,
+                      BLOCK_C, BLOCK_K)
+    elif pid < tiles0 + tiles1:
+        _project_tile(x_ptr, w1_ptr, o1_ptr, pid - tiles0, pid_r, rows, cols1, hidden, s_xr, s_w1, DT, EVEN_K, IEEE,
+                      BLOCK_R, BLOCK_C, BLOCK_K)
+    else:
+        _project_tile(x_ptr, w2_ptr, o2_ptr, pid - tiles0 - tiles1, pid_r, rows, cols2, hidden, s_xr, s_w2, DT,
+                      EVEN_K, IEEE, BLOCK_R, BLOCK_C, BLOCK_K)
+
+
+_stacked_projection_launch = TritonLaunch(_stacked_projection_kernel)
+
+
+def stacked_projection_supported(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> bool:
+    """Whether ``stacked_projection_triton`` applies: plain CUDA tensors (CPU ones under Triton's interpreter), one
+    16-bit dtype, ``x`` [..., hidden] with 1 to ``MAX_ROWS`` rows and a contiguous last dimension, 1 to
+    ``MAX_WEIGHTS`` weights [out_i, hidden] with the hidden dimension contiguous. Called on every attention layer of a
+    RocketKV forward: cheap checks first."""
+    dtype = x.dtype
+    if (dtype not in STACKED_DTYPES or type(x) is not torch.Tensor or x.dim() < 1
+            or not 1 <= len(weights) <= MAX_WEIGHTS):
+        return False  # no subclass (DTensor, quantized weights): raw pointers
+    hidden, device = x.shape[-1], x.device
+    if not (0 < x.numel() // max(hidden, 1) <= MAX_ROWS and hidden > 0 and x.stride(-1) == 1
+            and (device.type == "cuda" or (device.type == "cpu" and interpreting()))):
+        return False
+    return all(type(w) in PLAIN_TENSORS and w.dtype == dtype and w.dim() == 2 and w.shape[1] == hidden
+               and w.shape[0] > 0 and w.stride(1) == 1 and w.device == device for w in weights)
+
+
+def stacked_projection_reference(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """PyTorch twin: one bias-free ``nn.Linear`` per weight, as transformers' eager modules run them."""
+    return tuple(torch.nn.functional.linear(x, w) for w in weights)
+
+
+def _tiles(rows: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_R, BLOCK_C, BLOCK_K, warps, stages): the least row block ``tl.dot`` takes that holds ``rows``, and the
+    plain projection's tiles of ``gated_projection._tiles`` (one weight per stage, deep pipelines)."""
+    block_r = 16 if rows <= 16 else (32 if rows <= 32 else 64)
+    return block_r, 32, 256 if rows <= 16 else 128, 4, 5
+
+
+def stacked_projection_triton(x: torch.Tensor, weights: tuple[torch.Tensor, ...],
+                              tiles: tuple[int, int, int, int, int] | None = None) -> tuple[torch.Tensor, ...]:
+    """Same contract as ``stacked_projection_reference`` (``stacked_projection_supported`` must hold). ``tiles``:
+    (BLOCK_R, BLOCK_C, BLOCK_K, warps, stages) instead of the default (the tuning probe)."""
+    hidden = x.shape[-1]
+    rows = x.numel() // hidden
+    outs = tuple(torch.empty((*x.shape[:-1], w.shape[0]), dtype=x.dtype, device=x.device) for w in weights)
+    x2 = x.reshape(rows, hidden)
+    block_r, block_c, block_k, warps, stages = tiles or _tiles(rows)
+    ws = tuple(weights) + (weights[0],) * (MAX_WEIGHTS - len(weights))  # absent weights: 0 columns, never read
+    os_ = outs + (outs[0],) * (MAX_WEIGHTS - len(outs))
+    cols = tuple(w.shape[0] for w in weights) + (0,) * (MAX_WEIGHTS - len(weights))
+    grid = (sum(cdiv(n, block_c) for n in cols), cdiv(rows, block_r))
+    with direct_launches():
+        _stacked_projection_launch[grid](
+            x2, *ws, *os_, *cols, rows, hidden, x2.stride(0), *(w.stride(0) for w in ws),
+            DT=STACKED_DTYPES[x.dtype], EVEN_K=hidden % block_k == 0, IEEE=interpreting(), BLOCK_R=block_r,
+            BLOCK_C=block_c, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        )
+    return outs

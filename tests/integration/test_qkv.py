@@ -1,0 +1,175 @@
+"""q/k/v projections in one launch inside RocketKV calls (``integration/qkv.py``, ``RocketKVConfig.fused_qkv``).
+
+On CPU the kernel (``kernels/stacked_projection.stacked_projection_triton``) runs under Triton's interpreter; the
+tests let the wrapper take it on CPU (``FUSED_DEVICE_TYPES``) and record every call, so they prove where the path is
+taken and where it is not. Oracles:
+
+- transformers' own ``LlamaAttention.forward``: with the kernel replaced by its twin (``F.linear`` per weight, bit
+  for bit the modules' projections), the fused forward must equal the original bit for bit on decode steps of a
+  RocketKVCache: the views, RoPE, the cache's update, the attention call and ``o_proj`` are transformers' own.
+- generate() on a tiny Llama in bf16 with a left-padded batch of two: the same generation with ``fused_qkv=False``:
+  the same tokens, every step's logits within a small tolerance; decode forwards take the kernel, a prefill of more
+  than 64 rows does not.
+- calls that must never take the kernel (fp32, a DynamicCache, projections with a bias or hooks, grad mode, a
+  prefill, a process group): no kernel call, and the output equal bit for bit to the forward outside the switch.
+- ``compat.attention_classes``: LlamaAttention's undecorated byte code is found in Llama, not in Mistral's or
+  Gemma 3's attention (a sliding window argument, q/k norms).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_rocketkv import RocketKVCache
+from hf_rocketkv.integration import compat, qkv
+from hf_rocketkv.integration.compat import cache_kwargs
+from hf_rocketkv.kernels.stacked_projection import stacked_projection_reference
+from tests.support.hybrid_models import make_hybrid_models
+from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
+
+pytest.importorskip("triton")
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.gpu  # the model and kernels run on the GPU where one is present (pytest -m gpu)
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Lets the wrapper take the kernel on CPU (the interpreter) and records its calls: x's shape."""
+    calls = []
+    kernel = qkv.stacked_projection_triton
+
+    def counting(x, weights, *args, **kwargs):
+        calls.append(tuple(x.shape))
+        return kernel(x, weights, *args, **kwargs)
+
+    monkeypatch.setattr(qkv, "FUSED_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(qkv, "stacked_projection_triton", counting)
+    return calls
+
+
+def padded_batch(lengths):
+    rows = [random_ids(1, n, seed=3 + i)[0] for i, n in enumerate(lengths)]
+    return (t.to(DEVICE) for t in left_pad(rows))
+
+
+def generate(model, ids, mask, cache, new_tokens):
+    out = greedy(model, ids, max_new_tokens=new_tokens, attention_mask=mask, **cache_kwargs(cache),
+                 output_logits=True, return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.logits).float()
+
+
+def llama(dtype=torch.bfloat16, **overrides):
+    return make_models("llama", **overrides)[0].to(DEVICE, dtype)
+
+
+def test_the_fused_forward_is_transformers_forward_around_the_projections(counted, monkeypatch):
+    """The kernel swapped for its twin (the modules' own projections, bit for bit): every decode step's logits equal
+    ``fused_qkv=False``'s bit for bit, so nothing but the projections' launch changed."""
+    monkeypatch.setattr(qkv, "stacked_projection_triton", lambda x, weights: (
+        counted.append(tuple(x.shape)), stacked_projection_reference(x, weights))[1])
+    model = llama()
+    ids, mask = padded_batch((30, 27))
+    config = compressing_config(kt_cache_dtype="float32", fused_mlp=False, fused_qkv=True)
+    plain_tokens, plain_logits = generate(model, ids, mask, RocketKVCache(config.replace(fused_qkv=False)), 4)
+    assert counted == []
+    tokens, logits = generate(model, ids, mask, RocketKVCache(config), 4)
+    assert len(counted) > 0
+    assert torch.equal(tokens, plain_tokens)
+    assert torch.equal(logits, plain_logits)
+
+
+@pytest.mark.parametrize("lengths", [(70, 66), (30, 21)], ids=["prefill-140-rows", "prefill-60-rows"])
+def test_generate_takes_the_kernel_on_decode_steps_and_keeps_the_tokens(counted, lengths):
+    model = llama()
+    ids, mask = padded_batch(lengths)
+    config = compressing_config(kt_cache_dtype="float32", fused_qkv=True)
+    plain_tokens, plain_logits = generate(model, ids, mask, RocketKVCache(config.replace(fused_qkv=False)), 5)
+    assert counted == []
+    tokens, logits = generate(model, ids, mask, RocketKVCache(config), 5)
+    layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
+    batch, length = ids.shape
+    prefill = [shape for shape in counted if shape[1] > 1]
+    decode = [shape for shape in counted if shape[1] == 1]
+    assert prefill == ([] if batch * length > 64 else [(batch, length, hidden)] * layers)
+    assert set(decode) == {(batch, 1, hidden)}
+    if DEVICE.type == "cpu":
+        assert len(decode) == layers * 4  # every decode forward's attention layers
+    assert torch.equal(tokens, plain_tokens)
+    torch.testing.assert_close(logits, plain_logits, rtol=0, atol=2.0**-7)
+
+
+# --------------------------------------------------------------------------------------------------- never fused
+def one_step(model, cache_factory, counted, **forward):
+    """A decode step of ``model`` after a short prefill, under the switch: (kernel calls, equal to the same step of
+    a fresh run outside the switch bit for bit)."""
+    ids = random_ids(1, 12, seed=5).to(DEVICE)
+    outputs = []
+    for on in (False, True):
+        cache = cache_factory()
+        with torch.no_grad(), qkv.fused_qkv(model, on):
+            model(ids, **cache_kwargs(cache))
+            before = len(counted)
+            outputs.append(model(ids[:, -1:], **cache_kwargs(cache), **forward).logits)
+    return len(counted) - before, torch.equal(*outputs)
+
+
+def rocketkv_cache():
+    return RocketKVCache(compressing_config(kt_cache_dtype="float32"))
+
+
+def test_the_positive_control_takes_the_kernel(counted):
+    assert one_step(llama(), rocketkv_cache, counted)[0] == llama().config.num_hidden_layers
+
+
+@pytest.mark.parametrize("case", ["fp32", "dynamic-cache", "bias", "hook", "grad", "process-group"])
+def test_calls_that_keep_transformers_forward(counted, monkeypatch, case):
+    model = llama(torch.float32 if case == "fp32" else torch.bfloat16,
+                  **({"attention_bias": True} if case == "bias" else {}))
+    factory = DynamicCache if case == "dynamic-cache" else rocketkv_cache
+    if case == "hook":
+        model.model.layers[0].self_attn.k_proj.register_forward_hook(lambda *args: None)
+        model.model.layers[1].self_attn.q_proj.register_forward_pre_hook(lambda *args: None)
+    if case == "process-group":
+        monkeypatch.setattr(qkv, "distributed", lambda: True)
+    if case == "grad":
+        ids = random_ids(1, 12, seed=5).to(DEVICE)
+        with torch.enable_grad(), qkv.fused_qkv(model, True):
+            model(ids, **cache_kwargs(rocketkv_cache()))
+        assert counted == []
+        return
+    assert one_step(model, factory, counted) == (0, True)
+    assert counted == []
+
+
+def test_which_attention_classes_are_llamas():
+    """Only forwards with LlamaAttention's undecorated byte code: Mistral's and Qwen2's pass a sliding window,
+    Qwen3's and Gemma's norm q and k, gpt-oss adds sinks."""
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    assert compat.attention_classes(llama()) == [LlamaAttention]
+    for arch in ("mistral", "qwen2", "qwen3"):
+        assert compat.attention_classes(make_models(arch)[0]) == [], arch
+    for arch in ("gemma3", "gpt_oss"):
+        assert compat.attention_classes(make_hybrid_models(arch)[0]) == [], arch
+
+
+def test_a_changed_llama_attention_signature_fails_naming_fused_qkv_false(monkeypatch):
+    """transformers renaming a parameter of LlamaAttention.forward: ``CompatError`` naming the version and the way
+    out (``fused_qkv=False``), at the first call that would wrap it."""
+    monkeypatch.setattr(compat, "LLAMA_ATTENTION", compat.LLAMA_ATTENTION.__class__(
+        **{**compat.LLAMA_ATTENTION.__dict__, "params": ("self", "hidden", "position_embeddings")}))
+    with pytest.raises(compat.CompatError, match=f"transformers {compat.TRANSFORMERS_VERSION}.*LlamaAttention.*"
+                                                 f"fused_qkv=False"):
+        compat.attention_classes(llama())
+
+
+def test_fused_qkv_is_opt_in_and_validated():
+    from hf_rocketkv import RocketKVConfig
+
+    assert RocketKVConfig().fused_qkv is False
+    assert RocketKVConfig(fused_qkv=True).fused_qkv is True
+    with pytest.raises(ValueError, match="fused_qkv must be True or False, got 1"):
+        RocketKVConfig(fused_qkv=1)
