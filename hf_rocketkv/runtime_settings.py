@@ -57,7 +57,7 @@ class RuntimeSettings:
     stage2_kernel: str = "auto"
     fused_experts: bool = True
     fused_mlp: bool = True
-    fused_qkv: bool = False
+    fused_qkv: bool = True
 
     def __post_init__(self) -> None:
         for name in BUCKET_FIELDS:  # YAML and JSON (model.config.rocketkv) hold lists; the frozen settings a tuple

@@ -258,7 +258,7 @@ def test_yaml_written_before_the_split_loads_and_is_written_back_unchanged():
         "stage2_sink_tokens": 8, "stage2_recent_tokens": 16, "stage2_score": "head_bound", "dense_layers": 1,
         "budget_schedule": "pyramid", "multi_turn": "evict", "decode_budget": 128, "decode_interval": 16,
         "decode_window": 8, "decode_kernel_size": 5}
-    assert config.to_yaml() == OLD_YAML + "  fused_experts: true\n  fused_mlp: true\n  fused_qkv: false\n"  # ADDED_SINCE, at its default
+    assert config.to_yaml() == OLD_YAML + "  fused_experts: true\n  fused_mlp: true\n  fused_qkv: true\n"  # ADDED_SINCE, at its default
 
 
 def test_a_flat_mapping_with_runtime_keys_loads_and_typos_are_named():

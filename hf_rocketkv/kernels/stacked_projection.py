@@ -111,9 +111,15 @@ def stacked_projection_reference(x: torch.Tensor, weights: tuple[torch.Tensor, .
 
 def _tiles(rows: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_R, BLOCK_C, BLOCK_K, warps, stages): the least row block ``tl.dot`` takes that holds ``rows``, and the
-    plain projection's tiles of ``gated_projection._tiles`` (one weight per stage, deep pipelines)."""
+    column and reduction tiles measured best (``benchmarks/probes/tune_gated_projection.py --parts attention``, 14 tile
+    choices at 1, 16 and 64 rows, Llama-3.1-8B and Gemma-3-12B shapes, one H100,
+    ``results/h100_2026-12-05_tune_qkv_projection.json``): 20.6-24.6 us against three cuBLAS calls' 33.6-37.7 at 1
+    and 16 rows with 32 columns and five stages of 128-wide reduction tiles, 26.5-29.1 against 34.0-34.6 at 64 rows
+    with 64 columns and three stages (five stages of that row block exceed the H100's shared memory)."""
     block_r = 16 if rows <= 16 else (32 if rows <= 32 else 64)
-    return block_r, 32, 256 if rows <= 16 else 128, 4, 5
+    if rows <= 16:
+        return block_r, 32, 128, 4, 5
+    return block_r, 64, 128, 4, 3
 
 
 def stacked_projection_triton(x: torch.Tensor, weights: tuple[torch.Tensor, ...],

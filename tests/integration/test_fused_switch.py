@@ -41,8 +41,7 @@ def test_fused_modeling_enters_the_switches_its_config_turns_on(off):
     actives = {"fused_rope": rope.fused_rope_active, "fused_norm": norm.fused_norm_active,
                "fused_experts": experts.fused_experts_active, "fused_mlp": mlp.fused_mlp_active,
                "fused_qkv": qkv.fused_qkv_active}
-    config = RocketKVConfig(fused_qkv=True)  # every switch on (fused_qkv is off by default)
-    config = config if off is None else config.replace(**{off: False})
+    config = RocketKVConfig() if off is None else RocketKVConfig(**{off: False})
     with fused_modeling(model, config):
         assert {name: active() for name, active in actives.items()} == {name: name != off for name in actives}
     with fused_modeling(model, RocketKVConfig(), enabled=False):

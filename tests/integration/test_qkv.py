@@ -166,10 +166,10 @@ def test_a_changed_llama_attention_signature_fails_naming_fused_qkv_false(monkey
         compat.attention_classes(llama())
 
 
-def test_fused_qkv_is_opt_in_and_validated():
+def test_fused_qkv_is_on_by_default_and_validated():
     from hf_rocketkv import RocketKVConfig
 
-    assert RocketKVConfig().fused_qkv is False
-    assert RocketKVConfig(fused_qkv=True).fused_qkv is True
+    assert RocketKVConfig().fused_qkv is True
+    assert RocketKVConfig(fused_qkv=False).fused_qkv is False
     with pytest.raises(ValueError, match="fused_qkv must be True or False, got 1"):
         RocketKVConfig(fused_qkv=1)
