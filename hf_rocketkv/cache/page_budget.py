@@ -84,37 +84,50 @@ def decode_tokens(config: RocketKVConfig, max_new_tokens: int) -> int:
 PER_LAYER_LAYOUTS = (("dense_layers", 0), ("budget_schedule", "flat"))  # fields a pool needs at these values
 
 
-def pool_policy_refusal(cfg: RocketKVConfig) -> str | None:
-    """Why a pool cannot account for ``cfg``, as one short phrase naming the field (the first such field), or None:
-    a per-layer layout (``PER_LAYER_LAYOUTS``: the pool lays out every layer alike), per-head budgets (AdaKV:
-    ``stage1``). ``check_pool_policy`` raises the long form of the same refusal."""
+def _pool_policy_problem(cfg: RocketKVConfig) -> tuple[str, Any, Any] | None:
+    """The first field a pool cannot account for: ``(name, value, the value a pool needs)`` for a per-layer layout
+    (``PER_LAYER_LAYOUTS``: the pool lays out every layer alike), ``("stage1", policy name, None)`` for per-head
+    budgets (AdaKV); None when a pool can."""
     for name, plain in PER_LAYER_LAYOUTS:
-        if getattr(cfg, name, plain) != plain:
-            return f"{name}={getattr(cfg, name)!r} (a pool gives every layer the same budgets and pages)"
+        value = getattr(cfg, name, plain)
+        if value != plain:
+            return name, value, plain
     if getattr(cfg, "per_head_budgets", False):
-        return (f"stage1={getattr(cfg.stage1, 'name', cfg.stage1)!r} (each KV head keeps its own number of tokens, "
-                f"which pool pages cannot account for)")
+        return "stage1", getattr(cfg.stage1, "name", cfg.stage1), None
     return None
+
+
+def pool_policy_refusal(cfg: RocketKVConfig) -> str | None:
+    """Why a pool cannot account for ``cfg``, as one short phrase naming the field (the first such field), or None.
+    ``check_pool_policy`` raises the long form of the same refusal."""
+    problem = _pool_policy_problem(cfg)
+    if problem is None:
+        return None
+    name, value, _ = problem
+    if name == "stage1":
+        return f"stage1={value!r} (each KV head keeps its own number of tokens, which pool pages cannot account for)"
+    return f"{name}={value!r} (a pool gives every layer the same budgets and pages)"
 
 
 def check_pool_policy(cfg: RocketKVConfig) -> None:
     """Refuse a config a pool cannot account for (``KVBlockPool.check_config``; the serve CLI and the eval harness
     call it before loading a model): the ValueError names the field of ``pool_policy_refusal`` and the way out."""
-    for name, plain in PER_LAYER_LAYOUTS:
-        value = getattr(cfg, name, plain)
-        if value != plain:
-            raise ValueError(
-                f"RocketKVConfig.{name}={value!r}: a KVBlockPool (and the batching engine on it) gives every layer the "
-                f"same budgets and pages; use RocketKVCache(config) without a pool (generate(), the sequential "
-                f"engine), or {name}={plain!r}")
-    if getattr(cfg, "per_head_budgets", False):
+    problem = _pool_policy_problem(cfg)
+    if problem is None:
+        return
+    name, value, plain = problem
+    if name == "stage1":
         raise ValueError(
-            f"RocketKVConfig.stage1={getattr(cfg.stage1, 'name', cfg.stage1)!r} gives each KV head its own number "
+            f"RocketKVConfig.stage1={value!r} gives each KV head its own number "
             f"of kept tokens, which a KVBlockPool does not account for: a pool page holds every KV head of a row, "
             f"so admission would have to reserve the longest head's count for all of them. Use this policy "
             f"without pool= (RocketKVCache(cfg) stores per-head lengths), or a uniform policy with the pool "
             f"(snapkv, streaming, knorm, h2o, random)"
         )
+    raise ValueError(
+        f"RocketKVConfig.{name}={value!r}: a KVBlockPool (and the batching engine on it) gives every layer the "
+        f"same budgets and pages; use RocketKVCache(config) without a pool (generate(), the sequential "
+        f"engine), or {name}={plain!r}")
 
 
 def check_pool_config(cfg: Any, spec: PoolSpec) -> None:

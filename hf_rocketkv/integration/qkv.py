@@ -38,28 +38,29 @@ ROCKETKV_CACHES = (RocketKVCache, BatchedDecodeCache, PackedStepCache)
 def _compute(run_original, module, hidden_states, position_embeddings, attention_mask, cache, kwargs):
     """The kernel's projections and transformers' forward around them for a decode step, the original otherwise."""
     projections = (module.q_proj, module.k_proj, module.v_proj)
+    weights = tuple(getattr(p, "weight", None) for p in projections)
     if not (isinstance(kwargs, dict) and compat.LEGACY_CACHE_ARG not in kwargs and isinstance(cache, ROCKETKV_CACHES)
             and position_embeddings is not None and hidden_states.dim() == 3
             and hidden_states.device.type in FUSED_DEVICE_TYPES and not torch.is_grad_enabled()
             and all(plain_linear(p) for p in projections) and not distributed()
             and compat.attn_implementation(module) == ATTN_NAME
-            and stacked_projection_supported(hidden_states, tuple(p.weight for p in projections))):
+            and stacked_projection_supported(hidden_states, weights)):
         return run_original()
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, module.head_dim)
     query, key, value = (
         out.view(hidden_shape).transpose(1, 2)
-        for out in stacked_projection_triton(hidden_states, tuple(p.weight for p in projections))
+        for out in stacked_projection_triton(hidden_states, weights)
     )
     cos, sin = position_embeddings
     query, key = compat.attention_rotary(module)(query, key, cos, sin)
     key, value = cache.update(key, value, module.layer_idx)
-    output, weights = rocketkv_attention(
+    output, attention_weights = rocketkv_attention(
         module, query, key, value, attention_mask,
         dropout=0.0 if not module.training else module.attention_dropout, scaling=module.scaling, **kwargs,
     )
     output = output.reshape(*input_shape, -1).contiguous()
-    return module.o_proj(output), weights
+    return module.o_proj(output), attention_weights
 
 
 _SWITCH = FusedSwitch("hf_rocketkv_fused_qkv", "_hf_rocketkv_qkv_installed", compat.attention_classes,

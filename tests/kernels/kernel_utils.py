@@ -12,6 +12,17 @@ KT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e5m2)
 OUT_ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
+MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
+MIN_EXPONENT = {torch.bfloat16: -126, torch.float16: -14}
+
+
+def spacing(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The distance between neighbouring values of 16-bit ``dtype`` around float64 ``v`` (its unit in the last
+    place)."""
+    _, exponent = torch.frexp(v.abs().clamp_min(2.0 ** MIN_EXPONENT[dtype]))
+    return torch.ldexp(torch.ones_like(v), exponent - 1 - MANTISSA_BITS[dtype])
+
+
 def gen(*key) -> torch.Generator:
     """A generator seeded from the test's parameters (stable across processes, unlike hash())."""
     return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))

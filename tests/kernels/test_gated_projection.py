@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from tests.kernels.kernel_utils import DEVICE, gen
+from tests.kernels.kernel_utils import DEVICE, gen, spacing
 
 pytest.importorskip("triton")
 
@@ -33,15 +33,7 @@ from hf_rocketkv.kernels.gated_projection import (  # noqa: E402
 
 pytestmark = pytest.mark.gpu  # compiled for the GPU where one is present (pytest -m gpu); interpreted on CPU
 
-MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
-MIN_EXPONENT = {torch.bfloat16: -126, torch.float16: -14}
 ACT_SLOPE = 1.2  # |silu'| <= 1.1 and |gelu_tanh'| <= 1.13 everywhere
-
-
-def spacing(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The distance between neighbouring values of ``dtype`` around float64 ``v`` (its unit in the last place)."""
-    _, exponent = torch.frexp(v.abs().clamp_min(2.0 ** MIN_EXPONENT[dtype]))
-    return torch.ldexp(torch.ones_like(v), exponent - 1 - MANTISSA_BITS[dtype])
 
 
 def activation(g: torch.Tensor, act: str) -> torch.Tensor:

@@ -9,7 +9,7 @@ modules run them) is held to the same bound, so the bound is not looser for the 
 import pytest
 import torch
 
-from tests.kernels.kernel_utils import DEVICE, gen
+from tests.kernels.kernel_utils import DEVICE, gen, spacing
 
 pytest.importorskip("triton")
 
@@ -22,15 +22,6 @@ from hf_rocketkv.kernels.stacked_projection import (  # noqa: E402
 )
 
 pytestmark = pytest.mark.gpu  # compiled for the GPU where one is present (pytest -m gpu); interpreted on CPU
-
-MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
-MIN_EXPONENT = {torch.bfloat16: -126, torch.float16: -14}
-
-
-def spacing(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The distance between neighbouring values of ``dtype`` around float64 ``v`` (its unit in the last place)."""
-    _, exponent = torch.frexp(v.abs().clamp_min(2.0 ** MIN_EXPONENT[dtype]))
-    return torch.ldexp(torch.ones_like(v), exponent - 1 - MANTISSA_BITS[dtype])
 
 
 def inputs(rows, hidden, outs, dtype, key):
