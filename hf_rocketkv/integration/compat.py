@@ -46,10 +46,11 @@ which registration sets to ``require`` (a changed transformers then fails at the
 | models.llama.modeling_llama.LlamaMLP.forward (and   | wrapped     | a few tokens' gate/up projection, activation and      |
 |   classes with its byte code); read gate_proj,      | (optional)  | product in one launch in RocketKV calls               |
 |   up_proj, down_proj, act_fn (ACT2FN's SiLU, GELU)  |             | (``integration/mlp.py``, ``mlp_classes``)             |
-| models.llama.modeling_llama.LlamaAttention.forward  | wrapped     | a decode step's q/k/v projections in one launch in    |
-|   (and classes with its undecorated byte code);     | (optional)  | RocketKV calls (``integration/qkv.py``,               |
-|   read q_proj, k_proj, v_proj, o_proj, head_dim,    |             | ``attention_classes``); the rest of the forward as    |
-|   scaling, layer_idx, apply_rotary_pos_emb          |             | transformers writes it                                |
+| models.llama.modeling_llama.LlamaAttention.forward, | wrapped     | a decode step's q/k/v projections in one launch in    |
+|   models.gemma3.modeling_gemma3.Gemma3Attention.    | (optional)  | RocketKV calls (``integration/qkv.py``,               |
+|   forward (and classes with their byte codes); read |             | ``attention_classes``); the rest of the forward as    |
+|   q/k/v/o_proj, q_norm, k_norm, head_dim, scaling,  |             | transformers writes it                                |
+|   sliding_window, layer_idx, apply_rotary_pos_emb   |             |                                                       |
 | use_experts_implementation classes: forward; read   | wrapped     | a few tokens' experts read in place in RocketKV calls |
 |   has_gate, has_bias, is_transposed, _apply_gate... | (optional)  | (``integration/experts.py``, ``experts_layout``)      |
 |   GptOssExperts._apply_gate (qualname), alpha, limit|             | gpt-oss' gate in one prefill kernel (``clamped_glu``) |
@@ -520,9 +521,15 @@ def mlp_activation(act) -> str | None:
 
 
 # --------------------------------------------------------------------------------------------------- attention
-LLAMA_ATTENTION = ModuleFormula("models.llama.modeling_llama", "LlamaAttention", ("forward",),
-                                ("self", "hidden_states", "position_embeddings", "attention_mask", CACHE_ARG, "kwargs"),
-                                "head_dim", "fused_qkv")
+_ATTENTION_PARAMS = ("self", "hidden_states", "position_embeddings", "attention_mask", CACHE_ARG, "kwargs")
+# the attention forwards ``integration/qkv.py`` replays around one q/k/v launch: Llama's (views, RoPE, update,
+# attention, o_proj) and Gemma 3's (the same with per-head q/k norms before RoPE and the layer's sliding window)
+ATTENTION_FORMULAS = {
+    "llama": ModuleFormula("models.llama.modeling_llama", "LlamaAttention", ("forward",), _ATTENTION_PARAMS,
+                           "head_dim", "fused_qkv"),
+    "gemma3": ModuleFormula("models.gemma3.modeling_gemma3", "Gemma3Attention", ("forward",), _ATTENTION_PARAMS,
+                            "head_dim", "fused_qkv"),
+}
 
 
 def _inner(function):
@@ -530,13 +537,14 @@ def _inner(function):
     return inspect.unwrap(function)
 
 
-def attention_classes(model) -> list[type]:
+def attention_classes(model, form: str = "llama") -> list[type]:
     """The transformers classes of ``model``'s modules whose undecorated ``forward`` has the byte code of
-    ``LlamaAttention.forward``'s (q/k/v projections, RoPE, the cache's update, the attention function, o_proj);
-    ``CompatError`` naming ``fused_qkv=False`` when that forward takes other parameters."""
-    _formula_reference(LLAMA_ATTENTION)  # the parameters, bound by name
-    reference = code_key(_inner(getattr(importlib.import_module(f"transformers.{LLAMA_ATTENTION.module}"),
-                                        LLAMA_ATTENTION.name).forward))
+    ``ATTENTION_FORMULAS[form]``'s class; ``CompatError`` naming ``fused_qkv=False`` when that forward takes other
+    parameters."""
+    formula = ATTENTION_FORMULAS[form]
+    _formula_reference(formula)  # the parameters, bound by name
+    reference = code_key(_inner(getattr(importlib.import_module(f"transformers.{formula.module}"),
+                                        formula.name).forward))
     found = {}
     for _, owner in _forward_owners(model):
         if owner not in found and code_key(_inner(owner.__dict__["forward"])) == reference:

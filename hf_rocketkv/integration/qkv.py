@@ -14,12 +14,16 @@ Everything else runs transformers' own forward with the arguments it received: f
 chunks), fp32, CPU, a cache that is not RocketKV's, another attention implementation, a call traced by torch.compile
 or recording gradients, the cache passed under its old name, projections that are not plain bias-free
 ``nn.Linear`` modules over plain tensors (quantized, LoRA wrappers, DTensor) or carry hooks, and a process group in
-use (tensor parallelism). Which classes: those whose undecorated ``forward`` has exactly ``LlamaAttention.forward``'s
-byte code (``compat.attention_classes``), wrapped once per class (``compat.install_forward``); ``fused_qkv(model,
-enabled)`` sets a ContextVar for the call (per thread and per asyncio task, never process-wide).
+use (tensor parallelism). Which classes: those whose undecorated ``forward`` has exactly the byte code of
+``LlamaAttention.forward`` or of ``Gemma3Attention.forward`` (the same steps with per-head ``q_norm`` / ``k_norm``
+before RoPE and the layer's ``sliding_window`` passed on; ``compat.attention_classes``), wrapped once per class
+(``compat.install_forward``); ``fused_qkv(model, enabled)`` sets a ContextVar per form for the call (per thread and
+per asyncio task, never process-wide).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -35,8 +39,10 @@ FUSED_DEVICE_TYPES = ("cuda",)  # the kernel's devices (the CPU tests add "cpu":
 ROCKETKV_CACHES = (RocketKVCache, BatchedDecodeCache, PackedStepCache)
 
 
-def _compute(run_original, module, hidden_states, position_embeddings, attention_mask, cache, kwargs):
-    """The kernel's projections and transformers' forward around them for a decode step, the original otherwise."""
+def _projected(run_original, module, hidden_states, position_embeddings, attention_mask, cache, kwargs, normed):
+    """The kernel's projections and transformers' forward around them for a decode step, the original otherwise.
+    ``normed``: Gemma 3's form (per-head ``q_norm`` / ``k_norm`` before RoPE, the layer's ``sliding_window`` passed
+    to the attention function)."""
     projections = (module.q_proj, module.k_proj, module.v_proj)
     weights = tuple(getattr(p, "weight", None) for p in projections)
     if not (isinstance(kwargs, dict) and compat.LEGACY_CACHE_ARG not in kwargs and isinstance(cache, ROCKETKV_CACHES)
@@ -52,24 +58,42 @@ def _compute(run_original, module, hidden_states, position_embeddings, attention
         out.view(hidden_shape).transpose(1, 2)
         for out in stacked_projection_triton(hidden_states, weights)
     )
+    window = {}
+    if normed:
+        query, key = module.q_norm(query), module.k_norm(key)
+        window = {"sliding_window": module.sliding_window}
     cos, sin = position_embeddings
     query, key = compat.attention_rotary(module)(query, key, cos, sin)
     key, value = cache.update(key, value, module.layer_idx)
     output, attention_weights = rocketkv_attention(
         module, query, key, value, attention_mask,
-        dropout=0.0 if not module.training else module.attention_dropout, scaling=module.scaling, **kwargs,
+        dropout=0.0 if not module.training else module.attention_dropout, scaling=module.scaling, **window, **kwargs,
     )
     output = output.reshape(*input_shape, -1).contiguous()
     return module.o_proj(output), attention_weights
 
 
-_SWITCH = FusedSwitch("hf_rocketkv_fused_qkv", "_hf_rocketkv_qkv_installed", compat.attention_classes,
-                      compat.install_forward, _compute)
+def _switch(form: str, normed: bool) -> FusedSwitch:
+    """The switch of one attention form (``compat.ATTENTION_FORMULAS``): its classes wrapped once per model."""
+    def compute(run_original, module, hidden_states, position_embeddings, attention_mask, cache, kwargs):
+        return _projected(run_original, module, hidden_states, position_embeddings, attention_mask, cache, kwargs,
+                          normed)
+
+    return FusedSwitch(f"hf_rocketkv_fused_qkv_{form}", f"_hf_rocketkv_qkv_{form}_installed",
+                       lambda model: compat.attention_classes(model, form), compat.install_forward, compute)
 
 
+_SWITCHES = (_switch("llama", normed=False), _switch("gemma3", normed=True))
+
+
+@contextlib.contextmanager
 def fused_qkv(model, enabled: bool):
     """Within the block, this thread's forwards of ``model`` project q/k/v in one launch (when ``enabled``)."""
-    return _SWITCH.enabled(model, enabled)
+    with contextlib.ExitStack() as stack:
+        for switch in _SWITCHES:
+            stack.enter_context(switch.enabled(model, enabled))
+        yield
 
 
-fused_qkv_active = _SWITCH.active
+def fused_qkv_active() -> bool:
+    return any(switch.active() for switch in _SWITCHES)

@@ -13,7 +13,10 @@ taken and where it is not. Oracles:
 - calls that must never take the kernel (fp32, a DynamicCache, projections with a bias or hooks, grad mode, a
   prefill, a process group): no kernel call, and the output equal bit for bit to the forward outside the switch.
 - ``compat.attention_classes``: LlamaAttention's undecorated byte code is found in Llama, not in Mistral's or
-  Gemma 3's attention (a sliding window argument, q/k norms).
+  Gemma 3's attention (a sliding window argument, q/k norms); Gemma3Attention's only in Gemma 3.
+- Gemma 3 (the ``gemma3`` form: q/k norms before RoPE, sliding and global layers): the twin's logits bit for bit
+  those of ``fused_qkv=False`` through generate() and through the batching engine's decode steps, every attention
+  layer of a decode step taking the kernel.
 """
 
 from __future__ import annotations
@@ -156,14 +159,80 @@ def test_which_attention_classes_are_llamas():
         assert compat.attention_classes(make_hybrid_models(arch)[0]) == [], arch
 
 
-def test_a_changed_llama_attention_signature_fails_naming_fused_qkv_false(monkeypatch):
-    """transformers renaming a parameter of LlamaAttention.forward: ``CompatError`` naming the version and the way
-    out (``fused_qkv=False``), at the first call that would wrap it."""
-    monkeypatch.setattr(compat, "LLAMA_ATTENTION", compat.LLAMA_ATTENTION.__class__(
-        **{**compat.LLAMA_ATTENTION.__dict__, "params": ("self", "hidden", "position_embeddings")}))
-    with pytest.raises(compat.CompatError, match=f"transformers {compat.TRANSFORMERS_VERSION}.*LlamaAttention.*"
+def test_which_attention_classes_are_gemma3s():
+    """Gemma3Attention's byte code (q/k norms on ``[B, H, T, D]`` before RoPE, the sliding window passed on) is
+    Gemma 3's alone: Qwen3 norms q and k before the transpose, Gemma 2 soft-caps, Cohere 2 has no norms."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3Attention
+
+    assert compat.attention_classes(make_hybrid_models("gemma3")[0], "gemma3") == [Gemma3Attention]
+    for arch in ("llama", "qwen3"):
+        assert compat.attention_classes(make_models(arch)[0], "gemma3") == [], arch
+    for arch in ("gemma2", "cohere2", "gpt_oss", "mistral"):
+        assert compat.attention_classes(make_hybrid_models(arch)[0], "gemma3") == [], arch
+
+
+@pytest.mark.parametrize("form, model", [("llama", llama), ("gemma3", lambda: make_hybrid_models("gemma3")[0])],
+                         ids=["llama", "gemma3"])
+def test_a_changed_attention_signature_fails_naming_fused_qkv_false(monkeypatch, form, model):
+    """transformers renaming a parameter of the attention forward: ``CompatError`` naming the version, the class and
+    the way out (``fused_qkv=False``), at the first call that would wrap it."""
+    formula = compat.ATTENTION_FORMULAS[form]
+    monkeypatch.setitem(compat.ATTENTION_FORMULAS, form, formula.__class__(
+        **{**formula.__dict__, "params": ("self", "hidden", "position_embeddings")}))
+    with pytest.raises(compat.CompatError, match=f"transformers {compat.TRANSFORMERS_VERSION}.*{formula.name}.*"
                                                  f"fused_qkv=False"):
-        compat.attention_classes(llama())
+        compat.attention_classes(model(), form)
+
+
+# --------------------------------------------------------------------------------------------------- Gemma 3
+def gemma3(**overrides):
+    return make_hybrid_models("gemma3", **overrides)[0].to(DEVICE, torch.bfloat16)
+
+
+@pytest.fixture
+def twin(counted, monkeypatch):
+    """The kernel replaced by its twin (the modules' own projections, bit for bit), calls still recorded."""
+    monkeypatch.setattr(qkv, "stacked_projection_triton", lambda x, weights: (
+        counted.append(tuple(x.shape)), stacked_projection_reference(x, weights))[1])
+    return counted
+
+
+def test_gemma3_fused_forward_is_transformers_forward_around_the_projections(twin):
+    """Sliding layers (window 8) and a global one, a left-padded batch past the window: every decode step's logits
+    equal ``fused_qkv=False``'s bit for bit, and each decode forward's four attention layers take the kernel."""
+    model = gemma3()
+    ids, mask = padded_batch((30, 27))
+    config = compressing_config(kt_cache_dtype="float32", fused_mlp=False, fused_qkv=True)
+    plain_tokens, plain_logits = generate(model, ids, mask, RocketKVCache(config.replace(fused_qkv=False)), 5)
+    assert twin == []
+    tokens, logits = generate(model, ids, mask, RocketKVCache(config), 5)
+    decode = [shape for shape in twin if shape[1] == 1]
+    assert set(decode) == {(2, 1, model.config.hidden_size)}
+    if DEVICE.type == "cpu":
+        assert len(decode) == model.config.num_hidden_layers * 4
+    assert torch.equal(tokens, plain_tokens)
+    assert torch.equal(logits, plain_logits)
+
+
+def test_gemma3_decode_steps_in_the_batching_engine_keep_their_tokens(twin):
+    """The engine's batched decode (``BatchedDecodeCache``: ragged rows, sliding-window slots) with the twin: each
+    request's tokens those of ``fused_qkv=False``, the kernel taken by the batched steps."""
+    from tests.serving.helpers import prompt_of
+    from tests.support.tiny_models import cpu_pool
+    from hf_rocketkv.serving import SamplingParams, generate_batch
+
+    model = gemma3()
+    config = compressing_config(kt_cache_dtype="float32", fused_mlp=False)
+    prompts = [prompt_of(n, seed=40 + n) for n in (30, 17, 26)]
+    runs = {}
+    for on in (False, True):
+        pool = cpu_pool(model, config, 2 << 20, 8, dtype=torch.bfloat16, sliding_slots=6, device=DEVICE.type)
+        results = generate_batch(model, prompts, config=config.replace(fused_qkv=on), pool=pool,
+                                 sampling=SamplingParams.greedy(6))
+        runs[on] = [result.token_ids for result in results]
+        assert (twin != []) == on
+    assert {shape[0] for shape in twin if shape[1] == 1} - {1}  # batched decode steps (rows > 1) took the kernel
+    assert runs[True] == runs[False]
 
 
 def test_fused_qkv_is_on_by_default_and_validated():
