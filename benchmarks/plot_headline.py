@@ -3,7 +3,8 @@ tokens/s per GPU of RocketKV's batched decode against the batch a dense cache co
 
     python -m benchmarks.plot_headline results/h200_2026-11-22_decode_b1_32k.json \
         results/h200_2026-11-22_decode_b1_100k.json results/h200_2026-11-27_decode_b1_32k_final.json \
-        results/h200_2026-11-27_decode_b64_32k_final.json --out docs/img/headline_h200.png
+        results/h200_2026-11-27_decode_b64_32k_final.json results/h200_2026-12-05_decode_b1_32k_eager_graphs.json \
+        --out docs/img/headline_h200.png
 
 Reads ``decode_bench.json`` files of ``hf_rocketkv.bench.decode`` (``hf-rocketkv bench``). Left panel: every batch-1
 row, one line per cache kind (``rocketkv-graphs`` and ``rocketkv-compile`` are drawn as RocketKV; where several files
