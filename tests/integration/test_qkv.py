@@ -68,18 +68,33 @@ def llama(dtype=torch.bfloat16, **overrides):
     return make_models("llama", **overrides)[0].to(DEVICE, dtype)
 
 
-def test_the_fused_forward_is_transformers_forward_around_the_projections(counted, monkeypatch):
-    """The kernel swapped for its twin (the modules' own projections, bit for bit): every decode step's logits equal
-    ``fused_qkv=False``'s bit for bit, so nothing but the projections' launch changed."""
+def gemma3(**overrides):
+    return make_hybrid_models("gemma3", **overrides)[0].to(DEVICE, torch.bfloat16)
+
+
+@pytest.fixture
+def twin(counted, monkeypatch):
+    """The kernel replaced by its twin (the modules' own projections, bit for bit), calls still recorded."""
     monkeypatch.setattr(qkv, "stacked_projection_triton", lambda x, weights: (
         counted.append(tuple(x.shape)), stacked_projection_reference(x, weights))[1])
-    model = llama()
+    return counted
+
+
+@pytest.mark.parametrize("build", [llama, gemma3], ids=["llama", "gemma3"])
+def test_the_fused_forward_is_transformers_forward_around_the_projections(twin, build):
+    """The kernel swapped for its twin: every decode step's logits equal ``fused_qkv=False``'s bit for bit, so
+    nothing but the projections' launch changed, and each decode forward's attention layers take the kernel. Gemma 3:
+    sliding layers (window 8) and a global one, a left-padded batch past the window."""
+    model = build()
     ids, mask = padded_batch((30, 27))
     config = compressing_config(kt_cache_dtype="float32", fused_mlp=False, fused_qkv=True)
-    plain_tokens, plain_logits = generate(model, ids, mask, RocketKVCache(config.replace(fused_qkv=False)), 4)
-    assert counted == []
-    tokens, logits = generate(model, ids, mask, RocketKVCache(config), 4)
-    assert len(counted) > 0
+    plain_tokens, plain_logits = generate(model, ids, mask, RocketKVCache(config.replace(fused_qkv=False)), 5)
+    assert twin == []
+    tokens, logits = generate(model, ids, mask, RocketKVCache(config), 5)
+    decode = [shape for shape in twin if shape[1] == 1]
+    assert set(decode) == {(2, 1, model.config.hidden_size)}
+    if DEVICE.type == "cpu":
+        assert len(decode) == model.config.num_hidden_layers * 4
     assert torch.equal(tokens, plain_tokens)
     assert torch.equal(logits, plain_logits)
 
@@ -185,35 +200,6 @@ def test_a_changed_attention_signature_fails_naming_fused_qkv_false(monkeypatch,
 
 
 # --------------------------------------------------------------------------------------------------- Gemma 3
-def gemma3(**overrides):
-    return make_hybrid_models("gemma3", **overrides)[0].to(DEVICE, torch.bfloat16)
-
-
-@pytest.fixture
-def twin(counted, monkeypatch):
-    """The kernel replaced by its twin (the modules' own projections, bit for bit), calls still recorded."""
-    monkeypatch.setattr(qkv, "stacked_projection_triton", lambda x, weights: (
-        counted.append(tuple(x.shape)), stacked_projection_reference(x, weights))[1])
-    return counted
-
-
-def test_gemma3_fused_forward_is_transformers_forward_around_the_projections(twin):
-    """Sliding layers (window 8) and a global one, a left-padded batch past the window: every decode step's logits
-    equal ``fused_qkv=False``'s bit for bit, and each decode forward's four attention layers take the kernel."""
-    model = gemma3()
-    ids, mask = padded_batch((30, 27))
-    config = compressing_config(kt_cache_dtype="float32", fused_mlp=False, fused_qkv=True)
-    plain_tokens, plain_logits = generate(model, ids, mask, RocketKVCache(config.replace(fused_qkv=False)), 5)
-    assert twin == []
-    tokens, logits = generate(model, ids, mask, RocketKVCache(config), 5)
-    decode = [shape for shape in twin if shape[1] == 1]
-    assert set(decode) == {(2, 1, model.config.hidden_size)}
-    if DEVICE.type == "cpu":
-        assert len(decode) == model.config.num_hidden_layers * 4
-    assert torch.equal(tokens, plain_tokens)
-    assert torch.equal(logits, plain_logits)
-
-
 def test_gemma3_decode_steps_in_the_batching_engine_keep_their_tokens(twin):
     """The engine's batched decode (``BatchedDecodeCache``: ragged rows, sliding-window slots) with the twin: each
     request's tokens those of ``fused_qkv=False``, the kernel taken by the batched steps."""
