@@ -21,9 +21,10 @@ Rows, one process, the same model and prompt (batch 1):
     rocketkv-eager   the same, every decode step eager (generate(disable_compile=True)): what the graphs save
     rocketkv-compile the same with ``decode_runner="torch_compile"`` (the decode step compiled by inductor, one graph
                      per batch bucket; its compilation is in the row's ``wall_s`` and first gaps, not the median)
-    rocketkv-experts-off / rocketkv-mlp-off / rocketkv-qkv-off  the defaults with ``fused_experts=False`` /
-                     ``fused_mlp=False`` / ``fused_qkv=False`` (transformers' own experts / gated-MLP / attention
-                     forward in the decode step); opt-in, as rocketkv-compile
+    rocketkv-experts-off / rocketkv-mlp-off / rocketkv-qkv-off / rocketkv-residual-off  the defaults with
+                     ``fused_experts=False`` / ``fused_mlp=False`` / ``fused_qkv=False`` / ``fused_residual=False``
+                     (transformers' own experts / gated-MLP / attention / decoder-layer forward in the decode step);
+                     opt-in, as rocketkv-compile
 The dense rows of gpt-oss prefill in chunks of ``--dense-prefill-chunk`` tokens (generate's prefill_chunk_size; with
 the static cache generate compiles the chunk's forward too): transformers' eager attention would otherwise hold
 64 x 32k x 32k logits at once (1024: ~13 GiB of them per chunk). Gemma 3's dense rows (sdpa) prefill in one forward
@@ -58,9 +59,9 @@ from hf_rocketkv.integration import compat
 from hf_rocketkv.integration.call_state import call_state
 
 CACHES = ("dynamic", "static-compile", "rocketkv", "rocketkv-eager", "rocketkv-compile", "rocketkv-experts-off",
-          "rocketkv-mlp-off", "rocketkv-qkv-off")
+          "rocketkv-mlp-off", "rocketkv-qkv-off", "rocketkv-residual-off")
 # rows run only when asked (--caches)
-OPT_IN = ("rocketkv-compile", "rocketkv-experts-off", "rocketkv-mlp-off", "rocketkv-qkv-off")
+OPT_IN = ("rocketkv-compile", "rocketkv-experts-off", "rocketkv-mlp-off", "rocketkv-qkv-off", "rocketkv-residual-off")
 
 
 def gpt_oss_20b(quick: bool) -> tuple:
@@ -148,6 +149,8 @@ def run_row(model, dense_attention: str, cache_kind: str, ids: torch.Tensor, new
             rocket = rocket.replace(fused_mlp=False)
         if cache_kind == "rocketkv-qkv-off":  # three q/k/v projections (fused_qkv=False)
             rocket = rocket.replace(fused_qkv=False)
+        if cache_kind == "rocketkv-residual-off":  # transformers' own residual adds and norms (fused_residual=False)
+            rocket = rocket.replace(fused_residual=False)
         cache = RocketKVCache(rocket)
         kwargs.update(compat.cache_kwargs(cache))
         kwargs["disable_compile"] = cache_kind == "rocketkv-eager"

@@ -48,9 +48,13 @@ which registration sets to ``require`` (a changed transformers then fails at the
 |   up_proj, down_proj, act_fn (ACT2FN's SiLU, GELU)  |             | (``integration/mlp.py``, ``mlp_classes``)             |
 | models.llama.modeling_llama.LlamaAttention.forward, | wrapped     | a decode step's q/k/v projections in one launch in    |
 |   models.gemma3.modeling_gemma3.Gemma3Attention.    | (optional)  | RocketKV calls (``integration/qkv.py``,               |
-|   forward (and classes with their byte codes); read |             | ``attention_classes``); the rest of the forward as    |
+|   forward (and classes with their byte codes); read |             | ``forward_classes``); the rest of the forward as    |
 |   q/k/v/o_proj, q_norm, k_norm, head_dim, scaling,  |             | transformers writes it                                |
 |   sliding_window, layer_idx, apply_rotary_pos_emb   |             |                                                       |
+| models.llama.modeling_llama.LlamaDecoderLayer.      | wrapped     | a residual add and the norms beside it in one launch  |
+|   forward, models.gemma3.modeling_gemma3.Gemma3-    | (optional)  | in RocketKV calls (``integration/residual.py``); the  |
+|   DecoderLayer.forward (and classes with their byte |             | sublayers called as transformers calls them           |
+|   codes); read the norms, self_attn, mlp            |             |                                                       |
 | use_experts_implementation classes: forward; read   | wrapped     | a few tokens' experts read in place in RocketKV calls |
 |   has_gate, has_bias, is_transposed, _apply_gate... | (optional)  | (``integration/experts.py``, ``experts_layout``)      |
 |   GptOssExperts._apply_gate (qualname), alpha, limit|             | gpt-oss' gate in one prefill kernel (``clamped_glu``) |
@@ -91,8 +95,8 @@ from transformers.cache_utils import Cache
 
 from .compat_calls import (  # noqa: F401 - all re-exported: the cache argument's name and the call binding
     CACHE_ARG, CACHE_ARGS, LEGACY_CACHE_ARG, MODELING_LOCK, ROTARY_NAME, ROTARY_PARAMS, WRAPPED_MARK, Call,
-    GenerateHooks, _unwrapped, _wrap, cache_from, cache_kwargs, code_key, install_forward, install_rotary,
-    output_cache, rotary_modules, with_cache,
+    GenerateHooks, _unwrapped, _wrap, cache_from, cache_kwargs, code_key, forward_tag, install_forward,
+    install_rotary, output_cache, rotary_modules, with_cache,
 )
 
 TRANSFORMERS_VERSION: str = transformers.__version__
@@ -179,7 +183,6 @@ CACHE_CONTRACT = PrivateSymbol(
     ("self", "layer_idx"),
     "RocketKVCache answers the mask code's query offset with a device counter (no host sync per step)",
 )
-
 GENERATE = PrivateSymbol(
     "GenerationMixin.generate",
     lambda: _unwrapped(GenerationMixin.generate),
@@ -188,17 +191,8 @@ GENERATE = PrivateSymbol(
     "batch-size buckets: a RocketKV request's rows are padded to a bucket and stripped from the output",
 )
 
-SYMBOLS: tuple[PrivateSymbol, ...] = (
-    GENERATE,
-    PREPARE_CACHE,
-    PREFILL,
-    PREPARE_INPUTS,
-    COMPILED_CALL,
-    DEFERRED_STOP,
-    SDPA_ATTENTION,
-    SDPA_MASK,
-    CACHE_CONTRACT,
-)
+SYMBOLS: tuple[PrivateSymbol, ...] = (GENERATE, PREPARE_CACHE, PREFILL, PREPARE_INPUTS, COMPILED_CALL, DEFERRED_STOP,
+                                      SDPA_ATTENTION, SDPA_MASK, CACHE_CONTRACT)
 
 
 def check_symbol(symbol: PrivateSymbol) -> str | None:
@@ -520,15 +514,24 @@ def mlp_activation(act) -> str | None:
     return kernel
 
 
-# --------------------------------------------------------------------------------------------------- attention
+# --------------------------------------------------------------------------------------------------- attention, layers
 _ATTENTION_PARAMS = ("self", "hidden_states", "position_embeddings", "attention_mask", CACHE_ARG, "kwargs")
-# the attention forwards ``integration/qkv.py`` replays around one q/k/v launch: Llama's (views, RoPE, update,
-# attention, o_proj) and Gemma 3's (the same with per-head q/k norms before RoPE and the layer's sliding window)
+# the forwards integration/ replays around its kernels: attention (``qkv.py``: views, RoPE, update, attention,
+# o_proj; Gemma 3's with per-head q/k norms before RoPE and the layer's sliding window) and decoder layers
+# (``residual.py``: the residual adds beside the norms; Gemma 3's with a norm after each sublayer)
 ATTENTION_FORMULAS = {
     "llama": ModuleFormula("models.llama.modeling_llama", "LlamaAttention", ("forward",), _ATTENTION_PARAMS,
                            "head_dim", "fused_qkv"),
     "gemma3": ModuleFormula("models.gemma3.modeling_gemma3", "Gemma3Attention", ("forward",), _ATTENTION_PARAMS,
                             "head_dim", "fused_qkv"),
+}
+DECODER_FORMULAS = {
+    "llama": ModuleFormula("models.llama.modeling_llama", "LlamaDecoderLayer", ("forward",),
+                           ("self", "hidden_states", "attention_mask", "position_ids", CACHE_ARG, "use_cache",
+                            "position_embeddings", "kwargs"), "mlp", "fused_residual"),
+    "gemma3": ModuleFormula("models.gemma3.modeling_gemma3", "Gemma3DecoderLayer", ("forward",),
+                            ("self", "hidden_states", "position_embeddings", "attention_mask", "position_ids",
+                             CACHE_ARG, "kwargs"), "mlp", "fused_residual"),
 }
 
 
@@ -537,11 +540,10 @@ def _inner(function):
     return inspect.unwrap(function)
 
 
-def attention_classes(model, form: str = "llama") -> list[type]:
+def forward_classes(model, formula: ModuleFormula) -> list[type]:
     """The transformers classes of ``model``'s modules whose undecorated ``forward`` has the byte code of
-    ``ATTENTION_FORMULAS[form]``'s class; ``CompatError`` naming ``fused_qkv=False`` when that forward takes other
-    parameters."""
-    formula = ATTENTION_FORMULAS[form]
+    ``formula``'s class (``ATTENTION_FORMULAS``, ``DECODER_FORMULAS``); ``CompatError`` naming the formula's switch
+    when that forward takes other parameters."""
     _formula_reference(formula)  # the parameters, bound by name
     reference = code_key(_inner(getattr(importlib.import_module(f"transformers.{formula.module}"),
                                         formula.name).forward))

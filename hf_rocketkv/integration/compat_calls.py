@@ -22,6 +22,7 @@ import torch
 from transformers import Cache, GenerationMixin
 
 WRAPPED_MARK = "__hf_rocketkv_wrapped__"
+FORWARD_TAG = "__hf_rocketkv_forward_tag__"  # install_forward's tag on its wrapper (forward_tag)
 
 
 def _unwrapped(function):
@@ -218,10 +219,12 @@ def code_key(function):
     return None if code is None else (code.co_code, code.co_consts, code.co_names, code.co_varnames)
 
 
-def install_forward(owner: type, active: Callable[[], bool], compute: Callable[..., Any]) -> None:
+def install_forward(owner: type, active: Callable[[], bool], compute: Callable[..., Any], tag: str | None = None
+                    ) -> None:
     """Wrap ``owner.forward`` once (thread-safe; a norm, MLP or experts class): the original with its arguments
     untouched unless ``active()`` and torch.compile is not tracing; then ``compute(run_original, self, *arguments)``
-    decides, the arguments bound by the original's signature (defaults applied)."""
+    decides, the arguments bound by the original's signature (defaults applied). ``tag`` (a norm's formula) is what
+    ``forward_tag`` reads back from the module."""
     with MODELING_LOCK:
         if getattr(original := owner.__dict__["forward"], WRAPPED_MARK, False):
             return
@@ -240,9 +243,16 @@ def install_forward(owner: type, active: Callable[[], bool], compute: Callable[.
             return compute(lambda: original(self, *args, **kwargs), self, *values)
 
         setattr(forward, WRAPPED_MARK, True)
+        setattr(forward, FORWARD_TAG, tag)
         owner.forward = forward
 
 
+def forward_tag(module) -> str | None:
+    """The ``tag`` ``install_forward`` wrapped the forward that ``module`` runs with (None: not wrapped, or a
+    subclass's own forward)."""
+    return getattr(type(module).forward, FORWARD_TAG, None)
+
+
 __all__ = ["CACHE_ARG", "CACHE_ARGS", "LEGACY_CACHE_ARG", "MODELING_LOCK", "ROTARY_NAME", "ROTARY_PARAMS",
-           "WRAPPED_MARK", "Call", "GenerateHooks", "cache_from", "cache_kwargs", "code_key", "install_forward",
-           "install_rotary", "output_cache", "rotary_modules", "with_cache"]
+           "WRAPPED_MARK", "Call", "GenerateHooks", "cache_from", "cache_kwargs", "code_key", "forward_tag",
+           "install_forward", "install_rotary", "output_cache", "rotary_modules", "with_cache"]

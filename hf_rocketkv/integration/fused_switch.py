@@ -47,3 +47,13 @@ class FusedSwitch:
 
     def active(self) -> bool:
         return self._active.get()
+
+
+@contextlib.contextmanager
+def all_enabled(switches: tuple[FusedSwitch, ...], model, on: bool):
+    """Within the block, every switch of ``switches`` is on for ``model`` (when ``on``): the forms of one fused path
+    (a norm formula, an attention or decoder-layer form) switched together."""
+    with contextlib.ExitStack() as stack:
+        for switch in switches:
+            stack.enter_context(switch.enabled(model, on))
+        yield

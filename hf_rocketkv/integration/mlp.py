@@ -41,21 +41,21 @@ def distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def _plain(module) -> bool:
+def no_hooks(module) -> bool:
     """No hooks on ``module`` (the kernel reads the weights and computes the activation itself: it would skip them)."""
     return not (module._forward_hooks or module._forward_pre_hooks)
 
 
 def plain_linear(linear) -> bool:
     """A bias-free ``nn.Linear`` itself (no subclass or wrapper) without hooks: the kernels read its weight."""
-    return type(linear) is torch.nn.Linear and linear.bias is None and _plain(linear)
+    return type(linear) is torch.nn.Linear and linear.bias is None and no_hooks(linear)
 
 
 def _compute(run_original, module, x):
     """The kernel for a decode step's hidden states, the module's own forward otherwise (module docstring)."""
     gate, up, act_fn = module.gate_proj, module.up_proj, module.act_fn
     if (x.dim() == 3 and x.device.type in FUSED_DEVICE_TYPES and not torch.is_grad_enabled()
-            and plain_linear(gate) and plain_linear(up) and isinstance(act_fn, torch.nn.Module) and _plain(act_fn)
+            and plain_linear(gate) and plain_linear(up) and isinstance(act_fn, torch.nn.Module) and no_hooks(act_fn)
             and gated_projection_supported(x, gate.weight, up.weight) and not distributed()):
         act = compat.mlp_activation(act_fn)
         if act is not None:

@@ -18,7 +18,8 @@ weight)``), on hidden states and on the per-head q/k norms' ``[B, heads, T, head
 layer: without them a decode step of Gemma-3-12B is ~4,600 launches). Other formulas (T5's) are never touched. How a
 call is recognised as RocketKV's: ``fused_norm(model, enabled)`` sets a ContextVar for the duration of the call (per
 thread and per asyncio task, never process-wide), after making sure those classes have their ``forward`` wrapped
-(``compat.install_forward``; once per class).
+(``compat.install_forward``; once per class, tagged with the formula: ``compat.forward_tag`` reads it back for the
+residual adds of ``residual.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import functools
 
 from ..kernels.rms_norm import rms_norm_supported, rms_norm_triton
 from . import compat
-from .fused_switch import FusedSwitch
+from .fused_switch import FusedSwitch, all_enabled
 
 FUSED_DEVICE_TYPES = ("cuda",)  # the kernel's devices (the CPU tests add "cpu": Triton's interpreter)
 
@@ -54,7 +55,8 @@ def _computer(formula: str):
 
 _SWITCHES = tuple(
     FusedSwitch(f"hf_rocketkv_fused_norm_{formula}", f"_hf_rocketkv_norm_{formula}_installed",
-                functools.partial(compat.norm_classes, formula=formula), compat.install_forward, _computer(formula))
+                functools.partial(compat.norm_classes, formula=formula),
+                functools.partial(compat.install_forward, tag=formula), _computer(formula))
     for formula in compat.NORM_FORMULAS
 )
 
@@ -68,9 +70,7 @@ def install_for(model) -> None:
 @contextlib.contextmanager
 def fused_norm(model, enabled: bool):
     """Within the block, this thread's forwards of ``model`` take the fused RMSNorm (when ``enabled``)."""
-    with contextlib.ExitStack() as stack:
-        for switch in _SWITCHES:
-            stack.enter_context(switch.enabled(model, enabled))
+    with all_enabled(_SWITCHES, model, enabled):
         yield
 
 

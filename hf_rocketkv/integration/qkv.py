@@ -16,7 +16,7 @@ or recording gradients, the cache passed under its old name, projections that ar
 ``nn.Linear`` modules over plain tensors (quantized, LoRA wrappers, DTensor) or carry hooks, and a process group in
 use (tensor parallelism). Which classes: those whose undecorated ``forward`` has exactly the byte code of
 ``LlamaAttention.forward`` or of ``Gemma3Attention.forward`` (the same steps with per-head ``q_norm`` / ``k_norm``
-before RoPE and the layer's ``sliding_window`` passed on; ``compat.attention_classes``), wrapped once per class
+before RoPE and the layer's ``sliding_window`` passed on; ``compat.forward_classes``), wrapped once per class
 (``compat.install_forward``); ``fused_qkv(model, enabled)`` sets a ContextVar per form for the call (per thread and
 per asyncio task, never process-wide).
 """
@@ -32,7 +32,7 @@ from ..kernels.stacked_projection import stacked_projection_supported, stacked_p
 from .names import ATTN_NAME
 from . import compat
 from .attention import rocketkv_attention
-from .fused_switch import FusedSwitch
+from .fused_switch import FusedSwitch, all_enabled
 from .mlp import distributed, plain_linear
 
 FUSED_DEVICE_TYPES = ("cuda",)  # the kernel's devices (the CPU tests add "cpu": Triton's interpreter)
@@ -80,7 +80,8 @@ def _switch(form: str, normed: bool) -> FusedSwitch:
                           normed)
 
     return FusedSwitch(f"hf_rocketkv_fused_qkv_{form}", f"_hf_rocketkv_qkv_{form}_installed",
-                       lambda model: compat.attention_classes(model, form), compat.install_forward, compute)
+                       lambda model: compat.forward_classes(model, compat.ATTENTION_FORMULAS[form]),
+                       compat.install_forward, compute)
 
 
 _SWITCHES = (_switch("llama", normed=False), _switch("gemma3", normed=True))
@@ -89,9 +90,7 @@ _SWITCHES = (_switch("llama", normed=False), _switch("gemma3", normed=True))
 @contextlib.contextmanager
 def fused_qkv(model, enabled: bool):
     """Within the block, this thread's forwards of ``model`` project q/k/v in one launch (when ``enabled``)."""
-    with contextlib.ExitStack() as stack:
-        for switch in _SWITCHES:
-            stack.enter_context(switch.enabled(model, enabled))
+    with all_enabled(_SWITCHES, model, enabled):
         yield
 
 

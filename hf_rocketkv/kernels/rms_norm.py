@@ -37,15 +37,11 @@ MAX_HIDDEN = 32768  # one row in one block of registers (16 warps: 64 fp32 value
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, s_xr, hidden, eps,
-                     DT: tl.constexpr, BLOCK: tl.constexpr, FORMULA: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    ok = cols < hidden
-    h = tl.load(x_ptr + row * s_xr + cols, mask=ok, other=0.0).to(tl.float32)
+def normalized(h, w, hidden, eps, DT: tl.constexpr, FORMULA: tl.constexpr):
+    """One row ``h`` (fp32, masked columns 0) normalized by ``FORMULA`` with weight ``w`` (fp32), rounded to dtype
+    code DT where eager PyTorch rounds (the module docstring); returned in fp32, already rounded."""
     variance = tl.sum(h * h, axis=0) / hidden
     inv = tl.math.rsqrt((variance + eps).to(tl.float32))  # fp32 even where a caller passes eps as fp64 (inductor)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     if FORMULA == 1:  # gpt-oss: (w * h) in fp32, one rounding
         out = round_to(w * (h * inv), DT)
     elif FORMULA == 2:  # Gemma: (h * (1 + w)) in fp32, one rounding
@@ -53,6 +49,18 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, s_xr, hidden, eps,
     else:  # Llama
         normed = round_to(h * inv, DT)  # h.to(input_dtype)
         out = round_to(w * normed, DT)  # weight * h: a 16-bit product, exact in fp32 before its rounding
+    return out
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, s_xr, hidden, eps,
+                     DT: tl.constexpr, BLOCK: tl.constexpr, FORMULA: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < hidden
+    h = tl.load(x_ptr + row * s_xr + cols, mask=ok, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    out = normalized(h, w, hidden, eps, DT, FORMULA)
     tl.store(out_ptr + row * hidden + cols, out.to(out_ptr.dtype.element_ty), mask=ok)  # exact: already rounded
 
 
@@ -104,11 +112,11 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, formula: 
     with direct_launches():
         _rms_norm_launch[(rows,)](
             x2, weight, out, x2.stride(0), hidden, float(eps),
-            DT=NORM_DTYPES[x.dtype], BLOCK=block, FORMULA=FORMULAS[formula], num_warps=_warps(block),
+            DT=NORM_DTYPES[x.dtype], BLOCK=block, FORMULA=FORMULAS[formula], num_warps=warps_for(block),
         )
     return out
 
 
-def _warps(block: int) -> int:
+def warps_for(block: int) -> int:
     """Warps per row: 8 fp32 values per thread up to 16 warps (a 4096-wide row), more per thread beyond."""
     return max(1, min(16, block // 256))

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from hf_rocketkv import RocketKVConfig
-from hf_rocketkv.integration import experts, mlp, norm, qkv, rope
+from hf_rocketkv.integration import experts, mlp, norm, qkv, residual, rope
 from hf_rocketkv.integration.fused_modeling import fused_modeling
 from tests.support.tiny_models import make_models
 
@@ -20,8 +20,9 @@ pytest.importorskip("triton")
                                            (rope.fused_rope, rope.fused_rope_active),
                                            (experts.fused_experts, experts.fused_experts_active),
                                            (mlp.fused_mlp, mlp.fused_mlp_active),
-                                           (qkv.fused_qkv, qkv.fused_qkv_active)],
-                         ids=["norm", "rope", "experts", "mlp", "qkv"])
+                                           (qkv.fused_qkv, qkv.fused_qkv_active),
+                                           (residual.fused_residual, residual.fused_residual_active)],
+                         ids=["norm", "rope", "experts", "mlp", "qkv", "residual"])
 def test_the_scope_belongs_to_its_thread(scope, active):
     model = make_models("llama")[0]
     seen = []
@@ -35,15 +36,17 @@ def test_the_scope_belongs_to_its_thread(scope, active):
     assert seen == [False] and not active()
 
 
-@pytest.mark.parametrize("off", [None, "fused_rope", "fused_norm", "fused_experts", "fused_mlp", "fused_qkv"])
+@pytest.mark.parametrize("off", [None, "fused_rope", "fused_norm", "fused_experts", "fused_mlp", "fused_qkv",
+                                 "fused_residual"])
 def test_fused_modeling_enters_the_switches_its_config_turns_on(off):
     model = make_models("llama")[0]
     actives = {"fused_rope": rope.fused_rope_active, "fused_norm": norm.fused_norm_active,
                "fused_experts": experts.fused_experts_active, "fused_mlp": mlp.fused_mlp_active,
-               "fused_qkv": qkv.fused_qkv_active}
+               "fused_qkv": qkv.fused_qkv_active, "fused_residual": residual.fused_residual_active}
     config = RocketKVConfig() if off is None else RocketKVConfig(**{off: False})
+    off_too = {off, "fused_residual"} if off == "fused_norm" else {off}  # the residual path fuses norms too
     with fused_modeling(model, config):
-        assert {name: active() for name, active in actives.items()} == {name: name != off for name in actives}
+        assert {name: active() for name, active in actives.items()} == {name: name not in off_too for name in actives}
     with fused_modeling(model, RocketKVConfig(), enabled=False):
         assert not any(active() for active in actives.values())
     assert not any(active() for active in actives.values())

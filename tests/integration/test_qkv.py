@@ -12,7 +12,7 @@ taken and where it is not. Oracles:
   than 64 rows does not.
 - calls that must never take the kernel (fp32, a DynamicCache, projections with a bias or hooks, grad mode, a
   prefill, a process group): no kernel call, and the output equal bit for bit to the forward outside the switch.
-- ``compat.attention_classes``: LlamaAttention's undecorated byte code is found in Llama, not in Mistral's or
+- ``compat.forward_classes``: LlamaAttention's undecorated byte code is found in Llama, not in Mistral's or
   Gemma 3's attention (a sliding window argument, q/k norms); Gemma3Attention's only in Gemma 3.
 - Gemma 3 (the ``gemma3`` form: q/k norms before RoPE, sliding and global layers): the twin's logits bit for bit
   those of ``fused_qkv=False`` through generate() and through the batching engine's decode steps, every attention
@@ -162,16 +162,20 @@ def test_calls_that_keep_transformers_forward(counted, monkeypatch, case):
     assert counted == []
 
 
+def attention_classes(model, form="llama"):
+    return compat.forward_classes(model, compat.ATTENTION_FORMULAS[form])
+
+
 def test_which_attention_classes_are_llamas():
     """Only forwards with LlamaAttention's undecorated byte code: Mistral's and Qwen2's pass a sliding window,
     Qwen3's and Gemma's norm q and k, gpt-oss adds sinks."""
     from transformers.models.llama.modeling_llama import LlamaAttention
 
-    assert compat.attention_classes(llama()) == [LlamaAttention]
+    assert attention_classes(llama()) == [LlamaAttention]
     for arch in ("mistral", "qwen2", "qwen3"):
-        assert compat.attention_classes(make_models(arch)[0]) == [], arch
+        assert attention_classes(make_models(arch)[0]) == [], arch
     for arch in ("gemma3", "gpt_oss"):
-        assert compat.attention_classes(make_hybrid_models(arch)[0]) == [], arch
+        assert attention_classes(make_hybrid_models(arch)[0]) == [], arch
 
 
 def test_which_attention_classes_are_gemma3s():
@@ -179,11 +183,11 @@ def test_which_attention_classes_are_gemma3s():
     Gemma 3's alone: Qwen3 norms q and k before the transpose, Gemma 2 soft-caps, Cohere 2 has no norms."""
     from transformers.models.gemma3.modeling_gemma3 import Gemma3Attention
 
-    assert compat.attention_classes(make_hybrid_models("gemma3")[0], "gemma3") == [Gemma3Attention]
+    assert attention_classes(make_hybrid_models("gemma3")[0], "gemma3") == [Gemma3Attention]
     for arch in ("llama", "qwen3"):
-        assert compat.attention_classes(make_models(arch)[0], "gemma3") == [], arch
+        assert attention_classes(make_models(arch)[0], "gemma3") == [], arch
     for arch in ("gemma2", "cohere2", "gpt_oss", "mistral"):
-        assert compat.attention_classes(make_hybrid_models(arch)[0], "gemma3") == [], arch
+        assert attention_classes(make_hybrid_models(arch)[0], "gemma3") == [], arch
 
 
 @pytest.mark.parametrize("form, model", [("llama", llama), ("gemma3", lambda: make_hybrid_models("gemma3")[0])],
@@ -196,27 +200,17 @@ def test_a_changed_attention_signature_fails_naming_fused_qkv_false(monkeypatch,
         **{**formula.__dict__, "params": ("self", "hidden", "position_embeddings")}))
     with pytest.raises(compat.CompatError, match=f"transformers {compat.TRANSFORMERS_VERSION}.*{formula.name}.*"
                                                  f"fused_qkv=False"):
-        compat.attention_classes(model(), form)
+        attention_classes(model(), form)
 
 
 # --------------------------------------------------------------------------------------------------- Gemma 3
 def test_gemma3_decode_steps_in_the_batching_engine_keep_their_tokens(twin):
     """The engine's batched decode (``BatchedDecodeCache``: ragged rows, sliding-window slots) with the twin: each
     request's tokens those of ``fused_qkv=False``, the kernel taken by the batched steps."""
-    from tests.serving.helpers import prompt_of
-    from tests.support.tiny_models import cpu_pool
-    from hf_rocketkv.serving import SamplingParams, generate_batch
+    from tests.support.engine_ab import engine_tokens_off_and_on
 
-    model = gemma3()
     config = compressing_config(kt_cache_dtype="float32", fused_mlp=False)
-    prompts = [prompt_of(n, seed=40 + n) for n in (30, 17, 26)]
-    runs = {}
-    for on in (False, True):
-        pool = cpu_pool(model, config, 2 << 20, 8, dtype=torch.bfloat16, sliding_slots=6, device=DEVICE.type)
-        results = generate_batch(model, prompts, config=config.replace(fused_qkv=on), pool=pool,
-                                 sampling=SamplingParams.greedy(6))
-        runs[on] = [result.token_ids for result in results]
-        assert (twin != []) == on
+    runs = engine_tokens_off_and_on(gemma3(), config, "fused_qkv", twin, DEVICE.type)
     assert {shape[0] for shape in twin if shape[1] == 1} - {1}  # batched decode steps (rows > 1) took the kernel
     assert runs[True] == runs[False]
 

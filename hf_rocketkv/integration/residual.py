@@ -1,0 +1,115 @@
+"""A decoder layer's residual adds and the RMSNorms beside them in one launch each, in RocketKV's forwards
+(``RocketKVConfig.fused_residual``, default True; it takes effect where ``fused_norm`` does).
+
+transformers' ``LlamaDecoderLayer.forward`` adds the attention's output to the residual stream and normalizes the sum
+for the MLP: an add and a norm launch. ``Gemma3DecoderLayer.forward`` also normalizes each sublayer's output before
+its add (``post_attention_layernorm``, ``post_feedforward_layernorm``): per layer four norms and two adds. Inside a
+RocketKV call (``generate()`` with a RocketKVCache, the batching engine's forwards), hidden states ``[B, T, hidden]``
+on CUDA in bf16/fp16 take ``kernels/residual_norm.residual_norm_triton`` instead:
+
+    Llama's form   hidden, h = residual + attention, post_attention_layernorm(residual + attention)    1 launch, not 2
+    Gemma 3's form hidden, h = residual + post_attention_layernorm(attention), pre_feedforward_layernorm(hidden)
+                                                                                               1 launch, not 3
+                   hidden = hidden + post_feedforward_layernorm(mlp)                           1 launch, not 2
+
+The rest of the layer is transformers' own, step for step: ``input_layernorm``, ``self_attn`` and ``mlp`` called as
+the modeling code calls them. The adds are eager PyTorch's bit for bit; each norm is the fused RMSNorm's (within one
+unit in the last place of transformers' module, ``kernels/rms_norm.py``), so the tokens are those of ``fused_norm``.
+
+Everything else runs transformers' own forward with the arguments it received: fp32, CPU, a cache that is not
+RocketKV's, a call traced by torch.compile or recording gradients, the cache passed under its old name, and norms
+that ``fused_norm`` does not take (another formula, hooks or a replaced forward on the norm module, weights the kernel
+cannot read). Which classes: those whose undecorated ``forward`` has exactly the byte code of ``LlamaDecoderLayer``'s
+(Mistral, Qwen2/3... copy it) or ``Gemma3DecoderLayer``'s (Gemma 2's is the same code; ``compat.DECODER_FORMULAS``,
+``compat.forward_classes``), wrapped once per class (``compat.install_forward``); ``fused_residual(model, enabled)``
+sets a ContextVar per form for the call (per thread and per asyncio task, never process-wide). Prefill forwards take
+it too (any row count).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..kernels.residual_norm import Norm, residual_norm_supported, residual_norm_triton
+from . import compat
+from .fused_switch import FusedSwitch, all_enabled
+from .mlp import no_hooks
+from .norm import fused_norm_active
+from .qkv import ROCKETKV_CACHES
+
+FUSED_DEVICE_TYPES = ("cuda",)  # the kernel's devices (the CPU tests add "cpu": Triton's interpreter)
+
+
+def _norm(module, formula: str) -> Norm | None:
+    """``(weight, eps)`` of an RMSNorm module that the fused RMSNorm computes by ``formula``, else None."""
+    if compat.forward_tag(module) != formula or "forward" in vars(module) or not no_hooks(module):
+        return None
+    eps = getattr(module, compat.NORM_FORMULAS[formula].attribute, None)
+    return (module.weight, eps) if isinstance(eps, float) else None
+
+
+def _eligible(hidden_states, cache, kwargs) -> bool:
+    return (isinstance(kwargs, dict) and compat.LEGACY_CACHE_ARG not in kwargs and isinstance(cache, ROCKETKV_CACHES)
+            and hidden_states.dim() == 3 and hidden_states.device.type in FUSED_DEVICE_TYPES
+            and not torch.is_grad_enabled() and fused_norm_active())
+
+
+def _llama_layer(run_original, layer, hidden_states, attention_mask, position_ids, cache, use_cache,
+                 position_embeddings, kwargs):
+    """``LlamaDecoderLayer.forward`` with its first residual add and ``post_attention_layernorm`` in one launch."""
+    formula = compat.forward_tag(layer.post_attention_layernorm)
+    post = _norm(layer.post_attention_layernorm, formula) if formula is not None else None
+    if not (_eligible(hidden_states, cache, kwargs) and post is not None
+            and residual_norm_supported(hidden_states, hidden_states, post=post)):
+        return run_original()
+    residual = hidden_states
+    hidden_states, _ = layer.self_attn(
+        hidden_states=layer.input_layernorm(hidden_states), attention_mask=attention_mask, position_ids=position_ids,
+        **{compat.CACHE_ARG: cache}, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
+    )
+    residual, hidden_states = residual_norm_triton(hidden_states, residual, formula, post=post)
+    return residual + layer.mlp(hidden_states)
+
+
+def _gemma3_layer(run_original, layer, hidden_states, position_embeddings, attention_mask, position_ids, cache,
+                  kwargs):
+    """``Gemma3DecoderLayer.forward`` with each sublayer's output norm, its residual add and the next input norm in
+    one launch."""
+    norms = [_norm(getattr(layer, name), "gemma") for name in
+             ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")]
+    if not (_eligible(hidden_states, cache, kwargs) and None not in norms
+            and residual_norm_supported(hidden_states, hidden_states, *norms[:2])
+            and residual_norm_supported(hidden_states, hidden_states, norms[2])):
+        return run_original()
+    residual = hidden_states
+    hidden_states, _ = layer.self_attn(
+        hidden_states=layer.input_layernorm(hidden_states), position_embeddings=position_embeddings,
+        attention_mask=attention_mask, position_ids=position_ids, **{compat.CACHE_ARG: cache}, **kwargs,
+    )
+    residual, hidden_states = residual_norm_triton(hidden_states, residual, "gemma", pre=norms[0], post=norms[1])
+    return residual_norm_triton(layer.mlp(hidden_states), residual, "gemma", pre=norms[2])[0]
+
+
+def _switch(form: str, compute) -> FusedSwitch:
+    """The switch of one decoder-layer form (``compat.DECODER_FORMULAS``): its classes wrapped once per model."""
+    return FusedSwitch(f"hf_rocketkv_fused_residual_{form}", f"_hf_rocketkv_residual_{form}_installed",
+                       lambda model: compat.forward_classes(model, compat.DECODER_FORMULAS[form]),
+                       compat.install_forward, compute)
+
+
+_SWITCHES = (_switch("llama", _llama_layer), _switch("gemma3", _gemma3_layer))
+
+
+@contextlib.contextmanager
+def fused_residual(model, enabled: bool):
+    """Within the block, this thread's forwards of ``model`` fuse each residual add with its norms (when
+    ``enabled``)."""
+    with all_enabled(_SWITCHES, model, enabled):
+        yield
+
+
+def fused_residual_active() -> bool:
+    """Whether this thread's (task's) forwards are inside a ``fused_residual`` block that is on."""
+    return any(switch.active() for switch in _SWITCHES)
