@@ -32,6 +32,7 @@ from hf_rocketkv.kernels.residual_norm import (
     residual_norm_supported,
     residual_norm_triton,
 )
+from hf_rocketkv.kernels.rms_norm import rms_norm_reference
 
 pytestmark = pytest.mark.gpu  # compiled for the GPU where one is present (pytest -m gpu); interpreted on CPU
 
@@ -126,14 +127,16 @@ def test_with_pre_the_sum_is_near_the_float64_oracle_and_the_twin(formula, dtype
     exact_a, bound_a = exact_norm(x, *pre, formula)
     exact = residual.double() + exact_a
     assert_within(summed, exact, bound_a + UNIT_ROUNDOFF[dtype] * (exact.abs() + bound_a))
-    twin_sum, twin_normed = residual_norm_reference(x, residual, formula, pre, post if with_post else None)
+    twin_sum, _ = residual_norm_reference(x, residual, formula, pre, post if with_post else None)
     # where the add cancels, one ulp of the normed operand is many of the sum: count in the larger one's ulps
     unit = torch.maximum(spacing(summed.double(), dtype), spacing(exact_a, dtype))
     apart = (summed.double() - twin_sum.double()).abs() / unit
     assert float(apart.max()) <= 2 and float((apart != 0).float().mean()) < 0.02
     if with_post:
         assert_within(normed, *exact_norm(summed, *post, formula))
-        apart = ulps_apart(normed, twin_normed)
+        # the twin's norm of the kernel's own sum: the twin's sum may sit an ulp away, and the norm of a sum an ulp
+        # away is more than two ulps away where the add cancelled (seen on an H100 in fp16)
+        apart = ulps_apart(normed, rms_norm_reference(summed, *post, formula))
         assert int(apart.max()) <= 2 and float((apart != 0).float().mean()) < 0.02
 
 
