@@ -18,9 +18,8 @@ from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
 from hf_rocketkv import RocketKVCache
 from hf_rocketkv.integration import compat, experts
-from hf_rocketkv.integration.compat import cache_kwargs
 from tests.support.hybrid_models import make_hybrid_models
-from tests.support.tiny_models import compressing_config, greedy, left_pad, random_ids
+from tests.support.tiny_models import compressing_config, greedy_with_logits, left_pad, random_ids
 
 pytest.importorskip("triton")
 
@@ -235,12 +234,6 @@ def test_a_gpt_oss_subclass_with_its_own_gate_keeps_it():
     assert compat.experts_layout(module).clamped_glu is None
 
 
-def generate(model, ids, mask, cache, new_tokens):
-    out = greedy(model, ids, max_new_tokens=new_tokens, attention_mask=mask, **cache_kwargs(cache),
-                 output_logits=True, return_dict_in_generate=True)
-    return out.sequences, torch.stack(out.logits).float()
-
-
 def test_generate_on_gpt_oss_takes_the_experts_path_in_decode_with_the_same_tokens(counted):
     """A padded batch of two on a tiny gpt-oss (4 experts, top 2): its prefill (more pairs than experts) keeps
     transformers' forward, each decode step (4 pairs) reads its experts in place; tokens and logits as with
@@ -250,11 +243,11 @@ def test_generate_on_gpt_oss_takes_the_experts_path_in_decode_with_the_same_toke
     ids, mask = (t.to(DEVICE) for t in left_pad(rows))
     config = compressing_config(kt_cache_dtype="float32")
     new_tokens = 5
-    plain_tokens, plain_logits = generate(model, ids, mask, RocketKVCache(config.replace(fused_experts=False)),
-                                          new_tokens)
-    generate(oracle, ids, mask, DynamicCache(), new_tokens)
+    plain = RocketKVCache(config.replace(fused_experts=False))
+    plain_tokens, plain_logits = greedy_with_logits(model, ids, mask, plain, new_tokens)
+    greedy_with_logits(oracle, ids, mask, DynamicCache(), new_tokens)
     assert counted == []
-    tokens, logits = generate(model, ids, mask, RocketKVCache(config), new_tokens)
+    tokens, logits = greedy_with_logits(model, ids, mask, RocketKVCache(config), new_tokens)
     layers, pairs = model.config.num_hidden_layers, 2 * model.config.num_experts_per_tok
     assert counted and set(counted) <= {(pairs, 2 * model.config.intermediate_size), (pairs, model.config.hidden_size)}
     if DEVICE.type == "cpu":  # every decode forward runs Python (on CUDA the replayed graph skips it)

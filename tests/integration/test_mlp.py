@@ -45,7 +45,8 @@ from hf_rocketkv.integration import compat, mlp
 from hf_rocketkv.integration.compat import cache_kwargs
 from hf_rocketkv.kernels.gated_projection import MAX_ROWS
 from tests.support.hybrid_models import make_hybrid_models
-from tests.support.tiny_models import BASE_CONFIG, compressing_config, greedy, left_pad, make_models, random_ids
+from tests.support.tiny_models import (BASE_CONFIG, compressing_config, greedy, greedy_with_logits, make_models,
+                                      padded_batch, random_ids)
 
 pytest.importorskip("triton")
 
@@ -84,12 +85,6 @@ def counted(monkeypatch, down_calls):
     assert [shape[:-1] for shape in down_calls] == [shape[:-1] for _, shape in calls]  # one down_proj per MLP
 
 
-def generate(model, ids, mask, cache, new_tokens):
-    out = greedy(model, ids, max_new_tokens=new_tokens, attention_mask=mask, **cache_kwargs(cache),
-                 output_logits=True, return_dict_in_generate=True)
-    return out.sequences, torch.stack(out.logits).float()
-
-
 def decode_calls_ok(calls: int, layers: int, decode_forwards: int) -> bool:
     """Every decode forward's MLPs on CPU; on CUDA the replayed graph skips Python (some forwards)."""
     if DEVICE.type == "cpu":
@@ -97,19 +92,15 @@ def decode_calls_ok(calls: int, layers: int, decode_forwards: int) -> bool:
     return calls % layers == 0 and layers <= calls <= layers * decode_forwards
 
 
-def padded_batch(lengths):
-    rows = [random_ids(1, n, seed=3 + i)[0] for i, n in enumerate(lengths)]
-    return (t.to(DEVICE) for t in left_pad(rows))
-
-
 def check_generate(model, counted, lengths, act, new_tokens=5, logits_atol=2.0**-7):
     """generate() with the fused MLP against ``fused_mlp=False``; the kernel on the decode steps (rows = batch) and on
     the prefill only when it has at most MAX_ROWS rows."""
-    ids, mask = padded_batch(lengths)
+    ids, mask = padded_batch(lengths, DEVICE)
     config = compressing_config(kt_cache_dtype="float32")
-    plain_tokens, plain_logits = generate(model, ids, mask, RocketKVCache(config.replace(fused_mlp=False)), new_tokens)
+    plain = RocketKVCache(config.replace(fused_mlp=False))
+    plain_tokens, plain_logits = greedy_with_logits(model, ids, mask, plain, new_tokens)
     assert counted == []
-    tokens, logits = generate(model, ids, mask, RocketKVCache(config), new_tokens)
+    tokens, logits = greedy_with_logits(model, ids, mask, RocketKVCache(config), new_tokens)
     layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
     batch, length = ids.shape
     prefill = [call for call in counted if call[1][1] > 1]
@@ -199,10 +190,10 @@ def test_projections_with_a_bias_run_the_modules_own_forward(counted):
     assert module.gate_proj.bias is not None
     assert fused_call(module, hidden_states((2, 1, 64)), counted) == (0, True)
     model = make_models("llama", mlp_bias=True)[0].to(DEVICE, torch.bfloat16)
-    ids, mask = padded_batch((20, 13))
+    ids, mask = padded_batch((20, 13), DEVICE)
     config = compressing_config(kt_cache_dtype="float32")
-    tokens, _ = generate(model, ids, mask, RocketKVCache(config), 3)
-    plain_tokens, _ = generate(model, ids, mask, RocketKVCache(config.replace(fused_mlp=False)), 3)
+    tokens, _ = greedy_with_logits(model, ids, mask, RocketKVCache(config), 3)
+    plain_tokens, _ = greedy_with_logits(model, ids, mask, RocketKVCache(config.replace(fused_mlp=False)), 3)
     assert counted == []
     assert torch.equal(tokens, plain_tokens)
 

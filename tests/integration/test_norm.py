@@ -34,6 +34,7 @@ from tests.support.tiny_models import (
     ARCHS,
     compressing_config,
     greedy,
+    greedy_with_logits,
     left_pad,
     make_models,
     random_ids,
@@ -67,12 +68,6 @@ def norms_per_forward_ok(calls: int, per_forward: int, decode_forwards: int) -> 
     return calls % per_forward == 0 and per_forward <= calls <= per_forward * decode_forwards
 
 
-def generate(model, ids, mask, cache, new_tokens):
-    out = greedy(model, ids, max_new_tokens=new_tokens, attention_mask=mask, **cache_kwargs(cache),
-                 output_logits=True, return_dict_in_generate=True)
-    return out.sequences, torch.stack(out.logits).float()
-
-
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_prefill_and_decode_steps_take_the_fused_norm(arch, counted):
     model = make_models(arch)[0].to(DEVICE, torch.bfloat16)
@@ -80,9 +75,10 @@ def test_prefill_and_decode_steps_take_the_fused_norm(arch, counted):
     ids, mask = (t.to(DEVICE) for t in left_pad(rows))
     new_tokens = 6
     config = compressing_config(kt_cache_dtype="float32")
-    plain_tokens, plain_logits = generate(model, ids, mask, RocketKVCache(config.replace(fused_norm=False)), new_tokens)
+    plain = RocketKVCache(config.replace(fused_norm=False))
+    plain_tokens, plain_logits = greedy_with_logits(model, ids, mask, plain, new_tokens)
     assert counted == []
-    tokens, logits = generate(model, ids, mask, RocketKVCache(config), new_tokens)
+    tokens, logits = greedy_with_logits(model, ids, mask, RocketKVCache(config), new_tokens)
     layers = model.config.num_hidden_layers
     # two per layer and the final norm per forward; Qwen3's q_norm / k_norm see 4-D inputs
     hidden = model.config.hidden_size
@@ -145,10 +141,11 @@ def test_generate_with_a_large_norm_epsilon_keeps_the_models_logits(counted):
     other = make_models("llama", rms_norm_eps=1e-6)[0].to(DEVICE, torch.bfloat16)
     ids, mask = (t.to(DEVICE) for t in left_pad([random_ids(1, 30, seed=7)[0], random_ids(1, 21, seed=8)[0]]))
     config = compressing_config(kt_cache_dtype="float32")
-    plain_tokens, plain_logits = generate(model, ids, mask, RocketKVCache(config.replace(fused_norm=False)), 4)
-    _, default_eps_logits = generate(other, ids, mask, RocketKVCache(config.replace(fused_norm=False)), 4)
+    plain = RocketKVCache(config.replace(fused_norm=False))
+    plain_tokens, plain_logits = greedy_with_logits(model, ids, mask, plain, 4)
+    _, default_eps_logits = greedy_with_logits(other, ids, mask, RocketKVCache(config.replace(fused_norm=False)), 4)
     assert counted == []
-    tokens, logits = generate(model, ids, mask, RocketKVCache(config), 4)
+    tokens, logits = greedy_with_logits(model, ids, mask, RocketKVCache(config), 4)
     assert counted
     tolerance = dict(rtol=0, atol=2.0**-7)
     assert not torch.allclose(default_eps_logits, plain_logits, **tolerance)
@@ -238,9 +235,10 @@ def test_generate_on_gemma_and_gpt_oss_takes_the_fused_norm_for_every_norm_and_k
     ids, mask = (t.to(DEVICE) for t in left_pad(rows))
     new_tokens = 5
     config = compressing_config(kt_cache_dtype="float32")
-    plain_tokens, plain_logits = generate(model, ids, mask, RocketKVCache(config.replace(fused_norm=False)), new_tokens)
+    plain = RocketKVCache(config.replace(fused_norm=False))
+    plain_tokens, plain_logits = greedy_with_logits(model, ids, mask, plain, new_tokens)
     assert counted == []
-    tokens, logits = generate(model, ids, mask, RocketKVCache(config), new_tokens)
+    tokens, logits = greedy_with_logits(model, ids, mask, RocketKVCache(config), new_tokens)
     layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
     heads, kv_heads, head_dim = (model.config.num_attention_heads, model.config.num_key_value_heads,
                                  model.config.head_dim)

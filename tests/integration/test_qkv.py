@@ -30,7 +30,7 @@ from hf_rocketkv.integration import compat, qkv
 from hf_rocketkv.integration.compat import cache_kwargs
 from hf_rocketkv.kernels.stacked_projection import stacked_projection_reference
 from tests.support.hybrid_models import make_hybrid_models
-from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
+from tests.support.tiny_models import compressing_config, greedy_with_logits, make_models, padded_batch, random_ids
 
 pytest.importorskip("triton")
 
@@ -51,17 +51,6 @@ def counted(monkeypatch):
     monkeypatch.setattr(qkv, "FUSED_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(qkv, "stacked_projection_triton", counting)
     return calls
-
-
-def padded_batch(lengths):
-    rows = [random_ids(1, n, seed=3 + i)[0] for i, n in enumerate(lengths)]
-    return (t.to(DEVICE) for t in left_pad(rows))
-
-
-def generate(model, ids, mask, cache, new_tokens):
-    out = greedy(model, ids, max_new_tokens=new_tokens, attention_mask=mask, **cache_kwargs(cache),
-                 output_logits=True, return_dict_in_generate=True)
-    return out.sequences, torch.stack(out.logits).float()
 
 
 def llama(dtype=torch.bfloat16, **overrides):
@@ -86,11 +75,12 @@ def test_the_fused_forward_is_transformers_forward_around_the_projections(twin, 
     nothing but the projections' launch changed, and each decode forward's attention layers take the kernel. Gemma 3:
     sliding layers (window 8) and a global one, a left-padded batch past the window."""
     model = build()
-    ids, mask = padded_batch((30, 27))
+    ids, mask = padded_batch((30, 27), DEVICE)
     config = compressing_config(kt_cache_dtype="float32", fused_mlp=False, fused_qkv=True)
-    plain_tokens, plain_logits = generate(model, ids, mask, RocketKVCache(config.replace(fused_qkv=False)), 5)
+    plain = RocketKVCache(config.replace(fused_qkv=False))
+    plain_tokens, plain_logits = greedy_with_logits(model, ids, mask, plain, 5)
     assert twin == []
-    tokens, logits = generate(model, ids, mask, RocketKVCache(config), 5)
+    tokens, logits = greedy_with_logits(model, ids, mask, RocketKVCache(config), 5)
     decode = [shape for shape in twin if shape[1] == 1]
     assert set(decode) == {(2, 1, model.config.hidden_size)}
     if DEVICE.type == "cpu":
@@ -102,11 +92,12 @@ def test_the_fused_forward_is_transformers_forward_around_the_projections(twin, 
 @pytest.mark.parametrize("lengths", [(70, 66), (30, 21)], ids=["prefill-140-rows", "prefill-60-rows"])
 def test_generate_takes_the_kernel_on_decode_steps_and_keeps_the_tokens(counted, lengths):
     model = llama()
-    ids, mask = padded_batch(lengths)
+    ids, mask = padded_batch(lengths, DEVICE)
     config = compressing_config(kt_cache_dtype="float32", fused_qkv=True)
-    plain_tokens, plain_logits = generate(model, ids, mask, RocketKVCache(config.replace(fused_qkv=False)), 5)
+    plain = RocketKVCache(config.replace(fused_qkv=False))
+    plain_tokens, plain_logits = greedy_with_logits(model, ids, mask, plain, 5)
     assert counted == []
-    tokens, logits = generate(model, ids, mask, RocketKVCache(config), 5)
+    tokens, logits = greedy_with_logits(model, ids, mask, RocketKVCache(config), 5)
     layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
     batch, length = ids.shape
     prefill = [shape for shape in counted if shape[1] > 1]

@@ -42,7 +42,7 @@ from hf_rocketkv.integration.fused_modeling import fused_modeling
 from hf_rocketkv.kernels.residual_norm import residual_norm_reference
 from hf_rocketkv.kernels.rms_norm import rms_norm_reference
 from tests.support.hybrid_models import make_hybrid_models
-from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
+from tests.support.tiny_models import compressing_config, greedy_with_logits, make_models, padded_batch, random_ids
 
 pytest.importorskip("triton")
 
@@ -113,17 +113,6 @@ def calls_per_layer(model):
     return GEMMA3_CALLS if model.config.model_type.startswith(("gemma2", "gemma3")) else (LLAMA_CALL,)
 
 
-def padded_batch(lengths):
-    rows = [random_ids(1, n, seed=3 + i)[0] for i, n in enumerate(lengths)]
-    return (t.to(DEVICE) for t in left_pad(rows))
-
-
-def generate(model, ids, mask, cache, new_tokens):
-    out = greedy(model, ids, max_new_tokens=new_tokens, attention_mask=mask, **cache_kwargs(cache),
-                 output_logits=True, return_dict_in_generate=True)
-    return out.sequences, torch.stack(out.logits).float()
-
-
 def expected_calls(model, ids, new_tokens):
     """Every decoder layer of every forward (the prefill's, then each decode step's), in order."""
     batch, length = ids.shape
@@ -147,11 +136,12 @@ def test_the_fused_forward_is_transformers_forward_around_the_adds_and_norms(twi
     layers of window 8 and a global one, a left-padded batch past the window; Gemma 2, whose decoder layer has Gemma
     3's byte code and so takes its path: alternating layers, soft-capped logits)."""
     model = build()
-    ids, mask = padded_batch((30, 27))
+    ids, mask = padded_batch((30, 27), DEVICE)
     config = compressing_config(kt_cache_dtype="float32", fused_mlp=False, fused_residual=True)
-    plain_tokens, plain_logits = generate(model, ids, mask, RocketKVCache(config.replace(fused_residual=False)), 5)
+    plain = RocketKVCache(config.replace(fused_residual=False))
+    plain_tokens, plain_logits = greedy_with_logits(model, ids, mask, plain, 5)
     assert twin == []
-    tokens, logits = generate(model, ids, mask, RocketKVCache(config), 5)
+    tokens, logits = greedy_with_logits(model, ids, mask, RocketKVCache(config), 5)
     check_calls(model, twin, ids, 5)
     assert torch.equal(tokens, plain_tokens)
     assert torch.equal(logits, plain_logits)
@@ -160,11 +150,12 @@ def test_the_fused_forward_is_transformers_forward_around_the_adds_and_norms(twi
 @pytest.mark.parametrize("build", [llama, gemma3], ids=["llama", "gemma3"])
 def test_generate_with_the_kernel_keeps_the_tokens(counted, build):
     model = build()
-    ids, mask = padded_batch((30, 27))
+    ids, mask = padded_batch((30, 27), DEVICE)
     config = compressing_config(kt_cache_dtype="float32", fused_residual=True)
-    plain_tokens, plain_logits = generate(model, ids, mask, RocketKVCache(config.replace(fused_residual=False)), 5)
+    plain = RocketKVCache(config.replace(fused_residual=False))
+    plain_tokens, plain_logits = greedy_with_logits(model, ids, mask, plain, 5)
     assert counted == []
-    tokens, logits = generate(model, ids, mask, RocketKVCache(config), 5)
+    tokens, logits = greedy_with_logits(model, ids, mask, RocketKVCache(config), 5)
     check_calls(model, counted, ids, 5)
     assert torch.equal(tokens, plain_tokens)
     torch.testing.assert_close(logits, plain_logits, rtol=0, atol=2.0**-7)

@@ -114,6 +114,20 @@ def greedy(model, input_ids, max_new_tokens: int = 12, **kwargs):
         return model.generate(input_ids, max_new_tokens=max_new_tokens, **kwargs)
 
 
+def greedy_with_logits(model, ids, mask, cache, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``greedy`` of a padded batch into ``cache``: (sequences, every step's logits as fp32 ``[steps, B, vocab]``)."""
+    out = greedy(model, ids, max_new_tokens=new_tokens, attention_mask=mask, **cache_kwargs(cache),
+                 output_logits=True, return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.logits).float()
+
+
+def padded_batch(lengths, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random rows of ``lengths`` tokens (seeds 3, 4, ...) left-padded into ``(input_ids, attention_mask)`` on
+    ``device``."""
+    rows = [random_ids(1, n, seed=3 + i)[0] for i, n in enumerate(lengths)]
+    return tuple(t.to(device) for t in left_pad(rows))
+
+
 def keep_all_config(**overrides) -> RocketKVConfig:
     """Nothing is evicted (budget above any test prompt) and every KT page is attended: RocketKV == dense."""
     kwargs = dict(
