@@ -27,9 +27,10 @@ from __future__ import annotations
 import contextlib
 import functools
 
-from ..kernels.rms_norm import rms_norm_supported, rms_norm_triton
+from ..kernels.rms_norm import Norm, rms_norm_supported, rms_norm_triton
 from . import compat
 from .fused_switch import FusedSwitch, all_enabled
+from .mlp import no_hooks
 
 FUSED_DEVICE_TYPES = ("cuda",)  # the kernel's devices (the CPU tests add "cpu": Triton's interpreter)
 
@@ -75,3 +76,13 @@ def fused_norm(model, enabled: bool):
 
 
 fused_norm_active = _SWITCHES[0].active
+
+
+def fused_norm_of(module, formula: str) -> Norm | None:
+    """``(weight, eps)`` of a norm module whose forward the fused RMSNorm computes by ``formula`` (its class wrapped
+    with that formula, no forward of its own on the instance, no hooks), for kernels that fold the norm into another
+    launch (``residual.py``, Gemma 3's q/k norms in the RoPE launch); None for any other module."""
+    if compat.forward_tag(module) != formula or "forward" in vars(module) or not no_hooks(module):
+        return None
+    eps = getattr(module, compat.NORM_FORMULAS[formula].attribute, None)
+    return (module.weight, eps) if isinstance(eps, float) else None

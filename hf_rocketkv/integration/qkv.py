@@ -6,7 +6,8 @@ of the card's bandwidth. Inside a RocketKV call (``generate()`` with a RocketKVC
 steps), hidden states ``[B, T, hidden]`` of at most ``kernels/stacked_projection.MAX_ROWS`` tokens on CUDA in
 bf16/fp16 go through ``kernels/stacked_projection.stacked_projection_triton`` (each weight read once, one launch);
 the rest of the forward is transformers' own, step for step: the views, the modeling module's
-``apply_rotary_pos_emb`` (the fused RoPE where that is on), the cache's ``update``, the ``rocketkv`` attention
+``apply_rotary_pos_emb`` (the fused RoPE where that is on; Gemma 3's ``q_norm`` / ``k_norm`` folded into its launch
+where the fused RMSNorm takes them too: ``rope.normed_rope``), the cache's ``update``, the ``rocketkv`` attention
 function with the same arguments, ``o_proj``. Each projection is rounded once, as cuBLAS rounds it
 (``tests/kernels/test_stacked_projection.py``).
 
@@ -34,6 +35,8 @@ from . import compat
 from .attention import rocketkv_attention
 from .fused_switch import FusedSwitch, all_enabled
 from .mlp import distributed, plain_linear
+from .norm import fused_norm_active, fused_norm_of
+from .rope import normed_rope
 
 FUSED_DEVICE_TYPES = ("cuda",)  # the kernel's devices (the CPU tests add "cpu": Triton's interpreter)
 ROCKETKV_CACHES = (RocketKVCache, BatchedDecodeCache, PackedStepCache)
@@ -58,12 +61,8 @@ def _projected(run_original, module, hidden_states, position_embeddings, attenti
         out.view(hidden_shape).transpose(1, 2)
         for out in stacked_projection_triton(hidden_states, weights)
     )
-    window = {}
-    if normed:
-        query, key = module.q_norm(query), module.k_norm(key)
-        window = {"sliding_window": module.sliding_window}
-    cos, sin = position_embeddings
-    query, key = compat.attention_rotary(module)(query, key, cos, sin)
+    window = {"sliding_window": module.sliding_window} if normed else {}
+    query, key = _rotated(module, query, key, *position_embeddings, normed)
     key, value = cache.update(key, value, module.layer_idx)
     output, attention_weights = rocketkv_attention(
         module, query, key, value, attention_mask,
@@ -71,6 +70,19 @@ def _projected(run_original, module, hidden_states, position_embeddings, attenti
     )
     output = output.reshape(*input_shape, -1).contiguous()
     return module.o_proj(output), attention_weights
+
+
+def _rotated(module, query, key, cos, sin, normed: bool):
+    """The forward's RoPE (Gemma 3's form: after the per-head ``q_norm`` / ``k_norm``; the three in one launch where
+    the fused RMSNorm and the fused RoPE both take them, ``rope.normed_rope``)."""
+    rotary = compat.attention_rotary(module)
+    if not normed:
+        return rotary(query, key, cos, sin)
+    norms = (fused_norm_of(module.q_norm, "gemma"), fused_norm_of(module.k_norm, "gemma"))
+    fused = None
+    if None not in norms and fused_norm_active():
+        fused = normed_rope(rotary, query, key, cos, sin, *norms, "gemma")
+    return fused if fused is not None else rotary(module.q_norm(query), module.k_norm(key), cos, sin)
 
 
 def _switch(form: str, normed: bool) -> FusedSwitch:

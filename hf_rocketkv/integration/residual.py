@@ -32,22 +32,13 @@ import contextlib
 
 import torch
 
-from ..kernels.residual_norm import Norm, residual_norm_supported, residual_norm_triton
+from ..kernels.residual_norm import residual_norm_supported, residual_norm_triton
 from . import compat
 from .fused_switch import FusedSwitch, all_enabled
-from .mlp import no_hooks
-from .norm import fused_norm_active
+from .norm import fused_norm_active, fused_norm_of
 from .qkv import ROCKETKV_CACHES
 
 FUSED_DEVICE_TYPES = ("cuda",)  # the kernel's devices (the CPU tests add "cpu": Triton's interpreter)
-
-
-def _norm(module, formula: str) -> Norm | None:
-    """``(weight, eps)`` of an RMSNorm module that the fused RMSNorm computes by ``formula``, else None."""
-    if compat.forward_tag(module) != formula or "forward" in vars(module) or not no_hooks(module):
-        return None
-    eps = getattr(module, compat.NORM_FORMULAS[formula].attribute, None)
-    return (module.weight, eps) if isinstance(eps, float) else None
 
 
 def _eligible(hidden_states, cache, kwargs) -> bool:
@@ -60,7 +51,7 @@ def _llama_layer(run_original, layer, hidden_states, attention_mask, position_id
                  position_embeddings, kwargs):
     """``LlamaDecoderLayer.forward`` with its first residual add and ``post_attention_layernorm`` in one launch."""
     formula = compat.forward_tag(layer.post_attention_layernorm)
-    post = _norm(layer.post_attention_layernorm, formula) if formula is not None else None
+    post = fused_norm_of(layer.post_attention_layernorm, formula) if formula is not None else None
     if not (_eligible(hidden_states, cache, kwargs) and post is not None
             and residual_norm_supported(hidden_states, hidden_states, post=post)):
         return run_original()
@@ -77,7 +68,7 @@ def _gemma3_layer(run_original, layer, hidden_states, position_embeddings, atten
                   kwargs):
     """``Gemma3DecoderLayer.forward`` with each sublayer's output norm, its residual add and the next input norm in
     one launch."""
-    norms = [_norm(getattr(layer, name), "gemma") for name in
+    norms = [fused_norm_of(getattr(layer, name), "gemma") for name in
              ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")]
     if not (_eligible(hidden_states, cache, kwargs) and None not in norms
             and residual_norm_supported(hidden_states, hidden_states, *norms[:2])

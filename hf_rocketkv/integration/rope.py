@@ -14,6 +14,7 @@ call (so it is per thread and per asyncio task, never process-wide), after makin
 
 from __future__ import annotations
 
+from ..kernels.rms_norm import Norm
 from ..kernels.rope import rope_supported, rope_triton
 from . import compat
 from .fused_switch import FusedSwitch
@@ -40,3 +41,13 @@ def fused_rope(model, enabled: bool):
 
 
 fused_rope_active = _SWITCH.active
+
+
+def normed_rope(rotary, q, k, cos, sin, q_norm: Norm, k_norm: Norm, formula: str):
+    """``rotary(q_norm(q), k_norm(k), cos, sin)`` in one launch (``rope_triton`` with the per-head norms) where the
+    fused RoPE takes this call: ``rotary`` is a modeling module's wrapped ``apply_rotary_pos_emb``, the switch is on
+    and the kernel reads these tensors. None otherwise: the caller runs the norms and ``rotary`` itself."""
+    if (fused_rope_active() and getattr(rotary, compat.WRAPPED_MARK, False) and q.device.type in FUSED_DEVICE_TYPES
+            and rope_supported(q, k, cos, sin, q_norm, k_norm)):
+        return rope_triton(q, k, cos, sin, q_norm, k_norm, formula)
+    return None

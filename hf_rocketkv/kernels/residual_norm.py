@@ -27,9 +27,7 @@ import triton.language as tl
 
 from ._triton_common import next_pow2, round_to
 from .launch import TritonLaunch, direct_launches
-from .rms_norm import FORMULAS, NORM_DTYPES, normalized, rms_norm_reference, rms_norm_supported, warps_for
-
-Norm = tuple[torch.Tensor, float]  # (weight [H], eps) of one RMSNorm module
+from .rms_norm import FORMULAS, NORM_DTYPES, Norm, normalized, rms_norm_reference, rms_norm_supported, warps_for
 
 
 @triton.jit

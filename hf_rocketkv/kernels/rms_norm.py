@@ -33,15 +33,15 @@ from .launch import TritonLaunch, direct_launches
 
 NORM_DTYPES = {torch.bfloat16: DT_BF16, torch.float16: DT_FP16}
 FORMULAS = {"llama": 0, "gpt_oss": 1, "gemma": 2}  # the kernel's FORMULA for each name (module docstring)
+Norm = tuple[torch.Tensor, float]  # (weight [H], eps) of one RMSNorm module
 MAX_HIDDEN = 32768  # one row in one block of registers (16 warps: 64 fp32 values per thread at the largest)
 
 
 @triton.jit
-def normalized(h, w, hidden, eps, DT: tl.constexpr, FORMULA: tl.constexpr):
-    """One row ``h`` (fp32, masked columns 0) normalized by ``FORMULA`` with weight ``w`` (fp32), rounded to dtype
-    code DT where eager PyTorch rounds (the module docstring); returned in fp32, already rounded."""
-    variance = tl.sum(h * h, axis=0) / hidden
-    inv = tl.math.rsqrt((variance + eps).to(tl.float32))  # fp32 even where a caller passes eps as fp64 (inductor)
+def scaled(h, inv, w, DT: tl.constexpr, FORMULA: tl.constexpr):
+    """``h`` (fp32) times its inverse RMS ``inv`` (broadcast against h), weighted by ``FORMULA`` with ``w`` (fp32)
+    and rounded to dtype code DT where eager PyTorch rounds (the module docstring); returned in fp32, already
+    rounded."""
     if FORMULA == 1:  # gpt-oss: (w * h) in fp32, one rounding
         out = round_to(w * (h * inv), DT)
     elif FORMULA == 2:  # Gemma: (h * (1 + w)) in fp32, one rounding
@@ -50,6 +50,20 @@ def normalized(h, w, hidden, eps, DT: tl.constexpr, FORMULA: tl.constexpr):
         normed = round_to(h * inv, DT)  # h.to(input_dtype)
         out = round_to(w * normed, DT)  # weight * h: a 16-bit product, exact in fp32 before its rounding
     return out
+
+
+@triton.jit
+def inverse_rms(sum_of_squares, hidden, eps):
+    """``rsqrt(mean(h * h) + eps)`` in fp32 from a row's sum of squares (fp32 even where a caller passes eps as
+    fp64, as inductor does)."""
+    return tl.math.rsqrt((sum_of_squares / hidden + eps).to(tl.float32))
+
+
+@triton.jit
+def normalized(h, w, hidden, eps, DT: tl.constexpr, FORMULA: tl.constexpr):
+    """One row ``h`` (fp32, masked columns 0) normalized by ``FORMULA`` with weight ``w`` (fp32), rounded to dtype
+    code DT where eager PyTorch rounds (the module docstring); returned in fp32, already rounded."""
+    return scaled(h, inverse_rms(tl.sum(h * h, axis=0), hidden, eps), w, DT, FORMULA)
 
 
 @triton.jit

@@ -76,7 +76,8 @@ def test_the_fused_forward_is_transformers_forward_around_the_projections(twin, 
     sliding layers (window 8) and a global one, a left-padded batch past the window."""
     model = build()
     ids, mask = padded_batch((30, 27), DEVICE)
-    config = compressing_config(kt_cache_dtype="float32", fused_mlp=False, fused_qkv=True)
+    # Gemma 3's q/k norms and RoPE in one launch are the fused path's other change (tested below): kept out here
+    config = compressing_config(kt_cache_dtype="float32", fused_mlp=False, fused_qkv=True, fused_rope=build is llama)
     plain = RocketKVCache(config.replace(fused_qkv=False))
     plain_tokens, plain_logits = greedy_with_logits(model, ids, mask, plain, 5)
     assert twin == []
@@ -200,10 +201,52 @@ def test_gemma3_decode_steps_in_the_batching_engine_keep_their_tokens(twin):
     request's tokens those of ``fused_qkv=False``, the kernel taken by the batched steps."""
     from tests.support.engine_ab import engine_tokens_off_and_on
 
-    config = compressing_config(kt_cache_dtype="float32", fused_mlp=False)
+    config = compressing_config(kt_cache_dtype="float32", fused_mlp=False, fused_rope=False)
     runs = engine_tokens_off_and_on(gemma3(), config, "fused_qkv", twin, DEVICE.type)
     assert {shape[0] for shape in twin if shape[1] == 1} - {1}  # batched decode steps (rows > 1) took the kernel
     assert runs[True] == runs[False]
+
+
+@pytest.fixture
+def normed_rope_calls(twin, monkeypatch):
+    """The fused norms and RoPE on CPU too (the interpreter); records each RoPE launch: (tokens, with the norms)."""
+    from hf_rocketkv.integration import norm, rope
+
+    calls = []
+    kernel = rope.rope_triton
+
+    def counting(q, k, cos, sin, *norms):
+        calls.append((q.shape[2], bool(norms)))
+        return kernel(q, k, cos, sin, *norms)
+
+    monkeypatch.setattr(rope, "FUSED_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(norm, "FUSED_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(rope, "rope_triton", counting)
+    return calls
+
+
+@pytest.mark.parametrize("hooked", [False, True], ids=["plain", "hook-on-a-q-norm"])
+def test_gemma3_q_k_norms_and_rope_take_one_launch_and_keep_the_tokens(normed_rope_calls, hooked):
+    """Gemma 3's decode steps norm q and k and rotate them in one launch (``rope.normed_rope``); the oracle is the
+    same generation with ``fused_rope=False`` (the fused norm modules, then transformers' RoPE): the same tokens,
+    every step's logits within bf16's tolerance of the reference path. A q norm carrying a hook keeps its module
+    (that layer's RoPE launch carries no norms)."""
+    model = gemma3()
+    if hooked:
+        model.model.layers[0].self_attn.q_norm.register_forward_hook(lambda *args: None)
+    ids, mask = padded_batch((30, 27), DEVICE)
+    config = compressing_config(kt_cache_dtype="float32", fused_mlp=False, fused_qkv=True)
+    plain = RocketKVCache(config.replace(fused_rope=False))
+    plain_tokens, plain_logits = greedy_with_logits(model, ids, mask, plain, 5)
+    assert normed_rope_calls == []
+    tokens, logits = greedy_with_logits(model, ids, mask, RocketKVCache(config), 5)
+    layers = model.config.num_hidden_layers
+    decode = [with_norms for tokens_, with_norms in normed_rope_calls if tokens_ == 1]
+    if DEVICE.type == "cpu":  # on CUDA the replayed graph skips Python
+        assert decode.count(True) == (layers - hooked) * 4 and decode.count(False) == hooked * 4
+    assert True in decode
+    assert torch.equal(tokens, plain_tokens)
+    torch.testing.assert_close(logits, plain_logits, rtol=0, atol=2.0**-7)
 
 
 def test_fused_qkv_is_on_by_default_and_validated():
