@@ -12,9 +12,14 @@ on CUDA in bf16/fp16 take ``kernels/residual_norm.residual_norm_triton`` instead
                                                                                                1 launch, not 3
                    hidden = hidden + post_feedforward_layernorm(mlp)                           1 launch, not 2
 
-The rest of the layer is transformers' own, step for step: ``input_layernorm``, ``self_attn`` and ``mlp`` called as
-the modeling code calls them. The adds are eager PyTorch's bit for bit; each norm is the fused RMSNorm's (within one
-unit in the last place of transformers' module, ``kernels/rms_norm.py``), so the tokens are those of ``fused_norm``.
+and each layer's last add also computes the next layer's ``input_layernorm`` of the sum in its launch, which the
+next layer takes instead of running the norm (``layer_chain.LayerChain``: the same tensor, the layer it was meant for,
+no hooks on either layer, a model class whose loop passes each output straight on): two launches per layer for its
+adds and norms, where the fused norms alone take four (Llama's form: two norms, two adds) or six (Gemma 3's). The rest
+of the layer is transformers' own, step for step: ``input_layernorm`` (the first layer's, and any layer handed
+nothing), ``self_attn`` and ``mlp`` called as the modeling code calls them. The adds are eager PyTorch's bit for
+bit; each norm is the fused RMSNorm's (within one unit in the last place of transformers' module,
+``kernels/rms_norm.py``), so the tokens are those of ``fused_norm``.
 
 Everything else runs transformers' own forward with the arguments it received: fp32, CPU, a cache that is not
 RocketKV's, a call traced by torch.compile or recording gradients, the cache passed under its old name, and norms
@@ -29,16 +34,20 @@ it too (any row count).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 
 import torch
 
 from ..kernels.residual_norm import residual_norm_supported, residual_norm_triton
 from . import compat
 from .fused_switch import FusedSwitch, all_enabled
+from .layer_chain import LayerChain
+from .mlp import no_hooks
 from .norm import fused_norm_active, fused_norm_of
 from .qkv import ROCKETKV_CACHES
 
 FUSED_DEVICE_TYPES = ("cuda",)  # the kernel's devices (the CPU tests add "cpu": Triton's interpreter)
+_CHAIN: contextvars.ContextVar[LayerChain | None] = contextvars.ContextVar("hf_rocketkv_layer_chain", default=None)
 
 
 def _eligible(hidden_states, cache, kwargs) -> bool:
@@ -49,7 +58,8 @@ def _eligible(hidden_states, cache, kwargs) -> bool:
 
 def _llama_layer(run_original, layer, hidden_states, attention_mask, position_ids, cache, use_cache,
                  position_embeddings, kwargs):
-    """``LlamaDecoderLayer.forward`` with its first residual add and ``post_attention_layernorm`` in one launch."""
+    """``LlamaDecoderLayer.forward`` with its first residual add and ``post_attention_layernorm`` in one launch, and
+    its last add with the next layer's ``input_layernorm`` (``_handed_over``)."""
     formula = compat.forward_tag(layer.post_attention_layernorm)
     post = fused_norm_of(layer.post_attention_layernorm, formula) if formula is not None else None
     if not (_eligible(hidden_states, cache, kwargs) and post is not None
@@ -57,11 +67,11 @@ def _llama_layer(run_original, layer, hidden_states, attention_mask, position_id
         return run_original()
     residual = hidden_states
     hidden_states, _ = layer.self_attn(
-        hidden_states=layer.input_layernorm(hidden_states), attention_mask=attention_mask, position_ids=position_ids,
+        hidden_states=_input_norm(layer, hidden_states), attention_mask=attention_mask, position_ids=position_ids,
         **{compat.CACHE_ARG: cache}, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
     )
     residual, hidden_states = residual_norm_triton(hidden_states, residual, formula, post=post)
-    return residual + layer.mlp(hidden_states)
+    return _handed_over(layer, layer.mlp(hidden_states), residual, formula, None)
 
 
 def _gemma3_layer(run_original, layer, hidden_states, position_embeddings, attention_mask, position_ids, cache,
@@ -76,11 +86,38 @@ def _gemma3_layer(run_original, layer, hidden_states, position_embeddings, atten
         return run_original()
     residual = hidden_states
     hidden_states, _ = layer.self_attn(
-        hidden_states=layer.input_layernorm(hidden_states), position_embeddings=position_embeddings,
+        hidden_states=_input_norm(layer, hidden_states), position_embeddings=position_embeddings,
         attention_mask=attention_mask, position_ids=position_ids, **{compat.CACHE_ARG: cache}, **kwargs,
     )
     residual, hidden_states = residual_norm_triton(hidden_states, residual, "gemma", pre=norms[0], post=norms[1])
-    return residual_norm_triton(layer.mlp(hidden_states), residual, "gemma", pre=norms[2])[0]
+    return _handed_over(layer, layer.mlp(hidden_states), residual, "gemma", norms[2])
+
+
+def _input_norm(layer, hidden_states):
+    """``layer.input_layernorm(hidden_states)``, or the row the layer before computed for it (``LayerChain``)."""
+    chain = _CHAIN.get()
+    normed = chain.take(layer, hidden_states) if chain is not None else None
+    return normed if normed is not None else layer.input_layernorm(hidden_states)
+
+
+def _handed_over(layer, x, residual, formula: str, pre):
+    """The layer's last residual add, ``residual + pre_norm(x)`` (``pre`` None: ``x``), returned; in the same launch
+    the next layer's ``input_layernorm`` of the sum, handed over to it (``LayerChain``), where the next layer runs
+    the same wrapped forward, that norm is one the fused RMSNorm computes by ``formula`` and neither layer carries
+    hooks (one could change the row between them)."""
+    chain = _CHAIN.get()
+    successor = chain.successor(layer) if chain is not None else None
+    post = None
+    if (successor is not None and type(successor).forward is type(layer).forward and no_hooks(layer)
+            and no_hooks(successor)):
+        post = fused_norm_of(successor.input_layernorm, formula)
+    if post is None or not residual_norm_supported(x, residual, pre, post):
+        if pre is None:
+            return residual + x
+        return residual_norm_triton(x, residual, formula, pre=pre)[0]
+    summed, normed = residual_norm_triton(x, residual, formula, pre=pre, post=post)
+    chain.hand_over(summed, successor, normed)
+    return summed
 
 
 def _switch(form: str, compute) -> FusedSwitch:
@@ -98,7 +135,14 @@ def fused_residual(model, enabled: bool):
     """Within the block, this thread's forwards of ``model`` fuse each residual add with its norms (when
     ``enabled``)."""
     with all_enabled(_SWITCHES, model, enabled):
-        yield
+        if not enabled:
+            yield
+            return
+        token = _CHAIN.set(LayerChain(model))
+        try:
+            yield
+        finally:
+            _CHAIN.reset(token)
 
 
 def fused_residual_active() -> bool:

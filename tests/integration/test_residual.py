@@ -109,8 +109,13 @@ def gemma2(dtype=torch.bfloat16, **overrides):
     return random_norms(make_hybrid_models("gemma2", **overrides)[0]).to(DEVICE, dtype)
 
 
-def calls_per_layer(model):
-    return GEMMA3_CALLS if model.config.model_type.startswith(("gemma2", "gemma3")) else (LLAMA_CALL,)
+def calls_per_forward(model):
+    """(pre given, post given) of each residual call of one forward, in order: each layer's calls, the last add of
+    every layer but the last one also normalizing the next layer's input (``post``: ``LayerChain``'s hand-over)."""
+    layers = model.config.num_hidden_layers
+    if model.config.model_type.startswith(("gemma2", "gemma3")):
+        return [call for i in range(layers) for call in ((True, True), (True, i < layers - 1))]
+    return [call for i in range(layers) for call in ((LLAMA_CALL,) if i == layers - 1 else (LLAMA_CALL, LLAMA_CALL))]
 
 
 def expected_calls(model, ids, new_tokens):
@@ -118,7 +123,7 @@ def expected_calls(model, ids, new_tokens):
     batch, length = ids.shape
     hidden = model.config.hidden_size
     return [((batch, rows, hidden), *call) for rows in [length] + [1] * (new_tokens - 1)
-            for _ in range(model.config.num_hidden_layers) for call in calls_per_layer(model)]
+            for call in calls_per_forward(model)]
 
 
 def check_calls(model, calls, ids, new_tokens):
@@ -126,7 +131,7 @@ def check_calls(model, calls, ids, new_tokens):
     if DEVICE.type == "cpu":
         assert calls == expected
     else:  # generate() replays the decode step as a CUDA graph: the Python wrapper runs on some forwards only
-        assert set(calls) == set(expected) and len(calls) % len(expected[: model.config.num_hidden_layers]) == 0
+        assert set(calls) == set(expected) and len(calls) % len(calls_per_forward(model)) == 0
 
 
 @pytest.mark.parametrize("build", [llama, gemma3, gemma2], ids=["llama", "gemma3", "gemma2"])
@@ -201,15 +206,29 @@ def modeling(**switches):
 @pytest.mark.parametrize("build", [llama, gemma3], ids=["llama", "gemma3"])
 @pytest.mark.parametrize("switch", [residual_and_norm, modeling(fused_norm=True, fused_residual=True)],
                          ids=["residual-and-norm", "fused-modeling"])
-def test_the_positive_control_takes_the_kernel_and_is_transformers_forward(twin, build, switch):
-    """With the twins, a decode step through the fused layers equals transformers' forward outside every switch."""
+def test_the_positive_control_takes_the_kernel_and_is_transformers_forward(twin, norm_calls, build, switch):
+    """With the twins, a decode step through the fused layers equals transformers' forward outside every switch; the
+    only separate norm launches left are the first layer's input norm and the model's final norm (every other
+    layer's input norm came with the layer before's last add)."""
     model = build()
-    per_layer = calls_per_layer(model)
+    per_forward = calls_per_forward(model)
+    norms_before = len(norm_calls)
     calls, equal = one_step(model, rocketkv_cache, twin, switch)
-    assert calls == model.config.num_hidden_layers * len(per_layer)
-    assert twin[-calls:] == [((1, 1, model.config.hidden_size), *call)
-                             for _ in range(model.config.num_hidden_layers) for call in per_layer]
+    assert calls == len(per_forward)
+    assert twin[-calls:] == [((1, 1, model.config.hidden_size), *call) for call in per_forward]
     assert equal
+    # hidden-state norms through the kernel (outside the switch: transformers' modules): for the prefill and the
+    # step, the first layer's input norm and the final norm (without the hand-over: every layer's, and the final)
+    assert len([shape for shape in norm_calls[norms_before:] if len(shape) == 3]) == 2 * 2
+
+
+@pytest.fixture
+def norm_calls(twin, monkeypatch):
+    """The fused RMSNorm's calls (its twin): one per norm module that ran it."""
+    calls = []
+    monkeypatch.setattr(norm, "rms_norm_triton",
+                        lambda x, *args: (calls.append(x.shape), rms_norm_reference(x, *args))[1])
+    return calls
 
 
 def hooked(model, arch):
@@ -241,6 +260,28 @@ def test_calls_that_keep_transformers_forward(twin, case):
     factory = dynamic_cache if case == "dynamic-cache" else rocketkv_cache
     assert one_step(model, factory, twin, switch, grad=case == "grad") == (0, True)
     assert twin == []
+
+
+@pytest.mark.parametrize("build", [llama, gemma3], ids=["llama", "gemma3"])
+@pytest.mark.parametrize("hook", ["output", "input"])
+def test_a_decoder_layer_with_hooks_gets_no_hand_over(twin, build, hook):
+    """A hook on decoder layer 1 that changes its output (or its input, in place): neither layer 0 nor layer 1 hands
+    its last add's norm over (``residual.py`` checks hooks on both), and the step still equals transformers' forward
+    outside the switch bit for bit."""
+    model = build()
+    layer = model.model.layers[1]
+    if hook == "output":
+        layer.register_forward_hook(lambda module, args, output: output * 2)
+    else:
+        layer.register_forward_pre_hook(lambda module, args: (args[0].mul_(2), None)[1])
+    calls, equal = one_step(model, rocketkv_cache, twin, residual_and_norm)
+    assert equal
+    layers, gemma = model.config.num_hidden_layers, model.config.model_type.startswith("gemma")
+    expected = []
+    for i in range(layers):
+        hands_over = i < layers - 1 and i not in (0, 1)
+        expected += [(True, True), (True, hands_over)] if gemma else [LLAMA_CALL] + [LLAMA_CALL] * hands_over
+    assert [call[1:] for call in twin[-calls:]] == expected
 
 
 # --------------------------------------------------------------------------------------------------- classes

@@ -32,7 +32,7 @@ from hf_rocketkv.kernels.residual_norm import (
     residual_norm_supported,
     residual_norm_triton,
 )
-from hf_rocketkv.kernels.rms_norm import rms_norm_reference
+from hf_rocketkv.kernels.rms_norm import rms_norm_reference, rms_norm_triton
 
 pytestmark = pytest.mark.gpu  # compiled for the GPU where one is present (pytest -m gpu); interpreted on CPU
 
@@ -152,6 +152,21 @@ def test_strided_inputs_match_their_contiguous_copies():
     got = run(x, residual, "gemma", pre, post)
     want = run(x.contiguous(), residual.contiguous(), "gemma", pre, post)
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("formula", FORMULAS)
+@pytest.mark.parametrize("hidden", [4096, 3840, 576])
+def test_the_post_norm_is_the_rms_norm_kernels_norm_of_the_sum_bit_for_bit(formula, dtype, hidden):
+    """What a decoder layer hands to the next one (``integration/layer_chain.py``): the normed sum must be exactly what
+    the next layer's fused ``input_layernorm`` would compute from the returned sum, so the hand-over changes no
+    token. Both kernels run the same formula code over the same block of the row."""
+    g = gen("residual_norm-handover", formula, dtype, hidden)
+    x, residual = hard_operands((3, 1, hidden), dtype, g)
+    post = norm(hidden, dtype, g, formula, eps=1e-6)
+    pre = norm(hidden, dtype, g, formula, eps=0.25) if formula == "gemma" else None
+    summed, normed = run(x, residual, formula, pre, post)
+    assert torch.equal(bits(normed), bits(rms_norm_triton(summed, post[0], post[1], formula)))
 
 
 @pytest.mark.parametrize("shape", [(0, 1, 64), (2, 0, 64)])
