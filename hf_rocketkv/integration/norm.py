@@ -7,12 +7,13 @@ copies and products). Inside a RocketKV call (``generate()`` with a RocketKVCach
 and decode steps) hidden states ``[B, T, hidden]`` on CUDA in bf16/fp16 go through
 ``kernels/rms_norm.rms_norm_triton`` instead: one launch, the same formula rounded at the same places (within one ulp
 of eager PyTorch: ``tests/kernels/test_rms_norm.py``). Everything else runs transformers' own forward with the
-arguments it received: fp32, CPU, other caches, other threads, a call traced by torch.compile, and inputs that are
-not 3-D hidden states (Qwen3's per-head ``q_norm``/``k_norm`` see ``[B, T, heads, head_dim]``).
+arguments it received: fp32, CPU, other caches, other threads, a call traced by torch.compile, and inputs of another
+rank than 3-D hidden states and 4-D per-head rows (Gemma 3's and Qwen3's ``q_norm``/``k_norm``).
 
 Which norms: the classes of the model whose methods have exactly the byte code of one of the formulas the kernel
 knows (``compat.NORM_FORMULAS``, ``compat.norm_classes``): ``LlamaRMSNorm.forward`` (Mistral, Qwen2/3, Phi-3,
-Granite... copy it verbatim), on 3-D hidden states; ``GptOssRMSNorm.forward`` (the product in fp32; OLMo2's norm has
+Granite... copy it verbatim), on 3-D hidden states and on Qwen3's per-head q/k norms' ``[B, T, heads, head_dim]``
+(two per layer, each six launches unfused); ``GptOssRMSNorm.forward`` (the product in fp32; OLMo2's norm has
 its byte code), on 3-D hidden states; ``GemmaRMSNorm.forward`` and ``._norm`` (Gemma, Gemma 2 and 3: ``(1 +
 weight)``), on hidden states and on the per-head q/k norms' ``[B, heads, T, head_dim]`` (Gemma 3 runs six norms per
 layer: without them a decode step of Gemma-3-12B is ~4,600 launches). Other formulas (T5's) are never touched. How a
@@ -35,7 +36,9 @@ from .mlp import no_hooks
 FUSED_DEVICE_TYPES = ("cuda",)  # the kernel's devices (the CPU tests add "cpu": Triton's interpreter)
 
 
-PER_HEAD_FORMULAS = ("gemma",)  # formulas whose per-head (4-D) norms take the kernel too (Gemma 3's q/k norms)
+# formulas whose per-head (4-D) norms take the kernel too: Gemma 3's q/k norms on [B, heads, T, head_dim], Qwen3's on
+# [B, T, heads, head_dim] (Llama's formula)
+PER_HEAD_FORMULAS = ("gemma", "llama")
 
 
 def _computer(formula: str):

@@ -3,14 +3,16 @@
 On CPU the kernel runs under Triton's interpreter; the tests let the wrapper take it on CPU (``FUSED_DEVICE_TYPES``)
 and count its calls, so they prove the path is taken, not only that outputs agree. The oracle is the same generation
 with ``fused_norm=False`` (transformers' own module): the same tokens, and every step's logits (the prefill's
-included) within a small tolerance (the kernel's sum of squares is reduced in another order than PyTorch's, so a norm's output may differ by
-one ulp), for each architecture the tests know, in bf16 with a padded batch. On a GPU the same tests run on CUDA
+included) within a small tolerance (the kernel's sum of squares is reduced in another order than PyTorch's, so a
+norm's output may differ by one ulp), for each architecture the tests know, in bf16 with a padded batch. On a GPU the same tests run on CUDA
 (generate() captures the decode step as a CUDA graph, so the wrapper runs on the warm-up and capture steps only).
 Gemma's ``(1 + weight)`` norm (Gemma 2 and 3, their per-head q/k norms included) takes the kernel's ``unit_offset``
 form: recorded as ``("gemma", *shape)``, against transformers' Gemma3RMSNorm and in generate() on a tiny Gemma 3
 whose norm weights are drawn at random (transformers starts them at zero, where ``1 + weight`` hides the formula).
-Also: calls that are not RocketKV's (a DynamicCache, a plain forward, another thread: test_fused_switch.py, fp32,
-Qwen3's 4-D per-head norms) never take it, and norms with another formula (T5's) are never wrapped.
+Qwen3's per-head q/k norms (``[B, T, heads, head_dim]``) take the Llama form. Also: calls that are not RocketKV's (a
+DynamicCache, a plain forward, another thread: test_fused_switch.py, fp32) never take it, and norms with another
+formula (T5's) are never wrapped. ``fused_residual`` and ``fused_qkv`` are off here: on a GPU they fold some norms
+into their own launches (tests/integration/test_residual.py, test_qkv.py).
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ def counted(monkeypatch):
     return calls
 
 
+NORM_ALONE = dict(fused_residual=False, fused_qkv=False)  # on a GPU those take some norms into their own launches
+
+
 def norms_per_forward_ok(calls: int, per_forward: int, decode_forwards: int) -> bool:
     """Every decode forward's norms on CPU; on CUDA the replayed graph skips Python (some forwards)."""
     if DEVICE.type == "cpu":
@@ -74,18 +79,28 @@ def test_prefill_and_decode_steps_take_the_fused_norm(arch, counted):
     rows = [random_ids(1, 40, seed=3)[0], random_ids(1, 29, seed=4)[0]]
     ids, mask = (t.to(DEVICE) for t in left_pad(rows))
     new_tokens = 6
-    config = compressing_config(kt_cache_dtype="float32")
+    config = compressing_config(kt_cache_dtype="float32", **NORM_ALONE)
     plain = RocketKVCache(config.replace(fused_norm=False))
     plain_tokens, plain_logits = greedy_with_logits(model, ids, mask, plain, new_tokens)
     assert counted == []
     tokens, logits = greedy_with_logits(model, ids, mask, RocketKVCache(config), new_tokens)
     layers = model.config.num_hidden_layers
-    # two per layer and the final norm per forward; Qwen3's q_norm / k_norm see 4-D inputs
+    # two per layer and the final norm per forward on the hidden states; Qwen3's q_norm / k_norm on [B, T, heads, D]
     hidden = model.config.hidden_size
+    per_head = [shape for shape in counted if len(shape) == 4]
+    counted = [shape for shape in counted if len(shape) == 3]
     prefill = [shape for shape in counted if shape[1] > 1]
     assert prefill == [(2, ids.shape[1], hidden)] * (2 * layers + 1)
     assert norms_per_forward_ok(len(counted) - len(prefill), 2 * layers + 1, new_tokens - 1)
     assert set(counted) - set(prefill) == {(2, 1, hidden)}
+    if arch == "qwen3":
+        head_dim = model.config.head_dim
+        q, k = model.config.num_attention_heads, model.config.num_key_value_heads
+        assert per_head[:2 * layers] == [(2, ids.shape[1], q, head_dim), (2, ids.shape[1], k, head_dim)] * layers
+        assert norms_per_forward_ok(len(per_head) - 2 * layers, 2 * layers, new_tokens - 1)
+        assert set(per_head[2 * layers:]) == {(2, 1, q, head_dim), (2, 1, k, head_dim)}
+    else:
+        assert per_head == []
     assert torch.equal(tokens, plain_tokens)
     torch.testing.assert_close(logits, plain_logits, rtol=0, atol=2.0**-7)  # 4 bf16 ulps at the largest logits (~0.5)
 
@@ -156,7 +171,7 @@ def test_generate_with_a_large_norm_epsilon_keeps_the_models_logits(counted):
 def test_calls_that_are_not_rocketkvs_keep_transformers_norm(counted):
     model, sdpa = (m.to(DEVICE, torch.bfloat16) for m in make_models("llama"))
     ids = random_ids(1, 20, seed=5).to(DEVICE)
-    greedy(model, ids, max_new_tokens=3, **cache_kwargs(RocketKVCache(compressing_config())))
+    greedy(model, ids, max_new_tokens=3, **cache_kwargs(RocketKVCache(compressing_config(**NORM_ALONE))))
     per_forward = 2 * model.config.num_hidden_layers + 1
     assert norms_per_forward_ok(len(counted) - per_forward, per_forward, 2)  # installed now (prefill + decode)
     counted.clear()
@@ -234,7 +249,7 @@ def test_generate_on_gemma_and_gpt_oss_takes_the_fused_norm_for_every_norm_and_k
     rows = [random_ids(1, 30, seed=3)[0], random_ids(1, 21, seed=4)[0]]
     ids, mask = (t.to(DEVICE) for t in left_pad(rows))
     new_tokens = 5
-    config = compressing_config(kt_cache_dtype="float32")
+    config = compressing_config(kt_cache_dtype="float32", **NORM_ALONE)
     plain = RocketKVCache(config.replace(fused_norm=False))
     plain_tokens, plain_logits = greedy_with_logits(model, ids, mask, plain, new_tokens)
     assert counted == []
