@@ -155,12 +155,11 @@ class BatchedDecodeLayer(RocketKVLayer):
         if self.host_bookkeeping():
             self.awaiting_attention = True  # cleared by the attention function (BatchedDecodeCache checks it)
             self.host_seen += 1
-        self.seen.add_(1)
         store = self.store
-        self.ops.paged_append_token(
+        self.ops.paged_append_token(  # each row's count advances in the same launch
             store.k, store.v, store.kt, store.table, self.positions, self.lengths, self.seen,
             key_states[:, :, 0], value_states[:, :, 0], self.config.page_size,
-            k_scale=store.k_scale, v_scale=store.v_scale,
+            k_scale=store.k_scale, v_scale=store.v_scale, advance_seen=True,
         )
         return self.key_handle, self.value_handle
 

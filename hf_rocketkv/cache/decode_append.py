@@ -16,10 +16,14 @@ from .op_graphs import buffers_key
 
 
 def append_one(layer, key_states: torch.Tensor, value_states: torch.Tensor, graphed: bool = False) -> None:
-    """Write the token of every row of ``layer`` in place. Capacity comes from generate()'s max_length; in eager
-    mode the store grows when a caller runs past it. ``graphed`` (eager steps, ``RocketKVLayer.eager_graphs()``):
-    the ``seen`` increment and the append through the layer's "append" OpGraph."""
-    if layer.host_bookkeeping():  # compiled/graphed steps: their runner counts on the host
+    """Write the token of every row of ``layer`` in place and count it in ``seen``. Capacity comes from generate()'s
+    max_length; in eager mode the store grows when a caller runs past it. ``graphed`` (eager steps,
+    ``RocketKVLayer.eager_graphs()``): the append through the layer's "append" OpGraph. The count advances inside
+    the append's launch (``advance_seen``), except on a plain eager step, whose capacity check reads it first."""
+    eager = layer.host_bookkeeping()  # compiled/graphed steps: their runner counts on the host
+    if eager and not graphed:
+        layer.seen.add_(1)
+    if eager:
         layer.maybe_compress_decode()
         ensure_capacity(layer, 1)
         layer.note_decode_step()
@@ -27,10 +31,10 @@ def append_one(layer, key_states: torch.Tensor, value_states: torch.Tensor, grap
     if graphed:
         key = buffers_key(store.k, store.v, store.kt, store.table, layer.positions, layer.lengths, layer.seen,
                           store.k_scale, store.v_scale)
-        layer.op_graphs["append"](key, lambda k, v: _count_and_append(layer, k, v), key_states[:, :, 0],
-                                  value_states[:, :, 0], hints=layer.hints)
+        layer.op_graphs["append"](key, lambda k, v: _append_token(layer, k, v, advance_seen=True),
+                                  key_states[:, :, 0], value_states[:, :, 0], hints=layer.hints)
         return
-    _append_token(layer, key_states[:, :, 0], value_states[:, :, 0])
+    _append_token(layer, key_states[:, :, 0], value_states[:, :, 0], advance_seen=not eager)
     if history is not None:  # keep_all: the full history too
         layer.ops.paged_append_kv(
             history.store.k, history.store.v, history.store.table, history.positions, history.lengths,
@@ -46,16 +50,11 @@ def ensure_capacity(layer, extra: int) -> None:
     grow_view(layer, extra)
 
 
-def _append_token(layer, key_new: torch.Tensor, value_new: torch.Tensor) -> None:
-    """The token ``[B, Hkv, D]`` into slot lengths[b] of every row and its key into the KT page."""
+def _append_token(layer, key_new: torch.Tensor, value_new: torch.Tensor, advance_seen: bool) -> None:
+    """The token ``[B, Hkv, D]`` into slot lengths[b] of every row and its key into the KT page (``advance_seen``:
+    and ``seen`` += 1, in the same launch where the kernel owns the count)."""
     store = layer.store
     layer.ops.paged_append_token(
         store.k, store.v, store.kt, store.table, layer.positions, layer.lengths, layer.seen, key_new, value_new,
-        layer.config.page_size, k_scale=store.k_scale, v_scale=store.v_scale,
+        layer.config.page_size, k_scale=store.k_scale, v_scale=store.v_scale, advance_seen=advance_seen,
     )
-
-
-def _count_and_append(layer, key_new: torch.Tensor, value_new: torch.Tensor) -> None:
-    """The launches of a graphed eager append: ``seen`` += 1, then ``_append_token``."""
-    layer.seen.add_(1)
-    _append_token(layer, key_new, value_new)

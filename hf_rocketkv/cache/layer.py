@@ -277,8 +277,8 @@ class RocketKVLayer(CacheLayerMixin):
         if self.host_bookkeeping():
             self.awaiting_attention = True  # cleared by the attention function; RocketKVCache.update checks it
             self.host_seen += query_length
-        if query_length == 1 and self.compressed and self.eager_graphs():
-            decode_append.append_one(self, key_states, value_states, graphed=True)  # counts ``seen`` inside the graph
+        if query_length == 1 and self.compressed:  # a decode step: append_one counts ``seen`` with the token
+            decode_append.append_one(self, key_states, value_states, graphed=self.eager_graphs())
             return self.key_handle, self.value_handle
         self.seen.add_(query_length)
         if not self.compressed:
@@ -288,10 +288,7 @@ class RocketKVLayer(CacheLayerMixin):
             self.dense.append(key_states, value_states, self.hints.prefill_columns)
             self.tag_keys()  # a new dense buffer or view every forward but a prefix hit's first
             return self.dense.keys, self.dense.values
-        if query_length == 1:
-            decode_append.append_one(self, key_states, value_states)
-        else:
-            self.pending_keys, self.pending_values = key_states, value_states
+        self.pending_keys, self.pending_values = key_states, value_states
         return self.key_handle, self.value_handle
 
     def tag_keys(self) -> None:

@@ -116,9 +116,9 @@ class Ring:
 
     # ------------------------------------------------------------------------------------------ writes
     def append(self, ops, key_new: torch.Tensor, value_new: torch.Tensor) -> None:
-        """Each row's ``[B, Hkv, 1, D]`` token at slot ``seen % W`` of its ring, then every count advances."""
-        ops.ring_append(self.keys, self.values, self.seen, key_new, value_new, self.rows)
-        self.seen.add_(1)
+        """Each row's ``[B, Hkv, 1, D]`` token at slot ``seen % W`` of its ring, then every count advances (in the
+        append's launch where each program owns its row's count)."""
+        ops.ring_append(self.keys, self.values, self.seen, key_new, value_new, self.rows, advance_seen=True)
 
     def reorder(self, index: torch.Tensor) -> None:
         """Beam search: row b takes row ``index[b]``'s ring (in place: the rows keep their storage)."""

@@ -11,7 +11,10 @@ Two entry points, one Triton kernel:
     positions:         [B, Hkv, C] int32   written at slot s with seen - 1 (the token's input column), C = MP * PP
     lengths:           [B] or [B, Hkv]     int, tokens stored per row (or per row and KV head); incremented by 1
     seen:              0-d or [B] int64    logical tokens seen, already advanced past this token (one count for the
-                                           batch, or one per row: rows of several requests decoding together)
+                                           batch, or one per row: rows of several requests decoding together);
+                                           with ``advance_seen=True`` the count before this token, advanced by 1
+                                           here (inside the launch where its programs own their counts: a count
+                                           per row, or one row; else one ``add_`` first)
     key_new, value_new: [B, Hkv, D]        any strides (e.g. ``key_states[:, :, 0]``)
     kt_page_size:      KP, tokens per KT page (PP must be a multiple of it)
 
@@ -24,7 +27,9 @@ page, while the kernel drops those writes (never writes out of bounds or into an
 counts the token.
 
 Triton: grid (B,), one program per row handles every KV head of its row ([BLOCK_H, D] tiles), so a [B] length
-shared by the heads of a row is read and incremented by one program: no race, no second launch. No host sync;
+shared by the heads of a row is read and incremented by one program: no race, no second launch. The same holds for
+``seen`` when ``advance_seen`` is set and the program owns its count (``[B]`` counts, or a 0-d count and one row): a
+decode step's count then costs no launch of its own. No host sync;
 registered as ``torch.ops.hf_rocketkv.append_token`` / ``paged_append_token`` / ``paged_append_kv``.
 
 fp8 pages (paged entry points only): ``k_scale`` / ``v_scale`` float32 [N] (one scale per pool page) or [N, Hkv]
@@ -183,11 +188,14 @@ def paged_append_token_torch(
     kt_page_size: int,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    advance_seen: bool = False,
 ) -> None:
     """Reference (paged): the contiguous reference's writes, addressed through the table. fp8 pages (``k_scale`` /
     ``v_scale`` given): K/V follow ``fp8_append_torch``'s rule; the KT (from the unquantized key), positions and
-    lengths as for float pages."""
+    lengths as for float pages. ``advance_seen``: ``seen`` is the count before this token; it advances first."""
     fp8 = check_fp8_append(k_pages, v_pages, k_scale, v_scale, lengths, "paged_append_token")
+    if advance_seen:
+        seen.add_(1)
     _paged_append_torch(k_pages, v_pages, kt_pages, table, positions, lengths, seen, key_new, value_new,
                         kt_page_size, k_scale if fp8 else None, v_scale if fp8 else None)
 
@@ -294,12 +302,16 @@ if triton is not None:
         P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, KT_DT: tl.constexpr,
         PER_HEAD: tl.constexpr,
         PAGED: tl.constexpr, HAS_KT: tl.constexpr, KV_FP8: tl.constexpr, K_BY_PAGE: tl.constexpr,
-        V_BY_PAGE: tl.constexpr,
+        V_BY_PAGE: tl.constexpr, ADVANCE: tl.constexpr,
     ):
         b = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < head_dim
-        column = (tl.load(seen_ptr + b * s_sb) - 1).to(tl.int32)  # s_sb = 0: one count for the batch
+        seen = tl.load(seen_ptr + b * s_sb)  # s_sb = 0: one count for the batch
+        if ADVANCE:  # the count before this token (this program owns it: advanced at the end)
+            column = seen.to(tl.int32)
+        else:  # already advanced past it
+            column = (seen - 1).to(tl.int32)
         if not PER_HEAD:
             row_slot = tl.load(len_ptr + b * s_lb).to(tl.int64)
         if KV_FP8:  # (PAGED only)
@@ -400,6 +412,9 @@ if triton is not None:
         if not PER_HEAD:
             tl.debug_barrier()  # the row's length was read by every lane above: only now increment it
             tl.store(len_ptr + b * s_lb, row_slot + 1)
+        if ADVANCE:
+            tl.debug_barrier()  # likewise the count
+            tl.store(seen_ptr + b * s_sb, seen + 1)
 
     _append_token_launch = TritonLaunch(_append_token_kernel)
 
@@ -412,10 +427,17 @@ if triton is not None:
         return seen.stride(0)
 
     def _launch(k_pages, v_pages, kt_pages, table, positions, lengths, seen, key_new, value_new, kt_page_size,
-                paged: bool, k_scale=None, v_scale=None) -> None:
+                paged: bool, k_scale=None, v_scale=None, advance_seen: bool = False) -> None:
         batch, num_kv_heads, capacity = positions.shape
         head_dim = k_pages.shape[3]
+        s_sb = _seen_stride(seen, batch)
+        # the kernel advances a count only where one program owns it: a count per row, or one row
+        advance = advance_seen and (s_sb != 0 or batch == 1)
+        if advance_seen and not advance:
+            seen.add_(1)  # one count shared by several rows' programs: advanced before they read it
         if batch * num_kv_heads == 0:
+            if advance:
+                seen.add_(1)
             return
         s_lb, s_lh = count_strides(lengths, batch, num_kv_heads, "lengths")
         fp8 = k_scale is not None
@@ -434,14 +456,14 @@ if triton is not None:
             k_pages, v_pages, positions, kt, lengths, seen, key_new, value_new, table_arg,
             k_scale if fp8 else lengths, v_scale if fp8 else lengths,  # unused pointers without fp8
             *k_pages.stride(), *v_pages.stride(), *positions.stride(), *kt_strides, s_lb, s_lh,
-            *key_new.stride(), *value_new.stride(), *table_strides, _seen_stride(seen, batch),
+            *key_new.stride(), *value_new.stride(), *table_strides, s_sb,
             *scale_strides(k_scale), *scale_strides(v_scale),  # (check_fp8_append: paged; [N] needs [B] lengths)
             num_kv_heads, capacity, k_pages.shape[2], kt_pages.shape[2] if has_kt else 1,
             table.shape[1] if paged else 1, head_dim,
             P=kt_page_size, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_T=block_t,
             KT_DT=dtype_code(kt.dtype) if has_kt else 0,
             PER_HEAD=s_lh != 0, PAGED=paged, HAS_KT=has_kt, KV_FP8=fp8,
-            K_BY_PAGE=fp8 and k_scale.dim() == 1, V_BY_PAGE=fp8 and v_scale.dim() == 1,
+            K_BY_PAGE=fp8 and k_scale.dim() == 1, V_BY_PAGE=fp8 and v_scale.dim() == 1, ADVANCE=advance,
             num_warps=min(16, tile // 512) if tile >= 4096 else (4 if tile >= 2048 else (2 if tile >= 512 else 1)),
         )
 
@@ -472,13 +494,15 @@ if triton is not None:
         kt_page_size: int,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        advance_seen: bool = False,
     ) -> None:
         """Same contract as ``paged_append_token_torch`` (registered as a triton_op in ``triton_ops``). fp8 pages:
         the same kernel applies the append rule (``fp8_append_torch``) in place, bit for bit."""
         check_table(table, positions.shape[0])
         fp8 = check_fp8_append(k_pages, v_pages, k_scale, v_scale, lengths, "paged_append_token")
         _launch(k_pages, v_pages, kt_pages, table, positions, lengths, seen, key_new, value_new, kt_page_size,
-                paged=True, k_scale=k_scale if fp8 else None, v_scale=v_scale if fp8 else None)
+                paged=True, k_scale=k_scale if fp8 else None, v_scale=v_scale if fp8 else None,
+                advance_seen=advance_seen)
 
     def paged_append_kv_triton(
         k_pages: torch.Tensor,

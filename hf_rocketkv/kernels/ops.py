@@ -28,7 +28,8 @@ class RocketOps:
 
     Paged decode (what RocketKVLayer uses; layout in kernels/paged.py):
     paged_append_token(k_pages, v_pages, kt_pages, table, positions, lengths, seen, key_new, value_new,
-                       kt_page_size, k_scale=None, v_scale=None) -> None (in place)
+                       kt_page_size, k_scale=None, v_scale=None, advance_seen=False) -> None (in place;
+                       advance_seen: seen is the count before the token and advances by 1)
     paged_append_kv(k_pages, v_pages, table, positions, lengths, seen, key_new, value_new, k_scale=None,
                     v_scale=None) -> None (no KT)
     paged_page_scores(q, kt_pages, table, n_pages, topr, per_head_bound=False) -> probs [B, Hkv, MP * R]
@@ -52,8 +53,9 @@ class RocketOps:
     ring_decode_attention(q, keys, values, seen, scaling, rows=None, mask=None, softcap=None, sinks=None)
         -> [B, Hkv, G, D]: q [B, Hkv, G, D] over rings [N, Hkv, W, D] (row b reads store row rows[b], or b),
         seen [B] or [] int64 counts with this step's token, mask [B or 1, W] bool in transformers' column order
-    ring_append(keys, values, seen, key_new, value_new, rows=None) -> None (in place: row b's token into slot
-        seen[b] % W of store row rows[b]; seen is the count before it and is not advanced; kernels/ring_append.py)
+    ring_append(keys, values, seen, key_new, value_new, rows=None, advance_seen=False) -> None (in place: row b's
+        token into slot seen[b] % W of store row rows[b]; seen is the count before it, advanced by 1 with
+        advance_seen; kernels/ring_append.py)
 
     paged_compact_row(keys, values, slots, columns, k_pages, v_pages, kt_pages, table, row_pages, positions,
                       kt_page_size, k_scale=None, v_scale=None, counts=None) -> None (in place: the row's pages,

@@ -2,14 +2,17 @@
 
 Shapes (B batch, Hkv KV heads, W window, D head_dim, N store rows):
     keys/values:         [N, Hkv, W, D] the rings (any strides), written in place
-    seen:                [B] or [] int64: tokens row b has seen before this one (its position); not advanced here
+    seen:                [B] or [] int64: tokens row b has seen before this one (its position); advanced by 1 here
+                         with ``advance_seen=True``, else left to the caller
     key_new / value_new: [B, Hkv, 1, D] this step's token
     rows:                [B] int64 store rows, or None (N == B)
 
 Row b's token goes to ``keys[rows[b], :, seen[b] % W]`` (``cache/sliding_layer.py``: position p lives in slot
-``p % W``). The caller advances its count afterwards (one more launch: a kernel cannot advance a count its other
-programs are still reading). The Triton kernel is one program per (row, KV head) copying D values of K and of V:
-one launch where the PyTorch form takes a remainder and two index writes.
+``p % W``). The Triton kernel is one program per row copying its KV heads' D values of K and of V as one tile: one
+launch where the PyTorch form takes a remainder and two index writes. A program owns its row's count (``[B]``
+counts, or a 0-d count and one row), so with ``advance_seen`` it advances it after every lane has read it, and a
+decode step's count costs no launch of its own; a 0-d count shared by several rows is advanced by one ``add_`` after
+the launch.
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ def check_append_arguments(keys: torch.Tensor, values: torch.Tensor, seen: torch
 
 
 def ring_append_torch(keys: torch.Tensor, values: torch.Tensor, seen: torch.Tensor, key_new: torch.Tensor,
-                      value_new: torch.Tensor, rows: torch.Tensor | None = None) -> None:
-    """Reference: one indexed write of K and one of V."""
+                      value_new: torch.Tensor, rows: torch.Tensor | None = None, advance_seen: bool = False) -> None:
+    """Reference: one indexed write of K and one of V (then ``seen += 1`` with ``advance_seen``)."""
     check_append_arguments(keys, values, seen, key_new, value_new, rows)
     batch, heads = key_new.shape[:2]
     slot = torch.remainder(seen, keys.shape[2]).reshape(-1, 1).expand(batch, heads)
@@ -48,6 +51,8 @@ def ring_append_torch(keys: torch.Tensor, values: torch.Tensor, seen: torch.Tens
     head = torch.arange(heads, device=keys.device)[None, :].expand(batch, heads)
     keys[row, head, slot] = key_new[:, :, 0].to(keys.dtype)
     values[row, head, slot] = value_new[:, :, 0].to(values.dtype)
+    if advance_seen:
+        seen.add_(1)
 
 
 try:
@@ -69,38 +74,48 @@ if triton is not None:
         s_ab, s_ah, s_ad,
         s_bb, s_bh, s_bd,
         num_kv_heads, head_dim, window,
-        BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, ADVANCE: tl.constexpr,
     ):
-        bh = tl.program_id(0)
-        b = (bh // num_kv_heads).to(tl.int64)
-        h = (bh % num_kv_heads).to(tl.int64)
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.arange(0, BLOCK_H).to(tl.int64)
         d = tl.arange(0, BLOCK_D)
-        d_ok = d < head_dim
-        slot = tl.load(seen_ptr + b * s_sb).to(tl.int64) % window
+        m = (h < num_kv_heads)[:, None] & (d < head_dim)[None, :]
+        seen = tl.load(seen_ptr + b * s_sb)
+        slot = seen.to(tl.int64) % window
         if ROWS:
             r = tl.load(rows_ptr + b).to(tl.int64)
         else:
             r = b
-        k = tl.load(kn_ptr + b * s_ab + h * s_ah + d * s_ad, mask=d_ok)
-        v = tl.load(vn_ptr + b * s_bb + h * s_bh + d * s_bd, mask=d_ok)
-        tl.store(k_ptr + r * s_kn + h * s_kh + slot * s_kw + d * s_kd, k.to(k_ptr.dtype.element_ty), mask=d_ok)
-        tl.store(v_ptr + r * s_vn + h * s_vh + slot * s_vw + d * s_vd, v.to(v_ptr.dtype.element_ty), mask=d_ok)
+        k = tl.load(kn_ptr + b * s_ab + h[:, None] * s_ah + d[None, :] * s_ad, mask=m)
+        v = tl.load(vn_ptr + b * s_bb + h[:, None] * s_bh + d[None, :] * s_bd, mask=m)
+        tl.store(k_ptr + r * s_kn + h[:, None] * s_kh + slot * s_kw + d[None, :] * s_kd, k.to(k_ptr.dtype.element_ty),
+                 mask=m)
+        tl.store(v_ptr + r * s_vn + h[:, None] * s_vh + slot * s_vw + d[None, :] * s_vd, v.to(v_ptr.dtype.element_ty),
+                 mask=m)
+        if ADVANCE:
+            tl.debug_barrier()  # every lane has read the count before it advances
+            tl.store(seen_ptr + b * s_sb, seen + 1)
 
     _ring_append_launch = TritonLaunch(_ring_append_kernel)
 
     def ring_append_triton(keys: torch.Tensor, values: torch.Tensor, seen: torch.Tensor, key_new: torch.Tensor,
-                           value_new: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+                           value_new: torch.Tensor, rows: torch.Tensor | None = None,
+                           advance_seen: bool = False) -> None:
         """Same contract as ``ring_append_torch`` (registered as a triton_op in ``triton_ops``); one launch."""
         check_append_arguments(keys, values, seen, key_new, value_new, rows)
         batch, heads, _, dim = key_new.shape
-        if batch * heads == 0:
-            return
-        _ring_append_launch[(batch * heads,)](
-            keys, values, seen, rows if rows is not None else seen, key_new, value_new,
-            *keys.stride(), *values.stride(), seen.stride(0) if seen.dim() else 0,
-            key_new.stride(0), key_new.stride(1), key_new.stride(3),
-            value_new.stride(0), value_new.stride(1), value_new.stride(3),
-            heads, dim, keys.shape[2],
-            BLOCK_D=next_pow2(dim), ROWS=rows is not None,
-            num_warps=1 if dim <= 128 else 2,
-        )
+        # the kernel advances a count only where one program owns it: a count per row, or one row
+        advance = advance_seen and (seen.dim() == 1 or batch == 1)
+        if batch * heads > 0:
+            block_h, block_d = next_pow2(heads), next_pow2(dim)
+            _ring_append_launch[(batch,)](
+                keys, values, seen, rows if rows is not None else seen, key_new, value_new,
+                *keys.stride(), *values.stride(), seen.stride(0) if seen.dim() else 0,
+                key_new.stride(0), key_new.stride(1), key_new.stride(3),
+                value_new.stride(0), value_new.stride(1), value_new.stride(3),
+                heads, dim, keys.shape[2],
+                BLOCK_H=block_h, BLOCK_D=block_d, ROWS=rows is not None, ADVANCE=advance,
+                num_warps=max(1, min(8, block_h * block_d // 256)),
+            )
+        if advance_seen and not (advance and batch * heads > 0):
+            seen.add_(1)

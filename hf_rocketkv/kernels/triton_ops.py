@@ -16,7 +16,8 @@ sparse_decode_attention) derive their launch shapes from tensor shapes only and 
     top_pages                select_pages.py             2 (logits, select) + merge levels           decode
     sparse_decode_attention  sparse_decode_attention.py  1 (one split) or 2 (split + reduce)         decode
     append_token             append_token.py             1 (in place: K, V, positions, KT, lengths)  decode
-    paged_append_token       append_token.py             1 (the same kernel, through a block table)   decode
+    paged_append_token       append_token.py             1 (the same kernel, through a block table;   decode
+                                                         advance_seen: the count in the same launch)
     paged_append_kv          append_token.py             1 (K/V, positions, lengths; no KT)           decode
     paged_page_scores        page_scores.py              as page_scores, KT read through the table    decode
     paged_top_pages          select_pages.py             as top_pages, KT read through the table      decode
@@ -24,7 +25,8 @@ sparse_decode_attention) derive their launch shapes from tensor shapes only and 
     paged_fused_decode       fused_decode.py             1 (one program per row and KV head) or 3 (logits, select-and-attend, combine)  decode
     paged_compact_row        compact.py                  1 (in place: a row's pages, KT, positions)   prefill
     ring_decode_attention    ring_attention.py           1 (one split) or 2 (split + reduce)         decode
-    ring_append              ring_append.py              1 (in place: one token per row into the ring) decode
+    ring_append              ring_append.py              1 (in place: one token per row into the ring; decode
+                                                         advance_seen: the count in the same launch)
 
 ``paged_compact_row`` is not registered: stage 1 runs eagerly at the end of a prefill, never inside a compiled or
 graphed step, so it only ever needs its plain launcher.
@@ -94,9 +96,10 @@ def _paged_append_token_op(
     k_pages: torch.Tensor, v_pages: torch.Tensor, kt_pages: torch.Tensor, table: torch.Tensor,
     positions: torch.Tensor, lengths: torch.Tensor, seen: torch.Tensor, key_new: torch.Tensor,
     value_new: torch.Tensor, kt_page_size: int, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+    advance_seen: bool = False,
 ) -> None:
     paged_append_token_triton(k_pages, v_pages, kt_pages, table, positions, lengths, seen, key_new, value_new,
-                              kt_page_size, k_scale, v_scale)
+                              kt_page_size, k_scale, v_scale, advance_seen)
 
 
 def _paged_append_kv_op(
@@ -109,7 +112,7 @@ def _paged_append_kv_op(
 
 paged_append_token = triton_op(
     "hf_rocketkv::paged_append_token",
-    mutates_args={"k_pages", "v_pages", "kt_pages", "positions", "lengths", "k_scale", "v_scale"},
+    mutates_args={"k_pages", "v_pages", "kt_pages", "positions", "lengths", "seen", "k_scale", "v_scale"},
 )(_paged_append_token_op)
 paged_append_kv = triton_op(
     "hf_rocketkv::paged_append_kv", mutates_args={"k_pages", "v_pages", "positions", "lengths", "k_scale", "v_scale"}
@@ -124,7 +127,7 @@ paged_fused_decode = triton_op("hf_rocketkv::paged_fused_decode", mutates_args={
 ring_decode_attention = triton_op("hf_rocketkv::ring_decode_attention", mutates_args={})(
     ring_decode_attention_triton
 )
-ring_append = triton_op("hf_rocketkv::ring_append", mutates_args={"keys", "values"})(ring_append_triton)
+ring_append = triton_op("hf_rocketkv::ring_append", mutates_args={"keys", "values", "seen"})(ring_append_triton)
 
 
 def _defaulted(launcher: Callable) -> tuple[tuple[int, str, object], ...]:

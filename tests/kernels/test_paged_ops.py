@@ -166,6 +166,43 @@ def test_paged_append_token_with_one_logical_length_per_row():
         _append_steps(ops().paged_append_token, bad, 1, torch.float32, gen("rows"), 4)
 
 
+@pytest.mark.parametrize("counts,per_head", [
+    ([40, 7, 300], False),  # one count per row: each program advances its own
+    ([12], True),  # one row owning a 0-d count (generate() at batch 1), per-head lengths
+    ([12], False),
+    (None, False),  # one 0-d count shared by three rows: advanced before their programs read it
+])
+def test_paged_append_token_advances_the_count_in_its_launch(counts, per_head):
+    """``advance_seen=True``: ``seen`` is the count before the token and moves past it with the append (each token's
+    input column is the count before it), equal to advancing it first and appending without the flag."""
+    g = gen("paged-append-advance", counts, per_head)
+    batch = len(counts) if counts else 3
+    table = page_table([2, 1, 3][:batch], 8, g)
+    lengths = torch.tensor([5, 2, 17][:batch], device=DEVICE)
+    if per_head:
+        lengths = torch.tensor([[3, 9]], device=DEVICE)
+    base = _store(table, 8, 2, 8, 4, 16, torch.bfloat16, torch.float32, lengths, g)
+    if counts is not None:
+        base[6] = torch.tensor(counts if len(counts) > 1 else counts[0], device=DEVICE)
+    start = base[6].clone()
+    steps = 3
+    for fn in (paged_append_token_torch, ops().paged_append_token):
+        want = _append_steps(fn, [t.clone() for t in base], steps, torch.bfloat16, gen("adv"), 4)
+        got = [t.clone() for t in base]
+        new = gen("adv")
+        for _ in range(steps):  # _append_steps' draws, without its own count advance
+            k = randn((batch, 2, 2, 16), torch.bfloat16, new, scale=3.0)[:, :, 1]
+            v = randn((batch, 2, 16), torch.bfloat16, new)
+            fn(*got, k, v, 4, advance_seen=True)
+        for a, b in zip(got, want):
+            assert torch.equal(a.float(), b.float())
+        assert torch.equal(got[6], start + steps)
+        rows = torch.arange(batch, device=DEVICE)[:, None]
+        slot = ref.per_head(lengths, batch, 2)  # the first token's slot per row and KV head
+        first_column = start.reshape(-1, 1).expand(batch, 2)
+        assert torch.equal(got[4][rows, torch.arange(2, device=DEVICE)[None, :], slot].long(), first_column)
+
+
 def _selection_inputs(g, group, head_dim, kv_heads, page_tokens, kt_page, kt_dtype, q_dtype, topr):
     table = page_table([5, 2, 4], 14, g)
     lengths = torch.tensor([5 * page_tokens, 2 * page_tokens - 3, 4 * page_tokens // 3], device=DEVICE)

@@ -9,20 +9,25 @@ from tests.kernels.kernel_utils import DEVICE, gen, ops
 pytestmark = pytest.mark.gpu  # compiled for the GPU where one is present (pytest -m gpu); interpreted on CPU
 
 
-@pytest.mark.parametrize("dtype,head_dim,window,shared_count,with_rows", [
-    (torch.float32, 16, 8, False, True),
-    (torch.bfloat16, 48, 5, True, False),
-    (torch.float16, 128, 16, False, False),
-    (torch.bfloat16, 256, 1024, True, True),
+@pytest.mark.parametrize("dtype,head_dim,window,shared_count,with_rows,batch,heads", [
+    (torch.float32, 16, 8, False, True, 3, 2),
+    (torch.bfloat16, 48, 5, True, False, 3, 3),
+    (torch.float16, 128, 16, False, False, 3, 2),
+    (torch.bfloat16, 256, 1024, True, True, 3, 8),
+    (torch.bfloat16, 256, 1024, True, True, 1, 8),  # one row owning a 0-d count: advanced inside the launch
+    (torch.float32, 64, 7, True, False, 1, 5),
 ])
-def test_ring_append_writes_slot_position_mod_window(dtype, head_dim, window, shared_count, with_rows):
-    g = gen("ring-append", dtype, head_dim, window, shared_count, with_rows)
-    batch, heads, spare = 3, 2, 2 if with_rows else 0
+@pytest.mark.parametrize("advance", [False, True])
+def test_ring_append_writes_slot_position_mod_window(dtype, head_dim, window, shared_count, with_rows, batch, heads,
+                                                     advance):
+    g = gen("ring-append", dtype, head_dim, window, shared_count, with_rows, batch, heads)
+    spare = 2 if with_rows else 0
     store_k = torch.randn(batch + spare, heads, window, head_dim, generator=g).to(dtype).to(DEVICE)
     store_v = torch.randn(batch + spare, heads, window, head_dim, generator=g).to(dtype).to(DEVICE)
     new_k = torch.randn(batch, heads, 1, head_dim, generator=g).to(dtype).to(DEVICE)
     new_v = torch.randn(batch, heads, 1, head_dim, generator=g).to(dtype).to(DEVICE)
-    seen = (torch.tensor(window + 3) if shared_count else torch.tensor([0, window - 1, 3 * window + 2])).to(DEVICE)
+    counts = [0, window - 1, 3 * window + 2][:batch]
+    seen = (torch.tensor(window + 3) if shared_count else torch.tensor(counts)).to(DEVICE)
     rows = torch.randperm(batch + spare, generator=g)[:batch].to(DEVICE) if with_rows else None
     want_k, want_v = store_k.clone(), store_v.clone()
     for b in range(batch):  # the oracle: element by element
@@ -30,12 +35,12 @@ def test_ring_append_writes_slot_position_mod_window(dtype, head_dim, window, sh
         slot = int(seen if shared_count else seen[b]) % window
         want_k[r, :, slot] = new_k[b, :, 0]
         want_v[r, :, slot] = new_v[b, :, 0]
+    want_seen = seen + 1 if advance else seen.clone()  # advance_seen: the count moves past the token, once
     for append in (ring_append_torch, ops().ring_append):
-        got_k, got_v = store_k.clone(), store_v.clone()
-        before = seen.clone()
-        append(got_k, got_v, seen, new_k, new_v, rows)
+        got_k, got_v, got_seen = store_k.clone(), store_v.clone(), seen.clone()
+        append(got_k, got_v, got_seen, new_k, new_v, rows, advance_seen=advance)
         assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
-        assert torch.equal(seen, before)  # the count is the caller's to advance
+        assert torch.equal(got_seen, want_seen)
 
 
 def test_ring_append_takes_the_transposed_view_of_a_projection():
