@@ -82,6 +82,13 @@ def load_count(count_ptr, b, h, s_cb, s_ch, limit, COUNT_DIV: tl.constexpr):
     return tl.minimum(tl.maximum(c, 0), limit).to(tl.int32)
 
 
+def kernel_owns_count(seen: torch.Tensor, batch: int) -> bool:
+    """Whether a one-program-per-row append kernel may advance ``seen`` itself: each row's program owns its count
+    (one row, or ``[B]`` counts that are not one value broadcast over the rows); a count shared by several programs
+    must be advanced outside the launch, since the others may still be reading it."""
+    return batch == 1 or (seen.dim() == 1 and seen.stride(0) != 0)
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (>= 1). Plain Python: triton's helpers are JIT callables (~10 us per host call)."""
     return 1 << (max(int(n), 1) - 1).bit_length()

@@ -251,7 +251,8 @@ try:
     import triton.language as tl
     from .launch import TritonLaunch
 
-    from ._triton_common import cast_to, count_strides, dtype_code, next_pow2, quantize_e4m3, scale_strides
+    from ._triton_common import (cast_to, count_strides, dtype_code, kernel_owns_count, next_pow2, quantize_e4m3,
+                                 scale_strides)
 except ImportError:  # triton is optional: the references above work without it
     triton = None
 
@@ -431,13 +432,10 @@ if triton is not None:
         batch, num_kv_heads, capacity = positions.shape
         head_dim = k_pages.shape[3]
         s_sb = _seen_stride(seen, batch)
-        # the kernel advances a count only where one program owns it: a count per row, or one row
-        advance = advance_seen and (s_sb != 0 or batch == 1)
+        advance = advance_seen and batch * num_kv_heads > 0 and kernel_owns_count(seen, batch)
         if advance_seen and not advance:
-            seen.add_(1)  # one count shared by several rows' programs: advanced before they read it
+            seen.add_(1)  # a count shared by several rows' programs (or no launch): advanced before they read it
         if batch * num_kv_heads == 0:
-            if advance:
-                seen.add_(1)
             return
         s_lb, s_lh = count_strides(lengths, batch, num_kv_heads, "lengths")
         fp8 = k_scale is not None

@@ -59,7 +59,7 @@ try:
     import triton
     import triton.language as tl
 
-    from ._triton_common import next_pow2
+    from ._triton_common import kernel_owns_count, next_pow2
     from .launch import TritonLaunch
 except ImportError:  # triton is optional: the reference above works without it
     triton = None
@@ -104,8 +104,7 @@ if triton is not None:
         """Same contract as ``ring_append_torch`` (registered as a triton_op in ``triton_ops``); one launch."""
         check_append_arguments(keys, values, seen, key_new, value_new, rows)
         batch, heads, _, dim = key_new.shape
-        # the kernel advances a count only where one program owns it: a count per row, or one row
-        advance = advance_seen and (seen.dim() == 1 or batch == 1)
+        advance = advance_seen and batch * heads > 0 and kernel_owns_count(seen, batch)
         if batch * heads > 0:
             block_h, block_d = next_pow2(heads), next_pow2(dim)
             _ring_append_launch[(batch,)](
@@ -117,5 +116,5 @@ if triton is not None:
                 BLOCK_H=block_h, BLOCK_D=block_d, ROWS=rows is not None, ADVANCE=advance,
                 num_warps=max(1, min(8, block_h * block_d // 256)),
             )
-        if advance_seen and not (advance and batch * heads > 0):
+        if advance_seen and not advance:  # a count shared by several rows' programs (or no launch)
             seen.add_(1)
