@@ -88,12 +88,24 @@ def gemma_3_12b(quick: bool) -> tuple:
     return Gemma3TextConfig, Gemma3ForCausalLM, shapes, "sdpa"
 
 
+def llama_3_1_8b(quick: bool) -> tuple:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shapes = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0, max_position_embeddings=131072)
+    if quick:
+        shapes.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2)
+    return LlamaConfig, LlamaForCausalLM, shapes, "sdpa"
+
+
 MODELS = {"gpt-oss-20b": gpt_oss_20b, "gemma-3-12b": gemma_3_12b}
+REFERENCE_MODELS = {"llama-3.1-8b": llama_3_1_8b}  # not hybrid: the probes' side-by-side reference (build_model)
 
 
 def build_model(name: str, quick: bool, layers: int | None, dtype: torch.dtype, device: torch.device):
     """The model with random weights (seed 0) on ``device``, and the attention its dense rows use."""
-    config_cls, model_cls, shapes, dense_attention = MODELS[name](quick)
+    config_cls, model_cls, shapes, dense_attention = {**MODELS, **REFERENCE_MODELS}[name](quick)
     config = config_cls(**shapes, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if layers is not None:
         if layers < 1 or layers > config.num_hidden_layers:

@@ -1,4 +1,5 @@
-"""Where one decode step of a hybrid model (Gemma 3, gpt-oss) spends its time, on a GPU, by kind of kernel.
+"""Where one decode step of a hybrid model (Gemma 3, gpt-oss; Llama-3.1-8B as the reference) spends its time, on a
+GPU, by kind of kernel.
 
     python -m benchmarks.probes.profile_hybrid_step --model gemma-3-12b --context 32768 --out $OUT/profile
 
@@ -6,7 +7,7 @@ For each cache row (``rocketkv``: the defaults, decode captured as CUDA graphs; 
 ``static-compile``: transformers' static cache, decode compiled by generate): one generate() warms up (JIT, graph
 capture, compilation), a second one of the same shapes runs under torch.profiler for ``--steps`` decode steps and
 reports per step: the median generate() gap, GPU busy time (the sum of kernel durations), the idle GPU time between
-kernels (launch gaps up to 50 us, longer host gaps), kernels, and time and
+kernels (launch gaps up to 50 us, with the kernel pairs around the largest; longer host gaps), kernels, and time and
 kernels by kind (weight GEMMs, attention, RocketKV's Triton kernels, normalisation, elementwise, copies and
 indexing, other), with the top kernels. Random bf16 weights of the published configs' shapes
 (``benchmarks/hybrid_decode.py``). Writes ``profile_hybrid_step.json`` and a Chrome trace per row under ``--out``.
@@ -25,7 +26,7 @@ import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
 import hf_rocketkv
-from benchmarks.hybrid_decode import MODELS, build_model
+from benchmarks.hybrid_decode import MODELS, REFERENCE_MODELS, build_model
 from benchmarks.probes.profile_decode_step import ProfileWindow, StopAfter
 from hf_rocketkv import RocketKVCache, RocketKVConfig
 from hf_rocketkv.integration import compat
@@ -67,6 +68,22 @@ def launch_and_host_gaps(profiler) -> tuple[float, float]:
     return launch, host
 
 
+def gap_pairs(profiler, steps: int, top: int = 30) -> list[dict]:
+    """The launch gaps (up to ``HOST_GAP_US``) by the pair of kernels around them, largest total first: which
+    neighbours leave the GPU idle inside the step (a carveout switch, a dependency on a tiny kernel)."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in profiler.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    total, count = collections.Counter(), collections.Counter()
+    for (_, prev_end, prev), (start, _, name) in zip(spans, spans[1:]):
+        gap = start - prev_end
+        if 0 < gap <= HOST_GAP_US:
+            pair = f"{kind_of(prev)}:{prev[:60]} -> {kind_of(name)}:{name[:60]}"
+            total[pair] += gap
+            count[pair] += 1
+    return [dict(pair=pair, us_per_step=us / steps, per_step=count[pair] / steps, mean_us=us / count[pair])
+            for pair, us in total.most_common(top)]
+
+
 def summarize(profiler, steps: int) -> dict:
     """Per step: GPU busy ms, kernels, and both by kind; the top 25 kernels."""
     count, micros = collections.Counter(), collections.Counter()
@@ -88,6 +105,7 @@ def summarize(profiler, steps: int) -> dict:
                  for kind, _ in by_kind_us.most_common()},
         top_kernels=[dict(name=name[:120], kind=kind_of(name), calls_per_step=count[name] / steps,
                           us_per_step=us / steps) for name, us in micros.most_common(25)],
+        top_gap_pairs=gap_pairs(profiler, steps),
     )
 
 
@@ -121,7 +139,7 @@ def run_row(model, dense_attention: str, row: str, ids: torch.Tensor, args, out:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=list(MODELS), default="gemma-3-12b")
+    parser.add_argument("--model", choices=[*MODELS, *REFERENCE_MODELS], default="gemma-3-12b")
     parser.add_argument("--rows", nargs="+", default=["rocketkv"], choices=["rocketkv", "rocketkv-eager",
                                                                             "static-compile"])
     parser.add_argument("--context", type=int, default=32768)
@@ -146,6 +164,9 @@ def main() -> None:
         for kernel in result["top_kernels"][:12]:
             print(f"  {kernel['us_per_step']:9.1f} us  x{kernel['calls_per_step']:6.1f}  {kernel['kind']:22s} "
                   f"{kernel['name'][:90]}", flush=True)
+        for pair in result["top_gap_pairs"][:12]:
+            print(f"  gap {pair['us_per_step']:7.1f} us/step  x{pair['per_step']:6.1f}  {pair['mean_us']:5.2f} us  "
+                  f"{pair['pair']}", flush=True)
         (out / "profile_hybrid_step.json").write_text(json.dumps(report, indent=1))
 
 

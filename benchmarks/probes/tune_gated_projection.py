@@ -32,14 +32,23 @@ from hf_rocketkv.kernels.stacked_projection import stacked_projection_reference,
 SHAPES = {"gemma-3-12b": (3840, 15360, "gelu_tanh"), "llama-3.1-8b": (4096, 14336, "silu")}
 ATTENTION = {"gemma-3-12b": (4096, 2048), "llama-3.1-8b": (4096, 1024)}  # q_proj / k_proj (= v_proj) outputs
 ROWS = (1, 16, 64)
-TILES = ([(c, k, 4, s) for c, k, s in itertools.product((16, 32, 64), (128, 256), (3, 5))]
+TILES = ([(c, k, 4, s) for c, k, s in itertools.product((16, 32, 64), (128, 256), (3, 5))] + [(16, 512, 4, 3)]
          + [(64, 128, 8, 4), (128, 128, 8, 4)])  # (BLOCK_C, BLOCK_K, warps, stages)
 
 
-def sweep_tiles(rows: int, run, ref) -> list[dict]:
+def cold(run, copies: int):
+    """``run`` over ``copies`` weight copies per timed call: ``run(i)`` uses copy ``i``; the time is per copy. With
+    copies that together exceed the L2 cache, each call reads its weight from memory, as in a decode step (where the
+    rest of the layer's weights pass through L2 between two calls of one projection)."""
+    def timed(*args):
+        return [run(i, *args) for i in range(copies)]
+    return timed
+
+
+def sweep_tiles(rows: int, run, ref, copies: int = 1, timed=None) -> list[dict]:
     """``run(tiles)`` timed over ``TILES`` (with the least row block holding ``rows``), its largest difference from
     ``ref`` (a tensor, or a tuple of them for a run that returns several); a tile that does not fit is listed with
-    its error."""
+    its error. ``timed(tiles)``: what is timed instead of ``run`` (``copies`` calls of it, ``cold``)."""
     block_r = 16 if rows <= 16 else (32 if rows <= 32 else 64)
     sweep = []
     for c, k, w, s in TILES:
@@ -48,7 +57,7 @@ def sweep_tiles(rows: int, run, ref) -> list[dict]:
             got, refs = run(tiles), ref if isinstance(ref, tuple) else (ref,)
             got = got if isinstance(got, tuple) else (got,)
             err = max((g.float() - r.float()).abs().max().item() for g, r in zip(got, refs))
-            us = time_graph(lambda: run(tiles))
+            us = time_graph(lambda: (timed or run)(tiles)) / copies
         except Exception as exc:  # out of shared memory for a large tile: skip it
             sweep.append({"tiles": tiles, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
             continue
@@ -76,24 +85,30 @@ def down_rows(model: str, hidden: int, inter: int, rows_list, dev, dtype) -> lis
     return out
 
 
-def attention_rows(model: str, hidden: int, rows_list, dev, dtype) -> list[dict]:
+def attention_rows(model: str, hidden: int, rows_list, dev, dtype, copies: int = 1) -> list[dict]:
     """q/k/v (three ``F.linear`` calls against ``stacked_projection_triton``) and ``o_proj`` (``F.linear`` against
-    ``projection_triton``) at each row count."""
+    ``projection_triton``) at each row count; each timed over ``copies`` weight copies (``cold``)."""
     q_out, kv_out = ATTENTION[model]
-    weights = tuple(torch.randn(n, hidden, device=dev, dtype=dtype) / hidden ** 0.5 for n in (q_out, kv_out, kv_out))
-    o_proj = torch.randn(hidden, q_out, device=dev, dtype=dtype) / q_out ** 0.5
+    qkv = [tuple(torch.randn(n, hidden, device=dev, dtype=dtype) / hidden ** 0.5 for n in (q_out, kv_out, kv_out))
+           for _ in range(copies)]
+    o_projs = [torch.randn(hidden, q_out, device=dev, dtype=dtype) / q_out ** 0.5 for _ in range(copies)]
+    weights, o_proj = qkv[0], o_projs[0]
     out = []
     for rows in rows_list:
         x = torch.randn(rows, hidden, device=dev, dtype=dtype)
         h = torch.randn(rows, q_out, device=dev, dtype=dtype)  # the attention's output, o_proj's input
-        for part, gbytes, eager, kernel in (
-            ("qkv", sum(w.numel() for w in weights) * 2 / 1e9, lambda: stacked_projection_reference(x, weights),
-             lambda tiles: stacked_projection_triton(x, weights, tiles=tiles)),
-            ("o_proj", o_proj.numel() * 2 / 1e9, lambda: projection_reference(h, o_proj),
-             lambda tiles: projection_triton(h, o_proj, tiles=tiles)),
+        for part, gbytes, eager, kernel, timed in (
+            ("qkv", sum(w.numel() for w in weights) * 2 / 1e9, cold(lambda i: stacked_projection_reference(x, qkv[i]),
+                                                                     copies),
+             lambda tiles: stacked_projection_triton(x, weights, tiles=tiles),
+             cold(lambda i, tiles: stacked_projection_triton(x, qkv[i], tiles=tiles), copies)),
+            ("o_proj", o_proj.numel() * 2 / 1e9, cold(lambda i: projection_reference(h, o_projs[i]), copies),
+             lambda tiles: projection_triton(h, o_proj, tiles=tiles),
+             cold(lambda i, tiles: projection_triton(h, o_projs[i], tiles=tiles), copies)),
         ):
-            row = {"model": model, "part": part, "rows": rows, "eager_us": time_graph(eager)}
-            sweep = sweep_tiles(rows, kernel, eager())
+            row = {"model": model, "part": part, "rows": rows, "copies": copies,
+                   "eager_us": time_graph(eager) / copies}
+            sweep = sweep_tiles(rows, kernel, eager()[0], copies, timed)
             best = min((t for t in sweep if "us" in t), key=lambda t: t["us"])
             row.update(best=best, eager_gbps=gbytes / row["eager_us"] * 1e6, best_gbps=gbytes / best["us"] * 1e6,
                        sweep=sweep)
@@ -109,6 +124,9 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(SHAPES))
     parser.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
     parser.add_argument("--parts", nargs="+", default=["mlp", "attention"], choices=["mlp", "attention"])
+    parser.add_argument("--copies", type=int, default=1,
+                        help="time the attention's projections over this many weight copies (more than the L2 "
+                             "cache holds: each call reads its weight from memory, as in a decode step)")
     args = parser.parse_args()
     dev, dtype = torch.device("cuda"), torch.bfloat16
     torch.manual_seed(0)
@@ -120,7 +138,7 @@ def main() -> None:
         both = torch.cat([gate, up])
         gbytes = 2 * gate.numel() * gate.element_size() / 1e9
         if "attention" in args.parts:
-            results += attention_rows(model, hidden, args.rows, dev, dtype)
+            results += attention_rows(model, hidden, args.rows, dev, dtype, args.copies)
         if "mlp" not in args.parts:
             continue
         for rows in args.rows:

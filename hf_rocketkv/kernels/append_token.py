@@ -98,6 +98,14 @@ def _can_sync(tensor: torch.Tensor) -> bool:
     return not (tensor.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
+def check_advanceable(seen: torch.Tensor, batch: int, advance_seen: bool, op: str) -> None:
+    """ValueError, before anything is written, for ``advance_seen`` on a ``[B]`` count that is one value broadcast
+    over several rows (stride 0): it cannot advance in place, and the rows sharing it is what a 0-d count says."""
+    if advance_seen and batch > 1 and seen.dim() == 1 and seen.stride(0) == 0:
+        raise ValueError(f"{op}: seen is one count broadcast over {batch} rows (stride 0), which advance_seen cannot "
+                         f"advance in place; pass the 0-d count (rows that share it) or one count per row")
+
+
 def check_fp8_append(
     k_pages: torch.Tensor,
     v_pages: torch.Tensor,
@@ -194,6 +202,7 @@ def paged_append_token_torch(
     ``v_scale`` given): K/V follow ``fp8_append_torch``'s rule; the KT (from the unquantized key), positions and
     lengths as for float pages. ``advance_seen``: ``seen`` is the count before this token; it advances first."""
     fp8 = check_fp8_append(k_pages, v_pages, k_scale, v_scale, lengths, "paged_append_token")
+    check_advanceable(seen, table.shape[0], advance_seen, "paged_append_token")
     if advance_seen:
         seen.add_(1)
     _paged_append_torch(k_pages, v_pages, kt_pages, table, positions, lengths, seen, key_new, value_new,
@@ -432,6 +441,7 @@ if triton is not None:
         batch, num_kv_heads, capacity = positions.shape
         head_dim = k_pages.shape[3]
         s_sb = _seen_stride(seen, batch)
+        check_advanceable(seen, batch, advance_seen, "paged_append_token")
         advance = advance_seen and batch * num_kv_heads > 0 and kernel_owns_count(seen, batch)
         if advance_seen and not advance:
             seen.add_(1)  # a count shared by several rows' programs (or no launch): advanced before they read it

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from .append_token import check_advanceable
+
 
 def check_append_arguments(keys: torch.Tensor, values: torch.Tensor, seen: torch.Tensor, key_new: torch.Tensor,
                            value_new: torch.Tensor, rows: torch.Tensor | None) -> None:
@@ -46,6 +48,7 @@ def ring_append_torch(keys: torch.Tensor, values: torch.Tensor, seen: torch.Tens
     """Reference: one indexed write of K and one of V (then ``seen += 1`` with ``advance_seen``)."""
     check_append_arguments(keys, values, seen, key_new, value_new, rows)
     batch, heads = key_new.shape[:2]
+    check_advanceable(seen, batch, advance_seen, "ring_append")
     slot = torch.remainder(seen, keys.shape[2]).reshape(-1, 1).expand(batch, heads)
     row = (rows if rows is not None else torch.arange(batch, device=keys.device))[:, None].expand(batch, heads)
     head = torch.arange(heads, device=keys.device)[None, :].expand(batch, heads)
@@ -104,6 +107,7 @@ if triton is not None:
         """Same contract as ``ring_append_torch`` (registered as a triton_op in ``triton_ops``); one launch."""
         check_append_arguments(keys, values, seen, key_new, value_new, rows)
         batch, heads, _, dim = key_new.shape
+        check_advanceable(seen, batch, advance_seen, "ring_append")
         advance = advance_seen and batch * heads > 0 and kernel_owns_count(seen, batch)
         if batch * heads > 0:
             block_h, block_d = next_pow2(heads), next_pow2(dim)

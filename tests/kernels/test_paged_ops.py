@@ -203,6 +203,26 @@ def test_paged_append_token_advances_the_count_in_its_launch(counts, per_head):
         assert torch.equal(got[4][rows, torch.arange(2, device=DEVICE)[None, :], slot].long(), first_column)
 
 
+def test_advancing_a_count_broadcast_over_rows_is_refused_before_any_write():
+    """A ``[B]`` count that is one value expanded over the rows (stride 0) cannot advance in place: ``advance_seen``
+    on it is refused naming ``seen``, and nothing is written (the pages, KT, positions, lengths and count as given)."""
+    g = gen("paged-append-expanded")
+    table = page_table([2, 1, 3], 8, g)
+    lengths = torch.tensor([5, 2, 17], device=DEVICE)
+    base = _store(table, 8, 2, 8, 4, 16, torch.bfloat16, torch.float32, lengths, g)
+    shared = torch.tensor(40, device=DEVICE)
+    k = randn((3, 2, 16), torch.bfloat16, g, scale=3.0)
+    v = randn((3, 2, 16), torch.bfloat16, g)
+    for fn in (paged_append_token_torch, ops().paged_append_token):
+        got = [t.clone() for t in base]
+        got[6] = shared.expand(3)
+        with pytest.raises(ValueError, match="seen is one count broadcast over 3 rows"):
+            fn(*got, k, v, 4, advance_seen=True)
+        for a, b in zip(got[:6], base[:6]):
+            assert torch.equal(a.float(), b.float())
+        assert int(shared) == 40
+
+
 def _selection_inputs(g, group, head_dim, kv_heads, page_tokens, kt_page, kt_dtype, q_dtype, topr):
     table = page_table([5, 2, 4], 14, g)
     lengths = torch.tensor([5 * page_tokens, 2 * page_tokens - 3, 4 * page_tokens // 3], device=DEVICE)

@@ -65,3 +65,19 @@ def test_bad_arguments_are_refused_naming_them():
         with pytest.raises(ValueError, match="rows"):
             append(k, k.clone(), torch.zeros(2, dtype=torch.long, device=DEVICE), new, new,
                    torch.zeros(3, dtype=torch.long, device=DEVICE))
+
+
+def test_advancing_a_count_broadcast_over_rows_is_refused_before_any_write():
+    """``advance_seen`` on a ``[B]`` count that is one value expanded over several rows (stride 0): refused naming
+    ``seen`` before the rings are touched (the kernel would otherwise write the tokens and then fail to advance)."""
+    g = gen("ring-append-expanded")
+    store = torch.randn(3, 2, 8, 16, generator=g).to(DEVICE)
+    new = torch.randn(3, 2, 1, 16, generator=g).to(DEVICE)
+    shared = torch.tensor(5, device=DEVICE)
+    for append in (ring_append_torch, ops().ring_append):
+        k, v = store.clone(), store.clone()
+        with pytest.raises(ValueError, match="seen is one count broadcast over 3 rows"):
+            append(k, v, shared.expand(3), new, new, advance_seen=True)
+        assert torch.equal(k, store) and torch.equal(v, store) and int(shared) == 5
+        append(k, v, shared.expand(3), new, new)  # without advancing, the shared count is read only
+        assert torch.equal(k[:, :, 5], new[:, :, 0]) and int(shared) == 5
