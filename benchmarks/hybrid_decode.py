@@ -25,6 +25,8 @@ Rows, one process, the same model and prompt (batch 1):
                      ``fused_experts=False`` / ``fused_mlp=False`` / ``fused_qkv=False`` / ``fused_residual=False``
                      (transformers' own experts / gated-MLP / attention / decoder-layer forward in the decode step);
                      opt-in, as rocketkv-compile
+    rocketkv-stop-sync the defaults with ``deferred_stop_check=False``: generate() reads the stop flag on the host
+                     after every step (what it does for other caches on CUDA); opt-in
 The dense rows of gpt-oss prefill in chunks of ``--dense-prefill-chunk`` tokens (generate's prefill_chunk_size; with
 the static cache generate compiles the chunk's forward too): transformers' eager attention would otherwise hold
 64 x 32k x 32k logits at once (1024: ~13 GiB of them per chunk). Gemma 3's dense rows (sdpa) prefill in one forward
@@ -59,9 +61,10 @@ from hf_rocketkv.integration import compat
 from hf_rocketkv.integration.call_state import call_state
 
 CACHES = ("dynamic", "static-compile", "rocketkv", "rocketkv-eager", "rocketkv-compile", "rocketkv-experts-off",
-          "rocketkv-mlp-off", "rocketkv-qkv-off", "rocketkv-residual-off")
+          "rocketkv-mlp-off", "rocketkv-qkv-off", "rocketkv-residual-off", "rocketkv-stop-sync")
 # rows run only when asked (--caches)
-OPT_IN = ("rocketkv-compile", "rocketkv-experts-off", "rocketkv-mlp-off", "rocketkv-qkv-off", "rocketkv-residual-off")
+OPT_IN = ("rocketkv-compile", "rocketkv-experts-off", "rocketkv-mlp-off", "rocketkv-qkv-off", "rocketkv-residual-off",
+          "rocketkv-stop-sync")
 
 
 def gpt_oss_20b(quick: bool) -> tuple:
@@ -163,6 +166,8 @@ def run_row(model, dense_attention: str, cache_kind: str, ids: torch.Tensor, new
             rocket = rocket.replace(fused_qkv=False)
         if cache_kind == "rocketkv-residual-off":  # transformers' own residual adds and norms (fused_residual=False)
             rocket = rocket.replace(fused_residual=False)
+        if cache_kind == "rocketkv-stop-sync":  # generate()'s per-step stop-flag read (deferred_stop_check=False)
+            rocket = rocket.replace(deferred_stop_check=False)
         cache = RocketKVCache(rocket)
         kwargs.update(compat.cache_kwargs(cache))
         kwargs["disable_compile"] = cache_kind == "rocketkv-eager"

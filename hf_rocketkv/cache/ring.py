@@ -15,6 +15,9 @@ Tensors (B rows, N storage rows, Hkv KV heads, W window, D head_dim):
                                       has seen the same (one left-padded batch, transformers' mask saying which
                                       slots hold padding), one per row when rows have their own lengths
     first          int or None        the rows as one consecutive span ``storage[first : first + B]`` (a view)
+    overwritten    (k, v) or None     ``[B, Hkv, 1, D]`` each: what the last ``append`` replaced in the rows' slots,
+                                      kept once ``keep_overwritten`` is called (one count for all rows), so that
+                                      ``undo_append`` can take that step back (generate()'s deferred stop check)
 
 Every op is a device op on these tensors (the slot ids and the counts are device tensors): no host sync, so a CUDA
 graph of the decode step captures it. The layer owns its ring; the engine's batch owns the buffers its rows' slot ids
@@ -35,6 +38,7 @@ class Ring:
         self.rows = rows
         self.seen = seen
         self.first = first
+        self.overwritten: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def laid_out(cls, ordered_k: torch.Tensor, ordered_v: torch.Tensor, seen_tokens: int, window: int,
@@ -117,8 +121,31 @@ class Ring:
     # ------------------------------------------------------------------------------------------ writes
     def append(self, ops, key_new: torch.Tensor, value_new: torch.Tensor) -> None:
         """Each row's ``[B, Hkv, 1, D]`` token at slot ``seen % W`` of its ring, then every count advances (in the
-        append's launch where each program owns its row's count)."""
-        ops.ring_append(self.keys, self.values, self.seen, key_new, value_new, self.rows, advance_seen=True)
+        append's launch where each program owns its row's count). While ``overwritten`` is kept, the same launch
+        copies each slot's previous contents there first."""
+        kept = self.overwritten or (None, None)
+        ops.ring_append(self.keys, self.values, self.seen, key_new, value_new, self.rows, advance_seen=True,
+                        kept_keys=kept[0], kept_values=kept[1])
+
+    def keep_overwritten(self) -> None:
+        """From the next ``append`` on, keep what each one replaces, so that the last one can be undone."""
+        if self.per_row:
+            raise NotImplementedError("Ring.keep_overwritten: rows with counts of their own (the engine's batch) "
+                                      "take no step back")
+        if self.overwritten is None:
+            keys, values = self.row_tensors()
+            self.overwritten = (keys.new_zeros(*keys.shape[:2], 1, keys.shape[3]),
+                                values.new_zeros(*values.shape[:2], 1, values.shape[3]))
+
+    def undo_append(self) -> None:
+        """Take the last ``append`` back: its slot holds what it held before, the count is one lower (device ops)."""
+        if self.overwritten is None:
+            raise RuntimeError("Ring.undo_append: nothing kept (keep_overwritten before the append)")
+        slot = torch.remainder(self.seen - 1, self.window).reshape(1)
+        rows = self.rows if self.rows is not None else torch.arange(self.overwritten[0].shape[0], device=slot.device)
+        for kept, storage in zip(self.overwritten, (self.keys, self.values)):
+            storage[rows[:, None], :, slot] = kept[:, :, 0][:, None]  # [B, 1, Hkv, D] into each row's slot
+        self.seen.sub_(1)
 
     def reorder(self, index: torch.Tensor) -> None:
         """Beam search: row b takes row ``index[b]``'s ring (in place: the rows keep their storage)."""

@@ -83,6 +83,10 @@ class SlidingWindowLayer(DenseLayer):
         self.chunked = chunked
         self.pages = pages  # the cache's PoolPages (its ring in the rows' slots of the pool's slab), or None
         self.floor = 0  # the first position the layer may hold (a prefix hit's replay start, ``seed_replay``)
+        # generate()'s deferred stop check may take the last decode step back (``activate_past_recording``): the
+        # ring keeps what each append replaces, and ``undoable`` says whether a step was taken since the last undo
+        self.record_past = False
+        self.undoable = False
         self._slab_tensors: tuple[torch.Tensor, torch.Tensor] | None = None  # the pool's (k, v) slab: never moves
 
     def reset(self) -> None:
@@ -225,6 +229,7 @@ class SlidingWindowLayer(DenseLayer):
             if not self.per_row:
                 self.seen_tokens += 1
         self.ring.append(self.ops, key_states, value_states)
+        self.undoable = self.record_past
         keys, values = self.ring.returned()
         tag(keys, self)
         return keys, values
@@ -238,6 +243,7 @@ class SlidingWindowLayer(DenseLayer):
             self._to_ring()
         self.host_seen += 1
         self.seen_tokens += 1
+        self.undoable = self.record_past
 
     # ------------------------------------------------------------------------------------------ attention
     def attend_ring(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float,
@@ -295,7 +301,10 @@ class SlidingWindowLayer(DenseLayer):
             ring = Ring.laid_out(ordered_k, ordered_v, self.seen_tokens, self.window, self._slab(), slots, ids)
         self._keys = self._values = None
         self.ring = ring
-        self._mark_ring_static(ring.keys, ring.values, *(() if ring.rows is None else (ring.rows,)), ring.seen)
+        if self.record_past:
+            ring.keep_overwritten()
+        self._mark_ring_static(ring.keys, ring.values, *(() if ring.rows is None else (ring.rows,)), ring.seen,
+                               *(ring.overwritten or ()))
 
     def _mark_ring_static(self, *tensors: torch.Tensor) -> None:
         """Fixed addresses for a compiled decode step: each step mutates the ring and its count in place, and
@@ -312,6 +321,7 @@ class SlidingWindowLayer(DenseLayer):
             return
         keys, values = self.ring.ordered(self.stored, self.seen_tokens)
         self.ring = None
+        self.undoable = False  # what the ring kept goes with it
         self._keys, self._values = keys, values
 
     def _slab(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -383,14 +393,35 @@ class SlidingWindowLayer(DenseLayer):
         index = index.to(self.device)
         ring = self.ring
         self.ring = Ring(ring.keys.index_select(0, index), ring.values.index_select(0, index), None, ring.seen)
+        self.undoable = False
+        if self.record_past:
+            self.ring.keep_overwritten()
+
+    def activate_past_recording(self, **kwargs) -> None:
+        """transformers' contract for generate()'s deferred stop check, which may undo its last decode step with
+        ``crop(-1)``: from now on the ring keeps what each append replaces (``Ring.keep_overwritten``), so that one
+        step can be taken back with a full window too."""
+        if self.per_row:
+            raise NotImplementedError("SlidingWindowLayer.activate_past_recording: the engine's rows take no step back")
+        self.record_past = True
+        if self.ring is not None:
+            self.ring.keep_overwritten()
+            self._mark_ring_static(*self.ring.overwritten)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens while the layer still holds every token it saw (fewer than
-        ``window`` seen); past that, the tokens before the window are gone and it raises."""
+        ``window`` seen); past that, the tokens before the window are gone and it raises, except for the last decode
+        step while recording (``activate_past_recording``), which the ring takes back."""
         if tokens_to_remove > 0:
             raise NotImplementedError("RocketKVCache.crop takes a negative count of tokens to remove")
         count = -tokens_to_remove
         if count == 0 or not self.is_initialized:
+            return
+        if count == 1 and self.ring is not None and self.undoable:
+            self.ring.undo_append()
+            self.seen_tokens -= 1
+            self.host_seen -= 1
+            self.undoable = False
             return
         self.to_ordered()
         if self.seen_tokens - self.floor >= self.window or count > self.seen_tokens - self.floor:

@@ -144,11 +144,11 @@ class RocketKVGenerateHooks:
         generate() reads ``unfinished_sequences.max() == 0`` on the host after every token, so the GPU idles while
         the host prepares the next step. transformers' ``DeferredStopCheck`` reads that flag one step late instead;
         it costs one extra forward when a sequence stops on EOS, undone with ``cache.crop(-1)``
-        (``RocketKVLayer.crop``). transformers enables it on MPS only; the tokens are the same either way.
+        (``RocketKVLayer.crop``; a sliding-window layer's ring keeps the slot that step overwrote once transformers
+        calls ``activate_past_recording``, ``SlidingWindowLayer.crop``). transformers enables it on MPS only; the
+        tokens are the same either way.
         """
         cache: RocketKVCache = call.arguments["cache"]
-        if cache.has_sliding_layers:  # a sliding layer cannot undo the extra step once its window is full
-            return call()
         deferring = call_state(cache).deferred_stop_devices
         if cache.config.deferred_stop_check and call.arguments["device"].type in deferring:
             return not call.arguments["is_assistant"]

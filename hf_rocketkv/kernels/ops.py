@@ -53,9 +53,10 @@ class RocketOps:
     ring_decode_attention(q, keys, values, seen, scaling, rows=None, mask=None, softcap=None, sinks=None)
         -> [B, Hkv, G, D]: q [B, Hkv, G, D] over rings [N, Hkv, W, D] (row b reads store row rows[b], or b),
         seen [B] or [] int64 counts with this step's token, mask [B or 1, W] bool in transformers' column order
-    ring_append(keys, values, seen, key_new, value_new, rows=None, advance_seen=False) -> None (in place: row b's
-        token into slot seen[b] % W of store row rows[b]; seen is the count before it, advanced by 1 with
-        advance_seen; kernels/ring_append.py)
+    ring_append(keys, values, seen, key_new, value_new, rows=None, advance_seen=False, kept_keys=None,
+                kept_values=None) -> None (in place: row b's token into slot seen[b] % W of store row rows[b]; seen
+        is the count before it, advanced by 1 with advance_seen; kept_* [B, Hkv, 1, D]: the slots as they were;
+        kernels/ring_append.py)
 
     paged_compact_row(keys, values, slots, columns, k_pages, v_pages, kt_pages, table, row_pages, positions,
                       kt_page_size, k_scale=None, v_scale=None, counts=None) -> None (in place: the row's pages,

@@ -26,7 +26,8 @@ sparse_decode_attention) derive their launch shapes from tensor shapes only and 
     paged_compact_row        compact.py                  1 (in place: a row's pages, KT, positions)   prefill
     ring_decode_attention    ring_attention.py           1 (one split) or 2 (split + reduce)         decode
     ring_append              ring_append.py              1 (in place: one token per row into the ring; decode
-                                                         advance_seen: the count in the same launch)
+                                                         advance_seen: the count in the same launch; kept_keys /
+                                                         kept_values: the overwritten slots too)
 
 ``paged_compact_row`` is not registered: stage 1 runs eagerly at the end of a prefill, never inside a compiled or
 graphed step, so it only ever needs its plain launcher.
@@ -127,7 +128,16 @@ paged_fused_decode = triton_op("hf_rocketkv::paged_fused_decode", mutates_args={
 ring_decode_attention = triton_op("hf_rocketkv::ring_decode_attention", mutates_args={})(
     ring_decode_attention_triton
 )
-ring_append = triton_op("hf_rocketkv::ring_append", mutates_args={"keys", "values", "seen"})(ring_append_triton)
+def _ring_append_op(
+    keys: torch.Tensor, values: torch.Tensor, seen: torch.Tensor, key_new: torch.Tensor, value_new: torch.Tensor,
+    rows: torch.Tensor | None, advance_seen: bool, kept_keys: torch.Tensor | None, kept_values: torch.Tensor | None,
+) -> None:
+    ring_append_triton(keys, values, seen, key_new, value_new, rows, advance_seen, kept_keys, kept_values)
+
+
+ring_append = triton_op(  # kept_keys / kept_values mutated: no defaults in the schema (see the appends' above)
+    "hf_rocketkv::ring_append", mutates_args={"keys", "values", "seen", "kept_keys", "kept_values"}
+)(_ring_append_op)
 
 
 def _defaulted(launcher: Callable) -> tuple[tuple[int, str, object], ...]:

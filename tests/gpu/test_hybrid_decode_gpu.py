@@ -101,3 +101,56 @@ def test_llama4_graphed_decode_equals_eager(config):
     tokens, replays, _ = _run(rocket, ids, config, compiled=True)
     assert replays == REPLAYS
     assert torch.equal(tokens, eager), f"{(tokens == eager).float().mean().item():.3f} of tokens equal"
+
+
+@pytest.mark.parametrize("arch,runner", [("gemma3", "cuda_graphs"), ("gpt_oss", "cuda_graphs"),
+                                         ("gemma3", "torch_compile")])
+def test_deferred_stop_takes_a_captured_sliding_step_back(arch, runner):
+    """generate()'s deferred stop check, on by default for RocketKV caches on CUDA: the EOS stop comes after more
+    decode steps than the window holds, so the extra step (a replay of the captured step) overwrote the oldest slot
+    of every sliding layer's full ring, and ``crop(-1)`` puts it back from what the ring kept inside the replay.
+    Oracle: the plain check's run (``deferred_stop_check=False``, the same runner): the same tokens, the same rings
+    slot by slot and counts, and a next turn that continues the same."""
+    from torch._dynamo import utils as dynamo_utils
+
+    from tests.support.hybrid_models import WINDOW
+
+    rocket, _ = hybrid_models_on_cuda(arch)
+    ids = _prompt(rocket.config.vocab_size)
+    config = COMPRESSING.replace(decode_runner=runner)
+    new_tokens = WINDOW + 8
+    probe = greedy(rocket, ids, RocketKVCache(config.replace(deferred_stop_check=False)), new_tokens, True)[0]
+    firsts = [i for i in range(2, new_tokens - 1) if int(probe[i]) not in probe[:i].tolist()]
+    assert firsts, f"{arch}: the probe's tokens repeat from the start: no token to stop on"
+    stop = next((i for i in firsts if i > WINDOW), firsts[-1])  # past a whole window of decode steps if it can
+    eos = int(probe[stop])  # the first time the probe emits it: generation stops after ``stop`` decode steps
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    runs = []
+    for deferred in (True, False):
+        cache = RocketKVCache(config.replace(deferred_stop_check=deferred))
+        crops, crop = [], cache.crop
+        cache.crop = lambda n, _c=crop, _l=crops: (_l.append(n), _c(n))[1]
+        with torch.no_grad():
+            out = rocket.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=new_tokens,
+                                  do_sample=False, eos_token_id=eos, pad_token_id=0)
+        step = call_state(cache).graphed_step
+        runs.append((out, cache, crops, step.replays if step is not None else None))
+    (out, cache, crops, replays), (plain_out, plain, plain_crops, _) = runs
+    assert out.shape[1] == ids.shape[1] + stop + 1 and torch.equal(out, plain_out)
+    steps_back = [n for n in crops + plain_crops if n]  # crop(0) is a no-op
+    assert -1 in crops and steps_back == [-1], f"the deferred check did not take one extra step back: {steps_back}"
+    if runner == "cuda_graphs":
+        assert replays == stop, f"{arch}: the extra step was not a replay ({replays} replays)"
+    else:
+        assert not dynamo_utils.counters["inductor"].get("cudagraph_skips"), dict(dynamo_utils.counters["inductor"])
+    sliding = [i for i, layer in enumerate(plain.layers) if isinstance(layer, SlidingWindowLayer)]
+    assert sliding
+    for i in sliding:
+        got, want = cache.layers[i], plain.layers[i]
+        for mine, theirs in zip(got.ring.row_tensors(), want.ring.row_tensors()):
+            assert torch.equal(mine, theirs), f"{arch}: sliding layer {i}'s ring differs after the step back"
+        assert int(got.ring.seen) == int(want.ring.seen) and got.seen_tokens == want.seen_tokens, i
+    follow = torch.cat([out, _prompt(rocket.config.vocab_size)[:, :3]], dim=1)
+    again = [greedy(rocket, follow, c, 4, True) for c in (cache, plain)]
+    assert torch.equal(again[0], again[1])

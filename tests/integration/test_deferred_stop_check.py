@@ -10,7 +10,7 @@ import torch
 
 from hf_rocketkv import RocketKVCache
 from hf_rocketkv.integration.call_state import call_state
-from tests.support.tiny_models import compressing_config, greedy, left_pad, make_models, random_ids
+from tests.support.tiny_models import compressing_config, cpu_pool, greedy, left_pad, make_models, random_ids
 
 
 def _assert_same_state(cache, reference):
@@ -170,3 +170,87 @@ def test_deferred_stop_check_crop_with_per_head_lengths(monkeypatch, extra):
         assert got.lengths.dim() == 2 and torch.equal(got.lengths, want.lengths)
         assert torch.equal(got.positions, want.positions) and got.host_max_length == want.host_max_length
         assert int(got.seen) == int(want.seen)
+
+
+def _llama4_case():
+    from tests.integration.test_chunked_models import GENERATE_BROKEN
+
+    return pytest.param("llama4", marks=pytest.mark.skipif(GENERATE_BROKEN, reason="this transformers' generate() "
+                                                              "cannot run Llama 4"))
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["own-ring", "pool-slab"])
+@pytest.mark.parametrize("arch", ["gemma3", "gpt_oss", _llama4_case()])
+def test_deferred_stop_check_takes_a_sliding_layers_step_back(monkeypatch, arch, pooled):
+    """Hybrid models (Llama 4: chunked layers, whose ring holds the current chunk): the deferred check's extra step
+    past the EOS stop overwrote the oldest slot of every sliding layer's full ring; ``crop(-1)`` puts it back
+    (``activate_past_recording``: the ring kept it). Oracle: the plain check's run: the same tokens, the same rings
+    (slot by slot) and counts, and a next turn that continues the same. A prompt past the window; the stop comes
+    after more decode steps than the window holds. ``pool-slab``: both caches over a KVBlockPool, the rings in their
+    slots of the pool's slab (``Ring.rows``)."""
+    _assert_step_back(monkeypatch, arch, pooled, runner="eager")
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["own-ring", "pool-slab"])
+@pytest.mark.parametrize("runner", ["cuda_graphs", "torch_compile"])
+def test_the_step_back_holds_through_the_decode_runners(monkeypatch, runner, pooled):
+    """The same through the decode runners, where the ring keeps the overwritten slot inside the step itself: the
+    CUDA-graph runner (captured and replayed on the CPU by a stand-in backend) and the compiled step (traced by
+    dynamo)."""
+    _assert_step_back(monkeypatch, "gemma3", pooled, runner)
+
+
+def _assert_step_back(monkeypatch, arch: str, pooled: bool, runner: str) -> None:
+    import transformers.generation.utils as generation_utils
+
+    from tests.support.decode_runners import StandInBackend, eager_compile_config
+    from tests.support.hybrid_models import WINDOW, make_hybrid_models, make_llama4_models
+
+    rocket, _ = make_llama4_models() if arch == "llama4" else make_hybrid_models(arch)
+    ids = random_ids(1, 3 * WINDOW + 5, seed=31)
+    mask = torch.ones_like(ids)
+    length = ids.shape[1]
+    probe = greedy(rocket, ids, attention_mask=mask, max_new_tokens=WINDOW + 4,
+                   cache=RocketKVCache(compressing_config()))
+    eos = int(probe[0, length + WINDOW + 1])  # stops after more decode steps than the window holds
+    monkeypatch.setattr(generation_utils.torch, "Event", _CpuEvent)
+    # generate()'s compiled-decode path on the CPU: the graph runner's steps, or dynamo's trace of the step
+    runner_kwargs = dict(compile_config=eager_compile_config()) if runner != "eager" else {}
+    if runner == "torch_compile":
+        torch._dynamo.reset()
+    runs, backends = [], []
+    for deferred in (True, False):
+        config = compressing_config(deferred_stop_check=deferred, decode_runner=runner if runner != "eager" else
+                                    "cuda_graphs")
+        cache = RocketKVCache(config, pool=cpu_pool(rocket, config)) if pooled else RocketKVCache(config)
+        call_state(cache).defer_stop_check_on(("cuda", "cpu"))
+        if runner == "cuda_graphs":
+            backends.append(StandInBackend())
+            call_state(cache).use_graphs_on(("cpu",), backends[-1])
+        crops, crop = [], cache.crop
+        monkeypatch.setattr(cache, "crop", lambda n, _c=crop, _l=crops: (_l.append(n), _c(n))[1])
+        out = greedy(rocket, ids, attention_mask=mask, cache=cache, max_new_tokens=WINDOW + 4, eos_token_id=eos,
+                     **runner_kwargs)
+        runs.append((out, cache, crops))
+    (out, cache, crops), (plain_out, plain, plain_crops) = runs
+    assert torch.equal(out, plain_out) and -1 in crops and not plain_crops
+    if runner == "cuda_graphs":  # the extra step was a replay: one more than the plain run's
+        assert backends[0].captures == 1 and backends[0].replays == backends[1].replays + 1 > 1
+    sliding = [i for i, layer in enumerate(plain.layers) if layer.is_sliding]
+    assert sliding
+    for i in sliding:
+        got, want = cache.layers[i], plain.layers[i]
+        assert got.ring is not None and want.ring is not None and (got.ring.rows is not None) == pooled, i
+        for mine, theirs in zip(got.ring.row_tensors(), want.ring.row_tensors()):
+            assert torch.equal(mine, theirs), i
+        assert int(got.ring.seen) == int(want.ring.seen) and got.seen_tokens == want.seen_tokens, i
+        assert got.host_seen == want.host_seen, i
+    follow = torch.cat([out, random_ids(1, 3, seed=33)], dim=1)
+    follow_mask = torch.ones_like(follow)
+    again = [greedy(rocket, follow, attention_mask=follow_mask, cache=c, max_new_tokens=4, **runner_kwargs)
+             for c in (cache, plain)]
+    assert torch.equal(again[0], again[1])
+    # one step back only: what the ring kept is the last append's; a second step back with a full window raises
+    cache.crop(-1)
+    with pytest.raises(NotImplementedError, match="cannot be removed"):
+        cache.crop(-1)

@@ -17,9 +17,10 @@ pytestmark = pytest.mark.gpu  # compiled for the GPU where one is present (pytes
     (torch.bfloat16, 256, 1024, True, True, 1, 8),  # one row owning a 0-d count: advanced inside the launch
     (torch.float32, 64, 7, True, False, 1, 5),
 ])
-@pytest.mark.parametrize("advance", [False, True])
+@pytest.mark.parametrize("advance,keep", [(False, False), (True, False), (True, True)])
 def test_ring_append_writes_slot_position_mod_window(dtype, head_dim, window, shared_count, with_rows, batch, heads,
-                                                     advance):
+                                                     advance, keep):
+    """keep: the slots as they were land in kept_keys / kept_values (strided views) before the token replaces them."""
     g = gen("ring-append", dtype, head_dim, window, shared_count, with_rows, batch, heads)
     spare = 2 if with_rows else 0
     store_k = torch.randn(batch + spare, heads, window, head_dim, generator=g).to(dtype).to(DEVICE)
@@ -30,17 +31,23 @@ def test_ring_append_writes_slot_position_mod_window(dtype, head_dim, window, sh
     seen = (torch.tensor(window + 3) if shared_count else torch.tensor(counts)).to(DEVICE)
     rows = torch.randperm(batch + spare, generator=g)[:batch].to(DEVICE) if with_rows else None
     want_k, want_v = store_k.clone(), store_v.clone()
+    want_kept = torch.empty(2, batch, heads, 1, head_dim, dtype=dtype, device=DEVICE)
     for b in range(batch):  # the oracle: element by element
         r = int(rows[b]) if rows is not None else b
         slot = int(seen if shared_count else seen[b]) % window
+        want_kept[0, b, :, 0], want_kept[1, b, :, 0] = store_k[r, :, slot], store_v[r, :, slot]
         want_k[r, :, slot] = new_k[b, :, 0]
         want_v[r, :, slot] = new_v[b, :, 0]
     want_seen = seen + 1 if advance else seen.clone()  # advance_seen: the count moves past the token, once
     for append in (ring_append_torch, ops().ring_append):
         got_k, got_v, got_seen = store_k.clone(), store_v.clone(), seen.clone()
-        append(got_k, got_v, got_seen, new_k, new_v, rows, advance_seen=advance)
+        kept = torch.full((2, batch, 1, heads, head_dim), float("nan"), dtype=dtype, device=DEVICE).transpose(2, 3)
+        extra = dict(kept_keys=kept[0], kept_values=kept[1]) if keep else {}
+        append(got_k, got_v, got_seen, new_k, new_v, rows, advance_seen=advance, **extra)
         assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
         assert torch.equal(got_seen, want_seen)
+        if keep:
+            assert torch.equal(kept, want_kept)
 
 
 def test_ring_append_takes_the_transposed_view_of_a_projection():
@@ -65,6 +72,13 @@ def test_bad_arguments_are_refused_naming_them():
         with pytest.raises(ValueError, match="rows"):
             append(k, k.clone(), torch.zeros(2, dtype=torch.long, device=DEVICE), new, new,
                    torch.zeros(3, dtype=torch.long, device=DEVICE))
+        seen = torch.zeros(2, dtype=torch.long, device=DEVICE)
+        with pytest.raises(ValueError, match="kept_keys and kept_values come together"):
+            append(k, k.clone(), seen, new, new, kept_keys=new.clone())
+        with pytest.raises(ValueError, match=r"kept_values must be \[2, 2, 1, 16\]"):
+            append(k, k.clone(), seen, new, new, kept_keys=new.clone(), kept_values=new[:1].clone())
+        with pytest.raises(ValueError, match="kept_keys must be .* of the store's torch.float32"):
+            append(k, k.clone(), seen, new, new, kept_keys=new.half(), kept_values=new.clone())
 
 
 def test_advancing_a_count_broadcast_over_rows_is_refused_before_any_write():
