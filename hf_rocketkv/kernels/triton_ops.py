@@ -111,6 +111,13 @@ def _paged_append_kv_op(
     paged_append_kv_triton(k_pages, v_pages, table, positions, lengths, seen, key_new, value_new, k_scale, v_scale)
 
 
+def _ring_append_op(
+    keys: torch.Tensor, values: torch.Tensor, seen: torch.Tensor, key_new: torch.Tensor, value_new: torch.Tensor,
+    rows: torch.Tensor | None, advance_seen: bool, kept_keys: torch.Tensor | None, kept_values: torch.Tensor | None,
+) -> None:
+    ring_append_triton(keys, values, seen, key_new, value_new, rows, advance_seen, kept_keys, kept_values)
+
+
 paged_append_token = triton_op(
     "hf_rocketkv::paged_append_token",
     mutates_args={"k_pages", "v_pages", "kt_pages", "positions", "lengths", "seen", "k_scale", "v_scale"},
@@ -128,13 +135,6 @@ paged_fused_decode = triton_op("hf_rocketkv::paged_fused_decode", mutates_args={
 ring_decode_attention = triton_op("hf_rocketkv::ring_decode_attention", mutates_args={})(
     ring_decode_attention_triton
 )
-def _ring_append_op(
-    keys: torch.Tensor, values: torch.Tensor, seen: torch.Tensor, key_new: torch.Tensor, value_new: torch.Tensor,
-    rows: torch.Tensor | None, advance_seen: bool, kept_keys: torch.Tensor | None, kept_values: torch.Tensor | None,
-) -> None:
-    ring_append_triton(keys, values, seen, key_new, value_new, rows, advance_seen, kept_keys, kept_values)
-
-
 ring_append = triton_op(  # kept_keys / kept_values mutated: no defaults in the schema (see the appends' above)
     "hf_rocketkv::ring_append", mutates_args={"keys", "values", "seen", "kept_keys", "kept_values"}
 )(_ring_append_op)
