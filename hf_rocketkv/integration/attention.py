@@ -8,7 +8,8 @@ routes by the layer's state and keeps what faces transformers (the mask, sdpa, t
     compressed, n queries  a later turn: the layer stores the new real tokens and attends over the kept tokens + the
                            new ones (``attend_later_turn``, cache/working_set.py), then stage 1 again
     sliding layer          exact attention over the stored window + the new tokens with transformers' own sliding
-                           mask (``SlidingWindowLayer``: nothing to select, it keeps only what the model can see);
+                           mask (``SlidingWindowLayer``: nothing to select, it keeps only what the model can see),
+                           one flash call with the window where the mask is exactly its band (window_prefill.py);
                            a decode step reads the layer's ring in place (``attend_ring``, kernels/ring_attention.py)
     packed step            the batching engine's decoding rows and a prompt chunk in one forward: split, each half
                            routed as above (packed_attention.py)
@@ -38,6 +39,7 @@ from .causal_prefill import causal_prefill_attention, cudnn_causal_attention, cu
 from .compat import sdpa_attention_forward
 from .packed_attention import packed_attention
 from .position_temperature import scale_rows_by_position, scales_by_position
+from .window_prefill import flash_window_attention, flash_window_runs, window_band
 
 FEATURE_KWARGS = ("softcap", "s_aux")  # what transformers passes for soft-capping (Gemma 2) and sinks (gpt-oss)
 
@@ -76,7 +78,9 @@ def rocketkv_attention(
                 return out, None
             attention_mask = layer.ring_mask(attention_mask)  # a per-head mask: in slot order, transformers' path
             key, value = layer.ring_rows()
-        return window_attention(module, query, key, value, attention_mask, scaling, features, **kwargs), None
+            return window_attention(module, query, key, value, attention_mask, scaling, features, **kwargs), None
+        return window_attention(module, query, key, value, attention_mask, scaling, features, layer=layer,
+                                **kwargs), None
     if not layer.compressed:
         check_all_heads_here(layer, module, key)
         layer.use_features(features)
@@ -242,18 +246,24 @@ def check_sinks_follow_heads(module: torch.nn.Module, sinks: torch.Tensor, query
 
 def window_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float, features: LogitFeatures,
-                     **kwargs) -> torch.Tensor:
+                     layer=None, **kwargs) -> torch.Tensor:
     """A sliding layer's attention, ``[B, Lq, Hq, D]``: the stored window and the new tokens under transformers'
-    sliding mask (built from the layer's ``get_mask_sizes``, exactly as for its own cache), through transformers'
-    sdpa, or the reference with soft-capping / sinks. A long first forward runs in query blocks over the keys each
-    block can see (``attend_in_spans``)."""
+    sliding mask (built from the layer's ``get_mask_sizes``, exactly as for its own cache). Given the cache
+    ``layer`` (outside graphs and compilation), on CUDA in 16-bit without soft-capping, and where the mask is
+    exactly the window's band: one flash call with the window (window_prefill.py; sinks through its log-sum-exp).
+    Otherwise through transformers' sdpa, or the reference with soft-capping / sinks; a long first forward runs in
+    query blocks over the keys each block can see (``attend_in_spans``)."""
+    window = kwargs.get("sliding_window")
+    if (layer is not None and not (layer.hints.in_graph or torch.compiler.is_compiling())
+            and flash_window_runs(query, key, value, window, features)
+            and window_band(layer, attention_mask, query.shape[2], key.shape[2], window)):
+        return flash_window_attention(query, key, value, scaling, window, features.sinks)
     if not features.plain:
         def attend(q, k, v, mask):
             return featured_attention(q, k, v, allowed_of(mask), scaling, features)
     else:
         def attend(q, k, v, mask):
             return sdpa_attention_forward(module, q, k, v, mask, scaling=scaling, **kwargs)[0]
-    window = kwargs.get("sliding_window")
     narrow = window is not None or not features.plain  # a window, or SDPA under a mask for the caps / sinks
     block = min(FIRST_FORWARD_QUERY_BLOCK, WINDOW_SPAN_BLOCK) if narrow else FIRST_FORWARD_QUERY_BLOCK
     if spans_pay_off(query, key, attention_mask, window, needs_mask=features.plain, block=block):

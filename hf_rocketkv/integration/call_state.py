@@ -11,6 +11,8 @@ The cache holds it (``GenerationHints.extension``) and never reads it; integrati
     guards_checked         this call's first compiled decode step ran with every guard (integration/compiled_decode.py)
     padding_memo,          the latest prefill forward's padding offsets, and whether its mask is plain lower-right
     causal_memo            causal, read once per forward (integration/attention.py)
+    band_memo              whether the latest forward's sliding mask is exactly its window's band, read once per
+                           forward (integration/window_prefill.py)
     graph_devices,         where the decode step may be captured as a CUDA graph and with what (tests put "cpu" and a
     graph_backend          stand-in backend here: ``use_graphs_on``)
     deferred_stop_devices  device types on which generate() may read its stop flag a step late (CUDA; tests add "cpu"
@@ -35,6 +37,7 @@ class CallState:
     guards_checked: bool = False
     padding_memo: tuple | None = None
     causal_memo: tuple | None = None
+    band_memo: tuple | None = None
     graph_devices: tuple[str, ...] = ("cuda",)
     graph_backend: object = None
     deferred_stop_devices: tuple[str, ...] = ("cuda",)
@@ -43,7 +46,8 @@ class CallState:
         """A copied cache's state: the ids it served (copied) and its settings; its decode step is captured again and
         its first compiled step checks every guard (its buffers are new), the latest forward's memos forgotten."""
         return dataclasses.replace(self, token_ids=copy.deepcopy(self.token_ids, memo), graphed_step=None,
-                                   graph_warmed_up=False, guards_checked=False, padding_memo=None, causal_memo=None)
+                                   graph_warmed_up=False, guards_checked=False, padding_memo=None, causal_memo=None,
+                                   band_memo=None)
 
     def begin_prefill(self) -> None:
         """A new prefill on the cache: its first compiled decode step runs every guard, and a captured decode step
@@ -79,6 +83,9 @@ class CallState:
 
     def remember_causal(self, memo: tuple) -> None:
         self.causal_memo = memo
+
+    def remember_band(self, memo: tuple) -> None:
+        self.band_memo = memo
 
     def use_graphs_on(self, devices: tuple[str, ...], backend=None) -> None:
         """Capture decode steps on these device types, with ``backend`` (None: torch.cuda graphs)."""

@@ -44,6 +44,14 @@ TORCH_AND_TRITON: tuple[PrivateName, ...] = (
         attribute=True,
     ),
     PrivateName(
+        "torch.ops.aten._flash_attention_forward",
+        ("integration/window_prefill.py",),
+        "flash attention with a window (window_size_left / window_size_right), which F.scaled_dot_product_attention "
+        "does not take: a sliding layer's prefill in one call where its mask is the window's band, each row's "
+        "log-sum-exp for the sinks; optional: without it the layer runs under transformers' mask",
+        attribute=True,
+    ),
+    PrivateName(
         "torch._library.triton.is_wrap_triton_enabled",
         ("kernels/launch.py",),
         "TritonLaunch takes the traceable wrap_triton path exactly when torch would (compile, make_fx); optional: "
