@@ -23,7 +23,6 @@ model's own DynamicCache, ``use_cache=False``) it is exactly transformers' sdpa 
 
 from __future__ import annotations
 
-import weakref
 
 import torch
 
@@ -381,15 +380,13 @@ def lower_right_causal(
         return False
     if attention_mask.dim() != 4 or attention_mask.shape[1] != 1 or tuple(attention_mask.shape[2:]) != (n, kv_length):
         return False
-    memo = call_state(layer).causal_memo
-    if memo is not None and memo[0]() is attention_mask:
-        return memo[1]
-    allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
-    column = torch.arange(kv_length, device=allowed.device)
-    last_seen = kv_length - n + torch.arange(n, device=allowed.device)
-    causal = bool(torch.equal(allowed, (column[None, :] <= last_seen[:, None]).expand_as(allowed)))
-    call_state(layer).remember_causal((weakref.ref(attention_mask), causal))
-    return causal
+    def compare() -> bool:
+        allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+        column = torch.arange(kv_length, device=allowed.device)
+        last_seen = kv_length - n + torch.arange(n, device=allowed.device)
+        return bool(torch.equal(allowed, (column[None, :] <= last_seen[:, None]).expand_as(allowed)))
+
+    return call_state(layer).answer_of_mask("causal", attention_mask, (n, kv_length), compare)
 
 
 def padding_offsets(attention_mask: torch.Tensor | None, kv_length: int) -> torch.Tensor | None:
@@ -416,13 +413,11 @@ def padding_of_forward(
     to the mask: a new forward's mask is a new object) instead of syncing again."""
     if attention_mask is None:
         return None, None
-    memo = call_state(layer).padding_memo
-    if memo is not None and memo[0]() is attention_mask and memo[1] == kv_length:
-        return memo[2], memo[3]
-    start = padding_offsets(attention_mask, kv_length)
-    host = start.tolist()
-    call_state(layer).remember_padding((weakref.ref(attention_mask), kv_length, start, host))
-    return start, host
+    def offsets() -> tuple[torch.Tensor, list[int]]:
+        start = padding_offsets(attention_mask, kv_length)
+        return start, start.tolist()
+
+    return call_state(layer).answer_of_mask("padding", attention_mask, (kv_length,), offsets)
 
 
 def real_queries(start: torch.Tensor | None, kv_length: int, n: int) -> torch.Tensor | None:

@@ -9,10 +9,10 @@ The cache holds it (``GenerationHints.extension``) and never reads it; integrati
     graphed_step           the request's captured decode step (integration/decode_graphs.py), ``graph_warmed_up``
                            whether its eager warm-up step ran
     guards_checked         this call's first compiled decode step ran with every guard (integration/compiled_decode.py)
-    padding_memo,          the latest prefill forward's padding offsets, and whether its mask is plain lower-right
-    causal_memo            causal, read once per forward (integration/attention.py)
-    band_memo              whether the latest forward's sliding mask is exactly its window's band, read once per
-                           forward (integration/window_prefill.py)
+    mask_memos             what the latest forward's mask answered, by question, so that a forward's layers (which
+                           all get the same mask object) read the device once: "padding" (its padding offsets),
+                           "causal" (plain lower-right causal: integration/attention.py), "band" (exactly a sliding
+                           window's band: integration/window_prefill.py); ``answer_of_mask``
     graph_devices,         where the decode step may be captured as a CUDA graph and with what (tests put "cpu" and a
     graph_backend          stand-in backend here: ``use_graphs_on``)
     deferred_stop_devices  device types on which generate() may read its stop flag a step late (CUDA; tests add "cpu"
@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import weakref
 from dataclasses import dataclass
+from typing import Callable
 
 
 @dataclass
@@ -35,9 +37,7 @@ class CallState:
     graphed_step: object = None
     graph_warmed_up: bool = False
     guards_checked: bool = False
-    padding_memo: tuple | None = None
-    causal_memo: tuple | None = None
-    band_memo: tuple | None = None
+    mask_memos: dict = dataclasses.field(default_factory=dict)
     graph_devices: tuple[str, ...] = ("cuda",)
     graph_backend: object = None
     deferred_stop_devices: tuple[str, ...] = ("cuda",)
@@ -46,8 +46,7 @@ class CallState:
         """A copied cache's state: the ids it served (copied) and its settings; its decode step is captured again and
         its first compiled step checks every guard (its buffers are new), the latest forward's memos forgotten."""
         return dataclasses.replace(self, token_ids=copy.deepcopy(self.token_ids, memo), graphed_step=None,
-                                   graph_warmed_up=False, guards_checked=False, padding_memo=None, causal_memo=None,
-                                   band_memo=None)
+                                   graph_warmed_up=False, guards_checked=False, mask_memos={})
 
     def begin_prefill(self) -> None:
         """A new prefill on the cache: its first compiled decode step runs every guard, and a captured decode step
@@ -78,14 +77,16 @@ class CallState:
         """The request's captured decode step (None: capture again at the next step)."""
         self.graphed_step = step
 
-    def remember_padding(self, memo: tuple) -> None:
-        self.padding_memo = memo
-
-    def remember_causal(self, memo: tuple) -> None:
-        self.causal_memo = memo
-
-    def remember_band(self, memo: tuple) -> None:
-        self.band_memo = memo
+    def answer_of_mask(self, question: str, mask, shape: tuple, answer: Callable[[], object]):
+        """``answer()``, computed once per forward: remembered under ``question`` with a weak reference to ``mask``
+        and the ``shape`` it was asked for (a new forward's mask is a new object, so it is asked again); the
+        question's latest entry is ``mask_memos[question] = (weakref to the mask, shape, answer)``."""
+        memo = self.mask_memos.get(question)
+        if memo is not None and memo[0]() is mask and memo[1] == shape:
+            return memo[2]
+        value = answer()
+        self.mask_memos[question] = (weakref.ref(mask), shape, value)
+        return value
 
     def use_graphs_on(self, devices: tuple[str, ...], backend=None) -> None:
         """Capture decode steps on these device types, with ``backend`` (None: torch.cuda graphs)."""

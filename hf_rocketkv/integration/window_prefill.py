@@ -33,7 +33,6 @@ views, no copy) and returns ``[B, n, Hq, D]`` and ``lse`` ``[B, Hq, n]`` fp32; `
 
 from __future__ import annotations
 
-import weakref
 
 import torch
 from torch.backends.cuda import SDPAParams, can_use_flash_attention
@@ -99,16 +98,12 @@ def is_window_band(mask: torch.Tensor | None, n: int, kv: int, window: int) -> b
 
 def window_band(layer, mask: torch.Tensor | None, n: int, kv: int, window: int) -> bool:
     """``is_window_band``, compared once per forward: every sliding layer of a forward gets the same mask object, so
-    the answer is remembered in the call's ``CallState`` with a weak reference to the mask and the shapes it was
-    asked for (a new forward's mask is a new object). A ``None`` mask needs no device and no memo."""
+    the answer is remembered in the call's ``CallState`` (``answer_of_mask``: a weak reference to the mask and the
+    shapes it was asked for; a new forward's mask is a new object). A ``None`` mask needs no device and no memo."""
     if mask is None:
         return is_window_band(None, n, kv, window)
-    memo = call_state(layer).band_memo
-    if memo is not None and memo[0]() is mask and memo[1] == (n, kv, window):
-        return memo[2]
-    band = is_window_band(mask, n, kv, window)
-    call_state(layer).remember_band((weakref.ref(mask), (n, kv, window), band))
-    return band
+    return call_state(layer).answer_of_mask("band", mask, (n, kv, window),
+                                            lambda: is_window_band(mask, n, kv, window))
 
 
 def flash_window_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,

@@ -63,16 +63,16 @@ def test_one_forward_reads_the_padding_once_and_remembers_it_for_its_later_layer
     cache = RocketKVCache(compressing_config())
     greedy(rocket, ids, attention_mask=mask, max_new_tokens=1, cache=cache, disable_compile=True)
     assert calls == [40]  # one prefill forward, three layers
-    memo = call_state(cache).padding_memo
-    assert memo is not None and memo[1] == 40
-    assert memo[2].tolist() == [0, 7] and memo[3] == [0, 7]
+    memo = call_state(cache).mask_memos["padding"]
+    assert memo is not None and memo[1] == (40,)
+    assert memo[2][0].tolist() == [0, 7] and memo[2][1] == [0, 7]
     # the memo is read only for the same mask object and length: another forward computes its own
     calls.clear()
     layer = cache.layers[0]
     fresh = (mask[:, None, None, :].bool() & torch.ones(40, 40, dtype=torch.bool).tril()).expand(2, 1, 40, 40)
     start, host = attention.padding_of_forward(layer, fresh, 40)
-    assert calls == [40] and host == [0, 7] and torch.equal(start, memo[2])
-    assert call_state(cache).padding_memo[0]() is fresh
+    assert calls == [40] and host == [0, 7] and torch.equal(start, memo[2][0])
+    assert call_state(cache).mask_memos["padding"][0]() is fresh
     assert attention.padding_of_forward(layer, fresh, 40)[1] == [0, 7] and calls == [40]
 
 
@@ -85,8 +85,8 @@ def test_the_causal_memo_holds_the_forwards_mask_and_its_answer():
     layer = cache.layers[0]
     causal = torch.ones(40, 40, dtype=torch.bool).tril().expand(2, 1, 40, 40)
     assert attention.lower_right_causal(layer, causal, [0, 0], 40, 40) is True
-    memo = call_state(cache).causal_memo
-    assert memo[0]() is causal and memo[1] is True
+    memo = call_state(cache).mask_memos["causal"]
+    assert memo[0]() is causal and memo[1:] == ((40, 40), True)
     full = torch.ones(2, 1, 40, 40, dtype=torch.bool)
     assert attention.lower_right_causal(layer, full, [0, 0], 40, 40) is False
-    assert call_state(cache).causal_memo[0]() is full and call_state(cache).causal_memo[1] is False
+    assert call_state(cache).mask_memos["causal"][0]() is full and call_state(cache).mask_memos["causal"][2] is False

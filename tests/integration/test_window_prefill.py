@@ -258,15 +258,15 @@ def test_window_band_compares_once_per_mask_object(monkeypatch):
     mask = transformers_mask(1, 12, 12, 4)
     assert window_prefill.window_band(layer, mask, 12, 12, 4) and len(compares) == 1
     assert window_prefill.window_band(layer, mask, 12, 12, 4) and len(compares) == 1  # same mask: remembered
-    memo = call_state(layer).band_memo
+    memo = call_state(layer).mask_memos["band"]
     assert memo[0]() is mask and memo[1:] == ((12, 12, 4), True)
     fresh = mask.clone()  # a new forward's mask: a new object, compared again
     assert window_prefill.window_band(layer, fresh, 12, 12, 4) and len(compares) == 2
     assert not window_prefill.window_band(layer, fresh, 12, 12, 5) and len(compares) == 3  # asked for another window
     assert window_prefill.window_band(layer, None, 3, 3, 4) and len(compares) == 4  # no mask: nothing remembered
-    assert call_state(layer).band_memo[0]() is fresh
-    assert copy.deepcopy(call_state(layer)).band_memo is None  # a copied cache forgets the latest forward's memos
-    assert CallState().band_memo is None
+    assert call_state(layer).mask_memos["band"][0]() is fresh
+    assert copy.deepcopy(call_state(layer)).mask_memos == {}  # a copied cache forgets the latest forward's memos
+    assert CallState().mask_memos == {}
 
 
 # ------------------------------------------------------------------------------------------ models, end to end
@@ -388,5 +388,5 @@ def test_the_flash_op_with_a_window_equals_the_oracle_on_a_gpu(shape, window, si
     torch.testing.assert_close(out.double(), expected, rtol=3e-2, atol=3e-2)
     layer = layer_stub()
     routed = window_attention(module, q, k, v, mask, SCALING, features, layer=layer, sliding_window=window)
-    assert call_state(layer).band_memo[2] is True  # the route compared the mask and took the band
+    assert call_state(layer).mask_memos["band"][2] is True  # the route compared the mask and took the band
     torch.testing.assert_close(routed, out, rtol=0, atol=0)
