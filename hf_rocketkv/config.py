@@ -105,6 +105,7 @@ _FLAT_FIELDS = (
     "token_budget", "stage2", "stage2_sink_tokens", "stage2_recent_tokens", "stage2_score", "stage2_kernel",
     "dense_layers", "budget_schedule", "multi_turn", "decode_budget", "decode_interval", "decode_window",
     "decode_kernel_size", "fused_experts", "fused_mlp", "fused_qkv", "fused_residual",
+    "flash_window_prefill",
 )
 _DEFAULT_RUNTIME = RuntimeSettings()
 

@@ -27,7 +27,7 @@ BUCKET_FIELDS = ("capacity_buckets", "batch_buckets")
 # decode_runner="torch_compile" with batch_buckets=None: the batch sizes serving engines capture CUDA graphs for
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 SWITCHES = ("deferred_stop_check", "eager_layer_graphs", "fused_rope", "fused_norm", "fused_experts", "fused_mlp",
-            "fused_qkv", "fused_residual")
+            "fused_qkv", "fused_residual", "flash_window_prefill")
 
 
 def is_int(value: Any) -> bool:
@@ -59,6 +59,7 @@ class RuntimeSettings:
     fused_mlp: bool = True
     fused_qkv: bool = True
     fused_residual: bool = True
+    flash_window_prefill: bool = True
 
     def __post_init__(self) -> None:
         for name in BUCKET_FIELDS:  # YAML and JSON (model.config.rocketkv) hold lists; the frozen settings a tuple

@@ -28,7 +28,8 @@ REFERENCE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 RUNTIME_SECTION = "## Runtime settings"
 RUNTIME_NAMES = ("backend", "capacity_headroom", "prefill_batch_size", "decode_guard_checks", "decode_runner",
                  "deferred_stop_check", "eager_layer_graphs", "fused_rope", "fused_norm", "capacity_buckets",
-                 "batch_buckets", "stage2_kernel", "fused_experts", "fused_mlp", "fused_qkv", "fused_residual")
+                 "batch_buckets", "stage2_kernel", "fused_experts", "fused_mlp", "fused_qkv", "fused_residual",
+                 "flash_window_prefill")
 
 # RocketKVConfig(window_size=16, kernel_size=31, prompt_budget=1000, topk=40, topr=96, page_size=8,
 # kt_cache_dtype="bfloat16", backend="torch", capacity_headroom=100, prefill_batch_size=2,
@@ -79,7 +80,9 @@ sparse_attention_config:
   decode_kernel_size: 5
 """
 OLD_KEYS = [line.split(":")[0].strip() for line in OLD_YAML.splitlines()[2:] if not line.startswith("  -")]
-ADDED_SINCE = ("fused_experts", "fused_mlp", "fused_qkv", "fused_residual")  # fields added after that YAML was written
+# fields added after that YAML was written, and their defaults
+ADDED_SINCE = {"fused_experts": True, "fused_mlp": True, "fused_qkv": True, "fused_residual": True,
+               "flash_window_prefill": True}
 KEYS = OLD_KEYS + list(ADDED_SINCE)  # every field, in to_dict()'s order
 
 # values per field, valid alone (a combination may still be refused: the draw skips those)
@@ -99,6 +102,7 @@ VALUES = {
     "batch_buckets": [None, (1, 2, 4), [8]], "stage2_kernel": ["auto", "fused", "split"],
     "fused_experts": [True, False], "fused_mlp": [True, False], "fused_qkv": [True, False],
     "fused_residual": [True, False],
+    "flash_window_prefill": [True, False],
 }
 
 
@@ -259,7 +263,8 @@ def test_yaml_written_before_the_split_loads_and_is_written_back_unchanged():
         "stage2_sink_tokens": 8, "stage2_recent_tokens": 16, "stage2_score": "head_bound", "dense_layers": 1,
         "budget_schedule": "pyramid", "multi_turn": "evict", "decode_budget": 128, "decode_interval": 16,
         "decode_window": 8, "decode_kernel_size": 5}
-    assert config.to_yaml() == OLD_YAML + "".join(f"  {name}: true\n" for name in ADDED_SINCE)  # at their defaults
+    added = "".join(f"  {name}: {str(value).lower()}\n" for name, value in ADDED_SINCE.items())  # at their defaults
+    assert config.to_yaml() == OLD_YAML + added
 
 
 def test_a_flat_mapping_with_runtime_keys_loads_and_typos_are_named():

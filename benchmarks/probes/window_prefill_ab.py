@@ -4,14 +4,15 @@ in one process.
     python -m benchmarks.probes.window_prefill_ab --model gemma-3-12b --prompt-len 8192 --rounds 3 --out $OUT/window
 
 Random bf16 weights of the published shapes (``benchmarks/hybrid_decode.py``). One prompt through a
-``RocketKVCache(RocketKVConfig())`` forward under the config's fused paths (``logits_to_keep=1``: the batching
-engine's prefill of one chunk, stage 1 included), timed with CUDA events (the median of ``--repeats`` after a
-warm-up) with the band route off (``window_prefill._TAKES_WINDOW`` False: transformers' mask in query spans, the
-previous path) and on, alternately, ``--rounds`` times: one JSON line per row. Then one prefill each way for the
-first token (the same, and the largest difference of the last position's logits) and the flash calls one prefill
-makes with the route on (one per sliding layer). Writes ``window_prefill_ab.json`` under ``--out`` (command,
-device, date, commit, torch and transformers versions, every row, the medians over the rounds). ``--quick``: tiny
-shapes, on the CPU where there is no GPU (the route never runs there: a smoke of the probe itself).
+``RocketKVCache(RocketKVConfig(flash_window_prefill=True))`` forward under the config's fused paths
+(``logits_to_keep=1``: the batching engine's prefill of one chunk, stage 1 included), timed with CUDA events (the
+median of ``--repeats`` after a warm-up) with the band route off (``window_prefill._TAKES_WINDOW`` False:
+transformers' mask in query spans, the previous path) and on, alternately, ``--rounds`` times: one JSON line per
+row. Then one prefill each way for the first token (the same, and the largest difference of the last position's
+logits) and the flash calls one prefill makes with the route on (one per sliding layer). Writes
+``window_prefill_ab.json`` under ``--out`` (command, device, date, commit, torch and transformers versions, every
+row, the medians over the rounds). ``--quick``: tiny shapes, on the CPU where there is no GPU (the route never runs
+there: a smoke of the probe itself).
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def prefill_fn(model, ids):
     from hf_rocketkv.integration.compat import cache_kwargs
     from hf_rocketkv.integration.fused_modeling import fused_modeling
 
-    config = RocketKVConfig()
+    config = RocketKVConfig(flash_window_prefill=True)  # the route on (the default); band_route(False) turns it off
 
     def prefill():
         cache = RocketKVCache(config, model_config=model.config)

@@ -172,7 +172,8 @@ class RocketKVCache(Cache):
                 chunked = bool(self.layer_chunked and self.layer_chunked[layer_idx])
                 # pool-backed: its decode ring in the rows' slots of the pool's slab (``pages``)
                 return SlidingWindowLayer(windows[layer_idx], self.hints, layer_idx, chunked=chunked,
-                                          backend=self.config.backend, pages=self.pages)
+                                          backend=self.config.backend, pages=self.pages,
+                                          flash_window=self.config.flash_window_prefill)
         config = layer_config(self.config, layer_idx, self.num_layers)
         if config is None:
             return DenseLayer(self.hints, layer_idx)

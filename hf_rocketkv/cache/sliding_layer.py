@@ -70,7 +70,7 @@ class SlidingWindowLayer(DenseLayer):
     is_croppable = False
 
     def __init__(self, window: int, hints: GenerationHints | None = None, layer_idx: int | None = None,
-                 chunked: bool = False, backend: str = "auto", pages=None):
+                 chunked: bool = False, backend: str = "auto", pages=None, flash_window: bool = False):
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"SlidingWindowLayer: window must be a positive integer (the model config's "
                              f"sliding_window or attention_chunk_size), got {window!r}")
@@ -78,6 +78,9 @@ class SlidingWindowLayer(DenseLayer):
         super().__init__(hints, layer_idx)
         self.window = window
         self.backend = backend  # RocketKVConfig.backend: which implementation of the ring's decode attention
+        # RocketKVConfig.flash_window_prefill: a prefill forward whose mask is the window's band may run as one flash
+        # call with the window (integration/window_prefill.py)
+        self.flash_window = flash_window
         # a chunked-attention layer (Llama 4): ``window`` is the chunk size; its attention passes no sliding_window,
         # transformers' chunked mask hides what lies outside the query's chunk
         self.chunked = chunked

@@ -78,7 +78,8 @@ def rocketkv_attention(
             attention_mask = layer.ring_mask(attention_mask)  # a per-head mask: in slot order, transformers' path
             key, value = layer.ring_rows()
             return window_attention(module, query, key, value, attention_mask, scaling, features, **kwargs), None
-        return window_attention(module, query, key, value, attention_mask, scaling, features, layer=layer,
+        sliding = layer if isinstance(layer, SlidingWindowLayer) else None  # the band route is a sliding layer's
+        return window_attention(module, query, key, value, attention_mask, scaling, features, layer=sliding,
                                 **kwargs), None
     if not layer.compressed:
         check_all_heads_here(layer, module, key)
@@ -247,13 +248,13 @@ def window_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
                      attention_mask: torch.Tensor | None, scaling: float, features: LogitFeatures,
                      layer=None, **kwargs) -> torch.Tensor:
     """A sliding layer's attention, ``[B, Lq, Hq, D]``: the stored window and the new tokens under transformers'
-    sliding mask (built from the layer's ``get_mask_sizes``, exactly as for its own cache). Given the cache
-    ``layer`` (outside graphs and compilation), on CUDA in 16-bit without soft-capping, and where the mask is
-    exactly the window's band: one flash call with the window (window_prefill.py; sinks through its log-sum-exp).
-    Otherwise through transformers' sdpa, or the reference with soft-capping / sinks; a long first forward runs in
+    sliding mask (built from the layer's ``get_mask_sizes``, exactly as for its own cache). Given the sliding
+    ``layer`` with ``flash_window`` on (``RocketKVConfig.flash_window_prefill``), outside graphs and compilation, on
+    CUDA in 16-bit without soft-capping, and where the mask is exactly the window's band: one flash call with the
+    window (window_prefill.py; sinks through its log-sum-exp). Otherwise through transformers' sdpa, or the reference with soft-capping / sinks; a long first forward runs in
     query blocks over the keys each block can see (``attend_in_spans``)."""
     window = kwargs.get("sliding_window")
-    if (layer is not None and not (layer.hints.in_graph or torch.compiler.is_compiling())
+    if (layer is not None and layer.flash_window and not (layer.hints.in_graph or torch.compiler.is_compiling())
             and flash_window_runs(query, key, value, window, features)
             and window_band(layer, attention_mask, query.shape[2], key.shape[2], window)):
         return flash_window_attention(query, key, value, scaling, window, features.sinks)

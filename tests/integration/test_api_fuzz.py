@@ -61,6 +61,7 @@ FIELD_VALUES = {
     "fused_mlp": [True, False, 0],
     "fused_qkv": [True, False, 0],
     "fused_residual": [True, False, 0],
+    "flash_window_prefill": [True, False, 0],
     "capacity_buckets": [None, (), (64,), [128, 256], (256, 128), (0,), (1.5,), 64],
     "batch_buckets": [None, (1, 2, 4), (), (3,), (0,), (2, 1), [1, 8]],
     "stage1": ["snapkv", "streaming", "knorm", "h2o", "adakv", "random", "bogus", 3, None],

@@ -129,8 +129,8 @@ def transformers_mask(batch, n, kv, window, padding=None, kv_offset=0):
     return mask_function(rows, heads, queries, keys).expand(batch, 1, n, kv)
 
 
-def layer_stub():
-    return SimpleNamespace(hints=GenerationHints())
+def layer_stub(flash_window: bool = True):
+    return SimpleNamespace(hints=GenerationHints(), flash_window=flash_window)
 
 
 # ------------------------------------------------------------------------------------------ one call, the twin
@@ -174,6 +174,7 @@ def test_a_mask_that_is_not_the_band_stays_on_the_old_path(twin):
     cases = [
         (padded, PLAIN, layer_stub(), window),
         (band, LogitFeatures(softcap=3.0), layer_stub(), window),
+        (band, PLAIN, layer_stub(flash_window=False), window),  # flash_window_prefill off
         (band, PLAIN, None, window),
     ]
     for mask, features, layer, sliding in cases:
@@ -306,13 +307,25 @@ def test_generate_takes_the_band_and_gives_the_same_tokens_and_logits(hybrid, tw
 
     def run():
         out = greedy(rocket, ids, max_new_tokens=8, attention_mask=mask, output_logits=True,
-                     return_dict_in_generate=True, **cache_kwargs(RocketKVCache(keep_all_config())), **extra)
+                     return_dict_in_generate=True,
+                     **cache_kwargs(RocketKVCache(keep_all_config(flash_window_prefill=True))), **extra)
         return out.sequences, torch.stack(out.logits).float()
 
     (tokens_off, logits_off), (tokens_on, logits_on), calls = run_both(monkeypatch, twin, run)
     check_route(arch, calls)
     assert torch.equal(tokens_on, tokens_off), arch
     torch.testing.assert_close(logits_on, logits_off, rtol=1e-4, atol=1e-4)
+
+
+def test_flash_window_prefill_false_keeps_the_previous_path(twin):
+    """flash_window_prefill=False: the twin is never called, on any layer; the default takes the route."""
+    rocket = make_hybrid_models("gemma3")[0]
+    ids = random_ids(1, 30, seed=8)
+    off = RocketKVCache(keep_all_config(flash_window_prefill=False))
+    greedy_with_logits(rocket, ids, torch.ones_like(ids), off, 4)
+    assert twin.calls == 0
+    greedy_with_logits(rocket, ids, torch.ones_like(ids), RocketKVCache(keep_all_config()), 4)
+    assert twin.calls == 3
 
 
 def test_a_padded_batch_keeps_its_prefill_on_the_old_path(twin, monkeypatch):
@@ -325,7 +338,7 @@ def test_a_padded_batch_keeps_its_prefill_on_the_old_path(twin, monkeypatch):
     monkeypatch.setattr(window_prefill, "is_window_band", lambda *a: answers.append(real(*a)) or answers[-1])
 
     def run():
-        return greedy_with_logits(rocket, ids, mask, RocketKVCache(keep_all_config()), 6)
+        return greedy_with_logits(rocket, ids, mask, RocketKVCache(keep_all_config(flash_window_prefill=True)), 6)
 
     (tokens_off, logits_off), (tokens_on, logits_on), calls = run_both(monkeypatch, twin, run)
     assert calls == 0 and answers == [False]  # one prefill forward, compared once, not the band
@@ -341,7 +354,7 @@ def test_one_prefill_forward_compares_its_mask_once(twin, monkeypatch):
     real = window_prefill.is_window_band
     monkeypatch.setattr(window_prefill, "is_window_band", lambda *a: compares.append(a[1:]) or real(*a))
     ids = random_ids(1, 30, seed=8)
-    greedy_with_logits(rocket, ids, torch.ones_like(ids), RocketKVCache(keep_all_config()), 4)
+    greedy_with_logits(rocket, ids, torch.ones_like(ids), RocketKVCache(keep_all_config(flash_window_prefill=True)), 4)
     assert compares == [(30, 30, WINDOW)]
     assert twin.calls == 3  # each sliding layer of the prefill: one call
 
@@ -352,7 +365,7 @@ def test_generate_batch_on_a_pool_in_16_token_chunks_gives_the_same_tokens(twin,
     from hf_rocketkv.serving.batching.scheduler import BatchingConfig
 
     served = make_hybrid_models("gpt_oss")[0]
-    config = keep_all_config(kt_cache_dtype="float32")
+    config = keep_all_config(kt_cache_dtype="float32", flash_window_prefill=True)
     prompts = [random_ids(1, n, seed=900 + n)[0].tolist() for n in (45, 12, 29)]
     batching = BatchingConfig(max_running=4, buckets=(1, 2, 4), prefill_chunk_tokens=16, prefill_token_budget=16)
 
