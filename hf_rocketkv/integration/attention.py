@@ -23,7 +23,6 @@ model's own DynamicCache, ``use_cache=False``) it is exactly transformers' sdpa 
 
 from __future__ import annotations
 
-
 import torch
 
 from ..cache.batch_view import BatchedDecodeLayer
@@ -38,7 +37,7 @@ from .causal_prefill import causal_prefill_attention, cudnn_causal_attention, cu
 from .compat import sdpa_attention_forward
 from .packed_attention import packed_attention
 from .position_temperature import scale_rows_by_position, scales_by_position
-from .window_prefill import flash_window_attention, flash_window_runs, window_band
+from .window_prefill import flash_window_attention, flash_window_runs, is_window_band, window_band
 
 FEATURE_KWARGS = ("softcap", "s_aux")  # what transformers passes for soft-capping (Gemma 2) and sinks (gpt-oss)
 
@@ -251,8 +250,9 @@ def window_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     sliding mask (built from the layer's ``get_mask_sizes``, exactly as for its own cache). Given the sliding
     ``layer`` with ``flash_window`` on (``RocketKVConfig.flash_window_prefill``), outside graphs and compilation, on
     CUDA in 16-bit without soft-capping, and where the mask is exactly the window's band: one flash call with the
-    window (window_prefill.py; sinks through its log-sum-exp). Otherwise through transformers' sdpa, or the reference with soft-capping / sinks; a long first forward runs in
-    query blocks over the keys each block can see (``attend_in_spans``)."""
+    window (window_prefill.py; sinks through its log-sum-exp). Otherwise through transformers' sdpa, or the reference
+    with soft-capping / sinks; a long first forward runs in query blocks over the keys each block can see
+    (``attend_in_spans``)."""
     window = kwargs.get("sliding_window")
     if (layer is not None and layer.flash_window and not (layer.hints.in_graph or torch.compiler.is_compiling())
             and flash_window_runs(query, key, value, window, features)
@@ -376,18 +376,12 @@ def lower_right_causal(
     """Whether a dense forward's sdpa-style mask ``[B, 1, n, kv_length]`` is exactly lower-right causal (query j sees
     columns up to ``kv_length - n + j``) in every row. Compared on the device once per forward (every layer gets the
     same mask object; the answer is memoised with a weak reference to it) and only for masks that can be: no
-    padding, no more queries than keys."""
+    padding, no more queries than keys. Lower-right causal is the band of a window as wide as the keys
+    (``window_prefill.is_window_band``, which checks the mask's shape too)."""
     if attention_mask is None or host_start is None or any(host_start) or n > kv_length:
         return False
-    if attention_mask.dim() != 4 or attention_mask.shape[1] != 1 or tuple(attention_mask.shape[2:]) != (n, kv_length):
-        return False
-    def compare() -> bool:
-        allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
-        column = torch.arange(kv_length, device=allowed.device)
-        last_seen = kv_length - n + torch.arange(n, device=allowed.device)
-        return bool(torch.equal(allowed, (column[None, :] <= last_seen[:, None]).expand_as(allowed)))
-
-    return call_state(layer).answer_of_mask("causal", attention_mask, (n, kv_length), compare)
+    return call_state(layer).answer_of_mask("causal", attention_mask, (n, kv_length),
+                                            lambda: is_window_band(attention_mask, n, kv_length, kv_length))
 
 
 def padding_offsets(attention_mask: torch.Tensor | None, kv_length: int) -> torch.Tensor | None:

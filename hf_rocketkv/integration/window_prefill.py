@@ -33,7 +33,6 @@ views, no copy) and returns ``[B, n, Hq, D]`` and ``lse`` ``[B, Hq, n]`` fp32; `
 
 from __future__ import annotations
 
-
 import torch
 from torch.backends.cuda import SDPAParams, can_use_flash_attention
 
