@@ -22,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -37,17 +38,26 @@ from hf_rocketkv.integration.fused_modeling import fused_modeling
 from hf_rocketkv.selection.logit_features import LogitFeatures, featured_attention
 
 
-def median_ms(fn, repeats: int) -> float:
+def median_ms(fn, repeats: int, device: torch.device | None = None) -> float:
+    """The median time of ``fn()`` in ms over ``repeats`` calls after one warm-up: CUDA events, or the wall clock
+    where ``device`` is not a GPU (a ``--quick`` smoke on the CPU)."""
     fn()
-    torch.cuda.synchronize()
+    on_gpu = device is None or device.type == "cuda"
+    if on_gpu:
+        torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        if on_gpu:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            began = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - began) * 1e3)
     return sorted(times)[len(times) // 2]
 
 

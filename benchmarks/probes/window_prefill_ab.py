@@ -24,12 +24,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from benchmarks.hybrid_decode import MODELS, build_model
+from benchmarks.probes.profile_hybrid_prefill import median_ms
 
 COMMAND = "python -m benchmarks.probes.window_prefill_ab"
 
@@ -66,26 +66,6 @@ def counted_flash_calls(counts: list):
         yield
     finally:
         window_prefill._FLASH_FORWARD = real
-
-
-def median_ms(fn, repeats: int, device: torch.device) -> float:
-    """The median wall time of ``fn()`` over ``repeats`` calls after one warm-up: CUDA events on a GPU."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            began = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - began) * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def prefill_fn(model, ids):
