@@ -8,8 +8,9 @@ bf16/fp16 go through ``kernels/stacked_projection.stacked_projection_triton`` (e
 the rest of the forward is transformers' own, step for step: the views, the modeling module's
 ``apply_rotary_pos_emb`` (the fused RoPE where that is on; Gemma 3's ``q_norm`` / ``k_norm`` folded into its launch
 where the fused RMSNorm takes them too: ``rope.normed_rope``), the cache's ``update``, the ``rocketkv`` attention
-function with the same arguments, ``o_proj``. Each projection is rounded once, as cuBLAS rounds it
-(``tests/kernels/test_stacked_projection.py``).
+function with the same arguments, ``o_proj`` (a one-row step's through ``kernels/gated_projection.projection_triton``,
+one launch where cuBLAS runs split-K and a reduce: ``O_PROJ_MAX_ROWS``). Each projection is rounded once, as cuBLAS
+rounds it (``tests/kernels/test_stacked_projection.py``, ``tests/kernels/test_gated_projection.py``).
 
 Everything else runs transformers' own forward with the arguments it received: forwards of more tokens (prefill
 chunks), fp32, CPU, a cache that is not RocketKV's, another attention implementation, a call traced by torch.compile
@@ -29,6 +30,7 @@ import contextlib
 import torch
 
 from ..cache import BatchedDecodeCache, PackedStepCache, RocketKVCache
+from ..kernels.gated_projection import projection_supported, projection_triton
 from ..kernels.stacked_projection import stacked_projection_supported, stacked_projection_triton
 from .names import ATTN_NAME
 from . import compat
@@ -40,12 +42,17 @@ from .rope import normed_rope
 
 FUSED_DEVICE_TYPES = ("cuda",)  # the kernel's devices (the CPU tests add "cpu": Triton's interpreter)
 ROCKETKV_CACHES = (RocketKVCache, BatchedDecodeCache, PackedStepCache)
+# decode rows at most whose o_proj runs the plain projection kernel (one launch where cuBLAS runs split-K and its
+# reduce at one row), per attention form; more rows keep the module (cuBLAS is faster at 16 and 64 rows:
+# docs/kernels.md, "A decode step per layer")
+O_PROJ_MAX_ROWS = {"llama": 1, "gemma3": 1}
 
 
-def _projected(run_original, module, hidden_states, position_embeddings, attention_mask, cache, kwargs, normed):
+def _projected(run_original, module, hidden_states, position_embeddings, attention_mask, cache, kwargs, form):
     """The kernel's projections and transformers' forward around them for a decode step, the original otherwise.
-    ``normed``: Gemma 3's form (per-head ``q_norm`` / ``k_norm`` before RoPE, the layer's ``sliding_window`` passed
-    to the attention function)."""
+    ``form`` "gemma3": per-head ``q_norm`` / ``k_norm`` before RoPE, the layer's ``sliding_window`` passed to the
+    attention function."""
+    normed = form == "gemma3"
     projections = (module.q_proj, module.k_proj, module.v_proj)
     weights = tuple(getattr(p, "weight", None) for p in projections)
     if not (isinstance(kwargs, dict) and compat.LEGACY_CACHE_ARG not in kwargs and isinstance(cache, ROCKETKV_CACHES)
@@ -69,7 +76,17 @@ def _projected(run_original, module, hidden_states, position_embeddings, attenti
         dropout=0.0 if not module.training else module.attention_dropout, scaling=module.scaling, **window, **kwargs,
     )
     output = output.reshape(*input_shape, -1).contiguous()
-    return module.o_proj(output), attention_weights
+    return _output_projection(module.o_proj, output, O_PROJ_MAX_ROWS[form]), attention_weights
+
+
+def _output_projection(o_proj, output: torch.Tensor, max_rows: int) -> torch.Tensor:
+    """``o_proj(output)`` (``output`` ``[B, T, Hq * D]``): through ``kernels/gated_projection.projection_triton`` (each
+    row rounded once, as cuBLAS rounds it) for at most ``max_rows`` rows of a plain bias-free ``nn.Linear``; the
+    module otherwise."""
+    if (output.numel() // output.shape[-1] <= max_rows and plain_linear(o_proj)
+            and projection_supported(output, o_proj.weight)):
+        return projection_triton(output, o_proj.weight)
+    return o_proj(output)
 
 
 def _rotated(module, query, key, cos, sin, normed: bool):
@@ -85,18 +102,18 @@ def _rotated(module, query, key, cos, sin, normed: bool):
     return fused if fused is not None else rotary(module.q_norm(query), module.k_norm(key), cos, sin)
 
 
-def _switch(form: str, normed: bool) -> FusedSwitch:
+def _switch(form: str) -> FusedSwitch:
     """The switch of one attention form (``compat.ATTENTION_FORMULAS``): its classes wrapped once per model."""
     def compute(run_original, module, hidden_states, position_embeddings, attention_mask, cache, kwargs):
         return _projected(run_original, module, hidden_states, position_embeddings, attention_mask, cache, kwargs,
-                          normed)
+                          form)
 
     return FusedSwitch(f"hf_rocketkv_fused_qkv_{form}", f"_hf_rocketkv_qkv_{form}_installed",
                        lambda model: compat.forward_classes(model, compat.ATTENTION_FORMULAS[form]),
                        compat.install_forward, compute)
 
 
-_SWITCHES = (_switch("llama", normed=False), _switch("gemma3", normed=True))
+_SWITCHES = (_switch("llama"), _switch("gemma3"))
 
 
 @contextlib.contextmanager

@@ -6,7 +6,8 @@ taken and where it is not. Oracles:
 
 - transformers' own ``LlamaAttention.forward``: with the kernel replaced by its twin (``F.linear`` per weight, bit
   for bit the modules' projections), the fused forward must equal the original bit for bit on decode steps of a
-  RocketKVCache: the views, RoPE, the cache's update, the attention call and ``o_proj`` are transformers' own.
+  RocketKVCache: the views, RoPE, the cache's update, the attention call and ``o_proj`` are transformers' own
+  (``o_proj``'s plain kernel at one row replaced by its twin too).
 - generate() on a tiny Llama in bf16 with a left-padded batch of two: the same generation with ``fused_qkv=False``:
   the same tokens, every step's logits within a small tolerance; decode forwards take the kernel, a prefill of more
   than 64 rows does not.
@@ -28,6 +29,7 @@ from transformers import DynamicCache
 from hf_rocketkv import RocketKVCache
 from hf_rocketkv.integration import compat, qkv
 from hf_rocketkv.integration.compat import cache_kwargs
+from hf_rocketkv.kernels.gated_projection import projection_reference
 from hf_rocketkv.kernels.stacked_projection import stacked_projection_reference
 from tests.support.hybrid_models import make_hybrid_models
 from tests.support.tiny_models import compressing_config, greedy_with_logits, make_models, padded_batch, random_ids
@@ -62,10 +64,27 @@ def gemma3(**overrides):
 
 
 @pytest.fixture
-def twin(counted, monkeypatch):
-    """The kernel replaced by its twin (the modules' own projections, bit for bit), calls still recorded."""
+def o_proj_calls(monkeypatch):
+    """Records every ``o_proj`` that took the plain projection kernel (x's shape); the kernel itself still runs."""
+    calls = []
+    kernel = qkv.projection_triton
+
+    def counting(x, weight, *args, **kwargs):
+        calls.append(tuple(x.shape))
+        return kernel(x, weight, *args, **kwargs)
+
+    monkeypatch.setattr(qkv, "projection_triton", counting)
+    return calls
+
+
+@pytest.fixture
+def twin(counted, o_proj_calls, monkeypatch):
+    """Both kernels replaced by their twins (the modules' own projections, bit for bit), calls still recorded: q/k/v
+    in the returned list, ``o_proj`` in ``o_proj_calls``."""
     monkeypatch.setattr(qkv, "stacked_projection_triton", lambda x, weights: (
         counted.append(tuple(x.shape)), stacked_projection_reference(x, weights))[1])
+    monkeypatch.setattr(qkv, "projection_triton", lambda x, weight: (
+        o_proj_calls.append(tuple(x.shape)), projection_reference(x, weight))[1])
     return counted
 
 
@@ -109,6 +128,61 @@ def test_generate_takes_the_kernel_on_decode_steps_and_keeps_the_tokens(counted,
         assert len(decode) == layers * 4  # every decode forward's attention layers
     assert torch.equal(tokens, plain_tokens)
     torch.testing.assert_close(logits, plain_logits, rtol=0, atol=2.0**-7)
+
+
+# --------------------------------------------------------------------------------------------------- o_proj
+@pytest.mark.parametrize("build", [llama, gemma3], ids=["llama", "gemma3"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_one_row_decode_steps_run_o_proj_through_the_plain_kernel(twin, o_proj_calls, build, batch):
+    """With both kernels swapped for their twins, a decode step's logits equal ``fused_qkv=False``'s bit for bit at
+    one row and at two; only the one-row steps take ``o_proj`` through the plain kernel, every attention layer of
+    every decode forward, never a prefill."""
+    model = build()
+    ids, mask = padded_batch((30, 27)[:batch], DEVICE)
+    config = compressing_config(kt_cache_dtype="float32", fused_mlp=False, fused_qkv=True, fused_rope=build is llama)
+    plain_tokens, plain_logits = greedy_with_logits(model, ids, mask, RocketKVCache(config.replace(fused_qkv=False)),
+                                                    5)
+    assert o_proj_calls == []
+    tokens, logits = greedy_with_logits(model, ids, mask, RocketKVCache(config), 5)
+    width = model.config.num_attention_heads * model.config.head_dim
+    if batch == 1:
+        assert set(o_proj_calls) == {(1, 1, width)}
+        if DEVICE.type == "cpu":  # on CUDA the replayed graph skips Python
+            assert len(o_proj_calls) == model.config.num_hidden_layers * 4
+    else:
+        assert o_proj_calls == []
+    assert torch.equal(tokens, plain_tokens)
+    assert torch.equal(logits, plain_logits)
+
+
+def test_the_o_proj_kernel_keeps_the_tokens(counted, o_proj_calls):
+    """The real kernels (the interpreter on CPU) at one row: the tokens of ``fused_qkv=False``, every step's logits
+    within bf16's tolerance of it (each projection rounded once, as cuBLAS rounds it)."""
+    model = llama()
+    ids, mask = padded_batch((30,), DEVICE)
+    config = compressing_config(kt_cache_dtype="float32", fused_qkv=True)
+    plain_tokens, plain_logits = greedy_with_logits(model, ids, mask, RocketKVCache(config.replace(fused_qkv=False)),
+                                                    5)
+    tokens, logits = greedy_with_logits(model, ids, mask, RocketKVCache(config), 5)
+    assert o_proj_calls and counted
+    assert torch.equal(tokens, plain_tokens)
+    torch.testing.assert_close(logits, plain_logits, rtol=0, atol=2.0**-7)
+
+
+def test_an_o_proj_with_a_hook_keeps_its_module(o_proj_calls, counted):
+    """A hook on one layer's ``o_proj`` (the kernel would skip it) keeps that module: the hook runs at every decode
+    step, the other layers take the kernel."""
+    model = llama()
+    seen = []
+    model.model.layers[0].self_attn.o_proj.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    ids, mask = padded_batch((30,), DEVICE)
+    greedy_with_logits(model, ids, mask, RocketKVCache(compressing_config(kt_cache_dtype="float32")), 5)
+    if DEVICE.type == "cpu":  # on CUDA the replayed graph skips Python: the hook's and the wrapper's
+        assert len(seen) == 5  # the prefill and four decode steps
+        assert len(o_proj_calls) == (model.config.num_hidden_layers - 1) * 4
+    else:
+        width = model.config.num_attention_heads * model.config.head_dim
+        assert len(seen) >= 2 and set(o_proj_calls) == {(1, 1, width)}
 
 
 # --------------------------------------------------------------------------------------------------- never fused
