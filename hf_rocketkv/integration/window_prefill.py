@@ -42,6 +42,7 @@ from .call_state import call_state
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256  # flash's forward: head dims up to 256 ...
 FLASH_HEAD_DIM_MULTIPLE = 8  # ... in multiples of 8
+BAND_BLOCK_ELEMENTS = 1 << 26  # mask entries is_window_band compares at a time (64 MiB of bool temporaries)
 
 # PyTorch's flash attention op, which takes a window (window_size_left / window_size_right, torch >= 2.4; the
 # package's floor is 2.5) and returns each row's log-sum-exp (F.scaled_dot_product_attention takes neither)
@@ -82,17 +83,23 @@ def flash_device_runs(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 def is_window_band(mask: torch.Tensor | None, n: int, kv: int, window: int) -> bool:
     """Whether ``mask`` (sdpa-style ``[B, 1, n, kv]``, bool or additive float) lets query ``j`` see exactly the key
     columns ``kv - n + j - (window - 1) <= c <= kv - n + j`` in every row: compared on the device with the band
-    built from ``arange`` (one sync). ``None`` (transformers skipped the mask: the sdpa path reads it as causal, upper
-    left) is the band only for a square forward no longer than the window, where causal is the band."""
+    built from ``arange``, ``BAND_BLOCK_ELEMENTS`` mask entries at a time (a 128k prompt's mask is 15 GiB of bool: no
+    temporary of its size), one sync at the end. ``None`` (transformers skipped the mask: the sdpa path reads it as
+    causal, upper left) is the band only for a square forward no longer than the window, where causal is the band."""
     if mask is None:
         return n == kv and kv <= window
     if mask.dim() != 4 or mask.shape[1] != 1 or tuple(mask.shape[2:]) != (n, kv):
         return False
-    allowed = mask if mask.dtype == torch.bool else mask == 0
-    column = torch.arange(kv, device=allowed.device)
-    own = kv - n + torch.arange(n, device=allowed.device)  # each query's own column
-    band = (column[None, :] <= own[:, None]) & (column[None, :] > own[:, None] - window)
-    return bool(torch.equal(allowed, band.expand_as(allowed)))
+    rows = max(1, BAND_BLOCK_ELEMENTS // max(kv * mask.shape[0], 1))
+    column = torch.arange(kv, device=mask.device)
+    differs = torch.zeros((), dtype=torch.bool, device=mask.device)
+    for start in range(0, n, rows):
+        block = mask[:, :, start:start + rows]
+        allowed = block if block.dtype == torch.bool else block == 0
+        own = kv - n + torch.arange(start, start + block.shape[2], device=mask.device)  # each query's own column
+        band = (column[None, :] <= own[:, None]) & (column[None, :] > own[:, None] - window)
+        differs |= (allowed != band).any()
+    return not bool(differs)
 
 
 def window_band(layer, mask: torch.Tensor | None, n: int, kv: int, window: int) -> bool:

@@ -241,6 +241,38 @@ def test_padding_and_an_extra_masked_element_are_not_the_band():
     assert window_prefill.is_window_band(causal, n, n, n)
 
 
+@pytest.mark.parametrize("rows_per_block", [1, 3, 7])
+def test_the_band_is_compared_a_block_of_rows_at_a_time(monkeypatch, rows_per_block):
+    """``BAND_BLOCK_ELEMENTS`` bounds the comparison's temporaries (a 128k prompt's mask is 15 GiB): in blocks of 1,
+    3 or 7 query rows (the last one partial), the band is still found, as bool and as an additive mask, and one wrong
+    element in the first, a middle or the last row is still seen."""
+    batch, n, kv, window = 2, 16, 20, 5
+    monkeypatch.setattr(window_prefill, "BAND_BLOCK_ELEMENTS", rows_per_block * kv * batch)
+    mask = transformers_mask(batch, n, kv, window, kv_offset=3).clone()
+    assert window_prefill.is_window_band(mask, n, kv, window)
+    assert window_prefill.is_window_band(torch.zeros(mask.shape).masked_fill(~mask, -1e9), n, kv, window)
+    for row in (0, 8, n - 1):
+        own = kv - n + row
+        for column, value in ((own, False), (own - window, True)):  # the query's own key masked; one past the window
+            wrong = mask.clone()
+            wrong[1, 0, row, column] = value
+            assert not window_prefill.is_window_band(wrong, n, kv, window)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_band_check_of_a_long_mask_allocates_a_block_not_the_mask():
+    """A 32k-token forward's mask (1 GiB of bool) is compared with a few blocks' worth of temporaries (the band,
+    its two halves, the comparison: 4 blocks and the aranges), not with a band of the mask's size."""
+    n = window = 32768
+    mask = torch.ones(n, n, dtype=torch.bool, device="cuda").tril_()[None, None]
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    assert window_prefill.is_window_band(mask, n, n, window)
+    assert torch.cuda.max_memory_allocated() - before <= 6 * window_prefill.BAND_BLOCK_ELEMENTS
+
+
 def test_a_skipped_mask_is_the_band_only_where_causal_is():
     """transformers hands no mask where sdpa's own causal flag does the masking (a square forward shorter than the
     window, no padding): that is the band when the forward is no longer than the window; a longer square forward
