@@ -43,16 +43,15 @@ from .rope import normed_rope
 FUSED_DEVICE_TYPES = ("cuda",)  # the kernel's devices (the CPU tests add "cpu": Triton's interpreter)
 ROCKETKV_CACHES = (RocketKVCache, BatchedDecodeCache, PackedStepCache)
 # decode rows at most whose o_proj runs the plain projection kernel (one launch where cuBLAS runs split-K and its
-# reduce at one row), per attention form; more rows keep the module (cuBLAS is faster at 16 and 64 rows:
-# docs/kernels.md, "A decode step per layer")
-O_PROJ_MAX_ROWS = {"llama": 1, "gemma3": 1}
+# reduce at one row); more rows keep the module (cuBLAS is faster at 16 and 64 rows: docs/kernels.md, "A decode step
+# per layer")
+O_PROJ_MAX_ROWS = 1
 
 
-def _projected(run_original, module, hidden_states, position_embeddings, attention_mask, cache, kwargs, form):
+def _projected(run_original, module, hidden_states, position_embeddings, attention_mask, cache, kwargs, normed):
     """The kernel's projections and transformers' forward around them for a decode step, the original otherwise.
-    ``form`` "gemma3": per-head ``q_norm`` / ``k_norm`` before RoPE, the layer's ``sliding_window`` passed to the
-    attention function."""
-    normed = form == "gemma3"
+    ``normed``: Gemma 3's form (per-head ``q_norm`` / ``k_norm`` before RoPE, the layer's ``sliding_window`` passed
+    to the attention function)."""
     projections = (module.q_proj, module.k_proj, module.v_proj)
     weights = tuple(getattr(p, "weight", None) for p in projections)
     if not (isinstance(kwargs, dict) and compat.LEGACY_CACHE_ARG not in kwargs and isinstance(cache, ROCKETKV_CACHES)
@@ -76,14 +75,14 @@ def _projected(run_original, module, hidden_states, position_embeddings, attenti
         dropout=0.0 if not module.training else module.attention_dropout, scaling=module.scaling, **window, **kwargs,
     )
     output = output.reshape(*input_shape, -1).contiguous()
-    return _output_projection(module.o_proj, output, O_PROJ_MAX_ROWS[form]), attention_weights
+    return _output_projection(module.o_proj, output), attention_weights
 
 
-def _output_projection(o_proj, output: torch.Tensor, max_rows: int) -> torch.Tensor:
+def _output_projection(o_proj, output: torch.Tensor) -> torch.Tensor:
     """``o_proj(output)`` (``output`` ``[B, T, Hq * D]``): through ``kernels/gated_projection.projection_triton`` (each
-    row rounded once, as cuBLAS rounds it) for at most ``max_rows`` rows of a plain bias-free ``nn.Linear``; the
-    module otherwise."""
-    if (output.numel() // output.shape[-1] <= max_rows and plain_linear(o_proj)
+    row rounded once, as cuBLAS rounds it) for at most ``O_PROJ_MAX_ROWS`` rows of a plain bias-free ``nn.Linear``;
+    the module otherwise."""
+    if (output.numel() // output.shape[-1] <= O_PROJ_MAX_ROWS and plain_linear(o_proj)
             and projection_supported(output, o_proj.weight)):
         return projection_triton(output, o_proj.weight)
     return o_proj(output)
@@ -102,18 +101,18 @@ def _rotated(module, query, key, cos, sin, normed: bool):
     return fused if fused is not None else rotary(module.q_norm(query), module.k_norm(key), cos, sin)
 
 
-def _switch(form: str) -> FusedSwitch:
+def _switch(form: str, normed: bool) -> FusedSwitch:
     """The switch of one attention form (``compat.ATTENTION_FORMULAS``): its classes wrapped once per model."""
     def compute(run_original, module, hidden_states, position_embeddings, attention_mask, cache, kwargs):
         return _projected(run_original, module, hidden_states, position_embeddings, attention_mask, cache, kwargs,
-                          form)
+                          normed)
 
     return FusedSwitch(f"hf_rocketkv_fused_qkv_{form}", f"_hf_rocketkv_qkv_{form}_installed",
                        lambda model: compat.forward_classes(model, compat.ATTENTION_FORMULAS[form]),
                        compat.install_forward, compute)
 
 
-_SWITCHES = (_switch("llama"), _switch("gemma3"))
+_SWITCHES = (_switch("llama", normed=False), _switch("gemma3", normed=True))
 
 
 @contextlib.contextmanager
