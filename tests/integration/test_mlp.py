@@ -45,6 +45,7 @@ from hf_rocketkv.integration import compat, mlp
 from hf_rocketkv.integration.compat import cache_kwargs
 from hf_rocketkv.kernels.gated_projection import MAX_ROWS
 from tests.support.hybrid_models import make_hybrid_models
+from tests.support.kernel_calls import record_calls
 from tests.support.tiny_models import (BASE_CONFIG, compressing_config, greedy, greedy_with_logits, make_models,
                                       padded_batch, random_ids)
 
@@ -57,15 +58,7 @@ pytestmark = pytest.mark.gpu  # the model and kernels run on the GPU where one i
 @pytest.fixture
 def down_calls(monkeypatch):
     """Records the plain kernel's calls (``down_proj``): h's shape."""
-    calls = []
-    kernel = mlp.projection_triton
-
-    def counting(h, weight, *args, **kwargs):
-        calls.append(tuple(h.shape))
-        return kernel(h, weight, *args, **kwargs)
-
-    monkeypatch.setattr(mlp, "projection_triton", counting)
-    return calls
+    return record_calls(monkeypatch, mlp, "projection_triton")
 
 
 @pytest.fixture

@@ -32,6 +32,7 @@ from hf_rocketkv.integration.compat import cache_kwargs
 from hf_rocketkv.kernels.gated_projection import projection_reference
 from hf_rocketkv.kernels.stacked_projection import stacked_projection_reference
 from tests.support.hybrid_models import make_hybrid_models
+from tests.support.kernel_calls import record_calls
 from tests.support.tiny_models import compressing_config, greedy_with_logits, make_models, padded_batch, random_ids
 
 pytest.importorskip("triton")
@@ -43,16 +44,8 @@ pytestmark = pytest.mark.gpu  # the model and kernels run on the GPU where one i
 @pytest.fixture
 def counted(monkeypatch):
     """Lets the wrapper take the kernel on CPU (the interpreter) and records its calls: x's shape."""
-    calls = []
-    kernel = qkv.stacked_projection_triton
-
-    def counting(x, weights, *args, **kwargs):
-        calls.append(tuple(x.shape))
-        return kernel(x, weights, *args, **kwargs)
-
     monkeypatch.setattr(qkv, "FUSED_DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(qkv, "stacked_projection_triton", counting)
-    return calls
+    return record_calls(monkeypatch, qkv, "stacked_projection_triton")
 
 
 def llama(dtype=torch.bfloat16, **overrides):
@@ -66,15 +59,7 @@ def gemma3(**overrides):
 @pytest.fixture
 def o_proj_calls(monkeypatch):
     """Records every ``o_proj`` that took the plain projection kernel (x's shape); the kernel itself still runs."""
-    calls = []
-    kernel = qkv.projection_triton
-
-    def counting(x, weight, *args, **kwargs):
-        calls.append(tuple(x.shape))
-        return kernel(x, weight, *args, **kwargs)
-
-    monkeypatch.setattr(qkv, "projection_triton", counting)
-    return calls
+    return record_calls(monkeypatch, qkv, "projection_triton")
 
 
 @pytest.fixture
