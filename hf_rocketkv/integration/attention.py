@@ -126,9 +126,9 @@ def real_query_count(attention_mask: torch.Tensor | None, first_column: int, bat
     a real query sees its own column in the sdpa-style mask ``[B, 1, n, Lk]``."""
     if attention_mask is None:
         return batch * n
-    allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
-    rows = torch.arange(n, device=allowed.device)
-    return int(allowed[:, 0, rows, first_column + rows].sum())
+    rows = torch.arange(n, device=attention_mask.device)
+    own = attention_mask[:, 0, rows, first_column + rows]  # [B, n]: each query's own column (no mask-sized temporary)
+    return int((own if own.dtype == torch.bool else own == 0).sum())
 
 
 def check_all_heads_here(layer: RocketKVLayer, module: torch.nn.Module, key: torch.Tensor) -> None:

@@ -249,3 +249,19 @@ def test_on_a_gpu_sinks_run_in_cudnn_and_equal_the_oracle(shape):
     out = dense_attention(layer(), module, q, k, v, mask, dim ** -0.5, [0] * batch, LogitFeatures(sinks=sinks))
     assert out.shape == (batch, n, hq, dim) and out.is_contiguous()
     torch.testing.assert_close(out.double(), sink_oracle(q, k, v, allowed, dim ** -0.5, sinks), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("additive", [False, True], ids=["bool", "additive"])
+def test_real_queries_are_those_that_see_their_own_column(additive):
+    """A replayed forward's real queries (a prefix hit on a sliding model): each real query sees its own input column;
+    a padding query (left padding of row 0) does not. Counted from the mask's diagonal, bool or additive."""
+    from hf_rocketkv.integration.attention import real_query_count
+
+    batch, n, kv = 2, 6, 10
+    first = kv - n  # the queries are the last columns
+    allowed = causal_mask(batch, n, kv, pad=[6])  # row 0: input columns 0..5 are padding, its queries at 4 and 5 too
+    mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min) if additive else allowed
+    expected = sum(bool(allowed[b, 0, j, first + j]) for b in range(batch) for j in range(n))
+    assert expected == batch * n - 2
+    assert real_query_count(mask, first, batch, n) == expected
+    assert real_query_count(None, first, batch, n) == batch * n
