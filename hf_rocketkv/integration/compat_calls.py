@@ -214,6 +214,47 @@ def install_rotary(owner, active: Callable[[], bool], compute: Callable[[Callabl
 
 
 # --------------------------------------------------------------------------------------------------- module forwards
+class ArgumentBinder:
+    """``signature.bind(*args, **kwargs)`` with the defaults applied, as the tuple of the bound values in parameter
+    order (a ``**kwargs`` parameter's dict last), from a table read off the signature once: a decoder layer calls its
+    attention and the layer itself is called with keywords at every step, and this binds them in a few dictionary
+    reads where ``inspect`` walks the general rules (an eager decode step binds twice per layer). A call the table
+    does not cover exactly (more positional values than positional parameters, a name given twice, a required
+    argument missing, an unknown keyword without ``**kwargs``; a signature with ``*args`` or positional-only
+    parameters) goes through ``signature.bind``, which raises the TypeError Python would."""
+
+    def __init__(self, signature: inspect.Signature):
+        kinds = inspect.Parameter
+        parameters = list(signature.parameters.values())
+        self.signature = signature
+        self.table = all(p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY, kinds.VAR_KEYWORD)
+                         for p in parameters)
+        self.positional = sum(p.kind is kinds.POSITIONAL_OR_KEYWORD for p in parameters)
+        self.named = tuple((p.name, p.default) for p in parameters if p.kind is not kinds.VAR_KEYWORD)
+        self.var_keyword = any(p.kind is kinds.VAR_KEYWORD for p in parameters)
+
+    def values(self, args: tuple, kwargs: dict) -> tuple:
+        """The bound values of a call with ``args`` and ``kwargs``, in parameter order."""
+        if self.table and len(args) <= self.positional and not any(name in kwargs for name, _ in
+                                                                   self.named[:len(args)]):
+            values, rest = list(args), dict(kwargs)
+            for name, default in self.named[len(args):]:
+                if name in rest:
+                    values.append(rest.pop(name))
+                elif default is inspect.Parameter.empty:
+                    break  # a required argument is missing: bind says so
+                else:
+                    values.append(default)
+            else:
+                if self.var_keyword:
+                    return (*values, rest)
+                if not rest:
+                    return tuple(values)
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return tuple(bound.arguments.values())
+
+
 def code_key(function):
     code = getattr(_unwrapped(function), "__code__", None)
     return None if code is None else (code.co_code, code.co_consts, code.co_names, code.co_varnames)
@@ -228,8 +269,8 @@ def install_forward(owner: type, active: Callable[[], bool], compute: Callable[.
     with MODELING_LOCK:
         if getattr(original := owner.__dict__["forward"], WRAPPED_MARK, False):
             return
-        signature = inspect.signature(original)
-        arity = len(signature.parameters)
+        binder = ArgumentBinder(inspect.signature(original))
+        arity = len(binder.signature.parameters)
 
         @functools.wraps(original)
         def forward(self, *args, **kwargs):
@@ -237,9 +278,7 @@ def install_forward(owner: type, active: Callable[[], bool], compute: Callable[.
                 return original(self, *args, **kwargs)
             values = args
             if kwargs or len(args) + 1 != arity:  # not the modeling code's positional call
-                bound = signature.bind(self, *args, **kwargs)
-                bound.apply_defaults()
-                values = tuple(bound.arguments.values())[1:]
+                values = binder.values((self, *args), kwargs)[1:]
             return compute(lambda: original(self, *args, **kwargs), self, *values)
 
         setattr(forward, WRAPPED_MARK, True)
@@ -253,6 +292,6 @@ def forward_tag(module) -> str | None:
     return getattr(type(module).forward, FORWARD_TAG, None)
 
 
-__all__ = ["CACHE_ARG", "CACHE_ARGS", "LEGACY_CACHE_ARG", "MODELING_LOCK", "ROTARY_NAME", "ROTARY_PARAMS",
+__all__ = ["ArgumentBinder", "CACHE_ARG", "CACHE_ARGS", "LEGACY_CACHE_ARG", "MODELING_LOCK", "ROTARY_NAME", "ROTARY_PARAMS",
            "WRAPPED_MARK", "Call", "GenerateHooks", "cache_from", "cache_kwargs", "code_key", "forward_tag",
            "install_forward", "install_rotary", "output_cache", "rotary_modules", "with_cache"]
