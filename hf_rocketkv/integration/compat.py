@@ -94,8 +94,8 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache
 
 from .compat_calls import (  # noqa: F401 - all re-exported: the cache argument's name and the call binding
-    CACHE_ARG, CACHE_ARGS, LEGACY_CACHE_ARG, MODELING_LOCK, ROTARY_NAME, ROTARY_PARAMS, WRAPPED_MARK, Call,
-    GenerateHooks, _unwrapped, _wrap, cache_from, cache_kwargs, code_key, forward_tag, install_forward,
+    CACHE_ARG, CACHE_ARGS, LEGACY_CACHE_ARG, MODELING_LOCK, ROTARY_NAME, ROTARY_PARAMS, WRAPPED_MARK, ArgumentBinder,
+    Call, GenerateHooks, _unwrapped, _wrap, cache_from, cache_kwargs, code_key, forward_tag, install_forward,
     install_rotary, output_cache, rotary_modules, with_cache,
 )
 

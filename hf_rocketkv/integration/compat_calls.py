@@ -292,6 +292,6 @@ def forward_tag(module) -> str | None:
     return getattr(type(module).forward, FORWARD_TAG, None)
 
 
-__all__ = ["ArgumentBinder", "CACHE_ARG", "CACHE_ARGS", "LEGACY_CACHE_ARG", "MODELING_LOCK", "ROTARY_NAME", "ROTARY_PARAMS",
-           "WRAPPED_MARK", "Call", "GenerateHooks", "cache_from", "cache_kwargs", "code_key", "forward_tag",
-           "install_forward", "install_rotary", "output_cache", "rotary_modules", "with_cache"]
+__all__ = ["ArgumentBinder", "CACHE_ARG", "CACHE_ARGS", "LEGACY_CACHE_ARG", "MODELING_LOCK", "ROTARY_NAME",
+           "ROTARY_PARAMS", "WRAPPED_MARK", "Call", "GenerateHooks", "cache_from", "cache_kwargs", "code_key",
+           "forward_tag", "install_forward", "install_rotary", "output_cache", "rotary_modules", "with_cache"]
