@@ -169,14 +169,15 @@ def featured_attention(
     block = max(1, min(n, block_bytes // per_query))
     if block >= n:
         return run(query, key, value, allowed, scaling, features)
-    if allowed is None:  # lower-right causal, made explicit so that each block keeps its own rows of it
-        column = torch.arange(num_keys, device=query.device)
-        last = num_keys - n + torch.arange(n, device=query.device)
-        allowed = (column[None, :] <= last[:, None])[None, None]
+    column = torch.arange(num_keys, device=query.device)
     parts = []
     for start in range(0, n, block):
         end = min(n, start + block)
-        rows = allowed[..., start:end, :] if allowed.shape[-2] == n else allowed
+        if allowed is None:  # lower-right causal, made explicit for this block's rows only (not an n x N mask)
+            last = num_keys - n + torch.arange(start, end, device=query.device)
+            rows = (column[None, :] <= last[:, None])[None, None]
+        else:
+            rows = allowed[..., start:end, :] if allowed.shape[-2] == n else allowed
         parts.append(run(query[:, :, start:end], key, value, rows, scaling, features))
     return torch.cat(parts, dim=1)
 

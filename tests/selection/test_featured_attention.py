@@ -67,6 +67,8 @@ CASES = [
     (4, 1, 7, 13, 48, 2.0, False, "padding", 4 * 2 * 4 * 13 * 2),  # cap only, blocks of 2, padded
     (4, 2, 10, 10, 24, None, True, "padding", 4 * 2 * 10 * 4),  # sinks in blocks of 4, 3 empty queries
     (2, 2, 6, 6, 8, 1.0, True, "padding", None),  # cap + sinks in one block, 3 empty queries
+    (4, 2, 7, 12, 16, None, True, None, 4 * 2 * 12 * 2),  # a later chunk, lower-right causal, sinks in blocks of 2
+    (4, 2, 7, 12, 16, 2.0, False, None, 4 * 2 * 4 * 12 * 3),  # the same with a cap only, blocks of 3
 ]
 
 
