@@ -131,15 +131,21 @@ def attention_reference(
     q = query.float().reshape(batch, num_kv_heads, group, n, head_dim)
     logits = soft_cap(torch.einsum("bhgnd,bhkd->bhgnk", q, key.float()) * scaling, features.softcap)
     if allowed is None:
-        column = torch.arange(num_keys, device=query.device)
-        last = num_keys - n + torch.arange(n, device=query.device)
-        allowed = column[None, :] <= last[:, None]
+        allowed = lower_right_rows(n, num_keys, 0, n, query.device)
     allowed = allowed.expand(batch, num_q_heads, n, num_keys).reshape(batch, num_kv_heads, group, n, num_keys)
     logits = logits.masked_fill(~allowed, float("-inf"))
     sinks = features.grouped_sinks(num_kv_heads)
     probs = softmax_with_sinks(logits, sinks[None, :, :, None, None] if sinks is not None else None)
     out = torch.einsum("bhgnk,bhkd->bhgnd", probs, value.float())
     return out.reshape(batch, num_q_heads, n, head_dim).transpose(1, 2).to(query.dtype).contiguous()
+
+
+def lower_right_rows(n: int, num_keys: int, start: int, end: int, device) -> torch.Tensor:
+    """Rows ``[start, end)`` of the lower-right causal mask of ``n`` queries over ``num_keys`` keys, bool ``[end -
+    start, num_keys]``: query j sees keys ``<= num_keys - n + j``."""
+    column = torch.arange(num_keys, device=device)
+    last = num_keys - n + torch.arange(start, end, device=device)
+    return column[None, :] <= last[:, None]
 
 
 QUERY_BLOCK_BYTES = 1 << 30  # featured_attention: fp32 logits of one query block stay under this
@@ -169,13 +175,11 @@ def featured_attention(
     block = max(1, min(n, block_bytes // per_query))
     if block >= n:
         return run(query, key, value, allowed, scaling, features)
-    column = torch.arange(num_keys, device=query.device)
     parts = []
     for start in range(0, n, block):
         end = min(n, start + block)
         if allowed is None:  # lower-right causal, made explicit for this block's rows only (not an n x N mask)
-            last = num_keys - n + torch.arange(start, end, device=query.device)
-            rows = (column[None, :] <= last[:, None])[None, None]
+            rows = lower_right_rows(n, num_keys, start, end, query.device)[None, None]
         else:
             rows = allowed[..., start:end, :] if allowed.shape[-2] == n else allowed
         parts.append(run(query[:, :, start:end], key, value, rows, scaling, features))
@@ -206,9 +210,7 @@ def sink_attention(
     k = torch.cat([k, sink_key], dim=2)
     v = torch.cat([value, value.new_zeros(batch, num_kv_heads, 1, head_dim)], dim=2)
     if allowed is None:
-        column = torch.arange(num_keys, device=query.device)
-        last = num_keys - n + torch.arange(n, device=query.device)
-        allowed = (column[None, :] <= last[:, None])[None, None]
+        allowed = lower_right_rows(n, num_keys, 0, n, query.device)[None, None]
     allowed = allowed.expand(*allowed.shape[:-1], num_keys)
     allowed = torch.cat([allowed, allowed.new_ones(*allowed.shape[:-1], 1)], dim=-1)  # the sink: always seen
     if num_q_heads != num_kv_heads:  # one K/V head per query head: SDPA's memory-efficient kernel takes a mask
