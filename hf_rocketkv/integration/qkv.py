@@ -6,8 +6,9 @@ of the card's bandwidth. Inside a RocketKV call (``generate()`` with a RocketKVC
 steps), hidden states ``[B, T, hidden]`` of at most ``kernels/stacked_projection.MAX_ROWS`` tokens on CUDA in
 bf16/fp16 go through ``kernels/stacked_projection.stacked_projection_triton`` (each weight read once, one launch);
 the rest of the forward is transformers' own, step for step: the views, the modeling module's
-``apply_rotary_pos_emb`` (the fused RoPE where that is on; Gemma 3's ``q_norm`` / ``k_norm`` folded into its launch
-where the fused RMSNorm takes them too: ``rope.normed_rope``), the cache's ``update``, the ``rocketkv`` attention
+``apply_rotary_pos_emb`` (the fused RoPE where that is on: in the Llama form inside the projection kernel itself,
+``ROTARY_IN_PROJECTION``; Gemma 3's ``q_norm`` / ``k_norm`` folded into its launch where the fused RMSNorm takes them
+too: ``rope.normed_rope``), the cache's ``update``, the ``rocketkv`` attention
 function with the same arguments, ``o_proj`` (a one-row step's through ``kernels/gated_projection.projection_triton``,
 one launch where cuBLAS runs split-K and a reduce: ``O_PROJ_MAX_ROWS``). Each projection is rounded once, as cuBLAS
 rounds it (``tests/kernels/test_stacked_projection.py``, ``tests/kernels/test_gated_projection.py``).
@@ -31,14 +32,14 @@ import torch
 
 from ..cache import BatchedDecodeCache, PackedStepCache, RocketKVCache
 from ..kernels.gated_projection import projection_supported, projection_triton
-from ..kernels.stacked_projection import stacked_projection_supported, stacked_projection_triton
+from ..kernels.stacked_projection import rotary_supported, stacked_projection_supported, stacked_projection_triton
 from .names import ATTN_NAME
 from . import compat
 from .attention import rocketkv_attention
 from .fused_switch import FusedSwitch, all_enabled
 from .mlp import distributed, plain_linear
 from .norm import fused_norm_active, fused_norm_of
-from .rope import normed_rope
+from .rope import fused_rope_active, normed_rope
 
 FUSED_DEVICE_TYPES = ("cuda",)  # the kernel's devices (the CPU tests add "cpu": Triton's interpreter)
 ROCKETKV_CACHES = (RocketKVCache, BatchedDecodeCache, PackedStepCache)
@@ -46,6 +47,9 @@ ROCKETKV_CACHES = (RocketKVCache, BatchedDecodeCache, PackedStepCache)
 # reduce at one row); more rows keep the module (cuBLAS is faster at 16 and 64 rows: docs/kernels.md, "A decode step
 # per layer")
 O_PROJ_MAX_ROWS = 1
+# the Llama form's RoPE inside the projection kernel where the fused RoPE would run it (one launch fewer per layer;
+# docs/kernels.md, "A decode step per layer")
+ROTARY_IN_PROJECTION = True
 
 
 def _projected(run_original, module, hidden_states, position_embeddings, attention_mask, cache, kwargs, normed):
@@ -63,12 +67,14 @@ def _projected(run_original, module, hidden_states, position_embeddings, attenti
         return run_original()
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, module.head_dim)
+    rotary = None if normed else _rotary_in_projection(module, hidden_states, weights, *position_embeddings)
     query, key, value = (
         out.view(hidden_shape).transpose(1, 2)
-        for out in stacked_projection_triton(hidden_states, weights)
+        for out in stacked_projection_triton(hidden_states, weights, rotary=rotary)
     )
     window = {"sliding_window": module.sliding_window} if normed else {}
-    query, key = _rotated(module, query, key, *position_embeddings, normed)
+    if rotary is None:
+        query, key = _rotated(module, query, key, *position_embeddings, normed)
     key, value = cache.update(key, value, module.layer_idx)
     output, attention_weights = rocketkv_attention(
         module, query, key, value, attention_mask,
@@ -86,6 +92,17 @@ def _output_projection(o_proj, output: torch.Tensor) -> torch.Tensor:
             and projection_supported(output, o_proj.weight)):
         return projection_triton(output, o_proj.weight)
     return o_proj(output)
+
+
+def _rotary_in_projection(module, hidden_states, weights, cos, sin):
+    """(cos, sin, head_dim) when the projection kernel applies the forward's RoPE itself (the fused RoPE would take
+    this call: its switch on, the modeling module's ``apply_rotary_pos_emb`` wrapped, and the kernel reads these
+    tensors; ``ROTARY_IN_PROJECTION``), None otherwise: the forward's own RoPE follows the projection."""
+    if not (ROTARY_IN_PROJECTION and fused_rope_active()
+            and getattr(compat.attention_rotary(module), compat.WRAPPED_MARK, False)
+            and rotary_supported(hidden_states, weights, cos, sin, module.head_dim)):
+        return None
+    return cos, sin, module.head_dim
 
 
 def _rotated(module, query, key, cos, sin, normed: bool):

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ._triton_common import DT_BF16, DT_FP16, PLAIN_TENSORS, cdiv, interpreting, round_to, tanh_f32
+from .projection_tile import column_sums
 from .launch import TritonLaunch, direct_launches
 
 PROJECTION_DTYPES = {torch.bfloat16: DT_BF16, torch.float16: DT_FP16}
@@ -44,38 +45,10 @@ def _gated_projection_kernel(x_ptr, gate_ptr, up_ptr, out_ptr, rows, cols, hidde
     pid_r = tl.program_id(1)
     r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    k = tl.arange(0, BLOCK_K)
     r_ok, c_ok = r < rows, c < cols
-    x_ptrs = x_ptr + r[:, None].to(tl.int64) * s_xr + k[None, :]
-    g_ptrs = gate_ptr + c[:, None].to(tl.int64) * s_gc + k[None, :]
-    u_ptrs = up_ptr + c[:, None].to(tl.int64) * s_uc + k[None, :]
-    acc_g = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=r_ok[:, None], other=0.0)
-            g = tl.load(g_ptrs, mask=c_ok[:, None], other=0.0)
-        else:
-            k_ok = (k0 + k) < hidden
-            x = tl.load(x_ptrs, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-            g = tl.load(g_ptrs, mask=c_ok[:, None] & k_ok[None, :], other=0.0)
-        if IEEE:  # the interpreter, whose dot takes no bf16: fp32 products (exact for 16-bit inputs)
-            x = x.to(tl.float32)
-            acc_g = tl.dot(x, tl.trans(g.to(tl.float32)), acc_g, input_precision="ieee")
-        else:  # 16-bit inputs: their products are exact in the fp32 accumulator
-            acc_g = tl.dot(x, tl.trans(g), acc_g)
-        if ACT >= 0:  # gated: up_proj beside gate_proj
-            if EVEN_K:
-                u = tl.load(u_ptrs, mask=c_ok[:, None], other=0.0)
-            else:
-                u = tl.load(u_ptrs, mask=c_ok[:, None] & k_ok[None, :], other=0.0)
-            if IEEE:
-                acc_u = tl.dot(x, tl.trans(u.to(tl.float32)), acc_u, input_precision="ieee")
-            else:
-                acc_u = tl.dot(x, tl.trans(u), acc_u)
-            u_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
+    # gated: up_proj beside gate_proj
+    acc_g, acc_u = column_sums(x_ptr, gate_ptr, up_ptr, r, c, r_ok, c_ok, hidden, s_xr, s_gc, s_uc, ACT >= 0, EVEN_K,
+                               IEEE, BLOCK_R, BLOCK_C, BLOCK_K)
     g = round_to(acc_g, DT)  # gate_proj(x) (or the plain projection): a GEMM's output in the dtype
     if ACT < 0:  # a plain projection
         out = g

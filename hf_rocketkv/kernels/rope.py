@@ -48,6 +48,16 @@ def _negated(x):
 
 
 @triton.jit
+def rotate_pair(x1, x2, c1, c2, s1, s2, DT: tl.constexpr):
+    """The two halves of ``x * cos + rotate_half(x) * sin`` (fp32 values of dtype code DT; ``x1``, ``c1``, ``s1`` the
+    first half's, ``x2``, ``c2``, ``s2`` the second's): rotate_half(x) = cat(-x2, x1), each product and the sum rounded
+    to DT as eager PyTorch rounds them. Returns (first, second), rounded, as fp32."""
+    first = round_to(round_to(x1 * c1, DT) + round_to(_negated(x2 * s1), DT), DT)
+    second = round_to(round_to(x2 * c2, DT) + round_to(x1 * s2, DT), DT)
+    return first, second
+
+
+@triton.jit
 def _rotate_heads(x_row, out_row, cos_row, sin_row, w_ptr, eps, h0, num_heads, half, s_xh, s_xd, s_cd,
                   DT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr,
                   FORMULA: tl.constexpr):
@@ -69,9 +79,7 @@ def _rotate_heads(x_row, out_row, cos_row, sin_row, w_ptr, eps, h0, num_heads, h
     c2 = tl.load(cos_row + (d + half) * s_cd, mask=c_ok, other=0.0).to(tl.float32)[None, :]
     s1 = tl.load(sin_row + d * s_cd, mask=c_ok, other=0.0).to(tl.float32)[None, :]
     s2 = tl.load(sin_row + (d + half) * s_cd, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-    # rotate_half(x) = cat(-x2, x1); each product and the sum rounded to DT as eager PyTorch does
-    first = round_to(round_to(x1 * c1, DT) + round_to(_negated(x2 * s1), DT), DT)
-    second = round_to(round_to(x2 * c2, DT) + round_to(x1 * s2, DT), DT)
+    first, second = rotate_pair(x1, x2, c1, c2, s1, s2, DT)
     o_heads = out_row + h.to(tl.int64)[:, None] * (2 * half)
     tl.store(o_heads + d[None, :], first.to(out_row.dtype.element_ty), mask=ok)  # exact: already rounded
     tl.store(o_heads + (d + half)[None, :], second.to(out_row.dtype.element_ty), mask=ok)

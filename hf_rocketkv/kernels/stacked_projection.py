@@ -16,6 +16,13 @@ Formula and rounding (``stacked_projection_reference``): each output is ``F.line
 rounded once to the dtype, as cuBLAS rounds a GEMM's output. Not bit for bit: the reduction runs in another order than
 cuBLAS's, so an output may differ from eager PyTorch by a unit in the last place (``tests/kernels/
 test_stacked_projection.py`` bounds it against a float64 oracle).
+
+Rotated (``rotary=(cos, sin, head_dim)``): the first two outputs (the query and the key) leave the kernel with the
+rotary embedding applied, transformers' ``apply_rotary_pos_emb`` on the rounded projection (``x * cos +
+rotate_half(x) * sin``, each product and sum rounded where eager PyTorch rounds it: ``kernels/rope.py``), so a decode
+step needs no RoPE launch. A program then owns ``BLOCK_C / 2`` columns of one head's first half and the matching
+columns of its second half, the pairs the rotation mixes. ``cos``, ``sin``: [B or 1, T, D] in x's dtype for x
+[B, T, hidden]; each output width a multiple of ``head_dim`` (even).
 """
 
 from __future__ import annotations
@@ -25,7 +32,9 @@ import triton
 import triton.language as tl
 
 from ._triton_common import DT_BF16, DT_FP16, PLAIN_TENSORS, cdiv, interpreting, round_to
+from .projection_tile import column_sums
 from .launch import TritonLaunch, direct_launches
+from .rope import rope_torch, rotate_pair
 
 STACKED_DTYPES = {torch.bfloat16: DT_BF16, torch.float16: DT_FP16}
 MAX_ROWS = 64  # a decode step's tokens; beyond, cuBLAS at full tiles is the faster way
@@ -40,48 +49,79 @@ def _project_tile(x_ptr, w_ptr, out_ptr, pid_c, pid_r, rows, cols, hidden, s_xr,
     one rounding at the store)."""
     r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    k = tl.arange(0, BLOCK_K)
     r_ok, c_ok = r < rows, c < cols
-    x_ptrs = x_ptr + r[:, None].to(tl.int64) * s_xr + k[None, :]
-    w_ptrs = w_ptr + c[:, None].to(tl.int64) * s_wc + k[None, :]
-    acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=r_ok[:, None], other=0.0)
-            w = tl.load(w_ptrs, mask=c_ok[:, None], other=0.0)
-        else:
-            k_ok = (k0 + k) < hidden
-            x = tl.load(x_ptrs, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=c_ok[:, None] & k_ok[None, :], other=0.0)
-        if IEEE:  # the interpreter, whose dot takes no bf16: fp32 products (exact for 16-bit inputs)
-            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-        else:  # 16-bit inputs: their products are exact in the fp32 accumulator
-            acc = tl.dot(x, tl.trans(w), acc)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    acc, _ = column_sums(x_ptr, w_ptr, w_ptr, r, c, r_ok, c_ok, hidden, s_xr, s_wc, s_wc, False, EVEN_K, IEEE, BLOCK_R,
+                         BLOCK_C, BLOCK_K)
     out_ptrs = out_ptr + r[:, None].to(tl.int64) * cols + c[None, :]
     tl.store(out_ptrs, round_to(acc, DT).to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & c_ok[None, :])
 
 
 @triton.jit
+def _rotated_tile(x_ptr, w_ptr, out_ptr, pid_c, pid_r, rows, cols, hidden, s_xr, s_wc, cos_ptr, sin_ptr, tokens,
+                  s_cb, s_ct, s_cd, head_dim, DT: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Tile ``pid_c`` of a rotated output: columns ``j`` (``BLOCK_C / 2`` of them) of one head's first half and
+    ``j + head_dim / 2`` of its second, for rows ``[pid_r * BLOCK_R, +BLOCK_R)``; each projection rounded once, then
+    rotated by its row's ``cos`` / ``sin`` (row ``r`` is token ``r % tokens`` of batch row ``r // tokens``)."""
+    HALF_C: tl.constexpr = BLOCK_C // 2
+    half = head_dim // 2
+    per_head = tl.cdiv(half, HALF_C)
+    j = (pid_c % per_head) * HALF_C + tl.arange(0, HALF_C)
+    first_col = (pid_c // per_head) * head_dim + j
+    r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok, j_ok = r < rows, (j < half) & (first_col < cols)
+    # each column j beside its partner j + half: weight rows half * s_wc further on
+    acc1, acc2 = column_sums(x_ptr, w_ptr, w_ptr + half * s_wc, r, first_col, r_ok, j_ok, hidden, s_xr, s_wc, s_wc,
+                             True, EVEN_K, IEEE, BLOCK_R, HALF_C, BLOCK_K)
+    p1, p2 = round_to(acc1, DT), round_to(acc2, DT)  # the projection, rounded as the plain tile rounds it
+    ok = r_ok[:, None] & j_ok[None, :]
+    c_rows = (r // tokens).to(tl.int64)[:, None] * s_cb + (r % tokens).to(tl.int64)[:, None] * s_ct
+    c1_ptrs = c_rows + j[None, :] * s_cd
+    c2_ptrs = c_rows + (j + half)[None, :] * s_cd
+    cos1 = tl.load(cos_ptr + c1_ptrs, mask=ok, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptr + c2_ptrs, mask=ok, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + c1_ptrs, mask=ok, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptr + c2_ptrs, mask=ok, other=0.0).to(tl.float32)
+    first, second = rotate_pair(p1, p2, cos1, cos2, sin1, sin2, DT)
+    out_ptrs = out_ptr + r[:, None].to(tl.int64) * cols + first_col[None, :]
+    tl.store(out_ptrs, first.to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptrs + half, second.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _stacked_projection_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, o0_ptr, o1_ptr, o2_ptr, cols0, cols1, cols2, rows,
-                               hidden, s_xr, s_w0, s_w1, s_w2, DT: tl.constexpr, EVEN_K: tl.constexpr,
-                               IEEE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                               BLOCK_K: tl.constexpr):
-    # axis 0 walks the column tiles of weight 0, then weight 1's, then weight 2's (a weight of 0 columns has none)
+                               hidden, s_xr, s_w0, s_w1, s_w2, cos_ptr, sin_ptr, tokens, s_cb, s_ct, s_cd, head_dim,
+                               DT: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, ROTARY: tl.constexpr,
+                               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+    # axis 0 walks the column tiles of weight 0, then weight 1's, then weight 2's (a weight of 0 columns has none);
+    # with ROTARY, weights 0 and 1 are tiled by head (``_rotated_tile``: BLOCK_C / 2 column pairs per tile)
     pid = tl.program_id(0)
     pid_r = tl.program_id(1)
-    tiles0 = tl.cdiv(cols0, BLOCK_C)
-    tiles1 = tl.cdiv(cols1, BLOCK_C)
-    if pid < tiles0:
-        _project_tile(x_ptr, w0_ptr, o0_ptr, pid, pid_r, rows, cols0, hidden, s_xr, s_w0, DT, EVEN_K, IEEE, BLOCK_R,
-                      BLOCK_C, BLOCK_K)
-    elif pid < tiles0 + tiles1:
-        _project_tile(x_ptr, w1_ptr, o1_ptr, pid - tiles0, pid_r, rows, cols1, hidden, s_xr, s_w1, DT, EVEN_K, IEEE,
-                      BLOCK_R, BLOCK_C, BLOCK_K)
+    if ROTARY:
+        per_head = tl.cdiv(head_dim // 2, BLOCK_C // 2)
+        tiles0 = (cols0 // head_dim) * per_head
+        tiles1 = (cols1 // head_dim) * per_head
+        if pid < tiles0:
+            _rotated_tile(x_ptr, w0_ptr, o0_ptr, pid, pid_r, rows, cols0, hidden, s_xr, s_w0, cos_ptr, sin_ptr,
+                          tokens, s_cb, s_ct, s_cd, head_dim, DT, EVEN_K, IEEE, BLOCK_R, BLOCK_C, BLOCK_K)
+        elif pid < tiles0 + tiles1:
+            _rotated_tile(x_ptr, w1_ptr, o1_ptr, pid - tiles0, pid_r, rows, cols1, hidden, s_xr, s_w1, cos_ptr,
+                          sin_ptr, tokens, s_cb, s_ct, s_cd, head_dim, DT, EVEN_K, IEEE, BLOCK_R, BLOCK_C, BLOCK_K)
+        else:
+            _project_tile(x_ptr, w2_ptr, o2_ptr, pid - tiles0 - tiles1, pid_r, rows, cols2, hidden, s_xr, s_w2, DT,
+                          EVEN_K, IEEE, BLOCK_R, BLOCK_C, BLOCK_K)
     else:
-        _project_tile(x_ptr, w2_ptr, o2_ptr, pid - tiles0 - tiles1, pid_r, rows, cols2, hidden, s_xr, s_w2, DT,
-                      EVEN_K, IEEE, BLOCK_R, BLOCK_C, BLOCK_K)
+        tiles0 = tl.cdiv(cols0, BLOCK_C)
+        tiles1 = tl.cdiv(cols1, BLOCK_C)
+        if pid < tiles0:
+            _project_tile(x_ptr, w0_ptr, o0_ptr, pid, pid_r, rows, cols0, hidden, s_xr, s_w0, DT, EVEN_K, IEEE,
+                          BLOCK_R, BLOCK_C, BLOCK_K)
+        elif pid < tiles0 + tiles1:
+            _project_tile(x_ptr, w1_ptr, o1_ptr, pid - tiles0, pid_r, rows, cols1, hidden, s_xr, s_w1, DT, EVEN_K,
+                          IEEE, BLOCK_R, BLOCK_C, BLOCK_K)
+        else:
+            _project_tile(x_ptr, w2_ptr, o2_ptr, pid - tiles0 - tiles1, pid_r, rows, cols2, hidden, s_xr, s_w2, DT,
+                          EVEN_K, IEEE, BLOCK_R, BLOCK_C, BLOCK_K)
 
 
 _stacked_projection_launch = TritonLaunch(_stacked_projection_kernel)
@@ -104,9 +144,19 @@ def stacked_projection_supported(x: torch.Tensor, weights: tuple[torch.Tensor, .
                and w.shape[0] > 0 and w.stride(1) == 1 and w.device == device for w in weights)
 
 
-def stacked_projection_reference(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    """PyTorch twin: one bias-free ``nn.Linear`` per weight, as transformers' eager modules run them."""
-    return tuple(torch.nn.functional.linear(x, w) for w in weights)
+def stacked_projection_reference(x: torch.Tensor, weights: tuple[torch.Tensor, ...],
+                                 rotary: tuple[torch.Tensor, torch.Tensor, int] | None = None
+                                 ) -> tuple[torch.Tensor, ...]:
+    """PyTorch twin: one bias-free ``nn.Linear`` per weight, as transformers' eager modules run them; with ``rotary``
+    (cos, sin, head_dim), the first two outputs rotated by transformers' formula (``rope.rope_torch``)."""
+    outs = tuple(torch.nn.functional.linear(x, w) for w in weights)
+    if rotary is None:
+        return outs
+    cos, sin, head_dim = rotary
+    batch, tokens = x.shape[:2]
+    q, k = (out.view(batch, tokens, -1, head_dim).transpose(1, 2) for out in outs[:2])
+    q, k = rope_torch(q, k, cos, sin)
+    return tuple(t.transpose(1, 2).reshape(batch, tokens, -1) for t in (q, k)) + outs[2:]
 
 
 def _tiles(rows: int) -> tuple[int, int, int, int, int]:
@@ -122,10 +172,27 @@ def _tiles(rows: int) -> tuple[int, int, int, int, int]:
     return block_r, 64, 128, 4, 3
 
 
+def rotary_supported(x: torch.Tensor, weights: tuple[torch.Tensor, ...], cos: torch.Tensor, sin: torch.Tensor,
+                     head_dim: int) -> bool:
+    """Whether ``stacked_projection_triton(x, weights, rotary=(cos, sin, head_dim))`` applies, given
+    ``stacked_projection_supported(x, weights)``: ``x`` [B, T, hidden], at least two weights (query and key) whose
+    widths are multiples of an even ``head_dim``, ``cos`` / ``sin`` of shape [B or 1, T, head_dim] in x's dtype on its
+    device (transformers' rotary embedding output for this forward)."""
+    if x.dim() != 3 or len(weights) < 2 or head_dim <= 0 or head_dim % 2:
+        return False
+    shape = cos.shape
+    return (type(cos) in PLAIN_TENSORS and type(sin) in PLAIN_TENSORS and cos.dim() == 3 and sin.shape == shape
+            and shape[0] in (1, x.shape[0]) and shape[1] == x.shape[1] and shape[2] == head_dim
+            and cos.dtype == sin.dtype == x.dtype and cos.device == sin.device == x.device
+            and weights[0].shape[0] % head_dim == 0 and weights[1].shape[0] % head_dim == 0)
+
+
 def stacked_projection_triton(x: torch.Tensor, weights: tuple[torch.Tensor, ...],
-                              tiles: tuple[int, int, int, int, int] | None = None) -> tuple[torch.Tensor, ...]:
+                              tiles: tuple[int, int, int, int, int] | None = None,
+                              rotary: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> tuple[torch.Tensor, ...]:
     """Same contract as ``stacked_projection_reference`` (``stacked_projection_supported`` must hold). ``tiles``:
-    (BLOCK_R, BLOCK_C, BLOCK_K, warps, stages) instead of the default (the tuning probe)."""
+    (BLOCK_R, BLOCK_C, BLOCK_K, warps, stages) instead of the default (the tuning probe). ``rotary``: (cos, sin,
+    head_dim), the first two outputs rotated (``rotary_supported`` must hold; the module docstring)."""
     hidden = x.shape[-1]
     rows = x.numel() // hidden
     outs = tuple(torch.empty((*x.shape[:-1], w.shape[0]), dtype=x.dtype, device=x.device) for w in weights)
@@ -134,11 +201,26 @@ def stacked_projection_triton(x: torch.Tensor, weights: tuple[torch.Tensor, ...]
     ws = tuple(weights) + (weights[0],) * (MAX_WEIGHTS - len(weights))  # absent weights: 0 columns, never read
     os_ = outs + (outs[0],) * (MAX_WEIGHTS - len(outs))
     cols = tuple(w.shape[0] for w in weights) + (0,) * (MAX_WEIGHTS - len(weights))
-    grid = (sum(cdiv(n, block_c) for n in cols), cdiv(rows, block_r))
+    if rotary is None:
+        cos = sin = x2  # never read
+        tokens, head_dim, rotary_strides = 1, 2, (0, 0, 0)
+        tiles_per_weight = [cdiv(n, block_c) for n in cols]
+    else:
+        cos, sin, head_dim = rotary
+        if block_c < 32:
+            raise ValueError(f"stacked_projection_triton: a rotated projection needs BLOCK_C >= 32, not {block_c}")
+        if sin.stride() != cos.stride():  # one set of strides serves both
+            cos, sin = cos.contiguous(), sin.contiguous()
+        tokens = x.shape[1]
+        rotary_strides = (cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), cos.stride(2))
+        per_head = cdiv(head_dim // 2, block_c // 2)
+        tiles_per_weight = [n // head_dim * per_head for n in cols[:2]] + [cdiv(cols[2], block_c)]
+    grid = (sum(tiles_per_weight), cdiv(rows, block_r))
     with direct_launches():
         _stacked_projection_launch[grid](
-            x2, *ws, *os_, *cols, rows, hidden, x2.stride(0), *(w.stride(0) for w in ws),
-            DT=STACKED_DTYPES[x.dtype], EVEN_K=hidden % block_k == 0, IEEE=interpreting(), BLOCK_R=block_r,
-            BLOCK_C=block_c, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+            x2, *ws, *os_, *cols, rows, hidden, x2.stride(0), *(w.stride(0) for w in ws), cos, sin, tokens,
+            *rotary_strides, head_dim,
+            DT=STACKED_DTYPES[x.dtype], EVEN_K=hidden % block_k == 0, IEEE=interpreting(), ROTARY=rotary is not None,
+            BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         )
     return outs

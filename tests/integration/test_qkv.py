@@ -66,8 +66,8 @@ def o_proj_calls(monkeypatch):
 def twin(counted, o_proj_calls, monkeypatch):
     """Both kernels replaced by their twins (the modules' own projections, bit for bit), calls still recorded: q/k/v
     in the returned list, ``o_proj`` in ``o_proj_calls``."""
-    monkeypatch.setattr(qkv, "stacked_projection_triton", lambda x, weights: (
-        counted.append(tuple(x.shape)), stacked_projection_reference(x, weights))[1])
+    monkeypatch.setattr(qkv, "stacked_projection_triton", lambda x, weights, rotary=None: (
+        counted.append(tuple(x.shape)), stacked_projection_reference(x, weights, rotary))[1])
     monkeypatch.setattr(qkv, "projection_triton", lambda x, weight: (
         o_proj_calls.append(tuple(x.shape)), projection_reference(x, weight))[1])
     return counted
@@ -315,3 +315,55 @@ def test_fused_qkv_is_on_by_default_and_validated():
     assert RocketKVConfig(fused_qkv=False).fused_qkv is False
     with pytest.raises(ValueError, match="fused_qkv must be True or False, got 1"):
         RocketKVConfig(fused_qkv=1)
+
+
+# --------------------------------------------------------------------------------------------------- RoPE inside
+@pytest.fixture
+def rotary_calls(counted, monkeypatch):
+    """Every kernel call's ``rotary`` argument: None, or (cos, sin, head_dim); the kernel itself still runs."""
+    calls = []
+    kernel = qkv.stacked_projection_triton
+
+    def recording(x, weights, rotary=None):
+        calls.append(rotary)
+        return kernel(x, weights, rotary=rotary)
+
+    monkeypatch.setattr(qkv, "stacked_projection_triton", recording)
+    return calls
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_the_llama_form_rotates_inside_the_projection_and_keeps_the_tokens(rotary_calls, batch, monkeypatch):
+    """With the fused RoPE on, every decode forward's attention layers hand the kernel the forward's cos/sin, and the
+    tokens and logits are those of the projection followed by the forward's own RoPE (``ROTARY_IN_PROJECTION`` off):
+    transformers' formula on the same rounded projection, so equal up to the kernel's rare reordered sums."""
+    model = llama()
+    ids, mask = padded_batch((30, 27)[:batch], DEVICE)
+    config = compressing_config(kt_cache_dtype="float32", fused_qkv=True, fused_rope=True)
+    monkeypatch.setattr(qkv, "ROTARY_IN_PROJECTION", False)
+    apart_tokens, apart_logits = greedy_with_logits(model, ids, mask, RocketKVCache(config), 5)
+    assert rotary_calls and all(rotary is None for rotary in rotary_calls)
+    rotary_calls.clear()
+    monkeypatch.setattr(qkv, "ROTARY_IN_PROJECTION", True)
+    tokens, logits = greedy_with_logits(model, ids, mask, RocketKVCache(config), 5)
+    rotated = [rotary for rotary in rotary_calls if rotary is not None]
+    decode = [rotary for rotary in rotated if rotary[0].shape[1] == 1]
+    if DEVICE.type == "cpu":  # a prefill of at most 64 rows takes the kernel too (its cos/sin per token)
+        assert len(decode) == model.config.num_hidden_layers * 4  # every decode forward's layers
+        assert len(rotated) == len(decode) + (model.config.num_hidden_layers if ids.numel() <= 64 else 0)
+    assert decode and {rotary[2] for rotary in rotated} == {model.config.head_dim}
+    assert all(rotary[0].shape[0] in (1, batch) and rotary[0].shape[2] == model.config.head_dim
+               for rotary in decode)
+    assert torch.equal(tokens, apart_tokens)
+    torch.testing.assert_close(logits, apart_logits, rtol=0, atol=2.0**-7)
+
+
+@pytest.mark.parametrize("case", ["fused-rope-off", "gemma3"])
+def test_where_the_projection_does_not_rotate(rotary_calls, case):
+    """The kernel rotates only where the fused RoPE would run: not with ``fused_rope=False`` (transformers' own
+    formula runs), not in Gemma 3's form (its q/k norms come before RoPE: ``rope.normed_rope``)."""
+    model = gemma3() if case == "gemma3" else llama()
+    ids, mask = padded_batch((30,), DEVICE)
+    config = compressing_config(kt_cache_dtype="float32", fused_qkv=True, fused_rope=case == "gemma3")
+    greedy_with_logits(model, ids, mask, RocketKVCache(config), 3)
+    assert rotary_calls and all(rotary is None for rotary in rotary_calls)
