@@ -367,3 +367,23 @@ def test_where_the_projection_does_not_rotate(rotary_calls, case):
     config = compressing_config(kt_cache_dtype="float32", fused_qkv=True, fused_rope=case == "gemma3")
     greedy_with_logits(model, ids, mask, RocketKVCache(config), 3)
     assert rotary_calls and all(rotary is None for rotary in rotary_calls)
+
+
+def test_llama_decode_steps_in_the_batching_engine_rotate_inside_the_projection(twin, monkeypatch):
+    """The engine's batched decode (ragged rows, each at its own position): the projection rotates each row by its own
+    cos/sin (the kernel swapped for its twin, which rotates with transformers' formula), and each request's tokens are
+    those of ``fused_qkv=False`` (the modules' projections, then the forward's own RoPE)."""
+    from tests.support.engine_ab import engine_tokens_off_and_on
+
+    rotated = []
+    projection = qkv.stacked_projection_triton
+
+    def recording(x, weights, rotary=None):
+        rotated.append((x.shape[0], rotary is not None and rotary[0].shape[0] == x.shape[0]))
+        return projection(x, weights, rotary)
+
+    monkeypatch.setattr(qkv, "stacked_projection_triton", recording)
+    config = compressing_config(kt_cache_dtype="float32", fused_mlp=False, fused_rope=True)
+    runs = engine_tokens_off_and_on(llama(), config, "fused_qkv", twin, DEVICE.type, sliding_slots=None)
+    assert any(rows > 1 and per_row for rows, per_row in rotated)  # batched steps, cos/sin per row
+    assert runs[True] == runs[False]
