@@ -43,8 +43,15 @@ def dtype_code(dtype: torch.dtype) -> int:
     return DTYPE_CODE[dtype]
 
 
+# Triton decides when it decorates each kernel (at this package's import) whether the kernel runs under its
+# interpreter; read once here too, so the launchers' checks (several per layer and decode step) cost no environment
+# lookup and always agree with the kernels they launch
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    """Whether this process's kernels run under Triton's interpreter (TRITON_INTERPRET=1 when they were imported)."""
+    return _INTERPRETING
 
 
 @functools.lru_cache(maxsize=None)
