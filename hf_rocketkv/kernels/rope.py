@@ -139,6 +139,15 @@ def _norm_readable(norm: Norm, q: torch.Tensor) -> bool:
             and isinstance(eps, float))
 
 
+def rotary_operands(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]:
+    """``cos``, ``sin`` [B or 1, T, D] as the kernels read them, with one set of strides for both (made contiguous
+    where the two differ; the rotary embedding makes them alike) and that set: (batch, token, channel), the batch
+    stride 0 when one table serves every row."""
+    if sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return cos, sin, (cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), cos.stride(2))
+
+
 def rope_torch(q, k, cos, sin, q_norm: Norm | None = None, k_norm: Norm | None = None, formula: str = "gemma"):
     """PyTorch twin: transformers' formula, ``cos``/``sin`` [B or 1, T, D] broadcast over the heads, after each
     given per-head norm (``rms_norm_reference`` by ``formula``)."""
@@ -165,15 +174,13 @@ def rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
         return q_out, k_out
     half = head_dim // 2
     q_blocks = cdiv(num_q_heads, HEADS_PER_PROGRAM)
-    if sin.stride() != cos.stride():  # one set of strides serves both (the rotary embedding makes them alike)
-        cos, sin = cos.contiguous(), sin.contiguous()
-    s_cb = cos.stride(0) if cos.shape[0] > 1 else 0
+    cos, sin, cos_strides = rotary_operands(cos, sin)
     (q_weight, q_eps), (k_weight, k_eps) = (q_norm, k_norm) if q_norm is not None else ((cos, 0.0), (cos, 0.0))
     with direct_launches():
         _rope_launch[(batch * tokens, q_blocks + cdiv(num_kv_heads, HEADS_PER_PROGRAM))](
             q, k, q_out, k_out, cos, sin, q_weight, k_weight, float(q_eps), float(k_eps),
             q.stride(0), q.stride(2), q.stride(1), q.stride(3), k.stride(0), k.stride(2), k.stride(1), k.stride(3),
-            s_cb, cos.stride(1), cos.stride(2),
+            *cos_strides,
             tokens, num_q_heads, num_kv_heads, half, q_blocks,
             DT=ROPE_DTYPES[q.dtype], BLOCK_H=HEADS_PER_PROGRAM, BLOCK_D=next_pow2(half), NORM=q_norm is not None,
             FORMULA=FORMULAS[formula] if q_norm is not None else 0, num_warps=1,

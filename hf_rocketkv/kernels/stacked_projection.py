@@ -34,7 +34,7 @@ import triton.language as tl
 from ._triton_common import DT_BF16, DT_FP16, PLAIN_TENSORS, cdiv, interpreting, round_to
 from .projection_tile import column_sums
 from .launch import TritonLaunch, direct_launches
-from .rope import rope_torch, rotate_pair
+from .rope import rope_torch, rotary_operands, rotate_pair
 
 STACKED_DTYPES = {torch.bfloat16: DT_BF16, torch.float16: DT_FP16}
 MAX_ROWS = 64  # a decode step's tokens; beyond, cuBLAS at full tiles is the faster way
@@ -89,6 +89,19 @@ def _rotated_tile(x_ptr, w_ptr, out_ptr, pid_c, pid_r, rows, cols, hidden, s_xr,
 
 
 @triton.jit
+def _weight_tile(x_ptr, w_ptr, out_ptr, pid_c, pid_r, rows, cols, hidden, s_xr, s_wc, cos_ptr, sin_ptr, tokens, s_cb,
+                 s_ct, s_cd, head_dim, DT: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+                 ROTATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Tile ``pid_c`` of one weight's output: rotated (``_rotated_tile``) or plain (``_project_tile``)."""
+    if ROTATE:
+        _rotated_tile(x_ptr, w_ptr, out_ptr, pid_c, pid_r, rows, cols, hidden, s_xr, s_wc, cos_ptr, sin_ptr, tokens,
+                      s_cb, s_ct, s_cd, head_dim, DT, EVEN_K, IEEE, BLOCK_R, BLOCK_C, BLOCK_K)
+    else:
+        _project_tile(x_ptr, w_ptr, out_ptr, pid_c, pid_r, rows, cols, hidden, s_xr, s_wc, DT, EVEN_K, IEEE, BLOCK_R,
+                      BLOCK_C, BLOCK_K)
+
+
+@triton.jit
 def _stacked_projection_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, o0_ptr, o1_ptr, o2_ptr, cols0, cols1, cols2, rows,
                                hidden, s_xr, s_w0, s_w1, s_w2, cos_ptr, sin_ptr, tokens, s_cb, s_ct, s_cd, head_dim,
                                DT: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, ROTARY: tl.constexpr,
@@ -101,27 +114,18 @@ def _stacked_projection_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, o0_ptr, o1_ptr, o2
         per_head = tl.cdiv(head_dim // 2, BLOCK_C // 2)
         tiles0 = (cols0 // head_dim) * per_head
         tiles1 = (cols1 // head_dim) * per_head
-        if pid < tiles0:
-            _rotated_tile(x_ptr, w0_ptr, o0_ptr, pid, pid_r, rows, cols0, hidden, s_xr, s_w0, cos_ptr, sin_ptr,
-                          tokens, s_cb, s_ct, s_cd, head_dim, DT, EVEN_K, IEEE, BLOCK_R, BLOCK_C, BLOCK_K)
-        elif pid < tiles0 + tiles1:
-            _rotated_tile(x_ptr, w1_ptr, o1_ptr, pid - tiles0, pid_r, rows, cols1, hidden, s_xr, s_w1, cos_ptr,
-                          sin_ptr, tokens, s_cb, s_ct, s_cd, head_dim, DT, EVEN_K, IEEE, BLOCK_R, BLOCK_C, BLOCK_K)
-        else:
-            _project_tile(x_ptr, w2_ptr, o2_ptr, pid - tiles0 - tiles1, pid_r, rows, cols2, hidden, s_xr, s_w2, DT,
-                          EVEN_K, IEEE, BLOCK_R, BLOCK_C, BLOCK_K)
     else:
         tiles0 = tl.cdiv(cols0, BLOCK_C)
         tiles1 = tl.cdiv(cols1, BLOCK_C)
-        if pid < tiles0:
-            _project_tile(x_ptr, w0_ptr, o0_ptr, pid, pid_r, rows, cols0, hidden, s_xr, s_w0, DT, EVEN_K, IEEE,
-                          BLOCK_R, BLOCK_C, BLOCK_K)
-        elif pid < tiles0 + tiles1:
-            _project_tile(x_ptr, w1_ptr, o1_ptr, pid - tiles0, pid_r, rows, cols1, hidden, s_xr, s_w1, DT, EVEN_K,
-                          IEEE, BLOCK_R, BLOCK_C, BLOCK_K)
-        else:
-            _project_tile(x_ptr, w2_ptr, o2_ptr, pid - tiles0 - tiles1, pid_r, rows, cols2, hidden, s_xr, s_w2, DT,
-                          EVEN_K, IEEE, BLOCK_R, BLOCK_C, BLOCK_K)
+    if pid < tiles0:
+        _weight_tile(x_ptr, w0_ptr, o0_ptr, pid, pid_r, rows, cols0, hidden, s_xr, s_w0, cos_ptr, sin_ptr, tokens,
+                     s_cb, s_ct, s_cd, head_dim, DT, EVEN_K, IEEE, ROTARY, BLOCK_R, BLOCK_C, BLOCK_K)
+    elif pid < tiles0 + tiles1:
+        _weight_tile(x_ptr, w1_ptr, o1_ptr, pid - tiles0, pid_r, rows, cols1, hidden, s_xr, s_w1, cos_ptr, sin_ptr,
+                     tokens, s_cb, s_ct, s_cd, head_dim, DT, EVEN_K, IEEE, ROTARY, BLOCK_R, BLOCK_C, BLOCK_K)
+    else:
+        _project_tile(x_ptr, w2_ptr, o2_ptr, pid - tiles0 - tiles1, pid_r, rows, cols2, hidden, s_xr, s_w2, DT,
+                      EVEN_K, IEEE, BLOCK_R, BLOCK_C, BLOCK_K)
 
 
 _stacked_projection_launch = TritonLaunch(_stacked_projection_kernel)
@@ -209,10 +213,8 @@ def stacked_projection_triton(x: torch.Tensor, weights: tuple[torch.Tensor, ...]
         cos, sin, head_dim = rotary
         if block_c < 32:
             raise ValueError(f"stacked_projection_triton: a rotated projection needs BLOCK_C >= 32, not {block_c}")
-        if sin.stride() != cos.stride():  # one set of strides serves both
-            cos, sin = cos.contiguous(), sin.contiguous()
+        cos, sin, rotary_strides = rotary_operands(cos, sin)
         tokens = x.shape[1]
-        rotary_strides = (cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), cos.stride(2))
         per_head = cdiv(head_dim // 2, block_c // 2)
         tiles_per_weight = [n // head_dim * per_head for n in cols[:2]] + [cdiv(cols[2], block_c)]
     grid = (sum(tiles_per_weight), cdiv(rows, block_r))
