@@ -100,6 +100,7 @@ class BatchedDecodeLayer(RocketKVLayer):
         self.positions_buf = torch.full((max_rows, self.num_kv_heads, width * self.page_tokens), -1,
                                         dtype=torch.int32, device=self.device)
         self.seen_buf = seen
+        self.arrivals.reserve(max_rows * self.num_kv_heads, self.device)  # every bucket's steps share them
         self.compressed = self.is_initialized = True
 
     @property

@@ -35,6 +35,7 @@ import torch
 
 from transformers import CacheLayerMixin
 from ..config import RocketKVConfig
+from ..kernels.arrivals import ArrivalCounters
 from ..kernels.dispatch import RocketOps, get_ops
 from ..selection.logit_features import PLAIN, LogitFeatures
 from ..selection.stage1_snapkv import scores_with
@@ -85,6 +86,7 @@ class RocketKVLayer(CacheLayerMixin):
         self.prefix = PrefixHit()  # a prefix hit: the columns the pool's pages provide, and their replay
         self.positions: torch.Tensor | None = None
         self.lengths: torch.Tensor | None = None
+        self.arrivals = ArrivalCounters()  # stage 2's, one per row and KV head (kernels/arrivals.py)
         self.compressed = False
         self.seen: torch.Tensor | None = None  # 0-d int64 on the device: logical tokens seen (compile-safe)
         self.host_max_length = 0  # host mirror of lengths.max(), so decode never syncs with the GPU
@@ -362,6 +364,7 @@ class RocketKVLayer(CacheLayerMixin):
         writes their tokens next)."""
         self.store, self.positions, self.lengths = store, positions, lengths
         self._make_handles(store.batch)
+        self.arrivals = ArrivalCounters()  # counters for the new batch size come with its first decode step
 
     def _make_handles(self, batch: int) -> None:
         """The empty K/V ``[batch, Hkv, 0, D]`` a compressed layer returns to transformers (``mark_static`` tags it)."""

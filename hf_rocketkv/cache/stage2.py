@@ -22,17 +22,26 @@ def decode_attention(layer, query: torch.Tensor, scaling: float) -> torch.Tensor
     batch, num_q_heads, _, head_dim = query.shape
     num_kv_heads = layer.num_kv_heads
     q = query.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # a view for decode layouts
+    # the layer's arrival counters, made at its first decode step (before an OpGraph captures them)
+    counters = layer.arrivals.get(batch * num_kv_heads, q.device) if ARRIVAL_COUNTERS else None
     if layer.eager_graphs():
         store = layer.store
-        key = buffers_key(store.kt, store.k, store.v, store.table, layer.lengths, store.k_scale, store.v_scale)
-        out = layer.op_graphs["attention"](key + (scaling,), lambda q_: stage2_attention(layer, q_, scaling), q,
+        key = buffers_key(store.kt, store.k, store.v, store.table, layer.lengths, store.k_scale, store.v_scale,
+                          counters)
+        out = layer.op_graphs["attention"](key + (scaling,),
+                                           lambda q_: stage2_attention(layer, q_, scaling, counters), q,
                                            hints=layer.hints)
     else:
-        out = stage2_attention(layer, q, scaling)
+        out = stage2_attention(layer, q, scaling, counters)
     layer.record_decode_query(query)  # decode-time compression's scoring window (no-op when it is off)
     # [B, Hkv, G, D] -> [B, 1, Hq, D]: the size-1 axes make this transpose a contiguous view
     return out.reshape(batch, num_q_heads, 1, head_dim).transpose(1, 2)
 
+
+# Whether a compressed layer's selection merge and attention combine run in the launches before them, by each group's
+# last program (kernels/arrivals.py, over the layer's arrival counters): two launches fewer per layer and step.
+# A module constant for A/B runs (benchmarks set it False to time the two-launch form).
+ARRIVAL_COUNTERS = True
 
 # RocketKVConfig.stage2_kernel="auto": whether the Triton backend runs a plain layer's stage 2 as the fused op
 # (kernels/fused_decode.py). Off until it is measured against the split ops on a GPU (benchmarks/fused_decode.py).
@@ -53,8 +62,10 @@ def fused_stage2(layer) -> bool:
     return fused_decode_supported(store.kt, store.table) is None
 
 
-def stage2_attention(layer, q: torch.Tensor, scaling: float) -> torch.Tensor:
-    """The launches of a decode step's stage 2: ``q`` [B, Hkv, G, D] -> attention output [B, Hkv, G, D].
+def stage2_attention(layer, q: torch.Tensor, scaling: float, counters: torch.Tensor | None = None) -> torch.Tensor:
+    """The launches of a decode step's stage 2: ``q`` [B, Hkv, G, D] -> attention output [B, Hkv, G, D];
+    ``counters``: the layer's arrival counters (``RocketKVLayer.arrivals``; None: two-launch selection merge and
+    attention combine).
 
     A layer whose logits are soft-capped and/or have sinks (``layer.features``) passes them to the same ops: the
     page selection scores soft-capped page logits at the model's scale (``stage2_pages.capped_page_scores``; sinks,
@@ -81,8 +92,9 @@ def stage2_attention(layer, q: torch.Tensor, scaling: float) -> torch.Tensor:
         page_idx, page_valid = ops.paged_top_pages(q, store.kt, store.table, layer.lengths, config.page_size,
                                                    config.topr, config.topk, sink_pages=sink_pages,
                                                    recent_pages=recent_pages,
-                                                   per_head_bound=config.stage2_per_head_bound, **capped)
+                                                   per_head_bound=config.stage2_per_head_bound, counters=counters,
+                                                   **capped)
     return ops.paged_sparse_decode_attention(
         q, store.k, store.v, store.table, page_idx, page_valid, layer.lengths, config.page_size, scaling,
-        k_scale=store.k_scale, v_scale=store.v_scale, **featured
+        k_scale=store.k_scale, v_scale=store.v_scale, counters=counters, **featured
     )

@@ -34,10 +34,13 @@ class RocketOps:
                     v_scale=None) -> None (no KT)
     paged_page_scores(q, kt_pages, table, n_pages, topr, per_head_bound=False) -> probs [B, Hkv, MP * R]
     paged_top_pages(q, kt_pages, table, lengths, kt_page_size, topr, topk, sink_pages=0, recent_pages=1,
-                    per_head_bound=False, softcap=None, scaling=None)
+                    per_head_bound=False, softcap=None, scaling=None, counters=None)
         -> (page_idx, page_valid)
     paged_sparse_decode_attention(q, k_pages, v_pages, table, page_idx, page_valid, lengths, kt_page_size,
-                                  scaling, k_scale=None, v_scale=None, softcap=None, sinks=None) -> [B, Hkv, G, D]
+                                  scaling, k_scale=None, v_scale=None, softcap=None, sinks=None, counters=None)
+        -> [B, Hkv, G, D]
+    (counters: int32 [>= B * Hkv] zeros, left 0: the Triton kernels' arrival counters, kernels/arrivals.py, one
+    launch fewer each; the references ignore them)
     paged_fused_decode(q, kt_pages, k_pages, v_pages, table, lengths, kt_page_size, topr, topk, scaling,
                        sink_pages=0, recent_pages=1, per_head_bound=False, k_scale=None, v_scale=None)
         -> [B, Hkv, G, D]: paged_top_pages then paged_sparse_decode_attention in one op (kernels/fused_decode.py;

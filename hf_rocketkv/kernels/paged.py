@@ -187,9 +187,11 @@ def paged_top_pages_torch(
     per_head_bound: bool = False,
     softcap: float | None = None,
     scaling: float | None = None,
+    counters: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``stage2_pages.top_pages`` over a paged KT: (page_idx, page_valid) ``[B, Hkv, min(topk, MP * R)]``, page
-    indices counted in KT pages of the row (slot // kt_page_size)."""
+    indices counted in KT pages of the row (slot // kt_page_size). ``counters``: the Triton twin's arrival counters
+    (``arrivals.py``); the reference has one pass and leaves them alone."""
     check_table(table, q.shape[0])
     return top_pages(q, gather_pages(kt_pages, table), lengths, kt_page_size, topr, topk, sink_pages, recent_pages,
                      per_head_bound, softcap, scaling)

@@ -21,7 +21,8 @@ chosen from the shapes only (no host sync, fixed grids: CUDA-graph safe, any num
            (KB = next power of two >= K); with S == 1 it writes the answer directly (one launch).
     merge  grid (B*Hkv, S'): program m sorts the FANIN*KB keys of lists [m*FANIN, (m+1)*FANIN) and keeps the best
            KB; repeated until one list remains (log_FANIN(S) launches, FANIN <= MERGE_BLOCK / KB), the last
-           writes the answer.
+           writes the answer. Given arrival counters (``arrivals.py``) and a plan of one merge level, the merge
+           runs in the chunk launch instead: the row's last chunk program to finish sorts every list (one launch).
 ``top_pages`` runs page_scores' logits pass (``page_logits_launch``), then the chunk kernel computes each page's
 group-mean probability itself from those logits and the softmax statistics, so the probabilities are never
 written: 2 launches for up to CHUNK pages (vs num_pages + page_scores + select_pages: 4-5).
@@ -36,6 +37,7 @@ from .launch import TritonLaunch
 
 from ..selection.stage2_pages import check_forcing, check_softcap
 from ._triton_common import cdiv, count_strides, interpreting, load_count, next_pow2
+from .arrivals import check_counters, last_arrival
 from .page_scores import kt_pages_per_row, page_logits_launch
 
 # Launch defaults, swept by benchmarks/probes/bench_kernels.py: pages sorted by one chunk program, keys sorted by one merge
@@ -113,13 +115,26 @@ def _write_selection(keys, idx_row, valid_row, n, k_out, N: tl.constexpr):
 
 
 @triton.jit
+def _merge_lists(row_lists, keys_in, first, n, idx_row, valid_row, k_out, LOG_M: tl.constexpr, TL_SORT: tl.constexpr,
+                 FROM_L2: tl.constexpr):
+    """The final merge: keys ``[first, first + 2**LOG_M)`` of a row's ``keys_in`` listed keys (padding past them),
+    sorted, written as the selection. ``FROM_L2``: lists other programs of this launch wrote (``.cg`` loads)."""
+    e = tl.arange(0, 1 << LOG_M)
+    if FROM_L2:
+        keys = tl.load(row_lists + first + e, mask=first + e < keys_in, other=-1, cache_modifier=".cg")
+    else:
+        keys = tl.load(row_lists + first + e, mask=first + e < keys_in, other=-1)
+    _write_selection(_sort_desc(keys, LOG_M, TL_SORT), idx_row, valid_row, n, k_out, 1 << LOG_M)
+
+
+@triton.jit
 def _select_chunk_kernel(
-    probs_ptr, logits_ptr, stats_ptr, count_ptr, idx_ptr, valid_ptr, scratch_ptr,
+    probs_ptr, logits_ptr, stats_ptr, count_ptr, idx_ptr, valid_ptr, scratch_ptr, counter_ptr,
     s_cb, s_ch,
     num_kv_heads, num_pages, k_out, num_chunks, sink_pages, recent_pages, group, score_splits,
     LOG_CHUNK: tl.constexpr, KB: tl.constexpr, FINAL: tl.constexpr, COUNT_DIV: tl.constexpr,
     FROM_LOGITS: tl.constexpr, LOGIT_G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
-    TL_SORT: tl.constexpr,
+    TL_SORT: tl.constexpr, MERGE_LAST: tl.constexpr, LOG_M: tl.constexpr,
 ):
     CHUNK: tl.constexpr = 1 << LOG_CHUNK
     bh = tl.program_id(0)
@@ -153,6 +168,11 @@ def _select_chunk_kernel(
     else:
         t = tl.arange(0, CHUNK)
         tl.store(scratch_ptr + (bh * num_chunks + chunk).to(tl.int64) * KB + t, keys, mask=t < KB)
+        if MERGE_LAST:  # the row's last chunk program to finish merges every chunk's list (arrivals.py)
+            if last_arrival(counter_ptr + bh, num_chunks):
+                _merge_lists(scratch_ptr + bh.to(tl.int64) * num_chunks * KB, num_chunks * KB, 0, n,
+                             idx_ptr + bh.to(tl.int64) * k_out, valid_ptr + bh.to(tl.int64) * k_out, k_out, LOG_M,
+                             TL_SORT, True)
 
 _select_chunk_launch = TritonLaunch(_select_chunk_kernel)
 
@@ -167,16 +187,17 @@ def _select_merge_kernel(
     M: tl.constexpr = 1 << LOG_M  # FANIN lists of KB keys
     bh = tl.program_id(0)
     m = tl.program_id(1)
-    e = tl.arange(0, M)
     first = m * M  # the lists of one row are contiguous: element e of this program's FANIN lists
-    keys = tl.load(in_ptr + bh.to(tl.int64) * lists_in * KB + first + e, mask=first + e < lists_in * KB, other=-1)
-    keys = _sort_desc(keys, LOG_M, TL_SORT)
+    row_lists = in_ptr + bh.to(tl.int64) * lists_in * KB
     if FINAL:
         b = (bh // num_kv_heads).to(tl.int64)
         h = (bh % num_kv_heads).to(tl.int64)
         n = load_count(count_ptr, b, h, s_cb, s_ch, num_pages, COUNT_DIV)
-        _write_selection(keys, idx_ptr + bh.to(tl.int64) * k_out, valid_ptr + bh.to(tl.int64) * k_out, n, k_out, M)
+        _merge_lists(row_lists, lists_in * KB, first, n, idx_ptr + bh.to(tl.int64) * k_out,
+                     valid_ptr + bh.to(tl.int64) * k_out, k_out, LOG_M, TL_SORT, False)
     else:
+        e = tl.arange(0, M)
+        keys = _sort_desc(tl.load(row_lists + first + e, mask=first + e < lists_in * KB, other=-1), LOG_M, TL_SORT)
         tl.store(out_ptr + (bh * lists_out + m).to(tl.int64) * KB + e, keys, mask=e < KB)
 
 _select_merge_launch = TritonLaunch(_select_merge_kernel)
@@ -212,10 +233,11 @@ def _select(
     counts: torch.Tensor, count_div: int, topk: int, sink_pages: int, recent_pages: int,
     shape: tuple[int, int, int], device: torch.device, probs: torch.Tensor | None = None, logits=None,
     chunk: int | None = None, merge_block: int | None = None, num_warps: int | None = None,
-    use_tl_sort: bool | None = None,
+    use_tl_sort: bool | None = None, counters: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunk kernel (from ``probs``, or from ``logits`` = page_logits_launch's (logits, stats, S, BLOCK_G) and the
-    group size), then the merge levels."""
+    group size), then the merge levels. ``counters`` (``arrivals.py``): a plan of one merge level runs it in the
+    chunk launch, by each row's last chunk program (one launch instead of two)."""
     batch, num_kv_heads, num_pages = shape
     k = min(topk, num_pages)
     page_idx = torch.empty((batch, num_kv_heads, k), dtype=torch.long, device=device)
@@ -228,6 +250,9 @@ def _select(
     # tl.sort on the GPU; the kernel's own bitonic network under the interpreter (where tl.sort is very slow)
     tl_sort = (TL_SORT_ON_GPU and not interpreting()) if use_tl_sort is None else use_tl_sort
     kb, levels = plan["kb"], plan["levels"]
+    check_counters(counters, rows, device, "top_pages")
+    merge_last = counters is not None and len(levels) == 1
+    log_m = _log2(plan["fanins"][0] * kb) if merge_last else 0
     # one scratch buffer for every level's key lists (rows x lists x KB), ping-ponged by offset
     sizes = [plan["num_chunks"]] + levels[:-1]
     # (one chunk: no key lists; page_idx stands in for the unused pointer, saving an allocation)
@@ -242,12 +267,16 @@ def _select(
         splits, logit_g, group = 1, 1, 1
     _select_chunk_launch[(rows, plan["num_chunks"])](
         probs if probs is not None else logit_buf, logit_buf, stats, counts, page_idx, page_valid, scratch,
+        counters if merge_last else counts,  # (unused without merge_last)
         s_cb, s_ch,
         num_kv_heads, num_pages, k, plan["num_chunks"], sink_pages, recent_pages, group, splits,
         LOG_CHUNK=_log2(plan["chunk"]), KB=kb, FINAL=not levels, COUNT_DIV=count_div,
         FROM_LOGITS=logits is not None, LOGIT_G=logit_g, BLOCK_G=next_pow2(group), BLOCK_S=next_pow2(splits),
-        TL_SORT=tl_sort, num_warps=num_warps or _sort_warps(plan["chunk"]),
+        TL_SORT=tl_sort, MERGE_LAST=merge_last, LOG_M=log_m,
+        num_warps=num_warps or _sort_warps(max(plan["chunk"], 1 << log_m)),
     )
+    if merge_last:
+        return page_idx, page_valid
     lists = plan["num_chunks"]
     for level, (fanin, lists_out) in enumerate(zip(plan["fanins"], levels)):
         src = scratch[offsets[level]:]
@@ -290,11 +319,12 @@ def top_pages_launch(
     sink_pages: int = 0, recent_pages: int = 1, score_splits: int | None = None, chunk: int | None = None,
     merge_block: int | None = None, num_warps: int | None = None, use_tl_sort: bool | None = None,
     table: torch.Tensor | None = None, per_head_bound: bool = False, softcap: float | None = None,
-    scaling: float | None = None,
+    scaling: float | None = None, counters: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher of the fused decode selection; the knobs exist for tests and benchmarks. ``table`` [B, MP] int32:
     ``kt`` is paged ``[N, Hkv, R, 2, D]`` (kernels/paged.py); None: contiguous ``[B, Hkv, NP, 2, D]``.
-    ``softcap`` / ``scaling``: page logits soft-capped at the model's scale (``stage2_pages.top_pages``)."""
+    ``softcap`` / ``scaling``: page logits soft-capped at the model's scale (``stage2_pages.top_pages``).
+    ``counters``: int32 [>= B * Hkv], all 0 (``arrivals.py``): the merge in the chunk launch where one level does."""
     check_forcing(topk, sink_pages, recent_pages)
     check_softcap(softcap, scaling)
     batch, num_kv_heads, group, _ = q.shape
@@ -306,7 +336,7 @@ def top_pages_launch(
                                                         scaling=scaling)
     return _select(lengths, page_size, topk, sink_pages, recent_pages, (batch, num_kv_heads, num_pages), q.device,
                    logits=(logits, stats, splits, logit_g, group), chunk=chunk, merge_block=merge_block,
-                   num_warps=num_warps, use_tl_sort=use_tl_sort)
+                   num_warps=num_warps, use_tl_sort=use_tl_sort, counters=counters)
 
 
 def top_pages_triton(
@@ -322,8 +352,9 @@ def top_pages_triton(
 def paged_top_pages_triton(
     q: torch.Tensor, kt_pages: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, kt_page_size: int,
     topr: int, topk: int, sink_pages: int = 0, recent_pages: int = 1, per_head_bound: bool = False,
-    softcap: float | None = None, scaling: float | None = None,
+    softcap: float | None = None, scaling: float | None = None, counters: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as ``paged.paged_top_pages_torch`` (the decode step's selection over a paged KT)."""
+    """Same contract as ``paged.paged_top_pages_torch`` (the decode step's selection over a paged KT); ``counters``:
+    ``top_pages_launch``'s."""
     return top_pages_launch(q, kt_pages, lengths, kt_page_size, topr, topk, sink_pages, recent_pages, table=table,
-                            per_head_bound=per_head_bound, softcap=softcap, scaling=scaling)
+                            per_head_bound=per_head_bound, softcap=softcap, scaling=scaling, counters=counters)

@@ -106,9 +106,11 @@ def paged_sparse_decode_attention_torch(
     v_scale: torch.Tensor | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference (paged): gather the rows' pages (fp8: dequantized with their scales, float32), then
-    ``sparse_decode_attention_torch``."""
+    ``sparse_decode_attention_torch``. ``counters``: the Triton twin's arrival counters (``arrivals.py``); the
+    reference has one pass and leaves them alone."""
     check_table(table, q.shape[0])
     check_fp8_scales(k_pages, v_pages, k_scale, v_scale, "paged_sparse_decode_attention")
     keys, values = gather_pages(k_pages, table, k_scale), gather_pages(v_pages, table, v_scale)
@@ -122,7 +124,9 @@ def paged_sparse_decode_attention_torch(
 # and keeps an online softmax for all G query heads of the group at once: logits = q[G, D] @ K^T[D, BLOCK_N] (G
 # padded to 16 for the tensor cores), so every selected K/V row is read ONCE per group. With S > 1 each split writes
 # its normalised partial output and log-sum-exp (fp32, [B*Hkv, S, G, D] and [B*Hkv, S, G]); a second kernel
-# (grid B*Hkv*G) combines the splits. With S == 1 the output is written directly. S is chosen from the shapes only
+# (grid B*Hkv*G) combines the splits, or, given arrival counters (kernels/arrivals.py), the last split of each
+# (row, KV head) to finish combines them in the same launch (same arithmetic, ``_combine_head``). With S == 1 the
+# output is written directly. S is chosen from the shapes only
 # (enough programs to fill the GPU, at least one block each), so the op never syncs with the host.
 # ``sparse_decode_attention_triton`` is registered as torch.ops.hf_rocketkv.sparse_decode_attention by triton_ops.
 try:
@@ -140,6 +144,7 @@ try:
         scale_strides,
         tanh_f32,
     )
+    from .arrivals import check_counters, last_arrival
     from .flash_decoding import finish_split, online_softmax_step
     from .launch import TritonLaunch
 except ImportError:  # triton is optional: the reference above works without it
@@ -147,9 +152,42 @@ except ImportError:  # triton is optional: the reference above works without it
 
 if triton is not None:
     @triton.jit
+    def _combine_head(part_o_ptr, part_lse_ptr, out_ptr, sink_ptr, bh, gi, b, h, s_ob, s_oh, s_og, s_od, group,
+                      head_dim, num_splits, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                      OUT_DT: tl.constexpr, SINKS: tl.constexpr, FROM_L2: tl.constexpr):
+        """Query head ``gi`` of (row ``b``, KV head ``h``): its ``num_splits`` partials combined into ``out``.
+        ``FROM_L2``: partials other programs of this launch wrote (``.cg`` loads, ``arrivals.py``)."""
+        sp = tl.arange(0, BLOCK_S)
+        d = tl.arange(0, BLOCK_D)
+        s_ok = sp < num_splits
+        row = (bh * num_splits + sp).to(tl.int64) * BLOCK_G + gi
+        if FROM_L2:
+            lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
+        else:
+            lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))
+        m = tl.max(lse, axis=0)
+        if SINKS:  # one more log-sum-exp term whose output is zero: it only enlarges the denominator
+            sink = tl.load(sink_ptr + h * group + gi).to(tl.float32) * 1.4426950408889634  # log2(e), literal
+            m = tl.maximum(m, sink)
+        m_safe = tl.where(m > float("-inf"), m, 0.0)
+        w = tl.exp2(lse - m_safe)
+        total = tl.sum(w, axis=0)
+        if SINKS:
+            total += tl.exp2(sink - m_safe)
+        # a head without tokens: every w is 0 and so is its output (the sink alone attends nothing)
+        w = w / tl.maximum(total, 1e-30)
+        if FROM_L2:
+            o = tl.load(part_o_ptr + row[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0,
+                        cache_modifier=".cg")
+        else:
+            o = tl.load(part_o_ptr + row[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
+        o = tl.sum(o * w[:, None], axis=0)
+        tl.store(out_ptr + b * s_ob + h * s_oh + gi * s_og + d * s_od, cast_to(o, OUT_DT), mask=d < head_dim)
+
+    @triton.jit
     def _sparse_decode_split_kernel(
         q_ptr, k_ptr, v_ptr, idx_ptr, valid_ptr, len_ptr, out_ptr, part_o_ptr, part_lse_ptr, table_ptr,
-        ks_ptr, vs_ptr, sink_ptr,
+        ks_ptr, vs_ptr, sink_ptr, counter_ptr,
         s_qb, s_qh, s_qg, s_qd,
         s_kb, s_kh, s_kc, s_kd,
         s_vb, s_vh, s_vc, s_vd,
@@ -164,6 +202,7 @@ if triton is not None:
         P: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         QK_FP32: tl.constexpr, PV_FP32: tl.constexpr, OUT_DT: tl.constexpr, DIRECT: tl.constexpr,
         PAGED: tl.constexpr, KV_FP8: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
+        REDUCE_LAST: tl.constexpr, BLOCK_S: tl.constexpr,
     ):
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -256,6 +295,11 @@ if triton is not None:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         finish_split(acc, m_i, l_i, sink_ptr, out_ptr, part_o_ptr, part_lse_ptr, b, h, bh, split, num_splits,
                      group, head_dim, s_ob, s_oh, s_og, s_od, BLOCK_G, BLOCK_D, OUT_DT, DIRECT, SINKS)
+        if REDUCE_LAST:  # the (row, KV head)'s last split to finish combines them all (arrivals.py)
+            if last_arrival(counter_ptr + bh, num_splits):
+                for gi in range(group):
+                    _combine_head(part_o_ptr, part_lse_ptr, out_ptr, sink_ptr, bh, gi, b, h, s_ob, s_oh, s_og, s_od,
+                                  group, head_dim, num_splits, BLOCK_G, BLOCK_S, BLOCK_D, OUT_DT, SINKS, True)
 
     _sparse_decode_split_launch = TritonLaunch(_sparse_decode_split_kernel)
 
@@ -269,28 +313,10 @@ if triton is not None:
     ):
         pid = tl.program_id(0)
         bh = pid // group
-        gi = pid % group
         b = (bh // num_kv_heads).to(tl.int64)
         h = (bh % num_kv_heads).to(tl.int64)
-        sp = tl.arange(0, BLOCK_S)
-        d = tl.arange(0, BLOCK_D)
-        s_ok = sp < num_splits
-        row = (bh * num_splits + sp).to(tl.int64) * BLOCK_G + gi
-        lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))
-        m = tl.max(lse, axis=0)
-        if SINKS:  # one more log-sum-exp term whose output is zero: it only enlarges the denominator
-            sink = tl.load(sink_ptr + h * group + gi).to(tl.float32) * 1.4426950408889634  # log2(e), literal
-            m = tl.maximum(m, sink)
-        m_safe = tl.where(m > float("-inf"), m, 0.0)
-        w = tl.exp2(lse - m_safe)
-        total = tl.sum(w, axis=0)
-        if SINKS:
-            total += tl.exp2(sink - m_safe)
-        # a head without tokens: every w is 0 and so is its output (the sink alone attends nothing)
-        w = w / tl.maximum(total, 1e-30)
-        o = tl.load(part_o_ptr + row[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
-        o = tl.sum(o * w[:, None], axis=0)
-        tl.store(out_ptr + b * s_ob + h * s_oh + gi * s_og + d * s_od, cast_to(o, OUT_DT), mask=d < head_dim)
+        _combine_head(part_o_ptr, part_lse_ptr, out_ptr, sink_ptr, bh, pid % group, b, h, s_ob, s_oh, s_og, s_od,
+                      group, head_dim, num_splits, BLOCK_G, BLOCK_S, BLOCK_D, OUT_DT, SINKS, False)
 
     _sparse_decode_reduce_launch = TritonLaunch(_sparse_decode_reduce_kernel)
 
@@ -312,6 +338,7 @@ if triton is not None:
         v_scale: torch.Tensor | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        counters: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Launcher; ``num_splits`` (None = heuristic, 1 = one kernel, no reduce) and the tile knobs exist for tests
         and benchmarks. Default tile: 128 gathered tokens x head_dim, 4 warps for bf16/fp16 K/V (see the comment at
@@ -327,8 +354,12 @@ if triton is not None:
         dequantized before them); half queries (on the GPU) take q's half type: K in e4m3 is exact in it and the
         logits are scaled per token after the dot, V is dequantized then rounded to q's type, probabilities too.
 
-        ``softcap`` / ``sinks``: the logit features of the module docstring (None: none)."""
+        ``softcap`` / ``sinks``: the logit features of the module docstring (None: none).
+
+        ``counters``: int32 [>= B * Hkv], all 0 (``arrivals.py``): with several splits, each (row, KV head)'s last
+        split to finish combines them in the split launch (no reduce launch); None: the reduce kernel."""
         batch, num_kv_heads, group, head_dim = q.shape
+        check_counters(counters, batch * num_kv_heads, q.device, "sparse_decode_attention")
         softcap = checked_softcap(softcap)
         if sinks is not None:
             grouped_sinks(sinks, num_kv_heads, group)  # shape check only: the kernels read [Hq] as it is
@@ -370,6 +401,7 @@ if triton is not None:
         tokens_per_split = cdiv(cdiv(total, num_splits), block_n) * block_n
         num_splits = max(1, cdiv(total, tokens_per_split))
         direct = num_splits == 1
+        reduce_last = counters is not None and not direct
         if direct:
             part_o = part_lse = out  # unused
         else:
@@ -389,6 +421,7 @@ if triton is not None:
             q, keys, values, page_idx, page_valid, lengths, out, part_o, part_lse, table if paged else lengths,
             k_scale if fp8 else q, v_scale if fp8 else q,  # unused pointers without fp8
             sinks if sinks is not None else q,  # unused without sinks
+            counters if reduce_last else lengths,  # unused without reduce_last
             *q.stride(), *keys.stride(), *values.stride(), *page_idx.stride(), *page_valid.stride(), *out.stride(),
             *count_strides(lengths, batch, num_kv_heads, "lengths"), *(table.stride() if paged else (0, 0)),
             *scale_strides(k_scale if fp8 else None), *scale_strides(v_scale if fp8 else None),
@@ -397,10 +430,11 @@ if triton is not None:
             (softcap or 0.0) * 1.4426950408889634,
             P=page_size, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
             QK_FP32=qk_fp32, PV_FP32=pv_fp32, OUT_DT=dtype_code(q.dtype), DIRECT=direct, PAGED=paged, KV_FP8=fp8,
-            SOFTCAP=softcap is not None, SINKS=sinks is not None,
+            SOFTCAP=softcap is not None, SINKS=sinks is not None, REDUCE_LAST=reduce_last,
+            BLOCK_S=next_pow2(num_splits),
             num_warps=num_warps, num_stages=num_stages,
         )
-        if not direct:
+        if not direct and not reduce_last:
             combine_splits(part_o, part_lse, out, sinks, num_splits, block_g, block_d)
         return out
 
@@ -450,9 +484,10 @@ if triton is not None:
         v_scale: torch.Tensor | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        counters: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Same contract as ``paged_sparse_decode_attention_torch`` (registered as a triton_op; fp8 pages read and
-        dequantized in the kernel)."""
+        dequantized in the kernel); ``counters``: ``sparse_decode_attention_launch``'s."""
         return sparse_decode_attention_launch(q, k_pages, v_pages, page_idx, page_valid, lengths, kt_page_size,
                                               scaling, table=table, k_scale=k_scale, v_scale=v_scale,
-                                              softcap=softcap, sinks=sinks)
+                                              softcap=softcap, sinks=sinks, counters=counters)

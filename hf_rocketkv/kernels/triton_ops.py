@@ -20,8 +20,10 @@ sparse_decode_attention) derive their launch shapes from tensor shapes only and 
                                                          advance_seen: the count in the same launch)
     paged_append_kv          append_token.py             1 (K/V, positions, lengths; no KT)           decode
     paged_page_scores        page_scores.py              as page_scores, KT read through the table    decode
-    paged_top_pages          select_pages.py             as top_pages, KT read through the table      decode
-    paged_sparse_decode_attention  sparse_decode_attention.py  as sparse_decode_attention              decode
+    paged_top_pages          select_pages.py             as top_pages, KT read through the table;     decode
+                                                         eager with counters: one merge level in the chunk launch
+    paged_sparse_decode_attention  sparse_decode_attention.py  as sparse_decode_attention; eager with      decode
+                                                         counters: the splits combined in their own launch (1)
     paged_fused_decode       fused_decode.py             1 (one program per row and KV head) or 3 (logits, select-and-attend, combine)  decode
     paged_compact_row        compact.py                  1 (in place: a row's pages, KT, positions)   prefill
     ring_decode_attention    ring_attention.py           1 (one split) or 2 (split + reduce)         decode
@@ -125,10 +127,35 @@ paged_append_token = triton_op(
 paged_append_kv = triton_op(
     "hf_rocketkv::paged_append_kv", mutates_args={"k_pages", "v_pages", "positions", "lengths", "k_scale", "v_scale"}
 )(_paged_append_kv_op)
+
+
+# The selection's and the attention's registered ops are the launchers without their arrival counters
+# (kernels/arrivals.py): what torch.compile traces runs the two-launch form (a merge launch, a reduce launch), so the
+# schemas declare nothing mutated, as before the counters. Eager calls (and the CUDA graphs captured from them) pass
+# the counters to the launchers (``_eager_or_op``'s ``eager_only``).
+def _paged_top_pages_op(
+    q: torch.Tensor, kt_pages: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, kt_page_size: int,
+    topr: int, topk: int, sink_pages: int = 0, recent_pages: int = 1, per_head_bound: bool = False,
+    softcap: float | None = None, scaling: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return paged_top_pages_triton(q, kt_pages, table, lengths, kt_page_size, topr, topk, sink_pages, recent_pages,
+                                  per_head_bound, softcap, scaling)
+
+
+def _paged_sparse_decode_attention_op(
+    q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, table: torch.Tensor, page_idx: torch.Tensor,
+    page_valid: torch.Tensor, lengths: torch.Tensor, kt_page_size: int, scaling: float,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    return paged_sparse_decode_attention_triton(q, k_pages, v_pages, table, page_idx, page_valid, lengths,
+                                                kt_page_size, scaling, k_scale, v_scale, softcap, sinks)
+
+
 paged_page_scores = triton_op("hf_rocketkv::paged_page_scores", mutates_args={})(paged_page_scores_triton)
-paged_top_pages = triton_op("hf_rocketkv::paged_top_pages", mutates_args={})(paged_top_pages_triton)
+paged_top_pages = triton_op("hf_rocketkv::paged_top_pages", mutates_args={})(_paged_top_pages_op)
 paged_sparse_decode_attention = triton_op("hf_rocketkv::paged_sparse_decode_attention", mutates_args={})(
-    paged_sparse_decode_attention_triton
+    _paged_sparse_decode_attention_op
 )
 
 paged_fused_decode = triton_op("hf_rocketkv::paged_fused_decode", mutates_args={})(paged_fused_decode_triton)
@@ -146,12 +173,14 @@ def _defaulted(launcher: Callable) -> tuple[tuple[int, str, object], ...]:
     return tuple((i, p.name, p.default) for i, p in enumerate(params) if p.default is not inspect.Parameter.empty)
 
 
-def _eager_or_op(launcher: Callable, op) -> Callable:
+def _eager_or_op(launcher: Callable, op, eager_only: tuple[str, ...] = ()) -> Callable:
     """``op`` (the triton_op) under torch.compile, the launcher itself in eager mode. Arguments the caller leaves at
-    the launcher's defaults are passed to the op explicitly (the appends' schemas have no defaults for the scales)."""
-    defaulted = _defaulted(launcher)
+    the launcher's defaults are passed to the op explicitly (the appends' schemas have no defaults for the scales).
+    ``eager_only``: keyword arguments of the launcher that the op does not take (dropped under torch.compile)."""
+    defaulted = tuple(entry for entry in _defaulted(launcher) if entry[1] not in eager_only)
 
     def registered(*args, **kwargs):
+        kwargs = {name: value for name, value in kwargs.items() if name not in eager_only}
         missing = {name: default for i, name, default in defaulted if i >= len(args) and name not in kwargs}
         return op(*args, **kwargs, **missing)
 
@@ -182,8 +211,9 @@ TRITON_OPS = RocketOps(
     paged_append_token=_eager_or_op(paged_append_token_triton, paged_append_token),
     paged_append_kv=_eager_or_op(paged_append_kv_triton, paged_append_kv),
     paged_page_scores=_eager_or_op(paged_page_scores_triton, paged_page_scores),
-    paged_top_pages=_eager_or_op(paged_top_pages_triton, paged_top_pages),
-    paged_sparse_decode_attention=_eager_or_op(paged_sparse_decode_attention_triton, paged_sparse_decode_attention),
+    paged_top_pages=_eager_or_op(paged_top_pages_triton, paged_top_pages, eager_only=("counters",)),
+    paged_sparse_decode_attention=_eager_or_op(paged_sparse_decode_attention_triton, paged_sparse_decode_attention,
+                                               eager_only=("counters",)),
     paged_fused_decode=_eager_or_op(paged_fused_decode_triton, paged_fused_decode),
     paged_compact_row=paged_compact_row_triton,
     ring_decode_attention=_eager_or_op(ring_decode_attention_triton, ring_decode_attention),

@@ -1,0 +1,76 @@
+"""A decode step's stage 2 over the layer's arrival counters (``RocketKVLayer.arrivals``, kernels/arrivals.py): the
+selection's merge and the attention's combine run inside the launches before them, in generate() and in the batching
+engine's rows, with the tokens and logits of the two-launch form (``stage2.ARRIVAL_COUNTERS`` off), and the
+counters are left 0."""
+
+import pytest
+import torch
+
+from hf_rocketkv import RocketKVCache
+from hf_rocketkv.cache import stage2
+from hf_rocketkv.kernels import select_pages as select_module
+from hf_rocketkv.kernels import sparse_decode_attention as attention_module
+from tests.kernels.test_arrivals import counted
+from tests.support.tiny_models import compressing_config, cpu_pool, greedy_with_logits, make_models, padded_batch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+# where each second launch happens on these shapes (the tiny model's 2 KV heads): "merge": pages in chunks of 8 (the
+# selection merges their lists); "combine": 24 pages of 8 tokens selected, the attention split over them (a GPU of
+# 64 multiprocessors, so that a few rows are split)
+CASES = {
+    "merge": (dict(prompt_budget=48, topk=3), (60, 52)),
+    "combine": (dict(prompt_budget=160, topk=24, page_size=8), (180, 171)),
+}
+
+
+def _split_rows(monkeypatch) -> None:
+    monkeypatch.setattr(attention_module, "num_sms", lambda device: 64)
+
+
+def _config(case: str):
+    overrides, _ = CASES[case]
+    return compressing_config(backend="triton", kt_cache_dtype="float32", **overrides)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_generate_folds_the_second_launches_and_keeps_the_tokens(monkeypatch, case):
+    monkeypatch.setattr(select_module, "SELECT_CHUNK", 8)
+    _split_rows(monkeypatch)
+    model = make_models("llama")[0].to(DEVICE)
+    ids, mask = padded_batch(CASES[case][1], DEVICE)
+    merges = counted(monkeypatch, select_module, "_select_merge_launch")
+    reduces = counted(monkeypatch, attention_module, "_sparse_decode_reduce_launch")
+    second = merges if case == "merge" else reduces
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setattr(stage2, "ARRIVAL_COUNTERS", on)
+        before = second.count
+        cache = RocketKVCache(_config(case))
+        runs[on] = greedy_with_logits(model, ids, mask, cache, 4)
+        assert (second.count > before) != on  # the shapes take the second launch, unless the counters fold it
+        # made at the first decode step, left 0 by every step (none without the switch)
+        buffers = [layer.arrivals.buffer for layer in cache.layers]
+        assert all((buffer is not None and not buffer.any()) if on else buffer is None for buffer in buffers)
+    assert torch.equal(runs[True][0], runs[False][0])
+    assert torch.equal(runs[True][1], runs[False][1])
+
+
+def test_the_engines_rows_fold_the_second_launches_and_keep_the_tokens(monkeypatch):
+    from hf_rocketkv.serving import SamplingParams, generate_batch
+    from tests.serving.helpers import prompt_of
+
+    _split_rows(monkeypatch)
+    model = make_models("llama")[0].to(DEVICE)
+    config = _config("combine")
+    reduces = counted(monkeypatch, attention_module, "_sparse_decode_reduce_launch")
+    prompts = [prompt_of(n, seed=60 + n) for n in (180, 170, 175)]
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setattr(stage2, "ARRIVAL_COUNTERS", on)
+        before = reduces.count
+        pool = cpu_pool(model, config, 8 << 20, 8, device=DEVICE)
+        results = generate_batch(model, prompts, config=config, pool=pool, sampling=SamplingParams.greedy(4))
+        runs[on] = [result.token_ids for result in results]
+        assert (reduces.count > before) != on
+    assert runs[True] == runs[False]
