@@ -29,8 +29,9 @@ Triton schedule (shapes only: no host sync, CUDA-graph safe), S programs per (ro
        flash-decoding style. With S == 1 it writes the output; otherwise each split writes its normalised partial
        output and log-sum-exp.
     3. (S > 1 only) the combine: one program per (row, query head) merges the S partials.
-So a step's stage 2 takes 3 launches at small batches, 2 in between and 1 at large ones, against 4-6 for
-``paged_top_pages`` + ``paged_sparse_decode_attention`` (logits, selection chunks, merge levels, attention, reduce).
+So a step's stage 2 takes 3 launches at small batches, 2 in between and 1 at large ones, against 3-4 for
+``paged_top_pages`` + ``paged_sparse_decode_attention`` over arrival counters (logits, selection chunks, attention
+splits; the merge and the combine inside those launches, ``arrivals.py``; 4-6 without the counters).
 Every split of a row repeats the selection (a few microseconds of arithmetic on the row's logits) so that the
 attention work can be spread over the GPU at batch 1.
 
