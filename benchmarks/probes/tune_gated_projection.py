@@ -1,7 +1,8 @@
 """Probe: a gated MLP's first half at decode row counts, eager ops against one GEMM over the concatenated weights and
 against ``kernels/gated_projection`` over a grid of tiles, then ``down_proj`` (cuBLAS against the plain kernel over
 the same grid), then the attention's projections: ``q_proj``, ``k_proj`` and ``v_proj`` (three cuBLAS calls against
-``kernels/stacked_projection``'s one launch) and ``o_proj`` (cuBLAS against the plain kernel); each replayed from a
+``kernels/stacked_projection``'s one launch; ``qkv_cat``: the three weights as one through the plain kernel) and
+``o_proj`` (cuBLAS against the plain kernel); each replayed from a
 CUDA graph as a decode step runs (``bench_kernels.time_graph``).
 
     python -m benchmarks.probes.tune_gated_projection --out results/<file>.json
@@ -86,13 +87,16 @@ def down_rows(model: str, hidden: int, inter: int, rows_list, dev, dtype) -> lis
 
 
 def attention_rows(model: str, hidden: int, rows_list, dev, dtype, copies: int = 1) -> list[dict]:
-    """q/k/v (three ``F.linear`` calls against ``stacked_projection_triton``) and ``o_proj`` (``F.linear`` against
+    """q/k/v (three ``F.linear`` calls against ``stacked_projection_triton``), the same three weights concatenated
+    (``qkv_cat``: one ``F.linear`` against ``projection_triton``) and ``o_proj`` (``F.linear`` against
     ``projection_triton``) at each row count; each timed over ``copies`` weight copies (``cold``)."""
     q_out, kv_out = ATTENTION[model]
     qkv = [tuple(torch.randn(n, hidden, device=dev, dtype=dtype) / hidden ** 0.5 for n in (q_out, kv_out, kv_out))
            for _ in range(copies)]
     o_projs = [torch.randn(hidden, q_out, device=dev, dtype=dtype) / q_out ** 0.5 for _ in range(copies)]
     weights, o_proj = qkv[0], o_projs[0]
+    # q/k/v as one weight through the plain kernel: the stacked kernel's three-way dispatch against none
+    cats = [torch.cat(ws) for ws in qkv]
     out = []
     for rows in rows_list:
         x = torch.randn(rows, hidden, device=dev, dtype=dtype)
@@ -102,6 +106,9 @@ def attention_rows(model: str, hidden: int, rows_list, dev, dtype, copies: int =
                                                                      copies),
              lambda tiles: stacked_projection_triton(x, weights, tiles=tiles),
              cold(lambda i, tiles: stacked_projection_triton(x, qkv[i], tiles=tiles), copies)),
+            ("qkv_cat", cats[0].numel() * 2 / 1e9, cold(lambda i: projection_reference(x, cats[i]), copies),
+             lambda tiles: projection_triton(x, cats[0], tiles=tiles),
+             cold(lambda i, tiles: projection_triton(x, cats[i], tiles=tiles), copies)),
             ("o_proj", o_proj.numel() * 2 / 1e9, cold(lambda i: projection_reference(h, o_projs[i]), copies),
              lambda tiles: projection_triton(h, o_proj, tiles=tiles),
              cold(lambda i, tiles: projection_triton(h, o_projs[i], tiles=tiles), copies)),
