@@ -39,7 +39,8 @@ def decode_attention(layer, query: torch.Tensor, scaling: float) -> torch.Tensor
 
 
 # Whether a compressed layer's selection merge and attention combine run in the launches before them, by each group's
-# last program (kernels/arrivals.py, over the layer's arrival counters): two launches fewer per layer and step.
+# last program (kernels/arrivals.py, over the layer's arrival counters): two launches fewer per layer and step; a
+# sliding-window layer's ring attention combines its splits the same way (SlidingWindowLayer.attend_ring).
 # A module constant for A/B runs (benchmarks set it False to time the two-launch form).
 ARRIVAL_COUNTERS = True
 

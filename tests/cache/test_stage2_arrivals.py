@@ -74,3 +74,28 @@ def test_the_engines_rows_fold_the_second_launches_and_keep_the_tokens(monkeypat
         runs[on] = [result.token_ids for result in results]
         assert (reduces.count > before) != on
     assert runs[True] == runs[False]
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "gpt_oss"])
+def test_sliding_layers_combine_their_ring_splits_and_keep_the_tokens(monkeypatch, arch):
+    """A hybrid model's sliding-window layers (``SlidingWindowLayer.attend_ring``): the ring attention, split in two
+    over a 32-token window, combines its splits in the split launch (Gemma 3; gpt-oss with its sinks), with the tokens
+    and logits of the two-launch form."""
+    import functools
+
+    from hf_rocketkv.kernels import ring_attention
+    from tests.support.hybrid_models import make_hybrid_models
+
+    monkeypatch.setattr(ring_attention, "ring_decode_attention_launch",
+                        functools.partial(ring_attention.ring_decode_attention_launch, num_splits=2, block_n=16))
+    model = make_hybrid_models(arch, sliding_window=32)[0].to(DEVICE)
+    ids, mask = padded_batch((50, 41), DEVICE)
+    reduces = counted(monkeypatch, attention_module, "_sparse_decode_reduce_launch")
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setattr(stage2, "ARRIVAL_COUNTERS", on)
+        before = reduces.count
+        runs[on] = greedy_with_logits(model, ids, mask, RocketKVCache(_config("merge")), 4)
+        assert (reduces.count > before) != on
+    assert torch.equal(runs[True][0], runs[False][0])
+    assert torch.equal(runs[True][1], runs[False][1])
