@@ -183,10 +183,10 @@ def _recording(ops, calls: list):
     """Records every decode page selection (the paged op; the KT pages gathered through the block table)."""
 
     def paged_top_pages(q, kt_pages, table, lengths, page_size, topr, topk, sink_pages=0, recent_pages=1,
-                        per_head_bound=False):
+                        per_head_bound=False, counters=None):
         assert per_head_bound is False  # the default stage2_score ("group_sign")
         out = ops.paged_top_pages(q, kt_pages, table, lengths, page_size, topr, topk, sink_pages=sink_pages,
-                                  recent_pages=recent_pages, per_head_bound=per_head_bound)
+                                  recent_pages=recent_pages, per_head_bound=per_head_bound, counters=counters)
         kt = gather_pages(kt_pages, table)
         calls.append((q.clone(), kt.clone(), lengths.clone(), page_size, topr, topk, sink_pages, recent_pages, out))
         return out
