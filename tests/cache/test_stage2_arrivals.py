@@ -99,3 +99,28 @@ def test_sliding_layers_combine_their_ring_splits_and_keep_the_tokens(monkeypatc
         assert (reduces.count > before) != on
     assert torch.equal(runs[True][0], runs[False][0])
     assert torch.equal(runs[True][1], runs[False][1])
+
+
+def test_a_batch_reserves_every_layers_counters_for_its_widest_bucket():
+    """The engine's batch captures a step per bucket: every layer's counters (compressed and sliding-window) are made
+    once, when the first request joins, for all ``max_rows`` rows, so no bucket's step asks for more than they hold
+    (``ArrivalCounters.get`` would answer None: the two-launch form)."""
+    from hf_rocketkv.cache.batch_view import BatchedDecodeCache
+    from tests.cache.helpers import engine_prefill
+    from tests.support.hybrid_models import make_hybrid_models
+    from tests.support.tiny_models import random_ids
+
+    model = make_hybrid_models("gemma3", sliding_window=32)[0]
+    config = _config("merge")
+    pool = cpu_pool(model, config, 4 << 20, 8, sliding_slots=4)
+    batch = BatchedDecodeCache(pool, max_rows=4)
+    cache, _ = engine_prefill(model, pool, config, random_ids(1, 50, seed=5)[0], 4)
+    batch.join(0, cache)
+    kv_heads = model.config.num_key_value_heads
+    kinds = {type(layer).__name__: layer.arrivals.buffer for layer in batch.layers}
+    assert set(kinds) == {"BatchedDecodeLayer", "SlidingWindowLayer"}, kinds
+    for layer in batch.layers:
+        assert layer.arrivals.buffer is not None and layer.arrivals.buffer.numel() == 4 * kv_heads
+        assert layer.arrivals.get(4 * kv_heads, layer.arrivals.buffer.device) is layer.arrivals.buffer
+    batch.leave(0)
+    batch.close()
