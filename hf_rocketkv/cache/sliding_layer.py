@@ -54,7 +54,6 @@ from .dense_layer import DenseLayer
 from .hints import GenerationHints
 from .ring import Ring
 from .seam import tag
-from . import stage2
 
 SLIDING_CROP = (
     "RocketKVCache: a sliding-window layer (window {window}) has already dropped the tokens before its window, so "
@@ -267,7 +266,7 @@ class SlidingWindowLayer(DenseLayer):
         batch, query_heads, _, dim = query.shape
         heads = keys.shape[1]
         q = query.reshape(batch, heads, query_heads // heads, dim)
-        counters = self.arrivals.get(batch * heads, q.device) if stage2.ARRIVAL_COUNTERS else None
+        counters = self.arrivals.get(batch * heads, q.device)
         out = self.ops.ring_decode_attention(q, keys, values, seen, scaling, rows, mask, features.softcap,
                                              features.sinks, counters=counters)
         return out.reshape(batch, 1, query_heads, dim)

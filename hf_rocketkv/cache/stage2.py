@@ -23,7 +23,7 @@ def decode_attention(layer, query: torch.Tensor, scaling: float) -> torch.Tensor
     num_kv_heads = layer.num_kv_heads
     q = query.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # a view for decode layouts
     # the layer's arrival counters, made at its first decode step (before an OpGraph captures them)
-    counters = layer.arrivals.get(batch * num_kv_heads, q.device) if ARRIVAL_COUNTERS else None
+    counters = layer.arrivals.get(batch * num_kv_heads, q.device)
     if layer.eager_graphs():
         store = layer.store
         key = buffers_key(store.kt, store.k, store.v, store.table, layer.lengths, store.k_scale, store.v_scale,
@@ -37,12 +37,6 @@ def decode_attention(layer, query: torch.Tensor, scaling: float) -> torch.Tensor
     # [B, Hkv, G, D] -> [B, 1, Hq, D]: the size-1 axes make this transpose a contiguous view
     return out.reshape(batch, num_q_heads, 1, head_dim).transpose(1, 2)
 
-
-# Whether a compressed layer's selection merge and attention combine run in the launches before them, by each group's
-# last program (kernels/arrivals.py, over the layer's arrival counters): two launches fewer per layer and step; a
-# sliding-window layer's ring attention combines its splits the same way (SlidingWindowLayer.attend_ring).
-# A module constant for A/B runs (benchmarks set it False to time the two-launch form).
-ARRIVAL_COUNTERS = True
 
 # RocketKVConfig.stage2_kernel="auto": whether the Triton backend runs a plain layer's stage 2 as the fused op
 # (kernels/fused_decode.py). Off until it is measured against the split ops on a GPU (benchmarks/fused_decode.py).

@@ -27,11 +27,15 @@ from __future__ import annotations
 
 import torch
 
+# Whether callers get counters at all (``ArrivalCounters.get`` answers None when off, the two-launch form everywhere).
+# A module constant for A/B runs: benchmarks set it False to time the two-launch form.
+ENABLED = True
+
 
 class ArrivalCounters:
     """One caller's counters, made once and then kept (a captured step holds their address): ``get`` makes the zeroed
     buffer at its first call outside a CUDA-graph capture (``reserve``: ahead, for the widest batch a caller will
-    ask for) and returns it. None, the two-launch form: under torch.compile (the registered ops take no counters),
+    ask for) and returns it. None, the two-launch form: with ``ENABLED`` off, under torch.compile (the registered ops take no counters),
     while only a capture has asked (it would record the zero fill), or for more entries than the buffer holds."""
 
     __slots__ = ("buffer",)
@@ -43,7 +47,7 @@ class ArrivalCounters:
         self.buffer = torch.zeros(entries, dtype=torch.int32, device=device)
 
     def get(self, entries: int, device: torch.device) -> torch.Tensor | None:
-        if torch.compiler.is_compiling():
+        if not ENABLED or torch.compiler.is_compiling():
             return None
         if self.buffer is None:
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():

@@ -1,13 +1,13 @@
 """A decode step's stage 2 over the layer's arrival counters (``RocketKVLayer.arrivals``, kernels/arrivals.py): the
 selection's merge and the attention's combine run inside the launches before them, in generate() and in the batching
-engine's rows, with the tokens and logits of the two-launch form (``stage2.ARRIVAL_COUNTERS`` off), and the
+engine's rows, with the tokens and logits of the two-launch form (``kernels/arrivals.ENABLED`` off), and the
 counters are left 0."""
 
 import pytest
 import torch
 
 from hf_rocketkv import RocketKVCache
-from hf_rocketkv.cache import stage2
+from hf_rocketkv.kernels import arrivals
 from hf_rocketkv.kernels import select_pages as select_module
 from hf_rocketkv.kernels import sparse_decode_attention as attention_module
 from tests.kernels.test_arrivals import counted
@@ -44,7 +44,7 @@ def test_generate_folds_the_second_launches_and_keeps_the_tokens(monkeypatch, ca
     second = merges if case == "merge" else reduces
     runs = {}
     for on in (False, True):
-        monkeypatch.setattr(stage2, "ARRIVAL_COUNTERS", on)
+        monkeypatch.setattr(arrivals, "ENABLED", on)
         before = second.count
         cache = RocketKVCache(_config(case))
         runs[on] = greedy_with_logits(model, ids, mask, cache, 4)
@@ -67,7 +67,7 @@ def test_the_engines_rows_fold_the_second_launches_and_keep_the_tokens(monkeypat
     prompts = [prompt_of(n, seed=60 + n) for n in (180, 170, 175)]
     runs = {}
     for on in (False, True):
-        monkeypatch.setattr(stage2, "ARRIVAL_COUNTERS", on)
+        monkeypatch.setattr(arrivals, "ENABLED", on)
         before = reduces.count
         pool = cpu_pool(model, config, 8 << 20, 8, device=DEVICE)
         results = generate_batch(model, prompts, config=config, pool=pool, sampling=SamplingParams.greedy(4))
@@ -93,7 +93,7 @@ def test_sliding_layers_combine_their_ring_splits_and_keep_the_tokens(monkeypatc
     reduces = counted(monkeypatch, attention_module, "_sparse_decode_reduce_launch")
     runs = {}
     for on in (False, True):
-        monkeypatch.setattr(stage2, "ARRIVAL_COUNTERS", on)
+        monkeypatch.setattr(arrivals, "ENABLED", on)
         before = reduces.count
         runs[on] = greedy_with_logits(model, ids, mask, RocketKVCache(_config("merge")), 4)
         assert (reduces.count > before) != on
