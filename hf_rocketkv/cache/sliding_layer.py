@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.arrivals import ArrivalCounters
 from ..kernels.dispatch import get_ops
 from ..selection.logit_features import LogitFeatures, allowed_of
 from .dense_layer import DenseLayer
@@ -92,7 +91,6 @@ class SlidingWindowLayer(DenseLayer):
         self.record_past = False
         self.undoable = False
         self._slab_tensors: tuple[torch.Tensor, torch.Tensor] | None = None  # the pool's (k, v) slab: never moves
-        self.arrivals = ArrivalCounters()  # the ring attention's, one per row and KV head (kernels/arrivals.py)
 
     def reset(self) -> None:
         if self.per_row:
@@ -266,9 +264,7 @@ class SlidingWindowLayer(DenseLayer):
         batch, query_heads, _, dim = query.shape
         heads = keys.shape[1]
         q = query.reshape(batch, heads, query_heads // heads, dim)
-        counters = self.arrivals.get(batch * heads, q.device)
-        out = self.ops.ring_decode_attention(q, keys, values, seen, scaling, rows, mask, features.softcap,
-                                             features.sinks, counters=counters)
+        out = self.ops.ring_decode_attention(q, keys, values, seen, scaling, rows, mask, features.softcap, features.sinks)
         return out.reshape(batch, 1, query_heads, dim)
 
     @property
@@ -376,7 +372,6 @@ class SlidingWindowLayer(DenseLayer):
         probe = torch.empty(0, num_kv_heads, 0, head_dim, dtype=dtype, device=device)
         self._slab_tensors = pool.sliding_slab(self.layer_idx, probe)
         self.ops = get_ops(self.backend, device)
-        self.arrivals.reserve(slots.shape[0] * num_kv_heads, device)  # every bucket's steps share them
         self.is_initialized = True
         self.decode_rows(slots, seen)
 

@@ -40,7 +40,7 @@ class RocketOps:
                                   scaling, k_scale=None, v_scale=None, softcap=None, sinks=None, counters=None)
         -> [B, Hkv, G, D]
     (counters: int32 [>= B * Hkv] zeros, left 0: the Triton kernels' arrival counters, kernels/arrivals.py, one
-    launch fewer each; the references ignore them; ring_decode_attention takes them too)
+    launch fewer each; the references ignore them)
     paged_fused_decode(q, kt_pages, k_pages, v_pages, table, lengths, kt_page_size, topr, topk, scaling,
                        sink_pages=0, recent_pages=1, per_head_bound=False, k_scale=None, v_scale=None)
         -> [B, Hkv, G, D]: paged_top_pages then paged_sparse_decode_attention in one op (kernels/fused_decode.py;
@@ -53,8 +53,7 @@ class RocketOps:
 
     Stage 1's compaction (prefill, eager; one call per row):
     Sliding-window layers (decode, the ring read in place; kernels/ring_attention.py):
-    ring_decode_attention(q, keys, values, seen, scaling, rows=None, mask=None, softcap=None, sinks=None,
-                          counters=None)
+    ring_decode_attention(q, keys, values, seen, scaling, rows=None, mask=None, softcap=None, sinks=None)
         -> [B, Hkv, G, D]: q [B, Hkv, G, D] over rings [N, Hkv, W, D] (row b reads store row rows[b], or b),
         seen [B] or [] int64 counts with this step's token, mask [B or 1, W] bool in transformers' column order
     ring_append(keys, values, seen, key_new, value_new, rows=None, advance_seen=False, kept_keys=None,

@@ -84,11 +84,9 @@ def ring_decode_attention_torch(
     mask: torch.Tensor | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
-    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference: the rows' rings, fp32 (soft-capped) logits over the visible slots, softmax with the sinks in the
-    denominator, weighted sum of the values. ``counters``: the Triton twin's arrival counters (``arrivals.py``);
-    the reference has one pass and leaves them alone."""
+    denominator, weighted sum of the values."""
     check_ring_arguments(q, keys, values, seen, rows, mask)
     batch, heads, group, _ = q.shape
     if rows is not None:
@@ -109,15 +107,14 @@ try:
     from ._triton_common import cdiv, dtype_code, interpreting, next_pow2, num_sms, tanh_f32
     from .flash_decoding import finish_split, online_softmax_step
     from .launch import TritonLaunch
-    from .arrivals import check_counters
-    from .sparse_decode_attention import combine_if_last, combine_splits
+    from .sparse_decode_attention import combine_splits
 except ImportError:  # triton is optional: the reference above works without it
     triton = None
 
 if triton is not None:
     @triton.jit
     def _ring_decode_split_kernel(
-        q_ptr, k_ptr, v_ptr, seen_ptr, rows_ptr, mask_ptr, out_ptr, part_o_ptr, part_lse_ptr, sink_ptr, counter_ptr,
+        q_ptr, k_ptr, v_ptr, seen_ptr, rows_ptr, mask_ptr, out_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
         s_qb, s_qh, s_qg, s_qd,
         s_kn, s_kh, s_kw, s_kd,
         s_vn, s_vh, s_vw, s_vd,
@@ -128,7 +125,6 @@ if triton is not None:
         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         QK_FP32: tl.constexpr, PV_FP32: tl.constexpr, OUT_DT: tl.constexpr, DIRECT: tl.constexpr,
         ROWS: tl.constexpr, MASK: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
-        REDUCE_LAST: tl.constexpr, BLOCK_S: tl.constexpr,
     ):
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -184,9 +180,6 @@ if triton is not None:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         finish_split(acc, m_i, l_i, sink_ptr, out_ptr, part_o_ptr, part_lse_ptr, b, h, bh, split, num_splits,
                      group, head_dim, s_ob, s_oh, s_og, s_od, BLOCK_G, BLOCK_D, OUT_DT, DIRECT, SINKS)
-        if REDUCE_LAST:  # the (row, KV head)'s last split combines them all (kernels/arrivals.py)
-            combine_if_last(counter_ptr, part_o_ptr, part_lse_ptr, out_ptr, sink_ptr, bh, b, h, s_ob, s_oh, s_og,
-                            s_od, group, head_dim, num_splits, BLOCK_G, BLOCK_S, BLOCK_D, OUT_DT, SINKS)
 
     _ring_decode_split_launch = TritonLaunch(_ring_decode_split_kernel)
 
@@ -204,12 +197,10 @@ if triton is not None:
         block_n: int | None = None,
         num_warps: int | None = None,
         num_stages: int | None = None,
-        counters: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Launcher; ``num_splits`` (None = heuristic from the shapes, 1 = one kernel, no reduce) and the tile knobs
         (None = the defaults below) exist for tests and benchmarks. Launch sizes come from shapes only: no host sync,
-        CUDA-graph safe. ``counters``: int32 [>= B * Hkv], all 0 (``arrivals.py``): with several splits, each (row,
-        KV head)'s last split combines them in the split launch (no reduce launch).
+        CUDA-graph safe.
 
         Defaults (``benchmarks/probes/tune_ring_attention.py``, H200, bf16): splits so that the (row, KV head,
         split) programs make about four waves of the GPU (a program reads its slots serially: one program per
@@ -219,7 +210,6 @@ if triton is not None:
         32 slots on 4 warps in two stages beyond (16 rows: 47 us)."""
         check_ring_arguments(q, keys, values, seen, rows, mask)
         batch, num_kv_heads, group, head_dim = q.shape
-        check_counters(counters, batch * num_kv_heads, q.device, "ring_decode_attention")
         softcap = checked_softcap(softcap)
         if sinks is not None:
             grouped_sinks(sinks, num_kv_heads, group)  # shape check only: the kernels read [Hq] as it is
@@ -251,7 +241,6 @@ if triton is not None:
         slots_per_split = cdiv(cdiv(window, num_splits), block_n) * block_n
         num_splits = max(1, cdiv(window, slots_per_split))
         direct = num_splits == 1
-        reduce_last = counters is not None and not direct
         if direct:
             part_o = part_lse = out  # unused
         else:
@@ -263,7 +252,6 @@ if triton is not None:
         _ring_decode_split_launch[(programs, num_splits)](
             q, keys, values, seen, rows if rows is not None else seen, mask if mask is not None else seen,
             out, part_o, part_lse, sinks if sinks is not None else q,  # unused pointers: any tensor
-            counters if reduce_last else seen,
             *q.stride(), *keys.stride(), *values.stride(),
             seen.stride(0) if seen.dim() else 0,
             *((mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(1)) if mask is not None else (0, 0)),
@@ -274,10 +262,9 @@ if triton is not None:
             BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
             QK_FP32=qk_fp32, PV_FP32=pv_fp32, OUT_DT=dtype_code(q.dtype), DIRECT=direct,
             ROWS=rows is not None, MASK=mask is not None, SOFTCAP=softcap is not None, SINKS=sinks is not None,
-            REDUCE_LAST=reduce_last, BLOCK_S=next_pow2(num_splits),
             num_warps=num_warps, num_stages=num_stages,
         )
-        if not direct and not reduce_last:
+        if not direct:
             combine_splits(part_o, part_lse, out, sinks, num_splits, block_g, block_d)
         return out
 
@@ -291,9 +278,6 @@ if triton is not None:
         mask: torch.Tensor | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
-        counters: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Same contract as ``ring_decode_attention_torch`` (registered as a triton_op in ``triton_ops``, without
-        ``counters``: the launcher's)."""
-        return ring_decode_attention_launch(q, keys, values, seen, scaling, rows, mask, softcap, sinks,
-                                            counters=counters)
+        """Same contract as ``ring_decode_attention_torch`` (registered as a triton_op in ``triton_ops``)."""
+        return ring_decode_attention_launch(q, keys, values, seen, scaling, rows, mask, softcap, sinks)

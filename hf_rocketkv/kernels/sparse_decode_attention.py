@@ -185,17 +185,6 @@ if triton is not None:
         tl.store(out_ptr + b * s_ob + h * s_oh + gi * s_og + d * s_od, cast_to(o, OUT_DT), mask=d < head_dim)
 
     @triton.jit
-    def combine_if_last(counter_ptr, part_o_ptr, part_lse_ptr, out_ptr, sink_ptr, bh, b, h, s_ob, s_oh, s_og, s_od,
-                        group, head_dim, num_splits, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
-                        BLOCK_D: tl.constexpr, OUT_DT: tl.constexpr, SINKS: tl.constexpr):
-        """After a split wrote its partial: the (row, KV head)'s last split to finish combines every query head's
-        splits (``arrivals.py``; what ``combine_splits`` launches otherwise). Shared by the flash-decoding kernels."""
-        if last_arrival(counter_ptr + bh, num_splits):
-            for gi in range(group):
-                _combine_head(part_o_ptr, part_lse_ptr, out_ptr, sink_ptr, bh, gi, b, h, s_ob, s_oh, s_og, s_od,
-                              group, head_dim, num_splits, BLOCK_G, BLOCK_S, BLOCK_D, OUT_DT, SINKS, True)
-
-    @triton.jit
     def _sparse_decode_split_kernel(
         q_ptr, k_ptr, v_ptr, idx_ptr, valid_ptr, len_ptr, out_ptr, part_o_ptr, part_lse_ptr, table_ptr,
         ks_ptr, vs_ptr, sink_ptr, counter_ptr,
@@ -306,9 +295,11 @@ if triton is not None:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         finish_split(acc, m_i, l_i, sink_ptr, out_ptr, part_o_ptr, part_lse_ptr, b, h, bh, split, num_splits,
                      group, head_dim, s_ob, s_oh, s_og, s_od, BLOCK_G, BLOCK_D, OUT_DT, DIRECT, SINKS)
-        if REDUCE_LAST:
-            combine_if_last(counter_ptr, part_o_ptr, part_lse_ptr, out_ptr, sink_ptr, bh, b, h, s_ob, s_oh, s_og,
-                            s_od, group, head_dim, num_splits, BLOCK_G, BLOCK_S, BLOCK_D, OUT_DT, SINKS)
+        if REDUCE_LAST:  # the (row, KV head)'s last split to finish combines them all (arrivals.py)
+            if last_arrival(counter_ptr + bh, num_splits):
+                for gi in range(group):
+                    _combine_head(part_o_ptr, part_lse_ptr, out_ptr, sink_ptr, bh, gi, b, h, s_ob, s_oh, s_og, s_od,
+                                  group, head_dim, num_splits, BLOCK_G, BLOCK_S, BLOCK_D, OUT_DT, SINKS, True)
 
     _sparse_decode_split_launch = TritonLaunch(_sparse_decode_split_kernel)
 

@@ -26,8 +26,7 @@ sparse_decode_attention) derive their launch shapes from tensor shapes only and 
                                                          counters: the splits combined in their own launch (1)
     paged_fused_decode       fused_decode.py             1 (one program per row and KV head) or 3 (logits, select-and-attend, combine)  decode
     paged_compact_row        compact.py                  1 (in place: a row's pages, KT, positions)   prefill
-    ring_decode_attention    ring_attention.py           1 (one split) or 2 (split + reduce; eager   decode
-                                                         with counters: 1)
+    ring_decode_attention    ring_attention.py           1 (one split) or 2 (split + reduce)         decode
     ring_append              ring_append.py              1 (in place: one token per row into the ring; decode
                                                          advance_seen: the count in the same launch; kept_keys /
                                                          kept_values: the overwritten slots too)
@@ -130,10 +129,10 @@ paged_append_kv = triton_op(
 )(_paged_append_kv_op)
 
 
-# The selection's and the attentions' registered ops (paged sparse, ring) are the launchers without their arrival
-# counters (kernels/arrivals.py): what torch.compile traces runs the two-launch form (a merge launch, a reduce
-# launch), so the schemas declare nothing mutated, as before the counters. Eager calls (and the CUDA graphs captured
-# from them) pass the counters to the launchers (``_eager_or_op``'s ``eager_only``).
+# The selection's and the attention's registered ops are the launchers without their arrival counters
+# (kernels/arrivals.py): what torch.compile traces runs the two-launch form (a merge launch, a reduce launch), so the
+# schemas declare nothing mutated, as before the counters. Eager calls (and the CUDA graphs captured from them) pass
+# the counters to the launchers (``_eager_or_op``'s ``eager_only``).
 def _paged_top_pages_op(
     q: torch.Tensor, kt_pages: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, kt_page_size: int,
     topr: int, topk: int, sink_pages: int = 0, recent_pages: int = 1, per_head_bound: bool = False,
@@ -159,16 +158,10 @@ paged_sparse_decode_attention = triton_op("hf_rocketkv::paged_sparse_decode_atte
     _paged_sparse_decode_attention_op
 )
 
-def _ring_decode_attention_op(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seen: torch.Tensor, scaling: float,
-    rows: torch.Tensor | None = None, mask: torch.Tensor | None = None, softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    return ring_decode_attention_triton(q, keys, values, seen, scaling, rows, mask, softcap, sinks)
-
-
 paged_fused_decode = triton_op("hf_rocketkv::paged_fused_decode", mutates_args={})(paged_fused_decode_triton)
-ring_decode_attention = triton_op("hf_rocketkv::ring_decode_attention", mutates_args={})(_ring_decode_attention_op)
+ring_decode_attention = triton_op("hf_rocketkv::ring_decode_attention", mutates_args={})(
+    ring_decode_attention_triton
+)
 ring_append = triton_op(  # kept_keys / kept_values mutated: no defaults in the schema (see the appends' above)
     "hf_rocketkv::ring_append", mutates_args={"keys", "values", "seen", "kept_keys", "kept_values"}
 )(_ring_append_op)
@@ -223,6 +216,6 @@ TRITON_OPS = RocketOps(
                                                eager_only=("counters",)),
     paged_fused_decode=_eager_or_op(paged_fused_decode_triton, paged_fused_decode),
     paged_compact_row=paged_compact_row_triton,
-    ring_decode_attention=_eager_or_op(ring_decode_attention_triton, ring_decode_attention, eager_only=("counters",)),
+    ring_decode_attention=_eager_or_op(ring_decode_attention_triton, ring_decode_attention),
     ring_append=_eager_or_op(ring_append_triton, ring_append),
 )

@@ -151,27 +151,3 @@ def test_counters_of_another_shape_are_refused(make):
     kt = _kt(2, 2, 4, 16, torch.float32, g)
     with pytest.raises(ValueError, match="top_pages: counters must be"):
         top_pages_launch(q, kt, lengths, 4, 8, 2, counters=counters)
-
-
-@pytest.mark.parametrize("dtype,sinks,softcap", [(torch.float32, False, None), (torch.bfloat16, True, 20.0)])
-def test_the_ring_attention_combines_in_the_split_launch(monkeypatch, dtype, sinks, softcap):
-    """A sliding-window layer's ring attention: the independent oracle of tests/kernels/test_ring_attention.py (the
-    rows' tokens attended in position order, float64), and the two-launch form bit for bit."""
-    from hf_rocketkv.kernels.ring_attention import ring_decode_attention_launch
-    from tests.kernels.test_ring_attention import make_case, oracle
-
-    g = gen("arrivals-ring", dtype, sinks)
-    window, kv_heads, group = 32, 2, 3
-    args, tokens_k, tokens_v, allowed = make_case(dtype, 3, kv_heads, group, 16, window, [40, 7, 32], [0, 2, 5], g,
-                                                  spare_rows=1)
-    sink_logits = randn((kv_heads * group,), torch.float32, g) if sinks else None
-    reduces = counted(monkeypatch, attention_module, "_sparse_decode_reduce_launch")
-    counters = zeros(3 * kv_heads)
-    out = ring_decode_attention_launch(**args, scaling=0.25, softcap=softcap, sinks=sink_logits, num_splits=2,
-                                       block_n=16, counters=counters)
-    assert reduces.count == 0 and not counters.any()
-    want = oracle(args, tokens_k, tokens_v, allowed, 0.25, softcap, sink_logits)
-    torch.testing.assert_close(out.double().cpu(), want, rtol=0, atol=OUT_ATOL[dtype])
-    two_launch = ring_decode_attention_launch(**args, scaling=0.25, softcap=softcap, sinks=sink_logits, num_splits=2,
-                                              block_n=16)
-    assert reduces.count == 1 and torch.equal(out, two_launch)
