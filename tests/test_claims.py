@@ -9,14 +9,20 @@ Two rules, kept robust to rewording:
   links to another doc (``benchmarks.md``, ``accuracy.md#...``) where the number is sourced. The few quantities that
   are no measurement (a configured bound, arithmetic on sizes) are listed in ``NOT_MEASURED`` with the reason.
 
+And the other way round: every file under ``results/`` that git tracks is cited, by a doc, the CHANGELOG, the code
+(a docstring, ``benchmarks/perf_floors.json``) or a cited results file (a summary naming its raw rows): results stay
+in git only where something cites them (``results/index.md`` lists them all and counts for none).
+
 Device, date, commit and metric are asked of every number too (docs/benchmarks.md, "Method"); those are prose and
 stay a review matter.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -128,3 +134,66 @@ def test_not_measured_entries_still_match():
     """An exception whose line is gone is removed, so the list stays the short list of real exceptions."""
     for doc_name, text in NOT_MEASURED:
         assert text in (ROOT / doc_name).read_text(encoding="utf-8"), (doc_name, text)
+
+
+CITING_FOLDERS = ("hf_rocketkv", "benchmarks", "scripts")
+ABBREVIATED = re.compile(r"\.\.\.(_[A-Za-z0-9_.*{},\-]+)")
+TEXT_SUFFIXES = {".md", ".json", ".jsonl", ".log", ".txt", ".csv", ".py", ".sh", ".yaml"}
+
+
+def tracked_results() -> list[str] | None:
+    """The files under results/ that git tracks (None outside a git checkout)."""
+    try:
+        out = subprocess.run(["git", "ls-files", "results"], cwd=ROOT, capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return [line for line in out.stdout.splitlines() if line and line != "results/index.md"]
+
+
+def _names_in(text: str, names: set[str]) -> set[str]:
+    """The results files of ``names`` that ``text`` cites (by path, pattern or bare file name)."""
+    found = set()
+    for match in CITED.finditer(text):
+        for alternative in expand(match.group(0).rstrip(".,;:)")):
+            if alternative.rstrip("/") == "results":  # the folder itself names no file
+                continue
+            found.update(name for name in names if fnmatch.fnmatch(name, alternative)
+                         or (alternative.endswith("/") and name.startswith(alternative)))
+    for match in ABBREVIATED.finditer(text):  # "..._run{1,2}.json": a file named like the citation before it
+        for tail in expand(match.group(1).rstrip(".,;:)")):
+            found.update(name for name in names if fnmatch.fnmatch(Path(name).name, "*" + tail))
+    found.update(name for name in names if Path(name).name in text)
+    return found
+
+
+def uncited_results(names: list[str]) -> list[str]:
+    """``names`` (results files) that nothing cites: docs, CHANGELOG, code, or (transitively) a cited results file."""
+    pending = set(names)
+    sources = [*DOC_FILES, ROOT / "CHANGELOG.md"]
+    sources += [path for folder in CITING_FOLDERS for path in (ROOT / folder).rglob("*")
+                if path.suffix in TEXT_SUFFIXES and path.is_file() and "__pycache__" not in path.parts]
+    texts = [path.read_text(encoding="utf-8", errors="replace") for path in sources]
+    cited = set().union(*(_names_in(text, pending) for text in texts))
+    frontier = cited
+    while frontier:  # a cited summary cites its raw files
+        pending -= frontier
+        texts = [(ROOT / name).read_text(encoding="utf-8", errors="replace") for name in frontier
+                 if Path(name).suffix in TEXT_SUFFIXES and (ROOT / name).is_file()]
+        frontier = set().union(set(), *(_names_in(text, pending) for text in texts))
+    return sorted(pending)
+
+
+def test_uncited_results_are_found():
+    """The check can fail: a results name nobody mentions is reported, a cited one is not."""
+    cited = cited_paths()[0][2]
+    name = next(alt for alt in expand(cited) if "*" not in alt)
+    assert uncited_results([name, "results/never_cited_2000-01-01.json"]) == ["results/never_cited_2000-01-01.json"]
+
+
+def test_every_results_file_is_cited():
+    names = tracked_results()
+    if names is None:
+        pytest.skip("not a git checkout: which results files are committed is unknown")
+    bad = uncited_results(names)
+    assert not bad, ("results files that no doc, code or cited results file cites (cite them where their numbers are "
+                     "used, or delete them):\n" + "\n".join(bad))
