@@ -4,17 +4,17 @@ A two-pass kernel pair (each program writes a partial result, then a second laun
 group) can run as one launch when the group's last program to finish does the combining: each program writes its
 partial, then counts itself in on its group's counter; the program that brings the count to the group size has
 every partial of its group visible and combines them. The decode step's page selection (chunk lists, then their
-merge: ``select_pages.py``), its sparse attention (splits, then their log-sum-exp combine:
-``sparse_decode_attention.py``) and a sliding-window layer's ring attention (``ring_attention.py``, the same combine)
-take this form, one launch fewer each per layer and step.
+merge: ``select_pages.py``) and its sparse attention (splits, then their log-sum-exp combine:
+``sparse_decode_attention.py``) take this form, one launch fewer each per layer and step. A sliding-window layer's
+ring attention does not: its last split combining the others made Gemma-3-12B's step slower (docs/kernels.md).
 
     counters   int32 [>= groups], contiguous, on the kernels' device; every entry 0 before a launch, and the launch
                leaves it 0 (the last program resets its group's entry), so one buffer serves launch after launch,
                CUDA-graph replays included, without a memset.
 
-The caller owns the buffer through an ``ArrivalCounters`` (a compressed or sliding-window layer has one: made at its
-first decode step outside any capture, or reserved for the engine's widest bucket, and never replaced, so a captured
-graph's pointer stays valid); the launchers check its shape
+The caller owns the buffer through an ``ArrivalCounters`` (a compressed layer has one: made at its first decode step
+outside any capture, or reserved for the engine's widest bucket, and never replaced, so a captured graph's pointer
+stays valid); the launchers check its shape
 (``check_counters``) and take the two-launch form when given None.
 
 Memory order (PTX): a program's threads meet at a barrier after writing its partial, then one thread adds 1 with

@@ -23,9 +23,8 @@ nothing (zeros).
 The Triton kernel is flash-decoding over the ring's slots: grid (B*Hkv, S), program (row, KV head, split) reads its
 share of the W slots once for all G query heads of the group (no ``repeat_kv``), the mask reordered in the kernel
 from the row's count (no per-step index ops), and the splits are combined by ``sparse_decode_attention``'s reduce
-kernel, or, given arrival counters (``arrivals.py``), by the last split of each (row, KV head) in the same launch
-(``combine_if_last``). ``ring_decode_attention_triton`` is registered as torch.ops.hf_rocketkv.ring_decode_attention
-by triton_ops.
+kernel. ``ring_decode_attention_triton`` is registered as torch.ops.hf_rocketkv.ring_decode_attention by
+triton_ops.
 """
 
 from __future__ import annotations
