@@ -11,6 +11,7 @@ import time
 import torch
 
 from hf_rocketkv import KVBlockPool, RocketKVCache
+from hf_rocketkv.cache import PackedStepCache
 from hf_rocketkv.serving import FinishReason, SamplingParams
 from hf_rocketkv.serving.engines.interface import EngineRequest
 from tests.support.tiny_models import compressing_config, cpu_pool, greedy, random_ids
@@ -134,3 +135,35 @@ def assert_each_alone(events, sent, oracle) -> None:
     for rid, prompt, n in sent:
         assert events.tokens(rid) == oracle(prompt, n), rid
         assert [e.finish_reason for e in events.finals(rid)] == [FinishReason.LENGTH], rid
+
+
+class PackedLog:
+    """A forward pre-hook: every forward as ``("packed", rows, chunk)``, ``("prefill", 0, chunk)`` or
+    ``("decode", rows, 0)``, in order; ``on_forward(entry)`` runs inside the hook, before the forward."""
+
+    def __init__(self, model, on_forward=None):
+        self.entries: list[tuple[str, int, int]] = []
+        self.lock = threading.Lock()
+        self.on_forward = on_forward
+        self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs):
+        ids = kwargs["input_ids"]
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))
+        if isinstance(cache, PackedStepCache):
+            entry = ("packed", cache.rows, ids.shape[1] - cache.rows)
+        elif "logits_to_keep" in kwargs:
+            entry = ("prefill", 0, ids.shape[1])
+        else:
+            entry = ("decode", ids.shape[0], 0)
+        with self.lock:
+            self.entries.append(entry)
+        if self.on_forward is not None:
+            self.on_forward(entry)
+
+    def kinds(self) -> list[tuple[str, int, int]]:
+        with self.lock:
+            return list(self.entries)
+
+    def remove(self) -> None:
+        self._handle.remove()

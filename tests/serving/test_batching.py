@@ -14,7 +14,8 @@ import pytest
 from hf_rocketkv.serving import EngineStopped, FinishReason, SamplingParams, SequentialEngine
 from hf_rocketkv.serving.batching.engine import BatchingEngine
 from hf_rocketkv.serving.engines.interface import EngineRequest
-from tests.serving.helpers import CFG, PROMPTS, Events, ForwardGate, make_pool, prompt_of, request, wait_until
+from tests.serving.helpers import (CFG, PROMPTS, Events, ForwardGate, PackedLog, make_pool, prompt_of, request,
+                                   wait_until)
 from tests.support.tiny_models import compressing_config
 
 
@@ -93,16 +94,26 @@ def test_seeded_sampling_equals_the_request_alone(engines, tiny_pair, concurrent
 
 
 # ------------------------------------------------------------------------------------------------ random sequences
-@pytest.mark.parametrize("concurrent", [None, 8], ids=["serial_prefill", "prefill_beside_decode"])
+PREFILL_MODES = {
+    "serial_prefill": {},
+    "prefill_beside_decode": {"concurrent_prefill_tokens": 8},
+    # prompt chunks of 16 tokens packed into the decoding rows' forwards: cancels land mid-prompt, between chunks
+    "packed_steps": {"packed_steps": True, "prefill_chunk_tokens": 16, "prefill_token_budget": 16},
+}
+
+
+@pytest.mark.parametrize("mode", sorted(PREFILL_MODES))
 @pytest.mark.parametrize("seed", [0, 1])
-def test_random_request_sequences(engines, oracle, seed, concurrent):
+def test_random_request_sequences(engines, oracle, seed, mode):
     """Arrivals, cancels, max_tokens, prompt lengths, shared prefixes: one final event each, the pool's free pages
     back to the start, and every row's tokens those of the request alone (a cancelled one: a prefix of them); with
-    the prefill on the engine thread or beside the decode steps (``concurrent_prefill_tokens``: cancels then land
-    while the prefill thread holds a request, prefix hits are looked up there)."""
+    the prefill on the engine thread, beside the decode steps (``concurrent_prefill_tokens``: cancels then land
+    while the prefill thread holds a request, prefix hits are looked up there), or packed with the decode steps in one
+    forward (``packed_steps``: a prompt spans several steps, so arrivals and cancels land between its chunks)."""
     rng = random.Random(seed)
     engine, events, pool = engines(prefills_per_step=rng.choice([1, 2]), max_running=6, buckets=(1, 2, 4, 8),
-                                   concurrent_prefill_tokens=concurrent)
+                                   **PREFILL_MODES[mode])
+    forwards = PackedLog(engine.model)
     free = pool.free_pages()
     shared = prompt_of(24, seed=1000 + seed)  # three pool pages: later requests may hit them
     sent = []
@@ -132,8 +143,11 @@ def test_random_request_sequences(engines, oracle, seed, concurrent):
             assert tokens == alone, rid
         assert events.events.index(finals[0]) > max(
             [k for k, e in enumerate(events.events) if e.request_id == rid and e.token_ids], default=-1)
+    forwards.remove()
     assert pool.free_pages() == free
     assert pool.stats().hit_pages > 0 or seed != 0  # seed 0 sends shared prefixes
+    packed = sum(kind == "packed" for kind, _, _ in forwards.kinds())
+    assert (packed > 0) == (mode == "packed_steps"), forwards.kinds()
 
 
 # ------------------------------------------------------------------------------------------------ lifecycle

@@ -13,7 +13,7 @@ import pytest
 from hf_rocketkv.serving import FinishReason, GenerationManager, SamplingParams
 from hf_rocketkv.serving.batching.engine import BatchingEngine
 from hf_rocketkv.serving.batching.scheduler import BatchingConfig
-from tests.serving.helpers import CFG, Events, ForwardGate, oracle_tokens, prompt_of, request, wait_until
+from tests.serving.helpers import CFG, Events, ForwardGate, PackedLog, oracle_tokens, prompt_of, request, wait_until
 from tests.integration.test_chunked_models import GENERATE_BROKEN
 from tests.support.hybrid_models import make_hybrid_models, make_llama4_models
 from tests.support.tiny_models import cpu_pool
@@ -213,10 +213,16 @@ def test_generate_batch_equals_each_alone(hybrid):
     assert all_back(pool)
 
 
+PACKED = {"packed_steps": True, "prefill_chunk_tokens": 16, "prefill_token_budget": 16}
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["alternating", "packed_steps"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_random_arrivals_and_cancels_return_every_slot(hybrid, seed):
+def test_random_arrivals_and_cancels_return_every_slot(hybrid, seed, packed):
     """Arrivals, cancels, max_tokens and prompt lengths at random, fewer slots than requests: one final event each,
-    each row's tokens those of the request alone (a cancelled one: a prefix of them), every page and slot back."""
+    each row's tokens those of the request alone (a cancelled one: a prefix of them), every page and slot back; with
+    prompts packed into the decode steps' forwards in chunks of 16 too (Llama 4 keeps alternating), so arrivals and
+    cancels land between a prompt's chunks."""
     import random
 
     arch, served, alone = hybrid
@@ -236,7 +242,13 @@ def test_random_arrivals_and_cancels_return_every_slot(hybrid, seed):
             wait_until(lambda: engine.steps >= rng.randint(0, 2 * i), timeout=2)
         events.wait_finals(len(sent))
 
-    _, events = run_engine(served, pool, submit, prefills_per_step=rng.choice([1, 2]), max_running=6)
+    forwards = PackedLog(served)
+    try:
+        _, events = run_engine(served, pool, submit, prefills_per_step=rng.choice([1, 2]), max_running=6,
+                               **(PACKED if packed else {}))
+    finally:
+        forwards.remove()
+    assert any(kind == "packed" for kind, _, _ in forwards.kinds()) == (packed and arch != "llama4"), arch
     for rid, prompt, n in sent:
         finals = events.finals(rid)
         assert len(finals) == 1, rid

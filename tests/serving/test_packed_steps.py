@@ -9,7 +9,6 @@ without a pool) on a second copy of the model; never the engine, its chunks or a
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ from tests.integration.test_chunked_models import GENERATE_BROKEN
 from tests.serving.helpers import (
     CFG,
     Events,
+    PackedLog,
     assert_each_alone,
     make_pool,
     oracle_tokens,
@@ -34,38 +34,6 @@ from tests.support.hybrid_models import FULL, HYBRID_ARCHS, SLIDING, make_hybrid
 from tests.support.tiny_models import cpu_pool
 
 CHUNK = 16
-
-
-class PackedLog:
-    """A forward pre-hook: every forward as ``("packed", rows, chunk)``, ``("prefill", 0, chunk)`` or
-    ``("decode", rows, 0)``, in order; ``on_forward(entry)`` runs inside the hook, before the forward."""
-
-    def __init__(self, model, on_forward=None):
-        self.entries: list[tuple[str, int, int]] = []
-        self.lock = threading.Lock()
-        self.on_forward = on_forward
-        self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
-
-    def _hook(self, module, args, kwargs):
-        ids = kwargs["input_ids"]
-        cache = kwargs.get("past_key_values", kwargs.get("cache"))
-        if isinstance(cache, PackedStepCache):
-            entry = ("packed", cache.rows, ids.shape[1] - cache.rows)
-        elif "logits_to_keep" in kwargs:
-            entry = ("prefill", 0, ids.shape[1])
-        else:
-            entry = ("decode", ids.shape[0], 0)
-        with self.lock:
-            self.entries.append(entry)
-        if self.on_forward is not None:
-            self.on_forward(entry)
-
-    def kinds(self) -> list[tuple[str, int, int]]:
-        with self.lock:
-            return list(self.entries)
-
-    def remove(self) -> None:
-        self._handle.remove()
 
 
 @pytest.fixture
@@ -181,6 +149,33 @@ def test_a_failed_packed_forward_ends_its_rows_and_its_prompt_only(packed, oracl
     engine.submit(request("after", after, 4))
     events.wait_finals(3)
     assert events.tokens("after") == oracle(after, 4)
+    assert pool.free_pages() == pool.total_pages()
+
+
+def test_a_prompt_cancelled_between_its_packed_chunks_ends_alone(packed, oracle, tiny_pair):
+    """A request cancelled while its prompt rides on the decode steps (after its second of seven chunks): it ends
+    CANCELLED with no token and no further chunk of it runs; the running request keeps its tokens alone; every page
+    is back once both have ended."""
+    engine, events, pool = packed()
+    runner = prompt_of(21, seed=25)
+    engine.submit(request("runner", runner, 40))
+    assert wait_until(lambda: len(events.tokens("runner")) >= 1, timeout=30)
+
+    def cancel_after_second_chunk(entry):
+        if entry[0] == "packed" and sum(kind == "packed" for kind, _, _ in log.kinds()) == 2:
+            engine.cancel("long")
+
+    log = PackedLog(tiny_pair[0], cancel_after_second_chunk)
+    try:
+        engine.submit(request("long", prompt_of(7 * CHUNK, seed=27), 5))
+        events.wait_finals(2)
+    finally:
+        log.remove()
+    final = events.finals("long")[0]
+    assert final.finish_reason is FinishReason.CANCELLED and events.tokens("long") == []
+    # the flag is read between forwards: the chunk in flight when it was set may finish, none after it
+    assert sum(kind == "packed" for kind, _, _ in log.kinds()) <= 3, log.kinds()
+    assert events.tokens("runner") == oracle(runner, 40)
     assert pool.free_pages() == pool.total_pages()
 
 
