@@ -264,7 +264,8 @@ class SlidingWindowLayer(DenseLayer):
         batch, query_heads, _, dim = query.shape
         heads = keys.shape[1]
         q = query.reshape(batch, heads, query_heads // heads, dim)
-        out = self.ops.ring_decode_attention(q, keys, values, seen, scaling, rows, mask, features.softcap, features.sinks)
+        out = self.ops.ring_decode_attention(q, keys, values, seen, scaling, rows, mask, features.softcap,
+                                             features.sinks)
         return out.reshape(batch, 1, query_heads, dim)
 
     @property

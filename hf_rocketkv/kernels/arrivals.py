@@ -35,8 +35,9 @@ ENABLED = True
 class ArrivalCounters:
     """One caller's counters, made once and then kept (a captured step holds their address): ``get`` makes the zeroed
     buffer at its first call outside a CUDA-graph capture (``reserve``: ahead, for the widest batch a caller will
-    ask for) and returns it. None, the two-launch form: with ``ENABLED`` off, under torch.compile (the registered ops take no counters),
-    while only a capture has asked (it would record the zero fill), or for more entries than the buffer holds."""
+    ask for) and returns it. None, the two-launch form: with ``ENABLED`` off, under torch.compile (the registered ops
+    take no counters), while only a capture has asked (it would record the zero fill), or for more entries than the
+    buffer holds."""
 
     __slots__ = ("buffer",)
 
