@@ -1,8 +1,9 @@
 """Probe: a gated MLP's first half at decode row counts, eager ops against one GEMM over the concatenated weights and
 against ``kernels/gated_projection`` over a grid of tiles, then ``down_proj`` (cuBLAS against the plain kernel over
 the same grid), then the attention's projections: ``q_proj``, ``k_proj`` and ``v_proj`` (three cuBLAS calls against
-``kernels/stacked_projection``'s one launch; ``qkv_cat``: the three weights as one through the plain kernel) and
-``o_proj`` (cuBLAS against the plain kernel); each replayed from a
+``kernels/stacked_projection``'s one launch; ``qkv_rope``: the same with the query and key rotated inside the launch,
+as a decode step runs it, against the eager projections and ``apply_rotary_pos_emb``; ``qkv_cat``: the three weights
+as one through the plain kernel) and ``o_proj`` (cuBLAS against the plain kernel); each replayed from a
 CUDA graph as a decode step runs (``bench_kernels.time_graph``).
 
     python -m benchmarks.probes.tune_gated_projection --out results/<file>.json
@@ -32,6 +33,7 @@ from hf_rocketkv.kernels.stacked_projection import stacked_projection_reference,
 
 SHAPES = {"gemma-3-12b": (3840, 15360, "gelu_tanh"), "llama-3.1-8b": (4096, 14336, "silu")}
 ATTENTION = {"gemma-3-12b": (4096, 2048), "llama-3.1-8b": (4096, 1024)}  # q_proj / k_proj (= v_proj) outputs
+HEAD_DIM = {"gemma-3-12b": 256, "llama-3.1-8b": 128}
 ROWS = (1, 16, 64)
 TILES = ([(c, k, 4, s) for c, k, s in itertools.product((16, 32, 64), (128, 256), (3, 5))] + [(16, 512, 4, 3)]
          + [(64, 128, 8, 4), (128, 128, 8, 4)])  # (BLOCK_C, BLOCK_K, warps, stages)
@@ -87,10 +89,12 @@ def down_rows(model: str, hidden: int, inter: int, rows_list, dev, dtype) -> lis
 
 
 def attention_rows(model: str, hidden: int, rows_list, dev, dtype, copies: int = 1) -> list[dict]:
-    """q/k/v (three ``F.linear`` calls against ``stacked_projection_triton``), the same three weights concatenated
+    """q/k/v (three ``F.linear`` calls against ``stacked_projection_triton``), the same with the rotation
+    (``qkv_rope``: one token per row, ``rotary=(cos, sin, head_dim)``), the same three weights concatenated
     (``qkv_cat``: one ``F.linear`` against ``projection_triton``) and ``o_proj`` (``F.linear`` against
     ``projection_triton``) at each row count; each timed over ``copies`` weight copies (``cold``)."""
     q_out, kv_out = ATTENTION[model]
+    head_dim = HEAD_DIM[model]
     qkv = [tuple(torch.randn(n, hidden, device=dev, dtype=dtype) / hidden ** 0.5 for n in (q_out, kv_out, kv_out))
            for _ in range(copies)]
     o_projs = [torch.randn(hidden, q_out, device=dev, dtype=dtype) / q_out ** 0.5 for _ in range(copies)]
@@ -101,11 +105,18 @@ def attention_rows(model: str, hidden: int, rows_list, dev, dtype, copies: int =
     for rows in rows_list:
         x = torch.randn(rows, hidden, device=dev, dtype=dtype)
         h = torch.randn(rows, q_out, device=dev, dtype=dtype)  # the attention's output, o_proj's input
+        x3 = x.reshape(rows, 1, hidden)  # one decode token per row, as the rotated launch takes it
+        angles = torch.rand(rows, 1, head_dim, device=dev) * 6.0
+        rot = (angles.cos().to(dtype), angles.sin().to(dtype), head_dim)
         for part, gbytes, eager, kernel, timed in (
             ("qkv", sum(w.numel() for w in weights) * 2 / 1e9, cold(lambda i: stacked_projection_reference(x, qkv[i]),
                                                                      copies),
              lambda tiles: stacked_projection_triton(x, weights, tiles=tiles),
              cold(lambda i, tiles: stacked_projection_triton(x, qkv[i], tiles=tiles), copies)),
+            ("qkv_rope", sum(w.numel() for w in weights) * 2 / 1e9,
+             cold(lambda i: stacked_projection_reference(x3, qkv[i], rot), copies),
+             lambda tiles: stacked_projection_triton(x3, weights, tiles=tiles, rotary=rot),
+             cold(lambda i, tiles: stacked_projection_triton(x3, qkv[i], tiles=tiles, rotary=rot), copies)),
             ("qkv_cat", cats[0].numel() * 2 / 1e9, cold(lambda i: projection_reference(x, cats[i]), copies),
              lambda tiles: projection_triton(x, cats[0], tiles=tiles),
              cold(lambda i, tiles: projection_triton(x, cats[i], tiles=tiles), copies)),
